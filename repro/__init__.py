@@ -1,0 +1,1 @@
+"""Reproduction pipelines: data, megatron-core models, training, evaluation, tables and checks."""

@@ -1,0 +1,50 @@
+"""``python -m repro <command> ...``: one entry point, each command in its own module.
+
+Commands are imported only when chosen, so ``python -m repro tables`` does not import megatron-core.
+Each command module exposes ``main(argv: list[str], prog: str) -> int``. A :class:`ReproError`
+(bad input) is printed as one line, ``error: ...``, with exit status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from repro.errors import ReproError
+
+# name -> (module, function, one-line help)
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "train": ("repro.training.cli", "main", "train one experiment on megatron-core"),
+    "data": ("repro.data.cli", "main", "build the mini-pile / tokenize Pile shards into indexed datasets"),
+    "eval": ("repro.evaluation.cli", "main", "zero-shot evaluation of a checkpoint through lm-eval"),
+    "tables": ("repro.report.cli", "tables_main", "build the zero-shot and efficiency tables from run records"),
+    "check": ("repro.report.cli", "check_main", "regression-check a run against published numbers or a run"),
+    "mini": ("repro.mini", "main", "the whole comparison on the embedded default (CPU)"),
+    "bench-table": ("repro.report.bench_table", "main", "summarise a pytest-benchmark JSON as a table"),
+}
+
+
+def _usage() -> str:
+    width = max(map(len, COMMANDS))
+    lines = ["usage: python -m repro <command> [options]", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Dispatch to a command. Returns the process exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command '{name}'; valid: {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    module_name, func_name, _ = COMMANDS[name]
+    func = getattr(importlib.import_module(module_name), func_name)
+    try:
+        return int(func(rest, prog=f"python -m repro {name}") or 0)
+    except ReproError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2

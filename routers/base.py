@@ -1,0 +1,226 @@
+"""The router interface shared by DirMoE and every baseline.
+
+Shape suffixes used throughout the project:
+
+    T  tokens in the (flattened) micro-batch, in megatron-core's order t = s_idx * B + b_idx
+    S  sequence length          B  micro-batch size (sequences)
+    D  hidden size              E  number of experts
+    G  segments (Lory)          L  layers
+
+A router maps the hidden states of one MoE layer ``hidden_TD`` (and, for routers that need them, the
+token ids ``token_ids_T``) to a :class:`RouterOutput`. The vocabulary follows megatron-core
+(logits -> scores -> probs, routing_map) so the adapter to megatron-core is thin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Options every router takes. Routers subclass this with their own frozen fields.
+
+    Args:
+        hidden_size: D, the width of the hidden states the router reads.
+        num_experts: E.
+        top_k: k, the nominal number of experts per token (the compute-parity target).
+    """
+
+    hidden_size: int
+    num_experts: int
+    top_k: int = 1
+
+    def __post_init__(self) -> None:
+        if self.hidden_size < 1:
+            raise ValueError(f"hidden_size must be >= 1, got {self.hidden_size}")
+        if self.num_experts < 2:
+            raise ValueError(f"num_experts must be >= 2, got {self.num_experts}")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """Names of the router-specific options (everything but hidden_size/num_experts/top_k)."""
+        common = {"hidden_size", "num_experts", "top_k"}
+        return [f.name for f in dataclasses.fields(cls) if f.name not in common]
+
+
+class RoutingKind(str, enum.Enum):
+    """How a router constrains the routing map, declared as data and checked by the contract suite."""
+
+    EXACT_K = "exact_k"  # every token goes to exactly k experts
+    CAPACITY = "capacity"  # each expert takes at most `capacity(T)` tokens (k per token at most)
+    EXPERT_CHOICE = "expert_choice"  # each expert takes exactly `capacity(T)` tokens
+    VARIABLE = "variable"  # any number of experts per token, between min and max
+    MERGE = "merge"  # no dispatch: expert parameters are merged with the weights (Lory)
+
+
+@dataclass(frozen=True)
+class RoutingConstraint:
+    """A router's declared constraint on ``routing_map`` (and ``probs``).
+
+    Args:
+        kind: see :class:`RoutingKind`.
+        min_experts_per_token: lower bound of ``routing_map.sum(-1)``.
+        max_experts_per_token: upper bound of ``routing_map.sum(-1)``.
+        capacity_factor: for CAPACITY / EXPERT_CHOICE, c in ``capacity(T) = ceil(T * k * c / E)``.
+        top_k: the router's k, used by the capacity formula.
+        probs_sum_to_one: whether each routed token's probs sum to one.
+    """
+
+    kind: RoutingKind
+    min_experts_per_token: int
+    max_experts_per_token: int
+    capacity_factor: float | None = None
+    top_k: int = 1
+    probs_sum_to_one: bool = False
+
+    def capacity(self, num_tokens: int, num_experts: int) -> int:
+        """Tokens an expert may take: megatron-core's ``get_capacity`` formula (ceil(T*k*c/E))."""
+        if self.capacity_factor is None:
+            return num_tokens
+        return min(num_tokens, math.ceil(num_tokens * self.top_k * self.capacity_factor / num_experts))
+
+    def check(self, routing_map_TE: torch.Tensor) -> None:
+        """Raise ``AssertionError`` naming the violation if ``routing_map_TE`` breaks the constraint."""
+        T, E = routing_map_TE.shape
+        per_token_T = routing_map_TE.sum(-1)
+        per_expert_E = routing_map_TE.sum(0)
+        lo, hi = int(per_token_T.min()), int(per_token_T.max())
+        assert lo >= self.min_experts_per_token and hi <= self.max_experts_per_token, (
+            f"{self.kind.value}: experts per token in [{lo}, {hi}], declared "
+            f"[{self.min_experts_per_token}, {self.max_experts_per_token}]"
+        )
+        if self.kind in (RoutingKind.CAPACITY, RoutingKind.EXPERT_CHOICE):
+            cap = self.capacity(T, E)
+            assert int(per_expert_E.max()) <= cap, f"an expert took {int(per_expert_E.max())} > capacity {cap}"
+            if self.kind is RoutingKind.EXPERT_CHOICE:
+                assert bool((per_expert_E == cap).all()), f"expert loads {per_expert_E.tolist()} != {cap}"
+
+
+@dataclass
+class RouterOutput:
+    """What a router returns for one micro-batch of one layer.
+
+    Attributes:
+        probs: ``[T, E]`` float32 combine weights, exactly zero where ``routing_map`` is False.
+        routing_map: ``[T, E]`` bool, which experts receive each token.
+        aux_losses: named scalar losses, already multiplied by their coefficients, attached to the graph.
+        metrics: named detached tensors (scalars or ``[E]``) describing the routing.
+    """
+
+    probs: torch.Tensor
+    routing_map: torch.Tensor
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def total_aux_loss(self) -> torch.Tensor:
+        """Sum of the aux losses (a zero scalar on ``probs``' device when there are none)."""
+        total = torch.zeros((), device=self.probs.device, dtype=torch.float32)
+        for value in self.aux_losses.values():
+            total = total + value
+        return total
+
+
+class Router(nn.Module):
+    """Base class of every router.
+
+    Subclasses set ``Config`` (a frozen :class:`RouterConfig` subclass), implement :meth:`route`
+    and :attr:`constraint`, and are registered with :func:`routers.register_router`.
+
+    The training step is held in the ``step`` buffer, so schedules that depend on it are restored with
+    the ``state_dict`` and a resumed run continues bit-identically.
+    """
+
+    Config: ClassVar[type[RouterConfig]] = RouterConfig
+    name: ClassVar[str] = ""
+    #: Hash routing needs the token ids; megatron-core does not pass them, the adapter plumbs them.
+    requires_token_ids: ClassVar[bool] = False
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__()
+        if not isinstance(config, self.Config):
+            raise TypeError(f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}")
+        self.config = config
+        self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    # ----------------------------------------------------------------- interface
+    @property
+    def constraint(self) -> RoutingConstraint:
+        """The routing constraint this router guarantees."""
+        raise NotImplementedError
+
+    def route(
+        self,
+        hidden_TD: torch.Tensor,
+        token_ids_T: torch.Tensor | None = None,
+        seq_shape: tuple[int, int] | None = None,
+    ) -> RouterOutput:
+        """Route one micro-batch. Subclasses implement this.
+
+        Args:
+            hidden_TD: ``[T, D]`` hidden states at the MoE layer's input.
+            token_ids_T: ``[T]`` token ids, in the same order, for routers that need them.
+            seq_shape: ``(S, B)`` with ``T == S * B`` and token order ``t = s * B + b`` (megatron-core's
+                ``[s, b, h]`` flattened), for routers that need sequence structure (Lory). ``None``
+                means one sequence of length T.
+
+        Returns:
+            A :class:`RouterOutput`.
+        """
+        raise NotImplementedError
+
+    def forward(
+        self,
+        hidden_TD: torch.Tensor,
+        token_ids_T: torch.Tensor | None = None,
+        seq_shape: tuple[int, int] | None = None,
+    ) -> RouterOutput:
+        """Validate inputs and call :meth:`route` (see there for Args/Returns)."""
+        if hidden_TD.dim() != 2 or hidden_TD.shape[-1] != self.config.hidden_size:
+            raise ValueError(
+                f"{self.name}: hidden states must be [T, {self.config.hidden_size}], got {tuple(hidden_TD.shape)}"
+            )
+        if self.requires_token_ids:
+            if token_ids_T is None:
+                raise ValueError(f"router '{self.name}' needs token_ids_T, got None")
+            if token_ids_T.shape != hidden_TD.shape[:1]:
+                raise ValueError(
+                    f"{self.name}: token ids {tuple(token_ids_T.shape)} do not match {hidden_TD.shape[0]} tokens"
+                )
+        if seq_shape is not None and seq_shape[0] * seq_shape[1] != hidden_TD.shape[0]:
+            raise ValueError(f"{self.name}: seq_shape {seq_shape} does not cover {hidden_TD.shape[0]} tokens")
+        return self.route(hidden_TD, token_ids_T, seq_shape)
+
+    # ------------------------------------------------------------ step schedules
+    def set_step(self, step: int) -> None:
+        """Tell the router the global training step (before the step's forward passes)."""
+        self.step.fill_(int(step))
+
+    def step_statistic(self) -> torch.Tensor | None:
+        """A statistic accumulated over this step's micro-batches that the router's schedule needs
+        averaged over layers and data-parallel ranks (ReMoE's sparsity). ``None`` if it needs none."""
+        return None
+
+    def end_step(self, global_statistic: torch.Tensor | None) -> None:
+        """Called once after each optimizer step with the averaged :meth:`step_statistic`."""
+
+    @property
+    def num_experts(self) -> int:
+        return self.config.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self.config.top_k
+
+    def extra_repr(self) -> str:
+        opts = ", ".join(f"{k}={getattr(self.config, k)!r}" for k in self.Config.option_names())
+        return f"name={self.name!r}, E={self.num_experts}, k={self.top_k}" + (f", {opts}" if opts else "")

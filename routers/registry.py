@@ -1,0 +1,96 @@
+"""Name -> router class registry, and the public builder."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Callable, TypeVar
+
+from routers.base import Router
+
+R = TypeVar("R", bound=type[Router])
+
+_REGISTRY: dict[str, type[Router]] = {}
+# Modules whose import registers the built-in routers; imported lazily to avoid an import cycle
+# (baselines import routers.base).
+_BUILTIN_MODULES = ("routers.dirmoe", "baselines")
+
+
+def register_router(name: str) -> Callable[[R], R]:
+    """Class decorator: register a :class:`Router` subclass under ``name``.
+
+    Args:
+        name: the registry key (used in experiment configs and on the command line).
+
+    Returns:
+        The decorator, which returns the class unchanged (with ``cls.name`` set).
+    """
+
+    def decorate(cls: R) -> R:
+        if not (isinstance(cls, type) and issubclass(cls, Router)):
+            raise TypeError(f"register_router('{name}') needs a Router subclass, got {cls!r}")
+        existing = _REGISTRY.get(name)
+        if existing is not None and existing is not cls and existing.__qualname__ != cls.__qualname__:
+            raise ValueError(f"router name '{name}' is already registered by {existing.__module__}.{existing.__qualname__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return decorate
+
+
+def _load_builtins() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def available_routers() -> list[str]:
+    """Names of all registered routers, sorted."""
+    _load_builtins()
+    return sorted(_REGISTRY)
+
+
+def router_class(name: str) -> type[Router]:
+    """The class registered under ``name``; ``ValueError`` listing the valid names otherwise."""
+    _load_builtins()
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"unknown router '{name}'; available: {', '.join(sorted(_REGISTRY))}") from None
+
+
+def build_router(name: str, *, hidden_size: int, num_experts: int, top_k: int = 1, **options) -> Router:
+    """Build a registered router.
+
+    Args:
+        name: a name from :func:`available_routers`.
+        hidden_size: D.
+        num_experts: E.
+        top_k: k.
+        **options: fields of the router's config dataclass (see ``router_class(name).Config``).
+
+    Returns:
+        The router module.
+
+    Raises:
+        ValueError: unknown name, unknown option (the message lists the valid ones), or an invalid value.
+    """
+    cls = router_class(name)
+    valid = cls.Config.option_names()
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ValueError(
+            f"unknown option(s) {', '.join(unknown)} for router '{name}'; valid: {', '.join(valid) or '(none)'}"
+        )
+    config = cls.Config(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k, **options)
+    return cls(config)
+
+
+def router_options(name: str) -> dict[str, object]:
+    """The router's options with their defaults (for ``--help`` style listings)."""
+    cls = router_class(name)
+    return {
+        f.name: (f.default if f.default is not dataclasses.MISSING else None)
+        for f in dataclasses.fields(cls.Config)
+        if f.name in cls.Config.option_names()
+    }

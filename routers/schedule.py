@@ -1,0 +1,59 @@
+"""Driving the routers' step schedules from a training loop.
+
+The loop calls :func:`begin_step` before a step's forward passes and :func:`end_step` after the
+optimizer step. ``end_step`` averages each router class's :meth:`Router.step_statistic` over its layers
+and over the data-parallel ranks, then hands the average to every router of that class, so layer
+replicas of a global schedule (ReMoE's L1 coefficient) stay identical on every rank.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from routers.base import Router
+
+
+def routers_in(model: nn.Module) -> list[Router]:
+    """All :class:`Router` modules inside ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, Router)]
+
+
+def begin_step(model: nn.Module, step: int) -> None:
+    """Set the global step on every router of ``model`` (schedules read it in the forward)."""
+    for router in routers_in(model):
+        router.set_step(step)
+
+
+def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+    """Average the routers' step statistics over layers and ranks and apply their schedule updates.
+
+    Args:
+        model: the (local) model holding the routers.
+        group: the data-parallel process group to average over; ``None`` for no averaging (or when
+            torch.distributed is not initialised).
+
+    Returns:
+        ``{router_name: averaged statistic}`` for the router classes that report one (for logging).
+    """
+    by_class: dict[type, list[Router]] = defaultdict(list)
+    for router in routers_in(model):
+        by_class[type(router)].append(router)
+    averaged: dict[str, float] = {}
+    for cls, routers in by_class.items():
+        stats = [r.step_statistic() for r in routers]
+        if all(s is None for s in stats):
+            for r in routers:
+                r.end_step(None)
+            continue
+        mean = torch.stack([s.detach().float() for s in stats if s is not None]).mean()
+        if group is not None and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(mean, group=group)
+            mean = mean / dist.get_world_size(group)
+        for r in routers:
+            r.end_step(mean)
+        averaged[cls.name] = float(mean)
+    return averaged
