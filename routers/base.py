@@ -71,7 +71,7 @@ class RoutingConstraint:
         kind: see :class:`RoutingKind`.
         min_experts_per_token: lower bound of ``routing_map.sum(-1)``.
         max_experts_per_token: upper bound of ``routing_map.sum(-1)``.
-        capacity_factor: for CAPACITY / EXPERT_CHOICE, c in ``capacity(T) = ceil(T * k * c / E)``.
+        capacity_factor: for CAPACITY / EXPERT_CHOICE, c in ``capacity(T) = ceil((T * k / E) * c)``.
         top_k: the router's k, used by the capacity formula.
         probs_sum_to_one: whether each routed token's probs sum to one.
     """
@@ -84,10 +84,13 @@ class RoutingConstraint:
     probs_sum_to_one: bool = False
 
     def capacity(self, num_tokens: int, num_experts: int) -> int:
-        """Tokens an expert may take: megatron-core's ``get_capacity`` formula (ceil(T*k*c/E))."""
+        """Tokens an expert may take: megatron-core's ``get_capacity`` expression, ceil((T*k/E) * c).
+
+        The operation order is megatron's own, so the float rounding (and the capacity) is identical.
+        """
         if self.capacity_factor is None:
             return num_tokens
-        return min(num_tokens, math.ceil(num_tokens * self.top_k * self.capacity_factor / num_experts))
+        return min(num_tokens, math.ceil((num_tokens * self.top_k / num_experts) * self.capacity_factor))
 
     def check(self, routing_map_TE: torch.Tensor) -> None:
         """Raise ``AssertionError`` naming the violation if ``routing_map_TE`` breaks the constraint."""

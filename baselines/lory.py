@@ -1,0 +1,158 @@
+"""Lory: causal segment routing for merging experts in parameter space.
+
+Reference:
+    Zhong, Xia, Chen, Lewis, "Lory: Fully Differentiable Mixture-of-Experts for Autoregressive Language
+    Model Pre-training", COLM 2024 (arXiv:2405.03133). No public code; written from the paper.
+
+Only the router and the segment logic live here: the layer that merges the experts' parameters per
+segment with these weights (and runs the merged FFN on the segment) is a separate module, which reads
+:meth:`LoryRouter.segment_weights`.
+
+Shape legend: T tokens (t = s * B + b), S sequence length, B sequences, D hidden size, E experts,
+G segments per sequence (see :mod:`routers.base`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from baselines._gate import check_init_std, make_gate_weight
+from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from routers.metrics import routing_metrics
+from routers.registry import register_router
+
+
+@dataclass(frozen=True)
+class LoryConfig(RouterConfig):
+    """Options of the Lory router.
+
+    Args:
+        segment_len: tokens per segment along each sequence (paper: 256). The last segment of a
+            sequence is shorter when the sequence length is not a multiple.
+        init_std: std of the normal initialisation of the routing weight W_r.
+    """
+
+    segment_len: int = 256
+    init_std: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.segment_len < 1:
+            raise ValueError(f"segment_len must be >= 1, got {self.segment_len}")
+        check_init_std(self.init_std)
+
+
+def num_segments(seq_len: int, segment_len: int) -> int:
+    """G = ceil(S / segment_len), the segments of a sequence of ``seq_len`` tokens."""
+    return math.ceil(seq_len / segment_len)
+
+
+def segment_index(seq_len: int, segment_len: int, device: torch.device | None = None) -> torch.Tensor:
+    """``[S]`` long: the segment of each position of a sequence (``s // segment_len``)."""
+    return torch.arange(seq_len, device=device) // segment_len
+
+
+def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, segment_len: int) -> torch.Tensor:
+    """Mean hidden state of every segment of every sequence, in float32.
+
+    Args:
+        hidden_TD: ``[T, D]`` hidden states in megatron-core's order ``t = s * B + b``.
+        seq_shape: ``(S, B)``; ``None`` means one sequence (S = T, B = 1).
+        segment_len: tokens per segment; the last segment of a sequence may be shorter and is averaged
+            over the tokens it has.
+
+    Returns:
+        ``[B, G, D]`` float32 means.
+    """
+    T, D = hidden_TD.shape
+    S, B = (T, 1) if seq_shape is None else seq_shape
+    G = num_segments(S, segment_len)
+    hidden_SBD = hidden_TD.float().reshape(S, B, D)
+    pad = G * segment_len - S
+    if pad:
+        # Zero-pad the last segment; its mean divides by its true length below.
+        hidden_SBD = torch.cat([hidden_SBD, hidden_SBD.new_zeros(pad, B, D)], dim=0)
+    sums_GBD = hidden_SBD.view(G, segment_len, B, D).sum(dim=1)
+    counts_G = torch.full((G,), float(segment_len), device=hidden_TD.device)
+    counts_G[-1] = S - (G - 1) * segment_len
+    return (sums_GBD / counts_G[:, None, None]).permute(1, 0, 2)
+
+
+@register_router("lory")
+class LoryRouter(Router):
+    """Lory's causal segment routing (Zhong et al. 2024).
+
+    Every sequence is cut into segments of ``segment_len`` tokens along its length (``seq_shape`` gives
+    ``(S, B)``; tokens ``t = s * B + b``). Segment g >= 1 of a sequence is routed by
+    ``softmax(W_r mean(h of segment g-1))``, so its weights use only earlier tokens; the first segment is
+    routed on the mean of its own hidden states with a stop-gradient (the mean is detached, so W_r still
+    learns from it but the segment's hidden states get no gradient through their own routing). Even so,
+    the first segment's weights see all of that segment's tokens in the forward pass: within segment 0 a
+    token's weights depend on later tokens of the segment, a property of the published method. At
+    inference the paper routes once on the prompt; that generation-time rule belongs to the model's
+    decoding code, this router applies the training rule to whatever sequence it is given.
+
+    Every token of a segment gets that segment's weights as ``probs [T, E]``; ``routing_map`` is all
+    True (kind MERGE: the merge layer mixes all E experts' parameters). W_r is float32, bias-free,
+    N(0, init_std^2). The whole path is differentiable and there is no aux loss.
+    """
+
+    Config = LoryConfig
+
+    def __init__(self, config: LoryConfig) -> None:
+        super().__init__(config)
+        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
+
+    @property
+    def constraint(self) -> RoutingConstraint:
+        E = self.num_experts
+        return RoutingConstraint(RoutingKind.MERGE, E, E, top_k=self.top_k, probs_sum_to_one=True)
+
+    def segment_weights(self, hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None = None) -> torch.Tensor:
+        """The expert weights of every segment (what the merge layer mixes the experts' parameters with).
+
+        Args:
+            hidden_TD: ``[T, D]`` hidden states, ``t = s * B + b``.
+            seq_shape: ``(S, B)``; ``None`` means one sequence of length T.
+
+        Returns:
+            ``[B, G, E]`` float32, each row on the simplex: row g is ``softmax(W_r mean(segment g-1))``
+            for g >= 1 and ``softmax(W_r stopgrad(mean(segment 0)))`` for g = 0.
+        """
+        means_BGD = segment_means(hidden_TD, seq_shape, self.config.segment_len)
+        # Segment g reads segment g-1 (causal); the first reads itself, detached.
+        route_on_BGD = torch.cat([means_BGD[:, :1].detach(), means_BGD[:, :-1]], dim=1)
+        with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
+            logits_BGE = route_on_BGD @ self.weight.float().t()
+        return torch.softmax(logits_BGE, dim=-1)
+
+    def route(
+        self,
+        hidden_TD: torch.Tensor,
+        token_ids_T: torch.Tensor | None = None,
+        seq_shape: tuple[int, int] | None = None,
+    ) -> RouterOutput:
+        """Give every token its segment's expert weights.
+
+        Args:
+            hidden_TD: ``[T, D]`` hidden states, ``t = s * B + b``.
+            token_ids_T: unused.
+            seq_shape: ``(S, B)``; ``None`` means one sequence of length T.
+
+        Returns:
+            :class:`RouterOutput` with all-True ``routing_map``, no aux loss, and the extra metric
+            ``num_segments`` (G).
+        """
+        T = hidden_TD.shape[0]
+        S, B = (T, 1) if seq_shape is None else seq_shape
+        weights_BGE = self.segment_weights(hidden_TD, seq_shape)
+        seg_S = segment_index(S, self.config.segment_len, device=hidden_TD.device)
+        # [B, S, E] -> [S, B, E] -> [T, E] in megatron-core's token order.
+        probs_TE = weights_BGE[:, seg_S].transpose(0, 1).reshape(T, self.num_experts)
+        routing_map_TE = torch.ones(T, self.num_experts, dtype=torch.bool, device=hidden_TD.device)
+        metrics = routing_metrics(probs_TE, routing_map_TE)
+        metrics["num_segments"] = torch.tensor(float(weights_BGE.shape[1]), device=hidden_TD.device)
+        return RouterOutput(probs_TE, routing_map_TE, {}, metrics)

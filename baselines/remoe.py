@@ -1,0 +1,182 @@
+"""ReMoE: ReLU routing with a load-aware L1 penalty whose coefficient adapts to a target sparsity.
+
+Reference:
+    Wang, Zhu, Chen, "ReMoE: Fully Differentiable Mixture-of-Experts with ReLU Routing", ICLR 2025
+    (arXiv:2412.14711). Code: github.com/thu-ml/ReMoE, a Megatron-LM fork (``ReLURouter`` in
+    ``megatron/core/transformer/moe/router.py``; the coefficient update in ``megatron/training``).
+
+Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+from baselines._gate import check_init_std, gate_logits, make_gate_weight
+from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from routers.metrics import routing_metrics
+from routers.registry import register_router
+
+
+@dataclass(frozen=True)
+class ReMoEConfig(RouterConfig):
+    """Options of the ReMoE router (defaults: the paper's and its scripts').
+
+    Args:
+        l1_coeff_init: lambda_0, the initial L1 coefficient (paper: 1e-8).
+        l1_coeff_multiplier: alpha > 1 of the update ``lambda <- lambda * alpha^sign(target - S)`` (paper: 1.2).
+        target_sparsity: the share of zero router outputs the update steers to; ``None`` means the
+            paper's ``1 - k/E`` (the compute of top-k routing).
+        init_std: std of the normal initialisation of the gate weight.
+    """
+
+    l1_coeff_init: float = 1e-8
+    l1_coeff_multiplier: float = 1.2
+    target_sparsity: float | None = None
+    init_std: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.l1_coeff_init > 0:
+            raise ValueError(f"l1_coeff_init must be > 0, got {self.l1_coeff_init}")
+        if not self.l1_coeff_multiplier > 1:
+            raise ValueError(f"l1_coeff_multiplier must be > 1, got {self.l1_coeff_multiplier}")
+        if self.target_sparsity is not None and not 0 <= self.target_sparsity < 1:
+            raise ValueError(f"target_sparsity must be None or in [0, 1), got {self.target_sparsity}")
+        check_init_std(self.init_std)
+
+    @property
+    def effective_target_sparsity(self) -> float:
+        """``target_sparsity``, or ``1 - k/E`` when it is None."""
+        return 1.0 - self.top_k / self.num_experts if self.target_sparsity is None else self.target_sparsity
+
+
+@register_router("remoe")
+class ReMoERouter(Router):
+    """ReLU routing (ReMoE, Wang et al. ICLR 2025).
+
+    ``R = relu(W h)`` (float32, no bias, W ~ N(0, init_std^2), init std 0.01 as the reference scripts'
+    ``--init-method-std``) is used unnormalised as the combine weights, as in the reference
+    ``ReLURouter``; ``routing_map = R > 0``, so a token may go to any number of experts, none included
+    (it then keeps only the residual path).
+
+    Aux loss (training with grad enabled), the paper's load-balanced L1 penalty:
+    ``lambda * E / (T^2 k) * sum_e (sum_t R_te) (sum_t 1[R_te > 0])``. Like the reference it is
+    megatron-core's ``switch_load_balancing_loss_func`` applied to R with coefficient lambda; the
+    counts are not differentiated through.
+
+    Adaptive coefficient (the paper's adaptive L1 regularisation): after every optimizer step
+    ``lambda <- lambda * alpha^sign(target - S)``, S being the share of zero entries of R averaged over
+    the step's training micro-batches, over the layers and over the data-parallel ranks (the reference
+    sums S per forward and averages at the step). Here each router accumulates S in buffers during its
+    training forwards, :meth:`step_statistic` returns the local mean, and ``routers.schedule.end_step``
+    averages it over layers and ranks and calls :meth:`end_step`, which applies the update once and
+    resets the accumulators. lambda is the persistent float32 buffer ``l1_coeff``, so checkpoints carry
+    it; every layer holds an identical copy (the reference holds one shared value).
+    """
+
+    Config = ReMoEConfig
+
+    def __init__(self, config: ReMoEConfig) -> None:
+        super().__init__(config)
+        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
+        self.register_buffer("l1_coeff", torch.tensor(config.l1_coeff_init, dtype=torch.float32))
+        # Per-step accumulators: reset by end_step, so a checkpoint taken between steps needs none.
+        self.register_buffer("sparsity_sum", torch.zeros((), dtype=torch.float32), persistent=False)
+        self.register_buffer("sparsity_count", torch.zeros((), dtype=torch.long), persistent=False)
+
+    @property
+    def constraint(self) -> RoutingConstraint:
+        return RoutingConstraint(RoutingKind.VARIABLE, 0, self.num_experts, top_k=self.top_k)
+
+    def _apply(self, fn, recurse: bool = True):
+        """Keep the schedule's buffers in float32 when the module is cast (``.bfloat16()``, megatron-core's
+        Float16Module): lambda is multiplied by 1.2 every step and must not be rounded to bf16."""
+        fp32_buffers = {name: getattr(self, name) for name in ("l1_coeff", "sparsity_sum")}
+        result = super()._apply(fn, recurse)
+        for name, before in fp32_buffers.items():
+            after = getattr(self, name)
+            if after.dtype != torch.float32:
+                setattr(self, name, before.to(device=after.device, dtype=torch.float32))
+        return result
+
+    def route(
+        self,
+        hidden_TD: torch.Tensor,
+        token_ids_T: torch.Tensor | None = None,
+        seq_shape: tuple[int, int] | None = None,
+    ) -> RouterOutput:
+        """Route each token to the experts with a positive ReLU gate.
+
+        Args:
+            hidden_TD: ``[T, D]`` hidden states.
+            token_ids_T: unused.
+            seq_shape: unused.
+
+        Returns:
+            :class:`RouterOutput` with ``l1_reg_loss`` in training mode with grad enabled, and the metrics
+            ``sparsity`` (this micro-batch), ``l1_coeff`` and ``l1_reg`` (the penalty without lambda).
+        """
+        cfg = self.config
+        T = hidden_TD.shape[0]
+        probs_TE = torch.relu(gate_logits(hidden_TD, self.weight))
+        routing_map_TE = probs_TE > 0
+        tokens_per_expert_E = routing_map_TE.sum(0)
+        sparsity = 1.0 - routing_map_TE.float().mean()
+
+        aux_losses: dict[str, torch.Tensor] = {}
+        if self.training and torch.is_grad_enabled():
+            # clone(): the loss must not hold the buffer itself, which end_step updates in place.
+            aux_losses["l1_reg_loss"] = switch_load_balancing_loss_func(
+                probs=probs_TE,
+                tokens_per_expert=tokens_per_expert_E,
+                total_num_tokens=T,
+                topk=cfg.top_k,
+                num_experts=cfg.num_experts,
+                moe_aux_loss_coeff=self.l1_coeff.clone(),
+            )
+            # Only training forwards with grad feed the schedule (as the reference): evaluation and the
+            # no-grad first pass of activation checkpointing are not counted.
+            with torch.no_grad():
+                self.sparsity_sum += sparsity.detach()
+                self.sparsity_count += 1
+
+        metrics = routing_metrics(probs_TE, routing_map_TE)
+        with torch.no_grad():
+            metrics["sparsity"] = sparsity.detach()
+            metrics["l1_coeff"] = self.l1_coeff.detach().clone()
+            metrics["l1_reg"] = switch_load_balancing_loss_func(
+                probs_TE.detach(), tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, 1.0
+            )
+        return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)
+
+    # ------------------------------------------------------------ step schedule
+    def step_statistic(self) -> torch.Tensor | None:
+        """Mean sparsity S of this router's training forwards since the last :meth:`end_step`.
+
+        Returns:
+            A float32 scalar, or ``None`` when no training forward happened.
+        """
+        if int(self.sparsity_count) == 0:
+            return None
+        return self.sparsity_sum / self.sparsity_count
+
+    def end_step(self, global_statistic: torch.Tensor | None) -> None:
+        """Apply ``lambda <- lambda * alpha^sign(target - S)`` with the averaged S, then reset the accumulators.
+
+        Args:
+            global_statistic: S averaged over layers, micro-batches and data-parallel ranks; ``None``
+                (no training forward this step) leaves lambda unchanged.
+        """
+        if global_statistic is not None:
+            gap = self.config.effective_target_sparsity - float(global_statistic)
+            # Too dense (S < target): raise lambda; too sparse: lower it; exactly on target: keep it.
+            if gap > 0:
+                self.l1_coeff.mul_(self.config.l1_coeff_multiplier)
+            elif gap < 0:
+                self.l1_coeff.div_(self.config.l1_coeff_multiplier)
+        self.sparsity_sum.zero_()
+        self.sparsity_count.zero_()

@@ -1,0 +1,206 @@
+"""SparseMixer-v2: sampled top-1/top-2 routing with a midpoint-corrected gradient estimator.
+
+References:
+    Liu et al., "GRIN: GRadient-INformed MoE", 2024 (arXiv:2409.12136), which
+    introduces SparseMixer-v2 (building on Liu et al., "Sparse Backpropagation for MoE Training",
+    arXiv:2310.00811, SparseMixer). Reference code: microsoft/SparseMixer ``sparsemixer/sparsemixer_v2.py``
+    (``sparsemixerv2_routing`` and the autograd function ``v2core``), read for the details below.
+
+Shape legend: T tokens, D hidden size, E experts, k experts per token (see :mod:`routers.base`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+from baselines._gate import check_init_std, gate_logits, make_gate_weight
+from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from routers.metrics import routing_metrics
+from routers.registry import register_router
+
+#: Heun's third-order rule f(x) - f(0) = 1/4 f'(x) + 3/4 f'(x/3): a sampled expert that is not the
+#: arg-max keeps its full weight with probability 1/4 and a third of it otherwise.
+HEUN_FULL_PROBABILITY = 0.25
+HEUN_MIDPOINT_SCALE = 1.0 / 3.0
+
+
+@dataclass(frozen=True)
+class SparseMixerConfig(RouterConfig):
+    """Options of the SparseMixer-v2 router (``top_k`` must be 1 or 2, the cases the reference supports).
+
+    Args:
+        jitter_eps: eps of the jitter mask: an expert i is excluded when
+            ``(max_j l_j - l_i) / max(|l_i|, max_j l_j) > 2 * eps`` (reference default 0.1).
+        aux_loss_coeff: alpha of a switch load-balancing loss ``alpha * E * sum_i f_i P_i`` on the plain
+            softmax of the logits and the selected experts (the reference module's optional
+            ``compute_balance_loss``; GRIN trains with one). 0 turns it off.
+        init_std: std of the normal initialisation of the gate weight.
+    """
+
+    jitter_eps: float = 0.1
+    aux_loss_coeff: float = 1e-2
+    init_std: float = 0.01
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.top_k not in (1, 2):
+            raise ValueError(f"top_k must be 1 or 2 for sparsemixer (the reference's cases), got {self.top_k}")
+        if not self.jitter_eps >= 0:
+            raise ValueError(f"jitter_eps must be >= 0, got {self.jitter_eps}")
+        if not self.aux_loss_coeff >= 0:
+            raise ValueError(f"aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
+        check_init_std(self.init_std)
+
+
+class SparseMixerV2Estimator(torch.autograd.Function):
+    """Forward: the weight ``pi_i * scale``. Backward: SparseMixer-v2's estimate ``g * pi_i * (e_i - pi)``.
+
+    ``pi`` is the softmax of the jitter-masked logits and i the selected expert. The backward is the
+    gradient of ``pi_i`` itself with respect to the logits, used as the estimate of the gradient of the
+    sampled routing (the ``scale`` of the forward is deliberately left out, as in the reference
+    ``v2core``). It is a gradient *estimator*, not the derivative of the forward: gradcheck does not apply.
+    """
+
+    @staticmethod
+    def forward(ctx, logits_TE, pi_TE, selected_T, scale_T):  # type: ignore[override]
+        pi_selected_T = pi_TE.gather(1, selected_T[:, None]).squeeze(1)
+        ctx.save_for_backward(pi_TE, selected_T, pi_selected_T)
+        return pi_selected_T * scale_T
+
+    @staticmethod
+    def backward(ctx, grad_T):  # type: ignore[override]
+        pi_TE, selected_T, pi_selected_T = ctx.saved_tensors
+        g_T1 = (grad_T * pi_selected_T)[:, None]
+        grad_logits_TE = -pi_TE * g_T1
+        grad_logits_TE.scatter_add_(1, selected_T[:, None], g_T1)
+        return grad_logits_TE, None, None, None
+
+
+def sparsemixer_v2_select(
+    logits_TE: torch.Tensor,
+    jitter_eps: float,
+    training: bool,
+    exclude_TE: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One SparseMixer-v2 selection (the first expert, or with ``exclude_TE`` the second).
+
+    Args:
+        logits_TE: ``[T, E]`` float32 router logits (the gradient estimate flows back to them).
+        jitter_eps: eps of the jitter mask.
+        training: sample with Gumbel-max and apply the Heun mixing (True) or take the arg-max (False).
+        exclude_TE: ``[T, E]`` bool, experts already selected (masked out of this selection).
+
+    Returns:
+        ``weight_T`` (differentiable through :class:`SparseMixerV2Estimator`), ``selected_T`` (long),
+        ``pi_TE`` (softmax of the masked logits, detached) and ``scale_T`` (1 or 1/3).
+    """
+    with torch.no_grad():
+        logits = logits_TE.detach()
+        candidates_TE = logits if exclude_TE is None else logits.masked_fill(exclude_TE, float("-inf"))
+        top_T1, top_index_T1 = candidates_TE.max(dim=-1, keepdim=True)
+        # Relative gap to the best candidate; as in the reference the denominator is |l_i| floored at
+        # the best logit, and the unmasked logits are compared (already-selected experts are removed by
+        # exclude_TE instead).
+        factor_TE = logits.abs().clamp(min=top_T1)
+        masked_TE = (top_T1 - logits) / factor_TE > 2 * jitter_eps
+        if exclude_TE is not None:
+            masked_TE = masked_TE | exclude_TE
+        masked_logits_TE = logits.masked_fill(masked_TE, float("-inf"))
+        if training:
+            # Gumbel-max sampling from softmax(masked logits): -log(Exp(1)) is a Gumbel(0, 1) draw.
+            gumbel_TE = -torch.empty_like(masked_logits_TE).exponential_().log()
+            selected_T = (masked_logits_TE + gumbel_TE).argmax(dim=-1)
+        else:
+            selected_T = top_index_T1.squeeze(-1)
+        pi_TE = torch.softmax(masked_logits_TE, dim=-1)
+        full_T = selected_T == pi_TE.argmax(dim=-1)
+        if training:
+            full_T = full_T | (torch.rand(full_T.shape, device=logits.device) < HEUN_FULL_PROBABILITY)
+        scale_T = torch.where(full_T, 1.0, HEUN_MIDPOINT_SCALE).to(logits.dtype)
+    weight_T = SparseMixerV2Estimator.apply(logits_TE, pi_TE, selected_T, scale_T)
+    return weight_T, selected_T, pi_TE, scale_T
+
+
+@register_router("sparsemixer")
+class SparseMixerRouter(Router):
+    """SparseMixer-v2 (GRIN, Liu et al. 2024), top-1 or top-2.
+
+    logits = W h (float32, no bias, W ~ N(0, init_std^2)). For each of the k selections: experts far
+    below the best remaining logit are masked (jitter mask, eps = ``jitter_eps``); in training the expert
+    is sampled by Gumbel-max from ``pi = softmax(masked logits)``, at evaluation it is the arg-max; the
+    second selection masks out the first expert. The combine weight is ``pi_i`` times the Heun
+    third-order mixing factor: 1 when the sampled expert is the arg-max of pi, otherwise 1 with
+    probability 1/4 and 1/3 with probability 3/4 (training only; the reference writes 1/3 as 0.3333).
+    The backward replaces the derivative of that sampled forward with SparseMixer-v2's estimator
+    ``dL/dlogits = g * pi_i * (e_i - pi)`` (g the incoming gradient of the weight), summed over the k
+    selections. With ``aux_loss_coeff > 0``, the switch load-balancing loss on the plain softmax of the
+    logits is added in training (megatron-core's ``switch_load_balancing_loss_func``).
+    """
+
+    Config = SparseMixerConfig
+
+    def __init__(self, config: SparseMixerConfig) -> None:
+        super().__init__(config)
+        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
+
+    @property
+    def constraint(self) -> RoutingConstraint:
+        k = self.top_k
+        return RoutingConstraint(RoutingKind.EXACT_K, k, k, top_k=k)
+
+    def route(
+        self,
+        hidden_TD: torch.Tensor,
+        token_ids_T: torch.Tensor | None = None,
+        seq_shape: tuple[int, int] | None = None,
+    ) -> RouterOutput:
+        """Sample (train) or pick (eval) k experts per token.
+
+        Args:
+            hidden_TD: ``[T, D]`` hidden states.
+            token_ids_T: unused.
+            seq_shape: unused.
+
+        Returns:
+            :class:`RouterOutput` with ``load_balancing_loss`` in training (when enabled) and the extra
+            metrics ``sampled_not_argmax`` (share of selections that were not the arg-max), ``mean_scale``
+            (mean Heun factor) and ``balance_loss`` (unscaled).
+        """
+        cfg = self.config
+        T = hidden_TD.shape[0]
+        logits_TE = gate_logits(hidden_TD, self.weight)
+        exclude_TE = None
+        weights, experts, not_argmax, scales = [], [], [], []
+        for _ in range(cfg.top_k):
+            weight_T, selected_T, pi_TE, scale_T = sparsemixer_v2_select(
+                logits_TE, cfg.jitter_eps, self.training, exclude_TE
+            )
+            chosen_TE = torch.nn.functional.one_hot(selected_T, cfg.num_experts).bool()
+            exclude_TE = chosen_TE if exclude_TE is None else exclude_TE | chosen_TE
+            weights.append(weight_T)
+            experts.append(selected_T)
+            not_argmax.append(selected_T != pi_TE.argmax(-1))
+            scales.append(scale_T)
+        experts_Tk = torch.stack(experts, dim=1)
+        probs_TE = logits_TE.new_zeros(T, cfg.num_experts).scatter(1, experts_Tk, torch.stack(weights, dim=1))
+        routing_map_TE = exclude_TE
+
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+        tokens_per_expert_E = routing_map_TE.sum(0)
+        aux_losses: dict[str, torch.Tensor] = {}
+        if self.training and torch.is_grad_enabled() and cfg.aux_loss_coeff > 0:
+            aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
+                scores_TE, tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, cfg.aux_loss_coeff
+            )
+
+        metrics = routing_metrics(probs_TE, routing_map_TE)
+        with torch.no_grad():
+            metrics["sampled_not_argmax"] = torch.stack(not_argmax).float().mean()
+            metrics["mean_scale"] = torch.stack(scales).mean()
+            metrics["balance_loss"] = switch_load_balancing_loss_func(
+                scores_TE.detach(), tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, 1.0
+            )
+        return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)

@@ -1,0 +1,300 @@
+"""The thin adapter from the project's :class:`routers.base.Router` to megatron-core's router protocol.
+
+megatron-core 0.16.1's ``MoESubmodules.router`` is a *builder* called as
+``router(config=TransformerConfig, pg_collection=ProcessGroupCollection)``; the object it returns has
+``forward(hidden [s, b, h], padding_mask) -> (probs [T, E], routing_map [T, E] bool)`` and
+``set_layer_number(n)``. :func:`megatron_router_builder` makes such a builder for any registered router:
+
+    MoESubmodules(..., router=megatron_router_builder("switch", {"aux_loss_coeff": 1e-2}))
+
+What the adapter does in each forward:
+
+1. flattens ``[S, B, D]`` to ``hidden_TD`` (megatron's token order ``t = s * B + b``) in float32 (router
+   maths stay in fp32 under bf16 training) and calls the router with ``seq_shape=(S, B)`` and, when set,
+   the token ids (see below);
+2. attaches every aux loss (already weighted by the router) to ``probs`` with megatron-core's
+   ``MoEAuxLossAutoScaler``, exactly as ``TopKRouter`` does with its load-balancing loss: the loss is not
+   added to the LM loss, its gradient (scaled by ``MoEAuxLossAutoScaler.set_loss_scale``, 1 by default)
+   is injected in the backward of ``probs``;
+3. in training forwards, logs each aux loss to megatron's aux-loss tracker (``save_to_aux_losses_tracker``)
+   under the router's own name, per layer, *weighted* (megatron logs its own losses divided by their coefficient; ours have
+   no single coefficient). Values are rank-local (no reduce group): average over data-parallel ranks in
+   the training loop if wanted;
+4. records the detached metrics in ``self.record`` (per layer, summed over every forward, training or
+   evaluation, until reset: reset around an evaluation to keep the two apart) and the
+   last forward's in ``self.last_metrics``. :func:`collect_routing_metrics` walks a model and returns
+   ``{layer_number: {metric: mean over forwards}}``; :func:`collect_aux_losses` does the same for the aux
+   losses.
+
+Token ids (Hash): megatron-core does not pass token ids to the router. Wrap the forward in
+:func:`token_ids_context`::
+
+    with token_ids_context(model, input_ids_BS):
+        loss_BS = model(input_ids_BS, position_ids_BS, attention_mask, labels=labels_BS)
+
+It gives the ids (``input_ids`` ``[B, S]`` transposed to megatron's ``[S, B]`` order and flattened) to the
+adapters of *that* model only, and clears them when the block exits (even on error), so they neither leak
+to another model nor outlive the forward. A router with ``requires_token_ids`` raises a clear error when
+called without them. (Backward needs no ids; activation recomputation inside the block is not supported
+for id-dependent routers, which the suite does not use.)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, save_to_aux_losses_tracker
+from torch import nn
+
+from routers.base import Router
+from routers.registry import build_router
+
+
+class RoutingRecord:
+    """Per-layer running sums of a router's metrics and aux losses, read and reset by the training loop.
+
+    Lives on each adapter (never module-global), so two models never mix their records.
+    """
+
+    def __init__(self) -> None:
+        self.metric_sums: dict[str, torch.Tensor] = {}
+        self.aux_loss_sums: dict[str, torch.Tensor] = {}
+        self.count = 0
+
+    def add(self, metrics: dict[str, torch.Tensor], aux_losses: dict[str, torch.Tensor]) -> None:
+        """Accumulate one forward's (detached) metrics and aux losses."""
+        for key, value in metrics.items():
+            value = value.detach().float()
+            self.metric_sums[key] = self.metric_sums[key] + value if key in self.metric_sums else value.clone()
+        for key, value in aux_losses.items():
+            value = value.detach().float()
+            self.aux_loss_sums[key] = self.aux_loss_sums[key] + value if key in self.aux_loss_sums else value.clone()
+        self.count += 1
+
+    def means(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """``(metrics, aux_losses)`` averaged over the forwards since the last reset (empty if none)."""
+        if self.count == 0:
+            return {}, {}
+        return (
+            {k: v / self.count for k, v in self.metric_sums.items()},
+            {k: v / self.count for k, v in self.aux_loss_sums.items()},
+        )
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
+        self.metric_sums.clear()
+        self.aux_loss_sums.clear()
+        self.count = 0
+
+
+class MegatronRouterAdapter(MegatronModule):
+    """A project :class:`Router` behind megatron-core's router protocol (see the module docstring).
+
+    Args:
+        config: megatron's TransformerConfig (hidden_size, num_moe_experts, moe_router_topk, num_layers).
+        pg_collection: megatron's process groups (unused: our routers see only local tokens).
+        router_name: a registered router name.
+        router_options: the router's options (fields of its config dataclass).
+
+    Attributes:
+        router: the wrapped :class:`Router`.
+        layer_number: set by megatron (1-based, global over the pipeline).
+        last_metrics: detached metrics of the last forward (``{}`` before the first).
+        last_aux_losses: detached aux losses of the last forward.
+        record: a :class:`RoutingRecord` accumulating over forwards until reset.
+    """
+
+    def __init__(
+        self,
+        *,
+        config,
+        pg_collection=None,
+        router_name: str,
+        router_options: dict[str, Any] | None = None,
+    ) -> None:
+        super().__init__(config)
+        self.router: Router = build_router(
+            router_name,
+            hidden_size=config.hidden_size,
+            num_experts=config.num_moe_experts,
+            top_k=config.moe_router_topk,
+            **(router_options or {}),
+        )
+        self.layer_number: int | None = None
+        self.last_metrics: dict[str, torch.Tensor] = {}
+        self.last_aux_losses: dict[str, torch.Tensor] = {}
+        self.record = RoutingRecord()
+        # Set only inside token_ids_context (megatron's [s, b] order, flattened): never outlives a forward.
+        self._token_ids_T: torch.Tensor | None = None
+
+    # ------------------------------------------------------------------ protocol
+    def set_layer_number(self, layer_number: int) -> None:
+        """Called by megatron's TransformerLayer at construction (1-based layer index)."""
+        self.layer_number = layer_number
+
+    def forward(
+        self, hidden_SBD: torch.Tensor, padding_mask: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route one micro-batch of one layer.
+
+        Args:
+            hidden_SBD: ``[S, B, D]`` hidden states at the MoE layer's input (megatron's layout).
+            padding_mask: megatron's optional ``[S, B]`` padding mask; not supported (pretraining uses
+                packed sequences without padding), so it must be None.
+
+        Returns:
+            ``(probs [T, E] float32, routing_map [T, E] bool)`` with ``T = S * B``, aux losses attached.
+
+        Raises:
+            RuntimeError: the router needs token ids and no :func:`token_ids_context` is active.
+        """
+        if padding_mask is not None:
+            raise NotImplementedError(
+                "the suite's routers do not take megatron's padding_mask (pretraining uses packed sequences)"
+            )
+        S, B, D = hidden_SBD.shape
+        hidden_TD = hidden_SBD.reshape(S * B, D).float()
+        token_ids_T = self._token_ids_T
+        if self.router.requires_token_ids and token_ids_T is None:
+            raise RuntimeError(
+                f"router '{self.router.name}' (layer {self.layer_number}) needs token ids, but none were set: "
+                "wrap the model's forward in `with routers.megatron_adapter.token_ids_context(model, input_ids):`"
+            )
+        if token_ids_T is not None:
+            if token_ids_T.numel() != S * B:
+                raise RuntimeError(
+                    f"token ids cover {token_ids_T.numel()} tokens but layer {self.layer_number} routes "
+                    f"{S * B} (S={S}, B={B}); were the ids set for another batch?"
+                )
+            token_ids_T = token_ids_T.to(hidden_TD.device)
+
+        out = self.router(hidden_TD, token_ids_T, (S, B))
+        probs_TE = out.probs
+
+        attach = self.training and torch.is_grad_enabled()
+        num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
+        for name, loss in out.aux_losses.items():
+            if attach and loss.requires_grad:
+                # As TopKRouter.attach_and_log_load_balancing_loss: with per-token loss the final gradient
+                # scaling divides by the token count, so the aux loss is multiplied by it here.
+                scaled = loss * probs_TE.shape[0] if self.config.calculate_per_token_loss else loss
+                probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, scaled)
+            if attach:
+                # Logged only in training forwards, like TopKRouter (evaluation must not pollute the log).
+                save_to_aux_losses_tracker(name, loss.detach().float(), self.layer_number, num_layers)
+
+        self.last_metrics = {k: v.detach() for k, v in out.metrics.items()}
+        self.last_aux_losses = {k: v.detach() for k, v in out.aux_losses.items()}
+        self.record.add(self.last_metrics, self.last_aux_losses)
+        return probs_TE, out.routing_map
+
+    # --------------------------------------------------------------- token ids
+    def set_token_ids(self, token_ids_T: torch.Tensor | None) -> None:
+        """Set (or clear with None) the flattened ``[T]`` token ids; use :func:`token_ids_context` instead."""
+        self._token_ids_T = token_ids_T
+
+    @property
+    def token_ids(self) -> torch.Tensor | None:
+        """The token ids currently set (None outside a :func:`token_ids_context`)."""
+        return self._token_ids_T
+
+    def extra_repr(self) -> str:
+        return f"layer_number={self.layer_number}"
+
+
+def megatron_router_builder(router_name: str, router_options: dict[str, Any] | None = None):
+    """A builder for ``MoESubmodules.router``: called by megatron as ``builder(config=..., pg_collection=...)``.
+
+    Args:
+        router_name: a registered router name (``routers.available_routers()``).
+        router_options: options of that router.
+
+    Returns:
+        A callable building a :class:`MegatronRouterAdapter`.
+    """
+    return functools.partial(MegatronRouterAdapter, router_name=router_name, router_options=dict(router_options or {}))
+
+
+def router_adapters(model: nn.Module) -> list[MegatronRouterAdapter]:
+    """The adapters inside ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, MegatronRouterAdapter)]
+
+
+@contextlib.contextmanager
+def token_ids_context(model: nn.Module, input_ids_BS: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Give ``model``'s routers the token ids of the batch for the duration of the block.
+
+    Args:
+        model: the model (only its own adapters get the ids).
+        input_ids_BS: ``[B, S]`` token ids, as passed to ``GPTModel.forward``.
+
+    Yields:
+        The flattened ``[T]`` ids in megatron's token order ``t = s * B + b``.
+
+    Raises:
+        RuntimeError: the model is already inside a token_ids_context (nesting would be ambiguous).
+    """
+    if input_ids_BS.dim() != 2:
+        raise ValueError(f"input_ids must be [B, S], got {tuple(input_ids_BS.shape)}")
+    adapters = router_adapters(model)
+    if any(a.token_ids is not None for a in adapters):
+        raise RuntimeError("token ids are already set on this model (nested token_ids_context?)")
+    token_ids_T = input_ids_BS.detach().transpose(0, 1).reshape(-1)
+    for adapter in adapters:
+        adapter.set_token_ids(token_ids_T)
+    try:
+        yield token_ids_T
+    finally:
+        for adapter in adapters:
+            adapter.set_token_ids(None)
+
+
+def collect_routing_metrics(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+    """Per-layer routing metrics averaged over the forwards since the last reset.
+
+    Args:
+        model: the model whose adapters to read.
+        reset: clear the records after reading (metrics and aux losses).
+
+    Returns:
+        ``{layer_number: {metric: detached tensor (scalar or [E])}}``; layers with no forward are left out.
+    """
+    result: dict[int, dict[str, torch.Tensor]] = {}
+    for adapter in router_adapters(model):
+        metrics, _ = adapter.record.means()
+        if metrics:
+            result[adapter.layer_number] = metrics
+        if reset:
+            adapter.record.reset()
+    return result
+
+
+def collect_aux_losses(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+    """Per-layer aux losses (weighted, detached) averaged over the forwards since the last reset.
+
+    Args:
+        model: the model whose adapters to read.
+        reset: clear the records after reading (metrics and aux losses).
+
+    Returns:
+        ``{layer_number: {loss name: scalar}}``; layers with no forward or no aux loss are left out.
+    """
+    result: dict[int, dict[str, torch.Tensor]] = {}
+    for adapter in router_adapters(model):
+        _, losses = adapter.record.means()
+        if losses:
+            result[adapter.layer_number] = losses
+        if reset:
+            adapter.record.reset()
+    return result
+
+
+def reset_routing_records(model: nn.Module) -> None:
+    """Clear the metric and aux-loss records of every adapter in ``model``."""
+    for adapter in router_adapters(model):
+        adapter.record.reset()
