@@ -10,8 +10,8 @@ megatron-core 0.16.1's ``MoESubmodules.router`` is a *builder* called as
 What the adapter does in each forward:
 
 1. flattens ``[S, B, D]`` to ``hidden_TD`` (megatron's token order ``t = s * B + b``) in float32 (router
-   maths stay in fp32 under bf16 training) and calls the router with ``seq_shape=(S, B)`` and, when set,
-   the token ids (see below);
+   maths stay in fp32 under bf16 training) and calls the router with ``seq_shape=(S, B)`` and, for routers
+   with ``requires_token_ids``, the token ids (see below);
 2. attaches every aux loss (already weighted by the router) to ``probs`` with megatron-core's
    ``MoEAuxLossAutoScaler``, exactly as ``TopKRouter`` does with its load-balancing loss: the loss is not
    added to the LM loss, its gradient (scaled by ``MoEAuxLossAutoScaler.set_loss_scale``, 1 by default)
@@ -159,7 +159,9 @@ class MegatronRouterAdapter(MegatronModule):
             )
         S, B, D = hidden_SBD.shape
         hidden_TD = hidden_SBD.reshape(S * B, D).float()
-        token_ids_T = self._token_ids_T
+        # Only routers that declare the need get the ids (Lory's prompt routing calls the router on B
+        # prompt means inside a forward whose ids cover S * B tokens).
+        token_ids_T = self._token_ids_T if self.router.requires_token_ids else None
         if self.router.requires_token_ids and token_ids_T is None:
             raise RuntimeError(
                 f"router '{self.router.name}' (layer {self.layer_number}) needs token ids, but none were set: "

@@ -1,0 +1,81 @@
+"""``python -m repro eval``: zero-shot evaluation of a checkpoint through lm-eval, offline.
+
+Examples::
+
+    python -m repro eval --checkpoint runs/mini-dirmoe/checkpoints --local-tasks runs/tasks --out runs/mini-dirmoe/lm_eval.json
+    python -m repro eval --checkpoint runs/llama185m-dirmoe/checkpoints --out lm_eval.json   # the papers' 7 tasks
+    python -m repro eval --local-tasks-from heldout.jsonl --local-tasks runs/tasks --checkpoint ... --out ...
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from repro.evaluation.offline import ensure_offline
+
+
+def _task_list(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
+def main(argv: list[str], prog: str) -> int:
+    """Run the evaluation and write lm-eval's results JSON.
+
+    Args:
+        argv: command-line arguments.
+        prog: program name for usage messages.
+
+    Returns:
+        Exit status (0).
+    """
+    parser = argparse.ArgumentParser(prog=prog, description="Zero-shot evaluation of a checkpoint through lm-eval (offline).")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint directory written by the training loop")
+    parser.add_argument(
+        "--tasks",
+        type=_task_list,
+        default=None,
+        help="comma-separated lm-eval tasks (default: the local tasks with --local-tasks, else "
+        "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race)",
+    )
+    parser.add_argument("--local-tasks", default=None, help="directory of local task YAMLs (build_local_tasks)")
+    parser.add_argument(
+        "--local-tasks-from", default=None, help="build the local tasks into --local-tasks from this held-out jsonl first"
+    )
+    parser.add_argument("--limit", type=float, default=None, help="documents per task (quick checks only)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--max-length", type=int, default=None, help="context cap in tokens (default: the model's)")
+    parser.add_argument("--device", default=None, help="device for the model (default: the loader's)")
+    parser.add_argument("--bootstrap-iters", type=int, default=1000, help="resamples for standard errors (0: none)")
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--out", required=True, help="where to write lm-eval's results JSON")
+    args = parser.parse_args(argv)
+
+    ensure_offline()  # before lm-eval / datasets are imported
+    from lm_eval.utils import make_table
+
+    from repro.errors import ReproError
+    from repro.evaluation.harness import DirMoEBenchLM
+    from repro.evaluation.local_tasks import build_local_tasks
+    from repro.evaluation.runner import evaluate_lm
+    from repro.io_utils import write_json_atomic
+
+    if args.local_tasks_from is not None:
+        if args.local_tasks is None:
+            raise ReproError("--local-tasks-from needs --local-tasks (the directory to write the tasks to)")
+        build_local_tasks(args.local_tasks_from, args.local_tasks)
+    limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
+    lm = DirMoEBenchLM.from_checkpoint(
+        args.checkpoint, batch_size=args.batch_size, max_length=args.max_length, device=args.device
+    )
+    results = evaluate_lm(
+        lm,
+        args.tasks,
+        local_tasks=args.local_tasks,
+        limit=limit,
+        bootstrap_iters=args.bootstrap_iters,
+        seed=args.seed,
+    )
+    write_json_atomic(args.out, results)
+    print(make_table(results))
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,257 @@
+"""Local lm-eval tasks over the mini-pile's held-out documents, for the embedded default (no Hub access).
+
+:func:`build_local_tasks` turns a held-out jsonl (``{"text": ..., "meta": {"pile_set_name": ...}}`` per line)
+into three lm-eval YAML tasks with their data, all under one directory to pass to lm-eval's
+``TaskManager(include_path=...)`` (or ``python -m repro eval --local-tasks DIR``):
+
+- ``minipile_lastword`` (LAMBADA-style): the log-likelihood of a passage's final word given the passage
+  before it; metrics ``acc`` (the word is the greedy continuation) and ``perplexity``.
+- ``minipile_continuation`` (HellaSwag-style): a passage's true continuation against distractor
+  continuations taken at the same offset from other held-out documents (distinct texts, seeded); metrics ``acc`` and
+  ``acc_norm`` (log-likelihood per character).
+- ``minipile_ppl``: rolling log-likelihood of each document's start; word/byte perplexity, bits per byte.
+
+All three carry the tag ``minipile``. The YAMLs use ``dataset_path: json`` with absolute ``data_files`` and a
+datasets cache inside the task directory, so lm-eval never touches the Hub or the user's cache.
+Documents are whitespace-normalised (single spaces) so the tasks' word boundaries are unambiguous.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import random
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from repro.errors import ReproError
+from repro.io_utils import atomic_path
+
+LOCAL_TAG = "minipile"
+#: Column labels of the local tasks in the zero-shot table.
+LOCAL_TASK_LABELS: dict[str, str] = {
+    "minipile_lastword": "Last word (local)",
+    "minipile_continuation": "Continuation (local)",
+    "minipile_ppl": "Perplexity (local)",
+}
+_TRAILING_PUNCT = ".,;:!?\"')]}*"
+
+
+@dataclass(frozen=True)
+class LocalTaskOptions:
+    """How the local tasks are cut from the held-out documents.
+
+    Args:
+        max_docs: documents used from the held-out file (a seeded sample when it has more, in file order).
+        lastword_max_words: longest passage (words) before the final word.
+        lastword_min_words: shortest passage (words) before the final word.
+        context_words: passage length (words) of the continuation task.
+        continuation_words: length (words) of each continuation choice.
+        num_choices: choices per question (one true, the rest distractors).
+        ppl_words: words of each document scored by ``minipile_ppl``.
+        seed: seeds the distractor draw and the choice order.
+    """
+
+    max_docs: int = 500
+    lastword_max_words: int = 64
+    lastword_min_words: int = 16
+    context_words: int = 48
+    continuation_words: int = 12
+    num_choices: int = 4
+    ppl_words: int = 256
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        if self.num_choices < 2:
+            raise ValueError(f"num_choices must be >= 2, got {self.num_choices}")
+        if not 1 <= self.lastword_min_words <= self.lastword_max_words:
+            raise ValueError("need 1 <= lastword_min_words <= lastword_max_words")
+        if min(self.max_docs, self.context_words, self.continuation_words, self.ppl_words) < 1:
+            raise ValueError("max_docs, context_words, continuation_words and ppl_words must be >= 1")
+
+
+def _read_heldout(path: Path, max_docs: int, seed: int) -> list[dict[str, str]]:
+    """``[{"text", "domain"}]`` from a held-out jsonl (plain or ``.zst``), whitespace-normalised."""
+    try:
+        if path.suffix == ".zst":
+            import zstandard
+
+            with open(path, "rb") as raw:
+                text = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8").read()
+        else:
+            text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ReproError(f"{path}: cannot read held-out documents: {exc.strerror or exc}") from None
+    docs = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReproError(f"{path}:{number}: not JSON: {exc.msg}") from None
+        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+            raise ReproError(f"{path}:{number}: a held-out line must be an object with a 'text' string")
+        meta = row.get("meta") if isinstance(row.get("meta"), dict) else {}
+        docs.append({"text": " ".join(row["text"].split()), "domain": str(meta.get("pile_set_name", "unknown"))})
+    if len(docs) > max_docs:
+        # A seeded sample of the whole file (kept in file order): the file may be grouped by domain.
+        keep = sorted(random.Random(seed).sample(range(len(docs)), max_docs))
+        docs = [docs[i] for i in keep]
+    return docs
+
+
+def _final_word(word: str) -> str | None:
+    """The word without trailing punctuation, if what is left is alphabetic (a LAMBADA-like target)."""
+    core = word.rstrip(_TRAILING_PUNCT)
+    return core if len(core) >= 2 and core.isalpha() else None
+
+
+def _lastword_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
+    out = []
+    for doc in docs:
+        words = doc["text"].split(" ")
+        # Walk back from the longest allowed passage to the last word that is a clean target.
+        for end in range(min(len(words) - 1, opts.lastword_max_words), opts.lastword_min_words - 1, -1):
+            target = _final_word(words[end])
+            if target is not None:
+                out.append({"context": " ".join(words[:end]), "target": " " + target, "domain": doc["domain"]})
+                break
+    return out
+
+
+def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
+    span = opts.context_words + opts.continuation_words
+    eligible = [d for d in docs if len(d["text"].split(" ")) >= span]
+    if len(eligible) < opts.num_choices:
+        raise ReproError(
+            f"the continuation task needs at least {opts.num_choices} held-out documents of {span}+ words, "
+            f"found {len(eligible)}"
+        )
+    pieces = [d["text"].split(" ") for d in eligible]
+    continuations = [" ".join(w[opts.context_words : span]) for w in pieces]
+    # Distinct texts only: a distractor identical to the true continuation would make a question unanswerable.
+    pool = sorted(set(continuations))
+    if len(pool) < opts.num_choices:
+        raise ReproError(
+            f"the continuation task needs at least {opts.num_choices} distinct continuations, found {len(pool)}"
+        )
+    rng = random.Random(opts.seed)
+    out = []
+    for doc, words, true in zip(eligible, pieces, continuations):
+        distractors = rng.sample([c for c in pool if c != true], opts.num_choices - 1)
+        choices = [true] + distractors
+        order = list(range(opts.num_choices))
+        rng.shuffle(order)
+        out.append(
+            {
+                "context": " ".join(words[: opts.context_words]),
+                "choices": [choices[k] for k in order],
+                "label": order.index(0),
+                "domain": doc["domain"],
+            }
+        )
+    return out
+
+
+def _ppl_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
+    return [{"text": " ".join(d["text"].split(" ")[: opts.ppl_words]), "domain": d["domain"]} for d in docs if d["text"]]
+
+
+def _task_yaml(name: str, data_file: Path, cache_dir: Path, body: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "task": name,
+        "tag": [LOCAL_TAG],
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data_file)}, "cache_dir": str(cache_dir)},
+        "test_split": "test",
+        **body,
+        "metadata": {"version": 1.0},
+    }
+
+
+def build_local_tasks(
+    heldout_jsonl: str | Path, out_dir: str | Path, options: LocalTaskOptions | None = None
+) -> Path:
+    """Write the local tasks' data and YAMLs for lm-eval.
+
+    Args:
+        heldout_jsonl: held-out documents, one ``{"text", "meta": {"pile_set_name"}}`` JSON object per line
+            (``.jsonl`` or ``.jsonl.zst``).
+        out_dir: the task directory to write (replaced atomically if it exists).
+        options: how to cut the tasks (default :class:`LocalTaskOptions`).
+
+    Returns:
+        ``out_dir`` as an absolute path: pass it to ``TaskManager(include_path=...)``.
+
+    Raises:
+        ReproError: unreadable or malformed held-out file, or too few documents for a task.
+    """
+    opts = options or LocalTaskOptions()
+    source = Path(heldout_jsonl).resolve()
+    final = Path(out_dir).resolve()
+    docs = _read_heldout(source, opts.max_docs, opts.seed)
+    tasks = {
+        "minipile_lastword": (
+            _lastword_docs(docs, opts),
+            {
+                "output_type": "loglikelihood",
+                "doc_to_text": "{{context}}",
+                "doc_to_target": "{{target}}",
+                "metric_list": [
+                    {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
+                    {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                ],
+            },
+        ),
+        "minipile_continuation": (
+            _continuation_docs(docs, opts),
+            {
+                "output_type": "multiple_choice",
+                "doc_to_text": "{{context}}",
+                "doc_to_choice": "choices",
+                "doc_to_target": "label",
+                "metric_list": [
+                    {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
+                    {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
+                ],
+            },
+        ),
+        "minipile_ppl": (
+            _ppl_docs(docs, opts),
+            {
+                "output_type": "loglikelihood_rolling",
+                "doc_to_text": "",
+                "doc_to_target": "{{text}}",
+                "metric_list": [
+                    {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                    {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
+                    {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
+                ],
+            },
+        ),
+    }
+    for name, (rows, _) in tasks.items():
+        if not rows:
+            raise ReproError(f"{source}: no held-out document is long enough for task '{name}'")
+    with atomic_path(final) as tmp:
+        tmp.mkdir()
+        for name, (rows, body) in tasks.items():
+            data_name = f"{name}.jsonl"
+            (tmp / data_name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+            # Paths name the final directory: the temporary one is renamed onto it.
+            config = _task_yaml(name, final / data_name, final / ".hf_cache", body)
+            (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+        manifest = {
+            "heldout": str(source),
+            "heldout_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+            "documents_used": len(docs),
+            "tasks": {name: len(rows) for name, (rows, _) in tasks.items()},
+            "options": asdict(opts),
+        }
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+    return final

@@ -1,0 +1,309 @@
+"""Build LLaMA-style megatron-core GPT models with any registered router in every block.
+
+Public API (signatures kept stable for the training loop and the evaluation bridge)::
+
+    build_model(flavour, router_name=None, router_options=None, vocab_size=None, *,
+                seq_length=None, bf16=None, use_te=None, seed=None) -> GPTModel
+    transformer_config(flavour, router_name=None, router_options=None, *, bf16=None, use_te=None)
+        -> TransformerConfig
+    causal_attention_mask(seq_length, device=None) -> [1, 1, S, S] bool       (re-exported from cpu_shims)
+    MEGATRON_ROUTER = "megatron"
+
+Call :func:`repro.model.parallel.init_distributed` first (megatron needs its parallel state).
+
+Forward (megatron's GPTModel)::
+
+    mask = causal_attention_mask(S, device)                  # always pass it: see cpu_shims (shim 3)
+    position_ids_BS = torch.arange(S, device=device).expand(B, S)
+    with token_ids_context(model, input_ids_BS):            # needed by Hash, harmless for the others
+        loss_BS = model(input_ids_BS, position_ids_BS, mask, labels=labels_BS)   # per-token CE, fp32
+    logits_BSV = model(input_ids_BS, position_ids_BS, mask)                        # without labels
+
+Routers: ``router_name`` is a registered name (``routers.available_routers()``) plugged in through
+``MoESubmodules.router`` via :mod:`routers.megatron_adapter`, ``"lory"`` additionally swaps the MoE layer
+for :class:`repro.model.lory_layer.LoryMoELayer`, and ``"megatron"`` keeps megatron-core's own
+``TopKRouter`` (softmax before top-k, load-balancing aux loss; options ``aux_loss_coeff`` (1e-2),
+``z_loss_coeff``, ``capacity_factor``) for comparisons. Dense flavours take no router.
+
+Devices and precision: on CPU the local (non-TransformerEngine) spec with ``SequentialMLP`` experts,
+fp32. On GPU bf16 parameters (megatron modules) with the routers kept in fp32 (the adapter feeds them fp32
+hidden states) and ``moe_router_dtype="fp32"`` for TopKRouter; when TransformerEngine is importable the TE
+layer spec with grouped-GEMM experts (never for Lory, which merges SequentialMLP parameters). Do not call
+``model.bfloat16()`` afterwards: it would cast the routers too.
+
+``model.config`` is the TransformerConfig (for FLOPs); ``model.flavour`` the :class:`ModelFlavour` used.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
+from repro.model.flavours import ModelFlavour, get_flavour
+
+MEGATRON_ROUTER = "megatron"
+LORY_ROUTER = "lory"
+
+# Options of the "megatron" choice -> TransformerConfig fields.
+_MEGATRON_ROUTER_OPTIONS = {
+    "aux_loss_coeff": "moe_aux_loss_coeff",
+    "z_loss_coeff": "moe_z_loss_coeff",
+    "capacity_factor": "moe_expert_capacity_factor",
+}
+
+__all__ = [
+    "LORY_ROUTER",
+    "MEGATRON_ROUTER",
+    "build_model",
+    "causal_attention_mask",
+    "te_available",
+    "transformer_config",
+]
+
+
+def te_available() -> bool:
+    """Whether TransformerEngine is importable and a GPU is present (never on the CPU machines)."""
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # the bare meta package raises at import on machines without CUDA
+        return False
+    return True
+
+
+def transformer_config(
+    flavour: str | ModelFlavour,
+    router_name: str | None = None,
+    router_options: dict[str, Any] | None = None,
+    *,
+    bf16: bool | None = None,
+    use_te: bool | None = None,
+):
+    """The megatron-core TransformerConfig of a flavour (also what FLOPs are computed from).
+
+    Args:
+        flavour: a flavour or its name.
+        router_name: the router (only ``"megatron"`` changes the config: it enables TopKRouter's aux loss).
+        router_options: for ``"megatron"``: ``aux_loss_coeff``, ``z_loss_coeff``, ``capacity_factor``.
+        bf16: bf16 parameters; default: on GPU only.
+        use_te: TransformerEngine spec (grouped GEMM); default: when importable on a GPU.
+
+    Returns:
+        A ``megatron.core.transformer.transformer_config.TransformerConfig``.
+    """
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    flavour = get_flavour(flavour)
+    on_gpu = cuda_available()
+    bf16 = on_gpu if bf16 is None else bf16
+    use_te = te_available() if use_te is None else use_te
+    kwargs: dict[str, Any] = dict(
+        num_layers=flavour.num_layers,
+        hidden_size=flavour.hidden_size,
+        num_attention_heads=flavour.num_attention_heads,
+        num_query_groups=flavour.num_query_groups,
+        kv_channels=flavour.kv_channels,
+        ffn_hidden_size=flavour.ffn_hidden_size,
+        normalization="RMSNorm",
+        layernorm_epsilon=flavour.layernorm_epsilon,
+        gated_linear_unit=True,  # SwiGLU
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=flavour.init_method_std,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        # Fused kernels come from Apex / megatron's CUDA extensions, which these machines do not have.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+    )
+    if flavour.is_moe:
+        megatron_router = router_name == MEGATRON_ROUTER
+        options = dict(router_options or {}) if megatron_router else {}
+        unknown = sorted(set(options) - set(_MEGATRON_ROUTER_OPTIONS))
+        if unknown:
+            raise ValueError(
+                f"unknown option(s) {', '.join(unknown)} for router 'megatron'; "
+                f"valid: {', '.join(sorted(_MEGATRON_ROUTER_OPTIONS))}"
+            )
+        kwargs.update(
+            num_moe_experts=flavour.num_experts,
+            moe_router_topk=flavour.top_k,
+            moe_ffn_hidden_size=flavour.ffn_hidden_size,
+            moe_token_dispatcher_type=flavour.token_dispatcher,
+            # Required for k=1 in megatron-core 0.16.1, and the dMoE/Switch convention (softmax, then top-k).
+            moe_router_pre_softmax=True,
+            moe_router_score_function="softmax",
+            moe_router_dtype="fp32",
+            # Our routers add their own aux losses through the adapter; only TopKRouter uses megatron's.
+            moe_router_load_balancing_type="aux_loss" if megatron_router else "none",
+            moe_aux_loss_coeff=options.get("aux_loss_coeff", 1e-2) if megatron_router else 0.0,
+            moe_z_loss_coeff=options.get("z_loss_coeff"),
+            moe_expert_capacity_factor=options.get("capacity_factor"),
+            moe_grouped_gemm=bool(use_te and router_name != LORY_ROUTER),
+            moe_permute_fusion=False,
+        )
+    return TransformerConfig(**kwargs)
+
+
+def _with_vocab_size(router_name: str, router_options: dict[str, Any] | None, padded_vocab: int) -> dict[str, Any]:
+    """Fill a router's ``vocab_size`` option (Hash's table size) with the model's padded vocabulary.
+
+    A router whose config has a ``vocab_size`` field must cover every token id the model can see; unless
+    the caller set it, it is the model's (padded) vocabulary.
+    """
+    from routers import router_class
+
+    options = dict(router_options or {})
+    fields = {f.name for f in dataclasses.fields(router_class(router_name).Config)}
+    if "vocab_size" in fields and "vocab_size" not in options:
+        options["vocab_size"] = padded_vocab
+    return options
+
+
+def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_options, use_te: bool):
+    """The transformer-layer ModuleSpec with our router (and Lory's layer) plugged in."""
+    from megatron.core.models.backends import LocalSpecProvider
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+    from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+
+    num_experts = flavour.num_experts
+    if use_te:  # GPU machines with TransformerEngine only
+        spec = get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, moe_grouped_gemm=config.moe_grouped_gemm
+        )
+    else:
+        spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
+    if not flavour.is_moe:
+        return spec
+
+    mlp_spec = spec.submodules.mlp
+    if router_name == LORY_ROUTER:
+        from repro.model.lory_layer import LoryMoELayer
+
+        # Lory merges SequentialMLP parameters: local experts even when TE runs the rest of the layer.
+        mlp_spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=num_experts)
+        mlp_spec = dataclasses.replace(mlp_spec, module=LoryMoELayer)
+    if router_name != MEGATRON_ROUTER:
+        from routers.megatron_adapter import megatron_router_builder
+
+        builder = megatron_router_builder(router_name, router_options)
+        mlp_spec = dataclasses.replace(mlp_spec, submodules=dataclasses.replace(mlp_spec.submodules, router=builder))
+    # Replace rather than mutate: specs may share sub-objects.
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp_spec))
+
+
+def build_model(
+    flavour: str | ModelFlavour,
+    router_name: str | None = None,
+    router_options: dict[str, Any] | None = None,
+    vocab_size: int | None = None,
+    *,
+    seq_length: int | None = None,
+    bf16: bool | None = None,
+    use_te: bool | None = None,
+    seed: int | None = None,
+):
+    """Build a LLaMA-style megatron-core ``GPTModel`` with ``router_name`` in every block's MoE layer.
+
+    Args:
+        flavour: a flavour or its name (``repro.model.flavours.available_flavours()``).
+        router_name: a registered router, ``"megatron"`` (megatron-core's TopKRouter), or None for a dense
+            flavour (an MoE flavour needs one).
+        router_options: options of the router (its config fields; for ``"megatron"`` see
+            :func:`transformer_config`). A router with a ``vocab_size`` option (Hash) gets the model's
+            padded vocabulary unless the options set it.
+        vocab_size: the tokenizer's vocabulary size (padded to a multiple of 128 in the model); default
+            the flavour's.
+        seq_length: override of the flavour's sequence length (RoPE's maximum position).
+        bf16: bf16 parameters (default: on GPU only).
+        use_te: TransformerEngine layer spec (default: when importable on a GPU).
+        seed: if given, re-seed torch and megatron's RNG tracker (``seed_model_parallel_rng``) right
+            before construction, so two builds with the same seed have identical initial weights.
+
+    Returns:
+        The ``GPTModel`` on this process's device, with ``model.config`` (TransformerConfig) and
+        ``model.flavour`` (the ModelFlavour used, vocabulary and sequence length filled in).
+
+    Raises:
+        ValueError: unknown flavour/router/option, a router for a dense flavour or none for an MoE one.
+        RuntimeError: megatron's parallel state is not initialised.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt.gpt_model import GPTModel
+
+    on_gpu = cuda_available()
+    if not on_gpu:
+        apply_cpu_shims()
+    if not parallel_state.model_parallel_is_initialized():
+        raise RuntimeError("megatron's parallel state is not initialised: call repro.model.parallel.init_distributed()")
+
+    flavour = get_flavour(flavour)
+    overrides: dict[str, Any] = {}
+    if vocab_size is not None:
+        overrides["vocab_size"] = vocab_size
+    if seq_length is not None:
+        overrides["seq_length"] = seq_length
+    flavour = flavour.with_overrides(**overrides) if overrides else flavour
+    if flavour.vocab_size is None:
+        raise ValueError(f"flavour '{flavour.name}' takes its vocabulary from the tokenizer: pass vocab_size")
+
+    if flavour.is_moe:
+        if router_name is None:
+            from routers import available_routers
+
+            raise ValueError(
+                f"flavour '{flavour.name}' is an MoE model and needs a router; "
+                f"available: {', '.join([MEGATRON_ROUTER, *available_routers()])}"
+            )
+        if router_name != MEGATRON_ROUTER:
+            from routers import available_routers
+
+            if router_name not in available_routers():
+                raise ValueError(
+                    f"unknown router '{router_name}'; available: {', '.join([MEGATRON_ROUTER, *available_routers()])}"
+                )
+    elif router_name is not None:
+        raise ValueError(f"flavour '{flavour.name}' is dense and takes no router (got '{router_name}')")
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    padded_vocab = flavour.padded_vocab_size(tp=tp)
+    if flavour.is_moe and router_name != MEGATRON_ROUTER:
+        router_options = _with_vocab_size(router_name, router_options, padded_vocab)
+
+    use_te = te_available() if use_te is None else use_te
+    config = transformer_config(flavour, router_name, router_options, bf16=bf16, use_te=use_te)
+    spec = _layer_spec(flavour, config, router_name, router_options, use_te)
+
+    if seed is not None:
+        # torch's generator (CPU init, our routers) and megatron's tracker (GPU init of parallel layers).
+        seed_model_parallel_rng(seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=spec,
+        vocab_size=padded_vocab,
+        max_sequence_length=flavour.seq_length,
+        position_embedding_type="rope",
+        rotary_base=flavour.rotary_base,
+        share_embeddings_and_output_weights=False,  # untied embeddings
+        parallel_output=True,
+    )
+    if on_gpu:
+        # megatron allocates its parameters on the GPU already; our routers are built on the CPU.
+        model.cuda(torch.cuda.current_device())
+    model.flavour = flavour
+    return model

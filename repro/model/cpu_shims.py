@@ -1,0 +1,180 @@
+"""The few patches megatron-core 0.16.1 needs to build and train on a machine without CUDA.
+
+Call :func:`apply_cpu_shims` once before building a model (``repro.model.builder.build_model`` and
+``repro.model.parallel.init_distributed`` call it for you). It does nothing when CUDA is available, and
+applying it twice is the same as applying it once. Each shim below says why it exists; every one of them
+has a test in ``tests/test_cpu_shims.py`` that fails when megatron-core's behaviour changes (so a shim that
+is no longer needed, or no longer enough, is noticed).
+
+The shims (all measured on megatron-core 0.16.1, torch 2.13.0 CPU):
+
+1. ``torch.cuda.current_device`` returns ``torch.device("cpu")`` instead of raising. megatron-core asks it
+   for the device of buffers and parameters it allocates itself (the global matmul buffer of
+   ``DotProductAttention``, the rotary ``inv_freq``, ``TopKRouter.gating`` moving its weight, ...).
+2. The CUDA RNG tracker: megatron's ``CudaRNGStatesTracker.add`` reads and writes the CUDA generator's
+   state. Not a patch: :func:`seed_model_parallel_rng` seeds the *inference* tracker on CPU
+   (``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)``), whose
+   ``fork()`` is a no-op, so dropout draws from torch's CPU generator (seeded with ``torch.manual_seed``).
+   Our models have no dropout, and tensor parallelism is 1 on CPU, so nothing is lost.
+3. The default causal mask: ``get_default_causal_mask`` (used when ``attention_mask`` is ``None``) allocates
+   on ``device="cuda"``. The primary fix is to pass an explicit mask (:func:`causal_attention_mask`);
+   the shim also rebinds the name inside ``megatron.core.fusions.fused_softmax`` (which imported it by
+   name) to a CPU version, so a forgotten mask gives the same result instead of a crash.
+4. ``moe_utils.te_general_gemm``: megatron imports it only when TransformerEngine is importable but reads it
+   unconditionally in ``RouterGatingLinearFunction`` (a megatron bug: ``NameError`` in TopKRouter's
+   gating without TE). The shim defines it as ``None`` so the plain ``torch.mm`` branch runs.
+5. The alltoall token dispatcher creates a ``torch.cuda.Stream`` in its constructor and copies the split
+   sizes to the host on it (``_maybe_dtoh_and_synchronize``). On CPU everything is on the host already:
+   the shim gives the class a placeholder stream and a stream-free ``_maybe_dtoh_and_synchronize`` that
+   makes the same conversions (split sizes to numpy) at the same point.
+6. ``get_megatron_optimizer`` hard-codes ``device='cuda'`` (``FP32Optimizer._scale``, grad clipping):
+   NOT patched. On CPU use ``torch.optim.AdamW`` plus ``torch.nn.utils.clip_grad_norm_``; on GPU use
+   megatron's (distributed) optimizer. See :data:`CPU_OPTIMIZER_NOTE`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+#: Why the training loop must not call ``get_megatron_optimizer`` on CPU (shim 6, resolved by design).
+CPU_OPTIMIZER_NOTE = (
+    "megatron-core 0.16.1's get_megatron_optimizer allocates on device='cuda' (FP32Optimizer._scale, "
+    "clip_grads); on CPU use torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ instead"
+)
+
+# Marker set on patched objects so the shims are idempotent and tests can see what was applied.
+_SHIM_MARK = "_repro_cpu_shim"
+
+
+def cuda_available() -> bool:
+    """Whether a CUDA device is usable (the shims are applied only when this is False)."""
+    return torch.cuda.is_available()
+
+
+def _cpu_current_device() -> torch.device:
+    # Shim 1: megatron-core passes this to ``device=`` / ``.to(device=...)``; "cpu" keeps those working.
+    return torch.device("cpu")
+
+
+setattr(_cpu_current_device, _SHIM_MARK, True)
+
+
+@functools.lru_cache(maxsize=8)
+def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
+    # Shim 3: same mask as megatron's get_default_causal_mask (True above the diagonal = masked), on CPU.
+    # Cached like the explicit masks: it is rebuilt for every layer and micro-batch otherwise.
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+setattr(_cpu_default_causal_mask, _SHIM_MARK, True)
+
+
+def _cpu_maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
+    """Stream-free replacement of ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (shim 5).
+
+    On GPU the split sizes are copied device-to-host on a side stream at ``cuda_dtoh_point`` and waited
+    for at ``cuda_sync_point``. On CPU they already live on the host; we make the same type conversions
+    at the same point (numpy for the splits, as the GPU path produces) so downstream code sees the same
+    types, and skip the stream and the event.
+    """
+
+    def as_numpy(value):
+        return value.numpy() if torch.is_tensor(value) else value
+
+    if not self.drop_and_pad and point == self.cuda_dtoh_point:
+        self.input_splits = as_numpy(self.input_splits)
+        self.output_splits = as_numpy(self.output_splits)
+        self.output_splits_tp = as_numpy(self.output_splits_tp)
+    return tokens_per_expert
+
+
+setattr(_cpu_maybe_dtoh_and_synchronize, _SHIM_MARK, True)
+
+
+class _NoStream:
+    """Placeholder for the alltoall dispatcher's class-level ``cuda_dtoh_stream`` (shim 5): its presence
+    stops the constructor from creating a ``torch.cuda.Stream``; the stream-free method never uses it."""
+
+    def __repr__(self) -> str:
+        return "<no CUDA stream (CPU shim)>"
+
+
+def apply_cpu_shims() -> bool:
+    """Patch megatron-core (and ``torch.cuda.current_device``) so it runs on a machine without CUDA.
+
+    Safe to call many times; a no-op when CUDA is available.
+
+    Returns:
+        True if the shims are in place (CPU machine), False if CUDA is available and nothing was done.
+    """
+    if cuda_available():
+        return False
+
+    # 1. torch.cuda.current_device -> cpu
+    if not getattr(torch.cuda.current_device, _SHIM_MARK, False):
+        torch.cuda.current_device = _cpu_current_device
+
+    # 3. default causal mask, rebound where megatron reads it (fused_softmax imported it by name).
+    from megatron.core.fusions import fused_softmax
+
+    if not getattr(fused_softmax.get_default_causal_mask, _SHIM_MARK, False):
+        fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+
+    # 4. te_general_gemm missing without TransformerEngine.
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    # 5. the alltoall dispatcher's CUDA stream.
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    if not getattr(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize, _SHIM_MARK, False):
+        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_maybe_dtoh_and_synchronize
+    if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+
+    # 2. (the RNG tracker) and 6. (the optimizer) are handled by seed_model_parallel_rng and by the
+    # training loop's choice of torch AdamW on CPU; see the module docstring.
+    return True
+
+
+def shims_applied() -> bool:
+    """Whether :func:`apply_cpu_shims` has patched this process (always False on a CUDA machine)."""
+    if cuda_available():
+        return False
+    return bool(getattr(torch.cuda.current_device, _SHIM_MARK, False))
+
+
+def seed_model_parallel_rng(seed: int) -> None:
+    """Seed torch and megatron-core's model-parallel RNG tracker for this machine (shim 2).
+
+    Needs megatron's ``parallel_state`` initialised (the tracker's seeds depend on the TP/EP ranks).
+
+    Args:
+        seed: the base seed; megatron derives the tensor- and expert-parallel seeds from it.
+    """
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    torch.manual_seed(seed)
+    if cuda_available():
+        model_parallel_cuda_manual_seed(seed)
+    else:
+        # The regular tracker snapshots CUDA generator states; the inference tracker's add/fork are no-ops.
+        model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def causal_attention_mask(seq_length: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The explicit causal attention mask to pass to ``GPTModel.forward`` (works on CPU and GPU).
+
+    Args:
+        seq_length: S.
+        device: where to put it (default CPU).
+
+    Returns:
+        ``[1, 1, S, S]`` bool, True where attention is NOT allowed (above the diagonal), broadcast over
+        the batch and heads: megatron's convention (``attention_mask_func`` fills True with -10000).
+    """
+    return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]

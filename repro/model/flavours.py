@@ -1,0 +1,177 @@
+"""Model flavours: frozen configs of the LLaMA-style GPT models the suite trains.
+
+``get_flavour(name)`` returns a :class:`ModelFlavour`; change any field with ``dataclasses.replace`` or
+:meth:`ModelFlavour.with_overrides` (``num_experts``, ``top_k``, ``seq_length``, ``vocab_size``, ...).
+
+Flavours:
+
+- ``tiny``: the CPU model that trains in seconds (2 layers, hidden 128, 4 heads, 2 query groups,
+  SwiGLU FFN 256 per expert, E=8, k=1, sequence 128, vocabulary from the tokenizer).
+- ``llama-185m``: the published setting of ReMoE and DirMoE (12 layers, hidden 768, 12 heads, GQA with 4
+  query groups, SwiGLU FFN 3072 per expert, RMSNorm, RoPE base 1e6, untied embeddings, no biases, init
+  std 0.01, no dropout, sequence 1024, E=8, k=1, GPT-2 BPE vocabulary).
+- ``tiny-dense`` / ``llama-185m-dense``: the same models with a dense SwiGLU FFN instead of the MoE layer
+  (FFN 256 and 3072: the dense baseline at the compute of k=1).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+#: Megatron-LM pads the vocabulary to a multiple of this (times the tensor-parallel size).
+VOCAB_PAD_MULTIPLE = 128
+
+
+@dataclass(frozen=True)
+class ModelFlavour:
+    """One model configuration (architecture only; optimisation settings live with the training loop).
+
+    Args:
+        name: the flavour's name.
+        num_layers: L.
+        hidden_size: h (D).
+        num_attention_heads: a.
+        num_query_groups: g (GQA key/value heads).
+        ffn_hidden_size: f, the SwiGLU FFN width of one expert (or of the dense FFN).
+        num_experts: E; ``None`` for a dense model.
+        top_k: k, the nominal experts per token (compute-parity target; ignored when dense).
+        seq_length: S, the training sequence length (also the maximum position for RoPE).
+        vocab_size: the tokenizer's vocabulary size before padding; ``None`` = given at build time.
+        rotary_base: RoPE base.
+        init_method_std: standard deviation of the normal initialisation.
+        layernorm_epsilon: RMSNorm epsilon.
+        token_dispatcher: megatron-core's MoE token dispatcher (``"alltoall"`` or ``"allgather"``).
+    """
+
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    ffn_hidden_size: int
+    num_experts: int | None
+    top_k: int = 1
+    seq_length: int = 1024
+    vocab_size: int | None = None
+    rotary_base: int = 1_000_000
+    init_method_std: float = 0.01
+    layernorm_epsilon: float = 1e-5
+    token_dispatcher: str = "alltoall"
+
+    def __post_init__(self) -> None:
+        if self.hidden_size % self.num_attention_heads != 0:
+            raise ValueError(f"{self.name}: hidden {self.hidden_size} not divisible by {self.num_attention_heads} heads")
+        if self.num_attention_heads % self.num_query_groups != 0:
+            raise ValueError(
+                f"{self.name}: {self.num_attention_heads} heads not divisible by {self.num_query_groups} query groups"
+            )
+        if self.num_experts is not None:
+            if self.num_experts < 2:
+                raise ValueError(f"{self.name}: num_experts must be >= 2 (or None for dense), got {self.num_experts}")
+            if not 1 <= self.top_k <= self.num_experts:
+                raise ValueError(f"{self.name}: top_k must be in [1, {self.num_experts}], got {self.top_k}")
+        if self.token_dispatcher not in ("alltoall", "allgather"):
+            raise ValueError(f"{self.name}: token_dispatcher must be 'alltoall' or 'allgather'")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise ValueError(f"{self.name}: vocab_size must be >= 1")
+
+    # ------------------------------------------------------------------ derived
+    @property
+    def is_moe(self) -> bool:
+        """Whether the FFN of every block is an MoE layer."""
+        return self.num_experts is not None
+
+    @property
+    def kv_channels(self) -> int:
+        """d_head = h / a."""
+        return self.hidden_size // self.num_attention_heads
+
+    def padded_vocab_size(self, vocab_size: int | None = None, tp: int = 1) -> int:
+        """The embedding/output size: the vocabulary padded to a multiple of ``128 * tp`` (Megatron-LM's rule).
+
+        Args:
+            vocab_size: the tokenizer's size; default this flavour's ``vocab_size``.
+            tp: tensor-model-parallel size.
+
+        Returns:
+            The padded size V used by the model (and by the FLOPs formula).
+        """
+        size = vocab_size if vocab_size is not None else self.vocab_size
+        if size is None:
+            raise ValueError(f"flavour '{self.name}' has no vocab_size; pass the tokenizer's size")
+        multiple = VOCAB_PAD_MULTIPLE * tp
+        return -(-size // multiple) * multiple
+
+    def with_overrides(self, **overrides) -> ModelFlavour:
+        """A copy with some fields changed (``ValueError`` naming valid fields for an unknown one)."""
+        valid = {f.name for f in dataclasses.fields(self)}
+        unknown = sorted(set(overrides) - valid)
+        if unknown:
+            raise ValueError(f"unknown flavour field(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+        return dataclasses.replace(self, **overrides)
+
+    def dense(self) -> ModelFlavour:
+        """The dense counterpart (same model, one SwiGLU FFN of the same width per block)."""
+        if not self.is_moe:
+            return self
+        return dataclasses.replace(self, name=f"{self.name}-dense", num_experts=None)
+
+
+_TINY = ModelFlavour(
+    name="tiny",
+    num_layers=2,
+    hidden_size=128,
+    num_attention_heads=4,
+    num_query_groups=2,
+    ffn_hidden_size=256,
+    num_experts=8,
+    top_k=1,
+    seq_length=128,
+    vocab_size=None,  # from the locally trained tokenizer
+)
+
+_LLAMA_185M = ModelFlavour(
+    name="llama-185m",
+    num_layers=12,
+    hidden_size=768,
+    num_attention_heads=12,
+    num_query_groups=4,
+    ffn_hidden_size=3072,
+    num_experts=8,
+    top_k=1,
+    seq_length=1024,
+    vocab_size=50257,  # GPT-2 BPE (padded to 50304 in the model)
+)
+
+_FLAVOURS: dict[str, ModelFlavour] = {
+    f.name: f for f in (_TINY, _TINY.dense(), _LLAMA_185M, _LLAMA_185M.dense())
+}
+
+
+def available_flavours() -> list[str]:
+    """Names of the built-in flavours, sorted."""
+    return sorted(_FLAVOURS)
+
+
+def get_flavour(name: str | ModelFlavour, **overrides) -> ModelFlavour:
+    """Look a flavour up by name (a :class:`ModelFlavour` is passed through), optionally overriding fields.
+
+    Args:
+        name: a name from :func:`available_flavours`, or a flavour.
+        **overrides: fields to change (see :class:`ModelFlavour`).
+
+    Returns:
+        The flavour.
+
+    Raises:
+        ValueError: an unknown name (the message lists the valid ones) or field.
+    """
+    if isinstance(name, ModelFlavour):
+        flavour = name
+    else:
+        try:
+            flavour = _FLAVOURS[name]
+        except KeyError:
+            raise ValueError(f"unknown model flavour '{name}'; available: {', '.join(available_flavours())}") from None
+    return flavour.with_overrides(**overrides) if overrides else flavour

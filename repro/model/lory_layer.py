@@ -1,0 +1,211 @@
+"""Lory's parameter-merging MoE layer (Zhong et al. 2024), in place of megatron's dispatch for ``lory``.
+
+Lory sends no token to an expert. For every segment of ``segment_length`` tokens along the sequence (256
+by default) it merges the experts' FFN *parameters* with the segment's routing weights and runs the one
+merged SwiGLU FFN on the segment's tokens:
+
+    W1(g, b) = sum_e w_e(g, b) W1_e      W2(g, b) = sum_e w_e(g, b) W2_e
+    y = W2(g, b) (silu(W1_gate(g, b) x) * W1_up(g, b) x)      for x in segment g of sequence b
+
+The weights come from the Lory router (``baselines/lory.py``) through the usual router interface: it
+returns ``probs [T, E]`` in which every token of a segment carries its segment's weights (segment g >= 1
+routed on the mean hidden state of segment g-1, segment 0 on itself with stop-gradient), with a routing
+map that is all True. This layer reads one weight vector per (segment, sequence) from ``probs`` (the mean
+over the segment's tokens, which are equal; the layer checks it) and does the merge. The router's
+gradients flow through the merged parameters; there is no aux loss.
+
+Note what is and is not the same: merging the parameters of a SwiGLU FFN is NOT mixing the experts'
+outputs (``sum_e w_e FFN_e(x)``) — the FFN is not linear in its parameters. What holds exactly is that the
+merged FFN is the FFN whose parameters are the weighted sums (the first projection's pre-activations are
+the weighted sums of the experts' pre-activations), and with a one-hot weight it is that expert.
+``tests/test_model.py`` checks those identities.
+
+Inference routes once on the prompt (the Lory paper): inside :func:`lory_prompt_routing` every Lory layer
+of the model routes each sequence once, on the mean hidden state of its first ``prompt_length`` tokens
+(the router called on that mean as a one-token segment 0), and uses those weights for every token of the
+sequence, prompt and continuation alike. The lm-eval bridge scores ``context + continuation`` in one
+forward with the context length as the prompt length. Outside the context (training, validation loss)
+the layer routes per segment as in training.
+
+Constraints: all experts must be local (expert parallel 1) with expert tensor parallel 1, no biases,
+SwiGLU experts (``gated_linear_unit`` with SiLU). The experts are megatron's ``SequentialMLP`` (the local
+spec), so parameter names and initialisation are those of every other MoE model of the suite.
+
+Memory: the merged weights of every (segment, sequence) are kept for the backward (``G * B * 3 * F * H``
+values per layer), Lory's inherent cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from torch import nn
+
+DEFAULT_SEGMENT_LENGTH = 256
+# Names under which a router config may carry its segment length (baselines/lory.py defines the field).
+_SEGMENT_FIELDS = ("segment_length", "segment_len", "segment_size")
+
+
+def lory_merged_ffn(
+    x_BLH: torch.Tensor,
+    weights_BE: torch.Tensor,
+    fc1_EGH: torch.Tensor,
+    fc2_EHF: torch.Tensor,
+) -> torch.Tensor:
+    """Run, for each sequence b, the SwiGLU FFN whose parameters are the ``weights_BE[b]``-weighted sums.
+
+    Args:
+        x_BLH: ``[B, L, H]`` the tokens of one segment of each sequence.
+        weights_BE: ``[B, E]`` the segment's routing weights per sequence.
+        fc1_EGH: ``[E, 2F, H]`` the experts' first projections, gate rows first then up rows (megatron's
+            ``linear_fc1.weight`` layout for ``gated_linear_unit``); G = 2F.
+        fc2_EHF: ``[E, H, F]`` the experts' second projections.
+
+    Returns:
+        ``[B, L, H]`` the merged FFN's output.
+    """
+    w_BE = weights_BE.to(fc1_EGH.dtype)
+    fc1_BGH = torch.einsum("be,egh->bgh", w_BE, fc1_EGH)
+    fc2_BHF = torch.einsum("be,ehf->bhf", w_BE, fc2_EHF)
+    pre_BLG = torch.bmm(x_BLH, fc1_BGH.transpose(1, 2))
+    gate_BLF, up_BLF = torch.chunk(pre_BLG, 2, dim=-1)
+    return torch.bmm(F.silu(gate_BLF) * up_BLF, fc2_BHF.transpose(1, 2))
+
+
+class LoryMoELayer(MoELayer):
+    """megatron's MoELayer with the dispatch replaced by Lory's per-segment parameter merge.
+
+    Built from the same spec as an MoE layer (``MoESubmodules`` with SequentialMLP experts and the Lory
+    router's adapter); the token dispatcher megatron constructs is never used.
+    """
+
+    def __init__(self, config, submodules=None, layer_number=None, pg_collection=None) -> None:
+        super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        if self.num_local_experts != config.num_moe_experts:
+            raise ValueError("Lory merges all experts' parameters: expert parallel size must be 1")
+        if not isinstance(self.experts, SequentialMLP):
+            raise ValueError(f"Lory needs SequentialMLP experts (local spec), got {type(self.experts).__name__}")
+        if self.experts.tp_group is not None and self.experts.tp_group.size() != 1:
+            raise ValueError("Lory needs expert tensor parallel size 1")
+        if not config.gated_linear_unit or config.activation_func is not F.silu or config.add_bias_linear:
+            raise ValueError("Lory's merge is implemented for bias-free SwiGLU experts")
+        # Per-sequence prompt lengths, set only inside lory_prompt_routing (never outlives that block).
+        self._prompt_lengths_B: torch.Tensor | None = None
+
+    # ---------------------------------------------------------------- helpers
+    @property
+    def segment_length(self) -> int:
+        """The router's segment length (its config field), default 256."""
+        inner = getattr(self.router, "router", self.router)
+        cfg = getattr(inner, "config", None)
+        for field_name in _SEGMENT_FIELDS:
+            value = getattr(cfg, field_name, None)
+            if isinstance(value, int) and value > 0:
+                return value
+        return DEFAULT_SEGMENT_LENGTH
+
+    def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fc1 [E, 2F, H], fc2 [E, H, F])``: the experts' parameters stacked (differentiable)."""
+        experts = self.experts.local_experts
+        fc1_EGH = torch.stack([e.linear_fc1.weight for e in experts])
+        fc2_EHF = torch.stack([e.linear_fc2.weight for e in experts])
+        return fc1_EGH, fc2_EHF
+
+    def set_prompt_lengths(self, prompt_lengths_B: torch.Tensor | None) -> None:
+        """Set (or clear) per-sequence prompt lengths; use :func:`lory_prompt_routing` instead."""
+        self._prompt_lengths_B = prompt_lengths_B
+
+    def _segment_weights(self, probs_TE: torch.Tensor, S: int, B: int) -> torch.Tensor:
+        """``[G, B, E]`` one weight vector per segment and sequence, read from the router's ``probs``."""
+        L = self.segment_length
+        E = probs_TE.shape[-1]
+        probs_SBE = probs_TE.reshape(S, B, E)
+        weights_GBE = torch.stack([probs_SBE[start : start + L].mean(0) for start in range(0, S, L)])
+        # The router must give every token of a segment the same weights; a mismatch means the router and
+        # this layer disagree on the segment length. One comparison (and one host sync) per forward.
+        spread = (probs_SBE.detach() - weights_GBE.detach().repeat_interleave(L, dim=0)[:S]).abs().max()
+        if float(spread) > 1e-5:
+            raise RuntimeError(
+                f"Lory layer {self.layer_number}: probs vary within a segment of {L} tokens "
+                f"(max deviation {float(spread):.3g}); router and layer disagree on the segment length"
+            )
+        return weights_GBE
+
+    def _prompt_weights(self, hidden_SBH: torch.Tensor) -> torch.Tensor:
+        """``[B, E]`` per-sequence weights routed once on the mean of the prompt's hidden states."""
+        S, B, _ = hidden_SBH.shape
+        lengths_B = self._prompt_lengths_B.to(hidden_SBH.device).clamp(1, S)
+        positions_S = torch.arange(S, device=hidden_SBH.device)
+        mask_SB = (positions_S[:, None] < lengths_B[None, :]).to(hidden_SBH.dtype)
+        mean_BH = (hidden_SBH * mask_SB[..., None]).sum(0) / lengths_B[:, None].to(hidden_SBH.dtype)
+        # The router sees each prompt mean as a one-token segment 0, which it routes on itself.
+        probs_TE, _ = self.router(mean_BH[None], None)
+        return probs_TE.reshape(B, -1)
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
+        """Merge-and-run per segment.
+
+        Args:
+            hidden_states: ``[S, B, H]``.
+            intermediate_tensors: megatron's partial-CUDA-graph hook; not supported (must be None).
+            padding_mask: not supported (must be None).
+
+        Returns:
+            ``(output [S, B, H], None)`` like megatron's MoELayer.
+        """
+        if intermediate_tensors is not None or padding_mask is not None:
+            raise NotImplementedError("LoryMoELayer supports neither intermediate_tensors nor padding_mask")
+        S, B, H = hidden_states.shape
+        fc1_EGH, fc2_EHF = self.expert_weights()
+        L = self.segment_length
+        if self._prompt_lengths_B is not None:
+            if self._prompt_lengths_B.shape != (B,):
+                raise RuntimeError(f"prompt lengths {tuple(self._prompt_lengths_B.shape)} do not match batch {B}")
+            weights_BE = self._prompt_weights(hidden_states)
+            weights_GBE = weights_BE[None].expand(-(-S // L), B, -1)
+        else:
+            probs_TE, _ = self.router(hidden_states, None)
+            weights_GBE = self._segment_weights(probs_TE, S, B)
+
+        x_BSH = hidden_states.transpose(0, 1)
+        outputs = []
+        for g, start in enumerate(range(0, S, L)):
+            y_BlH = lory_merged_ffn(x_BSH[:, start : start + L], weights_GBE[g], fc1_EGH, fc2_EHF)
+            outputs.append(y_BlH)
+        output_SBH = torch.cat(outputs, dim=1).transpose(0, 1).contiguous().to(hidden_states.dtype)
+        return output_SBH, None
+
+
+def lory_layers(model: nn.Module) -> list[LoryMoELayer]:
+    """The Lory layers inside ``model``, in module order."""
+    return [m for m in model.modules() if isinstance(m, LoryMoELayer)]
+
+
+@contextlib.contextmanager
+def lory_prompt_routing(model: nn.Module, prompt_lengths_B: torch.Tensor | list[int]) -> Iterator[None]:
+    """Route every sequence once on its prompt (Lory's inference), for the duration of the block.
+
+    Args:
+        model: the model whose Lory layers to switch (other models are not touched; no-op without any).
+        prompt_lengths_B: ``[B]`` number of prompt tokens of each sequence of the batch (>= 1).
+
+    Yields:
+        Nothing; the setting is cleared on exit, even on error.
+    """
+    lengths_B = torch.as_tensor(prompt_lengths_B, dtype=torch.long)
+    if lengths_B.dim() != 1 or bool((lengths_B < 1).any()):
+        raise ValueError(f"prompt_lengths must be a [B] vector of positive lengths, got {prompt_lengths_B}")
+    layers = lory_layers(model)
+    for layer in layers:
+        layer.set_prompt_lengths(lengths_B)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.set_prompt_lengths(None)

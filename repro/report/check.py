@@ -1,0 +1,247 @@
+"""Regression checks: a run against the published numbers, or against an earlier run.
+
+Against the published numbers (:func:`check_against_published`), every original ledger entry (copies are
+skipped: they repeat another table's measurement) for the run's router and model is compared within the
+entry's own tolerance. Efficiency entries are compared only with runs on the same accelerator model.
+
+Against an earlier run (:func:`check_against_run`), the loss curves must agree point by point at a tight
+relative tolerance (the CPU runs are deterministic), and so must the validation loss and every lm-eval metric.
+
+Each comparison is a :class:`CheckRow`; a :class:`CheckReport` fails when any row is outside tolerance.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tabulate import tabulate
+
+from repro.errors import ReproError
+from repro.report.ledger import PublishedEntry, select
+from repro.report.records import RunRecord, lm_eval_metrics
+from repro.report.tables import PAPER_TASKS, choose_metric
+
+OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    """One comparison.
+
+    Args:
+        run_id: the run checked.
+        metric: what is compared.
+        measured: the run's value (None: not measured).
+        reference: the published or earlier value.
+        tolerance: the allowed difference, as text.
+        source: where the reference comes from.
+        status: ``ok``, ``FAIL`` or ``skipped``.
+        note: why a row was skipped or failed, if not obvious.
+    """
+
+    run_id: str
+    metric: str
+    measured: float | None
+    reference: float | None
+    tolerance: str
+    source: str
+    status: str
+    note: str = ""
+
+    @property
+    def delta(self) -> float | None:
+        """measured - reference, where both exist."""
+        return None if self.measured is None or self.reference is None else self.measured - self.reference
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """The rows of one check."""
+
+    rows: tuple[CheckRow, ...]
+
+    @property
+    def passed(self) -> bool:
+        """True when no row failed."""
+        return all(r.status != FAIL for r in self.rows)
+
+    @property
+    def compared(self) -> int:
+        """Rows that were actually compared (not skipped)."""
+        return sum(r.status != SKIPPED for r in self.rows)
+
+
+def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto") -> float | None:
+    """A run's value of a shared metric name (see :mod:`repro.report.ledger`).
+
+    Args:
+        record: the run.
+        metric: ``zero_shot.<task>``, ``zero_shot.avg``, ``efficiency.iter_time_ms``,
+            ``efficiency.tflops_per_device`` (analytic FLOPs: what the papers report) or ``loss.validation``.
+        zero_shot_metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`repro.report.tables.choose_metric`).
+
+    Returns:
+        The value (zero-shot in percent), or None if the run did not measure it.
+    """
+    if metric.startswith("zero_shot."):
+        task = metric.removeprefix("zero_shot.")
+        scores = lm_eval_metrics(record)
+        if task == "avg":
+            values = [record_value(record, f"zero_shot.{t}", zero_shot_metric) for t in PAPER_TASKS]
+            return statistics.fmean(values) if all(v is not None for v in values) else None
+        value = scores.get(task, {}).get(choose_metric(task, [record], zero_shot_metric))
+        return None if value is None else 100 * value
+    if metric == "loss.validation":
+        return record.validation_loss
+    if record.efficiency is None:
+        return None
+    if metric == "efficiency.iter_time_ms":
+        return record.efficiency.iter_time_ms
+    if metric == "efficiency.tflops_per_device":
+        return record.efficiency.tflops_per_device_analytic
+    raise ReproError(f"unknown metric '{metric}'")
+
+
+def _accelerator(name: str) -> str | None:
+    """The accelerator model in a device name (``H100`` in ``NVIDIA H100 80GB HBM3``)."""
+    match = re.search(r"\b([A-Z]{1,2}\d{2,4})\b", name)
+    return match.group(1) if match else None
+
+
+def check_against_published(
+    record: RunRecord,
+    ledger: Sequence[PublishedEntry],
+    *,
+    zero_shot_metric: str = "auto",
+    paper: str | None = None,
+) -> CheckReport:
+    """Compare a run with every original published number for its router and model.
+
+    Args:
+        record: the run.
+        ledger: the published numbers.
+        zero_shot_metric: which lm-eval metric to compare with the papers' accuracies.
+        paper: keep only entries whose ``paper`` contains this text (case-insensitive), e.g. ``ReMoE``.
+
+    Returns:
+        The report (no rows when nothing in the ledger matches the run's router and model).
+    """
+    entries = select(ledger, router=record.experiment.router, model_id=record.experiment.model, originals_only=True)
+    if paper is not None:
+        entries = [e for e in entries if paper.lower() in e.paper.lower()]
+    rows = []
+    for entry in entries:
+        measured = record_value(record, entry.metric, zero_shot_metric)
+        common = dict(
+            run_id=record.run_id,
+            metric=entry.metric,
+            measured=measured,
+            reference=entry.value,
+            tolerance=entry.tolerance.describe(),
+            source=entry.source,
+        )
+        wanted = _accelerator(entry.setting.hardware or "") if entry.metric.startswith("efficiency.") else None
+        if wanted is not None and _accelerator(record.environment.device) != wanted:
+            rows.append(CheckRow(**common, status=SKIPPED, note=f"published on {entry.setting.hardware}, run on {record.environment.device}"))
+        elif measured is None:
+            rows.append(CheckRow(**common, status=SKIPPED, note="not measured in this run"))
+        else:
+            ok = entry.tolerance.allows(measured, entry.value)
+            rows.append(CheckRow(**common, status=OK if ok else FAIL))
+    return CheckReport(tuple(rows))
+
+
+def _close(a: float, b: float, rtol: float, atol: float) -> bool:
+    return math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
+
+
+def check_against_run(
+    record: RunRecord,
+    previous: RunRecord,
+    *,
+    loss_rtol: float = 1e-6,
+    eval_rtol: float = 1e-6,
+    atol: float = 1e-12,
+) -> CheckReport:
+    """Compare a run with an earlier run of the same experiment.
+
+    Args:
+        record: the new run.
+        previous: the earlier run.
+        loss_rtol: relative tolerance on every loss-curve point and the validation loss.
+        eval_rtol: relative tolerance on every lm-eval metric (accuracies, perplexities).
+        atol: absolute tolerance added to both (for values at zero).
+
+    Returns:
+        The report: one row for the whole loss curve (its largest deviation), one for the validation loss,
+        one per lm-eval task and metric.
+    """
+    rows = []
+    source = f"run {previous.run_id}"
+    tol_loss = f"rtol {loss_rtol:g}"
+    new_curve = {p.step: p.loss for p in record.loss_curve}
+    old_curve = {p.step: p.loss for p in previous.loss_curve}
+    base = dict(run_id=record.run_id, source=source)
+    if new_curve.keys() != old_curve.keys():
+        missing = sorted(old_curve.keys() ^ new_curve.keys())
+        rows.append(
+            CheckRow(**base, metric=f"loss curve ({len(new_curve)} steps)", measured=None, reference=None,
+                     tolerance=tol_loss, status=FAIL, note=f"logged steps differ (e.g. step {missing[0]})")
+        )
+    elif new_curve:
+        worst = max(new_curve, key=lambda s: abs(new_curve[s] - old_curve[s]))
+        ok = all(_close(new_curve[s], old_curve[s], loss_rtol, atol) for s in new_curve)
+        rows.append(
+            CheckRow(**base, metric=f"loss curve ({len(new_curve)} steps), worst step {worst}",
+                     measured=new_curve[worst], reference=old_curve[worst], tolerance=tol_loss,
+                     status=OK if ok else FAIL)
+        )
+    rows.append(_pair_row(base, "loss.validation", record.validation_loss, previous.validation_loss, loss_rtol, atol))
+    new_eval, old_eval = lm_eval_metrics(record), lm_eval_metrics(previous)
+    for task in sorted(new_eval.keys() | old_eval.keys()):
+        new_m, old_m = new_eval.get(task, {}), old_eval.get(task, {})
+        for name in sorted(new_m.keys() | old_m.keys()):
+            rows.append(_pair_row(base, f"{task}/{name}", new_m.get(name), old_m.get(name), eval_rtol, atol))
+    return CheckReport(tuple(r for r in rows if r is not None))
+
+
+def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rtol: float, atol: float) -> CheckRow | None:
+    if new is None and old is None:
+        return None
+    if new is None or old is None:
+        note = "missing in this run" if new is None else "missing in the earlier run"
+        return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=FAIL, note=note)
+    ok = _close(new, old, rtol, atol)
+    return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=OK if ok else FAIL)
+
+
+def _num(value: float | None, signed: bool = False) -> str:
+    if value is None:
+        return "--"
+    return f"{value:+.6g}" if signed else f"{value:.6g}"
+
+
+def render_report(report: CheckReport) -> str:
+    """The delta table of a check (GitHub Markdown) with a one-line verdict.
+
+    Args:
+        report: the check.
+
+    Returns:
+        Text ending in a newline.
+    """
+    rows = [
+        (r.run_id, r.metric, _num(r.measured), _num(r.reference), _num(r.delta, signed=True), r.tolerance, r.source,
+         r.status, r.note)
+        for r in report.rows
+    ]
+    headers = ("run", "metric", "measured", "reference", "delta", "tolerance", "source", "status", "note")
+    table = tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)
+    failed = sum(r.status == FAIL for r in report.rows)
+    skipped = sum(r.status == SKIPPED for r in report.rows)
+    verdict = "PASS" if report.passed else "FAIL"
+    return f"{table}\n\n{verdict}: {report.compared} compared, {failed} outside tolerance, {skipped} skipped\n"

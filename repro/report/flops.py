@@ -1,0 +1,192 @@
+"""Model FLOPs per iteration as Megatron-LM counts them, so TFLOP/s are comparable with the papers.
+
+Megatron-LM (``num_floating_point_operations`` in ``megatron/training/training.py``) counts, per iteration::
+
+    12 * B * s * L * h^2 * [ (1 + g/a + s/h) * (a*d_head/h)      attention: QKV/out projections, QK^T and AV
+                             + (f/h) * k * (3/2 if SwiGLU else 1)  FFN of the k experts a token reaches
+                             + V / (2*L*h) ]                       logits
+
+B global batch (sequences), s sequence length, L layers, h hidden size, a attention heads, g query groups
+(GQA), d_head kv channels, f FFN hidden size per expert, k experts per token, V padded vocabulary. The 12 is
+3 GEMM passes (forward, two backward) x 2 stacked GEMMs x 2 FLOPs per multiply-add. Attention scores are
+counted for the full s x s square, as Megatron-LM does, not the causal half.
+
+The "analytic" figure uses the nominal k. The "measured" figure uses the mean number of experts a token
+actually reached (routers such as ReMoE, DirMoE or Expert Choice do not route exactly k per token): the FFN
+term is linear in k and summed over layers, so the per-layer mean of the measured k gives the exact total.
+A dense model is k = 1 with f the dense FFN size.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class FlopsConfig:
+    """The model dimensions the FLOPs count needs.
+
+    Args:
+        num_layers: L.
+        hidden_size: h.
+        num_attention_heads: a.
+        num_query_groups: g (equal to a without GQA).
+        kv_channels: d_head.
+        ffn_hidden_size: f, per expert (the dense FFN for a dense model).
+        vocab_size: V, the padded vocabulary.
+        top_k: nominal experts per token (1 for a dense model).
+        swiglu: gated FFN (three h x f matrices instead of two).
+    """
+
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_query_groups: int
+    kv_channels: int
+    ffn_hidden_size: int
+    vocab_size: int
+    top_k: float = 1
+    swiglu: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
+                     "ffn_hidden_size", "vocab_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+
+def flops_config_from_flavour(flavour: Any, vocab_size: int | None = None, tp: int = 1) -> FlopsConfig:
+    """The FLOPs dimensions of a model flavour (``repro.model.flavours.ModelFlavour``, read by attribute).
+
+    Args:
+        flavour: has ``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,
+            ``kv_channels``, ``ffn_hidden_size``, ``num_experts`` (None: dense), ``top_k`` and
+            ``padded_vocab_size(vocab_size, tp)``.
+        vocab_size: the tokenizer's size before padding (default: the flavour's).
+        tp: tensor-parallel size (the padding multiple grows with it).
+
+    Returns:
+        The :class:`FlopsConfig` (SwiGLU; k = 1 for a dense flavour).
+    """
+    return FlopsConfig(
+        num_layers=flavour.num_layers,
+        hidden_size=flavour.hidden_size,
+        num_attention_heads=flavour.num_attention_heads,
+        num_query_groups=flavour.num_query_groups,
+        kv_channels=flavour.kv_channels,
+        ffn_hidden_size=flavour.ffn_hidden_size,
+        vocab_size=flavour.padded_vocab_size(vocab_size, tp),
+        top_k=1 if flavour.num_experts is None else flavour.top_k,
+        swiglu=True,
+    )
+
+
+def _mean_k(experts_per_token: float | Sequence[float]) -> float:
+    if isinstance(experts_per_token, (int, float)):
+        return float(experts_per_token)
+    values = [float(v) for v in experts_per_token]
+    if not values:
+        raise ValueError("experts_per_token is an empty sequence")
+    return sum(values) / len(values)
+
+
+def model_flops_per_iteration(
+    cfg: FlopsConfig, global_batch_size: int, seq_length: int, experts_per_token: float | Sequence[float]
+) -> float:
+    """Megatron-LM's model FLOPs for one training iteration (forward and backward).
+
+    Args:
+        cfg: model dimensions.
+        global_batch_size: B, sequences per iteration over all data-parallel ranks.
+        seq_length: s.
+        experts_per_token: k, or one k per MoE layer (their mean is used: the FFN term is linear in k).
+
+    Returns:
+        FLOPs per iteration.
+    """
+    B, s, L, h = global_batch_size, seq_length, cfg.num_layers, cfg.hidden_size
+    a, g, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
+    gate = 1.5 if cfg.swiglu else 1.0
+    attention = (1 + g / a + s / h) * (a * d / h)
+    ffn = (cfg.ffn_hidden_size / h) * _mean_k(experts_per_token) * gate
+    logits = cfg.vocab_size / (2 * L * h)
+    return 12.0 * B * s * L * h * h * (attention + ffn + logits)
+
+
+def analytic_flops_per_iteration(cfg: FlopsConfig, global_batch_size: int, seq_length: int) -> float:
+    """FLOPs per iteration at the nominal k (``cfg.top_k``): the figure the papers report.
+
+    Args:
+        cfg: model dimensions.
+        global_batch_size: B.
+        seq_length: s.
+
+    Returns:
+        FLOPs per iteration.
+    """
+    return model_flops_per_iteration(cfg, global_batch_size, seq_length, cfg.top_k)
+
+
+def measured_flops_per_iteration(
+    cfg: FlopsConfig, global_batch_size: int, seq_length: int, mean_active_experts: float | Sequence[float]
+) -> float:
+    """FLOPs per iteration at the mean number of experts per token actually reached.
+
+    Args:
+        cfg: model dimensions.
+        global_batch_size: B.
+        seq_length: s.
+        mean_active_experts: measured mean experts per token, overall or one value per MoE layer.
+
+    Returns:
+        FLOPs per iteration.
+    """
+    return model_flops_per_iteration(cfg, global_batch_size, seq_length, mean_active_experts)
+
+
+def expert_flops_per_token(cfg: FlopsConfig, experts_per_token: float | Sequence[float]) -> float:
+    """The FFN (expert) part of the count, per token, over all layers: what compute parity compares.
+
+    Args:
+        cfg: model dimensions.
+        experts_per_token: k, or one k per MoE layer.
+
+    Returns:
+        ``12 * L * h * f * k * (3/2 if SwiGLU)`` FLOPs per token.
+    """
+    gate = 1.5 if cfg.swiglu else 1.0
+    return 12.0 * cfg.num_layers * cfg.hidden_size * cfg.ffn_hidden_size * _mean_k(experts_per_token) * gate
+
+
+def tflops_per_device(flops_per_iteration: float, iteration_time_s: float, num_devices: int) -> float:
+    """Achieved model TFLOP/s per device.
+
+    Args:
+        flops_per_iteration: FLOPs of one iteration over all devices.
+        iteration_time_s: wall time of one iteration.
+        num_devices: devices that shared the iteration.
+
+    Returns:
+        TFLOP/s per device.
+    """
+    if iteration_time_s <= 0 or num_devices < 1:
+        raise ValueError(f"need iteration_time_s > 0 and num_devices >= 1, got {iteration_time_s}, {num_devices}")
+    return flops_per_iteration / iteration_time_s / num_devices / 1e12
+
+
+#: LLaMA-185M of ReMoE and DirMoE (DESIGN.md section 5), E=8, k=1.
+LLAMA_185M = FlopsConfig(
+    num_layers=12,
+    hidden_size=768,
+    num_attention_heads=12,
+    num_query_groups=4,
+    kv_channels=64,
+    ffn_hidden_size=3072,
+    vocab_size=50304,
+    top_k=1,
+    swiglu=True,
+)

@@ -1,0 +1,211 @@
+"""The ledger of published numbers: every figure the suite compares against, with its provenance.
+
+The ledger lives in ``results/published/*.json``; each file is ``{"description": str, "entries": [...]}`` and
+each entry is one number as printed in one paper's table (:class:`PublishedEntry`). Where a paper reprints
+another paper's number, the entry says so: ``measured_in`` names the table whose authors ran the experiment
+and ``copied`` is true. Regression checks compare only against entries that are not copies, so a number
+printed twice is checked once.
+
+Metric names are shared with the run records (:func:`repro.report.check.record_value`):
+``zero_shot.<lm-eval task>`` and ``zero_shot.avg`` (percent), ``efficiency.iter_time_ms``,
+``efficiency.tflops_per_device`` (Megatron-LM model FLOPs, nominal k) and ``loss.validation``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.errors import ReproError
+from repro.report.schema import from_json
+
+#: ``results/published`` of this checkout.
+DEFAULT_LEDGER_DIR = Path(__file__).resolve().parents[2] / "results" / "published"
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a measurement may be from a published number and still agree with it.
+
+    Args:
+        kind: ``"abs"`` (|measured - published| <= value, in the entry's unit) or ``"rel"``
+            (|measured - published| <= value * |published|).
+        value: the bound, >= 0.
+        rationale: why this bound (one or two sentences).
+    """
+
+    kind: str
+    value: float
+    rationale: str
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("abs", "rel"):
+            raise ValueError(f"tolerance kind must be 'abs' or 'rel', got '{self.kind}'")
+        if self.value < 0:
+            raise ValueError(f"tolerance value must be >= 0, got {self.value}")
+
+    def bound(self, reference: float) -> float:
+        """The largest allowed absolute difference from ``reference``."""
+        return self.value if self.kind == "abs" else self.value * abs(reference)
+
+    def allows(self, measured: float, reference: float) -> bool:
+        """Whether ``measured`` is within tolerance of ``reference``."""
+        return abs(measured - reference) <= self.bound(reference) + 1e-12
+
+    def describe(self) -> str:
+        """Short text, e.g. ``+-1.5`` or ``+-10%``."""
+        return f"+-{self.value:g}" if self.kind == "abs" else f"+-{self.value * 100:g}%"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The experimental setting a published number was measured in.
+
+    Args:
+        model: the model as the paper names it (``"LLaMA-182M"``).
+        model_id: this suite's model flavour for the same architecture (``"llama-185m"``,
+            ``"llama-185m-dense"``); a run is compared with an entry only when its ``experiment.model`` equals it.
+        num_experts: E (None for a dense model).
+        top_k: k (None for a dense model).
+        tokens: training tokens as printed (``"30B"``).
+        dataset: training corpus.
+        hardware: accelerator (None when the paper does not tie the number to one); efficiency entries are
+            compared only with runs on a device whose name contains this string's model (e.g. ``H100``).
+        num_devices: devices used, where known.
+        note: anything else about the setting.
+    """
+
+    model: str
+    model_id: str
+    num_experts: int | None
+    top_k: int | None
+    tokens: str
+    dataset: str
+    hardware: str | None
+    num_devices: int | None
+    note: str | None = None
+
+
+@dataclass(frozen=True)
+class PublishedEntry:
+    """One published number.
+
+    Args:
+        id: unique key, ``paper/table/router/...``.
+        paper: the paper that prints the number.
+        table: the table it is printed in.
+        row: the row label as printed.
+        router: this suite's router name (``"dense"`` for a dense model).
+        setting: see :class:`Setting`.
+        measured_in: the paper table whose authors measured it (equals this table unless copied).
+        copied: whether this paper reprints another paper's measurement.
+        metric: the shared metric name (module docstring).
+        value: the number as printed.
+        unit: ``"%"``, ``"ms"``, ``"TFLOP/s"``, ``"nats/token"``.
+        tolerance: see :class:`Tolerance`.
+    """
+
+    id: str
+    paper: str
+    table: str
+    row: str
+    router: str
+    setting: Setting
+    measured_in: str
+    copied: bool
+    metric: str
+    value: float
+    unit: str
+    tolerance: Tolerance
+
+    @property
+    def source(self) -> str:
+        """Short provenance label, e.g. ``ReMoE Table 2`` (the table that measured the number)."""
+        return self.measured_in
+
+
+def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
+    """Load and validate one ledger file.
+
+    Args:
+        path: a JSON file ``{"description": str, "entries": [...]}``.
+
+    Returns:
+        Its entries.
+
+    Raises:
+        ReproError: unreadable JSON, or an entry with a missing field or a wrong type (named by index and id).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReproError(f"{path}: cannot read ledger file: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+        raise ReproError(f"{path}: a ledger file must be an object with an 'entries' list")
+    if not isinstance(data.get("description"), str):
+        raise ReproError(f"{path}: missing field 'description' (a string)")
+    entries = []
+    for i, raw in enumerate(data["entries"]):
+        name = raw.get("id") if isinstance(raw, dict) else None
+        origin = f"{path}: entry {i}" + (f" ('{name}')" if isinstance(name, str) else "")
+        entries.append(from_json(PublishedEntry, raw, origin))
+    return entries
+
+
+def load_ledger(ledger_dir: str | Path | None = None) -> list[PublishedEntry]:
+    """Load every ``*.json`` ledger file of a directory.
+
+    Args:
+        ledger_dir: the directory (default: this checkout's ``results/published``).
+
+    Returns:
+        All entries, file by file in name order.
+
+    Raises:
+        ReproError: no ledger files, an invalid entry, or a duplicated entry id.
+    """
+    directory = Path(ledger_dir) if ledger_dir is not None else DEFAULT_LEDGER_DIR
+    files = sorted(directory.glob("*.json"))
+    if not files:
+        raise ReproError(f"{directory}: no published-number files (*.json) found")
+    entries: list[PublishedEntry] = []
+    seen: dict[str, Path] = {}
+    for file in files:
+        for entry in load_ledger_file(file):
+            if entry.id in seen:
+                raise ReproError(f"{file}: entry id '{entry.id}' is already used in {seen[entry.id]}")
+            seen[entry.id] = file
+            entries.append(entry)
+    return entries
+
+
+def select(
+    entries: list[PublishedEntry],
+    *,
+    router: str | None = None,
+    metric: str | None = None,
+    model_id: str | None = None,
+    originals_only: bool = False,
+) -> list[PublishedEntry]:
+    """Entries matching every given criterion.
+
+    Args:
+        entries: the ledger.
+        router: keep this router's entries.
+        metric: keep this metric (exact name).
+        model_id: keep entries whose ``setting.model_id`` is this.
+        originals_only: drop copies (entries whose number another paper measured).
+
+    Returns:
+        The matching entries, in ledger order.
+    """
+    return [
+        e
+        for e in entries
+        if (router is None or e.router == router)
+        and (metric is None or e.metric == metric)
+        and (model_id is None or e.setting.model_id == model_id)
+        and not (originals_only and e.copied)
+    ]

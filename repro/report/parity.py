@@ -1,0 +1,106 @@
+"""Compute parity: whether routers were compared at the same active-expert compute.
+
+Routers that pick a variable number of experts per token (ReMoE, DirMoE, Expert Choice per token) can spend
+more or less FFN compute than their nominal k. A quality comparison is fair only when the measured expert
+FLOPs per token agree; this module compares each run's measured figure
+(``efficiency.expert_flops_per_token_measured``, see :func:`repro.report.flops.expert_flops_per_token`) with a
+reference run's and refuses to call them at parity beyond a stated relative tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from repro.errors import ReproError
+from repro.report.records import RunRecord
+
+DEFAULT_PARITY_TOLERANCE = 0.05
+DEFAULT_REFERENCE_ROUTER = "switch"
+
+
+@dataclass(frozen=True)
+class ParityVerdict:
+    """One run's compute-parity verdict.
+
+    Args:
+        run_id: the run judged.
+        reference_run_id: the run compared with (None when there is nothing to compare).
+        relative_difference: (run - reference) / reference of the measured expert FLOPs per token, or None.
+        at_parity: True within tolerance, False outside, None when unknown (no measured figure).
+        note: the text the efficiency table shows.
+    """
+
+    run_id: str
+    reference_run_id: str | None
+    relative_difference: float | None
+    at_parity: bool | None
+    note: str
+
+
+def _expert_flops(record: RunRecord) -> float | None:
+    return None if record.efficiency is None else record.efficiency.expert_flops_per_token_measured
+
+
+def compute_parity(
+    records: Sequence[RunRecord],
+    *,
+    tolerance: float = DEFAULT_PARITY_TOLERANCE,
+    reference_router: str = DEFAULT_REFERENCE_ROUTER,
+) -> dict[str, ParityVerdict]:
+    """Judge every run's compute parity against a reference run.
+
+    The reference is the first run of ``reference_router`` that has a measured figure, else the first run
+    that has one.
+
+    Args:
+        records: the runs compared in one table.
+        tolerance: the largest relative difference of measured expert FLOPs per token still called parity.
+        reference_router: the router whose run is the reference.
+
+    Returns:
+        ``run_id -> ParityVerdict``.
+    """
+    measured = [r for r in records if _expert_flops(r) is not None]
+    reference = next((r for r in measured if r.experiment.router == reference_router), None)
+    reference = reference or (measured[0] if measured else None)
+    verdicts = {}
+    for record in records:
+        value = _expert_flops(record)
+        if value is None or reference is None:
+            verdicts[record.run_id] = ParityVerdict(record.run_id, None, None, None, "unknown (no measured k)")
+            continue
+        ref_value = _expert_flops(reference)
+        diff = (value - ref_value) / ref_value
+        if record is reference:
+            note = "reference"
+        elif abs(diff) <= tolerance:
+            note = f"yes ({diff * 100:+.1f}% vs {reference.run_id})"
+        else:
+            note = f"NO ({diff * 100:+.1f}% vs {reference.run_id}, tolerance {tolerance * 100:g}%)"
+        verdicts[record.run_id] = ParityVerdict(
+            record.run_id, reference.run_id, diff, abs(diff) <= tolerance, note
+        )
+    return verdicts
+
+
+def require_parity(
+    records: Sequence[RunRecord],
+    *,
+    tolerance: float = DEFAULT_PARITY_TOLERANCE,
+    reference_router: str = DEFAULT_REFERENCE_ROUTER,
+) -> None:
+    """Raise unless every run is at compute parity with the reference (see :func:`compute_parity`).
+
+    Args:
+        records: the runs.
+        tolerance: relative tolerance.
+        reference_router: the reference router.
+
+    Raises:
+        ReproError: naming the runs that are not at parity or whose parity is unknown.
+    """
+    verdicts = compute_parity(records, tolerance=tolerance, reference_router=reference_router)
+    bad = [f"{v.run_id}: {v.note}" for v in verdicts.values() if not v.at_parity]
+    if bad:
+        raise ReproError("runs not at compute parity: " + "; ".join(bad))

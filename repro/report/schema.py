@@ -1,0 +1,138 @@
+"""Typed loading of JSON into frozen dataclasses, with one-line errors that name the file and the field.
+
+The run records (:mod:`repro.report.records`) and the published ledger (:mod:`repro.report.ledger`) are
+both plain JSON written and read by people and by other programs. Both are described by frozen dataclasses;
+:func:`from_json` walks a dataclass's type hints and refuses a missing field, an unknown field or a value of
+the wrong type with a :class:`~repro.errors.ReproError` such as::
+
+    results/runs/a/record.json: field 'efficiency.iter_time_ms' must be a number, got str ('fast')
+
+Supported field types: ``str``, ``int``, ``float`` (an int is accepted, a bool is not), ``bool``, ``Any``,
+``dict[str, Any]`` (kept as is), ``tuple[X, ...]`` (from a JSON list), ``X | None`` and nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any, TypeVar
+
+from repro.errors import ReproError
+
+D = TypeVar("D")
+
+_TYPE_WORDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object"}
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 40:
+        text = text[:37] + "..."
+    return f"{type(value).__name__} ({text})"
+
+
+def _convert(value: Any, tp: Any, where: str, origin: str) -> Any:
+    """Check ``value`` against the type ``tp`` and return it converted (dataclasses built, lists to tuples)."""
+    if tp is Any:
+        return value
+    args = typing.get_args(tp)
+    kind = typing.get_origin(tp)
+    if kind in (typing.Union, types.UnionType):
+        if value is None:
+            if type(None) in args:
+                return None
+            raise ReproError(f"{origin}: field '{where}' must not be null")
+        non_null = [a for a in args if a is not type(None)]
+        if len(non_null) != 1:
+            raise TypeError(f"unsupported union {tp} at {where}")
+        return _convert(value, non_null[0], where, origin)
+    if value is None:
+        raise ReproError(f"{origin}: field '{where}' must not be null")
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, where, origin)
+    if kind is tuple:
+        if not isinstance(value, (list, tuple)):
+            raise ReproError(f"{origin}: field '{where}' must be a list, got {_describe(value)}")
+        item_tp = args[0]
+        return tuple(_convert(item, item_tp, f"{where}[{i}]", origin) for i, item in enumerate(value))
+    if kind is dict or tp is dict:
+        if not isinstance(value, dict):
+            raise ReproError(f"{origin}: field '{where}' must be an object, got {_describe(value)}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ReproError(f"{origin}: field '{where}' must be a number, got {_describe(value)}")
+        if not math.isfinite(value):
+            raise ReproError(f"{origin}: field '{where}' must be a finite number, got {value}")
+        return float(value)
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ReproError(f"{origin}: field '{where}' must be an integer, got {_describe(value)}")
+        return value
+    if tp in (str, bool):
+        if not isinstance(value, tp):
+            raise ReproError(f"{origin}: field '{where}' must be {_TYPE_WORDS[tp]}, got {_describe(value)}")
+        return value
+    raise TypeError(f"unsupported field type {tp!r} at {where}")
+
+
+def _build(cls: type[D], data: Any, where: str, origin: str) -> D:
+    label = f"field '{where}'" if where else "the top level"
+    if not isinstance(data, dict):
+        raise ReproError(f"{origin}: {label} must be an object, got {_describe(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        name = f"{where}.{unknown[0]}" if where else unknown[0]
+        raise ReproError(f"{origin}: unknown field '{name}' (valid: {', '.join(fields)})")
+    kwargs = {}
+    for name, field in fields.items():
+        path = f"{where}.{name}" if where else name
+        if name not in data:
+            has_default = field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
+            if has_default:
+                continue
+            raise ReproError(f"{origin}: missing field '{path}'")
+        kwargs[name] = _convert(data[name], hints[name], path, origin)
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:  # a dataclass's own __post_init__ check
+        raise ReproError(f"{origin}: {label}: {exc}") from None
+
+
+def from_json(cls: type[D], data: Any, origin: str) -> D:
+    """Build the frozen dataclass ``cls`` from parsed JSON, checking every field.
+
+    Args:
+        cls: a dataclass whose fields use the supported types (module docstring).
+        data: the parsed JSON object.
+        origin: what to name in errors, usually the file path (and entry).
+
+    Returns:
+        The dataclass instance.
+
+    Raises:
+        ReproError: a missing or unknown field, or a value of the wrong type, named by its dotted path.
+    """
+    return _build(cls, data, "", origin)
+
+
+def to_json(obj: Any) -> Any:
+    """The JSON form of a dataclass built by :func:`from_json` (tuples become lists).
+
+    Args:
+        obj: a dataclass instance (or any JSON-able value).
+
+    Returns:
+        Plain dicts, lists and scalars.
+    """
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, (list, tuple)):
+        return [to_json(x) for x in obj]
+    if isinstance(obj, dict):
+        return {k: to_json(v) for k, v in obj.items()}
+    return obj
