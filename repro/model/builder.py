@@ -83,6 +83,8 @@ def transformer_config(
     *,
     bf16: bool | None = None,
     use_te: bool | None = None,
+    tp: int = 1,
+    ep: int = 1,
 ):
     """The megatron-core TransformerConfig of a flavour (also what FLOPs are computed from).
 
@@ -92,6 +94,9 @@ def transformer_config(
         router_options: for ``"megatron"``: ``aux_loss_coeff``, ``z_loss_coeff``, ``capacity_factor``.
         bf16: bf16 parameters; default: on GPU only.
         use_te: TransformerEngine spec (grouped GEMM); default: when importable on a GPU.
+        tp: tensor-parallel size (must match megatron's parallel_state).
+        ep: expert-parallel size; with ep > 1 megatron marks expert parameters ``allreduce=False`` so that
+            data-parallel gradient reduction leaves them to the expert-data-parallel group.
 
     Returns:
         A ``megatron.core.transformer.transformer_config.TransformerConfig``.
@@ -118,6 +123,8 @@ def transformer_config(
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=flavour.init_method_std,
+        tensor_model_parallel_size=tp,
+        expert_model_parallel_size=ep if flavour.is_moe else 1,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
         # Fused kernels come from Apex / megatron's CUDA extensions, which these machines do not have.
@@ -286,7 +293,8 @@ def build_model(
         router_options = _with_vocab_size(router_name, router_options, padded_vocab)
 
     use_te = te_available() if use_te is None else use_te
-    config = transformer_config(flavour, router_name, router_options, bf16=bf16, use_te=use_te)
+    ep = parallel_state.get_expert_model_parallel_world_size()
+    config = transformer_config(flavour, router_name, router_options, bf16=bf16, use_te=use_te, tp=tp, ep=ep)
     spec = _layer_spec(flavour, config, router_name, router_options, use_te)
 
     if seed is not None:

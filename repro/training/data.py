@@ -1,0 +1,129 @@
+"""The training and validation samples of an experiment: the synthetic source or megatron indexed datasets.
+
+Both are indexable datasets whose items are dicts of 1-D tensors (``tokens``, ``labels``, ``loss_mask``,
+``position_ids``); the loop cuts them into micro-batches with
+:class:`repro.training.synthetic.MicroBatchSampler`, so the data position of a run is one integer (the
+consumed-sample count) and a resumed run reads exactly the samples an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from repro.errors import ReproError
+from repro.training.distributed import barrier
+from repro.training.experiments import Experiment
+from repro.training.synthetic import SyntheticTokens
+
+DEFAULT_SYNTHETIC_VOCAB = 512
+#: Where ``data=mini-pile`` builds (or finds) the embedded corpus, relative to the working directory.
+DEFAULT_MINI_PILE_DIR = "data/mini-pile"
+
+
+@dataclass(frozen=True)
+class RunData:
+    """The datasets of one run.
+
+    Args:
+        train: indexable training samples.
+        valid: indexable validation samples (None: no validation).
+        vocab_size: the tokenizer's vocabulary size (the model pads it).
+        description: a short human-readable origin (for ``config.json``).
+    """
+
+    train: Any
+    valid: Any
+    vocab_size: int
+    description: str
+
+
+def _indexed_prefixes(spec: str) -> list[str]:
+    _, _, rest = spec.partition(":")
+    prefixes = [p.strip() for p in rest.split(",") if p.strip()]
+    if not prefixes:
+        raise ReproError(f"data '{spec}': give at least one indexed-dataset prefix after the colon")
+    return prefixes
+
+
+def _mini_pile(spec: str) -> tuple[list[str], str]:
+    """Build (or reuse) the embedded mini-pile and return its training prefix and tokenizer directory.
+
+    ``spec`` is ``mini-pile`` (directory :data:`DEFAULT_MINI_PILE_DIR`, relative to the working directory)
+    or ``mini-pile:<dir>``. Rank 0 builds first (:func:`repro.data.minipile.build_mini_pile` reuses a
+    complete build whose inputs are unchanged); the other ranks then find it built.
+    """
+    from repro.data.minipile import build_mini_pile
+
+    root = spec.partition(":")[2].strip() or DEFAULT_MINI_PILE_DIR
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    if rank == 0:
+        mini = build_mini_pile(root)
+    barrier()
+    if rank != 0:
+        mini = build_mini_pile(root)
+    return [str(mini.train_prefix)], str(Path(mini.vocab_path).parent)
+
+
+def build_run_data(
+    experiment: Experiment,
+    seq_length: int,
+    dp_size: int,
+    cache_dir: str | os.PathLike,
+) -> RunData:
+    """Build the experiment's datasets.
+
+    Args:
+        experiment: the run's config (``data``, ``vocab_size``, ``seed``, batch sizes, ``steps``).
+        seq_length: tokens per sample.
+        dp_size: data-parallel size (sizes the validation set: ``eval_iters`` micro-batches per rank).
+        cache_dir: where megatron caches its sample indices (indexed data only).
+
+    Returns:
+        The :class:`RunData`.
+
+    Raises:
+        ReproError: missing data or tokenizer files.
+    """
+    valid_samples = max(1, experiment.eval_iters) * experiment.micro_batch_size * dp_size
+    if experiment.data == "synthetic":
+        vocab = experiment.vocab_size or DEFAULT_SYNTHETIC_VOCAB
+        train = SyntheticTokens(vocab, seq_length, seed=experiment.seed, split=0, num_samples=experiment.synthetic_samples)
+        valid = SyntheticTokens(vocab, seq_length, seed=experiment.seed, split=1, num_samples=valid_samples)
+        return RunData(train, valid if experiment.eval_interval else None, vocab, f"synthetic(vocab={vocab})")
+
+    if experiment.data.partition(":")[0] == "mini-pile":
+        prefixes, tokenizer_dir = _mini_pile(experiment.data)
+    else:
+        prefixes = _indexed_prefixes(experiment.data)
+        tokenizer_dir = experiment.tokenizer or str(Path(prefixes[0]).parent)
+    from repro.data.datasets import build_datasets
+    from repro.data.tokenizer import load_tokenizer
+
+    vocab_path = Path(tokenizer_dir) / "vocab.json"
+    merges_path = Path(tokenizer_dir) / "merges.txt"
+    for p in (vocab_path, merges_path):
+        if not p.is_file():
+            raise ReproError(f"{p}: tokenizer file missing (set tokenizer=<dir with vocab.json and merges.txt>)")
+    tokenizer = load_tokenizer(vocab_path, merges_path)
+    train_samples = experiment.steps * experiment.global_batch_size
+    splits = build_datasets(
+        prefixes,
+        seq_length,
+        (train_samples, valid_samples if experiment.eval_interval else None, None),
+        experiment.seed,
+        cache_dir,
+        tokenizer,
+    )
+    if splits.train is None:
+        raise ReproError(f"data '{experiment.data}': no training split was built")
+    return RunData(
+        splits.train,
+        splits.valid if experiment.eval_interval else None,
+        tokenizer.vocab_size,
+        f"indexed({', '.join(prefixes)})",
+    )

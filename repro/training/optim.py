@@ -1,0 +1,239 @@
+"""The optimizer side of a training step, behind one small interface for CPU and GPU.
+
+Both wrap the model in megatron-core's ``DistributedDataParallel`` (gradients reduced non-expert over
+DP, expert over expert-DP, see :mod:`repro.training.distributed`).
+
+* CPU (:class:`CpuOptimization`): ``torch.optim.AdamW`` on megatron's reduced gradients, global-norm
+  clipping by :func:`repro.training.distributed.clip_gradients`. megatron's optimizer is not usable there:
+  ``get_megatron_optimizer`` allocates on CUDA (see ``repro.model.cpu_shims``).
+* GPU (:class:`MegatronOptimization`): ``get_megatron_optimizer`` (fp32 main parameters for bf16 models,
+  its own global-norm clipping, optionally the distributed optimizer). Not exercised by the CPU suite.
+
+Weight decay follows megatron: none on biases and 1-D parameters (norm weights, router biases).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from repro.training.distributed import Parallel, clip_gradients, is_expert_param
+
+
+def _no_decay(name: str, param: torch.Tensor) -> bool:
+    return param.dim() < 2 or name.endswith(".bias")
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW parameter groups: decayed (>= 2-D weights) and not decayed (biases, 1-D parameters).
+
+    Args:
+        model: the model.
+        weight_decay: the decoupled weight decay of the first group.
+
+    Returns:
+        Two groups (empty ones dropped), in a fixed order so optimizer state loads back correctly.
+    """
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if _no_decay(name, p) else decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    return [g for g in groups if g["params"]]
+
+
+def _wrap_ddp(model: nn.Module, parallel: Parallel, distributed_optimizer: bool) -> nn.Module:
+    """megatron-core's ``DistributedDataParallel`` around ``model`` (fp32 grad buffers, no overlap).
+
+    Expert parameters are marked ``allreduce=False`` first when EP > 1: megatron's DDP (and optimizer) split
+    expert from non-expert parameters by that attribute, which its layers set only when the
+    TransformerConfig carries ``expert_model_parallel_size > 1``; marking them here guarantees their
+    gradients are reduced over the expert-data-parallel group, never across ranks holding other experts.
+    """
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    if parallel.ep_size > 1:
+        for name, p in model.named_parameters():
+            if is_expert_param(name, p):
+                p.allreduce = False
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=distributed_optimizer,
+    )
+    return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+class CpuOptimization:
+    """megatron-core's DDP gradient reduction + torch AdamW + global-norm clipping (the CPU path).
+
+    megatron's ``DistributedDataParallel`` works on CPU under gloo with the CPU shims (measured: one
+    process, DP=2 and EP=2): backward hooks accumulate into its fp32 ``main_grad`` buffers and
+    ``finalize_model_grads`` reduces them (non-expert over DP, expert over expert-DP, both scaled by 1/dp).
+    Its optimizer is not usable on CPU (``get_megatron_optimizer`` allocates on CUDA), so torch's AdamW
+    steps on the reduced gradients, after :func:`~repro.training.distributed.clip_gradients`.
+
+    Args:
+        model: the local model.
+        parallel: the layout and groups.
+        lr: initial LR (the scheduler sets it every step).
+        weight_decay: AdamW weight decay.
+        betas: AdamW betas.
+        eps: AdamW epsilon.
+        clip_grad: global-norm clip (0: none).
+
+    Attributes:
+        ddp_model: the wrapped model to run forward/backward through.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        parallel: Parallel,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+    ) -> None:
+        self.model = model
+        self.parallel = parallel
+        self.clip_grad = clip_grad
+        self.ddp_model = _wrap_ddp(model, parallel, distributed_optimizer=False)
+        # foreach=False: the per-parameter loop is deterministic and identical whatever the layout.
+        self.optimizer = torch.optim.AdamW(
+            param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, foreach=False
+        )
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups (the LR scheduler writes ``lr`` into them)."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        """Zero megatron's grad buffers and drop the gradients before a step's first backward."""
+        self.ddp_model.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> float:
+        """Reduce gradients over the ranks, clip, and update.
+
+        Returns:
+            The global gradient norm before clipping.
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp_model])
+        for p in self.model.parameters():
+            if p.requires_grad:
+                # The reduced gradient lives in megatron's buffer; AdamW reads .grad (same storage, fp32).
+                p.grad = p.main_grad if p.main_grad.dtype == p.dtype else p.main_grad.to(p.dtype)
+        grad_norm = clip_gradients(self.model, self.parallel, self.clip_grad)
+        self.optimizer.step()
+        return grad_norm
+
+    def state_dict(self) -> dict[str, Any]:
+        """The AdamW state (moments, step counts)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.optimizer.load_state_dict(state)
+
+
+class MegatronOptimization:  # pragma: no cover - needs CUDA
+    """megatron-core's DDP wrapper and optimizer (GPU only).
+
+    Args:
+        model: the local (unwrapped) megatron model; wrapped here in ``DistributedDataParallel``.
+        parallel: the layout.
+        lr, weight_decay, betas, eps, clip_grad: as :class:`CpuOptimization`.
+        bf16: the model is in bf16 (megatron keeps fp32 main parameters).
+        distributed_optimizer: shard the optimizer state over data-parallel ranks.
+
+    Attributes:
+        ddp_model: the wrapped model to run forward/backward through.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        parallel: Parallel,
+        *,
+        lr: float,
+        weight_decay: float,
+        betas: tuple[float, float],
+        eps: float,
+        clip_grad: float,
+        bf16: bool,
+        distributed_optimizer: bool,
+    ) -> None:
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        self.parallel = parallel
+        self.distributed_optimizer = distributed_optimizer
+        self.ddp_model = _wrap_ddp(model, parallel, distributed_optimizer)
+        self.ddp_model.broadcast_params()
+        opt_config = OptimizerConfig(
+            optimizer="adam",
+            lr=lr,
+            weight_decay=weight_decay,
+            adam_beta1=betas[0],
+            adam_beta2=betas[1],
+            adam_eps=eps,
+            clip_grad=clip_grad,
+            bf16=bf16,
+            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            use_distributed_optimizer=distributed_optimizer,
+        )
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp_model])
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's parameter groups."""
+        return self.optimizer.param_groups
+
+    def zero_grad(self) -> None:
+        """Zero megatron's grad buffers and the optimizer's gradients."""
+        self.ddp_model.zero_grad_buffer()
+        self.optimizer.zero_grad()
+
+    def step(self) -> float:
+        """Finish the gradient reduction (DP, expert-DP, embedding/TP duplicates) and take the step.
+
+        Returns:
+            The global gradient norm before clipping (megatron's).
+        """
+        from megatron.core.distributed import finalize_model_grads
+
+        finalize_model_grads([self.ddp_model])
+        _, grad_norm, _ = self.optimizer.step()
+        return float(grad_norm) if grad_norm is not None else float("nan")
+
+    def _optimizers(self) -> list:
+        return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Each (chained) optimizer's state; with the distributed optimizer, its parameter state gathered
+        to data-parallel rank 0 (a collective)."""
+        states = []
+        for opt in self._optimizers():
+            entry = {"state": opt.state_dict()}
+            if hasattr(opt, "get_parameter_state_dp_zero"):
+                entry["param_state"] = opt.get_parameter_state_dp_zero()
+            states.append(entry)
+        return {"optimizers": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (the same layout is required)."""
+        for opt, entry in zip(self._optimizers(), state["optimizers"]):
+            opt.load_state_dict(entry["state"])
+            if "param_state" in entry and hasattr(opt, "load_parameter_state_from_dp_zero"):
+                opt.load_parameter_state_from_dp_zero(entry["param_state"])

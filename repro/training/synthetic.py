@@ -1,0 +1,140 @@
+"""A deterministic synthetic token source with learnable structure, and the micro-batch sampler.
+
+The synthetic source stands in for a tokenized corpus when no files are wanted (tests, smoke runs): it is
+indexable like megatron's ``GPTDataset`` (sample ``i`` is a dict of 1-D tensors ``tokens``, ``labels``,
+``loss_mask``, ``position_ids``), every sample is a pure function of ``(seed, split, i)``, so a resumed run
+that restarts at a sample index sees exactly the data it would have seen.
+
+Its text is a random sparse bigram chain: each token has a few likely successors (fixed by the seed), with
+some uniform noise. A model lowers its loss quickly from ``log V`` by learning the table, so a falling loss
+is a meaningful check after a handful of steps.
+
+:class:`MicroBatchSampler` cuts the global sample order into micro-batches the way megatron's
+``MegatronPretrainingSampler`` does: each micro-step takes ``micro_batch_size x dp_size`` consecutive
+samples, and data-parallel rank ``r`` takes slice ``r`` of them. A one-process run and a DP run of the same
+global batch therefore see the same micro-batches, only spread over ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+@dataclass(frozen=True)
+class SyntheticTokens:
+    """Seeded sparse-bigram token sequences, indexable (``len`` is ``num_samples`` or "unbounded").
+
+    Args:
+        vocab_size: V.
+        seq_length: S, tokens per sample (the sample holds S+1 tokens: inputs and shifted labels).
+        seed: fixes the bigram table and every sample.
+        split: 0 for training, 1 for validation (independent samples, same table).
+        num_samples: distinct samples before the index wraps (0: never wraps).
+        successors: likely successors per token.
+        noise: probability of a uniformly random next token.
+    """
+
+    vocab_size: int
+    seq_length: int
+    seed: int = 0
+    split: int = 0
+    num_samples: int = 0
+    successors: int = 4
+    noise: float = 0.1
+
+    def __post_init__(self) -> None:
+        if self.vocab_size < 2 or self.seq_length < 1:
+            raise ValueError(f"need vocab_size >= 2 and seq_length >= 1, got {self.vocab_size}, {self.seq_length}")
+
+    def _table(self) -> np.ndarray:
+        # The bigram table depends on the seed only (not the split), so validation measures the same language.
+        rng = np.random.default_rng([self.seed, 0x5EED])
+        return rng.integers(0, self.vocab_size, size=(self.vocab_size, self.successors))
+
+    def __len__(self) -> int:
+        return self.num_samples if self.num_samples else 2**62
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample ``index``: ``tokens``/``labels``/``position_ids`` int64 ``[S]``, ``loss_mask`` float ``[S]``."""
+        index = int(index)
+        if index < 0:
+            raise IndexError(index)
+        if self.num_samples:
+            index %= self.num_samples
+        table = self._table()
+        rng = np.random.default_rng([self.seed, self.split + 1, index])
+        n = self.seq_length + 1
+        pick = rng.integers(0, self.successors, size=n)
+        noisy = rng.random(n) < self.noise
+        uniform = rng.integers(0, self.vocab_size, size=n)
+        seq = np.empty(n, dtype=np.int64)
+        seq[0] = uniform[0]
+        for t in range(1, n):
+            seq[t] = uniform[t] if noisy[t] else table[seq[t - 1], pick[t]]
+        text = torch.from_numpy(seq)
+        return {
+            "tokens": text[:-1].clone(),
+            "labels": text[1:].clone(),
+            "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
+            "position_ids": torch.arange(self.seq_length, dtype=torch.int64),
+        }
+
+
+@dataclass(frozen=True)
+class MicroBatchSampler:
+    """Which samples one data-parallel rank reads, as a function of the consumed-sample count.
+
+    Args:
+        micro_batch_size: m, sequences per micro-batch per rank.
+        dp_rank: r.
+        dp_size: number of data-parallel ranks.
+        num_microbatches: micro-batches per optimizer step on each rank.
+    """
+
+    micro_batch_size: int
+    dp_rank: int
+    dp_size: int
+    num_microbatches: int
+
+    @property
+    def global_batch_size(self) -> int:
+        """Samples consumed by one optimizer step over all ranks."""
+        return self.micro_batch_size * self.dp_size * self.num_microbatches
+
+    def indices(self, consumed_samples: int, microbatch: int) -> range:
+        """Global sample indices of micro-batch ``microbatch`` of the step starting at ``consumed_samples``.
+
+        Args:
+            consumed_samples: samples consumed by all ranks before this step.
+            microbatch: 0-based micro-batch number within the step.
+
+        Returns:
+            The ``micro_batch_size`` sample indices for this rank.
+        """
+        start = consumed_samples + (microbatch * self.dp_size + self.dp_rank) * self.micro_batch_size
+        return range(start, start + self.micro_batch_size)
+
+
+def collate(dataset, indices) -> dict[str, torch.Tensor]:
+    """Stack samples ``indices`` of an indexable dataset into a ``[b, s]`` batch dict.
+
+    Args:
+        dataset: indexable; items are dicts with (at least) :data:`SAMPLE_KEYS`, as tensors or numpy arrays.
+        indices: sample indices (wrapped modulo ``len(dataset)``).
+
+    Returns:
+        ``{tokens, labels, loss_mask, position_ids}``, each ``[b, s]`` (int64, float32 for the mask).
+    """
+    n = len(dataset)
+    samples = [dataset[int(i) % n] for i in indices]
+    batch = {}
+    for key in SAMPLE_KEYS:
+        values = [torch.as_tensor(np.asarray(s[key])) if not torch.is_tensor(s[key]) else s[key] for s in samples]
+        stacked = torch.stack(values)
+        batch[key] = stacked.float() if key == "loss_mask" else stacked.long()
+    return batch
