@@ -64,7 +64,7 @@ class ScoringModel(Protocol):
 def load_scoring_model(checkpoint_dir: str | Path, device: str | None = None) -> tuple[ScoringModel, Any]:
     """Load a checkpoint of this suite for evaluation: THE place where checkpoint loading is wired.
 
-    Calls ``repro.training.checkpoint.load_for_evaluation(checkpoint_dir, device=device)``, which must
+    Calls ``repro.training.inference.load_for_evaluation(checkpoint_dir, device=device)``, which must
     return ``(ScoringModel, tokenizer)``: the model built by ``repro.model.builder.build_model`` with its
     router, weights from the checkpoint, and the run's tokenizer (vocab.json/merges.txt; a
     ``tokenizers.Tokenizer`` or ``repro.data.tokenizer.Gpt2BpeTokenizer``).
@@ -83,11 +83,11 @@ def load_scoring_model(checkpoint_dir: str | Path, device: str | None = None) ->
     if not path.is_dir():
         raise ReproError(f"{path}: no such checkpoint directory")
     try:
-        from repro.training.checkpoint import load_for_evaluation
+        from repro.training.inference import load_for_evaluation
     except ImportError as exc:
         raise ReproError(
             f"cannot load checkpoint {path}: the training code's loader "
-            f"repro.training.checkpoint.load_for_evaluation is not available ({exc})"
+            f"repro.training.inference.load_for_evaluation is not available ({exc})"
         ) from None
     return load_for_evaluation(path, device=device)
 

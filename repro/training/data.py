@@ -69,6 +69,42 @@ def _mini_pile(spec: str) -> tuple[list[str], str]:
     return [str(mini.train_prefix)], str(Path(mini.vocab_path).parent)
 
 
+def data_sources(experiment: Experiment) -> tuple[list[str], str]:
+    """The indexed-dataset prefixes and the tokenizer directory of a non-synthetic experiment.
+
+    Args:
+        experiment: the run's config (``data`` is ``mini-pile[:dir]`` or ``indexed:prefix,...``).
+
+    Returns:
+        ``(prefixes, tokenizer_dir)``; the mini-pile is built (or reused) on the way.
+
+    Raises:
+        ReproError: synthetic data (it has no tokenizer) or no prefix given.
+    """
+    if experiment.data == "synthetic":
+        raise ReproError(f"experiment '{experiment.name}' trains on synthetic tokens: it has no tokenizer")
+    if experiment.data.partition(":")[0] == "mini-pile":
+        return _mini_pile(experiment.data)
+    prefixes = _indexed_prefixes(experiment.data)
+    return prefixes, experiment.tokenizer or str(Path(prefixes[0]).parent)
+
+
+def load_run_tokenizer(tokenizer_dir: str | os.PathLike):
+    """Load the GPT-2-format tokenizer (``vocab.json`` + ``merges.txt``) in ``tokenizer_dir``.
+
+    Raises:
+        ReproError: a missing file (naming it).
+    """
+    from repro.data.tokenizer import load_tokenizer
+
+    vocab_path = Path(tokenizer_dir) / "vocab.json"
+    merges_path = Path(tokenizer_dir) / "merges.txt"
+    for p in (vocab_path, merges_path):
+        if not p.is_file():
+            raise ReproError(f"{p}: tokenizer file missing (set tokenizer=<dir with vocab.json and merges.txt>)")
+    return load_tokenizer(vocab_path, merges_path)
+
+
 def build_run_data(
     experiment: Experiment,
     seq_length: int,
@@ -96,20 +132,10 @@ def build_run_data(
         valid = SyntheticTokens(vocab, seq_length, seed=experiment.seed, split=1, num_samples=valid_samples)
         return RunData(train, valid if experiment.eval_interval else None, vocab, f"synthetic(vocab={vocab})")
 
-    if experiment.data.partition(":")[0] == "mini-pile":
-        prefixes, tokenizer_dir = _mini_pile(experiment.data)
-    else:
-        prefixes = _indexed_prefixes(experiment.data)
-        tokenizer_dir = experiment.tokenizer or str(Path(prefixes[0]).parent)
+    prefixes, tokenizer_dir = data_sources(experiment)
     from repro.data.datasets import build_datasets
-    from repro.data.tokenizer import load_tokenizer
 
-    vocab_path = Path(tokenizer_dir) / "vocab.json"
-    merges_path = Path(tokenizer_dir) / "merges.txt"
-    for p in (vocab_path, merges_path):
-        if not p.is_file():
-            raise ReproError(f"{p}: tokenizer file missing (set tokenizer=<dir with vocab.json and merges.txt>)")
-    tokenizer = load_tokenizer(vocab_path, merges_path)
+    tokenizer = load_run_tokenizer(tokenizer_dir)
     train_samples = experiment.steps * experiment.global_batch_size
     splits = build_datasets(
         prefixes,

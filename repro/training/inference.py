@@ -1,0 +1,134 @@
+"""Trained checkpoints as scoring models: what the lm-eval bridge and the routing analysis load.
+
+``load_for_evaluation(run_or_checkpoint_dir)`` rebuilds the run's model (flavour, router and its options
+from the checkpoint's experiment config) in a single process, loads the weights written by any DP/EP layout,
+puts it in eval mode (deterministic routers) and returns it with the run's tokenizer.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from repro.errors import ReproError
+from repro.training import checkpoint as ckpt
+from repro.training.experiments import Experiment
+
+
+class CheckpointLM(nn.Module):
+    """A megatron-core GPTModel behind the bridge's ``ScoringModel`` protocol.
+
+    Args:
+        model: the GPTModel (weights loaded).
+        experiment: the run's config.
+        eod_id: the end-of-document token id.
+        vocab_size: the tokenizer's vocabulary (the model's padded extra logits are cut off).
+        max_length: the training sequence length.
+        device: where the model lives.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        experiment: Experiment,
+        eod_id: int,
+        vocab_size: int,
+        max_length: int,
+        device: torch.device,
+    ):
+        super().__init__()
+        self.model = model
+        self.experiment = experiment
+        self.eod_id = int(eod_id)
+        self.vocab_size = int(vocab_size)
+        self.max_length = int(max_length)
+        self.device = device
+
+    @torch.no_grad()
+    def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, S, V]`` (float32) for token ids ``[B, S]``.
+
+        The padded vocabulary's extra columns are dropped, so V is the tokenizer's vocabulary size.
+        """
+        from repro.model.cpu_shims import causal_attention_mask
+        from routers.megatron_adapter import token_ids_context
+
+        tokens_BS = tokens_BS.to(self.device)
+        B, S = tokens_BS.shape
+        mask = causal_attention_mask(S, self.device)
+        position_ids_BS = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
+        with token_ids_context(self.model, tokens_BS):
+            logits_BSV = self.model(tokens_BS, position_ids_BS, mask)
+        return logits_BSV[..., : self.vocab_size].float()
+
+    def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+        return self.logits(tokens_BS)
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """A checkpoint directory from a checkpoint, a run's ``checkpoints`` directory or a run directory.
+
+    Raises:
+        ReproError: nothing to load there (naming the path).
+    """
+    path = Path(path)
+    if (path / "meta.json").is_file():
+        return path
+    for candidate in (path, path / "checkpoints"):
+        latest = ckpt.find_latest_checkpoint(candidate)
+        if latest is not None:
+            return latest
+    raise ReproError(f"{path}: no checkpoint found (expected a run directory or checkpoints/step_*)")
+
+
+def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> tuple[CheckpointLM, Any]:
+    """Load a run's checkpoint for scoring.
+
+    Args:
+        path: a run directory (its newest checkpoint), a ``checkpoints`` directory or one checkpoint.
+        device: ``"cpu"``/``"cuda"``; default CUDA when available.
+
+    Returns:
+        ``(CheckpointLM in eval mode, tokenizer)``.
+
+    Raises:
+        ReproError: no checkpoint, a synthetic-data run (no tokenizer), or weights that do not fit.
+    """
+    from repro.model import parallel as model_parallel
+    from repro.model.builder import build_model
+    from repro.model.cpu_shims import apply_cpu_shims
+    from repro.model.flavours import get_flavour
+    from repro.training.data import data_sources, load_run_tokenizer
+    from repro.training.distributed import current_parallel
+
+    checkpoint_dir = resolve_checkpoint(path)
+    info = ckpt.read_checkpoint_info(checkpoint_dir)
+    experiment = Experiment.from_dict(info.experiment)
+    _, tokenizer_dir = data_sources(experiment)
+    tokenizer = load_run_tokenizer(tokenizer_dir)
+
+    apply_cpu_shims()
+    if not model_parallel.is_initialized():
+        model_parallel.init_distributed(tp=1, ep=1, seed=experiment.seed)
+    flavour = get_flavour(experiment.flavour)
+    seq_length = experiment.seq_length or flavour.seq_length
+    target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    try:
+        model = build_model(
+            flavour,
+            router_name=experiment.router,
+            router_options=experiment.build_router_options() if experiment.router else None,
+            vocab_size=tokenizer.vocab_size,
+            seq_length=seq_length,
+            seed=experiment.seed,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ReproError(f"{checkpoint_dir}: cannot rebuild the model: {exc}") from None
+    ckpt.load_model_weights(checkpoint_dir, model, current_parallel())
+    model.to(target).eval()
+    scorer = CheckpointLM(model, experiment, tokenizer.eod, tokenizer.vocab_size, seq_length, target)
+    return scorer.eval(), tokenizer
