@@ -1,0 +1,156 @@
+"""Routing analysis of trained models: expert specialisation by domain and DirMoE's sparsity knob.
+
+Shape legend: T tokens, D hidden, E experts, L layers (see :mod:`routers.base`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from routers.base import Router, RouterOutput
+
+
+@dataclass
+class RouterTrace:
+    """What the routers of one model saw and returned during a block of forwards, per layer index.
+
+    Attributes:
+        inputs: ``{layer: [hidden_TD, ...]}`` router inputs (detached, float32, CPU).
+        outputs: ``{layer: [RouterOutput, ...]}`` router outputs (tensors detached, CPU).
+    """
+
+    inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    outputs: dict[int, list[RouterOutput]] = field(default_factory=dict)
+
+
+@contextlib.contextmanager
+def trace_routers(model: nn.Module, keep_inputs: bool = False) -> Iterator[RouterTrace]:
+    """Record every router call of ``model`` inside the block (forward hooks, removed on exit).
+
+    Args:
+        model: a model holding :class:`Router` modules (layers are numbered in module order).
+        keep_inputs: also keep the routers' input hidden states (memory: T x D floats per call).
+
+    Yields:
+        A :class:`RouterTrace` that fills up while the block runs.
+    """
+    trace = RouterTrace()
+    handles = []
+    for layer, router in enumerate(m for m in model.modules() if isinstance(m, Router)):
+
+        def hook(_module, args, output, layer=layer):
+            detached = RouterOutput(
+                probs=output.probs.detach().float().cpu(),
+                routing_map=output.routing_map.detach().cpu(),
+            )
+            trace.outputs.setdefault(layer, []).append(detached)
+            if keep_inputs:
+                trace.inputs.setdefault(layer, []).append(args[0].detach().float().cpu())
+
+        handles.append(router.register_forward_hook(hook))
+    try:
+        yield trace
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def expert_specialisation(
+    forward: Callable[[torch.Tensor], object],
+    model: nn.Module,
+    documents: Iterable[tuple[list[int], str]],
+    seq_length: int,
+    max_tokens_per_domain: int = 8192,
+) -> dict[str, object]:
+    """Share of each domain's tokens routed to each expert, per layer (the paper's specialisation figure).
+
+    Each document is cut into windows of ``seq_length`` tokens and run through ``forward`` one window at a
+    time (batch 1, so batch-coupled routers see no other domain); a token counts once for every expert
+    that receives it, and the counts are normalised per (layer, domain) so each row sums to one.
+
+    Args:
+        forward: runs the model on ``[1, S]`` token ids (in eval mode, without gradients).
+        model: the model whose routers are traced (the one ``forward`` runs).
+        documents: ``(token_ids, domain)`` pairs.
+        seq_length: window length.
+        max_tokens_per_domain: stop reading a domain after this many tokens.
+
+    Returns:
+        ``{"domains": [...], "num_experts": E, "tokens": {domain: n}, "share": [[[float]*E]*domains]*L}``.
+    """
+    counts: dict[str, torch.Tensor] = {}
+    seen: dict[str, int] = {}
+    for ids, domain in documents:
+        for start in range(0, len(ids), seq_length):
+            if seen.get(domain, 0) >= max_tokens_per_domain:
+                break
+            window = ids[start : start + seq_length]
+            if len(window) < 2:
+                continue
+            with trace_routers(model) as trace, torch.no_grad():
+                forward(torch.tensor([window], dtype=torch.long))
+            per_layer = torch.stack([trace.outputs[l][0].routing_map.float().sum(0) for l in sorted(trace.outputs)])
+            counts[domain] = counts.get(domain, 0) + per_layer
+            seen[domain] = seen.get(domain, 0) + len(window)
+    domains = sorted(counts)
+    if not domains:
+        return {"domains": [], "num_experts": 0, "tokens": {}, "share": []}
+    stacked_LXE = torch.stack([counts[d] for d in domains], dim=1)  # X = domains
+    share_LXE = stacked_LXE / stacked_LXE.sum(-1, keepdim=True).clamp_min(1)
+    return {
+        "domains": domains,
+        "num_experts": int(share_LXE.shape[-1]),
+        "tokens": {d: seen[d] for d in domains},
+        "share": share_LXE.tolist(),
+    }
+
+
+def sparsity_knob(
+    router: Router,
+    hidden_TD: torch.Tensor,
+    lambdas: Iterable[float],
+    samples: int = 64,
+    seed: int = 0,
+) -> dict[str, list[float]]:
+    """DirMoE's sparsity knob on a trained router: expected Simpson index of theta against lambda_q.
+
+    The posterior is ``Dir(lambda_q * beta(x))`` with ``beta = z~ alpha_hi(x) + (1 - z~) alpha_lo(x)`` (the
+    gates at evaluation). Theory: the paper's Lemma per token, averaged over tokens. Measurement: the mean
+    Simpson index of Monte Carlo draws of theta from the same posterior.
+
+    Args:
+        router: a DirMoE router (its ``sample`` method and ``config.lambda_q`` are used).
+        hidden_TD: router inputs (e.g. captured with :func:`trace_routers`).
+        lambdas: the lambda_q values to sweep.
+        samples: Dirichlet draws per token and lambda.
+        seed: RNG seed of the draws.
+
+    Returns:
+        ``{"lambda": [...], "theory": [...], "measured": [...], "trained_lambda": lambda_q}``.
+    """
+    was_training = router.training
+    router.eval()
+    with torch.no_grad():
+        base_TE = router.sample(hidden_TD).alpha_q_TE / router.config.lambda_q
+    router.train(was_training)
+    B_T = base_TE.sum(-1)
+    S2_T = (base_TE * base_TE).sum(-1)
+    out: dict[str, list[float]] = {"lambda": [], "theory": [], "measured": []}
+    # fork_rng: the draws are seeded without disturbing the caller's RNG stream.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for lam in lambdas:
+            theory_T = (lam * S2_T / B_T + 1) / (lam * B_T + 1)
+            posterior = torch.distributions.Dirichlet((lam * base_TE).double(), validate_args=False)
+            theta_NTE = posterior.sample((samples,))
+            out["lambda"].append(float(lam))
+            out["theory"].append(float(theory_T.mean()))
+            out["measured"].append(float((theta_NTE * theta_NTE).sum(-1).nanmean()))
+    out["trained_lambda"] = [float(router.config.lambda_q)]
+    return out
+

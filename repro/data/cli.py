@@ -1,0 +1,126 @@
+"""``python -m repro data ...``: build the mini-pile, or tokenise Pile shards into an indexed dataset.
+
+    python -m repro data mini-pile --out DIR [--max-mb-per-domain 2] [--vocab-size 8192] [--seed 1234]
+    python -m repro data tokenize --input SHARD... --vocab vocab.json --merges merges.txt --out PREFIX
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def _quiet_megatron_import() -> Iterator[None]:
+    # megatron-core warns at import that TransformerEngine/Apex are absent: expected on CPU, noise here.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        yield
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.2f}"
+
+
+def _mini_pile(args: argparse.Namespace) -> int:
+    from repro.data.minipile import MiniPileConfig, build_mini_pile
+
+    config = MiniPileConfig(
+        max_bytes_per_domain=int(args.max_mb_per_domain * 1e6),
+        heldout_fraction=args.heldout_fraction,
+        vocab_size=args.vocab_size,
+        num_shards=args.shards,
+        seed=args.seed,
+        domains=tuple(args.domains) if args.domains else None,
+    )
+    mini = build_mini_pile(
+        args.out, config, num_workers=args.workers, force=args.force, progress=not args.no_progress, log=print
+    )
+    rows = [("domain", "docs", "MB", "tokens", "held-out docs", "held-out tokens")]
+    total = [0, 0, 0, 0, 0]
+    for name in mini.domains:
+        s = mini.stats[name]
+        rows.append(
+            (name, str(s.documents), _mb(s.bytes), f"{s.tokens:,}", str(s.heldout_documents), f"{s.heldout_tokens:,}")
+        )
+        for i, v in enumerate((s.documents, s.bytes, s.tokens, s.heldout_documents, s.heldout_tokens)):
+            total[i] += v
+    rows.append(("total", str(total[0]), _mb(total[1]), f"{total[2]:,}", str(total[3]), f"{total[4]:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+    for name, why in mini.skipped_domains.items():
+        print(f"skipped domain {name}: {why}")
+    rate = f"{mini.tokenize_tokens_per_second:,.0f} tokens/s"
+    if mini.reused:
+        print(f"reused from cache in {mini.build_seconds:.1f} s (tokenisation when built: {rate})")
+    else:
+        print(f"built in {mini.build_seconds:.1f} s; tokenisation {rate}")
+    print(f"train prefix:   {mini.train_prefix}")
+    print(f"held-out:       {mini.heldout_path} (indexed: {mini.heldout_prefix})")
+    print(f"tokenizer:      {mini.vocab_path}, {mini.merges_path}")
+    return 0
+
+
+def _tokenize(args: argparse.Namespace) -> int:
+    from repro.data.tokenizer import load_tokenizer
+
+    with _quiet_megatron_import():
+        from repro.data.indexed import tokenize_shards
+
+    t0 = time.perf_counter()
+    tok = load_tokenizer(args.vocab, args.merges)
+    stats = tokenize_shards(
+        args.input, tok, args.out, num_workers=args.workers, default_domain=args.default_domain,
+        progress=not args.no_progress,
+    )
+    print(f"{'domain':<24} {'docs':>10} {'MB':>10} {'tokens':>14}")
+    for name in stats.documents:
+        print(f"{name:<24} {stats.documents[name]:>10} {_mb(stats.bytes[name]):>10} {stats.tokens[name]:>14,}")
+    print(f"{'total':<24} {stats.num_documents:>10} {_mb(sum(stats.bytes.values())):>10} {stats.num_tokens:>14,}")
+    print(f"wrote {stats.prefix}.bin/.idx (+ .domains.json/.npy) in {time.perf_counter() - t0:.1f} s; "
+          f"{stats.tokens_per_second:,.0f} tokens/s")
+    return 0
+
+
+def main(argv: list[str], prog: str = "python -m repro data") -> int:
+    """Run a data command.
+
+    Args:
+        argv: the arguments after ``data``.
+        prog: the program name for usage messages.
+
+    Returns:
+        The exit status.
+    """
+    parser = argparse.ArgumentParser(prog=prog, description="Build the mini-pile or tokenise Pile shards.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("mini-pile", help="build (or reuse) the embedded corpus, its tokenizer and indexed data")
+    p.add_argument("--out", required=True, help="output directory (cached: rebuilt only when inputs change)")
+    p.add_argument("--max-mb-per-domain", type=float, default=2.0, help="text per domain in MB (default 2)")
+    p.add_argument("--heldout-fraction", type=float, default=0.03, help="share of documents held out (default 0.03)")
+    p.add_argument("--vocab-size", type=int, default=8192, help="BPE vocabulary size (default 8192)")
+    p.add_argument("--shards", type=int, default=2, help="training shards to write (default 2)")
+    p.add_argument("--seed", type=int, default=1234, help="selection/split seed (default 1234)")
+    p.add_argument("--domains", nargs="+", help="use only these domains")
+    p.add_argument("--workers", type=int, default=None, help="tokeniser threads (default: all cores)")
+    p.add_argument("--force", action="store_true", help="rebuild even if cached")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.set_defaults(func=_mini_pile)
+
+    t = sub.add_parser("tokenize", help="tokenise Pile shards (*.jsonl.zst / *.jsonl) into PREFIX.bin/.idx")
+    t.add_argument("--input", nargs="+", required=True, help="shards, read in the order given")
+    t.add_argument("--vocab", required=True, help="GPT-2 vocab.json")
+    t.add_argument("--merges", required=True, help="GPT-2 merges.txt")
+    t.add_argument("--out", required=True, help="output prefix (writes PREFIX.bin, .idx, .domains.json, .domains.npy)")
+    t.add_argument("--workers", type=int, default=None, help="tokeniser threads (default: all cores)")
+    t.add_argument("--default-domain", default=None, help="domain for records without meta.pile_set_name")
+    t.add_argument("--no-progress", action="store_true", help="no progress bars")
+    t.set_defaults(func=_tokenize)
+
+    args = parser.parse_args(argv)
+    return int(args.func(args))

@@ -1,0 +1,378 @@
+"""Training datasets on megatron-core: ``GPTDataset`` through ``BlendedMegatronDatasetBuilder``, and a loader.
+
+:func:`build_datasets` turns indexed-dataset prefixes into megatron's train/valid/test datasets (split by
+document, ``"969,30,1"`` as in the papers). :func:`make_loader` turns one of them into a plain
+``torch.utils.data.DataLoader`` whose items are dicts of ``[b, s]`` tensors, the batch megatron's training
+step expects::
+
+    tokens        int64   [b, s]  input ids
+    labels        int64   [b, s]  next-token ids (tokens shifted by one)
+    loss_mask     float32 [b, s]  1.0 where the label counts in the loss
+    position_ids  int64   [b, s]
+    attention_mask bool   [b, 1, s, s]  only when built with ``create_attention_mask=True`` (True = masked)
+    domain_ids    int64   [b, s]  only with ``with_domains=True``: index into ``loader.domain_names`` of the
+                                  document each token comes from; -1 for padding
+
+Batches follow megatron's pretraining sampler: the global sample stream is cut into steps of
+``micro_batch_size * data_parallel_size`` samples and rank ``r`` takes the ``r``-th slice, so resuming from
+``consumed_samples`` continues the same stream. Everything works on CPU without ``torch.distributed``; when
+it is initialised, :func:`build_datasets` must be called on every rank (megatron builds on rank 0 first,
+behind a barrier, then the other ranks load its cached indices from ``cache_dir``, which must be shared).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import NamedTuple
+
+import numpy as np
+import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.blended_megatron_dataset_config import (
+    convert_split_vector_to_split_matrix,
+    parse_and_normalize_split,
+)
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from repro.data.indexed import load_domain_index
+from repro.data.tokenizer import Gpt2BpeTokenizer
+from repro.errors import ReproError
+
+DEFAULT_SPLIT = "969,30,1"
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+class DatasetSplits(NamedTuple):
+    """The three splits (``None`` where a split has weight 0 or is not built on this rank)."""
+
+    train: GPTDataset | BlendedDataset | None
+    valid: GPTDataset | BlendedDataset | None
+    test: GPTDataset | BlendedDataset | None
+
+
+def _built_on_every_rank() -> bool:
+    # Each data-parallel rank reads its own slice of the samples, so every rank needs the dataset.
+    return True
+
+
+def _num_tokens(prefix: str) -> int:
+    # Keep the dataset referenced while reading: its __del__ closes the mmap under any live view.
+    ds = IndexedDataset(prefix)
+    n = int(np.sum(ds.sequence_lengths, dtype=np.int64))
+    del ds
+    return n
+
+
+def _check_splits(prefixes: Sequence[str], split: str) -> list[tuple[float, float] | None]:
+    """Refuse a split that gets no document of some prefix (megatron would loop forever building it).
+
+    Returns:
+        megatron's split matrix: per split its (begin, end) share of each prefix's documents, or None.
+    """
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    for prefix in prefixes:
+        n = len(IndexedDataset(prefix))
+        for name, bounds in zip(("train", "valid", "test"), matrix):
+            if bounds is None:
+                continue
+            beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
+            if end <= beg:
+                raise ReproError(
+                    f"{prefix}: split '{split}' leaves the {name} split no document out of {n}; "
+                    "use a larger corpus or a split with a larger share for it"
+                )
+    return matrix
+
+
+def build_datasets(
+    prefixes: Sequence[str | os.PathLike],
+    seq_length: int,
+    num_samples: tuple[int | None, int | None, int | None],
+    seed: int,
+    cache_dir: str | os.PathLike,
+    tokenizer: Gpt2BpeTokenizer,
+    *,
+    weights: Sequence[float] | None = None,
+    split: str = DEFAULT_SPLIT,
+    eod_mask_loss: bool = False,
+    reset_position_ids: bool = False,
+    reset_attention_mask: bool = False,
+    create_attention_mask: bool = False,
+    is_built_on_rank: Callable[[], bool] | None = None,
+) -> DatasetSplits:
+    """Build megatron-core's GPT train/valid/test datasets over a blend of indexed datasets.
+
+    Args:
+        prefixes: indexed-dataset prefixes (``.bin``/``.idx`` written by :mod:`repro.data.indexed`).
+        seq_length: tokens per sample (the model's sequence length).
+        num_samples: samples to draw per split ``(train, valid, test)``; ``None`` = one epoch of that split.
+            More samples than an epoch holds repeat the data in further shuffled epochs.
+        seed: the seed of megatron's document and sample shuffles.
+        cache_dir: where megatron caches its shuffle/sample indices (shared by all ranks).
+        tokenizer: the tokenizer (megatron reads ``eod`` and ``vocab_size``; its identity keys the cache).
+        weights: blend weights, one per prefix; default: proportional to each prefix's token count when
+            every split with a share has a sample count, else megatron's one-epoch blend (a multi-prefix
+            blend without weights is capped at one epoch).
+        split: the train/valid/test weighting of each prefix's documents (megatron's ``split``).
+        eod_mask_loss: mask the loss on EOD tokens.
+        reset_position_ids: restart position ids after each EOD.
+        reset_attention_mask: block attention across documents (implies a per-sample attention mask).
+        create_attention_mask: return megatron's causal ``attention_mask`` with each sample.
+        is_built_on_rank: megatron's per-rank switch, used only with ``torch.distributed`` initialised
+            (default: every rank builds; where it returns False the splits are ``None``).
+
+    Returns:
+        :class:`DatasetSplits` ``(train, valid, test)``: ``GPTDataset`` for one prefix, ``BlendedDataset``
+        for several.
+
+    Raises:
+        ReproError: a prefix is missing, or the split leaves a split of some prefix without documents.
+    """
+    prefixes = [str(p) for p in prefixes]
+    if not prefixes:
+        raise ReproError("no indexed dataset given")
+    for prefix in prefixes:
+        if not IndexedDataset.exists(prefix):
+            raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
+    if weights is not None and len(weights) != len(prefixes):
+        raise ReproError(f"{len(weights)} blend weights for {len(prefixes)} datasets")
+    if len(num_samples) != 3:
+        raise ReproError(f"num_samples must give (train, valid, test), got {tuple(num_samples)}")
+    matrix = _check_splits(prefixes, split)
+    # a split with no share builds nothing: give it 0 samples so megatron's weights/sizes check passes
+    sizes = [0 if bounds is None and n is None else n for bounds, n in zip(matrix, num_samples)]
+    if weights is not None and None in sizes:
+        raise ReproError("blend weights need a sample count for every split that has a share")
+    if weights is None and len(prefixes) > 1 and None not in sizes:
+        weights = [float(_num_tokens(p)) for p in prefixes]
+    config = GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=(prefixes, list(weights) if weights is not None else None),
+        split=split,
+        path_to_cache=str(cache_dir),
+        tokenizer=tokenizer,
+        reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask,
+        eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask or reset_attention_mask,
+        mmap_bin_files=True,
+    )
+    builder = BlendedMegatronDatasetBuilder(
+        GPTDataset, sizes, is_built_on_rank or _built_on_every_rank, config
+    )
+    with _rank_zero_outside_distributed():
+        return DatasetSplits(*builder.build())
+
+
+@contextlib.contextmanager
+def _rank_zero_outside_distributed() -> Iterator[None]:
+    """Let ``torch.distributed.get_rank()`` answer 0 while no process group exists, for this block only.
+
+    megatron-core 0.16.1's ``BlendedDataset._build_indices`` calls ``torch.distributed.get_rank()`` on a
+    cache miss without checking ``is_initialized()`` (``GPTDataset`` does check), so a multi-prefix blend
+    with a cache directory fails in a single process without torch.distributed. The only process is rank 0.
+    """
+    dist = torch.distributed
+    if not dist.is_available() or dist.is_initialized():
+        yield
+        return
+    original = dist.get_rank
+    dist.get_rank = lambda group=None: 0
+    try:
+        yield
+    finally:
+        dist.get_rank = original
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Token -> document -> domain
+# ---------------------------------------------------------------------------------------------------------
+
+
+def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tuple[str, np.ndarray, np.ndarray]:
+    """Where every input token of sample ``idx`` comes from.
+
+    Mirrors how ``GPTDataset`` assembles a sample (shuffle index -> sample index -> document index), so
+    ``IndexedDataset(prefix)[doc[i]][offset[i]] == dataset[idx]["tokens"][i]`` wherever ``doc[i] >= 0``.
+
+    Args:
+        dataset: a dataset from :func:`build_datasets`.
+        idx: the sample index.
+
+    Returns:
+        ``(prefix, doc, offset)``: the indexed dataset the sample comes from, and per token position
+        ``[seq_length]`` the document id in it and the position inside that document (-1 for padding).
+    """
+    if isinstance(dataset, BlendedDataset):
+        sub = dataset.datasets[int(dataset.dataset_index[idx])]
+        return sample_token_documents(sub, int(dataset.dataset_sample_index[idx]))
+    cfg = dataset.config
+    extra = int(cfg.add_extra_token_to_sequence)
+    j = int(dataset.shuffle_index[idx])
+    beg, beg_off = (int(v) for v in dataset.sample_index[j])
+    end, end_off = (int(v) for v in dataset.sample_index[j + 1])
+    lengths = dataset.dataset.sequence_lengths
+    docs, offsets = [], []
+    for k in range(beg, end + 1):
+        doc = int(dataset.document_index[k])
+        start = beg_off if k == beg else 0
+        stop = int(lengths[doc]) if k < end else end_off + extra
+        docs.append(np.full(stop - start, doc, dtype=np.int64))
+        offsets.append(np.arange(start, stop, dtype=np.int64))
+    doc_ids, offs = np.concatenate(docs), np.concatenate(offsets)
+    total = cfg.sequence_length + extra
+    if doc_ids.size < total:  # megatron pads a short last sample
+        pad = np.full(total - doc_ids.size, -1, dtype=np.int64)
+        doc_ids, offs = np.concatenate([doc_ids, pad]), np.concatenate([offs, pad])
+    return dataset.dataset_path, doc_ids[: cfg.sequence_length], offs[: cfg.sequence_length]
+
+
+def _gpt_datasets(dataset: GPTDataset | BlendedDataset) -> list[GPTDataset]:
+    return list(dataset.datasets) if isinstance(dataset, BlendedDataset) else [dataset]
+
+
+class DomainTaggedDataset(torch.utils.data.Dataset):
+    """A megatron GPT dataset whose samples keep only the batch keys, optionally with per-token domains.
+
+    Args:
+        dataset: a dataset from :func:`build_datasets`.
+        with_domains: add ``domain_ids`` (``[s]`` int64, index into :attr:`domain_names`, -1 for padding).
+    """
+
+    def __init__(self, dataset: GPTDataset | BlendedDataset, with_domains: bool = False) -> None:
+        self.dataset = dataset
+        self.with_domains = with_domains
+        names: list[str] = []
+        self._to_global: dict[str, np.ndarray] = {}  # prefix -> doc -> global domain id
+        if with_domains:
+            for sub in _gpt_datasets(dataset):
+                if sub.dataset_path in self._to_global:
+                    continue
+                index = load_domain_index(sub.dataset_path)
+                local_to_global = np.array([_index_of(names, n) for n in index.names], dtype=np.int64)
+                self._to_global[sub.dataset_path] = local_to_global[index.doc_domain.astype(np.int64)]
+        self.domain_names: tuple[str, ...] = tuple(names)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        sample = self.dataset[idx]
+        out = {k: sample[k] for k in BATCH_KEYS}
+        if "attention_mask" in sample:
+            out["attention_mask"] = sample["attention_mask"]
+        if self.with_domains:
+            prefix, doc, _ = sample_token_documents(self.dataset, idx)
+            dom = np.where(doc >= 0, self._to_global[prefix][np.maximum(doc, 0)], -1)
+            out["domain_ids"] = torch.from_numpy(dom)
+        return out
+
+
+def _index_of(names: list[str], name: str) -> int:
+    if name not in names:
+        names.append(name)
+    return names.index(name)
+
+
+class PretrainingBatchSampler(torch.utils.data.Sampler):
+    """Megatron's pretraining order: consecutive samples, each step's global batch cut across DP ranks.
+
+    Args:
+        total_samples: samples in the dataset.
+        micro_batch_size: samples per batch on this rank.
+        consumed_samples: samples already consumed by all ranks together (to resume).
+        data_parallel_rank: this rank's index among the data-parallel ranks.
+        data_parallel_size: the number of data-parallel ranks.
+        drop_last: drop a last step smaller than a full global batch.
+    """
+
+    def __init__(
+        self,
+        total_samples: int,
+        micro_batch_size: int,
+        consumed_samples: int = 0,
+        data_parallel_rank: int = 0,
+        data_parallel_size: int = 1,
+        drop_last: bool = True,
+    ) -> None:
+        if micro_batch_size < 1 or data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
+            raise ReproError(
+                f"bad batch layout: micro_batch_size={micro_batch_size}, "
+                f"data_parallel_rank={data_parallel_rank}, data_parallel_size={data_parallel_size}"
+            )
+        self.total_samples = total_samples
+        self.micro_batch_size = micro_batch_size
+        self.consumed_samples = consumed_samples
+        self.rank = data_parallel_rank
+        self.world = data_parallel_size
+        self.drop_last = drop_last
+
+    def __len__(self) -> int:
+        step = self.micro_batch_size * self.world
+        remaining = max(0, self.total_samples - self.consumed_samples)
+        full = remaining // step
+        if self.drop_last:
+            return full
+        tail = remaining - full * step
+        return full + int(tail > self.rank * self.micro_batch_size)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        step = self.micro_batch_size * self.world
+        for start in range(self.consumed_samples, self.total_samples, step):
+            lo = start + self.rank * self.micro_batch_size
+            hi = min(lo + self.micro_batch_size, self.total_samples)
+            if start + step > self.total_samples and self.drop_last:
+                return
+            if lo < hi:
+                yield list(range(lo, hi))
+
+
+def make_loader(
+    dataset: GPTDataset | BlendedDataset,
+    micro_batch_size: int,
+    *,
+    consumed_samples: int = 0,
+    data_parallel_rank: int = 0,
+    data_parallel_size: int = 1,
+    with_domains: bool = False,
+    drop_last: bool = True,
+    num_workers: int = 0,
+    max_samples: int | None = None,
+) -> torch.utils.data.DataLoader:
+    """A DataLoader of megatron-style batches (see the module docstring for the keys and shapes).
+
+    One pass over the loader is one pass over the dataset's samples from ``consumed_samples`` on (the
+    dataset already holds at least as many samples as :func:`build_datasets` was asked for, repeating the
+    data in further epochs when needed); build a new loader to pass again. The loader has a
+    ``domain_names`` attribute (empty unless ``with_domains``).
+
+    Args:
+        dataset: a dataset from :func:`build_datasets`.
+        micro_batch_size: samples per batch on this rank.
+        consumed_samples: samples already consumed by all data-parallel ranks together (to resume).
+        data_parallel_rank: this rank's data-parallel index.
+        data_parallel_size: the number of data-parallel ranks.
+        with_domains: add ``domain_ids`` ``[b, s]`` (per-token domain, for routing-by-domain analysis).
+        drop_last: drop a last step smaller than a full global batch.
+        num_workers: DataLoader worker processes (0: load in the calling process).
+        max_samples: stop after this many samples of the global stream (default: the whole dataset, which
+            megatron may have built slightly larger than the ``num_samples`` asked for).
+
+    Returns:
+        An iterable of dicts of tensors.
+    """
+    tagged = DomainTaggedDataset(dataset, with_domains=with_domains)
+    total = len(tagged) if max_samples is None else min(len(tagged), max_samples)
+    sampler = PretrainingBatchSampler(
+        total, micro_batch_size, consumed_samples, data_parallel_rank, data_parallel_size, drop_last
+    )
+    loader = torch.utils.data.DataLoader(
+        tagged, batch_sampler=sampler, num_workers=num_workers, pin_memory=torch.cuda.is_available()
+    )
+    loader.domain_names = tagged.domain_names  # type: ignore[attr-defined]
+    return loader

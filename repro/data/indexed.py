@@ -1,0 +1,262 @@
+"""Tokenise Pile-format shards into megatron-core's indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``).
+
+One indexed *sequence* per document (its tokens then the EOD id), which is what megatron's
+``GPTDataset`` splits and samples. Every document's domain goes into a sidecar beside the prefix:
+
+- ``PREFIX.domains.json``: ``{"domains": [names...], "num_documents": N, "documents": {...}, "tokens": {...},
+  "bytes": {...}}`` (the per-domain counts for reports);
+- ``PREFIX.domains.npy``: one small integer per document, the index of its domain in ``domains``.
+
+All four files are written under temporary names and renamed into place only when everything succeeded
+(``.idx`` last), so a failure never leaves a half-written dataset behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
+from tqdm import tqdm
+
+from repro.data.pile import PileRecord, iter_pile_documents
+from repro.data.tokenizer import Gpt2BpeTokenizer, encode_documents
+from repro.errors import ReproError
+
+DOMAINS_JSON = ".domains.json"
+DOMAINS_NPY = ".domains.npy"
+
+
+@dataclass(frozen=True)
+class TokenizeStats:
+    """What a tokenisation run produced.
+
+    Attributes:
+        prefix: the indexed-dataset prefix written.
+        num_documents: documents written.
+        num_tokens: tokens written (EOD ids included).
+        seconds: wall time of reading + tokenising + writing.
+        documents: documents per domain.
+        tokens: tokens per domain.
+        bytes: UTF-8 bytes of text per domain.
+    """
+
+    prefix: str
+    num_documents: int
+    num_tokens: int
+    seconds: float
+    documents: dict[str, int] = field(default_factory=dict)
+    tokens: dict[str, int] = field(default_factory=dict)
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Throughput of the run."""
+        return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
+
+
+def _prefix_files(prefix: str) -> list[str]:
+    # .idx last: megatron (and :func:`indexed_exists`) treat a prefix as present once its .idx exists.
+    return [prefix + DOMAINS_NPY, prefix + DOMAINS_JSON, prefix + ".bin", prefix + ".idx"]
+
+
+def indexed_exists(prefix: str | os.PathLike) -> bool:
+    """Whether a complete indexed dataset with its domain sidecar exists at ``prefix``."""
+    return all(os.path.isfile(p) for p in _prefix_files(str(prefix)))
+
+
+def write_indexed(
+    records: Iterable[PileRecord],
+    tokenizer: Gpt2BpeTokenizer,
+    out_prefix: str | os.PathLike,
+    *,
+    num_workers: int | None = None,
+    batch_size: int = 256,
+    progress: bool = False,
+    source: str = "input",
+) -> TokenizeStats:
+    """Tokenise documents (EOD appended) into an indexed dataset with its domain sidecar, atomically.
+
+    Args:
+        records: ``(text, domain)`` documents.
+        tokenizer: the tokenizer; the token dtype is megatron's ``DType.optimal_dtype(vocab_size)``.
+        out_prefix: the output prefix (``PREFIX.bin``, ``PREFIX.idx``, ``PREFIX.domains.{json,npy}``).
+        num_workers: tokeniser threads (default: all cores).
+        batch_size: documents per tokeniser batch.
+        progress: show a tqdm bar over documents.
+        source: how to name the input in the empty-corpus error.
+
+    Returns:
+        :class:`TokenizeStats`.
+
+    Raises:
+        ReproError: the input has no document (or any error of the reader); nothing is written then.
+    """
+    prefix = str(out_prefix)
+    parent = Path(prefix).parent
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{Path(prefix).name}.", suffix=".tmp", dir=parent))
+    tmp_prefix = str(tmp_dir / Path(prefix).name)
+    t0 = time.perf_counter()
+    builder: IndexedDatasetBuilder | None = None
+    try:
+        domains: dict[str, int] = {}  # name -> index, in order of first appearance
+        names: list[str] = []
+        doc_domain: list[int] = []
+        docs: dict[str, int] = {}
+        toks: dict[str, int] = {}
+        nbytes: dict[str, int] = {}
+
+        def texts() -> Iterator[str]:
+            # Domains are recorded as documents are handed to the tokenizer; output order equals input order.
+            for text, domain in records:
+                if domain not in domains:
+                    domains[domain] = len(names)
+                    names.append(domain)
+                doc_domain.append(domains[domain])
+                docs[domain] = docs.get(domain, 0) + 1
+                nbytes[domain] = nbytes.get(domain, 0) + len(text.encode("utf-8"))
+                yield text
+
+        builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
+        n_docs = n_tokens = 0
+        with tqdm(unit="doc", desc=f"tokenize {Path(prefix).name}", disable=not progress) as bar:
+            for ids in encode_documents(tokenizer, texts(), num_workers=num_workers, batch_size=batch_size):
+                builder.add_document(ids, [ids.size])
+                domain = names[doc_domain[n_docs]]
+                toks[domain] = toks.get(domain, 0) + int(ids.size)
+                n_docs += 1
+                n_tokens += int(ids.size)
+                bar.update(1)
+        if n_docs == 0:
+            raise ReproError(f"{source}: empty corpus, no documents to tokenise")
+        builder.finalize(tmp_prefix + ".idx")
+
+        index_dtype = np.uint8 if len(names) <= 1 << 8 else np.uint16 if len(names) <= 1 << 16 else np.uint32
+        np.save(tmp_prefix + DOMAINS_NPY, np.asarray(doc_domain, dtype=index_dtype))
+        sidecar = {
+            "domains": names,
+            "num_documents": n_docs,
+            "num_tokens": n_tokens,
+            "documents": docs,
+            "tokens": toks,
+            "bytes": nbytes,
+            "tokenizer": dict(tokenizer.unique_identifiers),
+        }
+        with open(tmp_prefix + DOMAINS_JSON, "w") as f:
+            json.dump(sidecar, f, indent=2)
+        for tmp_file, final in zip(_prefix_files(tmp_prefix), _prefix_files(prefix)):
+            os.replace(tmp_file, final)
+    finally:
+        if builder is not None:
+            builder.data_file.close()  # already closed by finalize() on success; closing twice is harmless
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return TokenizeStats(prefix, n_docs, n_tokens, time.perf_counter() - t0, docs, toks, nbytes)
+
+
+def tokenize_shards(
+    inputs: Sequence[str | os.PathLike],
+    tokenizer: Gpt2BpeTokenizer,
+    out_prefix: str | os.PathLike,
+    *,
+    num_workers: int | None = None,
+    default_domain: str | None = None,
+    progress: bool = False,
+) -> TokenizeStats:
+    """Tokenise Pile-format shards (``*.jsonl.zst`` / ``*.jsonl``) into one indexed dataset.
+
+    Args:
+        inputs: the shards, read in the order given.
+        tokenizer: the tokenizer (:func:`repro.data.tokenizer.load_tokenizer`).
+        out_prefix: the output prefix.
+        num_workers: tokeniser threads (default: all cores).
+        default_domain: domain for records without ``meta.pile_set_name`` (default: such a record is an error).
+        progress: show progress bars.
+
+    Returns:
+        :class:`TokenizeStats`.
+
+    Raises:
+        ReproError: a bad input (see :func:`repro.data.pile.iter_pile_documents`) or an empty corpus.
+    """
+    if not inputs:
+        raise ReproError("no input shards given")
+    for p in inputs:  # fail before hours of tokenising, not when the reader reaches the missing shard
+        if not Path(p).is_file():
+            raise ReproError(f"{p}: no such file")
+    records = iter_pile_documents(inputs, default_domain=default_domain, progress=progress)
+    source = ", ".join(str(p) for p in inputs)
+    return write_indexed(records, tokenizer, out_prefix, num_workers=num_workers, progress=progress, source=source)
+
+
+@dataclass(frozen=True)
+class DomainIndex:
+    """The domain of every document of one indexed dataset (read from its sidecar).
+
+    Attributes:
+        prefix: the indexed-dataset prefix.
+        names: domain names; ``doc_domain`` values index into it.
+        doc_domain: ``[num_documents]`` integer array, the domain of each document (= indexed sequence).
+    """
+
+    prefix: str
+    names: tuple[str, ...]
+    doc_domain: np.ndarray
+
+    def domain_of(self, document: int) -> str:
+        """The domain name of one document."""
+        return self.names[int(self.doc_domain[document])]
+
+
+def load_domain_index(prefix: str | os.PathLike) -> DomainIndex:
+    """Read the domain sidecar of an indexed dataset.
+
+    Args:
+        prefix: the indexed-dataset prefix.
+
+    Returns:
+        :class:`DomainIndex`.
+
+    Raises:
+        ReproError: the sidecar is missing or does not match the dataset.
+    """
+    prefix = str(prefix)
+    meta_path, npy_path = prefix + DOMAINS_JSON, prefix + DOMAINS_NPY
+    for p in (meta_path, npy_path):
+        if not os.path.isfile(p):
+            raise ReproError(f"{p}: no such file (domain sidecar of indexed dataset {prefix})")
+    try:
+        with open(meta_path) as f:
+            meta = json.load(f)
+        names = tuple(meta["domains"])
+        doc_domain = np.load(npy_path)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ReproError(f"{meta_path}: unreadable domain sidecar ({exc})") from None
+    if doc_domain.ndim != 1 or doc_domain.shape[0] != meta.get("num_documents"):
+        raise ReproError(f"{npy_path}: domain array does not match {meta_path}")
+    return DomainIndex(prefix, names, doc_domain)
+
+
+def read_documents(prefix: str | os.PathLike) -> Iterator[np.ndarray]:
+    """Yield every document's token ids (EOD included) from an indexed dataset, in order.
+
+    Args:
+        prefix: the indexed-dataset prefix.
+
+    Yields:
+        One integer array per document.
+    """
+    prefix = str(prefix)
+    if not IndexedDataset.exists(prefix):
+        raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
+    ds = IndexedDataset(prefix)
+    for i in range(len(ds)):
+        # a copy: megatron closes the mmap when ``ds`` goes away, which would invalidate a view
+        yield np.array(ds[i])

@@ -1,0 +1,197 @@
+"""Reading and writing shards in The Pile's format: one JSON object a line, ``*.jsonl.zst`` or plain ``*.jsonl``.
+
+Each line is ``{"text": "...", "meta": {"pile_set_name": "Github"}}``. Reading streams: a compressed shard is
+decompressed chunk by chunk and decoded through :class:`io.TextIOWrapper`, so a 14 GB shard never sits in
+memory. Every problem with an input (missing file, corrupt or truncated zstd stream, invalid UTF-8, a line
+that is not JSON, a record without ``text``) is a one-line :class:`~repro.errors.ReproError` naming the file,
+and the line where there is one.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import NamedTuple
+
+import zstandard
+from tqdm import tqdm
+
+from repro.errors import ReproError
+from repro.io_utils import atomic_path
+
+# Compressed bytes read from disk per step: large enough for throughput, small enough to stream.
+_READ_CHUNK = 1 << 20
+
+
+class _StreamError(ReproError):
+    """A zstd problem, raised while the text layer reads ahead; the caller adds how far reading got."""
+
+
+class PileRecord(NamedTuple):
+    """One document: its text and its domain (``meta.pile_set_name``)."""
+
+    text: str
+    domain: str
+
+
+class _ZstdRawReader(io.RawIOBase):
+    """A streaming zstd decompressor as a raw binary stream, for :class:`io.TextIOWrapper`.
+
+    zstandard's ``stream_reader`` silently stops at the end of the compressed bytes, so a truncated shard
+    would look like a shorter valid one. This reader drives zstandard's streaming decompression object
+    frame by frame instead and raises when the compressed input ends inside a frame. Concatenated frames
+    (``cat a.zst b.zst``) are read one after the other, as the ``zstd`` tool does.
+    """
+
+    def __init__(self, fileobj: io.BufferedIOBase, path: Path) -> None:
+        super().__init__()
+        self._file = fileobj
+        self._path = path
+        self._decompressor = zstandard.ZstdDecompressor()
+        self._frame = self._decompressor.decompressobj()
+        self._frame_has_input = False  # whether the current frame has consumed any byte
+        self._pending = b""  # decompressed bytes not yet handed out
+        self._pos = 0
+        self._eof = False
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self) -> None:
+        """Decompress until some output is pending or the input is exhausted."""
+        while self._pos >= len(self._pending) and not self._eof:
+            chunk = self._file.read(_READ_CHUNK)
+            if not chunk:
+                self._eof = True
+                if self._frame_has_input and not self._frame.eof:
+                    raise _StreamError(f"{self._path}: truncated zstd stream, the file ends inside a frame")
+                return
+            out = []
+            while chunk:
+                try:
+                    out.append(self._frame.decompress(chunk))
+                except zstandard.ZstdError as exc:
+                    raise _StreamError(f"{self._path}: corrupt zstd stream ({exc})") from None
+                self._frame_has_input = True
+                if not self._frame.eof:
+                    break
+                # The frame ended inside this chunk: what follows starts the next frame.
+                chunk = self._frame.unused_data
+                self._frame = self._decompressor.decompressobj()
+                self._frame_has_input = False
+            self._pending, self._pos = b"".join(out), 0
+
+    def readinto(self, buffer) -> int:  # type: ignore[override]
+        self._fill()
+        n = min(len(buffer), len(self._pending) - self._pos)
+        buffer[:n] = self._pending[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+
+def _open_lines(path: Path, raw: io.BufferedIOBase) -> io.TextIOWrapper:
+    """Wrap an open binary shard in a UTF-8 text stream, decompressing ``.zst`` on the fly."""
+    if path.name.endswith(".zst"):
+        stream: io.RawIOBase | io.BufferedIOBase = io.BufferedReader(_ZstdRawReader(raw, path), 1 << 16)
+    else:
+        stream = raw
+    return io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
+
+
+def _parse_record(line: str, path: Path, lineno: int, default_domain: str | None) -> PileRecord:
+    """Parse one JSON line into a record, or raise a ReproError naming the file and line."""
+    try:
+        obj = json.loads(line)
+    except json.JSONDecodeError as exc:
+        raise ReproError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+        raise ReproError(f"{path}:{lineno}: record has no 'text' string")
+    meta = obj.get("meta")
+    domain = meta.get("pile_set_name") if isinstance(meta, dict) else None
+    if not isinstance(domain, str) or not domain:
+        if default_domain is None:
+            raise ReproError(f"{path}:{lineno}: record has no 'meta.pile_set_name' (pass a default domain)")
+        domain = default_domain
+    return PileRecord(obj["text"], domain)
+
+
+def iter_pile_documents(
+    paths: Sequence[str | os.PathLike],
+    *,
+    default_domain: str | None = None,
+    progress: bool = False,
+) -> Iterator[PileRecord]:
+    """Stream the documents of Pile-format shards, in order, one shard after the other.
+
+    Args:
+        paths: shards, ``*.jsonl.zst`` (zstd, possibly several concatenated frames) or plain ``*.jsonl``.
+        default_domain: the domain given to records without ``meta.pile_set_name``; ``None`` makes such a
+            record an error.
+        progress: show a tqdm progress bar over the (compressed) bytes read, per shard.
+
+    Yields:
+        :class:`PileRecord` ``(text, domain)`` for every non-blank line.
+
+    Raises:
+        ReproError: a missing file, a corrupt or truncated zstd stream, invalid UTF-8, a line that is not
+            JSON or a record without ``text`` (naming the file, and the line where there is one).
+    """
+    for p in paths:
+        path = Path(p)
+        if not path.is_file():
+            raise ReproError(f"{path}: no such file")
+        size = path.stat().st_size
+        lineno = 0
+        with open(path, "rb") as raw, tqdm(
+            total=size, unit="B", unit_scale=True, desc=path.name, disable=not progress, leave=False
+        ) as bar:
+            text_stream = _open_lines(path, raw)
+            done = 0
+            try:
+                for line in text_stream:
+                    lineno += 1
+                    if lineno % 4096 == 0 and progress:
+                        now = raw.tell()
+                        bar.update(now - done)
+                        done = now
+                    if not line.strip():
+                        continue
+                    yield _parse_record(line, path, lineno, default_domain)
+            except (UnicodeDecodeError, _StreamError) as exc:
+                # The text layer decodes ahead of the line being parsed, so name the last line read whole.
+                where = f"after line {lineno}" if lineno else "before the first line"
+                what = f"{path}: not valid UTF-8" if isinstance(exc, UnicodeDecodeError) else str(exc)
+                raise ReproError(f"{what} ({where})") from None
+            bar.update(size - done)
+
+
+def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord], *, level: int = 10) -> int:
+    """Write records as a Pile-format shard, atomically (nothing is left at ``path`` on failure).
+
+    Args:
+        path: the destination; ``*.zst`` is zstd-compressed (one frame, with a content checksum, as the
+            ``zstd`` tool writes), anything else is plain JSON lines.
+        records: ``(text, domain)`` pairs.
+        level: the zstd compression level.
+
+    Returns:
+        The number of records written.
+    """
+    path = Path(path)
+    count = 0
+    with atomic_path(path) as tmp, open(tmp, "wb") as raw:
+        if path.name.endswith(".zst"):
+            compressor = zstandard.ZstdCompressor(level=level, write_checksum=True)
+            sink = compressor.stream_writer(raw, closefd=False)
+        else:
+            sink = raw
+        for text, domain in records:
+            line = json.dumps({"text": text, "meta": {"pile_set_name": domain}}, ensure_ascii=False)
+            sink.write(line.encode("utf-8") + b"\n")
+            count += 1
+        if sink is not raw:
+            sink.close()  # ends the frame (closefd=False keeps ``raw`` open for the with-block)
+    return count

@@ -1,0 +1,262 @@
+"""GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, through HF ``tokenizers``.
+
+The same loading path serves OpenAI's GPT-2 files (The Pile at full scale) and the tokenizer trained on the
+mini-pile (:func:`train_bpe_tokenizer` writes the same two files). :class:`Gpt2BpeTokenizer` carries what
+megatron-core's datasets read from a tokenizer (``vocab_size``, ``eod``, ``unique_identifiers``,
+``tokenize``/``detokenize``), so it is passed as ``GPTDatasetConfig.tokenizer`` directly. It is duck-typed
+rather than a subclass of megatron's base class so that importing it does not import megatron-core.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from tokenizers.implementations import ByteLevelBPETokenizer
+
+from repro.errors import ReproError
+from repro.io_utils import atomic_path
+
+EOD_TOKEN = "<|endoftext|>"
+"""GPT-2's end-of-document token, appended to every document."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _read_vocab(path: Path) -> dict[str, int]:
+    """Parse ``vocab.json`` (token -> id), raising a ReproError naming the file and line on any problem."""
+    if not path.is_file():
+        raise ReproError(f"{path}: no such file")
+    try:
+        vocab = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ReproError(f"{path}:{exc.lineno}: vocabulary is not valid JSON ({exc.msg})") from None
+    except UnicodeDecodeError:
+        raise ReproError(f"{path}: vocabulary is not valid UTF-8") from None
+    if not isinstance(vocab, dict) or not vocab:
+        raise ReproError(f"{path}: vocabulary must be a non-empty JSON object of token -> id")
+    ids = list(vocab.values())
+    if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+        raise ReproError(f"{path}: vocabulary ids must be non-negative integers")
+    if len(set(ids)) != len(ids):
+        raise ReproError(f"{path}: vocabulary has repeated ids")
+    return vocab
+
+
+def _check_merges(path: Path, vocab: dict[str, int]) -> None:
+    """Check ``merges.txt``: an optional ``#version`` header, then one ``left right`` pair a line."""
+    if not path.is_file():
+        raise ReproError(f"{path}: no such file")
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")
+    except UnicodeDecodeError:
+        raise ReproError(f"{path}: merges file is not valid UTF-8") from None
+    for lineno, line in enumerate(lines, start=1):
+        if not line or (lineno == 1 and line.startswith("#version")):
+            continue
+        parts = line.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise ReproError(f"{path}:{lineno}: a merge must be two tokens separated by one space")
+        if parts[0] + parts[1] not in vocab:
+            raise ReproError(f"{path}:{lineno}: merge result '{parts[0] + parts[1]}' is not in the vocabulary")
+
+
+class Gpt2BpeTokenizer:
+    """GPT-2 byte-level BPE with the end-of-document token; usable as megatron-core's dataset tokenizer.
+
+    ``<|endoftext|>`` is looked up in the vocabulary but not registered as a special token: text that
+    happens to contain that string is encoded as ordinary bytes, so the only EOD ids in a corpus are the
+    ones appended at document ends (what megatron's ``eod_mask_loss``/``reset_*`` options rely on).
+
+    Args:
+        vocab_path: ``vocab.json`` (token -> id).
+        merges_path: ``merges.txt``.
+
+    Raises:
+        ReproError: either file is missing or does not parse, or the vocabulary has no ``<|endoftext|>``.
+    """
+
+    def __init__(self, vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> None:
+        self.vocab_path = Path(vocab_path)
+        self.merges_path = Path(merges_path)
+        vocab = _read_vocab(self.vocab_path)
+        if EOD_TOKEN not in vocab:
+            raise ReproError(f"{self.vocab_path}: vocabulary has no end-of-document token {EOD_TOKEN}")
+        _check_merges(self.merges_path, vocab)
+        try:
+            model = models.BPE.from_file(str(self.vocab_path), str(self.merges_path))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise ReproError(f"{self.vocab_path}: cannot load BPE vocabulary/merges ({exc})") from None
+        tok = Tokenizer(model)
+        # GPT-2: bytes mapped to printable unicode, GPT-2's split regex, no space added before the text.
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        tok.decoder = decoders.ByteLevel()
+        self._tok = tok
+        self._vocab = vocab
+        self._inv_vocab = {i: t for t, i in vocab.items()}
+        self._eod = vocab[EOD_TOKEN]
+        self._vocab_size = max(vocab.values()) + 1
+        self.unique_identifiers = OrderedDict(
+            [
+                ("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                # content hashes, so megatron's index cache follows the vocabulary, not the file name
+                ("vocab_sha256", _sha256(self.vocab_path)),
+                ("merges_sha256", _sha256(self.merges_path)),
+            ]
+        )
+
+    # ---- what megatron-core's datasets and the training loop read ----
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids (max id + 1); the model pads it further for its embedding table."""
+        return self._vocab_size
+
+    @property
+    def eod(self) -> int:
+        """The end-of-document id."""
+        return self._eod
+
+    @property
+    def eos(self) -> int:
+        """Same as :attr:`eod` (GPT-2 has one end token)."""
+        return self._eod
+
+    @property
+    def vocab(self) -> dict[str, int]:
+        """Token string -> id."""
+        return self._vocab
+
+    @property
+    def inv_vocab(self) -> dict[int, str]:
+        """Id -> token string."""
+        return self._inv_vocab
+
+    def tokenize(self, text: str) -> list[int]:
+        """Encode one text (no EOD appended)."""
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Decode ids back to text (byte-level: exact for any text that was encoded)."""
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Encode several texts in one call (no EOD appended); releases the GIL while it runs."""
+        encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch  # fast: no offsets
+        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+
+    def apply_chat_template(self, *args, **kwargs):
+        """Not supported: a pre-training tokenizer has no chat template."""
+        raise NotImplementedError("Gpt2BpeTokenizer has no chat template")
+
+    def __repr__(self) -> str:
+        return f"Gpt2BpeTokenizer(vocab={str(self.vocab_path)!r}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+def load_tokenizer(vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> Gpt2BpeTokenizer:
+    """Load a GPT-2-format tokenizer.
+
+    Args:
+        vocab_path: ``vocab.json``.
+        merges_path: ``merges.txt``.
+
+    Returns:
+        The tokenizer.
+    """
+    return Gpt2BpeTokenizer(vocab_path, merges_path)
+
+
+def train_bpe_tokenizer(
+    texts: Iterable[str],
+    out_dir: str | os.PathLike,
+    *,
+    vocab_size: int = 8192,
+    min_frequency: int = 2,
+) -> tuple[Path, Path]:
+    """Train a GPT-2-style byte-level BPE on ``texts`` and save it as ``vocab.json`` + ``merges.txt``.
+
+    The directory is written atomically (a half-trained tokenizer is never left behind). The vocabulary
+    contains ``<|endoftext|>`` (id 0) and the 256 byte symbols, so any text can be encoded.
+
+    Args:
+        texts: the training texts.
+        out_dir: the directory to write (replaced if it exists).
+        vocab_size: the vocabulary size, ``<|endoftext|>`` included.
+        min_frequency: the least count for a pair to be merged.
+
+    Returns:
+        ``(vocab_path, merges_path)``.
+    """
+    if vocab_size < 257 + 1:
+        raise ReproError(f"vocab_size {vocab_size} is too small: byte-level BPE needs at least 258")
+    bpe = ByteLevelBPETokenizer(add_prefix_space=False)
+    bpe.train_from_iterator(
+        texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOD_TOKEN], show_progress=False
+    )
+    out = Path(out_dir)
+    with atomic_path(out) as tmp:
+        tmp.mkdir()
+        bpe.save_model(str(tmp))
+    return out / "vocab.json", out / "merges.txt"
+
+
+def encode_documents(
+    tokenizer: Gpt2BpeTokenizer,
+    texts: Iterable[str],
+    *,
+    num_workers: int | None = None,
+    batch_size: int = 256,
+    append_eod: bool = True,
+) -> Iterator[np.ndarray]:
+    """Encode a stream of documents on several cores, in order, with bounded memory.
+
+    Batches of documents go to a thread pool; HF ``tokenizers`` releases the GIL while encoding, so the
+    threads run in parallel whatever ``TOKENIZERS_PARALLELISM`` says. At most ``2 * num_workers`` batches
+    are in flight, so a long input stream is never read ahead into memory.
+
+    Args:
+        tokenizer: the tokenizer.
+        texts: the documents.
+        num_workers: threads (default: all cores).
+        batch_size: documents per batch.
+        append_eod: append the end-of-document id to every document.
+
+    Yields:
+        One int64 array of token ids per document, in input order.
+    """
+    workers = max(1, num_workers or os.cpu_count() or 1)
+    eod = [tokenizer.eod] if append_eod else []
+
+    def encode(batch: list[str]) -> list[np.ndarray]:
+        return [np.asarray(ids + eod, dtype=np.int64) for ids in tokenizer.encode_batch(batch)]
+
+    def batches() -> Iterator[list[str]]:
+        batch: list[str] = []
+        for text in texts:
+            batch.append(text)
+            if len(batch) == batch_size:
+                yield batch
+                batch = []
+        if batch:
+            yield batch
+
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize") as pool:
+        in_flight: list[Future] = []
+        for batch in batches():
+            in_flight.append(pool.submit(encode, batch))
+            if len(in_flight) >= 2 * workers:
+                yield from in_flight.pop(0).result()
+        for fut in in_flight:
+            yield from fut.result()
