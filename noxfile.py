@@ -7,6 +7,7 @@ Run ``nox --list`` for the sessions and what each does.
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 
@@ -66,6 +67,112 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def mini(session: nox.Session) -> None:
-    """The main job on the embedded default: the whole router comparison on CPU."""
+    """The main job on the embedded default: every router and dense on CPU, lm-eval, tables and plots (~10 min)."""
     _install(session)
     session.run("python", "-m", "repro", "mini", *session.posargs, env=OFFLINE_ENV)
+
+
+@nox.session(name="mini-pile")
+def mini_pile(session: nox.Session) -> None:
+    """Build (or reuse) the embedded mini-pile, its tokenizer and indexed datasets under data/mini-pile."""
+    _install(session, "dev")
+    session.run("python", "-m", "repro", "data", "mini-pile", "--out", "data/mini-pile", *session.posargs)
+
+
+@nox.session
+def train(session: nox.Session) -> None:
+    """Train one experiment: nox -s train -- --experiment dirmoe-tiny --out runs/x [--set k=v ...]."""
+    _install(session)
+    session.run("python", "-m", "repro", "train", *session.posargs, env=OFFLINE_ENV)
+
+
+@nox.session
+def check(session: nox.Session) -> None:
+    """Regression check: nox -s check -- RUN_OR_DIR --against published|PREVIOUS_RUN."""
+    _install(session)
+    session.run("python", "-m", "repro", "check", *session.posargs, env=OFFLINE_ENV)
+
+
+# ------------------------------------------------------------------------------------ full scale (GPU)
+ROUTERS = ["dirmoe", "switch", "remoe", "expert_choice", "hash", "lory", "sparsemixer"]
+PILE_TASKS = "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race"
+
+
+def _scale_args(session: nox.Session) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --", description="full-scale run options")
+    parser.add_argument("--data", required=True, help="indexed-dataset prefix(es) of tokenized Pile shards, comma-separated")
+    parser.add_argument("--tokenizer", default="", help="directory with GPT-2 vocab.json and merges.txt (default: beside the data)")
+    parser.add_argument("--gpus", type=int, default=8, help="processes per node for torchrun")
+    parser.add_argument("--out", default="runs/pile", help="root of the run directories")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra experiment override")
+    return parser.parse_args(session.posargs)
+
+
+def _torchrun_train(session: nox.Session, args: argparse.Namespace, experiment: str, out: str, sets: list[str]) -> None:
+    sets = [f"data=pile:{args.data}", *([f"tokenizer={args.tokenizer}"] if args.tokenizer else []), *sets, *args.set]
+    cmd = ["torchrun", f"--nproc_per_node={args.gpus}", "-m", "repro", "train", "--experiment", experiment, "--out", out]
+    for item in sets:
+        cmd += ["--set", item]
+    resume = os.path.isdir(os.path.join(out, "checkpoints"))
+    session.run(*cmd, *(["--resume"] if resume else []), env=OFFLINE_ENV)
+
+
+@nox.session(name="pile-185m")
+@nox.parametrize("router", [*ROUTERS, "dense"])
+def pile_185m(session: nox.Session, router: str) -> None:
+    """LLaMA-185M, E=8, k=1 on The Pile with the papers' settings (60k steps, 30B tokens), then zero-shot lm-eval."""
+    _install(session, "dev,eval,gpu")
+    args = _scale_args(session)
+    out = f"{args.out}/{router}-185m"
+    _torchrun_train(session, args, f"{router}-185m", out, [])
+    session.run("python", "-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json", env=OFFLINE_ENV)
+
+
+@nox.session(name="efficiency-185m")
+@nox.parametrize("router", [*ROUTERS, "dense"])
+def efficiency_185m(session: nox.Session, router: str) -> None:
+    """Efficiency only: 300 iterations of LLaMA-185M at the papers' batch (512 x 1024), iteration time and TFLOP/s."""
+    _install(session, "dev,eval,gpu")
+    args = _scale_args(session)
+    out = f"{args.out}/efficiency/{router}-185m"
+    _torchrun_train(session, args, f"{router}-185m", out, ["steps=300", "eval_interval=0", "checkpoint_interval=0"])
+
+
+@nox.session(name="sweep-k")
+@nox.parametrize("router", ["dirmoe", "switch"])
+@nox.parametrize("k", [1, 2, 4])
+def sweep_k(session: nox.Session, router: str, k: int) -> None:
+    """Active experts k in {1, 2, 4} at E=8 (the paper's scalability figure), 10k-step ablation length."""
+    _install(session, "dev,eval,gpu")
+    args = _scale_args(session)
+    _torchrun_train(session, args, f"{router}-185m", f"{args.out}/sweep-k/{router}-k{k}", [f"top_k={k}", "steps=10000"])
+
+
+@nox.session(name="sweep-E")
+@nox.parametrize("router", ["dirmoe", "switch"])
+@nox.parametrize("experts", [8, 16, 32])
+def sweep_experts(session: nox.Session, router: str, experts: int) -> None:
+    """Number of experts E in {8, 16, 32} at k=1 (the paper's scalability figure), 10k steps."""
+    _install(session, "dev,eval,gpu")
+    args = _scale_args(session)
+    _torchrun_train(session, args, f"{router}-185m", f"{args.out}/sweep-E/{router}-E{experts}", [f"num_experts={experts}", "steps=10000"])
+
+
+@nox.session(name="sweep-dirmoe-sparsity")
+@nox.parametrize("lambda_sparsity", [0.0, 0.001, 0.01, 0.1])
+def sweep_dirmoe_sparsity(session: nox.Session, lambda_sparsity: float) -> None:
+    """DirMoE's expected-k penalty lambda_sparsity in {0, 1e-3, 1e-2, 1e-1} (paper appendix), 10k steps."""
+    _install(session, "dev,eval,gpu")
+    args = _scale_args(session)
+    out = f"{args.out}/sweep-sparsity/dirmoe-ls{lambda_sparsity:g}"
+    _torchrun_train(session, args, "dirmoe-185m", out, [f"router_options.lambda_sparsity={lambda_sparsity}", "steps=10000"])
+
+
+@nox.session(name="sweep-dirmoe-m")
+@nox.parametrize("m", [0.7, 0.8, 0.85, 0.9, 0.95])
+def sweep_dirmoe_m(session: nox.Session, m: float) -> None:
+    """DirMoE's prior mean mass m on the active experts (paper's m x lambda_sparsity heatmap), 10k steps."""
+    _install(session, "dev,eval,gpu")
+    args = _scale_args(session)
+    out = f"{args.out}/sweep-m/dirmoe-m{m:g}"
+    _torchrun_train(session, args, "dirmoe-185m", out, [f"router_options.prior_mass={m}", "steps=10000"])

@@ -71,7 +71,9 @@ def expert_specialisation(
 
     Each document is cut into windows of ``seq_length`` tokens and run through ``forward`` one window at a
     time (batch 1, so batch-coupled routers see no other domain); a token counts once for every expert
-    that receives it, and the counts are normalised per (layer, domain) so each row sums to one.
+    that receives it (for a merge router such as Lory, by its combine weights), and the counts are
+    normalised per (layer, domain) so each row sums to one. Expert Choice fills every expert to the same
+    capacity within a window, so its shares are uniform by construction.
 
     Args:
         forward: runs the model on ``[1, S]`` token ids (in eval mode, without gradients).
@@ -94,7 +96,7 @@ def expert_specialisation(
                 continue
             with trace_routers(model) as trace, torch.no_grad():
                 forward(torch.tensor([window], dtype=torch.long))
-            per_layer = torch.stack([trace.outputs[l][0].routing_map.float().sum(0) for l in sorted(trace.outputs)])
+            per_layer = torch.stack([_routed(trace.outputs[l][0]) for l in sorted(trace.outputs)])
             counts[domain] = counts.get(domain, 0) + per_layer
             seen[domain] = seen.get(domain, 0) + len(window)
     domains = sorted(counts)
@@ -108,6 +110,14 @@ def expert_specialisation(
         "tokens": {d: seen[d] for d in domains},
         "share": share_LXE.tolist(),
     }
+
+
+def _routed(output: RouterOutput) -> torch.Tensor:
+    """``[E]`` tokens routed to each expert; for a map that sends every token everywhere (Lory's parameter
+    merge) the combine weights are counted instead, since they are what differs between tokens."""
+    if bool(output.routing_map.all()):
+        return output.probs.sum(0)
+    return output.routing_map.float().sum(0)
 
 
 def sparsity_knob(

@@ -52,7 +52,7 @@ class MiniConfig:
     """
 
     runs: tuple[str, ...] = ALL_RUNS
-    steps: int = 400
+    steps: int = 600
     data_dir: str = "data/mini-pile"
     work_dir: str = "runs/mini"
     out_dir: str = "results/mini"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from routers.base import Router
 

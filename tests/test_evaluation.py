@@ -131,8 +131,13 @@ def test_context_is_truncated_to_max_length(model, tokenizer):
     n_cont = len(whole) - len(lm.tok_encode(context))
     kept = whole[-9:]  # max_length inputs + the last target
     assert score == pytest.approx(_direct(model, kept[:-n_cont], kept[-n_cont:]), abs=1e-4)
-    with pytest.raises(ReproError, match="exceeds the model's max_length 8"):
-        lm.loglikelihood([Req("a", " " + " ".join(SENTENCES))])
+    # A continuation longer than max_length is scored on its last max_length tokens (lm-eval's HF convention).
+    long_cont = " " + " ".join(SENTENCES)
+    (long_score, _), = lm.loglikelihood([Req("a", long_cont)])
+    context_ids, cont_ids = lm._encode_pair("a", long_cont)  # how lm-eval splits a request into tokens
+    whole = context_ids + cont_ids
+    assert len(cont_ids) > 8
+    assert long_score == pytest.approx(_direct(model, whole[-9:-8], cont_ids[-8:]), abs=1e-4)
 
 
 def test_rolling_loglikelihood(model, tokenizer):
@@ -193,18 +198,24 @@ def test_build_local_tasks_is_deterministic(tmp_path):
         assert data_file.is_absolute() and data_file == first / f"{name}.jsonl"
         assert config["dataset_path"] == "json" and config["tag"] == ["minipile"]
     docs = [json.loads(line) for line in (first / "minipile_continuation.jsonl").read_text().splitlines()]
-    assert len(docs) == 12
-    texts = [json.loads(line)["text"] for line in heldout.read_text().splitlines()]
-    for doc, text in zip(docs, texts):
+    texts = [" ".join(json.loads(line)["text"].split()) for line in heldout.read_text().splitlines()]
+    opts = LocalTaskOptions()
+    span = opts.context_words + opts.continuation_words
+    # One question per full window of `span` words, at most windows_per_doc per document.
+    assert len(docs) == sum(min(opts.windows_per_doc, len(t.split(" ")) // span) for t in texts) >= 12
+    starts = [
+        " ".join(t.split(" ")[i : i + span]) for t in texts for i in range(0, span * opts.windows_per_doc, span)
+    ]
+    for doc in docs:
         true = doc["choices"][doc["label"]]
-        assert len(doc["choices"]) == 4 and text.startswith(doc["context"] + " " + true)
+        assert len(doc["choices"]) == 4 and doc["context"] + " " + true in starts
     lastword = [json.loads(line) for line in (first / "minipile_lastword.jsonl").read_text().splitlines()]
     assert all(d["target"].startswith(" ") and d["target"][1:].isalpha() for d in lastword)
     reseeded = build_local_tasks(heldout, tmp_path / "c", LocalTaskOptions(seed=7))
     assert (reseeded / "minipile_continuation.jsonl").read_text() != (first / "minipile_continuation.jsonl").read_text()
     sampled = build_local_tasks(heldout, tmp_path / "e", LocalTaskOptions(max_docs=5))
     assert json.loads((sampled / "manifest.json").read_text())["tasks"]["minipile_ppl"] == 5
-    with pytest.raises(ReproError, match="at least 4 held-out documents"):
+    with pytest.raises(ReproError, match="at least 4 held-out windows"):
         build_local_tasks(_heldout(tmp_path / "small.jsonl", docs=3), tmp_path / "d")
 
 

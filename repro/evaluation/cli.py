@@ -10,6 +10,7 @@ Examples::
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from repro.evaluation.offline import ensure_offline
 
@@ -78,4 +79,17 @@ def main(argv: list[str], prog: str) -> int:
     write_json_atomic(args.out, results)
     print(make_table(results))
     print(f"wrote {args.out}")
+    _add_to_run_record(Path(args.checkpoint), results)
     return 0
+
+
+def _add_to_run_record(run_dir: Path, results: dict) -> None:
+    """When the checkpoint is a run directory with a ``record.json``, put lm-eval's results into it."""
+    import dataclasses
+
+    from repro.report.records import load_record, write_record
+
+    path = run_dir / "record.json"
+    if path.is_file():
+        write_record(dataclasses.replace(load_record(path), lm_eval=results), path)
+        print(f"updated {path}")

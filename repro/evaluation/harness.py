@@ -219,14 +219,12 @@ class DirMoEBenchLM(TemplateLM):
         for pair, context, continuation in requests:
             if not continuation:
                 raise ReproError(f"empty continuation to score (request {pair!r})")
-            if len(continuation) > self.max_length:
-                raise ReproError(
-                    f"a continuation of {len(continuation)} tokens exceeds the model's max_length {self.max_length}"
-                )
+            # A continuation longer than the model's window is scored on its last max_length tokens, the
+            # context cut from the left, as lm-eval's own HF model does (the first tokens get no score).
             context = list(context) or [self.prefix_token_id]  # something must predict the first token
             whole = (context + list(continuation))[-(self.max_length + 1) :]
             inputs.append(whole[:-1])
-            targets.append(list(continuation))
+            targets.append(list(continuation)[-self.max_length :])
         # Longest first: batches of similar lengths pad little; ties broken by content for a fixed order.
         order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i]), inputs[i]))
         results: list[tuple[float, bool] | None] = [None] * len(inputs)

@@ -53,6 +53,8 @@ class LocalTaskOptions:
         continuation_words: length (words) of each continuation choice.
         num_choices: choices per question (one true, the rest distractors).
         ppl_words: words of each document scored by ``minipile_ppl``.
+        windows_per_doc: questions cut from one document at most (consecutive, non-overlapping windows),
+            so a small held-out part still gives enough questions to separate models.
         seed: seeds the distractor draw and the choice order.
     """
 
@@ -63,6 +65,7 @@ class LocalTaskOptions:
     continuation_words: int = 12
     num_choices: int = 4
     ppl_words: int = 256
+    windows_per_doc: int = 8
     seed: int = 1234
 
     def __post_init__(self) -> None:
@@ -70,8 +73,8 @@ class LocalTaskOptions:
             raise ValueError(f"num_choices must be >= 2, got {self.num_choices}")
         if not 1 <= self.lastword_min_words <= self.lastword_max_words:
             raise ValueError("need 1 <= lastword_min_words <= lastword_max_words")
-        if min(self.max_docs, self.context_words, self.continuation_words, self.ppl_words) < 1:
-            raise ValueError("max_docs, context_words, continuation_words and ppl_words must be >= 1")
+        if min(self.max_docs, self.context_words, self.continuation_words, self.ppl_words, self.windows_per_doc) < 1:
+            raise ValueError("max_docs, context_words, continuation_words, ppl_words and windows_per_doc must be >= 1")
 
 
 def _read_heldout(path: Path, max_docs: int, seed: int) -> list[dict[str, str]]:
@@ -111,28 +114,37 @@ def _final_word(word: str) -> str | None:
     return core if len(core) >= 2 and core.isalpha() else None
 
 
+def _windows(words: list[str], size: int, count: int) -> list[list[str]]:
+    """Up to ``count`` consecutive, non-overlapping windows of ``size`` words (the last may be shorter)."""
+    return [words[i : i + size] for i in range(0, len(words), size)][:count]
+
+
 def _lastword_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
     out = []
     for doc in docs:
-        words = doc["text"].split(" ")
-        # Walk back from the longest allowed passage to the last word that is a clean target.
-        for end in range(min(len(words) - 1, opts.lastword_max_words), opts.lastword_min_words - 1, -1):
-            target = _final_word(words[end])
-            if target is not None:
-                out.append({"context": " ".join(words[:end]), "target": " " + target, "domain": doc["domain"]})
-                break
+        for words in _windows(doc["text"].split(" "), opts.lastword_max_words + 1, opts.windows_per_doc):
+            # Walk back from the longest allowed passage to the last word that is a clean target.
+            for end in range(min(len(words) - 1, opts.lastword_max_words), opts.lastword_min_words - 1, -1):
+                target = _final_word(words[end])
+                if target is not None:
+                    out.append({"context": " ".join(words[:end]), "target": " " + target, "domain": doc["domain"]})
+                    break
     return out
 
 
 def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
     span = opts.context_words + opts.continuation_words
-    eligible = [d for d in docs if len(d["text"].split(" ")) >= span]
+    eligible, pieces = [], []
+    for doc in docs:
+        for words in _windows(doc["text"].split(" "), span, opts.windows_per_doc):
+            if len(words) == span:
+                eligible.append(doc)
+                pieces.append(words)
     if len(eligible) < opts.num_choices:
         raise ReproError(
-            f"the continuation task needs at least {opts.num_choices} held-out documents of {span}+ words, "
+            f"the continuation task needs at least {opts.num_choices} held-out windows of {span} words, "
             f"found {len(eligible)}"
         )
-    pieces = [d["text"].split(" ") for d in eligible]
     continuations = [" ".join(w[opts.context_words : span]) for w in pieces]
     # Distinct texts only: a distractor identical to the true continuation would make a question unanswerable.
     pool = sorted(set(continuations))

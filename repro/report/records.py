@@ -580,7 +580,8 @@ def record_from_run_dir(
         config = json.loads((run_dir / "config.json").read_text())
         experiment = config["experiment"]
         router = experiment["router"] or "dense"
-        flavour = get_flavour(experiment["flavour"])
+        overrides = {k: experiment[k] for k in ("num_experts", "top_k") if experiment.get(k) is not None}
+        flavour = get_flavour(experiment["flavour"], **overrides)
         world_size = int(config["layout"]["world_size"])
         flops = flops_config_from_flavour(flavour, vocab_size=config["vocab_size"], tp=int(config["layout"]["tp"]))
         batch, seq_length = int(experiment["global_batch_size"]), int(config["seq_length"])
@@ -595,7 +596,7 @@ def record_from_run_dir(
         global_batch_size=batch,
         seq_length=seq_length,
         num_devices=world_size,
-        mean_active_experts=1.0 if router == "dense" else None,
+        mean_active_experts=1.0 if router == "dense" or _merges_experts(router) else None,
     )
     val_losses = [r["val_loss"] for r in rows if isinstance(r.get("val_loss"), (int, float))]
     return make_record(
@@ -610,6 +611,20 @@ def record_from_run_dir(
         environment=environment or environment_info(num_processes=world_size),
         experiment_name=experiment.get("name"),
     )
+
+
+def _merges_experts(router: str) -> bool:
+    """Whether the router merges expert parameters (Lory): one merged FFN per token, whatever its map says.
+
+    Read from the router's declared constraint (kind MERGE); False for names that are not registered here.
+    """
+    import routers
+
+    try:
+        instance = routers.build_router(router, hidden_size=8, num_experts=2)
+    except ValueError:
+        return False
+    return instance.constraint.kind is routers.RoutingKind.MERGE
 
 
 def _plain(obj: Any) -> Any:

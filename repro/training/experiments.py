@@ -98,6 +98,8 @@ class Experiment:
     micro_batch_size: int = 4
     global_batch_size: int = 8
     seq_length: int | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
     steps: int = 100
     lr: float = 1e-3
     min_lr: float = 1e-4
@@ -173,6 +175,21 @@ class Experiment:
             raise ReproError(f"experiment '{self.name}': vocab_size must be >= 2")
         if self.seq_length is not None and self.seq_length < 2:
             raise ReproError(f"experiment '{self.name}': seq_length must be >= 2")
+        for name in ("num_experts", "top_k"):
+            value = getattr(self, name)
+            if value is not None and (self.router is None or value < 1):
+                raise ReproError(f"experiment '{self.name}': {name} needs a router and a value >= 1, got {value}")
+
+    def model_flavour(self):
+        """The model flavour with this experiment's overrides (``num_experts``, ``top_k``) applied.
+
+        Raises:
+            ValueError: an unknown flavour or an invalid override.
+        """
+        from repro.model.flavours import get_flavour
+
+        overrides = {k: v for k, v in (("num_experts", self.num_experts), ("top_k", self.top_k)) if v is not None}
+        return get_flavour(self.flavour, **overrides)
 
     # --------------------------------------------------------------- derived
     @property
@@ -527,9 +544,7 @@ def _check_router_options(experiment: Experiment) -> None:
     except (ValueError, ImportError):
         return
     try:
-        from repro.model.flavours import get_flavour
-
-        flavour = get_flavour(experiment.flavour)
+        flavour = experiment.model_flavour()
         hidden, experts, top_k = flavour.hidden_size, flavour.num_experts or 8, flavour.top_k
     except (ImportError, ValueError):
         hidden, experts, top_k = 8, 8, 1

@@ -101,7 +101,6 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
     from repro.model import parallel as model_parallel
     from repro.model.builder import build_model
     from repro.model.cpu_shims import apply_cpu_shims
-    from repro.model.flavours import get_flavour
     from repro.training.data import data_sources, load_run_tokenizer
     from repro.training.distributed import current_parallel
 
@@ -114,7 +113,7 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
     apply_cpu_shims()
     if not model_parallel.is_initialized():
         model_parallel.init_distributed(tp=1, ep=1, seed=experiment.seed)
-    flavour = get_flavour(experiment.flavour)
+    flavour = experiment.model_flavour()
     seq_length = experiment.seq_length or flavour.seq_length
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:

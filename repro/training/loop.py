@@ -152,10 +152,9 @@ def _seed_everything(seed: int) -> None:
 
 def _build_model(experiment: Experiment, vocab_size: int, seq_length: int, precision: Precision) -> nn.Module:
     from repro.model.builder import build_model
-    from repro.model.flavours import get_flavour
 
     try:
-        flavour = get_flavour(experiment.flavour)
+        flavour = experiment.model_flavour()
         return build_model(
             flavour,
             router_name=experiment.router,
@@ -200,10 +199,9 @@ def _build_layout_independent(
 
 
 def _seq_length(experiment: Experiment) -> int:
-    from repro.model.flavours import get_flavour
 
     try:
-        flavour = get_flavour(experiment.flavour)
+        flavour = experiment.model_flavour()
     except ValueError as exc:
         raise ReproError(f"experiment '{experiment.name}': {exc}") from None
     return experiment.seq_length or flavour.seq_length
@@ -355,6 +353,7 @@ def evaluate(
         The validation loss.
     """
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
     from routers.megatron_adapter import reset_routing_records
 
     sampler = MicroBatchSampler(experiment.micro_batch_size, parallel.dp_rank, parallel.dp_size, experiment.eval_iters)
@@ -718,5 +717,18 @@ def _train(
     )
     if parallel.is_main:
         write_json_atomic(paths.summary, summary)
+        _write_run_record(paths.root)
     return summary
+
+
+def _write_run_record(run_dir: Path) -> None:
+    """``record.json`` of a finished run (efficiency, loss curve, routing); ``repro eval`` adds lm-eval's results.
+
+    The efficiency window skips the first tenth of the logged steps (warm-up: allocator, first iterations).
+    """
+    from repro.report.records import read_log_jsonl, record_from_run_dir, write_record
+
+    rows = read_log_jsonl(run_dir / "log.jsonl")
+    record = record_from_run_dir(run_dir, warmup=max(1, len(rows) // 10) if len(rows) > 1 else 0)
+    write_record(record, run_dir / "record.json")
 
