@@ -664,6 +664,7 @@ def _train(
             values, _ = _step_measurements(model, lm_sum, num_microbatches)
             reduced = _reduce_named(values, parallel)
             record = _record(step, reduced, lr, grad_norm, iter_time, tokens_per_step, consumed, router_stats)
+            record["peak_memory_bytes"] = peak_memory_bytes(device)
             if not math.isfinite(record["loss"]):
                 raise ReproError(f"experiment '{experiment.name}': loss is {record['loss']} at step {step}")
             clear_aux_losses_tracker()
@@ -719,6 +720,23 @@ def _train(
         write_json_atomic(paths.summary, summary)
         _write_run_record(paths.root)
     return summary
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: allocated device memory on CUDA, resident set size on CPU.
+
+    Args:
+        device: the training device.
+
+    Returns:
+        Bytes (the CPU figure is the process's whole peak RSS: model, optimizer, data and the Python heap).
+    """
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    # Linux reports ru_maxrss in KiB.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
 
 
 def _write_run_record(run_dir: Path) -> None:
