@@ -8,6 +8,7 @@ Run ``nox --list`` for the sessions and what each does.
 from __future__ import annotations
 
 import argparse
+import glob
 import os
 import shutil
 
@@ -113,7 +114,8 @@ def _torchrun_train(session: nox.Session, args: argparse.Namespace, experiment: 
     cmd = ["torchrun", f"--nproc_per_node={args.gpus}", "-m", "repro", "train", "--experiment", experiment, "--out", out]
     for item in sets:
         cmd += ["--set", item]
-    resume = os.path.isdir(os.path.join(out, "checkpoints"))
+    # A complete checkpoint has its meta.json (a run killed while writing its first one leaves only a temp dir).
+    resume = bool(glob.glob(os.path.join(out, "checkpoints", "step_*", "meta.json")))
     session.run(*cmd, *(["--resume"] if resume else []), env=OFFLINE_ENV)
 
 
@@ -159,19 +161,19 @@ def sweep_experts(session: nox.Session, router: str, experts: int) -> None:
 
 
 @nox.session(name="sweep-dirmoe-sparsity")
-@nox.parametrize("lambda_sparsity", [0.0, 0.001, 0.01, 0.1])
-def sweep_dirmoe_sparsity(session: nox.Session, lambda_sparsity: float) -> None:
-    """DirMoE's expected-k penalty lambda_sparsity in {0, 1e-3, 1e-2, 1e-1} (paper appendix), 10k steps."""
+@nox.parametrize("sparsity_weight", [0.0, 0.001, 0.01, 0.1])
+def sweep_dirmoe_sparsity(session: nox.Session, sparsity_weight: float) -> None:
+    """DirMoE's expected-k penalty lambda_sparsity (option sparsity_weight) in {0, 1e-3, 1e-2, 1e-1}, 10k steps."""
     _install(session, "dev,eval,gpu")
     args = _scale_args(session)
-    out = f"{args.out}/sweep-sparsity/dirmoe-ls{lambda_sparsity:g}"
-    _torchrun_train(session, args, "dirmoe-185m", out, [f"router_options.lambda_sparsity={lambda_sparsity}", "steps=10000"])
+    out = f"{args.out}/sweep-sparsity/dirmoe-ls{sparsity_weight:g}"
+    _torchrun_train(session, args, "dirmoe-185m", out, [f"router_options.sparsity_weight={sparsity_weight}", "steps=10000"])
 
 
 @nox.session(name="sweep-dirmoe-m")
 @nox.parametrize("m", [0.7, 0.8, 0.85, 0.9, 0.95])
 def sweep_dirmoe_m(session: nox.Session, m: float) -> None:
-    """DirMoE's prior mean mass m on the active experts (paper's m x lambda_sparsity heatmap), 10k steps."""
+    """DirMoE's prior mean mass m (option prior_mass) on the active experts (paper's m x lambda_sparsity heatmap), 10k steps."""
     _install(session, "dev,eval,gpu")
     args = _scale_args(session)
     out = f"{args.out}/sweep-m/dirmoe-m{m:g}"

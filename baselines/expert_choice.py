@@ -26,7 +26,7 @@ class ExpertChoiceConfig(RouterConfig):
 
     Args:
         capacity_factor: the paper's c, the mean number of experts per token: each expert takes
-            ``C = ceil(T * c / E)`` tokens (at most T). ``None`` (default) means c = k, the compute of
+            ``C = ceil((T * k / E) * (c / k)) = ceil(T * c / E)`` tokens (at most T; megatron-core's capacity expression). ``None`` (default) means c = k, the compute of
             top-k routing, as in the paper's comparisons.
         init_std: std of the normal initialisation of the gate weight.
     """

@@ -8,6 +8,9 @@ Only the router and the segment logic live here: the layer that merges the exper
 segment with these weights (and runs the merged FFN on the segment) is a separate module, which reads
 :meth:`LoryRouter.segment_weights`.
 
+Not implemented: the paper's similarity-based batching of training documents (a data-pipeline option);
+training samples are drawn as for every other router.
+
 Shape legend: T tokens (t = s * B + b), S sequence length, B sequences, D hidden size, E experts,
 G segments per sequence (see :mod:`routers.base`).
 """

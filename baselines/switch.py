@@ -45,7 +45,7 @@ class SwitchConfig(RouterConfig):
             True for k = 1 (0.16.1 requires it: a softmax over one selected logit has zero gradient), its
             default False for k > 1 (softmax over the k selected logits, so the weights sum to one).
         capacity_factor: ``None`` (default) is dropless (dMoE); a value c > 0 caps every expert at
-            ``ceil(T * k * c / E)`` tokens and drops the rest (``moe_expert_capacity_factor``).
+            ``ceil((T * k / E) * c)`` tokens and drops the rest (``moe_expert_capacity_factor``).
         drop_policy: which tokens an over-full expert keeps: "probs" (highest weight) or "position"
             (earliest) (``moe_token_drop_policy``).
         init_std: std of the normal initialisation of the gate weight.

@@ -133,14 +133,14 @@ def run_worker(cfg: MiniConfig, run: str, tasks_dir: Path) -> Path:
     from repro.data.minipile import build_mini_pile
 
     mini = build_mini_pile(cfg.data_dir)
-    analysis: dict[str, Any] = {"run": run}
+    analysis: dict[str, Any] = {"run": run, "settings": _analysis_settings(cfg)}
+    docs = _heldout_documents(mini.heldout_path, tokenizer)
     if experiment.router:
-        docs = _heldout_documents(mini.heldout_path, tokenizer)
         analysis["specialisation"] = expert_specialisation(
             scorer.logits, scorer.model, docs, scorer.max_length, cfg.spec_tokens
         )
     if experiment.router == "dirmoe":
-        window = [t for ids, _ in _heldout_documents(mini.heldout_path, tokenizer)[:8] for t in ids][: scorer.max_length]
+        window = [t for ids, _ in docs[:8] for t in ids][: scorer.max_length]
         with trace_routers(scorer.model, keep_inputs=True) as trace:
             scorer.logits(torch.tensor([window]))
         router = next(m for m in scorer.model.modules() if getattr(m, "name", "") == "dirmoe")
@@ -154,15 +154,21 @@ def run_worker(cfg: MiniConfig, run: str, tasks_dir: Path) -> Path:
     return write_record(record, run_dir / "record.json")
 
 
+def _analysis_settings(cfg: MiniConfig) -> dict[str, Any]:
+    """The settings besides the experiment that a finished run's record and analysis depend on."""
+    return {"eval_limit": cfg.eval_limit, "spec_tokens": cfg.spec_tokens, "warmup_rows": cfg.warmup_rows}
+
+
 def _record_is_current(cfg: MiniConfig, run: str) -> bool:
     run_dir = Path(cfg.work_dir) / run
     if not ((run_dir / "record.json").is_file() and (run_dir / "analysis.json").is_file()):
         return False
     try:
         stored = json.loads((run_dir / "config.json").read_text())["experiment"]
+        settings = json.loads((run_dir / "analysis.json").read_text()).get("settings")
     except (OSError, ValueError, KeyError):
         return False
-    return stored == cfg.experiment(run).to_dict()
+    return stored == cfg.experiment(run).to_dict() and settings == _analysis_settings(cfg)
 
 
 # -------------------------------------------------------------------------------------------- reporting

@@ -1,5 +1,5 @@
 """DirMoE: the Dirichlet-routed Mixture-of-Experts router (Vahidi et al., "DirMoE: Dirichlet-Routed Mixture
-of Experts", paper in ``shared/paper``). No public code exists; this module is written from the paper.
+of Experts", ICLR 2026 submission). No public code exists; this module is written from the paper.
 
 Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE layer's input):
 

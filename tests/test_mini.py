@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     root = tmp_path_factory.mktemp("mini")
-    argv = ["--runs", "switch,dirmoe", "--steps", "8", "--eval-limit", "8"]
+    argv = ["--runs", "switch,dirmoe,lory,expert_choice", "--steps", "8", "--eval-limit", "8"]
     argv += ["--data-dir", str(root / "data"), "--work-dir", str(root / "runs"), "--out", str(root / "out")]
     argv += ["--set", "eval_interval=4", "--set", "checkpoint_interval=8"]
     assert mini.main(argv) == 0
@@ -35,7 +35,8 @@ def test_tables_plots_and_records(comparison):
         png = out / f"{plot}.png"
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
     summary = json.loads((out / "summary.json").read_text())
-    assert summary["unigram_loss"] > 0 and set(summary["final_train_lm_loss_last10"]) == {"switch", "dirmoe"}
+    assert summary["unigram_loss"] > 0
+    assert set(summary["final_train_lm_loss_last10"]) == {"switch", "dirmoe", "lory", "expert_choice"}
     analysis = json.loads((comparison / "runs" / "dirmoe" / "analysis.json").read_text())
     knob = analysis["sparsity_knob"]
     assert knob["theory"] == sorted(knob["theory"], reverse=True), "the Lemma's curve decreases in lambda"
@@ -63,3 +64,34 @@ def test_bad_arguments_are_one_line_errors():
         mini.main(["--runs", "nope"])
     with pytest.raises(ReproError, match="unknown key 'stepz'"):
         mini.main(["--set", "stepz=3"])
+
+
+class _Request:
+    """Stands in for lm-eval's Instance (the bridge reads ``.args``)."""
+
+    def __init__(self, *args) -> None:
+        self.args = args
+
+
+def test_checkpoint_scoring_is_independent_of_batching(comparison):
+    from repro.evaluation.harness import DirMoEBenchLM
+    from repro.model.parallel import destroy_distributed
+    from repro.training.inference import load_for_evaluation
+
+    requests = [
+        _Request("The licence grants the right to", " copy and modify the software."),
+        _Request("def main():", "\n    return 0"),
+        _Request("NAME\n       ls - list directory", " contents"),
+    ]
+    try:
+        # Lory routes each request once on its prompt: padding and neighbours in the batch cannot matter.
+        lory, tokenizer = load_for_evaluation(comparison / "runs" / "lory", device="cpu")
+        batched = DirMoEBenchLM(model=lory, tokenizer=tokenizer, batch_size=3).loglikelihood(requests)
+        alone = DirMoEBenchLM(model=lory, tokenizer=tokenizer, batch_size=1).loglikelihood(requests)
+        assert [s for s, _ in batched] == pytest.approx([s for s, _ in alone], abs=1e-4)
+        # Expert Choice couples the tokens of a batch: the bridge scores it one request at a time.
+        ec, tokenizer = load_for_evaluation(comparison / "runs" / "expert_choice", device="cpu")
+        assert ec.batch_coupled and not lory.batch_coupled
+        assert DirMoEBenchLM(model=ec, tokenizer=tokenizer, batch_size=8).batch_size == 1
+    finally:
+        destroy_distributed()

@@ -8,9 +8,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import shutil
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
+
+from repro.errors import ReproError
 
 
 @contextlib.contextmanager
@@ -83,6 +87,15 @@ def _tokenize(args: argparse.Namespace) -> int:
     print(f"{'total':<24} {stats.num_documents:>10} {_mb(sum(stats.bytes.values())):>10} {stats.num_tokens:>14,}")
     print(f"wrote {stats.prefix}.bin/.idx (+ .domains.json/.npy) in {time.perf_counter() - t0:.1f} s; "
           f"{stats.tokens_per_second:,.0f} tokens/s")
+    # The training loop (and evaluation) find the tokenizer beside the data as vocab.json + merges.txt.
+    out_dir = Path(stats.prefix).parent
+    for src, name in ((Path(args.vocab), "vocab.json"), (Path(args.merges), "merges.txt")):
+        dst = out_dir / name
+        if not dst.exists():
+            shutil.copyfile(src, dst)
+        elif dst.read_bytes() != src.read_bytes():
+            raise ReproError(f"{dst}: another tokenizer's file is already there; tokenize into another directory")
+    print(f"tokenizer:      {out_dir / 'vocab.json'}, {out_dir / 'merges.txt'}")
     return 0
 
 

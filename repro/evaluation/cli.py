@@ -2,9 +2,12 @@
 
 Examples::
 
-    python -m repro eval --checkpoint runs/mini-dirmoe/checkpoints --local-tasks runs/tasks --out runs/mini-dirmoe/lm_eval.json
-    python -m repro eval --checkpoint runs/llama185m-dirmoe/checkpoints --out lm_eval.json   # the papers' 7 tasks
-    python -m repro eval --local-tasks-from heldout.jsonl --local-tasks runs/tasks --checkpoint ... --out ...
+    python -m repro eval --checkpoint runs/mini/dirmoe --local-tasks runs/mini/tasks --out runs/mini/dirmoe/lm_eval.json
+    python -m repro eval --checkpoint runs/pile/dirmoe-185m --out runs/pile/dirmoe-185m/lm_eval.json  # the 7 tasks
+    python -m repro eval --local-tasks-from data/mini-pile/heldout.jsonl --local-tasks runs/tasks --checkpoint ... --out ...
+
+The checkpoint may be a run directory (its newest checkpoint), its ``checkpoints`` directory or one
+checkpoint; the run's ``record.json`` gets the results.
 """
 
 from __future__ import annotations
@@ -84,12 +87,17 @@ def main(argv: list[str], prog: str) -> int:
 
 
 def _add_to_run_record(run_dir: Path, results: dict) -> None:
-    """When the checkpoint is a run directory with a ``record.json``, put lm-eval's results into it."""
+    """Put lm-eval's results into the ``record.json`` of the run the checkpoint belongs to (if it has one)."""
     import dataclasses
 
+    from repro.errors import ReproError
     from repro.report.records import load_record, write_record
+    from repro.training.inference import resolve_checkpoint, run_dir_of
 
-    path = run_dir / "record.json"
+    try:
+        path = run_dir_of(resolve_checkpoint(run_dir)) / "record.json"
+    except ReproError:
+        return  # not a training run's checkpoint layout: nothing to update
     if path.is_file():
         write_record(dataclasses.replace(load_record(path), lm_eval=results), path)
         print(f"updated {path}")

@@ -4,12 +4,14 @@ The bridge talks to the model through a small protocol, :class:`ScoringModel` (t
 logits out) plus a tokenizer: a Hugging Face ``tokenizers.Tokenizer`` (``encode(...).ids`` / ``decode``) or a
 megatron-style one with ``tokenize`` / ``detokenize`` (``repro.data.tokenizer.Gpt2BpeTokenizer``), so it does
 not depend on how the model is built.
-Checkpoint loading has exactly one place to wire: :func:`load_scoring_model`, which calls the training code's
-``repro.training.checkpoint.load_for_evaluation(checkpoint_dir, device=...)``.
+Checkpoint loading has exactly one place: :func:`load_scoring_model`, which calls
+``repro.training.inference.load_for_evaluation(checkpoint_dir, device=...)``.
 
 Scoring is batched and deterministic (the model is put in eval mode and run under ``torch.inference_mode``).
 Batches are right-padded: in a causal model a token's logits depend only on the tokens before it, so pad
-tokens after a row's end cannot change that row's scores, and no attention mask or position offsets are
+tokens after a row's end cannot change that row's scores (routers that couple the tokens of a batch, such as
+Expert Choice and capacity dropping, break this: a model that says so with ``batch_coupled = True`` is scored
+one request at a time; Lory routes each row once on its prompt, given the prompt lengths), and no attention mask or position offsets are
 needed (left padding would shift positions and let pads be attended). The exception is a router that couples
 the tokens of a batch (Expert Choice, capacity-limited dispatch that drops tokens): evaluate those with
 ``batch_size=1`` for scores that do not depend on the batch.
@@ -20,6 +22,7 @@ continuation longer than ``max_length`` cannot be scored and is refused.
 
 from __future__ import annotations
 
+import inspect
 import json
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -82,13 +85,8 @@ def load_scoring_model(checkpoint_dir: str | Path, device: str | None = None) ->
     path = Path(checkpoint_dir)
     if not path.is_dir():
         raise ReproError(f"{path}: no such checkpoint directory")
-    try:
-        from repro.training.inference import load_for_evaluation
-    except ImportError as exc:
-        raise ReproError(
-            f"cannot load checkpoint {path}: the training code's loader "
-            f"repro.training.inference.load_for_evaluation is not available ({exc})"
-        ) from None
+    from repro.training.inference import load_for_evaluation
+
     return load_for_evaluation(path, device=device)
 
 
@@ -144,6 +142,11 @@ class DirMoEBenchLM(TemplateLM):
         self.batch_size = 8 if batch_size in (None, "auto") else int(batch_size)
         if self.batch_size < 1:
             raise ReproError(f"batch_size must be >= 1, got {self.batch_size}")
+        if getattr(model, "batch_coupled", False):
+            # Its routing of one request would depend on the others (and on padding) in the batch.
+            self.batch_size = 1
+        # Models that route on the prompt (Lory) take the prompt length of every row.
+        self._takes_prompt_lengths = "prompt_lengths_B" in inspect.signature(model.logits).parameters
         self._max_length = int(model.max_length) if max_length is None else min(int(max_length), int(model.max_length))
         self.max_gen_toks = int(max_gen_toks)
 
@@ -187,13 +190,23 @@ class DirMoEBenchLM(TemplateLM):
 
     # ------------------------------------------------------------------ scoring core
     @torch.inference_mode()
-    def _log_probs(self, sequences: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Per-sequence next-token log-probabilities ``[len, V]`` (float32) from one right-padded forward."""
+    def _log_probs(
+        self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int] | None = None
+    ) -> list[torch.Tensor]:
+        """Per-sequence next-token log-probabilities ``[len, V]`` (float32) from one right-padded forward.
+
+        Args:
+            sequences: token ids per row.
+            prompt_lengths: tokens of each row that are context (for models that route on the prompt).
+        """
         width = max(len(s) for s in sequences)
         tokens = torch.full((len(sequences), width), self.eot_token_id, dtype=torch.long)
         for row, seq in enumerate(sequences):
             tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
-        logits = self.model.logits(tokens.to(self._device))
+        if self._takes_prompt_lengths and prompt_lengths is not None:
+            logits = self.model.logits(tokens.to(self._device), prompt_lengths_B=list(prompt_lengths))
+        else:
+            logits = self.model.logits(tokens.to(self._device))
         if logits.shape[:2] != tokens.shape:
             raise ReproError(f"model returned logits {tuple(logits.shape)} for tokens {tuple(tokens.shape)}")
         log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
@@ -229,7 +242,9 @@ class DirMoEBenchLM(TemplateLM):
         order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i]), inputs[i]))
         results: list[tuple[float, bool] | None] = [None] * len(inputs)
         for batch in _batches(order, override_bs or self.batch_size):
-            log_probs = self._log_probs([inputs[i] for i in batch])
+            # The context is what precedes the scored tokens (at least the first input token).
+            prompts = [max(1, len(inputs[i]) + 1 - len(targets[i])) for i in batch]
+            log_probs = self._log_probs([inputs[i] for i in batch], prompts)
             for i, lp in zip(batch, log_probs):
                 target = torch.tensor(targets[i], dtype=torch.long)
                 scored = lp[-len(target) :]  # the last positions predict the continuation tokens
@@ -318,7 +333,9 @@ class DirMoEBenchLM(TemplateLM):
         for _ in range(max_new):
             if not active:
                 break
-            log_probs = self._log_probs([contexts[i] + generated[i] for i in active])
+            log_probs = self._log_probs(
+                [contexts[i] + generated[i] for i in active], [len(contexts[i]) for i in active]
+            )
             still = []
             for i, lp in zip(active, log_probs):
                 token = int(lp[-1].argmax())

@@ -134,12 +134,13 @@ def _lastword_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[d
 
 def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
     span = opts.context_words + opts.continuation_words
-    eligible, pieces = [], []
-    for doc in docs:
+    eligible, pieces, owners = [], [], []
+    for index, doc in enumerate(docs):
         for words in _windows(doc["text"].split(" "), span, opts.windows_per_doc):
             if len(words) == span:
                 eligible.append(doc)
                 pieces.append(words)
+                owners.append(index)
     if len(eligible) < opts.num_choices:
         raise ReproError(
             f"the continuation task needs at least {opts.num_choices} held-out windows of {span} words, "
@@ -148,14 +149,24 @@ def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> li
     continuations = [" ".join(w[opts.context_words : span]) for w in pieces]
     # Distinct texts only: a distractor identical to the true continuation would make a question unanswerable.
     pool = sorted(set(continuations))
+    # Which documents each text comes from: distractors are drawn from other documents only.
+    sources: dict[str, set[int]] = {}
+    for text, owner in zip(continuations, owners):
+        sources.setdefault(text, set()).add(owner)
     if len(pool) < opts.num_choices:
         raise ReproError(
             f"the continuation task needs at least {opts.num_choices} distinct continuations, found {len(pool)}"
         )
     rng = random.Random(opts.seed)
     out = []
-    for doc, words, true in zip(eligible, pieces, continuations):
-        distractors = rng.sample([c for c in pool if c != true], opts.num_choices - 1)
+    for doc, words, true, owner in zip(eligible, pieces, continuations, owners):
+        candidates = [c for c in pool if c != true and owner not in sources[c]]
+        if len(candidates) < opts.num_choices - 1:
+            raise ReproError(
+                f"the continuation task needs {opts.num_choices - 1} distractors from other held-out documents, "
+                f"found {len(candidates)}"
+            )
+        distractors = rng.sample(candidates, opts.num_choices - 1)
         choices = [true] + distractors
         order = list(range(opts.num_choices))
         rng.shuffle(order)

@@ -127,12 +127,14 @@ def transformer_config(
         expert_model_parallel_size=ep if flavour.is_moe else 1,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        # Fused kernels come from Apex / megatron's CUDA extensions, which these machines do not have.
-        bias_activation_fusion=False,
+        # Fused kernels (SwiGLU, RoPE, masked softmax) need CUDA and, in 0.16.1, TransformerEngine or
+        # megatron's CUDA extensions: on with the TransformerEngine spec on a GPU (as the papers' Megatron-LM
+        # runs, so TFLOP/s are comparable), off on CPU. Apex-only fusions stay off (Apex is not a dependency).
+        bias_activation_fusion=use_te and on_gpu,
         bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
+        masked_softmax_fusion=use_te and on_gpu,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=use_te and on_gpu,
         gradient_accumulation_fusion=False,
     )
     if flavour.is_moe:

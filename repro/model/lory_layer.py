@@ -48,9 +48,6 @@ from torch import nn
 
 DEFAULT_SEGMENT_LENGTH = 256
 # Names under which a router config may carry its segment length (baselines/lory.py defines the field).
-_SEGMENT_FIELDS = ("segment_length", "segment_len", "segment_size")
-
-
 def lory_merged_ffn(
     x_BLH: torch.Tensor,
     weights_BE: torch.Tensor,
@@ -100,14 +97,9 @@ class LoryMoELayer(MoELayer):
     # ---------------------------------------------------------------- helpers
     @property
     def segment_length(self) -> int:
-        """The router's segment length (its config field), default 256."""
+        """The Lory router's ``segment_len`` (default 256 for a router without one)."""
         inner = getattr(self.router, "router", self.router)
-        cfg = getattr(inner, "config", None)
-        for field_name in _SEGMENT_FIELDS:
-            value = getattr(cfg, field_name, None)
-            if isinstance(value, int) and value > 0:
-                return value
-        return DEFAULT_SEGMENT_LENGTH
+        return int(getattr(getattr(inner, "config", None), "segment_len", DEFAULT_SEGMENT_LENGTH))
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [E, 2F, H], fc2 [E, H, F])``: the experts' parameters stacked (differentiable)."""

@@ -2,10 +2,10 @@
 
 Examples::
 
-    python -m repro tables results/runs                       # Markdown tables on stdout
-    python -m repro tables results/runs --published --out results/tables --format md,csv,tex
-    python -m repro check results/runs/llama185m-dirmoe --against published
-    python -m repro check runs/mini --against results/runs/mini   # against an earlier run: exit 1 on a drift
+    python -m repro tables runs/mini                          # Markdown tables on stdout
+    python -m repro tables runs/pile --published --out results/pile --format md,csv,tex
+    python -m repro check runs/pile/dirmoe-185m --against published
+    python -m repro check runs/mini/switch --against runs/mini-before/switch   # exit 1 on a drift
 """
 
 from __future__ import annotations

@@ -23,12 +23,8 @@ File naming: a run's record is ``record.json`` (in its run directory) or ``<name
 
 Per-step log rows (``log.jsonl``, written by the training loop) are read for: ``step``, ``loss``,
 ``iter_time_s``, ``tokens_per_s``, optionally ``peak_memory_bytes``, and per-layer routing metrics
-(``active_experts``, ``simpson``, ``load_imbalance``, ``dropped_mass``) in any of these shapes:
-
-- ``"active_experts": [per MoE layer]`` at the top level or under ``"router_metrics"`` (the training loop's);
-- ``"routing": [{...layer 0...}, {...layer 1...}]`` (a list, index = layer, or dicts with a ``layer`` key);
-- ``"routing": {"0": {...}, "1": {...}}``;
-- flat keys ``"layer3/simpson"``, ``"routing/layer3/simpson"``, ``"layer_3.simpson"``.
+(``active_experts``, ``simpson``, ``load_imbalance``, ``dropped_mass``) as the training loop writes them:
+one list per metric, index = MoE layer, at the top level or under ``"router_metrics"``.
 """
 
 from __future__ import annotations
@@ -37,7 +33,6 @@ import json
 import math
 import os
 import platform
-import re
 import socket
 import statistics
 import subprocess
@@ -147,7 +142,8 @@ class Efficiency:
         window_steps: log rows in the window.
         iter_time_ms: median iteration time.
         tokens_per_s: median tokens per second (all devices).
-        peak_memory_bytes: peak accelerator memory per device, None where unknown (CPU).
+        peak_memory_bytes: peak memory per device (allocated CUDA memory on GPU, process peak RSS on CPU),
+            None where not logged.
         num_devices: devices sharing an iteration.
         global_batch_size: sequences per iteration.
         seq_length: tokens per sequence.
@@ -322,12 +318,8 @@ def loss_curve_from_log(rows: Iterable[Mapping[str, Any]]) -> tuple[LossPoint, .
     )
 
 
-_FLAT_KEY = re.compile(r"^(?:routing[/._])?layer_?(\d+)[/.](\w+)$")
-_LAYER_KEY = re.compile(r"(?:layer_?)?(\d+)")
-
-
 def _layer_metrics(row: Mapping[str, Any]) -> dict[int, dict[str, float]]:
-    """Per-layer routing metrics of one log row, in any of the shapes in the module docstring."""
+    """Per-layer routing metrics of one log row (one list per metric, index = MoE layer)."""
     found: dict[int, dict[str, float]] = {}
 
     def put(layer: int, name: str, value: Any) -> None:
@@ -341,23 +333,6 @@ def _layer_metrics(row: Mapping[str, Any]) -> dict[int, dict[str, float]]:
                 if isinstance(values, list):
                     for layer, value in enumerate(values):
                         put(layer, name, value)
-    routing = row.get("routing")
-    if isinstance(routing, list):
-        for index, metrics in enumerate(routing):
-            if isinstance(metrics, dict):
-                layer = int(metrics.get("layer", index))
-                for name, value in metrics.items():
-                    put(layer, name, value)
-    elif isinstance(routing, dict):
-        for key, metrics in routing.items():
-            match = _LAYER_KEY.fullmatch(str(key))
-            if isinstance(metrics, dict) and match:
-                for name, value in metrics.items():
-                    put(int(match.group(1)), name, value)
-    for key, value in row.items():
-        match = _FLAT_KEY.match(key)
-        if match:
-            put(int(match.group(1)), match.group(2), value)
     return found
 
 

@@ -4,7 +4,7 @@ Examples::
 
     python -m repro train --list
     python -m repro train --experiment dirmoe-tiny --out runs/dirmoe-tiny
-    python -m repro train --experiment remoe-tiny --set steps=50 --set router_options.alpha=1.1 --out runs/r
+    python -m repro train --experiment remoe-tiny --set steps=50 --set router_options.l1_coeff_multiplier=1.1 --out runs/r
     python -m repro train --out runs/dirmoe-tiny --resume
     torchrun --nproc_per_node=2 -m repro train --experiment switch-tiny --set ep=2 --out runs/switch-ep2
 """

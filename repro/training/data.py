@@ -34,12 +34,14 @@ class RunData:
         valid: indexable validation samples (None: no validation).
         vocab_size: the tokenizer's vocabulary size (the model pads it).
         description: a short human-readable origin (for ``config.json``).
+        tokenizer_dir: absolute directory of the tokenizer's ``vocab.json`` + ``merges.txt`` (None: synthetic).
     """
 
     train: Any
     valid: Any
     vocab_size: int
     description: str
+    tokenizer_dir: str | None = None
 
 
 def _indexed_prefixes(spec: str) -> list[str]:
@@ -105,6 +107,16 @@ def load_run_tokenizer(tokenizer_dir: str | os.PathLike):
     return load_tokenizer(vocab_path, merges_path)
 
 
+def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
+    """sha256 over ``vocab.json`` and ``merges.txt`` (what a checkpoint's evaluation must load again)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in ("vocab.json", "merges.txt"):
+        digest.update((Path(tokenizer_dir) / name).read_bytes())
+    return digest.hexdigest()
+
+
 def build_run_data(
     experiment: Experiment,
     seq_length: int,
@@ -152,4 +164,5 @@ def build_run_data(
         splits.valid if experiment.eval_interval else None,
         tokenizer.vocab_size,
         f"indexed({', '.join(prefixes)})",
+        str(Path(tokenizer_dir).resolve()),
     )

@@ -5,7 +5,7 @@ many processes run it (``torchrun``). The registry holds:
 
 * ``<router>-tiny`` for each of the seven routers and ``dense-tiny`` (plus ``megatron-tiny``, megatron-core's
   own ``TopKRouter``): the tiny flavour on CPU-sized batches, for tests and the embedded default;
-* ``<router>-185m`` and ``dense-185m``: the papers' LLaMA-185M settings (DESIGN.md section 5).
+* ``<router>-185m`` and ``dense-185m``: the papers' LLaMA-185M settings (ReMoE's training scripts; DirMoE's hyper-parameter table).
 
 Settings of the 185M runs and where they come from:
 
@@ -454,6 +454,13 @@ def _router_option_types(router: str) -> dict[str, Any] | None:
     return {name: hints.get(name, Any) for name in cls.Config.option_names()}
 
 
+def _megatron_option_types() -> dict[str, Any]:
+    """Options of megatron-core's own TopKRouter (the ``megatron`` router), each an optional float."""
+    from repro.model.builder import _MEGATRON_ROUTER_OPTIONS
+
+    return {name: float | None for name in _MEGATRON_ROUTER_OPTIONS}
+
+
 _EXPERIMENT_FIELDS = {f.name: f for f in dataclasses.fields(Experiment)}
 
 
@@ -462,8 +469,8 @@ def apply_overrides(experiment: Experiment, assignments: Iterable[str]) -> Exper
 
     Keys are :class:`Experiment` field names, values parsed to the field's type (``none`` for optional
     fields). Router options are ``router_options.NAME=VALUE``, parsed with the type of the router's config
-    field ``NAME`` (so ``router_options.lambda_sparsity=0.1`` sets a float); ``router_options=`` (empty)
-    clears them. Plain fields are applied first, so ``router=remoe router_options.alpha=1.1`` checks the
+    field ``NAME`` (so ``router_options.sparsity_weight=0.1`` sets a float); ``router_options=`` (empty)
+    clears them. Plain fields are applied first, so ``router=remoe router_options.l1_coeff_multiplier=1.1`` checks the
     option against ReMoE whatever the order; changing ``router`` drops the previous router's options.
 
     Args:
@@ -516,7 +523,7 @@ def apply_overrides(experiment: Experiment, assignments: Iterable[str]) -> Exper
         opt = key[len("router_options."):]
         if router is None:
             raise ReproError(f"--set {key}: the experiment has no router (router=none)")
-        spec = _router_option_types(router) if router != MEGATRON_ROUTER else {}
+        spec = _router_option_types(router) if router != MEGATRON_ROUTER else _megatron_option_types()
         if spec is None:
             # Router not importable here: keep a literal; the router's config validates it at build time.
             options[opt] = _parse_literal(value)

@@ -7,6 +7,8 @@ puts it in eval mode (deterministic routers) and returns it with the run's token
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -48,20 +50,37 @@ class CheckpointLM(nn.Module):
         self.max_length = int(max_length)
         self.device = device
 
+    @property
+    def batch_coupled(self) -> bool:
+        """Whether a token's routing depends on the other tokens of the batch (Expert Choice, capacity
+        dropping): such a model must be scored one request at a time."""
+        from routers import RoutingKind, routers_in
+
+        kinds = {r.constraint.kind for r in routers_in(self.model)}
+        return bool(kinds & {RoutingKind.EXPERT_CHOICE, RoutingKind.CAPACITY})
+
     @torch.no_grad()
-    def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
+    def logits(self, tokens_BS: torch.Tensor, prompt_lengths_B: list[int] | None = None) -> torch.Tensor:
         """Next-token logits ``[B, S, V]`` (float32) for token ids ``[B, S]``.
 
-        The padded vocabulary's extra columns are dropped, so V is the tokenizer's vocabulary size.
+        Args:
+            tokens_BS: token ids.
+            prompt_lengths_B: context tokens of each row; a model with Lory layers then routes each row
+                once on its prompt (Lory's inference), so neither the scored tokens nor padding steer it.
+
+        Returns:
+            Logits without the padded vocabulary's extra columns (V is the tokenizer's vocabulary size).
         """
         from repro.model.cpu_shims import causal_attention_mask
+        from repro.model.lory_layer import lory_prompt_routing
         from routers.megatron_adapter import token_ids_context
 
         tokens_BS = tokens_BS.to(self.device)
         B, S = tokens_BS.shape
         mask = causal_attention_mask(S, self.device)
         position_ids_BS = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
-        with token_ids_context(self.model, tokens_BS):
+        prompt = lory_prompt_routing(self.model, prompt_lengths_B) if prompt_lengths_B is not None else contextlib.nullcontext()
+        with token_ids_context(self.model, tokens_BS), prompt:
             logits_BSV = self.model(tokens_BS, position_ids_BS, mask)
         return logits_BSV[..., : self.vocab_size].float()
 
@@ -85,6 +104,43 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     raise ReproError(f"{path}: no checkpoint found (expected a run directory or checkpoints/step_*)")
 
 
+def run_dir_of(checkpoint_dir: Path) -> Path:
+    """The run directory holding ``checkpoints/step_*`` (a checkpoint's grandparent)."""
+    return checkpoint_dir.parent.parent
+
+
+def _run_tokenizer_dir(checkpoint_dir: Path, experiment: Experiment) -> str:
+    """The tokenizer the run trained with, as its ``config.json`` records it (checked by hash).
+
+    Runs that recorded none (a bare checkpoint directory) fall back to the experiment's data sources.
+
+    Raises:
+        ReproError: the recorded tokenizer is gone or its files changed.
+    """
+    from repro.training.data import data_sources, tokenizer_fingerprint
+
+    config_path = run_dir_of(checkpoint_dir) / "config.json"
+    recorded = None
+    if config_path.is_file():
+        try:
+            recorded = json.loads(config_path.read_text()).get("tokenizer")
+        except (ValueError, AttributeError):
+            raise ReproError(f"{config_path}: not a run's config.json") from None
+    if not recorded:
+        return data_sources(experiment)[1]
+    tokenizer_dir = recorded["dir"]
+    try:
+        found = tokenizer_fingerprint(tokenizer_dir)
+    except OSError:
+        raise ReproError(f"{tokenizer_dir}: the run's tokenizer (recorded in {config_path}) is missing") from None
+    if found != recorded["sha256"]:
+        raise ReproError(
+            f"{tokenizer_dir}: the tokenizer files changed since the run trained (recorded in {config_path}); "
+            "evaluating with another vocabulary would be meaningless"
+        )
+    return tokenizer_dir
+
+
 def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> tuple[CheckpointLM, Any]:
     """Load a run's checkpoint for scoring.
 
@@ -101,14 +157,13 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
     from repro.model import parallel as model_parallel
     from repro.model.builder import build_model
     from repro.model.cpu_shims import apply_cpu_shims
-    from repro.training.data import data_sources, load_run_tokenizer
+    from repro.training.data import load_run_tokenizer
     from repro.training.distributed import current_parallel
 
     checkpoint_dir = resolve_checkpoint(path)
     info = ckpt.read_checkpoint_info(checkpoint_dir)
     experiment = Experiment.from_dict(info.experiment)
-    _, tokenizer_dir = data_sources(experiment)
-    tokenizer = load_run_tokenizer(tokenizer_dir)
+    tokenizer = load_run_tokenizer(_run_tokenizer_dir(checkpoint_dir, experiment))
 
     apply_cpu_shims()
     if not model_parallel.is_initialized():

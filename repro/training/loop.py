@@ -50,7 +50,7 @@ from torch import nn
 from repro.errors import ReproError
 from repro.io_utils import atomic_path, write_json_atomic
 from repro.training import checkpoint as ckpt
-from repro.training.data import RunData, build_run_data
+from repro.training.data import RunData, build_run_data, tokenizer_fingerprint
 from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel
 from repro.training.experiments import Experiment
 from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
@@ -73,6 +73,7 @@ LOG_FIELDS: tuple[str, ...] = (
     "simpson",  # [Simpson index of the combine weights, per MoE layer]
     "router_metrics",  # {metric: [value per MoE layer]} for the other scalar routing metrics
     "router_stats",  # {router: statistic averaged by end_step} (ReMoE's sparsity)
+    "peak_memory_bytes",  # peak allocated CUDA memory on GPU; the process's peak RSS on CPU
     "val_loss",  # validation LM loss (evaluation steps only)
 )
 
@@ -337,8 +338,9 @@ def evaluate(
 ) -> float:
     """Mean validation LM loss over ``eval_iters`` micro-batches per rank (the same samples every time).
 
-    Runs in eval mode (routers deterministic) and leaves the training RNG streams, the routers' records
-    and megatron's aux-loss tracker as they were, so evaluating does not change the training run.
+    Runs in eval mode (routers deterministic) and leaves the training RNG streams as they were; it clears
+    the routers' records and megatron's aux-loss tracker afterwards, so evaluation forwards never mix into
+    the next training step's log.
 
     Args:
         run_model: the model to call (megatron's DDP wrapper on GPU).
@@ -611,6 +613,10 @@ def _train(
         "seq_length": seq_length,
         "vocab_size": data.vocab_size,
         "data": data.description,
+        # Evaluation loads exactly this tokenizer (checked by hash), never a rebuilt one.
+        "tokenizer": None
+        if data.tokenizer_dir is None
+        else {"dir": data.tokenizer_dir, "sha256": tokenizer_fingerprint(data.tokenizer_dir)},
         "device": str(device),
         "precision": "bf16" if precision.bf16 else "fp32",
         "parameters": _count_params(model, parallel),
