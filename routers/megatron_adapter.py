@@ -256,6 +256,18 @@ def token_ids_context(model: nn.Module, input_ids_BS: torch.Tensor) -> Iterator[
             adapter.set_token_ids(None)
 
 
+def _collect(model: nn.Module, which: int, reset: bool) -> dict[int, dict[str, torch.Tensor]]:
+    """``{layer: means}`` of the adapters' records; ``which`` 0 = metrics, 1 = aux losses."""
+    result: dict[int, dict[str, torch.Tensor]] = {}
+    for adapter in router_adapters(model):
+        values = adapter.record.means()[which]
+        if values:
+            result[adapter.layer_number] = values
+        if reset:
+            adapter.record.reset()
+    return result
+
+
 def collect_routing_metrics(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
     """Per-layer routing metrics averaged over the forwards since the last reset.
 
@@ -266,14 +278,7 @@ def collect_routing_metrics(model: nn.Module, reset: bool = False) -> dict[int, 
     Returns:
         ``{layer_number: {metric: detached tensor (scalar or [E])}}``; layers with no forward are left out.
     """
-    result: dict[int, dict[str, torch.Tensor]] = {}
-    for adapter in router_adapters(model):
-        metrics, _ = adapter.record.means()
-        if metrics:
-            result[adapter.layer_number] = metrics
-        if reset:
-            adapter.record.reset()
-    return result
+    return _collect(model, 0, reset)
 
 
 def collect_aux_losses(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
@@ -286,14 +291,7 @@ def collect_aux_losses(model: nn.Module, reset: bool = False) -> dict[int, dict[
     Returns:
         ``{layer_number: {loss name: scalar}}``; layers with no forward or no aux loss are left out.
     """
-    result: dict[int, dict[str, torch.Tensor]] = {}
-    for adapter in router_adapters(model):
-        _, losses = adapter.record.means()
-        if losses:
-            result[adapter.layer_number] = losses
-        if reset:
-            adapter.record.reset()
-    return result
+    return _collect(model, 1, reset)
 
 
 def reset_routing_records(model: nn.Module) -> None:

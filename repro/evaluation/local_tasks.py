@@ -19,7 +19,6 @@ Documents are whitespace-normalised (single spaces) so the tasks' word boundarie
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import random
 from dataclasses import asdict, dataclass
@@ -78,29 +77,16 @@ class LocalTaskOptions:
 
 
 def _read_heldout(path: Path, max_docs: int, seed: int) -> list[dict[str, str]]:
-    """``[{"text", "domain"}]`` from a held-out jsonl (plain or ``.zst``), whitespace-normalised."""
-    try:
-        if path.suffix == ".zst":
-            import zstandard
+    """``[{"text", "domain"}]`` from a held-out Pile-format file (plain or ``.zst``), whitespace-normalised.
 
-            with open(path, "rb") as raw:
-                text = io.TextIOWrapper(zstandard.ZstdDecompressor().stream_reader(raw), encoding="utf-8").read()
-        else:
-            text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ReproError(f"{path}: cannot read held-out documents: {exc.strerror or exc}") from None
-    docs = []
-    for number, line in enumerate(text.splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ReproError(f"{path}:{number}: not JSON: {exc.msg}") from None
-        if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-            raise ReproError(f"{path}:{number}: a held-out line must be an object with a 'text' string")
-        meta = row.get("meta") if isinstance(row.get("meta"), dict) else {}
-        docs.append({"text": " ".join(row["text"].split()), "domain": str(meta.get("pile_set_name", "unknown"))})
+    Read with the suite's Pile reader, so a bad file gets the same one-line errors (file and line) as a shard.
+    """
+    from repro.data.pile import iter_pile_documents
+
+    docs = [
+        {"text": " ".join(text.split()), "domain": domain}
+        for text, domain in iter_pile_documents([path], default_domain="unknown")
+    ]
     if len(docs) > max_docs:
         # A seeded sample of the whole file (kept in file order): the file may be grouped by domain.
         keep = sorted(random.Random(seed).sample(range(len(docs)), max_docs))
