@@ -8,7 +8,6 @@ Run ``nox --list`` for the sessions and what each does.
 from __future__ import annotations
 
 import argparse
-import glob
 import os
 import shutil
 
@@ -82,7 +81,7 @@ def mini_pile(session: nox.Session) -> None:
 
 @nox.session
 def train(session: nox.Session) -> None:
-    """Train one experiment: nox -s train -- --experiment dirmoe-tiny --out runs/x [--set k=v ...]."""
+    """Train one experiment: nox -s train -- --experiment dirmoe-tiny --out runs/x [--set schedule.steps=100 ...]."""
     _install(session)
     session.run("python", "-m", "repro", "train", *session.posargs, env=OFFLINE_ENV)
 
@@ -95,69 +94,84 @@ def check(session: nox.Session) -> None:
 
 
 # ------------------------------------------------------------------------------------ full scale (GPU)
-ROUTERS = ["dirmoe", "switch", "remoe", "expert_choice", "hash", "lory", "sparsemixer"]
 PILE_TASKS = "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race"
 
 
-def _scale_args(session: nox.Session) -> argparse.Namespace:
+def _scale_args(session: nox.Session, routers_default: str = "all") -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --", description="full-scale run options")
+    parser.add_argument(
+        "--router", default=routers_default,
+        help="comma-separated routers (and dense), or all: every router with experiments "
+        "(python -m repro train --list-routers)",
+    )
     parser.add_argument("--data", required=True, help="indexed-dataset prefix(es) of tokenized Pile shards, comma-separated")
     parser.add_argument("--tokenizer", default="", help="directory with GPT-2 vocab.json and merges.txt (default: beside the data)")
     parser.add_argument("--gpus", type=int, default=8, help="processes per node for torchrun")
     parser.add_argument("--out", default="runs/pile", help="root of the run directories")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra experiment override")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
     return parser.parse_args(session.posargs)
 
 
+def _routers(session: nox.Session, spec: str) -> list[str]:
+    """The routers a full-scale session runs: the registry's (asked inside the session's environment) or a list."""
+    if spec != "all":
+        return [r.strip() for r in spec.split(",") if r.strip()]
+    listing = session.run("python", "-m", "repro", "train", "--list-routers", silent=True, env=OFFLINE_ENV)
+    return [r for r in listing.split() if r != "megatron"]
+
+
 def _torchrun_train(session: nox.Session, args: argparse.Namespace, experiment: str, out: str, sets: list[str]) -> None:
-    sets = [f"data=pile:{args.data}", *([f"tokenizer={args.tokenizer}"] if args.tokenizer else []), *sets, *args.set]
+    sets = [f"data.source=pile:{args.data}", *([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else []), *sets, *args.set]
     cmd = ["torchrun", f"--nproc_per_node={args.gpus}", "-m", "repro", "train", "--experiment", experiment, "--out", out]
     for item in sets:
         cmd += ["--set", item]
-    # A complete checkpoint has its meta.json (a run killed while writing its first one leaves only a temp dir).
-    resume = bool(glob.glob(os.path.join(out, "checkpoints", "step_*", "meta.json")))
+    # A run that started (its config.json exists) is continued: from its newest checkpoint, or from step 0.
+    resume = os.path.isfile(os.path.join(out, "config.json"))
     session.run(*cmd, *(["--resume"] if resume else []), env=OFFLINE_ENV)
 
 
 @nox.session(name="pile-185m")
-@nox.parametrize("router", [*ROUTERS, "dense"])
-def pile_185m(session: nox.Session, router: str) -> None:
-    """LLaMA-185M, E=8, k=1 on The Pile with the papers' settings (60k steps, 30B tokens), then zero-shot lm-eval."""
+def pile_185m(session: nox.Session) -> None:
+    """LLaMA-185M, E=8, k=1 on The Pile with the papers' settings (60k steps, 30B tokens), then zero-shot lm-eval:
+    nox -s pile-185m -- --router dirmoe --data PREFIX --gpus 8 (--router all: every router and dense)."""
     _install(session, "dev,eval,gpu")
     args = _scale_args(session)
-    out = f"{args.out}/{router}-185m"
-    _torchrun_train(session, args, f"{router}-185m", out, [])
-    session.run("python", "-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json", env=OFFLINE_ENV)
+    for router in _routers(session, args.router):
+        out = f"{args.out}/{router}-185m"
+        _torchrun_train(session, args, f"{router}-185m", out, [])
+        session.run("python", "-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json", env=OFFLINE_ENV)
 
 
 @nox.session(name="efficiency-185m")
-@nox.parametrize("router", [*ROUTERS, "dense"])
-def efficiency_185m(session: nox.Session, router: str) -> None:
-    """Efficiency only: 300 iterations of LLaMA-185M at the papers' batch (512 x 1024), iteration time and TFLOP/s."""
+def efficiency_185m(session: nox.Session) -> None:
+    """Efficiency only: 300 iterations of LLaMA-185M at the papers' batch (512 x 1024), iteration time and TFLOP/s:
+    nox -s efficiency-185m -- --router all --data PREFIX --gpus 8."""
     _install(session, "dev,eval,gpu")
     args = _scale_args(session)
-    out = f"{args.out}/efficiency/{router}-185m"
-    _torchrun_train(session, args, f"{router}-185m", out, ["steps=300", "eval_interval=0", "checkpoint_interval=0"])
+    for router in _routers(session, args.router):
+        out = f"{args.out}/efficiency/{router}-185m"
+        _torchrun_train(session, args, f"{router}-185m", out, ["schedule.steps=300", "validation.interval=0", "checkpoint.interval=0"])
 
 
 @nox.session(name="sweep-k")
-@nox.parametrize("router", ["dirmoe", "switch"])
 @nox.parametrize("k", [1, 2, 4])
-def sweep_k(session: nox.Session, router: str, k: int) -> None:
-    """Active experts k in {1, 2, 4} at E=8 (the paper's scalability figure), 10k-step ablation length."""
+def sweep_k(session: nox.Session, k: int) -> None:
+    """Active experts k in {1, 2, 4}, E=8 (the DirMoE paper's scalability figure: --router dirmoe,switch by default), 10k steps."""
     _install(session, "dev,eval,gpu")
-    args = _scale_args(session)
-    _torchrun_train(session, args, f"{router}-185m", f"{args.out}/sweep-k/{router}-k{k}", [f"top_k={k}", "steps=10000"])
+    args = _scale_args(session, routers_default="dirmoe,switch")
+    for router in _routers(session, args.router):
+        _torchrun_train(session, args, f"{router}-185m", f"{args.out}/sweep-k/{router}-k{k}", [f"model.top_k={k}", "schedule.steps=10000"])
 
 
 @nox.session(name="sweep-E")
-@nox.parametrize("router", ["dirmoe", "switch"])
 @nox.parametrize("experts", [8, 16, 32])
-def sweep_experts(session: nox.Session, router: str, experts: int) -> None:
-    """Number of experts E in {8, 16, 32} at k=1 (the paper's scalability figure), 10k steps."""
+def sweep_experts(session: nox.Session, experts: int) -> None:
+    """Number of experts E in {8, 16, 32} at k=1 (the paper's scalability figure: --router dirmoe,switch by default), 10k steps."""
     _install(session, "dev,eval,gpu")
-    args = _scale_args(session)
-    _torchrun_train(session, args, f"{router}-185m", f"{args.out}/sweep-E/{router}-E{experts}", [f"num_experts={experts}", "steps=10000"])
+    args = _scale_args(session, routers_default="dirmoe,switch")
+    for router in _routers(session, args.router):
+        out = f"{args.out}/sweep-E/{router}-E{experts}"
+        _torchrun_train(session, args, f"{router}-185m", out, [f"model.num_experts={experts}", "schedule.steps=10000"])
 
 
 @nox.session(name="sweep-dirmoe-sparsity")
@@ -165,9 +179,9 @@ def sweep_experts(session: nox.Session, router: str, experts: int) -> None:
 def sweep_dirmoe_sparsity(session: nox.Session, sparsity_weight: float) -> None:
     """DirMoE's expected-k penalty lambda_sparsity (option sparsity_weight) in {0, 1e-3, 1e-2, 1e-1}, 10k steps."""
     _install(session, "dev,eval,gpu")
-    args = _scale_args(session)
+    args = _scale_args(session, routers_default="dirmoe")
     out = f"{args.out}/sweep-sparsity/dirmoe-ls{sparsity_weight:g}"
-    _torchrun_train(session, args, "dirmoe-185m", out, [f"router_options.sparsity_weight={sparsity_weight}", "steps=10000"])
+    _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.sparsity_weight={sparsity_weight}", "schedule.steps=10000"])
 
 
 @nox.session(name="sweep-dirmoe-m")
@@ -175,6 +189,6 @@ def sweep_dirmoe_sparsity(session: nox.Session, sparsity_weight: float) -> None:
 def sweep_dirmoe_m(session: nox.Session, m: float) -> None:
     """DirMoE's prior mean mass m (option prior_mass) on the active experts (paper's m x lambda_sparsity heatmap), 10k steps."""
     _install(session, "dev,eval,gpu")
-    args = _scale_args(session)
+    args = _scale_args(session, routers_default="dirmoe")
     out = f"{args.out}/sweep-m/dirmoe-m{m:g}"
-    _torchrun_train(session, args, "dirmoe-185m", out, [f"router_options.prior_mass={m}", "steps=10000"])
+    _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.prior_mass={m}", "schedule.steps=10000"])

@@ -5,8 +5,8 @@ Reference:
     Model Pre-training", COLM 2024 (arXiv:2405.03133). No public code; written from the paper.
 
 Only the router and the segment logic live here: the layer that merges the experts' parameters per
-segment with these weights (and runs the merged FFN on the segment) is a separate module, which reads
-:meth:`LoryRouter.segment_weights`.
+segment with these weights (and runs the merged FFN on the segment) is :mod:`baselines.lory_layer`, which the
+model builder takes from :meth:`LoryRouter.moe_layer_class`.
 
 Not implemented: the paper's similarity-based batching of training documents (a data-pipeline option);
 training samples are drawn as for every other router.
@@ -104,6 +104,17 @@ class LoryRouter(Router):
     """
 
     Config = LoryConfig
+    merges_experts = True
+    # The tiny flavour's 128-token sequences would be one 256-token segment each (routed on itself): 32 keeps
+    # several segments per sequence, so the cross-segment routing runs.
+    recipe_overrides = {"tiny": ("router.options.segment_len=32",)}
+
+    @classmethod
+    def moe_layer_class(cls) -> type:
+        """Lory's parameter-merging layer (:class:`baselines.lory_layer.LoryMoELayer`)."""
+        from baselines.lory_layer import LoryMoELayer
+
+        return LoryMoELayer
 
     def __init__(self, config: LoryConfig) -> None:
         super().__init__(config)

@@ -1,5 +1,8 @@
+"""``python -m repro <command>``: see :mod:`repro.cli`."""
+
 import sys
 
 from repro.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":
+    sys.exit(main())

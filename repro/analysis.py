@@ -120,6 +120,11 @@ def _routed(output: RouterOutput) -> torch.Tensor:
     return output.routing_map.float().sum(0)
 
 
+def has_sparsity_knob(router: Router) -> bool:
+    """Whether a router has a Dirichlet posterior whose scale is a sparsity knob (``posterior_bases``)."""
+    return callable(getattr(router, "posterior_bases", None))
+
+
 def sparsity_knob(
     router: Router,
     hidden_TD: torch.Tensor,
@@ -127,27 +132,24 @@ def sparsity_knob(
     samples: int = 64,
     seed: int = 0,
 ) -> dict[str, list[float]]:
-    """DirMoE's sparsity knob on a trained router: expected Simpson index of theta against lambda_q.
+    """The sparsity knob of a router with a Dirichlet posterior (DirMoE): expected Simpson index of theta
+    against the posterior's scale lambda.
 
-    The posterior is ``Dir(lambda_q * beta(x))`` with ``beta = z~ alpha_hi(x) + (1 - z~) alpha_lo(x)`` (the
-    gates at evaluation). Theory: the paper's Lemma per token, averaged over tokens. Measurement: the mean
-    Simpson index of Monte Carlo draws of theta from the same posterior.
+    The posterior is ``Dir(lambda * beta(x))`` with the router's bases ``beta(x)`` at evaluation
+    (``router.posterior_bases``). Theory: the paper's Lemma per token, averaged over tokens. Measurement: the
+    mean Simpson index of Monte Carlo draws of theta from the same posterior.
 
     Args:
-        router: a DirMoE router (its ``sample`` method and ``config.lambda_q`` are used).
+        router: a router with ``posterior_bases(hidden_TD)`` and ``posterior_scale`` (see :func:`has_sparsity_knob`).
         hidden_TD: router inputs (e.g. captured with :func:`trace_routers`).
-        lambdas: the lambda_q values to sweep.
+        lambdas: the scales to sweep.
         samples: Dirichlet draws per token and lambda.
         seed: RNG seed of the draws.
 
     Returns:
-        ``{"lambda": [...], "theory": [...], "measured": [...], "trained_lambda": lambda_q}``.
+        ``{"lambda": [...], "theory": [...], "measured": [...], "trained_lambda": [the router's scale]}``.
     """
-    was_training = router.training
-    router.eval()
-    with torch.no_grad():
-        base_TE = router.sample(hidden_TD).alpha_q_TE / router.config.lambda_q
-    router.train(was_training)
+    base_TE = router.posterior_bases(hidden_TD)
     B_T = base_TE.sum(-1)
     S2_T = (base_TE * base_TE).sum(-1)
     out: dict[str, list[float]] = {"lambda": [], "theory": [], "measured": []}
@@ -161,6 +163,5 @@ def sparsity_knob(
             out["lambda"].append(float(lam))
             out["theory"].append(float(theory_T.mean()))
             out["measured"].append(float((theta_NTE * theta_NTE).sum(-1).nanmean()))
-    out["trained_lambda"] = [float(router.config.lambda_q)]
+    out["trained_lambda"] = [router.posterior_scale]
     return out
-

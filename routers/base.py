@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -53,7 +54,7 @@ class RouterConfig:
         return [f.name for f in dataclasses.fields(cls) if f.name not in common]
 
 
-class RoutingKind(str, enum.Enum):
+class RoutingKind(enum.StrEnum):
     """How a router constrains the routing map, declared as data and checked by the contract suite."""
 
     EXACT_K = "exact_k"  # every token goes to exactly k experts
@@ -147,6 +148,19 @@ class Router(nn.Module):
     name: ClassVar[str] = ""
     #: Hash routing needs the token ids; megatron-core does not pass them, the adapter plumbs them.
     requires_token_ids: ClassVar[bool] = False
+    #: The router merges the experts' parameters instead of dispatching tokens (Lory): one merged FFN per
+    #: token, so its compute is one expert's whatever its map says. Must agree with ``constraint.kind``.
+    merges_experts: ClassVar[bool] = False
+    #: Settings this router's experiments take beyond a scale's shared recipe, as dot-list overrides of the
+    #: run config per scale (``"tiny"``, ``"185m"``; see ``repro.training.experiments``), e.g.
+    #: ``{"185m": ("optimizer.beta2=0.995",)}``. Declared here so no central code names a router.
+    recipe_overrides: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+
+    @classmethod
+    def moe_layer_class(cls) -> type | None:
+        """The megatron-core MoE layer class this router needs instead of megatron's ``MoELayer`` (None: the
+        standard layer). Lory returns its parameter-merging layer; the builder then uses local experts."""
+        return None
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__()

@@ -549,6 +549,9 @@ class DirMoERouter(Router):
     """
 
     Config = DirMoEConfig
+    # The paper's hyper-parameter table for the 185M runs: cosine floor 1e-4 and Adam beta2 0.995 (the
+    # baselines keep ReMoE's settings, which is how both papers report them).
+    recipe_overrides = {"185m": ("schedule.min_lr=1e-4", "optimizer.beta2=0.995")}
 
     def __init__(self, config: DirMoEConfig) -> None:
         super().__init__(config)
@@ -669,6 +672,30 @@ class DirMoERouter(Router):
         unnormalised_TE = gates_TE * theta_TE + c.weight_leak
         weights_TE = unnormalised_TE / unnormalised_TE.sum(-1, keepdim=True)
         return DirMoESample(logits_TE, gates_TE, alpha_q_TE, alpha_p_TE, theta_TE, weights_TE, sched)
+
+    def posterior_bases(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """The posterior's bases ``beta(x) = z~ alpha_hi(x) + (1 - z~) alpha_lo(x)`` at evaluation (deterministic
+        gates), i.e. ``alpha_q / lambda_q``: the posterior is ``Dir(lambda_q beta(x))``, so sweeping the scale over
+        these bases shows the sparsity knob (``repro.analysis.sparsity_knob``).
+
+        Args:
+            hidden_TD: ``[T, D]`` router inputs.
+
+        Returns:
+            ``[T, E]`` float32 bases (detached).
+        """
+        was_training = self.training
+        self.eval()
+        try:
+            with torch.no_grad():
+                return self.sample(hidden_TD).alpha_q_TE / self.config.lambda_q
+        finally:
+            self.train(was_training)
+
+    @property
+    def posterior_scale(self) -> float:
+        """lambda_q, the posterior's trained concentration scale."""
+        return float(self.config.lambda_q)
 
     def dispatch(self, weights_TE: torch.Tensor, gates_TE: torch.Tensor) -> torch.Tensor:
         """The routing map chosen by ``config.dispatch`` (see the module docstring, gap 2).

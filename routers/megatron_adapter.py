@@ -20,7 +20,7 @@ What the adapter does in each forward:
    under the router's own name, per layer, *weighted* (megatron logs its own losses divided by their coefficient; ours have
    no single coefficient). Values are rank-local (no reduce group): average over data-parallel ranks in
    the training loop if wanted;
-4. records the detached metrics in ``self.record`` (per layer, summed over every forward, training or
+4. accumulates the detached metrics in ``self.stats`` (per layer, summed over every forward, training or
    evaluation, until reset: reset around an evaluation to keep the two apart) and the
    last forward's in ``self.last_metrics``. :func:`collect_routing_metrics` walks a model and returns
    ``{layer_number: {metric: mean over forwards}}``; :func:`collect_aux_losses` does the same for the aux
@@ -55,10 +55,11 @@ from routers.base import Router
 from routers.registry import build_router
 
 
-class RoutingRecord:
-    """Per-layer running sums of a router's metrics and aux losses, read and reset by the training loop.
+class RoutingStats:
+    """Per-layer running sums of a router's metrics and aux losses, read and reset by the training loop
+    (scalars and per-expert vectors such as ``tokens_per_expert`` alike).
 
-    Lives on each adapter (never module-global), so two models never mix their records.
+    Lives on each adapter (never module-global), so two models never mix their statistics.
     """
 
     def __init__(self) -> None:
@@ -106,7 +107,7 @@ class MegatronRouterAdapter(MegatronModule):
         layer_number: set by megatron (1-based, global over the pipeline).
         last_metrics: detached metrics of the last forward (``{}`` before the first).
         last_aux_losses: detached aux losses of the last forward.
-        record: a :class:`RoutingRecord` accumulating over forwards until reset.
+        stats: a :class:`RoutingStats` accumulating over forwards until reset.
     """
 
     def __init__(
@@ -128,7 +129,7 @@ class MegatronRouterAdapter(MegatronModule):
         self.layer_number: int | None = None
         self.last_metrics: dict[str, torch.Tensor] = {}
         self.last_aux_losses: dict[str, torch.Tensor] = {}
-        self.record = RoutingRecord()
+        self.stats = RoutingStats()
         # Set only inside token_ids_context (megatron's [s, b] order, flattened): never outlives a forward.
         self._token_ids_T: torch.Tensor | None = None
 
@@ -192,7 +193,7 @@ class MegatronRouterAdapter(MegatronModule):
 
         self.last_metrics = {k: v.detach() for k, v in out.metrics.items()}
         self.last_aux_losses = {k: v.detach() for k, v in out.aux_losses.items()}
-        self.record.add(self.last_metrics, self.last_aux_losses)
+        self.stats.add(self.last_metrics, self.last_aux_losses)
         return probs_TE, out.routing_map
 
     # --------------------------------------------------------------- token ids
@@ -256,15 +257,44 @@ def token_ids_context(model: nn.Module, input_ids_BS: torch.Tensor) -> Iterator[
             adapter.set_token_ids(None)
 
 
+@contextlib.contextmanager
+def prompt_routing(model: nn.Module, prompt_lengths_B: torch.Tensor | list[int]) -> Iterator[None]:
+    """Route every sequence once on its prompt, for the duration of the block, in the layers that support it.
+
+    Some routers route differently at inference: Lory routes each sequence once on the mean of its prompt
+    and uses those weights for every token (its paper's inference rule). Their layers implement
+    ``set_prompt_lengths(lengths or None)``; this context sets it on every such module of ``model`` and clears
+    it on exit (even on error). Other models are not touched.
+
+    Args:
+        model: the model.
+        prompt_lengths_B: ``[B]`` number of prompt tokens of each sequence of the batch (>= 1).
+
+    Yields:
+        Nothing.
+    """
+    lengths_B = torch.as_tensor(prompt_lengths_B, dtype=torch.long)
+    if lengths_B.dim() != 1 or bool((lengths_B < 1).any()):
+        raise ValueError(f"prompt_lengths must be a [B] vector of positive lengths, got {prompt_lengths_B}")
+    layers = [m for m in model.modules() if callable(getattr(m, "set_prompt_lengths", None))]
+    for layer in layers:
+        layer.set_prompt_lengths(lengths_B)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.set_prompt_lengths(None)
+
+
 def _collect(model: nn.Module, which: int, reset: bool) -> dict[int, dict[str, torch.Tensor]]:
-    """``{layer: means}`` of the adapters' records; ``which`` 0 = metrics, 1 = aux losses."""
+    """``{layer: means}`` of the adapters' statistics; ``which`` 0 = metrics, 1 = aux losses."""
     result: dict[int, dict[str, torch.Tensor]] = {}
     for adapter in router_adapters(model):
-        values = adapter.record.means()[which]
+        values = adapter.stats.means()[which]
         if values:
             result[adapter.layer_number] = values
         if reset:
-            adapter.record.reset()
+            adapter.stats.reset()
     return result
 
 
@@ -273,7 +303,7 @@ def collect_routing_metrics(model: nn.Module, reset: bool = False) -> dict[int, 
 
     Args:
         model: the model whose adapters to read.
-        reset: clear the records after reading (metrics and aux losses).
+        reset: clear the statistics after reading (metrics and aux losses).
 
     Returns:
         ``{layer_number: {metric: detached tensor (scalar or [E])}}``; layers with no forward are left out.
@@ -286,7 +316,7 @@ def collect_aux_losses(model: nn.Module, reset: bool = False) -> dict[int, dict[
 
     Args:
         model: the model whose adapters to read.
-        reset: clear the records after reading (metrics and aux losses).
+        reset: clear the statistics after reading (metrics and aux losses).
 
     Returns:
         ``{layer_number: {loss name: scalar}}``; layers with no forward or no aux loss are left out.
@@ -294,7 +324,7 @@ def collect_aux_losses(model: nn.Module, reset: bool = False) -> dict[int, dict[
     return _collect(model, 1, reset)
 
 
-def reset_routing_records(model: nn.Module) -> None:
-    """Clear the metric and aux-loss records of every adapter in ``model``."""
+def reset_routing_stats(model: nn.Module) -> None:
+    """Clear the accumulated metrics and aux losses of every adapter in ``model``."""
     for adapter in router_adapters(model):
-        adapter.record.reset()
+        adapter.stats.reset()

@@ -1,10 +1,22 @@
-"""Name -> router class registry, and the public builder."""
+"""Name -> router class registry, and the public builder.
+
+Routers register with :func:`register_router`. The built-in ones (``routers.dirmoe`` and the ``baselines``
+package) and every router another installed package declares under the entry-point group
+``dirmoe_bench.routers`` are imported on the first lookup, so a user's own package adds a router without
+editing this repository::
+
+    # the user's pyproject.toml
+    [project.entry-points."dirmoe_bench.routers"]
+    my_router = "my_package.my_router"      # a module whose import registers the router
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from collections.abc import Callable
+from importlib import metadata
 from typing import TypeVar
 
 from routers.base import Router
@@ -15,6 +27,8 @@ _REGISTRY: dict[str, type[Router]] = {}
 # Modules whose import registers the built-in routers; imported lazily to avoid an import cycle
 # (baselines import routers.base).
 _BUILTIN_MODULES = ("routers.dirmoe", "baselines")
+#: Entry-point group through which other packages register routers.
+ENTRY_POINT_GROUP = "dirmoe_bench.routers"
 
 
 def register_router(name: str) -> Callable[[R], R]:
@@ -40,9 +54,19 @@ def register_router(name: str) -> Callable[[R], R]:
     return decorate
 
 
+@functools.cache
 def _load_builtins() -> None:
+    """Import the built-in routers and every entry point of :data:`ENTRY_POINT_GROUP` (once per process)."""
     for module in _BUILTIN_MODULES:
         importlib.import_module(module)
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        try:
+            entry.load()
+        except Exception as exc:  # noqa: BLE001 - any import failure of a plug-in is reported the same way
+            raise ImportError(
+                f"router entry point '{entry.name} = {entry.value}' ({ENTRY_POINT_GROUP}) failed to import: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
 
 def available_routers() -> list[str]:

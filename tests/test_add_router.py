@@ -1,18 +1,38 @@
-"""The README's "Adding a router" walkthrough, step by step, with a small router defined here."""
+"""The README's "Adding a router" walkthrough: one file in a package of the user's own, one entry point, and
+the contract suite and the comparison come for free, without editing this repository.
+
+The package is written to a temporary directory outside the repository and made importable the way an
+installed package is: a ``*.dist-info`` directory with ``entry_points.txt`` beside it on ``sys.path`` (what
+``pip install`` leaves in site-packages), so ``importlib.metadata`` finds its ``dirmoe_bench.routers``
+entry point and the registry imports it; nothing in the tests imports it directly.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 import routers
+from routers import registry
+
+REPO = Path(__file__).resolve().parents[1]
+NAME = "plain_topk"
+
+# Step 1: one file with a frozen config and the router (here: softmax top-k with no load balancing). This
+# is the README's example, verbatim.
+ROUTER_FILE = '''\
+from dataclasses import dataclass
+
+import torch
+
 from routers import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
 
 
-# Step 1: one file with a frozen config and the router (here: softmax top-k with no aux loss).
 @dataclass(frozen=True)
 class PlainTopKConfig(RouterConfig):
     """Options of the example router.
@@ -29,7 +49,7 @@ class PlainTopKConfig(RouterConfig):
             raise ValueError(f"init_std must be > 0, got {self.init_std}")
 
 
-@register_router("example_topk")  # Step 2: register it under a name.
+@register_router("plain_topk")
 class PlainTopKRouter(Router):
     """Softmax over a linear gate, keep the top-k probabilities (no load balancing)."""
 
@@ -37,7 +57,7 @@ class PlainTopKRouter(Router):
 
     def __init__(self, config: PlainTopKConfig) -> None:
         super().__init__(config)
-        self.weight = nn.Parameter(torch.randn(config.num_experts, config.hidden_size) * config.init_std)
+        self.weight = torch.nn.Parameter(torch.randn(config.num_experts, config.hidden_size) * config.init_std)
 
     @property
     def constraint(self) -> RoutingConstraint:
@@ -46,49 +66,89 @@ class PlainTopKRouter(Router):
     def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         scores_TE = torch.softmax(hidden_TD.float() @ self.weight.float().t(), dim=-1)
         top_TK = scores_TE.topk(self.top_k, dim=-1).indices
-        routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(-1, top_TK, True)
-        probs_TE = scores_TE * routing_map_TE
-        return RouterOutput(probs_TE, routing_map_TE, {}, routing_metrics(probs_TE, routing_map_TE))
+        map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(-1, top_TK, True)
+        probs_TE = scores_TE * map_TE
+        return RouterOutput(probs_TE, map_TE, {}, routing_metrics(probs_TE, map_TE))
+'''
+
+# Step 2: register it through the entry-point group in the package's metadata (the user's pyproject.toml
+# says `[project.entry-points."dirmoe_bench.routers"] plain_topk = "my_moe_routers.plain_topk"`).
+ENTRY_POINTS = '[dirmoe_bench.routers]\nplain_topk = my_moe_routers.plain_topk\n'
 
 
-def test_registered_and_built_by_name():
-    assert "example_topk" in routers.available_routers()
-    router = routers.build_router("example_topk", hidden_size=16, num_experts=4, top_k=2, init_std=0.02)
-    assert isinstance(router, PlainTopKRouter) and router.config.init_std == 0.02
+@pytest.fixture(scope="module")
+def external_package(tmp_path_factory):
+    """An installed-style package outside the repository, importable here and in subprocesses."""
+    root = tmp_path_factory.mktemp("site")
+    (root / "my_moe_routers").mkdir()
+    (root / "my_moe_routers" / "__init__.py").write_text("")
+    (root / "my_moe_routers" / "plain_topk.py").write_text(ROUTER_FILE)
+    info = root / "my_moe_routers-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: my-moe-routers\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(ENTRY_POINTS)
+    sys.path.insert(0, str(root))
+    old_path = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), str(REPO), old_path) if p)
+    registry._load_builtins.cache_clear()  # look for entry points again, now that the package is installed
+    try:
+        yield root
+    finally:
+        sys.path.remove(str(root))
+        if old_path is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old_path
+
+
+def test_the_entry_point_registers_the_router(external_package):
+    assert NAME in routers.available_routers()
+    assert "my_moe_routers.plain_topk" in sys.modules  # imported by the registry's entry-point scan
+    router = routers.build_router(NAME, hidden_size=16, num_experts=4, top_k=2, init_std=0.02)
+    assert type(router).__module__ == "my_moe_routers.plain_topk" and router.config.init_std == 0.02
     with pytest.raises(ValueError, match="valid: init_std"):
-        routers.build_router("example_topk", hidden_size=16, num_experts=4, init_sd=0.02)
+        routers.build_router(NAME, hidden_size=16, num_experts=4, init_sd=0.02)
+    from repro.training.experiments import experiment_names, get_experiment
+
+    assert {f"{NAME}-tiny", f"{NAME}-185m"} <= set(experiment_names())
+    assert get_experiment(f"{NAME}-tiny").router.name == NAME
 
 
-# Step 3: the contract suite runs over every registered router, this one included.
-@pytest.mark.parametrize("check", ["shapes", "aux", "grads", "seed", "eval", "state"])
-def test_contract_suite_covers_the_new_router(check):
-    import test_router_contract as contract
-
-    name = "example_topk"
-    {
-        "shapes": lambda: contract.test_output_shapes_dtypes_and_constraint(name, True),
-        "aux": lambda: contract.test_aux_losses_and_metrics(name),
-        "grads": lambda: contract.test_gradients_reach_every_trainable_parameter(name),
-        "seed": lambda: contract.test_same_seed_same_output(name),
-        "eval": lambda: contract.test_eval_mode_is_deterministic(name),
-        "state": lambda: contract.test_state_dict_round_trip_restores_schedules(name),
-    }[check]()
+def test_a_broken_entry_point_is_one_clear_error(tmp_path):
+    info = tmp_path / "broken-0.1.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[dirmoe_bench.routers]\nbad = no_such_module_anywhere\n")
+    code = "import routers; routers.available_routers()"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "router entry point 'bad = no_such_module_anywhere' (dirmoe_bench.routers) failed to import" in proc.stderr
 
 
-# Step 4: a first comparison run: train it in the tiny model beside Switch and tabulate both.
+# Step 3: the contract suite runs over every installed router, this one included, with no change to the suite.
 @pytest.mark.slow
-def test_first_comparison_run(tmp_path):
-    from repro.report.records import load_record
-    from repro.report.tables import efficiency_table, render, routing_table
-    from repro.training.experiments import apply_overrides, get_experiment
-    from repro.training.loop import train
+def test_contract_suite_covers_the_installed_router(external_package):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(REPO / "tests" / "test_router_contract.py"),
+           "-k", NAME]
+    proc = subprocess.run(cmd, cwd=REPO, env=os.environ.copy(), capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    passed = int(proc.stdout.strip().splitlines()[-1].split(" passed")[0].split()[-1])
+    assert passed >= 7, proc.stdout[-500:]  # every contract check, parametrised over the new router
 
-    common = ["data=synthetic", "steps=6", "log_interval=1", "eval_interval=0", "checkpoint_interval=0"]
-    for router in ("example_topk", "switch"):
-        exp = apply_overrides(get_experiment("switch-tiny"), [f"router={router}", *common])
-        summary = train(exp, tmp_path / router, progress=False)
-        assert summary["final_loss"] == summary["final_loss"]  # finite, not NaN
-    records = [load_record(tmp_path / r / "record.json") for r in ("example_topk", "switch")]
-    text = render(efficiency_table(records), "md") + render(routing_table(records), "md")
-    assert "example_topk" in text and "switch" in text
-    assert records[0].routing and all(layer.active_experts == pytest.approx(1.0) for layer in records[0].routing)
+
+# Step 4: a first comparison run on the embedded default, beside Switch, with the tables.
+@pytest.mark.slow
+def test_mini_comparison_with_the_installed_router(external_package, tmp_path):
+    from repro import mini
+
+    argv = ["--runs", f"switch,{NAME}", "--steps", "6", "--eval-limit", "6", "--data-dir", str(tmp_path / "data"),
+            "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
+            "--set", "validation.interval=0", "--set", "checkpoint.interval=0"]
+    assert mini.main(argv) == 0
+    for table in ("zero_shot", "efficiency", "routing"):
+        text = (tmp_path / "out" / f"{table}.md").read_text()
+        assert NAME in text and "switch" in text, table
+    record = json.loads((tmp_path / "runs" / NAME / "record.json").read_text())
+    assert record["experiment"]["router"] == NAME
+    assert all(layer["active_experts"] == pytest.approx(1.0) for layer in record["routing"])

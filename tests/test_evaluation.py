@@ -17,10 +17,11 @@ from torch import nn
 from repro.cli import main as repro_main
 from repro.errors import ReproError
 from repro.evaluation import harness
-from repro.evaluation.harness import MODEL_NAME, DirMoEBenchLM
+from repro.evaluation.harness import MODEL_NAME, SuiteLM
 from repro.evaluation.local_tasks import LocalTaskOptions, build_local_tasks
 from repro.evaluation.runner import evaluate_lm, task_manager_for
-from repro.report.records import lm_eval_metrics, make_record
+from repro.report.record import lm_eval_metrics
+from repro.report.store import make_record
 from repro.report.tables import render, zero_shot_table
 
 SENTENCES = [
@@ -100,7 +101,7 @@ def _direct(model: TinyLM, context: list[int], continuation: list[int]) -> float
 
 
 def test_loglikelihood_equals_a_direct_forward(model, tokenizer):
-    lm = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=3)
+    lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=3)
     pairs = [
         ("the quick brown", " fox"),
         ("a stitch in time", " saves nine"),
@@ -116,15 +117,15 @@ def test_loglikelihood_equals_a_direct_forward(model, tokenizer):
         assert score == pytest.approx(_direct(model, ctx, cont), abs=1e-4)
         assert isinstance(greedy, bool)
     # batching and right padding do not change any score
-    single = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=1).loglikelihood([Req(c, x) for c, x in pairs])
+    single = SuiteLM(model=model, tokenizer=tokenizer, batch_size=1).loglikelihood([Req(c, x) for c, x in pairs])
     assert [s for s, _ in single] == pytest.approx([s for s, _ in results], abs=1e-5)
     # a megatron-style tokenizer (tokenize / detokenize, as repro.data.tokenizer's) gives the same requests
-    wrapped = DirMoEBenchLM(model=model, tokenizer=MegatronStyleTokenizer(tokenizer), batch_size=3)
+    wrapped = SuiteLM(model=model, tokenizer=MegatronStyleTokenizer(tokenizer), batch_size=3)
     assert wrapped.loglikelihood([Req(c, x) for c, x in pairs]) == results
 
 
 def test_context_is_truncated_to_max_length(model, tokenizer):
-    lm = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=2, max_length=8)
+    lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=2, max_length=8)
     context = " ".join(SENTENCES[:3])
     (score, _), = lm.loglikelihood([Req(context, " gold")])
     whole = lm.tok_encode(context + " gold")
@@ -142,22 +143,22 @@ def test_context_is_truncated_to_max_length(model, tokenizer):
 
 def test_rolling_loglikelihood(model, tokenizer):
     text = "the early bird catches the worm"
-    lm = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=4)
+    lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=4)
     (total,) = lm.loglikelihood_rolling([Req(text)])
     assert total == pytest.approx(_direct(model, [lm.eot_token_id], lm.tok_encode(text)), abs=1e-4)
     long_text = " ".join(SENTENCES * 3)  # longer than max_length: several windows
-    short_ctx = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=4, max_length=16)
-    one_by_one = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=1, max_length=16)
+    short_ctx = SuiteLM(model=model, tokenizer=tokenizer, batch_size=4, max_length=16)
+    one_by_one = SuiteLM(model=model, tokenizer=tokenizer, batch_size=1, max_length=16)
     requests = [Req(long_text), Req(text)]
     assert short_ctx.loglikelihood_rolling(requests) == pytest.approx(one_by_one.loglikelihood_rolling(requests), abs=1e-4)
 
 
 def test_generate_until_is_greedy_and_batch_independent(model, tokenizer):
-    lm = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=3)
+    lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=3)
     contexts = ["the quick", "a stitch in time saves", "knowledge"]
     requests = [Req(c, {"until": ["\n"], "max_gen_toks": 6}) for c in contexts]
     outputs = lm.generate_until(requests)
-    single = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=1).generate_until(requests)
+    single = SuiteLM(model=model, tokenizer=tokenizer, batch_size=1).generate_until(requests)
     assert outputs == single
     # the first output by hand: argmax, append, repeat
     tokens = lm.tok_encode(contexts[0])
@@ -232,7 +233,7 @@ def no_network(monkeypatch):
 
 def test_local_tasks_run_end_to_end_offline(tmp_path, model, tokenizer, no_network):
     tasks = build_local_tasks(_heldout(tmp_path / "heldout.jsonl"), tmp_path / "tasks")
-    lm = DirMoEBenchLM(model=model, tokenizer=tokenizer, batch_size=4)
+    lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=4)
     results = evaluate_lm(lm, local_tasks=tasks, limit=4, bootstrap_iters=0)
     record = make_record(run_id="tiny", router="switch", model="tiny", config={}, lm_eval_results=results)
     metrics = lm_eval_metrics(record)
@@ -259,7 +260,7 @@ def test_eval_command_with_a_checkpoint_loader(tmp_path, model, tokenizer, monke
     lm = get_model(MODEL_NAME).create_from_arg_string(
         f"checkpoint={checkpoint}", {"batch_size": "2", "max_batch_size": None, "device": None}
     )
-    assert isinstance(lm, DirMoEBenchLM) and lm.batch_size == 2 and loaded == [checkpoint]
+    assert isinstance(lm, SuiteLM) and lm.batch_size == 2 and loaded == [checkpoint]
 
     out = tmp_path / "eval.json"
     argv = ["eval", "--checkpoint", str(checkpoint), "--local-tasks", str(tmp_path / "tasks"),
@@ -275,7 +276,7 @@ def test_eval_errors_are_one_line(tmp_path, capsys):
     assert repro_main(["eval", "--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "o.json")]) == 2
     assert "no such checkpoint directory" in capsys.readouterr().err
     with pytest.raises(ReproError, match="either checkpoint=DIR or model="):
-        DirMoEBenchLM()
+        SuiteLM()
 
 
 def test_missing_hub_data_and_unknown_tasks_are_clear_errors(model, tokenizer, tmp_path, monkeypatch, no_network):
@@ -285,7 +286,7 @@ def test_missing_hub_data_and_unknown_tasks_are_clear_errors(model, tokenizer, t
     # empty caches, so the result does not depend on what this machine happens to have cached
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", tmp_path / "datasets")
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
-    lm = DirMoEBenchLM(model=model, tokenizer=tokenizer)
+    lm = SuiteLM(model=model, tokenizer=tokenizer)
     manager = task_manager_for(["arc_easy"], None)  # indexing lm-eval's own tasks takes seconds: once
     with pytest.raises(ReproError, match="not available offline"):
         evaluate_lm(lm, ["arc_easy"], task_manager=manager, limit=1)

@@ -19,7 +19,7 @@ def comparison(tmp_path_factory):
     root = tmp_path_factory.mktemp("mini")
     argv = ["--runs", "switch,dirmoe,lory,expert_choice", "--steps", "8", "--eval-limit", "8"]
     argv += ["--data-dir", str(root / "data"), "--work-dir", str(root / "runs"), "--out", str(root / "out")]
-    argv += ["--set", "eval_interval=4", "--set", "checkpoint_interval=8"]
+    argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
     assert mini.main(argv) == 0
     return root
 
@@ -51,18 +51,29 @@ def test_check_passes_against_itself_and_fails_when_nudged(comparison, tmp_path,
     assert check_main([str(tmp_path / "record.json"), "--against", str(record)], prog="check") == 1
 
 
+def test_a_run_directory_it_did_not_create_is_refused_not_deleted(tmp_path):
+    foreign = tmp_path / "runs" / "switch"
+    foreign.mkdir(parents=True)
+    (foreign / "precious.txt").write_text("keep me")
+    argv = ["--runs", "switch", "--steps", "2", "--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "runs"),
+            "--out", str(tmp_path / "out")]
+    with pytest.raises(ReproError, match="exists and was not created by the mini comparison"):
+        mini.main(argv)
+    assert (foreign / "precious.txt").read_text() == "keep me"
+
+
 def test_reruns_reuse_finished_runs(comparison, capsys):
     argv = ["--runs", "switch", "--steps", "8", "--eval-limit", "8", "--data-dir", str(comparison / "data")]
     argv += ["--work-dir", str(comparison / "runs"), "--out", str(comparison / "out2")]
-    argv += ["--set", "eval_interval=4", "--set", "checkpoint_interval=8"]
+    argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
     assert mini.main(argv) == 0
     assert "reusing finished runs: switch" in capsys.readouterr().out
 
 
 def test_bad_arguments_are_one_line_errors():
-    with pytest.raises(ReproError, match="unknown run.*valid: dense"):
+    with pytest.raises(ReproError, match="unknown run.*valid: dense, dirmoe, "):
         mini.main(["--runs", "nope"])
-    with pytest.raises(ReproError, match="unknown key 'stepz'"):
+    with pytest.raises(ReproError, match="Key .stepz. not in .RunConfig."):
         mini.main(["--set", "stepz=3"])
 
 
@@ -74,7 +85,7 @@ class _Request:
 
 
 def test_checkpoint_scoring_is_independent_of_batching(comparison):
-    from repro.evaluation.harness import DirMoEBenchLM
+    from repro.evaluation.harness import SuiteLM
     from repro.model.parallel import destroy_distributed
     from repro.training.inference import load_for_evaluation
 
@@ -86,12 +97,12 @@ def test_checkpoint_scoring_is_independent_of_batching(comparison):
     try:
         # Lory routes each request once on its prompt: padding and neighbours in the batch cannot matter.
         lory, tokenizer = load_for_evaluation(comparison / "runs" / "lory", device="cpu")
-        batched = DirMoEBenchLM(model=lory, tokenizer=tokenizer, batch_size=3).loglikelihood(requests)
-        alone = DirMoEBenchLM(model=lory, tokenizer=tokenizer, batch_size=1).loglikelihood(requests)
+        batched = SuiteLM(model=lory, tokenizer=tokenizer, batch_size=3).loglikelihood(requests)
+        alone = SuiteLM(model=lory, tokenizer=tokenizer, batch_size=1).loglikelihood(requests)
         assert [s for s, _ in batched] == pytest.approx([s for s, _ in alone], abs=1e-4)
         # Expert Choice couples the tokens of a batch: the bridge scores it one request at a time.
         ec, tokenizer = load_for_evaluation(comparison / "runs" / "expert_choice", device="cpu")
         assert ec.batch_coupled and not lory.batch_coupled
-        assert DirMoEBenchLM(model=ec, tokenizer=tokenizer, batch_size=8).batch_size == 1
+        assert SuiteLM(model=ec, tokenizer=tokenizer, batch_size=8).batch_size == 1
     finally:
         destroy_distributed()

@@ -11,16 +11,17 @@ import torch.nn.functional as F
 from torch.func import functional_call
 
 import routers
+from baselines.lory_layer import LoryMoELayer, lory_merged_ffn
 from repro.model.builder import MEGATRON_ROUTER, build_model, causal_attention_mask, transformer_config
 from repro.model.flavours import available_flavours, get_flavour
-from repro.model.lory_layer import LoryMoELayer, lory_merged_ffn, lory_prompt_routing
 from repro.model.parallel import destroy_distributed, init_distributed
 from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
 from routers.megatron_adapter import (
     MegatronRouterAdapter,
     collect_aux_losses,
     collect_routing_metrics,
-    reset_routing_records,
+    prompt_routing,
+    reset_routing_stats,
     router_adapters,
     token_ids_context,
 )
@@ -313,12 +314,12 @@ def test_routing_metrics_are_per_model_and_reset():
     first = router_adapters(a)[0].last_metrics["tokens_per_expert"]
     assert collect_routing_metrics(b) == {}
     mean = collect_routing_metrics(a)[1]["tokens_per_expert"]
-    assert float(mean.sum()) == SEQ * BATCH and router_adapters(a)[0].record.count == 2
+    assert float(mean.sum()) == SEQ * BATCH and router_adapters(a)[0].stats.count == 2
     assert float(first.sum()) == SEQ * BATCH
     collect_routing_metrics(a, reset=True)
     assert collect_routing_metrics(a) == {}
     lm_loss(a)
-    reset_routing_records(a)
+    reset_routing_stats(a)
     assert collect_aux_losses(a) == {}
 
 
@@ -388,7 +389,7 @@ def test_lory_prompt_routing_routes_once_on_the_prompt():
     S, B, H = 10, 2, 128
     hidden_SBH = torch.randn(S, B, H)
     prompt_B = torch.tensor([3, 6])
-    with torch.no_grad(), lory_prompt_routing(model, prompt_B):
+    with torch.no_grad(), prompt_routing(model, prompt_B):
         out_SBH, _ = layer(hidden_SBH)
         changed = hidden_SBH.clone()
         changed[6:] = torch.randn(S - 6, B, H)  # the continuation must not change the routing
@@ -403,7 +404,7 @@ def test_lory_prompt_routing_routes_once_on_the_prompt():
     torch.testing.assert_close(out_changed_SBH[:6], out_SBH[:6])
     # The whole model runs under the context too.
     ids_BS, pos_BS, mask, _ = make_batch(2)
-    with torch.no_grad(), token_ids_context(model, ids_BS), lory_prompt_routing(model, [4, 9]):
+    with torch.no_grad(), token_ids_context(model, ids_BS), prompt_routing(model, [4, 9]):
         assert torch.isfinite(model(ids_BS, pos_BS, mask)).all()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import statistics
@@ -12,6 +13,7 @@ from repro.cli import main as repro_main
 from repro.errors import ReproError
 from repro.report import bench_table
 from repro.report.check import check_against_published, check_against_run, record_value
+from repro.report.efficiency import efficiency, routing
 from repro.report.flops import (
     LLAMA_185M,
     FlopsConfig,
@@ -24,18 +26,17 @@ from repro.report.flops import (
 )
 from repro.report.ledger import DEFAULT_LEDGER_DIR, load_ledger, load_ledger_file, select
 from repro.report.parity import compute_parity, require_parity
-from repro.report.records import (
-    Environment,
-    efficiency_from_log,
+from repro.report.record import Environment
+from repro.report.store import (
     environment_info,
     load_record,
     load_records,
     make_record,
     record_from_run_dir,
-    routing_from_log,
     write_record,
 )
 from repro.report.tables import efficiency_table, render, routing_table, zero_shot_table
+from repro.training.log import LogRow
 
 # ---------------------------------------------------------------------------------------------- FLOPs
 
@@ -99,17 +100,15 @@ TINY = FlopsConfig(num_layers=2, hidden_size=64, num_attention_heads=4, num_quer
                    ffn_hidden_size=128, vocab_size=512, top_k=1)
 
 
+def _row(step, loss, t, routing=None, **kw) -> LogRow:
+    return LogRow(step=step, loss=loss, lm_loss=loss, lr=1e-3, grad_norm=1.0, iter_time_s=t, tokens_per_s=1024 / t,
+                  consumed_samples=4 * step, peak_memory_bytes=0, routing=routing or {}, **kw)
+
+
 def _log(active=(1.0, 1.0), times=(0.5, 0.2, 0.21, 0.19, 0.2), losses=None):
-    rows = []
-    for i, t in enumerate(times):
-        rows.append({
-            "step": i + 1, "loss": losses[i] if losses else 6.0 - 0.5 * i, "lm_loss": 6.0, "lr": 1e-3,
-            "grad_norm": 1.0, "iter_time_s": t, "tokens_per_s": 1024 / t,
-            "active_experts": list(active),
-            "simpson": [0.5] * len(active),
-            "router_metrics": {"load_imbalance": [1.25] * len(active), "dropped_mass": [0.0] * len(active)},
-        })
-    return rows
+    routing_metrics = {"active_experts": list(active), "simpson": [0.5] * len(active),
+                       "load_imbalance": [1.25] * len(active), "dropped_mass": [0.0] * len(active)}
+    return [_row(i + 1, losses[i] if losses else 6.0 - 0.5 * i, t, routing_metrics) for i, t in enumerate(times)]
 
 
 def _lm_eval(scores):
@@ -124,7 +123,7 @@ def _lm_eval(scores):
 
 def _record(run_id, router, active=(1.0, 1.0), scores=None, model="tiny", device=None, losses=None, **kw):
     rows = _log(active, losses=losses)
-    eff = efficiency_from_log(rows, warmup=1, flops=TINY, global_batch_size=4, seq_length=256)
+    eff = efficiency(rows, warmup=1, flops=TINY, global_batch_size=4, seq_length=256)
     env = ENV if device is None else Environment(**{**ENV.__dict__, "device": device})
     return make_record(run_id=run_id, router=router, model=model, config={"router": router, "seed": 1},
                        log_rows=rows, efficiency=eff, lm_eval_results=None if scores is None else _lm_eval(scores),
@@ -133,7 +132,7 @@ def _record(run_id, router, active=(1.0, 1.0), scores=None, model="tiny", device
 
 def test_efficiency_from_log_window_and_flops():
     rows = _log(active=(1.0, 2.0))
-    eff = efficiency_from_log(rows, warmup=1, flops=TINY, global_batch_size=4, seq_length=256)
+    eff = efficiency(rows, warmup=1, flops=TINY, global_batch_size=4, seq_length=256)
     assert eff.window_steps == 4 and eff.warmup_steps == 1
     assert eff.iter_time_ms == pytest.approx(200.0)  # median of 0.2, 0.21, 0.19, 0.2; the 0.5 s warm-up is skipped
     assert eff.tokens_per_s == pytest.approx(statistics.median([1024 / t for t in (0.2, 0.21, 0.19, 0.2)]))
@@ -142,25 +141,23 @@ def test_efficiency_from_log_window_and_flops():
     assert eff.flops_per_iter_measured == measured_flops_per_iteration(TINY, 4, 256, 1.5)
     assert eff.tflops_per_device_analytic == pytest.approx(eff.flops_per_iter_analytic / 0.2 / 1e12)
     assert eff.peak_memory_bytes is None
-    windowed = efficiency_from_log(rows, warmup=1, window=2, flops=TINY, global_batch_size=4, seq_length=256)
+    windowed = efficiency(rows, warmup=1, length=2, flops=TINY, global_batch_size=4, seq_length=256)
     assert windowed.window_steps == 2 and windowed.iter_time_ms == pytest.approx(205.0)
     with pytest.raises(ReproError, match="no steps left"):
-        efficiency_from_log(rows, warmup=5, flops=TINY, global_batch_size=4, seq_length=256)
-    with pytest.raises(ReproError, match="'iter_time_s' must be a finite number"):
-        efficiency_from_log([{"step": 1, "tokens_per_s": 1.0}], warmup=0, flops=TINY, global_batch_size=1, seq_length=1)
+        efficiency(rows, warmup=5, flops=TINY, global_batch_size=4, seq_length=256)
+    with pytest.raises(ReproError, match="median iter_time_s over the window is 0.0: must be > 0"):
+        efficiency([dataclasses.replace(rows[0], iter_time_s=0.0)], warmup=0, flops=TINY, global_batch_size=1,
+                   seq_length=1)
 
 
-def test_routing_metrics_in_each_log_shape():
-    # the training loop's layout: one list per metric, index = MoE layer, top level or under router_metrics
-    shapes = [
-        {"active_experts": [2.0, 1.0], "simpson": [0.4], "router_metrics": {"unrouted_tokens": [0.0, 0.0]}},
-        {"active_experts": [2.0, 1.0], "router_metrics": {"simpson": [0.4]}},
+def test_routing_metrics_per_layer_averaged_over_the_window():
+    rows = [_row(1, 5.0, 1.0, {"active_experts": [2.0, 1.0], "simpson": [0.4], "unrouted_tokens": [0.0, 0.0]}),
+            _row(2, 5.0, 1.0, {"active_experts": [1.0, 1.0], "simpson": [0.6]})]
+    layers = routing(rows)
+    assert [(r.layer, r.active_experts, r.simpson, r.load_imbalance) for r in layers] == [
+        (0, 1.5, 0.5, None), (1, 1.0, None, None)
     ]
-    for row in shapes:
-        layers = routing_from_log([row])
-        assert [(r.layer, r.active_experts, r.simpson, r.load_imbalance) for r in layers] == [
-            (0, 2.0, 0.4, None), (1, 1.0, None, None)
-        ]
+    assert routing(rows, warmup=1)[0].active_experts == 1.0
 
 
 def test_record_round_trip_and_environment(tmp_path):
@@ -175,20 +172,24 @@ def test_record_round_trip_and_environment(tmp_path):
 
 
 def test_record_from_a_training_run_directory(tmp_path):
-    flavours = pytest.importorskip("repro.model.flavours")
+    from repro.model import flavours
+    from repro.training.experiments import get_experiment
+    from repro.training.log import write_row
+
     run = tmp_path / "switch-tiny"
     run.mkdir()
-    config = {"experiment": {"name": "switch-tiny", "router": "switch", "flavour": "tiny", "global_batch_size": 8},
+    config = {"experiment": get_experiment("switch-tiny").to_dict(),
               "seq_length": 128, "vocab_size": 8192, "layout": {"world_size": 1, "dp": 1, "tp": 1, "ep": 1}}
     (run / "config.json").write_text(json.dumps(config))
-    rows = [  # the training loop's layout: one list per routing metric, index = MoE layer
-        {"step": i, "loss": 9.0 - i, "lm_loss": 9.0 - i, "lr": 1e-3, "grad_norm": 1.0, "iter_time_s": t,
-         "tokens_per_s": 1024 / t, "active_experts": [1.0, 1.0], "simpson": [1.0, 0.9],
-         "router_metrics": {"load_imbalance": [1.5, 2.5], "dropped_fraction": [0.0, 0.0]}}
+    rows = [  # the trainer's layout: one list per routing metric, index = MoE layer
+        _row(i, 9.0 - i, t, {"active_experts": [1.0, 1.0], "simpson": [1.0, 0.9], "load_imbalance": [1.5, 2.5],
+                             "dropped_fraction": [0.0, 0.0]})
         for i, t in enumerate((3.0, 1.0, 1.2, 1.1), start=1)
     ]
-    rows[-1]["val_loss"] = 5.5
-    (run / "log.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rows[-1] = dataclasses.replace(rows[-1], val_loss=5.5)
+    with open(run / "log.jsonl", "w") as f:
+        for row in rows:
+            write_row(f, row)
     record = record_from_run_dir(run, warmup=1, environment=ENV)
     assert (record.run_id, record.experiment.router, record.experiment.model) == ("switch-tiny", "switch", "tiny")
     assert record.validation_loss == 5.5 and record.efficiency.iter_time_ms == pytest.approx(1100.0)
@@ -254,25 +255,25 @@ Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: Continuation (local)
 
 | Router   |   Continuation (local) |   Last word (local) |   Avg. |
 |----------|------------------------|---------------------|--------|
-| switch   |                  30.00 |               12.50 |  21.25 |
 | dirmoe   |                  37.50 |               15.00 |  26.25 |
+| switch   |                  30.00 |               12.50 |  21.25 |
 """
 
 EXPECTED_EFFICIENCY_CSV = """\
 Router,ms/iter,TFLOP/s/dev (analytic),TFLOP/s/dev (measured),tokens/s,peak mem (GiB),active experts,devices,device,compute parity
-switch,200.0,0.00554,0.00554,5120,--,1.000,1,cpu (x86_64),reference
 dirmoe,200.0,0.00554,0.00591,5120,--,1.250,1,cpu (x86_64),"NO (+25.0% vs t-switch, tolerance 5%)"
+switch,200.0,0.00554,0.00554,5120,--,1.000,1,cpu (x86_64),reference
 """
 
 EXPECTED_ROUTING_MD_ROWS = """\
 | Router   | Layer   |   active experts |   Simpson index |   load imbalance |   dropped mass |
 |----------|---------|------------------|-----------------|------------------|----------------|
-| switch   | mean    |            1.000 |           0.500 |             1.25 |         0.0000 |
-| switch   | 0       |            1.000 |           0.500 |             1.25 |         0.0000 |
-| switch   | 1       |            1.000 |           0.500 |             1.25 |         0.0000 |
 | dirmoe   | mean    |            1.250 |           0.500 |             1.25 |         0.0000 |
 | dirmoe   | 0       |            1.250 |           0.500 |             1.25 |         0.0000 |
 | dirmoe   | 1       |            1.250 |           0.500 |             1.25 |         0.0000 |
+| switch   | mean    |            1.000 |           0.500 |             1.25 |         0.0000 |
+| switch   | 0       |            1.000 |           0.500 |             1.25 |         0.0000 |
+| switch   | 1       |            1.000 |           0.500 |             1.25 |         0.0000 |
 """
 
 
@@ -282,7 +283,7 @@ def test_tables_match_expected_text():
     assert render(efficiency_table(records), "csv") == EXPECTED_EFFICIENCY_CSV
     assert render(routing_table(records), "md").endswith(EXPECTED_ROUTING_MD_ROWS)
     acc_only = zero_shot_table(records, metric="acc")
-    assert acc_only.rows[0] == ("switch", "25.00", "12.50", "18.75")
+    assert acc_only.rows[1] == ("switch", "25.00", "12.50", "18.75")
     tex = render(zero_shot_table(records), "tex")
     assert tex.startswith("\\begin{table}[ht]\n\\centering\n\\caption{Zero-shot accuracy (\\%), lm-eval")
     assert "\\label{tab:zero_shot}" in tex and "\\toprule" in tex and tex.endswith("\\end{table}\n")

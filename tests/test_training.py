@@ -1,5 +1,6 @@
-"""The training loop on CPU (fp32, gloo): every router trains, resumes bit-identically, and DP=2 / EP=2
-runs under torchrun give the one-process losses; plus experiments, overrides, the CLI and the LR schedule.
+"""The trainer on CPU (fp32, gloo): every router trains, resumes bit-identically, and DP=2 / EP=2 runs under
+torchrun give the one-process losses; plus the run directory's rules, experiments, config overrides, the CLI
+and the LR schedule.
 
 Runs are tiny (2 layers, 64-token sequences, a handful of steps) so the file stays well under the CI
 budget on two cores.
@@ -7,6 +8,7 @@ budget on two cores.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -17,15 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+import routers
 from repro.errors import ReproError
-from repro.training.experiments import (
-    EXPERIMENTS,
-    MEGATRON_ROUTER,
-    ROUTERS,
-    apply_overrides,
-    experiment_names,
-    get_experiment,
-)
+from repro.training.config import MEGATRON_ROUTER, RunConfig, apply_overrides
+from repro.training.experiments import experiment_names, experiment_routers, get_experiment
+from repro.training.log import read_rows
 from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
 from repro.training.synthetic import MicroBatchSampler, SyntheticTokens, collate
 
@@ -34,48 +32,47 @@ REPO = Path(__file__).resolve().parents[1]
 # Small and quick: 2 micro-batches of 2 sequences per step (gradient accumulation is exercised), the same
 # 4 sequences every step (a falling loss shows after a few steps), no validation, no interim checkpoints.
 TINY = [
-    "data=synthetic",
-    "seq_length=64",
-    "micro_batch_size=2",
-    "global_batch_size=4",
-    "synthetic_samples=4",
-    "steps=6",
-    "lr=3e-3",
-    "min_lr=3e-4",
-    "warmup_steps=0",
-    "eval_interval=0",
-    "checkpoint_interval=0",
+    "data.source=synthetic",
+    "model.seq_length=64",
+    "data.micro_batch_size=2",
+    "data.global_batch_size=4",
+    "data.synthetic_samples=4",
+    "schedule.steps=6",
+    "optimizer.lr=3e-3",
+    "schedule.min_lr=3e-4",
+    "schedule.warmup_steps=0",
+    "validation.interval=0",
+    "checkpoint.interval=0",
 ]
+#: The routers of this package (tests elsewhere register routers of their own, which have experiments too).
+BUILTIN = ["dirmoe", "expert_choice", "hash", "lory", "remoe", "sparsemixer", "switch"]
 
 
-def _experiment(router: str, extra: list[str] = ()):
+def _experiment(router: str, extra: list[str] = ()) -> RunConfig:
     return apply_overrides(get_experiment(f"{router}-tiny"), TINY + list(extra))
 
 
-def _all_router_names() -> list[str]:
-    """Every router that has a ``<router>-tiny`` experiment (routers registered by other tests have none)."""
-    from repro.training.experiments import ROUTERS
-
-    return [*ROUTERS, "dense", MEGATRON_ROUTER]
-
-
 def _read_log(out: Path) -> list[dict]:
-    from repro.training.loop import read_log
-
-    return read_log(out)
+    """The log's rows as dicts, with the two headline routing metrics at the top for comparisons."""
+    rows = []
+    for row in read_rows(out):
+        data = dataclasses.asdict(row)
+        data["active_experts"] = row.routing.get("active_experts")
+        data["simpson"] = row.routing.get("simpson")
+        rows.append(data)
+    return rows
 
 
 # ---------------------------------------------------------------------------------------- training
-@pytest.mark.parametrize("router", _all_router_names())
+@pytest.mark.parametrize("router", [*BUILTIN, "dense", MEGATRON_ROUTER])
 def test_every_router_trains_with_falling_loss(router, tmp_path):
-    from repro.training.loop import LOG_FIELDS, train
+    from repro.training.trainer import train
 
     exp = _experiment(router)
     summary = train(exp, tmp_path, progress=False)
     records = _read_log(tmp_path)
-    assert [r["step"] for r in records] == list(range(1, exp.steps + 1))
+    assert [r["step"] for r in records] == list(range(1, exp.schedule.steps + 1))
     for r in records:
-        assert set(LOG_FIELDS) - {"val_loss"} <= set(r)
         assert math.isfinite(r["loss"]) and math.isfinite(r["lm_loss"])
         assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0
         assert r["tokens_per_s"] > 0
@@ -85,20 +82,27 @@ def test_every_router_trains_with_falling_loss(router, tmp_path):
         # one entry per MoE layer (the tiny flavour has 2), from the adapters' routing metrics
         assert len(records[-1]["active_experts"]) == 2 and len(records[-1]["simpson"]) == 2
         assert all(a >= 0 for a in records[-1]["active_experts"])
+        # per-expert loads per layer: a dead expert is visible in the log; they sum to the routed tokens
+        loads = records[-1]["routing_per_expert"]["tokens_per_expert"]
+        assert len(loads) == 2 and all(len(layer) == 8 for layer in loads)
+        tokens = 2 * 64  # one micro-batch: 2 sequences x 64 tokens (the loads are per micro-batch means)
+        for layer, active in zip(loads, records[-1]["active_experts"]):
+            assert sum(layer) == pytest.approx(active * tokens, rel=1e-5)
     if router == MEGATRON_ROUTER:
         assert records[-1]["aux_losses"]["load_balancing_loss"] > 0  # megatron's tracker, coefficient applied
     # the output directory
     assert (tmp_path / "config.json").is_file() and (tmp_path / "summary.json").is_file()
     assert (tmp_path / "checkpoints" / "step_0000006" / "meta.json").is_file()
-    assert summary["steps"] == exp.steps and summary["final_loss"] == losses[-1]
+    assert summary["steps"] == exp.schedule.steps and summary["final_loss"] == losses[-1]
     config = json.loads((tmp_path / "config.json").read_text())
-    assert config["num_microbatches"] == 2 and config["experiment"]["name"] == exp.name
+    assert config["num_microbatches"] == 2 and RunConfig.from_dict(config["experiment"]) == exp
+    assert not (tmp_path / "record.json").exists(), "the trainer leaves the run record to its caller"
 
 
 def test_aux_losses_are_part_of_the_logged_loss(tmp_path):
-    from repro.training.loop import train
+    from repro.training.trainer import train
 
-    train(_experiment("switch", ["steps=2"]), tmp_path, progress=False)
+    train(_experiment("switch", ["schedule.steps=2"]), tmp_path, progress=False)
     for r in _read_log(tmp_path):
         assert r["aux_losses"]["load_balancing_loss"] > 0
         assert r["loss"] == pytest.approx(r["lm_loss"] + sum(r["aux_losses"].values()), rel=1e-12)
@@ -108,9 +112,9 @@ def test_aux_losses_are_part_of_the_logged_loss(tmp_path):
 
 
 def test_lr_in_log_follows_warmup_cosine(tmp_path):
-    from repro.training.loop import train
+    from repro.training.trainer import train
 
-    exp = _experiment("dense", ["steps=5", "warmup_steps=2", "lr=1e-3", "min_lr=1e-4"])
+    exp = _experiment("dense", ["schedule.steps=5", "schedule.warmup_steps=2", "optimizer.lr=1e-3", "schedule.min_lr=1e-4"])
     train(exp, tmp_path, progress=False)
     schedule = WarmupCosineSchedule(1e-3, 1e-4, 2, 5)
     assert [r["lr"] for r in _read_log(tmp_path)] == [schedule.lr_at(s) for s in range(1, 6)]
@@ -118,10 +122,10 @@ def test_lr_in_log_follows_warmup_cosine(tmp_path):
 
 def test_switch_adapter_trains_like_megatron_topk_router(tmp_path):
     """Our Switch router behind the adapter and megatron-core's own TopKRouter: same training run."""
-    from repro.training.loop import train
+    from repro.training.trainer import train
 
     for router in ("switch", MEGATRON_ROUTER):
-        train(_experiment(router, ["steps=3"]), tmp_path / router, progress=False)
+        train(_experiment(router, ["schedule.steps=3"]), tmp_path / router, progress=False)
     ours, theirs = _read_log(tmp_path / "switch"), _read_log(tmp_path / MEGATRON_ROUTER)
     for a, b in zip(ours, theirs):
         assert a["lm_loss"] == pytest.approx(b["lm_loss"], rel=1e-6)
@@ -137,11 +141,13 @@ def _final_state(out: Path) -> dict:
 
 @pytest.mark.parametrize("router", ["dirmoe", "remoe", "hash"])
 def test_resume_after_kill_is_bit_identical(router, tmp_path):
-    from repro.training.loop import train
+    from repro.training.trainer import train
 
     # dirmoe draws noise and runs step schedules, remoe adapts a buffer after every step, hash holds a
     # table: each is state a resume must carry. Validation every 2 steps checks eval leaves no trace.
-    exp = _experiment(router, ["steps=5", "checkpoint_interval=2", "eval_interval=2", "synthetic_samples=0"])
+    exp = _experiment(
+        router, ["schedule.steps=5", "checkpoint.interval=2", "validation.interval=2", "data.synthetic_samples=0"]
+    )
     full, killed = tmp_path / "full", tmp_path / "killed"
     train(exp, full, progress=False)
     # "killed" after step 3: its last checkpoint is step 2, and step 3 is already in the log.
@@ -149,7 +155,7 @@ def test_resume_after_kill_is_bit_identical(router, tmp_path):
     assert out["stopped_at"] == 3 and [r["step"] for r in _read_log(killed)] == [1, 2, 3]
     train(None, killed, progress=False, resume=True)
 
-    keys = ("step", "loss", "lm_loss", "grad_norm", "lr", "aux_losses", "active_experts", "simpson", "val_loss")
+    keys = ("step", "loss", "lm_loss", "grad_norm", "lr", "aux_losses", "routing", "routing_per_expert", "val_loss")
     a = [{k: r.get(k) for k in keys} for r in _read_log(full)]
     b = [{k: r.get(k) for k in keys} for r in _read_log(killed)]
     assert a == b  # exact: fp32 on CPU, same ops in the same order
@@ -163,16 +169,17 @@ def test_resume_after_kill_is_bit_identical(router, tmp_path):
 
 
 def test_resume_errors_name_the_path(tmp_path):
-    from repro.training.loop import train
+    from repro.training.trainer import train
 
-    with pytest.raises(ReproError, match=str(tmp_path / "empty" / "checkpoints")):
+    with pytest.raises(ReproError, match=str(tmp_path / "empty") + ": no run to resume"):
         train(None, tmp_path / "empty", resume=True, progress=False)
 
-    exp = _experiment("switch", ["steps=2"])
+    exp = _experiment("switch", ["schedule.steps=2"])
     run = tmp_path / "run"
     train(exp, run, progress=False)
     with pytest.raises(ReproError, match="already holds a run"):
         train(exp, run, progress=False)
+    (run / "summary.json").unlink()  # not finished: the resume reads the checkpoint
     rank_file = run / "checkpoints" / "step_0000002" / "rank_00000.pt"
     rank_file.write_bytes(b"not a checkpoint")
     with pytest.raises(ReproError, match=str(rank_file)):
@@ -182,13 +189,97 @@ def test_resume_errors_name_the_path(tmp_path):
     # a corrupt meta.json makes the directory unreadable: still an error naming the file
     with pytest.raises(ReproError, match=str(meta)):
         train(None, run, resume=True, progress=False)
-    with pytest.raises(ReproError, match="different config"):
-        from repro.training.checkpoint import find_latest_checkpoint
+    meta.write_text(json.dumps({"step": 2, "consumed_samples": 8, "layout": {"world_size": 1, "dp": 1, "tp": 1,
+                                "ep": 1}, "experiment": exp.to_dict(), "files": ["rank_00000.pt"]}))
+    with pytest.raises(ReproError, match=r"cannot change what defines the model .*model.num_experts: None -> 4"):
+        train(apply_overrides(exp, ["model.num_experts=4"]), run, resume=True, progress=False)
 
-        meta.write_text(json.dumps({"step": 2, "consumed_samples": 8, "layout": {"world_size": 1, "dp": 1, "tp": 1,
-                                    "ep": 1}, "experiment": exp.to_dict(), "files": ["rank_00000.pt"]}))
-        assert find_latest_checkpoint(run / "checkpoints") is not None
-        train(apply_overrides(exp, ["lr=1e-2"]), run, resume=True, progress=False)
+
+# ----------------------------------------------------------------------------------- run directory
+def test_a_fresh_run_needs_a_new_or_empty_directory(tmp_path):
+    from repro.training.trainer import train
+
+    exp = _experiment("dense", ["schedule.steps=1"])
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ReproError, match="is not empty .*notes.txt"):
+        train(exp, tmp_path, progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == ["notes.txt"]
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ReproError, match="cannot use as a run directory"):
+        train(exp, tmp_path / "file" / "run", progress=False)
+
+
+def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
+    from repro.cli import main
+
+    args = ["train", "--experiment", "switch-tiny", "--out", str(tmp_path), "--no-progress"]
+    for item in TINY + ["schedule.steps=2"]:
+        args += ["--set", item]
+    assert main(args) == 0
+    record = json.loads((tmp_path / "record.json").read_text())
+    record["lm_eval"] = {"results": {"piqa": {"acc,none": 0.5}}}  # as `repro eval` would have added
+    (tmp_path / "record.json").write_text(json.dumps(record))
+    before = {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert main(["train", "--out", str(tmp_path), "--resume", "--no-progress"]) == 0
+    assert "finished at step 2; nothing to do" in capsys.readouterr().err
+    after = {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
+    assert after == before
+    assert json.loads((tmp_path / "record.json").read_text())["lm_eval"]["results"]["piqa"]["acc,none"] == 0.5
+
+
+def test_resume_without_a_complete_checkpoint_starts_again_from_step_0(tmp_path, capsys):
+    from repro.training.trainer import train
+
+    exp = _experiment("switch", ["schedule.steps=3"])
+    train(exp, tmp_path / "full", progress=False)
+    killed = tmp_path / "killed"
+    assert train(exp, killed, progress=False, stop_after=2)["stopped_at"] == 2
+    assert not (killed / "checkpoints").exists() or not any((killed / "checkpoints").glob("step_*"))
+    (killed / "checkpoints").mkdir(exist_ok=True)
+    (killed / "checkpoints" / ".step_0000003.tmp").mkdir()  # as a kill while writing the first checkpoint leaves
+    with pytest.raises(ReproError, match="already holds a run; pass --resume .*from step 0"):
+        train(exp, killed, progress=False)
+    train(None, killed, progress=False, resume=True)
+    assert "no complete checkpoint yet; training again from step 0" in capsys.readouterr().err
+    full, again = _read_log(tmp_path / "full"), _read_log(killed)
+    assert [r["step"] for r in again] == [1, 2, 3]
+    assert [r["loss"] for r in again] == [r["loss"] for r in full]
+
+
+def test_a_run_directory_is_locked_while_a_run_uses_it(tmp_path):
+    from repro.training.run_dir import RunPaths, run_lock
+    from repro.training.trainer import train
+
+    with run_lock(RunPaths(tmp_path)):
+        with pytest.raises(ReproError, match=f"{tmp_path}: another run is using this directory \\(process {os.getpid()}\\)"):
+            train(_experiment("dense", ["schedule.steps=1"]), tmp_path, progress=False)
+    assert not (tmp_path / "log.jsonl").exists()
+    train(_experiment("dense", ["schedule.steps=1"]), tmp_path, progress=False)  # released on exit
+
+
+def test_a_non_finite_loss_stops_with_a_way_to_resume(tmp_path, monkeypatch):
+    from repro.training import trainer as trainer_module
+
+    exp = _experiment("dense", ["schedule.steps=4", "checkpoint.interval=2"])
+    real_step = trainer_module.Trainer.train_step
+
+    def step_with_nan(self):
+        row = real_step(self)
+        if row.step == 3:
+            raise trainer_module.NonFiniteLoss(f"experiment '{self.config.name}': loss is nan at step 3")
+        return row
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step_with_nan)
+    with pytest.raises(ReproError, match="loss is nan at step 3; .* resume from its checkpoint of step 2 with other settings"):
+        trainer_module.train(exp, tmp_path, progress=False)
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", real_step)
+    changed = apply_overrides(exp, ["optimizer.lr=1e-3"])
+    summary = trainer_module.train(changed, tmp_path, resume=True, progress=False)
+    assert summary["steps"] == 4
+    assert [r["step"] for r in _read_log(tmp_path)] == [1, 2, 3, 4]
+    history = json.loads((tmp_path / "resume_changes.json").read_text())
+    assert history == [{"from_step": 2, "changes": {"optimizer.lr": "0.003 -> 0.001"}}]
+    assert RunConfig.from_dict(json.loads((tmp_path / "config.json").read_text())["experiment"]) == changed
 
 
 # ------------------------------------------------------------------------------------- distributed
@@ -202,15 +293,15 @@ def _torchrun(args: list[str], timeout: int = 240) -> None:
 @pytest.mark.distributed
 @pytest.mark.parametrize(
     "router, layout",
-    [("remoe", "ep=1"), ("switch", "ep=2")],
+    [("remoe", "parallel.ep=1"), ("switch", "parallel.ep=2")],
     ids=["dp2-remoe", "ep2-switch"],
 )
 def test_two_processes_match_one(router, layout, tmp_path):
     """DP=2 (ReMoE: its statistic is averaged over ranks) and EP=2 (alltoall dispatcher, experts sharded,
     expert gradients reduced over the expert-DP group only) reproduce the one-process losses."""
-    from repro.training.loop import train
+    from repro.training.trainer import train
 
-    sets = TINY + ["steps=3", "global_batch_size=8", "synthetic_samples=0"]
+    sets = TINY + ["schedule.steps=3", "data.global_batch_size=8", "data.synthetic_samples=0"]
     exp = apply_overrides(get_experiment(f"{router}-tiny"), sets)
     train(exp, tmp_path / "one", progress=False)
     args = ["--experiment", f"{router}-tiny", "--out", str(tmp_path / "two"), "--no-progress"]
@@ -226,7 +317,7 @@ def test_two_processes_match_one(router, layout, tmp_path):
         assert b["active_experts"] == pytest.approx(a["active_experts"], rel=1e-5)
     config = json.loads((tmp_path / "two" / "config.json").read_text())
     assert config["layout"]["world_size"] == 2 and config["num_microbatches"] == 2
-    if layout == "ep=2":
+    if layout == "parallel.ep=2":
         assert config["layout"]["ep"] == 2
         assert config["parameters"]["expert_local"] * 2 == config["parameters"]["expert_total"]
         assert sorted(p.name for p in (tmp_path / "two" / "checkpoints" / "step_0000003").iterdir()) == [
@@ -234,54 +325,67 @@ def test_two_processes_match_one(router, layout, tmp_path):
 
 
 # ------------------------------------------------------------------------------- experiments, CLI
-def test_registry_has_every_router_at_both_scales():
+def test_experiments_derive_from_the_router_registry():
     names = set(experiment_names())
-    for router in ROUTERS + ("dense",):
+    assert set(experiment_routers()) == {*routers.available_routers(), MEGATRON_ROUTER, "dense"}
+    for router in experiment_routers():
         assert {f"{router}-tiny", f"{router}-185m"} <= names
-    assert {"megatron-tiny", "megatron-185m"} <= names
     for name in names:
-        assert EXPERIMENTS[name].name == name
+        assert get_experiment(name).name == name
+    # a router's declared recipe overrides, applied at their scale only
+    lory = routers.router_class("lory")
+    assert lory.recipe_overrides == {"tiny": ("router.options.segment_len=32",)}
+    assert get_experiment("lory-tiny").router.options == {"segment_len": 32}
+    assert get_experiment("lory-185m").router.options == {}
 
 
 def test_paper_settings():
     remoe, dirmoe = get_experiment("remoe-185m"), get_experiment("dirmoe-185m")
     for exp in (remoe, dirmoe, get_experiment("dense-185m")):
-        assert exp.global_batch_size == 512 and exp.seq_length == 1024 and exp.steps == 60_000
-        assert exp.lr == 5e-4 and exp.num_warmup_steps == 600 and exp.weight_decay == 0.01
-        assert exp.clip_grad == 1.0 and exp.precision == "bf16"
-    assert remoe.min_lr == 5e-5 and dirmoe.min_lr == 1e-4
-    assert (dirmoe.adam_beta1, dirmoe.adam_beta2) == (0.9, 0.995)
+        assert exp.data.global_batch_size == 512 and exp.seq_length == 1024 and exp.schedule.steps == 60_000
+        assert exp.schedule.num_warmup_steps == 600 and exp.optimizer.weight_decay == 0.01
+        assert exp.optimizer.clip_grad == 1.0 and exp.model.precision == "bf16"
+    assert remoe.optimizer.lr == 5e-4 and remoe.schedule.min_lr == 5e-5
+    assert (dirmoe.optimizer.beta1, dirmoe.optimizer.beta2) == (0.9, 0.995)
     # DirMoE's temperature/prior schedules span the run
-    assert dirmoe.build_router_options()["schedule_steps"] == 60_000
-    assert apply_overrides(dirmoe, ["steps=100"]).build_router_options()["schedule_steps"] == 100
+    assert dirmoe.router_options()["schedule_steps"] == 60_000
+    assert apply_overrides(dirmoe, ["schedule.steps=100"]).router_options()["schedule_steps"] == 100
 
 
 def test_overrides_parse_to_field_types():
     exp = apply_overrides(
         get_experiment("dirmoe-tiny"),
-        ["steps=12", "lr=1e-3", "seq_length=none", "distributed_optimizer=false", "router_options.kl_weight=0.1",
-         "router_options.dispatch=topk"],
+        ["schedule.steps=12", "optimizer.lr=1e-3", "model.seq_length=null", "optimizer.distributed=false",
+         "router.options.kl_weight=1", "router.options.dispatch=topk"],
     )
-    assert exp.steps == 12 and exp.lr == 1e-3 and exp.seq_length is None and exp.distributed_optimizer is False
-    assert dict(exp.router_options) == {"kl_weight": 0.1, "dispatch": "topk"}
+    assert exp.schedule.steps == 12 and exp.optimizer.lr == 1e-3 and exp.model.seq_length is None
+    assert exp.optimizer.distributed is False
+    assert exp.router.options == {"kl_weight": 1.0, "dispatch": "topk"}
+    assert isinstance(exp.router.options["kl_weight"], float)  # typed by DirMoEConfig.kl_weight
     # a new router drops the old router's options; options are checked against the new router
-    switched = apply_overrides(exp, ["router=switch", "router_options.aux_loss_coeff=0.05"])
-    assert switched.router == "switch" and dict(switched.router_options) == {"aux_loss_coeff": 0.05}
-    assert apply_overrides(exp, ["router_options="]).router_options == ()
+    switched = apply_overrides(exp, ["router.name=switch", "router.options.aux_loss_coeff=0.05"])
+    assert switched.router.name == "switch" and switched.router.options == {"aux_loss_coeff": 0.05}
+    # round trip through config.json
+    assert RunConfig.from_dict(json.loads(json.dumps(exp.to_dict()))) == exp
 
 
 @pytest.mark.parametrize(
     "assignment, message",
     [
-        ("nope=1", "unknown key 'nope'; valid: .*steps"),
-        ("steps=abc", "steps: expected an integer"),
-        ("lr=fast", "lr: expected a number"),
+        ("nope=1", "Key 'nope' not in 'RunConfig'; valid keys: .*schedule.steps"),
+        ("schedule.stpes=1", "Did you mean: 'steps'"),
+        ("schedule.steps=abc", "schedule.steps: Value 'abc' of type 'str' could not be converted to Integer"),
+        ("optimizer.lr=fast", "could not be converted to Float"),
+        ("optimizer.lr=nan", "optimizer.lr must be a finite number, got nan"),
+        ("optimizer.clip_grad=nan", "optimizer.clip_grad must be a finite number"),
+        ("schedule.min_lr=inf", "schedule.min_lr must be a finite number"),
         ("steps", "key=value"),
-        ("router_options.nope=1", "unknown option 'nope' for router 'dirmoe'; valid: .*kl_weight"),
-        ("router_options.dispatch=bogus", "dispatch"),
-        ("global_batch_size=7", "multiple of micro_batch_size"),
-        ("precision=fp16", "precision must be one of"),
-        ("router=bogus", "unknown router 'bogus'"),
+        ("router.options.nope=1", "unknown option.* nope for router 'dirmoe'; valid: .*kl_weight"),
+        ("router.options.dispatch=bogus", "dispatch"),
+        ("router.options.kl_weight=heavy", "router.options.kl_weight: .*could not be converted to Float"),
+        ("data.global_batch_size=7", "multiple of data.micro_batch_size"),
+        ("model.precision=fp16", "expected one of \\['auto', 'fp32', 'bf16'\\]"),
+        ("router.name=bogus", "unknown router 'bogus'"),
     ],
 )
 def test_bad_overrides_are_one_line_errors(assignment, message):
@@ -300,7 +404,11 @@ def test_cli_errors_and_list(tmp_path, capsys):
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: unknown experiment 'nope'; valid:") and "\n" not in err
     assert main(["train", "--experiment", "switch-tiny", "--set", "bogus=1", "--out", str(tmp_path)]) == 2
-    assert "unknown key 'bogus'" in capsys.readouterr().err
+    assert "Key 'bogus' not in 'RunConfig'" in capsys.readouterr().err
+    assert main(["train", "--experiment", "switch-tiny", "--show"]) == 0
+    assert "schedule:\n  steps: 200" in capsys.readouterr().out
+    assert main(["train", "--list-routers"]) == 0
+    assert set(capsys.readouterr().out.split()) == set(experiment_routers())
     assert main(["train", "--out", str(tmp_path / "none"), "--resume"]) == 2
     assert str(tmp_path / "none") in capsys.readouterr().err
 
@@ -309,11 +417,13 @@ def test_cli_trains(tmp_path, capsys):
     from repro.cli import main
 
     args = ["train", "--experiment", "hash-tiny", "--out", str(tmp_path), "--no-progress"]
-    for item in TINY + ["steps=2"]:
+    for item in TINY + ["schedule.steps=2"]:
         args += ["--set", item]
     assert main(args) == 0
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["experiment"] == "hash-tiny" and summary["steps"] == 2
+    record = json.loads((tmp_path / "record.json").read_text())  # the command writes the run record
+    assert record["run_id"] == "hash-tiny" and len(record["loss_curve"]) == 2
 
 
 # ----------------------------------------------------------------------------------- LR, data
@@ -364,11 +474,11 @@ def test_synthetic_data_is_deterministic_and_dp_slices_cover_the_batch():
 def test_training_leaves_megatron_aux_loss_scale_as_it_was(tmp_path):
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from repro.training.loop import train
+    from repro.training.trainer import train
 
     before = MoEAuxLossAutoScaler.main_loss_backward_scale
     before = before.clone() if before is not None else None
-    train(_experiment("switch", ["steps=1"]), tmp_path, progress=False)  # sets 1 / 2 micro-batches inside
+    train(_experiment("switch", ["schedule.steps=1"]), tmp_path, progress=False)  # sets 1 / 2 micro-batches inside
     after = MoEAuxLossAutoScaler.main_loss_backward_scale
     assert (after is None and before is None) or torch.equal(after, before)
 

@@ -58,7 +58,7 @@ def main(argv: list[str], prog: str) -> int:
     from lm_eval.utils import make_table
 
     from repro.errors import ReproError
-    from repro.evaluation.harness import DirMoEBenchLM
+    from repro.evaluation.harness import SuiteLM
     from repro.evaluation.local_tasks import build_local_tasks
     from repro.evaluation.runner import evaluate_lm
     from repro.io_utils import write_json_atomic
@@ -68,7 +68,7 @@ def main(argv: list[str], prog: str) -> int:
             raise ReproError("--local-tasks-from needs --local-tasks (the directory to write the tasks to)")
         build_local_tasks(args.local_tasks_from, args.local_tasks)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    lm = DirMoEBenchLM.from_checkpoint(
+    lm = SuiteLM.from_checkpoint(
         args.checkpoint, batch_size=args.batch_size, max_length=args.max_length, device=args.device
     )
     results = evaluate_lm(
@@ -91,7 +91,7 @@ def _add_to_run_record(run_dir: Path, results: dict) -> None:
     import dataclasses
 
     from repro.errors import ReproError
-    from repro.report.records import load_record, write_record
+    from repro.report.store import load_record, write_record
     from repro.training.inference import resolve_checkpoint, run_dir_of
 
     try:

@@ -1,4 +1,4 @@
-"""The lm-eval bridge: this suite's checkpoints as an lm-eval ``LM`` registered as ``dirmoe-bench``.
+"""The lm-eval bridge: this suite's checkpoints (any router) as an lm-eval ``LM`` registered as ``dirmoe-bench``.
 
 The bridge talks to the model through a small protocol, :class:`ScoringModel` (token ids in, next-token
 logits out) plus a tokenizer: a Hugging Face ``tokenizers.Tokenizer`` (``encode(...).ids`` / ``decode``) or a
@@ -96,11 +96,12 @@ def _batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
 
 
 @register_model(MODEL_NAME)
-class DirMoEBenchLM(TemplateLM):
-    """lm-eval ``LM`` over a :class:`ScoringModel` and its tokenizer.
+class SuiteLM(TemplateLM):
+    """The suite's lm-eval ``LM`` (registered as ``dirmoe-bench``, the suite's name): any of the suite's
+    checkpoints, whatever its router, behind a :class:`ScoringModel` and its tokenizer.
 
     Construct from a checkpoint (``lm_eval --model dirmoe-bench --model_args checkpoint=DIR``, or
-    :meth:`from_checkpoint`) or from objects (``DirMoEBenchLM(model=..., tokenizer=...)``).
+    :meth:`from_checkpoint`) or from objects (``SuiteLM(model=..., tokenizer=...)``).
 
     Args:
         checkpoint: a checkpoint directory (loaded by :func:`load_scoring_model`).
@@ -151,7 +152,7 @@ class DirMoEBenchLM(TemplateLM):
         self.max_gen_toks = int(max_gen_toks)
 
     @classmethod
-    def from_checkpoint(cls, checkpoint_dir: str | Path, **kwargs: Any) -> DirMoEBenchLM:
+    def from_checkpoint(cls, checkpoint_dir: str | Path, **kwargs: Any) -> SuiteLM:
         """Build the LM from a checkpoint directory (see :func:`load_scoring_model`).
 
         Args:

@@ -58,7 +58,7 @@ def evaluate_lm(
     """Zero-shot evaluation through lm-eval, with no network access.
 
     Args:
-        lm: the model (e.g. :class:`repro.evaluation.harness.DirMoEBenchLM`).
+        lm: the model (e.g. :class:`repro.evaluation.harness.SuiteLM`).
         tasks: task names; default: the local tasks (tag ``minipile``) with ``local_tasks``, else
             :data:`FULL_SCALE_TASKS`.
         local_tasks: a local-task directory.

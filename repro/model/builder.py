@@ -20,15 +20,17 @@ Forward (megatron's GPTModel)::
     logits_BSV = model(input_ids_BS, position_ids_BS, mask)                        # without labels
 
 Routers: ``router_name`` is a registered name (``routers.available_routers()``) plugged in through
-``MoESubmodules.router`` via :mod:`routers.megatron_adapter`, ``"lory"`` additionally swaps the MoE layer
-for :class:`repro.model.lory_layer.LoryMoELayer`, and ``"megatron"`` keeps megatron-core's own
+``MoESubmodules.router`` via :mod:`routers.megatron_adapter`; a router whose class names its own MoE layer
+(``Router.moe_layer_class()``, Lory's parameter-merging layer) gets that layer with local experts; and
+``"megatron"`` keeps megatron-core's own
 ``TopKRouter`` (softmax before top-k, load-balancing aux loss; options ``aux_loss_coeff`` (1e-2),
 ``z_loss_coeff``, ``capacity_factor``) for comparisons. Dense flavours take no router.
 
 Devices and precision: on CPU the local (non-TransformerEngine) spec with ``SequentialMLP`` experts,
 fp32. On GPU bf16 parameters (megatron modules) with the routers kept in fp32 (the adapter feeds them fp32
 hidden states) and ``moe_router_dtype="fp32"`` for TopKRouter; when TransformerEngine is importable the TE
-layer spec with grouped-GEMM experts (never for Lory, which merges SequentialMLP parameters). Do not call
+layer spec with grouped-GEMM experts (never for routers that merge experts, whose layer merges SequentialMLP
+parameters). Do not call
 ``model.bfloat16()`` afterwards: it would cast the routers too.
 
 ``model.config`` is the TransformerConfig (for FLOPs); ``model.flavour`` the :class:`ModelFlavour` used.
@@ -44,19 +46,9 @@ import torch.nn.functional as F
 
 from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
 from repro.model.flavours import ModelFlavour, get_flavour
-
-MEGATRON_ROUTER = "megatron"
-LORY_ROUTER = "lory"
-
-# Options of the "megatron" choice -> TransformerConfig fields.
-_MEGATRON_ROUTER_OPTIONS = {
-    "aux_loss_coeff": "moe_aux_loss_coeff",
-    "z_loss_coeff": "moe_z_loss_coeff",
-    "capacity_factor": "moe_expert_capacity_factor",
-}
+from repro.training.config import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
 
 __all__ = [
-    "LORY_ROUTER",
     "MEGATRON_ROUTER",
     "build_model",
     "causal_attention_mask",
@@ -140,11 +132,11 @@ def transformer_config(
     if flavour.is_moe:
         megatron_router = router_name == MEGATRON_ROUTER
         options = dict(router_options or {}) if megatron_router else {}
-        unknown = sorted(set(options) - set(_MEGATRON_ROUTER_OPTIONS))
+        unknown = sorted(set(options) - set(MEGATRON_ROUTER_OPTIONS))
         if unknown:
             raise ValueError(
                 f"unknown option(s) {', '.join(unknown)} for router 'megatron'; "
-                f"valid: {', '.join(sorted(_MEGATRON_ROUTER_OPTIONS))}"
+                f"valid: {', '.join(sorted(MEGATRON_ROUTER_OPTIONS))}"
             )
         kwargs.update(
             num_moe_experts=flavour.num_experts,
@@ -160,10 +152,19 @@ def transformer_config(
             moe_aux_loss_coeff=options.get("aux_loss_coeff", 1e-2) if megatron_router else 0.0,
             moe_z_loss_coeff=options.get("z_loss_coeff"),
             moe_expert_capacity_factor=options.get("capacity_factor"),
-            moe_grouped_gemm=bool(use_te and router_name != LORY_ROUTER),
+            moe_grouped_gemm=bool(use_te and _moe_layer_class(router_name) is None),
             moe_permute_fusion=False,
         )
     return TransformerConfig(**kwargs)
+
+
+def _moe_layer_class(router_name: str | None) -> type | None:
+    """The router's own MoE layer class (``Router.moe_layer_class()``), None for megatron's MoELayer."""
+    if router_name is None or router_name == MEGATRON_ROUTER:
+        return None
+    from routers import router_class
+
+    return router_class(router_name).moe_layer_class()
 
 
 def _with_vocab_size(router_name: str, router_options: dict[str, Any] | None, padded_vocab: int) -> dict[str, Any]:
@@ -182,7 +183,7 @@ def _with_vocab_size(router_name: str, router_options: dict[str, Any] | None, pa
 
 
 def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_options, use_te: bool):
-    """The transformer-layer ModuleSpec with our router (and Lory's layer) plugged in."""
+    """The transformer-layer ModuleSpec with our router (and its own MoE layer, if it has one) plugged in."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -201,12 +202,11 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
         return spec
 
     mlp_spec = spec.submodules.mlp
-    if router_name == LORY_ROUTER:
-        from repro.model.lory_layer import LoryMoELayer
-
-        # Lory merges SequentialMLP parameters: local experts even when TE runs the rest of the layer.
+    layer_class = _moe_layer_class(router_name)
+    if layer_class is not None:
+        # Such layers (Lory's) merge SequentialMLP parameters: local experts even when TE runs the rest.
         mlp_spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=num_experts)
-        mlp_spec = dataclasses.replace(mlp_spec, module=LoryMoELayer)
+        mlp_spec = dataclasses.replace(mlp_spec, module=layer_class)
     if router_name != MEGATRON_ROUTER:
         from routers.megatron_adapter import megatron_router_builder
 

@@ -22,7 +22,7 @@ from tabulate import tabulate
 
 from repro.errors import ReproError
 from repro.report.ledger import PublishedEntry, select
-from repro.report.records import RunRecord, lm_eval_metrics
+from repro.report.record import RunRecord, lm_eval_metrics
 from repro.report.tables import PAPER_TASKS, choose_metric
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"

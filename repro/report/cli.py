@@ -33,7 +33,7 @@ def tables_main(argv: list[str], prog: str) -> int:
     """
     from repro.report.ledger import load_ledger
     from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER
-    from repro.report.records import load_records
+    from repro.report.store import load_records
     from repro.report.tables import (
         FORMATS,
         ZERO_SHOT_METRICS,
@@ -91,7 +91,7 @@ def check_main(argv: list[str], prog: str) -> int:
     """
     from repro.report.check import CheckReport, check_against_published, check_against_run, render_report
     from repro.report.ledger import load_ledger
-    from repro.report.records import load_records
+    from repro.report.store import load_records
 
     parser = argparse.ArgumentParser(
         prog=prog, description="Compare a run with the published numbers or an earlier run; exit 1 on a deviation."

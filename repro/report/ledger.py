@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from repro.errors import ReproError
-from repro.report.schema import from_json
+from repro.schema import from_json
 
 #: ``results/published`` of this checkout.
 DEFAULT_LEDGER_DIR = Path(__file__).resolve().parents[2] / "results" / "published"

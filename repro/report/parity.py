@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from repro.errors import ReproError
-from repro.report.records import RunRecord
+from repro.report.record import RunRecord
 
 DEFAULT_PARITY_TOLERANCE = 0.05
 DEFAULT_REFERENCE_ROUTER = "switch"

@@ -1,5 +1,5 @@
 """Plots of a comparison (matplotlib, PNG): loss curves, routing over training, DirMoE's sparsity knob,
-expert specialisation by domain. Every function takes plain data (log rows, analysis dicts) and a path.
+expert specialisation by domain. Every function takes plain data (training-log rows, analysis dicts) and a path.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ matplotlib.use("Agg")  # headless: no display on CI or GPU nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
 from repro.io_utils import atomic_path  # noqa: E402
+from repro.training.log import LogRow  # noqa: E402
 
 
 def _save(fig, path: str | os.PathLike) -> None:
@@ -34,7 +35,7 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_loss_curves(
-    logs: Mapping[str, Sequence[Mapping[str, Any]]],
+    logs: Mapping[str, Sequence[LogRow]],
     path: str | os.PathLike,
     unigram_loss: float | None = None,
     smooth: int = 10,
@@ -42,15 +43,15 @@ def plot_loss_curves(
     """LM loss against step for every run.
 
     Args:
-        logs: ``{run label: log.jsonl rows}`` (rows need ``step`` and ``lm_loss``).
+        logs: ``{run label: training-log rows}`` (:class:`repro.training.log.LogRow`).
         path: the PNG to write.
         unigram_loss: drawn as a reference line (the loss of predicting token frequencies).
         smooth: moving-average window in steps.
     """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, rows in logs.items():
-        steps = [r["step"] for r in rows]
-        ax.plot(steps, _smooth([r["lm_loss"] for r in rows], smooth), label=label, lw=1.4)
+        steps = [r.step for r in rows]
+        ax.plot(steps, _smooth([r.lm_loss for r in rows], smooth), label=label, lw=1.4)
     if unigram_loss is not None:
         ax.axhline(unigram_loss, color="grey", ls="--", lw=1, label=f"unigram ({unigram_loss:.2f})")
     ax.set_xlabel("step")
@@ -62,23 +63,23 @@ def plot_loss_curves(
 
 
 def plot_routing_over_training(
-    logs: Mapping[str, Sequence[Mapping[str, Any]]], path: str | os.PathLike, smooth: int = 10
+    logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike, smooth: int = 10
 ) -> None:
     """Active experts per token and Simpson index of the combine weights (mean over layers) against step.
 
     Args:
-        logs: ``{run label: log.jsonl rows}`` (rows need ``active_experts`` and ``simpson`` per layer).
+        logs: ``{run label: training-log rows}`` (rows with ``active_experts`` and ``simpson`` per layer).
         path: the PNG to write.
         smooth: moving-average window in steps.
     """
     fig, (ax_a, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, rows in logs.items():
-        rows = [r for r in rows if r.get("active_experts")]
+        rows = [r for r in rows if r.routing.get("active_experts")]
         if not rows:
             continue
-        steps = [r["step"] for r in rows]
-        active = [sum(r["active_experts"]) / len(r["active_experts"]) for r in rows]
-        simpson = [sum(r["simpson"]) / len(r["simpson"]) for r in rows]
+        steps = [r.step for r in rows]
+        active = [r.layer_mean("active_experts") for r in rows]
+        simpson = [r.layer_mean("simpson") for r in rows]
         ax_a.plot(steps, _smooth(active, smooth), label=label, lw=1.4)
         ax_s.plot(steps, _smooth(simpson, smooth), label=label, lw=1.4)
     ax_a.set_title("Active experts per token (mean over layers)")

@@ -28,7 +28,7 @@ from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
 from repro.io_utils import atomic_path
 from repro.report.ledger import PublishedEntry, select
 from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
-from repro.report.records import RunRecord, lm_eval_metrics
+from repro.report.record import RunRecord, lm_eval_metrics
 
 #: The papers' zero-shot tasks (lm-eval names) and their column labels, in the papers' order.
 PAPER_TASKS: dict[str, str] = {
@@ -40,8 +40,6 @@ PAPER_TASKS: dict[str, str] = {
     "piqa": "PIQA",
     "race": "RACE",
 }
-#: Row order: the papers' (baselines first, DirMoE last); other routers after, by name.
-ROUTER_ORDER = ("dense", "hash", "lory", "sparsemixer", "expert_choice", "switch", "remoe", "dirmoe")
 ZERO_SHOT_METRICS = ("auto", "acc", "acc_norm")
 FORMATS = ("md", "csv", "tex")
 MISSING = "--"
@@ -77,13 +75,9 @@ def _fmt_tflops(value: float | None) -> str:
 
 
 def _ordered(records: Sequence[RunRecord]) -> list[RunRecord]:
-    """Runs in :data:`ROUTER_ORDER`, then by run_id: tables do not depend on file names or argument order."""
-    def key(record: RunRecord) -> tuple[int, str, str]:
-        router = record.experiment.router
-        rank = ROUTER_ORDER.index(router) if router in ROUTER_ORDER else len(ROUTER_ORDER)
-        return rank, router, record.run_id
-
-    return sorted(records, key=key)
+    """The dense baseline first, then routers by name, then run_id: tables do not depend on file names or
+    argument order, and no router is placed by name."""
+    return sorted(records, key=lambda r: (r.experiment.router != "dense", r.experiment.router, r.run_id))
 
 
 def _labels(records: Sequence[RunRecord]) -> dict[str, str]:

@@ -1,28 +1,27 @@
-"""Training on megatron-core: named experiments, the loop, checkpoints, the ``train`` command.
+"""Training on megatron-core: the run config, named experiments, the trainer, checkpoints, ``train``.
 
 Public API::
 
-    from repro.training import get_experiment, apply_overrides, experiment_names, train
-    exp = apply_overrides(get_experiment("dirmoe-tiny"), ["steps=50"])
-    summary = train(exp, "runs/dirmoe-tiny")            # or resume=True to continue a run
+    from repro.training import apply_overrides, get_experiment, train
+    config = apply_overrides(get_experiment("dirmoe-tiny"), ["schedule.steps=50"])
+    summary = train(config, "runs/dirmoe-tiny")         # or resume=True to continue a run
 
-``train`` lives in :mod:`repro.training.loop` and imports megatron-core when first called.
+Modules: ``config`` (:class:`RunConfig`, dot-list overrides), ``experiments`` (``<router>-<scale>`` names
+derived from the router registry), ``trainer`` (:class:`~repro.training.trainer.Trainer` and ``train``;
+imports megatron-core), ``components`` (validation, step log, checkpoints), ``log`` (``log.jsonl`` rows),
+``run_dir`` (a run directory's files, lock and start rules), ``checkpoint``, ``data``, ``optim``,
+``lr_schedule``, ``distributed``, ``synthetic``, ``inference`` (checkpoints as scoring models), ``cli``.
 """
 
-from repro.training.experiments import (
-    EXPERIMENTS,
-    Experiment,
-    apply_overrides,
-    experiment_names,
-    get_experiment,
-)
+from repro.training.config import RunConfig, apply_overrides
+from repro.training.experiments import experiment_names, get_experiment
 
 
 def train(*args, **kwargs):
-    """Train an experiment: see :func:`repro.training.loop.train` (imported on first use)."""
-    from repro.training.loop import train as _train
+    """Train a run: see :func:`repro.training.trainer.train` (imports megatron-core on first use)."""
+    from repro.training.trainer import train as _train
 
     return _train(*args, **kwargs)
 
 
-__all__ = ["EXPERIMENTS", "Experiment", "apply_overrides", "experiment_names", "get_experiment", "train"]
+__all__ = ["RunConfig", "apply_overrides", "experiment_names", "get_experiment", "train"]

@@ -4,20 +4,22 @@ Examples::
 
     python -m repro train --list
     python -m repro train --experiment dirmoe-tiny --out runs/dirmoe-tiny
-    python -m repro train --experiment remoe-tiny --set steps=50 --set router_options.l1_coeff_multiplier=1.1 --out runs/r
+    python -m repro train --experiment remoe-tiny --set schedule.steps=50 --set router.options.l1_coeff_multiplier=1.1 --out runs/r
     python -m repro train --out runs/dirmoe-tiny --resume
-    torchrun --nproc_per_node=2 -m repro train --experiment switch-tiny --set ep=2 --out runs/switch-ep2
+    python -m repro train --out runs/dirmoe-tiny --resume --set optimizer.lr=5e-4    # e.g. after a NaN loss
+    torchrun --nproc_per_node=2 -m repro train --experiment switch-tiny --set parallel.ep=2 --out runs/switch-ep2
+
+A finished run gets its run record (``record.json``, read by ``tables`` and ``check``); ``eval`` adds the
+zero-shot results to it.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 from repro.errors import ReproError
-from repro.training.experiments import EXPERIMENTS, apply_overrides, describe, get_experiment
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
@@ -25,20 +27,21 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         prog=prog,
         description="Train one experiment on megatron-core (CPU/gloo or GPU; works under torchrun).",
     )
-    parser.add_argument("--experiment", "-e", help="a registered experiment name (see --list)")
+    parser.add_argument("--experiment", "-e", help="an experiment name (see --list)")
     parser.add_argument(
         "--set",
         dest="overrides",
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override an experiment field (e.g. steps=100, lr=1e-3, ep=2) or a router option "
-        "(router_options.NAME=VALUE); repeatable",
+        help="override a config field as a dotted path (schedule.steps=100, optimizer.lr=1e-3, parallel.ep=2, "
+        "router.options.NAME=VALUE); repeatable",
     )
-    parser.add_argument("--out", "-o", help="output directory (config.json, log.jsonl, checkpoints/, summary.json)")
-    parser.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in --out")
-    parser.add_argument("--list", action="store_true", help="list the registered experiments and exit")
-    parser.add_argument("--show", action="store_true", help="print the resolved experiment as JSON and exit")
+    parser.add_argument("--out", "-o", help="the run directory (new or empty; with --resume, the run's)")
+    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    parser.add_argument("--list", action="store_true", help="list the experiments and exit")
+    parser.add_argument("--list-routers", action="store_true", help="list the routers with experiments and exit")
+    parser.add_argument("--show", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument(
         "--stop-after", type=int, default=None, metavar="STEPS",
         help="stop after this many completed steps without a final checkpoint (resume later)",
@@ -59,40 +62,58 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
         The exit status (0 on success).
 
     Raises:
-        ReproError: unknown experiment or key, bad value, missing ``--out``, a missing or corrupt checkpoint
-            with ``--resume``.
+        ReproError: unknown experiment or key, bad value, missing ``--out``, a run directory that is not this
+            run's, a missing or corrupt checkpoint with ``--resume``.
     """
+    from pathlib import Path
+
+    from repro.training.config import apply_overrides
+    from repro.training.experiments import describe, experiment_names, experiment_routers, get_experiment
+
     args = _parser(prog).parse_args(argv)
     if args.list:
-        for name in sorted(EXPERIMENTS):
-            print(describe(EXPERIMENTS[name]))
+        for name in experiment_names():
+            print(describe(get_experiment(name)))
+        return 0
+    if args.list_routers:
+        print("\n".join(experiment_routers()))
         return 0
 
-    experiment = None
+    config = None
     if args.experiment:
-        experiment = apply_overrides(get_experiment(args.experiment), args.overrides)
+        config = apply_overrides(get_experiment(args.experiment), args.overrides)
+    elif args.overrides and args.resume and args.out:
+        from repro.training.run_dir import RunPaths, stored_config
+
+        config = apply_overrides(stored_config(RunPaths(Path(args.out))), args.overrides)
     elif args.overrides:
-        raise ReproError("--set needs --experiment (a resumed run keeps its checkpoint's config)")
+        raise ReproError("--set needs --experiment (or --resume --out RUN_DIR to change a run's settings)")
     elif not args.resume and not args.show:
-        raise ReproError(f"give --experiment NAME (one of: {', '.join(sorted(EXPERIMENTS))}) or --resume")
+        raise ReproError("give --experiment NAME (see --list) or --resume")
 
     if args.show:
-        if experiment is None:
+        if config is None:
             raise ReproError("--show needs --experiment")
-        print(json.dumps(experiment.to_dict(), indent=2))
+        from omegaconf import OmegaConf
+
+        print(OmegaConf.to_yaml(OmegaConf.structured(config)), end="")
         return 0
     if not args.out:
         raise ReproError("give --out DIR")
     if args.stop_after is not None and args.stop_after < 0:
         raise ReproError(f"--stop-after must be >= 0, got {args.stop_after}")
 
-    from repro.training.loop import train  # imports megatron-core: only when training
+    from repro.training.trainer import train  # imports megatron-core: only when training
 
-    summary = train(experiment, args.out, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
-    if summary.get("stopped_at") is None and int(os.environ.get("RANK", "0")) == 0:
-        print(
-            f"{summary['experiment']}: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-            f"{summary['tokens_per_s_mean'] or 0:.0f} tokens/s -> {args.out}",
-            file=sys.stderr,
-        )
+    summary = train(config, args.out, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
+    if summary.get("stopped_at") is not None or summary.get("finished_before") or int(os.environ.get("RANK", "0")):
+        return 0
+    from repro.report.store import write_run_record
+
+    write_run_record(args.out)
+    print(
+        f"{summary['experiment']}: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+        f"{summary['tokens_per_s_mean'] or 0:.0f} tokens/s -> {args.out}",
+        file=sys.stderr,
+    )
     return 0

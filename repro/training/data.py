@@ -16,8 +16,8 @@ from typing import Any
 import torch.distributed as dist
 
 from repro.errors import ReproError
+from repro.training.config import RunConfig
 from repro.training.distributed import barrier
-from repro.training.experiments import Experiment
 from repro.training.synthetic import SyntheticTokens
 
 DEFAULT_SYNTHETIC_VOCAB = 512
@@ -71,11 +71,11 @@ def _mini_pile(spec: str) -> tuple[list[str], str]:
     return [str(mini.train_prefix)], str(Path(mini.vocab_path).parent)
 
 
-def data_sources(experiment: Experiment) -> tuple[list[str], str]:
-    """The indexed-dataset prefixes and the tokenizer directory of a non-synthetic experiment.
+def data_sources(config: RunConfig) -> tuple[list[str], str]:
+    """The indexed-dataset prefixes and the tokenizer directory of a non-synthetic run.
 
     Args:
-        experiment: the run's config (``data`` is ``mini-pile[:dir]`` or ``indexed:prefix,...``).
+        config: the run's config (``data.source`` is ``mini-pile[:dir]`` or ``indexed:prefix,...``).
 
     Returns:
         ``(prefixes, tokenizer_dir)``; the mini-pile is built (or reused) on the way.
@@ -83,12 +83,13 @@ def data_sources(experiment: Experiment) -> tuple[list[str], str]:
     Raises:
         ReproError: synthetic data (it has no tokenizer) or no prefix given.
     """
-    if experiment.data == "synthetic":
-        raise ReproError(f"experiment '{experiment.name}' trains on synthetic tokens: it has no tokenizer")
-    if experiment.data.partition(":")[0] == "mini-pile":
-        return _mini_pile(experiment.data)
-    prefixes = _indexed_prefixes(experiment.data)
-    return prefixes, experiment.tokenizer or str(Path(prefixes[0]).parent)
+    data = config.data
+    if data.source == "synthetic":
+        raise ReproError(f"experiment '{config.name}' trains on synthetic tokens: it has no tokenizer")
+    if data.source.partition(":")[0] == "mini-pile":
+        return _mini_pile(data.source)
+    prefixes = _indexed_prefixes(data.source)
+    return prefixes, data.tokenizer or str(Path(prefixes[0]).parent)
 
 
 def load_run_tokenizer(tokenizer_dir: str | os.PathLike):
@@ -118,7 +119,7 @@ def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
 
 
 def build_run_data(
-    experiment: Experiment,
+    config: RunConfig,
     seq_length: int,
     dp_size: int,
     cache_dir: str | os.PathLike,
@@ -126,9 +127,9 @@ def build_run_data(
     """Build the experiment's datasets.
 
     Args:
-        experiment: the run's config (``data``, ``vocab_size``, ``seed``, batch sizes, ``steps``).
+        config: the run's config (``data``, ``seed``, ``schedule.steps``, ``validation``).
         seq_length: tokens per sample.
-        dp_size: data-parallel size (sizes the validation set: ``eval_iters`` micro-batches per rank).
+        dp_size: data-parallel size (sizes the validation set: ``validation.iters`` micro-batches per rank).
         cache_dir: where megatron caches its sample indices (indexed data only).
 
     Returns:
@@ -137,31 +138,32 @@ def build_run_data(
     Raises:
         ReproError: missing data or tokenizer files.
     """
-    valid_samples = max(1, experiment.eval_iters) * experiment.micro_batch_size * dp_size
-    if experiment.data == "synthetic":
-        vocab = experiment.vocab_size or DEFAULT_SYNTHETIC_VOCAB
-        train = SyntheticTokens(vocab, seq_length, seed=experiment.seed, split=0, num_samples=experiment.synthetic_samples)
-        valid = SyntheticTokens(vocab, seq_length, seed=experiment.seed, split=1, num_samples=valid_samples)
-        return RunData(train, valid if experiment.eval_interval else None, vocab, f"synthetic(vocab={vocab})")
+    data, validate = config.data, bool(config.validation.interval)
+    valid_samples = max(1, config.validation.iters) * data.micro_batch_size * dp_size
+    if data.source == "synthetic":
+        vocab = data.vocab_size or DEFAULT_SYNTHETIC_VOCAB
+        train = SyntheticTokens(vocab, seq_length, seed=config.seed, split=0, num_samples=data.synthetic_samples)
+        valid = SyntheticTokens(vocab, seq_length, seed=config.seed, split=1, num_samples=valid_samples)
+        return RunData(train, valid if validate else None, vocab, f"synthetic(vocab={vocab})")
 
-    prefixes, tokenizer_dir = data_sources(experiment)
+    prefixes, tokenizer_dir = data_sources(config)
     from repro.data.datasets import build_datasets
 
     tokenizer = load_run_tokenizer(tokenizer_dir)
-    train_samples = experiment.steps * experiment.global_batch_size
+    train_samples = config.schedule.steps * data.global_batch_size
     splits = build_datasets(
         prefixes,
         seq_length,
-        (train_samples, valid_samples if experiment.eval_interval else None, None),
-        experiment.seed,
+        (train_samples, valid_samples if validate else None, None),
+        config.seed,
         cache_dir,
         tokenizer,
     )
     if splits.train is None:
-        raise ReproError(f"data '{experiment.data}': no training split was built")
+        raise ReproError(f"data.source '{data.source}': no training split was built")
     return RunData(
         splits.train,
-        splits.valid if experiment.eval_interval else None,
+        splits.valid if validate else None,
         tokenizer.vocab_size,
         f"indexed({', '.join(prefixes)})",
         str(Path(tokenizer_dir).resolve()),

@@ -18,15 +18,15 @@ from torch import nn
 
 from repro.errors import ReproError
 from repro.training import checkpoint as ckpt
-from repro.training.experiments import Experiment
+from repro.training.config import RunConfig
 
 
-class CheckpointLM(nn.Module):
+class CheckpointScorer(nn.Module):
     """A megatron-core GPTModel behind the bridge's ``ScoringModel`` protocol.
 
     Args:
         model: the GPTModel (weights loaded).
-        experiment: the run's config.
+        config: the run's config.
         eod_id: the end-of-document token id.
         vocab_size: the tokenizer's vocabulary (the model's padded extra logits are cut off).
         max_length: the training sequence length.
@@ -36,7 +36,7 @@ class CheckpointLM(nn.Module):
     def __init__(
         self,
         model: nn.Module,
-        experiment: Experiment,
+        config: RunConfig,
         eod_id: int,
         vocab_size: int,
         max_length: int,
@@ -44,7 +44,7 @@ class CheckpointLM(nn.Module):
     ):
         super().__init__()
         self.model = model
-        self.experiment = experiment
+        self.config = config
         self.eod_id = int(eod_id)
         self.vocab_size = int(vocab_size)
         self.max_length = int(max_length)
@@ -65,21 +65,20 @@ class CheckpointLM(nn.Module):
 
         Args:
             tokens_BS: token ids.
-            prompt_lengths_B: context tokens of each row; a model with Lory layers then routes each row
-                once on its prompt (Lory's inference), so neither the scored tokens nor padding steer it.
+            prompt_lengths_B: context tokens of each row; layers with an inference rule of their own (Lory's)
+                then route each row once on its prompt, so neither the scored tokens nor padding steer them.
 
         Returns:
             Logits without the padded vocabulary's extra columns (V is the tokenizer's vocabulary size).
         """
         from repro.model.cpu_shims import causal_attention_mask
-        from repro.model.lory_layer import lory_prompt_routing
-        from routers.megatron_adapter import token_ids_context
+        from routers.megatron_adapter import prompt_routing, token_ids_context
 
         tokens_BS = tokens_BS.to(self.device)
         B, S = tokens_BS.shape
         mask = causal_attention_mask(S, self.device)
         position_ids_BS = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
-        prompt = lory_prompt_routing(self.model, prompt_lengths_B) if prompt_lengths_B is not None else contextlib.nullcontext()
+        prompt = prompt_routing(self.model, prompt_lengths_B) if prompt_lengths_B is not None else contextlib.nullcontext()
         with token_ids_context(self.model, tokens_BS), prompt:
             logits_BSV = self.model(tokens_BS, position_ids_BS, mask)
         return logits_BSV[..., : self.vocab_size].float()
@@ -109,7 +108,7 @@ def run_dir_of(checkpoint_dir: Path) -> Path:
     return checkpoint_dir.parent.parent
 
 
-def _run_tokenizer_dir(checkpoint_dir: Path, experiment: Experiment) -> str:
+def _run_tokenizer_dir(checkpoint_dir: Path, config: RunConfig) -> str:
     """The tokenizer the run trained with, as its ``config.json`` records it (checked by hash).
 
     Runs that recorded none (a bare checkpoint directory) fall back to the experiment's data sources.
@@ -127,7 +126,7 @@ def _run_tokenizer_dir(checkpoint_dir: Path, experiment: Experiment) -> str:
         except (ValueError, AttributeError):
             raise ReproError(f"{config_path}: not a run's config.json") from None
     if not recorded:
-        return data_sources(experiment)[1]
+        return data_sources(config)[1]
     tokenizer_dir = recorded["dir"]
     try:
         found = tokenizer_fingerprint(tokenizer_dir)
@@ -141,7 +140,7 @@ def _run_tokenizer_dir(checkpoint_dir: Path, experiment: Experiment) -> str:
     return tokenizer_dir
 
 
-def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> tuple[CheckpointLM, Any]:
+def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> tuple[CheckpointScorer, Any]:
     """Load a run's checkpoint for scoring.
 
     Args:
@@ -149,7 +148,7 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
         device: ``"cpu"``/``"cuda"``; default CUDA when available.
 
     Returns:
-        ``(CheckpointLM in eval mode, tokenizer)``.
+        ``(CheckpointScorer in eval mode, tokenizer)``.
 
     Raises:
         ReproError: no checkpoint, a synthetic-data run (no tokenizer), or weights that do not fit.
@@ -162,27 +161,26 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
 
     checkpoint_dir = resolve_checkpoint(path)
     info = ckpt.read_checkpoint_info(checkpoint_dir)
-    experiment = Experiment.from_dict(info.experiment)
-    tokenizer = load_run_tokenizer(_run_tokenizer_dir(checkpoint_dir, experiment))
+    config = RunConfig.from_dict(info.experiment, origin=str(checkpoint_dir / "meta.json"))
+    tokenizer = load_run_tokenizer(_run_tokenizer_dir(checkpoint_dir, config))
 
     apply_cpu_shims()
     if not model_parallel.is_initialized():
-        model_parallel.init_distributed(tp=1, ep=1, seed=experiment.seed)
-    flavour = experiment.model_flavour()
-    seq_length = experiment.seq_length or flavour.seq_length
+        model_parallel.init_distributed(tp=1, ep=1, seed=config.seed)
+    seq_length = config.seq_length
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         model = build_model(
-            flavour,
-            router_name=experiment.router,
-            router_options=experiment.build_router_options() if experiment.router else None,
+            config.model.flavour_config(),
+            router_name=config.router.name,
+            router_options=config.router_options() if config.router.name else None,
             vocab_size=tokenizer.vocab_size,
             seq_length=seq_length,
-            seed=experiment.seed,
+            seed=config.seed,
         )
     except (ValueError, TypeError) as exc:
         raise ReproError(f"{checkpoint_dir}: cannot rebuild the model: {exc}") from None
     ckpt.load_model_weights(checkpoint_dir, model, current_parallel())
     model.to(target).eval()
-    scorer = CheckpointLM(model, experiment, tokenizer.eod, tokenizer.vocab_size, seq_length, target)
+    scorer = CheckpointScorer(model, config, tokenizer.eod, tokenizer.vocab_size, seq_length, target)
     return scorer.eval(), tokenizer

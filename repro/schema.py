@@ -1,7 +1,8 @@
 """Typed loading of JSON into frozen dataclasses, with one-line errors that name the file and the field.
 
-The run records (:mod:`repro.report.records`) and the published ledger (:mod:`repro.report.ledger`) are
-both plain JSON written and read by people and by other programs. Both are described by frozen dataclasses;
+The run records (:mod:`repro.report.record`), the training log (:mod:`repro.training.log`) and the published
+ledger (:mod:`repro.report.ledger`) are plain JSON written and read by people and by other programs, each
+described by frozen dataclasses;
 :func:`from_json` walks a dataclass's type hints and refuses a missing field, an unknown field or a value of
 the wrong type with a :class:`~repro.errors.ReproError` such as::
 

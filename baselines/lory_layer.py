@@ -20,7 +20,8 @@ merged FFN is the FFN whose parameters are the weighted sums (the first projecti
 the weighted sums of the experts' pre-activations), and with a one-hot weight it is that expert.
 ``tests/test_model.py`` checks those identities.
 
-Inference routes once on the prompt (the Lory paper): inside :func:`lory_prompt_routing` every Lory layer
+Inference routes once on the prompt (the Lory paper): inside
+``routers.megatron_adapter.prompt_routing`` (which calls :meth:`LoryMoELayer.set_prompt_lengths`) every Lory layer
 of the model routes each sequence once, on the mean hidden state of its first ``prompt_length`` tokens
 (the router called on that mean as a one-token segment 0), and uses those weights for every token of the
 sequence, prompt and continuation alike. The lm-eval bridge scores ``context + continuation`` in one
@@ -37,14 +38,10 @@ values per layer), Lory's inherent cost.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from torch import nn
 
 DEFAULT_SEGMENT_LENGTH = 256
 # Names under which a router config may carry its segment length (baselines/lory.py defines the field).
@@ -91,7 +88,7 @@ class LoryMoELayer(MoELayer):
             raise ValueError("Lory needs expert tensor parallel size 1")
         if not config.gated_linear_unit or config.activation_func is not F.silu or config.add_bias_linear:
             raise ValueError("Lory's merge is implemented for bias-free SwiGLU experts")
-        # Per-sequence prompt lengths, set only inside lory_prompt_routing (never outlives that block).
+        # Per-sequence prompt lengths, set only inside routers.megatron_adapter.prompt_routing (never outlives that block).
         self._prompt_lengths_B: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- helpers
@@ -109,7 +106,7 @@ class LoryMoELayer(MoELayer):
         return fc1_EGH, fc2_EHF
 
     def set_prompt_lengths(self, prompt_lengths_B: torch.Tensor | None) -> None:
-        """Set (or clear) per-sequence prompt lengths; use :func:`lory_prompt_routing` instead."""
+        """Set (or clear) per-sequence prompt lengths; use :func:`routers.megatron_adapter.prompt_routing` instead."""
         self._prompt_lengths_B = prompt_lengths_B
 
     def _segment_weights(self, probs_TE: torch.Tensor, S: int, B: int) -> torch.Tensor:
@@ -172,32 +169,3 @@ class LoryMoELayer(MoELayer):
             outputs.append(y_BlH)
         output_SBH = torch.cat(outputs, dim=1).transpose(0, 1).contiguous().to(hidden_states.dtype)
         return output_SBH, None
-
-
-def lory_layers(model: nn.Module) -> list[LoryMoELayer]:
-    """The Lory layers inside ``model``, in module order."""
-    return [m for m in model.modules() if isinstance(m, LoryMoELayer)]
-
-
-@contextlib.contextmanager
-def lory_prompt_routing(model: nn.Module, prompt_lengths_B: torch.Tensor | list[int]) -> Iterator[None]:
-    """Route every sequence once on its prompt (Lory's inference), for the duration of the block.
-
-    Args:
-        model: the model whose Lory layers to switch (other models are not touched; no-op without any).
-        prompt_lengths_B: ``[B]`` number of prompt tokens of each sequence of the batch (>= 1).
-
-    Yields:
-        Nothing; the setting is cleared on exit, even on error.
-    """
-    lengths_B = torch.as_tensor(prompt_lengths_B, dtype=torch.long)
-    if lengths_B.dim() != 1 or bool((lengths_B < 1).any()):
-        raise ValueError(f"prompt_lengths must be a [B] vector of positive lengths, got {prompt_lengths_B}")
-    layers = lory_layers(model)
-    for layer in layers:
-        layer.set_prompt_lengths(lengths_B)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.set_prompt_lengths(None)

@@ -1,0 +1,367 @@
+"""Building, writing, finding and loading run records (:class:`repro.report.record.RunRecord`).
+
+The pipeline builds a record from a finished run's directory (``config.json`` and ``log.jsonl``)::
+
+    write_run_record(run_dir)                                   # record.json beside the run
+    write_run_record(run_dir, lm_eval_results=results)          # with zero-shot results
+
+or piece by piece with :func:`make_record` and the functions of :mod:`repro.report.efficiency`. A run's
+record is ``record.json`` in its directory or ``<name>.record.json``; :func:`find_records` looks for those
+names under a directory. :func:`load_record` refuses a file with a missing, unknown, mistyped or
+out-of-range field with one line naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import socket
+import subprocess
+from collections.abc import Iterable, Mapping, Sequence
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from repro.errors import ReproError
+from repro.io_utils import write_json_atomic
+from repro.report import efficiency as eff
+from repro.report.record import Efficiency, Environment, LayerRouting, RunRecord
+from repro.schema import from_json, to_json
+from repro.training.log import LogRow, read_rows
+
+_REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip()
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def environment_info(num_processes: int | None = None, device: str | None = None) -> Environment:
+    """Describe this process's environment for a run record.
+
+    Args:
+        num_processes: world size; default: torch.distributed's if initialised, else ``$WORLD_SIZE`` or 1.
+        device: accelerator name; default: CUDA device 0's name, else ``cpu (<processor>)``.
+
+    Returns:
+        An :class:`Environment`.
+    """
+    import torch
+
+    if num_processes is None:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            num_processes = torch.distributed.get_world_size()
+        else:
+            num_processes = int(os.environ.get("WORLD_SIZE", "1"))
+    if device is None:
+        if torch.cuda.is_available():
+            device = torch.cuda.get_device_name(0)
+        else:
+            device = f"cpu ({platform.processor() or platform.machine()})"
+    commit = _git("rev-parse", "HEAD")
+    # --no-optional-locks: read-only, never refreshes the index of the checkout being measured
+    status = _git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no") if commit else None
+    return Environment(
+        git_commit=commit,
+        git_dirty=None if status is None else bool(status),
+        python=platform.python_version(),
+        torch=torch.__version__,
+        megatron_core=_version("megatron-core"),
+        lm_eval=_version("lm_eval"),
+        device=device,
+        hostname=socket.gethostname(),
+        num_processes=num_processes,
+        platform=f"{platform.system()} {platform.release()} {platform.machine()}",
+    )
+
+
+
+
+def make_record(
+    *,
+    run_id: str,
+    router: str,
+    model: str,
+    config: Mapping[str, Any],
+    log_rows: Sequence[LogRow] = (),
+    efficiency: Efficiency | None = None,
+    routing: Sequence[LayerRouting] | None = None,
+    lm_eval_results: Mapping[str, Any] | None = None,
+    validation_loss: float | None = None,
+    environment: Environment | None = None,
+    experiment_name: str | None = None,
+) -> RunRecord:
+    """Assemble a run record (validated exactly as :func:`load_record` would validate its file).
+
+    Args:
+        run_id: unique name of the run.
+        router: router name, or ``"dense"``.
+        model: model config name (``"llama-185m"``, ``"tiny"``).
+        config: the experiment config (JSON-able).
+        log_rows: training-log rows: the loss curve, and the routing metrics when ``routing`` is None.
+        efficiency: from :func:`repro.report.efficiency.efficiency`.
+        routing: per-layer routing metrics; default: :func:`repro.report.efficiency.routing` over the same window as
+            ``efficiency`` (all rows if there is none).
+        lm_eval_results: lm-eval's results dict (``simple_evaluate``'s return value or its JSON file);
+            per-sample logs (``samples``) are left out.
+        validation_loss: held-out LM loss.
+        environment: default :func:`environment_info`.
+        experiment_name: default ``run_id``.
+
+    Returns:
+        The :class:`RunRecord`.
+
+    Raises:
+        ReproError: a value of the wrong type (e.g. a config that is not a JSON object).
+    """
+    if routing is None:
+        routing = ()
+        if any(r.routing for r in log_rows):
+            warmup = efficiency.warmup_steps if efficiency else 0
+            length = efficiency.window_steps if efficiency else None
+            routing = eff.routing(log_rows, warmup=warmup, length=length)
+    lm_eval = None
+    if lm_eval_results is not None:
+        # lm-eval's dict holds numpy scalars; the record stores what lm-eval writes to its JSON file.
+        lm_eval = _plain({k: v for k, v in lm_eval_results.items() if k != "samples"})
+    data = {
+        "run_id": run_id,
+        "experiment": {"name": experiment_name or run_id, "router": router, "model": model, "config": _plain(config)},
+        "environment": to_json(environment or environment_info()),
+        "loss_curve": to_json(eff.loss_curve(log_rows)),
+        "routing": to_json(tuple(routing)),
+        "efficiency": to_json(efficiency),
+        "validation_loss": validation_loss,
+        "lm_eval": lm_eval,
+    }
+    # Built through the same path a reader takes, so a record that is made is a record that loads.
+    return from_json(RunRecord, data, f"record '{run_id}'")
+
+
+def record_from_run_dir(
+    run_dir: str | Path,
+    *,
+    warmup: int,
+    window: int | None = None,
+    lm_eval_results: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
+    environment: Environment | None = None,
+) -> RunRecord:
+    """Build the record of a finished training run from its output directory.
+
+    Reads ``config.json`` (the run's :class:`repro.training.config.RunConfig`, ``seq_length``, ``vocab_size``,
+    ``layout.{world_size, tp}``) and ``log.jsonl`` as the trainer writes them; the model dimensions for the
+    FLOPs count come from the config's flavour. The validation loss is the last ``val_loss`` in the log.
+
+    Args:
+        run_dir: the run's output directory.
+        warmup: log rows skipped before the efficiency window.
+        window: log rows in the window (None: all after warm-up).
+        lm_eval_results: lm-eval's results dict for the run's checkpoint, if evaluated.
+        run_id: default: the experiment's name.
+        environment: default :func:`environment_info` with the run's world size.
+
+    Returns:
+        The :class:`RunRecord` (write it with :func:`write_record`).
+
+    Raises:
+        ReproError: missing files or config fields.
+    """
+    from repro.report.flops import flops_config_from_flavour
+    from repro.training.config import RunConfig
+
+    run_dir = Path(run_dir)
+    origin = run_dir / "config.json"
+    try:
+        config = json.loads(origin.read_text())
+        run = RunConfig.from_dict(config["experiment"], origin=str(origin))
+        router = run.router.name or "dense"
+        flavour = run.model.flavour_config()
+        world_size = int(config["layout"]["world_size"])
+        flops = flops_config_from_flavour(flavour, vocab_size=config["vocab_size"], tp=int(config["layout"]["tp"]))
+        batch, seq_length = run.data.global_batch_size, int(config["seq_length"])
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        raise ReproError(f"{origin}: not a training run's config ({type(exc).__name__}: {exc})") from None
+    rows = read_rows(run_dir)
+    efficiency = eff.efficiency(
+        rows,
+        warmup=warmup,
+        length=window,
+        flops=flops,
+        global_batch_size=batch,
+        seq_length=seq_length,
+        num_devices=world_size,
+        mean_active_experts=1.0 if router == "dense" or _merges_experts(router) else None,
+    )
+    val_losses = [r.val_loss for r in rows if r.val_loss is not None]
+    return make_record(
+        run_id=run_id or run.name,
+        router=router,
+        model=flavour.name,
+        config=config,
+        log_rows=rows,
+        efficiency=efficiency,
+        lm_eval_results=lm_eval_results,
+        validation_loss=float(val_losses[-1]) if val_losses else None,
+        environment=environment or environment_info(num_processes=world_size),
+        experiment_name=run.name,
+    )
+
+
+def write_run_record(
+    run_dir: str | Path,
+    *,
+    warmup: int | None = None,
+    lm_eval_results: Mapping[str, Any] | None = None,
+    run_id: str | None = None,
+) -> Path:
+    """Write ``record.json`` of a finished run (:func:`record_from_run_dir`).
+
+    Args:
+        run_dir: the run directory.
+        warmup: log rows skipped before the efficiency window; default a tenth of the steps (at least one).
+        lm_eval_results: zero-shot results to include.
+        run_id: default: the experiment's name.
+
+    Returns:
+        The record's path.
+    """
+    run_dir = Path(run_dir)
+    if warmup is None:
+        steps = len(read_rows(run_dir))
+        warmup = max(1, steps // 10) if steps > 1 else 0
+    record = record_from_run_dir(run_dir, warmup=warmup, lm_eval_results=lm_eval_results, run_id=run_id)
+    return write_record(record, run_dir / "record.json")
+
+
+def _merges_experts(router: str) -> bool:
+    """Whether the router merges expert parameters (Lory: one merged FFN per token, whatever its map says);
+    False for names not registered here (a record read on another machine)."""
+    import routers
+
+    try:
+        return routers.router_class(router).merges_experts
+    except ValueError:
+        return False
+
+
+def _plain(obj: Any) -> Any:
+    """``obj`` as plain JSON values (numpy/torch scalars to numbers, paths and other objects to strings)."""
+    if not isinstance(obj, Mapping):
+        return obj  # left for the schema check to refuse
+    return json.loads(json.dumps(obj, default=_json_default))
+
+
+def _json_default(obj: Any) -> Any:
+    if hasattr(obj, "item"):  # numpy / torch scalars
+        return obj.item()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    return str(obj)
+
+
+def write_record(record: RunRecord, path: str | Path) -> Path:
+    """Write a record atomically.
+
+    Args:
+        record: the record.
+        path: destination, conventionally ``<run dir>/record.json``.
+
+    Returns:
+        The path written.
+    """
+    write_json_atomic(path, to_json(record))
+    return Path(path)
+
+
+def load_record(path: str | Path) -> RunRecord:
+    """Load and validate one record file.
+
+    Args:
+        path: a record JSON file.
+
+    Returns:
+        The :class:`RunRecord`.
+
+    Raises:
+        ReproError: unreadable JSON, missing or unknown field, wrong type (one line naming file and field).
+    """
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as exc:
+        raise ReproError(f"{path}: cannot read record: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ReproError(f"{path}: not a JSON file: {exc.msg} (line {exc.lineno})") from None
+    return from_json(RunRecord, data, str(path))
+
+
+def is_record_file(path: Path) -> bool:
+    """Whether ``path`` is named like a run record (``record.json`` or ``*.record.json``)."""
+    return path.name == "record.json" or path.name.endswith(".record.json")
+
+
+def find_records(paths: Iterable[str | Path]) -> list[Path]:
+    """Record files named by ``paths``: files as given, directories searched recursively.
+
+    Args:
+        paths: record files and/or directories.
+
+    Returns:
+        Record paths, in argument order, each directory's sorted.
+
+    Raises:
+        ReproError: a path that does not exist, or a directory without records.
+    """
+    found: list[Path] = []
+    for raw in paths:
+        path = Path(raw)
+        if path.is_file():
+            found.append(path)
+        elif path.is_dir():
+            inside = sorted(p for p in path.rglob("*.json") if is_record_file(p))
+            if not inside:
+                raise ReproError(f"{path}: no run records (record.json or *.record.json) in this directory")
+            found.extend(inside)
+        else:
+            raise ReproError(f"{path}: no such file or directory")
+    return found
+
+
+def load_records(paths: Iterable[str | Path]) -> list[RunRecord]:
+    """Load every record named by ``paths`` (see :func:`find_records`).
+
+    Args:
+        paths: record files and/or directories.
+
+    Returns:
+        The records.
+
+    Raises:
+        ReproError: as :func:`find_records` and :func:`load_record`, or two records with the same run_id.
+    """
+    records: list[RunRecord] = []
+    origin: dict[str, Path] = {}
+    for path in find_records(paths):
+        record = load_record(path)
+        if record.run_id in origin:
+            raise ReproError(f"{path}: run_id '{record.run_id}' is already used by {origin[record.run_id]}")
+        origin[record.run_id] = path
+        records.append(record)
+    return records
+
+

@@ -1,0 +1,184 @@
+"""The trainer's components: each runs after every step and decides its own cadence.
+
+* :class:`Validator` adds the validation loss to the step's row every ``validation.interval`` steps and at
+  the last step;
+* :class:`StepLog` appends the row to ``log.jsonl`` (rank 0) and updates the progress bar every
+  ``logging.interval`` steps;
+* :class:`Checkpointer` saves a checkpoint every ``checkpoint.interval`` steps and at the last step.
+
+A component is any object with ``after_step(trainer, row) -> row`` and ``close()``; they run in the order
+the trainer holds them (validation first, so the logged row carries the validation loss).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from repro.training import checkpoint as ckpt
+from repro.training.distributed import all_reduce_mean
+from repro.training.log import LogRow, write_row
+from repro.training.synthetic import MicroBatchSampler, collate
+
+if TYPE_CHECKING:
+    from repro.training.trainer import Trainer
+
+
+class Validator:
+    """Mean validation LM loss over ``validation.iters`` micro-batches per rank (the same samples every time).
+
+    Args:
+        dataset: indexable validation samples (None: no validation).
+        interval: steps between evaluations (0: none).
+        iters: micro-batches per evaluation and rank.
+        last_step: the run's last step (always evaluated when validation is on).
+    """
+
+    def __init__(self, dataset, interval: int, iters: int, last_step: int) -> None:
+        self.dataset = dataset
+        self.interval = interval
+        self.iters = iters
+        self.last_step = last_step
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is evaluated."""
+        if self.dataset is None or not self.interval:
+            return False
+        return step % self.interval == 0 or step == self.last_step
+
+    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+        if not self.due(row.step):
+            return row
+        return dataclasses.replace(row, val_loss=self.evaluate(trainer))
+
+    @torch.no_grad()
+    def evaluate(self, trainer: Trainer) -> float:
+        """The validation loss, in eval mode (routers deterministic), leaving the training RNG streams as they
+        were and clearing the routers' statistics and megatron's aux-loss tracker afterwards, so evaluation
+        forwards never mix into the next training step's row."""
+        from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+        from routers.megatron_adapter import reset_routing_stats
+
+        parallel, device = trainer.parallel, trainer.device
+        sampler = MicroBatchSampler(trainer.config.data.micro_batch_size, parallel.dp_rank, parallel.dp_size, self.iters)
+        devices = [device.index or 0] if device.type == "cuda" else []
+        model = trainer.model
+        model.eval()
+        total = torch.zeros((), dtype=torch.float64)
+        try:
+            with torch.random.fork_rng(devices=devices):
+                for j in range(self.iters):
+                    batch = trainer.to_device(collate(self.dataset, sampler.indices(0, j)))
+                    total += trainer.lm_loss(batch).double().cpu()
+        finally:
+            model.train()
+            reset_routing_stats(model)
+            clear_aux_losses_tracker()
+        mean = total / max(1, self.iters)
+        return float(all_reduce_mean(mean.reshape(1), parallel.dp_group, parallel.dp_size)[0])
+
+    def close(self) -> None:
+        pass
+
+
+class StepLog:
+    """``log.jsonl`` (rank 0 writes, one row per step) and the progress bar.
+
+    Args:
+        path: the log file (opened for append: a resumed run continues it after truncation).
+        interval: steps between progress-bar postfix updates.
+        total_steps: the run's steps (the bar's length).
+        initial_step: the step the run starts from.
+        is_main: whether this process writes (global rank 0).
+        show: whether to show the bar.
+        desc: the bar's label.
+    """
+
+    def __init__(
+        self, path: Path, interval: int, total_steps: int, initial_step: int, is_main: bool, show: bool, desc: str
+    ) -> None:
+        from tqdm import tqdm
+
+        self.interval = interval
+        self.total_steps = total_steps
+        self.file = open(path, "a") if is_main else None  # noqa: SIM115 - closed in close()
+        self.bar = tqdm(total=total_steps, initial=initial_step, disable=not show, desc=desc, dynamic_ncols=True)
+
+    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+        if self.file is not None:
+            write_row(self.file, row)
+        self.bar.update(1)
+        if row.step % self.interval == 0 or row.step == self.total_steps:
+            self.bar.set_postfix(loss=f"{row.loss:.4f}", lr=f"{row.lr:.2e}", tok_s=f"{row.tokens_per_s:.0f}")
+        return row
+
+    def sync(self) -> None:
+        """Make the rows written so far durable (before a checkpoint refers to them)."""
+        if self.file is not None:
+            self.file.flush()
+            os.fsync(self.file.fileno())
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+
+
+class Checkpointer:
+    """Saves everything a bit-identical resume needs, every ``interval`` steps and at the last step.
+
+    Args:
+        root: the run's ``checkpoints`` directory.
+        interval: steps between checkpoints (0: only the final one).
+        last_step: the run's last step.
+        log: the step log, synced before each checkpoint so the checkpoint never refers to unwritten rows.
+    """
+
+    def __init__(self, root: Path, interval: int, last_step: int, log: StepLog | None = None) -> None:
+        self.root = root
+        self.interval = interval
+        self.last_step = last_step
+        self.log = log
+
+    def due(self, step: int) -> bool:
+        """Whether a checkpoint is written after ``step``."""
+        return step == self.last_step or bool(self.interval and step % self.interval == 0)
+
+    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+        if self.due(row.step):
+            if self.log is not None:
+                self.log.sync()
+            self.save(trainer)
+        return row
+
+    def save(self, trainer: Trainer) -> Path:
+        """Write one checkpoint of the trainer's state (collective: every rank calls it)."""
+        return ckpt.save_checkpoint(
+            self.root,
+            step=trainer.step,
+            consumed_samples=trainer.consumed,
+            parallel=trainer.parallel,
+            experiment=trainer.config.to_dict(),
+            model=trainer.model,
+            optimizer_state=trainer.optimization.state_dict(),
+            scheduler_state=trainer.scheduler.state_dict(),
+        )
+
+    @staticmethod
+    def restore(trainer: Trainer, payload: dict[str, Any]) -> None:
+        """Restore optimizer, LR schedule, data position and RNG from a rank payload (model weights are
+        loaded before the optimizer is built). The RNG comes last: it must be exactly the state after the
+        checkpointed step."""
+        trainer.optimization.load_state_dict(payload["optimizer"])
+        trainer.scheduler.load_state_dict(payload["scheduler"])
+        trainer.step, trainer.consumed = int(payload["step"]), int(payload["consumed_samples"])
+        ckpt.restore_rng_state(payload["rng"])
+
+    def close(self) -> None:
+        pass

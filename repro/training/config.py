@@ -1,0 +1,562 @@
+"""The run configuration: small frozen dataclasses composed into one :class:`RunConfig`.
+
+A run is described by sections, each a frozen dataclass validated in ``__post_init__``::
+
+    RunConfig(name, seed,
+              model=ModelConfig(flavour, num_experts, top_k, seq_length, precision),
+              router=RouterSpec(name, options),
+              optimizer=OptimizerConfig(lr, weight_decay, beta1, beta2, eps, clip_grad, distributed),
+              schedule=ScheduleConfig(steps, warmup_fraction, warmup_steps, min_lr),
+              data=DataConfig(source, tokenizer, vocab_size, synthetic_samples, micro_batch_size, global_batch_size),
+              parallel=ParallelConfig(tp, ep),
+              checkpoint=CheckpointConfig(interval, init_from, layout_independent_init),
+              logging=LoggingConfig(interval),
+              validation=ValidationConfig(interval, iters))
+
+Overrides are dot-lists (``optimizer.lr=3e-4``, ``router.options.sparsity_weight=0.1``) merged by OmegaConf's
+structured configs (:func:`apply_overrides`): OmegaConf checks every key against the dataclasses (with a
+"did you mean" on a typo), converts values to the field's type and enforces ``Literal`` choices; the
+dataclasses' own ``__post_init__`` then checks ranges. Router options are typed by the router's own config
+dataclass (``routers.router_class(name).Config``) and validated by building it with the model's real sizes.
+OmegaConf rather than tyro: the suite needs merges of data (a named experiment, a router's declared recipe
+overrides, the user's ``--set``) and a round trip through ``config.json`` for resume and evaluation, which
+are OmegaConf's core operations; tyro builds an argparse CLI from the types, which the suite does not want.
+
+Non-finite floats (NaN, inf) are refused wherever a value must be finite.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from repro.errors import ReproError
+
+#: megatron-core's own TopKRouter, offered by the model builder under this name (a reference for Switch).
+MEGATRON_ROUTER = "megatron"
+#: Options of the ``megatron`` router -> the megatron-core TransformerConfig field each sets.
+MEGATRON_ROUTER_OPTIONS: dict[str, str] = {
+    "aux_loss_coeff": "moe_aux_loss_coeff",
+    "z_loss_coeff": "moe_z_loss_coeff",
+    "capacity_factor": "moe_expert_capacity_factor",
+}
+#: Data sources besides ``pile:<prefix>`` / ``indexed:<prefix>`` / ``mini-pile:<dir>``.
+DATA_CHOICES: tuple[str, ...] = ("synthetic", "mini-pile")
+
+Precision = Literal["auto", "fp32", "bf16"]
+
+
+def _finite(section: str, name: str, value: float) -> None:
+    if not math.isfinite(value):
+        raise ValueError(f"{section}.{name} must be a finite number, got {value}")
+
+
+def _at_least(section: str, obj: Any, names: Iterable[str], low: float) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if isinstance(value, float):
+            _finite(section, name, value)
+        if value < low:
+            raise ValueError(f"{section}.{name} must be >= {low:g}, got {value}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The model.
+
+    Args:
+        flavour: a model flavour (``repro.model.flavours.available_flavours()``).
+        num_experts: E, overriding the flavour's (MoE flavours only).
+        top_k: k, the nominal experts per token, overriding the flavour's (MoE flavours only).
+        seq_length: tokens per sequence, overriding the flavour's.
+        precision: ``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (GPU only).
+    """
+
+    flavour: str = "tiny"
+    num_experts: int | None = None
+    top_k: int | None = None
+    seq_length: int | None = None
+    precision: Precision = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("num_experts", "top_k"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"model.{name} must be >= 1, got {value}")
+        if self.seq_length is not None and self.seq_length < 2:
+            raise ValueError(f"model.seq_length must be >= 2, got {self.seq_length}")
+
+    def flavour_config(self):
+        """The :class:`repro.model.flavours.ModelFlavour` with this section's overrides applied.
+
+        Raises:
+            ValueError: an unknown flavour, or an override the flavour cannot take.
+        """
+        from repro.model.flavours import get_flavour
+
+        overrides = {k: getattr(self, k) for k in ("num_experts", "top_k") if getattr(self, k) is not None}
+        if overrides and get_flavour(self.flavour).num_experts is None:
+            raise ValueError(f"model.{next(iter(overrides))} needs an MoE flavour, '{self.flavour}' is dense")
+        return get_flavour(self.flavour, **overrides)
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """The router in every MoE layer.
+
+    Args:
+        name: a registered router (``routers.available_routers()``), ``"megatron"`` (megatron-core's own
+            TopKRouter) or None for a dense model.
+        options: fields of the router's config dataclass. Options the run provides are filled in when the
+            model is built: ``schedule_steps`` (the run's steps) and ``vocab_size`` (the model's padded
+            vocabulary), unless set here.
+    """
+
+    name: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """AdamW (torch's on CPU, megatron's on GPU) and gradient clipping.
+
+    Args:
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay (not on biases and 1-D parameters, as megatron).
+        beta1: Adam beta1.
+        beta2: Adam beta2.
+        eps: Adam epsilon.
+        clip_grad: global gradient-norm clip (0 disables).
+        distributed: GPU only: megatron's distributed optimizer (state sharded over data-parallel ranks).
+    """
+
+    lr: float = 1e-3
+    weight_decay: float = 0.01
+    beta1: float = 0.9
+    beta2: float = 0.999
+    eps: float = 1e-8
+    clip_grad: float = 1.0
+    distributed: bool = False
+
+    def __post_init__(self) -> None:
+        _at_least("optimizer", self, ("weight_decay", "eps", "clip_grad"), 0.0)
+        _finite("optimizer", "lr", self.lr)
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:  # also refuses NaN
+                raise ValueError(f"optimizer.{name} must be in [0, 1), got {value}")
+
+
+@dataclass(frozen=True)
+class ScheduleConfig:
+    """The run's length and its learning-rate schedule (linear warmup, cosine decay to a floor).
+
+    Args:
+        steps: optimizer steps of the whole run.
+        warmup_fraction: warmup length as a fraction of ``steps`` (used when ``warmup_steps`` is None).
+        warmup_steps: explicit warmup length.
+        min_lr: the floor the cosine decays to (at most ``optimizer.lr``).
+    """
+
+    steps: int = 100
+    warmup_fraction: float = 0.01
+    warmup_steps: int | None = None
+    min_lr: float = 1e-4
+
+    def __post_init__(self) -> None:
+        _at_least("schedule", self, ("steps",), 1)
+        _at_least("schedule", self, ("min_lr",), 0.0)
+        if not 0.0 <= self.warmup_fraction <= 1.0:
+            raise ValueError(f"schedule.warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
+        if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
+            raise ValueError(f"schedule.warmup_steps must be in [0, steps={self.steps}], got {self.warmup_steps}")
+
+    @property
+    def num_warmup_steps(self) -> int:
+        """Warmup length in steps (``warmup_steps`` or ``round(warmup_fraction * steps)``)."""
+        if self.warmup_steps is not None:
+            return self.warmup_steps
+        return int(round(self.warmup_fraction * self.steps))
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Where the tokens come from and how many a step takes.
+
+    Args:
+        source: ``synthetic`` (seeded token source, no files), ``mini-pile`` / ``mini-pile:<dir>`` (the embedded
+            corpus, built on first use, default dir ``data/mini-pile``), or ``pile:<prefix>`` / ``indexed:<prefix>``
+            (megatron indexed-dataset path prefixes, comma-separated for several).
+        tokenizer: directory with the GPT-2 BPE ``vocab.json`` and ``merges.txt`` of indexed data (default: the
+            first prefix's directory).
+        vocab_size: vocabulary of the synthetic source (None: 512); real data takes the tokenizer's.
+        synthetic_samples: distinct synthetic sequences before they repeat (0: never repeat).
+        micro_batch_size: sequences per forward pass on one data-parallel rank.
+        global_batch_size: sequences per optimizer step over all ranks (a multiple of
+            ``micro_batch_size x`` data-parallel size; the quotient is the gradient-accumulation count).
+    """
+
+    source: str = "synthetic"
+    tokenizer: str = ""
+    vocab_size: int | None = None
+    synthetic_samples: int = 0
+    micro_batch_size: int = 4
+    global_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        kind = self.source.partition(":")[0]
+        if not (self.source in DATA_CHOICES or kind in ("pile", "indexed", "mini-pile")):
+            raise ValueError(
+                f"data.source must be one of {', '.join(DATA_CHOICES)}, 'mini-pile:<dir>', 'pile:<prefix>' or "
+                f"'indexed:<prefix>', got '{self.source}'"
+            )
+        if self.vocab_size is not None and self.vocab_size < 2:
+            raise ValueError(f"data.vocab_size must be >= 2, got {self.vocab_size}")
+        _at_least("data", self, ("synthetic_samples",), 0)
+        _at_least("data", self, ("micro_batch_size", "global_batch_size"), 1)
+        if self.global_batch_size % self.micro_batch_size:
+            raise ValueError(
+                f"data.global_batch_size {self.global_batch_size} is not a multiple of "
+                f"data.micro_batch_size {self.micro_batch_size}"
+            )
+
+    def num_microbatches(self, dp_size: int) -> int:
+        """Gradient-accumulation count for ``dp_size`` data-parallel ranks.
+
+        Raises:
+            ReproError: the global batch does not divide evenly.
+        """
+        per_step = self.micro_batch_size * dp_size
+        if self.global_batch_size % per_step:
+            raise ReproError(
+                f"data.global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size x "
+                f"data-parallel size = {self.micro_batch_size} x {dp_size}"
+            )
+        return self.global_batch_size // per_step
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Model parallelism (data parallelism is what ``torchrun`` adds on top).
+
+    Args:
+        tp: tensor-parallel size.
+        ep: expert-parallel size (experts sharded over ``ep`` ranks, alltoall dispatcher).
+    """
+
+    tp: int = 1
+    ep: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least("parallel", self, ("tp", "ep"), 1)
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Checkpoints and initialisation.
+
+    Args:
+        interval: steps between checkpoints (0: only the final one).
+        init_from: a checkpoint directory whose model weights initialise the run (any DP/EP layout); the
+            optimizer, data position and step start fresh.
+        layout_independent_init: with ``parallel.ep > 1``, build the full model once under EP=1 and keep this
+            rank's experts from it, so the initial weights equal a one-process run's.
+    """
+
+    interval: int = 0
+    init_from: str = ""
+    layout_independent_init: bool = True
+
+    def __post_init__(self) -> None:
+        _at_least("checkpoint", self, ("interval",), 0)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Progress reporting (``log.jsonl`` has every step whatever this says).
+
+    Args:
+        interval: steps between progress-bar updates of the loss and throughput.
+    """
+
+    interval: int = 1
+
+    def __post_init__(self) -> None:
+        _at_least("logging", self, ("interval",), 1)
+
+
+@dataclass(frozen=True)
+class ValidationConfig:
+    """Validation loss on the held-out split.
+
+    Args:
+        interval: steps between evaluations (0: none; the last step is always evaluated when on).
+        iters: micro-batches per evaluation and data-parallel rank.
+    """
+
+    interval: int = 0
+    iters: int = 2
+
+    def __post_init__(self) -> None:
+        _at_least("validation", self, ("interval", "iters"), 0)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything a training run needs except where it writes (``--out``) and how many processes run it.
+
+    Args:
+        name: the experiment's name (kept in ``config.json``, records and tables).
+        seed: seeds model init, router noise and the synthetic data.
+        model: see :class:`ModelConfig`.
+        router: see :class:`RouterSpec`.
+        optimizer: see :class:`OptimizerConfig`.
+        schedule: see :class:`ScheduleConfig`.
+        data: see :class:`DataConfig`.
+        parallel: see :class:`ParallelConfig`.
+        checkpoint: see :class:`CheckpointConfig`.
+        logging: see :class:`LoggingConfig`.
+        validation: see :class:`ValidationConfig`.
+    """
+
+    name: str
+    seed: int = 1234
+    model: ModelConfig = field(default_factory=ModelConfig)
+    router: RouterSpec = field(default_factory=RouterSpec)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+
+    def __post_init__(self) -> None:
+        if self.schedule.min_lr > self.optimizer.lr:
+            raise ValueError(f"schedule.min_lr {self.schedule.min_lr} is above optimizer.lr {self.optimizer.lr}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be >= 0, got {self.seed}")
+
+    @property
+    def is_moe(self) -> bool:
+        """Whether the model has routed experts."""
+        return self.router.name is not None
+
+    @property
+    def seq_length(self) -> int:
+        """Tokens per sequence: ``model.seq_length`` or the flavour's."""
+        return self.model.seq_length or self.model.flavour_config().seq_length
+
+    def router_options(self) -> dict[str, Any]:
+        """The options handed to the model builder: ``router.options`` plus the run-provided ones.
+
+        ``schedule_steps`` is filled with ``schedule.steps`` when the router has that option and it is unset,
+        so step-dependent schedules (DirMoE's temperature and prior scale) span the whole run.
+        """
+        options = dict(self.router.options)
+        name = self.router.name
+        if name and name != MEGATRON_ROUTER and "schedule_steps" not in options:
+            if "schedule_steps" in _router_option_fields(name):
+                options["schedule_steps"] = self.schedule.steps
+        return options
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], origin: str = "config") -> RunConfig:
+        """Rebuild a config from :meth:`to_dict`'s output (e.g. read from ``config.json``).
+
+        Raises:
+            ReproError: unknown or mistyped fields, or values out of range (one line naming ``origin``).
+        """
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            merged = OmegaConf.merge(OmegaConf.structured(cls), dict(data))
+            return OmegaConf.to_object(merged)
+        except OmegaConfBaseException as exc:
+            raise ReproError(f"{origin}: {_omegaconf_message(exc)}") from None
+        except ValueError as exc:
+            raise ReproError(f"{origin}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------- overrides
+def _omegaconf_message(exc: Exception) -> str:
+    """OmegaConf's first message line, with the full key it concerns."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    key = getattr(exc, "full_key", None)
+    return f"{key}: {text}" if key and key not in text else text
+
+
+def _leaf_keys(obj: Any, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        path = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            keys += _leaf_keys(value, f"{path}.")
+        elif f.name == "options":
+            keys.append(f"{path}.<option>")
+        else:
+            keys.append(path)
+    return keys
+
+
+def _router_option_fields(router: str) -> dict[str, Any]:
+    """``{option: type}`` of a router's options (megatron's TopKRouter options are optional floats).
+
+    Raises:
+        ReproError: an unknown router (the message lists the valid names).
+    """
+    if router == MEGATRON_ROUTER:
+        return {name: float | None for name in MEGATRON_ROUTER_OPTIONS}
+    import routers
+
+    try:
+        cls = routers.router_class(router)
+    except ValueError as exc:
+        raise ReproError(f"router.name: {exc}; or '{MEGATRON_ROUTER}', or null for a dense model") from None
+    hints = typing.get_type_hints(cls.Config)
+    return {name: hints[name] for name in cls.Config.option_names()}
+
+
+def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Check option names and convert values to the types of the router's config fields.
+
+    Args:
+        router: a router name (or ``megatron``).
+        options: ``{option: value}`` (values as OmegaConf parsed them from text, or Python values).
+
+    Returns:
+        The options with converted values.
+
+    Raises:
+        ReproError: an unknown option (listing the valid ones) or a value of the wrong type.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    fields = _router_option_fields(router)
+    unknown = sorted(set(options) - set(fields))
+    if unknown:
+        raise ReproError(
+            f"unknown option(s) {', '.join(unknown)} for router '{router}'; valid: {', '.join(sorted(fields)) or '(none)'}"
+        )
+    if not options:
+        return {}
+    # A structured schema of just the given options, typed by the router's config fields (no defaults:
+    # every field is given).
+    schema = dataclasses.make_dataclass(f"{router}_options", [(name, fields[name]) for name in options])
+    try:
+        typed = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), dict(options)))
+    except OmegaConfBaseException as exc:
+        raise ReproError(f"router.options.{_omegaconf_message(exc)} (router '{router}')") from None
+    return dict(typed)
+
+
+def check_router_options(config: RunConfig) -> None:
+    """Build the router's config dataclass with the model's real sizes, so a bad value fails now.
+
+    Raises:
+        ReproError: an invalid option value (the router's own message), or options on a dense model.
+    """
+    name = config.router.name
+    if name is None:
+        if config.router.options:
+            raise ReproError("router.options: a dense model (router.name=null) takes no router options")
+        return
+    options = typed_router_options(name, config.router.options)
+    if name == MEGATRON_ROUTER:
+        return
+    import routers
+
+    try:
+        flavour = config.model.flavour_config()
+    except ValueError as exc:
+        raise ReproError(f"model: {exc}") from None
+    if flavour.num_experts is None:
+        raise ReproError(f"router.name: flavour '{flavour.name}' is dense and takes no router (got '{name}')")
+    cls = routers.router_class(name)
+    options = {**options, **{k: v for k, v in config.router_options().items() if k not in options}}
+    try:
+        cls.Config(hidden_size=flavour.hidden_size, num_experts=flavour.num_experts, top_k=flavour.top_k, **options)
+    except (ValueError, TypeError) as exc:
+        raise ReproError(f"router '{name}' options {dict(config.router.options)}: {exc}") from None
+
+
+def apply_overrides(config: RunConfig, assignments: Iterable[str]) -> RunConfig:
+    """Apply dot-list overrides (the ``--set`` options) to a config.
+
+    Keys are dotted field paths (``schedule.steps=100``, ``optimizer.lr=3e-4``, ``model.precision=fp32``);
+    router options are ``router.options.NAME=VALUE``, typed by the router's config field ``NAME``;
+    ``router.name=NAME`` changes the router and drops the previous router's options; ``null`` sets an
+    optional field to None. Later assignments win.
+
+    Args:
+        config: the starting config.
+        assignments: ``"key=value"`` strings.
+
+    Returns:
+        The new, validated config.
+
+    Raises:
+        ReproError: a malformed assignment, an unknown key (with the valid keys), a value of the wrong type
+            or out of range: one line naming the key.
+    """
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    items = list(assignments)
+    for item in items:
+        key, sep, _ = item.partition("=")
+        if not sep or not key.strip():
+            raise ReproError(f"--set expects key=value, got '{item}'")
+    plain = [i for i in items if not i.startswith("router.options.")]
+    option_items = [i[len("router.options."):] for i in items if i.startswith("router.options.")]
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(plain))
+        data = OmegaConf.to_container(merged)
+    except OmegaConfBaseException as exc:
+        message = _omegaconf_message(exc)
+        if "not in" in message and "Did you mean" not in message:
+            message += f"; valid keys: {', '.join(k for k in _leaf_keys(config) if k != 'name')}"
+        raise ReproError(f"--set {message}") from None
+    router = data["router"]["name"]
+    options = {} if router != config.router.name else dict(config.router.options)
+    try:
+        options.update(OmegaConf.to_container(OmegaConf.from_dotlist(option_items)))
+    except OmegaConfBaseException as exc:
+        raise ReproError(f"--set router.options.{_omegaconf_message(exc)}") from None
+    if option_items and router is None:
+        raise ReproError("--set router.options.*: the experiment has no router (router.name=null)")
+    data["router"]["options"] = typed_router_options(router, options) if router is not None else {}
+    updated = RunConfig.from_dict(data, origin=f"experiment '{config.name}'")
+    check_router_options(updated)
+    return updated
+
+
+__all__ = [
+    "CheckpointConfig",
+    "DataConfig",
+    "LoggingConfig",
+    "MEGATRON_ROUTER",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "RouterSpec",
+    "RunConfig",
+    "ScheduleConfig",
+    "ValidationConfig",
+    "apply_overrides",
+    "check_router_options",
+    "typed_router_options",
+]

@@ -1,0 +1,126 @@
+"""The training log: one :class:`LogRow` per optimizer step in ``log.jsonl``, one writer, one reader.
+
+The trainer appends a row after every step (rank 0); everything that reads a log (summaries, run records,
+plots, checks) goes through :func:`read_rows`, which checks every row against :class:`LogRow` and names the
+file and line of a bad one. Routing metrics are per MoE layer: ``routing[name][layer]`` for scalar metrics
+(``active_experts``, ``simpson``, ``load_imbalance``, ...) and ``routing_per_expert[name][layer][expert]``
+for per-expert ones (``tokens_per_expert``), so a dead expert is visible from the log alone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from repro.errors import ReproError
+from repro.io_utils import atomic_path
+from repro.schema import from_json, to_json
+
+LOG_FILE = "log.jsonl"
+
+
+@dataclass(frozen=True)
+class LogRow:
+    """One optimizer step.
+
+    Args:
+        step: 1-based number of the step.
+        loss: ``lm_loss`` plus the sum of the aux losses (the objective that was differentiated).
+        lm_loss: mean next-token cross-entropy over the step's tokens (mean over micro-batches and DP ranks).
+        aux_losses: ``{name: value summed over layers}``, as added to the objective (coefficients applied).
+        aux_losses_per_layer: ``{name: [value per MoE layer]}``.
+        lr: the learning rate the step used.
+        grad_norm: global gradient norm before clipping.
+        iter_time_s: wall time of the step (data, forward, backward, reduction, optimizer, router update).
+        tokens_per_s: global tokens of the step / ``iter_time_s``.
+        consumed_samples: training samples consumed by all ranks after this step.
+        peak_memory_bytes: peak allocated CUDA memory on GPU; the process's peak RSS on CPU.
+        routing: ``{metric: [value per MoE layer]}`` of the scalar routing metrics (mean over the step's
+            micro-batches and DP ranks); empty for a dense model.
+        routing_per_expert: ``{metric: [[value per expert] per MoE layer]}`` (``tokens_per_expert``).
+        router_stats: ``{router: statistic}`` averaged over layers and ranks by the step schedule (ReMoE's
+            sparsity).
+        val_loss: validation LM loss, on evaluation steps only.
+    """
+
+    step: int
+    loss: float
+    lm_loss: float
+    lr: float
+    grad_norm: float
+    iter_time_s: float
+    tokens_per_s: float
+    consumed_samples: int
+    peak_memory_bytes: int
+    aux_losses: dict[str, Any] = field(default_factory=dict)
+    aux_losses_per_layer: dict[str, Any] = field(default_factory=dict)
+    routing: dict[str, Any] = field(default_factory=dict)
+    routing_per_expert: dict[str, Any] = field(default_factory=dict)
+    router_stats: dict[str, Any] = field(default_factory=dict)
+    val_loss: float | None = None
+
+    def layer_mean(self, metric: str) -> float | None:
+        """Mean over MoE layers of a scalar routing metric (None when the row has none)."""
+        values = self.routing.get(metric) or []
+        return sum(values) / len(values) if values else None
+
+
+def write_row(file: IO[str], row: LogRow) -> None:
+    """Append one row to an open ``log.jsonl`` and flush it."""
+    data = to_json(row)
+    if row.val_loss is None:
+        del data["val_loss"]
+    file.write(json.dumps(data) + "\n")
+    file.flush()
+
+
+def read_rows(path: str | os.PathLike) -> list[LogRow]:
+    """The rows of a ``log.jsonl`` (or of the one in a run directory), in file order.
+
+    Raises:
+        ReproError: an unreadable file, or a line that is not a valid row (named by file and line).
+    """
+    path = Path(path)
+    if path.is_dir():
+        path = path / LOG_FILE
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ReproError(f"{path}: cannot read the training log: {exc.strerror or exc}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            data = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ReproError(f"{path}:{number}: not JSON: {exc.msg}") from None
+        rows.append(from_json(LogRow, data, f"{path}:{number}"))
+    return rows
+
+
+def truncate_rows(path: Path, last_step: int) -> None:
+    """Keep the rows of steps <= ``last_step`` (a killed run may have logged past its checkpoint).
+
+    A line cut short by the kill ends the kept part: nothing after it is trustworthy.
+    """
+    if not path.exists():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            step = int(json.loads(line)["step"])
+        except (ValueError, KeyError, TypeError):
+            break
+        if step <= last_step:
+            kept.append(line)
+    with atomic_path(path) as tmp:
+        tmp.write_text("".join(line + "\n" for line in kept))
+
+
+__all__ = ["LOG_FILE", "LogRow", "read_rows", "truncate_rows", "write_row"]

@@ -1,0 +1,240 @@
+"""A run directory: its files, its lock, and what a command may do with it.
+
+Rules (the README's "What happens when things go wrong" states them for users):
+
+* A fresh run needs a new or empty directory (hidden entries such as ``.lock`` aside); a directory that
+  holds a run is continued only with ``--resume``, and one that holds other files is refused. Nothing in
+  an existing directory is ever deleted.
+* The directory is locked for the life of a run: an exclusive ``flock`` on ``.lock``, taken by global
+  rank 0 before anything is written and released by the operating system on any exit, SIGKILL included.
+  A second run on the same directory fails at once with one line.
+* ``--resume`` continues from the newest complete checkpoint; with none yet (a run killed before or while
+  writing its first one) it starts again from step 0 with the run's own ``config.json``; a finished run is
+  left untouched (its record and evaluation results stay as they are).
+* A resumed run may change settings that do not define the model or its data order (``optimizer``,
+  ``schedule``, ``checkpoint.interval``, ``logging``, ``validation``): the way to recover a run that hit a
+  non-finite loss from its last good checkpoint. The changes are listed in ``config.json``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from repro.errors import ReproError
+from repro.training import checkpoint as ckpt
+from repro.training.config import RunConfig
+from repro.training.log import LOG_FILE
+
+LOCK_FILE = ".lock"
+#: Sections a resumed run may change (they do not define the model, its parameters or its data order).
+CHANGEABLE_ON_RESUME: tuple[str, ...] = ("optimizer", "schedule", "checkpoint", "logging", "validation")
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where a run writes.
+
+    Args:
+        root: the run directory.
+    """
+
+    root: Path
+
+    @property
+    def config(self) -> Path:
+        """The config and the run's set-up (JSON)."""
+        return self.root / "config.json"
+
+    @property
+    def log(self) -> Path:
+        """One row per step."""
+        return self.root / LOG_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        """The checkpoint directories."""
+        return self.root / "checkpoints"
+
+    @property
+    def summary(self) -> Path:
+        """The final summary (JSON)."""
+        return self.root / "summary.json"
+
+    @property
+    def record(self) -> Path:
+        """The run record the tables and checks read (written by the caller of the trainer)."""
+        return self.root / "record.json"
+
+    @property
+    def data_cache(self) -> Path:
+        """megatron's dataset index cache (indexed data only)."""
+        return self.root / "data_cache"
+
+
+@contextlib.contextmanager
+def run_lock(paths: RunPaths) -> Iterator[None]:
+    """Hold the run directory's lock (global rank 0; other ranks belong to the same run).
+
+    Raises:
+        ReproError: the directory cannot be created, or another process holds the lock.
+    """
+    if int(os.environ.get("RANK", "0")) != 0:
+        yield
+        return
+    try:
+        paths.root.mkdir(parents=True, exist_ok=True)
+        fd = os.open(paths.root / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise ReproError(f"{paths.root}: cannot use as a run directory: {exc.strerror or exc}") from None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "another process"
+            raise ReproError(
+                f"{paths.root}: another run is using this directory (process {holder}); wait for it to end or "
+                "choose another --out"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
+
+
+@dataclass(frozen=True)
+class StartState:
+    """How a run starts.
+
+    Args:
+        config: the config to train with.
+        checkpoint: the checkpoint to resume from (None: from step 0).
+        finished: the summary of a run that had already finished (nothing to do), else None.
+    """
+
+    config: RunConfig
+    checkpoint: ckpt.CheckpointInfo | None
+    finished: dict[str, Any] | None = None
+
+
+def _visible_entries(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
+
+
+def stored_config(paths: RunPaths) -> RunConfig:
+    """The config of the run in ``paths.root``: its newest checkpoint's, else its ``config.json``'s.
+
+    Raises:
+        ReproError: no run there, or an unreadable config (naming the file).
+    """
+    latest = ckpt.find_latest_checkpoint(paths.checkpoints)
+    if latest is not None:
+        info = ckpt.read_checkpoint_info(latest)
+        return RunConfig.from_dict(info.experiment, origin=str(latest / "meta.json"))
+    if not paths.config.is_file():
+        raise ReproError(f"{paths.root}: no run to resume here (no checkpoint and no config.json)")
+    try:
+        data = json.loads(paths.config.read_text())["experiment"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ReproError(f"{paths.config}: not a run's config.json ({type(exc).__name__}: {exc})") from None
+    return RunConfig.from_dict(data, origin=str(paths.config))
+
+
+def config_changes(stored: RunConfig, given: RunConfig) -> dict[str, str]:
+    """``{"section.field": "old -> new"}`` for every leaf that differs between two configs."""
+    old, new = _flatten(stored.to_dict()), _flatten(given.to_dict())
+    keys = sorted(old.keys() | new.keys())
+    return {k: f"{old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)}
+
+
+def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict) and key != "options":
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> StartState:
+    """Decide how a run starts in ``paths.root`` (see the module docstring for the rules).
+
+    Args:
+        paths: the run directory.
+        config: the config asked for (None with ``resume``: the run's own).
+        resume: continue the run that is there.
+
+    Returns:
+        The :class:`StartState`.
+
+    Raises:
+        ReproError: a directory that is not this run's, nothing to resume, or a changed config on resume that
+            would change the model (naming the fields).
+    """
+    if not resume:
+        if config is None:
+            raise ReproError("no experiment given")
+        entries = _visible_entries(paths.root) if paths.root.is_dir() else []
+        if entries:
+            if paths.config.is_file() or paths.log.is_file() or paths.checkpoints.is_dir():
+                raise ReproError(
+                    f"{paths.root}: already holds a run; pass --resume to continue it (from step 0 if it has no "
+                    "checkpoint yet) or choose another --out"
+                )
+            raise ReproError(
+                f"{paths.root}: is not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); a "
+                "fresh run needs a new or empty --out"
+            )
+        return StartState(config, None)
+
+    stored = stored_config(paths)
+    latest = ckpt.find_latest_checkpoint(paths.checkpoints)
+    info = ckpt.read_checkpoint_info(latest) if latest is not None else None
+    changes = {} if config is None else config_changes(stored, config)
+    frozen = [k for k in changes if k.split(".")[0] not in CHANGEABLE_ON_RESUME or k == "checkpoint.init_from"]
+    if frozen:
+        raise ReproError(
+            f"{latest or paths.config}: --resume cannot change what defines the model or its data "
+            f"({'; '.join(f'{k}: {changes[k]}' for k in frozen)}); start a new run "
+            "(--set checkpoint.init_from=<this run> starts one from these weights)"
+        )
+    config = stored if config is None else config
+    if info is None:
+        print(f"{paths.root}: no complete checkpoint yet; training again from step 0", file=sys.stderr)
+    elif info.step >= config.schedule.steps and paths.summary.is_file():
+        print(f"{paths.root}: the run finished at step {info.step}; nothing to do", file=sys.stderr)
+        return StartState(config, info, json.loads(paths.summary.read_text()))
+    if changes and int(os.environ.get("RANK", "0")) == 0:
+        _note_changes(paths, info.step if info else 0, changes)
+    return StartState(config, info)
+
+
+def _note_changes(paths: RunPaths, step: int, changes: dict[str, str]) -> None:
+    """Keep the settings changed on resume in ``resume_changes.json`` (config.json holds the current ones)."""
+    from repro.io_utils import write_json_atomic
+
+    path = paths.root / "resume_changes.json"
+    history = json.loads(path.read_text()) if path.is_file() else []
+    history.append({"from_step": step, "changes": changes})
+    write_json_atomic(path, history)
+
+
+__all__ = [
+    "CHANGEABLE_ON_RESUME",
+    "LOCK_FILE",
+    "RunPaths",
+    "StartState",
+    "config_changes",
+    "run_lock",
+    "start_state",
+    "stored_config",
+]

@@ -1,0 +1,575 @@
+"""The trainer: megatron-core GPT models with any router, on CPU (gloo) or GPU, one process or torchrun.
+
+``train(config, out_dir)`` is the entry point (every rank calls it under torchrun). It builds a
+:class:`Trainer` (data, model, optimizer, schedule; restored from a checkpoint on resume) and calls
+:meth:`Trainer.fit`, which runs :meth:`Trainer.train_step` until the last step and hands every step's
+:class:`~repro.training.log.LogRow` to the components of :mod:`repro.training.components` (validation,
+the step log, checkpoints), each deciding its own cadence. One optimizer step (``step`` counts completed
+steps, from 0):
+
+1. the LR schedule sets the step's learning rate; ``routers.begin_step(model, step)`` tells every router
+   the step (its schedules read it in the forward);
+2. megatron's ``MoEAuxLossAutoScaler`` gets the loss scale ``1 / num_microbatches`` (megatron's training
+   sets the same: the LM loss of each micro-batch is divided by the micro-batch count, and the routers'
+   aux losses, attached to the graph through the autoscaler, must be scaled alike);
+3. for each micro-batch: forward (inside ``token_ids_context`` so Hash sees the ids), mean token loss under
+   the loss mask, backward of ``loss / num_microbatches``;
+4. gradients averaged over data-parallel ranks by megatron's ``DistributedDataParallel`` (expert gradients
+   over the expert-data-parallel group), clipped to the global norm, AdamW step (torch's on CPU,
+   megatron's optimizer on GPU);
+5. ``routers.end_step(model, group=dp_group)``: ReMoE's sparsity statistic averaged over layers,
+   micro-batches and DP ranks updates its L1 coefficient on every rank alike;
+6. the row: losses, aux losses and routing metrics per layer, averaged over DP ranks in one all-reduce.
+
+Outputs in ``out_dir``: ``config.json`` (the config, the process layout, the model's size, the data's
+origin), ``log.jsonl`` (:mod:`repro.training.log`), ``checkpoints/`` (:mod:`repro.training.checkpoint`),
+``summary.json`` when the run reaches its last step. The run record (``record.json``) is the caller's
+business (``python -m repro train`` and the mini comparison write it with :mod:`repro.report`).
+
+The run directory is locked for the life of a run (an OS lock on ``.lock``, released on any exit). Resuming
+takes the newest checkpoint, restores model, optimizer, LR schedule, RNG states, data position and step,
+drops the log rows written after that checkpoint, and continues bit-identically (fp32 on CPU; tested).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import random
+import statistics
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from repro.errors import ReproError
+from repro.io_utils import write_json_atomic
+from repro.training import checkpoint as ckpt
+from repro.training.components import Checkpointer, StepLog, Validator
+from repro.training.config import RunConfig
+from repro.training.data import build_run_data, tokenizer_fingerprint
+from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel
+from repro.training.log import LOG_FILE, LogRow, read_rows, truncate_rows
+from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
+from repro.training.optim import CpuOptimization, MegatronOptimization
+from repro.training.run_dir import RunPaths, run_lock, start_state
+from repro.training.synthetic import MicroBatchSampler, collate
+
+# Aux losses megatron's own TopKRouter logs divided by their coefficient -> the config field holding it.
+_MEGATRON_AUX_COEFF = {
+    "load_balancing_loss": "moe_aux_loss_coeff",
+    "seq_load_balancing_loss": "moe_aux_loss_coeff",
+    "global_load_balancing_loss": "moe_aux_loss_coeff",
+    "z_loss": "moe_z_loss_coeff",
+}
+
+
+class NonFiniteLoss(ReproError):
+    """A step's loss or gradient norm is NaN or infinite."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    """Numeric set-up of a run.
+
+    Args:
+        device: where the model computes.
+        bf16: bf16 parameters and activations (GPU only; the routers keep fp32).
+    """
+
+    device: torch.device
+    bf16: bool
+
+
+# ------------------------------------------------------------------------------------------- set-up
+def _precision(config: RunConfig, device: torch.device) -> Precision:
+    on_gpu = device.type == "cuda"
+    if config.model.precision == "bf16" and not on_gpu:
+        raise ReproError(f"experiment '{config.name}': model.precision=bf16 needs a GPU; use --set model.precision=fp32")
+    bf16 = config.model.precision == "bf16" or (config.model.precision == "auto" and on_gpu)
+    return Precision(device=device, bf16=bf16)
+
+
+def _seed_everything(seed: int) -> None:
+    # Every host-side generator a step may draw from (megatron's CUDA tracker is seeded by init_distributed).
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def build_model_for(config: RunConfig, vocab_size: int, precision: Precision) -> nn.Module:
+    """The run's GPTModel with its router (raises ReproError on a bad flavour, router or option)."""
+    from repro.model.builder import build_model
+
+    try:
+        return build_model(
+            config.model.flavour_config(),
+            router_name=config.router.name,
+            router_options=config.router_options() if config.router.name else None,
+            vocab_size=vocab_size,
+            seq_length=config.seq_length,
+            bf16=precision.bf16,
+            seed=config.seed,
+        )
+    except (ValueError, TypeError) as exc:
+        raise ReproError(f"experiment '{config.name}': cannot build the model: {exc}") from None
+
+
+def _build_layout_independent(config: RunConfig, vocab_size: int, precision: Precision, parallel: Parallel) -> nn.Module:
+    """Build the model so that its initial weights do not depend on the expert-parallel layout.
+
+    megatron initialises parameters from torch's generator in construction order, so an EP rank that
+    builds only its ``E / ep`` experts draws different values (for its experts and every layer after the
+    first MoE layer) than a process building all ``E``. With ``ep > 1`` the full model is therefore built
+    once under an EP=1 parallel state (same seed), and each rank keeps the weights of its experts from it.
+    """
+    if parallel.ep_size == 1:
+        return build_model_for(config, vocab_size, precision)
+    from megatron.core import parallel_state
+
+    from repro.model.parallel import init_distributed
+
+    parallel_state.destroy_model_parallel()
+    init_distributed(tp=config.parallel.tp, ep=1, seed=config.seed)
+    full = build_model_for(config, vocab_size, precision)
+    state_global = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in full.state_dict().items()}
+    del full
+    parallel_state.destroy_model_parallel()
+    init_distributed(tp=config.parallel.tp, ep=config.parallel.ep, seed=config.seed)
+    model = build_model_for(config, vocab_size, precision)
+    ckpt.load_global_state(model, state_global, current_parallel(), "the EP=1 build of the model")
+    return model
+
+
+def _count_params(model: nn.Module, parallel: Parallel) -> dict[str, int]:
+    from repro.training.distributed import split_params
+
+    dense, expert = split_params(model)
+    n_expert = sum(p.numel() for p in expert)
+    return {"non_expert": sum(p.numel() for p in dense), "expert_local": n_expert, "expert_total": n_expert * parallel.ep_size}
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process so far: allocated device memory on CUDA, resident set size on CPU (the
+    whole process's peak: model, optimizer, data and the Python heap)."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+# ----------------------------------------------------------------------------------- step measurements
+def _megatron_aux_losses(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
+    """Per-layer aux losses megatron's own routers logged to its tracker, with coefficients applied."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    config = getattr(model, "config", None)
+    out: dict[str, torch.Tensor] = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        if name in skip:
+            continue
+        coeff = getattr(config, _MEGATRON_AUX_COEFF.get(name, ""), None) if config is not None else None
+        if not isinstance(coeff, (int, float)):
+            continue  # not one of megatron's (ours are read from the adapters, weighted already)
+        out[name] = entry["values"].detach().float().cpu() * float(coeff)
+    return out
+
+
+def _step_measurements(model: nn.Module, lm_sum: torch.Tensor, num_microbatches: int) -> dict[str, torch.Tensor]:
+    """Everything of one step to average over DP ranks, as named CPU tensors:
+    ``{"lm_loss": [1], "aux/<name>": [L], "metric/<name>": [L], "expert/<name>": [L, E]}``."""
+    from routers.megatron_adapter import collect_aux_losses, collect_routing_metrics
+
+    metrics_by_layer = collect_routing_metrics(model)
+    aux_by_layer = collect_aux_losses(model)
+    layers = sorted(set(metrics_by_layer) | set(aux_by_layer))
+    values: dict[str, torch.Tensor] = {"lm_loss": (lm_sum / num_microbatches).detach().float().cpu().reshape(1)}
+    aux_names = sorted({n for per in aux_by_layer.values() for n in per})
+    for name in aux_names:
+        values[f"aux/{name}"] = torch.stack(
+            [aux_by_layer.get(layer, {}).get(name, torch.zeros(())).float().cpu() for layer in layers]
+        )
+    metric_names = sorted({n for per in metrics_by_layer.values() for n in per})
+    for name in metric_names:
+        per_layer = [metrics_by_layer.get(layer, {}).get(name) for layer in layers]
+        if any(v is None for v in per_layer) or len({v.numel() for v in per_layer}) != 1:
+            continue  # a metric some layers lack or with differing sizes cannot be tabulated per layer
+        stacked = torch.stack([v.float().cpu().reshape(-1) for v in per_layer])
+        values[f"metric/{name}" if stacked.shape[1] == 1 else f"expert/{name}"] = stacked.squeeze(1) if stacked.shape[1] == 1 else stacked
+    # megatron's TopKRouter (the "megatron" router) logs to its tracker, summed over micro-batches.
+    for name, per_layer in _megatron_aux_losses(model, set(aux_names)).items():
+        values[f"aux/{name}"] = per_layer / num_microbatches
+    return values
+
+
+def _reduce_named(values: dict[str, torch.Tensor], parallel: Parallel) -> dict[str, torch.Tensor]:
+    """Mean of every named tensor over the DP ranks, in one all-reduce (same names on every rank)."""
+    if parallel.dp_size <= 1:
+        return values
+    names = sorted(values)
+    flat = torch.cat([values[n].reshape(-1).double() for n in names])
+    flat = all_reduce_mean(flat, parallel.dp_group, parallel.dp_size)
+    out, offset = {}, 0
+    for n in names:
+        k = values[n].numel()
+        out[n] = flat[offset : offset + k].view_as(values[n]).float()
+        offset += k
+    return out
+
+
+def _by_prefix(values: dict[str, torch.Tensor], prefix: str) -> dict[str, list]:
+    return {k[len(prefix):]: v.tolist() for k, v in values.items() if k.startswith(prefix)}
+
+
+# ------------------------------------------------------------------------------------------- trainer
+class Trainer:
+    """One run's model, data, optimizer and schedule, and the step that trains them.
+
+    Build it with megatron's parallel state initialised (:func:`train` does both). Attributes read by the
+    components: ``config``, ``parallel``, ``device``, ``model`` (unwrapped), ``optimization``, ``scheduler``,
+    ``step`` (completed steps) and ``consumed`` (samples consumed by all ranks).
+
+    Args:
+        config: the run's config.
+        paths: where the run writes.
+        resume: the checkpoint to continue from (None: a fresh run).
+        device: the device :func:`repro.model.parallel.init_distributed` chose.
+        progress: show the progress bar (rank 0; default when stderr is a terminal).
+    """
+
+    def __init__(
+        self, config: RunConfig, paths: RunPaths, resume: ckpt.CheckpointInfo | None, device: torch.device,
+        progress: bool | None = None,
+    ) -> None:
+        self.config, self.paths, self.device = config, paths, device
+        self.parallel = current_parallel()
+        self.precision = _precision(config, device)
+        self.num_microbatches = config.data.num_microbatches(self.parallel.dp_size)
+        self.seq_length = config.seq_length
+        _seed_everything(config.seed)
+        if resume is not None:
+            ckpt.check_same_layout(resume, self.parallel)
+        self.data = build_run_data(config, self.seq_length, self.parallel.dp_size, paths.data_cache)
+        self.model = self._build_model(resume is None)
+        payload = ckpt.load_rank_payload(resume, self.parallel.rank) if resume is not None else None
+        if payload is not None:
+            self.model.load_state_dict(payload["model"], strict=True)
+        elif config.checkpoint.init_from:
+            ckpt.load_model_weights(config.checkpoint.init_from, self.model, self.parallel)
+        # Training draws (router noise) start from the same seed whatever the layout or the build's draws.
+        _seed_everything(config.seed + 1)
+        self.optimization = self._build_optimization()
+        self.run_model = self.optimization.ddp_model  # forward/backward through megatron's DDP wrapper
+        schedule = WarmupCosineSchedule(
+            config.optimizer.lr, config.schedule.min_lr, config.schedule.num_warmup_steps, config.schedule.steps
+        )
+        self.scheduler = LRScheduler(self.optimization, schedule, weight_decay=config.optimizer.weight_decay)
+        self.step, self.consumed = 0, 0
+        if payload is not None:
+            Checkpointer.restore(self, payload)
+            del payload
+        self._write_config(resume is not None)
+        from repro.model.cpu_shims import causal_attention_mask
+
+        self.sampler = MicroBatchSampler(
+            config.data.micro_batch_size, self.parallel.dp_rank, self.parallel.dp_size, self.num_microbatches
+        )
+        self.mask = causal_attention_mask(self.seq_length, device)
+        self.loss_scale = torch.tensor(1.0 / self.num_microbatches, device=device)
+        self.log = StepLog(
+            paths.log, config.logging.interval, config.schedule.steps, self.step, self.parallel.is_main,
+            self.parallel.is_main and (progress if progress is not None else os.isatty(2)), config.name,
+        )
+        self.components = [
+            Validator(self.data.valid, config.validation.interval, config.validation.iters, config.schedule.steps),
+            self.log,
+            Checkpointer(paths.checkpoints, config.checkpoint.interval, config.schedule.steps, self.log),
+        ]
+
+    # ------------------------------------------------------------------ set-up pieces
+    def _build_model(self, fresh: bool) -> nn.Module:
+        config = self.config
+        if fresh and not config.checkpoint.init_from and config.checkpoint.layout_independent_init:
+            model = _build_layout_independent(config, self.data.vocab_size, self.precision, self.parallel)
+            self.parallel = current_parallel()  # the EP=1 detour re-created megatron's groups
+            return model
+        return build_model_for(config, self.data.vocab_size, self.precision)
+
+    def _build_optimization(self):
+        opt = self.config.optimizer
+        kwargs = dict(
+            lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps, clip_grad=opt.clip_grad
+        )
+        if self.device.type == "cuda":  # pragma: no cover - GPU machines only
+            return MegatronOptimization(
+                self.model, self.parallel, bf16=self.precision.bf16, distributed_optimizer=opt.distributed, **kwargs
+            )
+        return CpuOptimization(self.model, self.parallel, **kwargs)
+
+    def _write_config(self, resumed: bool) -> None:
+        """``config.json`` (rank 0): the config and what the run resolved from it."""
+        data = self.data
+        record = {
+            "experiment": self.config.to_dict(),
+            "router_options_resolved": self.config.router_options() if self.config.router.name else {},
+            "layout": self.parallel.layout(),
+            "num_microbatches": self.num_microbatches,
+            "seq_length": self.seq_length,
+            "vocab_size": data.vocab_size,
+            "data": data.description,
+            # Evaluation loads exactly this tokenizer (checked by hash), never a rebuilt one.
+            "tokenizer": None
+            if data.tokenizer_dir is None
+            else {"dir": data.tokenizer_dir, "sha256": tokenizer_fingerprint(data.tokenizer_dir)},
+            "device": str(self.device),
+            "precision": "bf16" if self.precision.bf16 else "fp32",
+            "parameters": _count_params(self.model, self.parallel),
+            "torch": torch.__version__,
+        }
+        self.config_record = record
+        if self.parallel.is_main:
+            self.paths.root.mkdir(parents=True, exist_ok=True)
+            truncate_rows(self.paths.log, self.step)  # rows a killed run wrote after its checkpoint
+            write_json_atomic(self.paths.config, record)
+        barrier()
+
+    # ------------------------------------------------------------------ the step
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """A collated batch on the model's device."""
+        return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+
+    def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Mean next-token loss of one micro-batch under its loss mask (fp32 scalar)."""
+        from routers.megatron_adapter import token_ids_context
+
+        with token_ids_context(self.model, batch["tokens"]):
+            per_token_BS = self.run_model(batch["tokens"], batch["position_ids"], self.mask, labels=batch["labels"])
+        loss_mask = batch["loss_mask"]
+        return (per_token_BS.float() * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
+
+    def train_step(self) -> LogRow:
+        """Run one optimizer step (see the module docstring) and return its row.
+
+        Raises:
+            ReproError: the loss or the gradient norm is not finite.
+        """
+        from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
+
+        from routers import begin_step, end_step
+        from routers.megatron_adapter import reset_routing_stats
+
+        t0 = time.perf_counter()
+        lr = self.scheduler.apply()
+        begin_step(self.model, self.step)
+        MoEAuxLossAutoScaler.set_loss_scale(self.loss_scale)
+        clear_aux_losses_tracker()
+        reset_routing_stats(self.model)
+        self.optimization.zero_grad()
+        lm_sum = torch.zeros((), device=self.device)
+        for j in range(self.num_microbatches):
+            batch = self.to_device(collate(self.data.train, self.sampler.indices(self.consumed, j)))
+            lm = self.lm_loss(batch)
+            (lm / self.num_microbatches).backward()
+            lm_sum += lm.detach()
+        grad_norm = self.optimization.step()
+        self.scheduler.step()
+        router_stats = end_step(self.model, group=self.parallel.dp_group if self.parallel.dp_size > 1 else None)
+        if self.device.type == "cuda":  # pragma: no cover
+            torch.cuda.synchronize()
+        iter_time = time.perf_counter() - t0
+        self.step += 1
+        self.consumed += self.config.data.global_batch_size
+
+        values = _reduce_named(_step_measurements(self.model, lm_sum, self.num_microbatches), self.parallel)
+        clear_aux_losses_tracker()
+        reset_routing_stats(self.model)
+        aux_per_layer = _by_prefix(values, "aux/")
+        aux = {k: float(sum(v)) for k, v in aux_per_layer.items()}
+        lm_loss = float(values["lm_loss"][0])
+        loss = lm_loss + sum(aux.values())
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            raise NonFiniteLoss(
+                f"experiment '{self.config.name}': {'loss' if not math.isfinite(loss) else 'gradient norm'} is "
+                f"{loss if not math.isfinite(loss) else grad_norm} at step {self.step}"
+            )
+        tokens = self.config.data.global_batch_size * self.seq_length
+        return LogRow(
+            step=self.step,
+            loss=loss,
+            lm_loss=lm_loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            iter_time_s=iter_time,
+            tokens_per_s=tokens / iter_time if iter_time > 0 else 0.0,
+            consumed_samples=self.consumed,
+            peak_memory_bytes=peak_memory_bytes(self.device),
+            aux_losses=aux,
+            aux_losses_per_layer=aux_per_layer,
+            routing=_by_prefix(values, "metric/"),
+            routing_per_expert=_by_prefix(values, "expert/"),
+            router_stats=router_stats,
+        )
+
+    def fit(self, stop_after: int | None = None) -> bool:
+        """Train to the last step, letting every component act after each step.
+
+        Args:
+            stop_after: stop once this many steps are completed, as if killed (no final checkpoint).
+
+        Returns:
+            True when the run reached its last step, False when it stopped early.
+        """
+        try:
+            self.model.train()
+            while self.step < self.config.schedule.steps:
+                if stop_after is not None and self.step >= stop_after:
+                    return False
+                row = self.train_step()
+                for component in self.components:
+                    row = component.after_step(self, row)
+        finally:
+            for component in self.components:
+                component.close()
+        return True
+
+
+# ------------------------------------------------------------------------------------------- summary
+def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary from its log rows; throughput statistics leave out the first row (warm-up).
+
+    Returns:
+        ``{experiment, router, flavour, steps, final_loss, final_lm_loss, final_loss_mean10, final_val_loss,
+        tokens, tokens_per_s_mean, tokens_per_s_median, iter_time_s_mean, active_experts_final, simpson_final,
+        **extra}``.
+    """
+    timed = rows[1:] if len(rows) > 1 else rows
+    last = rows[-1] if rows else None
+    vals = [r.val_loss for r in rows if r.val_loss is not None]
+    tail = rows[-min(10, len(rows)):] if rows else []
+    return {
+        "experiment": config.name,
+        "router": config.router.name or "dense",
+        "flavour": config.model.flavour,
+        "steps": last.step if last else 0,
+        "final_loss": last.loss if last else None,
+        "final_lm_loss": last.lm_loss if last else None,
+        "final_loss_mean10": statistics.fmean(r.loss for r in tail) if tail else None,
+        "final_val_loss": vals[-1] if vals else None,
+        "tokens": (last.consumed_samples if last else 0) * int(extra.get("seq_length", 0)),
+        "tokens_per_s_mean": statistics.fmean(r.tokens_per_s for r in timed) if timed else None,
+        "tokens_per_s_median": statistics.median(r.tokens_per_s for r in timed) if timed else None,
+        "iter_time_s_mean": statistics.fmean(r.iter_time_s for r in timed) if timed else None,
+        "active_experts_final": last.routing.get("active_experts") if last else None,
+        "simpson_final": last.routing.get("simpson") if last else None,
+        **extra,
+    }
+
+
+@contextlib.contextmanager
+def _aux_loss_scale_restored() -> Iterator[None]:
+    """Put megatron's process-wide ``MoEAuxLossAutoScaler`` scale back as it was after training (left at
+    ``1 / num_microbatches`` it would silently scale the aux-loss gradients of any later backward)."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    before = MoEAuxLossAutoScaler.main_loss_backward_scale
+    saved = before.detach().clone() if torch.is_tensor(before) else None
+    try:
+        yield
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+
+
+# --------------------------------------------------------------------------------------------- train
+def train(
+    config: RunConfig | None,
+    out_dir: str | os.PathLike,
+    *,
+    resume: bool = False,
+    stop_after: int | None = None,
+    progress: bool | None = None,
+) -> dict[str, Any]:
+    """Train one run (every rank calls this under torchrun; a single process works without it).
+
+    Args:
+        config: the run's config; with ``resume`` it may be None (the run's own config is used) and otherwise
+            may change only settings that do not define the model (see :func:`repro.training.run_dir.start_state`).
+        out_dir: the run directory: new or empty for a fresh run.
+        resume: continue the run in ``out_dir`` from its newest checkpoint (from step 0 when it has none yet);
+            a finished run is left as it is.
+        stop_after: stop after this many completed steps as if killed: no final checkpoint, no summary.
+        progress: show a tqdm bar on rank 0 (default: when stderr is a terminal).
+
+    Returns:
+        The summary (also in ``summary.json``), with ``"finished_before": True`` when a resumed run had
+        already finished; with ``stop_after``, ``{"experiment", "stopped_at"}``.
+
+    Raises:
+        ReproError: a bad config, an output directory that is not this run's, a run directory locked by
+            another run, a corrupt checkpoint (naming the path), a layout change on resume, a non-finite loss.
+    """
+    from repro.model import parallel as model_parallel
+
+    paths = RunPaths(Path(out_dir))
+    with run_lock(paths):
+        state = start_state(paths, config, resume)
+        if state.finished is not None:
+            return {**state.finished, "finished_before": True}
+        config = state.config
+        owns_dist = not model_parallel.is_initialized()
+        try:
+            info = model_parallel.init_distributed(tp=config.parallel.tp, ep=config.parallel.ep, seed=config.seed)
+        except ValueError as exc:
+            raise ReproError(f"experiment '{config.name}': {exc}") from None
+        try:
+            with _aux_loss_scale_restored():
+                return _run(config, paths, state.checkpoint, info.device, stop_after, progress)
+        finally:
+            if owns_dist:
+                model_parallel.destroy_distributed()
+
+
+def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, Any]:
+    start = time.perf_counter()
+    trainer = Trainer(config, paths, checkpoint, device, progress)
+    try:
+        finished = trainer.fit(stop_after)
+    except NonFiniteLoss as exc:
+        latest = ckpt.find_latest_checkpoint(paths.checkpoints)
+        where = f"its checkpoint of step {ckpt.read_checkpoint_info(latest).step}" if latest else "step 0"
+        raise ReproError(
+            f"{exc}; the run stopped and its log and checkpoints are kept in {paths.root}: resume from {where} "
+            f"with other settings, e.g. python -m repro train --out {paths.root} --resume --set optimizer.lr=..."
+        ) from None
+    if not finished:
+        return {"experiment": config.name, "stopped_at": trainer.step}
+    barrier()
+    rows = read_rows(paths.log) if (paths.root / LOG_FILE).exists() else []
+    summary = summarize(
+        rows,
+        config,
+        {
+            "layout": trainer.parallel.layout(),
+            "device": str(device),
+            "precision": "bf16" if trainer.precision.bf16 else "fp32",
+            "seq_length": trainer.seq_length,
+            "global_batch_size": config.data.global_batch_size,
+            "parameters": trainer.config_record["parameters"],
+            "wall_time_s_last_segment": time.perf_counter() - start,
+        },
+    )
+    if trainer.parallel.is_main:
+        write_json_atomic(paths.summary, summary)
+    return summary
+
+
+def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
+    """A finished run's ``summary.json``."""
+    return json.loads((Path(run_dir) / "summary.json").read_text())
