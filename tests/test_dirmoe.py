@@ -194,6 +194,15 @@ def test_invalid_arguments_raise_value_error(match, call):
         ({"recon_reduction": "max"}, "recon_reduction"),
         ({"kl_weight": -1.0}, "kl_weight"),
         ({"detach_recon_target": "yes"}, "detach_recon_target"),
+        ({"gate_bias_init": "zero"}, "gate_bias_init"),
+        ({"tau_schedule_steps": 0}, "tau_schedule_steps"),
+        ({"posterior_scale": "fixed"}, "posterior_scale"),
+        ({"dense_steps": -1}, "dense_steps"),
+        ({"dense_steps": 1.5}, "dense_steps"),
+        ({"recon_weight": -0.1}, "recon_weight"),
+        ({"recon_target": "mean"}, "recon_target"),
+        ({"recon_mean_momentum": 1.5}, "recon_mean_momentum"),
+        ({"balance_loss_coeff": float("nan")}, "balance_loss_coeff"),
     ],
 )
 def test_invalid_config_names_the_field(options, field):
@@ -202,10 +211,16 @@ def test_invalid_config_names_the_field(options, field):
 
 
 # ---------------------------------------------------------------------------------------------- router
+def _logit(p: float) -> float:
+    return math.log(p / (1 - p))
+
+
 @pytest.mark.parametrize("num_experts, top_k", [(8, 1), (16, 2), (4, 3)])
-def test_gate_bias_init_gives_prior_inclusion_rate(num_experts, top_k):
+def test_tempered_gate_bias_sets_the_noise_free_gate_and_posterior_bases(num_experts, top_k):
     torch.manual_seed(0)
     router = routers.build_router("dirmoe", hidden_size=HIDDEN, num_experts=num_experts, top_k=top_k)
+    # The paper's init b = tau_0 logit(k/E): the noise-free relaxed gate sigmoid(b / tau_0) is k/E.
+    torch.testing.assert_close(router.bias[:num_experts], torch.full((num_experts,), 2.0 * _logit(top_k / num_experts)))
     rate = torch.sigmoid(router.bias[:num_experts] / router.config.tau_start)
     torch.testing.assert_close(rate, torch.full((num_experts,), top_k / num_experts))
     # Centering removes only the x-dependent part: the logits' per-token mean is the bias' mean.
@@ -218,6 +233,67 @@ def test_gate_bias_init_gives_prior_inclusion_rate(num_experts, top_k):
     softplus = torch.nn.functional.softplus
     assert softplus(router.bias[E]).item() + alpha_min == pytest.approx(prior.alpha_hi_init, rel=1e-5)
     assert softplus(router.bias[2 * E]).item() + alpha_min == pytest.approx(prior.alpha_lo_init, rel=1e-5)
+
+
+@pytest.mark.parametrize("init", ["tempered", "inclusion"])
+@pytest.mark.parametrize("z_threshold", [0.5, 0.125])
+def test_gate_bias_init_selection_rate_and_fallback_share_at_step_zero(init, z_threshold):
+    """P(z~_i >= c) = sigmoid(b - tau_0 logit(c)); "inclusion" makes it k/E. Monte Carlo over 20k tokens."""
+    tokens = 20_000
+    router = build(gate_bias_init=init, z_threshold=z_threshold, max_experts_per_token=EXPERTS).train()
+    with torch.no_grad():
+        router.weight.zero_()  # no x-dependent part: every token's logits are the bias
+    router.set_step(0)
+    tau0, pi = router.config.tau_start, TOP_K / EXPERTS
+    if init == "tempered":
+        expected_p = torch.sigmoid(torch.tensor(tau0 * _logit(pi) - tau0 * _logit(z_threshold))).item()
+    else:
+        expected_p = pi
+    torch.manual_seed(1)
+    out = router(inputs(tokens=tokens))
+    torch.manual_seed(1)
+    with torch.no_grad():
+        gates_TE = router.sample(inputs(tokens=tokens)).gates_TE
+    assert_mc_close((gates_TE >= z_threshold).double(), expected_p)
+    expected_fallback = (1 - expected_p) ** EXPERTS
+    stderr = math.sqrt(expected_fallback * (1 - expected_fallback) / tokens)
+    assert abs(out.metrics["fallback_share"].item() - expected_fallback) < 4.5 * stderr
+    if init == "tempered" and z_threshold == 0.5:
+        # The documented number: ~85% of tokens are dispatched by the arg-max fallback at step 0 (E=8, k=1).
+        assert round(expected_p, 3) == 0.020 and round(expected_fallback, 2) == 0.85
+    if init == "inclusion":
+        assert router.initial_gate_bias() == pytest.approx(_logit(pi) + tau0 * _logit(z_threshold))
+        # k experts above the threshold per token in expectation.
+        assert_mc_close((gates_TE >= z_threshold).double().sum(-1), TOP_K * 1.0)
+
+
+def test_fallback_share_on_a_constructed_case():
+    """Eval mode, logits = +-5 set by hand: tokens with every logit negative have no gate >= 1/2."""
+    E, T = EXPERTS, 10
+    router = build(center_logits=False).eval()
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:E, :E] = torch.eye(E)  # gate logits = x[:, :E]
+        router.bias[:E].zero_()
+    x_TD = torch.zeros(T, HIDDEN)
+    x_TD[:, :E] = -5.0
+    x_TD[0, 3] = x_TD[1, 5] = x_TD[2, 0] = x_TD[2, 6] = 5.0  # 3 tokens with selected experts, 7 with none
+    with torch.no_grad():
+        out = router(x_TD)
+        r_TE = router.sample(x_TD).weights_TE
+    assert out.metrics["fallback_share"].item() == pytest.approx(0.7)
+    # The 7 fallback tokens go to their arg-max of r alone; the others to their selected experts.
+    fallback_T = torch.arange(T) >= 3
+    assert (out.routing_map[fallback_T].sum(-1) == 1).all()
+    assert out.routing_map[fallback_T, r_TE[fallback_T].argmax(-1)].all()
+    assert out.routing_map[0, 3] and out.routing_map[1, 5] and out.routing_map[2, [0, 6]].all()
+    assert out.metrics["active_experts"].item() == pytest.approx((1 + 1 + 2 + 7) / T)
+    # Rules without a fallback report 0.
+    for options in ({"dispatch": "topk"}, {"dispatch": "dense"}):
+        other = build(center_logits=False, **options).eval()
+        other.load_state_dict(router.state_dict())
+        with torch.no_grad():
+            assert other(x_TD).metrics["fallback_share"].item() == 0.0
 
 
 @pytest.mark.parametrize("schedule", ["cosine", "exponential"])
@@ -366,7 +442,10 @@ def test_losses_are_weighted_and_reductions_differ_by_hidden_size():
     torch.testing.assert_close(mean.aux_losses["dirmoe_kl"], 0.5 * mean.metrics["kl"])
     torch.testing.assert_close(mean.aux_losses["dirmoe_sparsity"], 0.25 * mean.metrics["sparsity"])
     expected = {"expected_active", "dropped_mass", "kl", "recon", "tau", "lambda_p", "alpha_lo"}
-    expected |= {"simpson_r", "simpson_theta"}
+    expected |= {"simpson_r", "simpson_theta", "simpson_theta_expected", "simpson_theta_target"}
+    expected |= {"simpson_theta_target_gates", "fallback_share", "dense_phase", "input_mean_energy"}
+    expected |= {"decoder_mean_alignment", "balance_loss", "load_share", "weight_share", "tokens_per_expert"}
+    expected |= {"lambda_q", "posterior_total", "prior_total", "load_imbalance", "active_experts"}
     assert expected <= set(mean.metrics)
     assert all(not v.requires_grad for v in mean.metrics.values())
 
@@ -407,6 +486,12 @@ def test_registered_with_its_config_class():
         {"tau_schedule": "exponential", "lambda_p_schedule": "exponential", "tau_decay": 0.99},
         {"hparam_reading": "literal", "center_logits": False},
         {"recon_reduction": "sum", "detach_recon_target": False, "dispatch": "topk"},
+        {"dispatch": "dense", "gate_bias_init": "inclusion"},
+        {"dense_steps": 10, "balance_loss_coeff": 0.01},
+        {"posterior_scale": "tied"},
+        {"posterior_scale": "prior_matched", "tau_schedule_steps": 3},
+        {"posterior_scale": "normalized", "recon_target": "centered", "detach_recon_target": False},
+        {"recon_target": "data_mean", "decoder_hidden_size": 8},
     ],
 )
 def test_option_variants_train_with_finite_gradients_everywhere(options):
@@ -417,3 +502,371 @@ def test_option_variants_train_with_finite_gradients_everywhere(options):
     ((out.probs * signal_TE).sum() + out.total_aux_loss()).backward()
     for name, p in router.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all() and p.grad.abs().sum() > 0, name
+
+
+# ------------------------------------------------------------------------------- dispatch: dense
+@pytest.mark.parametrize("training", [True, False])
+def test_dense_dispatch_sends_every_token_to_every_expert_with_r(training):
+    router = build(dispatch="dense").train(training)
+    x = inputs(tokens=128)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        r_TE = router.sample(x).weights_TE
+    torch.manual_seed(0)
+    out = router(x)
+    constraint = router.constraint
+    assert constraint.kind is RoutingKind.EXACT_K and constraint.probs_sum_to_one
+    assert (constraint.min_experts_per_token, constraint.max_experts_per_token) == (EXPERTS, EXPERTS)
+    constraint.check(out.routing_map)
+    assert out.routing_map.all()
+    torch.testing.assert_close(out.probs, r_TE, rtol=0, atol=0)  # the paper's y = sum_i r_i E_i(x)
+    torch.testing.assert_close(out.probs.sum(-1), torch.ones(128))
+    assert out.metrics["dropped_mass"].abs().item() < 1e-6
+    assert out.metrics["dense_phase"].item() == 1.0 and out.metrics["fallback_share"].item() == 0.0
+
+
+@pytest.mark.parametrize("rule", ["threshold", "topk"])
+def test_dense_steps_switch_to_the_rule_at_exactly_step_n(rule):
+    n = 5
+    warm = build(seed=2, dispatch=rule, dense_steps=n).train()
+    plain = build(seed=2, dispatch=rule).train()
+    x = inputs(tokens=256)
+    constraint = warm.constraint
+    assert constraint.kind is RoutingKind.VARIABLE
+    rule_min = TOP_K if rule == "topk" else 1
+    assert (constraint.min_experts_per_token, constraint.max_experts_per_token) == (rule_min, EXPERTS)
+    for step in (0, n - 1, n, n + 10):
+        warm.set_step(step)
+        plain.set_step(step)
+        torch.manual_seed(step)
+        out = warm(x)
+        torch.manual_seed(step)
+        ref = plain(x)
+        constraint.check(out.routing_map)
+        if step < n:
+            assert out.routing_map.all() and out.metrics["dense_phase"].item() == 1.0, step
+            assert out.metrics["fallback_share"].item() == 0.0
+            torch.testing.assert_close(out.probs.sum(-1), torch.ones(256))
+        else:
+            assert out.metrics["dense_phase"].item() == 0.0, step
+            assert torch.equal(out.routing_map, ref.routing_map), step
+            torch.testing.assert_close(out.probs, ref.probs, rtol=0, atol=0)
+            assert not out.routing_map.all()
+            if rule == "threshold":
+                assert out.metrics["fallback_share"] == ref.metrics["fallback_share"] > 0
+
+
+# -------------------------------------------------------------------------- reconstruction target
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("target", ["raw", "centered"])
+def test_reconstruction_loss_value_and_gradients_against_the_formula(reduction, target):
+    T, D, sigma2 = 6, 5, 0.7
+    g = torch.Generator().manual_seed(3)
+    x_TD = (torch.randn(T, D, generator=g, dtype=torch.float64) + 2.0).requires_grad_(True)
+    xhat_TD = torch.randn(T, D, generator=g, dtype=torch.float64).requires_grad_(True)
+    loss = routers.dirmoe.reconstruction_loss(x_TD, xhat_TD, sigma2=sigma2, reduction=reduction, target=target)
+    grad_x, grad_xhat = torch.autograd.grad(loss, (x_TD, xhat_TD))
+    y_TD = x_TD.detach() - (x_TD.detach().mean(0) if target == "centered" else 0.0)
+    e_TD = y_TD - xhat_TD.detach()
+    scale = 1.0 / (T * (D if reduction == "mean" else 1) * sigma2)  # d/de of sum ||e||^2 / (2 sigma2 T [D])
+    torch.testing.assert_close(loss.detach(), 0.5 * scale * e_TD.pow(2).sum())
+    torch.testing.assert_close(grad_xhat, -scale * e_TD)
+    # Through the centred target: d/dx_t = scale (e_t - mean_s e_s); for the raw target scale e_t.
+    expected_x = scale * (e_TD - e_TD.mean(0)) if target == "centered" else scale * e_TD
+    torch.testing.assert_close(grad_x, expected_x)
+    if target == "centered":
+        # Invariant to a shift shared by all tokens; raw is not.
+        shifted = routers.dirmoe.reconstruction_loss(
+            x_TD + 3.0, xhat_TD, sigma2=sigma2, reduction=reduction, target=target
+        )
+        torch.testing.assert_close(shifted, loss)
+
+
+@pytest.mark.parametrize("target", ["raw", "centered"])
+def test_router_reconstruction_term_is_the_formula_on_its_sample(target):
+    router = build(recon_target=target, recon_weight=0.5, recon_sigma2=2.0).train()
+    x = inputs() + 4.0 * torch.randn(HIDDEN, generator=torch.Generator().manual_seed(9))
+    torch.manual_seed(0)
+    out = router(x)
+    torch.manual_seed(0)
+    sample = router.sample(x)
+    xhat = router.decoder(sample.weights_TE)
+    y = x - x.mean(0) if target == "centered" else x
+    expected = ((y - xhat).pow(2).mean(-1)).mean() / (2 * 2.0)
+    torch.testing.assert_close(out.metrics["recon"], expected.detach())
+    torch.testing.assert_close(out.aux_losses["dirmoe_recon"], 0.5 * expected)
+
+
+def test_reconstruction_centred_target_gradient_reaches_the_decoder_as_the_formula():
+    """d/dW of ||(x - mean x) - (W r + b)||^2 (mean over D, T) against autograd through the router."""
+    router = build(recon_target="centered", kl_weight=0.0, sparsity_weight=0.0).train()
+    x = inputs() + 3.0
+    torch.manual_seed(0)
+    out = router(x)
+    out.aux_losses["dirmoe_recon"].backward()
+    torch.manual_seed(0)
+    with torch.no_grad():
+        r_TE = router.sample(x).weights_TE
+        layer = router.decoder.layers[0]
+        e_TD = (x - x.mean(0)) - (r_TE @ layer.weight.t() + layer.bias)
+        scale = 1.0 / (TOKENS * HIDDEN)
+    torch.testing.assert_close(layer.weight.grad, -scale * e_TD.t() @ r_TE, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(layer.bias.grad, -scale * e_TD.sum(0), rtol=1e-4, atol=1e-7)
+
+
+def test_data_mean_target_tracks_the_mean_and_reduces_to_its_limits():
+    x1 = inputs(seed=1) + 2.0
+    x2 = inputs(seed=2) - 1.0
+    router = build(recon_target="data_mean", recon_mean_momentum=0.25).train()
+    assert torch.equal(router.recon_mean_D, torch.zeros(HIDDEN))
+    router(x1)
+    torch.testing.assert_close(router.recon_mean_D, x1.mean(0))  # the first micro-batch sets it
+    router(x2)
+    torch.testing.assert_close(router.recon_mean_D, 0.75 * x1.mean(0) + 0.25 * x2.mean(0))
+    assert int(router.recon_mean_updates) == 2
+    before = router.recon_mean_D.clone()
+    router.eval()
+    with torch.no_grad():
+        router(x1)
+    assert torch.equal(router.recon_mean_D, before), "evaluation must not update the mean"
+    # The offset is added to the decoder's output.
+    router.train()
+    torch.manual_seed(0)
+    out = router(x2)
+    mu = router.recon_mean_D.clone()
+    torch.manual_seed(0)
+    xhat = router.decoder(router.sample(x2).weights_TE) + mu
+    torch.testing.assert_close(out.metrics["recon"], (x2 - xhat).pow(2).mean(-1).mean().detach() / 2)
+    # Checkpoints carry the statistic; other targets have no such keys.
+    restored = build(seed=4, recon_target="data_mean")
+    restored.load_state_dict(router.state_dict())
+    assert torch.equal(restored.recon_mean_D, router.recon_mean_D)
+    assert "recon_mean_D" not in build().state_dict()
+    # Momentum 1 is the centred target (in training); momentum 0 keeps the first batch's mean.
+    centred = build(seed=5, recon_target="centered")
+    every = build(seed=5, recon_target="data_mean", recon_mean_momentum=1.0)
+    first_only = build(seed=5, recon_target="data_mean", recon_mean_momentum=0.0)
+    for x in (x1, x2):
+        torch.manual_seed(0)
+        a = centred(x).metrics["recon"]
+        torch.manual_seed(0)
+        b = every(x).metrics["recon"]
+        first_only(x)
+        torch.testing.assert_close(a, b)
+    torch.testing.assert_close(first_only.recon_mean_D, x1.mean(0))
+
+
+# ------------------------------------------------------------------------------- loss switches
+def test_zero_weights_leave_their_terms_out_and_keep_the_metrics():
+    router = build(recon_weight=0.0, kl_weight=0.0, sparsity_weight=0.0).train()
+    out = router(inputs())
+    assert out.aux_losses == {}
+    assert {"recon", "kl", "sparsity"} <= set(out.metrics) and out.metrics["recon"] > 0
+    only_recon = build(recon_weight=0.25, kl_weight=0.0, sparsity_weight=0.0).train()
+    out = only_recon(inputs())
+    assert set(out.aux_losses) == {"dirmoe_recon"}
+    torch.testing.assert_close(out.aux_losses["dirmoe_recon"].detach(), 0.25 * out.metrics["recon"])
+    # Without the reconstruction term the decoder gets no gradient; the heads still learn from the others.
+    no_recon = build(recon_weight=0.0).train()
+    out = no_recon(inputs())
+    out.total_aux_loss().backward()
+    assert all(p.grad is None for p in no_recon.decoder.parameters())
+    assert no_recon.weight.grad.abs().sum() > 0
+
+
+# --------------------------------------------------------------------- Switch's balancing loss
+@pytest.mark.parametrize("options", [{}, {"dispatch": "topk", "top_k": 2}, {"z_threshold": 0.125}])
+def test_balance_loss_control_is_megatrons_switch_loss_on_r_and_the_map(options):
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    coeff = 0.03
+    router = build(balance_loss_coeff=coeff, **options).train()
+    k = router.config.top_k
+    x = inputs(tokens=128)
+    torch.manual_seed(0)
+    out = router(x)
+    torch.manual_seed(0)
+    sample = router.sample(x)
+    counts_E = out.routing_map.sum(0)
+    expected = switch_load_balancing_loss_func(sample.weights_TE, counts_E, 128, k, EXPERTS, coeff)
+    torch.testing.assert_close(out.aux_losses["load_balancing_loss"], expected, rtol=0, atol=0)
+    # Switch's formula: coeff * E * sum_i f_i P_i, f_i = tokens_i / (k T), P_i = mean_t r_ti.
+    f_E = counts_E.float() / (k * 128)
+    P_E = sample.weights_TE.mean(0)
+    torch.testing.assert_close(expected, coeff * EXPERTS * (f_E * P_E).sum())
+    torch.testing.assert_close(out.metrics["balance_loss"], expected.detach() / coeff)
+    # Its gradient reaches the gate and posterior heads through r.
+    (grad,) = torch.autograd.grad(out.aux_losses["load_balancing_loss"], router.weight)
+    assert grad.abs().sum() > 0
+    # Not in evaluation, and off by default.
+    with torch.no_grad():
+        assert "load_balancing_loss" not in router.eval()(x).aux_losses
+    assert "load_balancing_loss" not in build(**options).train()(x).aux_losses
+
+
+# ---------------------------------------------------------------------------- posterior scale
+def test_posterior_scale_options_against_their_formulas():
+    x = inputs()
+    torch.manual_seed(0)
+    free = build(seed=3).train()
+    tied = build(seed=3, posterior_scale="tied").train()
+    normalized = build(seed=3, posterior_scale="normalized").train()
+    for router in (free, tied, normalized):
+        router.set_step(40)
+    samples = {}
+    for name, router in (("free", free), ("tied", tied), ("normalized", normalized)):
+        torch.manual_seed(0)
+        samples[name] = router.sample(x)
+    f, t, n = samples["free"], samples["tied"], samples["normalized"]
+    sched = f.schedule
+    torch.testing.assert_close(t.gates_TE, f.gates_TE, rtol=0, atol=0)  # same noise, same heads
+    torch.testing.assert_close(t.lambda_q, sched["lambda_p"])
+    torch.testing.assert_close(t.alpha_q_TE, sched["lambda_p"] * f.base_q_TE)
+    torch.testing.assert_close(f.alpha_q_TE, 20.0 * f.base_q_TE)
+    # Normalized: the heads' shape, the prior's base total at the same gates, times lambda_q.
+    prior_total_T = (f.gates_TE * sched["alpha_hi"] + (1 - f.gates_TE) * sched["alpha_lo"]).sum(-1)
+    torch.testing.assert_close(n.alpha_q_TE.sum(-1), 20.0 * prior_total_T)
+    torch.testing.assert_close(
+        n.alpha_q_TE / n.alpha_q_TE.sum(-1, keepdim=True), f.alpha_q_TE / f.alpha_q_TE.sum(-1, keepdim=True)
+    )
+    # Prior matched: the prior at lambda_q's scale, lambda_p's schedule kept as a relative decay.
+    pm = build(seed=3, posterior_scale="prior_matched").train()
+    pm.set_step(40)
+    torch.manual_seed(0)
+    p = pm.sample(x)
+    torch.testing.assert_close(p.alpha_q_TE, f.alpha_q_TE)
+    torch.testing.assert_close(p.alpha_p_TE, f.alpha_p_TE * (20.0 / 0.5))
+    # At step 0 with no x-dependent part the heads are the prior's bases: normalized equals free.
+    a, b = build(seed=3).train(), build(seed=3, posterior_scale="normalized").train()
+    with torch.no_grad():
+        a.weight.zero_(), b.weight.zero_()
+    torch.manual_seed(1)
+    sa = a.sample(x)
+    torch.manual_seed(1)
+    sb = b.sample(x)
+    torch.testing.assert_close(sb.alpha_q_TE, sa.alpha_q_TE, rtol=1e-5, atol=1e-6)
+
+
+def test_what_the_kl_does_to_the_posterior_under_each_scale_option():
+    """The heads trained on the KL alone (fixed batch, Adam lr 0.05, 120 steps), per ``posterior_scale``.
+
+    free: the heads absorb the lambda_q / lambda_p = 40x gap and theta gets sparser than the calibrated
+    target; normalized: the total cannot move, so the KL sharpens the shape instead; tied and prior_matched:
+    the KL's optimum is the calibrated posterior, so nothing moves.
+    """
+    results = {}
+    for scale in ("free", "normalized", "tied", "prior_matched"):
+        router = build(posterior_scale=scale, kl_weight=1.0, recon_weight=0.0, sparsity_weight=0.0).train()
+        opt = torch.optim.Adam([router.weight, router.bias], lr=0.05)
+        x = inputs(tokens=128)
+        ratios = []
+        for _ in range(120):
+            out = router(x)
+            opt.zero_grad()
+            out.aux_losses["dirmoe_kl"].backward()
+            opt.step()
+            ratios.append((out.metrics["posterior_total"] / out.metrics["prior_total"]).item())
+        m = out.metrics
+        h, target = m["simpson_theta_expected"].item(), m["simpson_theta_target_gates"].item()
+        results[scale] = (ratios[0], ratios[-1], h, target)
+    first, last, h, target = results["free"]
+    assert first == pytest.approx(40.0, rel=0.01) and last < 2.0, results
+    assert h > target + 0.1, results
+    first, last, h, target = results["normalized"]
+    assert first == pytest.approx(40.0, rel=1e-4) and last == pytest.approx(40.0, rel=1e-4), results
+    assert h > target + 0.2, results
+    for scale in ("tied", "prior_matched"):
+        first, last, h, target = results[scale]
+        assert first == pytest.approx(1.0, abs=0.05) and last == pytest.approx(1.0, abs=0.05), (scale, results)
+        assert h == pytest.approx(target, abs=0.02), (scale, results)
+
+
+# ------------------------------------------------------------------------------------ metrics
+def test_dirichlet_expected_simpson_is_the_lemma_per_row():
+    g = torch.Generator().manual_seed(5)
+    alpha_RE = 0.01 + 3 * torch.rand(7, EXPERTS, generator=g, dtype=torch.float64)
+    got_R = routers.dirmoe.dirichlet_expected_simpson(alpha_RE)
+    for row, value in zip(alpha_RE, got_R):
+        assert value.item() == pytest.approx(expected_simpson(1.0, row), rel=1e-12)
+        assert value.item() == pytest.approx(expected_simpson(2.5, row / 2.5), rel=1e-12)
+
+
+@pytest.mark.parametrize("scale", ["free", "tied", "prior_matched", "normalized"])
+@pytest.mark.parametrize("step", [0, 10_000])
+def test_simpson_targets_follow_the_lemma_with_the_scale_in_use(scale, step):
+    router = build(posterior_scale=scale).train()
+    router.set_step(step)
+    x = inputs()
+    torch.manual_seed(0)
+    out = router(x)
+    torch.manual_seed(0)
+    s = router.sample(x)
+    sched = s.schedule
+    lam = sched["lambda_p"].item() if scale == "tied" else 20.0
+    a_hi, a_lo = sched["alpha_hi"].item(), sched["alpha_lo"].item()
+    beta = [a_hi] * TOP_K + [a_lo] * (EXPERTS - TOP_K)
+    assert out.metrics["simpson_theta_target"].item() == pytest.approx(expected_simpson(lam, beta), rel=1e-5)
+    assert out.metrics["lambda_q"].item() == pytest.approx(lam, rel=1e-6)
+    per_token = [expected_simpson(lam, (z * a_hi + (1 - z) * a_lo).tolist()) for z in s.gates_TE.detach().double()]
+    assert out.metrics["simpson_theta_target_gates"].item() == pytest.approx(sum(per_token) / TOKENS, rel=1e-4)
+    per_token_q = [expected_simpson(1.0, a.tolist()) for a in s.alpha_q_TE.detach().double()]
+    assert out.metrics["simpson_theta_expected"].item() == pytest.approx(sum(per_token_q) / TOKENS, rel=1e-4)
+    torch.testing.assert_close(out.metrics["posterior_total"], s.alpha_q_TE.detach().sum(-1).mean())
+    torch.testing.assert_close(out.metrics["prior_total"], s.alpha_p_TE.sum(-1).mean())
+
+
+def test_input_mean_energy_and_decoder_alignment_on_constructed_inputs():
+    router = build().train()
+    g = torch.Generator().manual_seed(6)
+    mean_D = torch.randn(HIDDEN, generator=g)
+    noise_TD = torch.randn(TOKENS, HIDDEN, generator=g)
+    x = mean_D + noise_TD
+    out = router(x)
+    expected = x.mean(0).pow(2).sum() / x.pow(2).sum(-1).mean()
+    torch.testing.assert_close(out.metrics["input_mean_energy"], expected)
+    assert router(mean_D.expand(TOKENS, HIDDEN).clone()).metrics["input_mean_energy"].item() == pytest.approx(1.0)
+    assert router(torch.cat([noise_TD, -noise_TD])).metrics["input_mean_energy"].item() == pytest.approx(0.0, abs=1e-6)
+    # Linear decoder: the directions are its weight's columns; alignment = mean cosine with the batch mean.
+    layer = router.decoder.layers[0]
+    torch.testing.assert_close(router.decoder_directions(), layer.weight.detach().t())
+    cos = torch.nn.functional.cosine_similarity(layer.weight.detach().t(), x.mean(0).expand(EXPERTS, HIDDEN), dim=-1)
+    torch.testing.assert_close(out.metrics["decoder_mean_alignment"], cos.mean())
+    with torch.no_grad():
+        # Every column along the mean (positive multiples).
+        layer.weight.copy_(torch.rand(EXPERTS, generator=g)[None, :] * x.mean(0)[:, None])
+        layer.bias.normal_()  # the bias is not part of a column
+    assert router(x).metrics["decoder_mean_alignment"].item() == pytest.approx(1.0, abs=1e-5)
+    with torch.no_grad():
+        layer.weight.neg_()
+    assert router(x).metrics["decoder_mean_alignment"].item() == pytest.approx(-1.0, abs=1e-5)
+
+
+def test_per_expert_load_and_weight_shares():
+    router = build(z_threshold=0.125).train()
+    x = inputs(tokens=256)
+    torch.manual_seed(0)
+    out = router(x)
+    torch.manual_seed(0)
+    r_TE = router.sample(x).weights_TE.detach()
+    counts_E = out.routing_map.sum(0).float()
+    assert out.metrics["tokens_per_expert"].shape == out.metrics["load_share"].shape == (EXPERTS,)
+    torch.testing.assert_close(out.metrics["tokens_per_expert"], counts_E)
+    torch.testing.assert_close(out.metrics["load_share"], counts_E / counts_E.sum())
+    torch.testing.assert_close(out.metrics["weight_share"], r_TE.mean(0))
+    torch.testing.assert_close(out.metrics["load_imbalance"], counts_E.max() / counts_E.mean())
+
+
+def test_short_tau_horizon_anneals_tau_alone():
+    router = build(schedule_steps=100, tau_schedule_steps=10)
+    router.set_step(10)
+    values = router.schedule_values()
+    assert values["tau"].item() == pytest.approx(0.3, rel=1e-6)
+    assert values["lambda_p"].item() == pytest.approx(0.3 + 0.2 * 0.5 * (1 + math.cos(math.pi * 0.1)), rel=1e-6)
+    router.set_step(5)
+    assert router.schedule_values()["tau"].item() == pytest.approx(1.15, rel=1e-6)  # cosine midpoint
+    exp = build(schedule_steps=100, tau_schedule_steps=10, tau_schedule="exponential")
+    exp.set_step(10)
+    assert exp.schedule_values()["tau"].item() == pytest.approx(0.3, rel=1e-5)
+    exp.set_step(5)
+    assert exp.schedule_values()["tau"].item() == pytest.approx(2.0 * (0.3 / 2.0) ** 0.5, rel=1e-5)
+    assert build(schedule_steps=100).config.tau_horizon == 100

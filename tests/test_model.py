@@ -264,6 +264,49 @@ def test_aux_loss_gradient_flows_through_probs_and_is_logged(spy_router):
         torch.testing.assert_close(g_aux - g_plain, w, rtol=1e-4, atol=1e-7)
 
 
+@pytest.mark.parametrize("training", [False, True])
+def test_dirmoe_dense_dispatch_in_megatrons_moe_layer_is_the_sum_over_experts(training):
+    """dispatch="dense" through megatron-core's MoE layer and dispatcher is y = sum_i r_i E_i(x) exactly."""
+    model = tiny("dirmoe", {"dispatch": "dense"}).train(training)
+    layer = model.decoder.layers[0].mlp
+    adapter = layer.router
+    S, B, H = 6, 2, 128
+    hidden_SBH = torch.randn(S, B, H, generator=torch.Generator().manual_seed(7))
+    hidden_TH = hidden_SBH.reshape(S * B, H)
+    with torch.no_grad():
+        torch.manual_seed(3)
+        out_SBH, bias = layer(hidden_SBH)
+        torch.manual_seed(3)  # the same logistic noise and Dirichlet draw in training mode
+        r_TE = adapter.router(hidden_TH).probs
+        experts = layer.experts.local_experts
+        expected_TH = sum(r_TE[:, i : i + 1] * experts[i](hidden_TH)[0] for i in range(len(experts)))
+    assert bias is None and r_TE.shape == (S * B, 8) and (r_TE > 0).all()
+    torch.testing.assert_close(r_TE.sum(-1), torch.ones(S * B))
+    torch.testing.assert_close(out_SBH.reshape(S * B, H), expected_TH, rtol=1e-5, atol=1e-6)
+    # Threshold dispatch on the same weights is not the dense mixture.
+    sparse = tiny("dirmoe").eval()
+    sparse.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        sparse_SBH, _ = sparse.decoder.layers[0].mlp(hidden_SBH)
+    assert (sparse_SBH - out_SBH).norm() > 0.1 * out_SBH.norm()
+
+
+def test_dirmoe_reports_per_expert_and_collapse_metrics_per_layer():
+    model = tiny("dirmoe", {"balance_loss_coeff": 1e-2})
+    lm_loss(model).backward()
+    metrics = collect_routing_metrics(model)
+    assert sorted(metrics) == [1, 2]
+    for layer, values in metrics.items():
+        for name in ("tokens_per_expert", "load_share", "weight_share"):
+            assert values[name].shape == (8,), (layer, name)
+        torch.testing.assert_close(values["load_share"].sum(), torch.tensor(1.0))
+        for name in ("fallback_share", "input_mean_energy", "decoder_mean_alignment", "simpson_theta_target",
+                     "load_imbalance", "active_experts", "simpson_r", "simpson_theta"):
+            assert values[name].numel() == 1 and torch.isfinite(values[name]), (layer, name)
+        assert 0.0 <= float(values["input_mean_energy"]) <= 1.0
+    assert "load_balancing_loss" in collect_aux_losses(model)[1]
+
+
 # ------------------------------------------------------------------------------ token ids
 def test_token_ids_reach_the_router_in_megatron_order(spy_router):
     model = tiny(spy_router)
