@@ -1,0 +1,265 @@
+"""The DirMoE paper's Dirichlet maths, public and tested on its own: the concentration ratio, the Lemma and
+its calibrators, the closed-form Dirichlet KL, and the reconstruction term (:mod:`routers.dirmoe` uses them).
+
+Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+__all__ = [
+    "RECON_REDUCTIONS",
+    "alpha_ratio",
+    "dirichlet_expected_simpson",
+    "dirichlet_kl",
+    "expected_simpson",
+    "is_finite_number",
+    "lambda_for_mass_variance",
+    "lambda_for_simpson",
+    "reconstruction_loss",
+]
+
+
+#: How the reconstruction's squared error is reduced over the D dimensions (see ``DirMoEConfig.recon_reduction``).
+RECON_REDUCTIONS = ("mean", "sum")
+
+
+def is_finite_number(value: object) -> bool:
+    """A real number (not a bool), finite."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_experts(num_experts: object) -> None:
+    if not (isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts >= 2):
+        raise ValueError(f"num_experts must be an integer >= 2, got {num_experts!r}")
+
+
+def _check_mass(m: object) -> None:
+    if not (is_finite_number(m) and 0.0 < m < 1.0):
+        raise ValueError(f"m (mean mass on the active experts) must be in (0, 1), got {m!r}")
+
+
+def _check_active_count(name: str, k: object, num_experts: int) -> None:
+    if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k < num_experts):
+        raise ValueError(f"{name} must be an integer in [1, num_experts - 1 = {num_experts - 1}], got {k!r}")
+
+
+def _check_positive(name: str, value: object) -> None:
+    if not (is_finite_number(value) and value > 0):
+        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+
+
+def alpha_ratio(m: float, num_experts: int, k: int) -> float:
+    """The concentration ratio ``r = alpha_hi / alpha_lo`` that puts mean mass ``m`` on k active experts.
+
+    Under ``Dir(alpha)`` with ``alpha_hi`` on k experts and ``alpha_lo`` on the other E - k, the mass on
+    the active group is ``Beta(k alpha_hi, (E-k) alpha_lo)`` with mean ``m``; solving gives
+    ``r = m/(1-m) (E-k)/k`` (paper Eq. "ratio_r").
+
+    Args:
+        m: target mean mass on the active group, in (0, 1).
+        num_experts: E >= 2.
+        k: active experts, in [1, E-1].
+
+    Returns:
+        r > 0 (> 1 exactly when m > k/E).
+
+    Raises:
+        ValueError: m outside (0, 1), E < 2, or k outside [1, E-1].
+    """
+    _check_mass(m)
+    _check_experts(num_experts)
+    _check_active_count("k", k, num_experts)
+    return m / (1.0 - m) * (num_experts - k) / k
+
+
+def expected_simpson(lam: float, beta: Sequence[float] | torch.Tensor) -> float:
+    """Expected Simpson index ``E[sum_i p_i^2]`` for ``p ~ Dir(lam * beta)`` (paper Lemma 1).
+
+    ``E[H] = (lam S2 / B + 1) / (lam B + 1)`` with ``B = sum beta``, ``S2 = sum beta^2``. For E >= 2 it
+    decreases strictly in ``lam`` from 1 (``lam -> 0``) to ``sum_i m_i^2``, ``m = beta / B`` (Theorem 1).
+
+    Args:
+        lam: the concentration scale lambda > 0.
+        beta: the base ``[E]`` (sequence or tensor), every entry > 0.
+
+    Returns:
+        The expected Simpson index (a float, computed in float64).
+
+    Raises:
+        ValueError: lam <= 0, an empty base, or a non-positive / non-finite base entry.
+    """
+    _check_positive("lam", lam)
+    values = beta.detach().double().flatten().tolist() if isinstance(beta, torch.Tensor) else list(beta)
+    if not values:
+        raise ValueError("beta must have at least one entry")
+    for value in values:
+        if not (is_finite_number(value) and value > 0):
+            raise ValueError(f"every beta entry must be a positive finite number, got {value!r}")
+    B = math.fsum(values)
+    S2 = math.fsum(v * v for v in values)
+    return (lam * S2 / B + 1.0) / (lam * B + 1.0)
+
+
+def lambda_for_simpson(h: float, num_experts: int) -> float:
+    """Symmetric calibrator: the lambda for which ``Dir(lambda * 1)`` has expected Simpson index ``h``.
+
+    With ``beta = 1`` the Lemma gives ``E[H] = (lambda + 1)/(lambda E + 1)``, hence
+    ``lambda = (1 - h)/(h E - 1)`` (paper Eq. "lambda_from_h").
+
+    Args:
+        h: target Simpson index, in (1/E, 1).
+        num_experts: E >= 2.
+
+    Returns:
+        lambda > 0.
+
+    Raises:
+        ValueError: E < 2 or h outside (1/E, 1).
+    """
+    _check_experts(num_experts)
+    if not (is_finite_number(h) and 1.0 / num_experts < h < 1.0):
+        raise ValueError(f"h (target Simpson index) must be in (1/E, 1) = ({1.0 / num_experts:g}, 1), got {h!r}")
+    return (1.0 - h) / (h * num_experts - 1.0)
+
+
+def lambda_for_mass_variance(
+    m: float, v_tar: float, s: int, num_experts: int, alpha_hi: float, alpha_lo: float
+) -> float:
+    """Two-group (Beta) calibrator: the lambda that gives the active-group mass a target variance.
+
+    Under ``Dir(lambda beta)`` with ``beta_i = alpha_hi`` on s experts and ``alpha_lo`` on E - s, the mass
+    T on the s experts is ``Beta(lambda s alpha_hi, lambda (E-s) alpha_lo)``, with mean m and variance
+    ``m(1-m)/(lambda C + 1)``, ``C = s alpha_hi + (E-s) alpha_lo``. Solving for ``Var(T) = v_tar`` gives
+    ``lambda = (m(1-m)/v_tar - 1)/C`` (paper Eq. "lambda_from_beta").
+
+    Args:
+        m: the mean active mass, in (0, 1). It must be the mean the bases imply,
+            ``s alpha_hi / C`` (within 1e-3): with any other m the returned lambda misses ``v_tar``.
+        v_tar: target variance of the active mass, in (0, m(1-m)).
+        s: size of the active group, in [1, E-1].
+        num_experts: E >= 2.
+        alpha_hi: base of the active experts, > 0.
+        alpha_lo: base of the inactive experts, > 0.
+
+    Returns:
+        lambda > 0.
+
+    Raises:
+        ValueError: any argument outside its range, or m inconsistent with the bases.
+    """
+    _check_mass(m)
+    _check_experts(num_experts)
+    _check_active_count("s", s, num_experts)
+    _check_positive("alpha_hi", alpha_hi)
+    _check_positive("alpha_lo", alpha_lo)
+    if not (is_finite_number(v_tar) and 0.0 < v_tar < m * (1.0 - m)):
+        raise ValueError(f"v_tar must be in (0, m(1-m)) = (0, {m * (1.0 - m):g}), got {v_tar!r}")
+    C = s * alpha_hi + (num_experts - s) * alpha_lo
+    implied_m = s * alpha_hi / C
+    if abs(implied_m - m) > 1e-3:
+        raise ValueError(
+            f"m={m!r} does not match the mean active mass {implied_m:.6g} implied by alpha_hi={alpha_hi!r}, "
+            f"alpha_lo={alpha_lo!r}, s={s}, E={num_experts} (use alpha_hi = alpha_ratio(m, E, s) * alpha_lo)"
+        )
+    return (m * (1.0 - m) / v_tar - 1.0) / C
+
+
+def dirichlet_kl(alpha_q: torch.Tensor, alpha_p: torch.Tensor, validate_args: bool = True) -> torch.Tensor:
+    """Closed-form ``KL(Dir(alpha_q) || Dir(alpha_p))``, batched over all but the last dimension.
+
+    ``KL = lgG(sum q) - sum lgG(q) - lgG(sum p) + sum lgG(p) + sum (q - p)(digamma(q) - digamma(sum q))``.
+    Differentiable in both arguments.
+
+    Args:
+        alpha_q: ``[..., E]`` posterior concentrations, > 0.
+        alpha_p: ``[..., E]`` prior concentrations, > 0 (broadcast against ``alpha_q``).
+        validate_args: check positivity (a device sync on GPU; the router passes False in its hot path).
+
+    Returns:
+        ``[...]`` KL divergences, in the dtype of the inputs.
+
+    Raises:
+        ValueError: shapes that do not broadcast, an empty last dimension, or (with ``validate_args``)
+            non-positive / non-finite concentrations.
+    """
+    try:
+        shape = torch.broadcast_shapes(alpha_q.shape, alpha_p.shape)
+    except RuntimeError as err:
+        raise ValueError(f"alpha_q {tuple(alpha_q.shape)} and alpha_p {tuple(alpha_p.shape)} do not broadcast") from err
+    if len(shape) == 0 or shape[-1] < 1:
+        raise ValueError(f"concentrations need a non-empty last (expert) dimension, got shape {tuple(shape)}")
+    if validate_args:
+        for name, alpha in (("alpha_q", alpha_q), ("alpha_p", alpha_p)):
+            if not bool(torch.isfinite(alpha).all()) or not bool((alpha > 0).all()):
+                raise ValueError(f"{name} must be positive and finite")
+    alpha_q, alpha_p = torch.broadcast_tensors(alpha_q, alpha_p)
+    q0 = alpha_q.sum(-1)
+    p0 = alpha_p.sum(-1)
+    return (
+        torch.lgamma(q0)
+        - torch.lgamma(alpha_q).sum(-1)
+        - torch.lgamma(p0)
+        + torch.lgamma(alpha_p).sum(-1)
+        + ((alpha_q - alpha_p) * (torch.digamma(alpha_q) - torch.digamma(q0).unsqueeze(-1))).sum(-1)
+    )
+
+
+def dirichlet_expected_simpson(alpha: torch.Tensor) -> torch.Tensor:
+    """The paper's Lemma per row: ``E[sum_i p_i^2]`` for ``p ~ Dir(alpha)``, batched over leading dimensions.
+
+    ``E[H] = sum_i alpha_i (alpha_i + 1) / (alpha_0 (alpha_0 + 1))``, ``alpha_0 = sum_i alpha_i``: the Lemma's
+    ``(lam S2 / B + 1) / (lam B + 1)`` with ``alpha = lam beta`` (any split of alpha into lam and beta).
+
+    Args:
+        alpha: ``[..., E]`` concentrations, > 0 (not checked: this runs in the router's hot path).
+
+    Returns:
+        ``[...]`` expected Simpson indices, in alpha's dtype.
+    """
+    a0 = alpha.sum(-1)
+    return (alpha * (alpha + 1.0)).sum(-1) / (a0 * (a0 + 1.0))
+
+
+def reconstruction_loss(
+    target_TD: torch.Tensor,
+    recon_TD: torch.Tensor,
+    *,
+    sigma2: float = 1.0,
+    reduction: str = "mean",
+    target: str = "raw",
+) -> torch.Tensor:
+    """The Gaussian decoder's negative log-likelihood up to a constant, averaged over tokens.
+
+    ``mean_t ||y_t - recon_t||^2 / (2 sigma^2)`` with ``y_t = x_t`` (``target="raw"``, the paper) or
+    ``y_t = x_t - mean_s x_s`` (``"centered"``, the micro-batch mean removed; see the module docstring,
+    gap 9). ``reduction="mean"`` divides the squared norm by D (the paper's decoder with sigma^2 D, gap 5).
+
+    Args:
+        target_TD: ``[T, D]`` the reconstruction target x (detach it beforehand to treat it as data).
+        recon_TD: ``[T, D]`` the decoder's output.
+        sigma2: the decoder variance sigma^2 > 0.
+        reduction: ``"mean"`` or ``"sum"`` over D.
+        target: ``"raw"`` or ``"centered"``.
+
+    Returns:
+        A scalar, differentiable in both tensors.
+
+    Raises:
+        ValueError: an unknown ``reduction`` or ``target``, or shapes that differ.
+    """
+    if reduction not in RECON_REDUCTIONS:
+        raise ValueError(f"reduction must be one of {', '.join(map(repr, RECON_REDUCTIONS))}, got {reduction!r}")
+    if target not in ("raw", "centered"):
+        raise ValueError(f"target must be 'raw' or 'centered', got {target!r}")
+    if target_TD.shape != recon_TD.shape or target_TD.dim() != 2:
+        raise ValueError(f"target {tuple(target_TD.shape)} and recon {tuple(recon_TD.shape)} must both be [T, D]")
+    if target == "centered":
+        target_TD = target_TD - target_TD.mean(0, keepdim=True)
+    sq_err_TD = (target_TD - recon_TD).pow(2)
+    sq_err_T = sq_err_TD.mean(-1) if reduction == "mean" else sq_err_TD.sum(-1)
+    return sq_err_T.mean() / (2.0 * sigma2)
