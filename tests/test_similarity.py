@@ -137,6 +137,7 @@ def test_validation_samples_are_those_of_the_plain_dataset(mini, batched, tmp_pa
         assert torch.equal(sim_valid[i]["tokens"], plain_valid[i]["tokens"])
 
 
+@pytest.mark.slow
 def test_training_samples_hold_neighbouring_documents(mini, batched, tmp_path):
     """A sample's consecutive documents are nearest neighbours (by the suite's representation)."""
     tok = mini.tokenizer()
@@ -200,6 +201,7 @@ def test_cache_reuse_new_key_and_never_overwriting(mini, batched, tmp_path):
     assert not fresh.reused and fresh.prefix != batched.prefix
 
 
+@pytest.mark.slow
 def test_failed_build_leaves_nothing(mini, monkeypatch):
     parent = os.path.dirname(mini.train_prefix)
     before = set(os.listdir(parent))
