@@ -1,23 +1,50 @@
-"""Expert Choice routing: every expert picks its top-C tokens of the batch.
+"""Expert Choice routing: every expert picks its top-C tokens of each token group.
 
 Reference:
     Zhou, Lei, Liu, Du, Huang, Zhao, Dai, Chen, Le, Laudon, "Mixture-of-Experts with Expert Choice
-    Routing", NeurIPS 2022 (arXiv:2202.09368). The authors' code is in Google's flaxformer / t5x MoE
-    routing (``ExpertsChooseMaskedRouter``), which warns that the routing is not causal.
+    Routing", NeurIPS 2022 (arXiv:2202.09368). The authors' code is Google's flaxformer
+    (``flaxformer/architectures/moe/routing.py``, ``ExpertsChooseMaskedRouter``, which warns that the
+    routing is not causal; ``moe_layers.py``, ``MoeLayer``, which cuts the tokens into groups, sets the
+    capacity per group and has separate train and eval capacity factors; the router z-loss is
+    ``routing.py``'s ``_router_z_loss``, the ST-MoE loss ``mean_t logsumexp(logits_t)^2``).
 
-Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
+Options and how they relate to the reference:
+
+1. ``group_size``: the experts choose among the tokens of a group. flaxformer reshapes the batch
+   (batch-major, so consecutive tokens of a sequence) into groups of at most ``max_group_size`` tokens
+   (its ``_num_groups``). Here ``None`` (default) is one group per micro-batch, the suite's earlier
+   behaviour and what a plain port of the paper's formula does; ``"sequence"`` makes every sequence its
+   own group, so a token's routing no longer depends on the other sequences of the micro-batch nor on the
+   micro-batch size (its leak is then confined to its own sequence); an integer G groups G consecutive
+   tokens of each sequence order (batch-major), using the smallest number of groups n >= T / G that divides
+   T (flaxformer starts from ``T // G`` and also requires n to be a multiple of the number of experts, a
+   constraint of its SPMD sharding that does not apply here). The group size used is reported as the
+   metric ``group_size`` (and ``num_groups``), for the efficiency table.
+2. Capacity per group ``C = min(g, ceil(g * c / E))`` for a group of g tokens: megatron-core's capacity
+   expression (as everywhere in the suite) where flaxformer rounds, ``max(round(g * c / E), 4)``; the two
+   agree whenever E divides g * c (the 185M runs: g = 1024 or 16384, E = 8, c = 1).
+3. ``eval_capacity_factor``: the capacity factor in eval mode (flaxformer's ``eval_capacity_factor``);
+   None uses the training one.
+4. ``z_loss_coeff``: the router z-loss (flaxformer's ``router_z_loss``); 0 (default) turns it off.
+
+Shape legend: T tokens, D hidden size, E experts, N groups, G tokens per group (see :mod:`routers.base`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
+from megatron.core.transformer.moe.moe_utils import z_loss_func
 
 from baselines._gate import check_init_std, gate_logits, make_gate_weight
 from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
 from routers.metrics import routing_metrics
 from routers.registry import register_router
+
+#: ``group_size`` value that makes every sequence of the micro-batch its own group.
+SEQUENCE_GROUPS = "sequence"
 
 
 @dataclass(frozen=True)
@@ -26,47 +53,109 @@ class ExpertChoiceConfig(RouterConfig):
 
     Args:
         capacity_factor: the paper's c, the mean number of experts per token: each expert takes
-            ``C = ceil((T * k / E) * (c / k)) = ceil(T * c / E)`` tokens (at most T; megatron-core's capacity expression). ``None`` (default) means c = k, the compute of
-            top-k routing, as in the paper's comparisons.
+            ``C = ceil((g * k / E) * (c / k)) = ceil(g * c / E)`` tokens of every group of g tokens (at most
+            g; megatron-core's capacity expression). ``None`` (default) means c = k, the compute of top-k
+            routing, as in the paper's comparisons.
+        eval_capacity_factor: c in eval mode; ``None`` (default) uses ``capacity_factor``.
+        group_size: ``None`` (default: the whole micro-batch is one group), ``"sequence"`` (one group per
+            sequence) or a number of tokens per group (see the module docstring).
+        z_loss_coeff: coefficient of the router z-loss ``coeff * mean_t logsumexp(logits_t)^2``; 0 turns it off.
         init_std: std of the normal initialisation of the gate weight.
     """
 
     capacity_factor: float | None = None
+    eval_capacity_factor: float | None = None
+    group_size: int | str | None = None
+    z_loss_coeff: float = 0.0
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.capacity_factor is not None and not 0 < self.capacity_factor <= self.num_experts:
-            raise ValueError(
-                f"capacity_factor must be None (= top_k) or in (0, num_experts={self.num_experts}], "
-                f"got {self.capacity_factor}"
-            )
+        for name in ("capacity_factor", "eval_capacity_factor"):
+            value = getattr(self, name)
+            if value is not None and not 0 < value <= self.num_experts:
+                raise ValueError(
+                    f"{name} must be None (= top_k) or in (0, num_experts={self.num_experts}], got {value}"
+                )
+        if self.group_size is not None and self.group_size != SEQUENCE_GROUPS:
+            if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
+                raise ValueError(
+                    f"group_size must be None (the micro-batch), {SEQUENCE_GROUPS!r} or an integer >= 1, "
+                    f"got {self.group_size!r}"
+                )
+        if not self.z_loss_coeff >= 0:
+            raise ValueError(f"z_loss_coeff must be >= 0, got {self.z_loss_coeff}")
         check_init_std(self.init_std)
 
     @property
     def effective_capacity_factor(self) -> float:
-        """c: ``capacity_factor``, or ``top_k`` when it is None."""
+        """c in training: ``capacity_factor``, or ``top_k`` when it is None."""
         return float(self.top_k) if self.capacity_factor is None else float(self.capacity_factor)
+
+    @property
+    def effective_eval_capacity_factor(self) -> float:
+        """c in eval mode: ``eval_capacity_factor``, or the training c when it is None."""
+        if self.eval_capacity_factor is None:
+            return self.effective_capacity_factor
+        return float(self.eval_capacity_factor)
+
+
+def num_groups(num_tokens: int, group_size: int) -> int:
+    """The smallest number of groups n >= num_tokens / group_size that divides num_tokens.
+
+    Args:
+        num_tokens: T.
+        group_size: the largest group wanted, G.
+
+    Returns:
+        n, so that every group has ``T / n <= G`` tokens.
+    """
+    n = max(1, math.ceil(num_tokens / group_size))
+    while num_tokens % n:
+        n += 1
+    return n
+
+
+def group_tokens(seq_shape: tuple[int, int], group_size: int | str | None) -> torch.Tensor:
+    """Token indices of every group, batch-major (consecutive positions of one sequence together).
+
+    Args:
+        seq_shape: ``(S, B)``; tokens are in megatron-core's order ``t = s * B + b``.
+        group_size: see :class:`ExpertChoiceConfig`.
+
+    Returns:
+        ``[N, G]`` long: row n holds the (megatron-order) indices of the tokens of group n.
+    """
+    S, B = seq_shape
+    T = S * B
+    # Batch-major order: sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
+    batch_major_T = torch.arange(T).view(S, B).t().reshape(-1)
+    if group_size is None:
+        return batch_major_T[None, :]
+    size = S if group_size == SEQUENCE_GROUPS else int(group_size)
+    return batch_major_T.view(num_groups(T, size), -1)
 
 
 @register_router("expert_choice")
 class ExpertChoiceRouter(Router):
-    """Expert Choice routing (Zhou et al. 2022), implemented as published.
+    """Expert Choice routing (Zhou et al. 2022), implemented as published, per token group.
 
-    ``scores = softmax(W h)`` over the experts (float32, no bias, W ~ N(0, init_std^2)); each expert
-    takes the C tokens of the micro-batch with the highest score for it, ``C = ceil(T * c / E)``;
-    ``probs`` are the scores on that map (not renormalised, as in the paper's gating matrix). A token
-    may be taken by 0 to E experts. Every expert is exactly full, so there is no aux loss.
+    ``scores = softmax(W h)`` over the experts (float32, no bias, W ~ N(0, init_std^2)); within every group
+    of g tokens each expert takes the C tokens with the highest score for it, ``C = ceil(g * c / E)``
+    (c the training or eval capacity factor); ``probs`` are the scores on that map (not renormalised, as
+    in the paper's gating matrix). A token may be taken by 0 to E experts. Every expert is exactly full in
+    every group, so there is no load-balancing loss (a z-loss is optional).
 
-    Causal leakage, stated plainly: the experts choose among all T tokens of the micro-batch, so in a
-    causal decoder a token's routing depends on the other tokens of the batch, later tokens of its own
-    sequence included (the reference code warns of exactly this). At evaluation the routing of a token
-    likewise depends on what else is in the batch. It is implemented as published and its results are
-    measured and reported as such, not corrected.
+    Causal leakage, stated plainly: the experts choose among all tokens of a group, so in a causal decoder
+    a token's routing depends on the other tokens of its group, later tokens of its own sequence included
+    (the reference code warns of exactly this). With the default group (the micro-batch) it also depends
+    on the other sequences of the batch and on the micro-batch size; ``group_size="sequence"`` confines it
+    to the token's own sequence. It is implemented as published and its results are measured and reported
+    as such, not corrected.
 
-    The declared constraint is EXPERT_CHOICE with ``top_k = k`` and ``capacity_factor = c / k``, so
-    that ``RoutingConstraint.capacity(T, E) = ceil(T * k * (c/k) / E)`` is C; ``route`` takes C from that
-    same formula.
+    The declared constraint is EXPERT_CHOICE with ``top_k = k`` and ``capacity_factor = c / k`` (training
+    c), so that ``RoutingConstraint.capacity(T, E) = ceil(T * c / E)`` is C for one group of T tokens; with
+    N groups each expert takes ``N * ceil(g * c / E)`` tokens, the same number whenever E divides g * c.
     """
 
     Config = ExpertChoiceConfig
@@ -86,9 +175,22 @@ class ExpertChoiceRouter(Router):
             top_k=cfg.top_k,
         )
 
-    def capacity(self, num_tokens: int) -> int:
-        """C, the tokens each expert takes from a micro-batch of ``num_tokens`` tokens."""
-        return self.constraint.capacity(num_tokens, self.num_experts)
+    def capacity(self, num_tokens: int, training: bool | None = None) -> int:
+        """C, the tokens each expert takes from a group of ``num_tokens`` tokens.
+
+        Args:
+            num_tokens: the group's size g.
+            training: which capacity factor; default the module's mode.
+
+        Returns:
+            ``min(g, ceil((g * k / E) * (c / k)))`` (megatron-core's expression and operation order).
+        """
+        cfg = self.config
+        training = self.training if training is None else training
+        c = cfg.effective_capacity_factor if training else cfg.effective_eval_capacity_factor
+        return RoutingConstraint(
+            RoutingKind.EXPERT_CHOICE, 0, cfg.num_experts, capacity_factor=c / cfg.top_k, top_k=cfg.top_k
+        ).capacity(num_tokens, cfg.num_experts)
 
     def route(
         self,
@@ -96,25 +198,41 @@ class ExpertChoiceRouter(Router):
         token_ids_T: torch.Tensor | None = None,
         seq_shape: tuple[int, int] | None = None,
     ) -> RouterOutput:
-        """Let each expert choose its top-C tokens.
+        """Let each expert choose its top-C tokens of every group.
 
         Args:
-            hidden_TD: ``[T, D]`` hidden states (all tokens of the micro-batch compete).
+            hidden_TD: ``[T, D]`` hidden states, ``t = s * B + b``.
             token_ids_T: unused.
-            seq_shape: unused (the choice is over the whole micro-batch, across sequences).
+            seq_shape: ``(S, B)``; ``None`` means one sequence of length T.
 
         Returns:
-            :class:`RouterOutput` with no aux loss and the extra metric ``capacity`` (C).
+            :class:`RouterOutput` with ``z_loss`` in training with grad when enabled, and the extra metrics
+            ``capacity`` (C per group), ``group_size`` (g), ``num_groups`` (N) and ``z_loss`` (unscaled).
         """
+        cfg = self.config
         T = hidden_TD.shape[0]
-        scores_TE = torch.softmax(gate_logits(hidden_TD, self.weight), dim=-1)
-        capacity = self.capacity(T)
-        # Top-C along the token axis: expert e's column keeps its C best tokens (topk breaks ties, so
-        # every expert takes exactly C).
-        chosen_CE = torch.topk(scores_TE.detach(), k=capacity, dim=0).indices
-        routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool).scatter_(0, chosen_CE, True)
+        logits_TE = gate_logits(hidden_TD, self.weight)
+        scores_TE = torch.softmax(logits_TE, dim=-1)
+        groups_NG = group_tokens((T, 1) if seq_shape is None else seq_shape, cfg.group_size).to(hidden_TD.device)
+        N, G = groups_NG.shape
+        capacity = self.capacity(G)
+        # Top-C along each group's token axis: expert e's column keeps its C best tokens of the group
+        # (topk breaks ties, so every expert takes exactly C per group).
+        chosen_NCE = torch.topk(scores_TE.detach()[groups_NG], k=capacity, dim=1).indices
+        token_NCE = torch.gather(groups_NG[:, :, None].expand(N, G, cfg.num_experts), 1, chosen_NCE)
+        routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
+        routing_map_TE.scatter_(0, token_NCE.reshape(N * capacity, cfg.num_experts), True)
         probs_TE = scores_TE * routing_map_TE
 
+        aux_losses: dict[str, torch.Tensor] = {}
+        if self.training and torch.is_grad_enabled() and cfg.z_loss_coeff > 0:
+            aux_losses["z_loss"] = z_loss_func(logits_TE, cfg.z_loss_coeff)
+
         metrics = routing_metrics(probs_TE, routing_map_TE)
-        metrics["capacity"] = torch.tensor(float(capacity), device=probs_TE.device)
-        return RouterOutput(probs_TE, routing_map_TE, {}, metrics)
+        device = probs_TE.device
+        metrics["capacity"] = torch.tensor(float(capacity), device=device)
+        metrics["group_size"] = torch.tensor(float(G), device=device)
+        metrics["num_groups"] = torch.tensor(float(N), device=device)
+        with torch.no_grad():
+            metrics["z_loss"] = torch.logsumexp(logits_TE.detach(), -1).square().mean()
+        return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)

@@ -2,43 +2,85 @@
 
 References:
     Roller, Sukhbaatar, Szlam, Weston, "Hash Layers For Large Sparse Models", NeurIPS 2021
-    (arXiv:2106.04426). Reference code: facebookresearch/ParlAI ``projects/params_vs_compute/hash_ladder``
-    (a uniformly random bin per token id drawn with ``random.seed(42)``, kept as a plain attribute).
-    The ``mod`` variant (expert = token id mod E) is the Hash baseline of the ReMoE paper
-    (Wang et al., ICLR 2025, arXiv:2412.14711).
+    (arXiv:2106.04426): a token id is routed by a fixed hash, either a uniformly random bucket or an
+    assignment built so that the load is balanced over the training corpus's token frequencies.
+    Reference code: facebookresearch/ParlAI ``projects/params_vs_compute/hash_ladder/hash_ladder.py``
+    (``HashLayerFFN.hash``: a uniformly random bin per token id drawn with ``random.seed(42)``, for the one
+    hash layer the model has); the project README there: "each word in the dictionary is simply assigned
+    to a fixed expert, which is either chosen at random or assigned such that the distribution is
+    balanced".
+    Wang, Zhu, Chen, "ReMoE", ICLR 2025 (arXiv:2412.14711), Sec. 4.2: "For the Hash method, we use mod E
+    hashing function" (the ``mod`` table below), the Hash row of the table the ledger compares against.
+
+The three tables (``hash_type``):
+
+* ``random`` (default): every id gets the first k entries of a uniformly random permutation of the
+  experts (k = 1: a uniformly random expert), from a generator seeded with ``seed``.
+* ``mod``: ``(id + j) mod E`` for j < k (k = 1: ``id mod E``), ReMoE's Hash baseline. It does not depend
+  on the data, the seed or the layer.
+* ``balanced``: built from the token counts of the training corpus (``counts_path``, a ``.npy`` of counts
+  per id written by :func:`repro.data.token_counts.write_token_counts`). Ids are visited from the most to
+  the least frequent; each goes to k distinct experts drawn uniformly (seeded) among those whose load
+  (summed counts) stays within ``ceil(k * total / E)`` after taking it, or to the k least loaded when
+  fewer have room. The most frequent ids are thus spread first and every expert ends within one token's
+  count of an equal share of the corpus's tokens. Ids never seen in the corpus (count 0) are spread
+  round-robin over the experts so that unseen ids do not pile on one expert.
+
+Paper gaps and deviations, each a switchable option:
+
+1. The exact balanced construction. The Hash Layers paper's text could not be read here; its authors
+   describe the table as built offline from unigram frequencies so that the load is balanced. The
+   randomised capacity-bounded greedy above meets that description (checked in
+   ``tests/test_baselines.py``: loads within one maximal count of ``k * total / E``); it is one reading.
+2. One table for every layer (``per_layer=False``, default) or one per layer (``per_layer=True``, the
+   ``random`` and ``balanced`` tables are then drawn with seed ``seed + layer_number``, the number megatron
+   gives the layer, 1-based). ParlAI's reference has a single hash layer, so it does not settle the
+   question; the default keeps what ReMoE's ``mod`` hash does by construction (the same map in every
+   layer). ``per_layer`` has no meaning for ``mod`` and is refused there.
+3. k > 1: each routed expert gets weight 1/k (a mean of the k experts); the papers use k = 1.
+
+Whatever the options, the table is the persistent buffer ``table``, so a checkpoint carries it (the
+``balanced`` table with it: the run routes the same at evaluation even without the counts file).
 
 Shape legend: T tokens, D hidden size, E experts, V vocabulary (see :mod:`routers.base`).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
-HASH_TYPES = ("random", "mod")
+HASH_TYPES = ("random", "mod", "balanced")
 
 
 @dataclass(frozen=True)
 class HashConfig(RouterConfig):
-    """Options of the Hash router.
+    """Options of the Hash router (see the module docstring for the tables).
 
     Args:
-        hash_type: "random" (default: a seeded uniformly random table, Roller et al.) or "mod"
-            (token id mod E, the ReMoE paper's variant).
-        seed: seed of the random table; the same seed gives the same table (in every layer, as in
-            ParlAI's reference, which seeds every hash layer with 42).
+        hash_type: "random" (default, Roller et al.), "mod" (token id mod E, ReMoE's Hash baseline) or
+            "balanced" (built from ``counts_path``).
+        seed: seed of the "random" and "balanced" tables (``seed + layer_number`` with ``per_layer``).
         vocab_size: V, the number of token ids the table covers (default 50304: GPT-2's 50257 padded
             to a multiple of 128, as megatron-core pads it). Larger ids are an error.
+        counts_path: a ``.npy`` file of per-id token counts of the training corpus (length at most V;
+            missing trailing ids count 0), required by and only used with "balanced".
+        per_layer: draw a separate table per layer (seeded by the layer number) instead of one table
+            shared by every layer.
     """
 
     hash_type: str = "random"
     seed: int = 42
     vocab_size: int = 50304
+    counts_path: str | None = None
+    per_layer: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -48,24 +90,96 @@ class HashConfig(RouterConfig):
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if self.vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        if (self.hash_type == "balanced") != (self.counts_path is not None):
+            raise ValueError(
+                f"counts_path is required by hash_type 'balanced' and only used by it "
+                f"(hash_type={self.hash_type!r}, counts_path={self.counts_path!r})"
+            )
+        if self.per_layer and self.hash_type == "mod":
+            raise ValueError("per_layer has no effect with hash_type 'mod' (id mod E is the same in every layer)")
 
 
-def build_hash_table(config: HashConfig) -> torch.Tensor:
+def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
+    """Read a counts file (``.npy``, one non-negative count per token id) padded to ``vocab_size``.
+
+    Args:
+        path: the ``.npy`` file.
+        vocab_size: V; the file may cover fewer ids (the rest count 0), never more.
+
+    Returns:
+        ``[V]`` int64 counts.
+
+    Raises:
+        ValueError: unreadable file, wrong shape or dtype, negative counts, more ids than V.
+    """
+    try:
+        counts = np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"counts_path {path}: unreadable token counts ({exc})") from None
+    if counts.ndim != 1 or not np.issubdtype(counts.dtype, np.integer):
+        raise ValueError(f"counts_path {path}: expected a 1-D integer array, got {counts.dtype} {counts.shape}")
+    if counts.size > vocab_size:
+        raise ValueError(f"counts_path {path}: {counts.size} token ids > vocab_size={vocab_size}")
+    if counts.size and int(counts.min()) < 0:
+        raise ValueError(f"counts_path {path}: negative token counts")
+    out = np.zeros(vocab_size, dtype=np.int64)
+    out[: counts.size] = counts
+    return out
+
+
+def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int) -> torch.Tensor:
+    """The ``balanced`` table: k distinct experts per id, loads within one count of ``k * total / E``.
+
+    Args:
+        counts_V: ``[V]`` non-negative token counts.
+        num_experts: E.
+        top_k: k.
+        seed: seeds the choice among the experts with room.
+
+    Returns:
+        ``[V, k]`` long tensor of expert ids.
+    """
+    V, E, k = counts_V.shape[0], num_experts, top_k
+    rng = np.random.default_rng(seed)
+    table = np.empty((V, k), dtype=np.int64)
+    load_E = np.zeros(E, dtype=np.int64)
+    capacity = math.ceil(k * int(counts_V.sum()) / E)
+    # Most frequent first (stable, so equal counts keep id order); ids never seen go round-robin.
+    order = np.argsort(-counts_V, kind="stable")
+    seen = order[counts_V[order] > 0]
+    for token in seen:
+        c = int(counts_V[token])
+        room = np.flatnonzero(load_E + c <= capacity)
+        if room.size >= k:
+            chosen = rng.choice(room, size=k, replace=False)
+        else:
+            chosen = np.argsort(load_E, kind="stable")[:k]
+        table[token] = chosen
+        load_E[chosen] += c
+    unseen = order[counts_V[order] == 0]
+    ranks = np.arange(unseen.size)[:, None] * k + np.arange(k)[None, :]
+    table[unseen] = ranks % E
+    return torch.from_numpy(table)
+
+
+def build_hash_table(config: HashConfig, layer_number: int | None = None) -> torch.Tensor:
     """The ``[V, k]`` table of expert ids (k distinct experts per token id).
 
     Args:
         config: the router's config.
+        layer_number: the layer (1-based) for ``per_layer`` tables; ignored otherwise.
 
     Returns:
-        A long tensor ``[V, k]``. "random": for every id, the first k entries of a uniformly random
-        permutation of the experts drawn from a generator seeded with ``seed`` (for k = 1, a uniformly
-        random expert). "mod": ``(id + j) mod E`` for j < k (for k = 1, ``id mod E``).
+        A long tensor ``[V, k]`` (see the module docstring for each ``hash_type``).
     """
     V, E, k = config.vocab_size, config.num_experts, config.top_k
     if config.hash_type == "mod":
         ids_V1 = torch.arange(V, dtype=torch.long)[:, None]
         return (ids_V1 + torch.arange(k, dtype=torch.long)[None, :]) % E
-    generator = torch.Generator().manual_seed(config.seed)
+    seed = config.seed + (layer_number or 0) if config.per_layer else config.seed
+    if config.hash_type == "balanced":
+        return balanced_table(load_token_counts(config.counts_path, V), E, k, seed)
+    generator = torch.Generator().manual_seed(seed)
     # argsort of i.i.d. uniforms is a uniform random permutation per row: k distinct experts per id.
     return torch.rand(V, E, generator=generator).argsort(dim=-1)[:, :k].contiguous()
 
@@ -75,18 +189,25 @@ class HashRouter(Router):
     """Hash routing (Roller et al. 2021): token id -> k fixed experts, no learned gate.
 
     The table is the persistent buffer ``table`` ``[V, k]``, so a checkpoint carries it and a resumed
-    or evaluated model routes exactly as in training whatever the seed option then says. Each routed
+    or evaluated model routes exactly as in training whatever the seed or counts options then say. Each routed
     expert gets weight 1/k: weight 1 for the k = 1 of the papers, and a mean of the k experts (weights
     summing to one) for k > 1, which the papers leave open. The output depends on the token ids only;
     the hidden states are read for their shape alone. There are no parameters and no aux loss.
     """
 
     Config = HashConfig
+    # ReMoE's Hash baseline, the row the ledger compares the 185M runs with, hashes id mod E (Sec. 4.2).
+    recipe_overrides = {"185m": ("router.options.hash_type=mod",)}
     requires_token_ids = True
 
     def __init__(self, config: HashConfig) -> None:
         super().__init__(config)
         self.register_buffer("table", build_hash_table(config))
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """With ``per_layer``, draw this layer's own table (seed ``seed + layer_number``)."""
+        if self.config.per_layer:
+            self.table.copy_(build_hash_table(self.config, layer_number))
 
     @property
     def constraint(self) -> RoutingConstraint:

@@ -2,14 +2,24 @@
 
 Reference:
     Zhong, Xia, Chen, Lewis, "Lory: Fully Differentiable Mixture-of-Experts for Autoregressive Language
-    Model Pre-training", COLM 2024 (arXiv:2405.03133). No public code; written from the paper.
+    Model Pre-training", COLM 2024 (arXiv:2405.03133). No public code; written from the paper
+    (Sec. 3.1 and Appendix A, Algorithm 1).
 
 Only the router and the segment logic live here: the layer that merges the experts' parameters per
 segment with these weights (and runs the merged FFN on the segment) is :mod:`baselines.lory_layer`, which the
-model builder takes from :meth:`LoryRouter.moe_layer_class`.
+model builder takes from :meth:`LoryRouter.moe_layer_class`. The paper's second technique, similarity-based
+data batching (Sec. 3.2, Appendix C), is a data-pipeline option (:mod:`repro.data.similarity`) that Lory's
+experiments turn on (``recipe_overrides``).
 
-Not implemented: the paper's similarity-based batching of training documents (a data-pipeline option);
-training samples are drawn as for every other router.
+The first segment (a switchable default, ``first_segment_grad``):
+    Segment 0 has no previous segment, so it is routed on the mean of its own hidden states. The paper
+    (Sec. 3.1: "to prevent information leakage, we implement a stop-gradient operation on R(h_1)";
+    Algorithm 1: ``e[:, 0] = stop_grad(e_first)``) stops the gradient of the whole routing output of the
+    first segment: neither the segment's hidden states nor the router weight W_r learn from it.
+    ``"none"`` (default) follows the paper. ``"router"`` stops the gradient only at the segment mean, so
+    W_r is still trained on segment 0, whose weights see the segment's own later tokens in the forward
+    (the suite's earlier behaviour, kept for comparison). Either way the forward of segment 0 uses its
+    own tokens, as published.
 
 Shape legend: T tokens (t = s * B + b), S sequence length, B sequences, D hidden size, E experts,
 G segments per sequence (see :mod:`routers.base`).
@@ -27,6 +37,9 @@ from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, 
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
+#: ``first_segment_grad`` values (see the module docstring).
+FIRST_SEGMENT_GRADS = ("none", "router")
+
 
 @dataclass(frozen=True)
 class LoryConfig(RouterConfig):
@@ -35,16 +48,23 @@ class LoryConfig(RouterConfig):
     Args:
         segment_len: tokens per segment along each sequence (paper: 256). The last segment of a
             sequence is shorter when the sequence length is not a multiple.
+        first_segment_grad: what learns from the first segment's routing: "none" (default, the paper's
+            stop-gradient on R(mean of segment 0)) or "router" (only the mean is detached; W_r learns).
         init_std: std of the normal initialisation of the routing weight W_r.
     """
 
     segment_len: int = 256
+    first_segment_grad: str = "none"
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.segment_len < 1:
             raise ValueError(f"segment_len must be >= 1, got {self.segment_len}")
+        if self.first_segment_grad not in FIRST_SEGMENT_GRADS:
+            raise ValueError(
+                f"first_segment_grad must be one of {FIRST_SEGMENT_GRADS}, got {self.first_segment_grad!r}"
+            )
         check_init_std(self.init_std)
 
 
@@ -91,10 +111,11 @@ class LoryRouter(Router):
     Every sequence is cut into segments of ``segment_len`` tokens along its length (``seq_shape`` gives
     ``(S, B)``; tokens ``t = s * B + b``). Segment g >= 1 of a sequence is routed by
     ``softmax(W_r mean(h of segment g-1))``, so its weights use only earlier tokens; the first segment is
-    routed on the mean of its own hidden states with a stop-gradient (the mean is detached, so W_r still
-    learns from it but the segment's hidden states get no gradient through their own routing). Even so,
-    the first segment's weights see all of that segment's tokens in the forward pass: within segment 0 a
-    token's weights depend on later tokens of the segment, a property of the published method. At
+    routed on the mean of its own hidden states with a stop-gradient: on its whole routing output by
+    default (the paper: nothing learns from it), or on the mean only (``first_segment_grad="router"``: W_r
+    still learns from it). Either way the first segment's weights see all of that segment's tokens in the
+    forward pass: within segment 0 a token's weights depend on later tokens of the segment, a property of
+    the published method. At
     inference the paper routes once on the prompt; that generation-time rule belongs to the model's
     decoding code, this router applies the training rule to whatever sequence it is given.
 
@@ -105,9 +126,13 @@ class LoryRouter(Router):
 
     Config = LoryConfig
     merges_experts = True
-    # The tiny flavour's 128-token sequences would be one 256-token segment each (routed on itself): 32 keeps
-    # several segments per sequence, so the cross-segment routing runs.
-    recipe_overrides = {"tiny": ("router.options.segment_len=32",)}
+    # Lory trains on chains of similar documents (its paper's data batching, Sec. 3.2). The tiny flavour's
+    # 128-token sequences would be one 256-token segment each (routed on itself): 32 keeps several segments
+    # per sequence, so the cross-segment routing runs.
+    recipe_overrides = {
+        "tiny": ("router.options.segment_len=32", "data.similarity_batching=true"),
+        "185m": ("data.similarity_batching=true",),
+    }
 
     @classmethod
     def moe_layer_class(cls) -> type:
@@ -134,14 +159,19 @@ class LoryRouter(Router):
 
         Returns:
             ``[B, G, E]`` float32, each row on the simplex: row g is ``softmax(W_r mean(segment g-1))``
-            for g >= 1 and ``softmax(W_r stopgrad(mean(segment 0)))`` for g = 0.
+            for g >= 1, and for g = 0 ``stopgrad(softmax(W_r mean(segment 0)))`` (paper, default) or
+            ``softmax(W_r stopgrad(mean(segment 0)))`` (``first_segment_grad="router"``).
         """
         means_BGD = segment_means(hidden_TD, seq_shape, self.config.segment_len)
         # Segment g reads segment g-1 (causal); the first reads itself, detached.
         route_on_BGD = torch.cat([means_BGD[:, :1].detach(), means_BGD[:, :-1]], dim=1)
         with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
             logits_BGE = route_on_BGD @ self.weight.float().t()
-        return torch.softmax(logits_BGE, dim=-1)
+        weights_BGE = torch.softmax(logits_BGE, dim=-1)
+        if self.config.first_segment_grad == "none":
+            # Algorithm 1 of the paper: e[:, 0] = stop_grad(e_first).
+            weights_BGE = torch.cat([weights_BGE[:, :1].detach(), weights_BGE[:, 1:]], dim=1)
+        return weights_BGE
 
     def route(
         self,

@@ -6,6 +6,32 @@ References:
     arXiv:2310.00811, SparseMixer). Reference code: microsoft/SparseMixer ``sparsemixer/sparsemixer_v2.py``
     (``sparsemixerv2_routing`` and the autograd function ``v2core``), read for the details below.
 
+Two published settings, one flag apart (``reference``):
+
+==================  ==================================  ==========================================
+``reference``       ``"grin"`` (default)                 ``"sparsemixer-repo"``
+jitter eps          0.01                                 0.1
+balancing loss      alpha = 1e-3, f from the top-k of    alpha = 1e-2, f from the sampled experts
+                    the plain softmax of the logits
+source              GRIN / Phi-3.5-MoE configuration     microsoft/SparseMixer ``SparseMixerV2``
+                    (``router_jitter_noise: 0.01``) and   (``jitter_eps=0.1`` default; its optional
+                    GRIN's model code (aux loss 1e-3      ``compute_balance_loss`` counts the sampled
+                    over the softmax's top-k)             expert); the suite's earlier default
+==================  ==================================  ==========================================
+
+Why GRIN's is the default: the comparisons the suite reproduces (ReMoE Table 2, copied by the DirMoE
+paper) cite GRIN (Liu et al. 2024) for SparseMixer-v2 and state no hyper-parameter of their own (ReMoE,
+Sec. 4.2 fixes only Hash's and Lory's), so the published language-model pretraining setting of the method's
+authors, GRIN's, is the one to follow; the repository's 0.1 is the default of its module, whose example is
+the fairseq translation setup. Each field can still be set on its own (``jitter_eps``, ``aux_loss_coeff``,
+``balance_map``), overriding the preset.
+
+The balancing loss is megatron-core's ``switch_load_balancing_loss_func``,
+``alpha * E * sum_i f_i P_i`` with ``f_i`` the share of the ``k T`` assignments of expert i and ``P_i`` the
+mean softmax probability. Deviation (documented, not switchable): GRIN's model code (the Mixtral-style
+``load_balancing_loss_func``) normalises ``f`` by T instead of ``k T``, so at k = 2 its loss is twice
+megatron's for the same alpha; the suite keeps megatron's normalisation, shared with Switch.
+
 Shape legend: T tokens, D hidden size, E experts, k experts per token (see :mod:`routers.base`).
 """
 
@@ -26,33 +52,64 @@ from routers.registry import register_router
 HEUN_FULL_PROBABILITY = 0.25
 HEUN_MIDPOINT_SCALE = 1.0 / 3.0
 
+#: ``reference`` presets: (jitter_eps, aux_loss_coeff, balance_map); see the module docstring.
+REFERENCE_SETTINGS: dict[str, tuple[float, float, str]] = {
+    "grin": (0.01, 1e-3, "topk"),
+    "sparsemixer-repo": (0.1, 1e-2, "sampled"),
+}
+BALANCE_MAPS = ("topk", "sampled")
+
 
 @dataclass(frozen=True)
 class SparseMixerConfig(RouterConfig):
     """Options of the SparseMixer-v2 router (``top_k`` must be 1 or 2, the cases the reference supports).
 
     Args:
+        reference: which published setting fills the options left at None: "grin" (default) or
+            "sparsemixer-repo" (see the module docstring).
         jitter_eps: eps of the jitter mask: an expert i is excluded when
-            ``(max_j l_j - l_i) / max(|l_i|, max_j l_j) > 2 * eps`` (reference default 0.1).
-        aux_loss_coeff: alpha of a switch load-balancing loss ``alpha * E * sum_i f_i P_i`` on the plain
-            softmax of the logits and the selected experts (the reference module's optional
-            ``compute_balance_loss``; GRIN trains with one). 0 turns it off.
+            ``(max_j l_j - l_i) / max(|l_i|, max_j l_j) > 2 * eps``. None: the preset's (0.01 / 0.1).
+        aux_loss_coeff: alpha of the switch load-balancing loss ``alpha * E * sum_i f_i P_i``; 0 turns it
+            off. None: the preset's (1e-3 / 1e-2).
+        balance_map: which experts ``f_i`` counts: "topk" (the k largest of the plain softmax, GRIN's model
+            code) or "sampled" (the experts the router selected, the repository module). None: the preset's.
         init_std: std of the normal initialisation of the gate weight.
     """
 
-    jitter_eps: float = 0.1
-    aux_loss_coeff: float = 1e-2
+    reference: str = "grin"
+    jitter_eps: float | None = None
+    aux_loss_coeff: float | None = None
+    balance_map: str | None = None
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
         super().__post_init__()
         if self.top_k not in (1, 2):
             raise ValueError(f"top_k must be 1 or 2 for sparsemixer (the reference's cases), got {self.top_k}")
-        if not self.jitter_eps >= 0:
+        if self.reference not in REFERENCE_SETTINGS:
+            raise ValueError(f"reference must be one of {tuple(REFERENCE_SETTINGS)}, got {self.reference!r}")
+        if self.jitter_eps is not None and not self.jitter_eps >= 0:
             raise ValueError(f"jitter_eps must be >= 0, got {self.jitter_eps}")
-        if not self.aux_loss_coeff >= 0:
+        if self.aux_loss_coeff is not None and not self.aux_loss_coeff >= 0:
             raise ValueError(f"aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
+        if self.balance_map is not None and self.balance_map not in BALANCE_MAPS:
+            raise ValueError(f"balance_map must be one of {BALANCE_MAPS}, got {self.balance_map!r}")
         check_init_std(self.init_std)
+
+    @property
+    def effective_jitter_eps(self) -> float:
+        """``jitter_eps``, or the ``reference`` preset's."""
+        return REFERENCE_SETTINGS[self.reference][0] if self.jitter_eps is None else float(self.jitter_eps)
+
+    @property
+    def effective_aux_loss_coeff(self) -> float:
+        """``aux_loss_coeff``, or the ``reference`` preset's."""
+        return REFERENCE_SETTINGS[self.reference][1] if self.aux_loss_coeff is None else float(self.aux_loss_coeff)
+
+    @property
+    def effective_balance_map(self) -> str:
+        """``balance_map``, or the ``reference`` preset's."""
+        return REFERENCE_SETTINGS[self.reference][2] if self.balance_map is None else self.balance_map
 
 
 class SparseMixerV2Estimator(torch.autograd.Function):
@@ -136,8 +193,9 @@ class SparseMixerRouter(Router):
     probability 1/4 and 1/3 with probability 3/4 (training only; the reference writes 1/3 as 0.3333).
     The backward replaces the derivative of that sampled forward with SparseMixer-v2's estimator
     ``dL/dlogits = g * pi_i * (e_i - pi)`` (g the incoming gradient of the weight), summed over the k
-    selections. With ``aux_loss_coeff > 0``, the switch load-balancing loss on the plain softmax of the
-    logits is added in training (megatron-core's ``switch_load_balancing_loss_func``).
+    selections. With an aux-loss coefficient > 0, the switch load-balancing loss on the plain softmax of
+    the logits is added in training (megatron-core's ``switch_load_balancing_loss_func``), its token counts
+    taken from the softmax's top-k or from the sampled experts (``balance_map``).
     """
 
     Config = SparseMixerConfig
@@ -176,7 +234,7 @@ class SparseMixerRouter(Router):
         weights, experts, not_argmax, scales = [], [], [], []
         for _ in range(cfg.top_k):
             weight_T, selected_T, pi_TE, scale_T = sparsemixer_v2_select(
-                logits_TE, cfg.jitter_eps, self.training, exclude_TE
+                logits_TE, cfg.effective_jitter_eps, self.training, exclude_TE
             )
             chosen_TE = torch.nn.functional.one_hot(selected_T, cfg.num_experts).bool()
             exclude_TE = chosen_TE if exclude_TE is None else exclude_TE | chosen_TE
@@ -189,11 +247,16 @@ class SparseMixerRouter(Router):
         routing_map_TE = exclude_TE
 
         scores_TE = torch.softmax(logits_TE, dim=-1)
-        tokens_per_expert_E = routing_map_TE.sum(0)
+        if cfg.effective_balance_map == "sampled":
+            tokens_per_expert_E = routing_map_TE.sum(0)
+        else:  # the top-k of the plain softmax, whatever was sampled
+            top_Tk = scores_TE.detach().topk(cfg.top_k, dim=-1).indices
+            tokens_per_expert_E = torch.zeros_like(routing_map_TE).scatter_(1, top_Tk, True).sum(0)
         aux_losses: dict[str, torch.Tensor] = {}
-        if self.training and torch.is_grad_enabled() and cfg.aux_loss_coeff > 0:
+        alpha = cfg.effective_aux_loss_coeff
+        if self.training and torch.is_grad_enabled() and alpha > 0:
             aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
-                scores_TE, tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, cfg.aux_loss_coeff
+                scores_TE, tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, alpha
             )
 
         metrics = routing_metrics(probs_TE, routing_map_TE)

@@ -41,9 +41,12 @@ class SwitchConfig(RouterConfig):
     Args:
         aux_loss_coeff: alpha of the load-balancing loss (``moe_aux_loss_coeff``); 0 turns it off.
         z_loss_coeff: coefficient of the router z-loss (``moe_z_loss_coeff``); 0 (default) turns it off.
-        pre_softmax: softmax before the top-k (``moe_router_pre_softmax``). ``None`` follows megatron-core:
-            True for k = 1 (0.16.1 requires it: a softmax over one selected logit has zero gradient), its
-            default False for k > 1 (softmax over the k selected logits, so the weights sum to one).
+        pre_softmax: softmax before the top-k (``moe_router_pre_softmax``): the k weights are the full
+            softmax's values, not renormalised. ``None`` follows megatron-core: True for k = 1 (0.16.1
+            requires it: a softmax over one selected logit has zero gradient), its default False for k > 1
+            (softmax over the k selected logits, so the weights sum to one). ReMoE's dMoE launch scripts pass
+            ``--moe-router-pre-softmax`` whatever k (``scripts/train_llama_182m_moe.sh``), so runs compared
+            with ReMoE's numbers at k > 1 (the k sweeps) set True.
         capacity_factor: ``None`` (default) is dropless (dMoE); a value c > 0 caps every expert at
             ``ceil((T * k / E) * c)`` tokens and drops the rest (``moe_expert_capacity_factor``).
         drop_policy: which tokens an over-full expert keeps: "probs" (highest weight) or "position"
@@ -100,6 +103,9 @@ class SwitchRouter(Router):
     """
 
     Config = SwitchConfig
+    # ReMoE's dMoE scripts take the softmax before the top-k at every k (``--moe-router-pre-softmax``); the
+    # 185M runs and the k-sweeps derived from them follow that (at k = 1 it is what megatron requires anyway).
+    recipe_overrides = {"185m": ("router.options.pre_softmax=true",)}
 
     def __init__(self, config: SwitchConfig) -> None:
         super().__init__(config)

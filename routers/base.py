@@ -230,6 +230,13 @@ class Router(nn.Module):
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
         """Called once after each optimizer step with the averaged :meth:`step_statistic`."""
 
+    def set_layer_number(self, layer_number: int) -> None:
+        """Told the router's (1-based) layer once the model is built; a no-op unless a router needs it.
+
+        megatron-core calls ``set_layer_number`` on the router it builds; the adapter passes the number on
+        here. Routers whose routing depends on the layer (Hash's per-layer tables) override this.
+        """
+
     @property
     def num_experts(self) -> int:
         return self.config.num_experts

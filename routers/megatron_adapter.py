@@ -135,8 +135,9 @@ class MegatronRouterAdapter(MegatronModule):
 
     # ------------------------------------------------------------------ protocol
     def set_layer_number(self, layer_number: int) -> None:
-        """Called by megatron's TransformerLayer at construction (1-based layer index)."""
+        """Called by megatron's TransformerLayer at construction (1-based layer index); passed to the router."""
         self.layer_number = layer_number
+        self.router.set_layer_number(layer_number)
 
     def forward(
         self, hidden_SBD: torch.Tensor, padding_mask: torch.Tensor | None = None

@@ -6,13 +6,15 @@ computed here by hand.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import numpy as np
 import pytest
 import torch
 
 import routers
-from baselines.hash import HashConfig, build_hash_table
+from baselines.hash import HashConfig, balanced_table, build_hash_table
 from baselines.lory import segment_means
 from baselines.sparsemixer import SparseMixerConfig, sparsemixer_v2_select
 from baselines.switch import SwitchConfig
@@ -50,9 +52,19 @@ def test_all_six_baselines_are_registered():
         ("hash", {"hash_type": "md5"}, "hash_type"),
         ("hash", {"vocab_size": 0}, "vocab_size"),
         ("hash", {"seed": -1}, "seed"),
+        ("hash", {"hash_type": "balanced"}, "counts_path"),
+        ("hash", {"counts_path": "counts.npy"}, "counts_path"),
+        ("hash", {"hash_type": "mod", "per_layer": True}, "per_layer"),
         ("lory", {"segment_len": 0}, "segment_len"),
+        ("lory", {"first_segment_grad": "all"}, "first_segment_grad"),
         ("sparsemixer", {"jitter_eps": -0.1}, "jitter_eps"),
         ("sparsemixer", {"top_k": 3}, "top_k"),
+        ("sparsemixer", {"reference": "phi"}, "reference"),
+        ("sparsemixer", {"balance_map": "all"}, "balance_map"),
+        ("expert_choice", {"eval_capacity_factor": 0.0}, "eval_capacity_factor"),
+        ("expert_choice", {"group_size": 0}, "group_size"),
+        ("expert_choice", {"group_size": "batch"}, "group_size"),
+        ("expert_choice", {"z_loss_coeff": -1.0}, "z_loss_coeff"),
     ],
 )
 def test_invalid_options_name_the_field(name, options, field):
@@ -140,9 +152,10 @@ def megatron_config(cfg: SwitchConfig):
         {"top_k": 1},
         {"top_k": 2, "z_loss_coeff": 1e-3},
         {"top_k": 2, "pre_softmax": True, "capacity_factor": 1.0},
+        {"top_k": 4, "pre_softmax": True},
         {"top_k": 1, "capacity_factor": 0.5, "drop_policy": "position"},
     ],
-    ids=["top1", "top2-zloss", "top2-presoftmax-capacity", "top1-capacity-position"],
+    ids=["top1", "top2-zloss", "top2-presoftmax-capacity", "top4-presoftmax", "top1-capacity-position"],
 )
 def test_switch_agrees_with_megatron_topk_router(megatron_parallel, megatron_cpu, options):
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
@@ -202,6 +215,22 @@ def test_switch_aux_loss_is_alpha_E_sum_f_P_by_hand():
     torch.testing.assert_close(out.aux_losses["load_balancing_loss"].detach(), expected)
     assert torch.equal(out.routing_map, top_TE)
     torch.testing.assert_close(out.probs.sum(-1), torch.ones(T))  # softmax after top-k for k > 1
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_switch_pre_softmax_at_any_k_keeps_the_full_softmax_values(k):
+    """ReMoE's dMoE scripts pass --moe-router-pre-softmax: softmax over all E, then the top-k values."""
+    router = build("switch", top_k=k, pre_softmax=True).train()
+    h = hidden(15)
+    out = router(h)
+    scores_TE = torch.softmax(h @ router.weight.detach().t(), dim=-1)
+    top = scores_TE.topk(k, dim=-1)
+    expected = torch.zeros(T, E).scatter(1, top.indices, top.values)
+    torch.testing.assert_close(out.probs, expected)
+    assert (out.probs.sum(-1) < 1).all()  # not renormalised over the k chosen
+    assert not router.constraint.probs_sum_to_one
+    default = build("switch", top_k=k).train()(h)  # megatron's default for k > 1: softmax after top-k
+    torch.testing.assert_close(default.probs, expected / expected.sum(-1, keepdim=True))
 
 
 def test_switch_losses_only_when_training_with_grad():
@@ -319,6 +348,77 @@ def test_expert_choice_routing_depends_on_later_tokens():
     assert not torch.equal(before[:-1], after[:-1])
 
 
+def _ec_by_hand(scores_TE: torch.Tensor, groups: list[list[int]], capacity: int) -> torch.Tensor:
+    """flaxformer's expert choice written out: per group, each expert's top-C tokens."""
+    map_TE = torch.zeros_like(scores_TE, dtype=torch.bool)
+    for tokens in groups:
+        idx = torch.tensor(tokens)
+        top = scores_TE[idx].topk(capacity, dim=0).indices  # [C, E] positions inside the group
+        for e in range(scores_TE.shape[1]):
+            map_TE[idx[top[:, e]], e] = True
+    return map_TE
+
+
+def test_expert_choice_sequence_groups_choose_within_each_sequence():
+    router = build("expert_choice", group_size="sequence").train()
+    h = hidden(16)
+    out = router(h, None, (S, B))
+    scores_TE = torch.softmax(h @ router.weight.detach().t(), dim=-1)
+    groups = [[s * B + b for s in range(S)] for b in range(B)]  # megatron order t = s * B + b
+    capacity = math.ceil(S * 1 / E)
+    expected = _ec_by_hand(scores_TE, groups, capacity)
+    assert torch.equal(out.routing_map, expected)
+    for tokens in groups:
+        assert (out.routing_map[tokens].sum(0) == capacity).all()
+    assert (int(out.metrics["group_size"]), int(out.metrics["num_groups"]), int(out.metrics["capacity"])) == (S, B, capacity)
+    torch.testing.assert_close(out.probs, scores_TE * expected)
+
+
+def test_expert_choice_sequence_groups_do_not_depend_on_other_sequences_or_batch_size():
+    router = build("expert_choice", group_size="sequence").eval()
+    h_SBD = hidden(17, (S, B, D))
+    full = router(h_SBD.reshape(T, D), None, (S, B)).routing_map.view(S, B, E)
+    alone = router(h_SBD[:, :1].reshape(S, D), None, (S, 1)).routing_map.view(S, 1, E)
+    assert torch.equal(full[:, 0], alone[:, 0])  # the same sequence routes the same in a batch of 1
+    h2 = h_SBD.clone()
+    h2[:, 1:] = hidden(18, (S, B - 1, D))
+    changed = router(h2.reshape(T, D), None, (S, B)).routing_map.view(S, B, E)
+    assert torch.equal(changed[:, 0], full[:, 0])
+    # ... while the micro-batch group (the default) lets the other sequences re-route sequence 0.
+    batch_router = build("expert_choice").eval()
+    a = batch_router(h_SBD.reshape(T, D), None, (S, B)).routing_map.view(S, B, E)
+    b = batch_router(h2.reshape(T, D), None, (S, B)).routing_map.view(S, B, E)
+    assert not torch.equal(a[:, 0], b[:, 0])
+
+
+def test_expert_choice_fixed_group_size_and_flaxformer_group_count():
+    from baselines.expert_choice import num_groups
+
+    assert num_groups(64, 16) == 4 and num_groups(64, 24) == 4 and num_groups(60, 16) == 4 and num_groups(7, 2) == 7
+    router = build("expert_choice", group_size=32, capacity_factor=2.0).train()
+    h = hidden(19)
+    out = router(h, None, (S, B))
+    scores_TE = torch.softmax(h @ router.weight.detach().t(), dim=-1)
+    batch_major = [s * B + b for b in range(B) for s in range(S)]
+    groups = [batch_major[:32], batch_major[32:]]  # 32 consecutive tokens: two sequences of 16
+    assert torch.equal(out.routing_map, _ec_by_hand(scores_TE, groups, math.ceil(32 * 2 / E)))
+    assert int(out.metrics["group_size"]) == 32
+
+
+def test_expert_choice_eval_capacity_factor_and_z_loss():
+    router = build("expert_choice", eval_capacity_factor=2.0, z_loss_coeff=1e-3)
+    h = hidden(20)
+    train_out = router.train()(h)
+    assert (train_out.routing_map.sum(0) == math.ceil(T / E)).all()
+    logits = h @ router.weight.detach().t()
+    expected_z = 1e-3 * torch.logsumexp(logits, -1).square().mean()
+    torch.testing.assert_close(train_out.aux_losses["z_loss"].detach(), expected_z)
+    assert train_out.aux_losses["z_loss"].requires_grad
+    eval_out = router.eval()(h)
+    assert (eval_out.routing_map.sum(0) == math.ceil(2 * T / E)).all() and eval_out.aux_losses == {}
+    assert router.capacity(T, training=True) == math.ceil(T / E)
+
+
 # ----------------------------------------------------------------------------------------------- Hash
 def test_hash_output_depends_only_on_token_ids():
     router = build("hash", vocab_size=100).train()
@@ -367,6 +467,82 @@ def test_hash_table_is_checkpointed_and_ids_are_checked():
         src(hidden(), None)
 
 
+def _zipf_counts(V: int = 1000, seed: int = 0) -> np.ndarray:
+    """A Zipfian corpus whose most frequent id holds about half an expert's equal share at k = 1."""
+    rng = np.random.default_rng(seed)
+    counts = (10_000 / np.arange(1, V + 1) ** 0.8).astype(np.int64)
+    counts[rng.choice(V, 20, replace=False)] = 0  # ids never seen in the corpus
+    return rng.permutation(counts)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_hash_balanced_table_balances_the_corpus_load(k):
+    counts = _zipf_counts()
+    table = balanced_table(counts, E, k, seed=3)
+    assert table.shape == (1000, k) and all(len(set(row.tolist())) == k for row in table)
+    load_E = np.zeros(E, dtype=np.int64)
+    for token, experts in enumerate(table.tolist()):
+        load_E[experts] += counts[token]
+    ideal = k * counts.sum() / E
+    assert load_E.max() <= math.ceil(ideal) + counts.max()  # the greedy bound
+    assert load_E.max() / ideal < 1.05  # and in fact close to an equal share
+    random_table = build_hash_table(HashConfig(hidden_size=D, num_experts=E, top_k=k, vocab_size=1000))
+    random_load = np.zeros(E, dtype=np.int64)
+    for token, experts in enumerate(random_table.tolist()):
+        random_load[experts] += counts[token]
+    assert load_E.max() < random_load.max()  # balancing beats the random map on a Zipfian corpus
+    # Unseen ids are spread round-robin; the table is a function of the seed.
+    unseen = np.flatnonzero(counts == 0)
+    assert np.bincount(table[unseen].reshape(-1).numpy(), minlength=E).max() <= math.ceil(len(unseen) * k / E)
+    assert torch.equal(table, balanced_table(counts, E, k, seed=3))
+    assert not torch.equal(table, balanced_table(counts, E, k, seed=4))
+
+
+def test_hash_balanced_router_reads_counts_and_checkpoints_its_table(tmp_path):
+    counts = _zipf_counts()
+    path = tmp_path / "counts.npy"
+    np.save(path, counts[:900])  # fewer ids than the vocabulary: the rest count 0
+    router = build("hash", hash_type="balanced", counts_path=str(path), vocab_size=1000)
+    padded = np.concatenate([counts[:900], np.zeros(100, np.int64)])
+    assert torch.equal(router.table, balanced_table(padded, E, 1, seed=42))
+    ids_T = torch.arange(T) * 4
+    out = router(hidden(), ids_T)
+    assert torch.equal(out.routing_map, torch.nn.functional.one_hot(router.table[ids_T, 0], E).bool())
+    # The table travels in the state dict: a router built from other counts routes as the saved one.
+    np.save(tmp_path / "other.npy", np.ones(1000, np.int64))
+    other = build("hash", hash_type="balanced", counts_path=str(tmp_path / "other.npy"), vocab_size=1000)
+    other.load_state_dict(router.state_dict())
+    assert torch.equal(other(hidden(), ids_T).routing_map, out.routing_map)
+    np.save(tmp_path / "bad.npy", np.ones(1001, np.int64))
+    with pytest.raises(ValueError, match="vocab_size"):
+        build("hash", hash_type="balanced", counts_path=str(tmp_path / "bad.npy"), vocab_size=1000)
+
+
+def test_hash_per_layer_tables_through_megatrons_layer_number():
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from routers.megatron_adapter import MegatronRouterAdapter
+
+    config = TransformerConfig(
+        num_layers=2, hidden_size=D, num_attention_heads=4, num_moe_experts=E, moe_router_topk=1,
+        moe_router_pre_softmax=True,
+    )
+    adapters = []
+    for layer in (1, 2):
+        adapter = MegatronRouterAdapter(config=config, router_name="hash", router_options={"per_layer": True, "vocab_size": 500})
+        adapter.set_layer_number(layer)  # what megatron's MoELayer does at construction
+        adapters.append(adapter)
+    t1, t2 = adapters[0].router.table, adapters[1].router.table
+    cfg = adapters[0].router.config
+    assert torch.equal(t1, build_hash_table(cfg, 1)) and torch.equal(t2, build_hash_table(cfg, 2))
+    assert torch.equal(t1, build_hash_table(dataclasses.replace(cfg, per_layer=False, seed=43)))  # seed + layer
+    assert not torch.equal(t1, t2)
+    shared = MegatronRouterAdapter(config=config, router_name="hash", router_options={"vocab_size": 500})
+    shared.set_layer_number(2)
+    assert shared.layer_number == 2
+    assert torch.equal(shared.router.table, build_hash_table(dataclasses.replace(cfg, per_layer=False)))  # default: one table
+
+
 # ----------------------------------------------------------------------------------------------- Lory
 LORY_S, LORY_B, LORY_L = 10, 2, 4  # segments of 4, 4 and a partial 2
 
@@ -392,19 +568,38 @@ def test_lory_segment_g_is_routed_by_segment_g_minus_1():
     torch.testing.assert_close(w2[1], w[1], rtol=0, atol=0)
 
 
-def test_lory_first_segment_is_detached_and_partial_segments_averaged():
-    router = build("lory", segment_len=LORY_L).train()
+@pytest.mark.parametrize("first_segment_grad", ["none", "router"])
+def test_lory_first_segment_stop_gradient(first_segment_grad):
+    """Paper (Sec. 3.1, Algorithm 1: e[:, 0] = stop_grad(e_first)): nothing learns from segment 0's routing."""
+    router = build("lory", segment_len=LORY_L, first_segment_grad=first_segment_grad).train()
     h_TD = hidden(8, (LORY_S * LORY_B, D)).requires_grad_(True)
     w = router.segment_weights(h_TD, (LORY_S, LORY_B))
     (w[:, 0] * hidden(9, (LORY_B, E))).sum().backward()
-    assert h_TD.grad.abs().sum() == 0  # segment 0's routing does not train its own hidden states
-    assert router.weight.grad.abs().sum() > 0  # but it trains W_r
+    assert h_TD.grad.abs().sum() == 0  # segment 0's routing never trains its own hidden states
+    if first_segment_grad == "none":
+        assert router.weight.grad is None or router.weight.grad.abs().sum() == 0
+    else:
+        assert router.weight.grad.abs().sum() > 0  # the suite's earlier reading: W_r learns from it
+    # The later segments train W_r and the previous segment's hidden states either way.
+    router.weight.grad = None
+    h_TD.grad = None
+    w = router.segment_weights(h_TD, (LORY_S, LORY_B))
+    (w[:, 1] * hidden(9, (LORY_B, E))).sum().backward()
+    assert router.weight.grad.abs().sum() > 0 and h_TD.grad.abs().sum() > 0
+    # The forward is the same for both settings.
+    other = build("lory", segment_len=LORY_L, first_segment_grad="router" if first_segment_grad == "none" else "none")
+    torch.testing.assert_close(other.segment_weights(h_TD.detach(), (LORY_S, LORY_B)), w.detach())
+
+
+def test_lory_partial_segments_averaged():
+    router = build("lory", segment_len=LORY_L).train()
+    h_TD = hidden(8, (LORY_S * LORY_B, D))
     # The partial last segment is averaged over its own 2 tokens.
-    means = segment_means(h_TD.detach(), (LORY_S, LORY_B), LORY_L)
-    torch.testing.assert_close(means[1, 2], h_TD.detach().view(LORY_S, LORY_B, D)[8:10, 1].mean(0))
+    means = segment_means(h_TD, (LORY_S, LORY_B), LORY_L)
+    torch.testing.assert_close(means[1, 2], h_TD.view(LORY_S, LORY_B, D)[8:10, 1].mean(0))
     # A sequence shorter than one segment routes on itself (detached), and seq_shape None is one sequence.
-    short = router.segment_weights(h_TD[:3].detach(), None)
-    torch.testing.assert_close(short[0, 0], torch.softmax(router.weight.detach() @ h_TD[:3].detach().mean(0), -1))
+    short = router.segment_weights(h_TD[:3], None)
+    torch.testing.assert_close(short[0, 0], torch.softmax(router.weight.detach() @ h_TD[:3].mean(0), -1))
 
 
 def test_lory_probs_give_every_token_its_segment_weights():
@@ -473,7 +668,7 @@ def test_sparsemixer_sampling_follows_masked_softmax_and_heun_mixing():
 
 def test_sparsemixer_top2_router_backward_sums_both_estimators():
     eps = 0.1
-    router = build("sparsemixer", hidden_size=E, top_k=2, aux_loss_coeff=0.0).eval()  # eval: arg-max order
+    router = build("sparsemixer", hidden_size=E, top_k=2, aux_loss_coeff=0.0, jitter_eps=eps).eval()  # arg-max
     with torch.no_grad():
         router.weight.copy_(torch.eye(E))  # logits = hidden
     h_TE = (hidden(13, (T, E)) * 0.2 + 1.0).requires_grad_(True)
@@ -499,6 +694,35 @@ def test_sparsemixer_top2_router_backward_sums_both_estimators():
         g_T = signal_TE[rows, sel] * pi[rows, sel]
         grad += g_T[:, None] * (torch.nn.functional.one_hot(sel, E).float() - pi)
     torch.testing.assert_close(h_TE.grad, grad)
+
+
+def test_sparsemixer_defaults_follow_grin_and_the_repository_setting_is_one_flag_away():
+    grin = SparseMixerConfig(hidden_size=D, num_experts=E)
+    assert (grin.effective_jitter_eps, grin.effective_aux_loss_coeff, grin.effective_balance_map) == (0.01, 1e-3, "topk")
+    repo = SparseMixerConfig(hidden_size=D, num_experts=E, reference="sparsemixer-repo")
+    assert (repo.effective_jitter_eps, repo.effective_aux_loss_coeff, repo.effective_balance_map) == (0.1, 1e-2, "sampled")
+    mixed = SparseMixerConfig(hidden_size=D, num_experts=E, reference="sparsemixer-repo", jitter_eps=0.05)
+    assert (mixed.effective_jitter_eps, mixed.effective_aux_loss_coeff) == (0.05, 1e-2)  # a field overrides
+
+
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("reference", ["grin", "sparsemixer-repo"])
+def test_sparsemixer_balance_loss_counts_the_documented_experts(k, reference):
+    router = build("sparsemixer", top_k=k, reference=reference).train()
+    h = hidden(21) * 30  # spread logits, so sampling often differs from the arg-max
+    torch.manual_seed(5)
+    out = router(h)
+    scores_TE = torch.softmax(h @ router.weight.detach().t(), dim=-1)
+    if reference == "grin":
+        map_TE = torch.zeros(T, E, dtype=torch.bool).scatter(1, scores_TE.topk(k, dim=-1).indices, True)
+        alpha = 1e-3
+    else:
+        map_TE = out.routing_map
+        alpha = 1e-2
+    f_E = map_TE.sum(0) / (T * k)
+    expected = alpha * E * (f_E * scores_TE.mean(0)).sum()
+    torch.testing.assert_close(out.aux_losses["load_balancing_loss"].detach(), expected)
+    assert float(out.metrics["sampled_not_argmax"]) > 0  # the two maps really differ in this test
 
 
 def test_sparsemixer_only_top1_and_top2():

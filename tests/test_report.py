@@ -260,21 +260,29 @@ Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: Continuation (local)
 """
 
 EXPECTED_EFFICIENCY_CSV = """\
-Router,ms/iter,TFLOP/s/dev (analytic),TFLOP/s/dev (measured),tokens/s,peak mem (GiB),active experts,devices,device,compute parity
-dirmoe,200.0,0.00554,0.00591,5120,--,1.250,1,cpu (x86_64),"NO (+25.0% vs t-switch, tolerance 5%)"
-switch,200.0,0.00554,0.00554,5120,--,1.000,1,cpu (x86_64),reference
+Router,ms/iter,TFLOP/s/dev (analytic),TFLOP/s/dev (measured),tokens/s,peak mem (GiB),active experts,token group,devices,device,compute parity
+dirmoe,200.0,0.00554,0.00591,5120,--,1.250,--,1,cpu (x86_64),"NO (+25.0% vs t-switch, tolerance 5%)"
+switch,200.0,0.00554,0.00554,5120,--,1.000,--,1,cpu (x86_64),reference
 """
 
 EXPECTED_ROUTING_MD_ROWS = """\
-| Router   | Layer   |   active experts |   Simpson index |   load imbalance |   dropped mass |
-|----------|---------|------------------|-----------------|------------------|----------------|
-| dirmoe   | mean    |            1.250 |           0.500 |             1.25 |         0.0000 |
-| dirmoe   | 0       |            1.250 |           0.500 |             1.25 |         0.0000 |
-| dirmoe   | 1       |            1.250 |           0.500 |             1.25 |         0.0000 |
-| switch   | mean    |            1.000 |           0.500 |             1.25 |         0.0000 |
-| switch   | 0       |            1.000 |           0.500 |             1.25 |         0.0000 |
-| switch   | 1       |            1.000 |           0.500 |             1.25 |         0.0000 |
+| Router   | Layer   |   active experts |   Simpson index |   load imbalance |   dropped mass |   fallback share |
+|----------|---------|------------------|-----------------|------------------|----------------|------------------|
+| dirmoe   | mean    |            1.250 |           0.500 |             1.25 |         0.0000 |               -- |
+| dirmoe   | 0       |            1.250 |           0.500 |             1.25 |         0.0000 |               -- |
+| dirmoe   | 1       |            1.250 |           0.500 |             1.25 |         0.0000 |               -- |
+| switch   | mean    |            1.000 |           0.500 |             1.25 |         0.0000 |               -- |
+| switch   | 0       |            1.000 |           0.500 |             1.25 |         0.0000 |               -- |
+| switch   | 1       |            1.000 |           0.500 |             1.25 |         0.0000 |               -- |
 """
+
+
+def test_efficiency_table_states_the_token_group_of_expert_choice():
+    ec = _record("t-ec", "expert_choice")
+    ec = dataclasses.replace(ec, routing=tuple(dataclasses.replace(layer, group_size=128.0) for layer in ec.routing))
+    rows = {row[0]: row for row in efficiency_table([ec, _record("t-switch", "switch")]).rows}
+    column = efficiency_table([ec]).headers.index("token group")
+    assert rows["expert_choice"][column] == "128" and rows["switch"][column] == "--"
 
 
 def test_tables_match_expected_text():

@@ -333,10 +333,14 @@ def test_experiments_derive_from_the_router_registry():
     for name in names:
         assert get_experiment(name).name == name
     # a router's declared recipe overrides, applied at their scale only
-    lory = routers.router_class("lory")
-    assert lory.recipe_overrides == {"tiny": ("router.options.segment_len=32",)}
-    assert get_experiment("lory-tiny").router.options == {"segment_len": 32}
-    assert get_experiment("lory-185m").router.options == {}
+    lory = get_experiment("lory-tiny")
+    assert lory.router.options == {"segment_len": 32} and lory.data.similarity_batching
+    assert get_experiment("lory-185m").router.options == {} and get_experiment("lory-185m").data.similarity_batching
+    assert not get_experiment("switch-tiny").data.similarity_batching
+    # the 185M runs follow ReMoE's baselines: id mod E hashing, softmax before the top-k at every k
+    assert get_experiment("hash-185m").router.options == {"hash_type": "mod"}
+    assert get_experiment("hash-tiny").router.options == {}
+    assert get_experiment("switch-185m").router.options == {"pre_softmax": True}
 
 
 def test_paper_settings():

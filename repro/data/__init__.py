@@ -7,6 +7,8 @@ Modules:
     datasets   megatron ``GPTDataset`` train/valid/test via ``BlendedMegatronDatasetBuilder``; batch loader;
                token -> document -> domain mapping (imports megatron-core and torch)
     minipile   the embedded multi-domain corpus built from text on the machine (``build_mini_pile``)
+    similarity Lory's similarity-based batching: a derived dataset of chains of similar documents
+    token_counts  training-token counts per id (Hash's ``balanced`` table)
     cli        ``python -m repro data mini-pile|tokenize``
 
 The names below are importable from ``repro.data`` directly; each loads its module on first use, so
@@ -44,6 +46,11 @@ _EXPORTS = {
     "DomainStats": "minipile",
     "build_mini_pile": "minipile",
     "iter_heldout": "minipile",
+    "SimilarityBatchingConfig": "similarity",
+    "SimilarityBatched": "similarity",
+    "build_similarity_dataset": "similarity",
+    "count_tokens": "token_counts",
+    "token_counts_file": "token_counts",
 }
 
 __all__ = sorted(_EXPORTS)

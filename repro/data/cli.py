@@ -2,6 +2,7 @@
 
     python -m repro data mini-pile --out DIR [--max-mb-per-domain 2] [--vocab-size 8192] [--seed 1234]
     python -m repro data tokenize --input SHARD... --vocab vocab.json --merges merges.txt --out PREFIX
+    python -m repro data token-counts --prefix PREFIX      # for Hash's balanced table (counts_path)
 """
 
 from __future__ import annotations
@@ -99,6 +100,15 @@ def _tokenize(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token_counts(args: argparse.Namespace) -> int:
+    from repro.data.token_counts import token_counts_file
+
+    with _quiet_megatron_import():
+        path = token_counts_file(args.prefix, args.split)
+    print(path)
+    return 0
+
+
 def main(argv: list[str], prog: str = "python -m repro data") -> int:
     """Run a data command.
 
@@ -134,6 +144,11 @@ def main(argv: list[str], prog: str = "python -m repro data") -> int:
     t.add_argument("--default-domain", default=None, help="domain for records without meta.pile_set_name")
     t.add_argument("--no-progress", action="store_true", help="no progress bars")
     t.set_defaults(func=_tokenize)
+
+    c = sub.add_parser("token-counts", help="count the training tokens of indexed data (Hash's balanced table)")
+    c.add_argument("--prefix", nargs="+", required=True, help="indexed-dataset prefix(es)")
+    c.add_argument("--split", default="969,30,1", help="megatron's split; only training documents are counted")
+    c.set_defaults(func=_token_counts)
 
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -15,7 +15,7 @@ from typing import Any
 SCHEMA = "dirmoe-bench/run-record"
 SCHEMA_VERSION = 1
 #: The per-layer routing metrics a record keeps (names of the routers' metrics).
-ROUTING_METRICS = ("active_experts", "simpson", "load_imbalance", "dropped_mass")
+ROUTING_METRICS = ("active_experts", "simpson", "load_imbalance", "dropped_mass", "group_size", "fallback_share")
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,10 @@ class LayerRouting:
         simpson: mean Simpson index sum_i p_i^2 of the combine weights.
         load_imbalance: max / mean tokens per expert.
         dropped_mass: routing-weight mass the dispatch rule dropped.
+        group_size: tokens per routing group, for routers whose choice couples a group of tokens (Expert
+            Choice); None for the others.
+        fallback_share: share of tokens dispatched only by a fallback rule (DirMoE's arg-max of r when no gate
+            passes its threshold); None for routers without one.
     """
 
     layer: int
@@ -89,11 +93,13 @@ class LayerRouting:
     simpson: float | None
     load_imbalance: float | None
     dropped_mass: float | None
+    group_size: float | None = None
+    fallback_share: float | None = None
 
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Training efficiency over a window of steps after warm-up (see :func:`efficiency_from_log`).
+    """Training efficiency over a window of steps after warm-up (see :func:`repro.report.efficiency.efficiency`).
 
     Args:
         warmup_steps: log rows skipped before the window.

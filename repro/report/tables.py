@@ -213,6 +213,7 @@ def efficiency_table(
     for record in measured:
         e = record.efficiency
         memory = None if e.peak_memory_bytes is None else e.peak_memory_bytes / 2**30
+        groups = [layer.group_size for layer in record.routing if layer.group_size is not None]
         rows.append(
             (
                 labels[record.run_id],
@@ -222,6 +223,7 @@ def efficiency_table(
                 _fmt(e.tokens_per_s, ".0f"),
                 _fmt(memory, ".2f"),
                 _fmt(e.mean_active_experts, ".3f"),
+                _fmt(statistics.fmean(groups) if groups else None, ".0f"),
                 str(e.num_devices),
                 record.environment.device,
                 parity[record.run_id].note,
@@ -240,6 +242,7 @@ def efficiency_table(
                     MISSING,
                     MISSING,
                     MISSING,
+                    MISSING,
                     MISSING if setting.num_devices is None else str(setting.num_devices),
                     setting.hardware or MISSING,
                     f"published, {setting.model}",
@@ -253,6 +256,7 @@ def efficiency_table(
         "tokens/s",
         "peak mem (GiB)",
         "active experts",
+        "token group",
         "devices",
         "device",
         "compute parity",
@@ -260,7 +264,9 @@ def efficiency_table(
     caption = (
         "Training efficiency. ms/iter and tokens/s (all devices): medians over the steps after warm-up. "
         "TFLOP/s per device by Megatron-LM's model-FLOPs count at the nominal k (analytic) and at the measured "
-        "mean experts per token (measured). Compute parity: measured expert FLOPs per token within "
+        "mean experts per token (measured). Token group: tokens that compete for the experts together, for "
+        "routers whose choice couples tokens (Expert Choice; -- for the others). Compute parity: measured "
+        "expert FLOPs per token within "
         f"+-{parity_tolerance * 100:g}% of the reference run (router '{reference_router}' where present)."
     )
     if ledger is not None:
@@ -280,8 +286,8 @@ def routing_table(records: Sequence[RunRecord]) -> Table:
     """
     routed = [r for r in _ordered(records) if r.routing]
     labels = _labels(routed)
-    names = ("active_experts", "simpson", "load_imbalance", "dropped_mass")
-    specs = (".3f", ".3f", ".2f", ".4f")
+    names = ("active_experts", "simpson", "load_imbalance", "dropped_mass", "fallback_share")
+    specs = (".3f", ".3f", ".2f", ".4f", ".3f")
     rows: list[tuple[str, ...]] = []
     for record in routed:
         means = []
@@ -293,11 +299,12 @@ def routing_table(records: Sequence[RunRecord]) -> Table:
             rows.append(
                 (labels[record.run_id], str(layer.layer), *(_fmt(getattr(layer, n), s) for n, s in zip(names, specs)))
             )
-    headers = ("Router", "Layer", "active experts", "Simpson index", "load imbalance", "dropped mass")
+    headers = ("Router", "Layer", "active experts", "Simpson index", "load imbalance", "dropped mass", "fallback share")
     caption = (
         "Routing behaviour, averaged over the measured steps: experts per token, Simpson index sum_i p_i^2 of "
-        "the combine weights (1/E uniform, 1 one expert), load imbalance (max / mean tokens per expert), and "
-        "the routing-weight mass the dispatch rule dropped."
+        "the combine weights (1/E uniform, 1 one expert), load imbalance (max / mean tokens per expert), "
+        "the routing-weight mass the dispatch rule dropped, and the share of tokens dispatched only by a "
+        "fallback rule (DirMoE: no gate above its threshold, the arg-max of r taken)."
     )
     return Table("routing", caption, headers, tuple(rows))
 

@@ -7,7 +7,8 @@ A run is described by sections, each a frozen dataclass validated in ``__post_in
               router=RouterSpec(name, options),
               optimizer=OptimizerConfig(lr, weight_decay, beta1, beta2, eps, clip_grad, distributed),
               schedule=ScheduleConfig(steps, warmup_fraction, warmup_steps, min_lr),
-              data=DataConfig(source, tokenizer, vocab_size, synthetic_samples, micro_batch_size, global_batch_size),
+              data=DataConfig(source, tokenizer, vocab_size, synthetic_samples, micro_batch_size, global_batch_size,
+                              similarity_batching),
               parallel=ParallelConfig(tp, ep),
               checkpoint=CheckpointConfig(interval, init_from, layout_independent_init),
               logging=LoggingConfig(interval),
@@ -200,6 +201,9 @@ class DataConfig:
         micro_batch_size: sequences per forward pass on one data-parallel rank.
         global_batch_size: sequences per optimizer step over all ranks (a multiple of
             ``micro_batch_size x`` data-parallel size; the quotient is the gradient-accumulation count).
+        similarity_batching: train on chains of similar documents (Lory's data batching,
+            :mod:`repro.data.similarity`) instead of the shuffled documents; indexed data only (synthetic
+            tokens have no documents: the option does not apply there, and ``config.json`` says so).
     """
 
     source: str = "synthetic"
@@ -208,6 +212,7 @@ class DataConfig:
     synthetic_samples: int = 0
     micro_batch_size: int = 4
     global_batch_size: int = 8
+    similarity_batching: bool = False
 
     def __post_init__(self) -> None:
         kind = self.source.partition(":")[0]

@@ -35,6 +35,7 @@ class RunData:
         vocab_size: the tokenizer's vocabulary size (the model pads it).
         description: a short human-readable origin (for ``config.json``).
         tokenizer_dir: absolute directory of the tokenizer's ``vocab.json`` + ``merges.txt`` (None: synthetic).
+        similarity: with similarity batching, the derived dataset's prefix, split and statistics.
     """
 
     train: Any
@@ -42,6 +43,7 @@ class RunData:
     vocab_size: int
     description: str
     tokenizer_dir: str | None = None
+    similarity: dict[str, Any] | None = None
 
 
 def _indexed_prefixes(spec: str) -> list[str]:
@@ -144,12 +146,22 @@ def build_run_data(
         vocab = data.vocab_size or DEFAULT_SYNTHETIC_VOCAB
         train = SyntheticTokens(vocab, seq_length, seed=config.seed, split=0, num_samples=data.synthetic_samples)
         valid = SyntheticTokens(vocab, seq_length, seed=config.seed, split=1, num_samples=valid_samples)
-        return RunData(train, valid if validate else None, vocab, f"synthetic(vocab={vocab})")
+        note = "; similarity batching does not apply to synthetic tokens" if data.similarity_batching else ""
+        return RunData(train, valid if validate else None, vocab, f"synthetic(vocab={vocab}){note}")
 
     prefixes, tokenizer_dir = data_sources(config)
-    from repro.data.datasets import build_datasets
+    from repro.data.datasets import DEFAULT_SPLIT, build_datasets
 
     tokenizer = load_run_tokenizer(tokenizer_dir)
+    split, similarity, origin = DEFAULT_SPLIT, None, f"indexed({', '.join(prefixes)})"
+    if data.similarity_batching:
+        from repro.data.similarity import build_similarity_dataset
+
+        # Every rank calls it: one builds (or reuses the cached build), the others wait for it.
+        sim = build_similarity_dataset(prefixes, split, eod=tokenizer.eod)
+        prefixes, split = [sim.prefix], sim.split
+        similarity = {"prefix": sim.prefix, "split": sim.split, "stats": sim.stats}
+        origin = f"similarity-batched({origin})"
     train_samples = config.schedule.steps * data.global_batch_size
     splits = build_datasets(
         prefixes,
@@ -158,6 +170,7 @@ def build_run_data(
         config.seed,
         cache_dir,
         tokenizer,
+        split=split,
     )
     if splits.train is None:
         raise ReproError(f"data.source '{data.source}': no training split was built")
@@ -165,6 +178,7 @@ def build_run_data(
         splits.train,
         splits.valid if validate else None,
         tokenizer.vocab_size,
-        f"indexed({', '.join(prefixes)})",
+        origin,
         str(Path(tokenizer_dir).resolve()),
+        similarity,
     )

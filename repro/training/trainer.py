@@ -325,6 +325,7 @@ class Trainer:
             "seq_length": self.seq_length,
             "vocab_size": data.vocab_size,
             "data": data.description,
+            "similarity_batching": data.similarity,
             # Evaluation loads exactly this tokenizer (checked by hash), never a rebuilt one.
             "tokenizer": None
             if data.tokenizer_dir is None

@@ -1,0 +1,114 @@
+"""Token counts of a corpus's training documents: what Hash's ``balanced`` table is built from.
+
+Hash Layers (Roller et al. 2021) balance the load of a hash table with the unigram frequencies of the
+training corpus. :func:`count_tokens` counts every token id over the *training* documents of indexed
+datasets (megatron-core's split of each prefix, the ranges :func:`repro.data.similarity.split_ranges`
+computes, so validation and test documents do not shape the table), and :func:`token_counts_file` writes the
+counts once beside the data as ``<first prefix>.tokcounts-<key>.npy`` (keyed by a hash of the sources'
+index files, data sizes and the split), for the router option ``counts_path``. The router's table, built
+from it, is a persistent buffer: every checkpoint of the run carries it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+from repro.data.similarity import DEFAULT_SPLIT, dataset_fingerprint, split_ranges
+from repro.errors import ReproError
+
+
+def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, vocab_size: int | None = None) -> np.ndarray:
+    """Per-id token counts over the training documents of indexed datasets.
+
+    Args:
+        prefixes: indexed-dataset prefixes.
+        split: megatron's split string; only the training range of each prefix is counted.
+        vocab_size: length of the result (ids at or above it are an error); default: largest id + 1.
+
+    Returns:
+        ``[V]`` int64 counts.
+
+    Raises:
+        ReproError: a missing prefix, or a token id at or above ``vocab_size``.
+    """
+    total = np.zeros(0 if vocab_size is None else vocab_size, dtype=np.int64)
+    for prefix in map(str, prefixes):
+        if not IndexedDataset.exists(prefix):
+            raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
+        ds = IndexedDataset(prefix)
+        bounds = split_ranges(len(ds), split)[0]
+        if bounds is None or bounds[1] <= bounds[0]:
+            continue
+        beg, end = bounds
+        # The training range is contiguous in the data file: one read, counted in blocks of 16M tokens.
+        lengths = ds.sequence_lengths[beg:end].astype(np.int64)
+        offset = int(ds.index.sequence_pointers[beg])
+        itemsize = np.dtype(ds.index.dtype).itemsize
+        remaining = int(lengths.sum())
+        while remaining:
+            n = min(remaining, 1 << 24)
+            block = ds.bin_reader.read(dtype=ds.index.dtype, count=n, offset=offset).astype(np.int64)
+            if vocab_size is not None and block.size and int(block.max()) >= vocab_size:
+                raise ReproError(f"{prefix}: token id {int(block.max())} >= vocab_size {vocab_size}")
+            counts = np.bincount(block, minlength=total.size)
+            if counts.size > total.size:
+                total = np.concatenate([total, np.zeros(counts.size - total.size, np.int64)])
+            total += counts
+            offset += n * itemsize
+            remaining -= n
+        del ds
+    return total
+
+
+def token_counts_file(
+    prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, vocab_size: int | None = None
+) -> str:
+    """Write (or reuse) the training-token counts of ``prefixes`` beside the first prefix.
+
+    Args:
+        prefixes: indexed-dataset prefixes.
+        split: the run's split (only training documents are counted).
+        vocab_size: see :func:`count_tokens`.
+
+    Returns:
+        The path of the ``.npy`` file (an int64 array, :func:`count_tokens`'s result).
+
+    Raises:
+        ReproError: as :func:`count_tokens`, or a file of that name that is not a counts array.
+    """
+    sources = [str(p) for p in prefixes]
+    if not sources:
+        raise ReproError("token counts: no indexed dataset given")
+    for prefix in sources:
+        if not IndexedDataset.exists(prefix):
+            raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
+    key = hashlib.sha256(
+        json.dumps({"sources": [dataset_fingerprint(p) for p in sources], "split": split, "vocab_size": vocab_size}).encode()
+    ).hexdigest()
+    path = f"{sources[0]}.tokcounts-{key[:16]}.npy"
+    if os.path.exists(path):
+        try:
+            existing = np.load(path, allow_pickle=False)
+        except (OSError, ValueError):
+            existing = None
+        if existing is None or existing.ndim != 1 or existing.dtype != np.int64:
+            raise ReproError(f"{path}: exists but is not a token-counts array; move it away (it is not overwritten)")
+        return path
+    counts = count_tokens(sources, split, vocab_size)
+    fd, tmp = tempfile.mkstemp(prefix=f".{Path(path).name}.", suffix=".tmp", dir=Path(path).parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.save(f, counts)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
