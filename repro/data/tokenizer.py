@@ -22,7 +22,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.implementations import ByteLevelBPETokenizer
 
 from repro.errors import ReproError
-from repro.io_utils import atomic_path
+from repro.io_utils import atomic_path, check_output_path
 
 EOD_TOKEN = "<|endoftext|>"
 """GPT-2's end-of-document token, appended to every document."""
@@ -178,6 +178,19 @@ def load_tokenizer(vocab_path: str | os.PathLike, merges_path: str | os.PathLike
     return Gpt2BpeTokenizer(vocab_path, merges_path)
 
 
+TOKENIZER_FILES = ("vocab.json", "merges.txt")
+
+
+def is_tokenizer_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory holding a tokenizer's ``vocab.json``/``merges.txt`` and nothing else
+    (what :func:`train_bpe_tokenizer` writes, so it may replace it)."""
+    try:
+        names = {p.name for p in Path(path).iterdir()}
+    except OSError:
+        return False
+    return names <= set(TOKENIZER_FILES)
+
+
 def train_bpe_tokenizer(
     texts: Iterable[str],
     out_dir: str | os.PathLike,
@@ -192,7 +205,8 @@ def train_bpe_tokenizer(
 
     Args:
         texts: the training texts.
-        out_dir: the directory to write (replaced if it exists).
+        out_dir: the directory to write; an existing one is replaced only when it is a tokenizer directory
+            (:func:`is_tokenizer_dir`), anything else is refused.
         vocab_size: the vocabulary size, ``<|endoftext|>`` included.
         min_frequency: the least count for a pair to be merged.
 
@@ -201,12 +215,13 @@ def train_bpe_tokenizer(
     """
     if vocab_size < 257 + 1:
         raise ReproError(f"vocab_size {vocab_size} is too small: byte-level BPE needs at least 258")
+    out = Path(out_dir)
+    check_output_path(out, replace=is_tokenizer_dir)  # before the training, which may take minutes
     bpe = ByteLevelBPETokenizer(add_prefix_space=False)
     bpe.train_from_iterator(
         texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOD_TOKEN], show_progress=False
     )
-    out = Path(out_dir)
-    with atomic_path(out) as tmp:
+    with atomic_path(out, replace=is_tokenizer_dir) as tmp:
         tmp.mkdir()
         bpe.save_model(str(tmp))
     return out / "vocab.json", out / "merges.txt"

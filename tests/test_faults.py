@@ -1,0 +1,390 @@
+"""Fault injection: bad output paths, full and read-only disks, kills while writing, malicious and altered
+checkpoints, symlinks out of the output, broken tokenizer files and huge documents.
+
+Every case checks the same three things: the command stops with one line naming the path and the cause,
+nothing it did not create is removed or written through, and nothing partial is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from repro import cli
+from repro.errors import ReproError
+from repro.io_utils import atomic_path, check_output_path, open_in_dir, write_json_atomic
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under ``root`` (relative) with a file's bytes, None for a directory or a link's target."""
+    out: dict[str, bytes | None] = {}
+    for p in sorted(root.rglob("*")):
+        rel = str(p.relative_to(root))
+        if p.is_symlink():
+            out[rel] = os.readlink(p).encode()
+        elif p.is_file():
+            out[rel] = p.read_bytes()
+        else:
+            out[rel] = None
+    return out
+
+
+def _fake_run_dir(root: Path) -> Path:
+    """A directory that looks like a training run: the user's data a bad --out must never remove."""
+    (root / "checkpoints" / "step_0000002").mkdir(parents=True)
+    (root / "checkpoints" / "step_0000002" / "rank_00000.pt").write_bytes(b"weights of a week of training")
+    (root / "checkpoints" / "step_0000002" / "meta.json").write_text("{}")
+    (root / "log.jsonl").write_text('{"step": 1}\n')
+    return root
+
+
+@contextlib.contextmanager
+def _tmpfs(path: Path, size: str = "2m", read_only: bool = False):
+    """Mount a small tmpfs at ``path`` (a real full or read-only disk); skip where mounting is not allowed.
+
+    The same faults are also injected with mocks in the tests beside, which run everywhere.
+    """
+    path.mkdir(parents=True, exist_ok=True)
+    mount = shutil.which("mount")
+    opts = f"size={size}" + (",ro" if read_only else "")
+    if mount is None or subprocess.run([mount, "-t", "tmpfs", "-o", opts, "tmpfs", str(path)],
+                                       capture_output=True).returncode != 0:
+        pytest.skip("mounting a tmpfs needs root here; the mocked variant of this fault runs instead")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def _one_line(message: str) -> str:
+    assert "\n" not in message.strip(), message
+    return message
+
+
+def _enospc() -> OSError:
+    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+# --------------------------------------------------------------- 1. outputs that are not ours
+def test_atomic_write_refuses_an_existing_directory(tmp_path):
+    run = _fake_run_dir(tmp_path / "run")
+    before = _tree(run)
+    with pytest.raises(ReproError, match=rf"{run}: exists and is a directory") as info:
+        write_json_atomic(run, {"results": {}})
+    _one_line(str(info.value))
+    assert _tree(run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]  # no temporary left beside it
+
+
+def test_atomic_path_replaces_a_directory_only_when_the_caller_recognises_it(tmp_path):
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    with pytest.raises(ReproError, match="exists and is a directory"):
+        with atomic_path(target, replace=lambda p: False) as tmp:
+            tmp.mkdir()
+    assert (target / "old.txt").read_text() == "old"
+    with atomic_path(target, replace=lambda p: (p / "old.txt").is_file()) as tmp:
+        tmp.mkdir()
+        (tmp / "new.txt").write_text("new")
+    assert sorted(p.name for p in target.iterdir()) == ["new.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
+    # a directory never replaces a file it was not allowed to replace
+    plain = tmp_path / "plain.txt"
+    plain.write_text("keep")
+    with pytest.raises(ReproError, match=rf"{plain}: exists and is not a directory"):
+        with atomic_path(plain) as tmp:
+            tmp.mkdir()
+    assert plain.read_text() == "keep"
+
+
+def test_atomic_path_refuses_symlinks_and_leaves_their_targets_alone(tmp_path):
+    outside = tmp_path / "outside.json"
+    outside.write_text("precious")
+    link = tmp_path / "out" / "result.json"
+    link.parent.mkdir()
+    link.symlink_to(outside)
+    with pytest.raises(ReproError, match=rf"{link}: is a symbolic link"):
+        write_json_atomic(link, {"a": 1})
+    assert outside.read_text() == "precious" and link.is_symlink()
+
+
+def test_check_output_path_is_the_same_rule_before_any_work(tmp_path):
+    run = _fake_run_dir(tmp_path / "run")
+    with pytest.raises(ReproError, match="exists and is a directory"):
+        check_output_path(run)
+    check_output_path(tmp_path / "new" / "file.json")  # absent: fine, and nothing is created
+    assert not (tmp_path / "new").exists()
+    existing = tmp_path / "x.json"
+    existing.write_text("{}")
+    check_output_path(existing)
+    with pytest.raises(ReproError, match=rf"{existing}: exists and was not written by this command"):
+        check_output_path(existing, replace=lambda p: False)
+
+
+def _heldout(path: Path, docs: int = 12) -> Path:
+    words = "the quick brown fox jumps over the lazy dog while a stitch in time saves nine".split()
+    with open(path, "w") as f:
+        for i in range(docs):
+            text = " ".join(words[(i + j) % len(words)] for j in range(300)) + "."
+            f.write(json.dumps({"text": text, "meta": {"pile_set_name": f"d{i % 3}"}}) + "\n")
+    return path
+
+
+def _patch_eval(monkeypatch) -> list:
+    """Stand-ins for the checkpoint loader and lm-eval, so the eval command reaches its writes in seconds."""
+    from repro.evaluation import runner
+    from repro.evaluation.harness import DirMoEBenchLM
+
+    calls: list = []
+
+    def fake_evaluate(lm, tasks=None, **kwargs):
+        calls.append(tasks)
+        return {"results": {"minipile_ppl": {"bits_per_byte,none": 1.5}}, "versions": {"minipile_ppl": 1},
+                "configs": {}}
+
+    monkeypatch.setattr(DirMoEBenchLM, "from_checkpoint", classmethod(lambda cls, path, **kw: object()))
+    monkeypatch.setattr(runner, "evaluate_lm", fake_evaluate)
+    monkeypatch.setattr("lm_eval.utils.make_table", lambda results: "table")
+    return calls
+
+
+def test_eval_out_refuses_a_run_directory_before_evaluating(tmp_path, monkeypatch, capsys):
+    calls = _patch_eval(monkeypatch)
+    run = _fake_run_dir(tmp_path / "run")
+    before = _tree(run)
+    status = cli.main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(run)])
+    err = capsys.readouterr().err
+    assert status == 2 and _one_line(err).startswith(f"error: {run}: exists and is a directory")
+    assert _tree(run) == before and calls == []  # refused before the (long) evaluation
+
+    # an earlier result of this command is replaced; another file at that path is not
+    out = tmp_path / "lm_eval.json"
+    assert cli.main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    assert cli.main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["versions"] == {"minipile_ppl": 1}
+    config = tmp_path / "config.json"
+    config.write_text('{"experiment": {}}')
+    capsys.readouterr()
+    assert cli.main(["eval", "--checkpoint", str(tmp_path / "ckpt"), "--out", str(config)]) == 2
+    assert "not written by this command" in _one_line(capsys.readouterr().err)
+    assert config.read_text() == '{"experiment": {}}'
+
+
+def test_local_tasks_refuse_a_run_directory(tmp_path, monkeypatch, capsys):
+    from repro.evaluation.local_tasks import build_local_tasks
+
+    calls = _patch_eval(monkeypatch)
+    heldout = _heldout(tmp_path / "heldout.jsonl")
+    run = _fake_run_dir(tmp_path / "run")
+    before = _tree(run)
+    argv = ["eval", "--checkpoint", str(tmp_path / "ckpt"), "--local-tasks", str(run),
+            "--local-tasks-from", str(heldout), "--out", str(tmp_path / "out.json")]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert _one_line(err).startswith(f"error: {run}: exists and is a directory") and calls == []
+    assert _tree(run) == before and not (tmp_path / "out.json").exists()
+    # its own earlier output is rebuilt in place
+    tasks = build_local_tasks(heldout, tmp_path / "tasks")
+    (tasks / "minipile_ppl.jsonl").write_text("stale\n")
+    build_local_tasks(heldout, tasks)
+    assert (tasks / "minipile_ppl.jsonl").read_text() != "stale\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["heldout.jsonl", "run", "tasks"]
+
+
+def test_train_bpe_tokenizer_replaces_only_a_tokenizer_directory(tmp_path):
+    from repro.data.tokenizer import train_bpe_tokenizer
+
+    texts = ["hello world, hello tokenizer"] * 20
+    train_bpe_tokenizer(texts, tmp_path / "tok", vocab_size=300)
+    train_bpe_tokenizer(texts, tmp_path / "tok", vocab_size=300)  # its own output: replaced
+    run = _fake_run_dir(tmp_path / "run")
+    before = _tree(run)
+    with pytest.raises(ReproError, match="exists and is a directory"):
+        train_bpe_tokenizer(texts, run, vocab_size=300)
+    assert _tree(run) == before
+
+
+def test_mini_pile_refuses_a_directory_holding_other_files(tmp_path):
+    from repro.data.minipile import MiniPileConfig, build_mini_pile
+
+    run = _fake_run_dir(tmp_path / "run")
+    before = _tree(run)
+    with pytest.raises(ReproError, match=rf"{run}: holds files that are not the mini-pile's"):
+        build_mini_pile(run, MiniPileConfig(max_bytes_per_domain=10_000, vocab_size=300))
+    assert _tree(run) == before
+
+
+def test_indexed_output_refuses_files_it_did_not_write(tmp_path, tokenizer):
+    from repro.data.indexed import tokenize_shards
+    from repro.data.pile import PileRecord, write_pile_shard
+
+    shard = tmp_path / "in.jsonl"
+    write_pile_shard(shard, [PileRecord("some text here", "A")])
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "ds.bin").write_bytes(b"someone else's binary")
+    with pytest.raises(ReproError, match=rf"{out / 'ds.bin'}: exists and was not written by"):
+        tokenize_shards([shard], tokenizer, out / "ds")
+    assert (out / "ds.bin").read_bytes() == b"someone else's binary"
+    (out / "ds.bin").unlink()
+    (out / "ds.idx").mkdir()
+    with pytest.raises(ReproError, match=rf"{out / 'ds.idx'}: exists and is a directory"):
+        tokenize_shards([shard], tokenizer, out / "ds")
+    (out / "ds.idx").rmdir()
+    tokenize_shards([shard], tokenizer, out / "ds")
+    tokenize_shards([shard], tokenizer, out / "ds")  # its own earlier output: replaced
+    assert sorted(p.name for p in out.iterdir()) == ["ds.bin", "ds.domains.json", "ds.domains.npy", "ds.idx"]
+
+
+# ---------------------------------------------------- 5, 7, 12. data tokenize and tokenizer files
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    from repro.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+
+    texts = ["the quick brown fox jumps over the lazy dog", "def f(x):\n    return x + 1\n"] * 50
+    vocab, merges = train_bpe_tokenizer(texts, tmp_path_factory.mktemp("tok") / "tok", vocab_size=320)
+    return load_tokenizer(vocab, merges)
+
+
+def _tokenize_args(tmp_path: Path, tokenizer, out_prefix: Path) -> list[str]:
+    from repro.data.pile import PileRecord, write_pile_shard
+
+    shard = tmp_path / "shard.jsonl"
+    write_pile_shard(shard, [PileRecord(f"document {i} with some words", "A") for i in range(50)])
+    return ["data", "tokenize", "--input", str(shard), "--vocab", str(tokenizer.vocab_path), "--merges",
+            str(tokenizer.merges_path), "--out", str(out_prefix), "--no-progress", "--workers", "1"]
+
+
+def test_tokenize_checks_the_tokenizer_clash_before_writing(tmp_path, tokenizer, capsys):
+    out = tmp_path / "data"
+    out.mkdir()
+    (out / "vocab.json").write_text('{"<|endoftext|>": 0}')  # another tokenizer's file
+    argv = _tokenize_args(tmp_path, tokenizer, out / "corpus")
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert _one_line(err).startswith(f"error: {out / 'vocab.json'}: another tokenizer's file")
+    assert sorted(p.name for p in out.iterdir()) == ["vocab.json"]  # no dataset written first
+
+
+def test_tokenize_never_writes_through_a_symlink_out_of_the_output(tmp_path, tokenizer, capsys):
+    out = tmp_path / "data"
+    out.mkdir()
+    victim = tmp_path / "elsewhere" / "merges.txt"
+    victim.parent.mkdir()
+    (out / "merges.txt").symlink_to(victim)  # dangling: copying "through" it would create the victim
+    assert cli.main(_tokenize_args(tmp_path, tokenizer, out / "corpus")) == 2
+    err = capsys.readouterr().err
+    assert _one_line(err).startswith(f"error: {out / 'merges.txt'}: is a symbolic link")
+    assert not victim.exists() and sorted(p.name for p in out.iterdir()) == ["merges.txt"]
+    # a symlink inside the output to the very same file is fine: nothing needs writing
+    (out / "merges.txt").unlink()
+    shutil.copyfile(tokenizer.merges_path, out / "real-merges.txt")
+    (out / "merges.txt").symlink_to("real-merges.txt")
+    assert cli.main(_tokenize_args(tmp_path, tokenizer, out / "corpus")) == 0
+    assert (out / "vocab.json").read_bytes() == tokenizer.vocab_path.read_bytes()
+
+
+def test_open_in_dir_refuses_symlinks_out_of_the_directory(tmp_path):
+    root = tmp_path / "run"
+    root.mkdir()
+    outside = tmp_path / "outside.txt"
+    outside.write_text("keep\n")
+    (root / "log.jsonl").symlink_to(outside)
+    with pytest.raises(ReproError, match=rf"{root / 'log.jsonl'}: .*outside {root}"):
+        open_in_dir(root, "log.jsonl", "a")
+    (root / "dangling").symlink_to(tmp_path / "created-through-link")
+    with pytest.raises(ReproError, match="outside"):
+        open_in_dir(root, "dangling", "w")
+    with pytest.raises(ReproError, match="outside"):
+        open_in_dir(root, "../escape.txt", "w")
+    assert outside.read_text() == "keep\n" and not (tmp_path / "created-through-link").exists()
+    assert not (tmp_path / "escape.txt").exists()
+    # a plain file and a link that stays inside are opened as usual
+    (root / "real.jsonl").write_text("a\n")
+    (root / "inside.jsonl").symlink_to("real.jsonl")
+    with open_in_dir(root, "inside.jsonl", "a") as f:
+        f.write("b\n")
+    with open_in_dir(root, "new.jsonl", "a") as f:
+        f.write("c\n")
+    assert (root / "real.jsonl").read_text() == "a\nb\n" and (root / "new.jsonl").read_text() == "c\n"
+
+
+# ----------------------------------------------------------------------- 11. disks that fail
+def test_output_inside_a_regular_file_is_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    with pytest.raises(ReproError, match=rf"not a directory: {blocker}") as info:
+        write_json_atomic(blocker / "sub" / "out.json", {})
+    _one_line(str(info.value))
+    assert blocker.read_text() == "x"
+
+
+def test_full_disk_mocked_is_one_line_and_leaves_nothing(tmp_path, monkeypatch):
+    def full(fd):
+        raise _enospc()
+
+    monkeypatch.setattr(os, "fsync", full)
+    out = tmp_path / "new" / "deeper" / "out.json"
+    with pytest.raises(ReproError, match=rf"^no space left on device: {out}$"):
+        write_json_atomic(out, {"a": 1})
+    assert list(tmp_path.iterdir()) == []  # not even the parents it created
+
+
+def test_read_only_directory_mocked_is_one_line(tmp_path, monkeypatch):
+    import tempfile
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), kwargs.get("dir"))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", read_only)
+    with pytest.raises(ReproError, match=rf"^read-only file system: {tmp_path / 'out.json'}$"):
+        write_json_atomic(tmp_path / "out.json", {})
+
+
+def test_read_only_disk_real(tmp_path, capsys):
+    ro = tmp_path / "ro"
+    with _tmpfs(ro, read_only=True):
+        with pytest.raises(ReproError, match=rf"^read-only file system: {ro / 'out.json'}$"):
+            write_json_atomic(ro / "out.json", {})
+        assert cli.main(["eval", "--checkpoint", str(tmp_path), "--out", str(ro / "r.json")]) == 2
+        assert _one_line(capsys.readouterr().err) == f"error: read-only file system: {ro / 'r.json'}\n"
+
+
+def test_tokenize_on_a_full_disk_or_through_a_file_is_one_line(tmp_path, tokenizer, capsys):
+    from repro.data.pile import PileRecord, write_pile_shard
+
+    shard = tmp_path / "shard.jsonl"
+    write_pile_shard(shard, [PileRecord("the quick brown fox jumps over the lazy dog " * 4000, "A")] * 10)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    args = ["data", "tokenize", "--input", str(shard), "--vocab", str(tokenizer.vocab_path), "--merges",
+            str(tokenizer.merges_path), "--no-progress", "--workers", "1", "--out"]
+    assert cli.main(args + [str(blocker / "data" / "corpus")]) == 2
+    assert _one_line(capsys.readouterr().err).startswith(f"error: not a directory: {blocker}")
+    small = tmp_path / "small"
+    with _tmpfs(small, size="512k"):
+        assert cli.main(args + [str(small / "data" / "corpus")]) == 2
+        assert _one_line(capsys.readouterr().err) == f"error: no space left on device: {small / 'data' / 'corpus'}\n"
+        assert list(small.iterdir()) == []  # no temporary, not even the directory made for the output
+
+
+# ------------------------------------------------------------- 4. killed while checkpointing
+
+
+# --------------------------------------------------- 6, 8. checkpoints: plain data, digests, identity
+
+
+# ------------------------------------------------------------------------- 13. huge documents
+
+
