@@ -15,6 +15,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from repro import cli
@@ -295,6 +296,16 @@ def test_tokenize_never_writes_through_a_symlink_out_of_the_output(tmp_path, tok
     assert (out / "vocab.json").read_bytes() == tokenizer.vocab_path.read_bytes()
 
 
+@pytest.mark.parametrize("content", ["", "#version: 0.2\n", "\n\n"])
+def test_empty_merges_file_is_refused(tmp_path, tokenizer, content):
+    from repro.data.tokenizer import load_tokenizer
+
+    merges = tmp_path / "merges.txt"
+    merges.write_text(content)
+    with pytest.raises(ReproError, match=rf"{merges}: no merges"):
+        load_tokenizer(tokenizer.vocab_path, merges)
+
+
 def test_open_in_dir_refuses_symlinks_out_of_the_directory(tmp_path):
     root = tmp_path / "run"
     root.mkdir()
@@ -386,5 +397,31 @@ def test_tokenize_on_a_full_disk_or_through_a_file_is_one_line(tmp_path, tokeniz
 
 
 # ------------------------------------------------------------------------- 13. huge documents
+def test_long_documents_are_encoded_in_chunks_with_the_same_tokens(tokenizer, monkeypatch):
+    from repro.data import tokenizer as tok_module
+
+    rng = np.random.default_rng(0)
+    # unusual whitespace too: the cut rule must agree with the pre-tokenizer's idea of a space
+    words = ["the", "quick", "brown", "fox", "x=1;", "\n", "  ", "\t", "don't", "naïve", "東京", "12345", "\u00a0",
+             "\u2028", "\x1c", " \n"]
+    text = " ".join(rng.choice(words, size=3000))
+    whole = tokenizer._tok.encode(text, add_special_tokens=False).ids  # the unchunked reference
+    seen: list[int] = []
+    encode_batch = tokenizer._tok.encode_batch_fast
+
+    def spy(texts, **kwargs):
+        seen.extend(len(t) for t in texts)
+        return encode_batch(texts, **kwargs)
+
+    monkeypatch.setattr(tok_module, "MAX_CHUNK_CHARS", 500)
+    monkeypatch.setattr(tokenizer, "_tok", type("T", (), {"encode_batch_fast": staticmethod(spy),
+                                                          "encode": tokenizer._tok.encode})())
+    assert tokenizer.tokenize(text) == whole
+    assert tokenizer.encode_batch([text, "short", text]) == [whole, tokenizer.tokenize("short"), whole]
+    assert max(seen) <= 500 and len(seen) > 3 * len(text) // 500
+    # a run without whitespace longer than the cap is cut there (the only place chunks may differ)
+    blob = "a" * 1200
+    assert max(len(c) for c in tok_module.split_for_encoding(blob, 500)) == 500
+    assert "".join(tok_module.split_for_encoding(text, 500)) == text
 
 
