@@ -13,14 +13,20 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
+from torch import nn
 
 from repro import cli
 from repro.errors import ReproError
 from repro.io_utils import atomic_path, check_output_path, open_in_dir, write_json_atomic
+from repro.training import checkpoint as ckpt
+from repro.training.distributed import Parallel
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -390,10 +396,229 @@ def test_tokenize_on_a_full_disk_or_through_a_file_is_one_line(tmp_path, tokeniz
         assert list(small.iterdir()) == []  # no temporary, not even the directory made for the output
 
 
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+
+
+def _save(root: Path, model: nn.Module, step: int = 1, experiment: dict | None = None) -> Path:
+    return ckpt.save_checkpoint(
+        root,
+        step=step,
+        consumed_samples=8 * step,
+        parallel=Parallel(),
+        experiment=experiment or _experiment("switch"),
+        model=model,
+        optimizer_state={"state": {}, "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0, 1]}]},
+        scheduler_state={"num_steps": step, "schedule": {"peak_lr": 1e-3}},
+    )
+
+
+def _experiment(router: str) -> dict:
+    from repro.training.experiments import get_experiment
+
+    return get_experiment(f"{router}-tiny").to_dict()
+
+
+def test_checkpoint_on_a_full_disk_mocked(tmp_path, monkeypatch):
+    def full_disk_save(obj, f, *args, **kwargs):
+        f.write(b"\0" * 100)  # what torch does: a RuntimeError whose context is the OSError
+        try:
+            raise _enospc()
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534") from None
+
+    monkeypatch.setattr(torch, "save", full_disk_save)
+    root = tmp_path / "checkpoints"
+    with pytest.raises(ReproError, match=rf"^no space left on device: {root}"):
+        _save(root, _model())
+    assert list(root.iterdir()) == []
+
+
+def test_checkpoint_on_a_full_disk_real(tmp_path):
+    small = tmp_path / "small"
+    with _tmpfs(small, size="2m"):
+        root = small / "checkpoints"
+        model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 512), nn.Linear(512, 512))  # 3 MB of weights
+        with pytest.raises(ReproError, match=rf"^no space left on device: {root}") as info:
+            _save(root, model)
+        _one_line(str(info.value))
+        assert list(root.iterdir()) == []
+
+
 # ------------------------------------------------------------- 4. killed while checkpointing
+def test_kill_while_writing_the_first_checkpoint_is_told_apart_from_no_run(tmp_path):
+    root = tmp_path / "run" / "checkpoints"
+    script = textwrap.dedent(f"""
+        import os, signal, torch
+        from torch import nn
+        from repro.training import checkpoint as ckpt
+        from repro.training.distributed import Parallel
+
+        def killed(obj, f, *args, **kwargs):
+            f.write(b"half a checkpoint")
+            f.flush()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        torch.save = killed
+        ckpt.save_checkpoint({str(root)!r}, step=1, consumed_samples=8, parallel=Parallel(), experiment={{}},
+                             model=nn.Linear(2, 2), optimizer_state={{}}, scheduler_state={{}})
+    """)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=dict(os.environ, PYTHONPATH=str(REPO)),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    assert ckpt.find_latest_checkpoint(root) is None
+    assert ckpt.incomplete_checkpoints(root) == [root / ".step_0000001.tmp"]
+    assert ckpt.incomplete_checkpoints(tmp_path / "no-run" / "checkpoints") == []
+    # the next write of that step completes and clears the leftover
+    _save(root, _model())
+    assert ckpt.incomplete_checkpoints(root) == []
+    assert sorted(p.name for p in root.iterdir()) == ["latest", "step_0000001"]
 
 
 # --------------------------------------------------- 6, 8. checkpoints: plain data, digests, identity
+class _Payload:
+    """Runs a shell command when unpickled (the attack on weights_only=False)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _set_digest(checkpoint_dir: Path, name: str) -> None:
+    """What an attacker who can write the directory also does: make meta.json vouch for the new file."""
+    meta_path = checkpoint_dir / "meta.json"
+    meta = json.loads(meta_path.read_text())
+    meta["sha256"][name] = ckpt.file_sha256(checkpoint_dir / name)
+    meta_path.write_text(json.dumps(meta))
+
+
+def test_malicious_rank_file_is_never_unpickled(tmp_path):
+    model = _model()
+    path = _save(tmp_path / "checkpoints", model)
+    marker = tmp_path / "pwned"
+    rank_file = path / "rank_00000.pt"
+    torch.save({"format": ckpt.FORMAT_VERSION, "model": _Payload(marker)}, rank_file)
+    with pytest.raises(ReproError, match=rf"{rank_file}: .*sha256"):
+        ckpt.load_rank_payload(ckpt.read_checkpoint_info(path), 0)
+    _set_digest(path, "rank_00000.pt")
+    for load in (lambda: ckpt.load_rank_payload(ckpt.read_checkpoint_info(path), 0),
+                 lambda: ckpt.load_model_weights(path, _model(), Parallel())):
+        with pytest.raises(ReproError, match=rf"{rank_file}: refusing to load: .*(posix|nt|os)\.system") as info:
+            load()
+        _one_line(str(info.value))
+    assert not marker.exists()
+
+
+def test_checkpoint_holds_only_tensors_and_plain_data_and_restores_every_rng(tmp_path):
+    import random
+
+    random.seed(3)
+    np.random.seed(4)
+    torch.manual_seed(5)
+    np.random.standard_normal()  # a cached Gaussian is part of numpy's state too
+    path = _save(tmp_path / "checkpoints", _model())
+    payload = torch.load(path / "rank_00000.pt", weights_only=True)  # no allow-list needed
+    expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
+    ckpt.restore_rng_state(payload["rng"])
+    assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
+
+
+def test_only_plain_data_is_ever_saved(tmp_path):
+    root = tmp_path / "checkpoints"
+    with pytest.raises(ValueError, match=r"payload\['extra'\]\['stats'\] is a numpy.ndarray"):
+        ckpt.save_checkpoint(root, step=1, consumed_samples=8, parallel=Parallel(), experiment={}, model=_model(),
+                             optimizer_state={}, scheduler_state={}, extra={"stats": np.zeros(3)})
+    assert list(root.iterdir()) == []
+
+
+_TWO_RANKS = """
+import errno, json, os, sys, torch
+import torch.distributed as dist
+from torch import nn
+from repro.errors import ReproError
+from repro.training import checkpoint as ckpt
+from repro.training.distributed import Parallel
+
+rank, root, store = int(sys.argv[1]), sys.argv[2], sys.argv[3]
+dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+if rank == 1:
+    def full(obj, f, *args, **kwargs):
+        try:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        except OSError:
+            raise RuntimeError("unexpected pos") from None
+    torch.save = full
+try:
+    ckpt.save_checkpoint(root, step=1, consumed_samples=8, parallel=Parallel(rank=rank, world_size=2, dp_size=2),
+                         experiment={}, model=nn.Linear(2, 2), optimizer_state={}, scheduler_state={})
+    print("saved")
+except ReproError as exc:
+    print(f"error: {exc}")
+"""
+
+
+def test_a_failed_write_on_one_rank_stops_every_rank(tmp_path):
+    root = tmp_path / "checkpoints"
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    procs = [subprocess.Popen([sys.executable, "-c", _TWO_RANKS, str(r), str(root), str(tmp_path / "store")],
+                              cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    out = [p.communicate(timeout=180) for p in procs]  # a plain barrier would leave rank 0 waiting forever
+    assert [p.returncode for p in procs] == [0, 0], [e[-2000:] for _, e in out]
+    final = root / "step_0000001"
+    assert out[0][0].strip() == f"error: {final}: checkpoint not written: the write failed on another rank"
+    assert out[1][0].strip() == f"error: no space left on device: {final}"
+    assert list(root.iterdir()) == []
+
+
+def test_a_changed_byte_inside_a_tensor_is_detected(tmp_path):
+    path = _save(tmp_path / "checkpoints", _model())
+    rank_file = path / "rank_00000.pt"
+    data = bytearray(rank_file.read_bytes())
+    weights = _model()[0].weight.detach().numpy().tobytes()
+    at = bytes(data).find(weights[:64])
+    assert at > 0
+    data[at + 10] ^= 0x01  # one bit of one weight: still a valid zip and a valid tensor
+    rank_file.write_bytes(bytes(data))
+    with pytest.raises(ReproError, match=rf"{rank_file}: changed since it was written \(sha256 "):
+        ckpt.load_model_weights(path, _model(), Parallel())
+
+
+def test_rank_file_of_another_run_is_refused_naming_both(tmp_path):
+    switch = _save(tmp_path / "switch" / "checkpoints", _model(), experiment=_experiment("switch"))
+    ec = _save(tmp_path / "ec" / "checkpoints", _model(), experiment=_experiment("expert_choice"))
+    shutil.copyfile(switch / "rank_00000.pt", ec / "rank_00000.pt")
+    for digest_too in (False, True):
+        if digest_too:
+            _set_digest(ec, "rank_00000.pt")
+        with pytest.raises(ReproError, match=r"router 'switch'.*router 'expert_choice'") as info:
+            ckpt.load_model_weights(ec, _model(), Parallel())
+        _one_line(str(info.value))
+    info = ckpt.read_checkpoint_info(switch)
+    ckpt.check_identity(info, _experiment("switch"))
+    with pytest.raises(ReproError, match=r"router 'switch'.*router 'expert_choice'"):
+        ckpt.check_identity(info, _experiment("expert_choice"))
+
+
+def test_identity_reads_the_flat_and_the_nested_config_alike():
+    flat = _experiment("dirmoe")
+    flat["router_options"] = {"sparsity_weight": 0.01}
+    nested = {
+        "model": {"flavour": flat["flavour"], "num_experts": flat["num_experts"], "top_k": flat["top_k"],
+                  "seq_length": flat["seq_length"], "vocab_size": flat["vocab_size"]},
+        "router": {"name": "dirmoe", "options": {"sparsity_weight": 0.01}},
+        "optimizer": {"lr": 3e-4},
+    }
+    assert ckpt.run_identity(flat) == ckpt.run_identity(nested)
+    assert ckpt.run_identity(flat)["router"] == "dirmoe"
+    nested["router"]["options"]["sparsity_weight"] = 0.1
+    assert ckpt.run_identity(flat) != ckpt.run_identity(nested)
+    flat["lr"] = 1.0  # not part of what defines the model
+    assert ckpt.run_identity(flat) == ckpt.run_identity(_experiment("dirmoe") | {"router_options": {
+        "sparsity_weight": 0.01}})
 
 
 # ------------------------------------------------------------------------- 13. huge documents
@@ -425,3 +650,12 @@ def test_long_documents_are_encoded_in_chunks_with_the_same_tokens(tokenizer, mo
     assert "".join(tok_module.split_for_encoding(text, 500)) == text
 
 
+def test_evaluation_tells_a_run_killed_before_its_first_checkpoint_apart(tmp_path):
+    from repro.training.inference import resolve_checkpoint
+
+    (tmp_path / "run" / "checkpoints" / ".step_0000100.tmp").mkdir(parents=True)
+    with pytest.raises(ReproError, match=r"no complete checkpoint yet .*\.step_0000100\.tmp"):
+        resolve_checkpoint(tmp_path / "run")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ReproError, match="no checkpoint found"):
+        resolve_checkpoint(tmp_path / "empty")
