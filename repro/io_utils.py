@@ -1,47 +1,353 @@
-"""Atomic file and directory writes: readers never see a partial file, failures leave nothing behind."""
+"""Safe writes: readers never see a partial file, failures leave nothing behind, nothing the writer did not
+make is removed or written through.
+
+The rules every command's output goes through (:func:`atomic_path`, :func:`write_json_atomic`,
+:func:`check_output_path`, :func:`open_in_dir`):
+
+1. Nothing at the final path: written.
+2. A regular file there: replaced atomically, unless the caller passes ``replace`` (a predicate that
+   recognises the command's own earlier output) and it says no. Commands whose output path is typed by the
+   user (``eval --out``) pass one, so a mistyped path cannot overwrite a run's files.
+3. A directory there: replaced only when the caller's ``replace`` recognises it as the command's own
+   earlier output (e.g. a local-task directory with its manifest); otherwise refused. A directory is never
+   removed on the strength of its path alone: ``eval --out RUN_DIR`` used to delete a whole run.
+4. A symbolic link (or a FIFO, socket, device) there: refused, never followed and never replaced.
+5. Any ``OSError`` while writing (disk full, read-only file system, a path through a regular file,
+   permission denied) becomes one :class:`ReproError` line, ``"<cause>: <path>"`` (e.g.
+   ``no space left on device: runs/x/lm_eval.json``), after the temporary files and any parent directories
+   the write created are removed.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
+import stat
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
+
+from repro.errors import ReproError
+
+Recognise = Callable[[Path], bool]
+"""``replace(path) -> bool``: whether what exists at ``path`` is the command's own earlier output."""
+
+
+# ------------------------------------------------------------------------------------ OS errors
+def os_error_message(exc: BaseException, path: str | os.PathLike) -> str:
+    """One line for a failed write: ``"<cause>: <path>"`` (``no space left on device: runs/x``).
+
+    Args:
+        exc: the ``OSError``, or an exception whose ``__context__``/``__cause__`` chain holds one (torch's
+            zip writer raises ``RuntimeError: ... unexpected pos`` with the ``OSError`` as its context).
+        path: the path to name (the user's output path, not a temporary name).
+
+    Returns:
+        The message.
+    """
+    os_exc = find_os_error(exc)
+    if os_exc is not None and os_exc.errno:
+        cause = os.strerror(os_exc.errno)
+    else:
+        cause = str(os_exc or exc).strip().splitlines()[0] if str(os_exc or exc).strip() else type(exc).__name__
+    return f"{cause[:1].lower()}{cause[1:]}: {path}"
+
+
+def find_os_error(exc: BaseException | None) -> OSError | None:
+    """The first ``OSError`` in ``exc``'s chain (itself, then its ``__cause__``/``__context__``), or None."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, OSError):
+            return exc
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def error_from_os_error(
+    exc: BaseException, path: str | os.PathLike, temp_dir: str | os.PathLike | None = None
+) -> ReproError | None:
+    """The one-line :class:`ReproError` for an ``OSError`` in ``exc``'s chain (None if there is none).
+
+    Args:
+        exc: the exception caught while writing.
+        path: the output the user named (reported unless the error names another file).
+        temp_dir: the writer's temporary directory: an error on a file in it is an error writing ``path``.
+
+    Returns:
+        The error to raise (``raise error from None``), or None when ``exc`` is not about the file system.
+    """
+    os_exc = find_os_error(exc)
+    if os_exc is None:
+        return None
+    where: str | os.PathLike = path
+    if os_exc.filename and not (temp_dir is not None and str(os_exc.filename).startswith(str(temp_dir))):
+        where = os_exc.filename
+    return ReproError(os_error_message(os_exc, where))
+
+
+def _kind(path: Path) -> str | None:
+    """``"file"``, ``"dir"``, ``"symlink"``, ``"other"``, or None when nothing is there (links not followed)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return None
+    except NotADirectoryError:
+        return None  # a parent is a regular file: reported when the write tries to create it
+    if stat.S_ISLNK(mode):
+        return "symlink"
+    if stat.S_ISDIR(mode):
+        return "dir"
+    if stat.S_ISREG(mode):
+        return "file"
+    return "other"
+
+
+def check_output_path(path: str | os.PathLike, replace: Recognise | None = None, *, probe: bool = False) -> None:
+    """Refuse, before any work, an output path whose current content the write would not be allowed to replace.
+
+    The same rules :func:`atomic_path` applies when it commits (see the module docstring); commands call this
+    first so that a bad ``--out`` fails in a second, not after an hour of evaluation.
+
+    Args:
+        path: the output path.
+        replace: recognises the command's own earlier output (None: a regular file may be replaced, a
+            directory may not).
+        probe: also create (and remove again) a temporary file beside ``path``, so that a read-only or
+            full file system, or a parent that is a regular file, is reported now. Without it nothing is
+            created.
+
+    Raises:
+        ReproError: a directory, symlink or special file there that ``replace`` does not recognise, a
+            regular file it rejects, or (with ``probe``) a directory that cannot be written.
+    """
+    final = Path(path)
+    kind = _kind(final)
+    if kind == "symlink":
+        raise ReproError(f"{final}: is a symbolic link; refusing to replace it or write through it")
+    if kind == "other":
+        raise ReproError(f"{final}: exists and is not a regular file or directory; refusing to replace it")
+    if kind == "dir" and (replace is None or not replace(final)):
+        raise ReproError(
+            f"{final}: exists and is a directory this command did not write; refusing to replace it "
+            "(choose a new path)"
+        )
+    if kind == "file" and replace is not None and not replace(final):
+        raise ReproError(f"{final}: exists and was not written by this command; refusing to overwrite it")
+    if probe:
+        created = make_parents(final.parent, final)
+        try:
+            fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".probe", dir=final.parent)
+            os.close(fd)
+            os.unlink(name)
+        except OSError as exc:
+            raise ReproError(os_error_message(exc, final)) from None
+        finally:
+            remove_empty_dirs(created)
+
+
+def make_parents(directory: str | os.PathLike, where: str | os.PathLike | None = None) -> list[Path]:
+    """``mkdir -p directory`` with one-line errors; returns the directories it created (outermost first).
+
+    Args:
+        directory: the directory to create.
+        where: the output path to name in errors (default ``directory``).
+
+    Returns:
+        The directories created, so a failed write can remove them again (see :func:`remove_empty_dirs`).
+
+    Raises:
+        ReproError: a parent is a regular file, or an ``OSError`` (``"<cause>: <where>"``).
+    """
+    directory = Path(directory)
+    where = directory if where is None else Path(where)
+    missing = []
+    p = directory
+    while _kind(p) is None and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    created = []
+    try:
+        for d in reversed(missing):
+            d.mkdir()
+            created.append(d)
+    except FileExistsError:
+        if not directory.is_dir():
+            remove_empty_dirs(created)
+            raise ReproError(os_error_message(OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)), where)) from None
+    except OSError as exc:
+        remove_empty_dirs(created)
+        raise ReproError(os_error_message(exc, where)) from None
+    if not directory.is_dir():
+        raise ReproError(os_error_message(OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)), where))
+    return created
+
+
+def remove_empty_dirs(created: list[Path]) -> None:
+    """Remove the directories :func:`make_parents` created, innermost first, each only if still empty."""
+    for d in reversed(created):
+        with contextlib.suppress(OSError):
+            d.rmdir()  # only if still empty: never removes what another writer put there meanwhile
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, *, replace: Recognise | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success rename it onto ``path``, on error delete it.
 
-    Works for a file or a directory written at the yielded path.
+    Works for a file or a directory written at the yielded path. What may already be at ``path`` follows
+    the module's rules: a regular file is replaced (unless ``replace`` rejects it), a directory only when
+    ``replace`` recognises it, a symlink never. The check runs before the body (fail fast) and again just
+    before the rename. A replaced directory is first renamed into the temporary directory, then deleted, so
+    a failure of the final rename puts it back.
 
     Args:
         path: the final destination.
+        replace: recognises the command's own earlier output at ``path`` (see :func:`check_output_path`).
 
     Yields:
         The temporary path to write to (it does not exist yet).
+
+    Raises:
+        ReproError: ``path`` holds something that may not be replaced, or an ``OSError`` while writing
+            (one line, ``"<cause>: <path>"``); nothing is left behind then.
     """
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    tmp = tmp_dir / final.name
+    check_output_path(final, replace)
+    created = make_parents(final.parent, final)
     try:
-        yield tmp
-        if final.is_dir() and not final.is_symlink():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
+    except OSError as exc:
+        remove_empty_dirs(created)
+        raise ReproError(os_error_message(exc, final)) from None
+    tmp = tmp_dir / final.name
+    ok = False
+    try:
+        try:
+            yield tmp
+        except ReproError:
+            raise
+        except Exception as exc:
+            error = error_from_os_error(exc, final, tmp_dir)
+            if error is None:
+                raise
+            raise error from None
+        _commit(tmp, final, tmp_dir, replace)
+        ok = True
     finally:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
+        shutil.rmtree(tmp_dir, ignore_errors=True)  # ours: made by mkdtemp above
+        if not ok:
+            remove_empty_dirs(created)
 
 
-def write_json_atomic(path: str | os.PathLike, obj: Any, indent: int = 2) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically."""
-    with atomic_path(path) as tmp:
+def _commit(tmp: Path, final: Path, tmp_dir: Path, replace: Recognise | None) -> None:
+    """Rename ``tmp`` onto ``final`` under the module's rules (checked again: the body may have run long)."""
+    check_output_path(final, replace)
+    kind, new_is_dir = _kind(final), tmp.is_dir() and not tmp.is_symlink()
+    try:
+        if kind == "dir":
+            if not new_is_dir:
+                raise ReproError(f"{final}: exists and is a directory; refusing to replace it with a file")
+            aside = tmp_dir / ".replaced"
+            os.replace(final, aside)  # recognised by ``replace``: moved aside, deleted with tmp_dir
+            try:
+                os.replace(tmp, final)
+            except OSError:
+                os.replace(aside, final)
+                raise
+        else:
+            if kind == "file" and new_is_dir:
+                raise ReproError(f"{final}: exists and is not a directory; refusing to replace it with one")
+            os.replace(tmp, final)
+        _fsync_dir(final.parent)
+    except OSError as exc:
+        raise ReproError(os_error_message(exc, final)) from None
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable (best effort: some file systems cannot fsync a directory)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def write_json_atomic(
+    path: str | os.PathLike, obj: Any, indent: int = 2, *, replace: Recognise | None = None
+) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (see :func:`atomic_path` for what may be replaced).
+
+    Args:
+        path: the destination.
+        obj: JSON-ready data.
+        indent: JSON indentation.
+        replace: recognises the command's own earlier output at ``path``.
+
+    Raises:
+        ReproError: see :func:`atomic_path`.
+    """
+    with atomic_path(path, replace=replace) as tmp:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=indent, sort_keys=False)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
+    """Whether ``path``, with every symlink resolved, lies inside ``root`` (also resolved)."""
+    real_root = os.path.realpath(root)
+    real = os.path.realpath(path)
+    return os.path.commonpath([real_root, real]) == real_root
+
+
+def open_in_dir(root: str | os.PathLike, name: str | os.PathLike, mode: str = "r", **kwargs: Any) -> IO:
+    """``open(root / name, mode)``, refusing a path that leaves ``root`` (``..``, or a symlink pointing out).
+
+    For files a command keeps open inside its own output directory (a run's ``log.jsonl``, opened for
+    append): a ``log.jsonl`` planted as a symlink to a file elsewhere must not get the run's records
+    appended to it. Symlinks that stay inside ``root`` are followed as usual. The resolved path is opened
+    with ``O_NOFOLLOW``, so a link swapped in after the check is refused too.
+
+    Args:
+        root: the directory the file must stay in.
+        name: the file's path relative to ``root``.
+        mode: as :func:`open` (``"r"``, ``"w"``, ``"a"``, ``"x"``, with ``"b"``/``"+"``).
+        **kwargs: passed to :func:`os.fdopen` (``encoding``, ``newline``, ...).
+
+    Returns:
+        The open file object.
+
+    Raises:
+        ReproError: the path leads outside ``root``, or an ``OSError`` opening it (one line naming it).
+    """
+    root_path = Path(root)
+    path = root_path / name
+    if not is_within(path, root_path):
+        raise ReproError(f"{path}: leads outside {root_path} (a symbolic link or '..'); refusing to open it")
+    real = os.path.realpath(path)
+    flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    base = mode.replace("b", "").replace("t", "")
+    plus = "+" in base
+    if base.startswith("r"):
+        flags |= os.O_RDWR if plus else os.O_RDONLY
+    elif base.startswith("w"):
+        flags |= (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_TRUNC
+    elif base.startswith("a"):
+        flags |= (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_APPEND
+    elif base.startswith("x"):
+        flags |= (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_EXCL
+    else:
+        raise ValueError(f"open_in_dir: mode {mode!r} is not one of r, w, a, x (with b, t, +)")
+    try:
+        fd = os.open(real, flags, 0o666)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ReproError(f"{path}: became a symbolic link while being opened; refusing to follow it") from None
+        raise ReproError(os_error_message(exc, path)) from None
+    return os.fdopen(fd, mode, **kwargs)

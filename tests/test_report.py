@@ -446,3 +446,10 @@ def test_bench_table_medians_and_ratio_to_switch(tmp_path, capsys):
     path.write_text(json.dumps(data))
     assert repro_main(["bench-table", str(path)]) == 0
     assert "| router fwd+bwd | dirmoe   | 3.000         | 1.50       |" in capsys.readouterr().out
+    out = tmp_path / "bench.md"
+    assert repro_main(["bench-table", str(path), "--out", str(out)]) == 0
+    assert repro_main(["bench-table", str(path), "--out", str(out)]) == 0  # its own earlier table: replaced
+    readme = tmp_path / "README.md"
+    readme.write_text("# my notes\n")
+    assert repro_main(["bench-table", str(path), "--out", str(readme)]) == 2  # anything else: refused
+    assert readme.read_text() == "# my notes\n"

@@ -136,7 +136,7 @@ def test_switch_adapter_trains_like_megatron_topk_router(tmp_path):
 # ------------------------------------------------------------------------------------------ resume
 def _final_state(out: Path) -> dict:
     files = sorted((out / "checkpoints").glob("step_*/rank_00000.pt"))
-    return torch.load(files[-1], map_location="cpu", weights_only=False)
+    return torch.load(files[-1], map_location="cpu", weights_only=True)  # tensors and plain data only
 
 
 @pytest.mark.parametrize("router", ["dirmoe", "remoe", "hash"])
@@ -181,18 +181,22 @@ def test_resume_errors_name_the_path(tmp_path):
         train(exp, run, progress=False)
     (run / "summary.json").unlink()  # not finished: the resume reads the checkpoint
     rank_file = run / "checkpoints" / "step_0000002" / "rank_00000.pt"
+    meta = run / "checkpoints" / "step_0000002" / "meta.json"
+    good_meta = json.loads(meta.read_text())
     rank_file.write_bytes(b"not a checkpoint")
     with pytest.raises(ReproError, match=str(rank_file)):
         train(None, run, resume=True, progress=False)
-    meta = run / "checkpoints" / "step_0000002" / "meta.json"
     meta.write_text("{")
     # a corrupt meta.json makes the directory unreadable: still an error naming the file
     with pytest.raises(ReproError, match=str(meta)):
         train(None, run, resume=True, progress=False)
-    meta.write_text(json.dumps({"step": 2, "consumed_samples": 8, "layout": {"world_size": 1, "dp": 1, "tp": 1,
-                                "ep": 1}, "experiment": exp.to_dict(), "files": ["rank_00000.pt"]}))
+    meta.write_text(json.dumps(good_meta))
     with pytest.raises(ReproError, match=r"cannot change what defines the model .*model.num_experts: None -> 4"):
         train(apply_overrides(exp, ["model.num_experts=4"]), run, resume=True, progress=False)
+    # a checkpoint of the format before digests and plain-data RNG states is refused in one line
+    meta.write_text(json.dumps({k: v for k, v in good_meta.items() if k not in ("format", "sha256", "identity")}))
+    with pytest.raises(ReproError, match=rf"{meta}: checkpoint format 1"):
+        train(None, run, resume=True, progress=False)
 
 
 # ----------------------------------------------------------------------------------- run directory

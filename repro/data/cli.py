@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import shutil
 import time
 import warnings
@@ -70,14 +71,50 @@ def _mini_pile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tokenizer_copies(out_dir: Path, vocab: Path, merges: Path) -> list[tuple[Path, Path]]:
+    """Which tokenizer files ``data tokenize`` must place beside its output, checked before any work.
+
+    The training loop and evaluation find the tokenizer beside the data as ``vocab.json`` + ``merges.txt``.
+    A file already there with the same bytes (directly or through a symlink) needs nothing; anything else
+    there (another tokenizer's file, a symlink to something else, a directory) is refused, so the clash is
+    reported before hours of tokenising and nothing is ever written through a link.
+
+    Returns:
+        ``(source, destination)`` pairs still to copy.
+
+    Raises:
+        ReproError: a clash, naming the file.
+    """
+    copies = []
+    for src, name in ((vocab, "vocab.json"), (merges, "merges.txt")):
+        dst = out_dir / name
+        if dst.is_symlink():
+            if not (dst.is_file() and dst.read_bytes() == src.read_bytes()):
+                raise ReproError(
+                    f"{dst}: is a symbolic link (to {os.readlink(dst)}) and not to this tokenizer's file; "
+                    "refusing to write through it or replace it"
+                )
+        elif dst.exists():
+            if not dst.is_file():
+                raise ReproError(f"{dst}: exists and is not a regular file; tokenize into another directory")
+            if dst.read_bytes() != src.read_bytes():
+                raise ReproError(f"{dst}: another tokenizer's file is already there; tokenize into another directory")
+        else:
+            copies.append((src, dst))
+    return copies
+
+
 def _tokenize(args: argparse.Namespace) -> int:
     from repro.data.tokenizer import load_tokenizer
+    from repro.io_utils import atomic_path
 
     with _quiet_megatron_import():
         from repro.data.indexed import tokenize_shards
 
     t0 = time.perf_counter()
     tok = load_tokenizer(args.vocab, args.merges)
+    out_dir = Path(args.out).parent
+    copies = _tokenizer_copies(out_dir, Path(args.vocab), Path(args.merges))  # before writing anything
     stats = tokenize_shards(
         args.input, tok, args.out, num_workers=args.workers, default_domain=args.default_domain,
         progress=not args.no_progress,
@@ -88,14 +125,10 @@ def _tokenize(args: argparse.Namespace) -> int:
     print(f"{'total':<24} {stats.num_documents:>10} {_mb(sum(stats.bytes.values())):>10} {stats.num_tokens:>14,}")
     print(f"wrote {stats.prefix}.bin/.idx (+ .domains.json/.npy) in {time.perf_counter() - t0:.1f} s; "
           f"{stats.tokens_per_second:,.0f} tokens/s")
-    # The training loop (and evaluation) find the tokenizer beside the data as vocab.json + merges.txt.
-    out_dir = Path(stats.prefix).parent
-    for src, name in ((Path(args.vocab), "vocab.json"), (Path(args.merges), "merges.txt")):
-        dst = out_dir / name
-        if not dst.exists():
-            shutil.copyfile(src, dst)
-        elif dst.read_bytes() != src.read_bytes():
-            raise ReproError(f"{dst}: another tokenizer's file is already there; tokenize into another directory")
+    for src, dst in copies:
+        # atomic_path checks the destination again (refusing a link planted meanwhile) and never follows one
+        with atomic_path(dst, replace=lambda p, src=src: p.read_bytes() == src.read_bytes()) as tmp:
+            shutil.copyfile(src, tmp)
     print(f"tokenizer:      {out_dir / 'vocab.json'}, {out_dir / 'merges.txt'}")
     return 0
 

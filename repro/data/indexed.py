@@ -8,7 +8,10 @@ One indexed *sequence* per document (its tokens then the EOD id), which is what 
 - ``PREFIX.domains.npy``: one small integer per document, the index of its domain in ``domains``.
 
 All four files are written under temporary names and renamed into place only when everything succeeded
-(``.idx`` last), so a failure never leaves a half-written dataset behind.
+(``.domains.json`` first, ``.idx`` last), so a failure never leaves a half-written dataset behind. Files
+already at the prefix are replaced only when its ``.domains.json`` shows they are an earlier output of this
+writer (renamed first, it marks even a set whose renames were interrupted); anything else there, a
+directory or a symlink at one of the four names, is refused before any work.
 """
 
 from __future__ import annotations
@@ -29,6 +32,13 @@ from tqdm import tqdm
 from repro.data.pile import PileRecord, iter_pile_documents
 from repro.data.tokenizer import Gpt2BpeTokenizer, encode_documents
 from repro.errors import ReproError
+from repro.io_utils import (
+    check_output_path,
+    error_from_os_error,
+    make_parents,
+    os_error_message,
+    remove_empty_dirs,
+)
 
 DOMAINS_JSON = ".domains.json"
 DOMAINS_NPY = ".domains.npy"
@@ -63,8 +73,37 @@ class TokenizeStats:
 
 
 def _prefix_files(prefix: str) -> list[str]:
-    # .idx last: megatron (and :func:`indexed_exists`) treat a prefix as present once its .idx exists.
-    return [prefix + DOMAINS_NPY, prefix + DOMAINS_JSON, prefix + ".bin", prefix + ".idx"]
+    # In rename order. .domains.json first: it marks the files at a prefix as this writer's (see
+    # :func:`check_indexed_output`). .idx last: megatron (and :func:`indexed_exists`) treat a prefix as
+    # present once its .idx exists.
+    return [prefix + DOMAINS_JSON, prefix + DOMAINS_NPY, prefix + ".bin", prefix + ".idx"]
+
+
+def _is_our_sidecar(path: str) -> bool:
+    if os.path.islink(path) or not os.path.isfile(path):
+        return False
+    try:
+        with open(path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and isinstance(meta.get("domains"), list) and "num_documents" in meta
+
+
+def check_indexed_output(prefix: str | os.PathLike) -> None:
+    """Refuse an output prefix whose files the writer would replace without having written them.
+
+    Args:
+        prefix: the output prefix.
+
+    Raises:
+        ReproError: a directory, symlink or special file at one of the four names, or regular files there
+            without this writer's ``.domains.json`` beside them (naming the first such path).
+    """
+    prefix = str(prefix)
+    ours = _is_our_sidecar(prefix + DOMAINS_JSON)
+    for path in _prefix_files(prefix):
+        check_output_path(path, replace=lambda _p: ours)
 
 
 def indexed_exists(prefix: str | os.PathLike) -> bool:
@@ -100,9 +139,14 @@ def write_indexed(
         ReproError: the input has no document (or any error of the reader); nothing is written then.
     """
     prefix = str(out_prefix)
+    check_indexed_output(prefix)
     parent = Path(prefix).parent
-    parent.mkdir(parents=True, exist_ok=True)
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{Path(prefix).name}.", suffix=".tmp", dir=parent))
+    created = make_parents(parent, prefix)
+    try:
+        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{Path(prefix).name}.", suffix=".tmp", dir=parent))
+    except OSError as exc:
+        remove_empty_dirs(created)
+        raise ReproError(os_error_message(exc, prefix)) from None
     tmp_prefix = str(tmp_dir / Path(prefix).name)
     t0 = time.perf_counter()
     builder: IndexedDatasetBuilder | None = None
@@ -152,12 +196,21 @@ def write_indexed(
         }
         with open(tmp_prefix + DOMAINS_JSON, "w") as f:
             json.dump(sidecar, f, indent=2)
+        check_indexed_output(prefix)  # again: tokenising may have taken hours
         for tmp_file, final in zip(_prefix_files(tmp_prefix), _prefix_files(prefix)):
             os.replace(tmp_file, final)
+        created = []  # the output exists now: its directories stay
+    except (OSError, RuntimeError) as exc:
+        # a full disk while writing .bin, a read-only directory: one line naming the prefix
+        error = error_from_os_error(exc, prefix, tmp_dir)
+        if error is None:
+            raise
+        raise error from None
     finally:
         if builder is not None:
             builder.data_file.close()  # already closed by finalize() on success; closing twice is harmless
         shutil.rmtree(tmp_dir, ignore_errors=True)
+        remove_empty_dirs(created)  # directories made for an output that was not written
     return TokenizeStats(prefix, n_docs, n_tokens, time.perf_counter() - t0, docs, toks, nbytes)
 
 

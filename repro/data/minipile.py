@@ -47,7 +47,7 @@ from pathlib import Path
 from repro.data.pile import PileRecord, iter_pile_documents, write_pile_shard
 from repro.data.tokenizer import Gpt2BpeTokenizer, load_tokenizer, train_bpe_tokenizer
 from repro.errors import ReproError
-from repro.io_utils import write_json_atomic
+from repro.io_utils import make_parents, open_in_dir, write_json_atomic
 
 MANIFEST_FORMAT = 1
 ALL_DOMAINS = ("python_code", "python_docstrings", "python_reference", "licenses", "man_pages", "c_headers")
@@ -515,6 +515,29 @@ def _load_manifest(path: Path) -> dict:
         return {}  # no or unreadable manifest: rebuild everything
 
 
+# What a build puts in its directory (plus atomic writers' temporaries, ``.<name>.<random>.tmp``).
+_MINI_PILE_ENTRIES = frozenset({".build.lock", "manifest.json", "shards", "heldout.jsonl", "tokenizer", "indexed"})
+
+
+def _check_mini_pile_dir(root: Path) -> None:
+    """Refuse to build into an existing directory that holds anything but a (possibly partial) mini-pile.
+
+    Stages rewrite ``shards/``, ``tokenizer/``, ``indexed/`` and delete stale shards: in someone else's
+    directory that would destroy their files.
+    """
+    if not root.is_dir():
+        return
+    foreign = sorted(
+        p.name for p in root.iterdir()
+        if p.name not in _MINI_PILE_ENTRIES and not (p.name.startswith(".") and p.name.endswith(".tmp"))
+    )
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ReproError(
+            f"{root}: holds files that are not the mini-pile's ({shown}); build it into a new or empty directory"
+        )
+
+
 def build_mini_pile(
     out_dir: str | os.PathLike,
     config: MiniPileConfig | None = None,
@@ -547,10 +570,12 @@ def build_mini_pile(
     cfg.validate()
     t_start = time.perf_counter()
     root = Path(out_dir)
-    root.mkdir(parents=True, exist_ok=True)
+    _check_mini_pile_dir(root)
+    make_parents(root)
     # Several processes (e.g. the ranks of one torchrun) may call this at once: one builds, the others wait
     # and then reuse what it built.
-    with open(root / ".build.lock", "w") as lock:
+    # Append mode, inside the directory only: a planted symlink cannot make the lock truncate a file elsewhere.
+    with open_in_dir(root, ".build.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             return _build_locked(root, cfg, num_workers, force, progress, log or (lambda _msg: None), t_start)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,10 +23,27 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from tokenizers.implementations import ByteLevelBPETokenizer
 
 from repro.errors import ReproError
-from repro.io_utils import atomic_path
+from repro.io_utils import atomic_path, check_output_path
 
 EOD_TOKEN = "<|endoftext|>"
 """GPT-2's end-of-document token, appended to every document."""
+
+MAX_CHUNK_CHARS = 1 << 20
+"""Longest piece of text handed to the BPE encoder in one call (characters).
+
+HF ``tokenizers`` holds about 155 bytes per character while it encodes one string (measured with
+``Gpt2BpeTokenizer.encode_batch`` on one string and ``ru_maxrss``: 5.6 M characters took 0.83 GB), so a shard
+line holding a 50 M-character document took 9.09 GB to tokenise (``/usr/bin/time -v python -m repro data
+tokenize --workers 1``; 1.51 GB in pieces, byte-identical output). Longer documents are encoded in pieces cut
+where GPT-2's pre-tokenizer splits anyway (:func:`split_for_encoding`), which gives exactly the unchunked ids,
+at about 160 MB per encoding thread.
+"""
+
+# A non-whitespace character followed by a space or newline: GPT-2's pre-tokenizer never puts the two into
+# one pre-token (no alternative of its regex matches non-space then space), and BPE never merges across
+# pre-tokens, so cutting between them leaves every token as it was.
+_SAFE_CUT = re.compile(r"[^\s](?=[ \n])")
+_CUT_SEARCH = 1 << 16  # characters searched per step, from the end of the window backwards
 
 
 def _sha256(path: Path) -> str:
@@ -64,6 +82,7 @@ def _check_merges(path: Path, vocab: dict[str, int]) -> None:
         lines = path.read_text(encoding="utf-8").split("\n")
     except UnicodeDecodeError:
         raise ReproError(f"{path}: merges file is not valid UTF-8") from None
+    merges = 0
     for lineno, line in enumerate(lines, start=1):
         if not line or (lineno == 1 and line.startswith("#version")):
             continue
@@ -72,6 +91,12 @@ def _check_merges(path: Path, vocab: dict[str, int]) -> None:
             raise ReproError(f"{path}:{lineno}: a merge must be two tokens separated by one space")
         if parts[0] + parts[1] not in vocab:
             raise ReproError(f"{path}:{lineno}: merge result '{parts[0] + parts[1]}' is not in the vocabulary")
+        merges += 1
+    if merges == 0:
+        # Without merges BPE falls back to single bytes: a corpus would tokenise (about one token per byte)
+        # and train, silently, on the wrong vocabulary. An empty file is a copy or download gone wrong.
+        raise ReproError(f"{path}: no merges (the file is empty or holds only its header); expected GPT-2's "
+                         "merges.txt, one 'left right' pair a line")
 
 
 class Gpt2BpeTokenizer:
@@ -145,17 +170,57 @@ class Gpt2BpeTokenizer:
         return self._inv_vocab
 
     def tokenize(self, text: str) -> list[int]:
-        """Encode one text (no EOD appended)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Encode one text (no EOD appended); long texts in pieces (:func:`split_for_encoding`), same ids."""
+        return self.encode_arrays([text])[0].tolist()
 
     def detokenize(self, ids: Sequence[int]) -> str:
         """Decode ids back to text (byte-level: exact for any text that was encoded)."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Encode several texts in one call (no EOD appended); releases the GIL while it runs."""
+        """Encode several texts (no EOD appended); releases the GIL while it runs."""
+        return [ids.tolist() for ids in self.encode_arrays(texts)]
+
+    def encode_arrays(self, texts: Sequence[str], dtype=np.int64) -> list[np.ndarray]:
+        """Encode several texts (no EOD appended) into one id array each, with bounded memory.
+
+        Texts are cut into pieces of at most :data:`MAX_CHUNK_CHARS` (:func:`split_for_encoding`, exact
+        where BPE allows) and handed to the encoder in calls of at most that many characters in all, each
+        call's ids turned into arrays at once: the encoder's per-character overhead never covers more than
+        one such call.
+
+        Args:
+            texts: the texts.
+            dtype: the arrays' integer dtype.
+
+        Returns:
+            One array per text, in order.
+        """
         encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch  # fast: no offsets
-        return [e.ids for e in encode(list(texts), add_special_tokens=False)]
+        limit = MAX_CHUNK_CHARS
+        parts: list[list[np.ndarray]] = [[] for _ in texts]
+        group: list[str] = []
+        owners: list[int] = []
+        size = 0
+
+        def flush() -> None:
+            for owner, encoding in zip(owners, encode(group, add_special_tokens=False)):
+                parts[owner].append(np.asarray(encoding.ids, dtype=dtype))
+            group.clear()
+            owners.clear()
+
+        for i, text in enumerate(texts):
+            for piece in split_for_encoding(text, limit):
+                if group and size + len(piece) > limit:
+                    flush()
+                    size = 0
+                group.append(piece)
+                owners.append(i)
+                size += len(piece)
+        if group:
+            flush()
+        empty = np.zeros(0, dtype=dtype)
+        return [p[0] if len(p) == 1 else np.concatenate(p) if p else empty for p in parts]
 
     def apply_chat_template(self, *args, **kwargs):
         """Not supported: a pre-training tokenizer has no chat template."""
@@ -163,6 +228,46 @@ class Gpt2BpeTokenizer:
 
     def __repr__(self) -> str:
         return f"Gpt2BpeTokenizer(vocab={str(self.vocab_path)!r}, vocab_size={self.vocab_size}, eod={self.eod})"
+
+
+def split_for_encoding(text: str, max_chars: int | None = None) -> list[str]:
+    """Cut ``text`` into pieces of at most ``max_chars`` characters whose encodings, concatenated, equal its own.
+
+    Each cut falls just before a space or newline that follows a non-whitespace character, where GPT-2's
+    pre-tokenizer splits anyway, as far into the window as possible. A stretch of more than ``max_chars``
+    characters with no such place (a base64 blob, say) is cut at ``max_chars``: the only case where the ids
+    can differ from the unchunked encoding (BPE cannot merge across that cut), and the price of bounded memory.
+
+    Args:
+        text: the text.
+        max_chars: the longest piece (default :data:`MAX_CHUNK_CHARS`).
+
+    Returns:
+        The pieces, in order (``"".join(pieces) == text``); ``[text]`` when it is short enough.
+    """
+    limit = MAX_CHUNK_CHARS if max_chars is None else max_chars
+    if limit < 2:
+        raise ValueError(f"max_chars must be >= 2, got {limit}")
+    if len(text) <= limit:
+        return [text]
+    pieces = []
+    start = 0
+    while len(text) - start > limit:
+        end = start + limit  # the piece is text[start:cut], start < cut <= end (and end < len(text))
+        cut = end  # no safe place in the whole window: a hard cut
+        hi = end
+        while hi > start:
+            lo = max(start, hi - _CUT_SEARCH)
+            # a match at k: text[k] is not whitespace and text[k + 1] is a space or newline, so cut at k + 1
+            found = [m.start() + 1 for m in _SAFE_CUT.finditer(text, lo, hi + 1)]
+            if found:
+                cut = found[-1]
+                break
+            hi = lo
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
 
 
 def load_tokenizer(vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> Gpt2BpeTokenizer:
@@ -176,6 +281,19 @@ def load_tokenizer(vocab_path: str | os.PathLike, merges_path: str | os.PathLike
         The tokenizer.
     """
     return Gpt2BpeTokenizer(vocab_path, merges_path)
+
+
+TOKENIZER_FILES = ("vocab.json", "merges.txt")
+
+
+def is_tokenizer_dir(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a directory holding a tokenizer's ``vocab.json``/``merges.txt`` and nothing else
+    (what :func:`train_bpe_tokenizer` writes, so it may replace it)."""
+    try:
+        names = {p.name for p in Path(path).iterdir()}
+    except OSError:
+        return False
+    return names <= set(TOKENIZER_FILES)
 
 
 def train_bpe_tokenizer(
@@ -192,7 +310,8 @@ def train_bpe_tokenizer(
 
     Args:
         texts: the training texts.
-        out_dir: the directory to write (replaced if it exists).
+        out_dir: the directory to write; an existing one is replaced only when it is a tokenizer directory
+            (:func:`is_tokenizer_dir`), anything else is refused.
         vocab_size: the vocabulary size, ``<|endoftext|>`` included.
         min_frequency: the least count for a pair to be merged.
 
@@ -201,12 +320,13 @@ def train_bpe_tokenizer(
     """
     if vocab_size < 257 + 1:
         raise ReproError(f"vocab_size {vocab_size} is too small: byte-level BPE needs at least 258")
+    out = Path(out_dir)
+    check_output_path(out, replace=is_tokenizer_dir)  # before the training, which may take minutes
     bpe = ByteLevelBPETokenizer(add_prefix_space=False)
     bpe.train_from_iterator(
         texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOD_TOKEN], show_progress=False
     )
-    out = Path(out_dir)
-    with atomic_path(out) as tmp:
+    with atomic_path(out, replace=is_tokenizer_dir) as tmp:
         tmp.mkdir()
         bpe.save_model(str(tmp))
     return out / "vocab.json", out / "merges.txt"
@@ -240,7 +360,8 @@ def encode_documents(
     eod = [tokenizer.eod] if append_eod else []
 
     def encode(batch: list[str]) -> list[np.ndarray]:
-        return [np.asarray(ids + eod, dtype=np.int64) for ids in tokenizer.encode_batch(batch)]
+        arrays = tokenizer.encode_arrays(batch)
+        return [np.concatenate([ids, np.asarray(eod, dtype=np.int64)]) if eod else ids for ids in arrays]
 
     def batches() -> Iterator[list[str]]:
         batch: list[str] = []

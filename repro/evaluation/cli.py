@@ -13,6 +13,7 @@ checkpoint; the run's ``record.json`` gets the results.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from repro.evaluation.offline import ensure_offline
@@ -59,13 +60,17 @@ def main(argv: list[str], prog: str) -> int:
 
     from repro.errors import ReproError
     from repro.evaluation.harness import SuiteLM
-    from repro.evaluation.local_tasks import build_local_tasks
+    from repro.evaluation.local_tasks import build_local_tasks, is_local_tasks_dir
     from repro.evaluation.runner import evaluate_lm
-    from repro.io_utils import write_json_atomic
+    from repro.io_utils import check_output_path, write_json_atomic
 
+    # Output paths first, before minutes of evaluation: an existing path is replaced only when it holds this
+    # command's own earlier output (never a run directory), and a read-only or full disk shows now.
+    check_output_path(args.out, replace=is_lm_eval_results, probe=True)
     if args.local_tasks_from is not None:
         if args.local_tasks is None:
             raise ReproError("--local-tasks-from needs --local-tasks (the directory to write the tasks to)")
+        check_output_path(args.local_tasks, replace=is_local_tasks_dir, probe=True)
         build_local_tasks(args.local_tasks_from, args.local_tasks)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
     lm = SuiteLM.from_checkpoint(
@@ -79,11 +84,23 @@ def main(argv: list[str], prog: str) -> int:
         bootstrap_iters=args.bootstrap_iters,
         seed=args.seed,
     )
-    write_json_atomic(args.out, results)
+    write_json_atomic(args.out, results, replace=is_lm_eval_results)
     print(make_table(results))
     print(f"wrote {args.out}")
     _add_to_run_record(Path(args.checkpoint), results)
     return 0
+
+
+def is_lm_eval_results(path: Path) -> bool:
+    """Whether ``path`` is a results file this command wrote (lm-eval's JSON object with ``results`` and
+    ``versions``): the only existing file ``--out`` may replace."""
+    try:
+        if Path(path).stat().st_size > 256 << 20:  # no results file is this large (a checkpoint may be)
+            return False
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and "results" in data and "versions" in data
 
 
 def _add_to_run_record(run_dir: Path, results: dict) -> None:

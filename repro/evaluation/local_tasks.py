@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -28,7 +29,7 @@ from typing import Any
 import yaml
 
 from repro.errors import ReproError
-from repro.io_utils import atomic_path
+from repro.io_utils import atomic_path, check_output_path
 
 LOCAL_TAG = "minipile"
 #: Column labels of the local tasks in the zero-shot table.
@@ -38,6 +39,29 @@ LOCAL_TASK_LABELS: dict[str, str] = {
     "minipile_ppl": "Perplexity (local)",
 }
 _TRAILING_PUNCT = ".,;:!?\"')]}*"
+
+
+_MANIFEST = "manifest.json"
+_HF_CACHE = ".hf_cache"
+
+
+def _task_dir_entries() -> set[str]:
+    names = {_MANIFEST, _HF_CACHE}
+    for task in LOCAL_TASK_LABELS:
+        names |= {f"{task}.yaml", f"{task}.jsonl"}
+    return names
+
+
+def is_local_tasks_dir(path: str | Path) -> bool:
+    """Whether ``path`` is a directory :func:`build_local_tasks` wrote: its manifest and nothing but the
+    task files (a rebuild may replace it; any other directory, a run directory say, is refused)."""
+    path = Path(path)
+    try:
+        entries = {p.name for p in path.iterdir()}
+        manifest = json.loads((path / _MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(manifest, dict) and {"heldout", "tasks"} <= set(manifest) and entries <= _task_dir_entries()
 
 
 @dataclass(frozen=True)
@@ -191,18 +215,22 @@ def build_local_tasks(
     Args:
         heldout_jsonl: held-out documents, one ``{"text", "meta": {"pile_set_name"}}`` JSON object per line
             (``.jsonl`` or ``.jsonl.zst``).
-        out_dir: the task directory to write (replaced atomically if it exists).
+        out_dir: the task directory to write. If it exists it must be an earlier output of this function
+            (:func:`is_local_tasks_dir`), which is then replaced atomically; anything else is refused.
         options: how to cut the tasks (default :class:`LocalTaskOptions`).
 
     Returns:
         ``out_dir`` as an absolute path: pass it to ``TaskManager(include_path=...)``.
 
     Raises:
-        ReproError: unreadable or malformed held-out file, or too few documents for a task.
+        ReproError: unreadable or malformed held-out file, too few documents for a task, or ``out_dir``
+            holding something else.
     """
     opts = options or LocalTaskOptions()
     source = Path(heldout_jsonl).resolve()
-    final = Path(out_dir).resolve()
+    # Absolute but not resolved: a symlink at ``out_dir`` is refused, never followed to its target.
+    final = Path(os.path.abspath(out_dir))
+    check_output_path(final, replace=is_local_tasks_dir)
     docs = _read_heldout(source, opts.max_docs, opts.seed)
     tasks = {
         "minipile_lastword": (
@@ -247,13 +275,13 @@ def build_local_tasks(
     for name, (rows, _) in tasks.items():
         if not rows:
             raise ReproError(f"{source}: no held-out document is long enough for task '{name}'")
-    with atomic_path(final) as tmp:
+    with atomic_path(final, replace=is_local_tasks_dir) as tmp:
         tmp.mkdir()
         for name, (rows, body) in tasks.items():
             data_name = f"{name}.jsonl"
             (tmp / data_name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
             # Paths name the final directory: the temporary one is renamed onto it.
-            config = _task_yaml(name, final / data_name, final / ".hf_cache", body)
+            config = _task_yaml(name, final / data_name, final / _HF_CACHE, body)
             (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         manifest = {
             "heldout": str(source),
@@ -262,5 +290,5 @@ def build_local_tasks(
             "tasks": {name: len(rows) for name, (rows, _) in tasks.items()},
             "options": asdict(opts),
         }
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n")
+        (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return final

@@ -123,6 +123,9 @@ def main(argv: list[str], prog: str) -> int:
     text = render_bench(summarise(data, args.baseline, str(path)), args.baseline)
     print(text, end="")
     if args.out:
-        with atomic_path(args.out) as tmp:
+        # Replaces only an earlier table of this command (it starts with the table's header row), never
+        # another file given by mistake (--out README.md).
+        header = text.splitlines()[0]
+        with atomic_path(args.out, replace=lambda p: p.is_file() and p.read_text().startswith(header)) as tmp:
             tmp.write_text(text)
     return 0

@@ -1,22 +1,40 @@
-"""Checkpoints that hold everything a bit-identical resume needs, written atomically, one file per rank.
+"""Checkpoints that hold everything a bit-identical resume needs, written atomically, one file per rank,
+loaded without running any code from them, and checked against what wrote them.
 
 Layout (``torch.save`` per rank, not megatron's ``dist_checkpointing``: the suite's runs are small enough,
 and a plain layout needs no sharded-tensor metadata to read back)::
 
     OUT/checkpoints/
         step_0000100/
-            meta.json           step, consumed samples, layout, experiment config, the rank files
+            meta.json           format, step, consumed samples, layout, experiment config, the run's identity
+                                (:func:`run_identity`), the rank files and their sha256 digests
             rank_00000.pt       this rank's model state (router buffers included), optimizer state, LR
             rank_00001.pt       scheduler state, RNG states (python, numpy, torch CPU/CUDA, megatron's
-            ...                 CUDA RNG tracker), step, consumed samples
+            ...                 CUDA RNG tracker), step, consumed samples, the run's identity
         latest                  the name of the newest complete checkpoint directory (a convenience:
                                 the newest directory with a meta.json is the truth)
 
-Atomicity: every rank writes its file into ``.step_0000100.tmp/`` (each file via a temporary name and a
-rename), all ranks meet at a barrier, then rank 0 writes ``meta.json`` and renames the directory to
-``step_0000100``. A checkpoint directory therefore exists only when it is complete; a run killed while
-writing leaves a ``.tmp`` directory that the next write removes. The file system must be shared by the
-ranks (one machine, or a shared mount).
+Atomicity: every rank writes its file into ``.step_0000100.tmp/``, all ranks agree that every write
+succeeded, then rank 0 writes ``meta.json`` and renames the directory to ``step_0000100``. A checkpoint
+directory therefore exists only when it is complete; a run killed while writing leaves a ``.tmp``
+directory (:func:`incomplete_checkpoints` lists them, so a caller can tell "killed before its first
+checkpoint" from "no run here") that the next write of that step removes. A write that fails on any rank
+(a full disk, a read-only directory) fails on every rank with one line naming the checkpoint and the cause,
+and leaves no ``.tmp`` behind. The file system must be shared by the ranks (one machine, or a shared mount).
+
+Safety and integrity (format 2):
+
+1. Rank files hold tensors and plain Python data only (RNG states are stored as tensors and numbers, not
+   numpy arrays or tuples of objects), so they load with ``torch.load(weights_only=True)`` and no
+   allow-list: a crafted file cannot run code through ``eval`` or ``train --resume``. :func:`save_checkpoint`
+   refuses to write anything else, naming the key. Format-1 checkpoints (pickled numpy RNG states) cannot
+   be loaded that way and are refused with a one-line error.
+2. ``meta.json`` records each rank file's sha256, checked before the file is used: a changed byte inside a
+   tensor (still a valid file) is refused instead of resumed from.
+3. ``meta.json`` and every rank file record the run's identity (router, its options, flavour and the other
+   fields that define the model). A rank file of another run (a Switch file copied into an Expert Choice
+   checkpoint) is refused naming both; :func:`check_identity` compares a checkpoint with the run about to
+   use it.
 
 Model state in the per-rank files keeps megatron's *local* expert numbering. Resuming needs the same
 layout (checked). :func:`load_model_weights` reads the weights of a checkpoint of *any* DP/EP layout
@@ -26,25 +44,33 @@ into a model of another (e.g. a one-process checkpoint into an EP=2 run): it ren
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import pickle
 import random
 import re
 import shutil
-from dataclasses import dataclass
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from repro.errors import ReproError
-from repro.io_utils import atomic_path, write_json_atomic
-from repro.training.distributed import Parallel, barrier
+from repro.io_utils import atomic_path, error_from_os_error, os_error_message
+from repro.training.distributed import Parallel
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
+INCOMPLETE_DIR = re.compile(r"^\.step_(\d{7,})\.tmp$")
+# What a checkpoint directory (complete or not) may hold: only such a directory is ever removed or replaced.
+_OWN_ENTRY = re.compile(r"^(meta\.json|rank_\d{5,}\.pt|rank_\d{5,}\.pt\.sha256|\..*\.tmp)$")
 # megatron's SequentialMLP names experts ``...experts.local_experts.<i>.``; TEGroupedMLP ``...weight<i>``.
 _SEQUENTIAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
@@ -61,6 +87,8 @@ class CheckpointInfo:
         layout: ``{"world_size", "dp", "tp", "ep"}`` of the run that wrote it.
         experiment: the experiment config (:meth:`Experiment.to_dict`).
         files: per-rank file names, indexed by global rank.
+        sha256: each rank file's digest, by file name.
+        identity: what defines the model that wrote it (:func:`run_identity`).
     """
 
     path: Path
@@ -69,6 +97,8 @@ class CheckpointInfo:
     layout: dict[str, int]
     experiment: dict[str, Any]
     files: tuple[str, ...]
+    sha256: dict[str, str] = field(default_factory=dict)
+    identity: dict[str, Any] = field(default_factory=dict)
 
 
 def step_dir_name(step: int) -> str:
@@ -81,12 +111,94 @@ def rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
+# --------------------------------------------------------------------------------------- identity
+# identity key -> its path in the run config (repro.training.config.RunConfig.to_dict()). What defines the
+# model a checkpoint's weights belong to; renaming a config field means editing this table.
+IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
+    "router": ("router", "name"),
+    "router_options": ("router", "options"),
+    "flavour": ("model", "flavour"),
+    "num_experts": ("model", "num_experts"),
+    "top_k": ("model", "top_k"),
+    "seq_length": ("model", "seq_length"),
+    "vocab_size": ("data", "vocab_size"),
+}
+
+
+def _json_plain(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists, keys strings), for comparisons."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What defines a run's model, from its config dict: router, router options, flavour, ...
+
+    Args:
+        config: the run config dict (``RunConfig.to_dict()``).
+
+    Returns:
+        ``{"router", "router_options", "flavour", "num_experts", "top_k", "seq_length", "vocab_size"}`` (see
+        :data:`IDENTITY_FIELDS`), JSON-plain, router options sorted by name; missing fields are None.
+    """
+    identity: dict[str, Any] = {}
+    for key, path in IDENTITY_FIELDS.items():
+        value: Any = config
+        for part in path:
+            value = value.get(part) if isinstance(value, Mapping) else None
+        identity[key] = value
+    identity["router_options"] = dict(sorted(dict(identity["router_options"] or {}).items()))
+    return _json_plain(identity)
+
+
+def _describe_pair(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[str, str]:
+    """Short descriptions of two identities: the router, then every field that differs."""
+    keys = ["router"] + [k for k in IDENTITY_FIELDS if k != "router" and ours.get(k) != theirs.get(k)]
+
+    def describe(identity: Mapping[str, Any]) -> str:
+        return ", ".join(f"{k} {identity.get(k)!r}" for k in keys)
+
+    return describe(ours), describe(theirs)
+
+
+def check_identity(info: CheckpointInfo, config: Mapping[str, Any], what: str = "this run") -> None:
+    """Refuse a checkpoint whose model is not the one ``config`` defines (e.g. resuming another router's run).
+
+    Args:
+        info: the checkpoint.
+        config: the config dict of the run about to use it (see :func:`run_identity`).
+        what: how to name that run in the message.
+
+    Raises:
+        ReproError: the identities differ (one line naming both).
+    """
+    expected = run_identity(config)
+    if _json_plain(info.identity) != expected:
+        stored, wanted = _describe_pair(info.identity, expected)
+        raise ReproError(f"{info.path}: a checkpoint of {stored}, but {what} is {wanted}")
+
+
 # -------------------------------------------------------------------------------------------- RNG
 def capture_rng_state() -> dict[str, Any]:
-    """Every RNG state a training step may draw from (python, numpy, torch CPU, CUDA, megatron tracker)."""
+    """Every RNG state a training step may draw from (python, numpy, torch CPU, CUDA, megatron tracker).
+
+    Stored as tensors and plain numbers (no numpy arrays, no pickled objects), so a checkpoint holding it
+    loads with ``torch.load(weights_only=True)``.
+    """
+    py_version, py_internal, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": {
+            "version": int(py_version),
+            "internal": torch.tensor(py_internal, dtype=torch.int64),  # 624 words + position, all < 2**32
+            "gauss_next": py_gauss,
+        },
+        "numpy": {
+            "kind": str(np_kind),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
@@ -101,8 +213,12 @@ def capture_rng_state() -> dict[str, Any]:
 
 def restore_rng_state(state: dict[str, Any]) -> None:
     """Inverse of :func:`capture_rng_state`."""
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss_next"]))
+    nps = state["numpy"]
+    np.random.set_state(
+        (nps["kind"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["cached_gaussian"])
+    )
     torch.set_rng_state(state["torch"])
     if torch.cuda.is_available() and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"])
@@ -112,7 +228,80 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
+# ------------------------------------------------------------------------------------ plain data
+# Exact types: a subclass (numpy's float64, a str enum) pickles as its own class, which weights_only refuses.
+_PLAIN_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.device, torch.dtype)
+_PLAIN_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
+
+
+def check_plain_data(obj: Any, where: str = "payload") -> None:
+    """Raise ``ValueError`` naming the first value ``torch.load(weights_only=True)`` could not read back.
+
+    Allowed: tensors (``torch.Tensor``, ``nn.Parameter``), ``str``/``bytes``/numbers/``bool``/``None``,
+    ``torch.Size``/``device``/``dtype``, and dicts, lists, tuples and sets of those.
+
+    Args:
+        obj: the value to check.
+        where: its key path, for the message.
+    """
+    if type(obj) in (torch.Tensor, nn.Parameter) or type(obj) in _PLAIN_LEAVES:
+        return
+    if type(obj) in _PLAIN_CONTAINERS:
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in items:
+            if isinstance(obj, dict) and not isinstance(key, (str, int)):
+                raise ValueError(f"checkpoint key {where}[{key!r}] is a {type(key).__name__}; keys must be str or int")
+            check_plain_data(value, f"{where}[{key!r}]")
+        return
+    raise ValueError(
+        f"checkpoint value {where} is a {type(obj).__module__}.{type(obj).__qualname__}: only tensors and plain "
+        "Python data (str, numbers, bool, None, dict, list, tuple) are saved, so that loading never runs code"
+    )
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 hex digest of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
 # ------------------------------------------------------------------------------------------ saving
+def _all_ranks_ok(ok: bool) -> bool:
+    """Whether every rank reports success (a collective; also the barrier between the write phases).
+
+    A plain barrier would leave the other ranks waiting forever when one rank's write failed; agreeing on
+    a flag lets every rank stop with an error instead.
+    """
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return ok
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _is_own_dir(path: Path) -> bool:
+    """Whether ``path`` is a real directory (not a link) holding only what a checkpoint write puts there."""
+    if path.is_symlink() or not path.is_dir():
+        return False
+    return all(_OWN_ENTRY.match(child.name) for child in path.iterdir())
+
+
+def _remove_own_dir(path: Path) -> None:
+    """Remove a checkpoint directory (complete or left by a kill) this module wrote; refuse anything else."""
+    if not os.path.lexists(path):
+        return
+    if not _is_own_dir(path):
+        raise ReproError(
+            f"{path}: in the way of a checkpoint write but not a checkpoint directory (a link, a file, or "
+            "holding other files); refusing to remove it"
+        )
+    shutil.rmtree(path)
+
+
 def save_checkpoint(
     checkpoints_dir: str | os.PathLike,
     *,
@@ -132,7 +321,8 @@ def save_checkpoint(
         step: completed optimizer steps.
         consumed_samples: samples consumed by all ranks together.
         parallel: the layout (rank, sizes).
-        experiment: the experiment config dict (stored in ``meta.json``).
+        experiment: the run config dict (stored in ``meta.json``; :func:`run_identity` reads the run's
+            identity from it).
         model: the local model (its ``state_dict`` includes the routers' buffers).
         optimizer_state: the optimizer's state (already gathered where the optimizer needs it).
         scheduler_state: the LR scheduler's state.
@@ -140,50 +330,124 @@ def save_checkpoint(
 
     Returns:
         The checkpoint directory.
+
+    Raises:
+        ReproError: the write failed on some rank (a full disk, a read-only directory: one line naming the
+            checkpoint and the cause; no ``.tmp`` directory is left), or something that is not a checkpoint
+            directory is in the way.
+        ValueError: a state holds a value that is not a tensor or plain data (naming its key).
     """
     root = Path(checkpoints_dir)
     final = root / step_dir_name(step)
     tmp = root / f".{final.name}.tmp"
+    aside = root / f".{final.name}.old.tmp"
+    identity = run_identity(experiment)
+    rank_name = rank_file_name(parallel.rank)
+    error: BaseException | None = None
+
+    def fail(exc: BaseException) -> BaseException:
+        converted = exc if isinstance(exc, ReproError) else error_from_os_error(exc, final, tmp)
+        return converted if converted is not None else exc
+
+    # ---- phase 1 (rank 0): a clean temporary directory
     if parallel.is_main:
-        root.mkdir(parents=True, exist_ok=True)
-        if tmp.exists():
-            shutil.rmtree(tmp)  # left by a run killed while writing
-        tmp.mkdir(parents=True)
-    barrier()
-    payload = {
-        "format": FORMAT_VERSION,
-        "step": step,
-        "consumed_samples": consumed_samples,
-        "rank": parallel.rank,
-        "ep_rank": parallel.ep_rank,
-        "ep_size": parallel.ep_size,
-        "model": model.state_dict(),
-        "optimizer": optimizer_state,
-        "scheduler": scheduler_state,
-        "rng": capture_rng_state(),
-        "extra": extra or {},
-    }
-    target = tmp / rank_file_name(parallel.rank)
-    with atomic_path(target) as part:
-        torch.save(payload, part)
-    barrier()
-    if parallel.is_main:
-        meta = {
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            _remove_own_dir(tmp)  # left by a run killed while writing this step
+            tmp.mkdir()
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = fail(exc)
+    if not _all_ranks_ok(error is None):
+        _raise(error, final)
+
+    # ---- phase 2 (every rank): its file and digest
+    try:
+        payload = {
             "format": FORMAT_VERSION,
             "step": step,
             "consumed_samples": consumed_samples,
-            "layout": parallel.layout(),
-            "experiment": experiment,
-            "files": [rank_file_name(r) for r in range(parallel.world_size)],
+            "rank": parallel.rank,
+            "ep_rank": parallel.ep_rank,
+            "ep_size": parallel.ep_size,
+            "identity": identity,
+            "model": model.state_dict(),
+            "optimizer": optimizer_state,
+            "scheduler": scheduler_state,
+            "rng": capture_rng_state(),
+            "extra": extra or {},
         }
-        write_json_atomic(tmp / "meta.json", meta)
-        if final.exists():
-            shutil.rmtree(final)  # a re-run of the same step after a resume from an earlier one
-        os.replace(tmp, final)
-        with atomic_path(root / "latest") as part:
-            part.write_text(final.name + "\n")
-    barrier()
+        check_plain_data(payload)
+        target = tmp / rank_name
+        with open(target, "wb") as f:
+            # A Python file object: torch reports a failed write as RuntimeError("unexpected pos") with the
+            # OSError (ENOSPC, EROFS) as its context, which is what names the cause for the user.
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        del payload
+        # Read by rank 0 only after every rank reported success, so no partial sidecar is ever read.
+        with open(tmp / f"{rank_name}.sha256", "w") as f:
+            f.write(file_sha256(target) + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+    except Exception as exc:  # noqa: BLE001 - reported on every rank below
+        error = fail(exc)
+    if not _all_ranks_ok(error is None):
+        if parallel.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)  # made by phase 1 of this call
+        _raise(error, final)
+
+    # ---- phase 3 (rank 0): meta.json, then the rename that makes the checkpoint exist
+    if parallel.is_main:
+        try:
+            files = [rank_file_name(r) for r in range(parallel.world_size)]
+            digests = {}
+            for name in files:
+                sidecar = tmp / f"{name}.sha256"
+                digests[name] = sidecar.read_text().strip()
+                sidecar.unlink()
+            meta = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "consumed_samples": consumed_samples,
+                "layout": parallel.layout(),
+                "identity": identity,
+                "experiment": experiment,
+                "files": files,
+                "sha256": digests,
+            }
+            with open(tmp / "meta.json", "w") as f:
+                json.dump(meta, f, indent=2)
+                f.write("\n")
+                f.flush()
+                os.fsync(f.fileno())
+            _remove_own_dir(aside)
+            if os.path.lexists(final):
+                # A re-run of the same step after a resume from an earlier one: moved aside, then removed.
+                if not _is_own_dir(final):
+                    _remove_own_dir(final)  # raises: not a checkpoint directory
+                os.replace(final, aside)
+            os.replace(tmp, final)
+            shutil.rmtree(aside, ignore_errors=True)
+            with atomic_path(root / "latest") as part:
+                part.write_text(final.name + "\n")
+        except Exception as exc:  # noqa: BLE001 - reported on every rank below
+            error = fail(exc)
+            shutil.rmtree(tmp, ignore_errors=True)
+            if os.path.lexists(aside) and not os.path.lexists(final):
+                os.replace(aside, final)  # the earlier checkpoint of this step goes back
+    if not _all_ranks_ok(error is None):
+        _raise(error, final)
     return final
+
+
+def _raise(error: BaseException | None, final: Path) -> None:
+    """Raise this rank's own error, or say that another rank failed."""
+    if error is None:
+        raise ReproError(f"{final}: checkpoint not written: the write failed on another rank")
+    if isinstance(error, ReproError):
+        raise error from None
+    raise error
 
 
 # ----------------------------------------------------------------------------------------- reading
@@ -197,7 +461,8 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
         Its :class:`CheckpointInfo`.
 
     Raises:
-        ReproError: missing or unreadable ``meta.json``, or a missing rank file (naming the path).
+        ReproError: missing or unreadable ``meta.json``, another format, or a missing rank file or digest
+            (naming the path).
     """
     path = Path(path)
     meta_path = path / "meta.json"
@@ -205,6 +470,13 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
         raise ReproError(f"{path}: not a checkpoint (no meta.json)")
     try:
         meta = json.loads(meta_path.read_text())
+        fmt = meta.get("format", 1)
+        if fmt != FORMAT_VERSION:
+            raise ReproError(
+                f"{meta_path}: checkpoint format {fmt}, this version reads format {FORMAT_VERSION} (tensors and "
+                "plain data with sha256 digests); older checkpoints pickle numpy objects and cannot be loaded "
+                "without trusting them to run code"
+            )
         info = CheckpointInfo(
             path=path,
             step=int(meta["step"]),
@@ -212,12 +484,16 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
             layout={k: int(v) for k, v in meta["layout"].items()},
             experiment=dict(meta["experiment"]),
             files=tuple(meta["files"]),
+            sha256={str(k): str(v) for k, v in meta["sha256"].items()},
+            identity=dict(meta["identity"]),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ReproError(f"{meta_path}: corrupt checkpoint metadata ({type(exc).__name__}: {exc})") from None
     for name in info.files:
         if not (path / name).is_file():
             raise ReproError(f"{path / name}: checkpoint file missing")
+        if name not in info.sha256:
+            raise ReproError(f"{meta_path}: corrupt checkpoint metadata (no sha256 for {name})")
     return info
 
 
@@ -237,8 +513,49 @@ def find_latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
     return max(steps)[1] if steps else None
 
 
+def incomplete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
+    """The ``.step_XXXXXXX.tmp`` directories runs killed while writing a checkpoint left, oldest step first.
+
+    With :func:`find_latest_checkpoint` this tells the cases apart: a complete checkpoint (resume from it);
+    none but some incomplete (the run was killed while writing its first checkpoint: nothing to resume,
+    the run must start again); neither (no run here).
+
+    Args:
+        checkpoints_dir: ``OUT/checkpoints``.
+
+    Returns:
+        The directories (empty when there is none, or no such directory).
+    """
+    root = Path(checkpoints_dir)
+    if not root.is_dir():
+        return []
+    found = []
+    for child in root.iterdir():
+        match = INCOMPLETE_DIR.match(child.name)
+        if match and child.is_dir() and not child.is_symlink():
+            found.append((int(match.group(1)), child))
+    return [p for _, p in sorted(found)]
+
+
+def _load_plain(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain data; any other object is refused, never built."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+        detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
+        raise ReproError(
+            f"{path}: refusing to load: it holds objects other than tensors and plain data ({detail})"
+        ) from None
+    except OSError as exc:
+        raise ReproError(os_error_message(exc, path)) from None
+    except Exception as exc:  # noqa: BLE001 - any other reading failure is "corrupt" to the user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ReproError(f"{path}: corrupt checkpoint file ({type(exc).__name__}: {first})") from None
+
+
 def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
-    """``torch.load`` one rank's file of a checkpoint.
+    """Load one rank's file of a checkpoint, after checking its digest; tensors and plain data only.
 
     Args:
         info: the checkpoint.
@@ -248,17 +565,44 @@ def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
         The payload written by :func:`save_checkpoint`.
 
     Raises:
-        ReproError: unreadable or corrupt file (naming the path).
+        ReproError: a file that changed since it was written (sha256), that belongs to another run
+            (naming both), that holds other objects than tensors and plain data (never unpickled), or that
+            is unreadable (naming the path).
     """
-    path = info.path / info.files[rank]
+    name = info.files[rank]
+    path = info.path / name
     try:
-        # weights_only=False: the payload holds RNG states (python tuples, numpy arrays) and the config.
-        payload = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception as exc:  # noqa: BLE001 - any unpickling failure is "corrupt" to the user
-        raise ReproError(f"{path}: corrupt checkpoint file ({type(exc).__name__}: {exc})") from None
+        actual = file_sha256(path)
+    except OSError as exc:
+        raise ReproError(os_error_message(exc, path)) from None
+    expected = info.sha256.get(name, "")
+    if actual != expected:
+        # Safe to look inside (weights_only): a file of another run deserves a clearer message.
+        try:
+            other = _load_plain(path)
+        except ReproError:
+            other = None
+        if isinstance(other, dict) and isinstance(other.get("identity"), dict):
+            _check_payload_identity(other, info, path)
+        raise ReproError(
+            f"{path}: changed since it was written (sha256 {actual[:16]}..., {info.path / 'meta.json'} records "
+            f"{expected[:16]}...); refusing to load it"
+        )
+    payload = _load_plain(path)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION or "model" not in payload:
         raise ReproError(f"{path}: not a checkpoint file of format {FORMAT_VERSION}")
+    _check_payload_identity(payload, info, path)
     return payload
+
+
+def _check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: Path) -> None:
+    found = _json_plain(payload.get("identity"))
+    if found != _json_plain(info.identity):
+        theirs, ours = _describe_pair(found or {}, info.identity)
+        raise ReproError(
+            f"{path}: written by a run of {theirs}, but {info.path / 'meta.json'} is a run of {ours}; "
+            "refusing to load another run's weights"
+        )
 
 
 def check_same_layout(info: CheckpointInfo, parallel: Parallel) -> None:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from repro.io_utils import open_in_dir
 from repro.training import checkpoint as ckpt
 from repro.training.distributed import all_reduce_mean
 from repro.training.log import LogRow, write_row
@@ -106,7 +107,8 @@ class StepLog:
 
         self.interval = interval
         self.total_steps = total_steps
-        self.file = open(path, "a") if is_main else None  # noqa: SIM115 - closed in close()
+        # Never through a symlink that leads out of the run directory (a planted log.jsonl -> elsewhere).
+        self.file = open_in_dir(path.parent, path.name, "a") if is_main else None
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not show, desc=desc, dynamic_ncols=True)
 
     def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:

@@ -91,7 +91,8 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint directory from a checkpoint, a run's ``checkpoints`` directory or a run directory.
 
     Raises:
-        ReproError: nothing to load there (naming the path).
+        ReproError: nothing to load there (naming the path; a run killed while writing its first checkpoint
+            is told apart from a directory that holds no run).
     """
     path = Path(path)
     if (path / "meta.json").is_file():
@@ -100,6 +101,13 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
         latest = ckpt.find_latest_checkpoint(candidate)
         if latest is not None:
             return latest
+    for candidate in (path, path / "checkpoints"):
+        incomplete = ckpt.incomplete_checkpoints(candidate)
+        if incomplete:
+            raise ReproError(
+                f"{path}: no complete checkpoint yet (the run was stopped while writing {incomplete[-1].name}); "
+                "nothing to load"
+            )
     raise ReproError(f"{path}: no checkpoint found (expected a run directory or checkpoints/step_*)")
 
 

@@ -257,6 +257,7 @@ class Trainer:
         _seed_everything(config.seed)
         if resume is not None:
             ckpt.check_same_layout(resume, self.parallel)
+            ckpt.check_identity(resume, config.to_dict())
         self.data = build_run_data(config, self.seq_length, self.parallel.dp_size, paths.data_cache)
         self.model = self._build_model(resume is None)
         payload = ckpt.load_rank_payload(resume, self.parallel.rank) if resume is not None else None
