@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "train": ("repro.training.cli", "main", "train one experiment on megatron-core"),
     "data": ("repro.data.cli", "main", "build the mini-pile / tokenize Pile shards into indexed datasets"),
     "eval": ("repro.evaluation.cli", "main", "zero-shot evaluation of a checkpoint through lm-eval"),
+    "eval-data": ("repro.evaluation.data_cli", "main", "fetch (online) or check the datasets of lm-eval's tasks for eval --tasks-data"),
     "tables": ("repro.report.cli", "tables_main", "build the zero-shot and efficiency tables from run records"),
     "check": ("repro.report.cli", "check_main", "regression-check a run against published numbers or a run"),
     "mini": ("repro.mini", "main", "the whole comparison on the embedded default (CPU)"),

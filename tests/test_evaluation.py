@@ -292,3 +292,45 @@ def test_missing_hub_data_and_unknown_tasks_are_clear_errors(model, tokenizer, t
         evaluate_lm(lm, ["arc_easy"], task_manager=manager, limit=1)
     with pytest.raises(ReproError, match="unknown lm-eval task"):
         evaluate_lm(lm, ["no_such_task"], task_manager=manager, limit=1)
+
+
+# ----------------------------------------------------------------------- the papers' tasks from a task-data folder
+TASKS_DATA = Path(__file__).parent / "fixtures" / "tasks_data"
+FIXTURE_DOCS = {"arc_challenge": 6, "arc_easy": 6, "boolq": 6, "hellaswag": 6, "lambada_openai": 6, "piqa": 6, "race": 4}
+
+
+def test_the_seven_tasks_run_offline_from_a_task_data_folder(model, tokenizer, tmp_path, no_network):
+    from repro.evaluation.runner import FULL_SCALE_TASKS
+    from repro.report.stats import compact_per_question, mean_stderr, per_question_scores
+
+    lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=4)
+    results = evaluate_lm(lm, tasks_data=TASKS_DATA, log_samples=True)
+    assert set(results["results"]) == set(FULL_SCALE_TASKS) == set(FIXTURE_DOCS)
+    assert {t: n["effective"] for t, n in results["n-samples"].items()} == FIXTURE_DOCS
+    for task, config in results["configs"].items():  # lm-eval's own task definition, reading the local folder
+        assert Path(config["dataset_path"]).is_relative_to(TASKS_DATA.resolve()), task
+    assert results["configs"]["race"]["dataset_name"] == "high"
+    assert results["configs"]["hellaswag"]["process_docs"]  # lm-eval's preprocessing, from its installed utils.py
+    for metric in ("acc", "acc_norm"):
+        for task, scores in per_question_scores(results["samples"], metric).items():
+            assert all(s in (0.0, 1.0) for s in scores.scores)
+            numbers = results["results"][task]
+            assert numbers[f"{metric},none"] == pytest.approx(sum(scores.scores) / len(scores.scores))
+            # lm-eval's +- for an accuracy is the closed-form standard error over the questions
+            assert numbers[f"{metric}_stderr,none"] == pytest.approx(mean_stderr(scores.scores))
+    compact = compact_per_question(results["samples"])
+    assert {t: len(v["acc"]) for t, v in compact.items()} == FIXTURE_DOCS
+    assert "acc_norm" not in compact["boolq"] and "acc_norm" in compact["piqa"]
+
+
+def test_task_data_with_local_tasks_and_missing_data(model, tokenizer, tmp_path, no_network):
+    local = build_local_tasks(_heldout(tmp_path / "heldout.jsonl"), tmp_path / "tasks")
+    lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=4)
+    results = evaluate_lm(lm, ["piqa", "minipile_continuation"], local_tasks=local, tasks_data=TASKS_DATA,
+                          limit=3, bootstrap_iters=0)
+    assert set(results["results"]) == {"piqa", "minipile_continuation"}
+    assert results["results"]["piqa"]["acc_stderr,none"] == "N/A"  # bootstrap_iters=0: no standard errors
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ReproError, match=f"task 'piqa': no baber/piqa in {empty}.*task 'race': no EleutherAI/race"):
+        evaluate_lm(lm, ["piqa", "race"], tasks_data=empty)

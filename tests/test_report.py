@@ -111,23 +111,24 @@ def _log(active=(1.0, 1.0), times=(0.5, 0.2, 0.21, 0.19, 0.2), losses=None):
     return [_row(i + 1, losses[i] if losses else 6.0 - 0.5 * i, t, routing_metrics) for i, t in enumerate(times)]
 
 
-def _lm_eval(scores):
+def _lm_eval(scores, stderr=0.01):
     """lm-eval's results layout for ``{task: (acc, acc_norm or None)}``."""
     results = {}
     for task, (acc, acc_norm) in scores.items():
-        results[task] = {"alias": task, "acc,none": acc, "acc_stderr,none": 0.01}
+        results[task] = {"alias": task, "acc,none": acc, "acc_stderr,none": stderr}
         if acc_norm is not None:
-            results[task].update({"acc_norm,none": acc_norm, "acc_norm_stderr,none": 0.01})
+            results[task].update({"acc_norm,none": acc_norm, "acc_norm_stderr,none": stderr})
     return {"results": results, "versions": {t: 1.0 for t in scores}, "n-shot": {t: 0 for t in scores}}
 
 
-def _record(run_id, router, active=(1.0, 1.0), scores=None, model="tiny", device=None, losses=None, **kw):
+def _record(run_id, router, active=(1.0, 1.0), scores=None, model="tiny", device=None, losses=None, seed=1,
+            stderr=0.01, **kw):
     rows = _log(active, losses=losses)
     eff = efficiency(rows, warmup=1, flops=TINY, global_batch_size=4, seq_length=256)
     env = ENV if device is None else Environment(**{**ENV.__dict__, "device": device})
-    return make_record(run_id=run_id, router=router, model=model, config={"router": router, "seed": 1},
-                       log_rows=rows, efficiency=eff, lm_eval_results=None if scores is None else _lm_eval(scores),
-                       environment=env, **kw)
+    results = None if scores is None else _lm_eval(scores, stderr)
+    return make_record(run_id=run_id, router=router, model=model, config={"router": router, "seed": seed},
+                       log_rows=rows, efficiency=eff, lm_eval_results=results, environment=env, **kw)
 
 
 def test_efficiency_from_log_window_and_flops():
@@ -250,13 +251,14 @@ def _table_records():
     ]
 
 
+# lm-eval's standard error of 0.01 per task (see _lm_eval): 1.00 points per cell, sqrt(2) * 1.00 / 2 for Avg.
 EXPECTED_ZERO_SHOT_MD = """\
-Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: Continuation (local) acc_norm, Last word (local) acc (acc_norm where every run reports it, acc otherwise). Avg. is the mean over the task columns shown.
+Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: Continuation (local) acc_norm, Last word (local) acc (acc_norm where every run reports it, acc otherwise). Avg. is the mean over the task columns shown. ± is lm-eval's standard error over the task's questions, s/sqrt(n) of the per-question 0/1 scores (not a spread over seeds); for Avg. the task errors combined in quadrature, sqrt(sum se^2)/k; none where lm-eval computed none (bootstrap_iters=0).
 
-| Router   |   Continuation (local) |   Last word (local) |   Avg. |
-|----------|------------------------|---------------------|--------|
-| dirmoe   |                  37.50 |               15.00 |  26.25 |
-| switch   |                  30.00 |               12.50 |  21.25 |
+| Router   |   Continuation (local) |   Last word (local) |         Avg. |
+|----------|------------------------|---------------------|--------------|
+| dirmoe   |           37.50 ± 1.00 |        15.00 ± 1.00 | 26.25 ± 0.71 |
+| switch   |           30.00 ± 1.00 |        12.50 ± 1.00 | 21.25 ± 0.71 |
 """
 
 EXPECTED_EFFICIENCY_CSV = """\
@@ -291,9 +293,13 @@ def test_tables_match_expected_text():
     assert render(efficiency_table(records), "csv") == EXPECTED_EFFICIENCY_CSV
     assert render(routing_table(records), "md").endswith(EXPECTED_ROUTING_MD_ROWS)
     acc_only = zero_shot_table(records, metric="acc")
-    assert acc_only.rows[1] == ("switch", "25.00", "12.50", "18.75")
+    assert acc_only.rows[1] == ("switch", "25.00 ± 1.00", "12.50 ± 1.00", "18.75 ± 0.71")
     tex = render(zero_shot_table(records), "tex")
     assert tex.startswith("\\begin{table}[ht]\n\\centering\n\\caption{Zero-shot accuracy (\\%), lm-eval")
+    assert "30.00 \\ensuremath{\\pm} 1.00" in tex and "±" not in tex
+    # without standard errors (lm-eval run with bootstrap_iters=0: "N/A") the cells carry no +-
+    no_errors = [_record("n-switch", "switch", scores={"minipile_continuation": (0.25, 0.3)}, stderr="N/A")]
+    assert zero_shot_table(no_errors).rows == (("switch", "30.00", "30.00"),)
     assert "\\label{tab:zero_shot}" in tex and "\\toprule" in tex and tex.endswith("\\end{table}\n")
 
 
@@ -308,7 +314,8 @@ def test_zero_shot_table_with_published_rows_and_deltas():
     table = zero_shot_table([record], ledger=load_ledger())
     assert table.headers == ("Router", "ARC-c", "ARC-e", "BoolQ", "HellaSwag", "LAMBADA", "PIQA", "RACE", "Avg.")
     assert table.rows == (
-        ("dirmoe", "20.57", "46.20", "61.52", "29.93", "36.44", "63.75", "29.52", "41.13"),
+        ("dirmoe", *(f"{v} ± 1.00" for v in ("20.57", "46.20", "61.52", "29.93", "36.44", "63.75", "29.52")),
+         "41.13 ± 0.38"),  # Avg.: sqrt(7) * 1.00 / 7
         ("dirmoe [DirMoE Table 2]", "20.57", "46.20", "61.52", "29.93", "36.44", "63.75", "29.52", "41.13"),
         ("delta vs DirMoE Table 2", "+0.00", "+0.00", "+0.00", "+0.00", "+0.00", "+0.00", "+0.00", "+0.00"),
     )
@@ -453,3 +460,150 @@ def test_bench_table_medians_and_ratio_to_switch(tmp_path, capsys):
     readme.write_text("# my notes\n")
     assert repro_main(["bench-table", str(path), "--out", str(readme)]) == 2  # anything else: refused
     assert readme.read_text() == "# my notes\n"
+
+
+# ---------------------------------------------------------------------------------------------- over seeds
+
+def _seed_runs():
+    """Three routers over seeds: dirmoe clearly above switch on the continuation task, level on the last word."""
+    table = {
+        "switch": {1: (0.30, 0.12), 2: (0.32, 0.13), 3: (0.31, 0.125)},
+        "dirmoe": {1: (0.40, 0.12), 2: (0.43, 0.14), 3: (0.41, 0.12)},
+        "remoe": {1: (0.31, 0.13), 2: (0.30, 0.11)},
+    }
+    return [
+        _record(f"{router}-s{seed}", router, seed=seed,
+                scores={"minipile_continuation": (cont - 0.05, cont), "minipile_lastword": (last, None)})
+        for router, seeds in table.items() for seed, (cont, last) in seeds.items()
+    ], table
+
+
+def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
+    from scipy import stats as sps
+
+    from repro.report.stats import holm
+    from repro.report.tables import compare_over_seeds, seed_zero_shot_table
+
+    records, table = _seed_runs()
+    comparison = compare_over_seeds(records)
+    assert comparison.test == "seeds" and comparison.reference == "switch"
+    assert comparison.seeds == {"remoe": (1, 2), "switch": (1, 2, 3), "dirmoe": (1, 2, 3)}
+    rendered = seed_zero_shot_table(comparison)
+    assert rendered.headers == ("Router", "seeds", "Continuation (local)", "Last word (local)", "Avg.")
+    rows = {row[0]: row for row in rendered.rows}
+    assert list(rows) == ["switch (reference)", "dirmoe", "remoe"]  # the reference first, then by name
+
+    def expected_cell(values, mark=""):
+        mean = statistics.fmean(values)
+        low, _ = sps.t.interval(0.95, df=len(values) - 1, loc=mean, scale=sps.sem(values))
+        return f"{mean:.2f} \u00b1 {mean - low:.2f}{mark}"
+
+    cont = {r: [100 * v[0] for v in seeds.values()] for r, seeds in table.items()}
+    last = {r: [100 * v[1] for v in seeds.values()] for r, seeds in table.items()}
+    assert rows["switch (reference)"][1:4] == ("3", expected_cell(cont["switch"]), expected_cell(last["switch"]))
+    # paired over seeds, Holm-adjusted over the two routers of the column
+    raw = {r: sps.ttest_rel(cont[r], cont["switch"][: len(cont[r])]).pvalue for r in ("remoe", "dirmoe")}
+    adjusted = dict(zip(raw, holm(list(raw.values()))))
+    cell = comparison.cells["dirmoe"]["minipile_continuation"]
+    assert cell.test.p_value == pytest.approx(raw["dirmoe"]) and cell.adjusted_p == pytest.approx(adjusted["dirmoe"])
+    assert adjusted["dirmoe"] < 0.05 <= adjusted["remoe"]
+    assert rows["dirmoe"][2] == expected_cell(cont["dirmoe"], "*")
+    assert rows["dirmoe"][3] == expected_cell(last["dirmoe"])  # level on the last word: no mark
+    assert rows["remoe"][2] == expected_cell(cont["remoe"])
+    avg_dirmoe = [(c + w) / 2 for c, w in zip(cont["dirmoe"], last["dirmoe"])]
+    assert rows["dirmoe"][4].startswith(expected_cell(avg_dirmoe))
+    assert "95% Student-t confidence interval" in rendered.caption and "paired t-test over the seeds" in rendered.caption
+    assert "Holm" in rendered.caption
+
+
+def test_seed_table_per_question_tests_and_refusals():
+    from repro.report.stats import mcnemar_exact
+    from repro.report.tables import compare_over_seeds, seed_zero_shot_table
+
+    ref = [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    better = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0]
+    last_ref, last_other = [1, 0, 1, 0], [0, 1, 1, 0]
+    records = [
+        _record("q-switch", "switch", scores={"minipile_continuation": (0.2, 0.2), "minipile_lastword": (0.5, None)}),
+        _record("q-dirmoe", "dirmoe", scores={"minipile_continuation": (0.2, 0.7), "minipile_lastword": (0.5, None)}),
+    ]
+    per_question = {
+        "q-switch": {"minipile_continuation": {"docs_sha256": "d", "acc_norm": ref},
+                     "minipile_lastword": {"docs_sha256": "w", "acc": last_ref}},
+        "q-dirmoe": {"minipile_continuation": {"docs_sha256": "d", "acc_norm": better},
+                     "minipile_lastword": {"docs_sha256": "w", "acc": last_other}},
+    }
+    # one seed each, no per-question results: no test, and the caption says so
+    none = compare_over_seeds(records)
+    assert none.test == "none" and "No significance test" in seed_zero_shot_table(none).caption
+    assert seed_zero_shot_table(none).rows[0] == ("switch (reference)", "1", "20.00", "50.00", "35.00")
+    comparison = compare_over_seeds(records, per_question=per_question)
+    assert comparison.test == "questions"
+    cell = comparison.cells["dirmoe"]["minipile_continuation"]
+    assert cell.test.test == "McNemar exact" and cell.test.p_value == mcnemar_exact(ref, better).p_value
+    assert cell.test.difference == pytest.approx(50.0) and comparison.significant("dirmoe", "minipile_continuation")
+    assert not comparison.significant("dirmoe", "minipile_lastword")  # 2 of 4 questions swapped: no evidence
+    avg = comparison.cells["dirmoe"]["avg"].test  # the task-weighted mean over both tasks' questions
+    assert avg.test == "sign-flip permutation" and avg.difference == pytest.approx((50.0 + 0.0) / 2)
+    assert "McNemar" in seed_zero_shot_table(comparison).caption
+    other_questions = {**per_question, "q-dirmoe": {"minipile_continuation": {"docs_sha256": "e", "acc_norm": better}}}
+    with pytest.raises(ReproError, match="scored different questions"):
+        compare_over_seeds(records, per_question=other_questions)
+    with pytest.raises(ReproError, match="test 'seeds' needs"):
+        compare_over_seeds(records, test="seeds")
+    with pytest.raises(ReproError, match="unknown test 'bogus'; valid: auto, seeds, questions, none"):
+        compare_over_seeds(records, test="bogus")
+    with pytest.raises(ReproError, match="have the same seed 1"):
+        compare_over_seeds(records + [_record("q-switch-again", "switch", scores={"minipile_continuation": (0.2, 0.2)})])
+    with pytest.raises(ReproError, match="several models"):
+        compare_over_seeds(records + [_record("big", "switch", seed=2, model="llama-185m", scores={"piqa": (0.5, 0.5)})])
+
+
+def test_tables_command_over_seeds(tmp_path, capsys):
+    records, _ = _seed_runs()
+    for record in records:
+        write_record(record, tmp_path / "runs" / record.run_id / "record.json")
+    assert repro_main(["tables", str(tmp_path / "runs"), "--over-seeds"]) == 0
+    out = capsys.readouterr().out
+    assert "Zero-shot accuracy (%) over seeds" in out and "| switch (reference) |" in out and "*" in out
+
+
+def _seed_record(run_id, seed, shift, cont=0.31, val=4.2, **kw):
+    losses = [6.0 + shift, 5.5 + shift, 5.0 + shift, 4.5 + shift, 4.0 + shift]
+    return _record(run_id, "switch", seed=seed, losses=losses, validation_loss=val, experiment_name="switch-tiny",
+                   scores={"minipile_continuation": (cont - 0.05, cont)}, **kw)
+
+
+def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
+    from repro.report.check import check_against_seeds, final_loss
+    from repro.report.stats import prediction_interval
+
+    seeds = [_seed_record("s1", 1, 0.0, 0.30, 4.20), _seed_record("s2", 2, 0.02, 0.32, 4.25),
+             _seed_record("s3", 3, -0.01, 0.31, 4.22)]
+    band = prediction_interval([final_loss(s) for s in seeds])
+    # by hand: mean 5.003333, s = 0.0152753, t_{0.975,2} = 4.302653, sqrt(1 + 1/3): half-width 0.0758916
+    assert (band.low, band.high) == pytest.approx((4.927442, 5.079225), abs=1e-6)
+    inside = _seed_record("new", 4, 0.07, 0.33, 4.30)  # final loss 5.07: inside the band, though above every seed
+    report = check_against_seeds(inside, seeds)
+    assert report.passed and report.compared == 4  # final loss, validation loss, continuation acc and acc_norm
+    assert {r.metric.split(" ")[0] for r in report.rows} == {
+        "loss.final", "loss.validation", "minipile_continuation/acc", "minipile_continuation/acc_norm"
+    }
+    outside = _seed_record("new", 4, 0.09, 0.33, 4.30)  # final loss 5.09: outside
+    failed = [r for r in check_against_seeds(outside, seeds).rows if r.status == "FAIL"]
+    assert [r.metric for r in failed] == ["loss.final (mean of last 10 steps)"]
+    assert failed[0].tolerance == f"95% PI [{band.low:.6g}, {band.high:.6g}] (n=3)"
+    # a wider coverage widens the band
+    assert check_against_seeds(outside, seeds, confidence=0.999).passed
+    with pytest.raises(ReproError, match="at least two earlier runs"):
+        check_against_seeds(inside, seeds[:1])
+
+    for record in seeds:
+        write_record(record, tmp_path / "seeds" / record.run_id / "record.json")
+    write_record(inside, tmp_path / "inside" / "record.json")
+    write_record(outside, tmp_path / "outside" / "record.json")
+    assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds")]) == 0
+    assert "95% PI" in capsys.readouterr().out
+    assert repro_main(["check", str(tmp_path / "outside"), "--against", str(tmp_path / "seeds")]) == 1
+    assert "| loss.final (mean of last 10 steps) |" in capsys.readouterr().out
+    assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--confidence", "2"]) == 2

@@ -4,6 +4,7 @@ Examples::
 
     python -m repro eval --checkpoint runs/mini/dirmoe --local-tasks runs/mini/tasks --out runs/mini/dirmoe/lm_eval.json
     python -m repro eval --checkpoint runs/pile/dirmoe-185m --out runs/pile/dirmoe-185m/lm_eval.json  # the 7 tasks
+    python -m repro eval --checkpoint runs/pile/dirmoe-185m --tasks-data data/tasks --out ...  # the 7, from disk
     python -m repro eval --local-tasks-from data/mini-pile/heldout.jsonl --local-tasks runs/tasks --checkpoint ... --out ...
 
 The checkpoint may be a run directory (its newest checkpoint), its ``checkpoints`` directory or one
@@ -44,6 +45,11 @@ def main(argv: list[str], prog: str) -> int:
     )
     parser.add_argument("--local-tasks", default=None, help="directory of local task YAMLs (build_local_tasks)")
     parser.add_argument(
+        "--tasks-data", default=None,
+        help="task-data folder: the tasks (default: the seven) read their datasets from it with lm-eval's own "
+        "task YAMLs (fill it with `python -m repro eval-data fetch --out DIR` on a machine with network access)",
+    )
+    parser.add_argument(
         "--local-tasks-from", default=None, help="build the local tasks into --local-tasks from this held-out jsonl first"
     )
     parser.add_argument("--limit", type=float, default=None, help="documents per task (quick checks only)")
@@ -80,6 +86,7 @@ def main(argv: list[str], prog: str) -> int:
         lm,
         args.tasks,
         local_tasks=args.local_tasks,
+        tasks_data=args.tasks_data,
         limit=limit,
         bootstrap_iters=args.bootstrap_iters,
         seed=args.seed,

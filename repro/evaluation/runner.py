@@ -1,8 +1,14 @@
-"""Run lm-eval's ``simple_evaluate`` on an LM, offline, on full-scale and/or local tasks."""
+"""Run lm-eval's ``simple_evaluate`` on an LM, offline, on full-scale and/or local tasks.
+
+The full-scale tasks read their Hugging Face datasets from the local datasets cache, or from a task-data
+folder (``tasks_data``, see :mod:`repro.evaluation.task_data`). Results are returned only when every requested
+task was scored, so a caller never writes partial results as if complete.
+"""
 
 from __future__ import annotations
 
 import json
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -18,9 +24,10 @@ from lm_eval.utils import handle_non_serializable  # noqa: E402
 
 from repro.errors import ReproError  # noqa: E402
 from repro.evaluation.local_tasks import LOCAL_TAG  # noqa: E402
+from repro.evaluation.task_data import PAPER_TASK_DIRS  # noqa: E402
 
-#: The papers' zero-shot tasks (need their Hugging Face datasets in the local cache).
-FULL_SCALE_TASKS = ("arc_challenge", "arc_easy", "boolq", "hellaswag", "lambada_openai", "piqa", "race")
+#: The papers' zero-shot tasks (need their Hugging Face datasets in a task-data folder or the local cache).
+FULL_SCALE_TASKS = tuple(PAPER_TASK_DIRS)
 
 
 def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None) -> TaskManager:
@@ -50,32 +57,72 @@ def evaluate_lm(
     tasks: Sequence[str] | None = None,
     *,
     local_tasks: str | Path | None = None,
+    tasks_data: str | Path | None = None,
     task_manager: TaskManager | None = None,
     limit: int | float | None = None,
     bootstrap_iters: int = 1000,
     seed: int = 1234,
+    log_samples: bool = False,
 ) -> dict[str, Any]:
     """Zero-shot evaluation through lm-eval, with no network access.
 
     Args:
         lm: the model (e.g. :class:`repro.evaluation.harness.SuiteLM`).
-        tasks: task names; default: the local tasks (tag ``minipile``) with ``local_tasks``, else
-            :data:`FULL_SCALE_TASKS`.
+        tasks: task names; default: :data:`FULL_SCALE_TASKS` with ``tasks_data``, else the local tasks (tag
+            ``minipile``) with ``local_tasks``, else :data:`FULL_SCALE_TASKS`.
         local_tasks: a local-task directory.
-        task_manager: a TaskManager to reuse (default: :func:`task_manager_for`).
+        tasks_data: a task-data folder (:mod:`repro.evaluation.task_data`): the tasks not defined in
+            ``local_tasks`` read their datasets from it, through lm-eval's own task YAMLs.
+        task_manager: a TaskManager to reuse (default: :func:`task_manager_for`; not with ``tasks_data``).
         limit: documents per task (for quick checks; lm-eval's ``limit``).
-        bootstrap_iters: bootstrap resamples for standard errors (0: none).
+        bootstrap_iters: switches lm-eval's standard errors on (> 0) or off (0). The accuracies' standard error
+            is closed-form (``mean_stderr``) whatever the count; the count matters for bootstrapped metrics
+            such as perplexity.
         seed: lm-eval's python / numpy / torch / few-shot seeds.
+        log_samples: keep lm-eval's per-document records under ``samples`` (per-question correctness:
+            :func:`repro.report.stats.per_question_scores`).
 
     Returns:
         lm-eval's results dict as JSON-ready plain values (``results``, ``configs``, ``versions``, ...).
 
     Raises:
-        ReproError: unknown task, or task data that is not available offline.
+        ReproError: unknown task, task data that is not available offline, or a task that produced no result.
     """
     if tasks is None:
-        tasks = [LOCAL_TAG] if local_tasks is not None else list(FULL_SCALE_TASKS)
+        if tasks_data is not None:
+            tasks = list(FULL_SCALE_TASKS)
+        else:
+            tasks = [LOCAL_TAG] if local_tasks is not None else list(FULL_SCALE_TASKS)
+    if tasks_data is not None:
+        if task_manager is not None:
+            raise ReproError("pass either tasks_data or task_manager, not both")
+        from repro.evaluation.task_data import task_manager_for_data
+
+        with tempfile.TemporaryDirectory(prefix="repro-task-data-") as work:
+            manager = task_manager_for_data(tasks, tasks_data, work, local_tasks=local_tasks)
+            return _evaluate(lm, tasks, manager, limit, bootstrap_iters, seed, log_samples)
     manager = task_manager or task_manager_for(tasks, local_tasks)
+    return _evaluate(lm, tasks, manager, limit, bootstrap_iters, seed, log_samples)
+
+
+def _leaf_tasks(manager: TaskManager, names: Sequence[str]) -> set[str]:
+    """The tasks ``names`` stand for (a tag stands for its tasks; a group is checked by its name only)."""
+    leaves: set[str] = set()
+    for name in names:
+        entry = manager.task_index.get(name)
+        leaves |= set(entry.tags) if entry is not None and entry.kind.name == "TAG" else {name}
+    return leaves
+
+
+def _evaluate(
+    lm: LM,
+    tasks: Sequence[str],
+    manager: TaskManager,
+    limit: int | float | None,
+    bootstrap_iters: int,
+    seed: int,
+    log_samples: bool,
+) -> dict[str, Any]:
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ReproError(f"unknown lm-eval task(s): {', '.join(unknown)}")
@@ -86,7 +133,7 @@ def evaluate_lm(
             task_manager=manager,
             limit=limit,
             bootstrap_iters=bootstrap_iters,
-            log_samples=False,
+            log_samples=log_samples,
             random_seed=seed,
             numpy_random_seed=seed,
             torch_random_seed=seed,
@@ -95,10 +142,14 @@ def evaluate_lm(
     except ConnectionError as exc:
         raise ReproError(
             f"task data is not available offline ({exc}). The full-scale tasks need their Hugging Face datasets "
-            "in the local datasets cache (fill it once on a machine with network access, then copy "
-            "~/.cache/huggingface); on the embedded default use --local-tasks"
+            "in a task-data folder (--tasks-data DIR; fill it with `python -m repro eval-data fetch --out DIR` on "
+            "a machine with network access) or in the local datasets cache; on the embedded default use "
+            "--local-tasks"
         ) from None
     if results is None:  # not rank 0
         return {}
+    missing = sorted(_leaf_tasks(manager, tasks) - set(results.get("results", {})))
+    if missing:
+        raise ReproError(f"lm-eval returned no result for task(s) {', '.join(missing)}: nothing is reported")
     # lm-eval's dict holds numpy scalars and other objects; lm-eval serialises them this way too.
     return json.loads(json.dumps(results, default=handle_non_serializable))

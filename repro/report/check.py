@@ -7,6 +7,13 @@ entry's own tolerance. Efficiency entries are compared only with runs on the sam
 Against an earlier run (:func:`check_against_run`), the loss curves must agree point by point at a tight
 relative tolerance (the CPU runs are deterministic), and so must the validation loss and every lm-eval metric.
 
+Against several earlier runs of the same experiment with different seeds (:func:`check_against_seeds`), each
+number must fall inside the seeds' 95% prediction interval, ``mean +- t_{n-1} s sqrt(1 + 1/n)``: the range
+one more seed falls in with 95% probability (:func:`repro.report.stats.prediction_interval`). Its numbers are
+the final training loss (mean of the last :data:`FINAL_LOSS_STEPS` logged losses), the validation loss and
+every lm-eval metric. A seed-to-seed spread is the noise a change has to stand out from; the interval of the
+mean would narrow with every seed added and fail honest runs.
+
 Each comparison is a :class:`CheckRow`; a :class:`CheckReport` fails when any row is outside tolerance.
 """
 
@@ -23,9 +30,12 @@ from tabulate import tabulate
 from repro.errors import ReproError
 from repro.report.ledger import PublishedEntry, select
 from repro.report.record import RunRecord, lm_eval_metrics
+from repro.report.stats import prediction_interval
 from repro.report.tables import PAPER_TASKS, choose_metric
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
+#: The final training loss of a run is the mean of its last this many logged losses (single steps are noisy).
+FINAL_LOSS_STEPS = 10
 
 
 @dataclass(frozen=True)
@@ -217,6 +227,76 @@ def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rto
         return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=FAIL, note=note)
     ok = _close(new, old, rtol, atol)
     return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=OK if ok else FAIL)
+
+
+def final_loss(record: RunRecord, steps: int = FINAL_LOSS_STEPS) -> float | None:
+    """The mean of a run's last ``steps`` logged training losses (None: no loss curve).
+
+    Args:
+        record: the run.
+        steps: how many of the last logged losses.
+
+    Returns:
+        The final training loss.
+    """
+    tail = [p.loss for p in sorted(record.loss_curve, key=lambda p: p.step)[-steps:]]
+    return statistics.fmean(tail) if tail else None
+
+
+def _seed_metrics(record: RunRecord) -> dict[str, float | None]:
+    values: dict[str, float | None] = {
+        f"loss.final (mean of last {FINAL_LOSS_STEPS} steps)": final_loss(record),
+        "loss.validation": record.validation_loss,
+    }
+    for task, metrics in lm_eval_metrics(record).items():
+        for name, value in metrics.items():
+            values[f"{task}/{name}"] = value
+    return values
+
+
+def check_against_seeds(
+    record: RunRecord, previous: Sequence[RunRecord], *, confidence: float = 0.95, atol: float = 1e-12
+) -> CheckReport:
+    """Compare a run with earlier runs of the same experiment, one per seed: each number against their band.
+
+    Args:
+        record: the new run.
+        previous: earlier runs of the same experiment with different seeds (at least two).
+        confidence: coverage of the prediction interval (0.95).
+        atol: absolute slack added to both ends (for seeds that agree exactly).
+
+    Returns:
+        The report: one row per number (final training loss, validation loss, each lm-eval task and metric);
+        a number the new run lacks fails, one fewer than two earlier runs measured is skipped.
+
+    Raises:
+        ReproError: fewer than two earlier runs.
+    """
+    if len(previous) < 2:
+        raise ReproError(f"a seed band needs at least two earlier runs, got {len(previous)}")
+    new = _seed_metrics(record)
+    old = [_seed_metrics(p) for p in previous]
+    names = list(new) + sorted({n for values in old for n in values} - set(new))
+    source = f"{len(previous)} seeds: " + ", ".join(p.run_id for p in previous)
+    rows = []
+    for name in names:
+        earlier = [values[name] for values in old if values.get(name) is not None]
+        measured = new.get(name)
+        common = dict(run_id=record.run_id, metric=name, measured=measured, source=source)
+        if len(earlier) < 2:
+            if measured is not None or earlier:
+                rows.append(CheckRow(**common, reference=earlier[0] if earlier else None, tolerance="--",
+                                     status=SKIPPED, note=f"measured in {len(earlier)} earlier run(s); a band needs 2"))
+            continue
+        band = prediction_interval(earlier, confidence)
+        tolerance = f"{confidence:.0%} PI [{band.low:.6g}, {band.high:.6g}] (n={band.n})"
+        if measured is None:
+            rows.append(CheckRow(**common, reference=band.estimate, tolerance=tolerance, status=FAIL,
+                                 note="missing in this run"))
+        else:
+            status = OK if band.contains(measured, atol) else FAIL
+            rows.append(CheckRow(**common, reference=band.estimate, tolerance=tolerance, status=status))
+    return CheckReport(tuple(rows))
 
 
 def _num(value: float | None, signed: bool = False) -> str:

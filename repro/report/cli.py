@@ -6,6 +6,8 @@ Examples::
     python -m repro tables runs/pile --published --out results/pile --format md,csv,tex
     python -m repro check runs/pile/dirmoe-185m --against published
     python -m repro check runs/mini/switch --against runs/mini-before/switch   # exit 1 on a drift
+    python -m repro check runs/new/switch --against runs/seeds/switch   # several seeds: their 95% band
+    python -m repro tables runs/seeds --over-seeds            # mean +- 95% CI over seeds, * vs --reference-router
 """
 
 from __future__ import annotations
@@ -37,9 +39,11 @@ def tables_main(argv: list[str], prog: str) -> int:
     from repro.report.tables import (
         FORMATS,
         ZERO_SHOT_METRICS,
+        compare_over_seeds,
         efficiency_table,
         render,
         routing_table,
+        seed_zero_shot_table,
         write_tables,
         zero_shot_table,
     )
@@ -56,7 +60,13 @@ def tables_main(argv: list[str], prog: str) -> int:
     )
     parser.add_argument("--parity-tolerance", type=float, default=DEFAULT_PARITY_TOLERANCE,
                         help="relative tolerance on measured expert FLOPs per token (default 0.05)")
-    parser.add_argument("--reference-router", default=DEFAULT_REFERENCE_ROUTER, help="compute-parity reference router")
+    parser.add_argument("--reference-router", default=DEFAULT_REFERENCE_ROUTER,
+                        help="compute-parity reference router, and with --over-seeds the router tested against")
+    parser.add_argument(
+        "--over-seeds", action="store_true",
+        help="add a zero-shot table with one row per router over its runs (seeds): mean +- 95%% CI, "
+        "* where it differs from --reference-router (paired t over shared seeds)",
+    )
     args = parser.parse_args(argv)
 
     records = load_records(args.records)
@@ -67,6 +77,9 @@ def tables_main(argv: list[str], prog: str) -> int:
                          reference_router=args.reference_router),
         routing_table(records),
     ]
+    if args.over_seeds:
+        comparison = compare_over_seeds(records, reference_router=args.reference_router, metric=args.metric)
+        tables.insert(1, seed_zero_shot_table(comparison))
     empty = [t.name for t in tables if not t.rows]
     if empty:  # e.g. runs not evaluated yet: say so rather than print or write an empty table
         print(f"no rows for: {', '.join(empty)} (no run has the figures they need)", file=sys.stderr)
@@ -89,7 +102,13 @@ def check_main(argv: list[str], prog: str) -> int:
     Returns:
         0 when every number is within tolerance, 1 when one is not.
     """
-    from repro.report.check import CheckReport, check_against_published, check_against_run, render_report
+    from repro.report.check import (
+        CheckReport,
+        check_against_published,
+        check_against_run,
+        check_against_seeds,
+        render_report,
+    )
     from repro.report.ledger import load_ledger
     from repro.report.store import load_records
 
@@ -97,14 +116,22 @@ def check_main(argv: list[str], prog: str) -> int:
         prog=prog, description="Compare a run with the published numbers or an earlier run; exit 1 on a deviation."
     )
     parser.add_argument("run", help="a record file or a directory of records")
-    parser.add_argument("--against", required=True, help="'published', or an earlier run's record file / directory")
+    parser.add_argument(
+        "--against", required=True,
+        help="'published', or an earlier run's record file / directory; a directory with two or more runs of the "
+        "same experiment (seeds) is a band: each number must fall in their prediction interval",
+    )
     parser.add_argument("--ledger", default=None, help="published-number directory (default: results/published)")
     parser.add_argument("--paper", default=None, help="with --against published: only this paper's numbers (e.g. ReMoE)")
     parser.add_argument("--metric", choices=("auto", "acc", "acc_norm"), default="auto",
                         help="zero-shot metric compared with the papers (default auto: acc_norm where reported)")
     parser.add_argument("--loss-rtol", type=float, default=1e-6, help="against a run: loss tolerance (default 1e-6)")
     parser.add_argument("--eval-rtol", type=float, default=1e-6, help="against a run: lm-eval tolerance (default 1e-6)")
+    parser.add_argument("--confidence", type=float, default=0.95,
+                        help="against seeds: coverage of the prediction interval (default 0.95)")
     args = parser.parse_args(argv)
+    if not 0 < args.confidence < 1:
+        raise ReproError(f"--confidence must be in (0, 1), got {args.confidence}")
 
     records = load_records([args.run])
     reports: list[CheckReport] = []
@@ -120,8 +147,13 @@ def check_main(argv: list[str], prog: str) -> int:
                 )
             reports.append(report)
     else:
-        previous = {r.run_id: r for r in load_records([args.against])}
+        earlier_runs = load_records([args.against])
+        previous = {r.run_id: r for r in earlier_runs}
         for record in records:
+            seeds = [r for r in earlier_runs if _same_experiment(r, record) and r != record]
+            if len(seeds) >= 2:
+                reports.append(check_against_seeds(record, seeds, confidence=args.confidence))
+                continue
             if record.run_id in previous:
                 earlier = previous[record.run_id]
             elif len(records) == 1 and len(previous) == 1:
@@ -134,3 +166,10 @@ def check_main(argv: list[str], prog: str) -> int:
     if merged.compared == 0:
         raise ReproError("nothing was compared: every number was skipped (see the notes above)")
     return 0 if merged.passed else 1
+
+
+def _same_experiment(a, b) -> bool:
+    """Whether two run records are runs of one experiment (seeds of it): same experiment name, router, model."""
+    return (a.experiment.name, a.experiment.router, a.experiment.model) == (
+        b.experiment.name, b.experiment.router, b.experiment.model
+    )

@@ -3,7 +3,11 @@
 Three tables, each a :class:`Table` rendered as Markdown, CSV or LaTeX (:func:`render`):
 
 - :func:`zero_shot_table`: rows = runs, columns = ARC-c, ARC-e, BoolQ, HellaSwag, LAMBADA, PIQA, RACE (the
-  ones any row has), then the local tasks of the embedded default, then Avg.;
+  ones any row has), then the local tasks of the embedded default, then Avg.; each cell ``value +- lm-eval's
+  standard error``;
+- :func:`seed_zero_shot_table`: the same columns, one row per router over its runs with different seeds:
+  ``mean +- half-width of the 95% Student-t interval``, marked where the router differs from a reference
+  router (paired over seeds or over questions, :mod:`repro.report.stats`);
 - :func:`efficiency_table`: ms/iter, TFLOP/s per device (analytic and measured), tokens/s, peak memory,
   active experts and the compute-parity verdict;
 - :func:`routing_table`: active experts per token, Simpson index, load imbalance and dropped mass, per layer.
@@ -16,11 +20,14 @@ from __future__ import annotations
 
 import csv
 import io
+import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import numpy as np
 from tabulate import tabulate
 
 from repro.errors import ReproError
@@ -29,6 +36,16 @@ from repro.io_utils import atomic_path
 from repro.report.ledger import PublishedEntry, select
 from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
 from repro.report.record import RunRecord, lm_eval_metrics
+from repro.report.stats import (
+    Interval,
+    PairedTest,
+    holm,
+    mcnemar_exact,
+    mean_ci,
+    paired_permutation_test,
+    paired_t_test,
+    question_scores,
+)
 
 #: The papers' zero-shot tasks (lm-eval names) and their column labels, in the papers' order.
 PAPER_TASKS: dict[str, str] = {
@@ -43,6 +60,9 @@ PAPER_TASKS: dict[str, str] = {
 ZERO_SHOT_METRICS = ("auto", "acc", "acc_norm")
 FORMATS = ("md", "csv", "tex")
 MISSING = "--"
+PLUS_MINUS = "±"
+SIGNIFICANT = "*"
+SEED_TESTS = ("auto", "seeds", "questions", "none")
 
 
 @dataclass(frozen=True)
@@ -72,6 +92,31 @@ def _fmt(value: float | None, spec: str) -> str:
 def _fmt_tflops(value: float | None) -> str:
     """Two decimals as the papers print them; three significant digits for the tiny CPU figures."""
     return _fmt(value, ".2f" if value is None or value >= 1 else ".3g")
+
+
+def _fmt_pm(value: float | None, error: float | None, mark: str = "") -> str:
+    """``value +- error`` with two decimals (``value`` alone where there is no error), then ``mark``."""
+    if value is None:
+        return MISSING
+    text = _fmt(value, ".2f") if error is None else f"{_fmt(value, '.2f')} {PLUS_MINUS} {_fmt(error, '.2f')}"
+    return text + mark
+
+
+def lm_eval_stderr(record: RunRecord, task: str, metric: str) -> float | None:
+    """lm-eval's standard error of a task's metric (``<metric>_stderr,none``) as a fraction.
+
+    Args:
+        record: a run record.
+        task: lm-eval task name.
+        metric: ``acc``, ``acc_norm``, ...
+
+    Returns:
+        The standard error, None where the run has none (not evaluated, or ``bootstrap_iters=0``: "N/A").
+    """
+    if record.lm_eval is None:
+        return None
+    value = record.lm_eval["results"].get(task, {}).get(f"{metric}_stderr,none")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 def _ordered(records: Sequence[RunRecord]) -> list[RunRecord]:
@@ -152,6 +197,10 @@ def zero_shot_table(
         value = scores[run_id].get(task, {}).get(chosen[task])
         return None if value is None else 100 * value
 
+    def percent_stderr(record: RunRecord, task: str) -> float | None:
+        value = lm_eval_stderr(record, task, chosen[task])
+        return None if value is None else 100 * value
+
     def published_value(entries: dict[str, PublishedEntry], metric_name: str) -> float | None:
         entry = entries.get(metric_name)
         return None if entry is None else entry.value
@@ -160,8 +209,12 @@ def zero_shot_table(
     labels = _labels(evaluated)
     for record in evaluated:
         values = [percent(record.run_id, t) for t in tasks]
+        errors = [percent_stderr(record, t) for t in tasks]
         mean = avg(values)
-        rows.append((labels[record.run_id], *(_fmt(v, ".2f") for v in values), _fmt(mean, ".2f")))
+        # The tasks' question sets are independent: the standard error of the mean of k scores adds in quadrature.
+        mean_error = math.sqrt(sum(e**2 for e in errors)) / len(errors) if errors and None not in errors else None
+        cells = [_fmt_pm(v, e) for v, e in zip(values, errors)]
+        rows.append((labels[record.run_id], *cells, _fmt_pm(mean, mean_error)))
         for source, entries in published[record.run_id].items():
             pub = [published_value(entries, f"zero_shot.{t}") for t in tasks]
             # The published average is over the seven paper tasks: shown only when those are the columns.
@@ -176,7 +229,10 @@ def zero_shot_table(
     rule = " (acc_norm where every run reports it, acc otherwise)" if metric == "auto" else ""
     caption = (
         f"Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: {metric_text or 'none'}{rule}. "
-        "Avg. is the mean over the task columns shown."
+        "Avg. is the mean over the task columns shown. "
+        f"{PLUS_MINUS} is lm-eval's standard error over the task's questions, s/sqrt(n) of the per-question 0/1 "
+        "scores (not a spread over seeds); for Avg. the task errors combined in quadrature, "
+        "sqrt(sum se^2)/k; none where lm-eval computed none (bootstrap_iters=0)."
     )
     if ledger is not None:
         caption += (
@@ -184,6 +240,273 @@ def zero_shot_table(
             "whether they report acc or acc_norm); 'delta' rows are measured minus published."
         )
     return Table("zero_shot", caption, headers, tuple(rows))
+
+
+# ------------------------------------------------------------------------------------------ over seeds
+def record_seed(record: RunRecord) -> int:
+    """A run's training seed, from its config (``seed`` at the top level or under ``experiment``).
+
+    Args:
+        record: a run record.
+
+    Returns:
+        The seed.
+
+    Raises:
+        ReproError: the config records no integer seed.
+    """
+    config = record.experiment.config
+    for holder in (config, config.get("experiment")):
+        if isinstance(holder, Mapping):
+            seed = holder.get("seed")
+            if isinstance(seed, int) and not isinstance(seed, bool):
+                return seed
+    raise ReproError(f"run '{record.run_id}': its config records no seed")
+
+
+@dataclass(frozen=True)
+class SeedCell:
+    """One router's result in one column over its seeds.
+
+    Args:
+        interval: mean and Student-t interval over the seeds (percent).
+        test: the paired test against the reference router (None: the reference itself, or no test).
+        adjusted_p: the test's p-value after Holm's adjustment over the routers of the column.
+    """
+
+    interval: Interval
+    test: PairedTest | None = None
+    adjusted_p: float | None = None
+
+
+@dataclass(frozen=True)
+class SeedComparison:
+    """Routers over seeds against a reference router (see :func:`compare_over_seeds`).
+
+    Args:
+        columns: task names, then ``avg``.
+        metrics: the lm-eval metric of each task column.
+        seeds: router -> its seeds, sorted.
+        cells: router -> column -> :class:`SeedCell` (routers in table order).
+        reference: the reference router (None when it is not among the records).
+        test: the test used: ``seeds`` (paired t over shared seeds), ``questions`` (McNemar exact /
+            sign-flip permutation over shared questions) or ``none``.
+        confidence: coverage of the intervals.
+        alpha: significance level of the marks.
+    """
+
+    columns: tuple[str, ...]
+    metrics: Mapping[str, str]
+    seeds: Mapping[str, tuple[int, ...]]
+    cells: Mapping[str, Mapping[str, SeedCell]]
+    reference: str | None
+    test: str
+    confidence: float
+    alpha: float
+
+    def significant(self, router: str, column: str) -> bool:
+        """Whether ``router`` differs from the reference in ``column`` at ``alpha`` (Holm-adjusted)."""
+        p = self.cells[router][column].adjusted_p
+        return p is not None and p < self.alpha
+
+
+AVG = "avg"
+
+
+def _group_by_router(
+    records: Sequence[RunRecord], seed_of: Callable[[RunRecord], int]
+) -> dict[str, dict[int, RunRecord]]:
+    models = sorted({r.experiment.model for r in records})
+    if len(models) > 1:
+        raise ReproError(f"runs of several models ({', '.join(models)}): compare one model's runs at a time")
+    groups: dict[str, dict[int, RunRecord]] = {}
+    for record in _ordered(records):
+        seed = seed_of(record)
+        runs = groups.setdefault(record.experiment.router, {})
+        if seed in runs:
+            raise ReproError(
+                f"runs '{runs[seed].run_id}' and '{record.run_id}' of router '{record.experiment.router}' "
+                f"have the same seed {seed}"
+            )
+        runs[seed] = record
+    return groups
+
+
+def _question_test(
+    tasks: Sequence[str],
+    metrics: Mapping[str, str],
+    reference: Mapping[int, RunRecord],
+    other: Mapping[int, RunRecord],
+    per_question: Mapping[str, Mapping[str, Any]],
+) -> PairedTest:
+    """Per-question test of ``other`` against ``reference`` on ``tasks`` (one task, or all for Avg.)."""
+    ref_scores, oth_scores, weights = [], [], []
+    for task in tasks:
+        per_run = []
+        for runs in (reference, other):
+            found = [question_scores(per_question[r.run_id], task, metrics[task]) for r in runs.values()]
+            if any(q is None for q in found):
+                raise ReproError(f"task '{task}': a run has no per-question '{metrics[task]}' results")
+            per_run.append(found)
+        first = per_run[0][0]
+        if not all(first.paired_with(q) for runs in per_run for q in runs):
+            raise ReproError(f"task '{task}': the runs scored different questions; they cannot be paired")
+        # Several seeds: a question's score is its correctness averaged over the router's seeds.
+        ref_scores.append(np.mean([q.scores for q in per_run[0]], axis=0))
+        oth_scores.append(np.mean([q.scores for q in per_run[1]], axis=0))
+        weights.append(np.full(len(first.scores), 1 / (len(tasks) * len(first.scores))))
+    ref, oth = np.concatenate(ref_scores), np.concatenate(oth_scores)
+    if len(tasks) == 1 and len(reference) == 1 and len(other) == 1:
+        test = mcnemar_exact(ref, oth)
+    else:
+        test = paired_permutation_test(ref, oth, weights=np.concatenate(weights))
+    return PairedTest(test.test, 100 * test.difference, test.statistic, test.p_value, test.n)
+
+
+def compare_over_seeds(
+    records: Sequence[RunRecord],
+    *,
+    reference_router: str = DEFAULT_REFERENCE_ROUTER,
+    metric: str = "auto",
+    per_question: Mapping[str, Mapping[str, Any]] | None = None,
+    test: str = "auto",
+    confidence: float = 0.95,
+    alpha: float = 0.05,
+    seed_of: Callable[[RunRecord], int] = record_seed,
+) -> SeedComparison:
+    """Each router's zero-shot scores over its seeds, tested against a reference router.
+
+    Args:
+        records: runs of one model with lm-eval results, one per router and seed (runs without results are
+            left out).
+        reference_router: the router the others are tested against.
+        metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`choose_metric`).
+        per_question: run_id -> the run's per-question results
+            (:func:`repro.report.stats.compact_per_question`); needed for ``test="questions"``.
+        test: ``seeds`` (paired t over the seeds both routers ran), ``questions`` (McNemar's exact test with
+            one seed per router, else a sign-flip permutation test over questions of the correctness averaged
+            over seeds), ``none``, or ``auto``: ``seeds`` when every router shares at least two seeds with the
+            reference, else ``questions`` when every run has per-question results, else ``none``.
+        confidence: coverage of the Student-t intervals.
+        alpha: significance level of the marks (after Holm's adjustment over the routers of a column).
+        seed_of: a run's seed (default :func:`record_seed`).
+
+    Returns:
+        The :class:`SeedComparison`.
+
+    Raises:
+        ReproError: runs of several models, two runs of one router with the same seed, an unknown test, or a
+            test the records cannot support.
+    """
+    if test not in SEED_TESTS:
+        raise ReproError(f"unknown test '{test}'; valid: {', '.join(SEED_TESTS)}")
+    evaluated = [r for r in records if r.lm_eval is not None]
+    groups = _group_by_router(evaluated, seed_of)
+    scores = {r.run_id: lm_eval_metrics(r) for r in evaluated}
+    measured = {t for s in scores.values() for t, m in s.items() if "acc" in m or "acc_norm" in m}
+    tasks = [t for t in PAPER_TASKS if t in measured] + sorted(measured - set(PAPER_TASKS))
+    chosen = {t: choose_metric(t, evaluated, metric) for t in tasks}
+
+    def value(record: RunRecord, column: str) -> float | None:
+        if column == AVG:
+            values = [value(record, t) for t in tasks]
+            return statistics.fmean(values) if values and None not in values else None
+        v = scores[record.run_id].get(column, {}).get(chosen[column])
+        return None if v is None else 100 * v
+
+    columns = (*tasks, AVG)
+    reference = reference_router if reference_router in groups else None
+    others = [r for r in groups if r != reference]
+    shared = {r: sorted(set(groups[r]) & set(groups[reference])) for r in others} if reference else {}
+    seeds_ok = reference is not None and all(len(shared[r]) >= 2 for r in others)
+    questions_ok = (
+        reference is not None and per_question is not None and all(r.run_id in per_question for r in evaluated)
+    )
+    used = test
+    if test == "auto":
+        used = "seeds" if seeds_ok else "questions" if questions_ok else "none"
+    elif test == "seeds" and not seeds_ok:
+        raise ReproError(f"test 'seeds' needs the reference '{reference_router}' and two shared seeds per router")
+    elif test == "questions" and not questions_ok:
+        raise ReproError(f"test 'questions' needs the reference '{reference_router}' and per-question results of every run")
+
+    cells: dict[str, dict[str, SeedCell]] = {r: {} for r in groups}
+    for column in columns:
+        tests: dict[str, PairedTest] = {}
+        for router in others if used != "none" else ():
+            if used == "seeds":
+                pairs = [(value(groups[reference][s], column), value(groups[router][s], column)) for s in shared[router]]
+                pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+                if len(pairs) >= 2:
+                    tests[router] = paired_t_test([a for a, _ in pairs], [b for _, b in pairs])
+            else:
+                tests[router] = _question_test(
+                    tasks if column == AVG else [column], chosen, groups[reference], groups[router], per_question
+                )
+        adjusted = dict(zip(tests, holm([t.p_value for t in tests.values()]))) if tests else {}
+        for router, runs in groups.items():
+            values = [v for v in (value(r, column) for r in runs.values()) if v is not None]
+            if values:
+                cells[router][column] = SeedCell(mean_ci(values, confidence), tests.get(router), adjusted.get(router))
+    return SeedComparison(
+        columns=columns,
+        metrics=chosen,
+        seeds={r: tuple(sorted(runs)) for r, runs in groups.items()},
+        cells=cells,
+        reference=reference,
+        test=used,
+        confidence=confidence,
+        alpha=alpha,
+    )
+
+
+_TEST_TEXT = {
+    "seeds": "a paired t-test over the seeds both routers ran",
+    "questions": (
+        "a paired test over the same questions (McNemar's exact test with one seed per router; otherwise a "
+        "sign-flip permutation test of the correctness averaged over seeds; for Avg. of the task-weighted mean)"
+    ),
+}
+
+
+def seed_zero_shot_table(comparison: SeedComparison) -> Table:
+    """The zero-shot table over seeds: ``mean +- CI half-width`` per router, marked where it differs.
+
+    Args:
+        comparison: from :func:`compare_over_seeds`.
+
+    Returns:
+        The :class:`Table` (name ``zero_shot_seeds``).
+    """
+    rows = []
+    # The reference first, then the routers in the tables' order (dense first, then by name).
+    ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
+    for router, cells in ordered:
+        label = f"{router} (reference)" if router == comparison.reference else router
+        row = [label, str(len(comparison.seeds[router]))]
+        for column in comparison.columns:
+            cell = cells.get(column)
+            mark = SIGNIFICANT if comparison.significant(router, column) else ""
+            row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark))
+        rows.append(tuple(row))
+    tasks = [c for c in comparison.columns if c != AVG]
+    labels = [PAPER_TASKS.get(t) or LOCAL_TASK_LABELS.get(t, t) for t in tasks]
+    metric_text = ", ".join(f"{label} {comparison.metrics[t]}" for label, t in zip(labels, tasks))
+    caption = (
+        f"Zero-shot accuracy (%) over seeds, lm-eval, 0-shot. Metric per column: {metric_text or 'none'}. "
+        f"Avg. is the mean over the task columns, per seed. Each cell: the mean over the router's seeds "
+        f"{PLUS_MINUS} the half-width of the {comparison.confidence:.0%} Student-t confidence interval of that "
+        f"mean (no {PLUS_MINUS} with one seed); 'seeds' is their number."
+    )
+    if comparison.test in _TEST_TEXT and comparison.reference is not None:
+        caption += (
+            f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
+            f"{_TEST_TEXT[comparison.test]}, Holm-adjusted over the routers of the column."
+        )
+    else:
+        caption += " No significance test (no reference router, or neither shared seeds nor per-question results)."
+    headers = ("Router", "seeds", *labels, "Avg.")
+    return Table("zero_shot_seeds", caption, headers, tuple(rows))
 
 
 # ------------------------------------------------------------------------------------------ efficiency
@@ -316,16 +639,21 @@ _LATEX_SPECIAL = {
 }
 
 
+_LATEX_SPECIAL[PLUS_MINUS] = r"\ensuremath{\pm}"
+
+
 def _latex_escape(text: str) -> str:
     return "".join(_LATEX_SPECIAL.get(char, char) for char in text)
 
 
 def _is_number(cell: str) -> bool:
+    """A number, ``number +- number`` (optionally marked), or missing."""
+    parts = cell.rstrip(SIGNIFICANT).split(f" {PLUS_MINUS} ")
     try:
-        float(cell)
+        [float(part) for part in parts]
     except ValueError:
         return cell == MISSING
-    return True
+    return len(parts) <= 2
 
 
 def _alignment(table: Table) -> tuple[str, ...]:
@@ -358,7 +686,7 @@ def render(table: Table, fmt: str) -> str:
     if fmt == "tex":
         body = tabulate(
             table.rows, headers=table.headers, tablefmt="latex_booktabs", disable_numparse=True, colalign=align
-        )
+        ).replace(PLUS_MINUS, _LATEX_SPECIAL[PLUS_MINUS])
         return (
             "\\begin{table}[ht]\n\\centering\n"
             f"\\caption{{{_latex_escape(table.caption)}}}\n\\label{{tab:{table.name}}}\n"

@@ -21,7 +21,7 @@ from repro.training.distributed import barrier
 from repro.training.synthetic import SyntheticTokens
 
 DEFAULT_SYNTHETIC_VOCAB = 512
-#: Where ``data=mini-pile`` builds (or finds) the embedded corpus, relative to the working directory.
+#: Where ``data.source=mini-pile`` builds (or finds) the embedded corpus, relative to the working directory.
 DEFAULT_MINI_PILE_DIR = "data/mini-pile"
 
 

@@ -1,0 +1,436 @@
+"""The papers' zero-shot tasks from data on disk: lm-eval's own task definitions, local datasets.
+
+GPU clusters are often offline; their users fetch data on a login node and copy it over. A *task-data folder*
+holds the Hugging Face datasets that lm-eval's task YAMLs read, one folder per hub dataset, named like the
+hub repository and laid out as a dataset repository that the ``datasets`` library loads from disk::
+
+    DIR/allenai/ai2_arc/README.md                  dataset card: its YAML header lists configs and files
+    DIR/allenai/ai2_arc/ARC-Easy/test.jsonl        one JSON-lines file per config and split
+    DIR/allenai/ai2_arc/ARC-Challenge/test.jsonl
+    DIR/aps/super_glue/boolq/validation.jsonl
+    DIR/Rowan/hellaswag/default/validation.jsonl   (``default``: the task names no config)
+    DIR/EleutherAI/lambada_openai/default/test.jsonl
+    DIR/baber/piqa/default/validation.jsonl
+    DIR/EleutherAI/race/high/test.jsonl
+    ...
+
+``python -m repro eval-data fetch --out DIR`` fills it on a machine with network access
+(:func:`fetch`); ``python -m repro eval --tasks-data DIR`` evaluates on it with no network
+(:func:`task_manager_for_data`). What each task reads (dataset, config, splits) comes from lm-eval's installed
+YAML (:func:`task_data_specs`), never from a copy here.
+
+Decisions (each with its reason):
+
+1. **Hub-named dataset folders with a dataset card** (DESIGN.md section 9, way (b)), not bare data files
+   named in per-task YAMLs (way (a)): the folder is self-describing (``datasets.load_dataset(DIR/allenai/ai2_arc,
+   "ARC-Easy")`` loads it; plain ``lm_eval`` run from ``DIR`` finds it by the hub name), several tasks share one
+   dataset (ARC-Easy and ARC-Challenge), and lm-eval's ``dataset_name`` keeps its meaning as the config name.
+2. **lm-eval is pointed at the folders by absolute path**: ``datasets`` resolves a hub name to a local folder
+   only relative to the working directory, so instead of changing directory, :func:`write_task_overrides`
+   writes one YAML per task that ``include:``\\ s the installed YAML and overrides ``dataset_path`` (and adds
+   ``dataset_kwargs.cache_dir``) only: prompts, metrics, splits, ``process_docs`` and the RACE loader functions
+   are lm-eval's, resolved from the installed files (``lm_eval/tasks/_yaml_loader.py``, ``load_yaml``).
+3. **Every split the YAML names is required** (training, validation, test, few-shot), not only the scored one:
+   ``ConfigurableTask.__init__`` builds its few-shot sampler from the training split even at 0 shots
+   (``lm_eval/api/task.py``, ``fewshot_docs``), so a missing training split is a ``KeyError`` mid-run.
+4. **JSON lines**, written by ``datasets.Dataset.to_json``: readable, so the test fixtures are plain text in the
+   same layout. Class labels are written as their integer ids, which is what lm-eval's ``doc_to_target`` reads.
+5. **The datasets cache goes to a throw-away directory** beside the generated YAMLs: the task-data folder may
+   be read-only (a shared filesystem), and evaluation never writes to the user's cache.
+6. **Fetching never changes an existing dataset folder**: a complete one is kept as it is, an incomplete one
+   is refused (remove it, or fetch into another folder); a new one is written atomically.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from repro.errors import ReproError
+from repro.io_utils import atomic_path
+
+#: The papers' seven tasks and the folder of lm-eval 0.4.13's task tree that holds each one's YAML: indexing
+#: these few folders takes a fraction of a second, the whole tree about ten (other tasks fall back to it).
+PAPER_TASK_DIRS: dict[str, str] = {
+    "arc_challenge": "arc",
+    "arc_easy": "arc",
+    "boolq": "super_glue/boolq",
+    "hellaswag": "hellaswag",
+    "lambada_openai": "lambada",
+    "piqa": "piqa",
+    "race": "race",
+}
+CARD = "README.md"
+#: Config folder name of a task whose YAML names no config (``dataset_name: null``).
+DEFAULT_CONFIG = "default"
+_SPLIT_KEYS = ("training_split", "validation_split", "test_split", "fewshot_split")
+_PACKAGED_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow", "pandas", "webdataset", "xml", "sql"})
+
+
+@dataclass(frozen=True)
+class TaskData:
+    """What one lm-eval task reads from the Hugging Face hub, as its installed YAML says.
+
+    Args:
+        task: lm-eval task name.
+        yaml_path: the installed task YAML.
+        dataset_path: the hub dataset (``allenai/ai2_arc``).
+        dataset_name: the config (``ARC-Easy``), None where the YAML names none.
+        splits: every split the YAML names (training, validation, test, few-shot), in that order.
+        eval_split: the split lm-eval scores (test if the YAML has one, else validation).
+        dataset_kwargs: the YAML's own ``dataset_kwargs`` (kept in the override).
+    """
+
+    task: str
+    yaml_path: Path
+    dataset_path: str
+    dataset_name: str | None
+    splits: tuple[str, ...]
+    eval_split: str
+    dataset_kwargs: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.dataset_path or not self.splits:
+            raise ValueError(f"task '{self.task}': need a dataset_path and at least one split")
+        if self.eval_split not in self.splits:
+            raise ValueError(f"task '{self.task}': eval_split '{self.eval_split}' must be one of {', '.join(self.splits)}")
+
+    @property
+    def config(self) -> str:
+        """The config folder name (``dataset_name``, or ``default``)."""
+        return self.dataset_name or DEFAULT_CONFIG
+
+    def folder(self, root: str | Path) -> Path:
+        """Where this task's dataset lives in the task-data folder ``root``."""
+        return Path(root).resolve() / self.dataset_path
+
+
+def _lm_eval_tasks_root() -> Path:
+    import lm_eval.tasks
+
+    return Path(lm_eval.tasks.__file__).parent
+
+
+def _task_index(tasks: Sequence[str]) -> Mapping[str, Any]:
+    """lm-eval's index entries (name -> Entry with ``kind``, ``yaml_path``, ``cfg``) covering ``tasks``."""
+    from lm_eval.tasks import TaskManager
+
+    root = _lm_eval_tasks_root()
+    folders = sorted({root / PAPER_TASK_DIRS[t] for t in tasks if t in PAPER_TASK_DIRS})
+    index: Mapping[str, Any] = {}
+    if folders:
+        index = TaskManager(include_path=folders, include_defaults=False).task_index
+    if any(t not in index for t in tasks):
+        index = TaskManager().task_index
+    return index
+
+
+def _spec_from_entry(task: str, entry: Any) -> TaskData:
+    if entry.kind.name != "TASK" or entry.yaml_path is None:
+        raise ReproError(f"'{task}' is an lm-eval {entry.kind.name.lower()}, not a task: name its tasks instead")
+    cfg = entry.cfg or {}
+    path = cfg.get("dataset_path")
+    kwargs = dict(cfg.get("dataset_kwargs") or {})
+    if (
+        not isinstance(path, str)
+        or cfg.get("custom_dataset") is not None
+        or path in _PACKAGED_BUILDERS
+        or Path(path).is_absolute()
+        or ".." in Path(path).parts
+    ):
+        raise ReproError(f"task '{task}' does not read a Hugging Face hub dataset ({entry.yaml_path}); --tasks-data cannot serve it")
+    if "data_files" in kwargs or "data_dir" in kwargs:
+        raise ReproError(f"task '{task}' names its own data files in {entry.yaml_path}; --tasks-data cannot serve it")
+    fewshot = cfg.get("fewshot_config") or {}
+    named = [cfg.get(k) for k in _SPLIT_KEYS] + [fewshot.get("split") if isinstance(fewshot, Mapping) else None]
+    splits = tuple(dict.fromkeys(s for s in named if isinstance(s, str)))
+    eval_split = cfg.get("test_split") or cfg.get("validation_split")
+    if not eval_split:
+        raise ReproError(f"task '{task}' names no test or validation split in {entry.yaml_path}")
+    name = cfg.get("dataset_name")
+    return TaskData(task, Path(entry.yaml_path), path, None if name is None else str(name), splits, eval_split, kwargs)
+
+
+def task_data_specs(tasks: Sequence[str]) -> list[TaskData]:
+    """What each task reads, from lm-eval's installed YAMLs.
+
+    Args:
+        tasks: lm-eval task names (tasks, not groups or tags).
+
+    Returns:
+        One :class:`TaskData` per task, in the order given.
+
+    Raises:
+        ReproError: an unknown name, a group or tag, or a task that does not read a hub dataset.
+    """
+    if not tasks:
+        raise ReproError("no tasks given")
+    index = _task_index(tasks)
+    unknown = [t for t in tasks if t not in index]
+    if unknown:
+        raise ReproError(f"unknown lm-eval task(s): {', '.join(unknown)}")
+    return [_spec_from_entry(t, index[t]) for t in tasks]
+
+
+# ------------------------------------------------------------------------------------------ checking
+def _fetch_hint(root: Path, tasks: Iterable[str]) -> str:
+    return (
+        f"fill it on a machine with network access: python -m repro eval-data fetch --out {root} "
+        f"--tasks {','.join(tasks)}"
+    )
+
+
+def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
+    """Why ``spec``'s data is not usable in ``root`` (None: it is), in a few words naming the folder."""
+    import datasets
+
+    folder = spec.folder(root)
+    if not (folder / CARD).is_file():
+        return f"task '{spec.task}': no {spec.dataset_path} in {folder}"
+    try:
+        # datasets' own resolution of a local dataset repository: configs and data files from the card.
+        builder = datasets.load_dataset_builder(str(folder), spec.dataset_name, cache_dir=str(cache_dir))
+    except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return f"task '{spec.task}': {folder} has no usable config '{spec.config}' ({reason})"
+    have = list((builder.config.data_files or {}).keys())
+    lacking = [s for s in spec.splits if s not in have]
+    if lacking:
+        return (
+            f"task '{spec.task}': {folder} config '{spec.config}' lacks split(s) {', '.join(lacking)} "
+            f"(has: {', '.join(have) or 'none'})"
+        )
+    return None
+
+
+def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str | Path) -> None:
+    """Check that ``root`` holds every config and split each task reads, before anything is evaluated.
+
+    Args:
+        specs: from :func:`task_data_specs`.
+        root: the task-data folder.
+        cache_dir: a scratch directory for ``datasets`` (it writes lock files there).
+
+    Raises:
+        ReproError: one line naming each task whose data is missing or incomplete and the folder looked in.
+    """
+    root = Path(root).resolve()
+    if not root.is_dir():
+        raise ReproError(f"{root}: no such task-data folder ({_fetch_hint(root, [s.task for s in specs])})")
+    problems = [(s.task, p) for s in specs if (p := _missing_data(s, root, Path(cache_dir))) is not None]
+    if problems:
+        text = "; ".join(p for _, p in problems)
+        raise ReproError(f"{text} ({_fetch_hint(root, [t for t, _ in problems])})")
+
+
+# ------------------------------------------------------------------------------------------ lm-eval
+def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: str | Path) -> Path:
+    """Write one lm-eval YAML per task that includes the installed YAML and reads the local dataset.
+
+    Each YAML sets ``include`` (the installed YAML), ``task``, ``dataset_path`` (the absolute local folder) and
+    ``dataset_kwargs.cache_dir`` (``out_dir/.hf_cache``), and nothing else.
+
+    Args:
+        specs: from :func:`task_data_specs`.
+        root: the task-data folder.
+        out_dir: where to write the YAMLs (created; pass it to ``TaskManager(include_path=...)``).
+
+    Returns:
+        ``out_dir`` as an absolute path.
+    """
+    out = Path(out_dir).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    for spec in specs:
+        config = {
+            "include": str(spec.yaml_path),
+            "task": spec.task,
+            "dataset_path": str(spec.folder(root)),
+            "dataset_kwargs": {**spec.dataset_kwargs, "cache_dir": str(out / ".hf_cache")},
+        }
+        (out / f"{spec.task}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+    return out
+
+
+def task_manager_for_data(
+    tasks: Sequence[str], root: str | Path, work_dir: str | Path, *, local_tasks: str | Path | None = None
+) -> Any:
+    """A TaskManager whose ``tasks`` read the task-data folder ``root`` (after checking it holds them).
+
+    Args:
+        tasks: lm-eval task names; those defined in ``local_tasks`` are taken from there.
+        root: the task-data folder.
+        work_dir: an empty scratch directory for the generated YAMLs and the datasets cache (the caller
+            removes it).
+        local_tasks: a directory of local task YAMLs to include as well
+            (:func:`repro.evaluation.local_tasks.build_local_tasks`).
+
+    Returns:
+        The ``lm_eval.tasks.TaskManager``.
+
+    Raises:
+        ReproError: as :func:`task_data_specs` and :func:`check_task_data`.
+    """
+    from lm_eval.tasks import TaskManager
+
+    local_names: set[str] = set()
+    if local_tasks is not None:
+        if not Path(local_tasks).is_dir():
+            raise ReproError(f"{local_tasks}: no such local-task directory")
+        local_names = set(TaskManager(include_path=str(local_tasks), include_defaults=False).all_tasks)
+    wanted = [t for t in tasks if t not in local_names]
+    paths: list[str] = []
+    if wanted:
+        specs = task_data_specs(wanted)
+        work = Path(work_dir).resolve()
+        check_task_data(specs, root, work / ".hf_cache")
+        paths.append(str(write_task_overrides(specs, root, work / "tasks")))
+    if local_tasks is not None:
+        paths.append(str(local_tasks))
+    return TaskManager(include_path=paths, include_defaults=False)
+
+
+# ------------------------------------------------------------------------------------------ fetching
+@dataclass(frozen=True)
+class DatasetPlan:
+    """One hub dataset to fetch: its configs and the splits of each that the tasks read.
+
+    Args:
+        dataset_path: the hub dataset (``allenai/ai2_arc``).
+        configs: ``(dataset_name, splits)`` pairs; ``dataset_name`` None for the default config.
+        tasks: the tasks that read it.
+    """
+
+    dataset_path: str
+    configs: tuple[tuple[str | None, tuple[str, ...]], ...]
+    tasks: tuple[str, ...]
+
+    def describe(self, root: str | Path) -> str:
+        """One line: what is fetched and where it goes."""
+        configs = ", ".join(f"{name or DEFAULT_CONFIG} [{', '.join(splits)}]" for name, splits in self.configs)
+        return f"{self.dataset_path}: {configs} -> {Path(root) / self.dataset_path} (tasks: {', '.join(self.tasks)})"
+
+
+def fetch_plan(specs: Sequence[TaskData]) -> list[DatasetPlan]:
+    """Group the tasks' data by hub dataset and config (ARC-Easy and ARC-Challenge share one dataset).
+
+    Args:
+        specs: from :func:`task_data_specs`.
+
+    Returns:
+        One :class:`DatasetPlan` per hub dataset, in first-seen order.
+    """
+    grouped: dict[str, dict[str | None, list[str]]] = {}
+    owners: dict[str, list[str]] = {}
+    for spec in specs:
+        splits = grouped.setdefault(spec.dataset_path, {}).setdefault(spec.dataset_name, [])
+        splits.extend(s for s in spec.splits if s not in splits)
+        owners.setdefault(spec.dataset_path, []).append(spec.task)
+    return [
+        DatasetPlan(path, tuple((name, tuple(splits)) for name, splits in configs.items()), tuple(owners[path]))
+        for path, configs in grouped.items()
+    ]
+
+
+def dataset_card(plan: DatasetPlan, note: str) -> str:
+    """The ``README.md`` of a local dataset folder: a YAML header listing each config's files, then ``note``.
+
+    Args:
+        plan: the dataset.
+        note: Markdown text after the header (where the data came from).
+
+    Returns:
+        The card's text.
+    """
+    configs = [
+        {
+            "config_name": name or DEFAULT_CONFIG,
+            "data_files": [{"split": s, "path": f"{name or DEFAULT_CONFIG}/{s}.jsonl"} for s in splits],
+        }
+        for name, splits in plan.configs
+    ]
+    header = yaml.safe_dump({"configs": configs}, sort_keys=False)
+    return f"---\n{header}---\n\n{note.rstrip()}\n"
+
+
+Loader = Callable[[str, str | None], Mapping[str, Any]]
+
+
+def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None = None, log: Callable[[str], None] = print) -> list[Path]:
+    """Download each planned dataset and write it as a local dataset folder under ``out``.
+
+    Needs network access to the Hugging Face hub (run it on a login node, then copy ``out``). Each dataset
+    folder is written atomically; one that exists already is kept when complete and refused otherwise.
+
+    Args:
+        plan: from :func:`fetch_plan`.
+        out: the task-data folder (created).
+        load: ``(dataset_path, dataset_name) -> {split: datasets.Dataset}``; default ``datasets.load_dataset``.
+        log: progress messages.
+
+    Returns:
+        The dataset folders written (folders kept as they were are not listed).
+
+    Raises:
+        ReproError: an incomplete existing folder, or a dataset without a split the tasks read.
+    """
+    import datasets
+
+    load = load or (lambda path, name: datasets.load_dataset(path, name))
+    root = Path(out).resolve()
+    written = []
+    for item in plan:
+        dest = root / item.dataset_path
+        if dest.exists():
+            scratch = root / f".{Path(item.dataset_path).name}.check-cache"
+            try:
+                complete = all(
+                    _missing_data(TaskData("fetch", Path(), item.dataset_path, n, s, s[0]), root, scratch) is None
+                    for n, s in item.configs
+                )
+            finally:
+                shutil.rmtree(scratch, ignore_errors=True)
+            if not complete:
+                raise ReproError(
+                    f"{dest} exists but lacks some of {item.describe(root)}; it is left as it is: remove it or "
+                    "fetch into another folder"
+                )
+            log(f"kept {dest} (complete)")
+            continue
+        created = [p for p in reversed(dest.parents) if not p.exists()]
+        try:
+            with atomic_path(dest) as tmp:
+                rows: dict[str, dict[str, int]] = {}
+                for name, splits in item.configs:
+                    log(f"downloading {item.dataset_path} {name or DEFAULT_CONFIG} ...")
+                    data = load(item.dataset_path, name)
+                    missing = [s for s in splits if s not in data]
+                    if missing:
+                        raise ReproError(
+                            f"{item.dataset_path} config '{name or DEFAULT_CONFIG}' has no split(s) "
+                            f"{', '.join(missing)} (has: {', '.join(data)})"
+                        )
+                    for split in splits:
+                        path = tmp / (name or DEFAULT_CONFIG) / f"{split}.jsonl"
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        data[split].to_json(str(path))
+                        rows.setdefault(name or DEFAULT_CONFIG, {})[split] = len(data[split])
+                counts = "; ".join(f"{c}: " + ", ".join(f"{s} {n}" for s, n in sp.items()) for c, sp in rows.items())
+                note = (
+                    f"Local copy of the Hugging Face dataset `{item.dataset_path}` for lm-eval's tasks "
+                    f"{', '.join(item.tasks)}, written by `python -m repro eval-data fetch` with datasets "
+                    f"{datasets.__version__}. Rows: {counts}."
+                )
+                (tmp / CARD).write_text(dataset_card(item, note))
+        except BaseException:
+            for folder in reversed(created):  # only the parents this call created, and only if still empty
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
+            raise
+        log(f"wrote {dest}")
+        written.append(dest)
+    return written

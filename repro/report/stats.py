@@ -1,0 +1,409 @@
+"""Statistics for comparing routers: intervals over seeds, paired tests over seeds and over questions.
+
+At the embedded scale the differences between routers are small against the noise; these functions say how
+large the noise is. There are two sources of noise, and each has its own pairing:
+
+- **Seeds** (training randomness: initialisation, data order, router noise). One router's runs with different
+  seeds are independent draws; two routers' runs with the same seed share the data order, so they are
+  paired. :func:`mean_ci` (interval of the mean), :func:`prediction_interval` (where one more seed's value
+  should fall: the regression check's band), :func:`paired_t_test`.
+- **Questions** (the finite benchmark). Two models answer the same questions, so their per-question results
+  are paired. :func:`mcnemar_exact` for 0/1 outcomes (one seed per router), :func:`paired_permutation_test`
+  for per-question scores (correctness averaged over seeds). :func:`per_question_scores` reads them from
+  lm-eval's per-document samples (``simple_evaluate(log_samples=True)``).
+
+Decisions (each with its source):
+
+1. **Student t** for the interval of a mean over seeds, ``mean +- t_{n-1,(1+c)/2} s / sqrt(n)`` with the
+   sample standard deviation ``s`` (n - 1 in the denominator): the textbook small-sample interval for a
+   normal mean (``scipy.stats.t``).
+2. **The regression band is a prediction interval**, ``mean +- t_{n-1,(1+c)/2} s sqrt(1 + 1/n)``: the range that
+   one further seed falls in with probability ``c`` under the same normal model. The interval of the mean would
+   shrink as seeds are added and flag honest runs.
+3. **McNemar's exact test** for 0/1 outcomes on the same questions: conditional on the ``b + c`` discordant
+   questions, ``c ~ Binomial(b + c, 1/2)`` under no difference; two-sided p-value from
+   ``scipy.stats.binomtest``. It is the test recommended for two classifiers scored on one test set
+   (Dietterich 1998, *Neural Computation* 10(7)); exact rather than the chi-square form because at the
+   embedded scale (a few hundred questions) the discordant counts are small.
+4. **A paired sign-flip permutation test** for per-question scores that are not 0/1 (correctness averaged
+   over seeds, or a task-weighted average over several tasks): under no difference each per-question
+   difference is as likely positive as negative. Exact enumeration of the ``2^m`` sign patterns of the ``m``
+   non-zero differences when that is at most ``n_resamples``, else a seeded Monte Carlo sample with
+   ``p = (1 + #{|T*| >= |T|}) / (1 + R)`` (Phipson & Smyth 2010, never zero). On 0/1 outcomes it is
+   exactly McNemar's exact test (tested). A paired bootstrap was not chosen: its p-values are approximate
+   under the null for small samples, the permutation test's are exact.
+5. **Holm's step-down adjustment** (Holm 1979) of the p-values of several routers against one reference:
+   controls the family-wise error rate with no assumption on how the tests depend on one another.
+6. **lm-eval's standard error** (``acc_stderr``) is ``s / sqrt(n)`` over the questions' 0/1 scores, ``s``
+   with n - 1 (``lm_eval/api/metrics.py``, ``mean_stderr``), closed-form whatever ``bootstrap_iters`` is as
+   long as it is > 0 (0 switches standard errors off: ``stderr_for_metric``). :func:`mean_stderr` here is the
+   same formula, to check the two agree.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from scipy import stats as sps
+
+
+@dataclass(frozen=True)
+class Interval:
+    """An estimate with an interval around it.
+
+    Args:
+        estimate: the mean.
+        low: lower end (None where the interval is undefined: fewer than two values).
+        high: upper end (None likewise).
+        n: number of values.
+        confidence: coverage of the interval (0.95).
+    """
+
+    estimate: float
+    low: float | None
+    high: float | None
+    n: int
+    confidence: float
+
+    @property
+    def half_width(self) -> float | None:
+        """(high - low) / 2, None where undefined."""
+        return None if self.low is None or self.high is None else (self.high - self.low) / 2
+
+    def contains(self, value: float, atol: float = 0.0) -> bool:
+        """Whether ``value`` lies in [low - atol, high + atol] (False where the interval is undefined)."""
+        return self.low is not None and self.high is not None and self.low - atol <= value <= self.high + atol
+
+
+@dataclass(frozen=True)
+class PairedTest:
+    """A paired comparison of ``other`` with ``reference``.
+
+    Args:
+        test: which test (``paired t``, ``McNemar exact``, ``sign-flip permutation``).
+        difference: the estimated difference, other minus reference (mean of the paired differences, or
+            their weighted sum with weights).
+        statistic: the test statistic (t; the smaller discordant count for McNemar; the difference for the
+            permutation test).
+        p_value: two-sided p-value.
+        n: number of pairs.
+    """
+
+    test: str
+    difference: float
+    statistic: float
+    p_value: float
+    n: int
+
+
+def _array(values: Sequence[float], name: str) -> np.ndarray:
+    array = np.asarray(values, dtype=float)
+    if array.ndim != 1:
+        raise ValueError(f"{name} must be a flat sequence of numbers")
+    if not np.all(np.isfinite(array)):
+        raise ValueError(f"{name} must be finite numbers")
+    return array
+
+
+def _pair(reference: Sequence[float], other: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
+    ref, oth = _array(reference, "reference"), _array(other, "other")
+    if ref.shape != oth.shape:
+        raise ValueError(f"paired samples must have the same length, got {len(ref)} and {len(oth)}")
+    return ref, oth
+
+
+def _check_confidence(confidence: float) -> None:
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+
+
+def _t_quantile(confidence: float, df: int) -> float:
+    return float(sps.t.ppf((1 + confidence) / 2, df))
+
+
+def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Interval:
+    """The mean and its Student-t confidence interval (decision 1).
+
+    Args:
+        values: one value per seed.
+        confidence: coverage (0.95).
+
+    Returns:
+        The :class:`Interval`; ``low``/``high`` are None for a single value.
+
+    Raises:
+        ValueError: no values, values that are not finite, or a confidence outside (0, 1).
+    """
+    _check_confidence(confidence)
+    x = _array(values, "values")
+    if x.size == 0:
+        raise ValueError("mean_ci needs at least one value")
+    mean = float(x.mean())
+    if x.size < 2:
+        return Interval(mean, None, None, 1, confidence)
+    half = _t_quantile(confidence, x.size - 1) * float(x.std(ddof=1)) / math.sqrt(x.size)
+    return Interval(mean, mean - half, mean + half, int(x.size), confidence)
+
+
+def prediction_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
+    """Where one further draw (one more seed) falls with probability ``confidence`` (decision 2).
+
+    Args:
+        values: one value per seed (at least two).
+        confidence: coverage (0.95).
+
+    Returns:
+        The :class:`Interval` ``mean +- t_{n-1} s sqrt(1 + 1/n)``.
+
+    Raises:
+        ValueError: fewer than two values, values that are not finite, or a confidence outside (0, 1).
+    """
+    _check_confidence(confidence)
+    x = _array(values, "values")
+    if x.size < 2:
+        raise ValueError(f"a prediction interval needs at least two values, got {x.size}")
+    mean = float(x.mean())
+    half = _t_quantile(confidence, x.size - 1) * float(x.std(ddof=1)) * math.sqrt(1 + 1 / x.size)
+    return Interval(mean, mean - half, mean + half, int(x.size), confidence)
+
+
+def mean_stderr(values: Sequence[float]) -> float:
+    """``s / sqrt(n)``, ``s`` with n - 1: lm-eval's standard error of a mean metric (decision 6).
+
+    Args:
+        values: per-question scores (at least two).
+
+    Returns:
+        The standard error.
+    """
+    x = _array(values, "values")
+    if x.size < 2:
+        raise ValueError("a standard error needs at least two values")
+    return float(x.std(ddof=1)) / math.sqrt(x.size)
+
+
+def paired_t_test(reference: Sequence[float], other: Sequence[float]) -> PairedTest:
+    """Student's paired t-test of ``other - reference`` over seeds (same seed = same data order).
+
+    Args:
+        reference: the reference router's value per seed.
+        other: the other router's value for the same seeds, in the same order.
+
+    Returns:
+        The :class:`PairedTest`. When every difference is the same, t is 0 (p = 1) for a zero difference and
+        infinite (p = 0) otherwise: a constant non-zero difference has no noise to hide in.
+
+    Raises:
+        ValueError: fewer than two pairs, or samples of different lengths.
+    """
+    ref, oth = _pair(reference, other)
+    if ref.size < 2:
+        raise ValueError(f"a paired t-test needs at least two pairs, got {ref.size}")
+    diff = oth - ref
+    mean = float(diff.mean())
+    if np.all(diff == diff[0]):
+        return PairedTest("paired t", mean, 0.0 if mean == 0 else math.copysign(math.inf, mean), 1.0 if mean == 0 else 0.0, int(ref.size))
+    result = sps.ttest_rel(oth, ref)
+    return PairedTest("paired t", mean, float(result.statistic), float(result.pvalue), int(ref.size))
+
+
+def _binary(x: np.ndarray) -> bool:
+    return bool(np.all((x == 0) | (x == 1)))
+
+
+def mcnemar_exact(reference: Sequence[float], other: Sequence[float]) -> PairedTest:
+    """McNemar's exact test on per-question 0/1 outcomes of two models (decision 3).
+
+    Args:
+        reference: the reference model's correctness per question (0/1).
+        other: the other model's correctness on the same questions, in the same order.
+
+    Returns:
+        The :class:`PairedTest`: ``difference`` = accuracy(other) - accuracy(reference), ``statistic`` =
+        min(b, c) with b = questions only the reference got right and c = only the other.
+
+    Raises:
+        ValueError: outcomes that are not 0/1, or samples of different lengths.
+    """
+    ref, oth = _pair(reference, other)
+    if not (_binary(ref) and _binary(oth)):
+        raise ValueError("McNemar's test needs 0/1 outcomes; use paired_permutation_test for scores")
+    b = int(np.sum((ref == 1) & (oth == 0)))
+    c = int(np.sum((ref == 0) & (oth == 1)))
+    p = 1.0 if b + c == 0 else float(sps.binomtest(c, b + c, 0.5).pvalue)
+    return PairedTest("McNemar exact", float((c - b) / ref.size) if ref.size else 0.0, float(min(b, c)), min(1.0, p), int(ref.size))
+
+
+def paired_permutation_test(
+    reference: Sequence[float],
+    other: Sequence[float],
+    *,
+    weights: Sequence[float] | None = None,
+    n_resamples: int = 10_000,
+    seed: int = 0,
+) -> PairedTest:
+    """Paired sign-flip permutation test of ``sum_i w_i (other_i - reference_i)`` (decision 4).
+
+    Args:
+        reference: the reference model's score per question.
+        other: the other model's score per question, same questions, same order.
+        weights: per-question weights of the statistic (default ``1/n``: the mean difference). A
+            task-weighted average over several tasks uses ``1 / (tasks * questions of the task)``.
+        n_resamples: the most sign patterns drawn; all ``2^m`` are enumerated when that is no more.
+        seed: seeds the Monte Carlo draw.
+
+    Returns:
+        The :class:`PairedTest` (``statistic`` = ``difference`` = the weighted difference).
+
+    Raises:
+        ValueError: samples or weights of different lengths, non-finite values, ``n_resamples < 1``.
+    """
+    ref, oth = _pair(reference, other)
+    if n_resamples < 1:
+        raise ValueError(f"n_resamples must be >= 1, got {n_resamples}")
+    n = ref.size
+    w = np.full(n, 1 / n if n else 0.0) if weights is None else _array(weights, "weights")
+    if w.shape != ref.shape:
+        raise ValueError(f"weights must have one entry per pair, got {w.size} for {n}")
+    terms = w * (oth - ref)
+    observed = float(terms.sum())
+    active = terms[terms != 0]
+    m = active.size
+    if m == 0:
+        return PairedTest("sign-flip permutation", observed, observed, 1.0, int(n))
+    # Compare with a relative tolerance: the same |T| reached by another sign pattern must count as extreme.
+    threshold = abs(observed) * (1 - 1e-9) - 1e-15
+    if m <= 62 and 2**m <= n_resamples:
+        patterns = ((np.arange(2**m)[:, None] >> np.arange(m)) & 1) * 2 - 1
+        p = float(np.mean(np.abs(patterns @ active) >= threshold))
+    else:
+        rng = np.random.default_rng(seed)
+        extreme, left = 0, n_resamples
+        while left:  # in chunks: a resample matrix for thousands of questions would not fit in memory
+            size = min(left, max(1, 2**22 // m))
+            signs = rng.integers(0, 2, size=(size, m), dtype=np.int8) * 2 - 1
+            extreme += int(np.sum(np.abs(signs @ active) >= threshold))
+            left -= size
+        p = (1 + extreme) / (1 + n_resamples)
+    return PairedTest("sign-flip permutation", observed, observed, min(1.0, p), int(n))
+
+
+def holm(p_values: Sequence[float]) -> list[float]:
+    """Holm's step-down adjusted p-values (decision 5), in the order given.
+
+    Args:
+        p_values: the p-values of one family of tests.
+
+    Returns:
+        The adjusted p-values (monotone in the raw ones, at most 1).
+    """
+    p = _array(p_values, "p_values")
+    order = np.argsort(p, kind="stable")
+    m = p.size
+    adjusted = np.empty(m)
+    running = 0.0
+    for rank, index in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * float(p[index])))
+        adjusted[index] = running
+    return [float(v) for v in adjusted]
+
+
+# ------------------------------------------------------------------------------------------ per question
+@dataclass(frozen=True)
+class QuestionScores:
+    """One model's per-question scores on one task and metric.
+
+    Args:
+        task: lm-eval task name.
+        metric: ``acc`` or ``acc_norm`` (any per-document metric lm-eval logs).
+        scores: one score per question in lm-eval's document order (``doc_id``): 0/1 for accuracies.
+        docs_sha256: digest of the questions' ``doc_hash`` values in that order: two models are paired per
+            question only when they scored the same questions, that is when the digests agree.
+    """
+
+    task: str
+    metric: str
+    scores: tuple[float, ...]
+    docs_sha256: str
+
+    def paired_with(self, other: QuestionScores) -> bool:
+        """Whether ``other`` scored the same questions in the same order."""
+        return self.task == other.task and self.docs_sha256 == other.docs_sha256 and len(self.scores) == len(other.scores)
+
+
+def _docs_digest(hashes: Sequence[str]) -> str:
+    return hashlib.sha256("\n".join(hashes).encode()).hexdigest()
+
+
+def per_question_scores(samples: Mapping[str, Sequence[Mapping[str, Any]]], metric: str = "acc") -> dict[str, QuestionScores]:
+    """Per-question scores from lm-eval's ``samples`` (``simple_evaluate(..., log_samples=True)["samples"]``).
+
+    Args:
+        samples: task -> lm-eval's per-document records (``doc_id``, ``doc_hash`` and one field per metric).
+        metric: the per-document metric to read (``acc``, ``acc_norm``).
+
+    Returns:
+        task -> :class:`QuestionScores`, in ``doc_id`` order, for the tasks whose records carry ``metric``.
+
+    Raises:
+        ValueError: a record without ``doc_id``, a document logged twice, or a non-numeric score.
+    """
+    out: dict[str, QuestionScores] = {}
+    for task, rows in samples.items():
+        if not rows or not all(metric in row for row in rows):
+            continue
+        if any("doc_id" not in row for row in rows):
+            raise ValueError(f"lm-eval samples of task '{task}' lack 'doc_id'")
+        ordered = sorted(rows, key=lambda row: int(row["doc_id"]))
+        ids = [int(row["doc_id"]) for row in ordered]
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"lm-eval samples of task '{task}' log a document twice")
+        values = [row[metric] for row in ordered]
+        if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
+            raise ValueError(f"lm-eval samples of task '{task}': '{metric}' must be numbers")
+        digest = _docs_digest([str(row.get("doc_hash", row["doc_id"])) for row in ordered])
+        out[task] = QuestionScores(task, metric, tuple(float(v) for v in values), digest)
+    return out
+
+
+def compact_per_question(
+    samples: Mapping[str, Sequence[Mapping[str, Any]]], metrics: Sequence[str] = ("acc", "acc_norm")
+) -> dict[str, dict[str, Any]]:
+    """The per-question results of a run, compact enough for its record (the ``per_question`` field).
+
+    Args:
+        samples: lm-eval's ``samples``.
+        metrics: per-document metrics to keep.
+
+    Returns:
+        ``{task: {"docs_sha256": str, "acc": [0, 1, ...], "acc_norm": [...]}}``, scores in ``doc_id`` order
+        (integers where they are 0/1).
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for metric in metrics:
+        for task, scores in per_question_scores(samples, metric).items():
+            entry = out.setdefault(task, {"docs_sha256": scores.docs_sha256})
+            entry[metric] = [int(v) if v in (0.0, 1.0) else v for v in scores.scores]
+    return out
+
+
+def question_scores(compact: Mapping[str, Mapping[str, Any]], task: str, metric: str) -> QuestionScores | None:
+    """One task's scores from a ``per_question`` field (:func:`compact_per_question`), None if absent.
+
+    Args:
+        compact: the field.
+        task: lm-eval task name.
+        metric: ``acc`` or ``acc_norm``.
+
+    Returns:
+        The :class:`QuestionScores`, or None when the field has no such task or metric.
+    """
+    entry = compact.get(task)
+    if not isinstance(entry, Mapping) or metric not in entry:
+        return None
+    return QuestionScores(task, metric, tuple(float(v) for v in entry[metric]), str(entry.get("docs_sha256", "")))

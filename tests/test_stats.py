@@ -1,0 +1,179 @@
+"""Statistics for the router comparison, against textbook values and scipy."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from repro.report.stats import (
+    compact_per_question,
+    holm,
+    mcnemar_exact,
+    mean_ci,
+    mean_stderr,
+    paired_permutation_test,
+    paired_t_test,
+    per_question_scores,
+    prediction_interval,
+    question_scores,
+)
+
+# Cushny & Peebles' sleep data (Student 1908): extra hours of sleep under two drugs, same ten patients.
+DRUG_1 = [0.7, -1.6, -0.2, -1.2, -0.1, 3.4, 3.7, 0.8, 0.0, 2.0]
+DRUG_2 = [1.9, 0.8, 1.1, 0.1, -0.1, 4.4, 5.5, 1.6, 4.6, 3.4]
+
+
+def test_mean_ci_is_the_student_t_interval():
+    ci = mean_ci([1, 2, 3, 4, 5])
+    assert ci.estimate == 3 and ci.n == 5
+    # t_{0.975, 4} = 2.776445, s = sqrt(2.5): half-width 2.776445 * 1.581139 / sqrt(5) = 1.963243
+    assert ci.half_width == pytest.approx(1.963243, abs=1e-6)
+    low, high = sps.t.interval(0.95, df=4, loc=3, scale=sps.sem([1, 2, 3, 4, 5]))
+    assert (ci.low, ci.high) == pytest.approx((low, high), abs=1e-12)
+    assert mean_ci([1, 2, 3, 4, 5], confidence=0.99).half_width > ci.half_width
+    one = mean_ci([0.42])
+    assert (one.estimate, one.low, one.high, one.half_width) == (0.42, None, None, None)
+    with pytest.raises(ValueError, match="at least one"):
+        mean_ci([])
+    with pytest.raises(ValueError, match="confidence"):
+        mean_ci([1, 2], confidence=1.5)
+    with pytest.raises(ValueError, match="finite"):
+        mean_ci([1, float("nan")])
+
+
+def test_prediction_interval_formula_and_coverage():
+    values = [5.1, 5.4, 5.0, 5.3]
+    pi = prediction_interval(values)
+    s, n = np.std(values, ddof=1), len(values)
+    assert pi.half_width == pytest.approx(sps.t.ppf(0.975, n - 1) * s * math.sqrt(1 + 1 / n), rel=1e-12)
+    assert pi.half_width > mean_ci(values).half_width  # one new draw is less certain than the mean
+    # Its defining property: a further draw from the same normal falls inside 95% of the time.
+    rng = np.random.default_rng(0)
+    draws = rng.normal(2.0, 0.3, size=(4000, 4))
+    inside = 0
+    for row in draws:
+        band = prediction_interval(row[:3])
+        inside += band.contains(row[3])
+    assert inside / len(draws) == pytest.approx(0.95, abs=0.012)  # 3.5 binomial standard errors
+    with pytest.raises(ValueError, match="at least two"):
+        prediction_interval([1.0])
+
+
+def test_mean_stderr_is_lm_evals():
+    from lm_eval.api.metrics import mean_stderr as lm_eval_mean_stderr
+
+    scores = [1, 0, 0, 1, 1, 1, 0, 1]
+    assert mean_stderr(scores) == pytest.approx(lm_eval_mean_stderr(scores), rel=1e-12)
+
+
+def test_paired_t_test_on_students_sleep_data():
+    result = paired_t_test(DRUG_1, DRUG_2)
+    # The textbook result (R: t.test(extra ~ group, paired = TRUE)): t = 4.0621 on 9 df, p = 0.002833.
+    assert result.statistic == pytest.approx(4.0621, abs=1e-4)
+    assert result.p_value == pytest.approx(0.002833, abs=1e-6)
+    assert result.difference == pytest.approx(1.58) and result.n == 10
+    scipy_result = sps.ttest_rel(DRUG_2, DRUG_1)
+    assert result.p_value == pytest.approx(scipy_result.pvalue, rel=1e-12)
+    # no noise at all: identical runs are no evidence, a constant shift is
+    assert paired_t_test([1.0, 2.0], [1.0, 2.0]).p_value == 1.0
+    shifted = paired_t_test([1.0, 2.0, 3.0], [1.5, 2.5, 3.5])
+    assert shifted.p_value == 0.0 and shifted.statistic == math.inf
+    with pytest.raises(ValueError, match="at least two pairs"):
+        paired_t_test([1.0], [2.0])
+    with pytest.raises(ValueError, match="same length"):
+        paired_t_test([1.0, 2.0], [2.0])
+
+
+def _outcomes(b: int, c: int, both: int, neither: int) -> tuple[list[int], list[int]]:
+    """Reference / other 0/1 outcomes with b questions only the reference got right, c only the other."""
+    ref = [1] * b + [0] * c + [1] * both + [0] * neither
+    oth = [0] * b + [1] * c + [1] * both + [0] * neither
+    return ref, oth
+
+
+def test_mcnemar_exact_textbook_values():
+    ref, oth = _outcomes(b=1, c=9, both=30, neither=20)
+    result = mcnemar_exact(ref, oth)
+    # two-sided exact binomial on the 10 discordant pairs: 2 * P(X <= 1 | 10, 1/2) = 2 * 11 / 1024
+    assert result.p_value == pytest.approx(22 / 1024, rel=1e-12)
+    assert result.statistic == 1 and result.difference == pytest.approx(8 / 60)
+    assert mcnemar_exact(oth, ref).p_value == result.p_value  # symmetric
+    assert mcnemar_exact(*_outcomes(b=4, c=4, both=2, neither=2)).p_value == 1.0
+    assert mcnemar_exact(*_outcomes(b=0, c=0, both=3, neither=3)).p_value == 1.0
+    with pytest.raises(ValueError, match="0/1"):
+        mcnemar_exact([0.5, 1.0], [1.0, 0.0])
+
+
+def test_permutation_test_is_exact_mcnemar_on_binary_outcomes():
+    rng = np.random.default_rng(3)
+    for _ in range(20):
+        ref = rng.integers(0, 2, size=12)
+        oth = np.where(rng.random(12) < 0.3, 1 - ref, ref)  # some questions flip
+        assert paired_permutation_test(ref, oth).p_value == pytest.approx(mcnemar_exact(ref, oth).p_value, abs=1e-12)
+
+
+def test_permutation_test_matches_scipy_exact_and_monte_carlo_is_seeded():
+    ref = [0.2, 0.5, 0.4, 0.9, 0.3, 0.6, 0.7, 0.1]
+    oth = [0.3, 0.9, 0.5, 0.8, 0.6, 0.9, 0.7, 0.5]
+    ours = paired_permutation_test(ref, oth)
+    reference = sps.permutation_test(
+        (oth, ref), lambda x, y: np.mean(x - y), permutation_type="samples", n_resamples=np.inf,
+        alternative="two-sided",
+    )
+    assert ours.p_value == pytest.approx(reference.pvalue, abs=1e-12)
+    assert ours.difference == pytest.approx(np.mean(np.subtract(oth, ref)))
+    # beyond 2^m > n_resamples: Monte Carlo, reproducible for a seed, never exactly zero
+    rng = np.random.default_rng(1)
+    big_ref = rng.integers(0, 2, size=400).astype(float)
+    big_oth = np.where(rng.random(400) < 0.25, 1.0, big_ref)  # the other model fixes a quarter of the questions
+    first = paired_permutation_test(big_ref, big_oth, n_resamples=2000, seed=5)
+    assert first == paired_permutation_test(big_ref, big_oth, n_resamples=2000, seed=5)
+    assert first.p_value == pytest.approx(1 / 2001)
+    assert mcnemar_exact(big_ref, big_oth).p_value < 1e-10  # the exact test agrees: a clear difference
+    same = paired_permutation_test(big_ref, rng.permutation(big_ref), n_resamples=2000, seed=5)
+    assert same.p_value > 0.01
+    # weights: the statistic is the weighted sum of the differences
+    weighted = paired_permutation_test([0, 0, 1], [1, 0, 1], weights=[0.5, 0.25, 0.25])
+    assert weighted.difference == 0.5
+
+
+def test_holm_step_down():
+    # sorted: 0.005 x 4 = 0.02, 0.01 x 3 = 0.03, 0.03 x 2 = 0.06, 0.04 x 1 -> kept monotone at 0.06
+    assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    assert holm([]) == []
+
+
+def _samples():
+    """lm-eval's per-document records (``simple_evaluate(log_samples=True)['samples']``), out of order."""
+    return {
+        "arc_easy": [
+            {"doc_id": 1, "doc_hash": "h1", "acc": 0.0, "acc_norm": 1.0},
+            {"doc_id": 0, "doc_hash": "h0", "acc": 1.0, "acc_norm": 1.0},
+            {"doc_id": 2, "doc_hash": "h2", "acc": 1.0, "acc_norm": 0.0},
+        ],
+        "boolq": [{"doc_id": 0, "doc_hash": "b0", "acc": 1.0}, {"doc_id": 1, "doc_hash": "b1", "acc": 0.0}],
+    }
+
+
+def test_per_question_scores_from_lm_eval_samples():
+    acc = per_question_scores(_samples(), "acc")
+    assert acc["arc_easy"].scores == (1.0, 0.0, 1.0) and acc["boolq"].scores == (1.0, 0.0)
+    norm = per_question_scores(_samples(), "acc_norm")
+    assert set(norm) == {"arc_easy"}  # boolq has no acc_norm
+    assert acc["arc_easy"].paired_with(norm["arc_easy"])
+    other = _samples()
+    other["arc_easy"][0]["doc_hash"] = "changed"
+    assert not acc["arc_easy"].paired_with(per_question_scores(other, "acc")["arc_easy"])
+    compact = compact_per_question(_samples())
+    assert compact["arc_easy"]["acc"] == [1, 0, 1] and compact["arc_easy"]["acc_norm"] == [1, 1, 0]
+    assert "acc_norm" not in compact["boolq"]
+    assert question_scores(compact, "arc_easy", "acc") == acc["arc_easy"]
+    assert question_scores(compact, "boolq", "acc_norm") is None
+    twice = _samples()
+    twice["boolq"][1]["doc_id"] = 0
+    with pytest.raises(ValueError, match="twice"):
+        per_question_scores(twice)
