@@ -252,12 +252,17 @@ def _kernel_self_check(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def grouped_mm_unusable_reason(x_MK: torch.Tensor, w_ENK: torch.Tensor) -> str | None:
+def grouped_mm_unusable_reason(
+    x_MK: torch.Tensor, w_ENK: torch.Tensor, *, num_tokens: int | None = None, in_features: int | None = None
+) -> str | None:
     """Why torch's grouped kernel should not run ``x_MK @ w_e.t()`` here, or None if it should.
 
     Args:
-        x_MK: ``[M, K]`` tokens of all experts, grouped by expert.
+        x_MK: ``[M, K]`` tokens of all experts, grouped by expert (only its dtype, device and shape are read
+            when ``num_tokens`` and ``in_features`` are given).
         w_ENK: ``[E, N, K]`` one weight per expert.
+        num_tokens: M, if not ``x_MK.shape[0]`` (to ask about an input not computed yet).
+        in_features: K, if not ``x_MK.shape[1]``.
 
     Returns:
         A one-line reason (no kernel in this torch, dtype, device, alignment, no tokens, failed self-check)
@@ -278,10 +283,12 @@ def grouped_mm_unusable_reason(x_MK: torch.Tensor, w_ENK: torch.Tensor) -> str |
     elif device.type != "cpu":
         return f"device type '{device.type}' is not supported"
     align = 16 // x_MK.element_size()
-    K, N = x_MK.shape[1], w_ENK.shape[1]
+    M = x_MK.shape[0] if num_tokens is None else num_tokens
+    K = x_MK.shape[1] if in_features is None else in_features
+    N = w_ENK.shape[1]
     if K % align or N % align:
         return f"dimensions {K} and {N} are not multiples of {align} elements (16 bytes)"
-    if x_MK.shape[0] == 0:
+    if M == 0:
         return "no tokens"
     if not _kernel_self_check(str(device), x_MK.dtype):
         return f"the grouped kernel failed its self-check on {device} in {x_MK.dtype}"

@@ -106,9 +106,9 @@ class TorchGroupedMLP(MegatronModule):
         mode = self.options.expert_gemm
         if mode == "loop":
             return False
-        activation_MF = hidden_MH.new_empty((hidden_MH.shape[0], self.fc2_weight.shape[2]))
+        # fc2's input is the activation [M, F], of the hidden states' dtype and device.
         reason = grouped_mm_unusable_reason(hidden_MH, self.fc1_weight) or grouped_mm_unusable_reason(
-            activation_MF, self.fc2_weight
+            hidden_MH, self.fc2_weight, in_features=self.fc2_weight.shape[2]
         )
         if reason is None:
             return True
