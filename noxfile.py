@@ -39,6 +39,12 @@ def tests(session: nox.Session) -> None:
     session.run("pytest", *(session.posargs or ["-q"]), env=OFFLINE_ENV)
 
 
+@nox.session(name="tests-gpu", venv_backend="none")
+def tests_gpu(session: nox.Session) -> None:
+    """GPU tests (pytest -m gpu) in the current environment: its CUDA torch is used as is, nothing is installed."""
+    session.run("python", "-m", "pytest", "-m", "gpu", *(session.posargs or ["-q", "tests/test_gpu.py"]), env=OFFLINE_ENV)
+
+
 @nox.session
 def bench(session: nox.Session) -> None:
     """Router micro-benchmarks (pytest-benchmark): forward+backward at T=4096, D=768, E=8, k=1; JSON in results/bench/."""

@@ -262,9 +262,9 @@ Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: Continuation (local)
 """
 
 EXPECTED_EFFICIENCY_CSV = """\
-Router,ms/iter,TFLOP/s/dev (analytic),TFLOP/s/dev (measured),tokens/s,peak mem (GiB),active experts,token group,devices,device,compute parity
-dirmoe,200.0,0.00554,0.00591,5120,--,1.250,--,1,cpu (x86_64),"NO (+25.0% vs t-switch, tolerance 5%)"
-switch,200.0,0.00554,0.00554,5120,--,1.000,--,1,cpu (x86_64),reference
+Router,ms/iter,TFLOP/s/dev (analytic),TFLOP/s/dev (measured),tokens/s,peak mem (GiB),active experts,token group,devices,device,backend,compute parity
+dirmoe,200.0,0.00554,0.00591,5120,--,1.250,--,1,cpu (x86_64),--,"NO (+25.0% vs t-switch, tolerance 5%)"
+switch,200.0,0.00554,0.00554,5120,--,1.000,--,1,cpu (x86_64),--,reference
 """
 
 EXPECTED_ROUTING_MD_ROWS = """\

@@ -250,6 +250,29 @@ def test_resume_without_a_complete_checkpoint_starts_again_from_step_0(tmp_path,
     assert [r["loss"] for r in again] == [r["loss"] for r in full]
 
 
+def test_the_backend_is_a_config_choice_recorded_with_the_run(tmp_path):
+    from repro.cli import main
+
+    args = ["train", "--experiment", "remoe-tiny", "--out", str(tmp_path / "torch"), "--no-progress"]
+    for item in TINY + ["schedule.steps=2", "model.backend=torch"]:
+        args += ["--set", item]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "torch" / "config.json").read_text())["backend"] == "torch"
+    record = json.loads((tmp_path / "torch" / "record.json").read_text())
+    assert record["efficiency"]["backend"] == "torch"
+    # the same run on the local backend gives the same losses (the torch modules match megatron's)
+    from repro.training.trainer import train
+
+    train(_experiment("remoe", ["schedule.steps=2"]), tmp_path / "local", progress=False)
+    a, b = _read_log(tmp_path / "torch"), _read_log(tmp_path / "local")
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=5e-5)
+    # a resume must build the backend the run started with
+    (tmp_path / "torch" / "summary.json").unlink()
+    changed = apply_overrides(_experiment("remoe", ["schedule.steps=2", "model.backend=torch"]), ["model.backend=local"])
+    with pytest.raises(ReproError, match="the run trained with backend 'torch', this machine builds 'local'"):
+        train(changed, tmp_path / "torch", resume=True, progress=False)
+
+
 def test_a_run_directory_is_locked_while_a_run_uses_it(tmp_path):
     from repro.training.run_dir import RunPaths, run_lock
     from repro.training.trainer import train

@@ -3,9 +3,10 @@
 Public API (signatures kept stable for the training loop and the evaluation bridge)::
 
     build_model(flavour, router_name=None, router_options=None, vocab_size=None, *,
-                seq_length=None, bf16=None, use_te=None, seed=None) -> GPTModel
-    transformer_config(flavour, router_name=None, router_options=None, *, bf16=None, use_te=None)
-        -> TransformerConfig
+                seq_length=None, bf16=None, backend=None, backend_options=None, use_te=None, seed=None)
+        -> GPTModel
+    transformer_config(flavour, router_name=None, router_options=None, *, bf16=None, backend=None,
+                       use_te=None) -> TransformerConfig
     causal_attention_mask(seq_length, device=None) -> [1, 1, S, S] bool       (re-exported from cpu_shims)
     MEGATRON_ROUTER = "megatron"
 
@@ -26,14 +27,21 @@ Routers: ``router_name`` is a registered name (``routers.available_routers()``) 
 ``TopKRouter`` (softmax before top-k, load-balancing aux loss; options ``aux_loss_coeff`` (1e-2),
 ``z_loss_coeff``, ``capacity_factor``) for comparisons. Dense flavours take no router.
 
-Devices and precision: on CPU the local (non-TransformerEngine) spec with ``SequentialMLP`` experts,
-fp32. On GPU bf16 parameters (megatron modules) with the routers kept in fp32 (the adapter feeds them fp32
-hidden states) and ``moe_router_dtype="fp32"`` for TopKRouter; when TransformerEngine is importable the TE
-layer spec with grouped-GEMM experts (never for routers that merge experts, whose layer merges SequentialMLP
-parameters). Do not call
+Backends (``backend``, :mod:`repro.model.backends`): ``"te"`` the TransformerEngine layer spec with
+grouped-GEMM experts and fused attention; ``"torch"`` megatron's local spec with torch's grouped GEMM for
+the experts and SDPA for the attention (:mod:`repro.model.torch_backend`; same parameters and state-dict
+keys as the local spec); ``"local"`` megatron's local spec (``SequentialMLP`` experts, unfused
+``DotProductAttention``). ``"auto"`` (the default) takes TE when it is importable on a GPU, else
+``"torch"`` on a GPU, else ``"local"``. Routers with their own MoE layer (Lory's, which merges the experts'
+parameters) keep megatron's ``SequentialMLP`` experts on every backend. ``model.backend`` says which backend
+was built.
+
+Devices and precision: on CPU fp32. On GPU bf16 parameters (megatron modules) with the routers kept in
+fp32 (the adapter feeds them fp32 hidden states) and ``moe_router_dtype="fp32"`` for TopKRouter. Do not call
 ``model.bfloat16()`` afterwards: it would cast the routers too.
 
-``model.config`` is the TransformerConfig (for FLOPs); ``model.flavour`` the :class:`ModelFlavour` used.
+``model.config`` is the TransformerConfig (for FLOPs); ``model.flavour`` the :class:`ModelFlavour` used;
+``model.backend`` the backend (``"te"``, ``"torch"`` or ``"local"``).
 """
 
 from __future__ import annotations
@@ -44,11 +52,13 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from repro.model.backends import BACKENDS, TorchBackendOptions, resolve_backend, te_available
 from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
 from repro.model.flavours import ModelFlavour, get_flavour
 from repro.training.config import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
 
 __all__ = [
+    "BACKENDS",
     "MEGATRON_ROUTER",
     "build_model",
     "causal_attention_mask",
@@ -57,23 +67,13 @@ __all__ = [
 ]
 
 
-def te_available() -> bool:
-    """Whether TransformerEngine is importable and a GPU is present (never on the CPU machines)."""
-    if not cuda_available():
-        return False
-    try:
-        import transformer_engine  # noqa: F401
-    except Exception:  # the bare meta package raises at import on machines without CUDA
-        return False
-    return True
-
-
 def transformer_config(
     flavour: str | ModelFlavour,
     router_name: str | None = None,
     router_options: dict[str, Any] | None = None,
     *,
     bf16: bool | None = None,
+    backend: str | None = None,
     use_te: bool | None = None,
     tp: int = 1,
     ep: int = 1,
@@ -85,7 +85,9 @@ def transformer_config(
         router_name: the router (only ``"megatron"`` changes the config: it enables TopKRouter's aux loss).
         router_options: for ``"megatron"``: ``aux_loss_coeff``, ``z_loss_coeff``, ``capacity_factor``.
         bf16: bf16 parameters; default: on GPU only.
-        use_te: TransformerEngine spec (grouped GEMM); default: when importable on a GPU.
+        backend: ``"auto"`` (default), ``"te"``, ``"torch"`` or ``"local"`` (see the module docstring);
+            only ``"te"`` changes the config (fusions on, grouped GEMM for the TE experts).
+        use_te: the former switch (True = ``"te"``, False = ``"local"``); prefer ``backend``.
         tp: tensor-parallel size (must match megatron's parallel_state).
         ep: expert-parallel size; with ep > 1 megatron marks expert parameters ``allreduce=False`` so that
             data-parallel gradient reduction leaves them to the expert-data-parallel group.
@@ -98,7 +100,7 @@ def transformer_config(
     flavour = get_flavour(flavour)
     on_gpu = cuda_available()
     bf16 = on_gpu if bf16 is None else bf16
-    use_te = te_available() if use_te is None else use_te
+    use_te = resolve_backend(backend, use_te) == "te"
     kwargs: dict[str, Any] = dict(
         num_layers=flavour.num_layers,
         hidden_size=flavour.hidden_size,
@@ -182,8 +184,16 @@ def _with_vocab_size(router_name: str, router_options: dict[str, Any] | None, pa
     return options
 
 
-def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_options, use_te: bool):
-    """The transformer-layer ModuleSpec with our router (and its own MoE layer, if it has one) plugged in."""
+def _layer_spec(
+    flavour: ModelFlavour,
+    config,
+    router_name: str | None,
+    router_options,
+    backend: str,
+    backend_options: TorchBackendOptions | None = None,
+):
+    """The transformer-layer ModuleSpec of a resolved ``backend`` with our router (and its own MoE layer, if
+    it has one) plugged in."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -192,12 +202,14 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
 
     num_experts = flavour.num_experts
-    if use_te:  # GPU machines with TransformerEngine only
+    if backend == "te":  # GPU machines with TransformerEngine only
         spec = get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, moe_grouped_gemm=config.moe_grouped_gemm
         )
     else:
         spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
+    if backend == "torch":
+        spec = _with_torch_modules(spec, flavour, router_name, backend_options)
     if not flavour.is_moe:
         return spec
 
@@ -216,6 +228,40 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp_spec))
 
 
+def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> TorchBackendOptions:
+    """The torch backend's options from an instance, a dict of its fields (ValueError naming the valid
+    ones for an unknown field) or None (the defaults)."""
+    if options is None:
+        return TorchBackendOptions()
+    if isinstance(options, TorchBackendOptions):
+        return options
+    if not isinstance(options, dict):
+        raise ValueError(f"backend_options must be a TorchBackendOptions or a dict, got {type(options).__name__}")
+    valid = {f.name for f in dataclasses.fields(TorchBackendOptions)}
+    unknown = sorted(set(options) - valid)
+    if unknown:
+        raise ValueError(f"unknown backend option(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+    return TorchBackendOptions(**options)
+
+
+def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, options: TorchBackendOptions | None):
+    """The local layer spec with the torch backend's SDPA core attention and, for MoE flavours except routers
+    with their own MoE layer (Lory's merges SequentialMLP parameters), its grouped-GEMM experts."""
+    from repro.model.backends import torch_core_attention_builder, torch_experts_spec
+
+    attention = spec.submodules.self_attention
+    attention = dataclasses.replace(
+        attention,
+        submodules=dataclasses.replace(attention.submodules, core_attention=torch_core_attention_builder(options)),
+    )
+    submodules = dataclasses.replace(spec.submodules, self_attention=attention)
+    if flavour.is_moe and _moe_layer_class(router_name) is None:
+        mlp = submodules.mlp
+        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=torch_experts_spec(options)))
+        submodules = dataclasses.replace(submodules, mlp=mlp)
+    return dataclasses.replace(spec, submodules=submodules)
+
+
 def build_model(
     flavour: str | ModelFlavour,
     router_name: str | None = None,
@@ -224,6 +270,8 @@ def build_model(
     *,
     seq_length: int | None = None,
     bf16: bool | None = None,
+    backend: str | None = None,
+    backend_options: TorchBackendOptions | dict[str, Any] | None = None,
     use_te: bool | None = None,
     seed: int | None = None,
 ):
@@ -240,16 +288,23 @@ def build_model(
             the flavour's.
         seq_length: override of the flavour's sequence length (RoPE's maximum position).
         bf16: bf16 parameters (default: on GPU only).
-        use_te: TransformerEngine layer spec (default: when importable on a GPU).
+        backend: ``"auto"`` (default: TE when importable on a GPU, else ``"torch"`` on a GPU, else
+            ``"local"``), ``"te"``, ``"torch"`` or ``"local"``; see the module docstring.
+        backend_options: options of the ``"torch"`` backend (a
+            :class:`~repro.model.backends.TorchBackendOptions` or a dict of its fields); ignored by the
+            other backends.
+        use_te: the former switch (True = ``"te"``, False = ``"local"``); prefer ``backend``.
         seed: if given, re-seed torch and megatron's RNG tracker (``seed_model_parallel_rng``) right
             before construction, so two builds with the same seed have identical initial weights.
 
     Returns:
-        The ``GPTModel`` on this process's device, with ``model.config`` (TransformerConfig) and
-        ``model.flavour`` (the ModelFlavour used, vocabulary and sequence length filled in).
+        The ``GPTModel`` on this process's device, with ``model.config`` (TransformerConfig),
+        ``model.flavour`` (the ModelFlavour used, vocabulary and sequence length filled in) and
+        ``model.backend`` (``"te"``, ``"torch"`` or ``"local"``).
 
     Raises:
-        ValueError: unknown flavour/router/option, a router for a dense flavour or none for an MoE one.
+        ValueError: unknown flavour/router/option/backend, backend ``"te"`` without TransformerEngine, a
+            router for a dense flavour or none for an MoE one.
         RuntimeError: megatron's parallel state is not initialised.
     """
     from megatron.core import parallel_state
@@ -294,10 +349,11 @@ def build_model(
     if flavour.is_moe and router_name != MEGATRON_ROUTER:
         router_options = _with_vocab_size(router_name, router_options, padded_vocab)
 
-    use_te = te_available() if use_te is None else use_te
+    backend = resolve_backend(backend, use_te)
+    backend_options = _backend_options(backend_options)
     ep = parallel_state.get_expert_model_parallel_world_size()
-    config = transformer_config(flavour, router_name, router_options, bf16=bf16, use_te=use_te, tp=tp, ep=ep)
-    spec = _layer_spec(flavour, config, router_name, router_options, use_te)
+    config = transformer_config(flavour, router_name, router_options, bf16=bf16, backend=backend, tp=tp, ep=ep)
+    spec = _layer_spec(flavour, config, router_name, router_options, backend, backend_options)
 
     if seed is not None:
         # torch's generator (CPU init, our routers) and megatron's tracker (GPU init of parallel layers).
@@ -316,4 +372,5 @@ def build_model(
         # megatron allocates its parameters on the GPU already; our routers are built on the CPU.
         model.cuda(torch.cuda.current_device())
     model.flavour = flavour
+    model.backend = backend
     return model

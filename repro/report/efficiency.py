@@ -72,6 +72,7 @@ def efficiency(
     length: int | None = None,
     peak_memory_bytes: int | None = None,
     mean_active_experts: float | None = None,
+    backend: str | None = None,
 ) -> Efficiency:
     """Efficiency figures from a training log.
 
@@ -87,6 +88,7 @@ def efficiency(
         mean_active_experts: measured experts per token; default: the mean over layers and window rows of
             ``active_experts``. Pass 1 for a dense model or a router that merges experts. None and no
             routing metrics in the log: the measured figures are None.
+        backend: the model's backend, recorded with the figures.
 
     Returns:
         An :class:`Efficiency`.
@@ -128,6 +130,7 @@ def efficiency(
         expert_flops_per_token_measured=(
             None if mean_active_experts is None else expert_flops_per_token(flops, mean_active_experts)
         ),
+        backend=backend,
     )
 
 

@@ -118,6 +118,7 @@ class Efficiency:
         tflops_per_device_analytic: achieved TFLOP/s per device, analytic FLOPs.
         tflops_per_device_measured: achieved TFLOP/s per device, measured FLOPs.
         expert_flops_per_token_measured: expert (FFN) FLOPs per token at the measured k: compute parity.
+        backend: the modules the model was built with (``te``, ``torch``, ``local``; None where not recorded).
     """
 
     warmup_steps: int
@@ -135,6 +136,7 @@ class Efficiency:
     tflops_per_device_analytic: float
     tflops_per_device_measured: float | None
     expert_flops_per_token_measured: float | None
+    backend: str | None = None
 
 
 @dataclass(frozen=True)

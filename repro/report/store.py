@@ -206,6 +206,7 @@ def record_from_run_dir(
         seq_length=seq_length,
         num_devices=world_size,
         mean_active_experts=1.0 if router == "dense" or _merges_experts(router) else None,
+        backend=config.get("backend"),
     )
     val_losses = [r.val_loss for r in rows if r.val_loss is not None]
     return make_record(

@@ -549,6 +549,7 @@ def efficiency_table(
                 _fmt(statistics.fmean(groups) if groups else None, ".0f"),
                 str(e.num_devices),
                 record.environment.device,
+                e.backend or MISSING,
                 parity[record.run_id].note,
             )
         )
@@ -568,6 +569,7 @@ def efficiency_table(
                     MISSING,
                     MISSING if setting.num_devices is None else str(setting.num_devices),
                     setting.hardware or MISSING,
+                    MISSING,
                     f"published, {setting.model}",
                 )
             )
@@ -582,13 +584,16 @@ def efficiency_table(
         "token group",
         "devices",
         "device",
+        "backend",
         "compute parity",
     )
     caption = (
         "Training efficiency. ms/iter and tokens/s (all devices): medians over the steps after warm-up. "
         "TFLOP/s per device by Megatron-LM's model-FLOPs count at the nominal k (analytic) and at the measured "
         "mean experts per token (measured). Token group: tokens that compete for the experts together, for "
-        "routers whose choice couples tokens (Expert Choice; -- for the others). Compute parity: measured "
+        "routers whose choice couples tokens (Expert Choice; -- for the others). Backend: the modules "
+        "megatron-core built (te: TransformerEngine; torch: torch's grouped GEMM and SDPA; local: megatron's "
+        "local spec). Compute parity: measured "
         "expert FLOPs per token within "
         f"+-{parity_tolerance * 100:g}% of the reference run (router '{reference_router}' where present)."
     )

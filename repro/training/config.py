@@ -3,7 +3,7 @@
 A run is described by sections, each a frozen dataclass validated in ``__post_init__``::
 
     RunConfig(name, seed,
-              model=ModelConfig(flavour, num_experts, top_k, seq_length, precision),
+              model=ModelConfig(flavour, num_experts, top_k, seq_length, precision, backend, backend_options),
               router=RouterSpec(name, options),
               optimizer=OptimizerConfig(lr, weight_decay, beta1, beta2, eps, clip_grad, distributed),
               schedule=ScheduleConfig(steps, warmup_fraction, warmup_steps, min_lr),
@@ -49,6 +49,7 @@ MEGATRON_ROUTER_OPTIONS: dict[str, str] = {
 DATA_CHOICES: tuple[str, ...] = ("synthetic", "mini-pile")
 
 Precision = Literal["auto", "fp32", "bf16"]
+Backend = Literal["auto", "te", "torch", "local"]
 
 
 def _finite(section: str, name: str, value: float) -> None:
@@ -75,6 +76,11 @@ class ModelConfig:
         top_k: k, the nominal experts per token, overriding the flavour's (MoE flavours only).
         seq_length: tokens per sequence, overriding the flavour's.
         precision: ``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (GPU only).
+        backend: the modules megatron-core builds (:mod:`repro.model.backends`): ``te`` (TransformerEngine),
+            ``torch`` (torch's grouped GEMM and SDPA), ``local`` (megatron's local spec), or ``auto``: ``te``
+            where TransformerEngine imports on a GPU, else ``torch`` on a GPU, else ``local``.
+        backend_options: options of the ``torch`` backend (``TorchBackendOptions`` fields: ``expert_gemm``,
+            ``zero_empty_expert_grads``, ``causal_mask``).
     """
 
     flavour: str = "tiny"
@@ -82,6 +88,8 @@ class ModelConfig:
     top_k: int | None = None
     seq_length: int | None = None
     precision: Precision = "auto"
+    backend: Backend = "auto"
+    backend_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "top_k"):
@@ -409,7 +417,7 @@ def _leaf_keys(obj: Any, prefix: str = "") -> list[str]:
         path = f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             keys += _leaf_keys(value, f"{path}.")
-        elif f.name == "options":
+        elif f.name in ("options", "backend_options"):
             keys.append(f"{path}.<option>")
         else:
             keys.append(path)

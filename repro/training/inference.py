@@ -184,6 +184,8 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
             router_options=config.router_options() if config.router.name else None,
             vocab_size=tokenizer.vocab_size,
             seq_length=seq_length,
+            backend=config.model.backend,
+            backend_options=config.model.backend_options,
             seed=config.seed,
         )
     except (ValueError, TypeError) as exc:

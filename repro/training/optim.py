@@ -193,7 +193,9 @@ class MegatronOptimization:  # pragma: no cover - needs CUDA
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=distributed_optimizer,
         )
-        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp_model])
+        # No gloo groups: init_distributed creates none on GPU (NCCL), and megatron's default (True) asserts
+        # on the missing intra-partial-data-parallel gloo group as soon as it builds the optimizer.
+        self.optimizer = get_megatron_optimizer(opt_config, [self.ddp_model], use_gloo_process_groups=False)
 
     @property
     def param_groups(self) -> list[dict[str, Any]]:

@@ -12,8 +12,9 @@ Rules (the README's "What happens when things go wrong" states them for users):
   writing its first one) it starts again from step 0 with the run's own ``config.json``; a finished run is
   left untouched (its record and evaluation results stay as they are).
 * A resumed run may change settings that do not define the model or its data order (``optimizer``,
-  ``schedule``, ``checkpoint.interval``, ``logging``, ``validation``): the way to recover a run that hit a
-  non-finite loss from its last good checkpoint. The changes are listed in ``config.json``.
+  ``schedule``, ``checkpoint.interval``, ``logging``, ``validation``, and the backend's name): the way to
+  recover a run that hit a non-finite loss from its last good checkpoint. The changes are listed in
+  ``resume_changes.json``.
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ from repro.training.config import RunConfig
 from repro.training.log import LOG_FILE
 
 LOCK_FILE = ".lock"
-#: Sections a resumed run may change (they do not define the model, its parameters or its data order).
-CHANGEABLE_ON_RESUME: tuple[str, ...] = ("optimizer", "schedule", "checkpoint", "logging", "validation")
+#: Sections (and fields) a resumed run may change: they do not define the model, its parameters or its data
+#: order. The backend may be named explicitly (the trainer checks it resolves to the one the run started with).
+CHANGEABLE_ON_RESUME: tuple[str, ...] = (
+    "optimizer", "schedule", "checkpoint", "logging", "validation", "model.backend", "model.backend_options",
+)
 
 
 @dataclass(frozen=True)
@@ -200,7 +204,10 @@ def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> Star
     latest = ckpt.find_latest_checkpoint(paths.checkpoints)
     info = ckpt.read_checkpoint_info(latest) if latest is not None else None
     changes = {} if config is None else config_changes(stored, config)
-    frozen = [k for k in changes if k.split(".")[0] not in CHANGEABLE_ON_RESUME or k == "checkpoint.init_from"]
+    frozen = [
+        k for k in changes
+        if not any(k == c or k.startswith(c + ".") for c in CHANGEABLE_ON_RESUME) or k == "checkpoint.init_from"
+    ]
     if frozen:
         raise ReproError(
             f"{latest or paths.config}: --resume cannot change what defines the model or its data "

@@ -116,6 +116,8 @@ def build_model_for(config: RunConfig, vocab_size: int, precision: Precision) ->
             vocab_size=vocab_size,
             seq_length=config.seq_length,
             bf16=precision.bf16,
+            backend=config.model.backend,
+            backend_options=config.model.backend_options,
             seed=config.seed,
         )
     except (ValueError, TypeError) as exc:
@@ -260,6 +262,8 @@ class Trainer:
             ckpt.check_identity(resume, config.to_dict())
         self.data = build_run_data(config, self.seq_length, self.parallel.dp_size, paths.data_cache)
         self.model = self._build_model(resume is None)
+        if resume is not None:
+            self._check_backend_unchanged()
         payload = ckpt.load_rank_payload(resume, self.parallel.rank) if resume is not None else None
         if payload is not None:
             self.model.load_state_dict(payload["model"], strict=True)
@@ -304,6 +308,19 @@ class Trainer:
             return model
         return build_model_for(config, self.data.vocab_size, self.precision)
 
+    def _check_backend_unchanged(self) -> None:
+        """The optimizer state follows the parameter layout, which the backend decides (and ``auto`` resolves
+        by machine): a resume must build the backend the run started with."""
+        if not self.paths.config.is_file():
+            return
+        before = json.loads(self.paths.config.read_text()).get("backend")
+        now = getattr(self.model, "backend", None)
+        if before is not None and before != now:
+            raise ReproError(
+                f"{self.paths.config}: the run trained with backend '{before}', this machine builds '{now}'; "
+                f"resume with --set model.backend={before} where it is available"
+            )
+
     def _build_optimization(self):
         opt = self.config.optimizer
         kwargs = dict(
@@ -332,6 +349,7 @@ class Trainer:
             if data.tokenizer_dir is None
             else {"dir": data.tokenizer_dir, "sha256": tokenizer_fingerprint(data.tokenizer_dir)},
             "device": str(self.device),
+            "backend": getattr(self.model, "backend", None),
             "precision": "bf16" if self.precision.bf16 else "fp32",
             "parameters": _count_params(self.model, self.parallel),
             "torch": torch.__version__,

@@ -1,0 +1,366 @@
+"""Backend choice for megatron-core 0.16.1 models, and a TransformerEngine-free fast backend: grouped-GEMM
+experts and SDPA attention.
+
+Why: without TransformerEngine (TE), megatron-core 0.16.1 falls back to its *local* layer spec, whose MoE
+experts are ``SequentialMLP`` (a Python loop of two GEMMs per expert) and whose attention is the unfused
+``DotProductAttention`` (``baddbmm`` of the full ``[b * heads, s, s]`` scores, softmax, ``bmm``). Neither is
+what the papers timed (TE's grouped GEMM and fused attention). TE's PyTorch binding is source-only, so
+offline GPU machines cannot install it. The ``"torch"`` backend gives megatron the two fast pieces from
+torch itself (the modules live in :mod:`repro.model.torch_backend`, the kernel plumbing here):
+
+- :class:`~repro.model.torch_backend.TorchGroupedMLP`: the MoE layer's ``experts`` submodule. All local
+  experts run as ONE grouped GEMM per projection (``torch.nn.functional.grouped_mm``, else ``torch._grouped_mm``), forward and
+  backward. Same constructor and forward contract as megatron's ``SequentialMLP``
+  (``forward(permuted_local_hidden_states [M, H], tokens_per_expert [E_local], permuted_probs [M])
+  -> (output [M, H], None)``, the probs scaling the activation before the second projection, any number
+  of tokens per expert, zero included), same parameters, same initialisation (same RNG draws in the same
+  order, so one seed gives the same weights on either backend) and the same ``state_dict`` keys
+  (``...experts.local_experts.<i>.linear_fc1.weight`` ``[2F, H]``, ``...linear_fc2.weight`` ``[H, F]``, and
+  megatron's ``_extra_state`` placeholders), so checkpoints move between backends and
+  ``repro.training.checkpoint``'s expert renumbering for expert parallelism keeps working.
+- :class:`~repro.model.torch_backend.TorchSDPAttention`: the ``core_attention`` submodule, on
+  ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels chosen by
+  torch; GQA through ``enable_gqa``). Same constructor and forward contract as megatron's
+  ``DotProductAttention`` (``[s, b, heads, d]`` query, ``[s, b, groups, d]`` key and value, megatron's
+  boolean mask with True = masked, output ``[s, b, heads * d]``); no parameters.
+
+Backend selection (:func:`resolve_backend`): ``"auto"`` is ``"te"`` when TransformerEngine is importable on
+a GPU, else ``"torch"`` on a GPU, else ``"local"`` (CPU); ``"torch"`` also runs on CPU (the tests use it).
+``repro.model.builder.build_model(..., backend=...)`` plugs the modules in and records the choice in
+``model.backend``.
+
+Kernel facts this rests on (torch source ``aten/src/ATen/native/cuda/GroupedBlas.cpp`` and
+``GroupedMMUtils.h``; measured on torch 2.13 CPU):
+
+- ``grouped_mm(a [M, K], b [G, K, N], offs=int32 cumulative ends) -> [M, N]`` (2d x 3d, the forward and
+  the input gradient) and ``grouped_mm(a [N, M], b [M, K], offs) -> [G, N, K]`` (2d x 2d, the weight
+  gradient). Offsets must be int32; groups may be empty.
+- dtypes: float32, bfloat16, float16. On CUDA, only bf16 on compute capability 9.x / 10.x takes the
+  CUTLASS kernel (no host sync); everything else runs ``_grouped_mm_fallback``, a loop of ``mm`` after a
+  device-to-host copy of the offsets, i.e. no faster than our own loop. On CPU all three dtypes run.
+- layout: each operand row- or column-major with its leading stride a multiple of 16 bytes, and on CUDA
+  a 16-byte aligned data pointer; the autograd formula of torch's own op fails on a non-contiguous
+  incoming gradient (measured: "Invalid strides/sizes" for the gradient of ``y.sum()``), hence our own
+  ``autograd.Function`` that makes it contiguous.
+
+Switchable defaults (:class:`TorchBackendOptions`, passed through the module specs):
+
+1. ``expert_gemm="auto"``: the grouped kernel where it applies (CPU in fp32/bf16/fp16; CUDA in bf16 on
+   sm90/sm100), with 16-byte aligned dimensions and at least one token, after a one-time self-check per
+   device and dtype against the loop; otherwise the exact per-expert loop (the same ``x @ W.t()`` GEMMs
+   as ``SequentialMLP``). ``"grouped_mm"`` insists on the kernel (a clear error where it cannot run; a
+   rank without tokens still takes the loop), ``"loop"`` never uses it.
+2. ``zero_empty_expert_grads=True``: the weight gradient of an expert that received no token is set to
+   exactly zero after the grouped kernel. It is zero mathematically, but kernels have been reported to
+   leave values there (pytorch/pytorch#172439 on sm100; pytorch/pytorch#174314 on ROCm). Costs an index
+   write over the empty experts only.
+3. ``causal_mask="verify"``: the suite always passes an explicit causal mask; flash attention takes no
+   mask, only ``is_causal``. An explicit mask is checked once per mask tensor (and again if it is modified
+   in place; one host sync) against the causal pattern; if it is causal, SDPA runs with ``is_causal=True``,
+   otherwise with the mask itself (exact, on the memory-efficient or math kernel), as megatron's
+   ``DotProductAttention`` honours any mask. ``"trust"`` follows TE instead (with ``attn_mask_type``
+   causal the mask is not read), ``"explicit"`` always passes the mask.
+
+Known differences from the modules replaced: rows whose every key is masked get megatron's uniform
+attention (it fills -10000) but NaN from SDPA (the suite's causal masks never mask a whole row);
+``sharded_state_dict`` (megatron's distributed checkpointing, unused by the suite) is not implemented for
+the grouped experts; expert tensor parallelism, biases, FP8/FP4 and megatron's latent MoE projections are
+refused with a ``ValueError`` (the suite uses none of them). In bf16, SDPA's kernels accumulate the scores
+and the softmax in fp32 where megatron's unfused path rounds the scores to bf16 first: outputs agree to
+bf16 precision, not bit for bit.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+#: Backend names accepted by :func:`resolve_backend` (and ``build_model(backend=...)``).
+BACKENDS = ("auto", "te", "torch", "local")
+#: Values of :attr:`TorchBackendOptions.expert_gemm`.
+EXPERT_GEMMS = ("auto", "grouped_mm", "loop")
+#: Values of :attr:`TorchBackendOptions.causal_mask`.
+CAUSAL_MASK_MODES = ("verify", "trust", "explicit")
+
+__all__ = [
+    "BACKENDS",
+    "CAUSAL_MASK_MODES",
+    "EXPERT_GEMMS",
+    "TorchBackendOptions",
+    "grouped_linear",
+    "grouped_mm_unusable_reason",
+    "offsets",
+    "resolve_backend",
+    "te_available",
+    "torch_core_attention_builder",
+    "torch_experts_spec",
+]
+
+
+# ------------------------------------------------------------------------------------- options
+@dataclass(frozen=True)
+class TorchBackendOptions:
+    """The torch backend's switchable defaults (numbered 1-3 in the module docstring).
+
+    Args:
+        expert_gemm: ``"auto"`` (grouped kernel where it applies, else the exact loop), ``"grouped_mm"``
+            (the kernel or an error) or ``"loop"``.
+        zero_empty_expert_grads: set the grouped kernel's weight gradient of token-less experts to zero.
+        causal_mask: ``"verify"`` (check an explicit mask once, then ``is_causal``), ``"trust"`` (TE's
+            rule: a causal ``attn_mask_type`` ignores the mask) or ``"explicit"`` (always pass the mask).
+    """
+
+    expert_gemm: str = "auto"
+    zero_empty_expert_grads: bool = True
+    causal_mask: str = "verify"
+
+    def __post_init__(self) -> None:
+        if self.expert_gemm not in EXPERT_GEMMS:
+            raise ValueError(f"unknown expert_gemm '{self.expert_gemm}'; valid: {', '.join(EXPERT_GEMMS)}")
+        if self.causal_mask not in CAUSAL_MASK_MODES:
+            raise ValueError(f"unknown causal_mask '{self.causal_mask}'; valid: {', '.join(CAUSAL_MASK_MODES)}")
+        if not isinstance(self.zero_empty_expert_grads, bool):
+            raise ValueError(f"zero_empty_expert_grads must be a bool, got {self.zero_empty_expert_grads!r}")
+
+
+# ------------------------------------------------------------------------------------ selection
+def te_available() -> bool:
+    """Whether TransformerEngine is importable and a GPU is present (never on the CPU machines)."""
+    if not torch.cuda.is_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+    except Exception:  # the bare meta package raises at import on machines without CUDA
+        return False
+    return True
+
+
+def resolve_backend(backend: str | None = "auto", use_te: bool | None = None) -> str:
+    """The concrete backend (``"te"``, ``"torch"`` or ``"local"``) for a request on this machine.
+
+    Args:
+        backend: one of :data:`BACKENDS`; None means ``"auto"``: TE when importable on a GPU, else
+            ``"torch"`` on a GPU, else ``"local"``.
+        use_te: the former boolean switch, still accepted: True means ``"te"``, False ``"local"``; it must
+            agree with an explicit ``backend``.
+
+    Returns:
+        ``"te"``, ``"torch"`` or ``"local"``.
+
+    Raises:
+        ValueError: an unknown backend, ``"te"`` where TransformerEngine is not usable, or a ``use_te``
+            that contradicts ``backend``.
+    """
+    requested = "auto" if backend is None else backend
+    if requested not in BACKENDS:
+        raise ValueError(f"unknown backend '{requested}'; valid: {', '.join(BACKENDS)}")
+    if use_te is not None:
+        legacy = "te" if use_te else "local"
+        if requested not in ("auto", legacy):
+            raise ValueError(f"use_te={use_te} contradicts backend='{requested}'; pass only backend")
+        requested = legacy
+    if requested == "te":
+        if not te_available():
+            raise ValueError(
+                "backend 'te' needs TransformerEngine on a GPU, which this machine lacks; "
+                f"valid here: {', '.join(b for b in BACKENDS if b != 'te')}"
+            )
+        return "te"
+    if requested == "auto":
+        if te_available():
+            return "te"
+        return "torch" if torch.cuda.is_available() else "local"
+    return requested
+
+
+# ------------------------------------------------------------------------------- grouped GEMM
+def _grouped_mm_op():
+    """torch's grouped GEMM: the public ``F.grouped_mm`` where present, else ``torch._grouped_mm``."""
+    return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` row-major with a 16-byte aligned data pointer (the CUDA kernel's requirement), copying if not."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """``y[rows of expert e] = x[rows of expert e] @ w[e].t()`` with torch's grouped GEMM, both directions.
+
+    Forward ``x_MK``, ``w_ENK`` (megatron's ``[out, in]`` weight layout stacked over experts), ``offs_E``
+    (int32 cumulative row ends, on x's device) and ``empty_experts`` (indices whose weight gradient is
+    zeroed, option 2). Backward: ``dx = grouped_mm(dy, w)``, ``dw = grouped_mm(dy.t(), x)``.
+    """
+
+    @staticmethod
+    def forward(ctx, x_MK, w_ENK, offs_E, empty_experts):
+        x_MK = _aligned(x_MK)
+        ctx.save_for_backward(x_MK, w_ENK, offs_E)
+        ctx.empty_experts = empty_experts
+        return _grouped_mm_op()(x_MK, w_ENK.transpose(-2, -1), offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_MN):
+        x_MK, w_ENK, offs_E = ctx.saved_tensors
+        # torch's own formula fails on a non-contiguous incoming gradient (e.g. from an expand).
+        dy_MN = _aligned(dy_MN)
+        dx_MK = dw_ENK = None
+        if ctx.needs_input_grad[0]:
+            dx_MK = _grouped_mm_op()(dy_MN, w_ENK, offs=offs_E)
+        if ctx.needs_input_grad[1]:
+            dw_ENK = _grouped_mm_op()(dy_MN.t(), x_MK, offs=offs_E)
+            if ctx.empty_experts:
+                dw_ENK[list(ctx.empty_experts)] = 0
+        return dx_MK, dw_ENK, None, None
+
+
+def _loop_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """The exact per-expert loop (``SequentialMLP``'s GEMMs): ``cat_e(x_e @ w_e.t())``."""
+    outputs = [torch.matmul(x_e, w_e.t()) for x_e, w_e in zip(torch.split(x_MK, counts), w_ENK.unbind(0))]
+    return torch.cat(outputs, dim=0)
+
+
+@functools.cache
+def _kernel_self_check(device: str, dtype: torch.dtype) -> bool:
+    """One-time check that the grouped kernel runs here and matches the loop, gradients and empty groups
+    included (a kernel missing from this torch build, or one returning garbage, must not be used)."""
+    try:
+        with torch.enable_grad():
+            g = torch.Generator().manual_seed(0)
+            x = torch.randn(7, 16, generator=g).to(device=device, dtype=dtype).requires_grad_()
+            w = torch.randn(3, 8, 16, generator=g).to(device=device, dtype=dtype).requires_grad_()
+            counts = [3, 0, 4]
+            offs = torch.tensor([3, 3, 7], dtype=torch.int32, device=device)
+            dy = torch.randn(7, 8, generator=g).to(device=device, dtype=dtype)
+            y = _GroupedLinear.apply(x, w, offs, (1,))
+            dx, dw = torch.autograd.grad(y, (x, w), dy)
+            y_ref = _loop_linear(x, w, counts)
+            dx_ref, dw_ref = torch.autograd.grad(y_ref, (x, w), dy)
+        tol = 1e-4 if dtype == torch.float32 else 5e-2
+        return all(
+            torch.allclose(a.float(), b.float(), rtol=tol, atol=tol)
+            for a, b in ((y, y_ref), (dx, dx_ref), (dw, dw_ref))
+        ) and bool((dw[1] == 0).all())
+    except Exception:  # the op is missing, unimplemented for this device/dtype, or its checks refuse
+        return False
+
+
+def grouped_mm_unusable_reason(
+    x_MK: torch.Tensor, w_ENK: torch.Tensor, *, num_tokens: int | None = None, in_features: int | None = None
+) -> str | None:
+    """Why torch's grouped kernel should not run ``x_MK @ w_e.t()`` here, or None if it should.
+
+    Args:
+        x_MK: ``[M, K]`` tokens of all experts, grouped by expert (only its dtype, device and shape are read
+            when ``num_tokens`` and ``in_features`` are given).
+        w_ENK: ``[E, N, K]`` one weight per expert.
+        num_tokens: M, if not ``x_MK.shape[0]`` (to ask about an input not computed yet).
+        in_features: K, if not ``x_MK.shape[1]``.
+
+    Returns:
+        A one-line reason (no kernel in this torch, dtype, device, alignment, no tokens, failed self-check)
+        or None.
+    """
+    if _grouped_mm_op() is None:
+        return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
+    if x_MK.dtype != w_ENK.dtype or x_MK.dtype not in _KERNEL_DTYPES:
+        return f"dtypes {x_MK.dtype}/{w_ENK.dtype}: the kernel takes one of float32, bfloat16, float16"
+    device = x_MK.device
+    if device.type == "cuda":
+        major = torch.cuda.get_device_capability(device)[0]
+        if x_MK.dtype != torch.bfloat16 or major not in (9, 10):
+            # torch itself would loop (after a host sync) for anything else: our loop is no slower.
+            return f"on CUDA the grouped kernel takes bf16 on sm90/sm100 only (got {x_MK.dtype}, sm{major}x)"
+        if w_ENK.data_ptr() % 16:
+            return "the expert weights are not 16-byte aligned"
+    elif device.type != "cpu":
+        return f"device type '{device.type}' is not supported"
+    align = 16 // x_MK.element_size()
+    M = x_MK.shape[0] if num_tokens is None else num_tokens
+    K = x_MK.shape[1] if in_features is None else in_features
+    N = w_ENK.shape[1]
+    if K % align or N % align:
+        return f"dimensions {K} and {N} are not multiples of {align} elements (16 bytes)"
+    if M == 0:
+        return "no tokens"
+    if not _kernel_self_check(str(device), x_MK.dtype):
+        return f"the grouped kernel failed its self-check on {device} in {x_MK.dtype}"
+    return None
+
+
+def grouped_linear(
+    x_MK: torch.Tensor,
+    w_ENK: torch.Tensor,
+    counts: list[int],
+    *,
+    offs_E: torch.Tensor | None = None,
+    use_kernel: bool = True,
+    zero_empty_grads: bool = True,
+) -> torch.Tensor:
+    """Per-expert linear map ``y_e = x_e @ w_e.t()`` over rows grouped by expert (autograd-aware).
+
+    Args:
+        x_MK: ``[M, K]`` rows grouped by expert (``counts[e]`` rows of expert e, in order).
+        w_ENK: ``[E, N, K]`` the experts' weights (megatron's ``[out, in]`` layout, stacked).
+        counts: ``E`` row counts summing to M (zeros allowed).
+        offs_E: int32 cumulative ends of ``counts`` on x's device (computed when None).
+        use_kernel: torch's grouped kernel (the caller checked :func:`grouped_mm_unusable_reason`);
+            False runs the exact loop.
+        zero_empty_grads: zero the kernel's weight gradient of experts with no rows.
+
+    Returns:
+        ``[M, N]``.
+    """
+    if not use_kernel:
+        return _loop_linear(x_MK, w_ENK, counts)
+    if offs_E is None:
+        offs_E = offsets(counts, x_MK.device)
+    empty = tuple(e for e, c in enumerate(counts) if c == 0) if zero_empty_grads else ()
+    return _GroupedLinear.apply(x_MK, w_ENK, offs_E, empty)
+
+
+def offsets(counts: list[int], device: torch.device) -> torch.Tensor:
+    """The int32 cumulative ends of ``counts`` (the kernel's ``offs``), built on the host and copied to ``device``."""
+    ends, total = [], 0
+    for c in counts:
+        total += c
+        ends.append(total)
+    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+
+
+# --------------------------------------------------------------------------------------- specs
+def torch_core_attention_builder(options: TorchBackendOptions | None = None):
+    """The ``SelfAttentionSubmodules.core_attention`` builder of the torch backend.
+
+    Args:
+        options: the backend's options.
+
+    Returns:
+        A callable megatron calls with ``DotProductAttention``'s keyword arguments.
+    """
+    from repro.model.torch_backend import TorchSDPAttention
+
+    return functools.partial(TorchSDPAttention, options=options or TorchBackendOptions())
+
+
+def torch_experts_spec(options: TorchBackendOptions | None = None):
+    """The ``MoESubmodules.experts`` ModuleSpec of the torch backend.
+
+    Args:
+        options: the backend's options.
+
+    Returns:
+        ``ModuleSpec(module=TorchGroupedMLP, params={"options": options})``.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from repro.model.torch_backend import TorchGroupedMLP
+
+    return ModuleSpec(module=TorchGroupedMLP, params={"options": options or TorchBackendOptions()})
