@@ -376,7 +376,9 @@ def test_paper_settings():
         assert exp.data.global_batch_size == 512 and exp.seq_length == 1024 and exp.schedule.steps == 60_000
         assert exp.schedule.num_warmup_steps == 600 and exp.optimizer.weight_decay == 0.01
         assert exp.optimizer.clip_grad == 1.0 and exp.model.precision == "bf16"
-    assert remoe.optimizer.lr == 5e-4 and remoe.schedule.min_lr == 5e-5
+    assert remoe.optimizer.lr == 5e-4 and remoe.schedule.min_lr == 5e-5  # ReMoE's scripts
+    # DirMoE's hyper-parameter table: learning rate 1e-4, min lr 0.1 x base, Adam betas (0.9, 0.995)
+    assert dirmoe.optimizer.lr == 1e-4 and dirmoe.schedule.min_lr == pytest.approx(0.1 * dirmoe.optimizer.lr)
     assert (dirmoe.optimizer.beta1, dirmoe.optimizer.beta2) == (0.9, 0.995)
     # DirMoE's temperature/prior schedules span the run
     assert dirmoe.router_options()["schedule_steps"] == 60_000
