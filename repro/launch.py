@@ -33,7 +33,8 @@ what torchtitan and Megatron-LM document (DESIGN.md 9): one ``torchrun`` per nod
 no node rank to hand out, any node may start first); one node without an endpoint uses ``--standalone``
 (a free local port, so concurrent single-node runs on one machine cannot collide). Under SLURM the batch
 script runs ``srun`` with one task per node, each task a ``torchrun``, with the head node from
-``scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1`` and the job id as rendezvous id. Processes
+``scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1`` and the job id as rendezvous id; what runs
+after training (the evaluation) is a step of one task. Processes
 started by ``srun`` directly (one task per GPU) get their ranks from the SLURM variables in
 :func:`repro.model.parallel.rank_environment`.
 
@@ -565,8 +566,8 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
     Args:
         job: the allocation and environment.
         program: the ``python -m repro`` command torchrun starts, e.g. ``["train", "--experiment", ...]``.
-        after: further ``python -m repro`` commands run once on the batch host when the step succeeded
-            (e.g. ``["eval", "--checkpoint", RUN, ...]``: one process, one GPU).
+        after: further ``python -m repro`` commands run once, each as a one-task step, when the training
+            step succeeded (e.g. ``["eval", "--checkpoint", RUN, ...]``: one process, one GPU).
 
     Returns:
         The script text (``#!/bin/bash``, ``#SBATCH`` lines, ``set -eo pipefail``; no ``-u``: the setup
@@ -603,7 +604,9 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
     srun = (f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {q(job.python)} -m torch.distributed.run "
             + " ".join(options) + " -m repro " + " ".join(map(q, program)))
     lines = header + [srun]
-    lines += [f"{q(job.python)} -m repro " + " ".join(map(q, cmd)) for cmd in after]
+    # A step of one task: the batch script's own environment says SLURM_NTASKS=nodes, which
+    # init_distributed rightly refuses for a process that was not started by srun.
+    lines += [f"srun --nodes=1 --ntasks=1 {q(job.python)} -m repro " + " ".join(map(q, cmd)) for cmd in after]
     return "\n".join(lines) + "\n"
 
 

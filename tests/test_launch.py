@@ -256,7 +256,7 @@ head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
 srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 python -m torch.distributed.run --nnodes=2 \
 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint="$head_node:29600" --rdzv_id="$SLURM_JOB_ID" \
 --max_restarts=0 -m repro train --out 'runs/a b'
-python -m repro eval --checkpoint 'runs/a b'
+srun --nodes=1 --ntasks=1 python -m repro eval --checkpoint 'runs/a b'
 """
 
 
@@ -265,12 +265,11 @@ def test_sbatch_script_text_and_what_bash_runs(tmp_path):
                       setup=("source /shared/env/bin/activate",))
     script = rl.sbatch_script(job, ["train", "--out", "runs/a b"], after=[["eval", "--checkpoint", "runs/a b"]])
     assert script == SBATCH
-    # Run it with stand-ins for scontrol/srun/python/source's target: the shell fills the head node and
-    # the job id in, and keeps 'runs/a b' one argument.
+    # Run it with stand-ins for scontrol and srun: the shell fills the head node and the job id in, and
+    # keeps 'runs/a b' one argument.
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    for name, body in {"scontrol": 'printf "gpu07\\ngpu08\\n"', "srun": 'printf "srun<%s>" "$@"; echo',
-                       "python": 'printf "python<%s>" "$@"; echo'}.items():
+    for name, body in {"scontrol": 'printf "gpu07\\ngpu08\\n"', "srun": 'printf "srun<%s>" "$@"; echo'}.items():
         tool = bin_dir / name
         tool.write_text(f"#!/bin/sh\n{body}\n")
         tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
@@ -282,7 +281,7 @@ def test_sbatch_script_text_and_what_bash_runs(tmp_path):
     srun_line, eval_line = proc.stdout.splitlines()
     assert "srun<--rdzv_endpoint=gpu07:29600>srun<--rdzv_id=4242>" in srun_line
     assert srun_line.endswith("srun<train>srun<--out>srun<runs/a b>")
-    assert eval_line == "python<-m>python<repro>python<eval>python<--checkpoint>python<runs/a b>"
+    assert eval_line == "srun<--nodes=1>srun<--ntasks=1>srun<python>srun<-m>srun<repro>srun<eval>srun<--checkpoint>srun<runs/a b>"
 
 
 def test_slurm_job_validation():
@@ -304,7 +303,7 @@ def test_launch_command_line(capsys):
     assert repro_main(["launch", "--slurm", "--nodes", "2", "--gpus", "4", "--then", "eval --checkpoint runs/x",
                        "--", "train", "--out", "runs/x"]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("#!/bin/bash\n") and out.endswith("\npython -m repro eval --checkpoint runs/x\n")
+    assert out.startswith("#!/bin/bash\n") and out.endswith("\nsrun --nodes=1 --ntasks=1 python -m repro eval --checkpoint runs/x\n")
     for argv, message in [
         (["launch", "--nodes", "2"], "give the repro command after '--'"),
         (["launch", "--nodes", "2", "--", "train"], "need a rendezvous endpoint"),
