@@ -1,7 +1,14 @@
-"""One nox session per experiment, plus tests / lint / bench / mini.
+"""One nox session per experiment, plus tests / lint / bench / mini / wheelhouse.
 
 CPU machines get torch 2.13.0's CPU wheel before anything else (an unpinned torch would pull a multi-GB
 CUDA build); machines with ``nvidia-smi`` keep whatever CUDA torch the environment resolves.
+The full-scale (GPU) sessions never reinstall torch: their virtualenv also sees the packages of the
+environment nox runs in (the machine's CUDA torch), through a ``.pth`` file. ``--system-site-packages``
+is not enough: GPU images often keep torch in a virtualenv of their own (the borrowed H100's python3 is
+``/opt/torch/.venv/bin/python3``), and a virtualenv made from a virtualenv's interpreter sees the base
+interpreter's packages, not that environment's. With ``--wheelhouse DIR`` they install from that folder
+alone (``nox -s wheelhouse``, for offline nodes). The ``gpu`` extra (TransformerEngine) is installed only
+when asked for (``--extras gpu``).
 Run ``nox --list`` for the sessions and what each does.
 """
 
@@ -9,9 +16,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
+import site
+import sys
+import tempfile
+from pathlib import Path
 
 import nox
+
+# The command builders live in the package (stdlib + packaging only, so nox's own interpreter can import them).
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from repro import launch as rl  # noqa: E402
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
@@ -25,11 +41,18 @@ def _has_gpu() -> bool:
     return shutil.which("nvidia-smi") is not None
 
 
-def _install(session: nox.Session, extras: str = "dev,eval") -> None:
-    """Install the project (editable) with ``extras``, CPU torch first on CPU machines."""
+def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | None = None) -> None:
+    """Install the project (editable) with ``extras``, CPU torch first on CPU machines.
+
+    With ``wheelhouse``, from that folder alone (no index, no CPU torch: the machine's torch is used).
+    """
+    spec = f".[{extras}]" if extras else "."
+    if wheelhouse:
+        session.install(*rl.install_args(wheelhouse, spec))
+        return
     if not _has_gpu():
         session.install(CPU_TORCH)
-    session.install("-e", f".[{extras}]")
+    session.install("-e", spec)
 
 
 @nox.session
@@ -99,6 +122,81 @@ def check(session: nox.Session) -> None:
     session.run("python", "-m", "repro", "check", *session.posargs, env=OFFLINE_ENV)
 
 
+# ------------------------------------------------------------------------------------ offline installs
+@nox.session
+def wheelhouse(session: nox.Session) -> None:
+    """Wheels for an offline machine (no torch/CUDA/TE): nox -s wheelhouse -- --python 3.12 --out wheelhouse [--extras eval]."""
+    parser = argparse.ArgumentParser(prog="nox -s wheelhouse --", description="collect the wheels an offline machine needs")
+    parser.add_argument("--python", dest="target_python", default="3.12", help="target interpreter MAJOR.MINOR (default 3.12)")
+    parser.add_argument("--platform", default="manylinux_2_28_x86_64", help="target manylinux tag (default manylinux_2_28_x86_64)")
+    parser.add_argument("--out", default="wheelhouse", help="folder to create (must not exist or be empty)")
+    parser.add_argument("--extras", default="", help="project extras to cover, comma-separated (eval, dev); default: training only")
+    parser.add_argument("--with-nox", action="store_true", help="add nox, to run the nox sessions on the target")
+    parser.add_argument("--present", action="append", default=[], metavar="NAME==VERSION",
+                        help=f"a package the target already has (never carried); default {rl.DEFAULT_PRESENT}; repeatable")
+    parser.add_argument("--present-from", default=None, metavar="FILE", help="the target's pip freeze: all of it is present")
+    args = parser.parse_args(session.posargs)
+    out = Path(args.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        session.error(f"{out} exists and is not an empty folder: choose another --out")
+    extras = [e for e in args.extras.split(",") if e]
+    try:
+        target = rl.WheelhouseTarget(python=args.target_python, platform=args.platform)
+        present = dict(rl.DEFAULT_PRESENT)
+        if args.present_from:
+            present.update(rl.parse_present(Path(args.present_from).read_text().splitlines()))
+        present.update(rl.parse_present(args.present))
+        pyproject = nox.project.load_toml("pyproject.toml")
+        roots = rl.project_requirements(pyproject, extras, present, with_nox=args.with_nox)
+        # The offline check resolves the requirements on present packages too (torch>=2.6 against 2.11.0).
+        check_roots = rl.project_requirements(pyproject, extras, (), with_nox=args.with_nox, drop_excluded=False)
+    except (ValueError, OSError) as exc:
+        session.error(str(exc))
+    session.install("pip>=24.1", "uv>=0.13")
+    pip = ("python", "-m", "pip")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside --out and renamed at the end: a failure leaves no partial folder.
+    with tempfile.TemporaryDirectory(prefix=f".{out.name}-", dir=out.parent) as tmp_name:
+        tmp = Path(tmp_name)
+        stage, downloads, built_dir, placeholders = tmp / "wheels", tmp / "downloads", tmp / "built", tmp / "present"
+        for d in (stage, downloads, built_dir, placeholders):
+            d.mkdir()
+        (tmp / "roots.in").write_text("".join(r + "\n" for r in roots))
+        (tmp / "check.in").write_text("".join(r + "\n" for r in check_roots))
+        (tmp / "excludes.txt").write_text("".join(n + "\n" for n in sorted({*rl.ALWAYS_EXCLUDED, *present})))
+        session.run(*rl.uv_compile_command(tmp / "roots.in", tmp / "excludes.txt", tmp / "pins.txt", target))
+        pins = rl.parse_pins((tmp / "pins.txt").read_text())
+        keep = [(n, v) for n, v in pins if not rl.is_excluded(n, present)]
+        left_out = [n for n, _ in pins if rl.is_excluded(n, present)]
+        (tmp / "download.txt").write_text("".join(f"{n}=={v}\n" for n, v in keep))
+        session.run(*rl.download_command(tmp / "download.txt", downloads, target, pip=pip))
+        sdists = sorted(p for p in downloads.iterdir() if rl.is_sdist(p.name))
+        if sdists:
+            session.run(*rl.build_command(sdists, built_dir, pip=pip))
+        built = sorted(built_dir.glob("*.whl"))
+        platform_built = [w.name for w in built if not rl.is_pure_wheel(w.name)]
+        if platform_built:
+            session.error(f"no {target.abi} {target.platform} wheel and not pure Python: {', '.join(platform_built)}; "
+                          "build these on a machine like the target and add them to the folder")
+        for whl in [*downloads.glob("*.whl"), *built]:
+            whl.rename(stage / whl.name)
+        have = sorted(rl.distribution_name(w.name) for w in stage.glob("*.whl"))
+        if have != sorted(keep):
+            session.error(f"the folder does not match the pins: missing {sorted(set(keep) - set(have))}, "
+                          f"unexpected {sorted(set(have) - set(keep))}")
+        for name, version in present.items():
+            rl.placeholder_wheel(name, version, placeholders)
+        session.run(*rl.verify_command(tmp / "check.in", [stage, placeholders], tmp / "scratch", target, pip=pip))
+        data = rl.manifest(stage, target, extras, roots, present, [w.name for w in built], left_out)
+        rl.write_json(stage / "manifest.json", data)
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        stage.rename(out)
+    spec = f".[{','.join(extras)}]" if extras else "."
+    session.log(f"{out}: {len(data['wheels'])} wheels, {data['total_bytes'] / 2**20:.1f} MiB "
+                f"({len(built)} built from sdists); install: {' '.join(rl.install_command(out, spec))}")
+
+
 # ------------------------------------------------------------------------------------ full scale (GPU)
 PILE_TASKS = "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race"
 
@@ -115,46 +213,93 @@ def _scale_args(session: nox.Session, routers_default: str = "all") -> argparse.
     parser.add_argument("--gpus", type=int, default=8, help="processes per node for torchrun")
     parser.add_argument("--out", default="runs/pile", help="root of the run directories")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
-    return parser.parse_args(session.posargs)
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="nodes; run the same session on each (code, data and runs on a shared filesystem)")
+    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
+                        help="c10d rendezvous endpoint: one of the nodes, reachable from all (needed with --nodes > 1)")
+    parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: from the run directory)")
+    parser.add_argument("--wheelhouse", default=None, metavar="DIR",
+                        help="install from this folder alone, no index (built by nox -s wheelhouse)")
+    parser.add_argument("--extras", default="", help="more project extras, e.g. gpu where TransformerEngine installs")
+    args = parser.parse_args(session.posargs)
+    try:
+        rl.Launch(nodes=args.nodes, gpus_per_node=args.gpus, endpoint=args.rdzv_endpoint)
+    except ValueError as exc:
+        session.error(str(exc))
+    return args
 
 
-def _routers(session: nox.Session, spec: str) -> list[str]:
-    """The routers a full-scale session runs: the registry's (asked inside the session's environment) or a list."""
-    if spec != "all":
-        return [r.strip() for r in spec.split(",") if r.strip()]
+def _see_launching_env(session: nox.Session) -> None:
+    """Let the session's virtualenv see the packages of the environment nox runs in (its CUDA torch).
+
+    A ``.pth`` file in the virtualenv names that environment's site directories; they come after the
+    virtualenv's own, so what the session installs takes precedence, and pip counts the outer torch as
+    installed (``torch>=2.6`` satisfied: never reinstalled).
+    """
+    out = session.run_install(
+        "python", "-c", "import sys, sysconfig; print(sys.version_info[0], sys.version_info[1]); "
+        "print(sysconfig.get_paths()['purelib'])", silent=True)
+    if not out:  # --no-install on a reused virtualenv: the file is already there
+        return
+    version, purelib = out.strip().splitlines()[-2:]
+    if tuple(map(int, version.split())) != sys.version_info[:2]:
+        session.warn(f"the session's Python {version} is not nox's {sys.version_info[:2]}: it will not see nox's packages")
+        return
+    dirs = [d for d in site.getsitepackages() if os.path.isdir(d) and os.path.realpath(d) != os.path.realpath(purelib)]
+    Path(purelib, "_dirmoe_launching_env.pth").write_text("".join(d + "\n" for d in dirs))
+
+
+def _install_scale(session: nox.Session, args: argparse.Namespace, extras: str) -> list[str]:
+    """Install for a full-scale session (torch from the launching environment, the rest from the index or the
+    wheelhouse) and return the routers it runs (``--router``; ``all`` asks the installed registry)."""
+    _see_launching_env(session)
+    _install(session, ",".join(e for e in (extras, args.extras) if e), args.wheelhouse)
+    if args.router != "all":
+        return [r.strip() for r in args.router.split(",") if r.strip()]
     listing = session.run("python", "-m", "repro", "train", "--list-routers", silent=True, env=OFFLINE_ENV)
-    return [r for r in listing.split() if r != "megatron"]
+    return [r for r in (listing or "").split() if r != "megatron"]
 
 
 def _torchrun_train(session: nox.Session, args: argparse.Namespace, experiment: str, out: str, sets: list[str]) -> None:
     sets = [f"data.source=pile:{args.data}", *([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else []), *sets, *args.set]
-    cmd = ["torchrun", f"--nproc_per_node={args.gpus}", "-m", "repro", "train", "--experiment", experiment, "--out", out]
+    program = ["-m", "repro", "train", "--experiment", experiment, "--out", out]
     for item in sets:
-        cmd += ["--set", item]
+        program += ["--set", item]
+    # Every node derives the same id from the run directory; different runs get different ones.
+    rdzv_id = args.rdzv_id or (re.sub(r"[^A-Za-z0-9_.-]+", "-", out).strip("-")[-64:] or "dirmoe-bench")
+    launch = rl.Launch(nodes=args.nodes, gpus_per_node=args.gpus, endpoint=args.rdzv_endpoint, rdzv_id=rdzv_id)
+    # python -m torch.distributed.run is torchrun; the torchrun script lives beside the outer torch, off PATH.
+    cmd = rl.torchrun_command(launch, program, launcher=("python", "-m", "torch.distributed.run"))
     # A run that started (its config.json exists) is continued: from its newest checkpoint, or from step 0.
     resume = os.path.isfile(os.path.join(out, "config.json"))
     session.run(*cmd, *(["--resume"] if resume else []), env=OFFLINE_ENV)
+
+
+def _evaluate(session: nox.Session, args: argparse.Namespace, out: str) -> None:
+    cmd = ["python", "-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json"]
+    if args.nodes > 1:  # one process on one GPU: not on every node at once
+        session.log(f"evaluate once the run is done, on one node: {' '.join(cmd)}")
+        return
+    session.run(*cmd, env=OFFLINE_ENV)
 
 
 @nox.session(name="pile-185m")
 def pile_185m(session: nox.Session) -> None:
     """LLaMA-185M, E=8, k=1 on The Pile with the papers' settings (60k steps, 30B tokens), then zero-shot lm-eval:
     nox -s pile-185m -- --router dirmoe --data PREFIX --gpus 8 (--router all: every router and dense)."""
-    _install(session, "dev,eval,gpu")
     args = _scale_args(session)
-    for router in _routers(session, args.router):
+    for router in _install_scale(session, args, "eval"):
         out = f"{args.out}/{router}-185m"
         _torchrun_train(session, args, f"{router}-185m", out, [])
-        session.run("python", "-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json", env=OFFLINE_ENV)
+        _evaluate(session, args, out)
 
 
 @nox.session(name="efficiency-185m")
 def efficiency_185m(session: nox.Session) -> None:
     """Efficiency only: 300 iterations of LLaMA-185M at the papers' batch (512 x 1024), iteration time and TFLOP/s:
     nox -s efficiency-185m -- --router all --data PREFIX --gpus 8."""
-    _install(session, "dev,eval,gpu")
     args = _scale_args(session)
-    for router in _routers(session, args.router):
+    for router in _install_scale(session, args, ""):
         out = f"{args.out}/efficiency/{router}-185m"
         _torchrun_train(session, args, f"{router}-185m", out, ["schedule.steps=300", "validation.interval=0", "checkpoint.interval=0"])
 
@@ -163,9 +308,8 @@ def efficiency_185m(session: nox.Session) -> None:
 @nox.parametrize("k", [1, 2, 4])
 def sweep_k(session: nox.Session, k: int) -> None:
     """Active experts k in {1, 2, 4}, E=8 (the DirMoE paper's scalability figure: --router dirmoe,switch by default), 10k steps."""
-    _install(session, "dev,eval,gpu")
     args = _scale_args(session, routers_default="dirmoe,switch")
-    for router in _routers(session, args.router):
+    for router in _install_scale(session, args, ""):
         _torchrun_train(session, args, f"{router}-185m", f"{args.out}/sweep-k/{router}-k{k}", [f"model.top_k={k}", "schedule.steps=10000"])
 
 
@@ -173,9 +317,8 @@ def sweep_k(session: nox.Session, k: int) -> None:
 @nox.parametrize("experts", [8, 16, 32])
 def sweep_experts(session: nox.Session, experts: int) -> None:
     """Number of experts E in {8, 16, 32} at k=1 (the paper's scalability figure: --router dirmoe,switch by default), 10k steps."""
-    _install(session, "dev,eval,gpu")
     args = _scale_args(session, routers_default="dirmoe,switch")
-    for router in _routers(session, args.router):
+    for router in _install_scale(session, args, ""):
         out = f"{args.out}/sweep-E/{router}-E{experts}"
         _torchrun_train(session, args, f"{router}-185m", out, [f"model.num_experts={experts}", "schedule.steps=10000"])
 
@@ -184,8 +327,8 @@ def sweep_experts(session: nox.Session, experts: int) -> None:
 @nox.parametrize("sparsity_weight", [0.0, 0.001, 0.01, 0.1])
 def sweep_dirmoe_sparsity(session: nox.Session, sparsity_weight: float) -> None:
     """DirMoE's expected-k penalty lambda_sparsity (option sparsity_weight) in {0, 1e-3, 1e-2, 1e-1}, 10k steps."""
-    _install(session, "dev,eval,gpu")
     args = _scale_args(session, routers_default="dirmoe")
+    _install_scale(session, args, "")
     out = f"{args.out}/sweep-sparsity/dirmoe-ls{sparsity_weight:g}"
     _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.sparsity_weight={sparsity_weight}", "schedule.steps=10000"])
 
@@ -194,7 +337,7 @@ def sweep_dirmoe_sparsity(session: nox.Session, sparsity_weight: float) -> None:
 @nox.parametrize("m", [0.7, 0.8, 0.85, 0.9, 0.95])
 def sweep_dirmoe_m(session: nox.Session, m: float) -> None:
     """DirMoE's prior mean mass m (option prior_mass) on the active experts (paper's m x lambda_sparsity heatmap), 10k steps."""
-    _install(session, "dev,eval,gpu")
     args = _scale_args(session, routers_default="dirmoe")
+    _install_scale(session, args, "")
     out = f"{args.out}/sweep-m/dirmoe-m{m:g}"
     _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.prior_mass={m}", "schedule.steps=10000"])

@@ -14,8 +14,13 @@ Signatures (kept stable):
 - ``is_initialized() -> bool``
 
 Under ``torchrun`` the rank and world size come from the environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``). Without them a one-process group is created on an
-in-process store (no port is opened, so concurrent test runs on one machine cannot collide).
+``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``). Tasks started by ``srun`` directly (one per GPU) get them
+from SLURM's own variables (:func:`rank_environment`: ``SLURM_PROCID``, the step's task count,
+``SLURM_LOCALID``, the step's first node), the mapping Megatron-Bridge and Lightning's ``SLURMEnvironment`` use. A process
+that sees a launch of several tasks but cannot tell its rank (a batch script of several tasks run without
+``srun``, an MPI launcher, ``RANK`` without ``WORLD_SIZE``) refuses to start, rather than training alone
+as a one-process world. Without any of them a one-process group is created on an in-process store (no
+port is opened, so concurrent test runs on one machine cannot collide).
 
 On CPU it applies :func:`repro.model.cpu_shims.apply_cpu_shims` and seeds megatron's RNG tracker in its
 CPU form; on GPU it selects the local device and seeds the regular CUDA tracker.
@@ -24,12 +29,20 @@ CPU form; on GPU it selects the local device and seeds the regular CUDA tracker.
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
+from repro.errors import ReproError
 from repro.model.cpu_shims import apply_cpu_shims, cuda_available, seed_model_parallel_rng
+
+#: Variables by which MPI launchers (Open MPI, MPICH / Intel MPI / PMI-2, PMIx, MVAPICH2) give the number of
+#: processes they started; > 1 without torch's rank variables means this process cannot know its rank.
+MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 @dataclass(frozen=True)
@@ -62,6 +75,107 @@ class ParallelInfo:
 _OWNS_PROCESS_GROUP = False
 
 
+def scontrol_hostnames(nodelist: str) -> list[str]:
+    """Expand a SLURM node list (``gpu[01-04]``) with ``scontrol show hostnames``, SLURM's own expansion.
+
+    Raises:
+        ReproError: scontrol is missing or fails.
+    """
+    if shutil.which("scontrol") is None:
+        raise ReproError(f"cannot find the first node of '{nodelist}': scontrol is not on PATH; export MASTER_ADDR")
+    proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not proc.stdout.split():
+        raise ReproError(f"scontrol show hostnames '{nodelist}' failed: {proc.stderr.strip()}; export MASTER_ADDR")
+    return proc.stdout.split()
+
+
+def _int_var(environ: Mapping[str, str], name: str) -> int | None:
+    value = environ.get(name)
+    if value is None or value == "":
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise ReproError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def rank_environment(
+    environ: Mapping[str, str], hostnames: Callable[[str], list[str]] = scontrol_hostnames
+) -> dict[str, str]:
+    """The torch.distributed variables to add to this process's environment before initialising.
+
+    * ``RANK`` and ``WORLD_SIZE`` set (torchrun, or ``srun torchrun``'s workers): nothing to add.
+    * A task of an ``srun`` step of N > 1 tasks (``SLURM_STEP_NUM_TASKS``: srun sets it, a batch script's
+      own environment does not; srun also sets ``SLURM_NTASKS`` to N): ``RANK=SLURM_PROCID``,
+      ``WORLD_SIZE=N``, ``LOCAL_RANK=SLURM_LOCALID``;
+      ``MASTER_ADDR`` (if unset) the first node of the step, where task 0 runs; ``MASTER_PORT`` (if unset)
+      15000 + the last four digits of the job id (Lightning's ``SLURMEnvironment.main_port``: every task
+      computes the same port, and two jobs sharing a head node rarely collide).
+    * Anything else that says several processes were started is refused (see Raises).
+    * Otherwise (one process): nothing to add.
+
+    Args:
+        environ: the environment (``os.environ``).
+        hostnames: expands a SLURM node list (:func:`scontrol_hostnames`; replaced in tests).
+
+    Returns:
+        The variables to set (empty when there is nothing to add).
+
+    Raises:
+        ReproError: only one of ``RANK`` / ``WORLD_SIZE``; ``SLURM_NTASKS`` > 1 outside an srun step (a
+            batch script running the command directly); an srun step without a usable ``SLURM_PROCID`` /
+            ``SLURM_LOCALID``; an MPI launcher's size > 1; a node list that cannot be expanded while
+            ``MASTER_ADDR`` is unset.
+    """
+    if ("RANK" in environ) != ("WORLD_SIZE" in environ):
+        have, missing = ("RANK", "WORLD_SIZE") if "RANK" in environ else ("WORLD_SIZE", "RANK")
+        raise ReproError(f"{have} is set but {missing} is not: launch with torchrun, or set both")
+    if "RANK" in environ:
+        return {}
+    ntasks = _int_var(environ, "SLURM_NTASKS")
+    step_tasks = _int_var(environ, "SLURM_STEP_NUM_TASKS")
+    if step_tasks is None and (ntasks or 1) > 1:
+        raise ReproError(
+            f"SLURM_NTASKS={ntasks} but this process was not started by srun and has no RANK/WORLD_SIZE: "
+            "run it under srun (one task per GPU) or srun torchrun (python -m repro launch --slurm)"
+        )
+    if step_tasks is not None and step_tasks > 1:
+        rank, local = _int_var(environ, "SLURM_PROCID"), _int_var(environ, "SLURM_LOCALID")
+        if rank is None or local is None or not 0 <= rank < step_tasks:
+            raise ReproError(f"srun step of {step_tasks} tasks with SLURM_PROCID={environ.get('SLURM_PROCID')}, "
+                             f"SLURM_LOCALID={environ.get('SLURM_LOCALID')}: cannot tell this task's rank; "
+                             "launch with torchrun")
+        out = {"RANK": str(rank), "WORLD_SIZE": str(step_tasks), "LOCAL_RANK": str(local)}
+        if "MASTER_ADDR" not in environ:
+            nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+            if not nodelist:
+                raise ReproError("srun step without SLURM_STEP_NODELIST/SLURM_JOB_NODELIST: export MASTER_ADDR")
+            out["MASTER_ADDR"] = hostnames(nodelist)[0]
+        if "MASTER_PORT" not in environ:
+            job = environ.get("SLURM_JOB_ID", "")
+            out["MASTER_PORT"] = str(15000 + int(job[-4:])) if job.isdigit() else "29500"
+        return out
+    for name in MPI_SIZE_VARIABLES:
+        size = _int_var(environ, name)
+        if size is not None and size > 1:
+            raise ReproError(f"{name}={size}: started by an MPI launcher without RANK/WORLD_SIZE, so this "
+                             "process cannot tell its rank; launch with torchrun (python -m repro launch)")
+    return {}
+
+
+def cuda_device_index(local_rank: int, device_count: int) -> int:
+    """The GPU a process uses: its local rank, or the only visible GPU when the launcher bound one per task.
+
+    Raises:
+        ReproError: a local rank beyond the visible GPUs (more processes than GPUs on the node).
+    """
+    if device_count == 1:
+        return 0
+    if not 0 <= local_rank < device_count:
+        raise ReproError(f"local rank {local_rank} but {device_count} GPUs visible: more processes than GPUs on this node")
+    return local_rank
+
+
 def is_initialized() -> bool:
     """Whether torch.distributed and megatron's model-parallel state are both initialised."""
     from megatron.core import parallel_state
@@ -85,6 +199,8 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
     Raises:
         ValueError: sizes that do not divide the world size, or a different TP/EP than an existing
             initialisation (call :func:`destroy_distributed` first).
+        ReproError: a launch of several processes whose rank this process cannot tell
+            (:func:`rank_environment`).
     """
     global _OWNS_PROCESS_GROUP
     from megatron.core import parallel_state
@@ -93,11 +209,15 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
     if not on_gpu:
         apply_cpu_shims()
     backend = backend or ("nccl" if on_gpu else "gloo")
+    if not dist.is_initialized():
+        # srun-started tasks: export the ranks so the rest of the process (megatron's rank helpers, the
+        # command line's rank-0 checks) sees what it would under torchrun.
+        os.environ.update(rank_environment(os.environ))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
 
     if not dist.is_initialized():
         if on_gpu:
-            torch.cuda.set_device(local_rank)
+            torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count()))
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, init_method="env://")
         else:

@@ -537,6 +537,10 @@ def train(
     """
     from repro.model import parallel as model_parallel
 
+    # The rank variables first (srun-native ranks from SLURM's, or a one-line refusal of a multi-task launch
+    # without them): the lock below is rank 0's, and a refused launch must leave nothing behind.
+    if not model_parallel.is_initialized():
+        os.environ.update(model_parallel.rank_environment(os.environ))
     paths = RunPaths(Path(out_dir))
     with run_lock(paths):
         state = start_state(paths, config, resume)
