@@ -1,0 +1,177 @@
+"""Golden loss curves: fixed-seed training losses of a few routers on the embedded default, committed under
+``tests/assets/losses/``, and the comparison of a fresh run against them.
+
+A change that is not meant to alter what training computes (a refactor, a new option that is off by default)
+must leave these curves as they are; ``tests/test_golden.py`` trains the same runs and compares every step.
+A change that is meant to alter them regenerates the files with::
+
+    python -m repro golden --refresh            # then review and commit tests/assets/losses/*.txt
+
+Each run is ``<router>-tiny`` on the mini-pile for :data:`STEPS` steps, one thread, the experiment's seed,
+no validation. A file records the command, the settings, the torch version and a fingerprint of the corpus:
+the mini-pile is built from text on the machine (the Python standard library, manual pages, licences, C
+headers), so a machine with other such files has another corpus, and its curves are not comparable (the
+comparison then says so instead of failing on numbers).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from repro.errors import ReproError
+
+GOLDEN_DIR = Path(__file__).resolve().parents[1] / "tests" / "assets" / "losses"
+#: A few routers of different kinds: softmax top-k, DirMoE's sampled Dirichlet routing, a fixed map that
+#: reads token ids, and parameter merging on similarity-batched data.
+ROUTERS: tuple[str, ...] = ("switch", "dirmoe", "hash", "lory")
+STEPS = 30
+#: Per-step tolerance: |new - golden| <= ATOL + RTOL * |golden|. The runs are deterministic on one machine
+#: (identical to the last bit); the tolerance absorbs float32 differences between CPU instruction sets.
+RTOL, ATOL = 1e-4, 1e-5
+REFRESH = "python -m repro golden --refresh"
+
+
+@dataclass(frozen=True)
+class GoldenCurve:
+    """One router's curve.
+
+    Args:
+        router: the router (its ``<router>-tiny`` experiment).
+        losses: the training loss (LM loss plus aux losses) of steps 1..N.
+        data: the corpus fingerprint (sha256 of the training tokens and the tokenizer).
+        torch: the torch version that produced it.
+    """
+
+    router: str
+    losses: tuple[float, ...]
+    data: str
+    torch: str
+
+
+def golden_path(router: str, root: Path = GOLDEN_DIR) -> Path:
+    """``tests/assets/losses/<router>-tiny.txt``."""
+    return root / f"{router}-tiny.txt"
+
+
+def corpus_fingerprint(data_dir: str | Path) -> str:
+    """sha256 over the mini-pile's training tokens (``.bin``/``.idx``) and its tokenizer files."""
+    import hashlib
+
+    from repro.data.minipile import build_mini_pile
+
+    mini = build_mini_pile(data_dir)
+    digest = hashlib.sha256()
+    for path in (Path(mini.train_prefix + ".bin"), Path(mini.train_prefix + ".idx"), Path(mini.vocab_path),
+                 Path(mini.merges_path)):
+        digest.update(path.read_bytes())
+    return digest.hexdigest()
+
+
+def run_curve(router: str, data_dir: str | Path, work_dir: str | Path) -> GoldenCurve:
+    """Train ``<router>-tiny`` for :data:`STEPS` steps on the mini-pile in ``work_dir/<router>`` (new or empty).
+
+    Returns:
+        The curve, with the corpus fingerprint and torch's version.
+    """
+    import torch
+
+    from repro.training.config import apply_overrides
+    from repro.training.experiments import get_experiment
+    from repro.training.log import read_rows
+    from repro.training.trainer import train
+
+    torch.set_num_threads(1)
+    sets = [f"schedule.steps={STEPS}", f"data.source=mini-pile:{data_dir}", "validation.interval=0", "checkpoint.interval=0"]
+    out = Path(work_dir) / router
+    train(apply_overrides(get_experiment(f"{router}-tiny"), sets), out, progress=False)
+    losses = tuple(row.loss for row in read_rows(out))
+    return GoldenCurve(router, losses, corpus_fingerprint(data_dir), torch.__version__)
+
+
+def write_golden(curve: GoldenCurve, root: Path = GOLDEN_DIR) -> Path:
+    """Write a curve file (comment lines with the settings, then ``step loss`` per line)."""
+    path = golden_path(curve.router, root)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = [
+        f"# golden loss curve of {curve.router}-tiny: {STEPS} steps on the mini-pile, one thread, the experiment's seed",
+        f"# regenerate with: {REFRESH}",
+        f"# data: {curve.data}",
+        f"# torch: {curve.torch}",
+        *(f"{step} {loss!r}" for step, loss in enumerate(curve.losses, 1)),
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read_golden(router: str, root: Path = GOLDEN_DIR) -> GoldenCurve:
+    """Read a curve file.
+
+    Raises:
+        ReproError: a missing or malformed file (naming it and the line).
+    """
+    path = golden_path(router, root)
+    meta: dict[str, str] = {}
+    losses: list[float] = []
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ReproError(f"{path}: no golden loss curve ({exc.strerror or exc}); create it with {REFRESH}") from None
+    for number, line in enumerate(lines, 1):
+        if line.startswith("#"):
+            key, sep, value = line[1:].partition(":")
+            if sep:
+                meta[key.strip()] = value.strip()
+            continue
+        try:
+            step, loss = line.split()
+            if int(step) != len(losses) + 1 or not math.isfinite(float(loss)):
+                raise ValueError
+        except ValueError:
+            raise ReproError(f"{path}:{number}: expected 'step loss' with steps 1, 2, ..., got {line!r}") from None
+        losses.append(float(loss))
+    return GoldenCurve(router, tuple(losses), meta.get("data", ""), meta.get("torch", ""))
+
+
+def differences(new: GoldenCurve, golden: GoldenCurve) -> list[str]:
+    """What does not match, one line each (empty: the curves agree within the tolerance)."""
+    if len(new.losses) != len(golden.losses):
+        return [f"{new.router}: {len(new.losses)} steps, the golden curve has {len(golden.losses)}"]
+    out = []
+    for step, (a, b) in enumerate(zip(new.losses, golden.losses), 1):
+        if abs(a - b) > ATOL + RTOL * abs(b):
+            out.append(f"{new.router} step {step}: loss {a!r}, golden {b!r} (relative {abs(a - b) / abs(b):.2e})")
+    return out
+
+
+def main(argv: list[str], prog: str = "python -m repro golden") -> int:
+    """Compare fresh runs with the golden curves (exit 1 on a difference), or ``--refresh`` them."""
+    parser = argparse.ArgumentParser(prog=prog, description="Golden loss curves of a few routers on the embedded default.")
+    parser.add_argument("--refresh", action="store_true", help="rewrite tests/assets/losses/ from fresh runs")
+    parser.add_argument("--routers", default=",".join(ROUTERS), help=f"comma-separated (default {','.join(ROUTERS)})")
+    parser.add_argument("--data-dir", default="data/mini-pile", help="the mini-pile (built if missing)")
+    args = parser.parse_args(argv)
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    failed: list[str] = []
+    with tempfile.TemporaryDirectory(prefix="golden-") as work:
+        for router in routers:
+            curve = run_curve(router, args.data_dir, work)
+            if args.refresh:
+                print(f"wrote {write_golden(curve)}")
+                continue
+            golden = read_golden(router)
+            if golden.data != curve.data:
+                raise ReproError(
+                    f"{golden_path(router)}: recorded on another corpus (data {golden.data[:12]}, this machine's "
+                    f"{curve.data[:12]}): the curves are not comparable here"
+                )
+            found = differences(curve, golden)
+            failed += found
+            print(f"{router}: {'ok' if not found else f'{len(found)} steps differ'} ({len(curve.losses)} steps)")
+    for line in failed:
+        print(line, file=sys.stderr)
+    return 1 if failed else 0
