@@ -636,7 +636,7 @@ def _parse(argv: list[str], prog: str) -> _LaunchArgs:
         prog=prog,
         description="Print the torchrun command (or SLURM batch script) that runs a repro command on N nodes x G GPUs.",
         epilog="example: python -m repro launch --slurm --nodes 4 --gpus 8 -- train --experiment dirmoe-185m "
-               "--out runs/pile/dirmoe-185m --set data=pile:data/pile/pile > job.sbatch",
+               "--out runs/pile/dirmoe-185m --set data.source=pile:data/pile/pile > job.sbatch",
     )
     parser.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     parser.add_argument("--gpus", type=int, default=8, help="processes (GPUs) per node (default 8)")

@@ -2,7 +2,7 @@
 paper closed with documented, switchable defaults (the numbered list below, with the evidence for each).
 
 Evidence cited below as "measured" comes from 600-step runs of the ``tiny`` flavour on the embedded
-mini-pile, ``python -m repro train --experiment dirmoe-tiny --set steps=600 --set router_options.NAME=VALUE``
+mini-pile, ``python -m repro train --experiment dirmoe-tiny --set schedule.steps=600 --set router.options.NAME=VALUE``
 (single seed unless noted). "Imbalance a/b" is the load imbalance (max / mean tokens per expert) of layer 1 /
 layer 2 at the end of the run; Switch's is 2.7 in the same comparison, the default DirMoE's 6.5 (layer 2
 sends ~100% of its tokens to one expert).

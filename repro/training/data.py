@@ -106,7 +106,7 @@ def load_run_tokenizer(tokenizer_dir: str | os.PathLike):
     merges_path = Path(tokenizer_dir) / "merges.txt"
     for p in (vocab_path, merges_path):
         if not p.is_file():
-            raise ReproError(f"{p}: tokenizer file missing (set tokenizer=<dir with vocab.json and merges.txt>)")
+            raise ReproError(f"{p}: tokenizer file missing (set data.tokenizer=<dir with vocab.json and merges.txt>)")
     return load_tokenizer(vocab_path, merges_path)
 
 
