@@ -221,6 +221,8 @@ def _scale_args(session: nox.Session, routers_default: str = "all") -> argparse.
     parser.add_argument("--wheelhouse", default=None, metavar="DIR",
                         help="install from this folder alone, no index (built by nox -s wheelhouse)")
     parser.add_argument("--extras", default="", help="more project extras, e.g. gpu where TransformerEngine installs")
+    parser.add_argument("--tasks-data", default=None, metavar="DIR",
+                        help="the seven zero-shot tasks' datasets on disk (python -m repro eval-data fetch --out DIR)")
     args = parser.parse_args(session.posargs)
     try:
         rl.Launch(nodes=args.nodes, gpus_per_node=args.gpus, endpoint=args.rdzv_endpoint)
@@ -277,6 +279,8 @@ def _torchrun_train(session: nox.Session, args: argparse.Namespace, experiment: 
 
 def _evaluate(session: nox.Session, args: argparse.Namespace, out: str) -> None:
     cmd = ["python", "-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json"]
+    if args.tasks_data:  # offline: lm-eval's task definitions on the datasets in this folder
+        cmd += ["--tasks-data", args.tasks_data]
     if args.nodes > 1:  # one process on one GPU: not on every node at once
         session.log(f"evaluate once the run is done, on one node: {' '.join(cmd)}")
         return
