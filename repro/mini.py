@@ -1,8 +1,9 @@
 """``python -m repro mini``: the whole router comparison on the embedded default (CPU, a few minutes).
 
 1. Build (or reuse) the mini-pile, its tokenizer and indexed datasets, and the local lm-eval tasks.
-2. For the dense baseline and every registered router (``routers.available_routers()``, routers of other
-   packages included), :func:`run_one` in a pool of worker processes (two at a time, one thread each):
+2. For the dense baseline, every registered router (``routers.available_routers()``, routers of other
+   packages included) and the routers' declared variants (``Router.variants``: DirMoE's centred
+   reconstruction target), :func:`run_one` in a pool of worker processes (two at a time, one thread each):
    train ``<router>-tiny`` on the mini-pile, evaluate the checkpoint zero-shot on the local tasks through
    lm-eval, analyse its routing (expert specialisation by domain; the sparsity knob of routers with a
    Dirichlet posterior) and write its run record (``runs/mini/<run>/record.json``).
@@ -32,6 +33,7 @@ from typing import Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
+from repro.training.config import MEGATRON_ROUTER
 
 #: The marker a run directory created by this command holds (only such directories are ever replaced).
 RUN_MARKER = ".mini-run"
@@ -307,9 +309,11 @@ def report(cfg: MiniConfig, unigram: float, elapsed: float) -> str:
 # ------------------------------------------------------------------------------------------------- main
 def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     """The comparison's settings from the command line, checked before any work; and ``--fresh``."""
-    import routers
+    from repro.training.experiments import experiment_routers
 
-    every = (DENSE, *routers.available_routers())
+    # Dense, every router, and the routers' declared variants (DirMoE's centred target), labelled as such.
+    every = tuple(r for r in experiment_routers(variants=True) if r not in (DENSE, MEGATRON_ROUTER))
+    every = (DENSE, *every)
     defaults = MiniConfig(runs=every)
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", default="all", help=f"comma-separated dense and router names, or all ({', '.join(every)})")

@@ -155,6 +155,10 @@ class Router(nn.Module):
     #: run config per scale (``"tiny"``, ``"185m"``; see ``repro.training.experiments``), e.g.
     #: ``{"185m": ("optimizer.beta2=0.995",)}``. Declared here so no central code names a router.
     recipe_overrides: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    #: Named variants of this router that the suite itself adds (not the paper's method), as dot-list overrides
+    #: applied at every scale on top of the recipe: experiments ``<router>+<variant>-<scale>``, e.g. DirMoE's
+    #: ``centered`` reconstruction target. The comparison runs them beside the router; tables label them.
+    variants: ClassVar[Mapping[str, tuple[str, ...]]] = {}
 
     @classmethod
     def moe_layer_class(cls) -> type | None:

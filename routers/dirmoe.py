@@ -140,6 +140,9 @@ class DirMoERouter(Router):
     # cosine to min lr = 0.1 x base, Adam betas (0.9, 0.995). The baselines keep ReMoE's settings, which is how
     # both papers report them.
     recipe_overrides = {"185m": ("optimizer.lr=1e-4", "schedule.min_lr=1e-5", "optimizer.beta2=0.995")}
+    # This suite's remedy for the small-scale collapse (routers/dirmoe_config.py, gap 9): the reconstruction
+    # target centred on the micro-batch mean. Not the paper's method: run beside it, labelled as a variant.
+    variants = {"centered": ("router.options.recon_target=centered",)}
 
     def __init__(self, config: DirMoEConfig) -> None:
         super().__init__(config)

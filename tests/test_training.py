@@ -368,6 +368,13 @@ def test_experiments_derive_from_the_router_registry():
     assert get_experiment("hash-185m").router.options == {"hash_type": "mod"}
     assert get_experiment("hash-tiny").router.options == {}
     assert get_experiment("switch-185m").router.options == {"pre_softmax": True}
+    # a router's declared variants have experiments of their own (the suite's, labelled as such)
+    centered = get_experiment("dirmoe+centered-tiny")
+    assert centered.name == "dirmoe+centered-tiny" and centered.router.options == {"recon_target": "centered"}
+    assert "dirmoe+centered" in experiment_routers(variants=True) and "dirmoe+centered" not in experiment_routers()
+    assert get_experiment("dirmoe+centered-185m").optimizer.lr == get_experiment("dirmoe-185m").optimizer.lr
+    with pytest.raises(ReproError, match="unknown experiment 'dirmoe\\+nope-tiny'"):
+        get_experiment("dirmoe+nope-tiny")
 
 
 def test_paper_settings():

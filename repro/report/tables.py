@@ -126,12 +126,15 @@ def _ordered(records: Sequence[RunRecord]) -> list[RunRecord]:
 
 
 def _labels(records: Sequence[RunRecord]) -> dict[str, str]:
-    """Row label per run: the router, or ``router (run_id)`` where a router has several runs."""
+    """Row label per run: the router, or ``router (run_id)`` where a router has several runs (a run whose id is
+    the router's name keeps the plain name; a variant such as ``dirmoe+centered`` is named by its id)."""
     routers = [r.experiment.router for r in records]
-    return {
-        r.run_id: r.experiment.router if routers.count(r.experiment.router) == 1 else f"{r.experiment.router} ({r.run_id})"
-        for r in records
-    }
+
+    def label(r: RunRecord) -> str:
+        router = r.experiment.router
+        return router if routers.count(router) == 1 or r.run_id == router else f"{router} ({r.run_id})"
+
+    return {r.run_id: label(r) for r in records}
 
 
 def _published_groups(

@@ -40,7 +40,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--out", "-o", help="the run directory (new or empty; with --resume, the run's)")
     parser.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
     parser.add_argument("--list", action="store_true", help="list the experiments and exit")
-    parser.add_argument("--list-routers", action="store_true", help="list the routers with experiments and exit")
+    parser.add_argument("--list-routers", action="store_true",
+                        help="list the routers with experiments (not their variants) and exit")
     parser.add_argument("--show", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument(
         "--stop-after", type=int, default=None, metavar="STEPS",

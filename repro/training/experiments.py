@@ -1,7 +1,8 @@
 """Named experiments, derived from the router registry: ``<router>-tiny`` and ``<router>-185m`` for every
 registered router (``routers.available_routers()``, which includes routers of other packages registered
 through the ``dirmoe_bench.routers`` entry points), plus ``dense-*`` and ``megatron-*`` (megatron-core's own
-TopKRouter, the reference for Switch).
+TopKRouter, the reference for Switch), and ``<router>+<variant>-*`` for the variants a router declares
+(``Router.variants``: the suite's own variants, such as DirMoE's centred reconstruction target).
 
 Each experiment is a scale's recipe (:data:`RECIPES`) with the router set, then the router's own declared
 overrides for that scale (``Router.recipe_overrides``, e.g. Lory's segment length on the tiny flavour,
@@ -15,6 +16,7 @@ decay 0.01), eval every 1000 iterations over 100 batches, checkpoint every 2500.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 from repro.errors import ReproError
@@ -69,30 +71,43 @@ def _paper_185m(router: str | None) -> RunConfig:
 RECIPES: dict[str, Callable[[str | None], RunConfig]] = {"tiny": _tiny, "185m": _paper_185m}
 
 
-def experiment_routers() -> list[str]:
-    """Every router with experiments: the registered routers, megatron-core's TopKRouter, and dense."""
+def experiment_routers(variants: bool = False) -> list[str]:
+    """Every router with experiments: the registered routers, megatron-core's TopKRouter, and dense.
+
+    Args:
+        variants: also the routers' declared variants, as ``<router>+<variant>``.
+    """
     import routers
 
-    return [*routers.available_routers(), MEGATRON_ROUTER, DENSE]
+    names = routers.available_routers()
+    declared = [f"{n}+{v}" for n in names for v in routers.router_class(n).variants] if variants else []
+    return [*names, *declared, MEGATRON_ROUTER, DENSE]
 
 
-def _declared_overrides(router: str | None, scale: str) -> tuple[str, ...]:
+def _declared_overrides(router: str | None, variant: str | None, scale: str) -> tuple[str, ...]:
     if router in (None, MEGATRON_ROUTER):
         return ()
     import routers
 
-    return tuple(routers.router_class(router).recipe_overrides.get(scale, ()))
+    cls = routers.router_class(router)
+    if variant is not None and variant not in cls.variants:
+        raise ReproError(
+            f"router '{router}' has no variant '{variant}'; valid: {', '.join(cls.variants) or '(none)'}"
+        )
+    return (*cls.recipe_overrides.get(scale, ()), *(cls.variants[variant] if variant else ()))
 
 
 def build_experiment(router: str, scale: str) -> RunConfig:
-    """The experiment of ``router`` (or ``dense``) at ``scale`` (a key of :data:`RECIPES`).
+    """The experiment of ``router`` (a router name, ``<router>+<variant>``, or ``dense``) at ``scale`` (a key of
+    :data:`RECIPES`).
 
     Raises:
-        ReproError: an unknown scale or router, or declared overrides that do not fit the recipe.
+        ReproError: an unknown scale, router or variant, or declared overrides that do not fit the recipe.
     """
     if scale not in RECIPES:
         raise ReproError(f"unknown scale '{scale}'; valid: {', '.join(RECIPES)}")
-    name = None if router == DENSE else router
+    base, _, variant = router.partition("+")
+    name = None if base == DENSE else base
     if name is not None and name != MEGATRON_ROUTER:
         import routers
 
@@ -100,22 +115,23 @@ def build_experiment(router: str, scale: str) -> RunConfig:
             routers.router_class(name)
         except ValueError as exc:
             raise ReproError(str(exc)) from None
-    return apply_overrides(RECIPES[scale](name), _declared_overrides(name, scale))
+    config = apply_overrides(RECIPES[scale](name), _declared_overrides(name, variant or None, scale))
+    return dataclasses.replace(config, name=f"{router}-{scale}") if variant else config
 
 
 def experiment_names() -> list[str]:
-    """All experiment names (``<router>-<scale>``), sorted."""
-    return sorted(f"{router}-{scale}" for router in experiment_routers() for scale in RECIPES)
+    """All experiment names (``<router>-<scale>``, variants included), sorted."""
+    return sorted(f"{router}-{scale}" for router in experiment_routers(variants=True) for scale in RECIPES)
 
 
 def get_experiment(name: str) -> RunConfig:
-    """The experiment called ``name`` (``<router>-<scale>``).
+    """The experiment called ``name`` (``<router>-<scale>`` or ``<router>+<variant>-<scale>``).
 
     Raises:
         ReproError: an unknown name (the message lists the valid ones).
     """
     router, _, scale = name.rpartition("-")
-    if scale not in RECIPES or router not in experiment_routers():
+    if scale not in RECIPES or router not in experiment_routers(variants=True):
         raise ReproError(f"unknown experiment '{name}'; valid: {', '.join(experiment_names())}")
     return build_experiment(router, scale)
 
