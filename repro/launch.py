@@ -1,33 +1,11 @@
-"""Offline installs (a wheelhouse) and multi-node launch (torchrun with c10d rendezvous, SLURM).
+"""Multi-node launch: torchrun with c10d rendezvous, SLURM batch scripts, ``python -m repro launch``.
 
-Two halves, both pure functions that build commands and files; running them is left to the caller
-(``noxfile.py``'s ``wheelhouse`` and full-scale sessions, and ``python -m repro launch``). The module imports
-only the standard library and ``packaging``, so ``noxfile.py`` can import it without torch.
+Pure functions that build commands and files; running them is left to the caller (``noxfile.py``'s
+full-scale sessions, and ``python -m repro launch``). The module imports only the standard library and
+``packaging``, so ``noxfile.py`` can import it without torch. The offline installs (the wheelhouse) live in
+:mod:`repro.wheelhouse`; their names are importable from here too, as ``noxfile.py`` uses them.
 
-**Wheelhouse** (``nox -s wheelhouse -- --python 3.12 --platform manylinux_2_28_x86_64 --out wheelhouse``):
-
-1. the roots are the project's dependencies, the chosen extras and its build requirements
-   (:func:`project_requirements`), without the packages the target machine already provides;
-2. ``uv pip compile`` resolves them for the target interpreter and platform (:func:`uv_compile_command`),
-   with the provided packages *excluded from the resolution* (``--excludes``: uv then ignores their own
-   dependencies too, so torch's CUDA libraries, triton, sympy... never enter, and no torch wheel is
-   downloaded just to read its metadata, which is what ``pip install --dry-run`` does on an index without
-   PEP 658 metadata);
-3. ``pip download --no-deps`` fetches the pinned wheels for the target (:func:`download_command`); the few
-   pinned packages with no wheel at all come as sdists and are built with ``pip wheel`` into pure-Python
-   ``py3-none-any`` wheels (:func:`build_command`, :func:`is_pure_wheel`); an sdist that builds to a
-   platform wheel is refused (it would be built for this machine's interpreter, not the target's);
-4. an offline resolve of the roots from the folder alone, with empty placeholder wheels standing for the
-   provided packages at the versions the target has (:func:`placeholder_wheel`, :func:`verify_command`),
-   checks that nothing is missing before ``manifest.json`` (:func:`manifest`) is written.
-
-On the target, ``pip install --no-index --find-links wheelhouse -e .[EXTRAS]`` (:func:`install_command`)
-installs what is missing. pip's default upgrade strategy (``only-if-needed``) leaves an installed
-requirement alone when its version satisfies the range: the machine's ``torch 2.11.0+cu130`` satisfies
-``torch>=2.6`` and is never reinstalled, and TransformerEngine is never asked for (the ``gpu`` extra is not
-installed unless named; it cannot go in a wheelhouse: its PyTorch binding is source-only, DESIGN.md 9).
-
-**Launch** (:class:`Launch`, :func:`torchrun_command`, :class:`SlurmJob`, :func:`sbatch_script`), following
+The launch (:class:`Launch`, :func:`torchrun_command`, :class:`SlurmJob`, :func:`sbatch_script`), following
 what torchtitan and Megatron-LM document (DESIGN.md 9): one ``torchrun`` per node, ``--nnodes N
 --nproc_per_node G --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID`` (elastic c10d rendezvous:
 no node rank to hand out, any node may start first); one node without an endpoint uses ``--standalone``
@@ -49,405 +27,71 @@ Defaults the references leave open, numbered so they can be switched:
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import json
 import re
 import shlex
-import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 
-from packaging.requirements import InvalidRequirement, Requirement
-from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
-from packaging.version import Version
-
-# ------------------------------------------------------------------------------------------- wheelhouse
-#: Never carried: the machine's CUDA build of torch and what comes with it, and TransformerEngine (whose
-#: PyTorch binding is source-only and cannot be installed offline, DESIGN.md 9).
-ALWAYS_EXCLUDED = ("torch", "triton", "transformer-engine", "transformer-engine-torch", "transformer-engine-cu12",
-                   "transformer-engine-cu13")
-#: Name prefixes never carried: the CUDA libraries torch and TransformerEngine pull in.
-EXCLUDED_PREFIXES = ("nvidia-",)
-#: Extras that cannot go in a wheelhouse, with the reason.
-UNCARRIABLE_EXTRAS = {"gpu": "TransformerEngine's PyTorch binding is source-only and builds against CUDA"}
-#: The torch the borrowed GPU machine has (DESIGN.md 9): the default version the offline check assumes.
-DEFAULT_PRESENT = {"torch": "2.11.0"}
-
-# uv's --python-platform accepts these manylinux glibc minors (uv 0.13).
-_UV_MANYLINUX_MINORS = (17, 28, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40)
-# PEP 599 / 571 / 513 legacy names and the glibc they stand for.
-_LEGACY_MANYLINUX = {"manylinux2014": 17, "manylinux2010": 12, "manylinux1": 5}
-_MANYLINUX_RE = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
-_LEGACY_RE = re.compile(r"^(manylinux2014|manylinux2010|manylinux1)_(\w+)$")
-_SDIST_SUFFIXES = (".tar.gz", ".zip")
-
-
-def is_excluded(name: str, present: Iterable[str] = ()) -> bool:
-    """Whether a distribution stays out of the wheelhouse.
-
-    Args:
-        name: distribution name, any spelling (``Torch``, ``nvidia_cublas``).
-        present: further names the target machine provides.
-
-    Returns:
-        True for torch, triton, TransformerEngine, the ``nvidia-*`` CUDA libraries and ``present``.
-    """
-    canon = canonicalize_name(name)
-    if canon in ALWAYS_EXCLUDED or canon.startswith(EXCLUDED_PREFIXES):
-        return True
-    return canon in {canonicalize_name(p) for p in present}
-
-
-def manylinux_glibc(platform: str) -> tuple[int, str]:
-    """The glibc minor and architecture of a manylinux platform tag.
-
-    Args:
-        platform: ``manylinux_2_28_x86_64`` (PEP 600) or a legacy ``manylinux2014_x86_64``.
-
-    Returns:
-        ``(28, "x86_64")``.
-
-    Raises:
-        ValueError: not a manylinux tag (names the valid forms).
-    """
-    if m := _MANYLINUX_RE.match(platform):
-        if int(m.group(1)) != 2:
-            raise ValueError(f"platform '{platform}': only glibc 2.x manylinux tags exist")
-        return int(m.group(2)), m.group(3)
-    if m := _LEGACY_RE.match(platform):
-        return _LEGACY_MANYLINUX[m.group(1)], m.group(2)
-    raise ValueError(
-        f"platform '{platform}' is not a manylinux tag; valid: manylinux_2_<minor>_<arch> (e.g. "
-        f"manylinux_2_28_x86_64), {', '.join(k + '_<arch>' for k in _LEGACY_MANYLINUX)}"
-    )
-
-
-def manylinux_platforms(platform: str) -> list[str]:
-    """Every platform tag a machine of ``platform``'s glibc runs, newest first.
-
-    pip's ``--platform`` matches tags exactly (only the legacy 2014/2010 names are widened), while a
-    ``manylinux_2_x`` wheel runs on any glibc >= 2.x (PEP 600): a wheel tagged ``manylinux_2_17`` is as
-    good on a 2.28 machine, so all of them are listed, with the legacy aliases of 2.17, 2.12 and 2.5.
-
-    Args:
-        platform: a manylinux tag (see :func:`manylinux_glibc`).
-
-    Returns:
-        ``["manylinux_2_28_x86_64", ..., "manylinux_2_17_x86_64", "manylinux2014_x86_64", ...,
-        "manylinux_2_5_x86_64", "manylinux1_x86_64"]``, as ``packaging.tags.platform_tags()`` lists them on
-        a machine of that glibc.
-    """
-    minor, arch = manylinux_glibc(platform)
-    alias = {m: legacy for legacy, m in _LEGACY_MANYLINUX.items()}
-    tags = []
-    for m in range(minor, 4, -1):  # the order packaging.tags gives a machine of that glibc
-        tags.append(f"manylinux_2_{m}_{arch}")
-        if m in alias:
-            tags.append(f"{alias[m]}_{arch}")
-    return tags
-
-
-@dataclass(frozen=True)
-class WheelhouseTarget:
-    """The interpreter and platform the wheelhouse is for.
-
-    Args:
-        python: ``MAJOR.MINOR`` of the target interpreter (the borrowed H100 runs 3.12).
-        platform: its manylinux tag (glibc floor); ``manylinux_2_28_x86_64`` covers the usual GPU images.
-        implementation: ``cp`` (CPython).
-    """
-
-    python: str = "3.12"
-    platform: str = "manylinux_2_28_x86_64"
-    implementation: str = "cp"
-
-    def __post_init__(self) -> None:
-        if not re.fullmatch(r"3\.\d{1,2}", self.python):
-            raise ValueError(f"python must be MAJOR.MINOR such as 3.12, got '{self.python}'")
-        if self.implementation != "cp":
-            raise ValueError(f"implementation must be 'cp' (CPython), got '{self.implementation}'")
-        minor, _ = manylinux_glibc(self.platform)
-        if minor < _UV_MANYLINUX_MINORS[0]:
-            raise ValueError(f"platform '{self.platform}': glibc 2.{minor} is older than the oldest "
-                             f"resolvable (2.{_UV_MANYLINUX_MINORS[0]})")
-
-    @property
-    def abi(self) -> str:
-        """The CPython ABI tag, ``cp312`` for 3.12."""
-        return "cp" + self.python.replace(".", "")
-
-    @property
-    def platforms(self) -> list[str]:
-        """pip ``--platform`` values (:func:`manylinux_platforms`)."""
-        return manylinux_platforms(self.platform)
-
-    @property
-    def uv_platform(self) -> str:
-        """uv's ``--python-platform`` triple: the newest glibc uv knows that is not newer than the target's."""
-        minor, arch = manylinux_glibc(self.platform)
-        usable = max(m for m in _UV_MANYLINUX_MINORS if m <= minor)
-        return f"{arch}-manylinux2014" if usable == 17 else f"{arch}-manylinux_2_{usable}"
-
-    def pip_target_args(self) -> list[str]:
-        """pip's interpreter/platform restriction options for this target."""
-        args = ["--python-version", self.python, "--implementation", self.implementation, "--abi", self.abi]
-        for tag in self.platforms:
-            args += ["--platform", tag]
-        return args
-
-
-def parse_present(lines: Iterable[str]) -> dict[str, str]:
-    """Packages a target machine provides, from ``pip freeze`` lines or ``NAME==VERSION`` strings.
-
-    Args:
-        lines: ``NAME==VERSION`` entries; blank lines, comments, editable (``-e``) and direct-URL
-            (``NAME @ URL``) entries are skipped.
-
-    Returns:
-        canonical name -> version.
-
-    Raises:
-        ValueError: an entry that is not ``NAME==VERSION`` (names it).
-    """
-    present: dict[str, str] = {}
-    for raw in lines:
-        line = raw.split("#", 1)[0].strip()
-        if not line or line.startswith("-") or " @ " in line:
-            continue
-        try:
-            req = Requirement(line)
-        except InvalidRequirement:
-            raise ValueError(f"present package '{line}': expected NAME==VERSION") from None
-        specs = list(req.specifier)
-        if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
-            raise ValueError(f"present package '{line}': expected NAME==VERSION")
-        present[canonicalize_name(req.name)] = specs[0].version
-    return present
-
-
-def project_requirements(
-    pyproject: Mapping, extras: Sequence[str] = (), present: Iterable[str] = (), with_nox: bool = False,
-    drop_excluded: bool = True,
-) -> list[str]:
-    """The roots of the wheelhouse: the project's dependencies, ``extras`` and build requirements.
-
-    Args:
-        pyproject: the parsed ``pyproject.toml``.
-        extras: optional-dependency groups to add (``eval``, ``dev``).
-        present: names the target provides; left out like the :data:`ALWAYS_EXCLUDED` ones.
-        with_nox: add nox (with the ``dev`` extra's pin), to run the nox sessions on the target.
-        drop_excluded: leave out the excluded and present packages (False: keep them, for the offline
-            check that resolves them against the target's versions).
-
-    Returns:
-        Requirement strings, in pyproject order, without duplicates.
-
-    Raises:
-        ValueError: an unknown extra (lists the valid ones) or one that cannot be carried (``gpu``).
-    """
-    project = pyproject["project"]
-    optional = project.get("optional-dependencies", {})
-    for extra in extras:
-        if extra in UNCARRIABLE_EXTRAS:
-            raise ValueError(f"extra '{extra}' cannot go in a wheelhouse: {UNCARRIABLE_EXTRAS[extra]}")
-        if extra not in optional:
-            raise ValueError(f"unknown extra '{extra}'; valid: {', '.join(k for k in optional if k not in UNCARRIABLE_EXTRAS)}")
-    roots = list(project.get("dependencies", []))
-    for extra in extras:
-        roots += optional[extra]
-    if with_nox:
-        roots += [r for r in optional.get("dev", []) if canonicalize_name(Requirement(r).name) == "nox"] or ["nox"]
-    # An editable install builds the project: its build backend must be in the folder too.
-    roots += pyproject.get("build-system", {}).get("requires", [])
-    present = list(present)
-    out: list[str] = []
-    for req in roots:
-        if (not drop_excluded or not is_excluded(Requirement(req).name, present)) and req not in out:
-            out.append(req)
-    return out
-
-
-def uv_compile_command(
-    requirements_in: str | Path, excludes: str | Path, output: str | Path, target: WheelhouseTarget, uv: str = "uv"
-) -> list[str]:
-    """``uv pip compile`` pinning the roots for ``target``, the provided packages excluded from resolution.
-
-    Args:
-        requirements_in: file with the roots (:func:`project_requirements`), one a line.
-        excludes: file with the excluded names, one a line.
-        output: pinned requirements file to write.
-        target: the interpreter and platform.
-        uv: the uv executable.
-
-    Returns:
-        The argument vector.
-    """
-    return [uv, "pip", "compile", str(requirements_in), "--python-version", target.python,
-            "--python-platform", target.uv_platform, "--excludes", str(excludes), "--no-header",
-            "--no-annotate", "--output-file", str(output)]
-
-
-def parse_pins(text: str) -> list[tuple[str, str]]:
-    """The ``NAME==VERSION`` lines of a compiled requirements file.
-
-    Returns:
-        ``(canonical name, version)`` pairs.
-
-    Raises:
-        ValueError: a requirement that is not pinned to one version (names it).
-    """
-    pins = []
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line or line.startswith("-"):
-            continue
-        req = Requirement(line)
-        specs = list(req.specifier)
-        if len(specs) != 1 or specs[0].operator != "==":
-            raise ValueError(f"compiled requirement '{line}' is not pinned to one version")
-        pins.append((canonicalize_name(req.name), str(Version(specs[0].version))))
-    return pins
-
-
-def download_command(requirements: str | Path, dest: str | Path, target: WheelhouseTarget, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """``pip download`` of the pinned requirements for ``target``, without resolving again.
-
-    ``--no-deps`` (the list is already complete) is also what lets pip take an sdist for a package that
-    has no wheel while restricted to another interpreter/platform (pip refuses sdists under
-    ``--platform`` otherwise); a wheel is preferred wherever one matches.
-
-    Returns:
-        The argument vector.
-    """
-    return [*pip, "download", "--no-deps", *target.pip_target_args(), "--dest", str(dest), "-r", str(requirements)]
-
-
-def build_command(sdists: Sequence[str | Path], dest: str | Path, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """``pip wheel`` building the sdist-only packages into wheels (pure Python ones give ``py3-none-any``)."""
-    return [*pip, "wheel", "--no-deps", "--wheel-dir", str(dest), *map(str, sdists)]
-
-
-def is_sdist(filename: str) -> bool:
-    """Whether a downloaded file is a source distribution."""
-    return filename.endswith(_SDIST_SUFFIXES)
-
-
-def is_pure_wheel(filename: str) -> bool:
-    """Whether every tag of a wheel is interpreter-independent (``none`` ABI, ``any`` platform)."""
-    _, _, _, tags = parse_wheel_filename(filename)
-    return all(t.abi == "none" and t.platform == "any" for t in tags)
-
-
-def distribution_name(filename: str) -> tuple[str, str]:
-    """``(canonical name, version)`` of a wheel or sdist file name."""
-    if filename.endswith(".whl"):
-        name, version, _, _ = parse_wheel_filename(filename)
-    else:
-        name, version = parse_sdist_filename(filename)
-    return canonicalize_name(name), str(version)
-
-
-def placeholder_wheel(name: str, version: str, dest: str | Path, requires: Sequence[str] = ()) -> Path:
-    """An empty ``py3-none-any`` wheel standing for a package the target already has.
-
-    Used by the offline check (:func:`verify_command`): the resolver sees ``torch 2.11.0`` as available,
-    as it is installed on the target, and checks every other requirement against the folder.
-
-    Args:
-        name: distribution name.
-        version: its version.
-        dest: folder to write the wheel to.
-        requires: its ``Requires-Dist`` entries (none for the check's placeholders).
-
-    Returns:
-        The wheel's path.
-    """
-    dist = re.sub(r"[-_.]+", "_", name)
-    info = f"{dist}-{version}.dist-info"
-    metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
-    metadata += "".join(f"Requires-Dist: {r}\n" for r in requires)
-    files = {
-        f"{info}/METADATA": metadata,
-        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: dirmoe-bench\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
-    }
-    record = []
-    for path, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()
-        record.append(f"{path},sha256={digest},{len(text.encode())}")
-    files[f"{info}/RECORD"] = "\n".join(record + [f"{info}/RECORD,,"]) + "\n"
-    out = Path(dest) / f"{dist}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(out, "w") as zf:
-        for path, text in files.items():
-            zf.writestr(path, text)
-    return out
-
-
-def verify_command(
-    requirements_in: str | Path, find_links: Sequence[str | Path], scratch: str | Path, target: WheelhouseTarget,
-    pip: Sequence[str] = ("pip",),
-) -> list[str]:
-    """An offline resolve of the roots from ``find_links`` alone, for ``target`` (nothing is installed).
-
-    ``--isolated`` ignores pip's configuration and environment (an index or find-links set there would
-    make the check pass on files that are not in the folder).
-    """
-    links = [arg for d in find_links for arg in ("--find-links", str(d))]
-    return [*pip, "--isolated", "install", "--dry-run", "--ignore-installed", "--no-index", *links,
-            "--only-binary=:all:", *target.pip_target_args(), "--target", str(scratch), "-r", str(requirements_in)]
-
-
-def install_args(wheelhouse: str | Path, spec: str = ".", editable: bool = True) -> list[str]:
-    """``pip install`` options installing ``spec`` from the folder alone (no index).
-
-    Installed requirements whose versions satisfy the project's ranges stay as they are (pip's
-    ``only-if-needed`` strategy): torch is never reinstalled.
-    """
-    return ["--no-index", "--find-links", str(wheelhouse), *(["-e"] if editable else []), spec]
-
-
-def install_command(wheelhouse: str | Path, spec: str = ".", editable: bool = True, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """``pip install --no-index --find-links DIR -e .[extras]`` (:func:`install_args`)."""
-    return [*pip, "install", *install_args(wheelhouse, spec, editable)]
-
-
-def manifest(
-    wheel_dir: str | Path, target: WheelhouseTarget, extras: Sequence[str], roots: Sequence[str],
-    present: Mapping[str, str], built: Iterable[str] = (), left_out: Iterable[str] = (),
-) -> dict:
-    """The description of a wheelhouse folder: what it holds, for what, and what it leaves to the target.
-
-    Args:
-        wheel_dir: the folder of wheels.
-        target: what it was built for.
-        extras: the extras it covers.
-        roots: the requirements it was resolved from.
-        present: the packages assumed on the target (name -> version), never carried.
-        built: file names built here from sdists.
-        left_out: pinned names dropped as excluded after the resolution.
-
-    Returns:
-        A JSON-able dict with one entry per wheel (name, version, file, bytes, sha256, built) and the total.
-    """
-    built = set(built)
-    wheels = []
-    for path in sorted(Path(wheel_dir).glob("*.whl")):
-        name, version = distribution_name(path.name)
-        wheels.append({"name": name, "version": version, "file": path.name, "bytes": path.stat().st_size,
-                       "sha256": hashlib.sha256(path.read_bytes()).hexdigest(), "built_from_sdist": path.name in built})
-    return {
-        "target": {"python": target.python, "platform": target.platform, "implementation": target.implementation,
-                   "platforms": target.platforms},
-        "extras": list(extras),
-        "roots": list(roots),
-        "present_on_target": dict(sorted(present.items())),
-        "excluded_always": [*ALWAYS_EXCLUDED, *(p + "*" for p in EXCLUDED_PREFIXES)],
-        "left_out_after_resolution": sorted(set(left_out)),
-        "wheels": wheels,
-        "total_bytes": sum(w["bytes"] for w in wheels),
-    }
-
+from repro.wheelhouse import (
+    ALWAYS_EXCLUDED,
+    DEFAULT_PRESENT,
+    EXCLUDED_PREFIXES,
+    UNCARRIABLE_EXTRAS,
+    WheelhouseTarget,
+    build_command,
+    distribution_name,
+    download_command,
+    install_args,
+    install_command,
+    is_excluded,
+    is_pure_wheel,
+    is_sdist,
+    manifest,
+    manylinux_glibc,
+    manylinux_platforms,
+    parse_pins,
+    parse_present,
+    placeholder_wheel,
+    project_requirements,
+    uv_compile_command,
+    verify_command,
+    write_json,
+)
+
+__all__ = [
+    # this module
+    "Launch",
+    "SlurmJob",
+    "main",
+    "parse_endpoint",
+    "sbatch_script",
+    "torchrun_args",
+    "torchrun_command",
+    # the wheelhouse (repro.wheelhouse), re-exported
+    "ALWAYS_EXCLUDED",
+    "DEFAULT_PRESENT",
+    "EXCLUDED_PREFIXES",
+    "UNCARRIABLE_EXTRAS",
+    "WheelhouseTarget",
+    "build_command",
+    "distribution_name",
+    "download_command",
+    "install_args",
+    "install_command",
+    "is_excluded",
+    "is_pure_wheel",
+    "is_sdist",
+    "manifest",
+    "manylinux_glibc",
+    "manylinux_platforms",
+    "parse_pins",
+    "parse_present",
+    "placeholder_wheel",
+    "project_requirements",
+    "uv_compile_command",
+    "verify_command",
+    "write_json",
+]
 
 # ----------------------------------------------------------------------------------------------- launch
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
@@ -701,8 +345,3 @@ def main(argv: list[str], prog: str = "python -m repro launch") -> int:
         print(shlex.join(cmd))
         return 0
     return subprocess.run(cmd, check=False).returncode
-
-
-def write_json(path: str | Path, data: Mapping) -> None:
-    """Write ``data`` as indented JSON (the wheelhouse manifest)."""
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")

@@ -5,7 +5,8 @@ The CPU default of the suite trains on it with exactly the full-scale pipeline: 
 ``merges.txt``) is trained on its training part, and the shards are tokenised into megatron-core indexed
 datasets by the same code that tokenises The Pile.
 
-Domains (each skipped when its source is missing; at least ``min_domains`` must remain):
+Domains (each read by :mod:`repro.data.minipile_sources`; skipped when its source is missing; at least
+``min_domains`` must remain):
 
 ==================  ===================================================================================
 ``python_code``     Python standard-library modules, source (one half of the modules)
@@ -24,33 +25,45 @@ order, each domain filled up to ``max_bytes_per_domain``, exact duplicate texts 
 Everything lives under one output directory and is rebuilt only when its inputs change: ``manifest.json``
 records a key per stage (corpus = config + fingerprint of the source files; tokenizer = corpus key + vocab
 settings; indexed = tokenizer key), and a stage whose key and output files match is reused.
+
+This module holds the config, the document selection and held-out split, and the cached build (one function
+per stage); the sources and the troff converter are in :mod:`repro.data.minipile_sources`, whose
+:data:`ALL_DOMAINS` and :func:`troff_to_text` are importable from here too.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import fcntl
-import gzip
 import hashlib
-import importlib.util
 import json
 import os
-import re
-import sysconfig
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from repro.data.minipile_sources import ALL_DOMAINS, Candidate, Source, domain_sources, troff_to_text
 from repro.data.pile import PileRecord, iter_pile_documents, write_pile_shard
 from repro.data.tokenizer import Gpt2BpeTokenizer, load_tokenizer, train_bpe_tokenizer
 from repro.errors import ReproError
 from repro.io_utils import make_parents, open_in_dir, write_json_atomic
 
 MANIFEST_FORMAT = 1
-ALL_DOMAINS = ("python_code", "python_docstrings", "python_reference", "licenses", "man_pages", "c_headers")
+
+__all__ = [
+    # this module
+    "MANIFEST_FORMAT",
+    "DomainStats",
+    "MiniPile",
+    "MiniPileConfig",
+    "build_mini_pile",
+    "iter_heldout",
+    # the sources (repro.data.minipile_sources), re-exported
+    "ALL_DOMAINS",
+    "troff_to_text",
+]
 
 
 @dataclass(frozen=True)
@@ -164,259 +177,6 @@ class MiniPile:
 
 
 # ---------------------------------------------------------------------------------------------------------
-# Sources: each lists candidates (stable key, path) and reads one into a document text (or None to skip).
-# ---------------------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _Candidate:
-    key: str  # stable across machines with the same image: a path relative to the source root
-    path: Path
-
-
-@dataclass(frozen=True)
-class _Source:
-    name: str
-    list: Callable[[], list[_Candidate]]
-    read: Callable[[_Candidate], str | None]
-    # Candidates of one family (e.g. the ~16k ``gcloud-*`` man pages) are capped so one family cannot fill
-    # a domain; None = no families.
-    family: Callable[[_Candidate], str] | None = None
-
-
-_STDLIB_SKIP_DIRS = frozenset(
-    # third-party packages, test suites, generated codec tables, and the reference text (its own domain)
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
-)
-
-
-def _stdlib_dir() -> Path:
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def _stdlib_modules(half: int) -> list[_Candidate]:
-    """Stdlib ``.py`` files of one half of a fixed hash partition (code and docstrings never share a module)."""
-    root = _stdlib_dir()
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith("config-"))
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
-            path = Path(dirpath) / name
-            key = path.relative_to(root).as_posix()
-            if int(hashlib.sha1(f"stdlib-half:{key}".encode()).hexdigest(), 16) % 2 == half:
-                out.append(_Candidate(key, path))
-    return out
-
-
-def _read_text(path: Path) -> str | None:
-    try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = f.read()
-        else:
-            data = path.read_bytes()
-        return data.decode("utf-8")
-    except (OSError, UnicodeDecodeError, EOFError):
-        return None
-
-
-def _docstrings(cand: _Candidate) -> str | None:
-    """A pydoc-like page of a module's docstrings: the module's, then each class's and function's."""
-    src = _read_text(cand.path)
-    if src is None:
-        return None
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # invalid escape sequences in old modules
-        try:
-            tree = ast.parse(src)
-        except (SyntaxError, ValueError):
-            return None
-    module = cand.key[: -len(".py")].replace("/", ".").removesuffix(".__init__")
-    parts = []
-    doc = ast.get_docstring(tree)
-    parts.append(f"{module}\n{doc}" if doc else module)
-
-    def visit(node: ast.AST, owner: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, ast.ClassDef):
-                d = ast.get_docstring(child)
-                bases = ", ".join(ast.unparse(b) for b in child.bases)
-                if d:
-                    parts.append(f"class {owner}{child.name}({bases})\n" + _indent(d))
-                visit(child, f"{owner}{child.name}.")
-            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
-                d = ast.get_docstring(child)
-                if d:
-                    parts.append(f"{owner}{child.name}({ast.unparse(child.args)})\n" + _indent(d))
-
-    visit(tree, "")
-    if len(parts) == 1 and not doc:
-        return None
-    return "\n\n".join(parts) + "\n"
-
-
-def _indent(text: str) -> str:
-    return "\n".join(("    " + line) if line else "" for line in text.split("\n"))
-
-
-def _reference_topics() -> list[_Candidate]:
-    spec = importlib.util.find_spec("pydoc_data.topics")
-    if spec is None or spec.origin is None:
-        return []
-    from pydoc_data.topics import topics
-
-    return [_Candidate(k, Path(spec.origin)) for k in sorted(topics)]
-
-
-def _reference_text(cand: _Candidate) -> str | None:
-    from pydoc_data.topics import topics
-
-    return topics.get(cand.key)
-
-
-def _license_files() -> list[_Candidate]:
-    out = []
-    lic = _stdlib_dir() / "LICENSE.txt"
-    if lic.is_file():
-        out.append(_Candidate("stdlib/LICENSE.txt", lic))
-    common = Path("/usr/share/common-licenses")
-    if common.is_dir():
-        out += [_Candidate(f"common-licenses/{p.name}", p) for p in sorted(common.iterdir()) if p.is_file()]
-    docs = Path("/usr/share/doc")
-    if docs.is_dir():
-        copyrights = sorted(docs.glob("*/copyright"))
-        out += [_Candidate(f"doc/{p.parent.name}/copyright", p) for p in copyrights if p.is_file()]
-    return out
-
-
-def _man_files() -> list[_Candidate]:
-    root = Path("/usr/share/man")
-    out = []
-    for section in range(1, 9):  # English pages only: translations live in /usr/share/man/<lang>/
-        d = root / f"man{section}"
-        if d.is_dir():
-            out += [_Candidate(p.relative_to(root).as_posix(), p) for p in sorted(d.iterdir()) if p.is_file()]
-    return out
-
-
-def _header_files() -> list[_Candidate]:
-    root = Path("/usr/include")
-    if not root.is_dir():
-        return []
-    return [_Candidate(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.h")) if p.is_file()]
-
-
-def _source_file(cand: _Candidate) -> str | None:
-    return _read_text(cand.path)
-
-
-def _man_page(cand: _Candidate) -> str | None:
-    src = _read_text(cand.path)
-    return None if src is None else troff_to_text(src)
-
-
-def _man_family(cand: _Candidate) -> str:
-    return re.split(r"[-_.]", cand.path.name, maxsplit=1)[0]
-
-
-def _sources() -> tuple[_Source, ...]:
-    return (
-        _Source("python_code", lambda: _stdlib_modules(0), _source_file),
-        _Source("python_docstrings", lambda: _stdlib_modules(1), _docstrings),
-        _Source("python_reference", _reference_topics, _reference_text),
-        _Source("licenses", _license_files, _source_file),
-        _Source("man_pages", _man_files, _man_page, _man_family),
-        _Source("c_headers", _header_files, _source_file),
-    )
-
-
-# ---- troff (man page) markup to plain text ----
-
-_TROFF_NAMED = {
-    "aq": "'", "dq": '"', "lq": '"', "rq": '"', "oq": "'", "cq": "'", "em": "--", "en": "-", "hy": "-",
-    "bu": "*", "co": "(c)", "rg": "(R)", "mu": "x", ">=": ">=", "<=": "<=", "ti": "~", "ha": "^", "ga": "`",
-    "aa": "'", "ul": "_", "rs": "\\", "sl": "/", "pl": "+", "mi": "-", "eq": "=", "->": "->", "<-": "<-",
-}  # fmt: skip
-_TROFF_ESCAPE = re.compile(
-    r"\\(?:"
-    r"\((?P<named>..)"  # \(xx named glyph
-    r"|\[(?P<bracket>[^\]]*)\]"  # \[xx] named glyph
-    r"|[fF](?:\[[^\]]*\]|\(..|.)"  # font change
-    r"|s[+-]?\d+"  # size change
-    r"|\*(?:\[[^\]]*\]|\(..|.)"  # string interpolation
-    r"|[nk](?:\[[^\]]*\]|\(..|.)"  # register
-    r"|[hvwlLoxzbHSRNDXYZCV]'[^']*'"  # escapes with a quoted argument
-    r"|(?P<char>.)"  # one-character escapes
-    r")"
-)
-_TROFF_CHAR = {"-": "-", "e": "\\", "\\": "\\", " ": " ", "~": " ", "0": " ", "t": "\t", "'": "'", "`": "`", ".": "."}
-_ARGS = re.compile(r'"([^"]*)"|(\S+)')
-_ALTERNATING = frozenset({"BR", "BI", "IB", "IR", "RB", "RI"})
-_INLINE = frozenset({"B", "I", "SM", "SB", "UR", "MT", "OP"})
-_BREAK = frozenset({"PP", "LP", "P", "sp", "TP", "HP", "SH", "SS", "TQ", "PD"})
-
-
-def _troff_inline(text: str) -> str:
-    def sub(m: re.Match) -> str:
-        if m.group("named") is not None:
-            return _TROFF_NAMED.get(m.group("named"), "")
-        if m.group("bracket") is not None:
-            return _TROFF_NAMED.get(m.group("bracket"), "")
-        if m.group("char") is not None:
-            return _TROFF_CHAR.get(m.group("char"), "")
-        return ""
-
-    return _TROFF_ESCAPE.sub(sub, text)
-
-
-def troff_to_text(src: str) -> str | None:
-    """Strip man(7) troff markup to readable plain text (a light converter, not a full troff).
-
-    Args:
-        src: the page source.
-
-    Returns:
-        The text, or ``None`` for a ``.so`` redirection stub or an mdoc(7) page (not handled).
-    """
-    lines = src.replace("\r\n", "\n").split("\n")
-    body = [line for line in lines if line.strip() and not line.startswith(('.\\"', "'\\\"", '.\\}'))]
-    if not body or body[0].startswith(".so ") or any(line.startswith((".Dd", ".Dt")) for line in body[:5]):
-        return None
-    out: list[str] = []
-    skip_until_dots = False
-    for line in lines:
-        if skip_until_dots:
-            skip_until_dots = line.strip() != ".."
-            continue
-        if line.startswith((".", "'")):
-            if line.startswith(('.\\"', "'\\\"")):
-                continue
-            m = re.match(r"[.']\s*(\S*)\s*(.*)", line)
-            name, rest = (m.group(1), m.group(2)) if m else ("", "")
-            args = [a if a is not None and a != "" else b for a, b in _ARGS.findall(rest)]
-            if name in ("de", "de1", "ig", "am"):
-                skip_until_dots = True
-            elif name == "TH" and args:
-                out += [f"{args[0]}({args[1]})" if len(args) > 1 else args[0], ""]
-            elif name in ("SH", "SS"):
-                out += ["", _troff_inline(" ".join(args))] if args else [""]
-            elif name in _ALTERNATING:
-                out.append(_troff_inline("".join(args)))
-            elif name in _INLINE:
-                out.append(_troff_inline(" ".join(args)))
-            elif name == "IP":
-                out += ["", _troff_inline(args[0])] if args else [""]
-            elif name in _BREAK:
-                out.append("")
-            continue  # every other request (.if, .nr, .ds, .in, .br, ...) carries no text
-        out.append(_troff_inline(line))
-    text = re.sub(r"\n{3,}", "\n\n", "\n".join(s.rstrip() for s in out)).strip()
-    return text + "\n" if text else None
-
-
-# ---------------------------------------------------------------------------------------------------------
 # Building
 # ---------------------------------------------------------------------------------------------------------
 
@@ -430,7 +190,7 @@ def _unit(*parts: object) -> float:
     return int(_h(*parts)[:15], 16) / float(16**15)
 
 
-def _fingerprint(cands: list[_Candidate]) -> str:
+def _fingerprint(cands: list[Candidate]) -> str:
     h = hashlib.sha256()
     for c in cands:
         try:
@@ -448,7 +208,7 @@ class _Doc:
     sha: str
 
 
-def _collect(source: _Source, cands: list[_Candidate], cfg: MiniPileConfig, seen: set[str]) -> list[_Doc]:
+def _collect(source: Source, cands: list[Candidate], cfg: MiniPileConfig, seen: set[str]) -> list[_Doc]:
     """Fill one domain up to its byte budget, visiting candidates in a seeded hash order."""
     order = sorted(cands, key=lambda c: _h(cfg.seed, source.name, c.key))
     docs, total = [], 0
@@ -595,24 +355,7 @@ def _build_locked(
     """The body of :func:`build_mini_pile`, run while holding the output directory's lock."""
     manifest_path = root / "manifest.json"
     old = {} if force else _load_manifest(manifest_path)
-    old_stages = old.get("stages", {})
-
-    # ---- fingerprint the sources (cheap: a directory listing and stat per candidate) ----
-    wanted = set(cfg.domains or ALL_DOMAINS)
-    listed: dict[str, tuple[_Source, list[_Candidate]]] = {}
-    skipped: dict[str, str] = {}
-    for source in _sources():
-        if source.name not in wanted:
-            continue
-        try:
-            cands = source.list()
-        except OSError as exc:  # an unreadable directory: treat the source as absent
-            skipped[source.name] = f"source unreadable ({exc.strerror or exc})"
-            continue
-        if cands:
-            listed[source.name] = (source, cands)
-        else:
-            skipped[source.name] = "source not found on this machine"
+    listed, skipped = _list_sources(cfg)
     fingerprints = {name: _fingerprint(cands) for name, (_, cands) in listed.items()}
     corpus_key = _h(
         "corpus",
@@ -625,110 +368,197 @@ def _build_locked(
 
     stages: dict = {}
     manifest: dict = {"format": MANIFEST_FORMAT, "config": dataclasses.asdict(cfg), "stages": stages}
-    reused_all = True
-
-    # ---- stage 1: corpus (shards + held-out file) ----
+    cache = _Stages(root, manifest, old.get("stages", {}), say)
     shard_rels = [f"shards/train-{i:02d}.jsonl.zst" for i in range(cfg.num_shards)]
-    corpus_rels = shard_rels + ["heldout.jsonl"]
-    prev = old_stages.get("corpus", {})
-    if prev.get("key") == corpus_key and _files_ok(root, prev.get("files", {})):
-        stages["corpus"] = prev
-        say(f"corpus: reused ({root / 'shards'})")
-    else:
-        reused_all = False
+    tok_rels = ["tokenizer/vocab.json", "tokenizer/merges.txt"]
+    # Each stage is reused only when every stage before it was.
+    reused_all = cache.run("corpus", corpus_key, "shards", True,
+                           lambda: _write_corpus(root, cfg, corpus_key, listed, skipped, shard_rels))
+    reused_all = cache.run("tokenizer", tokenizer_key, "tokenizer", reused_all,
+                           lambda: _train_tokenizer(root, cfg, tokenizer_key, shard_rels, tok_rels))
+    reused_all = cache.run("indexed", indexed_key, "indexed", reused_all,
+                           lambda: _tokenize(root, indexed_key, shard_rels, tok_rels, num_workers, progress))
+    return _mini_pile(root, stages, shard_rels, tok_rels, reused_all, t_start)
+
+
+def _list_sources(cfg: MiniPileConfig) -> tuple[dict[str, tuple[Source, list[Candidate]]], dict[str, str]]:
+    """List the candidates of the wanted domains (cheap: a directory listing and stat per candidate).
+
+    Returns:
+        ``(domain -> (source, candidates), domain -> why it was skipped)``.
+    """
+    wanted = set(cfg.domains or ALL_DOMAINS)
+    listed: dict[str, tuple[Source, list[Candidate]]] = {}
+    skipped: dict[str, str] = {}
+    for source in domain_sources():
+        if source.name not in wanted:
+            continue
+        try:
+            cands = source.list()
+        except OSError as exc:  # an unreadable directory: treat the source as absent
+            skipped[source.name] = f"source unreadable ({exc.strerror or exc})"
+            continue
+        if cands:
+            listed[source.name] = (source, cands)
+        else:
+            skipped[source.name] = "source not found on this machine"
+    return listed, skipped
+
+
+@dataclass(frozen=True)
+class _Stages:
+    """The stages of one build: each reused when its key and files match the old manifest, else rebuilt.
+
+    Attributes:
+        root: the output directory.
+        manifest: the manifest being written; its ``stages`` fill in as the stages run.
+        old_stages: the stages of the manifest found on disk (empty with ``force``).
+        say: the log.
+    """
+
+    root: Path
+    manifest: dict
+    old_stages: dict
+    say: Callable[[str], None]
+
+    def run(self, name: str, key: str, out_dir: str, reusable: bool, build: Callable[[], tuple[dict, str]]) -> bool:
+        """Reuse stage ``name`` or build it, recording it in the manifest.
+
+        Args:
+            name: the stage.
+            key: the key of its inputs.
+            out_dir: its directory under the root (named when reused).
+            reusable: False when an earlier stage was rebuilt.
+            build: writes the stage's files; returns its manifest entry and a line for the log.
+
+        Returns:
+            Whether it was reused.
+        """
+        stages = self.manifest["stages"]
+        prev = self.old_stages.get(name, {})
+        if reusable and prev.get("key") == key and _files_ok(self.root, prev.get("files", {})):
+            stages[name] = prev
+            self.say(f"{name}: reused ({self.root / out_dir})")
+            return True
         # Forget this stage and the later ones on disk first: a crash half-way must not leave a manifest
         # whose keys vouch for files that are being rewritten.
-        write_json_atomic(manifest_path, manifest)
-        t0 = time.perf_counter()
-        seen: set[str] = set()
-        docs: list[_Doc] = []
-        for name, (source, cands) in listed.items():
-            got = _collect(source, cands, cfg, seen)
-            if got:
-                docs += got
-            else:
-                skipped[name] = "no usable document"
-        present = sorted({d.domain for d in docs}, key=ALL_DOMAINS.index)
-        if len(present) < cfg.min_domains:
-            found = ", ".join(present) or "none"
-            why = ", ".join(f"{k}: {v}" for k, v in skipped.items())
-            raise ReproError(
-                f"mini-pile: only {len(present)} domain(s) available on this machine ({found}); "
-                f"need at least {cfg.min_domains} (skipped: {why})"
-            )
-        train, heldout = _split_heldout(docs, cfg)
-        # contiguous runs of the (already shuffled) training order, one per shard
-        per = -(-len(train) // cfg.num_shards)
-        for i, rel in enumerate(shard_rels):
-            write_pile_shard(root / rel, (PileRecord(d.text, d.domain) for d in train[i * per : (i + 1) * per]))
-        for stale in (root / "shards").glob("train-*.jsonl.zst"):  # left by a build with more shards
-            if stale.relative_to(root).as_posix() not in shard_rels:
-                stale.unlink()
-        write_pile_shard(root / "heldout.jsonl", (PileRecord(d.text, d.domain) for d in heldout))
-        stages["corpus"] = {
-            "key": corpus_key,
-            "files": _sizes(root, corpus_rels),
-            "domains": present,
-            "skipped": skipped,
-            "seconds": time.perf_counter() - t0,
-        }
-        write_json_atomic(manifest_path, manifest)
-        say(
-            f"corpus: {len(train)} training + {len(heldout)} held-out documents in {len(present)} domains "
-            f"({stages['corpus']['seconds']:.1f} s)"
+        write_json_atomic(self.root / "manifest.json", self.manifest)
+        stages[name], line = build()
+        write_json_atomic(self.root / "manifest.json", self.manifest)
+        self.say(line)
+        return False
+
+
+def _write_corpus(
+    root: Path,
+    cfg: MiniPileConfig,
+    key: str,
+    listed: dict[str, tuple[Source, list[Candidate]]],
+    skipped: dict[str, str],
+    shard_rels: list[str],
+) -> tuple[dict, str]:
+    """Stage 1: select the documents, write the training shards and the held-out file.
+
+    Returns:
+        The stage's manifest entry and its log line.
+
+    Raises:
+        ReproError: fewer than ``cfg.min_domains`` domains have a usable document.
+    """
+    t0 = time.perf_counter()
+    seen: set[str] = set()
+    docs: list[_Doc] = []
+    for name, (source, cands) in listed.items():
+        got = _collect(source, cands, cfg, seen)
+        if got:
+            docs += got
+        else:
+            skipped[name] = "no usable document"
+    present = sorted({d.domain for d in docs}, key=ALL_DOMAINS.index)
+    if len(present) < cfg.min_domains:
+        found = ", ".join(present) or "none"
+        why = ", ".join(f"{k}: {v}" for k, v in skipped.items())
+        raise ReproError(
+            f"mini-pile: only {len(present)} domain(s) available on this machine ({found}); "
+            f"need at least {cfg.min_domains} (skipped: {why})"
         )
+    train, heldout = _split_heldout(docs, cfg)
+    # contiguous runs of the (already shuffled) training order, one per shard
+    per = -(-len(train) // cfg.num_shards)
+    for i, rel in enumerate(shard_rels):
+        write_pile_shard(root / rel, (PileRecord(d.text, d.domain) for d in train[i * per : (i + 1) * per]))
+    for stale in (root / "shards").glob("train-*.jsonl.zst"):  # left by a build with more shards
+        if stale.relative_to(root).as_posix() not in shard_rels:
+            stale.unlink()
+    write_pile_shard(root / "heldout.jsonl", (PileRecord(d.text, d.domain) for d in heldout))
+    entry = {
+        "key": key,
+        "files": _sizes(root, shard_rels + ["heldout.jsonl"]),
+        "domains": present,
+        "skipped": skipped,
+        "seconds": time.perf_counter() - t0,
+    }
+    line = (
+        f"corpus: {len(train)} training + {len(heldout)} held-out documents in {len(present)} domains "
+        f"({entry['seconds']:.1f} s)"
+    )
+    return entry, line
 
-    # ---- stage 2: tokenizer, trained on the training shards only ----
-    tok_rels = ["tokenizer/vocab.json", "tokenizer/merges.txt"]
-    prev = old_stages.get("tokenizer", {})
-    if reused_all and prev.get("key") == tokenizer_key and _files_ok(root, prev.get("files", {})):
-        stages["tokenizer"] = prev
-        say(f"tokenizer: reused ({root / 'tokenizer'})")
-    else:
-        reused_all = False
-        write_json_atomic(manifest_path, manifest)
-        t0 = time.perf_counter()
-        texts = (text for text, _ in iter_pile_documents([root / r for r in shard_rels]))
-        train_bpe_tokenizer(texts, root / "tokenizer", vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency)
-        stages["tokenizer"] = {
-            "key": tokenizer_key,
-            "files": _sizes(root, tok_rels),
-            "seconds": time.perf_counter() - t0,
-        }
-        write_json_atomic(manifest_path, manifest)
-        say(f"tokenizer: vocabulary {cfg.vocab_size} trained ({stages['tokenizer']['seconds']:.1f} s)")
 
-    # ---- stage 3: indexed datasets (same reader + tokeniser path as The Pile) ----
-    idx_rels = _prefix_rels("indexed/train") + _prefix_rels("indexed/heldout")
-    prev = old_stages.get("indexed", {})
-    if reused_all and prev.get("key") == indexed_key and _files_ok(root, prev.get("files", {})):
-        stages["indexed"] = prev
-        say(f"indexed: reused ({root / 'indexed'})")
-    else:
-        reused_all = False
-        write_json_atomic(manifest_path, manifest)
-        with warnings.catch_warnings():  # megatron-core's import-time "no TransformerEngine/Apex" notices
-            warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-            from repro.data.indexed import tokenize_shards  # imports megatron-core: only when this stage runs
+def _train_tokenizer(
+    root: Path, cfg: MiniPileConfig, key: str, shard_rels: list[str], tok_rels: list[str]
+) -> tuple[dict, str]:
+    """Stage 2: the tokenizer, trained on the training shards only.
 
-        tok = load_tokenizer(root / tok_rels[0], root / tok_rels[1])
-        train_stats = tokenize_shards(
-            [root / r for r in shard_rels], tok, root / "indexed/train", num_workers=num_workers, progress=progress
-        )
-        held_stats = tokenize_shards(
-            [root / "heldout.jsonl"], tok, root / "indexed/heldout", num_workers=num_workers, progress=progress
-        )
-        stages["indexed"] = {
-            "key": indexed_key,
-            "files": _sizes(root, idx_rels),
-            "seconds": train_stats.seconds + held_stats.seconds,
-            "tokens_per_second": train_stats.tokens_per_second,
-            "train": {"documents": train_stats.documents, "bytes": train_stats.bytes, "tokens": train_stats.tokens},
-            "heldout": {"documents": held_stats.documents, "bytes": held_stats.bytes, "tokens": held_stats.tokens},
-        }
-        write_json_atomic(manifest_path, manifest)
-        say(f"indexed: {train_stats.num_tokens:,} training tokens at {train_stats.tokens_per_second:,.0f} tokens/s")
+    Returns:
+        The stage's manifest entry and its log line.
+    """
+    t0 = time.perf_counter()
+    texts = (text for text, _ in iter_pile_documents([root / r for r in shard_rels]))
+    train_bpe_tokenizer(texts, root / "tokenizer", vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency)
+    entry = {
+        "key": key,
+        "files": _sizes(root, tok_rels),
+        "seconds": time.perf_counter() - t0,
+    }
+    return entry, f"tokenizer: vocabulary {cfg.vocab_size} trained ({entry['seconds']:.1f} s)"
 
+
+def _tokenize(
+    root: Path, key: str, shard_rels: list[str], tok_rels: list[str], num_workers: int | None, progress: bool
+) -> tuple[dict, str]:
+    """Stage 3: the indexed datasets (same reader + tokeniser path as The Pile).
+
+    Returns:
+        The stage's manifest entry and its log line.
+    """
+    with warnings.catch_warnings():  # megatron-core's import-time "no TransformerEngine/Apex" notices
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        from repro.data.indexed import tokenize_shards  # imports megatron-core: only when this stage runs
+
+    tok = load_tokenizer(root / tok_rels[0], root / tok_rels[1])
+    train_stats = tokenize_shards(
+        [root / r for r in shard_rels], tok, root / "indexed/train", num_workers=num_workers, progress=progress
+    )
+    held_stats = tokenize_shards(
+        [root / "heldout.jsonl"], tok, root / "indexed/heldout", num_workers=num_workers, progress=progress
+    )
+    entry = {
+        "key": key,
+        "files": _sizes(root, _prefix_rels("indexed/train") + _prefix_rels("indexed/heldout")),
+        "seconds": train_stats.seconds + held_stats.seconds,
+        "tokens_per_second": train_stats.tokens_per_second,
+        "train": {"documents": train_stats.documents, "bytes": train_stats.bytes, "tokens": train_stats.tokens},
+        "heldout": {"documents": held_stats.documents, "bytes": held_stats.bytes, "tokens": held_stats.tokens},
+    }
+    line = f"indexed: {train_stats.num_tokens:,} training tokens at {train_stats.tokens_per_second:,.0f} tokens/s"
+    return entry, line
+
+
+def _mini_pile(
+    root: Path, stages: dict, shard_rels: list[str], tok_rels: list[str], reused_all: bool, t_start: float
+) -> MiniPile:
+    """The :class:`MiniPile` of a build whose stages are all recorded in ``stages``."""
     ix = stages["indexed"]
     domains = tuple(stages["corpus"]["domains"])
     stats = {

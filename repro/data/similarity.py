@@ -55,6 +55,10 @@ dataset with a matching manifest is reused, files of that name that this module 
 overwritten (an error names them), and a build writes under temporary names and renames into place only
 when everything succeeded.
 
+The ordering (steps 1 and 2, and the chains of step 3) is in :mod:`repro.data.similarity_chains`, whose
+names are importable from here too; this module holds the options, the split, the cache and the derived
+dataset's files.
+
 Command line (to build once before a multi-GPU run): ``python -m repro.data.similarity PREFIX [PREFIX...]``.
 """
 
@@ -65,7 +69,6 @@ import dataclasses
 import fcntl
 import hashlib
 import json
-import math
 import os
 import shutil
 import sys
@@ -83,6 +86,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, load_domain_index
+from repro.data.similarity_chains import chains_from_path, document_embeddings, greedy_path, nearest_neighbors
 from repro.errors import ReproError
 
 FORMAT = 1
@@ -193,218 +197,6 @@ def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]
     matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     n = float(num_sequences)
     return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
-
-
-# --------------------------------------------------------------------------------------- representation
-def _count_matrix(dataset: IndexedDataset, documents: np.ndarray, vocab_size: int, eod: int | None):
-    """Sparse ``[N, V]`` token-count matrix of the given documents (EOD excluded)."""
-    from scipy.sparse import csr_matrix
-
-    indptr = np.zeros(len(documents) + 1, dtype=np.int64)
-    cols, vals = [], []
-    for i, doc in enumerate(documents):
-        tokens = np.asarray(dataset[int(doc)], dtype=np.int64)
-        if eod is not None:
-            tokens = tokens[tokens != eod]
-        ids, counts = np.unique(tokens, return_counts=True)
-        cols.append(ids)
-        vals.append(counts)
-        indptr[i + 1] = indptr[i] + ids.size
-    data = np.concatenate(vals).astype(np.float32) if vals else np.zeros(0, np.float32)
-    index = np.concatenate(cols) if cols else np.zeros(0, np.int64)
-    return csr_matrix((data, index, indptr), shape=(len(documents), vocab_size))
-
-
-def document_embeddings(
-    datasets: Sequence[IndexedDataset],
-    documents: np.ndarray,
-    vocab_size: int,
-    eod: int | None,
-    config: SimilarityBatchingConfig,
-    chunk: int = 20_000,
-) -> np.ndarray:
-    """L2-normalised TF-IDF + truncated-SVD vectors of documents (deviation 1 of the module docstring).
-
-    Args:
-        datasets: the source indexed datasets.
-        documents: ``[N, 2]`` ``(source index, document id)`` rows.
-        vocab_size: columns of the count matrix (every token id must be below it).
-        eod: the end-of-document id, left out of the counts (it is in every document); None keeps all ids.
-        config: the options (``embedding_dim``, ``svd_fit_documents``, ``seed``).
-        chunk: documents transformed at a time (bounds the memory of the sparse matrices).
-
-    Returns:
-        ``[N, d]`` float32 with unit rows (rows of documents without any token are zero),
-        ``d = min(embedding_dim, ids present in the fitting sample - 1, fit documents - 1)``.
-    """
-    from sklearn.decomposition import TruncatedSVD
-    from sklearn.feature_extraction.text import TfidfTransformer
-    from sklearn.preprocessing import normalize
-
-    N = len(documents)
-    rng = np.random.default_rng(config.seed)
-    fit_rows = np.sort(rng.permutation(N)[: config.svd_fit_documents])
-
-    def counts(rows: np.ndarray):
-        from scipy.sparse import vstack
-
-        parts = [
-            _count_matrix(datasets[s], documents[rows][documents[rows, 0] == s, 1], vocab_size, eod)
-            for s in range(len(datasets))
-        ]
-        # Rows come back grouped by source; restore the requested order.
-        order = np.argsort(documents[rows, 0], kind="stable")
-        stacked = vstack(parts).tocsr()
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(order.size)
-        return stacked[inverse]
-
-    # Only the ids present in the fitting sample: the SVD's components are zero on the others, and the
-    # TF-IDF row norm they would change cancels in the final normalisation (the projection is linear).
-    fit_counts = counts(fit_rows)
-    used = np.flatnonzero(fit_counts.getnnz(axis=0))
-    fit_counts = fit_counts[:, used]
-    tfidf = TfidfTransformer(sublinear_tf=True).fit(fit_counts)
-    dim = max(1, min(config.embedding_dim, used.size - 1, len(fit_rows) - 1))
-    svd = TruncatedSVD(n_components=dim, random_state=config.seed).fit(tfidf.transform(fit_counts))
-    out = np.empty((N, dim), dtype=np.float32)
-    for start in range(0, N, chunk):
-        rows = np.arange(start, min(N, start + chunk))
-        out[rows] = svd.transform(tfidf.transform(counts(rows)[:, used])).astype(np.float32)
-    return normalize(out, norm="l2").astype(np.float32)
-
-
-# ------------------------------------------------------------------------------------- neighbour search
-def nearest_neighbors(
-    embeddings: np.ndarray, k: int, config: SimilarityBatchingConfig
-) -> tuple[np.ndarray, np.ndarray]:
-    """Each document's top-k neighbours by inner product (cosine on unit vectors), itself excluded.
-
-    Args:
-        embeddings: ``[N, d]`` float32 unit rows.
-        k: neighbours per document (at most N - 1 are returned).
-        config: ``exact_search_max_documents`` and ``seed`` (the IVF training sample).
-
-    Returns:
-        ``(ids [N, k'], sims [N, k'])``, most similar first, ``k' = min(k, N - 1)``; -1 ids where the
-        approximate search found fewer.
-    """
-    import faiss
-
-    N, d = embeddings.shape
-    k_eff = min(k, N - 1)
-    if k_eff < 1:
-        return np.zeros((N, 0), np.int64), np.zeros((N, 0), np.float32)
-    x = np.ascontiguousarray(embeddings, dtype=np.float32)
-    if N <= config.exact_search_max_documents:
-        index = faiss.IndexFlatIP(d)
-    else:
-        nlist = int(4 * math.sqrt(N))
-        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
-        sample = np.random.default_rng(config.seed).permutation(N)[: max(40 * nlist, 10_000)]
-        index.train(x[np.sort(sample)])
-        index.nprobe = 32
-    index.add(x)
-    sims, ids = index.search(x, k_eff + 1)
-    # Drop each document itself (not necessarily in column 0 when duplicates tie).
-    own = ids == np.arange(N)[:, None]
-    keep = ~own
-    keep[own.sum(1) == 0, -1] = False  # itself not returned: drop the least similar instead
-    ids = ids[keep].reshape(N, k_eff)
-    sims = sims[keep].reshape(N, k_eff)
-    return ids.astype(np.int64), sims.astype(np.float32)
-
-
-# ---------------------------------------------------------------------------------------- graph traversal
-def greedy_path(ids: np.ndarray, sims: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """ICLM's greedy maximum-travelling-salesman path over the kNN graph (Shi et al. 2024, Algorithm 1).
-
-    The graph is undirected: i and j are joined when either is among the other's neighbours, weighted by
-    their similarity. Start at an unvisited document of minimum degree (ties in a seeded random order),
-    move to the unvisited neighbour of highest weight while there is one, otherwise jump to the next
-    unvisited minimum-degree document.
-
-    Args:
-        ids: ``[N, k]`` neighbour ids (-1 for none).
-        sims: ``[N, k]`` their similarities.
-        seed: seeds the tie-break among documents of equal degree.
-
-    Returns:
-        ``(order [N], linked [N])``: every document once, in path order, and whether each was reached
-        from its predecessor along an edge (False for the first and after every jump).
-    """
-    N = ids.shape[0]
-    src = np.repeat(np.arange(N, dtype=np.int64), ids.shape[1])
-    dst = ids.reshape(-1).astype(np.int64)
-    w = sims.reshape(-1)
-    valid = (dst >= 0) & (dst != src)
-    src, dst, w = src[valid], dst[valid], w[valid]
-    # Both directions, one edge per unordered pair (the larger weight if both lists hold it).
-    a, b = np.concatenate([src, dst]), np.concatenate([dst, src])
-    ww = np.concatenate([w, w])
-    order = np.lexsort((-ww, b, a))
-    a, b, ww = a[order], b[order], ww[order]
-    first = np.ones(a.size, dtype=bool)
-    first[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
-    a, b, ww = a[first], b[first], ww[first]
-    # Within each row, neighbours by decreasing weight.
-    order = np.lexsort((-ww, a))
-    a, b = a[order], b[order]
-    degree = np.bincount(a, minlength=N)
-    indptr = np.concatenate([[0], np.cumsum(degree)])
-    cursor = indptr[:-1].copy()
-
-    rng = np.random.default_rng(seed)
-    start_order = np.lexsort((rng.permutation(N), degree))  # minimum degree first, random ties
-    visited = np.zeros(N, dtype=bool)
-    path = np.empty(N, dtype=np.int64)
-    linked = np.zeros(N, dtype=bool)
-    n, next_start = 0, 0
-    while n < N:
-        while visited[start_order[next_start]]:
-            next_start += 1
-        current = int(start_order[next_start])
-        visited[current] = True
-        path[n], n = current, n + 1
-        while True:
-            row_end = indptr[current + 1]
-            c = cursor[current]
-            while c < row_end and visited[b[c]]:
-                c += 1
-            cursor[current] = c
-            if c == row_end:
-                break
-            current = int(b[c])
-            visited[current] = True
-            path[n], linked[n], n = current, True, n + 1
-    return path, linked
-
-
-def chains_from_path(
-    path: np.ndarray, linked: np.ndarray, lengths: np.ndarray, max_chain_tokens: int
-) -> list[np.ndarray]:
-    """Cut the path into chains: at every jump, and before a chain would exceed ``max_chain_tokens``.
-
-    Args:
-        path: ``[N]`` document indices in path order.
-        linked: ``[N]`` whether each step followed an edge.
-        lengths: ``[N]`` tokens of each document (indexed like ``path``'s values).
-        max_chain_tokens: the largest chain (a longer single document is a chain of its own).
-
-    Returns:
-        The chains, each an array of document indices in path order.
-    """
-    chains: list[np.ndarray] = []
-    start, tokens = 0, 0
-    for i in range(len(path)):
-        length = int(lengths[path[i]])
-        if i > start and (not linked[i] or tokens + length > max_chain_tokens):
-            chains.append(path[start:i])
-            start, tokens = i, 0
-        tokens += length
-    if len(path):
-        chains.append(path[start:])
-    return chains
 
 
 # ------------------------------------------------------------------------------------------- the build
@@ -555,18 +347,7 @@ def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
     t0 = time.perf_counter()
     datasets = [IndexedDataset(p) for p in sources]
     domains = [load_domain_index(p) for p in sources]
-    ranges = [split_ranges(len(ds), split) for ds in datasets]
-    train_docs, valid_docs, test_docs = [], [], []
-    for s, r in enumerate(ranges):
-        for bucket, bounds in zip((train_docs, valid_docs, test_docs), r):
-            if bounds is not None and bounds[1] > bounds[0]:
-                ids = np.arange(bounds[0], bounds[1], dtype=np.int64)
-                bucket.append(np.stack([np.full_like(ids, s), ids], axis=1))
-    if not train_docs:
-        raise ReproError(f"similarity batching: split '{split}' leaves no training document in {', '.join(sources)}")
-    train = np.concatenate(train_docs)
-    valid = np.concatenate(valid_docs) if valid_docs else np.zeros((0, 2), np.int64)
-    test = np.concatenate(test_docs) if test_docs else np.zeros((0, 2), np.int64)
+    train, valid, test = _documents_by_split(datasets, sources, split)
     lengths = np.array([int(datasets[s].sequence_lengths[d]) for s, d in train], dtype=np.int64)
 
     if vocab_size is None:
@@ -582,75 +363,13 @@ def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
     chains = chains_from_path(path, linked, lengths, cfg.max_chain_tokens)
     rng = np.random.default_rng(cfg.seed + 1)
     chains = [chains[i] for i in rng.permutation(len(chains))]  # megatron's split must not see path order
-
-    # Statistics: consecutive documents of a chain against random pairs.
-    pairs = np.array([(c[i], c[i + 1]) for c in chains for i in range(len(c) - 1)], dtype=np.int64).reshape(-1, 2)
-    rand = rng.integers(0, len(train), size=(max(1, min(100_000, len(pairs) or 1000)), 2))
-    dom = np.array([domains[s].doc_domain[d] for s, d in train])
-    dom_name = np.array([domains[s].names[int(dom[i])] for i, (s, _) in enumerate(train)]) if len(train) else dom
-
-    def mean_sim(p):
-        return float(np.mean(np.sum(emb[p[:, 0]] * emb[p[:, 1]], axis=1))) if len(p) else float("nan")
-
-    def same_domain(p):
-        return float(np.mean(dom_name[p[:, 0]] == dom_name[p[:, 1]])) if len(p) else float("nan")
-
-    stats = {
-        "documents": int(len(train)),
-        "chains": len(chains),
-        "mean_chain_tokens": float(np.mean([lengths[c].sum() for c in chains])),
-        "linked_fraction": float(linked[1:].mean()) if len(linked) > 1 else 0.0,
-        "adjacent_similarity": mean_sim(pairs),
-        "random_similarity": mean_sim(rand),
-        "same_domain_adjacent": same_domain(pairs),
-        "same_domain_random": same_domain(rand),
-    }
+    stats = _chain_stats(chains, linked, lengths, emb, train, domains, rng)
 
     parent = Path(out_prefix).parent
     tmp_dir = Path(tempfile.mkdtemp(prefix=f".{Path(out_prefix).name}.", suffix=".tmp", dir=parent))
     tmp = str(tmp_dir / Path(out_prefix).name)
-    builder = None
     try:
-        dtype = datasets[0].index.dtype
-        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
-        names: list[str] = []
-        seq_domain: list[int] = []
-
-        def domain_id(name: str) -> int:
-            if name not in names:
-                names.append(name)
-            return names.index(name)
-
-        offsets, members, member_lengths = [0], [], []
-        for chain in chains:
-            rows = train[chain]
-            tokens = np.concatenate([np.asarray(datasets[s][int(d)]) for s, d in rows])
-            builder.add_document(tokens, [tokens.size])
-            # The chain's domain for the sidecar: the one with most tokens (per-document domains are in
-            # the chains file).
-            by_domain: dict[str, int] = {}
-            for (s, d), n in zip(rows, lengths[chain]):
-                name = domains[s].domain_of(int(d))
-                by_domain[name] = by_domain.get(name, 0) + int(n)
-            seq_domain.append(domain_id(max(by_domain, key=by_domain.get)))
-            members.append(rows)
-            member_lengths.append(lengths[chain])
-            offsets.append(offsets[-1] + len(chain))
-        for rows in (valid, test):
-            for s, d in rows:
-                tokens = np.asarray(datasets[s][int(d)])
-                builder.add_document(tokens, [tokens.size])
-                seq_domain.append(domain_id(domains[s].domain_of(int(d))))
-                members.append(np.array([[s, d]], dtype=np.int64))
-                member_lengths.append(np.array([tokens.size], dtype=np.int64))
-                offsets.append(offsets[-1] + 1)
-        builder.finalize(tmp + ".idx")
-        np.savez(
-            tmp + CHAINS_NPZ,
-            offsets=np.asarray(offsets, dtype=np.int64),
-            members=np.concatenate(members).astype(np.int64),
-            lengths=np.concatenate(member_lengths).astype(np.int64),
-        )
+        names, seq_domain = _write_sequences(tmp, datasets, domains, train, chains, lengths, (valid, test))
         index_dtype = np.uint8 if len(names) <= 1 << 8 else np.uint16 if len(names) <= 1 << 16 else np.uint32
         np.save(tmp + DOMAINS_NPY, np.asarray(seq_domain, dtype=index_dtype))
         first_meta = json.loads(Path(sources[0] + DOMAINS_JSON).read_text())
@@ -678,8 +397,6 @@ def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
         for tmp_file, final in zip(_derived_files(tmp), _derived_files(out_prefix)):
             os.replace(tmp_file, final)
     finally:
-        if builder is not None:
-            builder.data_file.close()
         shutil.rmtree(tmp_dir, ignore_errors=True)
         del datasets
     say(
@@ -688,6 +405,124 @@ def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
         f"({stats['seconds']:.1f} s) -> {out_prefix}"
     )
     return manifest
+
+
+def _documents_by_split(
+    datasets: Sequence[IndexedDataset], sources: Sequence[str], split: str
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The sources' training, validation and test documents under megatron's split of each source.
+
+    Returns:
+        Three ``[n, 2]`` int64 arrays of ``(source index, document id)`` rows, sources in order.
+
+    Raises:
+        ReproError: the split leaves no training document.
+    """
+    ranges = [split_ranges(len(ds), split) for ds in datasets]
+    train_docs, valid_docs, test_docs = [], [], []
+    for s, r in enumerate(ranges):
+        for bucket, bounds in zip((train_docs, valid_docs, test_docs), r):
+            if bounds is not None and bounds[1] > bounds[0]:
+                ids = np.arange(bounds[0], bounds[1], dtype=np.int64)
+                bucket.append(np.stack([np.full_like(ids, s), ids], axis=1))
+    if not train_docs:
+        raise ReproError(f"similarity batching: split '{split}' leaves no training document in {', '.join(sources)}")
+    train = np.concatenate(train_docs)
+    valid = np.concatenate(valid_docs) if valid_docs else np.zeros((0, 2), np.int64)
+    test = np.concatenate(test_docs) if test_docs else np.zeros((0, 2), np.int64)
+    return train, valid, test
+
+
+def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Generator) -> dict:
+    """How similar the chained documents are: consecutive documents of a chain against random pairs.
+
+    Returns:
+        The ``stats`` of :func:`build_similarity_dataset` but ``seconds``.
+    """
+    pairs = np.array([(c[i], c[i + 1]) for c in chains for i in range(len(c) - 1)], dtype=np.int64).reshape(-1, 2)
+    rand = rng.integers(0, len(train), size=(max(1, min(100_000, len(pairs) or 1000)), 2))
+    dom = np.array([domains[s].doc_domain[d] for s, d in train])
+    dom_name = np.array([domains[s].names[int(dom[i])] for i, (s, _) in enumerate(train)]) if len(train) else dom
+
+    def mean_sim(p):
+        return float(np.mean(np.sum(emb[p[:, 0]] * emb[p[:, 1]], axis=1))) if len(p) else float("nan")
+
+    def same_domain(p):
+        return float(np.mean(dom_name[p[:, 0]] == dom_name[p[:, 1]])) if len(p) else float("nan")
+
+    return {
+        "documents": int(len(train)),
+        "chains": len(chains),
+        "mean_chain_tokens": float(np.mean([lengths[c].sum() for c in chains])),
+        "linked_fraction": float(linked[1:].mean()) if len(linked) > 1 else 0.0,
+        "adjacent_similarity": mean_sim(pairs),
+        "random_similarity": mean_sim(rand),
+        "same_domain_adjacent": same_domain(pairs),
+        "same_domain_random": same_domain(rand),
+    }
+
+
+def _write_sequences(tmp, datasets, domains, train, chains, lengths, unchanged) -> tuple[list[str], list[int]]:
+    """Write the derived sequences (``tmp.bin``/``.idx``) and their members (``tmp`` + :data:`CHAINS_NPZ`).
+
+    Args:
+        tmp: the temporary prefix.
+        datasets: the source indexed datasets.
+        domains: their domain sidecars.
+        train: ``[n, 2]`` training documents; ``chains`` index its rows.
+        chains: the chains, in their written order.
+        lengths: tokens of each training document.
+        unchanged: the validation and test documents, each written as a sequence of its own.
+
+    Returns:
+        ``(domain names, domain id of each sequence)`` for the domain sidecar.
+    """
+    builder = None
+    try:
+        dtype = datasets[0].index.dtype
+        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+        names: list[str] = []
+        seq_domain: list[int] = []
+
+        def domain_id(name: str) -> int:
+            if name not in names:
+                names.append(name)
+            return names.index(name)
+
+        offsets, members, member_lengths = [0], [], []
+        for chain in chains:
+            rows = train[chain]
+            tokens = np.concatenate([np.asarray(datasets[s][int(d)]) for s, d in rows])
+            builder.add_document(tokens, [tokens.size])
+            # The chain's domain for the sidecar: the one with most tokens (per-document domains are in
+            # the chains file).
+            by_domain: dict[str, int] = {}
+            for (s, d), n in zip(rows, lengths[chain]):
+                name = domains[s].domain_of(int(d))
+                by_domain[name] = by_domain.get(name, 0) + int(n)
+            seq_domain.append(domain_id(max(by_domain, key=by_domain.get)))
+            members.append(rows)
+            member_lengths.append(lengths[chain])
+            offsets.append(offsets[-1] + len(chain))
+        for rows in unchanged:
+            for s, d in rows:
+                tokens = np.asarray(datasets[s][int(d)])
+                builder.add_document(tokens, [tokens.size])
+                seq_domain.append(domain_id(domains[s].domain_of(int(d))))
+                members.append(np.array([[s, d]], dtype=np.int64))
+                member_lengths.append(np.array([tokens.size], dtype=np.int64))
+                offsets.append(offsets[-1] + 1)
+        builder.finalize(tmp + ".idx")
+    finally:
+        if builder is not None:
+            builder.data_file.close()
+    np.savez(
+        tmp + CHAINS_NPZ,
+        offsets=np.asarray(offsets, dtype=np.int64),
+        members=np.concatenate(members).astype(np.int64),
+        lengths=np.concatenate(member_lengths).astype(np.int64),
+    )
+    return names, seq_domain
 
 
 # ---------------------------------------------------------------------------------------------- command

@@ -40,31 +40,68 @@ Model state in the per-rank files keeps megatron's *local* expert numbering. Res
 layout (checked). :func:`load_model_weights` reads the weights of a checkpoint of *any* DP/EP layout
 into a model of another (e.g. a one-process checkpoint into an EP=2 run): it renumbers experts
 ``local_experts.i`` of EP rank ``r`` to the global ``r * E_local + i`` and back.
+
+This module writes and reads checkpoints; the plain data they hold besides the weights (the run's
+identity and its checks, RNG states, the plain-data check, file digests) is built by
+:mod:`repro.training.checkpoint_data`, whose names are importable from here too.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
-import random
 import re
 import shutil
-from collections import Counter, OrderedDict
-from collections.abc import Mapping
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from repro.errors import ReproError
 from repro.io_utils import atomic_path, error_from_os_error, os_error_message
+from repro.training.checkpoint_data import (
+    IDENTITY_FIELDS,
+    capture_rng_state,
+    check_identity,
+    check_payload_identity,
+    check_plain_data,
+    file_sha256,
+    restore_rng_state,
+    run_identity,
+)
 from repro.training.distributed import Parallel
+
+__all__ = [
+    # this module
+    "FORMAT_VERSION",
+    "INCOMPLETE_DIR",
+    "STEP_DIR",
+    "CheckpointInfo",
+    "check_same_layout",
+    "find_latest_checkpoint",
+    "global_model_state",
+    "incomplete_checkpoints",
+    "load_global_state",
+    "load_model_weights",
+    "load_rank_payload",
+    "rank_file_name",
+    "read_checkpoint_info",
+    "save_checkpoint",
+    "step_dir_name",
+    # the plain data of a checkpoint (repro.training.checkpoint_data), re-exported
+    "IDENTITY_FIELDS",
+    "capture_rng_state",
+    "check_identity",
+    "check_plain_data",
+    "file_sha256",
+    "restore_rng_state",
+    "run_identity",
+]
 
 FORMAT_VERSION = 2
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
@@ -109,163 +146,6 @@ def step_dir_name(step: int) -> str:
 def rank_file_name(rank: int) -> str:
     """``rank_00003.pt`` for global rank 3."""
     return f"rank_{rank:05d}.pt"
-
-
-# --------------------------------------------------------------------------------------- identity
-# identity key -> its path in the run config (repro.training.config.RunConfig.to_dict()). What defines the
-# model a checkpoint's weights belong to; renaming a config field means editing this table.
-IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
-    "router": ("router", "name"),
-    "router_options": ("router", "options"),
-    "flavour": ("model", "flavour"),
-    "num_experts": ("model", "num_experts"),
-    "top_k": ("model", "top_k"),
-    "seq_length": ("model", "seq_length"),
-    "vocab_size": ("data", "vocab_size"),
-}
-
-
-def _json_plain(value: Any) -> Any:
-    """``value`` as it reads back from JSON (tuples become lists, keys strings), for comparisons."""
-    return json.loads(json.dumps(value, sort_keys=True, default=str))
-
-
-def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
-    """What defines a run's model, from its config dict: router, router options, flavour, ...
-
-    Args:
-        config: the run config dict (``RunConfig.to_dict()``).
-
-    Returns:
-        ``{"router", "router_options", "flavour", "num_experts", "top_k", "seq_length", "vocab_size"}`` (see
-        :data:`IDENTITY_FIELDS`), JSON-plain, router options sorted by name; missing fields are None.
-    """
-    identity: dict[str, Any] = {}
-    for key, path in IDENTITY_FIELDS.items():
-        value: Any = config
-        for part in path:
-            value = value.get(part) if isinstance(value, Mapping) else None
-        identity[key] = value
-    identity["router_options"] = dict(sorted(dict(identity["router_options"] or {}).items()))
-    return _json_plain(identity)
-
-
-def _describe_pair(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[str, str]:
-    """Short descriptions of two identities: the router, then every field that differs."""
-    keys = ["router"] + [k for k in IDENTITY_FIELDS if k != "router" and ours.get(k) != theirs.get(k)]
-
-    def describe(identity: Mapping[str, Any]) -> str:
-        return ", ".join(f"{k} {identity.get(k)!r}" for k in keys)
-
-    return describe(ours), describe(theirs)
-
-
-def check_identity(info: CheckpointInfo, config: Mapping[str, Any], what: str = "this run") -> None:
-    """Refuse a checkpoint whose model is not the one ``config`` defines (e.g. resuming another router's run).
-
-    Args:
-        info: the checkpoint.
-        config: the config dict of the run about to use it (see :func:`run_identity`).
-        what: how to name that run in the message.
-
-    Raises:
-        ReproError: the identities differ (one line naming both).
-    """
-    expected = run_identity(config)
-    if _json_plain(info.identity) != expected:
-        stored, wanted = _describe_pair(info.identity, expected)
-        raise ReproError(f"{info.path}: a checkpoint of {stored}, but {what} is {wanted}")
-
-
-# -------------------------------------------------------------------------------------------- RNG
-def capture_rng_state() -> dict[str, Any]:
-    """Every RNG state a training step may draw from (python, numpy, torch CPU, CUDA, megatron tracker).
-
-    Stored as tensors and plain numbers (no numpy arrays, no pickled objects), so a checkpoint holding it
-    loads with ``torch.load(weights_only=True)``.
-    """
-    py_version, py_internal, py_gauss = random.getstate()
-    np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
-    state: dict[str, Any] = {
-        "python": {
-            "version": int(py_version),
-            "internal": torch.tensor(py_internal, dtype=torch.int64),  # 624 words + position, all < 2**32
-            "gauss_next": py_gauss,
-        },
-        "numpy": {
-            "kind": str(np_kind),
-            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "cached_gaussian": float(np_cached),
-        },
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-        tracker = get_cuda_rng_tracker()
-        if tracker.is_initialized():
-            state["megatron_tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
-    return state
-
-
-def restore_rng_state(state: dict[str, Any]) -> None:
-    """Inverse of :func:`capture_rng_state`."""
-    py = state["python"]
-    random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss_next"]))
-    nps = state["numpy"]
-    np.random.set_state(
-        (nps["kind"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["cached_gaussian"])
-    )
-    torch.set_rng_state(state["torch"])
-    if torch.cuda.is_available() and "cuda" in state:
-        torch.cuda.set_rng_state(state["cuda"])
-        if "megatron_tracker" in state:
-            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
-
-            get_cuda_rng_tracker().set_states(state["megatron_tracker"])
-
-
-# ------------------------------------------------------------------------------------ plain data
-# Exact types: a subclass (numpy's float64, a str enum) pickles as its own class, which weights_only refuses.
-_PLAIN_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.device, torch.dtype)
-_PLAIN_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
-
-
-def check_plain_data(obj: Any, where: str = "payload") -> None:
-    """Raise ``ValueError`` naming the first value ``torch.load(weights_only=True)`` could not read back.
-
-    Allowed: tensors (``torch.Tensor``, ``nn.Parameter``), ``str``/``bytes``/numbers/``bool``/``None``,
-    ``torch.Size``/``device``/``dtype``, and dicts, lists, tuples and sets of those.
-
-    Args:
-        obj: the value to check.
-        where: its key path, for the message.
-    """
-    if type(obj) in (torch.Tensor, nn.Parameter) or type(obj) in _PLAIN_LEAVES:
-        return
-    if type(obj) in _PLAIN_CONTAINERS:
-        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
-        for key, value in items:
-            if isinstance(obj, dict) and not isinstance(key, (str, int)):
-                raise ValueError(f"checkpoint key {where}[{key!r}] is a {type(key).__name__}; keys must be str or int")
-            check_plain_data(value, f"{where}[{key!r}]")
-        return
-    raise ValueError(
-        f"checkpoint value {where} is a {type(obj).__module__}.{type(obj).__qualname__}: only tensors and plain "
-        "Python data (str, numbers, bool, None, dict, list, tuple) are saved, so that loading never runs code"
-    )
-
-
-def file_sha256(path: str | os.PathLike) -> str:
-    """The sha256 hex digest of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 # ------------------------------------------------------------------------------------------ saving
@@ -343,25 +223,14 @@ def save_checkpoint(
     aside = root / f".{final.name}.old.tmp"
     identity = run_identity(experiment)
     rank_name = rank_file_name(parallel.rank)
-    error: BaseException | None = None
-
-    def fail(exc: BaseException) -> BaseException:
-        converted = exc if isinstance(exc, ReproError) else error_from_os_error(exc, final, tmp)
-        return converted if converted is not None else exc
 
     # ---- phase 1 (rank 0): a clean temporary directory
-    if parallel.is_main:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            _remove_own_dir(tmp)  # left by a run killed while writing this step
-            tmp.mkdir()
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = fail(exc)
+    error = _attempt(lambda: _fresh_dir(root, tmp), final, tmp) if parallel.is_main else None
     if not _all_ranks_ok(error is None):
         _raise(error, final)
 
     # ---- phase 2 (every rank): its file and digest
-    try:
+    def write_rank_file() -> None:
         payload = {
             "format": FORMAT_VERSION,
             "step": step,
@@ -376,22 +245,9 @@ def save_checkpoint(
             "rng": capture_rng_state(),
             "extra": extra or {},
         }
-        check_plain_data(payload)
-        target = tmp / rank_name
-        with open(target, "wb") as f:
-            # A Python file object: torch reports a failed write as RuntimeError("unexpected pos") with the
-            # OSError (ENOSPC, EROFS) as its context, which is what names the cause for the user.
-            torch.save(payload, f)
-            f.flush()
-            os.fsync(f.fileno())
-        del payload
-        # Read by rank 0 only after every rank reported success, so no partial sidecar is ever read.
-        with open(tmp / f"{rank_name}.sha256", "w") as f:
-            f.write(file_sha256(target) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-    except Exception as exc:  # noqa: BLE001 - reported on every rank below
-        error = fail(exc)
+        _write_rank_file(tmp / rank_name, payload)
+
+    error = _attempt(write_rank_file, final, tmp)
     if not _all_ranks_ok(error is None):
         if parallel.is_main:
             shutil.rmtree(tmp, ignore_errors=True)  # made by phase 1 of this call
@@ -399,46 +255,104 @@ def save_checkpoint(
 
     # ---- phase 3 (rank 0): meta.json, then the rename that makes the checkpoint exist
     if parallel.is_main:
-        try:
-            files = [rank_file_name(r) for r in range(parallel.world_size)]
-            digests = {}
-            for name in files:
-                sidecar = tmp / f"{name}.sha256"
-                digests[name] = sidecar.read_text().strip()
-                sidecar.unlink()
-            meta = {
-                "format": FORMAT_VERSION,
-                "step": step,
-                "consumed_samples": consumed_samples,
-                "layout": parallel.layout(),
-                "identity": identity,
-                "experiment": experiment,
-                "files": files,
-                "sha256": digests,
-            }
-            with open(tmp / "meta.json", "w") as f:
-                json.dump(meta, f, indent=2)
-                f.write("\n")
-                f.flush()
-                os.fsync(f.fileno())
-            _remove_own_dir(aside)
-            if os.path.lexists(final):
-                # A re-run of the same step after a resume from an earlier one: moved aside, then removed.
-                if not _is_own_dir(final):
-                    _remove_own_dir(final)  # raises: not a checkpoint directory
-                os.replace(final, aside)
-            os.replace(tmp, final)
-            shutil.rmtree(aside, ignore_errors=True)
-            with atomic_path(root / "latest") as part:
-                part.write_text(final.name + "\n")
-        except Exception as exc:  # noqa: BLE001 - reported on every rank below
-            error = fail(exc)
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "consumed_samples": consumed_samples,
+            "layout": parallel.layout(),
+            "identity": identity,
+            "experiment": experiment,
+        }
+        error = _attempt(lambda: _publish(root, tmp, final, aside, meta, parallel.world_size), final, tmp)
+        if error is not None:
             shutil.rmtree(tmp, ignore_errors=True)
             if os.path.lexists(aside) and not os.path.lexists(final):
                 os.replace(aside, final)  # the earlier checkpoint of this step goes back
     if not _all_ranks_ok(error is None):
         _raise(error, final)
     return final
+
+
+def _attempt(action: Callable[[], None], final: Path, tmp: Path) -> BaseException | None:
+    """Run one rank's part of a write phase; return its error (not raised: every rank must hear of it first).
+
+    Args:
+        action: the part.
+        final: the checkpoint directory being written (named by the error).
+        tmp: its temporary directory (a file system error on a file in it is an error writing ``final``).
+
+    Returns:
+        None, or the error: a file system error as its one-line :class:`ReproError`, any other as raised.
+    """
+    try:
+        action()
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
+        converted = exc if isinstance(exc, ReproError) else error_from_os_error(exc, final, tmp)
+        return converted if converted is not None else exc
+    return None
+
+
+def _fresh_dir(root: Path, tmp: Path) -> None:
+    """Phase 1 (rank 0): create ``tmp`` empty under ``root``."""
+    root.mkdir(parents=True, exist_ok=True)
+    _remove_own_dir(tmp)  # left by a run killed while writing this step
+    tmp.mkdir()
+
+
+def _write_rank_file(target: Path, payload: dict[str, Any]) -> None:
+    """Phase 2 (every rank): write this rank's file, then its digest beside it (``<name>.sha256``).
+
+    Raises:
+        ValueError: the payload holds a value that is not a tensor or plain data (naming its key).
+    """
+    check_plain_data(payload)
+    with open(target, "wb") as f:
+        # A Python file object: torch reports a failed write as RuntimeError("unexpected pos") with the
+        # OSError (ENOSPC, EROFS) as its context, which is what names the cause for the user.
+        torch.save(payload, f)
+        f.flush()
+        os.fsync(f.fileno())
+    # Read by rank 0 only after every rank reported success, so no partial sidecar is ever read.
+    with open(target.parent / f"{target.name}.sha256", "w") as f:
+        f.write(file_sha256(target) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(root: Path, tmp: Path, final: Path, aside: Path, meta: dict[str, Any], world_size: int) -> None:
+    """Phase 3 (rank 0): ``meta.json`` with every rank file's digest, then ``tmp`` renamed to ``final``.
+
+    Args:
+        root: the checkpoints directory (its ``latest`` is updated last).
+        tmp: the complete temporary directory.
+        final: the checkpoint directory; one already there (a re-run of the same step after a resume from
+            an earlier one) is moved to ``aside`` and removed once ``tmp`` took its place.
+        aside: where the earlier checkpoint of this step waits (the caller moves it back on a failure).
+        meta: the ``meta.json`` entries before ``files`` and ``sha256``.
+        world_size: ranks (one file each).
+    """
+    files = [rank_file_name(r) for r in range(world_size)]
+    digests = {}
+    for name in files:
+        sidecar = tmp / f"{name}.sha256"
+        digests[name] = sidecar.read_text().strip()
+        sidecar.unlink()
+    meta = {**meta, "files": files, "sha256": digests}
+    with open(tmp / "meta.json", "w") as f:
+        json.dump(meta, f, indent=2)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    _remove_own_dir(aside)
+    if os.path.lexists(final):
+        # A re-run of the same step after a resume from an earlier one: moved aside, then removed.
+        if not _is_own_dir(final):
+            _remove_own_dir(final)  # raises: not a checkpoint directory
+        os.replace(final, aside)
+    os.replace(tmp, final)
+    shutil.rmtree(aside, ignore_errors=True)
+    with atomic_path(root / "latest") as part:
+        part.write_text(final.name + "\n")
 
 
 def _raise(error: BaseException | None, final: Path) -> None:
@@ -583,7 +497,7 @@ def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
         except ReproError:
             other = None
         if isinstance(other, dict) and isinstance(other.get("identity"), dict):
-            _check_payload_identity(other, info, path)
+            check_payload_identity(other, info, path)
         raise ReproError(
             f"{path}: changed since it was written (sha256 {actual[:16]}..., {info.path / 'meta.json'} records "
             f"{expected[:16]}...); refusing to load it"
@@ -591,18 +505,9 @@ def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
     payload = _load_plain(path)
     if not isinstance(payload, dict) or payload.get("format") != FORMAT_VERSION or "model" not in payload:
         raise ReproError(f"{path}: not a checkpoint file of format {FORMAT_VERSION}")
-    _check_payload_identity(payload, info, path)
+    check_payload_identity(payload, info, path)
     return payload
 
-
-def _check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: Path) -> None:
-    found = _json_plain(payload.get("identity"))
-    if found != _json_plain(info.identity):
-        theirs, ours = _describe_pair(found or {}, info.identity)
-        raise ReproError(
-            f"{path}: written by a run of {theirs}, but {info.path / 'meta.json'} is a run of {ours}; "
-            "refusing to load another run's weights"
-        )
 
 
 def check_same_layout(info: CheckpointInfo, parallel: Parallel) -> None:

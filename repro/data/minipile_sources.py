@@ -1,0 +1,289 @@
+"""The mini-pile's sources: per domain, where its documents come from and how a file becomes a document text.
+
+A source lists candidates (:class:`Candidate`: a key stable across machines with the same image, and a
+path) and reads one into a document text, or None to skip it; :func:`domain_sources` gives one per name of
+:data:`ALL_DOMAINS` (the table of :mod:`repro.data.minipile`'s docstring). Man pages go through
+:func:`troff_to_text`. Which candidates enter the corpus, the held-out part and the cached build are
+:mod:`repro.data.minipile`'s.
+"""
+
+from __future__ import annotations
+
+import ast
+import gzip
+import hashlib
+import importlib.util
+import os
+import re
+import sysconfig
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+ALL_DOMAINS = ("python_code", "python_docstrings", "python_reference", "licenses", "man_pages", "c_headers")
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One file (or entry) a source may read.
+
+    Attributes:
+        key: stable across machines with the same image: a path relative to the source root.
+        path: where it is read from.
+    """
+
+    key: str
+    path: Path
+
+
+@dataclass(frozen=True)
+class Source:
+    """One domain's source.
+
+    Attributes:
+        name: the domain (one of :data:`ALL_DOMAINS`).
+        list: its candidates, in a fixed order (an ``OSError`` when its directory is unreadable).
+        read: one candidate's document text, or None to skip it.
+        family: a candidate's family, for ``MiniPileConfig.max_docs_per_family`` (None: no families).
+    """
+
+    name: str
+    list: Callable[[], list[Candidate]]
+    read: Callable[[Candidate], str | None]
+    # Candidates of one family (e.g. the ~16k ``gcloud-*`` man pages) are capped so one family cannot fill
+    # a domain; None = no families.
+    family: Callable[[Candidate], str] | None = None
+
+
+_STDLIB_SKIP_DIRS = frozenset(
+    # third-party packages, test suites, generated codec tables, and the reference text (its own domain)
+    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
+)
+
+
+def _stdlib_dir() -> Path:
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_modules(half: int) -> list[Candidate]:
+    """Stdlib ``.py`` files of one half of a fixed hash partition (code and docstrings never share a module)."""
+    root = _stdlib_dir()
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith("config-"))
+        for name in sorted(filenames):
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath) / name
+            key = path.relative_to(root).as_posix()
+            if int(hashlib.sha1(f"stdlib-half:{key}".encode()).hexdigest(), 16) % 2 == half:
+                out.append(Candidate(key, path))
+    return out
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        if path.name.endswith(".gz"):
+            with gzip.open(path, "rb") as f:
+                data = f.read()
+        else:
+            data = path.read_bytes()
+        return data.decode("utf-8")
+    except (OSError, UnicodeDecodeError, EOFError):
+        return None
+
+
+def _docstrings(cand: Candidate) -> str | None:
+    """A pydoc-like page of a module's docstrings: the module's, then each class's and function's."""
+    src = _read_text(cand.path)
+    if src is None:
+        return None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # invalid escape sequences in old modules
+        try:
+            tree = ast.parse(src)
+        except (SyntaxError, ValueError):
+            return None
+    module = cand.key[: -len(".py")].replace("/", ".").removesuffix(".__init__")
+    parts = []
+    doc = ast.get_docstring(tree)
+    parts.append(f"{module}\n{doc}" if doc else module)
+
+    def visit(node: ast.AST, owner: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                d = ast.get_docstring(child)
+                bases = ", ".join(ast.unparse(b) for b in child.bases)
+                if d:
+                    parts.append(f"class {owner}{child.name}({bases})\n" + _indent(d))
+                visit(child, f"{owner}{child.name}.")
+            elif isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                d = ast.get_docstring(child)
+                if d:
+                    parts.append(f"{owner}{child.name}({ast.unparse(child.args)})\n" + _indent(d))
+
+    visit(tree, "")
+    if len(parts) == 1 and not doc:
+        return None
+    return "\n\n".join(parts) + "\n"
+
+
+def _indent(text: str) -> str:
+    return "\n".join(("    " + line) if line else "" for line in text.split("\n"))
+
+
+def _reference_topics() -> list[Candidate]:
+    spec = importlib.util.find_spec("pydoc_data.topics")
+    if spec is None or spec.origin is None:
+        return []
+    from pydoc_data.topics import topics
+
+    return [Candidate(k, Path(spec.origin)) for k in sorted(topics)]
+
+
+def _reference_text(cand: Candidate) -> str | None:
+    from pydoc_data.topics import topics
+
+    return topics.get(cand.key)
+
+
+def _license_files() -> list[Candidate]:
+    out = []
+    lic = _stdlib_dir() / "LICENSE.txt"
+    if lic.is_file():
+        out.append(Candidate("stdlib/LICENSE.txt", lic))
+    common = Path("/usr/share/common-licenses")
+    if common.is_dir():
+        out += [Candidate(f"common-licenses/{p.name}", p) for p in sorted(common.iterdir()) if p.is_file()]
+    docs = Path("/usr/share/doc")
+    if docs.is_dir():
+        copyrights = sorted(docs.glob("*/copyright"))
+        out += [Candidate(f"doc/{p.parent.name}/copyright", p) for p in copyrights if p.is_file()]
+    return out
+
+
+def _man_files() -> list[Candidate]:
+    root = Path("/usr/share/man")
+    out = []
+    for section in range(1, 9):  # English pages only: translations live in /usr/share/man/<lang>/
+        d = root / f"man{section}"
+        if d.is_dir():
+            out += [Candidate(p.relative_to(root).as_posix(), p) for p in sorted(d.iterdir()) if p.is_file()]
+    return out
+
+
+def _header_files() -> list[Candidate]:
+    root = Path("/usr/include")
+    if not root.is_dir():
+        return []
+    return [Candidate(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.h")) if p.is_file()]
+
+
+def _source_file(cand: Candidate) -> str | None:
+    return _read_text(cand.path)
+
+
+def _man_page(cand: Candidate) -> str | None:
+    src = _read_text(cand.path)
+    return None if src is None else troff_to_text(src)
+
+
+def _man_family(cand: Candidate) -> str:
+    return re.split(r"[-_.]", cand.path.name, maxsplit=1)[0]
+
+
+def domain_sources() -> tuple[Source, ...]:
+    """One :class:`Source` per domain, in the order of :data:`ALL_DOMAINS`."""
+    return (
+        Source("python_code", lambda: _stdlib_modules(0), _source_file),
+        Source("python_docstrings", lambda: _stdlib_modules(1), _docstrings),
+        Source("python_reference", _reference_topics, _reference_text),
+        Source("licenses", _license_files, _source_file),
+        Source("man_pages", _man_files, _man_page, _man_family),
+        Source("c_headers", _header_files, _source_file),
+    )
+
+
+# ---- troff (man page) markup to plain text ----
+
+_TROFF_NAMED = {
+    "aq": "'", "dq": '"', "lq": '"', "rq": '"', "oq": "'", "cq": "'", "em": "--", "en": "-", "hy": "-",
+    "bu": "*", "co": "(c)", "rg": "(R)", "mu": "x", ">=": ">=", "<=": "<=", "ti": "~", "ha": "^", "ga": "`",
+    "aa": "'", "ul": "_", "rs": "\\", "sl": "/", "pl": "+", "mi": "-", "eq": "=", "->": "->", "<-": "<-",
+}  # fmt: skip
+_TROFF_ESCAPE = re.compile(
+    r"\\(?:"
+    r"\((?P<named>..)"  # \(xx named glyph
+    r"|\[(?P<bracket>[^\]]*)\]"  # \[xx] named glyph
+    r"|[fF](?:\[[^\]]*\]|\(..|.)"  # font change
+    r"|s[+-]?\d+"  # size change
+    r"|\*(?:\[[^\]]*\]|\(..|.)"  # string interpolation
+    r"|[nk](?:\[[^\]]*\]|\(..|.)"  # register
+    r"|[hvwlLoxzbHSRNDXYZCV]'[^']*'"  # escapes with a quoted argument
+    r"|(?P<char>.)"  # one-character escapes
+    r")"
+)
+_TROFF_CHAR = {"-": "-", "e": "\\", "\\": "\\", " ": " ", "~": " ", "0": " ", "t": "\t", "'": "'", "`": "`", ".": "."}
+_ARGS = re.compile(r'"([^"]*)"|(\S+)')
+_ALTERNATING = frozenset({"BR", "BI", "IB", "IR", "RB", "RI"})
+_INLINE = frozenset({"B", "I", "SM", "SB", "UR", "MT", "OP"})
+_BREAK = frozenset({"PP", "LP", "P", "sp", "TP", "HP", "SH", "SS", "TQ", "PD"})
+
+
+def _troff_inline(text: str) -> str:
+    def sub(m: re.Match) -> str:
+        if m.group("named") is not None:
+            return _TROFF_NAMED.get(m.group("named"), "")
+        if m.group("bracket") is not None:
+            return _TROFF_NAMED.get(m.group("bracket"), "")
+        if m.group("char") is not None:
+            return _TROFF_CHAR.get(m.group("char"), "")
+        return ""
+
+    return _TROFF_ESCAPE.sub(sub, text)
+
+
+def troff_to_text(src: str) -> str | None:
+    """Strip man(7) troff markup to readable plain text (a light converter, not a full troff).
+
+    Args:
+        src: the page source.
+
+    Returns:
+        The text, or ``None`` for a ``.so`` redirection stub or an mdoc(7) page (not handled).
+    """
+    lines = src.replace("\r\n", "\n").split("\n")
+    body = [line for line in lines if line.strip() and not line.startswith(('.\\"', "'\\\"", '.\\}'))]
+    if not body or body[0].startswith(".so ") or any(line.startswith((".Dd", ".Dt")) for line in body[:5]):
+        return None
+    out: list[str] = []
+    skip_until_dots = False
+    for line in lines:
+        if skip_until_dots:
+            skip_until_dots = line.strip() != ".."
+            continue
+        if line.startswith((".", "'")):
+            if line.startswith(('.\\"', "'\\\"")):
+                continue
+            m = re.match(r"[.']\s*(\S*)\s*(.*)", line)
+            name, rest = (m.group(1), m.group(2)) if m else ("", "")
+            args = [a if a is not None and a != "" else b for a, b in _ARGS.findall(rest)]
+            if name in ("de", "de1", "ig", "am"):
+                skip_until_dots = True
+            elif name == "TH" and args:
+                out += [f"{args[0]}({args[1]})" if len(args) > 1 else args[0], ""]
+            elif name in ("SH", "SS"):
+                out += ["", _troff_inline(" ".join(args))] if args else [""]
+            elif name in _ALTERNATING:
+                out.append(_troff_inline("".join(args)))
+            elif name in _INLINE:
+                out.append(_troff_inline(" ".join(args)))
+            elif name == "IP":
+                out += ["", _troff_inline(args[0])] if args else [""]
+            elif name in _BREAK:
+                out.append("")
+            continue  # every other request (.if, .nr, .ds, .in, .br, ...) carries no text
+        out.append(_troff_inline(line))
+    text = re.sub(r"\n{3,}", "\n\n", "\n".join(s.rstrip() for s in out)).strip()
+    return text + "\n" if text else None

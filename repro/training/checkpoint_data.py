@@ -1,0 +1,212 @@
+"""The plain data of a checkpoint besides the weights: the run's identity, RNG states, the plain-data check
+and file digests (see :mod:`repro.training.checkpoint` for the layout and the format these serve; its
+names are importable from there too).
+
+- :func:`run_identity`: what defines the model a checkpoint's weights belong to (router, its options,
+  flavour, ...), read from the run config by :data:`IDENTITY_FIELDS`, recorded in ``meta.json`` and in
+  every rank file; :func:`check_identity` and :func:`check_payload_identity` refuse a checkpoint, or a
+  rank file, of another run, naming both.
+- :func:`capture_rng_state` / :func:`restore_rng_state`: every RNG a training step draws from, stored as
+  tensors and plain numbers.
+- :func:`check_plain_data`: refuses, naming the key, a value that ``torch.load(weights_only=True)`` could
+  not read back, so a checkpoint never needs code to load.
+- :func:`file_sha256`: the digest ``meta.json`` records for each rank file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+from collections import Counter, OrderedDict
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from repro.errors import ReproError
+
+if TYPE_CHECKING:
+    from repro.training.checkpoint import CheckpointInfo
+
+# --------------------------------------------------------------------------------------- identity
+# identity key -> its path in the run config (repro.training.config.RunConfig.to_dict()). What defines the
+# model a checkpoint's weights belong to; renaming a config field means editing this table.
+IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
+    "router": ("router", "name"),
+    "router_options": ("router", "options"),
+    "flavour": ("model", "flavour"),
+    "num_experts": ("model", "num_experts"),
+    "top_k": ("model", "top_k"),
+    "seq_length": ("model", "seq_length"),
+    "vocab_size": ("data", "vocab_size"),
+}
+
+
+def _json_plain(value: Any) -> Any:
+    """``value`` as it reads back from JSON (tuples become lists, keys strings), for comparisons."""
+    return json.loads(json.dumps(value, sort_keys=True, default=str))
+
+
+def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
+    """What defines a run's model, from its config dict: router, router options, flavour, ...
+
+    Args:
+        config: the run config dict (``RunConfig.to_dict()``).
+
+    Returns:
+        ``{"router", "router_options", "flavour", "num_experts", "top_k", "seq_length", "vocab_size"}`` (see
+        :data:`IDENTITY_FIELDS`), JSON-plain, router options sorted by name; missing fields are None.
+    """
+    identity: dict[str, Any] = {}
+    for key, path in IDENTITY_FIELDS.items():
+        value: Any = config
+        for part in path:
+            value = value.get(part) if isinstance(value, Mapping) else None
+        identity[key] = value
+    identity["router_options"] = dict(sorted(dict(identity["router_options"] or {}).items()))
+    return _json_plain(identity)
+
+
+def _describe_pair(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[str, str]:
+    """Short descriptions of two identities: the router, then every field that differs."""
+    keys = ["router"] + [k for k in IDENTITY_FIELDS if k != "router" and ours.get(k) != theirs.get(k)]
+
+    def describe(identity: Mapping[str, Any]) -> str:
+        return ", ".join(f"{k} {identity.get(k)!r}" for k in keys)
+
+    return describe(ours), describe(theirs)
+
+
+def check_identity(info: CheckpointInfo, config: Mapping[str, Any], what: str = "this run") -> None:
+    """Refuse a checkpoint whose model is not the one ``config`` defines (e.g. resuming another router's run).
+
+    Args:
+        info: the checkpoint.
+        config: the config dict of the run about to use it (see :func:`run_identity`).
+        what: how to name that run in the message.
+
+    Raises:
+        ReproError: the identities differ (one line naming both).
+    """
+    expected = run_identity(config)
+    if _json_plain(info.identity) != expected:
+        stored, wanted = _describe_pair(info.identity, expected)
+        raise ReproError(f"{info.path}: a checkpoint of {stored}, but {what} is {wanted}")
+
+
+def check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: Path) -> None:
+    """Refuse a rank file written by another run than the one its checkpoint's ``meta.json`` describes.
+
+    Args:
+        payload: the rank file's content (its ``identity`` entry is compared).
+        info: the checkpoint it was found in.
+        path: the rank file, for the message.
+
+    Raises:
+        ReproError: the identities differ (one line naming both).
+    """
+    found = _json_plain(payload.get("identity"))
+    if found != _json_plain(info.identity):
+        theirs, ours = _describe_pair(found or {}, info.identity)
+        raise ReproError(
+            f"{path}: written by a run of {theirs}, but {info.path / 'meta.json'} is a run of {ours}; "
+            "refusing to load another run's weights"
+        )
+
+
+# -------------------------------------------------------------------------------------------- RNG
+def capture_rng_state() -> dict[str, Any]:
+    """Every RNG state a training step may draw from (python, numpy, torch CPU, CUDA, megatron tracker).
+
+    Stored as tensors and plain numbers (no numpy arrays, no pickled objects), so a checkpoint holding it
+    loads with ``torch.load(weights_only=True)``.
+    """
+    py_version, py_internal, py_gauss = random.getstate()
+    np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": {
+            "version": int(py_version),
+            "internal": torch.tensor(py_internal, dtype=torch.int64),  # 624 words + position, all < 2**32
+            "gauss_next": py_gauss,
+        },
+        "numpy": {
+            "kind": str(np_kind),
+            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+            "pos": int(np_pos),
+            "has_gauss": int(np_has_gauss),
+            "cached_gaussian": float(np_cached),
+        },
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+        from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+        tracker = get_cuda_rng_tracker()
+        if tracker.is_initialized():
+            state["megatron_tracker"] = {k: v.clone() for k, v in tracker.get_states().items()}
+    return state
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Inverse of :func:`capture_rng_state`."""
+    py = state["python"]
+    random.setstate((py["version"], tuple(int(x) for x in py["internal"].tolist()), py["gauss_next"]))
+    nps = state["numpy"]
+    np.random.set_state(
+        (nps["kind"], nps["keys"].numpy().astype(np.uint32), nps["pos"], nps["has_gauss"], nps["cached_gaussian"])
+    )
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+        if "megatron_tracker" in state:
+            from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+            get_cuda_rng_tracker().set_states(state["megatron_tracker"])
+
+
+
+# ------------------------------------------------------------------------------------ plain data
+# Exact types: a subclass (numpy's float64, a str enum) pickles as its own class, which weights_only refuses.
+_PLAIN_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.device, torch.dtype)
+_PLAIN_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
+
+
+def check_plain_data(obj: Any, where: str = "payload") -> None:
+    """Raise ``ValueError`` naming the first value ``torch.load(weights_only=True)`` could not read back.
+
+    Allowed: tensors (``torch.Tensor``, ``nn.Parameter``), ``str``/``bytes``/numbers/``bool``/``None``,
+    ``torch.Size``/``device``/``dtype``, and dicts, lists, tuples and sets of those.
+
+    Args:
+        obj: the value to check.
+        where: its key path, for the message.
+    """
+    if type(obj) in (torch.Tensor, nn.Parameter) or type(obj) in _PLAIN_LEAVES:
+        return
+    if type(obj) in _PLAIN_CONTAINERS:
+        items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+        for key, value in items:
+            if isinstance(obj, dict) and not isinstance(key, (str, int)):
+                raise ValueError(f"checkpoint key {where}[{key!r}] is a {type(key).__name__}; keys must be str or int")
+            check_plain_data(value, f"{where}[{key!r}]")
+        return
+    raise ValueError(
+        f"checkpoint value {where} is a {type(obj).__module__}.{type(obj).__qualname__}: only tensors and plain "
+        "Python data (str, numbers, bool, None, dict, list, tuple) are saved, so that loading never runs code"
+    )
+
+
+def file_sha256(path: str | os.PathLike) -> str:
+    """The sha256 hex digest of a file, read in 1 MiB blocks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
