@@ -6,10 +6,12 @@ Modules:
     indexed    shards -> ``PREFIX.bin/.idx`` with a per-document domain sidecar (imports megatron-core)
     datasets   megatron ``GPTDataset`` train/valid/test via ``BlendedMegatronDatasetBuilder``; batch loader;
                token -> document -> domain mapping (imports megatron-core and torch)
-    minipile   the embedded multi-domain corpus built from text on the machine (``build_mini_pile``)
-    similarity Lory's similarity-based batching: a derived dataset of chains of similar documents
+    minipile   the embedded multi-domain corpus built from text on the machine (``build_mini_pile``);
+               its per-domain source readers in ``minipile_sources``
+    similarity Lory's similarity-based batching: a derived dataset of chains of similar documents; the
+               document vectors, neighbour search and chains in ``similarity_chains``
     token_counts  training-token counts per id (Hash's ``balanced`` table)
-    cli        ``python -m repro data mini-pile|tokenize``
+    cli        ``python -m repro data mini-pile|tokenize|token-counts``
 
 The names below are importable from ``repro.data`` directly; each loads its module on first use, so
 ``import repro.data`` stays cheap (megatron-core is imported only by what needs it).

@@ -9,7 +9,8 @@ Public API::
 Modules: ``config`` (:class:`RunConfig`, dot-list overrides), ``experiments`` (``<router>-<scale>`` names
 derived from the router registry), ``trainer`` (:class:`~repro.training.trainer.Trainer` and ``train``;
 imports megatron-core), ``components`` (validation, step log, checkpoints), ``log`` (``log.jsonl`` rows),
-``run_dir`` (a run directory's files, lock and start rules), ``checkpoint``, ``data``, ``optim``,
+``run_dir`` (a run directory's files, lock and start rules), ``checkpoint`` (with ``checkpoint_data``:
+identity, RNG states, plain-data checks), ``data``, ``optim``,
 ``lr_schedule``, ``distributed``, ``synthetic``, ``inference`` (checkpoints as scoring models), ``cli``.
 """
 
