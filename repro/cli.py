@@ -27,6 +27,11 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 }
 
 
+def comma_list(text: str) -> list[str]:
+    """An argparse type: ``"a, b,,c"`` -> ``["a", "b", "c"]`` (for task, format and router lists)."""
+    return [item.strip() for item in text.split(",") if item.strip()]
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
     lines = ["usage: python -m repro <command> [options]", "", "commands:"]

@@ -17,11 +17,8 @@ import argparse
 import json
 from pathlib import Path
 
+from repro.cli import comma_list
 from repro.evaluation.offline import ensure_offline
-
-
-def _task_list(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def main(argv: list[str], prog: str) -> int:
@@ -38,7 +35,7 @@ def main(argv: list[str], prog: str) -> int:
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory written by the training loop")
     parser.add_argument(
         "--tasks",
-        type=_task_list,
+        type=comma_list,
         default=None,
         help="comma-separated lm-eval tasks (default: the local tasks with --local-tasks, else "
         "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race)",

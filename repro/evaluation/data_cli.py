@@ -16,13 +16,11 @@ import argparse
 import os
 import tempfile
 
+from repro.cli import comma_list
 from repro.errors import ReproError
 
 _ON = ("1", "on", "yes", "true")
 
-
-def _task_list(text: str) -> list[str]:
-    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def main(argv: list[str], prog: str) -> int:
@@ -47,7 +45,7 @@ def main(argv: list[str], prog: str) -> int:
     check_p = sub.add_parser("check", help="check offline that a task-data folder holds every task's data")
     check_p.add_argument("folder", help="the task-data folder")
     for p in (fetch_p, check_p):
-        p.add_argument("--tasks", type=_task_list, default=paper_tasks,
+        p.add_argument("--tasks", type=comma_list, default=paper_tasks,
                        help=f"comma-separated lm-eval tasks (default: {','.join(paper_tasks)})")
     args = parser.parse_args(argv)
 

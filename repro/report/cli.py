@@ -16,11 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from repro.cli import comma_list
 from repro.errors import ReproError
-
-
-def _formats(text: str) -> list[str]:
-    return [f.strip() for f in text.split(",") if f.strip()]
 
 
 def tables_main(argv: list[str], prog: str) -> int:
@@ -53,7 +50,7 @@ def tables_main(argv: list[str], prog: str) -> int:
     parser.add_argument("--published", action="store_true", help="show published numbers and deltas beside the runs")
     parser.add_argument("--ledger", default=None, help="published-number directory (default: results/published)")
     parser.add_argument("--out", default=None, help="write <table>.<format> files here (default: Markdown to stdout)")
-    parser.add_argument("--format", type=_formats, default=list(FORMATS), help="with --out: any of md,csv,tex")
+    parser.add_argument("--format", type=comma_list, default=list(FORMATS), help="with --out: any of md,csv,tex")
     parser.add_argument(
         "--metric", choices=ZERO_SHOT_METRICS, default="auto",
         help="zero-shot metric: acc, acc_norm, or auto (acc_norm where the task reports it, acc otherwise)",
