@@ -389,7 +389,8 @@ def test_training_refuses_a_batch_script_of_several_tasks(tmp_path):
 
 # ------------------------------------------------------------------------- real rendezvous (gloo, CPU)
 _WORKER = textwrap.dedent("""
-    import os, warnings
+    import os, sys, warnings
+    from pathlib import Path
     warnings.filterwarnings("ignore")
     import torch
     import torch.distributed as dist
@@ -398,8 +399,9 @@ _WORKER = textwrap.dedent("""
     info = init_distributed(tp=1, ep=1, seed=1)
     x = torch.tensor([float(info.rank + 1)])
     dist.all_reduce(x)
-    print(f"RANK-OK {info.rank}/{info.world_size} local={info.local_rank} env={os.environ['RANK']} sum={x.item():g}",
-          flush=True)
+    # One file per rank: ranks launched by torchrun share one stdout, whose lines may interleave.
+    line = f"RANK-OK {info.rank}/{info.world_size} local={info.local_rank} env={os.environ['RANK']} sum={x.item():g}"
+    (Path(sys.argv[1]) / f"rank{info.rank}.txt").write_text(line)
     destroy_distributed()
 """)
 
@@ -411,12 +413,13 @@ def test_c10d_rendezvous_two_processes(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(_WORKER)
     launch = rl.Launch(nodes=1, gpus_per_node=2, endpoint=f"localhost:{_free_port()}", rdzv_id="test-c10d")
-    cmd = rl.torchrun_command(launch, [str(worker)], launcher=(sys.executable, "-m", "torch.distributed.run"))
+    cmd = rl.torchrun_command(launch, [str(worker), str(tmp_path)],
+                              launcher=(sys.executable, "-m", "torch.distributed.run"))
     assert "--rdzv_backend=c10d" in cmd
     proc = subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=240)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
-    assert sorted(line for line in proc.stdout.splitlines() if line.startswith("RANK-OK")) == [
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [
         "RANK-OK 0/2 local=0 env=0 sum=3", "RANK-OK 1/2 local=1 env=1 sum=3"]
 
 
@@ -437,10 +440,10 @@ def test_srun_style_tasks_find_each_other(tmp_path):
         env = _clean_env(SLURM_JOB_ID="90000", SLURM_NTASKS="2", SLURM_STEP_NUM_TASKS="2", SLURM_PROCID=str(rank),
                          SLURM_LOCALID=str(rank), SLURM_STEP_NODELIST="node[1-2]", MASTER_PORT=str(port),
                          PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
-        procs.append(subprocess.Popen([sys.executable, str(worker)], cwd=REPO, env=env, stdout=subprocess.PIPE,
+        procs.append(subprocess.Popen([sys.executable, str(worker), str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
-    assert [o.strip().splitlines()[-1] for o, _ in outs] == [
+    assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [
         "RANK-OK 0/2 local=0 env=0 sum=3", "RANK-OK 1/2 local=1 env=1 sum=3"]
