@@ -150,13 +150,11 @@ def pile_185m(session: nox.Session) -> None:
 
 @nox.session(name="efficiency-185m")
 def efficiency_185m(session: nox.Session) -> None:
-    """Efficiency only: 300 iterations of LLaMA-185M at the papers' batch (512 x 1024), iteration time and TFLOP/s:
-    nox -s efficiency-185m -- --router all --data PREFIX --gpus 8."""
+    """Iteration time and TFLOP/s of every router and dense, LLaMA-185M on synthetic tokens at the papers' per-GPU
+    batch, with the published rows: nox -s efficiency-185m -- [--gpus 8] [--router dirmoe,switch] [--out DIR]
+    (all options: python -m repro efficiency --help)."""
     _install(session, "dev,eval,gpu")
-    args = _scale_args(session)
-    for router in _routers(session, args.router):
-        out = f"{args.out}/efficiency/{router}-185m"
-        _torchrun_train(session, args, f"{router}-185m", out, ["schedule.steps=300", "validation.interval=0", "checkpoint.interval=0"])
+    session.run("python", "-m", "repro", "efficiency", "--flavour", "llama-185m", "--published", *session.posargs, env=OFFLINE_ENV)
 
 
 @nox.session(name="sweep-k")

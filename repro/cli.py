@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "check": ("repro.report.cli", "check_main", "regression-check a run against published numbers or a run"),
     "mini": ("repro.mini", "main", "the whole comparison on the embedded default (CPU)"),
     "bench-table": ("repro.report.bench_table", "main", "summarise a pytest-benchmark JSON as a table"),
+    "efficiency": ("repro.efficiency", "main", "iteration time and TFLOP/s of every router and dense on 1..N GPUs"),
 }
 
 
