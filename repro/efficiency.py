@@ -3,9 +3,10 @@
 For each requested run (default: every router with experiments but megatron's own TopKRouter, then dense) it
 trains the first iterations of the ``<router>-<scale>`` experiment on synthetic tokens, skips the warm-up
 iterations, and reports the median iteration time (with min and max), tokens/s and TFLOP/s per device
-(Megatron-LM's model-FLOPs count, :mod:`repro.report.flops`). One device runs the runs in this process one
-after another; ``--gpus N`` (N > 1) launches ``torchrun --standalone --nproc_per_node N -m repro train ...``
-for each run (data parallel over N processes: NCCL on GPUs, gloo on CPU). Outputs in ``--out``::
+(Megatron-LM's model-FLOPs count, :mod:`repro.report.flops`). Runs go one after another, each in fresh
+processes (:func:`train_command`): ``python -m repro train`` for one device, ``torchrun --standalone
+--nproc_per_node N -m repro train`` for ``--gpus N`` (data parallel over N processes: NCCL on GPUs, gloo on
+CPU). Outputs in ``--out``::
 
     runs/<run>/        config.json, log.jsonl, record.json (run record: device, GPU count, backend, versions)
     efficiency.md|csv|tex   the efficiency table (with --published: the papers' rows beside)
@@ -17,7 +18,7 @@ Example (one H100, only torch and the carried wheels installed; README "Efficien
     python -m repro efficiency --gpus 8 --router dirmoe,switch --out runs/efficiency-8gpu
     python -m repro efficiency --flavour tiny --warmup 2 --iters 5 --out /tmp/eff      # CPU, minutes
 
-Defaults, each one option away (sources in brackets):
+Defaults, each one option away:
 
 1. **Synthetic tokens at GPT-2's vocabulary** (``--vocab-size 50257``; ``data.source=synthetic``): no data set
    is needed, and the model has the papers' embedding and output sizes (padded to 50304). Dense compute does
@@ -25,8 +26,8 @@ Defaults, each one option away (sources in brackets):
    bigram chain's id distribution rather than The Pile's. ``--set data.source=pile:PREFIX`` measures on real
    tokens instead.
 2. **The papers' per-device work** (``--accumulation``, ``--global-batch``). The papers train 512 x 1024 tokens
-   per iteration on ~8 GPUs (Megatron's FLOPs formula with 437.3 ms and 137.2 TFLOP/s per GPU gives 8.5;
-   DESIGN section 5), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
+   per iteration on ~8 GPUs (Megatron's FLOPs count, :mod:`repro.report.flops`, with the DirMoE paper's 437.3 ms
+   and 137.2 TFLOP/s per GPU gives 8.5), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
    accumulation steps. Every device here does the same by default: the global batch is 16 x 4 x N sequences
    of 1024 on N GPUs (64 x 1024 tokens on one GPU), so ms/iter and TFLOP/s per GPU compare with the papers'
    directly, up to the data-parallel all-reduce of 8 GPUs. The ``tiny`` flavour keeps its recipe's 8
@@ -39,6 +40,12 @@ Defaults, each one option away (sources in brackets):
 4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA/cuBLAS
    initialisation, allocator growth and torch.compile; the median resists an odd slow iteration; min and max
    are in the summary.
+5. **A fresh process per run**, also for one device (:func:`train_command`). In one process a finished run
+   stays in memory: megatron-core's DDP wrapper registers gradient hooks that close over it, and the cycle
+   through those C++ hooks is never collected. Measured with four tiny runs in one process (``train()`` then
+   ``gc.collect()``): the first run's model still alive after it returned, live tensors 137, 333, 336, 471
+   and resident memory 542, 662, 887, 888 MiB after each. Later runs would report the earlier ones' memory in
+   their peak, and nine LLaMA-185M runs could exhaust a GPU.
 
 Output directories follow the suite's rules (:mod:`repro.io_utils`): ``--out`` must be new, empty, or an
 earlier output of this command (it holds ``.efficiency-out``); a run directory is replaced only when it holds
@@ -50,7 +57,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import gc
 import os
 import re
 import shlex
@@ -370,38 +376,35 @@ def _prepare_dirs(plan: EfficiencyPlan) -> None:
 
 
 # ------------------------------------------------------------------------------------------ running
-def _run_in_process(plan: EfficiencyPlan, run: RunSpec, config) -> None:
-    import torch
+def train_command(plan: EfficiencyPlan, run: RunSpec) -> list[str]:
+    """The command that trains one run in fresh processes: ``python -m repro train`` for one device,
+    ``python -m torch.distributed.run --standalone --nproc_per_node N -m repro train`` for N, with the
+    dot-list of :func:`efficiency_overrides` (``train`` builds the config from it exactly as
+    :meth:`EfficiencyPlan.config` does) and ``--stop-after`` the iterations to run.
 
-    from repro.training.trainer import train
-
-    gc.collect()
-    if torch.cuda.is_available():
-        # Peak memory per run: the previous run's tensors are gone and the counter starts again.
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    train(config, plan.run_dir(run), stop_after=plan.steps_run)
-
-
-def _torchrun_command(plan: EfficiencyPlan, run: RunSpec) -> list[str]:
-    """``python -m torch.distributed.run ... -m repro train`` for one run, with the dot-list of
-    :func:`efficiency_overrides` (``train`` builds the config from it exactly as :meth:`EfficiencyPlan.config`)."""
+    A fresh process per run, also for one device: megatron-core's DDP wrapper keeps its model alive after a
+    run (its gradient hooks close over it), so runs sharing a process would each keep the previous models'
+    memory, and report it in their peak.
+    """
+    launcher = [sys.executable]
+    if plan.devices > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.devices}"]
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.devices}",
-        "-m", "repro", "train", "--experiment", f"{run.router}-{plan.scale}", "--out", str(plan.run_dir(run)),
-        "--stop-after", str(plan.steps_run),
+        *launcher, "-m", "repro", "train", "--experiment", f"{run.router}-{plan.scale}",
+        "--out", str(plan.run_dir(run)), "--stop-after", str(plan.steps_run),
     ]
     for item in efficiency_overrides(run.router, plan.flavour, **plan.config_kwargs(run)):
         cmd += ["--set", item]
     return cmd
 
 
-def _run_torchrun(plan: EfficiencyPlan, run: RunSpec) -> None:
+def _train(plan: EfficiencyPlan, run: RunSpec) -> None:
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run(_torchrun_command(plan, run), env=env, cwd=os.getcwd(), check=False)
+    proc = subprocess.run(train_command(plan, run), env=env, cwd=os.getcwd(), check=False)
     if proc.returncode != 0:
-        raise ReproError(f"torchrun exited with status {proc.returncode} (its output is above)")
+        what = "torchrun" if plan.devices > 1 else "python -m repro train"
+        raise ReproError(f"{what} exited with status {proc.returncode} (its output is above)")
 
 
 def _device_name(on_gpu: bool) -> str | None:
@@ -663,16 +666,13 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
     for run in plan.runs:
         start = time.perf_counter()
         try:
-            if plan.devices == 1:
-                _run_in_process(plan, run, plan.config(run))
-            else:
-                _run_torchrun(plan, run)
+            _train(plan, run)
             from repro.report.store import load_record
 
             records[run.label] = load_record(_write_record(plan, run, device))
         except Exception as exc:  # noqa: BLE001 - one failed run must not lose the others' measurements
             if not isinstance(exc, ReproError):
-                traceback.print_exc()  # an unexpected failure (CUDA out of memory, a compiler error): all of it
+                traceback.print_exc()  # an unexpected failure here (the training's own output is above)
             errors[run.label] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
         wall[run.label] = time.perf_counter() - start
         state = f"FAILED ({errors[run.label]})" if run.label in errors else "done"

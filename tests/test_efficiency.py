@@ -1,4 +1,4 @@
-"""``python -m repro efficiency`` on CPU (in this process and under torchrun): its records, table and summary, its
+"""``python -m repro efficiency`` on CPU (one process per run, and two under torchrun): its records, table and summary, its
 configuration against the papers' batch, its refusals; and DirMoE's compiled elementwise blocks against eager."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def _times_ms(run_dir: Path) -> list[float]:
 
 # ------------------------------------------------------------------------------------------ the command
 @pytest.mark.slow
-def test_two_routers_and_dense_in_one_process(tmp_path, capsys):
+def test_two_routers_and_dense_on_one_cpu_device(tmp_path, capsys):
     out = tmp_path / "eff"
     assert cli_main(["efficiency", "--router", "switch,dirmoe,dense", *FAST, "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -56,6 +56,8 @@ def test_two_routers_and_dense_in_one_process(tmp_path, capsys):
         config = json.loads((run_dir / "config.json").read_text())
         assert config["experiment"]["data"]["source"] == "synthetic" and config["vocab_size"] == 256
         assert config["num_microbatches"] == 2
+        # the training process built exactly the configuration the command planned
+        assert RunConfig.from_dict(config["experiment"]) == efficiency_config(label, "tiny", steps=3, vocab_size=256)
         # stopped after warm-up + measured iterations, before the schedule's end: no checkpoint
         times = _times_ms(run_dir)
         assert len(times) == 3 and not (run_dir / "checkpoints").exists()
@@ -79,14 +81,6 @@ def test_two_routers_and_dense_in_one_process(tmp_path, capsys):
     assert "Tokens per iteration: 8 x 128 = 1,024" in (out / "efficiency.md").read_text()
     assert "\\begin{table}" in (out / "efficiency.tex").read_text()
     assert "DirMoE / Switch (median iteration time)" in capsys.readouterr().out
-
-    # Again into the same directory: only the run asked for is replaced, the others are kept as they were.
-    switch_log = (out / "runs" / "switch" / "log.jsonl").read_bytes()
-    dense_log = (out / "runs" / "dense" / "log.jsonl").read_bytes()
-    assert cli_main(["efficiency", "--router", "dense", *FAST, "--out", str(out)]) == 0
-    assert (out / "runs" / "switch" / "log.jsonl").read_bytes() == switch_log
-    assert (out / "runs" / "dense" / "log.jsonl").read_bytes() != dense_log  # new timings
-    assert list(json.loads((out / "summary.json").read_text())["runs"]) == ["dense"]
 
 
 @pytest.mark.slow
@@ -179,6 +173,22 @@ def test_outputs_it_did_not_write_are_refused_and_left_alone(capsys, tmp_path):
     afile = tmp_path / "afile"
     afile.write_text("x")
     assert "is not a directory" in _error(capsys, ["--out", str(afile)])
+
+
+def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
+    from repro.efficiency import _check_out_dir, _prepare_dirs, parse
+
+    out = tmp_path / "eff"
+    for run in ("switch", "dense"):
+        (out / "runs" / run).mkdir(parents=True)
+        (out / "runs" / run / RUN_MARKER).write_text("")
+        (out / "runs" / run / "log.jsonl").write_text(f"{run}'s earlier log")
+    (out / OUT_MARKER).write_text("")
+    plan = parse(["--router", "dense", "--out", str(out)], "efficiency")
+    _check_out_dir(plan)
+    _prepare_dirs(plan)
+    assert (out / "runs" / "switch" / "log.jsonl").read_text() == "switch's earlier log"
+    assert sorted(p.name for p in (out / "runs" / "dense").iterdir()) == [RUN_MARKER]  # fresh for the new run
 
 
 def test_refused_under_an_outer_torchrun(capsys, monkeypatch, tmp_path):
