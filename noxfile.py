@@ -300,12 +300,16 @@ def pile_185m(session: nox.Session) -> None:
 
 @nox.session(name="efficiency-185m")
 def efficiency_185m(session: nox.Session) -> None:
-    """Efficiency only: 300 iterations of LLaMA-185M at the papers' batch (512 x 1024), iteration time and TFLOP/s:
-    nox -s efficiency-185m -- --router all --data PREFIX --gpus 8."""
-    args = _scale_args(session)
-    for router in _install_scale(session, args, ""):
-        out = f"{args.out}/efficiency/{router}-185m"
-        _torchrun_train(session, args, f"{router}-185m", out, ["schedule.steps=300", "validation.interval=0", "checkpoint.interval=0"])
+    """Iteration time and TFLOP/s of every router and dense, LLaMA-185M on synthetic tokens at the papers' per-GPU
+    batch, with the published rows, on one node: nox -s efficiency-185m -- [--wheelhouse DIR] [--extras gpu]
+    [--gpus 8] [--router dirmoe,switch] [--out DIR] (the other options: python -m repro efficiency --help)."""
+    parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --", add_help=False)
+    parser.add_argument("--wheelhouse", default=None)
+    parser.add_argument("--extras", default="")
+    args, rest = parser.parse_known_args(session.posargs)
+    _see_launching_env(session)
+    _install(session, args.extras, args.wheelhouse)
+    session.run("python", "-m", "repro", "efficiency", "--flavour", "llama-185m", "--published", *rest, env=OFFLINE_ENV)
 
 
 @nox.session(name="sweep-k")

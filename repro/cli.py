@@ -24,6 +24,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "bench-table": ("repro.report.bench_table", "main", "summarise a pytest-benchmark JSON as a table"),
     "golden": ("repro.golden", "main", "compare fresh runs with the golden loss curves (or --refresh them)"),
     "launch": ("repro.launch", "main", "print the torchrun command or SLURM script for N nodes x G GPUs"),
+    "efficiency": ("repro.efficiency", "main", "iteration time and TFLOP/s of every router and dense on 1..N GPUs"),
 }
 
 

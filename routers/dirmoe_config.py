@@ -191,6 +191,29 @@ Gaps and inconsistencies in the paper, and the switchable defaults chosen here
     sum to the mean experts per token over k. Like Switch, only in training forwards with grad enabled;
     the metric ``balance_loss`` (coefficient 1) is reported always.
 
+Implementation option (not the maths)
+--------------------------------------
+
+``compile_elementwise`` (default ``"auto"``). The router's elementwise maths lives in two pure functions of
+tensors in :mod:`routers.dirmoe`: the gates and concentrations (Logistic noise, relaxed gates, the alpha heads'
+softplus, posterior and prior concentrations), and the combine weights with the three loss terms (g_psi and the
+reconstruction term, the Dirichlet KL, the sparsity penalty). They run as they are (eager) or through
+``torch.compile``, whose inductor fuses each into a few kernels; the uniforms and the Dirichlet draw stay
+outside, so both modes draw the same random numbers and compute the same maths, and differ only in float32
+rounding (routing maps equal, everything else within 1e-3 of each tensor's scale:
+``tests/test_efficiency.py``). ``"auto"`` compiles on CUDA where Triton is installed and runs eager elsewhere;
+``"always"`` compiles wherever inductor has a compiler (a C++ compiler on CPU) and refuses otherwise;
+``"never"`` is eager everywhere. Eager on CPU because it did not pay there, measured with
+``OMP_NUM_THREADS=1 pytest benchmarks/test_router_bench.py benchmarks/test_iteration_bench.py -k "switch or
+dirmoe" --benchmark-only --benchmark-enable --benchmark-timer=time.process_time`` (2-core machine shared with
+other jobs, so process time; medians of two runs, ``results/bench/dirmoe_compile.run1.json`` and
+``dirmoe_compile.json``, and ``results/bench/iteration.json``): the router alone, forward + backward at T=4096,
+D=768, went from 83 / 65 ms to 42 / 50 ms (Switch: 10.7 / 10.3 ms), but at the tiny model's per-layer shape
+(T=512, D=128) only from 5.0 / 5.3 to 4.3 / 4.8 ms, and a tiny-model iteration not at all (210 ms eager,
+222 ms compiled, Switch 200 ms), while compiling costs one to two minutes per process. On a GPU, where the eager maths is a string of small kernels,
+the fusion is expected to pay; ``python -m repro efficiency`` measures it there (README, "Efficiency on any
+number of GPUs").
+
 Metrics (all detached; ``[E]`` marks per-expert vectors)
 --------------------------------------------------------
 
@@ -236,6 +259,7 @@ _DISPATCH = ("threshold", "topk", "dense")
 _RECON_TARGETS = ("raw", "centered", "data_mean")
 _GATE_BIAS_INITS = ("tempered", "inclusion")
 _POSTERIOR_SCALES = ("free", "tied", "prior_matched", "normalized")
+_COMPILE_MODES = ("auto", "always", "never")
 
 
 @dataclass(frozen=True)
@@ -310,6 +334,9 @@ class DirMoEConfig(RouterConfig):
     decoder_hidden_size: int = 0  # 0: g_psi = Linear(E, D); > 0: Linear(E, H) -> SiLU -> Linear(H, D)
     init_std: float = 0.01  # std of the heads' and decoder's weights (the model's init std)
     balance_loss_coeff: float = 0.0  # Switch's load-balancing loss on r and the dispatch map; 0: off (gap 12)
+    # ---- implementation (not the maths)
+    # torch.compile of the elementwise blocks: "auto" (CUDA with Triton; eager elsewhere) | "always" | "never"
+    compile_elementwise: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -358,6 +385,7 @@ class DirMoEConfig(RouterConfig):
         choice("recon_target", _RECON_TARGETS)
         choice("gate_bias_init", _GATE_BIAS_INITS)
         choice("posterior_scale", _POSTERIOR_SCALES)
+        choice("compile_elementwise", _COMPILE_MODES)
         momentum = self.recon_mean_momentum
         if not (is_finite_number(momentum) and 0 <= momentum <= 1):
             raise ValueError(f"recon_mean_momentum must be in [0, 1], got {momentum!r}")

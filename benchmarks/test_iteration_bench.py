@@ -1,0 +1,125 @@
+"""Training-iteration benchmark: DirMoE's iteration time over Switch's in the same model, on this machine.
+
+One optimizer step of the trainer (``Trainer.train_step``: every micro-batch's forward and backward, gradient
+clipping, the optimizer step and the step's metrics) on the efficiency command's configuration
+(``repro.efficiency.efficiency_config``: synthetic tokens, the recipe's micro-batch, no checkpoints): LLaMA-185M
+with micro-batch 16 x 4 accumulation steps of 1024 tokens at GPT-2's vocabulary where CUDA is available; on CPU
+the ``tiny`` flavour (micro-batch 4 x 2 of 128) at the mini-pile tokenizer's vocabulary, 8192, as the suite
+trains it (at GPT-2's 50257 its output layer would be most of the iteration).
+
+* ``test_training_iteration[...]``: dense, Switch, DirMoE eager and DirMoE with its elementwise blocks compiled,
+  one model at a time; ``python -m repro bench-table`` shows each over Switch ("x switch").
+* ``test_dirmoe_over_switch_interleaved``: Switch and DirMoE (default options) built side by side and stepped
+  alternately, so a change in the machine's load hits both alike; the median ratio is in the benchmark's
+  ``extra_info["dirmoe_over_switch"]`` (the DirMoE paper measured 437.3 / 431.5 = 1.013 on H100s).
+
+Run with ``pytest benchmarks/test_iteration_bench.py --benchmark-only --benchmark-enable
+--benchmark-json=results/bench/iteration.json`` (``nox -s bench`` runs it with the others); on a shared CPU add
+``--benchmark-timer=time.process_time``. Speed is a benchmark, never a timed unit test.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+#: Runs: label -> (router, overrides).
+RUNS = {
+    "dense": ("dense", ()),
+    "switch": ("switch", ()),
+    "dirmoe": ("dirmoe", ("router.options.compile_elementwise=never",)),
+    "dirmoe-compiled": ("dirmoe", ("router.options.compile_elementwise=always",)),
+}
+ON_GPU = torch.cuda.is_available()
+FLAVOUR = "llama-185m" if ON_GPU else "tiny"
+VOCAB = 50257 if ON_GPU else 8192
+WARMUP_ROUNDS = 3
+ROUNDS = 10 if ON_GPU else 20
+
+
+@contextlib.contextmanager
+def _trainers(runs: dict[str, tuple[str, tuple[str, ...]]], tmp_path) -> Iterator[dict]:
+    """Trainers of ``runs`` (label -> (router, overrides)), built in one megatron parallel state."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    from repro.efficiency import efficiency_config
+    from repro.model.parallel import destroy_distributed, init_distributed
+    from repro.training.run_dir import RunPaths
+    from repro.training.trainer import Trainer
+
+    configs = {
+        label: efficiency_config(router, FLAVOUR, steps=WARMUP_ROUNDS + ROUNDS, vocab_size=VOCAB, overrides=overrides)
+        for label, (router, overrides) in runs.items()
+    }
+    info = init_distributed(tp=1, ep=1, seed=next(iter(configs.values())).seed)
+    scale_before = MoEAuxLossAutoScaler.main_loss_backward_scale
+    trainers = {}
+    try:
+        for label, config in configs.items():
+            trainers[label] = Trainer(config, RunPaths(tmp_path / label), None, info.device, progress=False)
+            trainers[label].model.train()
+        yield trainers
+    finally:
+        for trainer in trainers.values():
+            for component in trainer.components:
+                component.close()
+        trainers.clear()
+        MoEAuxLossAutoScaler.main_loss_backward_scale = scale_before
+        destroy_distributed()
+        gc.collect()
+        if ON_GPU:
+            torch.cuda.empty_cache()
+
+
+def _group(trainer) -> str:
+    config = trainer.config
+    return (
+        f"training iteration {FLAVOUR} micro {config.data.micro_batch_size} x {trainer.num_microbatches} x seq "
+        f"{config.seq_length} vocab {VOCAB} ({trainer.device.type})"
+    )
+
+
+@pytest.mark.parametrize("label", RUNS)
+def test_training_iteration(benchmark, label, tmp_path):
+    with _trainers({label: RUNS[label]}, tmp_path) as trainers:
+        trainer = trainers[label]
+        benchmark.group = _group(trainer)
+        benchmark.extra_info.update(
+            router=label, flavour=FLAVOUR, backend=getattr(trainer.model, "backend", None),
+            global_batch=trainer.config.data.global_batch_size, seq_length=trainer.seq_length,
+            threads=torch.get_num_threads(), overrides=list(RUNS[label][1]),
+        )
+        benchmark.pedantic(trainer.train_step, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
+
+
+def test_dirmoe_over_switch_interleaved(benchmark, request, tmp_path):
+    from pytest_benchmark.utils import load_timer
+
+    from routers import routers_in
+
+    timer = load_timer(request.config.getoption("benchmark_timer")).target  # the timer --benchmark-timer names
+    times: dict[str, list[float]] = {"switch": [], "dirmoe": []}
+    with _trainers({"switch": ("switch", ()), "dirmoe": ("dirmoe", ())}, tmp_path) as trainers:
+
+        def one_step_each():
+            for label, trainer in trainers.items():
+                start = timer()
+                trainer.train_step()
+                times[label].append(timer() - start)
+
+        benchmark.group = _group(trainers["switch"]) + ", interleaved"
+        benchmark.pedantic(one_step_each, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
+        # whether the default ("auto") compiled DirMoE's elementwise blocks on this device
+        compiled = routers_in(trainers["dirmoe"].model)[0].compiles_elementwise(trainers["dirmoe"].device)
+    medians = {label: statistics.median(values[WARMUP_ROUNDS:]) for label, values in times.items()}
+    benchmark.extra_info.update(
+        router="switch+dirmoe", flavour=FLAVOUR, dirmoe_over_switch=medians["dirmoe"] / medians["switch"],
+        switch_median_s=medians["switch"], dirmoe_median_s=medians["dirmoe"],
+        dirmoe_min_over_switch_min=min(times["dirmoe"][WARMUP_ROUNDS:]) / min(times["switch"][WARMUP_ROUNDS:]),
+        threads=torch.get_num_threads(), compiled=compiled,
+    )

@@ -1,0 +1,697 @@
+"""``python -m repro efficiency``: iteration time and TFLOP/s per device of every router and dense, on 1..N GPUs.
+
+For each requested run (default: every router with experiments but megatron's own TopKRouter, then dense) it
+trains the first iterations of the ``<router>-<scale>`` experiment on synthetic tokens, skips the warm-up
+iterations, and reports the median iteration time (with min and max), tokens/s and TFLOP/s per device
+(Megatron-LM's model-FLOPs count, :mod:`repro.report.flops`). Runs go one after another, each in fresh
+processes (:func:`train_command`): ``python -m repro train`` for one device, ``torchrun --standalone
+--nproc_per_node N -m repro train`` for ``--gpus N`` (data parallel over N processes: NCCL on GPUs, gloo on
+CPU). Outputs in ``--out``::
+
+    runs/<run>/        config.json, log.jsonl, record.json (run record: device, GPU count, backend, versions)
+    efficiency.md|csv|tex   the efficiency table (with --published: the papers' rows beside)
+    summary.json       iteration time min/median/max per run, ratios to Switch, the settings and the command
+
+Example (one H100, only torch and the carried wheels installed; README "Efficiency on any number of GPUs")::
+
+    python -m repro efficiency --published --out runs/efficiency-h100
+    python -m repro efficiency --gpus 8 --router dirmoe,switch --out runs/efficiency-8gpu
+    python -m repro efficiency --flavour tiny --warmup 2 --iters 5 --out /tmp/eff      # CPU, minutes
+
+Defaults, each one option away:
+
+1. **Synthetic tokens at GPT-2's vocabulary** (``--vocab-size 50257``; ``data.source=synthetic``): no data set
+   is needed, and the model has the papers' embedding and output sizes (padded to 50304). Dense compute does
+   not depend on the token ids; routing does a little: Hash routes by id, so its load follows the synthetic
+   bigram chain's id distribution rather than The Pile's. ``--set data.source=pile:PREFIX`` measures on real
+   tokens instead.
+2. **The papers' per-device work** (``--accumulation``, ``--global-batch``). The papers train 512 x 1024 tokens
+   per iteration on ~8 GPUs (Megatron's FLOPs count, :mod:`repro.report.flops`, with the DirMoE paper's 437.3 ms
+   and 137.2 TFLOP/s per GPU gives 8.5), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
+   accumulation steps. Every device here does the same by default: the global batch is 16 x 4 x N sequences
+   of 1024 on N GPUs (64 x 1024 tokens on one GPU), so ms/iter and TFLOP/s per GPU compare with the papers'
+   directly, up to the data-parallel all-reduce of 8 GPUs. The ``tiny`` flavour keeps its recipe's 8
+   sequences of 128 per device (micro-batch 4, 2 steps).
+3. **The first iterations of the recipe's run** (``--warmup``, ``--iters``): the experiment keeps its schedule
+   (LR warm-up, DirMoE's temperature and prior schedules at their start) and is stopped after
+   ``warmup + iters`` iterations, so no checkpoint is written (the trainer writes one only at the schedule's
+   end); validation is off. Routing is therefore measured near initialisation: the table's "active experts"
+   and measured TFLOP/s say how many experts the variable-k routers used.
+4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA/cuBLAS
+   initialisation, allocator growth and torch.compile; the median resists an odd slow iteration; min and max
+   are in the summary.
+5. **A fresh process per run**, also for one device (:func:`train_command`). In one process a finished run
+   stays in memory: megatron-core's DDP wrapper registers gradient hooks that close over it, and the cycle
+   through those C++ hooks is never collected. Measured with four tiny runs in one process (``train()`` then
+   ``gc.collect()``): the first run's model still alive after it returned, live tensors 137, 333, 336, 471
+   and resident memory 542, 662, 887, 888 MiB after each. Later runs would report the earlier ones' memory in
+   their peak, and nine LLaMA-185M runs could exhaust a GPU.
+
+Output directories follow the suite's rules (:mod:`repro.io_utils`): ``--out`` must be new, empty, or an
+earlier output of this command (it holds ``.efficiency-out``); a run directory is replaced only when it holds
+this command's marker ``.efficiency-run``; nothing else is touched. Records of earlier runs in ``--out`` that
+were not asked for again are left as they are (``python -m repro tables OUT/runs`` tabulates them all).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from repro.errors import ReproError
+
+#: Flavours this command measures -> the experiment scale (``repro.training.experiments.RECIPES``) they come from.
+FLAVOUR_SCALES: dict[str, str] = {"llama-185m": "185m", "tiny": "tiny"}
+#: Devices the recipe's global batch is spread over in its source: the papers' ~8 GPUs for 185m (default 2),
+#: the mini comparison's one CPU process for tiny.
+REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
+#: GPT-2 BPE's vocabulary (the papers' tokenizer).
+GPT2_VOCAB = 50257
+DEFAULT_WARMUP = 3
+DEFAULT_ITERS: dict[str, int] = {"185m": 20, "tiny": 10}
+#: The published iteration times the summary compares the DirMoE / Switch ratio with (DirMoE paper, Table 1).
+PUBLISHED_MS = {"switch": 431.5, "dirmoe": 437.3}
+OUT_MARKER = ".efficiency-out"
+RUN_MARKER = ".efficiency-run"
+FORMATS = ("md", "csv", "tex")
+REFERENCE_ROUTER = "switch"
+_LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
+#: Modules a run imports beyond torch and the suite (a GPU machine with only torch installs them from wheels).
+REQUIRED_MODULES: dict[str, str] = {
+    "megatron.core": "megatron-core==0.16.1",
+    "omegaconf": "omegaconf==2.4.0",
+    "zstandard": "zstandard",
+    "scipy": "scipy",
+    "numpy": "numpy",
+    "tabulate": "tabulate",
+    "tqdm": "tqdm",
+    "yaml": "pyyaml",
+}
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One measured run.
+
+    Args:
+        label: the run's name (its directory under ``runs/``, its record's ``run_id``).
+        router: a router with experiments, or ``dense``.
+        overrides: dot-list overrides of this run only (``router.options.compile_elementwise=never``).
+    """
+
+    label: str
+    router: str
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not _LABEL.match(self.label):
+            raise ValueError(f"run label '{self.label}' must be letters, digits and _.+- (a directory name)")
+
+
+@dataclass(frozen=True)
+class EfficiencyPlan:
+    """Everything the command measures, decided (and checked) before any run starts.
+
+    Args:
+        runs: the runs, in order.
+        flavour: ``llama-185m`` or ``tiny``.
+        devices: processes sharing each iteration (GPUs, or gloo processes on CPU).
+        accumulation: micro-batches per device and iteration.
+        warmup: iterations left out of the statistics.
+        iters: iterations measured.
+        vocab_size: the synthetic tokens' vocabulary.
+        overrides: dot-list overrides of every run (after this command's own).
+        out_dir: the output directory.
+        published: show the published rows beside the runs.
+        formats: table formats written.
+        micro_batch_size: sequences per micro-batch (None: the recipe's).
+        global_batch_size: sequences per iteration (None: micro x accumulation x data-parallel size).
+    """
+
+    runs: tuple[RunSpec, ...]
+    flavour: str
+    devices: int
+    accumulation: int
+    warmup: int
+    iters: int
+    vocab_size: int
+    overrides: tuple[str, ...]
+    out_dir: str
+    published: bool = False
+    formats: tuple[str, ...] = FORMATS
+    micro_batch_size: int | None = None
+    global_batch_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.flavour not in FLAVOUR_SCALES:
+            raise ValueError(f"flavour must be one of {', '.join(FLAVOUR_SCALES)}, got '{self.flavour}'")
+        for name, low in (("devices", 1), ("accumulation", 1), ("warmup", 0), ("iters", 1), ("vocab_size", 2)):
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+        if not self.runs:
+            raise ValueError("no runs to measure")
+        labels = [r.label for r in self.runs]
+        duplicates = sorted({label for label in labels if labels.count(label) > 1})
+        if duplicates:
+            raise ValueError(f"run label(s) given twice: {', '.join(duplicates)}")
+        unknown = [f for f in self.formats if f not in FORMATS]
+        if unknown:
+            raise ValueError(f"unknown table format(s) {', '.join(unknown)}; valid: {', '.join(FORMATS)}")
+
+    @property
+    def scale(self) -> str:
+        """The experiment scale of the flavour."""
+        return FLAVOUR_SCALES[self.flavour]
+
+    @property
+    def steps_run(self) -> int:
+        """Iterations each run trains (warm-up and measured)."""
+        return self.warmup + self.iters
+
+    def config_kwargs(self, run: RunSpec) -> dict[str, Any]:
+        """The keyword arguments of :func:`efficiency_overrides` for ``run``."""
+        return dict(
+            devices=self.devices,
+            accumulation=self.accumulation,
+            steps=self.steps_run,
+            vocab_size=self.vocab_size,
+            micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size,
+            overrides=(*self.overrides, *run.overrides),
+        )
+
+    def config(self, run: RunSpec):
+        """The run's :class:`~repro.training.config.RunConfig` (raises ReproError on a bad router or override)."""
+        return efficiency_config(run.router, self.flavour, **self.config_kwargs(run))
+
+    def run_dir(self, run: RunSpec) -> Path:
+        """Where the run writes."""
+        return Path(self.out_dir) / "runs" / run.label
+
+
+# ------------------------------------------------------------------------------------------ configs
+def default_accumulation(flavour: str) -> int:
+    """Micro-batches per device that keep the recipe's per-device work (module docstring, default 2)."""
+    from repro.training.experiments import build_experiment
+
+    recipe = build_experiment("switch", FLAVOUR_SCALES[flavour]).data
+    per_device = recipe.global_batch_size // REFERENCE_DEVICES[FLAVOUR_SCALES[flavour]]
+    return max(1, per_device // recipe.micro_batch_size)
+
+
+def efficiency_overrides(
+    router: str,
+    flavour: str,
+    *,
+    devices: int = 1,
+    accumulation: int | None = None,
+    steps: int = DEFAULT_WARMUP + 10,
+    vocab_size: int = GPT2_VOCAB,
+    micro_batch_size: int | None = None,
+    global_batch_size: int | None = None,
+    overrides: tuple[str, ...] | list[str] = (),
+) -> list[str]:
+    """The dot-list that turns the ``<router>-<scale>`` experiment into its efficiency run: synthetic tokens,
+    the per-device batch of the module docstring, no checkpoints, no validation, then ``overrides``.
+
+    ``python -m repro train --experiment <router>-<scale> --set ...`` with this list builds the same config
+    as :func:`efficiency_config` (that is how each torchrun run is started).
+
+    Args:
+        router: a router with experiments (``repro.training.experiments.experiment_routers()``) or ``dense``.
+        flavour: ``llama-185m`` or ``tiny``.
+        devices: processes sharing an iteration (data-parallel size times ``parallel.tp``).
+        accumulation: micro-batches per device and iteration (None: :func:`default_accumulation`).
+        steps: iterations the run will be stopped after (the schedule keeps the recipe's length when longer).
+        vocab_size: vocabulary of the synthetic tokens.
+        micro_batch_size: sequences per micro-batch (None: the recipe's).
+        global_batch_size: sequences per iteration, instead of micro x accumulation x data-parallel size.
+        overrides: further dot-list overrides (``--set``), applied after this command's own.
+
+    Returns:
+        The ``key=value`` assignments, in order.
+
+    Raises:
+        ReproError: an unknown router or flavour, a bad override, or a batch that does not divide.
+    """
+    from repro.training.config import apply_overrides
+    from repro.training.experiments import build_experiment
+
+    if flavour not in FLAVOUR_SCALES:
+        raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(FLAVOUR_SCALES)}")
+    base = build_experiment(router, FLAVOUR_SCALES[flavour])
+    own = [
+        "data.source=synthetic",
+        f"data.vocab_size={vocab_size}",
+        "data.synthetic_samples=0",
+        f"data.micro_batch_size={micro_batch_size or base.data.micro_batch_size}",
+        # The trainer checkpoints at the schedule's last step: keep the recipe's schedule (or one step more
+        # than is run) and stop before it (default 3).
+        f"schedule.steps={max(base.schedule.steps, steps + 1)}",
+        "checkpoint.interval=0",
+        "validation.interval=0",
+        *overrides,
+    ]
+    # The global batch follows the micro-batch and tensor-parallel size the overrides leave; read them as
+    # OmegaConf reads the dot-list, then check the whole list with a global batch of one micro-batch.
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    try:
+        given = OmegaConf.from_dotlist([item for item in own if not item.startswith("router.options.")])
+        micro = int(OmegaConf.select(given, "data.micro_batch_size", default=base.data.micro_batch_size))
+        tp = int(OmegaConf.select(given, "parallel.tp", default=base.parallel.tp))
+    except (OmegaConfBaseException, TypeError, ValueError):
+        apply_overrides(base, own)  # raises the one-line error naming the bad assignment
+        raise
+    config = apply_overrides(base, [*own, f"data.global_batch_size={micro}"])
+    if devices % tp:
+        raise ReproError(f"--gpus {devices} is not a multiple of parallel.tp={tp}")
+    dp = devices // tp
+    global_batch = global_batch_size or micro * (accumulation or default_accumulation(flavour)) * dp
+    if global_batch % (micro * dp):
+        raise ReproError(
+            f"--global-batch {global_batch} is not a multiple of micro-batch x data-parallel size = {micro} x {dp}"
+        )
+    if config.schedule.steps <= steps:
+        raise ReproError(f"schedule.steps={config.schedule.steps}: must be above the {steps} iterations run")
+    return [*own, f"data.global_batch_size={global_batch}"]
+
+
+def efficiency_config(router: str, flavour: str, **kwargs: Any):
+    """The efficiency run of ``router`` at ``flavour``: the experiment with :func:`efficiency_overrides` applied.
+
+    Args:
+        router: a router with experiments, or ``dense``.
+        flavour: ``llama-185m`` or ``tiny``.
+        **kwargs: as :func:`efficiency_overrides`.
+
+    Returns:
+        The :class:`~repro.training.config.RunConfig`.
+
+    Raises:
+        ReproError: as :func:`efficiency_overrides`.
+    """
+    from repro.training.config import apply_overrides
+    from repro.training.experiments import build_experiment
+
+    overrides = efficiency_overrides(router, flavour, **kwargs)
+    return apply_overrides(build_experiment(router, FLAVOUR_SCALES[flavour]), overrides)
+
+
+# ------------------------------------------------------------------------------------------ checks
+def check_requirements() -> None:
+    """Refuse, in one line, a machine that lacks a module a run imports (naming the packages to install).
+
+    Raises:
+        ReproError: missing modules.
+    """
+    import importlib.util
+
+    missing = []
+    for module, package in REQUIRED_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a missing parent package
+            found = False
+        if not found:
+            missing.append(package)
+    if missing:
+        raise ReproError(
+            f"missing package(s) {', '.join(missing)}: install them (offline: pip install --no-index "
+            f"--find-links WHEEL_DIR {' '.join(missing)})"
+        )
+
+
+def _check_devices(devices: int, on_gpu: bool, gpu_count: int) -> None:
+    if devices < 1:
+        raise ReproError(f"--gpus must be >= 1, got {devices}")
+    if on_gpu and devices > gpu_count:
+        raise ReproError(f"--gpus {devices}: this machine has {gpu_count} visible GPU(s)")
+
+
+def _check_out_dir(plan: EfficiencyPlan) -> None:
+    """Refuse an output directory, or a run directory inside it, that this command did not create."""
+    out = Path(plan.out_dir)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ReproError(f"{out}: exists and is not a directory; choose a new --out")
+    if out.is_dir() and any(out.iterdir()) and not (out / OUT_MARKER).is_file():
+        raise ReproError(
+            f"{out}: exists and was not written by python -m repro efficiency (no {OUT_MARKER}); choose a new --out"
+        )
+    for run in plan.runs:
+        run_dir = plan.run_dir(run)
+        if run_dir.is_symlink() or (run_dir.exists() and not (run_dir.is_dir() and (run_dir / RUN_MARKER).is_file())):
+            raise ReproError(f"{run_dir}: exists and was not created by python -m repro efficiency; move it away")
+
+
+def _prepare_dirs(plan: EfficiencyPlan) -> None:
+    """Create ``--out`` (marked as this command's) and a fresh, marked directory per run."""
+    out = Path(plan.out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / OUT_MARKER).write_text("written by python -m repro efficiency\n")
+        for run in plan.runs:
+            run_dir = plan.run_dir(run)
+            if run_dir.is_dir():
+                shutil.rmtree(run_dir)  # this command's own earlier run (checked by _check_out_dir)
+            run_dir.mkdir(parents=True)
+            (run_dir / RUN_MARKER).write_text("created by python -m repro efficiency\n")
+    except OSError as exc:
+        from repro.io_utils import os_error_message
+
+        raise ReproError(os_error_message(exc, out)) from None
+
+
+# ------------------------------------------------------------------------------------------ running
+def train_command(plan: EfficiencyPlan, run: RunSpec) -> list[str]:
+    """The command that trains one run in fresh processes: ``python -m repro train`` for one device,
+    ``python -m torch.distributed.run --standalone --nproc_per_node N -m repro train`` for N, with the
+    dot-list of :func:`efficiency_overrides` (``train`` builds the config from it exactly as
+    :meth:`EfficiencyPlan.config` does) and ``--stop-after`` the iterations to run.
+
+    A fresh process per run, also for one device: megatron-core's DDP wrapper keeps its model alive after a
+    run (its gradient hooks close over it), so runs sharing a process would each keep the previous models'
+    memory, and report it in their peak.
+    """
+    launcher = [sys.executable]
+    if plan.devices > 1:
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.devices}"]
+    cmd = [
+        *launcher, "-m", "repro", "train", "--experiment", f"{run.router}-{plan.scale}",
+        "--out", str(plan.run_dir(run)), "--stop-after", str(plan.steps_run),
+    ]
+    for item in efficiency_overrides(run.router, plan.flavour, **plan.config_kwargs(run)):
+        cmd += ["--set", item]
+    return cmd
+
+
+def _train(plan: EfficiencyPlan, run: RunSpec) -> None:
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
+    proc = subprocess.run(train_command(plan, run), env=env, cwd=os.getcwd(), check=False)
+    if proc.returncode != 0:
+        what = "torchrun" if plan.devices > 1 else "python -m repro train"
+        raise ReproError(f"{what} exited with status {proc.returncode} (its output is above)")
+
+
+def _device_name(on_gpu: bool) -> str | None:
+    """The GPU's name without creating a CUDA context in this process (nvidia-smi), else None (the record's
+    own default: torch's name for CUDA device 0, or the CPU)."""
+    if not on_gpu or shutil.which("nvidia-smi") is None:
+        return None
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+            capture_output=True, text=True, timeout=30, check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+
+
+def _write_record(plan: EfficiencyPlan, run: RunSpec, device: str | None) -> Path:
+    from repro.report.store import environment_info, record_from_run_dir, write_record
+
+    run_dir = plan.run_dir(run)
+    environment = environment_info(num_processes=plan.devices, device=device)
+    record = record_from_run_dir(run_dir, warmup=plan.warmup, run_id=run.label, environment=environment)
+    return write_record(record, run_dir / "record.json")
+
+
+def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
+    """Iteration times (ms) of a run's log after ``warmup`` rows.
+
+    Raises:
+        ReproError: no log, or no rows left after the warm-up.
+    """
+    from repro.training.log import read_rows
+
+    rows = read_rows(Path(run_dir))
+    if len(rows) <= warmup:
+        raise ReproError(f"{run_dir}: the log has {len(rows)} iterations, none after a warm-up of {warmup}")
+    return [r.iter_time_s * 1e3 for r in rows[warmup:]]
+
+
+# ------------------------------------------------------------------------------------------ report
+def summarise(
+    plan: EfficiencyPlan, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
+) -> dict[str, Any]:
+    """The summary JSON: the command and its settings, per-run iteration times (min/median/max) and figures,
+    ratios to Switch's median iteration time, and the runs that failed."""
+    runs: dict[str, Any] = {}
+    for run in plan.runs:
+        if run.label in errors:
+            runs[run.label] = {"router": run.router, "error": errors[run.label]}
+            continue
+        record = records[run.label]
+        eff = record.efficiency
+        times = iteration_times_ms(plan.run_dir(run), plan.warmup)
+        runs[run.label] = {
+            "router": run.router,
+            "overrides": list(run.overrides),
+            "iter_time_ms": {"min": min(times), "median": statistics.median(times), "max": max(times)},
+            "tokens_per_s": eff.tokens_per_s,
+            "tflops_per_device_analytic": eff.tflops_per_device_analytic,
+            "tflops_per_device_measured": eff.tflops_per_device_measured,
+            "mean_active_experts": eff.mean_active_experts,
+            "peak_memory_gib": None if eff.peak_memory_bytes is None else eff.peak_memory_bytes / 2**30,
+            "backend": eff.backend,
+            "wall_s": round(wall_s[run.label], 1),
+            "record": str(plan.run_dir(run) / "record.json"),
+        }
+    reference = runs.get(REFERENCE_ROUTER, {}).get("iter_time_ms", {}).get("median")
+    for entry in runs.values():
+        if "iter_time_ms" in entry:
+            entry["ratio_to_switch"] = entry["iter_time_ms"]["median"] / reference if reference else None
+    first = next((records[r.label] for r in plan.runs if r.label in records), None)
+    config = plan.config(plan.runs[0])
+    batch, seq = config.data.global_batch_size, config.seq_length
+    dirmoe = runs.get("dirmoe", {}).get("ratio_to_switch")
+    return {
+        "command": shlex.join(["python", "-m", "repro", "efficiency", *argv]),
+        "flavour": plan.flavour,
+        "devices": plan.devices,
+        "device": first.environment.device if first else None,
+        "torch": first.environment.torch if first else None,
+        "megatron_core": first.environment.megatron_core if first else None,
+        "micro_batch_size": config.data.micro_batch_size,
+        "accumulation": config.data.num_microbatches(plan.devices // config.parallel.tp),
+        "global_batch_size": batch,
+        "seq_length": seq,
+        "tokens_per_iteration": batch * seq,
+        "vocab_size": plan.vocab_size,
+        "warmup_iterations": plan.warmup,
+        "measured_iterations": plan.iters,
+        "runs": runs,
+        "dirmoe_over_switch": dirmoe,
+        "published_dirmoe_over_switch": PUBLISHED_MS["dirmoe"] / PUBLISHED_MS["switch"],
+        "failed": sorted(errors),
+    }
+
+
+def _table(plan: EfficiencyPlan, records: list, summary: dict[str, Any]):
+    from repro.report.ledger import load_ledger
+    from repro.report.tables import efficiency_table
+
+    table = efficiency_table(records, ledger=load_ledger() if plan.published else None, reference_router=REFERENCE_ROUTER)
+    extra = (
+        f" Tokens per iteration: {summary['global_batch_size']} x {summary['seq_length']} = "
+        f"{summary['tokens_per_iteration']:,} (micro-batch {summary['micro_batch_size']} x "
+        f"{summary['accumulation']} accumulation steps x {plan.devices} device(s)); synthetic tokens, vocabulary "
+        f"{plan.vocab_size}; {plan.iters} iterations measured after {plan.warmup} warm-up."
+    )
+    if plan.published and plan.flavour == "llama-185m":
+        extra += " The papers' rows: 512 x 1024 tokens per iteration on 8 GPUs (64 sequences per GPU)."
+    return dataclasses.replace(table, caption=table.caption + extra)
+
+
+def _summary_text(summary: dict[str, Any]) -> str:
+    lines = [
+        f"Iteration time (ms) over {summary['measured_iterations']} iterations after {summary['warmup_iterations']} "
+        f"warm-up, {summary['devices']} x {summary['device']}, {summary['tokens_per_iteration']:,} tokens per iteration:"
+    ]
+    for label, entry in summary["runs"].items():
+        if "error" in entry:
+            lines.append(f"  {label:<18} FAILED: {entry['error']}")
+            continue
+        t = entry["iter_time_ms"]
+        ratio = f"  x switch {entry['ratio_to_switch']:.3f}" if entry.get("ratio_to_switch") else ""
+        lines.append(f"  {label:<18} min {t['min']:9.1f}  median {t['median']:9.1f}  max {t['max']:9.1f}{ratio}")
+    if summary["dirmoe_over_switch"] is not None:
+        lines.append(
+            f"DirMoE / Switch (median iteration time): {summary['dirmoe_over_switch']:.3f} "
+            f"(DirMoE paper: {summary['published_dirmoe_over_switch']:.3f})"
+        )
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------ command line
+def _variant(text: str) -> RunSpec:
+    label, sep, rest = text.partition("=")
+    parts = [p.strip() for p in rest.split(",")] if sep else []
+    if not sep or not label or not parts or not parts[0] or any("=" not in p for p in parts[1:]):
+        raise ReproError(f"--variant expects LABEL=ROUTER[,KEY=VALUE...], got '{text}'")
+    try:
+        return RunSpec(label.strip(), parts[0], tuple(parts[1:]))
+    except ValueError as exc:
+        raise ReproError(f"--variant: {exc}") from None
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with its errors as one :class:`ReproError` line (``error: argument --gpus: invalid int value``)."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ReproError(message)
+
+
+def parse(argv: list[str], prog: str) -> EfficiencyPlan:
+    """The plan from the command line, every run's config built and checked before any work.
+
+    Raises:
+        ReproError: a bad argument (one line naming it).
+    """
+    import torch
+
+    from repro.training.config import MEGATRON_ROUTER
+    from repro.training.experiments import experiment_routers
+
+    on_gpu = torch.cuda.is_available()
+    everyone = [r for r in experiment_routers() if r != MEGATRON_ROUTER]
+    p = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--router", default="all",
+                   help=f"comma-separated routers and dense, or all ({', '.join(everyone)})")
+    p.add_argument("--variant", action="append", default=[], metavar="LABEL=ROUTER[,KEY=VALUE...]",
+                   help="an extra run of ROUTER with its own overrides, e.g. "
+                   "dirmoe-eager=dirmoe,router.options.compile_elementwise=never (repeatable)")
+    p.add_argument("--flavour", default=None, help="llama-185m or tiny (default: llama-185m with a GPU, tiny without)")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="processes per iteration, one per GPU (gloo processes on CPU); N > 1 runs torchrun")
+    p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="iterations left out of the statistics")
+    p.add_argument("--iters", type=int, default=None, help="iterations measured (default 20 for llama-185m, 10 for tiny)")
+    p.add_argument("--accumulation", type=int, default=None,
+                   help="micro-batches per device and iteration (default: the papers' per-GPU work, 4 for llama-185m)")
+    p.add_argument("--global-batch", type=int, default=None, help="sequences per iteration instead of --accumulation")
+    p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: the recipe's)")
+    p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB, help="vocabulary of the synthetic tokens")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
+    p.add_argument("--out", default=None, help="output directory (default runs/efficiency-<flavour>-<N>dev)")
+    p.add_argument("--published", action="store_true", help="show the published rows beside the runs")
+    p.add_argument("--format", default=",".join(FORMATS), help="table formats: any of md,csv,tex")
+    args = p.parse_args(argv)
+
+    if "WORLD_SIZE" in os.environ:
+        raise ReproError("run python -m repro efficiency without torchrun: it starts torchrun itself for --gpus N > 1")
+    _check_devices(args.gpus, on_gpu, torch.cuda.device_count() if on_gpu else 0)
+    flavour = args.flavour or ("llama-185m" if on_gpu else "tiny")
+    if flavour not in FLAVOUR_SCALES:
+        raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(FLAVOUR_SCALES)}")
+    scale = FLAVOUR_SCALES[flavour]
+    for name in ("warmup", "iters", "accumulation", "global_batch", "micro_batch", "vocab_size"):
+        value = getattr(args, name)
+        low = 0 if name == "warmup" else 2 if name == "vocab_size" else 1
+        if value is not None and value < low:
+            raise ReproError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if args.accumulation is not None and args.global_batch is not None:
+        raise ReproError("give --accumulation or --global-batch, not both")
+    if args.router.strip() == "all":
+        names = everyone
+    else:
+        names = [r.strip() for r in args.router.split(",") if r.strip()]
+        unknown = [r for r in names if r not in experiment_routers()]
+        if unknown or not names:
+            raise ReproError(f"--router: unknown router(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(everyone)}")
+    runs = [RunSpec(name, name) for name in names] + [_variant(v) for v in args.variant]
+    for run in runs:
+        if run.router not in experiment_routers():
+            raise ReproError(f"--variant {run.label}: unknown router '{run.router}'; valid: {', '.join(everyone)}")
+    formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
+    try:
+        plan = EfficiencyPlan(
+            runs=tuple(runs), flavour=flavour, devices=args.gpus,
+            accumulation=args.accumulation or default_accumulation(flavour),
+            warmup=args.warmup, iters=args.iters or DEFAULT_ITERS[scale], vocab_size=args.vocab_size,
+            overrides=tuple(args.set), out_dir=args.out or f"runs/efficiency-{flavour}-{args.gpus}dev",
+            published=args.published, formats=formats, micro_batch_size=args.micro_batch,
+            global_batch_size=args.global_batch,
+        )
+    except ValueError as exc:
+        raise ReproError(str(exc)) from None
+    for run in plan.runs:
+        config = plan.config(run)
+        if config.model.precision == "bf16" and not on_gpu:
+            raise ReproError(
+                f"{run.label}: flavour '{flavour}' trains in bf16, which needs a GPU; on CPU use --flavour tiny "
+                "(or --set model.precision=fp32)"
+            )
+    _check_out_dir(plan)
+    return plan
+
+
+def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
+    """Measure every run of the plan, write records, tables and the summary. Returns the exit status (1 when
+    a run failed; the others are still measured and reported)."""
+    check_requirements()
+    plan = parse(argv, prog)
+    import torch
+
+    from repro.io_utils import write_json_atomic
+    from repro.report.tables import render, write_tables
+
+    on_gpu = torch.cuda.is_available()
+    _prepare_dirs(plan)
+    config = plan.config(plan.runs[0])
+    print(
+        f"{len(plan.runs)} run(s) of {plan.flavour} x {plan.steps_run} iterations ({plan.warmup} warm-up) on "
+        f"{plan.devices} {'GPU(s)' if on_gpu else 'CPU process(es)'}, {config.data.global_batch_size} x "
+        f"{config.seq_length} tokens per iteration -> {plan.out_dir}",
+        flush=True,
+    )
+    device = _device_name(on_gpu)
+    records: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    wall: dict[str, float] = {}
+    for run in plan.runs:
+        start = time.perf_counter()
+        try:
+            _train(plan, run)
+            from repro.report.store import load_record
+
+            records[run.label] = load_record(_write_record(plan, run, device))
+        except Exception as exc:  # noqa: BLE001 - one failed run must not lose the others' measurements
+            if not isinstance(exc, ReproError):
+                traceback.print_exc()  # an unexpected failure here (the training's own output is above)
+            errors[run.label] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+        wall[run.label] = time.perf_counter() - start
+        state = f"FAILED ({errors[run.label]})" if run.label in errors else "done"
+        print(f"  {run.label}: {state} in {wall[run.label]:.0f} s", flush=True)
+
+    summary = summarise(plan, records, errors, wall, argv)
+    measured = [records[r.label] for r in plan.runs if r.label in records]
+    if measured:
+        table = _table(plan, measured, summary)
+        for path in write_tables([table], plan.out_dir, plan.formats):
+            print(f"wrote {path}")
+        print("\n" + render(table, "md"))
+    write_json_atomic(Path(plan.out_dir) / "summary.json", summary)
+    print(_summary_text(summary))
+    print(f"wrote {Path(plan.out_dir) / 'summary.json'}")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    from repro.cli import main as cli_main
+
+    sys.exit(cli_main(["efficiency", *sys.argv[1:]]))

@@ -1,0 +1,291 @@
+"""``python -m repro efficiency`` on CPU (one process per run, and two under torchrun): its records, table and summary, its
+configuration against the papers' batch, its refusals; and DirMoE's compiled elementwise blocks against eager."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import statistics
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+import torch
+
+import routers
+from repro.cli import main as cli_main
+from repro.efficiency import OUT_MARKER, RUN_MARKER, efficiency_config, efficiency_overrides
+from repro.report.store import load_record
+from repro.training.config import RunConfig
+from repro.training.log import read_rows
+
+REPO = Path(__file__).resolve().parents[1]
+# Small and quick: the tiny flavour, a small synthetic vocabulary, one warm-up and two measured iterations.
+FAST = ["--vocab-size", "256", "--warmup", "1", "--iters", "2"]
+TABLE_COLUMNS = [
+    "Router", "ms/iter", "TFLOP/s/dev (analytic)", "TFLOP/s/dev (measured)", "tokens/s", "peak mem (GiB)",
+    "active experts", "token group", "devices", "device", "backend", "compute parity",
+]
+
+
+def _times_ms(run_dir: Path) -> list[float]:
+    return [row.iter_time_s * 1e3 for row in read_rows(run_dir)]
+
+
+# ------------------------------------------------------------------------------------------ the command
+@pytest.mark.slow
+def test_two_routers_and_dense_on_one_cpu_device(tmp_path, capsys):
+    out = tmp_path / "eff"
+    assert cli_main(["efficiency", "--router", "switch,dirmoe,dense", *FAST, "--out", str(out)]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+
+    for label in ("switch", "dirmoe", "dense"):
+        run_dir = out / "runs" / label
+        record = load_record(run_dir / "record.json")
+        env, eff = record.environment, record.efficiency
+        assert record.run_id == label and record.experiment.router == label and record.experiment.model.startswith("tiny")
+        assert env.num_processes == 1 and env.device.startswith("cpu")
+        assert env.torch == torch.__version__ and env.megatron_core == metadata.version("megatron-core")
+        assert eff.backend == "local" and eff.num_devices == 1
+        assert (eff.warmup_steps, eff.window_steps) == (1, 2)
+        # the tiny recipe's per-device work: micro-batch 4 x 2 accumulation steps of 128 tokens
+        assert (eff.global_batch_size, eff.seq_length) == (8, 128)
+        config = json.loads((run_dir / "config.json").read_text())
+        assert config["experiment"]["data"]["source"] == "synthetic" and config["vocab_size"] == 256
+        assert config["num_microbatches"] == 2
+        # the training process built exactly the configuration the command planned
+        assert RunConfig.from_dict(config["experiment"]) == efficiency_config(label, "tiny", steps=3, vocab_size=256)
+        # stopped after warm-up + measured iterations, before the schedule's end: no checkpoint
+        times = _times_ms(run_dir)
+        assert len(times) == 3 and not (run_dir / "checkpoints").exists()
+        assert (run_dir / RUN_MARKER).is_file()
+        entry = summary["runs"][label]
+        assert entry["iter_time_ms"] == {"min": min(times[1:]), "median": statistics.median(times[1:]), "max": max(times[1:])}
+        assert eff.iter_time_ms == pytest.approx(entry["iter_time_ms"]["median"])
+        assert entry["ratio_to_switch"] == pytest.approx(
+            entry["iter_time_ms"]["median"] / summary["runs"]["switch"]["iter_time_ms"]["median"]
+        )
+    assert summary["dirmoe_over_switch"] == summary["runs"]["dirmoe"]["ratio_to_switch"]
+    assert summary["published_dirmoe_over_switch"] == pytest.approx(437.3 / 431.5)
+    assert (summary["tokens_per_iteration"], summary["devices"], summary["failed"]) == (8 * 128, 1, [])
+    assert summary["command"].startswith("python -m repro efficiency --router switch,dirmoe,dense")
+
+    with open(out / "efficiency.csv") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == TABLE_COLUMNS
+    assert sorted(r[0] for r in rows[1:]) == ["dense", "dirmoe", "switch"]
+    assert all(r[8] == "1" and r[10] == "local" for r in rows[1:])
+    assert "Tokens per iteration: 8 x 128 = 1,024" in (out / "efficiency.md").read_text()
+    assert "\\begin{table}" in (out / "efficiency.tex").read_text()
+    assert "DirMoE / Switch (median iteration time)" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_gloo_processes_through_torchrun(tmp_path):
+    out = tmp_path / "eff2"
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    cmd = [sys.executable, "-m", "repro", "efficiency", "--router", "dirmoe", "--gpus", "2", *FAST, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    record = load_record(out / "runs" / "dirmoe" / "record.json")
+    assert record.environment.num_processes == 2 and record.efficiency.num_devices == 2
+    # per device as on one: micro-batch 4 x 2 steps, so 16 sequences per iteration over both processes
+    assert record.efficiency.global_batch_size == 16
+    config = json.loads((out / "runs" / "dirmoe" / "config.json").read_text())
+    assert config["layout"]["world_size"] == 2 and config["num_microbatches"] == 2
+    # the child built exactly the configuration the command planned
+    planned = efficiency_config("dirmoe", "tiny", devices=2, steps=3, vocab_size=256)
+    assert RunConfig.from_dict(config["experiment"]) == planned
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["devices"] == 2 and summary["global_batch_size"] == 16
+    assert len(_times_ms(out / "runs" / "dirmoe")) == 3
+
+
+def test_the_papers_batch_on_eight_gpus_and_its_per_gpu_work_on_one():
+    """The default keeps the papers' per-GPU work: 16 x 4 sequences of 1024 per GPU, 512 on 8 GPUs."""
+    eight = efficiency_config("switch", "llama-185m", devices=8, steps=23)
+    one = efficiency_config("dirmoe", "llama-185m", devices=1, steps=23)
+    assert eight.data.global_batch_size == 512 and eight.data.micro_batch_size == 16 and eight.seq_length == 1024
+    assert eight.data.num_microbatches(8) == 4 and one.data.num_microbatches(1) == 4
+    assert one.data.global_batch_size == 64
+    for config in (eight, one):
+        assert (config.data.source, config.data.vocab_size) == ("synthetic", 50257)
+        assert (config.checkpoint.interval, config.validation.interval) == (0, 0)
+        assert config.schedule.steps == 60_000 and config.model.precision == "bf16"  # the recipe's run, stopped early
+    assert one.optimizer.beta2 == 0.995  # DirMoE's declared recipe overrides are kept
+    # overrides after the command's own; the global batch follows the micro-batch they set
+    custom = efficiency_overrides("switch", "llama-185m", devices=2, steps=5, overrides=["data.micro_batch_size=8"])
+    assert custom[-1] == "data.global_batch_size=64"  # 8 x 4 x 2
+
+
+def _error(capsys, argv: list[str]) -> str:
+    assert cli_main(["efficiency", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: "), err
+    return err
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--router", "nope"], "unknown router(s) nope; valid: "),
+        (["--gpus", "0"], "--gpus must be >= 1"),
+        (["--gpus", "two"], "argument --gpus: invalid int value"),
+        (["--iters", "0"], "--iters must be >= 1"),
+        (["--flavour", "huge"], "unknown flavour 'huge'; valid: llama-185m, tiny"),
+        (["--flavour", "llama-185m"], "trains in bf16, which needs a GPU"),
+        (["--variant", "dirmoe"], "--variant expects LABEL=ROUTER"),
+        (["--variant", "x=nope"], "unknown router 'nope'"),
+        (["--variant", "switch=dirmoe", "--router", "switch"], "run label(s) given twice: switch"),
+        (["--set", "schedule.nope=1"], "schedule.nope"),
+        (["--variant", "d=dirmoe,router.options.compile_elementwise=sometimes"], "compile_elementwise must be one of"),
+        (["--accumulation", "2", "--global-batch", "8"], "not both"),
+        (["--global-batch", "6"], "not a multiple of micro-batch x data-parallel size = 4 x 1"),
+        (["--format", "pdf"], "unknown table format(s) pdf"),
+    ],
+)
+def test_bad_arguments_are_one_line_errors(argv, message, capsys, tmp_path):
+    if torch.cuda.is_available() and "llama-185m" in argv:
+        pytest.skip("bf16 is available on a GPU")
+    out = tmp_path / "out"
+    assert message in _error(capsys, [*argv, "--out", str(out)])
+    assert not out.exists()
+
+
+def test_outputs_it_did_not_write_are_refused_and_left_alone(capsys, tmp_path):
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep")
+    assert "was not written by python -m repro efficiency" in _error(capsys, ["--out", str(foreign)])
+    assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
+
+    ours = tmp_path / "ours"
+    (ours / "runs" / "hash").mkdir(parents=True)
+    (ours / OUT_MARKER).write_text("")
+    (ours / "runs" / "hash" / "log.jsonl").write_text("not ours")
+    assert "runs/hash: exists and was not created" in _error(capsys, ["--router", "hash", "--out", str(ours)])
+    assert (ours / "runs" / "hash" / "log.jsonl").read_text() == "not ours"
+
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert "is not a directory" in _error(capsys, ["--out", str(afile)])
+
+
+def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
+    from repro.efficiency import _check_out_dir, _prepare_dirs, parse
+
+    out = tmp_path / "eff"
+    for run in ("switch", "dense"):
+        (out / "runs" / run).mkdir(parents=True)
+        (out / "runs" / run / RUN_MARKER).write_text("")
+        (out / "runs" / run / "log.jsonl").write_text(f"{run}'s earlier log")
+    (out / OUT_MARKER).write_text("")
+    plan = parse(["--router", "dense", "--out", str(out)], "efficiency")
+    _check_out_dir(plan)
+    _prepare_dirs(plan)
+    assert (out / "runs" / "switch" / "log.jsonl").read_text() == "switch's earlier log"
+    assert sorted(p.name for p in (out / "runs" / "dense").iterdir()) == [RUN_MARKER]  # fresh for the new run
+
+
+def test_refused_under_an_outer_torchrun(capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "without torchrun" in _error(capsys, ["--out", str(tmp_path / "o")])
+
+
+# ------------------------------------------------------------------------- DirMoE's compiled blocks
+def _dirmoe(mode: str, seed: int = 0, **options) -> routers.Router:
+    torch.manual_seed(seed)
+    return routers.build_router("dirmoe", hidden_size=32, num_experts=8, top_k=1, compile_elementwise=mode, **options)
+
+
+def test_compile_modes_choose_by_device(monkeypatch):
+    import routers.dirmoe as dirmoe
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(dirmoe, "_inductor_available", lambda device: (True, "x"))
+    assert not _dirmoe("auto").compiles_elementwise(cpu)  # the default: eager on CPU (no gain measured)
+    assert _dirmoe("auto").compiles_elementwise(cuda)
+    assert _dirmoe("always").compiles_elementwise(cpu)
+    assert not _dirmoe("never").compiles_elementwise(cuda)
+    monkeypatch.setattr(dirmoe, "_inductor_available", lambda device: (False, "Triton"))
+    assert not _dirmoe("auto").compiles_elementwise(cuda)
+    with pytest.raises(ValueError, match="compile_elementwise='always' needs Triton for torch.compile on cuda"):
+        _dirmoe("always").compiles_elementwise(cuda)
+    assert routers.router_class("dirmoe").Config(hidden_size=8, num_experts=4).compile_elementwise == "auto"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"posterior_scale": "normalized", "recon_target": "centered", "center_logits": False},
+     {"recon_target": "data_mean", "decoder_hidden_size": 16, "renormalize": True, "recon_weight": 0.0}],
+    ids=["default", "normalized-centered", "data-mean-mlp"],
+)
+def test_elementwise_blocks_trace_without_graph_breaks(options):
+    """Each block is one graph for dynamo (a break would split the fusion), in training and evaluation."""
+    import torch._dynamo
+
+    import routers.dirmoe as dirmoe
+
+    router = _dirmoe("never", **options)
+    calls = {}
+    for name in ("_gates_and_concentrations", "_combine_and_losses"):
+        real = getattr(dirmoe, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls.setdefault(_name, []).append((args, kwargs, torch.is_grad_enabled()))
+            return _real(*args, **kwargs)
+
+        router._compiled[real] = spy  # the router calls what _elementwise hands it
+    router.compiles_elementwise = lambda device: True
+    x = torch.randn(24, 32)
+    router.train()(x).total_aux_loss().backward()
+    with torch.no_grad():
+        router.eval()(x)
+    for name, captured in calls.items():
+        for args, kwargs, grad in captured:
+            with torch.set_grad_enabled(grad):
+                explanation = torch._dynamo.explain(getattr(dirmoe, name))(*args, **kwargs)
+            assert explanation.graph_break_count == 0 and explanation.graph_count == 1, (name, explanation.break_reasons)
+    assert len(calls) == 2 and all(len(c) == 2 for c in calls.values())
+
+
+@pytest.mark.slow
+def test_compiled_blocks_match_eager_within_tolerance():
+    """torch.compile (inductor's C++ backend here) against eager, same seed: same routing map; combine weights,
+    loss terms, metrics and every gradient within 1e-3 of the tensor's scale (inductor fuses and reorders
+    float32 arithmetic; its lgamma/digamma differ in the last bits)."""
+    from routers.dirmoe import _inductor_available
+
+    if not _inductor_available(torch.device("cpu"))[0]:
+        pytest.skip("no C++ compiler for inductor on this machine")
+    results = {}
+    for mode in ("never", "always"):
+        router = _dirmoe(mode)
+        x = torch.randn(96, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
+        out = router.train()(x)
+        ((out.probs * torch.arange(8.0)).sum() + out.total_aux_loss()).backward()
+        with torch.no_grad():
+            evaluated = router.eval()(x.detach())
+        results[mode] = (out, evaluated, {n: p.grad for n, p in router.named_parameters()}, x.grad)
+
+    def close(a, b):
+        a, b = a.detach(), b.detach()
+        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max().clamp_min(1e-12)))
+
+    (out_c, eval_c, grads_c, xgrad_c), (out_e, eval_e, grads_e, xgrad_e) = results["always"], results["never"]
+    for compiled, eager in ((out_c, out_e), (eval_c, eval_e)):
+        assert torch.equal(compiled.routing_map, eager.routing_map)
+        close(compiled.probs, eager.probs)
+        assert compiled.aux_losses.keys() == eager.aux_losses.keys()
+        for name in eager.aux_losses:
+            close(compiled.aux_losses[name], eager.aux_losses[name])
+        for name in ("kl", "recon", "sparsity", "expected_active", "simpson_theta"):
+            close(compiled.metrics[name], eager.metrics[name])
+    assert grads_c.keys() == grads_e.keys() and all(g is not None for g in grads_e.values())
+    for name in grads_e:
+        close(grads_c[name], grads_e[name])
+    close(xgrad_c, xgrad_e)
