@@ -107,6 +107,8 @@ def test_records_in_range_load_and_records_without_the_new_fields_still_load(tmp
     assert edges.lm_eval["results"]["piqa"]["acc_norm,none"] == 1.0
     with pytest.raises(ValueError, match="simpson must be a finite number"):
         dataclasses.replace(edges.routing[0], simpson=math.nan)
+    # float32 routing shares: 1 - sum(r) may round just below 0, a Simpson index just above 1
+    assert dataclasses.replace(edges.routing[0], dropped_mass=-1e-7, simpson=1 + 1e-7).dropped_mass == -1e-7
 
 
 # ---------------------------------------------------------------------------------------------- partial runs

@@ -29,9 +29,14 @@ UNIT_METRICS = ("exact_match", "f1")
 PERPLEXITY_METRICS = ("perplexity", "word_perplexity", "byte_perplexity")
 
 
+#: Slack on the ends of [0, 1] for routing shares computed in float32 (a mass of 1 - sum(r) may round to -1e-7).
+FLOAT32_SLACK = 1e-6
+
+
 def _check(name: str, value: float | int | None, low: float | None = None, high: float | None = None,
-           *, low_open: bool = False) -> None:
-    """Refuse ``value`` outside ``[low, high]`` (``(low, high]`` with ``low_open``) or not finite; None passes.
+           *, low_open: bool = False, slack: float = 0.0) -> None:
+    """Refuse ``value`` outside ``[low, high]`` (``(low, high]`` with ``low_open``), widened by ``slack`` at
+    both ends, or not finite; None passes.
 
     Raises:
         ValueError: naming the field, the value and the allowed range (:mod:`repro.schema` prefixes the file).
@@ -42,8 +47,8 @@ def _check(name: str, value: float | int | None, low: float | None = None, high:
         raise ValueError(f"{name} must be a number, got {type(value).__name__}")
     if not math.isfinite(value):
         raise ValueError(f"{name} must be a finite number, got {value}")
-    too_low = low is not None and (value <= low if low_open else value < low)
-    too_high = high is not None and value > high
+    too_low = low is not None and (value <= low - slack if low_open else value < low - slack)
+    too_high = high is not None and value > high + slack
     if too_low or too_high:
         if low is not None and high is not None:
             allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
@@ -142,12 +147,12 @@ class LayerRouting:
     def __post_init__(self) -> None:
         _check("layer", self.layer, 0)
         _check("active_experts", self.active_experts, 0)
-        _check("simpson", self.simpson, 0, 1)
+        _check("simpson", self.simpson, 0, 1, slack=FLOAT32_SLACK)
         # max / mean tokens per expert: >= 1 when any token is routed, 0 when none is.
         _check("load_imbalance", self.load_imbalance, 0)
-        _check("dropped_mass", self.dropped_mass, 0, 1)
+        _check("dropped_mass", self.dropped_mass, 0, 1, slack=FLOAT32_SLACK)
         _check("group_size", self.group_size, 0, low_open=True)
-        _check("fallback_share", self.fallback_share, 0, 1)
+        _check("fallback_share", self.fallback_share, 0, 1, slack=FLOAT32_SLACK)
 
 
 @dataclass(frozen=True)
