@@ -16,8 +16,9 @@
 Seeds (decision 1): seed k of a run is the experiment's own seed plus k, in ``runs/mini/<run>`` for k = 0 and
 ``runs/mini/<run>-s<k>`` (run id ``<run>-s<k>``) for k >= 1. Seed 0 is exactly the single-seed run: its
 config, directory and record are unchanged by ``--seeds``, so ``--seeds 1`` reproduces the committed
-results, and adding seeds reuses the runs already done. Consecutive integer seeds give independent streams:
-torch's and numpy's seeding (Mersenne Twister, megatron's dataset shuffles) hash the seed into the state.
+results, and adding seeds reuses the runs already done. The seed drives the initialisation, the routers' noise
+and megatron's dataset shuffles (the data order); torch and numpy seed Mersenne Twister generators, whose
+initialisation spreads the seed over the whole state, so consecutive seeds give unrelated streams.
 
 Held-out loss per domain (decision 2): after training, the checkpoint scores the first ``domain_tokens``
 tokens of each domain's held-out documents (``heldout.jsonl`` of the mini-pile: never in the training shards,

@@ -8,8 +8,9 @@ dataclass tree; :mod:`repro.report.store` builds, writes and loads records, refu
 field, an unknown field, a wrong type or a value out of range with one line naming the file and the field.
 
 Ranges (checked in each dataclass's ``__post_init__``): accuracies, Simpson indices and shares in [0, 1];
-times, throughputs, FLOPs and sizes > 0; counts and steps >= 0; losses finite and >= 0; perplexities >= 1;
-standard errors >= 0. A record built in code is checked the same way as one read from a file.
+times, throughputs, FLOPs and sizes > 0; counts and steps >= 0; validation and per-domain losses >= 0 (the
+training loss, which includes the aux losses, only finite); perplexities >= 1; standard errors >= 0. A record
+built in code is checked the same way as one read from a file.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ SCHEMA = "dirmoe-bench/run-record"
 SCHEMA_VERSION = 1
 #: The per-layer routing metrics a record keeps (names of the routers' metrics).
 ROUTING_METRICS = ("active_experts", "simpson", "load_imbalance", "dropped_mass", "group_size", "fallback_share")
-#: lm-eval metrics that are fractions (the ``acc`` family, exact match, F1).
+#: lm-eval metrics that are fractions besides the ``acc`` family (``acc``, ``acc_norm``, ``acc_mutual_info``).
 UNIT_METRICS = ("exact_match", "f1")
 #: lm-eval metrics that are perplexities (exp of a mean negative log-likelihood: at least 1).
 PERPLEXITY_METRICS = ("perplexity", "word_perplexity", "byte_perplexity")
@@ -117,7 +118,7 @@ class LossPoint:
 
     def __post_init__(self) -> None:
         _check("step", self.step, 0)
-        _check("loss", self.loss)
+        _check("loss", self.loss)  # LM loss plus the aux losses: no bound beyond finite
 
 
 @dataclass(frozen=True)
