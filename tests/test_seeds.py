@@ -293,6 +293,12 @@ def test_validation_and_routing_over_seeds_are_t_intervals_with_paired_marks():
     assert rows["dirmoe"][4] == f"{mean:.2f} ± {half:.2f}*"  # two decimals, like the routing table
     assert rows["remoe"][4].endswith(f"{statistics.stdev(imbalance['remoe']) * sps.t.ppf(0.975, 2) / math.sqrt(3):.2f}")
     assert rows["dirmoe"][2] == "1.000 ± 0.000"  # identical over seeds: no spread, no test evidence
+    # the dense baseline runs the model's dense counterpart: compared with the routers, another model is not
+    dense = [_record(f"dense-s{k}", "dense", seed=k, model="tiny-dense", validation_loss=5.3) for k in (1, 2, 3)]
+    with_dense = validation_seed_table(records + dense)
+    assert with_dense.rows[1][:4] == ("dense", "3", "5.300 ± 0.000*", "--")  # after the reference, dense first
+    with pytest.raises(ReproError, match=r"several models \(llama-185m, tiny\)"):
+        validation_seed_table(records + [_record("big", "switch", seed=9, model="llama-185m-dense", validation_loss=3.0)])
     # one seed each: intervals undefined, no test
     single = validation_seed_table([r for r in records if r.run_id.endswith("-s1")])
     assert single.rows[0] == ("switch (reference)", "1", "5.000", "4.000", "4.000")

@@ -72,6 +72,8 @@ SIGNIFICANT = "*"
 #: Marks a zero-shot cell scored on part of the task's documents (lm-eval's ``limit``).
 PARTIAL = "†"
 SEED_TESTS = ("auto", "seeds", "questions", "none")
+#: The suffix of a model's dense counterpart (``tiny-dense``, ``llama-185m-dense``: repro.model.flavours).
+DENSE_SUFFIX = "-dense"
 
 
 @dataclass(frozen=True)
@@ -355,8 +357,8 @@ class SeedComparison:
 
     def significant(self, router: str, column: str) -> bool:
         """Whether ``router`` differs from the reference in ``column`` at ``alpha`` (Holm-adjusted)."""
-        p = self.cells[router][column].adjusted_p
-        return p is not None and p < self.alpha
+        cell = self.cells.get(router, {}).get(column)  # no cell: the router has no value in the column
+        return cell is not None and cell.adjusted_p is not None and cell.adjusted_p < self.alpha
 
 
 AVG = "avg"
@@ -365,7 +367,8 @@ AVG = "avg"
 def _group_by_router(
     records: Sequence[RunRecord], seed_of: Callable[[RunRecord], int]
 ) -> dict[str, dict[int, RunRecord]]:
-    models = sorted({r.experiment.model for r in records})
+    # A dense baseline runs the model's dense counterpart (flavour ``<model>-dense``): the same model.
+    models = sorted({r.experiment.model.removesuffix(DENSE_SUFFIX) for r in records})
     if len(models) > 1:
         raise ReproError(f"runs of several models ({', '.join(models)}): compare one model's runs at a time")
     groups: dict[str, dict[int, RunRecord]] = {}
