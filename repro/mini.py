@@ -416,8 +416,11 @@ def _run_cpu_seconds(cfg: MiniConfig) -> dict[str, float]:
     return out
 
 
-def report(cfg: MiniConfig, unigram: float, elapsed: float) -> str:
+def report(cfg: MiniConfig, unigram: float, elapsed: float, trained: Sequence[str] | None = None) -> str:
     """Write the tables, plots and ``summary.json`` of the comparison; return the text to print.
+
+    ``elapsed`` is this invocation's wall time and ``trained`` the run ids it trained (the others were
+    reused); each run's own cost is its worker's CPU time (``run_cpu_seconds``).
 
     The zero-shot, efficiency, routing and validation tables show the first seed's runs (exactly the
     single-seed comparison); with several seeds, the tables over seeds (``*_seeds``) follow.
@@ -461,6 +464,7 @@ def report(cfg: MiniConfig, unigram: float, elapsed: float) -> str:
         "steps": cfg.steps,
         "seeds": cfg.seeds,
         "wall_seconds": round(elapsed, 1),
+        "trained_runs": None if trained is None else list(trained),
         "unigram_loss": unigram,
         "final_train_lm_loss_last10": final,
         "validation_loss": val,
@@ -552,7 +556,8 @@ def main(argv: list[str], prog: str = "python -m repro mini") -> int:
     sys.stdout.flush()
     if todo:
         run_all(cfg, todo, tasks_dir)
-    print(report(cfg, _unigram_loss(mini.train_prefix), time.perf_counter() - start))
+    trained = [cfg.run_id(*job) for job in todo]
+    print(report(cfg, _unigram_loss(mini.train_prefix), time.perf_counter() - start, trained))
     return 0
 
 

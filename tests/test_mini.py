@@ -106,6 +106,7 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, c
     summary = json.loads((out / "summary.json").read_text())
     assert summary["seeds"] == 2 and summary["per_seed"]["dirmoe"]["seed"] == [seed_0, seed_0 + 1]
     assert set(summary["run_cpu_seconds"]) == {"switch", "dirmoe", "switch-s1", "dirmoe-s1"}
+    assert sorted(summary["trained_runs"]) == ["dirmoe-s1", "switch-s1"]
 
 
 def test_bad_arguments_are_one_line_errors():
