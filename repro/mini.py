@@ -3,12 +3,31 @@
 1. Build (or reuse) the mini-pile, its tokenizer and indexed datasets, and the local lm-eval tasks.
 2. For the dense baseline, every registered router (``routers.available_routers()``, routers of other
    packages included) and the routers' declared variants (``Router.variants``: DirMoE's centred
-   reconstruction target), :func:`run_one` in a pool of worker processes (two at a time, one thread each):
-   train ``<router>-tiny`` on the mini-pile, evaluate the checkpoint zero-shot on the local tasks through
-   lm-eval, analyse its routing (expert specialisation by domain; the sparsity knob of routers with a
-   Dirichlet posterior) and write its run record (``runs/mini/<run>/record.json``).
-3. Build the zero-shot, efficiency and routing tables (Markdown, CSV, LaTeX) and the plots under
-   ``results/mini/``, and print the tables.
+   reconstruction target), and for each of ``--seeds N`` seeds, :func:`run_one` in a pool of worker
+   processes (two at a time, one thread each): train ``<router>-tiny`` on the mini-pile, evaluate the
+   checkpoint zero-shot on the local tasks through lm-eval (with lm-eval's standard errors and its
+   per-document samples, kept in the record as per-question results), measure the LM loss per domain on the
+   mini-pile's held-out documents, analyse its routing (expert specialisation by domain; the sparsity knob of
+   routers with a Dirichlet posterior) and write its run record (``runs/mini/<run>/record.json``).
+3. Build the zero-shot, efficiency, routing and validation-loss tables of the first seed's runs (Markdown,
+   CSV, LaTeX) and the plots under ``results/mini/``; with several seeds also the tables over seeds (mean +-
+   95% CI, ``*`` where a router differs from Switch by a paired test over the seeds, Holm-adjusted); print the
+   tables.
+
+Seeds (decision 1): seed k of a run is the experiment's own seed plus k, in ``runs/mini/<run>`` for k = 0 and
+``runs/mini/<run>-s<k>`` (run id ``<run>-s<k>``) for k >= 1. Seed 0 is exactly the single-seed run: its
+config, directory and record are unchanged by ``--seeds``, so ``--seeds 1`` reproduces the committed
+results, and adding seeds reuses the runs already done. The seed drives the initialisation, the routers' noise
+and megatron's dataset shuffles (the data order); torch and numpy seed Mersenne Twister generators, whose
+initialisation spreads the seed over the whole state, so consecutive seeds give unrelated streams.
+
+Held-out loss per domain (decision 2): after training, the checkpoint scores the first ``domain_tokens``
+tokens of each domain's held-out documents (``heldout.jsonl`` of the mini-pile: never in the training shards,
+the tokenizer or megatron's splits), each document cut into windows of the model's sequence length, one window
+per forward (batch 1, so routers that couple a batch's tokens see one window, as in lm-eval). The same tokens
+for every router and seed, so differences are paired; chosen over a per-domain breakdown of the trainer's
+validation loss, whose ``validation.iters`` micro-batches (2 x 8 x 128 tokens on the tiny flavour) leave a few
+hundred tokens per domain and a different mix for every seed.
 
 A run whose record matches the current settings is reused, so an interrupted comparison picks up where it
 stopped; ``--fresh`` retrains everything. A run directory is replaced only if this command created it (it
@@ -29,11 +48,18 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.training.config import MEGATRON_ROUTER
+
+if TYPE_CHECKING:
+    from collections.abc import Callable, Sequence
+
+    import torch
+
+    from repro.report.record import DomainLoss
 
 #: The marker a run directory created by this command holds (only such directories are ever replaced).
 RUN_MARKER = ".mini-run"
@@ -51,11 +77,16 @@ class MiniConfig:
         work_dir: run directories (checkpoints, logs, records).
         out_dir: tables and plots.
         workers: runs trained at once (each one process with one thread).
-        eval_limit: documents per local task (lm-eval's ``limit``).
+        eval_limit: documents per local task (lm-eval's ``limit``; above every local task's size, so nothing is
+            cut).
         spec_tokens: held-out tokens per domain for the specialisation analysis.
         warmup_rows: log rows skipped before the efficiency window.
         overrides: extra dot-list overrides applied to every run.
         pair: the two routers of the side-by-side specialisation plot (the DirMoE paper's figure).
+        seeds: runs per router, seeds ``seed + k`` for k < seeds (module docstring, decision 1).
+        domain_tokens: held-out tokens scored per domain for the per-domain loss (decision 2).
+        bootstrap_iters: lm-eval's ``bootstrap_iters``: > 0 switches its standard errors on (closed-form for
+            the accuracies; resamples for the last-word perplexity).
     """
 
     runs: tuple[str, ...]
@@ -69,21 +100,49 @@ class MiniConfig:
     warmup_rows: int = 2
     overrides: tuple[str, ...] = ()
     pair: tuple[str, str] = ("dirmoe", "switch")
+    seeds: int = 1
+    domain_tokens: int = 8192
+    bootstrap_iters: int = 1000
 
-    def experiment(self, run: str):
-        """The run's config with this comparison's settings applied."""
+    def __post_init__(self) -> None:
+        for name in ("steps", "workers", "eval_limit", "spec_tokens", "seeds", "domain_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_rows", "bootstrap_iters"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+    def experiment(self, run: str, seed_index: int = 0):
+        """The run's config with this comparison's settings applied; seed ``seed + seed_index``."""
         from repro.training.config import apply_overrides
         from repro.training.experiments import get_experiment
 
         config = get_experiment(f"{run}-tiny")
-        return apply_overrides(config, [f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}", *self.overrides])
+        config = apply_overrides(config, [f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}", *self.overrides])
+        # Seed 0 is left exactly as it was (no override at all): the single-seed run, reused as is.
+        return apply_overrides(config, [f"seed={config.seed + seed_index}"]) if seed_index else config
 
-    def run_dir(self, run: str) -> Path:
-        return Path(self.work_dir) / run
+    def run_id(self, run: str, seed_index: int = 0) -> str:
+        """``<run>`` for the first seed, ``<run>-s<k>`` for seed k (also the run directory's name)."""
+        return run if seed_index == 0 else f"{run}-s{seed_index}"
+
+    def run_dir(self, run: str, seed_index: int = 0) -> Path:
+        return Path(self.work_dir) / self.run_id(run, seed_index)
+
+    def jobs(self) -> list[tuple[str, int]]:
+        """Every ``(run, seed_index)``, seed by seed: an interrupted comparison has whole seeds done first."""
+        return [(run, k) for k in range(self.seeds) for run in self.runs]
 
     def analysis_settings(self) -> dict[str, Any]:
         """The settings besides the experiment that a finished run's record and analysis depend on."""
-        return {"eval_limit": self.eval_limit, "spec_tokens": self.spec_tokens, "warmup_rows": self.warmup_rows}
+        return {
+            "eval_limit": self.eval_limit,
+            "spec_tokens": self.spec_tokens,
+            "warmup_rows": self.warmup_rows,
+            "domain_tokens": self.domain_tokens,
+            "bootstrap_iters": self.bootstrap_iters,
+            "per_question": True,
+        }
 
 
 # ------------------------------------------------------------------------------------------------ one run
@@ -93,19 +152,60 @@ def _heldout_documents(heldout_path: Path, tokenizer) -> list[tuple[list[int], s
     return [(tokenizer.tokenize(d.text) + [tokenizer.eod], d.domain) for d in iter_pile_documents([heldout_path])]
 
 
-def _analyse(cfg: MiniConfig, run: str, scorer, tokenizer) -> dict[str, Any]:
+def heldout_domain_losses(
+    logits: Callable[[torch.Tensor], torch.Tensor],
+    documents: Sequence[tuple[list[int], str]],
+    seq_length: int,
+    tokens_per_domain: int,
+) -> tuple[DomainLoss, ...]:
+    """Next-token LM loss per domain on held-out documents (module docstring, decision 2).
+
+    Each document is cut into windows of ``seq_length`` tokens, one forward per window (batch 1); a window of n
+    tokens scores its n - 1 next tokens. A domain's documents are read in order until ``tokens_per_domain``
+    tokens are scored (the last window is kept whole).
+
+    Args:
+        logits: next-token logits ``[1, S, V]`` for token ids ``[1, S]`` (the model in eval mode).
+        documents: ``(token_ids, domain)`` pairs.
+        seq_length: window length.
+        tokens_per_domain: scored tokens per domain to stop at.
+
+    Returns:
+        One :class:`~repro.report.record.DomainLoss` per domain with a window of two tokens or more, sorted by
+        domain.
+    """
+    import torch
+
+    from repro.report.record import DomainLoss
+
+    total: dict[str, float] = {}
+    scored: dict[str, int] = {}
+    with torch.no_grad():
+        for ids, domain in documents:
+            for start in range(0, len(ids), seq_length):
+                if scored.get(domain, 0) >= tokens_per_domain:
+                    break
+                window_S = torch.tensor(ids[start : start + seq_length], dtype=torch.long)
+                if window_S.numel() < 2:
+                    continue
+                logits_SV = logits(window_S[None])[0].double()
+                nll = torch.nn.functional.cross_entropy(logits_SV[:-1], window_S[1:], reduction="sum")
+                total[domain] = total.get(domain, 0.0) + float(nll)
+                scored[domain] = scored.get(domain, 0) + window_S.numel() - 1
+    return tuple(DomainLoss(d, total[d] / scored[d], scored[d]) for d in sorted(scored))
+
+
+def _analyse(cfg: MiniConfig, run: str, scorer, docs: list[tuple[list[int], str]]) -> dict[str, Any]:
     """Expert specialisation by domain and, for routers with a Dirichlet posterior, the sparsity knob."""
     import torch
 
     from repro.analysis import expert_specialisation, has_sparsity_knob, sparsity_knob, trace_routers
-    from repro.data.minipile import build_mini_pile
     from routers import routers_in
 
     analysis: dict[str, Any] = {"run": run, "settings": cfg.analysis_settings()}
     layer_routers = routers_in(scorer.model)
     if not layer_routers:
         return analysis
-    docs = _heldout_documents(build_mini_pile(cfg.data_dir).heldout_path, tokenizer)
     analysis["specialisation"] = expert_specialisation(scorer.logits, scorer.model, docs, scorer.max_length, cfg.spec_tokens)
     if has_sparsity_knob(layer_routers[0]):
         window = [t for ids, _ in docs[:8] for t in ids][: scorer.max_length]
@@ -118,19 +218,21 @@ def _analyse(cfg: MiniConfig, run: str, scorer, tokenizer) -> dict[str, Any]:
     return analysis
 
 
-def run_one(cfg: MiniConfig, run: str, tasks_dir: Path) -> Path:
+def run_one(cfg: MiniConfig, run: str, tasks_dir: Path, seed_index: int = 0) -> Path:
     """Train, evaluate, analyse and record one run (called in a worker process).
 
     Args:
         cfg: the comparison's settings.
         run: ``dense`` or a router name.
         tasks_dir: the local lm-eval tasks.
+        seed_index: which of the comparison's seeds (0: the experiment's own seed; see :meth:`MiniConfig.experiment`).
 
     Returns:
         The run's record path.
     """
     import torch
 
+    from repro.data.minipile import build_mini_pile
     from repro.evaluation.harness import SuiteLM
     from repro.evaluation.runner import evaluate_lm
     from repro.report.store import write_run_record
@@ -138,44 +240,67 @@ def run_one(cfg: MiniConfig, run: str, tasks_dir: Path) -> Path:
     from repro.training.trainer import train
 
     torch.set_num_threads(1)
-    run_dir = cfg.run_dir(run)
-    train(cfg.experiment(run), run_dir, progress=False)
+    run_dir = cfg.run_dir(run, seed_index)
+    train(cfg.experiment(run, seed_index), run_dir, progress=False)
     scorer, tokenizer = load_for_evaluation(run_dir, device="cpu")
     # Batch 1: Expert Choice (and capacity dropping) couple the tokens of a batch; scoring each request
     # alone keeps every router's numbers independent of how lm-eval groups requests.
     lm = SuiteLM(model=scorer, tokenizer=tokenizer, batch_size=1)
-    results = evaluate_lm(lm, local_tasks=tasks_dir, limit=cfg.eval_limit, bootstrap_iters=0)
-    write_json_atomic(run_dir / "analysis.json", _analyse(cfg, run, scorer, tokenizer))
-    return write_run_record(run_dir, warmup=cfg.warmup_rows, lm_eval_results=results, run_id=run)
+    # log_samples: the record keeps each question's correctness, for paired tests over the same questions.
+    results = evaluate_lm(
+        lm, local_tasks=tasks_dir, limit=cfg.eval_limit, bootstrap_iters=cfg.bootstrap_iters, log_samples=True
+    )
+    docs = _heldout_documents(build_mini_pile(cfg.data_dir).heldout_path, tokenizer)
+    losses = heldout_domain_losses(scorer.logits, docs, scorer.max_length, cfg.domain_tokens)
+    write_json_atomic(run_dir / "analysis.json", _analyse(cfg, cfg.run_id(run, seed_index), scorer, docs))
+    return write_run_record(
+        run_dir, warmup=cfg.warmup_rows, lm_eval_results=results, run_id=cfg.run_id(run, seed_index),
+        domain_losses=losses,
+    )
 
 
 def _worker_init() -> None:
-    """Each worker computes on one thread (two workers share the two cores) and stays offline."""
+    """Each worker computes on one thread (two workers share the two cores), stays offline, and lets lm-eval
+    bootstrap in-process (its default is a pool of every core per bootstrapped metric)."""
     from repro.evaluation.offline import ensure_offline
 
-    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    os.environ.update(OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", DISABLE_MULTIPROC="1")
     ensure_offline()
 
 
-def _run_logged(cfg: MiniConfig, run: str, tasks_dir: Path) -> tuple[str, float]:
-    """:func:`run_one` with the worker's output (megatron's warnings, progress) in ``<work_dir>/<run>.worker.log``."""
+def _job(item: str | tuple[str, int]) -> tuple[str, int]:
+    """A job of :func:`run_all`: a run name (its first seed) or ``(run, seed_index)``."""
+    return (item, 0) if isinstance(item, str) else (item[0], int(item[1]))
+
+
+def _run_logged(cfg: MiniConfig, run: str, tasks_dir: Path, seed_index: int = 0) -> tuple[str, float, float]:
+    """:func:`run_one` with the worker's output (megatron's warnings, progress) in
+    ``<work_dir>/<run id>.worker.log``; returns the run id, its wall time and the worker's CPU time (seconds),
+    also written to the run's ``timing.json``. The worker is a fresh process per run, so its CPU time is the
+    run's whole cost (imports included) whatever else the machine runs."""
+    import resource
+
     start = time.perf_counter()
-    log_path = Path(cfg.work_dir) / f"{run}.worker.log"
+    run_id = cfg.run_id(run, seed_index)
+    log_path = Path(cfg.work_dir) / f"{run_id}.worker.log"
     with open(log_path, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         try:
-            run_one(cfg, run, tasks_dir)
+            run_one(cfg, run, tasks_dir, seed_index)
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
             raise
-    return run, time.perf_counter() - start
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    wall, cpu = time.perf_counter() - start, usage.ru_utime + usage.ru_stime
+    write_json_atomic(cfg.run_dir(run, seed_index) / "timing.json", {"wall_seconds": wall, "cpu_seconds": cpu})
+    return run_id, wall, cpu
 
 
-def _prepare_run_dir(cfg: MiniConfig, run: str) -> None:
+def _prepare_run_dir(cfg: MiniConfig, run: str, seed_index: int = 0) -> None:
     """Replace a stale run directory this command created; refuse one it did not create."""
-    run_dir = cfg.run_dir(run)
+    run_dir = cfg.run_dir(run, seed_index)
     if run_dir.exists():
         if not (run_dir / RUN_MARKER).is_file():
             raise ReproError(
@@ -186,8 +311,8 @@ def _prepare_run_dir(cfg: MiniConfig, run: str) -> None:
     (run_dir / RUN_MARKER).write_text("created by python -m repro mini\n")
 
 
-def _record_is_current(cfg: MiniConfig, run: str) -> bool:
-    run_dir = cfg.run_dir(run)
+def _record_is_current(cfg: MiniConfig, run: str, seed_index: int = 0) -> bool:
+    run_dir = cfg.run_dir(run, seed_index)
     if not ((run_dir / "record.json").is_file() and (run_dir / "analysis.json").is_file()):
         return False
     try:
@@ -195,34 +320,40 @@ def _record_is_current(cfg: MiniConfig, run: str) -> bool:
         settings = json.loads((run_dir / "analysis.json").read_text()).get("settings")
     except (OSError, ValueError, KeyError):
         return False
-    return stored == cfg.experiment(run).to_dict() and settings == cfg.analysis_settings()
+    return stored == cfg.experiment(run, seed_index).to_dict() and settings == cfg.analysis_settings()
 
 
-def run_all(cfg: MiniConfig, runs: list[str], tasks_dir: Path) -> None:
+def run_all(cfg: MiniConfig, runs: Sequence[str | tuple[str, int]], tasks_dir: Path) -> None:
     """Run ``runs`` in a pool of ``cfg.workers`` worker processes.
+
+    Args:
+        cfg: the comparison's settings.
+        runs: run names (their first seed) or ``(run, seed_index)`` pairs.
+        tasks_dir: the local lm-eval tasks.
 
     Raises:
         ReproError: naming the runs that failed and their logs.
     """
     from tqdm import tqdm
 
-    for run in runs:
-        _prepare_run_dir(cfg, run)
+    jobs = [_job(item) for item in runs]
+    for run, k in jobs:
+        _prepare_run_dir(cfg, run, k)
     failed = []
     # A fresh interpreter per run (spawn, one task per child): no state shared between runs or with this one.
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(
         cfg.workers, mp_context=context, initializer=_worker_init, max_tasks_per_child=1
     ) as pool, tqdm(
-        total=len(runs), desc="runs", unit="run"
+        total=len(jobs), desc="runs", unit="run"
     ) as bar:
-        futures = {pool.submit(_run_logged, cfg, run, tasks_dir): run for run in runs}
+        futures = {pool.submit(_run_logged, cfg, run, tasks_dir, k): cfg.run_id(run, k) for run, k in jobs}
         for future in as_completed(futures):
             run = futures[future]
             bar.update(1)
             try:
-                _, seconds = future.result()
-                bar.write(f"  {run}: done in {seconds:.0f} s")
+                _, seconds, cpu = future.result()
+                bar.write(f"  {run}: done in {seconds:.0f} s (CPU {cpu:.0f} s)")
             except Exception as exc:  # noqa: BLE001 - reported per run, with its log
                 bar.write(f"  {run}: FAILED ({type(exc).__name__}: {exc})")
                 failed.append(run)
@@ -270,31 +401,92 @@ def _plots(cfg: MiniConfig, logs: dict[str, list], analyses: dict[str, dict], un
     return specs
 
 
-def report(cfg: MiniConfig, unigram: float, elapsed: float) -> str:
-    """Write the tables, plots and ``summary.json`` of the comparison; return the text to print."""
+def _final_loss(rows: list) -> float:
+    """Mean training LM loss of the last 10 logged steps."""
+    tail = rows[-10:]
+    return sum(r.lm_loss for r in tail) / len(tail)
+
+
+def _run_cpu_seconds(cfg: MiniConfig) -> dict[str, float]:
+    """run id -> the CPU seconds of the worker that trained it (from its ``timing.json``, where there is one)."""
+    out = {}
+    for run, k in cfg.jobs():
+        try:
+            out[cfg.run_id(run, k)] = round(json.loads((cfg.run_dir(run, k) / "timing.json").read_text())["cpu_seconds"], 1)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+    return out
+
+
+def report(cfg: MiniConfig, unigram: float, elapsed: float, trained: Sequence[str] | None = None) -> str:
+    """Write the tables, plots and ``summary.json`` of the comparison; return the text to print.
+
+    ``elapsed`` is this invocation's wall time and ``trained`` the run ids it trained (the others were
+    reused); each run's own cost is its worker's CPU time (``run_cpu_seconds``).
+
+    The zero-shot, efficiency, routing and validation tables show the first seed's runs (exactly the
+    single-seed comparison); with several seeds, the tables over seeds (``*_seeds``) follow.
+    """
     from repro.report.plots import specialisation_score
     from repro.report.store import load_record
-    from repro.report.tables import efficiency_table, render, routing_table, write_tables, zero_shot_table
+    from repro.report.tables import (
+        compare_over_seeds,
+        efficiency_table,
+        heldout_loss,
+        record_seed,
+        render,
+        routing_seed_table,
+        routing_table,
+        seed_zero_shot_table,
+        validation_seed_table,
+        validation_table,
+        write_tables,
+        zero_shot_table,
+    )
     from repro.training.log import read_rows
 
-    records = [load_record(cfg.run_dir(run) / "record.json") for run in cfg.runs]
-    tables = [zero_shot_table(records), efficiency_table(records), routing_table(records)]
+    records = {job: load_record(cfg.run_dir(*job) / "record.json") for job in cfg.jobs()}
+    first = [records[(run, 0)] for run in cfg.runs]
+    tables = [zero_shot_table(first), efficiency_table(first), routing_table(first), validation_table(first)]
+    if cfg.seeds > 1:
+        every = list(records.values())
+        tables += [
+            seed_zero_shot_table(compare_over_seeds(every)),  # records carry their per-question results
+            validation_seed_table(every),
+            routing_seed_table(every),
+        ]
     write_tables(tables, cfg.out_dir)
     logs = {run: read_rows(cfg.run_dir(run)) for run in cfg.runs}
     analyses = {run: json.loads((cfg.run_dir(run) / "analysis.json").read_text()) for run in cfg.runs}
     specs = _plots(cfg, logs, analyses, unigram)
 
-    final = {run: sum(r.lm_loss for r in rows[-10:]) / len(rows[-10:]) for run, rows in logs.items()}
+    final = {run: _final_loss(rows) for run, rows in logs.items()}
     val = {run: next((r.val_loss for r in reversed(rows) if r.val_loss is not None), math.nan) for run, rows in logs.items()}
     summary = {
         "steps": cfg.steps,
+        "seeds": cfg.seeds,
         "wall_seconds": round(elapsed, 1),
+        "trained_runs": None if trained is None else list(trained),
         "unigram_loss": unigram,
         "final_train_lm_loss_last10": final,
         "validation_loss": val,
+        "heldout_loss": {r.experiment.router: heldout_loss(r) for r in first},
+        "heldout_loss_by_domain": {r.experiment.router: {d.domain: d.loss for d in r.domain_losses} for r in first},
         "specialisation_score": {r: specialisation_score(s) for r, s in specs.items()},
-        "command": "nox -s mini  (python -m repro mini)",
+        # Each run's worker CPU time (written when the run was trained; reused runs keep theirs).
+        "run_cpu_seconds": _run_cpu_seconds(cfg),
+        "command": "nox -s mini  (python -m repro mini)" + (f" --seeds {cfg.seeds}" if cfg.seeds > 1 else ""),
     }
+    if cfg.seeds > 1:
+        summary["per_seed"] = {
+            run: {
+                "seed": [record_seed(records[(run, k)]) for k in range(cfg.seeds)],
+                "final_train_lm_loss_last10": [_final_loss(read_rows(cfg.run_dir(run, k))) for k in range(cfg.seeds)],
+                "validation_loss": [records[(run, k)].validation_loss for k in range(cfg.seeds)],
+                "heldout_loss": [heldout_loss(records[(run, k)]) for k in range(cfg.seeds)],
+            }
+            for run in cfg.runs
+        }
     write_json_atomic(Path(cfg.out_dir) / "summary.json", summary)
     lines = [render(t, "md") for t in tables]
     lines.append(f"Unigram baseline loss: {unigram:.3f} nats/token. Final training LM loss (mean of last 10 steps):")
@@ -302,7 +494,8 @@ def report(cfg: MiniConfig, unigram: float, elapsed: float) -> str:
     lines.append("Specialisation score (0 = domains routed alike; 1 = disjoint experts): " + ", ".join(
         f"{r} {v:.3f}" for r, v in summary["specialisation_score"].items()
     ))
-    lines.append(f"Tables and plots in {cfg.out_dir}/; wall time {elapsed / 60:.1f} min.")
+    seeds = f" ({cfg.seeds} seeds; per-run tables: the first seed)" if cfg.seeds > 1 else ""
+    lines.append(f"Tables and plots in {cfg.out_dir}/{seeds}; wall time {elapsed / 60:.1f} min.")
     return "\n".join(lines)
 
 
@@ -320,6 +513,11 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
     p.add_argument("--workers", type=int, default=defaults.workers, help="runs trained at once")
     p.add_argument("--eval-limit", type=int, default=defaults.eval_limit, help="documents per local task")
+    p.add_argument(
+        "--seeds", type=int, default=defaults.seeds,
+        help="runs per router with seeds seed, seed+1, ...: adds tables over seeds (mean +- 95%% CI, paired tests "
+        "against switch)",
+    )
     p.add_argument("--data-dir", default=defaults.data_dir)
     p.add_argument("--work-dir", default=defaults.work_dir)
     p.add_argument("--out", default=defaults.out_dir, help="tables and plots")
@@ -330,15 +528,17 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     unknown = [r for r in runs if r not in every]
     if unknown or not runs:
         raise ReproError(f"--runs: unknown run(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(every)}")
-    for name, value in (("--steps", args.steps), ("--workers", args.workers), ("--eval-limit", args.eval_limit)):
+    for name, value in (
+        ("--steps", args.steps), ("--workers", args.workers), ("--eval-limit", args.eval_limit), ("--seeds", args.seeds)
+    ):
         if value < 1:
             raise ReproError(f"{name} must be >= 1, got {value}")
     cfg = MiniConfig(
         runs=runs, steps=args.steps, data_dir=args.data_dir, work_dir=args.work_dir, out_dir=args.out,
-        workers=args.workers, eval_limit=args.eval_limit, overrides=tuple(args.set),
+        workers=args.workers, eval_limit=args.eval_limit, overrides=tuple(args.set), seeds=args.seeds,
     )
-    for run in runs:
-        cfg.experiment(run)  # unknown keys / bad values: one-line error before any work
+    for run, k in cfg.jobs():
+        cfg.experiment(run, k)  # unknown keys / bad values: one-line error before any work
     return cfg, args.fresh
 
 
@@ -351,8 +551,8 @@ def main(argv: list[str], prog: str = "python -m repro mini") -> int:
     start = time.perf_counter()
     mini = build_mini_pile(cfg.data_dir, log=print)
     tasks_dir = build_local_tasks(mini.heldout_path, Path(cfg.work_dir) / "tasks")
-    todo = [r for r in cfg.runs if fresh or not _record_is_current(cfg, r)]
-    reused = [r for r in cfg.runs if r not in todo]
+    todo = [job for job in cfg.jobs() if fresh or not _record_is_current(cfg, *job)]
+    reused = [cfg.run_id(*job) for job in cfg.jobs() if job not in todo]
     if reused:
         print(f"reusing finished runs: {', '.join(reused)}")
     print(f"training {len(todo)} runs x {cfg.steps} steps, {cfg.workers} at a time (logs in {cfg.work_dir}/<run>.worker.log)")
@@ -360,7 +560,8 @@ def main(argv: list[str], prog: str = "python -m repro mini") -> int:
     sys.stdout.flush()
     if todo:
         run_all(cfg, todo, tasks_dir)
-    print(report(cfg, _unigram_loss(mini.train_prefix), time.perf_counter() - start))
+    trained = [cfg.run_id(*job) for job in todo]
+    print(report(cfg, _unigram_loss(mini.train_prefix), time.perf_counter() - start, trained))
     return 0
 
 

@@ -1,5 +1,6 @@
-"""End to end on the embedded default: ``python -m repro mini`` for two routers at a few steps, then the
-tables, the plots and the regression check (passing against itself, failing against a nudged copy)."""
+"""End to end on the embedded default: ``python -m repro mini`` for a few routers at a few steps, then the
+tables, the plots and the regression check (passing against itself, failing against a nudged copy); a second
+seed added to finished runs, and the tables over seeds."""
 
 from __future__ import annotations
 
@@ -26,11 +27,26 @@ def comparison(tmp_path_factory):
 
 def test_tables_plots_and_records(comparison):
     out = comparison / "out"
-    for table in ("zero_shot", "efficiency", "routing"):
+    for table in ("zero_shot", "efficiency", "routing", "validation"):
         for fmt in ("md", "csv", "tex"):
             assert (out / f"{table}.{fmt}").is_file(), f"{table}.{fmt}"
+    assert not (out / "zero_shot_seeds.md").exists()  # one seed: the per-run tables only
     zero_shot = (out / "zero_shot.md").read_text()
     assert "switch" in zero_shot and "dirmoe" in zero_shot and "Last word" in zero_shot
+    # --eval-limit 8 cuts every local task: marked, with lm-eval's standard errors beside each cell
+    assert " ± " in zero_shot and "†" in zero_shot and "8 of 175 documents" in zero_shot
+    validation = (out / "validation.md").read_text()
+    assert "valid split" in validation and "held-out" in validation
+    for domain in ("c_headers", "licenses", "man_pages", "python_code", "python_docstrings", "python_reference"):
+        assert domain in validation
+    record = json.loads((comparison / "runs" / "switch" / "record.json").read_text())
+    assert {d["domain"] for d in record["domain_losses"]} >= {"licenses", "python_code"}
+    assert all(0 < d["loss"] < 20 and d["tokens"] > 0 for d in record["domain_losses"])
+    scores = record["per_question"]["minipile_continuation"]["acc_norm"]
+    assert len(scores) == 8 and set(scores) <= {0, 1}
+    assert sum(scores) / 8 == pytest.approx(record["lm_eval"]["results"]["minipile_continuation"]["acc_norm,none"])
+    timing = json.loads((comparison / "runs" / "switch" / "timing.json").read_text())
+    assert timing["cpu_seconds"] > 0 and timing["wall_seconds"] > 0
     for plot in ("loss_curves", "routing_over_training", "specialisation_dirmoe_vs_switch", "dirmoe_sparsity_knob"):
         png = out / f"{plot}.png"
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
@@ -68,6 +84,29 @@ def test_reruns_reuse_finished_runs(comparison, capsys):
     argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
     assert mini.main(argv) == 0
     assert "reusing finished runs: switch" in capsys.readouterr().out
+
+
+def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, capsys):
+    first = (comparison / "runs" / "switch" / "record.json").read_bytes()
+    argv = ["--runs", "switch,dirmoe", "--steps", "8", "--eval-limit", "8", "--seeds", "2"]
+    argv += ["--data-dir", str(comparison / "data"), "--work-dir", str(comparison / "runs"), "--out", str(comparison / "out3")]
+    argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
+    assert mini.main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "reusing finished runs: switch, dirmoe" in printed and "training 2 runs" in printed
+    assert (comparison / "runs" / "switch" / "record.json").read_bytes() == first  # seed 0 untouched
+    seed_0 = json.loads((comparison / "runs" / "switch" / "config.json").read_text())["experiment"]["seed"]
+    seed_1 = json.loads((comparison / "runs" / "switch-s1" / "config.json").read_text())["experiment"]
+    assert seed_1["seed"] == seed_0 + 1 and (comparison / "runs" / "switch-s1" / mini.RUN_MARKER).is_file()
+    assert json.loads((comparison / "runs" / "switch-s1" / "record.json").read_text())["run_id"] == "switch-s1"
+    out = comparison / "out3"
+    for table in ("zero_shot_seeds", "validation_seeds", "routing_seeds"):
+        text = (out / f"{table}.md").read_text()
+        assert "| switch (reference) |" in text and "95% Student-t confidence interval" in text, table
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == 2 and summary["per_seed"]["dirmoe"]["seed"] == [seed_0, seed_0 + 1]
+    assert set(summary["run_cpu_seconds"]) == {"switch", "dirmoe", "switch-s1", "dirmoe-s1"}
+    assert sorted(summary["trained_runs"]) == ["dirmoe-s1", "switch-s1"]
 
 
 def test_bad_arguments_are_one_line_errors():

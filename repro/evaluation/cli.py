@@ -8,7 +8,9 @@ Examples::
     python -m repro eval --local-tasks-from data/mini-pile/heldout.jsonl --local-tasks runs/tasks --checkpoint ... --out ...
 
 The checkpoint may be a run directory (its newest checkpoint), its ``checkpoints`` directory or one
-checkpoint; the run's ``record.json`` gets the results.
+checkpoint; the run's ``record.json`` gets the results, the per-question results behind them (lm-eval's
+per-document samples, compacted; the ``--out`` file holds lm-eval's results without them) and, with
+``--limit``, the tasks scored on part of their documents, which every table marks.
 """
 
 from __future__ import annotations
@@ -49,7 +51,10 @@ def main(argv: list[str], prog: str) -> int:
     parser.add_argument(
         "--local-tasks-from", default=None, help="build the local tasks into --local-tasks from this held-out jsonl first"
     )
-    parser.add_argument("--limit", type=float, default=None, help="documents per task (quick checks only)")
+    parser.add_argument(
+        "--limit", type=float, default=None,
+        help="documents per task (quick checks only: the record and every table mark cut tasks as partial)",
+    )
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=None, help="context cap in tokens (default: the model's)")
     parser.add_argument("--device", default=None, help="device for the model (default: the loader's)")
@@ -87,8 +92,10 @@ def main(argv: list[str], prog: str) -> int:
         limit=limit,
         bootstrap_iters=args.bootstrap_iters,
         seed=args.seed,
+        log_samples=True,
     )
-    write_json_atomic(args.out, results, replace=is_lm_eval_results)
+    # The samples (every prompt and answer) go into the record only as per-question scores.
+    write_json_atomic(args.out, {k: v for k, v in results.items() if k != "samples"}, replace=is_lm_eval_results)
     print(make_table(results))
     print(f"wrote {args.out}")
     _add_to_run_record(Path(args.checkpoint), results)
@@ -108,11 +115,10 @@ def is_lm_eval_results(path: Path) -> bool:
 
 
 def _add_to_run_record(run_dir: Path, results: dict) -> None:
-    """Put lm-eval's results into the ``record.json`` of the run the checkpoint belongs to (if it has one)."""
-    import dataclasses
-
+    """Put lm-eval's results, their per-question results and the tasks scored on part of their documents
+    (``--limit``) into the ``record.json`` of the run the checkpoint belongs to (if it has one)."""
     from repro.errors import ReproError
-    from repro.report.store import load_record, write_record
+    from repro.report.store import load_record, with_lm_eval, write_record
     from repro.training.inference import resolve_checkpoint, run_dir_of
 
     try:
@@ -120,5 +126,7 @@ def _add_to_run_record(run_dir: Path, results: dict) -> None:
     except ReproError:
         return  # not a training run's checkpoint layout: nothing to update
     if path.is_file():
-        write_record(dataclasses.replace(load_record(path), lm_eval=results), path)
-        print(f"updated {path}")
+        record = with_lm_eval(load_record(path), results, origin=str(path))
+        write_record(record, path)
+        partial = "; partial: " + ", ".join(p.describe() for p in record.partial) if record.partial else ""
+        print(f"updated {path}{partial}")

@@ -14,11 +14,13 @@ the final training loss (mean of the last :data:`FINAL_LOSS_STEPS` logged losses
 every lm-eval metric. A seed-to-seed spread is the noise a change has to stand out from; the interval of the
 mean would narrow with every seed added and fail honest runs.
 
-Each comparison is a :class:`CheckRow`; a :class:`CheckReport` fails when any row is outside tolerance.
+Each comparison is a :class:`CheckRow`; a :class:`CheckReport` fails when any row is outside tolerance. A
+zero-shot number of a task the run scored on part of its documents (``eval --limit``) says so in its note.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import statistics
@@ -31,7 +33,7 @@ from repro.errors import ReproError
 from repro.report.ledger import PublishedEntry, select
 from repro.report.record import RunRecord, lm_eval_metrics
 from repro.report.stats import prediction_interval
-from repro.report.tables import PAPER_TASKS, choose_metric
+from repro.report.tables import PAPER_TASKS, choose_metric, record_partial
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 #: The final training loss of a run is the mean of its last this many logged losses (single steps are noisy).
@@ -116,6 +118,20 @@ def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto")
     raise ReproError(f"unknown metric '{metric}'")
 
 
+def _partial(record: RunRecord, metric: str) -> str:
+    """The note for a zero-shot number (``zero_shot.<task>`` or ``<task>/<metric>``) of a task the run scored on
+    part of its documents ('' otherwise)."""
+    task = metric.removeprefix("zero_shot.") if metric.startswith("zero_shot.") else metric.partition("/")[0]
+    partial = record_partial(record)
+    cut = [partial[task]] if task in partial else list(partial.values()) if task == "avg" else []
+    return "partial evaluation: " + "; ".join(p.describe() for p in cut) if cut else ""
+
+
+def _noted(row: CheckRow, record: RunRecord) -> CheckRow:
+    note = _partial(record, row.metric)
+    return row if not note else dataclasses.replace(row, note="; ".join(n for n in (row.note, note) if n))
+
+
 def _accelerator(name: str) -> str | None:
     """The accelerator model in a device name (``H100`` in ``NVIDIA H100 80GB HBM3``)."""
     match = re.search(r"\b([A-Z]{1,2}\d{2,4})\b", name)
@@ -162,7 +178,7 @@ def check_against_published(
         else:
             ok = entry.tolerance.allows(measured, entry.value)
             rows.append(CheckRow(**common, status=OK if ok else FAIL))
-    return CheckReport(tuple(rows))
+    return CheckReport(tuple(_noted(row, record) for row in rows))
 
 
 def _close(a: float, b: float, rtol: float, atol: float) -> bool:
@@ -216,7 +232,7 @@ def check_against_run(
         new_m, old_m = new_eval.get(task, {}), old_eval.get(task, {})
         for name in sorted(new_m.keys() | old_m.keys()):
             rows.append(_pair_row(base, f"{task}/{name}", new_m.get(name), old_m.get(name), eval_rtol, atol))
-    return CheckReport(tuple(r for r in rows if r is not None))
+    return CheckReport(tuple(_noted(r, record) for r in rows if r is not None))
 
 
 def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rtol: float, atol: float) -> CheckRow | None:
@@ -296,7 +312,7 @@ def check_against_seeds(
         else:
             status = OK if band.contains(measured, atol) else FAIL
             rows.append(CheckRow(**common, reference=band.estimate, tolerance=tolerance, status=status))
-    return CheckReport(tuple(rows))
+    return CheckReport(tuple(_noted(row, record) for row in rows))
 
 
 def _num(value: float | None, signed: bool = False) -> str:

@@ -2,13 +2,21 @@
 
 A record (:class:`RunRecord`, written as ``record.json`` in the run directory) holds what was run (the
 experiment's name, router, model and full config), where it ran, the loss curve, per-layer routing metrics,
-the efficiency figures and lm-eval's results dict exactly as lm-eval returns it. It is a frozen dataclass
-tree; :mod:`repro.report.store` builds, writes and loads records, refusing a file with a missing field, an
-unknown field, a wrong type or a value out of range with one line naming the file and the field.
+the efficiency figures, lm-eval's results dict exactly as lm-eval returns it, the per-question results behind
+it, which tasks were scored on only part of their documents, and the held-out loss per domain. It is a frozen
+dataclass tree; :mod:`repro.report.store` builds, writes and loads records, refusing a file with a missing
+field, an unknown field, a wrong type or a value out of range with one line naming the file and the field.
+
+Ranges (checked in each dataclass's ``__post_init__``): accuracies, Simpson indices and shares in [0, 1];
+times, throughputs, FLOPs and sizes > 0; counts and steps >= 0; validation and per-domain losses >= 0 (the
+training loss, which includes the aux losses, only finite); perplexities >= 1; standard errors >= 0. A record
+built in code is checked the same way as one read from a file.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -16,6 +24,40 @@ SCHEMA = "dirmoe-bench/run-record"
 SCHEMA_VERSION = 1
 #: The per-layer routing metrics a record keeps (names of the routers' metrics).
 ROUTING_METRICS = ("active_experts", "simpson", "load_imbalance", "dropped_mass", "group_size", "fallback_share")
+#: lm-eval metrics that are fractions besides the ``acc`` family (``acc``, ``acc_norm``, ``acc_mutual_info``).
+UNIT_METRICS = ("exact_match", "f1")
+#: lm-eval metrics that are perplexities (exp of a mean negative log-likelihood: at least 1).
+PERPLEXITY_METRICS = ("perplexity", "word_perplexity", "byte_perplexity")
+
+
+#: Slack on the ends of [0, 1] for routing shares computed in float32 (a mass of 1 - sum(r) may round to -1e-7).
+FLOAT32_SLACK = 1e-6
+
+
+def _check(name: str, value: float | int | None, low: float | None = None, high: float | None = None,
+           *, low_open: bool = False, slack: float = 0.0) -> None:
+    """Refuse ``value`` outside ``[low, high]`` (``(low, high]`` with ``low_open``), widened by ``slack`` at
+    both ends, or not finite; None passes.
+
+    Raises:
+        ValueError: naming the field, the value and the allowed range (:mod:`repro.schema` prefixes the file).
+    """
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {type(value).__name__}")
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
+    too_low = low is not None and (value <= low - slack if low_open else value < low - slack)
+    too_high = high is not None and value > high + slack
+    if too_low or too_high:
+        if low is not None and high is not None:
+            allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
+        elif low is not None:
+            allowed = f"{'>' if low_open else '>='} {low:g}"
+        else:
+            allowed = f"<= {high:g}"
+        raise ValueError(f"{name} = {value!r} is out of range (must be {allowed})")
 
 
 @dataclass(frozen=True)
@@ -63,6 +105,9 @@ class Environment:
     num_processes: int
     platform: str
 
+    def __post_init__(self) -> None:
+        _check("num_processes", self.num_processes, 1)
+
 
 @dataclass(frozen=True)
 class LossPoint:
@@ -70,6 +115,10 @@ class LossPoint:
 
     step: int
     loss: float
+
+    def __post_init__(self) -> None:
+        _check("step", self.step, 0)
+        _check("loss", self.loss)  # LM loss plus the aux losses: no bound beyond finite
 
 
 @dataclass(frozen=True)
@@ -95,6 +144,16 @@ class LayerRouting:
     dropped_mass: float | None
     group_size: float | None = None
     fallback_share: float | None = None
+
+    def __post_init__(self) -> None:
+        _check("layer", self.layer, 0)
+        _check("active_experts", self.active_experts, 0)
+        _check("simpson", self.simpson, 0, 1, slack=FLOAT32_SLACK)
+        # max / mean tokens per expert: >= 1 when any token is routed, 0 when none is.
+        _check("load_imbalance", self.load_imbalance, 0)
+        _check("dropped_mass", self.dropped_mass, 0, 1, slack=FLOAT32_SLACK)
+        _check("group_size", self.group_size, 0, low_open=True)
+        _check("fallback_share", self.fallback_share, 0, 1, slack=FLOAT32_SLACK)
 
 
 @dataclass(frozen=True)
@@ -138,6 +197,69 @@ class Efficiency:
     expert_flops_per_token_measured: float | None
     backend: str | None = None
 
+    def __post_init__(self) -> None:
+        for name in ("warmup_steps", "peak_memory_bytes", "nominal_experts", "mean_active_experts",
+                     "expert_flops_per_token_measured"):
+            _check(name, getattr(self, name), 0)
+        for name in ("window_steps", "num_devices", "global_batch_size", "seq_length"):
+            _check(name, getattr(self, name), 1)
+        for name in ("iter_time_ms", "tokens_per_s", "flops_per_iter_analytic", "flops_per_iter_measured",
+                     "tflops_per_device_analytic", "tflops_per_device_measured"):
+            _check(name, getattr(self, name), 0, low_open=True)
+
+
+@dataclass(frozen=True)
+class DomainLoss:
+    """Next-token LM loss on one domain's held-out documents.
+
+    Args:
+        domain: the domain (``meta.pile_set_name`` of the documents).
+        loss: mean cross-entropy over the scored tokens, nats/token.
+        tokens: tokens scored.
+    """
+
+    domain: str
+    loss: float
+    tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.domain:
+            raise ValueError("domain must not be empty")
+        _check("loss", self.loss, 0)
+        _check("tokens", self.tokens, 1)
+
+
+@dataclass(frozen=True)
+class PartialTask:
+    """A task scored on part of its documents (lm-eval's ``limit``: ``python -m repro eval --limit N``).
+
+    Args:
+        task: lm-eval task name.
+        limit: the limit lm-eval ran with (documents, or a fraction below 1), None where not recorded.
+        evaluated: documents scored (lm-eval's ``n-samples.effective``), None where lm-eval did not say.
+        available: documents the task has (``n-samples.original``), None where lm-eval did not say.
+    """
+
+    task: str
+    limit: float | None
+    evaluated: int | None
+    available: int | None
+
+    def __post_init__(self) -> None:
+        _check("limit", self.limit, 0, low_open=True)
+        _check("evaluated", self.evaluated, 0)
+        _check("available", self.available, 1)
+        if self.evaluated is not None and self.available is not None and self.evaluated >= self.available:
+            raise ValueError(
+                f"task '{self.task}': evaluated = {self.evaluated} documents of {self.available} is not partial"
+            )
+
+    def describe(self) -> str:
+        """``task: 8 of 175 documents`` (or ``task: limit 8``)."""
+        if self.evaluated is not None and self.available is not None:
+            return f"{self.task}: {self.evaluated} of {self.available} documents"
+        return f"{self.task}: limit {self.limit:g}" if self.limit is not None else f"{self.task}: part of its documents"
+
 
 @dataclass(frozen=True)
 class RunRecord:
@@ -151,8 +273,14 @@ class RunRecord:
         routing: per-layer routing metrics (empty for a dense model).
         efficiency: see :class:`Efficiency` (None if not measured).
         validation_loss: held-out LM loss at the end, None if not measured.
-        lm_eval: lm-eval's results dict as lm-eval returns it (``results``, ``configs``, ...), None if the
-            run was not evaluated.
+        lm_eval: lm-eval's results dict as lm-eval returns it (``results``, ``configs``, ``n-samples``,
+            ``config.limit``, ...) without the per-document ``samples``, None if the run was not evaluated.
+        per_question: per-question results of the evaluation,
+            :func:`repro.report.stats.compact_per_question` of lm-eval's samples: ``{task: {"docs_sha256": ...,
+            "acc": [0, 1, ...], "acc_norm": [...]}}`` (None: not logged; records written before it load).
+        partial: the tasks scored on fewer documents than they have (empty: every task complete); tables mark
+            their cells.
+        domain_losses: held-out LM loss per domain at the end of training (empty: not measured).
         schema: always ``dirmoe-bench/run-record``.
         schema_version: the record layout version.
     """
@@ -165,6 +293,9 @@ class RunRecord:
     efficiency: Efficiency | None
     validation_loss: float | None
     lm_eval: dict[str, Any] | None
+    per_question: dict[str, Any] | None = None
+    partial: tuple[PartialTask, ...] = ()
+    domain_losses: tuple[DomainLoss, ...] = ()
     schema: str = SCHEMA
     schema_version: int = SCHEMA_VERSION
 
@@ -173,10 +304,123 @@ class RunRecord:
             raise ValueError(f"field 'schema' must be '{SCHEMA}', got '{self.schema}'")
         if self.schema_version != SCHEMA_VERSION:
             raise ValueError(f"field 'schema_version' must be {SCHEMA_VERSION}, got {self.schema_version}")
+        _check("field 'validation_loss'", self.validation_loss, 0)
+        tasks: set[str] = set()
         if self.lm_eval is not None:
             results = self.lm_eval.get("results")
             if not isinstance(results, dict) or not all(isinstance(v, dict) for v in results.values()):
                 raise ValueError("field 'lm_eval.results' must be an object of per-task objects (lm-eval's layout)")
+            tasks = set(results)
+            for task, metrics in results.items():
+                for key, value in metrics.items():
+                    _check_lm_eval_value(f"field 'lm_eval.results.{task}.{key}'", key, value)
+            _check_n_samples(self.lm_eval.get("n-samples"))
+        if self.per_question is not None:
+            if self.lm_eval is None:
+                raise ValueError("field 'per_question' needs the lm-eval results it belongs to (field 'lm_eval')")
+            _check_per_question(self.per_question, self.lm_eval.get("n-samples"))
+        for entry in self.partial:
+            if entry.task not in tasks:
+                raise ValueError(f"field 'partial': task '{entry.task}' has no lm-eval result in this record")
+        domains = [d.domain for d in self.domain_losses]
+        if len(set(domains)) != len(domains):
+            raise ValueError("field 'domain_losses' names a domain twice")
+
+
+def _check_lm_eval_value(where: str, key: str, value: Any) -> None:
+    """Range of one lm-eval number by its metric name (``acc,none``: a fraction; ``*_stderr``: >= 0; ...)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return  # aliases, "N/A" standard errors, sample counts kept as text
+    name = key.partition(",")[0]
+    if name.endswith("_stderr"):
+        _check(where, value, 0)
+    elif name.startswith("acc") or name in UNIT_METRICS:
+        _check(where, value, 0, 1)
+    elif name in PERPLEXITY_METRICS:
+        _check(where, value, 1)
+    elif name == "bits_per_byte":
+        _check(where, value, 0)
+    else:
+        _check(where, value)
+
+
+def _check_n_samples(n_samples: Any) -> None:
+    """lm-eval's ``n-samples``: ``{task: {"original": N, "effective": M}}`` with 0 <= M <= N."""
+    if n_samples is None:
+        return
+    if not isinstance(n_samples, Mapping):
+        raise ValueError("field 'lm_eval.n-samples' must be an object (lm-eval's layout)")
+    for task, counts in n_samples.items():
+        where = f"field 'lm_eval.n-samples.{task}'"
+        if not isinstance(counts, Mapping) or not {"original", "effective"} <= set(counts):
+            raise ValueError(f"{where} must hold 'original' and 'effective' document counts")
+        for name in ("original", "effective"):
+            value = counts[name]
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{where}.{name} must be an integer, got {type(value).__name__}")
+            _check(f"{where}.{name}", value, 0)
+        if counts["effective"] > counts["original"]:
+            raise ValueError(f"{where}: effective = {counts['effective']} exceeds original = {counts['original']}")
+
+
+def _check_per_question(per_question: Mapping[str, Any], n_samples: Any) -> None:
+    """``{task: {"docs_sha256": str, metric: [score per question]}}``, accuracies 0/1, one length per task."""
+    for task, entry in per_question.items():
+        where = f"field 'per_question.{task}'"
+        if not isinstance(entry, Mapping) or not isinstance(entry.get("docs_sha256"), str):
+            raise ValueError(f"{where} must be an object with 'docs_sha256' and per-question score lists")
+        lengths = set()
+        for metric, scores in entry.items():
+            if metric == "docs_sha256":
+                continue
+            if not isinstance(scores, list):
+                raise ValueError(f"{where}.{metric} must be a list of per-question scores")
+            unit = metric.startswith("acc") or metric in UNIT_METRICS
+            for i, score in enumerate(scores):
+                _check(f"{where}.{metric}[{i}]", score, 0 if unit else None, 1 if unit else None)
+            lengths.add(len(scores))
+        if len(lengths) > 1:
+            raise ValueError(f"{where}: its metrics list different numbers of questions ({sorted(lengths)})")
+        counts = n_samples.get(task) if isinstance(n_samples, Mapping) else None
+        if lengths and isinstance(counts, Mapping) and counts.get("effective") not in lengths:
+            raise ValueError(
+                f"{where}: {lengths.pop()} questions, but lm-eval scored {counts.get('effective')} (n-samples)"
+            )
+
+
+def partial_tasks(lm_eval_results: Mapping[str, Any] | None) -> tuple[PartialTask, ...]:
+    """The tasks lm-eval scored on part of their documents.
+
+    lm-eval 0.4.13 writes the ``limit`` it ran with under ``config.limit`` and, per task, ``n-samples: {task:
+    {"original": N, "effective": M}}``; a task with M < N is partial (a limit above a task's size cuts
+    nothing). Results with a limit but without ``n-samples`` (another lm-eval version) cannot say which tasks
+    were cut: every task is then partial, with unknown counts.
+
+    Args:
+        lm_eval_results: lm-eval's results dict (None: not evaluated).
+
+    Returns:
+        One :class:`PartialTask` per partial task, sorted by task.
+    """
+    if not lm_eval_results:
+        return ()
+    config = lm_eval_results.get("config")
+    limit = config.get("limit") if isinstance(config, Mapping) else None
+    if isinstance(limit, bool) or not isinstance(limit, (int, float)) or limit <= 0:
+        limit = None
+    n_samples = lm_eval_results.get("n-samples")
+    tasks = sorted(lm_eval_results.get("results") or {})
+    if not isinstance(n_samples, Mapping):
+        return tuple(PartialTask(task, limit, None, None) for task in tasks) if limit is not None else ()
+    out = []
+    for task in tasks:
+        counts = n_samples.get(task)
+        if not isinstance(counts, Mapping):
+            continue
+        effective, original = counts.get("effective"), counts.get("original")
+        if isinstance(effective, int) and isinstance(original, int) and effective < original:
+            out.append(PartialTask(task, limit, effective, original))
+    return tuple(out)
 
 
 def lm_eval_metrics(record: RunRecord) -> dict[str, dict[str, float]]:

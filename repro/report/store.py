@@ -5,6 +5,9 @@ The pipeline builds a record from a finished run's directory (``config.json`` an
     write_run_record(run_dir)                                   # record.json beside the run
     write_run_record(run_dir, lm_eval_results=results)          # with zero-shot results
 
+lm-eval's per-document ``samples`` (``evaluate_lm(..., log_samples=True)``) become the record's compact
+``per_question`` results, and the tasks lm-eval scored on part of their documents (its ``limit``) the record's
+``partial`` tasks; :func:`with_lm_eval` puts a later evaluation into an existing record the same way.
 or piece by piece with :func:`make_record` and the functions of :mod:`repro.report.efficiency`. A run's
 record is ``record.json`` in its directory or ``<name>.record.json``; :func:`find_records` looks for those
 names under a directory. :func:`load_record` refuses a file with a missing, unknown, mistyped or
@@ -26,7 +29,7 @@ from typing import Any
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.report import efficiency as eff
-from repro.report.record import Efficiency, Environment, LayerRouting, RunRecord
+from repro.report.record import DomainLoss, Efficiency, Environment, LayerRouting, RunRecord, partial_tasks
 from repro.schema import from_json, to_json
 from repro.training.log import LogRow, read_rows
 
@@ -104,6 +107,7 @@ def make_record(
     validation_loss: float | None = None,
     environment: Environment | None = None,
     experiment_name: str | None = None,
+    domain_losses: Sequence[DomainLoss] = (),
 ) -> RunRecord:
     """Assemble a run record (validated exactly as :func:`load_record` would validate its file).
 
@@ -116,11 +120,12 @@ def make_record(
         efficiency: from :func:`repro.report.efficiency.efficiency`.
         routing: per-layer routing metrics; default: :func:`repro.report.efficiency.routing` over the same window as
             ``efficiency`` (all rows if there is none).
-        lm_eval_results: lm-eval's results dict (``simple_evaluate``'s return value or its JSON file);
-            per-sample logs (``samples``) are left out.
+        lm_eval_results: lm-eval's results dict (``simple_evaluate``'s return value or its JSON file); its
+            per-document ``samples``, when logged, are kept only as the compact ``per_question`` results.
         validation_loss: held-out LM loss.
         environment: default :func:`environment_info`.
         experiment_name: default ``run_id``.
+        domain_losses: held-out LM loss per domain.
 
     Returns:
         The :class:`RunRecord`.
@@ -134,10 +139,6 @@ def make_record(
             warmup = efficiency.warmup_steps if efficiency else 0
             length = efficiency.window_steps if efficiency else None
             routing = eff.routing(log_rows, warmup=warmup, length=length)
-    lm_eval = None
-    if lm_eval_results is not None:
-        # lm-eval's dict holds numpy scalars; the record stores what lm-eval writes to its JSON file.
-        lm_eval = _plain({k: v for k, v in lm_eval_results.items() if k != "samples"})
     data = {
         "run_id": run_id,
         "experiment": {"name": experiment_name or run_id, "router": router, "model": model, "config": _plain(config)},
@@ -146,10 +147,46 @@ def make_record(
         "routing": to_json(tuple(routing)),
         "efficiency": to_json(efficiency),
         "validation_loss": validation_loss,
-        "lm_eval": lm_eval,
+        **_lm_eval_fields(lm_eval_results),
+        "domain_losses": to_json(tuple(domain_losses)),
     }
     # Built through the same path a reader takes, so a record that is made is a record that loads.
     return from_json(RunRecord, data, f"record '{run_id}'")
+
+
+def _lm_eval_fields(lm_eval_results: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The record fields that come from lm-eval's results: ``lm_eval``, ``per_question`` and ``partial``."""
+    from repro.report.stats import compact_per_question
+
+    if lm_eval_results is None:
+        return {"lm_eval": None, "per_question": None, "partial": []}
+    samples = lm_eval_results.get("samples")
+    # lm-eval's dict holds numpy scalars; the record stores what lm-eval writes to its JSON file.
+    lm_eval = _plain({k: v for k, v in lm_eval_results.items() if k != "samples"})
+    try:
+        per_question = compact_per_question(samples) if isinstance(samples, Mapping) else None
+    except ValueError as exc:
+        raise ReproError(f"lm-eval samples: {exc}") from None
+    partial = partial_tasks(lm_eval) if isinstance(lm_eval, Mapping) else ()
+    return {"lm_eval": lm_eval, "per_question": per_question or None, "partial": to_json(partial)}
+
+
+def with_lm_eval(record: RunRecord, lm_eval_results: Mapping[str, Any], origin: str | None = None) -> RunRecord:
+    """``record`` with new zero-shot results (and their per-question results and partial tasks).
+
+    Args:
+        record: the run's record.
+        lm_eval_results: lm-eval's results dict, with ``samples`` when they were logged.
+        origin: what to name in an error (default: the run id).
+
+    Returns:
+        The new record, checked like a loaded one.
+
+    Raises:
+        ReproError: results out of range, named by field.
+    """
+    data = {**to_json(record), **_lm_eval_fields(lm_eval_results)}
+    return from_json(RunRecord, data, origin or f"record '{record.run_id}'")
 
 
 def record_from_run_dir(
@@ -160,6 +197,7 @@ def record_from_run_dir(
     lm_eval_results: Mapping[str, Any] | None = None,
     run_id: str | None = None,
     environment: Environment | None = None,
+    domain_losses: Sequence[DomainLoss] = (),
 ) -> RunRecord:
     """Build the record of a finished training run from its output directory.
 
@@ -174,6 +212,7 @@ def record_from_run_dir(
         lm_eval_results: lm-eval's results dict for the run's checkpoint, if evaluated.
         run_id: default: the experiment's name.
         environment: default :func:`environment_info` with the run's world size.
+        domain_losses: held-out LM loss per domain, if measured.
 
     Returns:
         The :class:`RunRecord` (write it with :func:`write_record`).
@@ -220,6 +259,7 @@ def record_from_run_dir(
         validation_loss=float(val_losses[-1]) if val_losses else None,
         environment=environment or environment_info(num_processes=world_size),
         experiment_name=run.name,
+        domain_losses=domain_losses,
     )
 
 
@@ -229,14 +269,16 @@ def write_run_record(
     warmup: int | None = None,
     lm_eval_results: Mapping[str, Any] | None = None,
     run_id: str | None = None,
+    domain_losses: Sequence[DomainLoss] = (),
 ) -> Path:
     """Write ``record.json`` of a finished run (:func:`record_from_run_dir`).
 
     Args:
         run_dir: the run directory.
         warmup: log rows skipped before the efficiency window; default a tenth of the steps (at least one).
-        lm_eval_results: zero-shot results to include.
+        lm_eval_results: zero-shot results to include (with ``samples``: their per-question results too).
         run_id: default: the experiment's name.
+        domain_losses: held-out LM loss per domain, if measured.
 
     Returns:
         The record's path.
@@ -245,7 +287,9 @@ def write_run_record(
     if warmup is None:
         steps = len(read_rows(run_dir))
         warmup = max(1, steps // 10) if steps > 1 else 0
-    record = record_from_run_dir(run_dir, warmup=warmup, lm_eval_results=lm_eval_results, run_id=run_id)
+    record = record_from_run_dir(
+        run_dir, warmup=warmup, lm_eval_results=lm_eval_results, run_id=run_id, domain_losses=domain_losses
+    )
     return write_record(record, run_dir / "record.json")
 
 

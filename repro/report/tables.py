@@ -10,7 +10,13 @@ Three tables, each a :class:`Table` rendered as Markdown, CSV or LaTeX (:func:`r
   router (paired over seeds or over questions, :mod:`repro.report.stats`);
 - :func:`efficiency_table`: ms/iter, TFLOP/s per device (analytic and measured), tokens/s, peak memory,
   active experts and the compute-parity verdict;
-- :func:`routing_table`: active experts per token, Simpson index, load imbalance and dropped mass, per layer.
+- :func:`routing_table`: active experts per token, Simpson index, load imbalance and dropped mass, per layer;
+- :func:`validation_table`: the final validation loss and the held-out loss per domain, per run;
+- over seeds, with the same marks as :func:`seed_zero_shot_table`: :func:`validation_seed_table` and
+  :func:`routing_seed_table` (:func:`compare_metrics_over_seeds` for any per-run numbers).
+
+A zero-shot cell of a task scored on part of its documents (``python -m repro eval --limit``, the record's
+``partial`` tasks) carries a dagger, and the caption says how many documents were scored.
 
 With published numbers (a ledger, :mod:`repro.report.ledger`), each run is followed by the published rows of
 its router measured in the same model setting, and a ``delta`` row (measured minus published).
@@ -19,6 +25,7 @@ its router measured in the same model setting, and a ``delta`` row (measured min
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import math
 import statistics
@@ -35,7 +42,7 @@ from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
 from repro.io_utils import atomic_path
 from repro.report.ledger import PublishedEntry, select
 from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
-from repro.report.record import RunRecord, lm_eval_metrics
+from repro.report.record import PartialTask, RunRecord, lm_eval_metrics, partial_tasks
 from repro.report.stats import (
     Interval,
     PairedTest,
@@ -62,7 +69,11 @@ FORMATS = ("md", "csv", "tex")
 MISSING = "--"
 PLUS_MINUS = "±"
 SIGNIFICANT = "*"
+#: Marks a zero-shot cell scored on part of the task's documents (lm-eval's ``limit``).
+PARTIAL = "†"
 SEED_TESTS = ("auto", "seeds", "questions", "none")
+#: The suffix of a model's dense counterpart (``tiny-dense``, ``llama-185m-dense``: repro.model.flavours).
+DENSE_SUFFIX = "-dense"
 
 
 @dataclass(frozen=True)
@@ -94,12 +105,43 @@ def _fmt_tflops(value: float | None) -> str:
     return _fmt(value, ".2f" if value is None or value >= 1 else ".3g")
 
 
-def _fmt_pm(value: float | None, error: float | None, mark: str = "") -> str:
-    """``value +- error`` with two decimals (``value`` alone where there is no error), then ``mark``."""
+def _fmt_pm(value: float | None, error: float | None, mark: str = "", spec: str = ".2f") -> str:
+    """``value +- error`` (``value`` alone where there is no error), then ``mark``."""
     if value is None:
         return MISSING
-    text = _fmt(value, ".2f") if error is None else f"{_fmt(value, '.2f')} {PLUS_MINUS} {_fmt(error, '.2f')}"
+    text = _fmt(value, spec) if error is None else f"{_fmt(value, spec)} {PLUS_MINUS} {_fmt(error, spec)}"
     return text + mark
+
+
+def record_partial(record: RunRecord) -> dict[str, PartialTask]:
+    """The tasks a run scored on part of their documents: its ``partial`` field, and for records written
+    before that field, what lm-eval's own ``n-samples`` / ``config.limit`` say.
+
+    Args:
+        record: a run record.
+
+    Returns:
+        task -> :class:`~repro.report.record.PartialTask`.
+    """
+    found = {p.task: p for p in partial_tasks(record.lm_eval)}
+    found.update({p.task: p for p in record.partial})
+    return found
+
+
+def _partial_note(partial: Mapping[str, Mapping[str, PartialTask]]) -> str:
+    """The caption sentence for the dagger: each partial run and task, runs cut alike named together ('' when
+    there is none)."""
+    runs_by_cut: dict[str, list[str]] = {}
+    for label, tasks in partial.items():
+        if tasks:
+            runs_by_cut.setdefault("; ".join(tasks[t].describe() for t in sorted(tasks)), []).append(label)
+    if not runs_by_cut:
+        return ""
+    listed = "; ".join(f"{', '.join(labels)} ({cut})" for cut, labels in runs_by_cut.items())
+    return (
+        f" {PARTIAL}: scored on part of the task's documents (lm-eval's limit, `eval --limit`), not comparable "
+        f"with complete runs: {listed}."
+    )
 
 
 def lm_eval_stderr(record: RunRecord, task: str, metric: str) -> float | None:
@@ -210,14 +252,16 @@ def zero_shot_table(
 
     rows: list[tuple[str, ...]] = []
     labels = _labels(evaluated)
+    partial = {labels[r.run_id]: {t: p for t, p in record_partial(r).items() if t in tasks} for r in evaluated}
     for record in evaluated:
         values = [percent(record.run_id, t) for t in tasks]
         errors = [percent_stderr(record, t) for t in tasks]
         mean = avg(values)
         # The tasks' question sets are independent: the standard error of the mean of k scores adds in quadrature.
         mean_error = math.sqrt(sum(e**2 for e in errors)) / len(errors) if errors and None not in errors else None
-        cells = [_fmt_pm(v, e) for v, e in zip(values, errors)]
-        rows.append((labels[record.run_id], *cells, _fmt_pm(mean, mean_error)))
+        cut = partial[labels[record.run_id]]
+        cells = [_fmt_pm(v, e, PARTIAL if t in cut else "") for t, v, e in zip(tasks, values, errors)]
+        rows.append((labels[record.run_id], *cells, _fmt_pm(mean, mean_error, PARTIAL if cut else "")))
         for source, entries in published[record.run_id].items():
             pub = [published_value(entries, f"zero_shot.{t}") for t in tasks]
             # The published average is over the seven paper tasks: shown only when those are the columns.
@@ -236,7 +280,7 @@ def zero_shot_table(
         f"{PLUS_MINUS} is lm-eval's standard error over the task's questions, s/sqrt(n) of the per-question 0/1 "
         "scores (not a spread over seeds); for Avg. the task errors combined in quadrature, "
         "sqrt(sum se^2)/k; none where lm-eval computed none (bootstrap_iters=0)."
-    )
+    ) + _partial_note(partial)
     if ledger is not None:
         caption += (
             " Rows 'router [paper table]' are published numbers for the same model (the papers do not say "
@@ -296,6 +340,7 @@ class SeedComparison:
             sign-flip permutation over shared questions) or ``none``.
         confidence: coverage of the intervals.
         alpha: significance level of the marks.
+        partial: router -> its runs' tasks scored on part of their documents (``run_id -> task -> entry``).
     """
 
     columns: tuple[str, ...]
@@ -306,30 +351,56 @@ class SeedComparison:
     test: str
     confidence: float
     alpha: float
+    partial: Mapping[str, Mapping[str, Mapping[str, PartialTask]]] = dataclasses.field(default_factory=dict)
+
+    def is_partial(self, router: str, column: str) -> bool:
+        """Whether a run of ``router`` scored ``column`` (any task, for Avg.) on part of its documents."""
+        runs = self.partial.get(router, {})
+        return any(tasks and (column == AVG or column in tasks) for tasks in runs.values())
 
     def significant(self, router: str, column: str) -> bool:
         """Whether ``router`` differs from the reference in ``column`` at ``alpha`` (Holm-adjusted)."""
-        p = self.cells[router][column].adjusted_p
-        return p is not None and p < self.alpha
+        cell = self.cells.get(router, {}).get(column)  # no cell: the router has no value in the column
+        return cell is not None and cell.adjusted_p is not None and cell.adjusted_p < self.alpha
 
 
 AVG = "avg"
 
 
+def comparison_label(record: RunRecord) -> str:
+    """The name a run is compared under over seeds: its experiment's name without the model
+    (``dirmoe+centered-tiny`` -> ``dirmoe+centered``), so a router's variants are compared beside the router
+    instead of being taken for more seeds of it; the router's name where the experiment is named otherwise.
+
+    Args:
+        record: a run record.
+
+    Returns:
+        The label (``switch``, ``dense``, ``dirmoe+centered``, ...).
+    """
+    name, router = record.experiment.name, record.experiment.router
+    for model in (record.experiment.model, record.experiment.model.removesuffix(DENSE_SUFFIX)):
+        label = name.removesuffix(f"-{model}")
+        if label != name and label.partition("+")[0] == router:
+            return label
+    return router
+
+
 def _group_by_router(
     records: Sequence[RunRecord], seed_of: Callable[[RunRecord], int]
 ) -> dict[str, dict[int, RunRecord]]:
-    models = sorted({r.experiment.model for r in records})
+    """``{comparison label: {seed: record}}`` (see :func:`comparison_label`), labels in table order."""
+    # A dense baseline runs the model's dense counterpart (flavour ``<model>-dense``): the same model.
+    models = sorted({r.experiment.model.removesuffix(DENSE_SUFFIX) for r in records})
     if len(models) > 1:
         raise ReproError(f"runs of several models ({', '.join(models)}): compare one model's runs at a time")
     groups: dict[str, dict[int, RunRecord]] = {}
-    for record in _ordered(records):
-        seed = seed_of(record)
-        runs = groups.setdefault(record.experiment.router, {})
+    for record in sorted(records, key=lambda r: (r.experiment.router != "dense", comparison_label(r), r.run_id)):
+        seed, label = seed_of(record), comparison_label(record)
+        runs = groups.setdefault(label, {})
         if seed in runs:
             raise ReproError(
-                f"runs '{runs[seed].run_id}' and '{record.run_id}' of router '{record.experiment.router}' "
-                f"have the same seed {seed}"
+                f"runs '{runs[seed].run_id}' and '{record.run_id}' of '{label}' have the same seed {seed}"
             )
         runs[seed] = record
     return groups
@@ -385,7 +456,8 @@ def compare_over_seeds(
         reference_router: the router the others are tested against.
         metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`choose_metric`).
         per_question: run_id -> the run's per-question results
-            (:func:`repro.report.stats.compact_per_question`); needed for ``test="questions"``.
+            (:func:`repro.report.stats.compact_per_question`); needed for ``test="questions"``. Default: the
+            records' own ``per_question`` fields, where every evaluated record has one.
         test: ``seeds`` (paired t over the seeds both routers ran), ``questions`` (McNemar's exact test with
             one seed per router, else a sign-flip permutation test over questions of the correctness averaged
             over seeds), ``none``, or ``auto``: ``seeds`` when every router shares at least two seeds with the
@@ -405,6 +477,8 @@ def compare_over_seeds(
         raise ReproError(f"unknown test '{test}'; valid: {', '.join(SEED_TESTS)}")
     evaluated = [r for r in records if r.lm_eval is not None]
     groups = _group_by_router(evaluated, seed_of)
+    if per_question is None and evaluated and all(r.per_question is not None for r in evaluated):
+        per_question = {r.run_id: r.per_question for r in evaluated}
     scores = {r.run_id: lm_eval_metrics(r) for r in evaluated}
     measured = {t for s in scores.values() for t, m in s.items() if "acc" in m or "acc_norm" in m}
     tasks = [t for t in PAPER_TASKS if t in measured] + sorted(measured - set(PAPER_TASKS))
@@ -433,24 +507,20 @@ def compare_over_seeds(
     elif test == "questions" and not questions_ok:
         raise ReproError(f"test 'questions' needs the reference '{reference_router}' and per-question results of every run")
 
-    cells: dict[str, dict[str, SeedCell]] = {r: {} for r in groups}
-    for column in columns:
-        tests: dict[str, PairedTest] = {}
-        for router in others if used != "none" else ():
-            if used == "seeds":
-                pairs = [(value(groups[reference][s], column), value(groups[router][s], column)) for s in shared[router]]
-                pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
-                if len(pairs) >= 2:
-                    tests[router] = paired_t_test([a for a, _ in pairs], [b for _, b in pairs])
-            else:
-                tests[router] = _question_test(
-                    tasks if column == AVG else [column], chosen, groups[reference], groups[router], per_question
-                )
-        adjusted = dict(zip(tests, holm([t.p_value for t in tests.values()]))) if tests else {}
-        for router, runs in groups.items():
-            values = [v for v in (value(r, column) for r in runs.values()) if v is not None]
-            if values:
-                cells[router][column] = SeedCell(mean_ci(values, confidence), tests.get(router), adjusted.get(router))
+    def question_test(router: str, column: str) -> PairedTest:
+        return _question_test(
+            tasks if column == AVG else [column], chosen, groups[reference], groups[router], per_question
+        )
+
+    cells = _cells_over_seeds(
+        groups, columns, value, reference, None if used == "none" else question_test if used == "questions" else "seeds",
+        confidence,
+    )
+    partial = {
+        router: {r.run_id: {t: p for t, p in record_partial(r).items() if t in chosen} for r in runs.values()}
+        for router, runs in groups.items()
+    }
+    partial = {router: {run: tasks for run, tasks in runs.items() if tasks} for router, runs in partial.items()}
     return SeedComparison(
         columns=columns,
         metrics=chosen,
@@ -460,7 +530,42 @@ def compare_over_seeds(
         test=used,
         confidence=confidence,
         alpha=alpha,
+        partial={r: runs for r, runs in partial.items() if runs},
     )
+
+
+def _cells_over_seeds(
+    groups: Mapping[str, Mapping[int, RunRecord]],
+    columns: Sequence[str],
+    value: Callable[[RunRecord, str], float | None],
+    reference: str | None,
+    test: Callable[[str, str], PairedTest] | str | None,
+    confidence: float,
+) -> dict[str, dict[str, SeedCell]]:
+    """Each router's interval per column, and its test against ``reference``, Holm-adjusted per column.
+
+    ``test`` is ``"seeds"`` (paired t over the seeds both ran, pairs where both have a value; fewer than two:
+    no test), a function ``(router, column) -> PairedTest``, or None (no test).
+    """
+    others = [r for r in groups if r != reference] if reference is not None else []
+    cells: dict[str, dict[str, SeedCell]] = {r: {} for r in groups}
+    for column in columns:
+        tests: dict[str, PairedTest] = {}
+        for router in others if test is not None else ():
+            if test == "seeds":
+                shared = sorted(set(groups[router]) & set(groups[reference]))
+                pairs = [(value(groups[reference][s], column), value(groups[router][s], column)) for s in shared]
+                pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+                if len(pairs) >= 2:
+                    tests[router] = paired_t_test([a for a, _ in pairs], [b for _, b in pairs])
+            else:
+                tests[router] = test(router, column)
+        adjusted = dict(zip(tests, holm([t.p_value for t in tests.values()]))) if tests else {}
+        for router, runs in groups.items():
+            values = [v for v in (value(r, column) for r in runs.values()) if v is not None]
+            if values:
+                cells[router][column] = SeedCell(mean_ci(values, confidence), tests.get(router), adjusted.get(router))
+    return cells
 
 
 _TEST_TEXT = {
@@ -490,6 +595,7 @@ def seed_zero_shot_table(comparison: SeedComparison) -> Table:
         for column in comparison.columns:
             cell = cells.get(column)
             mark = SIGNIFICANT if comparison.significant(router, column) else ""
+            mark += PARTIAL if comparison.is_partial(router, column) else ""
             row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark))
         rows.append(tuple(row))
     tasks = [c for c in comparison.columns if c != AVG]
@@ -508,8 +614,233 @@ def seed_zero_shot_table(comparison: SeedComparison) -> Table:
         )
     else:
         caption += " No significance test (no reference router, or neither shared seeds nor per-question results)."
+    caption += _partial_note({run: tasks for runs in comparison.partial.values() for run, tasks in runs.items()})
     headers = ("Router", "seeds", *labels, "Avg.")
     return Table("zero_shot_seeds", caption, headers, tuple(rows))
+
+
+# ------------------------------------------------------------------------------------------ other numbers over seeds
+def compare_metrics_over_seeds(
+    records: Sequence[RunRecord],
+    columns: Mapping[str, Callable[[RunRecord], float | None]],
+    *,
+    reference_router: str = DEFAULT_REFERENCE_ROUTER,
+    confidence: float = 0.95,
+    alpha: float = 0.05,
+    seed_of: Callable[[RunRecord], int] = record_seed,
+) -> SeedComparison:
+    """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router.
+
+    Each cell is the mean over a router's seeds with its Student-t interval; where every other router shares at
+    least two seeds with the reference, a paired t-test over the shared seeds (same seed: same data order and
+    initialisation stream), Holm-adjusted over the routers of the column.
+
+    Args:
+        records: runs of one model, one per router and seed; a run without any of the numbers is left out.
+        columns: column name -> the run's number (None where it has none).
+        reference_router: the router the others are tested against.
+        confidence: coverage of the intervals.
+        alpha: significance level of the marks.
+        seed_of: a run's seed (default :func:`record_seed`).
+
+    Returns:
+        The :class:`SeedComparison` (``metrics`` maps each column to itself; ``test`` is ``seeds`` or ``none``).
+
+    Raises:
+        ReproError: runs of several models, or two runs of one router with the same seed.
+    """
+    measured = [r for r in records if any(f(r) is not None for f in columns.values())]
+    groups = _group_by_router(measured, seed_of)
+    reference = reference_router if reference_router in groups else None
+    others = [r for r in groups if r != reference]
+    seeds_ok = reference is not None and bool(others) and all(
+        len(set(groups[r]) & set(groups[reference])) >= 2 for r in others
+    )
+    cells = _cells_over_seeds(
+        groups, tuple(columns), lambda record, column: columns[column](record), reference,
+        "seeds" if seeds_ok else None, confidence,
+    )
+    return SeedComparison(
+        columns=tuple(columns),
+        metrics={c: c for c in columns},
+        seeds={r: tuple(sorted(runs)) for r, runs in groups.items()},
+        cells=cells,
+        reference=reference,
+        test="seeds" if seeds_ok else "none",
+        confidence=confidence,
+        alpha=alpha,
+    )
+
+
+def seed_metric_table(
+    comparison: SeedComparison,
+    *,
+    name: str,
+    what: str,
+    labels: Mapping[str, str],
+    specs: Mapping[str, str] | None = None,
+) -> Table:
+    """A table over seeds of per-run numbers (:func:`compare_metrics_over_seeds`), marked like the zero-shot one.
+
+    Args:
+        comparison: the comparison.
+        name: file stem.
+        what: the caption's first sentence (what the numbers are).
+        labels: column -> header (default: the column's name).
+        specs: column -> number format (default ``.3f``).
+
+    Returns:
+        The :class:`Table`.
+    """
+    rows = []
+    ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
+    for router, cells in ordered:
+        label = f"{router} (reference)" if router == comparison.reference else router
+        row = [label, str(len(comparison.seeds[router]))]
+        for column in comparison.columns:
+            cell = cells.get(column)
+            mark = SIGNIFICANT if comparison.significant(router, column) else ""
+            spec = (specs or {}).get(column, ".3f")
+            row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark, spec))
+        rows.append(tuple(row))
+    caption = (
+        f"{what} Each cell: the mean over the router's seeds {PLUS_MINUS} the half-width of the "
+        f"{comparison.confidence:.0%} Student-t confidence interval of that mean (no {PLUS_MINUS} with one seed); "
+        "'seeds' is their number."
+    )
+    if comparison.test == "seeds" and comparison.reference is not None:
+        caption += (
+            f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
+            f"{_TEST_TEXT['seeds']}, Holm-adjusted over the routers of the column."
+        )
+    else:
+        caption += " No significance test (no reference router, or fewer than two seeds shared with it)."
+    headers = ("Router", "seeds", *(labels.get(c, c) for c in comparison.columns))
+    return Table(name, caption, headers, tuple(rows))
+
+
+# ------------------------------------------------------------------------------------------ validation loss
+VALID_SPLIT = "valid_split"
+HELDOUT = "heldout"
+
+
+def heldout_loss(record: RunRecord) -> float | None:
+    """The held-out LM loss over all the tokens of the record's per-domain losses (token-weighted).
+
+    Args:
+        record: a run record.
+
+    Returns:
+        nats/token, None where the run has no per-domain losses.
+    """
+    tokens = sum(d.tokens for d in record.domain_losses)
+    return sum(d.loss * d.tokens for d in record.domain_losses) / tokens if tokens else None
+
+
+def _validation_columns(records: Sequence[RunRecord]) -> dict[str, Callable[[RunRecord], float | None]]:
+    """The validation-loss columns some run has: the trainer's, then held-out overall, then each domain."""
+    columns: dict[str, Callable[[RunRecord], float | None]] = {}
+    if any(r.validation_loss is not None for r in records):
+        columns[VALID_SPLIT] = lambda r: r.validation_loss
+    domains = list(dict.fromkeys(d.domain for r in records for d in r.domain_losses))
+    if domains:
+        columns[HELDOUT] = heldout_loss
+    for domain in domains:
+        columns[domain] = lambda r, domain=domain: next((d.loss for d in r.domain_losses if d.domain == domain), None)
+    return columns
+
+
+def _validation_text(records: Sequence[RunRecord]) -> tuple[str, dict[str, str]]:
+    """The validation tables' first caption sentences and column labels."""
+    tokens: dict[str, set[int]] = {}
+    for record in records:
+        for d in record.domain_losses:
+            tokens.setdefault(d.domain, set()).add(d.tokens)
+    counts = ", ".join(f"{d} {min(n)}" if len(n) == 1 else f"{d} {min(n)}-{max(n)}" for d, n in tokens.items())
+    text = (
+        "Validation LM loss at the end of training (nats/token; lower is better). 'valid split': the trainer's "
+        "loss on the validation split of the training corpus (documents never trained on). 'held-out' and the "
+        "domain columns: next-token loss on the held-out documents of each domain (never in the training data), "
+        "over all their scored tokens and per domain"
+        + (f" (tokens scored: {counts})." if counts else ".")
+    )
+    labels = {VALID_SPLIT: "valid split", HELDOUT: "held-out"}
+    return text, labels
+
+
+def validation_table(records: Sequence[RunRecord]) -> Table:
+    """The validation loss of each run: the trainer's, the held-out loss and one column per domain.
+
+    Args:
+        records: runs (runs with neither number are left out).
+
+    Returns:
+        The :class:`Table` (name ``validation``).
+    """
+    columns = _validation_columns(records)
+    measured = [r for r in _ordered(records) if any(f(r) is not None for f in columns.values())]
+    labels = _labels(measured)
+    text, names = _validation_text(measured)
+    rows = tuple((labels[r.run_id], *(_fmt(f(r), ".3f") for f in columns.values())) for r in measured)
+    return Table("validation", text, ("Router", *(names.get(c, c) for c in columns)), rows)
+
+
+def validation_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
+    """:func:`validation_table` over seeds: mean +- CI per router, ``*`` where it differs from the reference.
+
+    Args:
+        records: runs of one model, one per router and seed.
+        **options: :func:`compare_metrics_over_seeds`'s keyword arguments.
+
+    Returns:
+        The :class:`Table` (name ``validation_seeds``).
+    """
+    columns = _validation_columns(records)
+    comparison = compare_metrics_over_seeds(records, columns, **options)
+    measured = [r for r in records if any(f(r) is not None for f in columns.values())]
+    text, labels = _validation_text(measured)
+    return seed_metric_table(comparison, name="validation_seeds", what=text, labels=labels)
+
+
+#: The routing statistics shown over seeds: name -> (header, number format).
+SEED_ROUTING_METRICS = {
+    "active_experts": ("active experts", ".3f"),
+    "simpson": ("Simpson index", ".3f"),
+    "load_imbalance": ("load imbalance", ".2f"),
+}
+
+
+def _layer_mean(name: str) -> Callable[[RunRecord], float | None]:
+    def mean(record: RunRecord) -> float | None:
+        values = [getattr(layer, name) for layer in record.routing if getattr(layer, name) is not None]
+        return statistics.fmean(values) if values else None
+
+    return mean
+
+
+def routing_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
+    """The routing statistics (mean over layers) over seeds: mean +- CI per router, marked against the reference.
+
+    Args:
+        records: runs of one model, one per router and seed (dense runs, without routing, are left out).
+        **options: :func:`compare_metrics_over_seeds`'s keyword arguments.
+
+    Returns:
+        The :class:`Table` (name ``routing_seeds``).
+    """
+    columns = {name: _layer_mean(name) for name in SEED_ROUTING_METRICS}
+    comparison = compare_metrics_over_seeds([r for r in records if r.routing], columns, **options)
+    return seed_metric_table(
+        comparison,
+        name="routing_seeds",
+        what=(
+            "Routing behaviour over seeds, the mean over layers of each run's averages over its measured steps: "
+            "experts per token, Simpson index sum_i p_i^2 of the combine weights (1/E uniform, 1 one expert), "
+            "load imbalance (max / mean tokens per expert)."
+        ),
+        labels={name: header for name, (header, _) in SEED_ROUTING_METRICS.items()},
+        specs={name: spec for name, (_, spec) in SEED_ROUTING_METRICS.items()},
+    )
 
 
 # ------------------------------------------------------------------------------------------ efficiency
@@ -648,6 +979,7 @@ _LATEX_SPECIAL = {
 
 
 _LATEX_SPECIAL[PLUS_MINUS] = r"\ensuremath{\pm}"
+_LATEX_SPECIAL[PARTIAL] = r"\ensuremath{^\dagger}"
 
 
 def _latex_escape(text: str) -> str:
@@ -656,7 +988,7 @@ def _latex_escape(text: str) -> str:
 
 def _is_number(cell: str) -> bool:
     """A number, ``number +- number`` (optionally marked), or missing."""
-    parts = cell.rstrip(SIGNIFICANT).split(f" {PLUS_MINUS} ")
+    parts = cell.rstrip(SIGNIFICANT + PARTIAL).split(f" {PLUS_MINUS} ")
     try:
         [float(part) for part in parts]
     except ValueError:
@@ -694,7 +1026,7 @@ def render(table: Table, fmt: str) -> str:
     if fmt == "tex":
         body = tabulate(
             table.rows, headers=table.headers, tablefmt="latex_booktabs", disable_numparse=True, colalign=align
-        ).replace(PLUS_MINUS, _LATEX_SPECIAL[PLUS_MINUS])
+        ).replace(PLUS_MINUS, _LATEX_SPECIAL[PLUS_MINUS]).replace(PARTIAL, _LATEX_SPECIAL[PARTIAL])
         return (
             "\\begin{table}[ht]\n\\centering\n"
             f"\\caption{{{_latex_escape(table.caption)}}}\n\\label{{tab:{table.name}}}\n"
