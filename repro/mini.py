@@ -25,6 +25,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,33 +156,92 @@ def _worker_init() -> None:
     ensure_offline()
 
 
-def _run_logged(cfg: MiniConfig, run: str, tasks_dir: Path) -> tuple[str, float]:
-    """:func:`run_one` with the worker's output (megatron's warnings, progress) in ``<work_dir>/<run>.worker.log``."""
+def _run_logged(task: Callable[..., Any], name: str, args: tuple, log_path: Path) -> tuple[str, float]:
+    """``task(*args)`` with the worker's output (megatron's warnings, progress) in ``log_path``."""
     start = time.perf_counter()
-    log_path = Path(cfg.work_dir) / f"{run}.worker.log"
     with open(log_path, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         try:
-            run_one(cfg, run, tasks_dir)
+            task(*args)
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
             raise
-    return run, time.perf_counter() - start
+    return name, time.perf_counter() - start
+
+
+def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep: bool = False) -> None:
+    """Make ``run_dir`` a run directory of this command (it holds ``marker``); refuse one it did not create.
+
+    Args:
+        run_dir: the run directory.
+        marker: the file a run directory created by the command holds.
+        owner: the command in words, for the error (``the mini comparison``).
+        command: the command line written into the marker (``python -m repro mini``).
+        keep: keep an existing directory of this command as it is (to resume the run in it); otherwise it
+            is replaced by an empty one.
+
+    Raises:
+        ReproError: ``run_dir`` exists without the marker (nothing in it is touched).
+    """
+    if run_dir.exists():
+        if not (run_dir / marker).is_file():
+            raise ReproError(f"{run_dir}: exists and was not created by {owner}; move it away or choose another --work-dir")
+        if keep:
+            return
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / marker).write_text(f"created by {command}\n")
+
+
+def run_pool(task: Callable[..., Any], jobs: Mapping[str, tuple], *, workers: int, log_dir: Path) -> dict[str, float]:
+    """Run ``task(*args)`` for every job in a pool of ``workers`` worker processes, one fresh process per job.
+
+    Args:
+        task: a module-level function (pickled by reference into the workers).
+        jobs: job name -> the arguments of its call; the worker's output goes to ``log_dir/<name>.worker.log``.
+        workers: jobs run at once (each one process computing on one thread).
+        log_dir: where the workers' logs go.
+
+    Returns:
+        Job name -> wall seconds of the jobs that finished.
+
+    Raises:
+        ReproError: naming the jobs that failed and their logs (after every job has ended).
+    """
+    from tqdm import tqdm
+
+    failed, seconds = [], {}
+    # A fresh interpreter per run (spawn, one task per child): no state shared between runs or with this one.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_worker_init, max_tasks_per_child=1
+    ) as pool, tqdm(
+        total=len(jobs), desc="runs", unit="run"
+    ) as bar:
+        futures = {
+            pool.submit(_run_logged, task, name, args, Path(log_dir) / f"{name}.worker.log"): name
+            for name, args in jobs.items()
+        }
+        for future in as_completed(futures):
+            run = futures[future]
+            bar.update(1)
+            try:
+                _, seconds[run] = future.result()
+                bar.write(f"  {run}: done in {seconds[run]:.0f} s")
+            except Exception as exc:  # noqa: BLE001 - reported per run, with its log
+                bar.write(f"  {run}: FAILED ({type(exc).__name__}: {exc})")
+                failed.append(run)
+    if failed:
+        logs = ", ".join(str(Path(log_dir) / f"{r}.worker.log") for r in failed)
+        raise ReproError(f"run(s) {', '.join(failed)} failed; see {logs}")
+    return seconds
 
 
 def _prepare_run_dir(cfg: MiniConfig, run: str) -> None:
     """Replace a stale run directory this command created; refuse one it did not create."""
-    run_dir = cfg.run_dir(run)
-    if run_dir.exists():
-        if not (run_dir / RUN_MARKER).is_file():
-            raise ReproError(
-                f"{run_dir}: exists and was not created by the mini comparison; move it away or choose another --work-dir"
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / RUN_MARKER).write_text("created by python -m repro mini\n")
+    claim_run_dir(cfg.run_dir(run), marker=RUN_MARKER, owner="the mini comparison", command="python -m repro mini")
 
 
 def _record_is_current(cfg: MiniConfig, run: str) -> bool:
@@ -202,31 +262,9 @@ def run_all(cfg: MiniConfig, runs: list[str], tasks_dir: Path) -> None:
     Raises:
         ReproError: naming the runs that failed and their logs.
     """
-    from tqdm import tqdm
-
     for run in runs:
         _prepare_run_dir(cfg, run)
-    failed = []
-    # A fresh interpreter per run (spawn, one task per child): no state shared between runs or with this one.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        cfg.workers, mp_context=context, initializer=_worker_init, max_tasks_per_child=1
-    ) as pool, tqdm(
-        total=len(runs), desc="runs", unit="run"
-    ) as bar:
-        futures = {pool.submit(_run_logged, cfg, run, tasks_dir): run for run in runs}
-        for future in as_completed(futures):
-            run = futures[future]
-            bar.update(1)
-            try:
-                _, seconds = future.result()
-                bar.write(f"  {run}: done in {seconds:.0f} s")
-            except Exception as exc:  # noqa: BLE001 - reported per run, with its log
-                bar.write(f"  {run}: FAILED ({type(exc).__name__}: {exc})")
-                failed.append(run)
-    if failed:
-        logs = ", ".join(str(Path(cfg.work_dir) / f"{r}.worker.log") for r in failed)
-        raise ReproError(f"run(s) {', '.join(failed)} failed; see {logs}")
+    run_pool(run_one, {run: (cfg, run, tasks_dir) for run in runs}, workers=cfg.workers, log_dir=Path(cfg.work_dir))
 
 
 # -------------------------------------------------------------------------------------------- reporting
