@@ -428,7 +428,7 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
     share = {c: "weight_share" if "dispatch=dense" in CELLS[c].options else "tokens_per_expert" for c in cfg.cells}
     plot_expert_load(
         {c: logs[(c, first)] for c in cfg.cells}, out / "expert_load.png", metric=share,
-        title=f"Share of each expert over training, seed {first} (dense dispatch: r mass, its load is flat)",
+        title=f"Each expert's share of the tokens over training, seed {first}; dispatch-dense: of the weight r",
     )
     by_cell = {c: [logs[(c, s)] for s in cfg.seeds] for c in dirmoe_cells}
     if by_cell:
@@ -436,7 +436,7 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
         plot_simpson_theta(by_cell, out / "simpson_theta.png")
     summary_keys = [m.key for m in results.metrics if m.key.split("[")[0] in DIFFERENCE_KEYS]
     plot_ablation_summary(
-        summary_intervals(results, summary_keys), out / "summary.png", reference=SWITCH if SWITCH in cfg.cells else None
+        summary_intervals(results, summary_keys), out / "summary.png", references=(REFERENCE, SWITCH)
     )
 
     history_path = Path(cfg.work_dir) / "sessions.json"

@@ -287,11 +287,13 @@ def plot_simpson_theta(
     logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike, smooth: int = 10
 ) -> None:
     """Simpson index of DirMoE's Dirichlet draws against the calibrator's target over training, one panel per
-    cell (means over layers and seeds).
+    cell (means over layers and seeds): the draws, the Lemma under the actual posterior, and the target with
+    the posterior scale in use on an ideal active set and at the actual gates (what the heads would give had
+    they kept the prior's bases).
 
     Args:
         logs: ``{cell label: [training-log rows of each seed]}`` of DirMoE runs (``simpson_theta``,
-            ``simpson_theta_expected`` and ``simpson_theta_target`` per layer).
+            ``simpson_theta_expected``, ``simpson_theta_target`` and ``simpson_theta_target_gates`` per layer).
         path: the PNG to write.
         smooth: moving-average window in steps.
     """
@@ -304,9 +306,10 @@ def plot_simpson_theta(
     for ax in axes.flat:
         ax.set_visible(False)
     lines = (
-        ("simpson_theta", "draws theta", {"color": "C0", "ls": "-"}),
-        ("simpson_theta_expected", "Lemma, actual posterior", {"color": "C2", "ls": ":"}),
-        ("simpson_theta_target", "calibrator's target", {"color": "C3", "ls": "--"}),
+        ("simpson_theta", "draws theta", {"color": "C0", "ls": "-", "lw": 2.0}),
+        ("simpson_theta_expected", "Lemma, actual posterior", {"color": "black", "ls": ":", "lw": 1.2}),
+        ("simpson_theta_target", "target (ideal active set)", {"color": "C3", "ls": "--", "lw": 1.3}),
+        ("simpson_theta_target_gates", "target (actual gates)", {"color": "C1", "ls": "-.", "lw": 1.3}),
     )
     for index, label in enumerate(labels):
         ax = axes[index // ncols][index % ncols]
@@ -314,7 +317,7 @@ def plot_simpson_theta(
         for metric, name, style in lines:
             steps, values = _per_step_mean(logs[label], metric, None)
             if steps:
-                ax.plot(steps, _smooth(values, smooth), lw=1.3, label=name, **style)
+                ax.plot(steps, _smooth(values, smooth), label=name, **style)
         ax.set_title(label, fontsize=9)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)
@@ -329,19 +332,20 @@ def plot_simpson_theta(
 def plot_ablation_summary(
     intervals: Mapping[str, Mapping[str, tuple[float, float | None, float | None]]],
     path: str | os.PathLike,
-    reference: str | None = None,
+    references: Sequence[str] = (),
 ) -> None:
-    """One panel per column: each cell's mean with its interval over seeds, the reference's interval shaded.
+    """One panel per column: each cell's mean with its interval over seeds, the references' intervals shaded.
 
     Args:
         intervals: ``{cell: {column label: (mean, low, high)}}`` (low/high None with one seed).
         path: the PNG to write.
-        reference: a cell whose interval is drawn across each panel (Switch's level).
+        references: up to two cells whose intervals are drawn across each panel (the paper's DirMoE, Switch).
     """
     cells = list(intervals)
     columns = list(dict.fromkeys(c for cell in cells for c in intervals[cell]))
     if not cells or not columns:
         return
+    colours = dict(zip([r for r in references if r in intervals], ("C3", "grey")))
     ncols = min(3, len(columns))
     nrows = math.ceil(len(columns) / ncols)
     fig, axes = plt.subplots(
@@ -351,24 +355,27 @@ def plot_ablation_summary(
         ax.set_visible(False)
     y = {cell: len(cells) - 1 - i for i, cell in enumerate(cells)}
     for ax, column in zip(axes.flat, columns):
-        ref = intervals.get(reference, {}).get(column) if reference else None
-        if ref is not None:
+        for reference, colour in colours.items():
+            ref = intervals[reference].get(column)
+            if ref is None:
+                continue
             mean, low, high = ref
             if low is not None:
-                ax.axvspan(low, high, color="grey", alpha=0.2, lw=0)
-            ax.axvline(mean, color="grey", lw=1, ls="--")
+                ax.axvspan(low, high, color=colour, alpha=0.15, lw=0)
+            ax.axvline(mean, color=colour, lw=1, ls="--")
         for cell in cells:
             if column not in intervals[cell]:
                 continue
             mean, low, high = intervals[cell][column]
             err = None if low is None else [[mean - low], [high - mean]]
-            ax.errorbar(mean, y[cell], xerr=err, fmt="o", ms=4, capsize=3, color="C3" if cell == reference else "C0")
+            ax.errorbar(mean, y[cell], xerr=err, fmt="o", ms=4, capsize=3, color=colours.get(cell, "C0"))
         ax.set_title(column, fontsize=9)
         ax.grid(alpha=0.3, axis="x")
     for row in axes:
         row[0].set_yticks([y[c] for c in cells])
         row[0].set_yticklabels(cells, fontsize=8)
-    note = f"; grey: '{reference}'" if reference else ""
+    names = {"C3": "red", "grey": "grey"}
+    note = "".join(f"; {names[c]}: '{r}'" for r, c in colours.items())
     fig.suptitle(f"End-of-run values per cell: mean and 95% interval over seeds{note}", fontsize=10)
     fig.tight_layout()
     _save(fig, path)
