@@ -101,6 +101,14 @@ def mini(session: nox.Session) -> None:
     session.run("python", "-m", "repro", "mini", *session.posargs, env=OFFLINE_ENV)
 
 
+@nox.session(name="dirmoe-ablation")
+def dirmoe_ablation(session: nox.Session) -> None:
+    """Why DirMoE collapses on the embedded default: 16 cells (readings, remedies, controls) x 3 seeds x 600 steps on CPU,
+    tables and plots in results/dirmoe-ablation/ (cost: README)."""
+    _install(session)
+    session.run("python", "-m", "repro", "ablation", *session.posargs, env=OFFLINE_ENV)
+
+
 @nox.session(name="mini-pile")
 def mini_pile(session: nox.Session) -> None:
     """Build (or reuse) the embedded mini-pile, its tokenizer and indexed datasets under data/mini-pile."""
@@ -349,3 +357,13 @@ def sweep_dirmoe_m(session: nox.Session, m: float) -> None:
     _install_scale(session, args, "")
     out = f"{args.out}/sweep-m/dirmoe-m{m:g}"
     _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.prior_mass={m}", "schedule.steps=10000"])
+
+
+@nox.session(name="sweep-dirmoe-recon")
+@nox.parametrize("recon_target", ["raw", "centered"])
+def sweep_dirmoe_recon(session: nox.Session, recon_target: str) -> None:
+    """DirMoE's reconstruction target (option recon_target) raw (the paper) or centered (the ablation's remedy), 10k steps."""
+    _install(session, "dev,eval,gpu")
+    args = _scale_args(session, routers_default="dirmoe")
+    out = f"{args.out}/sweep-recon/dirmoe-{recon_target}"
+    _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.recon_target={recon_target}", "schedule.steps=10000"])

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "tables": ("repro.report.cli", "tables_main", "build the zero-shot and efficiency tables from run records"),
     "check": ("repro.report.cli", "check_main", "regression-check a run against published numbers or a run"),
     "mini": ("repro.mini", "main", "the whole comparison on the embedded default (CPU)"),
+    "ablation": ("repro.ablation", "main", "why DirMoE's routing collapses: its readings and remedies over seeds (CPU)"),
     "bench-table": ("repro.report.bench_table", "main", "summarise a pytest-benchmark JSON as a table"),
     "golden": ("repro.golden", "main", "compare fresh runs with the golden loss curves (or --refresh them)"),
     "launch": ("repro.launch", "main", "print the torchrun command or SLURM script for N nodes x G GPUs"),

@@ -45,6 +45,7 @@ import shutil
 import sys
 import time
 import traceback
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,7 +56,7 @@ from repro.io_utils import write_json_atomic
 from repro.training.config import MEGATRON_ROUTER
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence
+    from collections.abc import Sequence
 
     import torch
 
@@ -273,42 +274,106 @@ def _job(item: str | tuple[str, int]) -> tuple[str, int]:
     return (item, 0) if isinstance(item, str) else (item[0], int(item[1]))
 
 
-def _run_logged(cfg: MiniConfig, run: str, tasks_dir: Path, seed_index: int = 0) -> tuple[str, float, float]:
-    """:func:`run_one` with the worker's output (megatron's warnings, progress) in
-    ``<work_dir>/<run id>.worker.log``; returns the run id, its wall time and the worker's CPU time (seconds),
-    also written to the run's ``timing.json``. The worker is a fresh process per run, so its CPU time is the
-    run's whole cost (imports included) whatever else the machine runs."""
+def run_one_timed(cfg: MiniConfig, run: str, tasks_dir: Path, seed_index: int = 0) -> None:
+    """:func:`run_one`, then its wall time and the worker's CPU time (seconds) in the run's ``timing.json``. The
+    worker is a fresh process per run, so its CPU time is the run's whole cost (imports included) whatever else
+    the machine runs."""
     import resource
 
     start = time.perf_counter()
-    run_id = cfg.run_id(run, seed_index)
-    log_path = Path(cfg.work_dir) / f"{run_id}.worker.log"
+    run_one(cfg, run, tasks_dir, seed_index)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    write_json_atomic(cfg.run_dir(run, seed_index) / "timing.json",
+                      {"wall_seconds": time.perf_counter() - start, "cpu_seconds": usage.ru_utime + usage.ru_stime})
+
+
+def _run_logged(task: Callable[..., Any], name: str, args: tuple, log_path: Path) -> tuple[str, float]:
+    """``task(*args)`` with the worker's output (megatron's warnings, progress) in ``log_path``."""
+    start = time.perf_counter()
     with open(log_path, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         try:
-            run_one(cfg, run, tasks_dir, seed_index)
+            task(*args)
         except BaseException:
             traceback.print_exc()
             sys.stderr.flush()
             raise
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    wall, cpu = time.perf_counter() - start, usage.ru_utime + usage.ru_stime
-    write_json_atomic(cfg.run_dir(run, seed_index) / "timing.json", {"wall_seconds": wall, "cpu_seconds": cpu})
-    return run_id, wall, cpu
+    return name, time.perf_counter() - start
+
+
+def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep: bool = False) -> None:
+    """Make ``run_dir`` a run directory of this command (it holds ``marker``); refuse one it did not create.
+
+    Args:
+        run_dir: the run directory.
+        marker: the file a run directory created by the command holds.
+        owner: the command in words, for the error (``the mini comparison``).
+        command: the command line written into the marker (``python -m repro mini``).
+        keep: keep an existing directory of this command as it is (to resume the run in it); otherwise it
+            is replaced by an empty one.
+
+    Raises:
+        ReproError: ``run_dir`` exists without the marker (nothing in it is touched).
+    """
+    if run_dir.exists():
+        if not (run_dir / marker).is_file():
+            raise ReproError(f"{run_dir}: exists and was not created by {owner}; move it away or choose another --work-dir")
+        if keep:
+            return
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / marker).write_text(f"created by {command}\n")
+
+
+def run_pool(task: Callable[..., Any], jobs: Mapping[str, tuple], *, workers: int, log_dir: Path) -> dict[str, float]:
+    """Run ``task(*args)`` for every job in a pool of ``workers`` worker processes, one fresh process per job.
+
+    Args:
+        task: a module-level function (pickled by reference into the workers).
+        jobs: job name -> the arguments of its call; the worker's output goes to ``log_dir/<name>.worker.log``.
+        workers: jobs run at once (each one process computing on one thread).
+        log_dir: where the workers' logs go.
+
+    Returns:
+        Job name -> wall seconds of the jobs that finished.
+
+    Raises:
+        ReproError: naming the jobs that failed and their logs (after every job has ended).
+    """
+    from tqdm import tqdm
+
+    failed, seconds = [], {}
+    # A fresh interpreter per run (spawn, one task per child): no state shared between runs or with this one.
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_worker_init, max_tasks_per_child=1
+    ) as pool, tqdm(
+        total=len(jobs), desc="runs", unit="run"
+    ) as bar:
+        futures = {
+            pool.submit(_run_logged, task, name, args, Path(log_dir) / f"{name}.worker.log"): name
+            for name, args in jobs.items()
+        }
+        for future in as_completed(futures):
+            run = futures[future]
+            bar.update(1)
+            try:
+                _, seconds[run] = future.result()
+                bar.write(f"  {run}: done in {seconds[run]:.0f} s")
+            except Exception as exc:  # noqa: BLE001 - reported per run, with its log
+                bar.write(f"  {run}: FAILED ({type(exc).__name__}: {exc})")
+                failed.append(run)
+    if failed:
+        logs = ", ".join(str(Path(log_dir) / f"{r}.worker.log") for r in failed)
+        raise ReproError(f"run(s) {', '.join(failed)} failed; see {logs}")
+    return seconds
 
 
 def _prepare_run_dir(cfg: MiniConfig, run: str, seed_index: int = 0) -> None:
     """Replace a stale run directory this command created; refuse one it did not create."""
-    run_dir = cfg.run_dir(run, seed_index)
-    if run_dir.exists():
-        if not (run_dir / RUN_MARKER).is_file():
-            raise ReproError(
-                f"{run_dir}: exists and was not created by the mini comparison; move it away or choose another --work-dir"
-            )
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / RUN_MARKER).write_text("created by python -m repro mini\n")
+    claim_run_dir(cfg.run_dir(run, seed_index), marker=RUN_MARKER, owner="the mini comparison",
+                  command="python -m repro mini")
 
 
 def _record_is_current(cfg: MiniConfig, run: str, seed_index: int = 0) -> bool:
@@ -334,32 +399,11 @@ def run_all(cfg: MiniConfig, runs: Sequence[str | tuple[str, int]], tasks_dir: P
     Raises:
         ReproError: naming the runs that failed and their logs.
     """
-    from tqdm import tqdm
-
     jobs = [_job(item) for item in runs]
     for run, k in jobs:
         _prepare_run_dir(cfg, run, k)
-    failed = []
-    # A fresh interpreter per run (spawn, one task per child): no state shared between runs or with this one.
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(
-        cfg.workers, mp_context=context, initializer=_worker_init, max_tasks_per_child=1
-    ) as pool, tqdm(
-        total=len(jobs), desc="runs", unit="run"
-    ) as bar:
-        futures = {pool.submit(_run_logged, cfg, run, tasks_dir, k): cfg.run_id(run, k) for run, k in jobs}
-        for future in as_completed(futures):
-            run = futures[future]
-            bar.update(1)
-            try:
-                _, seconds, cpu = future.result()
-                bar.write(f"  {run}: done in {seconds:.0f} s (CPU {cpu:.0f} s)")
-            except Exception as exc:  # noqa: BLE001 - reported per run, with its log
-                bar.write(f"  {run}: FAILED ({type(exc).__name__}: {exc})")
-                failed.append(run)
-    if failed:
-        logs = ", ".join(str(Path(cfg.work_dir) / f"{r}.worker.log") for r in failed)
-        raise ReproError(f"run(s) {', '.join(failed)} failed; see {logs}")
+    run_pool(run_one_timed, {cfg.run_id(run, k): (cfg, run, tasks_dir, k) for run, k in jobs},
+             workers=cfg.workers, log_dir=Path(cfg.work_dir))
 
 
 # -------------------------------------------------------------------------------------------- reporting

@@ -161,3 +161,221 @@ def specialisation_score(spec: Mapping[str, Any]) -> float:
         mean_E = [sum(row[e] for row in share_XE) / len(share_XE) for e in range(E)]
         scores += [0.5 * sum(abs(row[e] - mean_E[e]) for e in range(E)) for row in share_XE]
     return sum(scores) / len(scores) if scores else math.nan
+
+
+# ------------------------------------------------------------------------------------- DirMoE ablation
+def _per_step_mean(runs: Sequence[Sequence[LogRow]], metric: str, layer: int | None) -> tuple[list[int], list[float]]:
+    """Steps and the mean over runs (seeds) of a scalar routing metric: one layer's, or the mean over layers."""
+    by_step: dict[int, list[float]] = {}
+    for rows in runs:
+        for r in rows:
+            values = r.routing.get(metric) or []
+            if layer is None:
+                value = sum(values) / len(values) if values else None
+            else:
+                value = values[layer] if len(values) > layer else None
+            if value is not None:
+                by_step.setdefault(r.step, []).append(float(value))
+    steps = sorted(by_step)
+    return steps, [sum(by_step[s]) / len(by_step[s]) for s in steps]
+
+
+def _num_layers(runs: Sequence[Sequence[LogRow]], metric: str) -> int:
+    return max((len(r.routing.get(metric) or []) for rows in runs for r in rows), default=0)
+
+
+def plot_expert_load(
+    logs: Mapping[str, Sequence[LogRow]],
+    path: str | os.PathLike,
+    metric: str | Mapping[str, str] = "tokens_per_expert",
+    smooth: int = 10,
+    title: str = "Share of each expert over training",
+) -> None:
+    """Each expert's share over training, stacked, per run and layer (two runs per row of panels).
+
+    Args:
+        logs: ``{run label: training-log rows}`` with a per-expert metric in ``routing_per_expert``.
+        path: the PNG to write.
+        metric: the per-expert metric (``tokens_per_expert``: the load; ``weight_share``: the mean routing
+            weight), or one per label.
+        smooth: moving-average window in steps.
+        title: the figure's title (what the runs are).
+    """
+    labels = list(logs)
+    which = {label: metric if isinstance(metric, str) else metric.get(label, "tokens_per_expert") for label in labels}
+    num_layers = max((len(r.routing_per_expert.get(which[k]) or []) for k in labels for r in logs[k]), default=0)
+    if not labels or num_layers == 0:
+        return
+    per_row = 2
+    nrows = math.ceil(len(labels) / per_row)
+    fig, axes = plt.subplots(
+        nrows, per_row * num_layers, figsize=(3.2 * per_row * num_layers, 2.2 * nrows), squeeze=False, sharey=True
+    )
+    for ax in axes.flat:
+        ax.set_visible(False)
+    num_experts = 0
+    for index, label in enumerate(labels):
+        rows = [r for r in logs[label] if r.routing_per_expert.get(which[label])]
+        for layer in range(num_layers):
+            ax = axes[index // per_row][(index % per_row) * num_layers + layer]
+            ax.set_visible(True)
+            counts = [r.routing_per_expert[which[label]][layer] for r in rows if len(r.routing_per_expert[which[label]]) > layer]
+            if not counts:
+                continue
+            steps = [r.step for r in rows][: len(counts)]
+            num_experts = len(counts[0])
+            shares = [[c / max(sum(row), 1e-30) for c in row] for row in counts]
+            series = [_smooth([s[e] for s in shares], smooth) for e in range(num_experts)]
+            ax.stackplot(steps, series, linewidth=0)
+            ax.axhline(1.0, color="black", lw=0.5)
+            what = "r mass" if which[label] == "weight_share" else "load"
+            ax.set_title(f"{label}: L{layer + 1} {what}", fontsize=8)
+            ax.set_ylim(0, 1)
+            ax.tick_params(labelsize=7)
+    fig.suptitle(f"{title} (stacked; an even split is {num_experts} equal bands)", y=1.0, fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def _label_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Distinct colour and line style per label (tab20 runs out of distinct colours beyond ten lines)."""
+    cmap = plt.get_cmap("tab10")
+    styles = ("-", "--", ":", "-.")
+    return {label: {"color": cmap(i % 10), "ls": styles[(i // 10) % len(styles)]} for i, label in enumerate(labels)}
+
+
+def plot_shared_mean(
+    logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike, smooth: int = 10
+) -> None:
+    """DirMoE's shared-mean energy of the router input and the decoder columns' alignment with that mean, per
+    layer, over training (mean over a cell's seeds).
+
+    Args:
+        logs: ``{cell label: [training-log rows of each seed]}`` of DirMoE runs (``input_mean_energy`` and
+            ``decoder_mean_alignment`` per layer).
+        path: the PNG to write.
+        smooth: moving-average window in steps.
+    """
+    metrics = (
+        ("input_mean_energy", "shared-mean energy ||mean x||^2 / mean ||x||^2"),
+        ("decoder_mean_alignment", "decoder columns: mean cos(column, mean x)"),
+    )
+    num_layers = max((_num_layers(runs, metrics[0][0]) for runs in logs.values()), default=0)
+    if num_layers == 0:
+        return
+    styles = _label_styles(list(logs))
+    fig, axes = plt.subplots(2, num_layers, figsize=(5.2 * num_layers, 7.5), squeeze=False, sharex=True)
+    for row, (metric, title) in enumerate(metrics):
+        for layer in range(num_layers):
+            ax = axes[row][layer]
+            for label, runs in logs.items():
+                steps, values = _per_step_mean(runs, metric, layer)
+                if steps:
+                    ax.plot(steps, _smooth(values, smooth), lw=1.2, label=label, **styles[label])
+            ax.set_title(f"{title}, layer {layer + 1}", fontsize=9)
+            ax.grid(alpha=0.3)
+            if row == len(metrics) - 1:
+                ax.set_xlabel("step")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
+    fig.suptitle("The shared component of the router input and the decoder's columns (mean over seeds)", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_simpson_theta(
+    logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike, smooth: int = 10
+) -> None:
+    """Simpson index of DirMoE's Dirichlet draws against the calibrator's target over training, one panel per
+    cell (means over layers and seeds): the draws, the Lemma under the actual posterior, and the target with
+    the posterior scale in use on an ideal active set and at the actual gates (what the heads would give had
+    they kept the prior's bases).
+
+    Args:
+        logs: ``{cell label: [training-log rows of each seed]}`` of DirMoE runs (``simpson_theta``,
+            ``simpson_theta_expected``, ``simpson_theta_target`` and ``simpson_theta_target_gates`` per layer).
+        path: the PNG to write.
+        smooth: moving-average window in steps.
+    """
+    labels = [k for k, runs in logs.items() if _num_layers(runs, "simpson_theta")]
+    if not labels:
+        return
+    ncols = min(4, len(labels))
+    nrows = math.ceil(len(labels) / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.8 * nrows), squeeze=False, sharex=True, sharey=True)
+    for ax in axes.flat:
+        ax.set_visible(False)
+    lines = (
+        ("simpson_theta", "draws theta", {"color": "C0", "ls": "-", "lw": 2.0}),
+        ("simpson_theta_expected", "Lemma, actual posterior", {"color": "black", "ls": ":", "lw": 1.2}),
+        ("simpson_theta_target", "target (ideal active set)", {"color": "C3", "ls": "--", "lw": 1.3}),
+        ("simpson_theta_target_gates", "target (actual gates)", {"color": "C1", "ls": "-.", "lw": 1.3}),
+    )
+    for index, label in enumerate(labels):
+        ax = axes[index // ncols][index % ncols]
+        ax.set_visible(True)
+        for metric, name, style in lines:
+            steps, values = _per_step_mean(logs[label], metric, None)
+            if steps:
+                ax.plot(steps, _smooth(values, smooth), label=name, **style)
+        ax.set_title(label, fontsize=9)
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+        ax.tick_params(labelsize=7)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle("Simpson index sum_i theta_i^2 of the Dirichlet draws vs the calibrator's target "
+                 "(means over layers and seeds)", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+def plot_ablation_summary(
+    intervals: Mapping[str, Mapping[str, tuple[float, float | None, float | None]]],
+    path: str | os.PathLike,
+    references: Sequence[str] = (),
+) -> None:
+    """One panel per column: each cell's mean with its interval over seeds, the references' intervals shaded.
+
+    Args:
+        intervals: ``{cell: {column label: (mean, low, high)}}`` (low/high None with one seed).
+        path: the PNG to write.
+        references: up to two cells whose intervals are drawn across each panel (the paper's DirMoE, Switch).
+    """
+    cells = list(intervals)
+    columns = list(dict.fromkeys(c for cell in cells for c in intervals[cell]))
+    if not cells or not columns:
+        return
+    colours = dict(zip([r for r in references if r in intervals], ("C3", "grey")))
+    ncols = min(3, len(columns))
+    nrows = math.ceil(len(columns) / ncols)
+    fig, axes = plt.subplots(
+        nrows, ncols, figsize=(4.2 * ncols, nrows * (0.3 * len(cells) + 1.2)), squeeze=False, sharey=True
+    )
+    for ax in axes.flat[len(columns):]:
+        ax.set_visible(False)
+    y = {cell: len(cells) - 1 - i for i, cell in enumerate(cells)}
+    for ax, column in zip(axes.flat, columns):
+        for reference, colour in colours.items():
+            ref = intervals[reference].get(column)
+            if ref is None:
+                continue
+            mean, low, high = ref
+            if low is not None:
+                ax.axvspan(low, high, color=colour, alpha=0.15, lw=0)
+            ax.axvline(mean, color=colour, lw=1, ls="--")
+        for cell in cells:
+            if column not in intervals[cell]:
+                continue
+            mean, low, high = intervals[cell][column]
+            err = None if low is None else [[mean - low], [high - mean]]
+            ax.errorbar(mean, y[cell], xerr=err, fmt="o", ms=4, capsize=3, color=colours.get(cell, "C0"))
+        ax.set_title(column, fontsize=9)
+        ax.grid(alpha=0.3, axis="x")
+    for row in axes:
+        row[0].set_yticks([y[c] for c in cells])
+        row[0].set_yticklabels(cells, fontsize=8)
+    names = {"C3": "red", "grey": "grey"}
+    note = "".join(f"; {names[c]}: '{r}'" for r, c in colours.items())
+    fig.suptitle(f"End-of-run values per cell: mean and 95% interval over seeds{note}", fontsize=10)
+    fig.tight_layout()
+    _save(fig, path)

@@ -1,0 +1,517 @@
+"""``python -m repro ablation``: why DirMoE's routing collapses on the embedded default, cell by cell, over seeds.
+
+On the embedded default (``tiny`` flavour, mini-pile, 600 steps) DirMoE as specified sends almost every token
+of one layer to one expert. Each *cell* of this ablation is one reading of the paper or one remedy (a few
+router options, :data:`CELLS`), run for several seeds (``--set seed=N`` per run); two controls put Switch's
+load-balancing loss on DirMoE and take it off Switch, and Switch as is gives the reference level.
+
+1. Build (or reuse) the mini-pile.
+2. Train every (cell, seed) in a pool of worker processes (:func:`repro.mini.run_pool`: two at a time, one
+   thread each, a fresh process per run) and write its run record. No zero-shot evaluation: the question is
+   the routing, and at this scale the zero-shot differences are within noise (README, mini results).
+3. From the training logs, per run: the end-of-run routing (per-layer load imbalance, per-layer imbalance
+   of the routing-weight mass, active experts, Simpson index of r and of theta, fallback share; each the
+   mean over the last ``final_fraction`` of the steps) and the losses (validation loss at the last step,
+   training LM loss over the same final window). Per cell: mean +- 95% Student-t interval over the seeds,
+   and a paired t-test over the seeds against the paper's DirMoE (cell ``paper``), Holm-adjusted over the
+   cells of a column (:mod:`repro.report.ablation_tables`); the same against Switch.
+4. Tables (Markdown, CSV, LaTeX), plots and ``summary.json`` under ``results/dirmoe-ablation/``.
+
+Reuse and resume: a run whose record matches the current settings is reused; a run directory this command
+created (it holds the marker ``.ablation-run``) whose config matches but that did not finish (killed) is
+resumed from its newest checkpoint (``train --resume``); one with other settings is replaced. A directory
+at a run's path that this command did not create is refused, never deleted. ``--fresh`` retrains every run.
+Every invocation's wall time and the runs it trained are kept in ``<work_dir>/sessions.json``, so the cost of
+the invocation that trained the runs is reported even when a later one only rebuilt the report.
+
+Choices (each with its reason):
+
+1. **Run length 600 steps**, the length of the users' findings and of ``nox -s mini``: a shorter run would
+   compress every DirMoE schedule (they span the run) and change the question. Cost: measured, README.
+2. **End-of-run window**: the routing metrics are averaged over the last tenth of the steps (60 rows at 600
+   steps): per-step load imbalance is noisy (one micro-batch of 512 tokens), the end state is what the
+   findings are about, and the same window is used for every cell. The LM loss uses the same window.
+3. **Validation** on 8 micro-batches (``validation.iters=8``, 4096 tokens) instead of the recipe's 2: the
+   validation loss is compared across cells, and 2 micro-batches are noisier than the differences looked for.
+4. **Checkpoints every 200 steps**: a killed run loses at most 200 steps; each checkpoint of the tiny model
+   with its optimizer state is ~44 MB, so the recipe's 100 would keep ~12 GB for 48 runs.
+5. **dense-first** dispatches densely for the first sixth of the run (100 of 600 steps): the users saw the
+   shared component take over the router input by step 100. **tau-short** is the "short" temperature preset
+   of ``routers/dirmoe_config.py`` (gap 6): tau at its end value after the first tenth of the run.
+6. **Weight imbalance** (``max_i mean_t r_ti / (1/E)``, from the per-expert ``weight_share``) beside the load
+   imbalance: with dense dispatch every expert receives every token, so the load is flat by construction and
+   only the weights show a collapse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from repro.errors import ReproError
+from repro.io_utils import write_json_atomic
+
+#: The marker a run directory created by this command holds (only such directories are resumed or replaced).
+RUN_MARKER = ".ablation-run"
+COMMAND = "python -m repro ablation"
+#: The cell every other cell is tested against: DirMoE with the paper's options.
+REFERENCE = "paper"
+#: The reference level of a router that balances its load.
+SWITCH = "switch"
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One variant of the ablation.
+
+    Args:
+        name: the cell's name (``--cells``).
+        router: the registered router (``dirmoe`` or ``switch``).
+        reading: what the cell tests, in one line (tables, README).
+        options: router options, ``NAME=VALUE``.
+        per_run: options set from the run's length, ``(NAME, divisor)``: ``NAME = max(1, steps // divisor)``.
+    """
+
+    name: str
+    router: str
+    reading: str
+    options: tuple[str, ...] = ()
+    per_run: tuple[tuple[str, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        for item in self.options:
+            if "=" not in item:
+                raise ValueError(f"cell '{self.name}': option '{item}' is not NAME=VALUE")
+        for _, divisor in self.per_run:
+            if divisor < 1:
+                raise ValueError(f"cell '{self.name}': divisor must be >= 1, got {divisor}")
+
+    def router_options(self, steps: int) -> tuple[str, ...]:
+        """The cell's router options for a run of ``steps`` steps, ``NAME=VALUE``."""
+        return (*self.options, *(f"{name}={max(1, steps // divisor)}" for name, divisor in self.per_run))
+
+    def overrides(self, steps: int) -> tuple[str, ...]:
+        """The cell's dot-list overrides (``router.options.NAME=VALUE``)."""
+        return tuple(f"router.options.{item}" for item in self.router_options(steps))
+
+
+_CELL_LIST = (
+    Cell(REFERENCE, "dirmoe", "the paper's DirMoE (default options)"),
+    Cell("recon-centered", "dirmoe", "reconstruction target with the batch mean removed", ("recon_target=centered",)),
+    Cell("recon-data-mean", "dirmoe", "reconstruction with a running data mean added to the decoder", ("recon_target=data_mean",)),
+    Cell("recon-off", "dirmoe", "no reconstruction term", ("recon_weight=0",)),
+    Cell("kl-off", "dirmoe", "no Dirichlet KL", ("kl_weight=0",)),
+    Cell("sparsity-off", "dirmoe", "no sparsity penalty", ("sparsity_weight=0",)),
+    Cell("aux-off", "dirmoe", "none of the three aux terms", ("recon_weight=0", "kl_weight=0", "sparsity_weight=0")),
+    Cell("dispatch-topk", "dirmoe", "top-k dispatch instead of the threshold rule", ("dispatch=topk",)),
+    Cell("dispatch-dense", "dirmoe", "every expert, weighted by r (the paper's y = sum_i r_i E_i(x))", ("dispatch=dense",)),
+    Cell("dense-first", "dirmoe", "dense dispatch for the first sixth of the run, then the threshold rule", per_run=(("dense_steps", 6),)),
+    Cell("tau-short", "dirmoe", "the 'short' temperature schedule (tau at its end after a tenth of the run)", per_run=(("tau_schedule_steps", 10),)),
+    Cell("posterior-tied", "dirmoe", "posterior scale tied to the prior's (lambda_q = lambda_p)", ("posterior_scale=tied",)),
+    Cell("posterior-prior-matched", "dirmoe", "prior at the posterior's scale", ("posterior_scale=prior_matched",)),
+    Cell("dirmoe-balance", "dirmoe", "control: Switch's load-balancing loss on DirMoE (1e-2)", ("balance_loss_coeff=0.01",)),
+    Cell("switch-no-balance", "switch", "control: Switch without its load-balancing loss", ("aux_loss_coeff=0",)),
+    Cell(SWITCH, "switch", "reference level: Switch as is (balancing loss 1e-2)"),
+)
+#: Every cell by name, in table order.
+CELLS = types.MappingProxyType({cell.name: cell for cell in _CELL_LIST})
+
+
+@dataclass(frozen=True)
+class AblationConfig:
+    """Settings of the ablation.
+
+    Args:
+        cells: the cells run (names of :data:`CELLS`), in table order.
+        seeds: the seeds each cell runs with (``seed=N``); the same seeds for every cell, so cells pair by seed.
+        steps: training steps per run.
+        data_dir: where the mini-pile is built (or found).
+        work_dir: run directories (checkpoints, logs, records).
+        out_dir: tables, plots and ``summary.json``.
+        workers: runs trained at once (each one process with one thread).
+        final_fraction: the share of the steps at the end of a run whose rows the end-of-run metrics average.
+        warmup_rows: log rows skipped before the efficiency window of the run records.
+        overrides: extra dot-list overrides applied to every run (after the cell's).
+    """
+
+    cells: tuple[str, ...]
+    seeds: tuple[int, ...] = (1, 2, 3)
+    steps: int = 600
+    data_dir: str = "data/mini-pile"
+    work_dir: str = "runs/dirmoe-ablation"
+    out_dir: str = "results/dirmoe-ablation"
+    workers: int = 2
+    final_fraction: float = 0.1
+    warmup_rows: int = 2
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.cells if c not in CELLS]
+        if unknown or not self.cells:
+            raise ValueError(f"unknown cell(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(CELLS)}")
+        if len(set(self.cells)) != len(self.cells):
+            raise ValueError(f"cells must be distinct, got {', '.join(self.cells)}")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
+            raise ValueError(f"seeds must be distinct integers >= 0, got {list(self.seeds)}")
+        for name in ("steps", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 < self.final_fraction <= 1:
+            raise ValueError(f"final_fraction must be in (0, 1], got {self.final_fraction}")
+        if self.warmup_rows < 0:
+            raise ValueError(f"warmup_rows must be >= 0, got {self.warmup_rows}")
+
+    @property
+    def final_window(self) -> int:
+        """Rows at the end of a run that the end-of-run metrics average (at least one)."""
+        return max(1, round(self.steps * self.final_fraction))
+
+    def run_name(self, cell: str, seed: int) -> str:
+        """``<cell>-s<seed>``: the run's directory name and run id."""
+        return f"{cell}-s{seed}"
+
+    def run_dir(self, cell: str, seed: int) -> Path:
+        return Path(self.work_dir) / self.run_name(cell, seed)
+
+    def runs(self) -> list[tuple[str, int]]:
+        """Every (cell, seed), cells inside seeds: the runs of the first seed are trained first, so a
+        session cut short leaves every cell with the same seeds, and slow and fast hours of a shared machine
+        fall on every cell alike."""
+        return [(cell, seed) for seed in self.seeds for cell in self.cells]
+
+    def experiment(self, cell: str, seed: int):
+        """The run's config: ``<router>-tiny`` with this ablation's settings, the cell's options and the seed."""
+        from repro.training.config import apply_overrides
+        from repro.training.experiments import get_experiment
+
+        spec = CELLS[cell]
+        config = get_experiment(f"{spec.router}-tiny")
+        config = apply_overrides(
+            config,
+            [
+                f"schedule.steps={self.steps}",
+                f"data.source=mini-pile:{self.data_dir}",
+                f"seed={seed}",
+                "validation.iters=8",  # choice 3
+                "checkpoint.interval=200",  # choice 4
+                *spec.overrides(self.steps),
+                *self.overrides,
+            ],
+        )
+        return dataclasses.replace(config, name=f"ablation-{cell}")
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def run_one(cfg: AblationConfig, cell: str, seed: int) -> Path:
+    """Train (or resume) one run and write its record (called in a worker process).
+
+    Args:
+        cfg: the ablation's settings.
+        cell: the cell.
+        seed: the seed.
+
+    Returns:
+        The run's record path.
+    """
+    import torch
+
+    from repro.report.store import write_run_record
+    from repro.training.trainer import train
+
+    torch.set_num_threads(1)
+    run_dir = cfg.run_dir(cell, seed)
+    cpu, wall = time.process_time(), time.perf_counter()
+    # A started run (its config.json is there) continues from its newest checkpoint, or from step 0.
+    resume = (run_dir / "config.json").is_file()
+    train(cfg.experiment(cell, seed), run_dir, resume=resume, progress=False)
+    record = write_run_record(run_dir, warmup=cfg.warmup_rows, run_id=cfg.run_name(cell, seed))
+    _note_cost(run_dir, time.process_time() - cpu, time.perf_counter() - wall)
+    return record
+
+
+#: Per run: the CPU and wall seconds of each invocation that trained it (a killed one's are not counted).
+COST_FILE = "ablation_cost.json"
+
+
+def _note_cost(run_dir: Path, cpu_seconds: float, wall_seconds: float) -> None:
+    """Append one invocation's cost to the run's :data:`COST_FILE`. CPU time is what states the cost on a
+    shared machine: wall time there depends on what else runs."""
+    path = run_dir / COST_FILE
+    try:
+        history = json.loads(path.read_text()) if path.is_file() else []
+    except ValueError:
+        history = []
+    history.append({"cpu_seconds": round(cpu_seconds, 1), "wall_seconds": round(wall_seconds, 1)})
+    write_json_atomic(path, history)
+
+
+def run_cost(run_dir: Path) -> dict[str, float] | None:
+    """A run's CPU and wall seconds over the invocations that trained it (None: not recorded)."""
+    try:
+        history = json.loads((run_dir / COST_FILE).read_text())
+        return {key: round(sum(float(h[key]) for h in history), 1) for key in ("cpu_seconds", "wall_seconds")}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _stored_experiment(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((run_dir / "config.json").read_text())["experiment"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def run_state(cfg: AblationConfig, cell: str, seed: int) -> str:
+    """What a run needs: ``done`` (record current), ``resume`` (this command's run, same settings, unfinished),
+    ``new`` (nothing there, or this command's run with other settings) or ``foreign`` (not this command's)."""
+    run_dir = cfg.run_dir(cell, seed)
+    if not run_dir.exists():
+        return "new"
+    if not (run_dir / RUN_MARKER).is_file():
+        return "foreign"
+    if _stored_experiment(run_dir) != cfg.experiment(cell, seed).to_dict():
+        return "new"
+    finished = (run_dir / "summary.json").is_file() and (run_dir / "record.json").is_file()
+    return "done" if finished else "resume"
+
+
+def train_runs(cfg: AblationConfig, *, fresh: bool = False) -> dict[str, list[str]]:
+    """Train what is not done yet; record the invocation in ``<work_dir>/sessions.json``.
+
+    Args:
+        cfg: the ablation's settings.
+        fresh: retrain every run from scratch.
+
+    Returns:
+        ``{"trained": [...], "resumed": [...], "reused": [...]}`` run names.
+
+    Raises:
+        ReproError: a run directory this command did not create (nothing is touched), or failed runs.
+    """
+    from repro.mini import claim_run_dir, run_pool
+
+    start = time.perf_counter()
+    states = {(c, s): run_state(cfg, c, s) for c, s in cfg.runs()}
+    foreign = [str(cfg.run_dir(c, s)) for (c, s), state in states.items() if state == "foreign"]
+    if foreign:
+        raise ReproError(
+            f"{foreign[0]}: exists and was not created by the DirMoE ablation; move it away or choose another "
+            f"--work-dir{f' ({len(foreign) - 1} more)' if len(foreign) > 1 else ''}"
+        )
+    if fresh:
+        states = dict.fromkeys(states, "new")
+    todo = [(c, s) for (c, s), state in states.items() if state != "done"]
+    names = {state: [cfg.run_name(c, s) for (c, s), st in states.items() if st == state] for state in ("new", "resume", "done")}
+    if names["done"]:
+        print(f"reusing finished runs: {', '.join(names['done'])}")
+    if names["resume"]:
+        print(f"resuming unfinished runs: {', '.join(names['resume'])}")
+    Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
+    for cell, seed in todo:
+        claim_run_dir(
+            cfg.run_dir(cell, seed), marker=RUN_MARKER, owner="the DirMoE ablation", command=COMMAND,
+            keep=states[(cell, seed)] == "resume",
+        )
+    print(f"training {len(todo)} runs x {cfg.steps} steps, {cfg.workers} at a time "
+          f"(logs in {cfg.work_dir}/<cell>-s<seed>.worker.log)")
+    sys.stdout.flush()
+    seconds: dict[str, float] = {}
+    try:
+        if todo:
+            jobs = {cfg.run_name(c, s): (cfg, c, s) for c, s in todo}
+            seconds = run_pool(run_one, jobs, workers=cfg.workers, log_dir=Path(cfg.work_dir))
+    finally:
+        _note_session(cfg, time.perf_counter() - start, names, seconds)
+    return {"trained": names["new"], "resumed": names["resume"], "reused": names["done"]}
+
+
+def _note_session(cfg: AblationConfig, wall: float, names: dict[str, list[str]], seconds: dict[str, float]) -> None:
+    """Append this invocation's cost to ``<work_dir>/sessions.json`` (the report quotes it)."""
+    path = Path(cfg.work_dir) / "sessions.json"
+    try:
+        history = json.loads(path.read_text()) if path.is_file() else []
+    except ValueError:
+        history = []
+    history.append({
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "wall_seconds": round(wall, 1),
+        "workers": cfg.workers,
+        "steps": cfg.steps,
+        "trained": names["new"],
+        "resumed": names["resume"],
+        "reused": len(names["done"]),
+        "run_seconds": {name: round(s, 1) for name, s in sorted(seconds.items())},
+    })
+    write_json_atomic(path, history)
+
+
+# ------------------------------------------------------------------------------------------- reporting
+def _training_session(history: list[dict[str, Any]], runs: list[str]) -> dict[str, Any] | None:
+    """The invocations that trained the current runs: their wall time and the runs' total worker time."""
+    wanted = set(runs)
+    used = [h for h in history if wanted & set(h.get("trained", []) + h.get("resumed", []))]
+    if not used:
+        return None
+    run_seconds: dict[str, float] = {}
+    for h in used:
+        for name, s in h.get("run_seconds", {}).items():
+            if name in wanted:
+                run_seconds[name] = run_seconds.get(name, 0.0) + s
+    return {
+        "invocations": len(used),
+        "wall_seconds": round(sum(h["wall_seconds"] for h in used), 1),
+        "workers": sorted({h["workers"] for h in used}),
+        "run_seconds_total": round(sum(run_seconds.values()), 1),
+    }
+
+
+def _cost(cfg: AblationConfig) -> dict[str, Any]:
+    """CPU seconds of the runs (worker processes, one thread each): in total, and per run of each cell."""
+    costs = {(c, s): run_cost(cfg.run_dir(c, s)) for c, s in cfg.runs()}
+    known = {k: v for k, v in costs.items() if v is not None}
+    per_cell = {}
+    for cell in cfg.cells:
+        cpu = [v["cpu_seconds"] for (c, _), v in known.items() if c == cell]
+        if cpu:
+            per_cell[cell] = round(sum(cpu) / len(cpu), 1)
+    return {
+        "runs_measured": len(known),
+        "runs": len(costs),
+        "cpu_seconds_measured_runs": round(sum(v["cpu_seconds"] for v in known.values()), 1),
+        "cpu_seconds_per_run_by_cell": per_cell,
+    }
+
+
+def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -> str:
+    """Write the tables, plots and ``summary.json``; return the text to print."""
+    from repro.report.ablation_tables import (
+        DIFFERENCE_KEYS,
+        ablation_difference_table,
+        ablation_table,
+        collect_results,
+        results_to_json,
+        summary_intervals,
+    )
+    from repro.report.plots import (
+        plot_ablation_summary,
+        plot_expert_load,
+        plot_shared_mean,
+        plot_simpson_theta,
+    )
+    from repro.report.tables import render, write_tables
+    from repro.training.log import read_rows
+
+    out = Path(cfg.out_dir)
+    logs = {(c, s): read_rows(cfg.run_dir(c, s)) for c, s in cfg.runs()}
+    results = collect_results(
+        {cell: {seed: logs[(cell, seed)] for seed in cfg.seeds} for cell in cfg.cells},
+        final_window=cfg.final_window,
+        readings={cell: CELLS[cell].reading for cell in cfg.cells},
+    )
+    tables = [ablation_table(results, reference=REFERENCE)]
+    if SWITCH in cfg.cells:
+        tables.append(ablation_table(results, reference=SWITCH, name="ablation_vs_switch"))
+    if REFERENCE in cfg.cells and len(cfg.cells) > 1:
+        tables.append(ablation_difference_table(results, reference=REFERENCE))
+    write_tables(tables, out)
+
+    first = cfg.seeds[0]
+    dirmoe_cells = [c for c in cfg.cells if CELLS[c].router == "dirmoe"]
+    # Dense dispatch gives every expert every token: its load is flat by construction, its weights are not.
+    share = {c: "weight_share" if "dispatch=dense" in CELLS[c].options else "tokens_per_expert" for c in cfg.cells}
+    plot_expert_load(
+        {c: logs[(c, first)] for c in cfg.cells}, out / "expert_load.png", metric=share,
+        title=f"Each expert's share of the tokens over training, seed {first}; dispatch-dense: of the weight r",
+    )
+    by_cell = {c: [logs[(c, s)] for s in cfg.seeds] for c in dirmoe_cells}
+    if by_cell:
+        plot_shared_mean(by_cell, out / "shared_mean.png")
+        plot_simpson_theta(by_cell, out / "simpson_theta.png")
+    summary_keys = [m.key for m in results.metrics if m.key.split("[")[0] in DIFFERENCE_KEYS]
+    plot_ablation_summary(
+        summary_intervals(results, summary_keys), out / "summary.png", references=(REFERENCE, SWITCH)
+    )
+
+    history_path = Path(cfg.work_dir) / "sessions.json"
+    history = json.loads(history_path.read_text()) if history_path.is_file() else []
+    runs = [cfg.run_name(c, s) for c, s in cfg.runs()]
+    summary = {
+        "command": "nox -s dirmoe-ablation  (python -m repro ablation)",
+        "cells": {c: {"router": CELLS[c].router, "options": list(CELLS[c].router_options(cfg.steps)),
+                      "reading": CELLS[c].reading} for c in cfg.cells},
+        "seeds": list(cfg.seeds),
+        "steps": cfg.steps,
+        "final_window_steps": cfg.final_window,
+        "overrides": list(cfg.overrides),
+        "wall_seconds_this_invocation": round(elapsed, 1),
+        "this_invocation": {k: len(v) for k, v in outcome.items()},
+        "training": _training_session(history, runs),
+        "cost": _cost(cfg),
+        "results": results_to_json(results, reference=REFERENCE, switch=SWITCH),
+    }
+    write_json_atomic(out / "summary.json", summary)
+    lines = [render(t, "md") for t in tables]
+    lines.append(f"Tables and plots in {cfg.out_dir}/; wall time of this invocation {elapsed / 60:.1f} min.")
+    return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------ main
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise ReproError(f"{flag}: expected comma-separated integers, got '{text}'") from None
+
+
+def parse(argv: list[str], prog: str) -> tuple[AblationConfig, bool]:
+    """The ablation's settings from the command line, checked before any work; and ``--fresh``."""
+    defaults = AblationConfig(cells=tuple(CELLS))
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p.add_argument("--cells", default="all", help=f"comma-separated cells, or all ({', '.join(CELLS)})")
+    p.add_argument("--seeds", default=",".join(map(str, defaults.seeds)), help="comma-separated seeds (set as seed=N)")
+    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
+    p.add_argument("--workers", type=int, default=defaults.workers, help="runs trained at once")
+    p.add_argument("--data-dir", default=defaults.data_dir)
+    p.add_argument("--work-dir", default=defaults.work_dir)
+    p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
+    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
+    args = p.parse_args(argv)
+    cells = tuple(CELLS) if args.cells == "all" else tuple(c.strip() for c in args.cells.split(",") if c.strip())
+    unknown = [c for c in cells if c not in CELLS]
+    if unknown or not cells:
+        raise ReproError(f"--cells: unknown cell(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(CELLS)}")
+    seeds = _int_list(args.seeds, "--seeds")
+    try:
+        cfg = AblationConfig(
+            cells=cells, seeds=seeds, steps=args.steps, data_dir=args.data_dir, work_dir=args.work_dir,
+            out_dir=args.out, workers=args.workers, overrides=tuple(args.set),
+        )
+    except ValueError as exc:
+        raise ReproError(str(exc)) from None
+    for cell, seed in cfg.runs():
+        cfg.experiment(cell, seed)  # unknown keys / bad values: one-line error before any work
+    return cfg, args.fresh
+
+
+def main(argv: list[str], prog: str = COMMAND) -> int:
+    """Run the ablation. Returns the exit status."""
+    cfg, fresh = parse(argv, prog)
+    from repro.data.minipile import build_mini_pile
+
+    start = time.perf_counter()
+    build_mini_pile(cfg.data_dir, log=print)
+    outcome = train_runs(cfg, fresh=fresh)
+    print(report(cfg, time.perf_counter() - start, outcome))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

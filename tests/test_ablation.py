@@ -1,0 +1,263 @@
+"""The DirMoE ablation: its cells, the end-of-run metrics and their statistics against the reference formulas,
+and ``python -m repro ablation`` end to end at a few steps (2 cells x 2 seeds): tables, plots and summary from
+the runs, reuse of finished runs, resume of a killed run, one-line errors, foreign directories left alone."""
+
+from __future__ import annotations
+
+import json
+import statistics
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+from repro import ablation
+from repro.errors import ReproError
+from repro.report.ablation_tables import (
+    ablation_difference_table,
+    ablation_table,
+    collect_results,
+    compare_cells,
+    run_metrics,
+)
+from repro.report.tables import PLUS_MINUS, render
+from repro.training.log import LogRow, read_rows
+
+CELLS = "paper,recon-centered"
+STEPS = 6
+
+
+def _row(step: int, lm_loss: float, imbalance: list[float], weight_share: list[list[float]] | None = None,
+         val: float | None = None, **scalars: list[float]) -> LogRow:
+    routing = {"load_imbalance": imbalance, **scalars}
+    per_expert = {"weight_share": weight_share} if weight_share is not None else {}
+    return LogRow(step=step, loss=lm_loss, lm_loss=lm_loss, lr=1e-3, grad_norm=1.0, iter_time_s=0.1,
+                  tokens_per_s=1.0, consumed_samples=8 * step, peak_memory_bytes=0, routing=routing,
+                  routing_per_expert=per_expert, val_loss=val)
+
+
+# ------------------------------------------------------------------------------------------------ cells
+def test_cells_build_valid_configs_with_their_options():
+    cfg = ablation.AblationConfig(cells=tuple(ablation.CELLS))
+    assert len(cfg.cells) == 16 and ablation.REFERENCE in cfg.cells and ablation.SWITCH in cfg.cells
+    for cell in cfg.cells:
+        config = cfg.experiment(cell, 7)
+        assert config.seed == 7 and config.schedule.steps == 600 and config.router.name == ablation.CELLS[cell].router
+        assert config.name == f"ablation-{cell}"
+    options = {c: cfg.experiment(c, 1).router.options for c in cfg.cells}
+    assert options["paper"] == {} and options[ablation.SWITCH] == {}
+    assert options["aux-off"] == {"recon_weight": 0.0, "kl_weight": 0.0, "sparsity_weight": 0.0}
+    assert options["recon-centered"] == {"recon_target": "centered"}
+    assert options["dense-first"] == {"dense_steps": 100}  # the first sixth of 600 steps
+    assert options["tau-short"] == {"tau_schedule_steps": 60}  # the "short" preset: a tenth of the run
+    assert options["switch-no-balance"] == {"aux_loss_coeff": 0.0}
+    assert options["dirmoe-balance"] == {"balance_loss_coeff": 0.01}
+    assert ablation.CELLS["tau-short"].router_options(4) == ("tau_schedule_steps=1",)  # never below 1
+
+
+def test_config_refuses_bad_settings_listing_valid_values():
+    with pytest.raises(ValueError, match="unknown cell.*nope.*valid: paper, recon-centered"):
+        ablation.AblationConfig(cells=("paper", "nope"))
+    with pytest.raises(ValueError, match="seeds must be distinct"):
+        ablation.AblationConfig(cells=("paper",), seeds=(1, 1))
+    with pytest.raises(ValueError, match="final_fraction"):
+        ablation.AblationConfig(cells=("paper",), final_fraction=0)
+    assert ablation.AblationConfig(cells=("paper",), steps=600).final_window == 60
+    assert ablation.AblationConfig(cells=("paper",), steps=4).final_window == 1
+
+
+# ---------------------------------------------------------------------------------------- run metrics
+def test_run_metrics_follow_their_definitions():
+    shares = [[0.5, 0.25, 0.125, 0.125], [0.25, 0.25, 0.25, 0.25]]
+    rows = [
+        _row(1, 9.0, [9.0, 9.0], [[1, 0, 0, 0], [1, 0, 0, 0]], val=9.5, active_experts=[3.0, 3.0]),
+        _row(2, 4.0, [2.0, 4.0], shares, simpson_theta=[0.2, 0.4], active_experts=[1.0, 2.0]),
+        _row(3, 2.0, [3.0, 6.0], shares, val=2.5, simpson_theta=[0.6, 0.8], active_experts=[1.0, 1.0]),
+    ]
+    m = run_metrics(rows, final_window=2)
+    assert m["load_imbalance[0]"] == pytest.approx(2.5) and m["load_imbalance[1]"] == pytest.approx(5.0)
+    # max / mean over experts of the mean weight: E * max / sum.
+    assert m["weight_imbalance[0]"] == pytest.approx(4 * 0.5 / 1.0) and m["weight_imbalance[1]"] == pytest.approx(1.0)
+    assert m["simpson_theta"] == pytest.approx(statistics.fmean([0.3, 0.7]))
+    assert m["active_experts"] == pytest.approx(statistics.fmean([1.5, 1.0]))
+    assert m["val_loss"] == 2.5 and m["lm_loss"] == pytest.approx(3.0)
+    assert m["simpson_r"] is None and m["fallback_share"] is None  # not reported: missing, not zero
+    switch_like = run_metrics([_row(1, 5.0, [2.0, 3.0])], final_window=10)
+    assert switch_like["weight_imbalance[0]"] is None and switch_like["val_loss"] is None
+
+
+def _results(values: dict[str, dict[int, float]]):
+    logs = {cell: {seed: [_row(1, v, [v, v])] for seed, v in seeds.items()} for cell, seeds in values.items()}
+    return collect_results(logs, final_window=1, readings={c: f"cell {c}" for c in values})
+
+
+def test_intervals_paired_tests_and_holm_against_scipy():
+    values = {
+        "paper": {1: 6.0, 2: 7.0, 3: 6.5},
+        "a": {1: 3.0, 2: 3.1, 3: 2.9},  # far below, consistently
+        "b": {1: 6.2, 2: 6.7, 3: 6.9},  # within noise
+        "c": {1: 5.0, 2: 6.8, 3: 5.5},
+    }
+    results = _results(values)
+    stats = compare_cells(results, "paper")
+    key = "load_imbalance[0]"
+    raw = {}
+    for cell, seeds in values.items():
+        x = np.array([seeds[s] for s in (1, 2, 3)])
+        low, high = sps.t.interval(0.95, 2, loc=x.mean(), scale=sps.sem(x))
+        stat = stats[cell][key]
+        assert stat.interval.estimate == pytest.approx(x.mean())
+        assert (stat.interval.low, stat.interval.high) == pytest.approx((low, high))
+        if cell == "paper":
+            assert stat.test is None and stat.adjusted_p is None
+            continue
+        ref = np.array([values["paper"][s] for s in (1, 2, 3)])
+        expected = sps.ttest_rel(x, ref)
+        assert stat.test.p_value == pytest.approx(expected.pvalue)
+        assert stat.difference.estimate == pytest.approx((x - ref).mean())
+        raw[cell] = expected.pvalue
+    # Holm by hand: sorted p-values times (m - rank), made monotone.
+    order = sorted(raw, key=raw.get)
+    running, holm = 0.0, {}
+    for rank, cell in enumerate(order):
+        running = max(running, min(1.0, (len(order) - rank) * raw[cell]))
+        holm[cell] = running
+    for cell in raw:
+        assert stats[cell][key].adjusted_p == pytest.approx(holm[cell])
+    table = ablation_table(results, reference="paper")
+    by_cell = {row[0]: row for row in table.rows}
+    column = table.headers.index("load imb. L1")
+    assert by_cell["a"][column].endswith("*") and not by_cell["b"][column].endswith("*")
+    assert by_cell["paper (reference)"][column] == f"6.50 {PLUS_MINUS} {stats['paper'][key].interval.half_width:.2f}"
+    diff = ablation_difference_table(results, reference="paper")
+    assert [row[0] for row in diff.rows] == ["a", "b", "c"] and "p=" in diff.rows[0][1]
+    for fmt in ("md", "csv", "tex"):
+        assert "paper" in render(table, fmt)
+
+
+def test_unpaired_seeds_are_not_tested():
+    results = _results({"paper": {1: 6.0, 2: 7.0}, "a": {3: 3.0, 4: 3.1}})
+    stat = compare_cells(results, "paper")["a"]["load_imbalance[0]"]
+    assert stat.test is None and stat.adjusted_p is None and stat.interval.n == 2
+
+
+# ------------------------------------------------------------------------------------------ end to end
+def _argv(root, *extra: str, work: str = "runs", out: str = "out", cells: str = CELLS, seeds: str = "1,2"):
+    argv = ["--cells", cells, "--seeds", seeds, "--steps", str(STEPS)]
+    argv += ["--data-dir", str(root / "data"), "--work-dir", str(root / work), "--out", str(root / out)]
+    return [*argv, "--set", "validation.interval=3", "--set", "checkpoint.interval=3", *extra]
+
+
+@pytest.fixture(scope="module")
+def session(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ablation")
+    assert ablation.main(_argv(root)) == 0
+    return root
+
+
+@pytest.mark.slow
+def test_tables_plots_and_summary_come_from_the_runs(session):
+    out = session / "out"
+    for table in ("ablation", "ablation_differences"):
+        for fmt in ("md", "csv", "tex"):
+            assert (out / f"{table}.{fmt}").is_file(), f"{table}.{fmt}"
+    assert not (out / "ablation_vs_switch.md").exists()  # switch is not among the cells
+    for plot in ("expert_load", "shared_mean", "simpson_theta", "summary"):
+        assert (out / f"{plot}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["seeds"] == [1, 2] and summary["steps"] == STEPS and summary["final_window_steps"] == 1
+    assert summary["cells"]["recon-centered"]["options"] == ["recon_target=centered"]
+    assert summary["training"]["invocations"] == 1 and summary["training"]["wall_seconds"] > 0
+    # The interval and the paired test, recomputed from the logs.
+    key = "load_imbalance[1]"
+    per_cell = {}
+    for cell in ("paper", "recon-centered"):
+        per_cell[cell] = [read_rows(session / "runs" / f"{cell}-s{s}")[-1].routing["load_imbalance"][1] for s in (1, 2)]
+        entry = summary["results"][cell][key]
+        assert [entry["values"][s] for s in ("1", "2")] == pytest.approx(per_cell[cell])
+        x = np.array(per_cell[cell])
+        assert entry["mean"] == pytest.approx(x.mean())
+        assert entry["ci95"] == pytest.approx(list(sps.t.interval(0.95, 1, loc=x.mean(), scale=sps.sem(x))))
+    versus = summary["results"]["recon-centered"][key]["vs_paper"]
+    assert versus["p"] == pytest.approx(sps.ttest_rel(per_cell["recon-centered"], per_cell["paper"]).pvalue)
+    assert versus["p_holm"] == pytest.approx(versus["p"])  # one test in the family
+    md = (out / "ablation.md").read_text()
+    assert "paper (reference)" in md and "| 1,2 " in md
+    mean, half = summary["results"]["paper"][key]["mean"], np.diff(summary["results"]["paper"][key]["ci95"])[0] / 2
+    assert f"{mean:.2f} {PLUS_MINUS} {half:.2f}" in md
+    # Every run's log reached the last step, with its seed and the cell's options.
+    config = json.loads((session / "runs" / "recon-centered-s2" / "config.json").read_text())["experiment"]
+    assert config["seed"] == 2 and config["router"]["options"] == {"recon_target": "centered"}
+    assert len(read_rows(session / "runs" / "recon-centered-s2")) == STEPS
+
+
+@pytest.mark.slow
+def test_reruns_reuse_finished_runs(session, capsys):
+    log = session / "runs" / "paper-s1" / "log.jsonl"
+    before = log.stat().st_mtime_ns
+    assert ablation.main(_argv(session, out="out2")) == 0
+    printed = capsys.readouterr().out
+    assert "reusing finished runs: paper-s1, recon-centered-s1, paper-s2, recon-centered-s2" in printed
+    assert "training 0 runs" in printed
+    assert log.stat().st_mtime_ns == before
+    assert (session / "out" / "ablation.csv").read_text() == (session / "out2" / "ablation.csv").read_text()
+
+
+@pytest.mark.slow
+def test_a_killed_run_resumes_where_it_stopped(session, capsys):
+    """A run stopped after step 4 (checkpoint at 3) resumes from step 3 and ends where the uninterrupted run
+    of the same cell and seed ended."""
+    import torch
+
+    from repro.mini import claim_run_dir
+    from repro.training.trainer import train
+
+    cfg, _ = ablation.parse(_argv(session, work="killed", cells="paper", seeds="1"), "test")
+    run_dir = cfg.run_dir("paper", 1)
+    claim_run_dir(run_dir, marker=ablation.RUN_MARKER, owner="the DirMoE ablation", command=ablation.COMMAND)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the workers
+    try:
+        assert train(cfg.experiment("paper", 1), run_dir, progress=False, stop_after=4)["stopped_at"] == 4
+    finally:
+        torch.set_num_threads(threads)
+    first_rows = read_rows(run_dir)[:3]
+    assert ablation.run_state(cfg, "paper", 1) == "resume"
+    assert ablation.main(_argv(session, work="killed", out="out-killed", cells="paper", seeds="1")) == 0
+    assert "resuming unfinished runs: paper-s1" in capsys.readouterr().out
+    rows = read_rows(run_dir)
+    assert [r.step for r in rows] == list(range(1, STEPS + 1))
+    assert [r.iter_time_s for r in rows[:3]] == [r.iter_time_s for r in first_rows]  # kept, not retrained
+    uninterrupted = read_rows(session / "runs" / "paper-s1")
+    assert [r.lm_loss for r in rows] == pytest.approx([r.lm_loss for r in uninterrupted], rel=1e-6)
+    sessions = json.loads((session / "killed" / "sessions.json").read_text())
+    assert sessions[-1]["resumed"] == ["paper-s1"] and sessions[-1]["trained"] == []
+
+
+@pytest.mark.slow
+def test_a_directory_it_did_not_create_is_refused_and_left_alone(session):
+    foreign = session / "foreign" / "paper-s1"
+    foreign.mkdir(parents=True)
+    (foreign / "precious.txt").write_text("keep me")
+    with pytest.raises(ReproError, match="paper-s1: exists and was not created by the DirMoE ablation"):
+        ablation.main(_argv(session, work="foreign", out="out-foreign"))
+    assert (foreign / "precious.txt").read_text() == "keep me"
+    assert sorted(p.name for p in (session / "foreign").iterdir()) == ["paper-s1"]  # nothing else was started
+    assert not (session / "out-foreign").exists()
+
+
+def test_bad_arguments_are_one_line_errors(capsys):
+    from repro.cli import main as cli_main
+
+    with pytest.raises(ReproError, match=r"--cells: unknown cell\(s\) nope; valid: paper, recon-centered, ") as exc:
+        ablation.main(["--cells", "paper,nope"])
+    assert "\n" not in str(exc.value) and "switch-no-balance" in str(exc.value)
+    assert cli_main(["ablation", "--cells", "nope"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --cells: unknown cell(s) nope; valid: paper,") and "\n" not in err
+    with pytest.raises(ReproError, match="--seeds: expected comma-separated integers"):
+        ablation.main(["--seeds", "1,x"])
+    with pytest.raises(ReproError, match="seeds must be distinct"):
+        ablation.main(["--seeds", "1,1"])
+    with pytest.raises(ReproError, match="Key .stepz. not in .RunConfig."):
+        ablation.main(["--cells", "paper", "--set", "stepz=3"])
