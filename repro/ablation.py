@@ -405,7 +405,7 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
         plot_shared_mean,
         plot_simpson_theta,
     )
-    from repro.report.tables import render, write_tables
+    from repro.report.table_core import render, write_tables
     from repro.training.log import read_rows
 
     out = Path(cfg.out_dir)

@@ -648,7 +648,7 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
     import torch
 
     from repro.io_utils import write_json_atomic
-    from repro.report.tables import render, write_tables
+    from repro.report.table_core import render, write_tables
 
     on_gpu = torch.cuda.is_available()
     _prepare_dirs(plan)

@@ -472,19 +472,16 @@ def report(cfg: MiniConfig, unigram: float, elapsed: float, trained: Sequence[st
     single-seed comparison); with several seeds, the tables over seeds (``*_seeds``) follow.
     """
     from repro.report.plots import specialisation_score
+    from repro.report.seed_tables import compare_over_seeds, record_seed, seed_zero_shot_table
     from repro.report.store import load_record
+    from repro.report.table_core import render, write_tables
     from repro.report.tables import (
-        compare_over_seeds,
         efficiency_table,
         heldout_loss,
-        record_seed,
-        render,
         routing_seed_table,
         routing_table,
-        seed_zero_shot_table,
         validation_seed_table,
         validation_table,
-        write_tables,
         zero_shot_table,
     )
     from repro.training.log import read_rows

@@ -20,7 +20,7 @@ from repro.report.ablation_tables import (
     compare_cells,
     run_metrics,
 )
-from repro.report.tables import PLUS_MINUS, render
+from repro.report.table_core import PLUS_MINUS, render
 from repro.training.log import LogRow, read_rows
 
 CELLS = "paper,recon-centered"

@@ -22,7 +22,8 @@ from repro.evaluation.local_tasks import LocalTaskOptions, build_local_tasks
 from repro.evaluation.runner import evaluate_lm, task_manager_for
 from repro.report.record import lm_eval_metrics
 from repro.report.store import make_record
-from repro.report.tables import render, zero_shot_table
+from repro.report.table_core import render
+from repro.report.tables import zero_shot_table
 
 SENTENCES = [
     "the quick brown fox jumps over the lazy dog",

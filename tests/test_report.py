@@ -35,7 +35,8 @@ from repro.report.store import (
     record_from_run_dir,
     write_record,
 )
-from repro.report.tables import efficiency_table, render, routing_table, zero_shot_table
+from repro.report.table_core import render
+from repro.report.tables import efficiency_table, routing_table, zero_shot_table
 from repro.training.log import LogRow
 
 # ---------------------------------------------------------------------------------------------- FLOPs
@@ -481,8 +482,8 @@ def _seed_runs():
 def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
     from scipy import stats as sps
 
+    from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
     from repro.report.stats import holm
-    from repro.report.tables import compare_over_seeds, seed_zero_shot_table
 
     records, table = _seed_runs()
     comparison = compare_over_seeds(records)
@@ -517,8 +518,8 @@ def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
 
 
 def test_seed_table_per_question_tests_and_refusals():
+    from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
     from repro.report.stats import mcnemar_exact
-    from repro.report.tables import compare_over_seeds, seed_zero_shot_table
 
     ref = [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     better = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0]

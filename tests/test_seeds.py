@@ -19,16 +19,13 @@ from test_report import ENV, _lm_eval, _record
 from repro.cli import main as repro_main
 from repro.errors import ReproError
 from repro.report.record import DomainLoss, PartialTask, partial_tasks
+from repro.report.seed_tables import compare_over_seeds, comparison_label, seed_zero_shot_table
 from repro.report.stats import compact_per_question, holm, mcnemar_exact
 from repro.report.store import load_record, make_record, with_lm_eval, write_record
+from repro.report.table_core import PARTIAL, render
 from repro.report.tables import (
-    PARTIAL,
-    compare_over_seeds,
-    comparison_label,
     heldout_loss,
-    render,
     routing_seed_table,
-    seed_zero_shot_table,
     validation_seed_table,
     validation_table,
     zero_shot_table,

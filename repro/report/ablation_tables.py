@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from repro.report.stats import Interval, PairedTest, holm, mean_ci, paired_t_test
-from repro.report.tables import MISSING, PLUS_MINUS, SIGNIFICANT, Table
+from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table
 from repro.training.log import LogRow
 
 

@@ -33,7 +33,7 @@ from repro.errors import ReproError
 from repro.report.ledger import PublishedEntry, select
 from repro.report.record import RunRecord, lm_eval_metrics
 from repro.report.stats import prediction_interval
-from repro.report.tables import PAPER_TASKS, choose_metric, record_partial
+from repro.report.table_core import PAPER_TASKS, choose_metric, record_partial
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 #: The final training loss of a run is the mean of its last this many logged losses (single steps are noisy).
@@ -94,7 +94,7 @@ def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto")
         record: the run.
         metric: ``zero_shot.<task>``, ``zero_shot.avg``, ``efficiency.iter_time_ms``,
             ``efficiency.tflops_per_device`` (analytic FLOPs: what the papers report) or ``loss.validation``.
-        zero_shot_metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`repro.report.tables.choose_metric`).
+        zero_shot_metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`repro.report.table_core.choose_metric`).
 
     Returns:
         The value (zero-shot in percent), or None if the run did not measure it.

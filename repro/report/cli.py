@@ -32,18 +32,10 @@ def tables_main(argv: list[str], prog: str) -> int:
     """
     from repro.report.ledger import load_ledger
     from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER
+    from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
     from repro.report.store import load_records
-    from repro.report.tables import (
-        FORMATS,
-        ZERO_SHOT_METRICS,
-        compare_over_seeds,
-        efficiency_table,
-        render,
-        routing_table,
-        seed_zero_shot_table,
-        write_tables,
-        zero_shot_table,
-    )
+    from repro.report.table_core import FORMATS, ZERO_SHOT_METRICS, render, write_tables
+    from repro.report.tables import efficiency_table, routing_table, zero_shot_table
 
     parser = argparse.ArgumentParser(prog=prog, description="Build the paper's tables from run records.")
     parser.add_argument("records", nargs="+", help="record files (record.json, *.record.json) or directories of them")

@@ -1,0 +1,482 @@
+"""Comparing routers over seeds: one row per router over its runs with different seeds, each cell ``mean
++- half-width of the 95% Student-t interval``, marked where the router differs from a reference router (paired
+over seeds or over questions, :mod:`repro.report.stats`, Holm-adjusted over the routers of a column).
+
+- :func:`compare_over_seeds` and :func:`seed_zero_shot_table`: the zero-shot scores (the columns of
+  :func:`repro.report.tables.zero_shot_table`);
+- :func:`compare_metrics_over_seeds` and :func:`seed_metric_table`: any per-run numbers (the validation and
+  routing tables over seeds in :mod:`repro.report.tables` are built on them).
+
+Runs are grouped under their experiment's name (:func:`comparison_label`), so a router's variants are rows of
+their own; a run's seed is read from its config (:func:`record_seed`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from repro.errors import ReproError
+from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
+from repro.report.parity import DEFAULT_REFERENCE_ROUTER
+from repro.report.record import PartialTask, RunRecord, lm_eval_metrics
+from repro.report.stats import (
+    Interval,
+    PairedTest,
+    holm,
+    mcnemar_exact,
+    mean_ci,
+    paired_permutation_test,
+    paired_t_test,
+    question_scores,
+)
+from repro.report.table_core import (
+    DENSE_SUFFIX,
+    MISSING,
+    PAPER_TASKS,
+    PARTIAL,
+    PLUS_MINUS,
+    SIGNIFICANT,
+    Table,
+    _fmt_pm,
+    _partial_note,
+    choose_metric,
+    record_partial,
+)
+
+SEED_TESTS = ("auto", "seeds", "questions", "none")
+
+
+# ------------------------------------------------------------------------------------------ over seeds
+def record_seed(record: RunRecord) -> int:
+    """A run's training seed, from its config (``seed`` at the top level or under ``experiment``).
+
+    Args:
+        record: a run record.
+
+    Returns:
+        The seed.
+
+    Raises:
+        ReproError: the config records no integer seed.
+    """
+    config = record.experiment.config
+    for holder in (config, config.get("experiment")):
+        if isinstance(holder, Mapping):
+            seed = holder.get("seed")
+            if isinstance(seed, int) and not isinstance(seed, bool):
+                return seed
+    raise ReproError(f"run '{record.run_id}': its config records no seed")
+
+
+@dataclass(frozen=True)
+class SeedCell:
+    """One router's result in one column over its seeds.
+
+    Args:
+        interval: mean and Student-t interval over the seeds (percent).
+        test: the paired test against the reference router (None: the reference itself, or no test).
+        adjusted_p: the test's p-value after Holm's adjustment over the routers of the column.
+    """
+
+    interval: Interval
+    test: PairedTest | None = None
+    adjusted_p: float | None = None
+
+
+@dataclass(frozen=True)
+class SeedComparison:
+    """Routers over seeds against a reference router (see :func:`compare_over_seeds`).
+
+    Args:
+        columns: task names, then ``avg``.
+        metrics: the lm-eval metric of each task column.
+        seeds: router -> its seeds, sorted.
+        cells: router -> column -> :class:`SeedCell` (routers in table order).
+        reference: the reference router (None when it is not among the records).
+        test: the test used: ``seeds`` (paired t over shared seeds), ``questions`` (McNemar exact /
+            sign-flip permutation over shared questions) or ``none``.
+        confidence: coverage of the intervals.
+        alpha: significance level of the marks.
+        partial: router -> its runs' tasks scored on part of their documents (``run_id -> task -> entry``).
+    """
+
+    columns: tuple[str, ...]
+    metrics: Mapping[str, str]
+    seeds: Mapping[str, tuple[int, ...]]
+    cells: Mapping[str, Mapping[str, SeedCell]]
+    reference: str | None
+    test: str
+    confidence: float
+    alpha: float
+    partial: Mapping[str, Mapping[str, Mapping[str, PartialTask]]] = dataclasses.field(default_factory=dict)
+
+    def is_partial(self, router: str, column: str) -> bool:
+        """Whether a run of ``router`` scored ``column`` (any task, for Avg.) on part of its documents."""
+        runs = self.partial.get(router, {})
+        return any(tasks and (column == AVG or column in tasks) for tasks in runs.values())
+
+    def significant(self, router: str, column: str) -> bool:
+        """Whether ``router`` differs from the reference in ``column`` at ``alpha`` (Holm-adjusted)."""
+        cell = self.cells.get(router, {}).get(column)  # no cell: the router has no value in the column
+        return cell is not None and cell.adjusted_p is not None and cell.adjusted_p < self.alpha
+
+
+AVG = "avg"
+
+
+def comparison_label(record: RunRecord) -> str:
+    """The name a run is compared under over seeds: its experiment's name without the model
+    (``dirmoe+centered-tiny`` -> ``dirmoe+centered``), so a router's variants are compared beside the router
+    instead of being taken for more seeds of it; the router's name where the experiment is named otherwise.
+
+    Args:
+        record: a run record.
+
+    Returns:
+        The label (``switch``, ``dense``, ``dirmoe+centered``, ...).
+    """
+    name, router = record.experiment.name, record.experiment.router
+    for model in (record.experiment.model, record.experiment.model.removesuffix(DENSE_SUFFIX)):
+        label = name.removesuffix(f"-{model}")
+        if label != name and label.partition("+")[0] == router:
+            return label
+    return router
+
+
+def _group_by_router(
+    records: Sequence[RunRecord], seed_of: Callable[[RunRecord], int]
+) -> dict[str, dict[int, RunRecord]]:
+    """``{comparison label: {seed: record}}`` (see :func:`comparison_label`), labels in table order."""
+    # A dense baseline runs the model's dense counterpart (flavour ``<model>-dense``): the same model.
+    models = sorted({r.experiment.model.removesuffix(DENSE_SUFFIX) for r in records})
+    if len(models) > 1:
+        raise ReproError(f"runs of several models ({', '.join(models)}): compare one model's runs at a time")
+    groups: dict[str, dict[int, RunRecord]] = {}
+    for record in sorted(records, key=lambda r: (r.experiment.router != "dense", comparison_label(r), r.run_id)):
+        seed, label = seed_of(record), comparison_label(record)
+        runs = groups.setdefault(label, {})
+        if seed in runs:
+            raise ReproError(
+                f"runs '{runs[seed].run_id}' and '{record.run_id}' of '{label}' have the same seed {seed}"
+            )
+        runs[seed] = record
+    return groups
+
+
+def _question_test(
+    tasks: Sequence[str],
+    metrics: Mapping[str, str],
+    reference: Mapping[int, RunRecord],
+    other: Mapping[int, RunRecord],
+    per_question: Mapping[str, Mapping[str, Any]],
+) -> PairedTest:
+    """Per-question test of ``other`` against ``reference`` on ``tasks`` (one task, or all for Avg.)."""
+    ref_scores, oth_scores, weights = [], [], []
+    for task in tasks:
+        per_run = []
+        for runs in (reference, other):
+            found = [question_scores(per_question[r.run_id], task, metrics[task]) for r in runs.values()]
+            if any(q is None for q in found):
+                raise ReproError(f"task '{task}': a run has no per-question '{metrics[task]}' results")
+            per_run.append(found)
+        first = per_run[0][0]
+        if not all(first.paired_with(q) for runs in per_run for q in runs):
+            raise ReproError(f"task '{task}': the runs scored different questions; they cannot be paired")
+        # Several seeds: a question's score is its correctness averaged over the router's seeds.
+        ref_scores.append(np.mean([q.scores for q in per_run[0]], axis=0))
+        oth_scores.append(np.mean([q.scores for q in per_run[1]], axis=0))
+        weights.append(np.full(len(first.scores), 1 / (len(tasks) * len(first.scores))))
+    ref, oth = np.concatenate(ref_scores), np.concatenate(oth_scores)
+    if len(tasks) == 1 and len(reference) == 1 and len(other) == 1:
+        test = mcnemar_exact(ref, oth)
+    else:
+        test = paired_permutation_test(ref, oth, weights=np.concatenate(weights))
+    return PairedTest(test.test, 100 * test.difference, test.statistic, test.p_value, test.n)
+
+
+def compare_over_seeds(
+    records: Sequence[RunRecord],
+    *,
+    reference_router: str = DEFAULT_REFERENCE_ROUTER,
+    metric: str = "auto",
+    per_question: Mapping[str, Mapping[str, Any]] | None = None,
+    test: str = "auto",
+    confidence: float = 0.95,
+    alpha: float = 0.05,
+    seed_of: Callable[[RunRecord], int] = record_seed,
+) -> SeedComparison:
+    """Each router's zero-shot scores over its seeds, tested against a reference router.
+
+    Args:
+        records: runs of one model with lm-eval results, one per router and seed (runs without results are
+            left out).
+        reference_router: the router the others are tested against.
+        metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`choose_metric`).
+        per_question: run_id -> the run's per-question results
+            (:func:`repro.report.stats.compact_per_question`); needed for ``test="questions"``. Default: the
+            records' own ``per_question`` fields, where every evaluated record has one.
+        test: ``seeds`` (paired t over the seeds both routers ran), ``questions`` (McNemar's exact test with
+            one seed per router, else a sign-flip permutation test over questions of the correctness averaged
+            over seeds), ``none``, or ``auto``: ``seeds`` when every router shares at least two seeds with the
+            reference, else ``questions`` when every run has per-question results, else ``none``.
+        confidence: coverage of the Student-t intervals.
+        alpha: significance level of the marks (after Holm's adjustment over the routers of a column).
+        seed_of: a run's seed (default :func:`record_seed`).
+
+    Returns:
+        The :class:`SeedComparison`.
+
+    Raises:
+        ReproError: runs of several models, two runs of one router with the same seed, an unknown test, or a
+            test the records cannot support.
+    """
+    if test not in SEED_TESTS:
+        raise ReproError(f"unknown test '{test}'; valid: {', '.join(SEED_TESTS)}")
+    evaluated = [r for r in records if r.lm_eval is not None]
+    groups = _group_by_router(evaluated, seed_of)
+    if per_question is None and evaluated and all(r.per_question is not None for r in evaluated):
+        per_question = {r.run_id: r.per_question for r in evaluated}
+    scores = {r.run_id: lm_eval_metrics(r) for r in evaluated}
+    measured = {t for s in scores.values() for t, m in s.items() if "acc" in m or "acc_norm" in m}
+    tasks = [t for t in PAPER_TASKS if t in measured] + sorted(measured - set(PAPER_TASKS))
+    chosen = {t: choose_metric(t, evaluated, metric) for t in tasks}
+
+    def value(record: RunRecord, column: str) -> float | None:
+        if column == AVG:
+            values = [value(record, t) for t in tasks]
+            return statistics.fmean(values) if values and None not in values else None
+        v = scores[record.run_id].get(column, {}).get(chosen[column])
+        return None if v is None else 100 * v
+
+    columns = (*tasks, AVG)
+    reference = reference_router if reference_router in groups else None
+    others = [r for r in groups if r != reference]
+    shared = {r: sorted(set(groups[r]) & set(groups[reference])) for r in others} if reference else {}
+    seeds_ok = reference is not None and all(len(shared[r]) >= 2 for r in others)
+    questions_ok = (
+        reference is not None and per_question is not None and all(r.run_id in per_question for r in evaluated)
+    )
+    used = test
+    if test == "auto":
+        used = "seeds" if seeds_ok else "questions" if questions_ok else "none"
+    elif test == "seeds" and not seeds_ok:
+        raise ReproError(f"test 'seeds' needs the reference '{reference_router}' and two shared seeds per router")
+    elif test == "questions" and not questions_ok:
+        raise ReproError(f"test 'questions' needs the reference '{reference_router}' and per-question results of every run")
+
+    def question_test(router: str, column: str) -> PairedTest:
+        return _question_test(
+            tasks if column == AVG else [column], chosen, groups[reference], groups[router], per_question
+        )
+
+    cells = _cells_over_seeds(
+        groups, columns, value, reference, None if used == "none" else question_test if used == "questions" else "seeds",
+        confidence,
+    )
+    partial = {
+        router: {r.run_id: {t: p for t, p in record_partial(r).items() if t in chosen} for r in runs.values()}
+        for router, runs in groups.items()
+    }
+    partial = {router: {run: tasks for run, tasks in runs.items() if tasks} for router, runs in partial.items()}
+    return SeedComparison(
+        columns=columns,
+        metrics=chosen,
+        seeds={r: tuple(sorted(runs)) for r, runs in groups.items()},
+        cells=cells,
+        reference=reference,
+        test=used,
+        confidence=confidence,
+        alpha=alpha,
+        partial={r: runs for r, runs in partial.items() if runs},
+    )
+
+
+def _cells_over_seeds(
+    groups: Mapping[str, Mapping[int, RunRecord]],
+    columns: Sequence[str],
+    value: Callable[[RunRecord, str], float | None],
+    reference: str | None,
+    test: Callable[[str, str], PairedTest] | str | None,
+    confidence: float,
+) -> dict[str, dict[str, SeedCell]]:
+    """Each router's interval per column, and its test against ``reference``, Holm-adjusted per column.
+
+    ``test`` is ``"seeds"`` (paired t over the seeds both ran, pairs where both have a value; fewer than two:
+    no test), a function ``(router, column) -> PairedTest``, or None (no test).
+    """
+    others = [r for r in groups if r != reference] if reference is not None else []
+    cells: dict[str, dict[str, SeedCell]] = {r: {} for r in groups}
+    for column in columns:
+        tests: dict[str, PairedTest] = {}
+        for router in others if test is not None else ():
+            if test == "seeds":
+                shared = sorted(set(groups[router]) & set(groups[reference]))
+                pairs = [(value(groups[reference][s], column), value(groups[router][s], column)) for s in shared]
+                pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
+                if len(pairs) >= 2:
+                    tests[router] = paired_t_test([a for a, _ in pairs], [b for _, b in pairs])
+            else:
+                tests[router] = test(router, column)
+        adjusted = dict(zip(tests, holm([t.p_value for t in tests.values()]))) if tests else {}
+        for router, runs in groups.items():
+            values = [v for v in (value(r, column) for r in runs.values()) if v is not None]
+            if values:
+                cells[router][column] = SeedCell(mean_ci(values, confidence), tests.get(router), adjusted.get(router))
+    return cells
+
+
+_TEST_TEXT = {
+    "seeds": "a paired t-test over the seeds both routers ran",
+    "questions": (
+        "a paired test over the same questions (McNemar's exact test with one seed per router; otherwise a "
+        "sign-flip permutation test of the correctness averaged over seeds; for Avg. of the task-weighted mean)"
+    ),
+}
+
+
+def seed_zero_shot_table(comparison: SeedComparison) -> Table:
+    """The zero-shot table over seeds: ``mean +- CI half-width`` per router, marked where it differs.
+
+    Args:
+        comparison: from :func:`compare_over_seeds`.
+
+    Returns:
+        The :class:`Table` (name ``zero_shot_seeds``).
+    """
+    rows = []
+    # The reference first, then the routers in the tables' order (dense first, then by name).
+    ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
+    for router, cells in ordered:
+        label = f"{router} (reference)" if router == comparison.reference else router
+        row = [label, str(len(comparison.seeds[router]))]
+        for column in comparison.columns:
+            cell = cells.get(column)
+            mark = SIGNIFICANT if comparison.significant(router, column) else ""
+            mark += PARTIAL if comparison.is_partial(router, column) else ""
+            row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark))
+        rows.append(tuple(row))
+    tasks = [c for c in comparison.columns if c != AVG]
+    labels = [PAPER_TASKS.get(t) or LOCAL_TASK_LABELS.get(t, t) for t in tasks]
+    metric_text = ", ".join(f"{label} {comparison.metrics[t]}" for label, t in zip(labels, tasks))
+    caption = (
+        f"Zero-shot accuracy (%) over seeds, lm-eval, 0-shot. Metric per column: {metric_text or 'none'}. "
+        f"Avg. is the mean over the task columns, per seed. Each cell: the mean over the router's seeds "
+        f"{PLUS_MINUS} the half-width of the {comparison.confidence:.0%} Student-t confidence interval of that "
+        f"mean (no {PLUS_MINUS} with one seed); 'seeds' is their number."
+    )
+    if comparison.test in _TEST_TEXT and comparison.reference is not None:
+        caption += (
+            f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
+            f"{_TEST_TEXT[comparison.test]}, Holm-adjusted over the routers of the column."
+        )
+    else:
+        caption += " No significance test (no reference router, or neither shared seeds nor per-question results)."
+    caption += _partial_note({run: tasks for runs in comparison.partial.values() for run, tasks in runs.items()})
+    headers = ("Router", "seeds", *labels, "Avg.")
+    return Table("zero_shot_seeds", caption, headers, tuple(rows))
+
+
+# ------------------------------------------------------------------------------------------ other numbers over seeds
+def compare_metrics_over_seeds(
+    records: Sequence[RunRecord],
+    columns: Mapping[str, Callable[[RunRecord], float | None]],
+    *,
+    reference_router: str = DEFAULT_REFERENCE_ROUTER,
+    confidence: float = 0.95,
+    alpha: float = 0.05,
+    seed_of: Callable[[RunRecord], int] = record_seed,
+) -> SeedComparison:
+    """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router.
+
+    Each cell is the mean over a router's seeds with its Student-t interval; where every other router shares at
+    least two seeds with the reference, a paired t-test over the shared seeds (same seed: same data order and
+    initialisation stream), Holm-adjusted over the routers of the column.
+
+    Args:
+        records: runs of one model, one per router and seed; a run without any of the numbers is left out.
+        columns: column name -> the run's number (None where it has none).
+        reference_router: the router the others are tested against.
+        confidence: coverage of the intervals.
+        alpha: significance level of the marks.
+        seed_of: a run's seed (default :func:`record_seed`).
+
+    Returns:
+        The :class:`SeedComparison` (``metrics`` maps each column to itself; ``test`` is ``seeds`` or ``none``).
+
+    Raises:
+        ReproError: runs of several models, or two runs of one router with the same seed.
+    """
+    measured = [r for r in records if any(f(r) is not None for f in columns.values())]
+    groups = _group_by_router(measured, seed_of)
+    reference = reference_router if reference_router in groups else None
+    others = [r for r in groups if r != reference]
+    seeds_ok = reference is not None and bool(others) and all(
+        len(set(groups[r]) & set(groups[reference])) >= 2 for r in others
+    )
+    cells = _cells_over_seeds(
+        groups, tuple(columns), lambda record, column: columns[column](record), reference,
+        "seeds" if seeds_ok else None, confidence,
+    )
+    return SeedComparison(
+        columns=tuple(columns),
+        metrics={c: c for c in columns},
+        seeds={r: tuple(sorted(runs)) for r, runs in groups.items()},
+        cells=cells,
+        reference=reference,
+        test="seeds" if seeds_ok else "none",
+        confidence=confidence,
+        alpha=alpha,
+    )
+
+
+def seed_metric_table(
+    comparison: SeedComparison,
+    *,
+    name: str,
+    what: str,
+    labels: Mapping[str, str],
+    specs: Mapping[str, str] | None = None,
+) -> Table:
+    """A table over seeds of per-run numbers (:func:`compare_metrics_over_seeds`), marked like the zero-shot one.
+
+    Args:
+        comparison: the comparison.
+        name: file stem.
+        what: the caption's first sentence (what the numbers are).
+        labels: column -> header (default: the column's name).
+        specs: column -> number format (default ``.3f``).
+
+    Returns:
+        The :class:`Table`.
+    """
+    rows = []
+    ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
+    for router, cells in ordered:
+        label = f"{router} (reference)" if router == comparison.reference else router
+        row = [label, str(len(comparison.seeds[router]))]
+        for column in comparison.columns:
+            cell = cells.get(column)
+            mark = SIGNIFICANT if comparison.significant(router, column) else ""
+            spec = (specs or {}).get(column, ".3f")
+            row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark, spec))
+        rows.append(tuple(row))
+    caption = (
+        f"{what} Each cell: the mean over the router's seeds {PLUS_MINUS} the half-width of the "
+        f"{comparison.confidence:.0%} Student-t confidence interval of that mean (no {PLUS_MINUS} with one seed); "
+        "'seeds' is their number."
+    )
+    if comparison.test == "seeds" and comparison.reference is not None:
+        caption += (
+            f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
+            f"{_TEST_TEXT['seeds']}, Holm-adjusted over the routers of the column."
+        )
+    else:
+        caption += " No significance test (no reference router, or fewer than two seeds shared with it)."
+    headers = ("Router", "seeds", *(labels.get(c, c) for c in comparison.columns))
+    return Table(name, caption, headers, tuple(rows))

@@ -1,0 +1,269 @@
+"""What every generated table shares: the :class:`Table`, its constants and number formats, the runs' order
+and row labels, the partial-run marks, the zero-shot columns both kinds of table read, and rendering (:func:`render` as Markdown, CSV or LaTeX; :func:`write_tables`).
+
+The tables themselves are in :mod:`repro.report.tables` (one row per run) and :mod:`repro.report.seed_tables`
+(one row per router over its seeds).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from tabulate import tabulate
+
+from repro.errors import ReproError
+from repro.io_utils import atomic_path
+from repro.report.ledger import PublishedEntry, select
+from repro.report.record import PartialTask, RunRecord, lm_eval_metrics, partial_tasks
+
+#: The papers' zero-shot tasks (lm-eval names) and their column labels, in the papers' order.
+PAPER_TASKS: dict[str, str] = {
+    "arc_challenge": "ARC-c",
+    "arc_easy": "ARC-e",
+    "boolq": "BoolQ",
+    "hellaswag": "HellaSwag",
+    "lambada_openai": "LAMBADA",
+    "piqa": "PIQA",
+    "race": "RACE",
+}
+ZERO_SHOT_METRICS = ("auto", "acc", "acc_norm")
+FORMATS = ("md", "csv", "tex")
+MISSING = "--"
+PLUS_MINUS = "±"
+SIGNIFICANT = "*"
+#: Marks a zero-shot cell scored on part of the task's documents (lm-eval's ``limit``).
+PARTIAL = "†"
+#: The suffix of a model's dense counterpart (``tiny-dense``, ``llama-185m-dense``: repro.model.flavours).
+DENSE_SUFFIX = "-dense"
+
+
+@dataclass(frozen=True)
+class Table:
+    """A generated table.
+
+    Args:
+        name: file stem (``zero_shot``).
+        caption: what the numbers are and how they were chosen.
+        headers: column labels.
+        rows: cells, already formatted as text.
+    """
+
+    name: str
+    caption: str
+    headers: tuple[str, ...]
+    rows: tuple[tuple[str, ...], ...]
+
+
+def _fmt(value: float | None, spec: str) -> str:
+    if value is None:
+        return MISSING
+    text = format(value, spec)
+    return format(0.0, spec) if float(text) == 0 else text  # no "-0.00" from rounding
+
+
+def _fmt_tflops(value: float | None) -> str:
+    """Two decimals as the papers print them; three significant digits for the tiny CPU figures."""
+    return _fmt(value, ".2f" if value is None or value >= 1 else ".3g")
+
+
+def _fmt_pm(value: float | None, error: float | None, mark: str = "", spec: str = ".2f") -> str:
+    """``value +- error`` (``value`` alone where there is no error), then ``mark``."""
+    if value is None:
+        return MISSING
+    text = _fmt(value, spec) if error is None else f"{_fmt(value, spec)} {PLUS_MINUS} {_fmt(error, spec)}"
+    return text + mark
+
+
+def record_partial(record: RunRecord) -> dict[str, PartialTask]:
+    """The tasks a run scored on part of their documents: its ``partial`` field, and for records written
+    before that field, what lm-eval's own ``n-samples`` / ``config.limit`` say.
+
+    Args:
+        record: a run record.
+
+    Returns:
+        task -> :class:`~repro.report.record.PartialTask`.
+    """
+    found = {p.task: p for p in partial_tasks(record.lm_eval)}
+    found.update({p.task: p for p in record.partial})
+    return found
+
+
+def _partial_note(partial: Mapping[str, Mapping[str, PartialTask]]) -> str:
+    """The caption sentence for the dagger: each partial run and task, runs cut alike named together ('' when
+    there is none)."""
+    runs_by_cut: dict[str, list[str]] = {}
+    for label, tasks in partial.items():
+        if tasks:
+            runs_by_cut.setdefault("; ".join(tasks[t].describe() for t in sorted(tasks)), []).append(label)
+    if not runs_by_cut:
+        return ""
+    listed = "; ".join(f"{', '.join(labels)} ({cut})" for cut, labels in runs_by_cut.items())
+    return (
+        f" {PARTIAL}: scored on part of the task's documents (lm-eval's limit, `eval --limit`), not comparable "
+        f"with complete runs: {listed}."
+    )
+
+
+def lm_eval_stderr(record: RunRecord, task: str, metric: str) -> float | None:
+    """lm-eval's standard error of a task's metric (``<metric>_stderr,none``) as a fraction.
+
+    Args:
+        record: a run record.
+        task: lm-eval task name.
+        metric: ``acc``, ``acc_norm``, ...
+
+    Returns:
+        The standard error, None where the run has none (not evaluated, or ``bootstrap_iters=0``: "N/A").
+    """
+    if record.lm_eval is None:
+        return None
+    value = record.lm_eval["results"].get(task, {}).get(f"{metric}_stderr,none")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _ordered(records: Sequence[RunRecord]) -> list[RunRecord]:
+    """The dense baseline first, then routers by name, then run_id: tables do not depend on file names or
+    argument order, and no router is placed by name."""
+    return sorted(records, key=lambda r: (r.experiment.router != "dense", r.experiment.router, r.run_id))
+
+
+def _labels(records: Sequence[RunRecord]) -> dict[str, str]:
+    """Row label per run: the router, or ``router (run_id)`` where a router has several runs (a run whose id is
+    the router's name keeps the plain name; a variant such as ``dirmoe+centered`` is named by its id)."""
+    routers = [r.experiment.router for r in records]
+
+    def label(r: RunRecord) -> str:
+        router = r.experiment.router
+        return router if routers.count(router) == 1 or r.run_id == router else f"{router} ({r.run_id})"
+
+    return {r.run_id: label(r) for r in records}
+
+
+def _published_groups(
+    record: RunRecord, ledger: Sequence[PublishedEntry], prefix: str
+) -> dict[str, dict[str, PublishedEntry]]:
+    """Original published entries for this run's router and model, ``source -> metric -> entry``."""
+    groups: dict[str, dict[str, PublishedEntry]] = {}
+    for e in select(ledger, router=record.experiment.router, model_id=record.experiment.model, originals_only=True):
+        if e.metric.startswith(prefix):
+            groups.setdefault(e.source, {})[e.metric] = e
+    return groups
+
+
+# ------------------------------------------------------------------------------------------ zero-shot columns
+def choose_metric(task: str, records: Sequence[RunRecord], metric: str = "auto") -> str:
+    """The lm-eval metric shown for ``task``.
+
+    Args:
+        task: lm-eval task name.
+        records: the runs in the table.
+        metric: ``acc``, ``acc_norm`` or ``auto`` (acc_norm where every run reports it for the task, else acc).
+
+    Returns:
+        ``"acc"`` or ``"acc_norm"``.
+    """
+    if metric not in ZERO_SHOT_METRICS:
+        raise ReproError(f"unknown zero-shot metric '{metric}'; valid: {', '.join(ZERO_SHOT_METRICS)}")
+    if metric != "auto":
+        return metric
+    reported = [m[task] for m in map(lm_eval_metrics, records) if task in m]
+    return "acc_norm" if reported and all("acc_norm" in m for m in reported) else "acc"
+
+
+# ------------------------------------------------------------------------------------------ rendering
+_LATEX_SPECIAL = {
+    "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
+    "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}",
+}
+
+
+_LATEX_SPECIAL[PLUS_MINUS] = r"\ensuremath{\pm}"
+_LATEX_SPECIAL[PARTIAL] = r"\ensuremath{^\dagger}"
+
+
+def _latex_escape(text: str) -> str:
+    return "".join(_LATEX_SPECIAL.get(char, char) for char in text)
+
+
+def _is_number(cell: str) -> bool:
+    """A number, ``number +- number`` (optionally marked), or missing."""
+    parts = cell.rstrip(SIGNIFICANT + PARTIAL).split(f" {PLUS_MINUS} ")
+    try:
+        [float(part) for part in parts]
+    except ValueError:
+        return cell == MISSING
+    return len(parts) <= 2
+
+
+def _alignment(table: Table) -> tuple[str, ...]:
+    """Numbers right, text left (a column is numeric when every cell is a number or missing)."""
+    columns = list(zip(*table.rows)) or [()] * len(table.headers)
+    return tuple("right" if cells and all(map(_is_number, cells)) else "left" for cells in columns)
+
+
+def render(table: Table, fmt: str) -> str:
+    """Render a table.
+
+    Args:
+        table: the table.
+        fmt: ``md`` (caption, then a GitHub table), ``csv`` (header and rows only) or ``tex`` (a ``table``
+            float with caption and label, booktabs rules).
+
+    Returns:
+        The text, ending in a newline.
+    """
+    align = _alignment(table)
+    if fmt == "md":
+        body = tabulate(table.rows, headers=table.headers, tablefmt="github", disable_numparse=True, colalign=align)
+        return f"{table.caption}\n\n{body}\n"
+    if fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow(table.headers)
+        writer.writerows(table.rows)
+        return buffer.getvalue()
+    if fmt == "tex":
+        body = tabulate(
+            table.rows, headers=table.headers, tablefmt="latex_booktabs", disable_numparse=True, colalign=align
+        ).replace(PLUS_MINUS, _LATEX_SPECIAL[PLUS_MINUS]).replace(PARTIAL, _LATEX_SPECIAL[PARTIAL])
+        return (
+            "\\begin{table}[ht]\n\\centering\n"
+            f"\\caption{{{_latex_escape(table.caption)}}}\n\\label{{tab:{table.name}}}\n"
+            f"{body}\n\\end{{table}}\n"
+        )
+    raise ReproError(f"unknown table format '{fmt}'; valid: {', '.join(FORMATS)}")
+
+
+_GENERATED = {
+    "md": "<!-- generated by `python -m repro tables` from run records; do not edit -->\n\n",
+    "tex": "% generated by `python -m repro tables` from run records; do not edit\n",
+}
+
+
+def write_tables(tables: Sequence[Table], out_dir: str | Path, formats: Sequence[str] = FORMATS) -> list[Path]:
+    """Write each table in each format to ``out_dir/<name>.<fmt>``, atomically.
+
+    Args:
+        tables: the tables.
+        out_dir: destination directory (created).
+        formats: any of ``md``, ``csv``, ``tex``.
+
+    Returns:
+        The paths written.
+    """
+    for fmt in formats:
+        if fmt not in FORMATS:
+            raise ReproError(f"unknown table format '{fmt}'; valid: {', '.join(FORMATS)}")
+    written = []
+    for table in tables:
+        for fmt in formats:
+            path = Path(out_dir) / f"{table.name}.{fmt}"
+            with atomic_path(path) as tmp:
+                tmp.write_text(_GENERATED.get(fmt, "") + render(table, fmt))
+            written.append(path)
+    return written
