@@ -363,7 +363,7 @@ def sweep_dirmoe_m(session: nox.Session, m: float) -> None:
 @nox.parametrize("recon_target", ["raw", "centered"])
 def sweep_dirmoe_recon(session: nox.Session, recon_target: str) -> None:
     """DirMoE's reconstruction target (option recon_target) raw (the paper) or centered (the ablation's remedy), 10k steps."""
-    _install(session, "dev,eval,gpu")
     args = _scale_args(session, routers_default="dirmoe")
+    _install_scale(session, args, "")
     out = f"{args.out}/sweep-recon/dirmoe-{recon_target}"
     _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.recon_target={recon_target}", "schedule.steps=10000"])
