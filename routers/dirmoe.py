@@ -16,7 +16,7 @@ Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE la
   ``dirmoe_sparsity`` (each already weighted).
 * Evaluation (``router.eval()``) is deterministic: no logistic noise, ``theta`` = the posterior mean.
 * All router maths (logits, gates, Dirichlet, KL, decoder) runs in float32 whatever the model dtype.
-* The elementwise maths is two pure functions (:func:`_gates_and_concentrations`, :func:`_combine_and_losses`),
+* The elementwise maths is two pure functions (:mod:`routers.dirmoe_blocks`),
   run eagerly or through ``torch.compile`` (option ``compile_elementwise``: compiled on CUDA by default, eager
   on CPU); random draws stay outside them, so both modes compute the same maths up to float32 rounding.
 
@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 from torch import nn
 
+from routers import dirmoe_blocks as blocks
 from routers.base import Router, RouterOutput, RoutingConstraint, RoutingKind
 from routers.dirichlet import (
     alpha_ratio,
@@ -91,160 +92,11 @@ class _SimplexDecoder(nn.Module):
             nn.init.zeros_(layer.bias)
 
     def params(self) -> tuple[torch.Tensor, ...]:
-        """``(weight_0, bias_0, weight_1, bias_1, ...)``, the arguments of :func:`_simplex_decode`."""
+        """``(weight_0, bias_0, weight_1, bias_1, ...)``, the arguments of :func:`routers.dirmoe_blocks.simplex_decode`."""
         return tuple(t for layer in self.layers for t in (layer.weight, layer.bias))
 
     def forward(self, weights_TE: torch.Tensor) -> torch.Tensor:
-        return _simplex_decode(weights_TE, self.params())
-
-
-def _simplex_decode(weights_TE: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """g_psi(r) in float32: ``Linear`` layers with SiLU between them, ``params`` as :meth:`_SimplexDecoder.params`."""
-    h = weights_TE
-    for i in range(0, len(params), 2):
-        if i > 0:
-            h = F.silu(h)
-        h = F.linear(h, params[i].float(), params[i + 1].float())
-    return h
-
-
-# --------------------------------------------------------------------------- elementwise blocks
-def _inductor_available(device: torch.device) -> tuple[bool, str]:
-    """Whether torch.compile's inductor can generate code for ``device``, and what it needs there."""
-    if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return has_triton(), "Triton"
-    if device.type == "cpu":
-        import shutil
-
-        from torch._inductor import config as inductor_config
-
-        # inductor's own search list (None stands for a conda install it does not do by default)
-        cxx = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
-        return any(c and shutil.which(c) for c in cxx), "a C++ compiler"
-    return False, f"an inductor backend for {device.type}"
-
-
-# The router's elementwise maths in two pure functions of tensors, called as they are (eager, the default) or
-# through torch.compile (option ``compile_elementwise``), so both modes run the same maths: only inductor's
-# fusion (and its rounding) differs. Random draws stay outside them (see DirMoERouter.sample).
-def _gates_and_concentrations(
-    heads_T3E: torch.Tensor,
-    bias_3E: torch.Tensor,
-    u_TE: torch.Tensor | None,
-    tau: torch.Tensor,
-    prior_alpha_hi: torch.Tensor,
-    prior_alpha_lo: torch.Tensor,
-    lambda_q: torch.Tensor,
-    lambda_p: torch.Tensor,
-    *,
-    num_experts: int,
-    center_logits: bool,
-    alpha_min: float,
-    normalized: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gate logits, relaxed gates and the posterior's and prior's concentrations from the heads' outputs.
-
-    Args:
-        heads_T3E: ``x W^T`` of the three heads (gate, alpha_hi, alpha_lo), float32.
-        bias_3E: the heads' bias.
-        u_TE: uniforms for the Logistic(0, 1) noise (training), or None (evaluation: noise-free gates).
-        tau: the gate temperature.
-        prior_alpha_hi: alpha_hi^(t) of the prior.
-        prior_alpha_lo: alpha_lo^(t) of the prior.
-        lambda_q: the posterior scale in use.
-        lambda_p: the prior scale in use.
-        num_experts: E.
-        center_logits: centre the x-dependent logits per token (gap 1).
-        alpha_min: ``posterior_alpha_min`` (gap 7).
-        normalized: ``posterior_scale="normalized"`` (gap 10).
-
-    Returns:
-        ``(logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE)``.
-    """
-    E = num_experts
-    gate_x_TE, hi_TE, lo_TE = heads_T3E.split(E, dim=-1)
-    if center_logits:
-        # Centre only the x-dependent part: centering the bias too would cancel its init (gap 1).
-        gate_x_TE = gate_x_TE - gate_x_TE.mean(-1, keepdim=True)
-    logits_TE = gate_x_TE + bias_3E[:E]
-    alpha_hi_TE = F.softplus(hi_TE + bias_3E[E : 2 * E]) + alpha_min
-    alpha_lo_TE = F.softplus(lo_TE + bias_3E[2 * E :]) + alpha_min
-    if u_TE is not None:
-        # Logistic(0, 1) noise by inversion; the clamp keeps log finite (|g| <= ~13.8).
-        u_TE = u_TE.clamp(1e-6, 1.0 - 1e-6)
-        noise_TE = torch.log(u_TE) - torch.log1p(-u_TE)
-        gates_TE = torch.sigmoid((logits_TE + noise_TE) / tau)
-    else:
-        gates_TE = torch.sigmoid(logits_TE / tau)
-    base_q_TE = gates_TE * alpha_hi_TE + (1.0 - gates_TE) * alpha_lo_TE
-    if normalized:
-        # The heads set the shape only; the total is the prior's base total at the same gates (gap 10).
-        base_p_T = (gates_TE * prior_alpha_hi + (1.0 - gates_TE) * prior_alpha_lo).sum(-1)
-        base_q_TE = base_q_TE * (base_p_T / base_q_TE.sum(-1)).unsqueeze(-1)
-    alpha_q_TE = lambda_q * base_q_TE
-    gates_sg_TE = gates_TE.detach()
-    alpha_p_TE = lambda_p * (gates_sg_TE * prior_alpha_hi + (1.0 - gates_sg_TE) * prior_alpha_lo)
-    return logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE
-
-
-def _combine_and_losses(
-    weights_TE: torch.Tensor,
-    routing_map_TE: torch.Tensor,
-    gates_TE: torch.Tensor,
-    alpha_q_TE: torch.Tensor,
-    alpha_p_TE: torch.Tensor,
-    target_TD: torch.Tensor,
-    offset_D: torch.Tensor | None,
-    decoder_params: tuple[torch.Tensor, ...],
-    *,
-    top_k: int,
-    renormalize: bool,
-    recon_grad: bool,
-    sigma2: float,
-    reduction: str,
-    centered: bool,
-) -> tuple[torch.Tensor, ...]:
-    """Combine weights on the routing map, and the three loss terms (unweighted).
-
-    Args:
-        weights_TE: routing weights r.
-        routing_map_TE: the dispatch map.
-        gates_TE: relaxed gates z~.
-        alpha_q_TE: posterior concentrations.
-        alpha_p_TE: prior concentrations.
-        target_TD: the reconstruction target (x, detached under ``detach_recon_target``).
-        offset_D: the ``"data_mean"`` offset added to the decoder's output, or None.
-        decoder_params: g_psi's parameters (:meth:`_SimplexDecoder.params`).
-        top_k: k.
-        renormalize: rescale the dispatched weights to sum to one.
-        recon_grad: whether the reconstruction term takes part in the backward (``recon_weight > 0``).
-        sigma2: ``recon_sigma2``.
-        reduction: ``recon_reduction``.
-        centered: ``recon_target="centered"``.
-
-    Returns:
-        ``(probs_TE, kept_T, recon, kl, active_T, sparsity)``: the combine weights, the dispatched weight
-        mass per token, the reconstruction term, ``mean KL(Dir(alpha_q) || Dir(alpha_p))``, ``sum_i z~_i`` per
-        token and ``mean (sum_i z~_i - k)^2``.
-    """
-    probs_TE = torch.where(routing_map_TE, weights_TE, torch.zeros_like(weights_TE))
-    kept_T = probs_TE.sum(-1)
-    if renormalize:
-        probs_TE = probs_TE / kept_T.unsqueeze(-1)
-    # Reconstruction -log N(x; g_psi(r), sigma^2 I) up to a constant, per token (gaps 3, 5, 9).
-    with torch.set_grad_enabled(torch.is_grad_enabled() and recon_grad):
-        recon_TD = _simplex_decode(weights_TE, decoder_params)
-        if offset_D is not None:
-            recon_TD = recon_TD + offset_D
-        recon = reconstruction_loss(
-            target_TD, recon_TD, sigma2=sigma2, reduction=reduction, target="centered" if centered else "raw"
-        )
-    kl = dirichlet_kl(alpha_q_TE, alpha_p_TE, validate_args=False).mean()
-    active_T = gates_TE.sum(-1)
-    sparsity = (active_T - top_k).pow(2).mean()
-    return probs_TE, kept_T, recon, kl, active_T, sparsity
+        return blocks.simplex_decode(weights_TE, self.params())
 
 
 @dataclass
@@ -400,7 +252,7 @@ class DirMoERouter(Router):
         if mode == "never":
             return False
         if device.type not in self._inductor:
-            self._inductor[device.type] = _inductor_available(device)
+            self._inductor[device.type] = blocks.inductor_available(device)
         available, needs = self._inductor[device.type]
         if mode == "auto":
             return device.type == "cuda" and available
@@ -457,7 +309,7 @@ class DirMoERouter(Router):
         if c.posterior_scale == "prior_matched":
             # The prior at the calibrated scale, keeping lambda_p's schedule as a relative decay (gap 10).
             lambda_p = lambda_p * (c.lambda_q / c.lambda_p_start)
-        logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE = self._elementwise(_gates_and_concentrations, hidden_TD)(
+        logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE = self._elementwise(blocks.gates_and_concentrations, hidden_TD)(
             heads_T3E, self.bias.float(), u_TE, sched["tau"], sched["alpha_hi"], sched["alpha_lo"], lambda_q, lambda_p,
             num_experts=E, center_logits=c.center_logits, alpha_min=c.posterior_alpha_min,
             normalized=c.posterior_scale == "normalized",
@@ -594,7 +446,7 @@ class DirMoERouter(Router):
         x_TD = hidden_TD.float()
         mean_D = x_TD.detach().mean(0)
         offset_D = self._recon_offset(mean_D)
-        probs_TE, kept_T, recon, kl, active_T, sparsity = self._elementwise(_combine_and_losses, hidden_TD)(
+        probs_TE, kept_T, recon, kl, active_T, sparsity = self._elementwise(blocks.combine_and_losses, hidden_TD)(
             s.weights_TE, routing_map_TE, s.gates_TE, s.alpha_q_TE, s.alpha_p_TE,
             x_TD.detach() if c.detach_recon_target else x_TD, offset_D, self.decoder.params(),
             top_k=k, renormalize=c.renormalize, recon_grad=c.recon_weight > 0, sigma2=c.recon_sigma2,

@@ -203,15 +203,15 @@ def _dirmoe(mode: str, seed: int = 0, **options) -> routers.Router:
 
 
 def test_compile_modes_choose_by_device(monkeypatch):
-    import routers.dirmoe as dirmoe
+    import routers.dirmoe_blocks as blocks
 
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(dirmoe, "_inductor_available", lambda device: (True, "x"))
+    monkeypatch.setattr(blocks, "inductor_available", lambda device: (True, "x"))
     assert not _dirmoe("auto").compiles_elementwise(cpu)  # the default: eager on CPU (no gain measured)
     assert _dirmoe("auto").compiles_elementwise(cuda)
     assert _dirmoe("always").compiles_elementwise(cpu)
     assert not _dirmoe("never").compiles_elementwise(cuda)
-    monkeypatch.setattr(dirmoe, "_inductor_available", lambda device: (False, "Triton"))
+    monkeypatch.setattr(blocks, "inductor_available", lambda device: (False, "Triton"))
     assert not _dirmoe("auto").compiles_elementwise(cuda)
     with pytest.raises(ValueError, match="compile_elementwise='always' needs Triton for torch.compile on cuda"):
         _dirmoe("always").compiles_elementwise(cuda)
@@ -228,12 +228,12 @@ def test_elementwise_blocks_trace_without_graph_breaks(options):
     """Each block is one graph for dynamo (a break would split the fusion), in training and evaluation."""
     import torch._dynamo
 
-    import routers.dirmoe as dirmoe
+    import routers.dirmoe_blocks as blocks
 
     router = _dirmoe("never", **options)
     calls = {}
-    for name in ("_gates_and_concentrations", "_combine_and_losses"):
-        real = getattr(dirmoe, name)
+    for name in ("gates_and_concentrations", "combine_and_losses"):
+        real = getattr(blocks, name)
 
         def spy(*args, _real=real, _name=name, **kwargs):
             calls.setdefault(_name, []).append((args, kwargs, torch.is_grad_enabled()))
@@ -248,7 +248,7 @@ def test_elementwise_blocks_trace_without_graph_breaks(options):
     for name, captured in calls.items():
         for args, kwargs, grad in captured:
             with torch.set_grad_enabled(grad):
-                explanation = torch._dynamo.explain(getattr(dirmoe, name))(*args, **kwargs)
+                explanation = torch._dynamo.explain(getattr(blocks, name))(*args, **kwargs)
             assert explanation.graph_break_count == 0 and explanation.graph_count == 1, (name, explanation.break_reasons)
     assert len(calls) == 2 and all(len(c) == 2 for c in calls.values())
 
@@ -258,9 +258,9 @@ def test_compiled_blocks_match_eager_within_tolerance():
     """torch.compile (inductor's C++ backend here) against eager, same seed: same routing map; combine weights,
     loss terms, metrics and every gradient within 1e-3 of the tensor's scale (inductor fuses and reorders
     float32 arithmetic; its lgamma/digamma differ in the last bits)."""
-    from routers.dirmoe import _inductor_available
+    from routers.dirmoe_blocks import inductor_available
 
-    if not _inductor_available(torch.device("cpu"))[0]:
+    if not inductor_available(torch.device("cpu"))[0]:
         pytest.skip("no C++ compiler for inductor on this machine")
     results = {}
     for mode in ("never", "always"):

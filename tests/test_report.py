@@ -288,6 +288,15 @@ def test_efficiency_table_states_the_token_group_of_expert_choice():
     assert rows["expert_choice"][column] == "128" and rows["switch"][column] == "--"
 
 
+def test_row_labels_name_variants_and_repeated_runs():
+    """One run of a router: its name; a declared variant (``<router>+<variant>``): its id; other repeats:
+    ``router (run id)``."""
+    records = [_record("dirmoe", "dirmoe"), _record("dirmoe+centered", "dirmoe"), _record("switch", "switch"),
+               _record("hash-a", "hash"), _record("hash-b", "hash")]
+    assert [row[0] for row in efficiency_table(records).rows] == [
+        "dirmoe", "dirmoe+centered", "hash (hash-a)", "hash (hash-b)", "switch"]
+
+
 def test_tables_match_expected_text():
     records = _table_records()
     assert render(zero_shot_table(records), "md") == EXPECTED_ZERO_SHOT_MD

@@ -139,7 +139,9 @@ def _labels(records: Sequence[RunRecord]) -> dict[str, str]:
 
     def label(r: RunRecord) -> str:
         router = r.experiment.router
-        return router if routers.count(router) == 1 or r.run_id == router else f"{router} ({r.run_id})"
+        if routers.count(router) == 1 or r.run_id == router:
+            return router
+        return r.run_id if r.run_id.startswith(f"{router}+") else f"{router} ({r.run_id})"
 
     return {r.run_id: label(r) for r in records}
 
