@@ -511,8 +511,9 @@ def report(cfg: MiniConfig, unigram: float, elapsed: float, trained: Sequence[st
         "unigram_loss": unigram,
         "final_train_lm_loss_last10": final,
         "validation_loss": val,
-        "heldout_loss": {r.experiment.router: heldout_loss(r) for r in first},
-        "heldout_loss_by_domain": {r.experiment.router: {d.domain: d.loss for d in r.domain_losses} for r in first},
+        # Keyed by run name, like the fields above: a router's variant is a run of the same router.
+        "heldout_loss": {run: heldout_loss(records[(run, 0)]) for run in cfg.runs},
+        "heldout_loss_by_domain": {run: {d.domain: d.loss for d in records[(run, 0)].domain_losses} for run in cfg.runs},
         "specialisation_score": {r: specialisation_score(s) for r, s in specs.items()},
         # Each run's worker CPU time (written when the run was trained; reused runs keep theirs).
         "run_cpu_seconds": _run_cpu_seconds(cfg),

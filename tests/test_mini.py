@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory):
     root = tmp_path_factory.mktemp("mini")
-    argv = ["--runs", "switch,dirmoe,lory,expert_choice", "--steps", "8", "--eval-limit", "8"]
+    argv = ["--runs", "switch,dirmoe,lory,expert_choice,dirmoe+centered", "--steps", "8", "--eval-limit", "8"]
     argv += ["--data-dir", str(root / "data"), "--work-dir", str(root / "runs"), "--out", str(root / "out")]
     argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
     assert mini.main(argv) == 0
@@ -52,7 +52,11 @@ def test_tables_plots_and_records(comparison):
         assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", plot
     summary = json.loads((out / "summary.json").read_text())
     assert summary["unigram_loss"] > 0
-    assert set(summary["final_train_lm_loss_last10"]) == {"switch", "dirmoe", "lory", "expert_choice"}
+    runs = {"switch", "dirmoe", "lory", "expert_choice", "dirmoe+centered"}
+    assert set(summary["final_train_lm_loss_last10"]) == set(summary["heldout_loss"]) == runs
+    # the variant is a run of its own, beside the router's (not folded into its row or its numbers)
+    assert summary["heldout_loss"]["dirmoe+centered"] != summary["heldout_loss"]["dirmoe"]
+    assert "| dirmoe+centered " in (out / "routing.md").read_text()
     analysis = json.loads((comparison / "runs" / "dirmoe" / "analysis.json").read_text())
     knob = analysis["sparsity_knob"]
     assert knob["theory"] == sorted(knob["theory"], reverse=True), "the Lemma's curve decreases in lambda"
