@@ -340,6 +340,26 @@ _TEST_TEXT = {
 }
 
 
+def _rows_over_seeds(
+    comparison: SeedComparison, specs: Mapping[str, str] | None = None, default: str = ".2f"
+) -> tuple[tuple[str, ...], ...]:
+    """One row per router, the reference first, then the tables' order (dense first, then by name): its label,
+    its number of seeds and ``mean +- half-width`` per column, marked significant (and partial) where so."""
+    rows = []
+    ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
+    for router, cells in ordered:
+        label = f"{router} (reference)" if router == comparison.reference else router
+        row = [label, str(len(comparison.seeds[router]))]
+        for column in comparison.columns:
+            cell = cells.get(column)
+            mark = SIGNIFICANT if comparison.significant(router, column) else ""
+            mark += PARTIAL if comparison.is_partial(router, column) else ""
+            spec = (specs or {}).get(column, default)
+            row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark, spec))
+        rows.append(tuple(row))
+    return tuple(rows)
+
+
 def seed_zero_shot_table(comparison: SeedComparison) -> Table:
     """The zero-shot table over seeds: ``mean +- CI half-width`` per router, marked where it differs.
 
@@ -349,18 +369,7 @@ def seed_zero_shot_table(comparison: SeedComparison) -> Table:
     Returns:
         The :class:`Table` (name ``zero_shot_seeds``).
     """
-    rows = []
-    # The reference first, then the routers in the tables' order (dense first, then by name).
-    ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
-    for router, cells in ordered:
-        label = f"{router} (reference)" if router == comparison.reference else router
-        row = [label, str(len(comparison.seeds[router]))]
-        for column in comparison.columns:
-            cell = cells.get(column)
-            mark = SIGNIFICANT if comparison.significant(router, column) else ""
-            mark += PARTIAL if comparison.is_partial(router, column) else ""
-            row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark))
-        rows.append(tuple(row))
+    rows = _rows_over_seeds(comparison)
     tasks = [c for c in comparison.columns if c != AVG]
     labels = [PAPER_TASKS.get(t) or LOCAL_TASK_LABELS.get(t, t) for t in tasks]
     metric_text = ", ".join(f"{label} {comparison.metrics[t]}" for label, t in zip(labels, tasks))
@@ -379,7 +388,7 @@ def seed_zero_shot_table(comparison: SeedComparison) -> Table:
         caption += " No significance test (no reference router, or neither shared seeds nor per-question results)."
     caption += _partial_note({run: tasks for runs in comparison.partial.values() for run, tasks in runs.items()})
     headers = ("Router", "seeds", *labels, "Avg.")
-    return Table("zero_shot_seeds", caption, headers, tuple(rows))
+    return Table("zero_shot_seeds", caption, headers, rows)
 
 
 # ------------------------------------------------------------------------------------------ other numbers over seeds
@@ -455,17 +464,7 @@ def seed_metric_table(
     Returns:
         The :class:`Table`.
     """
-    rows = []
-    ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
-    for router, cells in ordered:
-        label = f"{router} (reference)" if router == comparison.reference else router
-        row = [label, str(len(comparison.seeds[router]))]
-        for column in comparison.columns:
-            cell = cells.get(column)
-            mark = SIGNIFICANT if comparison.significant(router, column) else ""
-            spec = (specs or {}).get(column, ".3f")
-            row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark, spec))
-        rows.append(tuple(row))
+    rows = _rows_over_seeds(comparison, specs, default=".3f")
     caption = (
         f"{what} Each cell: the mean over the router's seeds {PLUS_MINUS} the half-width of the "
         f"{comparison.confidence:.0%} Student-t confidence interval of that mean (no {PLUS_MINUS} with one seed); "
@@ -479,4 +478,4 @@ def seed_metric_table(
     else:
         caption += " No significance test (no reference router, or fewer than two seeds shared with it)."
     headers = ("Router", "seeds", *(labels.get(c, c) for c in comparison.columns))
-    return Table(name, caption, headers, tuple(rows))
+    return Table(name, caption, headers, rows)
