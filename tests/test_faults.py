@@ -674,7 +674,7 @@ def test_a_second_run_on_a_locked_directory_fails_at_once_and_the_lock_dies_with
         while not any(out.glob("checkpoints/step_*/meta.json")):  # training, with a checkpoint behind it
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
             time.sleep(0.5)
-        second = subprocess.run([*args[:-2], "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
+        second = subprocess.run([*args[:-2], "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert second.returncode == 2
         assert _one_line(second.stderr.strip().splitlines()[-1]).startswith(
             f"error: {out}: another run is using this directory (process {first.pid})"
@@ -687,7 +687,7 @@ def test_a_second_run_on_a_locked_directory_fails_at_once_and_the_lock_dies_with
             first.kill()
     # the lock died with its process: the run resumes from its newest complete checkpoint
     resumed = subprocess.run([*args, "--resume", "--stop-after", "0"], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=240)
+                             text=True, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) <= rows_before  # no interleaved, no gaps

@@ -380,7 +380,7 @@ def test_training_refuses_a_batch_script_of_several_tasks(tmp_path):
         [sys.executable, "-m", "repro", "train", "--experiment", "dirmoe-tiny", "--out", str(out), "--no-progress",
          "--set", "data.source=synthetic", "--set", "schedule.steps=1"],
         cwd=REPO, env=_clean_env(SLURM_NTASKS="4", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_JOB_ID="77"),
-        capture_output=True, text=True, timeout=240)
+        capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [errors[0]] and "SLURM_NTASKS=4 but this process was not started by srun" in errors[0]
@@ -416,7 +416,7 @@ def test_c10d_rendezvous_two_processes(tmp_path):
     cmd = rl.torchrun_command(launch, [str(worker), str(tmp_path)],
                               launcher=(sys.executable, "-m", "torch.distributed.run"))
     assert "--rdzv_backend=c10d" in cmd
-    proc = subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(cmd, cwd=REPO, env=_clean_env(), capture_output=True, text=True, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [
@@ -442,7 +442,7 @@ def test_srun_style_tasks_find_each_other(tmp_path):
                          PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
         procs.append(subprocess.Popen([sys.executable, str(worker), str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=240) for p in procs]
+    outs = [p.communicate(timeout=600) for p in procs]
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [

@@ -310,7 +310,7 @@ def test_a_non_finite_loss_stops_with_a_way_to_resume(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------------------------- distributed
-def _torchrun(args: list[str], timeout: int = 240) -> None:
+def _torchrun(args: list[str], timeout: int = 600) -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "repro", "train"]
     proc = subprocess.run(cmd + args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
