@@ -271,6 +271,9 @@ def efficiency_overrides(
 
     try:
         given = OmegaConf.from_dotlist([item for item in own if not item.startswith("router.options.")])
+        if OmegaConf.select(given, "data.global_batch_size") is not None:
+            # The batch is this command's to set (it would be overridden below, silently).
+            raise ReproError("--set data.global_batch_size: use --global-batch or --accumulation instead")
         micro = int(OmegaConf.select(given, "data.micro_batch_size", default=base.data.micro_batch_size))
         tp = int(OmegaConf.select(given, "parallel.tp", default=base.parallel.tp))
     except (OmegaConfBaseException, TypeError, ValueError):

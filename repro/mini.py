@@ -26,7 +26,7 @@ tokens of each domain's held-out documents (``heldout.jsonl`` of the mini-pile: 
 the tokenizer or megatron's splits), each document cut into windows of the model's sequence length, one window
 per forward (batch 1, so routers that couple a batch's tokens see one window, as in lm-eval). The same tokens
 for every router and seed, so differences are paired; chosen over a per-domain breakdown of the trainer's
-validation loss, whose ``validation.iters`` micro-batches (2 x 8 x 128 tokens on the tiny flavour) leave a few
+validation loss, whose ``validation.iters`` micro-batches (2 x 4 x 128 tokens on the tiny flavour) leave a few
 hundred tokens per domain and a different mix for every seed.
 
 A run whose record matches the current settings is reused, so an interrupted comparison picks up where it
@@ -288,9 +288,12 @@ def run_one_timed(cfg: MiniConfig, run: str, tasks_dir: Path, seed_index: int = 
 
 
 def _run_logged(task: Callable[..., Any], name: str, args: tuple, log_path: Path) -> tuple[str, float]:
-    """``task(*args)`` with the worker's output (megatron's warnings, progress) in ``log_path``."""
+    """``task(*args)`` with the worker's output (megatron's warnings, progress) in ``log_path`` (never written
+    through a symbolic link that leaves its directory)."""
+    from repro.io_utils import open_in_dir
+
     start = time.perf_counter()
-    with open(log_path, "w") as log:
+    with open_in_dir(log_path.parent, log_path.name, "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         try:
@@ -377,8 +380,11 @@ def _prepare_run_dir(cfg: MiniConfig, run: str, seed_index: int = 0) -> None:
 
 
 def _record_is_current(cfg: MiniConfig, run: str, seed_index: int = 0) -> bool:
+    """Whether the run directory holds this command's finished run with the current settings (a directory
+    this command did not create is never reused; :func:`run_all` refuses it)."""
     run_dir = cfg.run_dir(run, seed_index)
-    if not ((run_dir / "record.json").is_file() and (run_dir / "analysis.json").is_file()):
+    files = (RUN_MARKER, "record.json", "analysis.json")
+    if not all((run_dir / name).is_file() for name in files):
         return False
     try:
         stored = json.loads((run_dir / "config.json").read_text())["experiment"]
@@ -400,6 +406,13 @@ def run_all(cfg: MiniConfig, runs: Sequence[str | tuple[str, int]], tasks_dir: P
         ReproError: naming the runs that failed and their logs.
     """
     jobs = [_job(item) for item in runs]
+    # Every directory checked before any is replaced: a foreign one stops the command with nothing touched.
+    foreign = [d for d in (cfg.run_dir(run, k) for run, k in jobs) if d.exists() and not (d / RUN_MARKER).is_file()]
+    if foreign:
+        raise ReproError(
+            f"{foreign[0]}: exists and was not created by the mini comparison; move it away or choose another "
+            f"--work-dir{f' ({len(foreign) - 1} more)' if len(foreign) > 1 else ''}"
+        )
     for run, k in jobs:
         _prepare_run_dir(cfg, run, k)
     run_pool(run_one_timed, {cfg.run_id(run, k): (cfg, run, tasks_dir, k) for run, k in jobs},

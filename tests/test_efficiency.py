@@ -145,6 +145,7 @@ def _error(capsys, argv: list[str]) -> str:
         (["--variant", "d=dirmoe,router.options.compile_elementwise=sometimes"], "compile_elementwise must be one of"),
         (["--accumulation", "2", "--global-batch", "8"], "not both"),
         (["--global-batch", "6"], "not a multiple of micro-batch x data-parallel size = 4 x 1"),
+        (["--set", "data.global_batch_size=16"], "--set data.global_batch_size: use --global-batch or --accumulation"),
         (["--format", "pdf"], "unknown table format(s) pdf"),
     ],
 )

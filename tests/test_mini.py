@@ -82,6 +82,21 @@ def test_a_run_directory_it_did_not_create_is_refused_not_deleted(tmp_path):
     assert (foreign / "precious.txt").read_text() == "keep me"
 
 
+def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path):
+    """A stale run directory of this command is replaced only once no other one is foreign."""
+    runs = tmp_path / "runs"
+    (runs / "dirmoe").mkdir(parents=True)
+    (runs / "dirmoe" / mini.RUN_MARKER).write_text("created by python -m repro mini\n")
+    (runs / "dirmoe" / "stale.txt").write_text("an unfinished run")
+    (runs / "switch").mkdir()
+    (runs / "switch" / "precious.txt").write_text("keep me")
+    argv = ["--runs", "dirmoe,switch", "--steps", "2", "--data-dir", str(tmp_path / "data"), "--work-dir", str(runs),
+            "--out", str(tmp_path / "out")]
+    with pytest.raises(ReproError, match="switch: exists and was not created by the mini comparison"):
+        mini.main(argv)
+    assert (runs / "dirmoe" / "stale.txt").is_file() and (runs / "switch" / "precious.txt").is_file()
+
+
 def test_reruns_reuse_finished_runs(comparison, capsys):
     argv = ["--runs", "switch", "--steps", "8", "--eval-limit", "8", "--data-dir", str(comparison / "data")]
     argv += ["--work-dir", str(comparison / "runs"), "--out", str(comparison / "out2")]

@@ -208,7 +208,7 @@ def test_with_lm_eval_replaces_results_and_checks_them():
         with_lm_eval(record, bad, origin="x.json")
 
 
-def test_eval_command_records_per_question_results_and_its_limit(tmp_path, tokenizer, monkeypatch, no_network):  # noqa: F811
+def test_eval_command_records_per_question_results_and_its_limit(tmp_path, tokenizer, monkeypatch, no_network, capsys):  # noqa: F811
     from repro.evaluation import harness
 
     model = TinyLM(tokenizer.get_vocab_size(), tokenizer.token_to_id(EOD)).eval()
@@ -233,6 +233,14 @@ def test_eval_command_records_per_question_results_and_its_limit(tmp_path, token
     acc = written["results"]["minipile_continuation"]["acc,none"]
     assert statistics.fmean(scores["acc"]) == pytest.approx(acc)
     assert zero_shot_table([record]).rows[0][1].endswith(PARTIAL)
+
+    # A quick partial look never replaces complete results: the record keeps them, the look stays in --out.
+    complete = _record("run", "switch", scores={"minipile_continuation": (0.5, 0.5)})
+    write_record(complete, run / "record.json")
+    before = (run / "record.json").read_bytes()
+    assert repro_main([*argv[:-1], str(tmp_path / "look.json")]) == 0
+    assert "left " in capsys.readouterr().out and (run / "record.json").read_bytes() == before
+    assert json.loads((tmp_path / "look.json").read_text())["config"]["limit"] == 3
 
 
 # ---------------------------------------------------------------------------------------------- validation loss

@@ -98,7 +98,7 @@ def main(argv: list[str], prog: str) -> int:
     write_json_atomic(args.out, {k: v for k, v in results.items() if k != "samples"}, replace=is_lm_eval_results)
     print(make_table(results))
     print(f"wrote {args.out}")
-    _add_to_run_record(Path(args.checkpoint), results)
+    _add_to_run_record(Path(args.checkpoint), results, args.out)
     return 0
 
 
@@ -114,9 +114,10 @@ def is_lm_eval_results(path: Path) -> bool:
     return isinstance(data, dict) and "results" in data and "versions" in data
 
 
-def _add_to_run_record(run_dir: Path, results: dict) -> None:
+def _add_to_run_record(run_dir: Path, results: dict, out: str | Path) -> None:
     """Put lm-eval's results, their per-question results and the tasks scored on part of their documents
-    (``--limit``) into the ``record.json`` of the run the checkpoint belongs to (if it has one)."""
+    (``--limit``) into the ``record.json`` of the run the checkpoint belongs to (if it has one). A partial
+    evaluation never replaces complete results already there: a quick ``--limit`` look stays in ``out``."""
     from repro.errors import ReproError
     from repro.report.store import load_record, with_lm_eval, write_record
     from repro.training.inference import resolve_checkpoint, run_dir_of
@@ -126,7 +127,12 @@ def _add_to_run_record(run_dir: Path, results: dict) -> None:
     except ReproError:
         return  # not a training run's checkpoint layout: nothing to update
     if path.is_file():
-        record = with_lm_eval(load_record(path), results, origin=str(path))
+        before = load_record(path)
+        record = with_lm_eval(before, results, origin=str(path))
+        if record.partial and before.lm_eval is not None and not before.partial:
+            print(f"left {path} as it is: it holds complete zero-shot results and these are partial (--limit); "
+                  f"they are in {out}")
+            return
         write_record(record, path)
         partial = "; partial: " + ", ".join(p.describe() for p in record.partial) if record.partial else ""
         print(f"updated {path}{partial}")

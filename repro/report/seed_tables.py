@@ -258,9 +258,11 @@ def compare_over_seeds(
     reference = reference_router if reference_router in groups else None
     others = [r for r in groups if r != reference]
     shared = {r: sorted(set(groups[r]) & set(groups[reference])) for r in others} if reference else {}
-    seeds_ok = reference is not None and all(len(shared[r]) >= 2 for r in others)
+    # Nothing to test without another row: the caption must not claim a test.
+    seeds_ok = reference is not None and bool(others) and all(len(shared[r]) >= 2 for r in others)
     questions_ok = (
-        reference is not None and per_question is not None and all(r.run_id in per_question for r in evaluated)
+        reference is not None and bool(others) and per_question is not None
+        and all(r.run_id in per_question for r in evaluated)
     )
     used = test
     if test == "auto":

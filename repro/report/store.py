@@ -5,10 +5,10 @@ The pipeline builds a record from a finished run's directory (``config.json`` an
     write_run_record(run_dir)                                   # record.json beside the run
     write_run_record(run_dir, lm_eval_results=results)          # with zero-shot results
 
+or piece by piece with :func:`make_record` and the functions of :mod:`repro.report.efficiency`.
 lm-eval's per-document ``samples`` (``evaluate_lm(..., log_samples=True)``) become the record's compact
 ``per_question`` results, and the tasks lm-eval scored on part of their documents (its ``limit``) the record's
-``partial`` tasks; :func:`with_lm_eval` puts a later evaluation into an existing record the same way.
-or piece by piece with :func:`make_record` and the functions of :mod:`repro.report.efficiency`. A run's
+``partial`` tasks; :func:`with_lm_eval` puts a later evaluation into an existing record the same way. A run's
 record is ``record.json`` in its directory or ``<name>.record.json``; :func:`find_records` looks for those
 names under a directory. :func:`load_record` refuses a file with a missing, unknown, mistyped or
 out-of-range field with one line naming the file and the field.
