@@ -60,6 +60,8 @@ from repro.io_utils import write_json_atomic
 
 #: The marker a run directory created by this command holds (only such directories are resumed or replaced).
 RUN_MARKER = ".ablation-run"
+#: The marker of an output directory (``--out``) this command wrote: the only non-empty one it writes into.
+OUT_MARKER = ".ablation-out"
 COMMAND = "python -m repro ablation"
 #: The cell every other cell is tested against: DirMoE with the paper's options.
 REFERENCE = "paper"
@@ -391,6 +393,7 @@ def _cost(cfg: AblationConfig) -> dict[str, Any]:
 
 def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -> str:
     """Write the tables, plots and ``summary.json``; return the text to print."""
+    from repro.io_utils import claim_output_dir
     from repro.report.ablation_tables import (
         DIFFERENCE_KEYS,
         ablation_difference_table,
@@ -408,7 +411,7 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
     from repro.report.table_core import render, write_tables
     from repro.training.log import read_rows
 
-    out = Path(cfg.out_dir)
+    out = claim_output_dir(cfg.out_dir, OUT_MARKER, COMMAND)
     logs = {(c, s): read_rows(cfg.run_dir(c, s)) for c, s in cfg.runs()}
     results = collect_results(
         {cell: {seed: logs[(cell, seed)] for seed in cfg.seeds} for cell in cfg.cells},
@@ -505,7 +508,9 @@ def main(argv: list[str], prog: str = COMMAND) -> int:
     """Run the ablation. Returns the exit status."""
     cfg, fresh = parse(argv, prog)
     from repro.data.minipile import build_mini_pile
+    from repro.io_utils import check_output_dir
 
+    check_output_dir(cfg.out_dir, OUT_MARKER, COMMAND)  # before any work: another command's results stay
     start = time.perf_counter()
     build_mini_pile(cfg.data_dir, log=print)
     outcome = train_runs(cfg, fresh=fresh)

@@ -347,13 +347,9 @@ def _check_devices(devices: int, on_gpu: bool, gpu_count: int) -> None:
 
 def _check_out_dir(plan: EfficiencyPlan) -> None:
     """Refuse an output directory, or a run directory inside it, that this command did not create."""
-    out = Path(plan.out_dir)
-    if out.is_symlink() or (out.exists() and not out.is_dir()):
-        raise ReproError(f"{out}: exists and is not a directory; choose a new --out")
-    if out.is_dir() and any(out.iterdir()) and not (out / OUT_MARKER).is_file():
-        raise ReproError(
-            f"{out}: exists and was not written by python -m repro efficiency (no {OUT_MARKER}); choose a new --out"
-        )
+    from repro.io_utils import check_output_dir
+
+    check_output_dir(plan.out_dir, OUT_MARKER, "python -m repro efficiency")
     for run in plan.runs:
         run_dir = plan.run_dir(run)
         if run_dir.is_symlink() or (run_dir.exists() and not (run_dir.is_dir() and (run_dir / RUN_MARKER).is_file())):
@@ -362,10 +358,10 @@ def _check_out_dir(plan: EfficiencyPlan) -> None:
 
 def _prepare_dirs(plan: EfficiencyPlan) -> None:
     """Create ``--out`` (marked as this command's) and a fresh, marked directory per run."""
-    out = Path(plan.out_dir)
+    from repro.io_utils import claim_output_dir
+
+    out = claim_output_dir(plan.out_dir, OUT_MARKER, "python -m repro efficiency")
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / OUT_MARKER).write_text("written by python -m repro efficiency\n")
         for run in plan.runs:
             run_dir = plan.run_dir(run)
             if run_dir.is_dir():

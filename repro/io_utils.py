@@ -299,6 +299,47 @@ def write_json_atomic(
             os.fsync(f.fileno())
 
 
+def check_output_dir(path: str | os.PathLike, marker: str, command: str) -> None:
+    """Refuse ``--out`` unless it is new, empty, or an earlier output of ``command`` (it holds ``marker``).
+
+    For commands that write several files into one directory (tables, plots, ``summary.json``): another
+    command's directory (a run directory, the results of another comparison) is refused before any work,
+    never overwritten file by file.
+
+    Args:
+        path: the output directory.
+        marker: the file an output directory of ``command`` holds.
+        command: the command in words, for the error (``python -m repro mini``).
+
+    Raises:
+        ReproError: one line naming the path.
+    """
+    out = Path(path)
+    if out.is_symlink() or (out.exists() and not out.is_dir()):
+        raise ReproError(f"{out}: exists and is not a directory; choose a new --out")
+    if out.is_dir() and any(out.iterdir()) and not (out / marker).is_file():
+        raise ReproError(f"{out}: exists and was not written by {command} (no {marker}); choose a new --out")
+
+
+def claim_output_dir(path: str | os.PathLike, marker: str, command: str) -> Path:
+    """:func:`check_output_dir`, then create the directory and mark it as ``command``'s output.
+
+    Returns:
+        The directory.
+
+    Raises:
+        ReproError: see :func:`check_output_dir`; an ``OSError`` creating it, in one line.
+    """
+    check_output_dir(path, marker, command)
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / marker).write_text(f"written by {command}\n")
+    except OSError as exc:
+        raise ReproError(os_error_message(exc, out)) from None
+    return out
+
+
 def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     """Whether ``path``, with every symlink resolved, lies inside ``root`` (also resolved)."""
     real_root = os.path.realpath(root)

@@ -64,6 +64,9 @@ if TYPE_CHECKING:
 
 #: The marker a run directory created by this command holds (only such directories are ever replaced).
 RUN_MARKER = ".mini-run"
+#: The marker of an output directory (``--out``) this command wrote: the only non-empty one it writes into.
+OUT_MARKER = ".mini-out"
+COMMAND = "python -m repro mini"
 DENSE = "dense"
 
 
@@ -484,6 +487,7 @@ def report(cfg: MiniConfig, unigram: float, elapsed: float, trained: Sequence[st
     The zero-shot, efficiency, routing and validation tables show the first seed's runs (exactly the
     single-seed comparison); with several seeds, the tables over seeds (``*_seeds``) follow.
     """
+    from repro.io_utils import claim_output_dir
     from repro.report.plots import specialisation_score
     from repro.report.seed_tables import compare_over_seeds, record_seed, seed_zero_shot_table
     from repro.report.store import load_record
@@ -499,6 +503,7 @@ def report(cfg: MiniConfig, unigram: float, elapsed: float, trained: Sequence[st
     )
     from repro.training.log import read_rows
 
+    claim_output_dir(cfg.out_dir, OUT_MARKER, COMMAND)
     records = {job: load_record(cfg.run_dir(*job) / "record.json") for job in cfg.jobs()}
     first = [records[(run, 0)] for run in cfg.runs]
     tables = [zero_shot_table(first), efficiency_table(first), routing_table(first), validation_table(first)]
@@ -602,6 +607,9 @@ def main(argv: list[str], prog: str = "python -m repro mini") -> int:
     cfg, fresh = parse(argv, prog)
     from repro.data.minipile import build_mini_pile
     from repro.evaluation.local_tasks import build_local_tasks
+    from repro.io_utils import check_output_dir
+
+    check_output_dir(cfg.out_dir, OUT_MARKER, COMMAND)  # before any work: another command's results stay
 
     start = time.perf_counter()
     mini = build_mini_pile(cfg.data_dir, log=print)

@@ -246,6 +246,15 @@ def test_a_directory_it_did_not_create_is_refused_and_left_alone(session):
     assert not (session / "out-foreign").exists()
 
 
+def test_an_output_directory_of_another_command_is_refused_before_any_work(session):
+    other = session / "other-results"
+    other.mkdir()
+    (other / "summary.json").write_text('{"another": "command"}')
+    with pytest.raises(ReproError, match="other-results: exists and was not written by python -m repro ablation"):
+        ablation.main(_argv(session, work="never-made", out="other-results"))
+    assert (other / "summary.json").read_text() == '{"another": "command"}' and not (session / "never-made").exists()
+
+
 def test_bad_arguments_are_one_line_errors(capsys):
     from repro.cli import main as cli_main
 

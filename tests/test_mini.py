@@ -97,6 +97,17 @@ def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path):
     assert (runs / "dirmoe" / "stale.txt").is_file() and (runs / "switch" / "precious.txt").is_file()
 
 
+def test_an_output_directory_of_another_command_is_refused_before_any_work(tmp_path):
+    other = tmp_path / "other-results"
+    other.mkdir()
+    (other / "summary.json").write_text('{"another": "command"}')
+    argv = ["--runs", "switch", "--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "runs"),
+            "--out", str(other)]
+    with pytest.raises(ReproError, match="other-results: exists and was not written by python -m repro mini"):
+        mini.main(argv)
+    assert (other / "summary.json").read_text() == '{"another": "command"}' and not (tmp_path / "data").exists()
+
+
 def test_reruns_reuse_finished_runs(comparison, capsys):
     argv = ["--runs", "switch", "--steps", "8", "--eval-limit", "8", "--data-dir", str(comparison / "data")]
     argv += ["--work-dir", str(comparison / "runs"), "--out", str(comparison / "out2")]
