@@ -21,8 +21,10 @@ Reuse and resume: a run whose record matches the current settings is reused; a r
 created (it holds the marker ``.ablation-run``) whose config matches but that did not finish (killed) is
 resumed from its newest checkpoint (``train --resume``); one with other settings is replaced. A directory
 at a run's path that this command did not create is refused, never deleted. ``--fresh`` retrains every run.
-Every invocation's wall time and the runs it trained are kept in ``<work_dir>/sessions.json``, so the cost of
-the invocation that trained the runs is reported even when a later one only rebuilt the report.
+Every invocation's wall time and the runs it trained, resumed or reused are logged in
+``<work_dir>/sessions.json``. The cost in ``summary.json`` is each run's own worker CPU time (kept in the run
+directory, so it always belongs to the run there), not a sum over invocations, which a shared machine, a
+killed invocation or a re-run would distort.
 
 Choices (each with its reason):
 
@@ -335,12 +337,16 @@ def train_runs(cfg: AblationConfig, *, fresh: bool = False) -> dict[str, list[st
 
 
 def _note_session(cfg: AblationConfig, wall: float, names: dict[str, list[str]], seconds: dict[str, float]) -> None:
-    """Append this invocation's cost to ``<work_dir>/sessions.json`` (the report quotes it)."""
+    """Append this invocation to the log ``<work_dir>/sessions.json`` (a damaged log is left alone)."""
     path = Path(cfg.work_dir) / "sessions.json"
     try:
         history = json.loads(path.read_text()) if path.is_file() else []
     except ValueError:
-        history = []
+        print(f"{path}: not a JSON list; this invocation is not logged there")
+        return
+    if not isinstance(history, list):
+        print(f"{path}: not a JSON list; this invocation is not logged there")
+        return
     history.append({
         "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "wall_seconds": round(wall, 1),
@@ -355,25 +361,6 @@ def _note_session(cfg: AblationConfig, wall: float, names: dict[str, list[str]],
 
 
 # ------------------------------------------------------------------------------------------- reporting
-def _training_session(history: list[dict[str, Any]], runs: list[str]) -> dict[str, Any] | None:
-    """The invocations that trained the current runs: their wall time and the runs' total worker time."""
-    wanted = set(runs)
-    used = [h for h in history if wanted & set(h.get("trained", []) + h.get("resumed", []))]
-    if not used:
-        return None
-    run_seconds: dict[str, float] = {}
-    for h in used:
-        for name, s in h.get("run_seconds", {}).items():
-            if name in wanted:
-                run_seconds[name] = run_seconds.get(name, 0.0) + s
-    return {
-        "invocations": len(used),
-        "wall_seconds": round(sum(h["wall_seconds"] for h in used), 1),
-        "workers": sorted({h["workers"] for h in used}),
-        "run_seconds_total": round(sum(run_seconds.values()), 1),
-    }
-
-
 def _cost(cfg: AblationConfig) -> dict[str, Any]:
     """CPU seconds of the runs (worker processes, one thread each): in total, and per run of each cell."""
     costs = {(c, s): run_cost(cfg.run_dir(c, s)) for c, s in cfg.runs()}
@@ -442,9 +429,6 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
         summary_intervals(results, summary_keys), out / "summary.png", references=(REFERENCE, SWITCH)
     )
 
-    history_path = Path(cfg.work_dir) / "sessions.json"
-    history = json.loads(history_path.read_text()) if history_path.is_file() else []
-    runs = [cfg.run_name(c, s) for c, s in cfg.runs()]
     summary = {
         "command": "nox -s dirmoe-ablation  (python -m repro ablation)",
         "cells": {c: {"router": CELLS[c].router, "options": list(CELLS[c].router_options(cfg.steps)),
@@ -455,7 +439,6 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
         "overrides": list(cfg.overrides),
         "wall_seconds_this_invocation": round(elapsed, 1),
         "this_invocation": {k: len(v) for k, v in outcome.items()},
-        "training": _training_session(history, runs),
         "cost": _cost(cfg),
         "results": results_to_json(results, reference=REFERENCE, switch=SWITCH),
     }
