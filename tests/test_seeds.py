@@ -162,10 +162,16 @@ def test_check_notes_partial_evaluations():
     cut = make_record(run_id="c", router="dirmoe", model="tiny", config={"seed": 1}, environment=ENV,
                       lm_eval_results=_limited({cont: (0.3, 0.375), last: (0.15, None)}, {cont: 8, last: 178},
                                                {cont: 175, last: 178}))
-    rows = {row.metric: row for row in check_against_run(cut, cut).rows}
+    full = make_record(run_id="f", router="dirmoe", model="tiny", config={"seed": 1}, environment=ENV,
+                       lm_eval_results=_limited({cont: (0.3, 0.375), last: (0.15, None)}, {cont: 175, last: 178},
+                                                {cont: 175, last: 178}))
+    rows = {row.metric: row for row in check_against_run(cut, full).rows}
     assert rows[f"{cont}/acc"].note == f"partial evaluation: {cont}: 8 of 175 documents"
     assert rows[f"{last}/acc"].note == ""  # 178 of 178: complete
-    assert "partial evaluation" in render_report(check_against_run(cut, cut))
+    assert "partial evaluation" in render_report(check_against_run(cut, full))
+    # the other way round: the reference was cut, and the note says so
+    rows = {row.metric: row for row in check_against_run(full, cut).rows}
+    assert rows[f"{cont}/acc"].note == f"reference c: partial evaluation: {cont}: 8 of 175 documents"
 
 
 # ---------------------------------------------------------------------------------------------- per question

@@ -127,9 +127,13 @@ def _partial(record: RunRecord, metric: str) -> str:
     return "partial evaluation: " + "; ".join(p.describe() for p in cut) if cut else ""
 
 
-def _noted(row: CheckRow, record: RunRecord) -> CheckRow:
-    note = _partial(record, row.metric)
-    return row if not note else dataclasses.replace(row, note="; ".join(n for n in (row.note, note) if n))
+def _noted(row: CheckRow, record: RunRecord, references: Sequence[RunRecord] = ()) -> CheckRow:
+    """``row`` with a note where the checked run, or a run it is compared with, scored the task on part of its
+    documents (a full evaluation against a partial one is no like-for-like comparison)."""
+    notes = [_partial(record, row.metric)]
+    notes += [f"reference {ref.run_id}: {n}" for ref in references if (n := _partial(ref, row.metric))]
+    note = "; ".join(n for n in (row.note, *notes) if n)
+    return row if note == row.note else dataclasses.replace(row, note=note)
 
 
 def _accelerator(name: str) -> str | None:
@@ -232,7 +236,7 @@ def check_against_run(
         new_m, old_m = new_eval.get(task, {}), old_eval.get(task, {})
         for name in sorted(new_m.keys() | old_m.keys()):
             rows.append(_pair_row(base, f"{task}/{name}", new_m.get(name), old_m.get(name), eval_rtol, atol))
-    return CheckReport(tuple(_noted(r, record) for r in rows if r is not None))
+    return CheckReport(tuple(_noted(r, record, (previous,)) for r in rows if r is not None))
 
 
 def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rtol: float, atol: float) -> CheckRow | None:
@@ -312,7 +316,7 @@ def check_against_seeds(
         else:
             status = OK if band.contains(measured, atol) else FAIL
             rows.append(CheckRow(**common, reference=band.estimate, tolerance=tolerance, status=status))
-    return CheckReport(tuple(_noted(row, record) for row in rows))
+    return CheckReport(tuple(_noted(row, record, previous) for row in rows))
 
 
 def _num(value: float | None, signed: bool = False) -> str:
