@@ -299,7 +299,8 @@ def train_runs(cfg: AblationConfig, *, fresh: bool = False) -> dict[str, list[st
     Raises:
         ReproError: a run directory this command did not create (nothing is touched), or failed runs.
     """
-    from repro.mini import claim_run_dir, run_pool
+    from repro.io_utils import claim_run_dir
+    from repro.mini import run_pool
 
     start = time.perf_counter()
     states = {(c, s): run_state(cfg, c, s) for c, s in cfg.runs()}

@@ -358,16 +358,13 @@ def _check_out_dir(plan: EfficiencyPlan) -> None:
 
 def _prepare_dirs(plan: EfficiencyPlan) -> None:
     """Create ``--out`` (marked as this command's) and a fresh, marked directory per run."""
-    from repro.io_utils import claim_output_dir
+    from repro.io_utils import claim_output_dir, claim_run_dir
 
     out = claim_output_dir(plan.out_dir, OUT_MARKER, "python -m repro efficiency")
     try:
-        for run in plan.runs:
-            run_dir = plan.run_dir(run)
-            if run_dir.is_dir():
-                shutil.rmtree(run_dir)  # this command's own earlier run (checked by _check_out_dir)
-            run_dir.mkdir(parents=True)
-            (run_dir / RUN_MARKER).write_text("created by python -m repro efficiency\n")
+        for run in plan.runs:  # each checked by _check_out_dir: new, or this command's own earlier run
+            claim_run_dir(plan.run_dir(run), marker=RUN_MARKER, owner="python -m repro efficiency",
+                          command="python -m repro efficiency")
     except OSError as exc:
         from repro.io_utils import os_error_message
 

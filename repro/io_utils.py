@@ -340,6 +340,30 @@ def claim_output_dir(path: str | os.PathLike, marker: str, command: str) -> Path
     return out
 
 
+def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep: bool = False) -> None:
+    """Make ``run_dir`` a run directory of this command (it holds ``marker``); refuse one it did not create.
+
+    Args:
+        run_dir: the run directory.
+        marker: the file a run directory created by the command holds.
+        owner: the command in words, for the error (``the mini comparison``).
+        command: the command line written into the marker (``python -m repro mini``).
+        keep: keep an existing directory of this command as it is (to resume the run in it); otherwise it
+            is replaced by an empty one.
+
+    Raises:
+        ReproError: ``run_dir`` exists without the marker (nothing in it is touched).
+    """
+    if run_dir.exists():
+        if not (run_dir / marker).is_file():
+            raise ReproError(f"{run_dir}: exists and was not created by {owner}; move it away or choose another --work-dir")
+        if keep:
+            return
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    (run_dir / marker).write_text(f"created by {command}\n")
+
+
 def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
     """Whether ``path``, with every symlink resolved, lies inside ``root`` (also resolved)."""
     real_root = os.path.realpath(root)

@@ -41,7 +41,6 @@ import json
 import math
 import multiprocessing
 import os
-import shutil
 import sys
 import time
 import traceback
@@ -52,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from repro.errors import ReproError
-from repro.io_utils import write_json_atomic
+from repro.io_utils import claim_run_dir, write_json_atomic
 from repro.training.config import MEGATRON_ROUTER
 
 if TYPE_CHECKING:
@@ -306,30 +305,6 @@ def _run_logged(task: Callable[..., Any], name: str, args: tuple, log_path: Path
             sys.stderr.flush()
             raise
     return name, time.perf_counter() - start
-
-
-def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep: bool = False) -> None:
-    """Make ``run_dir`` a run directory of this command (it holds ``marker``); refuse one it did not create.
-
-    Args:
-        run_dir: the run directory.
-        marker: the file a run directory created by the command holds.
-        owner: the command in words, for the error (``the mini comparison``).
-        command: the command line written into the marker (``python -m repro mini``).
-        keep: keep an existing directory of this command as it is (to resume the run in it); otherwise it
-            is replaced by an empty one.
-
-    Raises:
-        ReproError: ``run_dir`` exists without the marker (nothing in it is touched).
-    """
-    if run_dir.exists():
-        if not (run_dir / marker).is_file():
-            raise ReproError(f"{run_dir}: exists and was not created by {owner}; move it away or choose another --work-dir")
-        if keep:
-            return
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True)
-    (run_dir / marker).write_text(f"created by {command}\n")
 
 
 def run_pool(task: Callable[..., Any], jobs: Mapping[str, tuple], *, workers: int, log_dir: Path) -> dict[str, float]:

@@ -209,7 +209,7 @@ def test_a_killed_run_resumes_where_it_stopped(session, capsys):
     of the same cell and seed ended."""
     import torch
 
-    from repro.mini import claim_run_dir
+    from repro.io_utils import claim_run_dir
     from repro.training.trainer import train
 
     cfg, _ = ablation.parse(_argv(session, work="killed", cells="paper", seeds="1"), "test")
