@@ -354,6 +354,8 @@ def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep:
     Raises:
         ReproError: ``run_dir`` exists without the marker (nothing in it is touched).
     """
+    if run_dir.is_symlink():  # never replaced, nor followed: what it points at is not this command's
+        raise ReproError(f"{run_dir}: is a symbolic link; move it away or choose another --work-dir")
     if run_dir.exists():
         if not (run_dir / marker).is_file():
             raise ReproError(f"{run_dir}: exists and was not created by {owner}; move it away or choose another --work-dir")

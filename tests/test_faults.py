@@ -24,7 +24,7 @@ from torch import nn
 
 from repro import cli
 from repro.errors import ReproError
-from repro.io_utils import atomic_path, check_output_path, open_in_dir, write_json_atomic
+from repro.io_utils import atomic_path, check_output_path, claim_run_dir, open_in_dir, write_json_atomic
 from repro.training import checkpoint as ckpt
 from repro.training.distributed import Parallel
 
@@ -310,6 +310,16 @@ def test_empty_merges_file_is_refused(tmp_path, tokenizer, content):
     merges.write_text(content)
     with pytest.raises(ReproError, match=rf"{merges}: no merges"):
         load_tokenizer(tokenizer.vocab_path, merges)
+
+
+def test_a_run_directory_claim_never_follows_or_replaces_a_link(tmp_path):
+    target = tmp_path / "elsewhere"
+    target.mkdir()
+    (target / ".mini-run").write_text("looks like ours")
+    (tmp_path / "run").symlink_to(target)
+    with pytest.raises(ReproError, match="run: is a symbolic link"):
+        claim_run_dir(tmp_path / "run", marker=".mini-run", owner="the mini comparison", command="python -m repro mini")
+    assert (target / ".mini-run").read_text() == "looks like ours"
 
 
 def test_open_in_dir_refuses_symlinks_out_of_the_directory(tmp_path):
