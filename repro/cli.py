@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "eval-data": ("repro.evaluation.data_cli", "main", "fetch (online) or check the datasets of lm-eval's tasks for eval --tasks-data"),
     "tables": ("repro.report.cli", "tables_main", "build the zero-shot and efficiency tables from run records"),
     "check": ("repro.report.cli", "check_main", "regression-check a run against published numbers or a run"),
+    "writeup": ("repro.report.writeup", "main", "write results/<study>/README.md and the README's result blocks from the results files"),
     "mini": ("repro.mini", "main", "the whole comparison on the embedded default (CPU)"),
     "ablation": ("repro.ablation", "main", "why DirMoE's routing collapses: its readings and remedies over seeds (CPU)"),
     "bench-table": ("repro.report.bench_table", "main", "summarise a pytest-benchmark JSON as a table"),

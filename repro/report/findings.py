@@ -1,0 +1,216 @@
+"""The findings of each study, as sentences built from its results files (:mod:`repro.report.writeup`).
+
+One function per kind of study directory: it reads the directory's files, and returns the study's page and its
+README block. Numbers are formatted from the files; comparison words come from :func:`writeup.verdict` (or,
+for a table's marks, from the mark the table's own test set).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from repro.errors import ReproError
+from repro.report.writeup import (
+    Writeup,
+    cell_half_width,
+    cell_marked,
+    cell_value,
+    compared,
+    interval,
+    listing,
+    num,
+    page,
+    paired_family,
+    pval,
+    read_rows,
+    verdict,
+)
+
+REFERENCE_ROUTER = "switch"
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    """A results JSON file."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReproError(f"{path}: cannot read results: {exc}") from None
+
+
+def _link(study: str) -> str:
+    return f"Details: [`results/{study}/README.md`](results/{study}/README.md)."
+
+
+def _plots(directory: Path) -> list[str]:
+    pngs = sorted(p.name for p in directory.glob("*.png"))
+    return ["## Plots", "", *(f"- [`{name}`]({name})" for name in pngs)] if pngs else []
+
+
+def _mean_rows(directory: Path, name: str) -> dict[str, dict[str, str]]:
+    """Router -> row of a per-router table (the ``mean`` layer row where the table has layers)."""
+    rows = read_rows(directory / name)
+    return {r["Router"].split(" (")[0]: r for r in rows if r.get("Layer", "mean") == "mean"}
+
+
+def _cpu(cpu: dict[str, float]) -> str:
+    return (
+        f"Each run took {num(min(cpu.values()), '.0f')} to {num(max(cpu.values()), '.0f')} CPU-seconds "
+        f"({num(sum(cpu.values()), '.0f')} for the {len(cpu)} runs; `run_cpu_seconds`)."
+    )
+
+
+# ------------------------------------------------------------------------------------------ mini
+def mini(directory: Path) -> Writeup:
+    """``results/mini``: one seed of every router (no tests possible; the seeds study has them)."""
+    s = load_json(directory / "summary.json")
+    final, unigram = s["final_train_lm_loss_last10"], s["unigram_loss"]
+    heldout, spec = s["heldout_loss"], s.get("specialisation_score", {})
+    routing = _mean_rows(directory, "routing.csv")
+    layers = [r for r in read_rows(directory / "routing.csv") if r.get("Layer") != "mean"]
+    above = [r for r, v in final.items() if v >= unigram]
+    runs_text = ", ".join(f"{r} {num(v)}" for r, v in final.items())
+    first = (
+        f"Every run's final training LM loss (mean of the last 10 steps) is below the unigram baseline "
+        f"({num(unigram)} nats/token): {runs_text}."
+        if not above else f"Runs at or above the unigram baseline ({num(unigram)}): {listing(above)}. All: {runs_text}."
+    )
+    order = sorted(heldout, key=heldout.get)
+    imbalance = {r: cell_value(row.get("load imbalance", "")) for r, row in routing.items()}
+    by_layer: dict[str, list[float]] = {}
+    for row in layers:
+        value = cell_value(row.get("active experts", ""))
+        if value is not None:
+            by_layer.setdefault(row["Router"], []).append(value)
+    uneven = {r: v for r, v in by_layer.items() if max(v) - min(v) > 0.5}
+    cpu = s.get("run_cpu_seconds", {})
+    findings = [
+        first,
+        f"Held-out loss, one seed (no test; [`results/mini-seeds`](../mini-seeds/README.md) tests over seeds): "
+        + ", ".join(f"{r} {num(heldout[r], '.3f')}" for r in order) + ".",
+        "Load imbalance (max / mean tokens per expert, mean over layers; 1 is even, "
+        f"{num(max(v for v in imbalance.values() if v is not None))} the largest here): "
+        + ", ".join(f"{r} {num(v)}" for r, v in sorted(imbalance.items(), key=lambda kv: -(kv[1] or 0))) + ".",
+        "Specialisation score (0: every domain routed alike): "
+        + ", ".join(f"{r} {num(v)}" for r, v in sorted(spec.items(), key=lambda kv: -kv[1])) + ".",
+    ]
+    if uneven:
+        findings.append(
+            "Experts per token differ between layers for "
+            + "; ".join(f"{r} ({' / '.join(num(v) for v in vals)} in layers {', '.join(map(str, range(len(vals))))})" for r, vals in uneven.items())
+            + "."
+        )
+    if cpu:
+        findings.append(_cpu(cpu))
+    tables = [directory / f"{t}.md" for t in ("zero_shot", "validation", "efficiency", "routing")]
+    readme = page(
+        f"The router comparison on the embedded default, {s['steps']} steps, {s['seeds']} seed",
+        s["command"], findings, [t for t in tables if t.is_file()], _plots(directory),
+    )
+    dirmoe, ref = imbalance.get("dirmoe"), imbalance.get(REFERENCE_ROUTER)
+    block = [
+        f"- {first}",
+        f"- One seed, untested: load imbalance dirmoe {num(dirmoe)}, dirmoe+centered "
+        f"{num(imbalance.get('dirmoe+centered'))}, {REFERENCE_ROUTER} {num(ref)}; specialisation score dirmoe "
+        f"{num(spec.get('dirmoe'))}, {REFERENCE_ROUTER} {num(spec.get(REFERENCE_ROUTER))}.",
+        *([f"- {_cpu(cpu)}"] if cpu else []),
+        f"- {_link(directory.name)}",
+    ]
+    return Writeup(directory.name, readme, "\n".join(block))
+
+
+# ------------------------------------------------------------------------------------------ mini, over seeds
+def _loss_family(per_seed: dict[str, dict[str, list]], key: str) -> dict[str, Any]:
+    def by_seed(router: str) -> dict[str, float]:
+        return dict(zip(map(str, per_seed[router]["seed"]), per_seed[router][key]))
+
+    others = {r: by_seed(r) for r in per_seed if r != REFERENCE_ROUTER}
+    return paired_family(by_seed(REFERENCE_ROUTER), others)
+
+
+def _loss_sentence(label: str, family: dict[str, Any]) -> str:
+    significant = [r for r, p in family.items() if p.p_holm is not None and p.p_holm < 0.05]
+    smallest = min((r for r in family if family[r].p is not None), key=lambda r: family[r].p, default=None)
+    text = (
+        f"{label}, paired by seed against {REFERENCE_ROUTER}, Holm over the {len(family)} routers: "
+        + (f"significantly different after Holm: {listing(significant)}." if significant else "no router differs significantly after Holm.")
+    )
+    if smallest is not None:
+        text += f" Smallest raw p: {compared(smallest, family[smallest], REFERENCE_ROUTER, '.3f')}."
+    return text
+
+
+def mini_seeds(directory: Path) -> Writeup:
+    """``results/mini-seeds``: the comparison over seeds, each router tested against Switch."""
+    s = load_json(directory / "summary.json")
+    per_seed = s["per_seed"]
+    seeds = per_seed[REFERENCE_ROUTER]["seed"]
+    heldout = _loss_family(per_seed, "heldout_loss")
+    valid = _loss_family(per_seed, "validation_loss")
+    spread = {
+        key: statistics.median(statistics.stdev(v[key]) for v in per_seed.values() if len(v[key]) > 1)
+        for key in ("validation_loss", "heldout_loss")
+    }
+    zero_shot = read_rows(directory / "zero_shot_seeds.csv")
+    marked_zs = [f"{r['Router']} ({c})" for r in zero_shot for c, v in r.items() if c not in ("Router", "seeds") and cell_marked(v)]
+    routing = _mean_rows(directory, "routing_seeds.csv")
+    marks = {r: [c for c, v in row.items() if c not in ("Router", "seeds") and cell_marked(v)] for r, row in routing.items()}
+
+    def imbalance(router: str) -> str:
+        cell = routing[router]["load imbalance"]
+        word = "differs significantly (the table's mark)" if cell_marked(cell) else "no significant difference (no mark)"
+        return f"{router} {num(cell_value(cell))} ± {num(cell_half_width(cell))}: {word}"
+
+    routing_text = (
+        f"Load imbalance against {REFERENCE_ROUTER}'s {num(cell_value(routing[REFERENCE_ROUTER]['load imbalance']))}: "
+        + "; ".join(imbalance(r) for r in ("dirmoe", "dirmoe+centered") if r in routing) + "."
+    )
+    findings = [
+        _loss_sentence("Held-out loss (the same held-out tokens for every run)", heldout),
+        _loss_sentence("Validation loss (`valid split`, drawn anew by each seed's data order)", valid),
+        f"Spread over seeds (median over routers of the standard deviation): valid split {num(spread['validation_loss'], '.3f')}, "
+        f"held-out {num(spread['heldout_loss'], '.3f')} nats.",
+        "Zero-shot cells marked as differing from the reference: " + listing(marked_zs) + ".",
+        routing_text,
+        "Routing statistics marked: " + "; ".join(f"{r}: {', '.join(m)}" for r, m in marks.items() if m) + ".",
+        *([_cpu(s["run_cpu_seconds"])] if s.get("run_cpu_seconds") else []),
+    ]
+    tables = [directory / f"{t}.md" for t in ("zero_shot_seeds", "validation_seeds", "routing_seeds")]
+    readme = page(
+        f"The router comparison over {len(seeds)} seeds ({', '.join(map(str, seeds))})",
+        s["command"], findings, [t for t in tables if t.is_file()],
+        ["The per-run tables of the first seed are those of [`results/mini`](../mini/README.md)."],
+    )
+    block = [f"- {f}" for f in (*findings[:5], _link(directory.name))]
+    return Writeup(directory.name, readme, "\n".join(block))
+
+
+# ------------------------------------------------------------------------------------------ router benchmarks
+BENCH_COMMAND = "nox -s bench"
+
+
+def bench(directory: Path) -> Writeup:
+    """``results/bench``: the router micro-benchmarks (``routers.json``, pytest-benchmark)."""
+    from repro.report.bench_table import render_bench, summarise
+
+    rows = summarise(load_json(directory / "routers.json"), origin=str(directory / "routers.json"))
+    ratios = [r for r in rows if r.ratio_to_baseline is not None]
+    slowest, fastest = max(ratios, key=lambda r: r.median_s), min(ratios, key=lambda r: r.median_s)
+    finding = (
+        f"Slowest router: {slowest.router}, {num(slowest.median_s * 1e3, '.1f')} ms, {num(slowest.ratio_to_baseline)} x "
+        f"{REFERENCE_ROUTER}; fastest: {fastest.router}, {num(fastest.median_s * 1e3, '.2f')} ms "
+        f"({num(fastest.ratio_to_baseline)} x) (medians of one run each; no test)."
+    )
+    others = sorted(p.name for p in directory.glob("*.json") if p.name != "routers.json")
+    readme = page(
+        "Router micro-benchmarks (pytest-benchmark, forward + backward of the router alone)", BENCH_COMMAND,
+        [finding], [], ["## Tables", "", render_bench(rows).rstrip(), "",
+                        "Other benchmark JSON here: " + ", ".join(f"`{o}`" for o in others) + "."] if others else
+        ["## Tables", "", render_bench(rows).rstrip()],
+    )
+    return Writeup(directory.name, readme, f"- {finding}\n- {_link(directory.name)}")
+
+
+__all__ = ["bench", "load_json", "mini", "mini_seeds"]

@@ -1,0 +1,197 @@
+"""The DirMoE ablation's findings, as sentences built from its ``summary.json`` (:mod:`repro.report.writeup`).
+
+The summary holds every cell's per-seed values and its paired comparisons with the paper's DirMoE and with
+Switch (``vs_paper``, ``vs_switch``: the tests behind the tables' marks); those are read, not recomputed. The
+one comparison the summary does not hold, a remedy cell against another, is computed from the per-seed values
+by :func:`writeup.paired_family`, over a family fixed here before the values are read (:data:`CONTRASTS`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from repro.ablation import REFERENCE, SWITCH
+from repro.report.findings import _link, _plots, load_json
+from repro.report.writeup import ALPHA, Paired, Writeup, compared, listing, num, page, paired_family, verdict
+
+LAYERS = ("load_imbalance[0]", "load_imbalance[1]")
+#: The cell-vs-cell family: the centred reconstruction target against each other cell that removes an aux
+#: term or adds a balancing loss, per layer, Holm over these cells. Fixed in advance, not chosen by the values.
+CONTRASTS = ("recon-centered", ("recon-off", "kl-off", "aux-off", "dirmoe-balance"))
+
+
+def read_paired(entry: dict[str, Any], versus: str, reference_values: dict[str, float]) -> Paired | None:
+    """A comparison the summary holds (``entry["vs_<versus>"]``, written by ``ablation_tables.results_to_json``).
+
+    Args:
+        entry: one cell's entry for one metric (``values``, ``mean``, ``ci95``, ``vs_<cell>``).
+        versus: the cell compared with.
+        reference_values: that cell's per-seed values (to count the seeds where this cell is lower).
+
+    Returns:
+        The :class:`Paired`, None where the summary has no test.
+    """
+    test = entry.get(f"vs_{versus}")
+    if not test:
+        return None
+    diff = test.get("difference") or {}
+    low, high = diff.get("ci95") or (None, None)
+    values = entry["values"]
+    shared = [s for s in values if s in reference_values]
+    lower = sum(values[s] < reference_values[s] for s in shared)
+    return Paired(diff.get("mean", 0.0), low, high, test.get("p"), test.get("p_holm"), len(shared), lower)
+
+
+def _values(results: dict[str, Any], cell: str, metric: str) -> dict[str, float]:
+    return results[cell][metric]["values"]
+
+
+def _per_seed(values: dict[str, float], spec: str = ".2f") -> str:
+    return " / ".join(num(values[s], spec) for s in sorted(values, key=int))
+
+
+def _versus(results: dict[str, Any], cell: str, metric: str, ref: str) -> Paired | None:
+    return read_paired(results[cell][metric], ref, _values(results, ref, metric))
+
+
+def _reference_findings(results: dict[str, Any]) -> list[str]:
+    """The paper's DirMoE against Switch: per-seed imbalance, the differences and the validation loss."""
+    out = []
+    for layer, metric in enumerate(LAYERS, start=1):
+        text = f"Load imbalance of `{REFERENCE}` per seed, layer {layer}: {_per_seed(_values(results, REFERENCE, metric))}"
+        if SWITCH in results:
+            sw = _values(results, SWITCH, metric)
+            text += f"; {SWITCH}: {num(min(sw.values()))} to {num(max(sw.values()))}"
+            p = _versus(results, REFERENCE, metric, SWITCH)
+            if p is not None:
+                text += f"; {compared(REFERENCE, p, SWITCH)}"
+        out.append(text + ".")
+    p = _versus(results, REFERENCE, "val_loss", SWITCH) if SWITCH in results else None
+    if p is not None:
+        out.append(
+            f"Validation loss: {REFERENCE} {num(results[REFERENCE]['val_loss']['mean'], '.3f')}, {SWITCH} "
+            f"{num(results[SWITCH]['val_loss']['mean'], '.3f')}; {compared(REFERENCE, p, SWITCH, '.3f')}; "
+            f"{SWITCH} lower in {p.n - p.n_lower} of {p.n} seeds."
+        )
+    return out
+
+
+def _cell_finding(results: dict[str, Any], cells: dict[str, Any], cell: str) -> str:
+    """One cell against the paper's DirMoE: load (or, where the load is flat by construction, weight) imbalance
+    per layer and the validation loss."""
+    flat = all(v == 1.0 for m in LAYERS for v in _values(results, cell, m).values())
+    metrics = [m.replace("load_", "weight_") for m in LAYERS] if flat else list(LAYERS)
+    what = "weight imbalance (every expert gets every token)" if flat else "load imbalance"
+    parts = []
+    for layer, metric in enumerate(metrics, start=1):
+        p = _versus(results, cell, metric, REFERENCE)
+        if p is not None:
+            parts.append(f"layer {layer} {num(results[cell][metric]['mean'])} (difference {num(p.mean)}): {verdict(p)}")
+    p = _versus(results, cell, "val_loss", REFERENCE)
+    loss = "" if p is None else f"; validation loss (difference {num(p.mean, '.3f')}): {verdict(p)}"
+    reading = cells.get(cell, {}).get("reading", "")
+    return f"`{cell}` ({reading}), {what}: {'; '.join(parts)}{loss}."
+
+
+def _theta_finding(results: dict[str, Any]) -> str | None:
+    metric = "simpson_theta"
+    ref = results[REFERENCE].get(metric, {}).get("mean")
+    if ref is None:
+        return None
+    moved = []
+    for cell in results:
+        p = _versus(results, cell, metric, REFERENCE) if cell != REFERENCE else None
+        if p is not None and p.p_holm is not None and p.p_holm < ALPHA:
+            moved.append(f"{cell} {num(results[cell][metric]['mean'])}: {verdict(p)}")
+    return (
+        f"Simpson index of the Dirichlet draws theta at the end of training: {REFERENCE} {num(ref)}; cells that differ "
+        f"after Holm: {'; '.join(moved) or 'none'}."
+    )
+
+
+def _contrast_findings(results: dict[str, Any]) -> list[str]:
+    """The cell-vs-cell family of :data:`CONTRASTS`, per layer (empty where a cell of it was not run)."""
+    base, others = CONTRASTS
+    if base not in results or any(c not in results for c in others):
+        return []
+    out = []
+    for layer, metric in enumerate(LAYERS, start=1):
+        family = paired_family(_values(results, base, metric), {c: _values(results, c, metric) for c in others})
+        diffs = ", ".join(
+            f"{c} {num(results[c][metric]['vs_' + REFERENCE]['difference']['mean'])}" for c in (base, *others)
+        )
+        tests = "; ".join(compared(c, p, base) for c, p in family.items())
+        out.append(
+            f"Layer {layer}, each cell minus `{REFERENCE}`: {diffs}. Cell against cell (Holm over the "
+            f"{len(family)} cells compared with `{base}`): {tests}."
+        )
+    return out
+
+
+def screen(directory: Path) -> Writeup:
+    """``results/dirmoe-ablation``, the screen over every cell: its README block names the cells whose load
+    imbalance is below the paper's (the confirmatory study's block has the rest)."""
+    return ablation(directory, brief=True)
+
+
+def ablation(directory: Path, brief: bool = False) -> Writeup:
+    """``results/dirmoe-ablation*``: every cell against the paper's DirMoE, and the cell-vs-cell family.
+
+    Args:
+        directory: the study's results directory.
+        brief: a README block of the lowered cells alone.
+
+    Returns:
+        The :class:`Writeup`.
+    """
+    s = load_json(directory / "summary.json")
+    results, cells = s["results"], s.get("cells", {})
+    seeds = s.get("seeds", [])
+    others = [c for c in results if c != REFERENCE]
+    cost = s.get("cost", {})
+    findings = [
+        *_reference_findings(results),
+        *(_cell_finding(results, cells, c) for c in others if c != SWITCH and REFERENCE in results),
+        *filter(None, [_theta_finding(results)]),
+        *_contrast_findings(results),
+    ]
+    if cost.get("cpu_seconds_measured_runs"):
+        findings.append(
+            f"Cost: {num(cost['cpu_seconds_measured_runs'], '.0f')} CPU-seconds for the {cost.get('runs_measured')} "
+            f"of {cost.get('runs')} runs whose workers were timed."
+        )
+    tables = [directory / f"{t}.md" for t in ("ablation", "ablation_differences", "ablation_vs_switch")]
+    # The summary's command names the entry point; the selection it ran is in the summary too.
+    command = (
+        f"python -m repro ablation --cells {','.join(results)} --seeds {','.join(map(str, seeds))} "
+        f"--steps {s.get('steps')} --out results/{directory.name}"
+        + "".join(f" --set {o}" for o in s.get("overrides", []))
+    )
+    readme = page(
+        f"Why DirMoE's routing collapses: {len(results)} cells x {len(seeds)} seeds, {s.get('steps')} steps",
+        command, findings, [t for t in tables if t.is_file()], _plots(directory),
+    )
+    return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief)))
+
+
+def _block(results: dict[str, Any], study: str, brief: bool) -> list[str]:
+    """The README block: the reference's collapse, which cells lower it (both layers), the cell-vs-cell tests."""
+    lowered = {
+        layer: [c for c in results if c not in (REFERENCE,) and (p := _versus(results, c, m, REFERENCE)) is not None
+                and p.p_holm is not None and p.p_holm < ALPHA and p.mean < 0]
+        for layer, m in enumerate(LAYERS, start=1)
+    }
+    neither = [c for c in results if c != REFERENCE and c not in lowered[1] and c not in lowered[2]]
+    seeds = len(results[REFERENCE]["seeds"])
+    lowered_text = (
+        f"- {seeds} seeds: load imbalance significantly below `{REFERENCE}`'s after Holm: layer 1 "
+        f"{listing(lowered[1])}; layer 2 {listing(lowered[2])}; in neither layer: {listing(neither)}."
+    )
+    if brief:
+        return [lowered_text, f"- {_link(study)}"]
+    block = [f"- {f}" for f in _reference_findings(results)]
+    block.append(lowered_text)
+    block += [f"- {f}" for f in _contrast_findings(results)]
+    block.append(f"- {_link(study)}")
+    return block
