@@ -1,0 +1,122 @@
+"""The result write-ups: generated from the results files, their words chosen by the tests, and the committed
+README blocks and results/<study>/README.md files in step with the committed results."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from repro.__main__ import main as repro_main
+from repro.errors import ReproError
+from repro.report import writeup
+from repro.report.writeup import Paired, Writeup, fill_blocks, paired_family, verdict
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_committed_writeups_agree_with_the_results_files():
+    """Every results/<study>/README.md and every README result block is what the generator makes of the files."""
+    expected = writeup.targets(ROOT)
+    assert ROOT / "README.md" in expected and len(expected) >= 5
+    stale = [str(p.relative_to(ROOT)) for p, text in expected.items() if not p.is_file() or p.read_text() != text]
+    assert not stale, f"out of date (run python -m repro writeup): {stale}"
+
+
+def test_the_readme_has_a_block_for_every_study():
+    readme = (ROOT / "README.md").read_text()
+    for study in writeup.studies():
+        if (ROOT / "results" / study).is_dir():
+            assert f"<!-- BEGIN generated: {study} -->" in readme
+            assert f"<!-- END generated: {study} -->" in readme
+
+
+@pytest.mark.parametrize(
+    ("p", "p_holm", "words"),
+    [
+        (0.001, 0.004, "lower, significant after Holm (p = 0.004)"),
+        (0.026, 0.15, "lower before Holm's adjustment (raw p = 0.026) but not significantly after it (Holm p = 0.15)"),
+        (0.3, 0.6, "no significant difference (raw p = 0.3, Holm p = 0.6)"),
+        (None, None, "untested"),
+    ],
+)
+def test_the_words_follow_the_test(p, p_holm, words):
+    assert verdict(Paired(-0.5, -0.9, -0.1, p, p_holm, 6, 5)).startswith(words)
+
+
+def test_the_direction_word_follows_the_sign():
+    assert verdict(Paired(0.5, 0.1, 0.9, 0.001, 0.002, 6, 0)).startswith("higher")
+    assert verdict(Paired(0.5, 0.1, 0.9, 0.001, 0.002, 6, 0), higher="slower").startswith("slower")
+
+
+def test_paired_family_tests_each_against_the_reference_with_holm():
+    reference = {"1": 5.0, "2": 5.3, "3": 4.9, "4": 5.1, "5": 5.2, "6": 4.8}
+    shifted = {s: v - 1.0 + 0.01 * int(s) for s, v in reference.items()}
+    noise = {s: v + (0.05 if int(s) % 2 else -0.05) for s, v in reference.items()}
+    constant = {s: v + 0.2 for s, v in reference.items()}
+    family = paired_family(reference, {"shifted": shifted, "noise": noise, "constant": constant, "one": {"1": 1.0}})
+    assert set(family) == {"shifted", "noise", "constant"}  # one shared seed: no test
+    assert verdict(family["shifted"]).startswith("lower, significant after Holm")
+    assert family["shifted"].n_lower == 6 and family["shifted"].n == 6
+    assert family["shifted"].mean == pytest.approx(-1.0 + 0.035)
+    assert family["shifted"].low < family["shifted"].mean < family["shifted"].high
+    assert verdict(family["noise"]).startswith("no significant difference")
+    assert family["constant"].p is None and verdict(family["constant"]).startswith("untested")  # t = inf: undefined
+    # Holm over the two defined tests: the larger raw p is at least its own value, the smaller doubled
+    assert family["shifted"].p_holm == pytest.approx(min(1.0, 2 * family["shifted"].p))
+
+
+def _copy_results(tmp_path: Path, studies: tuple[str, ...]) -> Path:
+    for study in studies:
+        shutil.copytree(ROOT / "results" / study, tmp_path / "results" / study, ignore=shutil.ignore_patterns("*.png", "*.tex"))
+    return tmp_path
+
+
+def test_a_changed_test_result_changes_the_words(tmp_path):
+    """The validation-loss sentence reads its test from summary.json: a significant test there reads 'significant'."""
+    root = _copy_results(tmp_path, ("dirmoe-ablation-6seeds",))
+    summary_path = root / "results" / "dirmoe-ablation-6seeds" / "summary.json"
+    before = writeup.generate(root)[0].block
+    assert "higher before Holm's adjustment (raw p = 0.026)" in before and "switch lower in 5 of 6 seeds" in before
+    summary = json.loads(summary_path.read_text())
+    summary["results"]["paper"]["val_loss"]["vs_switch"]["p_holm"] = 0.01
+    summary["results"]["paper"]["val_loss"]["values"]["4"] = 5.0  # paper below switch in seed 4 now
+    summary_path.write_text(json.dumps(summary))
+    after = writeup.generate(root)[0].block
+    assert "paper minus switch: 0.075 [0.014, 0.136], higher, significant after Holm (p = 0.01)" in after
+    assert "switch lower in 4 of 6 seeds" in after
+
+
+def test_the_cell_against_cell_family_is_computed_from_the_per_seed_values(tmp_path):
+    root = _copy_results(tmp_path, ("dirmoe-ablation-6seeds",))
+    summary_path = root / "results" / "dirmoe-ablation-6seeds" / "summary.json"
+    assert "kl-off minus recon-centered: -0.26 [-0.56, 0.04], no significant difference" in writeup.generate(root)[0].block
+    summary = json.loads(summary_path.read_text())
+    values = summary["results"]["kl-off"]["load_imbalance[0]"]["values"]
+    base = summary["results"]["recon-centered"]["load_imbalance[0]"]["values"]
+    for seed in values:
+        values[seed] = base[seed] - 1.0 - 0.01 * int(seed)
+    summary_path.write_text(json.dumps(summary))
+    assert "kl-off minus recon-centered: -1.03 [-1.05, -1.02], lower, significant after Holm" in writeup.generate(root)[0].block
+
+
+def test_fill_blocks_replaces_only_the_blocks_bodies():
+    text = "intro\n<!-- BEGIN generated: a -->\nold\n<!-- END generated: a -->\nkept 1.23\n"
+    out = fill_blocks(text, [Writeup("a", "", "- new")])
+    assert out == "intro\n<!-- BEGIN generated: a -->\n- new\n<!-- END generated: a -->\nkept 1.23\n"
+    with pytest.raises(ReproError, match="'b'"):
+        fill_blocks("<!-- BEGIN generated: b -->\n<!-- END generated: b -->\n", [Writeup("a", "", "x")])
+
+
+def test_check_fails_on_a_stale_block_and_writing_fixes_it(tmp_path, capsys):
+    root = _copy_results(tmp_path, ("mini", "bench"))
+    readme = root / "README.md"
+    readme.write_text("# x\n\n<!-- BEGIN generated: mini -->\n- hand-written: dirmoe is the same as switch\n<!-- END generated: mini -->\n")
+    assert repro_main(["writeup", "--root", str(root), "--check"]) == 1
+    assert "out of date" in capsys.readouterr().out
+    assert repro_main(["writeup", "--root", str(root)]) == 0
+    assert "hand-written" not in readme.read_text() and "unigram baseline" in readme.read_text()
+    assert (root / "results" / "mini" / "README.md").is_file() and (root / "results" / "bench" / "README.md").is_file()
+    assert repro_main(["writeup", "--root", str(root), "--check"]) == 0
