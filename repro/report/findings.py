@@ -187,30 +187,55 @@ def mini_seeds(directory: Path) -> Writeup:
     return Writeup(directory.name, readme, "\n".join(block))
 
 
-# ------------------------------------------------------------------------------------------ router benchmarks
-BENCH_COMMAND = "nox -s bench"
+# ------------------------------------------------------------------------------------------ benchmarks
+#: routers.json is the nox session's; the other files name their benchmark modules and timers above their tables.
+BENCH_COMMAND = (
+    "nox -s bench` (routers.json); the others: `pytest MODULE --benchmark-only --benchmark-enable "
+    "--benchmark-timer=time.TIMER --benchmark-json=results/bench/FILE"
+)
+
+
+def _ms(seconds: float) -> str:
+    ms = seconds * 1e3
+    return num(ms, ".0f" if ms >= 100 else ".1f" if ms >= 10 else ".2f")
+
+
+def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
+    """One pytest-benchmark JSON: its findings (medians per group; DirMoE over Switch stepped alternately),
+    the subset for the README block, and its table."""
+    from repro.report.bench_table import render_bench, summarise
+
+    data = load_json(path)
+    rows = summarise(data, origin=str(path))
+    timers = sorted({str((b.get("options") or {}).get("timer", "?")) for b in data["benchmarks"]})
+    modules = sorted({str(b.get("fullname", "?")).split("::")[0] for b in data["benchmarks"]})
+    findings = []
+    for group in dict.fromkeys(r.group for r in rows):
+        members = [
+            f"{r.router} {_ms(r.median_s)} ms"
+            + ("" if r.ratio_to_baseline is None or r.router == REFERENCE_ROUTER else f" ({num(r.ratio_to_baseline)} x {REFERENCE_ROUTER})")
+            for r in rows if r.group == group
+        ]
+        findings.append(f"`{path.name}`, {group}, median: {', '.join(members)}.")
+    alternating = [
+        f"`{path.name}`: DirMoE / Switch median training iteration, the two stepped alternately "
+        f"({b['stats']['rounds']} pairs): {num(extra['dirmoe_over_switch'], '.3f')} "
+        f"({_ms(extra['dirmoe_median_s'])} against {_ms(extra['switch_median_s'])} ms)."
+        for b in data["benchmarks"] if "dirmoe_over_switch" in (extra := b.get("extra_info") or {})
+    ]
+    key = (findings[:1] if path.name == "routers.json" else []) + alternating
+    table = [f"### `{path.name}`: {', '.join(modules)}, timer {', '.join(timers)}", "", render_bench(rows).rstrip(), ""]
+    return findings + alternating, key, table
 
 
 def bench(directory: Path) -> Writeup:
-    """``results/bench``: the router micro-benchmarks (``routers.json``, pytest-benchmark)."""
-    from repro.report.bench_table import render_bench, summarise
-
-    rows = summarise(load_json(directory / "routers.json"), origin=str(directory / "routers.json"))
-    ratios = [r for r in rows if r.ratio_to_baseline is not None]
-    slowest, fastest = max(ratios, key=lambda r: r.median_s), min(ratios, key=lambda r: r.median_s)
-    finding = (
-        f"Slowest router: {slowest.router}, {num(slowest.median_s * 1e3, '.1f')} ms, {num(slowest.ratio_to_baseline)} x "
-        f"{REFERENCE_ROUTER}; fastest: {fastest.router}, {num(fastest.median_s * 1e3, '.2f')} ms "
-        f"({num(fastest.ratio_to_baseline)} x) (medians of one run each; no test)."
-    )
-    others = sorted(p.name for p in directory.glob("*.json") if p.name != "routers.json")
-    readme = page(
-        "Router micro-benchmarks (pytest-benchmark, forward + backward of the router alone)", BENCH_COMMAND,
-        [finding], [], ["## Tables", "", render_bench(rows).rstrip(), "",
-                        "Other benchmark JSON here: " + ", ".join(f"`{o}`" for o in others) + "."] if others else
-        ["## Tables", "", render_bench(rows).rstrip()],
-    )
-    return Writeup(directory.name, readme, f"- {finding}\n- {_link(directory.name)}")
+    """``results/bench``: every pytest-benchmark JSON there (medians of one run each: no test, no comparison word)."""
+    findings, key, tables = [], [], ["## Tables", ""]
+    for path in sorted(directory.glob("*.json"), key=lambda p: (p.name != "routers.json", p.name)):
+        f, k, table = _bench_file(path)
+        findings, key, tables = findings + f, key + k, tables + table
+    readme = page("Micro-benchmarks (pytest-benchmark; medians of one run each, no test)", BENCH_COMMAND, findings, [], tables)
+    return Writeup(directory.name, readme, "\n".join(f"- {line}" for line in (*key, _link(directory.name))))
 
 
 __all__ = ["bench", "load_json", "mini", "mini_seeds"]
