@@ -12,7 +12,8 @@ import pytest
 from repro.__main__ import main as repro_main
 from repro.errors import ReproError
 from repro.report import writeup
-from repro.report.writeup import Paired, Writeup, fill_blocks, paired_family, verdict
+from repro.report.prose import Paired, Writeup, paired_family, verdict
+from repro.report.writeup import fill_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 

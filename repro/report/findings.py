@@ -1,52 +1,33 @@
 """The findings of each study, as sentences built from its results files (:mod:`repro.report.writeup`).
 
 One function per kind of study directory: it reads the directory's files, and returns the study's page and its
-README block. Numbers are formatted from the files; comparison words come from :func:`writeup.verdict` (or,
+README block. Numbers are formatted from the files; comparison words come from :func:`prose.verdict` (or,
 for a table's marks, from the mark the table's own test set).
 """
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 from typing import Any
 
-from repro.errors import ReproError
-from repro.report.writeup import (
+from repro.report.prose import (
     Writeup,
     cell_half_width,
     cell_marked,
     cell_value,
     compared,
-    interval,
+    link,
     listing,
+    load_json,
     num,
     page,
     paired_family,
-    pval,
+    plots,
     read_rows,
-    verdict,
 )
 
 REFERENCE_ROUTER = "switch"
-
-
-def load_json(path: Path) -> dict[str, Any]:
-    """A results JSON file."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReproError(f"{path}: cannot read results: {exc}") from None
-
-
-def _link(study: str) -> str:
-    return f"Details: [`results/{study}/README.md`](results/{study}/README.md)."
-
-
-def _plots(directory: Path) -> list[str]:
-    pngs = sorted(p.name for p in directory.glob("*.png"))
-    return ["## Plots", "", *(f"- [`{name}`]({name})" for name in pngs)] if pngs else []
 
 
 def _mean_rows(directory: Path, name: str) -> dict[str, dict[str, str]]:
@@ -88,7 +69,7 @@ def mini(directory: Path) -> Writeup:
     cpu = s.get("run_cpu_seconds", {})
     findings = [
         first,
-        f"Held-out loss, one seed (no test; [`results/mini-seeds`](../mini-seeds/README.md) tests over seeds): "
+        "Held-out loss, one seed (no test; [`results/mini-seeds`](../mini-seeds/README.md) tests over seeds): "
         + ", ".join(f"{r} {num(heldout[r], '.3f')}" for r in order) + ".",
         "Load imbalance (max / mean tokens per expert, mean over layers; 1 is even, "
         f"{num(max(v for v in imbalance.values() if v is not None))} the largest here): "
@@ -107,7 +88,7 @@ def mini(directory: Path) -> Writeup:
     tables = [directory / f"{t}.md" for t in ("zero_shot", "validation", "efficiency", "routing")]
     readme = page(
         f"The router comparison on the embedded default, {s['steps']} steps, {s['seeds']} seed",
-        s["command"], findings, [t for t in tables if t.is_file()], _plots(directory),
+        s["command"], findings, [t for t in tables if t.is_file()], plots(directory),
     )
     dirmoe, ref = imbalance.get("dirmoe"), imbalance.get(REFERENCE_ROUTER)
     block = [
@@ -116,7 +97,7 @@ def mini(directory: Path) -> Writeup:
         f"{num(imbalance.get('dirmoe+centered'))}, {REFERENCE_ROUTER} {num(ref)}; specialisation score dirmoe "
         f"{num(spec.get('dirmoe'))}, {REFERENCE_ROUTER} {num(spec.get(REFERENCE_ROUTER))}.",
         *([f"- {_cpu(cpu)}"] if cpu else []),
-        f"- {_link(directory.name)}",
+        f"- {link(directory.name)}",
     ]
     return Writeup(directory.name, readme, "\n".join(block))
 
@@ -183,7 +164,7 @@ def mini_seeds(directory: Path) -> Writeup:
         s["command"], findings, [t for t in tables if t.is_file()],
         ["The per-run tables of the first seed are those of [`results/mini`](../mini/README.md)."],
     )
-    block = [f"- {f}" for f in (*findings[:5], _link(directory.name))]
+    block = [f"- {f}" for f in (*findings[:5], link(directory.name))]
     return Writeup(directory.name, readme, "\n".join(block))
 
 
@@ -235,7 +216,7 @@ def bench(directory: Path) -> Writeup:
         f, k, table = _bench_file(path)
         findings, key, tables = findings + f, key + k, tables + table
     readme = page("Micro-benchmarks (pytest-benchmark; medians of one run each, no test)", BENCH_COMMAND, findings, [], tables)
-    return Writeup(directory.name, readme, "\n".join(f"- {line}" for line in (*key, _link(directory.name))))
+    return Writeup(directory.name, readme, "\n".join(f"- {line}" for line in (*key, link(directory.name))))
 
 
-__all__ = ["bench", "load_json", "mini", "mini_seeds"]
+__all__ = ["bench", "mini", "mini_seeds"]

@@ -3,7 +3,7 @@
 The summary holds every cell's per-seed values and its paired comparisons with the paper's DirMoE and with
 Switch (``vs_paper``, ``vs_switch``: the tests behind the tables' marks); those are read, not recomputed. The
 one comparison the summary does not hold, a remedy cell against another, is computed from the per-seed values
-by :func:`writeup.paired_family`, over a family fixed here before the values are read (:data:`CONTRASTS`).
+by :func:`prose.paired_family`, over a family fixed here before the values are read (:data:`CONTRASTS`).
 """
 
 from __future__ import annotations
@@ -12,8 +12,20 @@ from pathlib import Path
 from typing import Any
 
 from repro.ablation import REFERENCE, SWITCH
-from repro.report.findings import _link, _plots, load_json
-from repro.report.writeup import ALPHA, Paired, Writeup, compared, listing, num, page, paired_family, verdict
+from repro.report.prose import (
+    ALPHA,
+    Paired,
+    Writeup,
+    compared,
+    link,
+    listing,
+    load_json,
+    num,
+    page,
+    paired_family,
+    plots,
+    verdict,
+)
 
 LAYERS = ("load_imbalance[0]", "load_imbalance[1]")
 #: The cell-vs-cell family: the centred reconstruction target against each other cell that removes an aux
@@ -170,7 +182,7 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
     )
     readme = page(
         f"Why DirMoE's routing collapses: {len(results)} cells x {len(seeds)} seeds, {s.get('steps')} steps",
-        command, findings, [t for t in tables if t.is_file()], _plots(directory),
+        command, findings, [t for t in tables if t.is_file()], plots(directory),
     )
     return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief)))
 
@@ -189,9 +201,9 @@ def _block(results: dict[str, Any], study: str, brief: bool) -> list[str]:
         f"{listing(lowered[1])}; layer 2 {listing(lowered[2])}; in neither layer: {listing(neither)}."
     )
     if brief:
-        return [lowered_text, f"- {_link(study)}"]
+        return [lowered_text, f"- {link(study)}"]
     block = [f"- {f}" for f in _reference_findings(results)]
     block.append(lowered_text)
     block += [f"- {f}" for f in _contrast_findings(results)]
-    block.append(f"- {_link(study)}")
+    block.append(f"- {link(study)}")
     return block
