@@ -85,6 +85,7 @@ def bench(session: nox.Session) -> None:
         env=OFFLINE_ENV,
     )
     session.run("python", "-m", "repro", "bench-table", "results/bench/routers.json", env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
 
 @nox.session
@@ -99,6 +100,7 @@ def mini(session: nox.Session) -> None:
     """The main job on the embedded default: every router and dense on CPU, lm-eval, tables and plots (~10 min)."""
     _install(session)
     session.run("python", "-m", "repro", "mini", *session.posargs, env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
 
 @nox.session(name="dirmoe-ablation")
@@ -107,6 +109,7 @@ def dirmoe_ablation(session: nox.Session) -> None:
     tables and plots in results/dirmoe-ablation/ (cost: README)."""
     _install(session)
     session.run("python", "-m", "repro", "ablation", *session.posargs, env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
 
 @nox.session(name="mini-pile")
