@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.report.prose import (
+    ALPHA,
     Writeup,
     cell_half_width,
     cell_marked,
@@ -112,7 +113,7 @@ def _loss_family(per_seed: dict[str, dict[str, list]], key: str) -> dict[str, An
 
 
 def _loss_sentence(label: str, family: dict[str, Any]) -> str:
-    significant = [r for r, p in family.items() if p.p_holm is not None and p.p_holm < 0.05]
+    significant = [r for r, p in family.items() if p.p_holm is not None and p.p_holm < ALPHA]
     smallest = min((r for r in family if family[r].p is not None), key=lambda r: family[r].p, default=None)
     text = (
         f"{label}, paired by seed against {REFERENCE_ROUTER}, Holm over the {len(family)} routers: "

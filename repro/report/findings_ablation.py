@@ -106,7 +106,7 @@ def _cell_finding(results: dict[str, Any], cells: dict[str, Any], cell: str) -> 
     return f"`{cell}` ({reading}), {what}: {'; '.join(parts)}{loss}."
 
 
-def _theta_finding(results: dict[str, Any]) -> str | None:
+def _theta_finding(results: dict[str, Any], window: int | None) -> str | None:
     metric = "simpson_theta"
     ref = results[REFERENCE].get(metric, {}).get("mean")
     if ref is None:
@@ -117,7 +117,7 @@ def _theta_finding(results: dict[str, Any]) -> str | None:
         if p is not None and p.p_holm is not None and p.p_holm < ALPHA:
             moved.append(f"{cell} {num(results[cell][metric]['mean'])}: {verdict(p)}")
     return (
-        f"Simpson index of the Dirichlet draws theta at the end of training: {REFERENCE} {num(ref)}; cells that differ "
+        f"Simpson index of the Dirichlet draws theta (mean over the last {window} steps): {REFERENCE} {num(ref)}; cells that differ "
         f"after Holm: {'; '.join(moved) or 'none'}."
     )
 
@@ -163,9 +163,11 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
     others = [c for c in results if c != REFERENCE]
     cost = s.get("cost", {})
     findings = [
+        "Each test: a paired t-test over the seeds two cells share, Holm-adjusted over the cells of its column (the "
+        f"tables' marks); a raw p below {ALPHA:g} that Holm's adjustment does not keep is reported as such.",
         *_reference_findings(results),
         *(_cell_finding(results, cells, c) for c in others if c != SWITCH and REFERENCE in results),
-        *filter(None, [_theta_finding(results)]),
+        *filter(None, [_theta_finding(results, s.get("final_window_steps"))]),
         *_contrast_findings(results),
     ]
     if cost.get("cpu_seconds_measured_runs"):
