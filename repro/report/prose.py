@@ -100,7 +100,10 @@ def paired_family(
 # ------------------------------------------------------------------------------------------ words and numbers
 def num(value: float | None, spec: str = ".2f") -> str:
     """A number as the write-ups print it (``--`` for none)."""
-    return "--" if value is None or not math.isfinite(value) else format(value, spec)
+    if value is None or not math.isfinite(value):
+        return "--"
+    text = format(value, spec)
+    return text[1:] if text.startswith("-") and not any(c in "123456789" for c in text) else text  # no "-0.00"
 
 
 def pval(p: float | None) -> str:
