@@ -475,10 +475,11 @@ def _zipf_counts(V: int = 1000, seed: int = 0) -> np.ndarray:
     return rng.permutation(counts)
 
 
+@pytest.mark.parametrize("rule", ["greedy", "random-greedy"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_hash_balanced_table_balances_the_corpus_load(k):
+def test_hash_balanced_table_balances_the_corpus_load(k, rule):
     counts = _zipf_counts()
-    table = balanced_table(counts, E, k, seed=3)
+    table = balanced_table(counts, E, k, seed=3, rule=rule)
     assert table.shape == (1000, k) and all(len(set(row.tolist())) == k for row in table)
     load_E = np.zeros(E, dtype=np.int64)
     for token, experts in enumerate(table.tolist()):
@@ -494,8 +495,29 @@ def test_hash_balanced_table_balances_the_corpus_load(k):
     # Unseen ids are spread round-robin; the table is a function of the seed.
     unseen = np.flatnonzero(counts == 0)
     assert np.bincount(table[unseen].reshape(-1).numpy(), minlength=E).max() <= math.ceil(len(unseen) * k / E)
-    assert torch.equal(table, balanced_table(counts, E, k, seed=3))
-    assert not torch.equal(table, balanced_table(counts, E, k, seed=4))
+    assert torch.equal(table, balanced_table(counts, E, k, seed=3, rule=rule))
+    # The paper's greedy draws nothing; the randomised rule is a function of the seed.
+    assert torch.equal(table, balanced_table(counts, E, k, seed=4, rule=rule)) == (rule == "greedy")
+
+
+def test_hash_balanced_greedy_follows_the_papers_rule_on_a_small_table():
+    # Ids by frequency: 3 (9), 0 (7), 4 (5), 1 (4), 2 (2), 5 (1); id 6 never seen. E = 3 buckets, k = 1.
+    counts = np.array([7, 4, 2, 9, 5, 1, 0], dtype=np.int64)
+    table = balanced_table(counts, 3, 1, seed=0)
+    # Loads (0,0,0): 3->0 (9,0,0); 0->1 (9,7,0); 4->2 (9,7,5); 1->2 (9,7,9); 2->1 (9,9,9); 5->0 (10,9,9).
+    assert table[:, 0].tolist()[:6] == [1, 2, 1, 0, 2, 0]
+    assert table[6, 0] == 0  # the first unseen id, round-robin from expert 0
+    assert torch.equal(table, balanced_table(counts, 3, 1, seed=123))  # nothing is drawn
+    # k = 2: the two emptiest, distinct. 3 -> {0, 1} (9,9,0); 0 -> {2, 0} (16,9,7); 4 -> {2, 1} (16,14,12).
+    table2 = balanced_table(counts, 3, 2, seed=0)
+    assert [sorted(r) for r in table2[[3, 0, 4]].tolist()] == [[0, 1], [0, 2], [1, 2]]
+    # The earlier randomised rule is the named alternative, seeded.
+    rand = balanced_table(counts, 3, 1, seed=5, rule="random-greedy")
+    assert torch.equal(rand, balanced_table(counts, 3, 1, seed=5, rule="random-greedy"))
+    cfg = HashConfig(hidden_size=D, num_experts=E, hash_type="balanced", counts_path="x.npy")
+    assert cfg.balance_rule == "greedy"
+    with pytest.raises(ValueError, match="balance_rule"):
+        HashConfig(hidden_size=D, num_experts=E, hash_type="balanced", counts_path="x.npy", balance_rule="x")
 
 
 def test_hash_balanced_router_reads_counts_and_checkpoints_its_table(tmp_path):
