@@ -65,6 +65,7 @@ def test_all_six_baselines_are_registered():
         ("expert_choice", {"group_size": 0}, "group_size"),
         ("expert_choice", {"group_size": "batch"}, "group_size"),
         ("expert_choice", {"z_loss_coeff": -1.0}, "z_loss_coeff"),
+        ("expert_choice", {"reference": "t5x"}, "reference"),
     ],
 )
 def test_invalid_options_name_the_field(name, options, field):
@@ -403,6 +404,54 @@ def test_expert_choice_fixed_group_size_and_flaxformer_group_count():
     groups = [batch_major[:32], batch_major[32:]]  # 32 consecutive tokens: two sequences of 16
     assert torch.equal(out.routing_map, _ec_by_hand(scores_TE, groups, math.ceil(32 * 2 / E)))
     assert int(out.metrics["group_size"]) == 32
+
+
+@pytest.mark.parametrize(
+    "g, c, E_, megatron, flaxformer",
+    [
+        (512, 1.0, 8, 64, 64),  # E divides g c: the two agree
+        (100, 1.0, 8, 13, 12),  # 12.5: megatron's ceil 13, flaxformer's round half to even 12
+        (104, 1.0, 16, 7, 6),  # 6.5 -> 7 / 6
+        (56, 2.0, 16, 7, 7),  # 7.0
+        (20, 1.0, 8, 3, 4),  # 2.5: flaxformer's minimum of 4
+        (3, 1.0, 8, 1, 3),  # the minimum capped at the group
+        (1000, 1.25, 64, 20, 20),  # 19.53 -> 20 / 20
+    ],
+)
+def test_expert_choice_capacity_per_reference(g, c, E_, megatron, flaxformer):
+    from baselines.expert_choice import group_capacity
+
+    assert group_capacity(g, c, E_, 1, "megatron") == megatron == min(g, math.ceil(g * c / E_))
+    assert group_capacity(g, c, E_, 1, "flaxformer") == flaxformer == min(g, max(round(c * g / E_), 4))
+    router = build("expert_choice", num_experts=E_, capacity_factor=c, reference="flaxformer")
+    assert router.capacity(g, training=True) == flaxformer
+
+
+def test_expert_choice_flaxformer_groups_and_constraint():
+    from baselines.expert_choice import num_groups
+
+    # flaxformer's _num_groups: at least E groups, a multiple of E dividing T (or T itself).
+    assert num_groups(64, 64, "flaxformer", 8) == 8 and num_groups(64, 4, "flaxformer", 8) == 16
+    assert num_groups(96, 1000, "flaxformer", 8) == 8 and num_groups(40, 40, "flaxformer", 16) == 40
+    with pytest.raises(ValueError, match="multiple of 16"):
+        num_groups(12, 12, "flaxformer", 16)
+    router = build("expert_choice", reference="flaxformer").train()
+    h = hidden(21)
+    out = router(h, None, (S, B))
+    # T = 64, E = 8: 8 groups of 8 consecutive tokens (half a sequence); C = max(round(8 / 8), 4) = 4.
+    scores_TE = torch.softmax(h @ router.weight.detach().t(), dim=-1)
+    batch_major = [s * B + b for b in range(B) for s in range(S)]
+    groups = [batch_major[i : i + 8] for i in range(0, T, 8)]
+    assert torch.equal(out.routing_map, _ec_by_hand(scores_TE, groups, 4))
+    assert (int(out.metrics["num_groups"]), int(out.metrics["capacity"])) == (8, 4)
+    # The declared constraint reports the N * C tokens each expert takes, per reference.
+    assert router.constraint.capacity(T, E) == 8 * 4
+    router.constraint.check(out.routing_map)
+    megatron_groups = build("expert_choice", group_size=24).train()  # 64 tokens: n >= 64 / 24 dividing 64 is 4
+    out = megatron_groups(h, None, (S, B))
+    assert megatron_groups.constraint.capacity(T, E) == 4 * math.ceil(16 / E) == int(out.routing_map.sum(0)[0])
+    megatron_groups.constraint.check(out.routing_map)
+    assert build("expert_choice").constraint.capacity(T, E) == math.ceil(T / E)  # the default: one group
 
 
 def test_expert_choice_eval_capacity_factor_and_z_loss():
