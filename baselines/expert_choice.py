@@ -151,7 +151,9 @@ def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", nu
         while n < num_tokens and not (num_tokens % n == 0 and n % num_experts == 0):
             n += 1
         if num_tokens % n:
-            raise ValueError(f"flaxformer groups: {num_tokens} tokens cannot be cut into a multiple of {num_experts} groups")
+            raise ValueError(
+                f"flaxformer groups: {num_tokens} tokens cannot be cut into a multiple of {num_experts} groups"
+            )
         return n
     n = max(1, math.ceil(num_tokens / group_size))
     while num_tokens % n:

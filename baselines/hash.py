@@ -141,9 +141,7 @@ def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
     return out
 
 
-def balanced_table(
-    counts_V: np.ndarray, num_experts: int, top_k: int, seed: int, rule: str = "greedy"
-) -> torch.Tensor:
+def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int, rule: str = "greedy") -> torch.Tensor:
     """The ``balanced`` table: k distinct experts per id, loads within one count of ``k * total / E``.
 
     Args:
