@@ -61,6 +61,7 @@ def test_all_six_baselines_are_registered():
         ("sparsemixer", {"top_k": 3}, "top_k"),
         ("sparsemixer", {"reference": "phi"}, "reference"),
         ("sparsemixer", {"balance_map": "all"}, "balance_map"),
+        ("sparsemixer", {"balance_scope": "model"}, "balance_scope"),
         ("expert_choice", {"eval_capacity_factor": 0.0}, "eval_capacity_factor"),
         ("expert_choice", {"group_size": 0}, "group_size"),
         ("expert_choice", {"group_size": "batch"}, "group_size"),
@@ -770,8 +771,10 @@ def test_sparsemixer_top2_router_backward_sums_both_estimators():
 def test_sparsemixer_defaults_follow_grin_and_the_repository_setting_is_one_flag_away():
     grin = SparseMixerConfig(hidden_size=D, num_experts=E)
     assert (grin.effective_jitter_eps, grin.effective_aux_loss_coeff, grin.effective_balance_map) == (0.01, 1e-3, "topk")
+    assert grin.effective_balance_scope == "pooled"
     repo = SparseMixerConfig(hidden_size=D, num_experts=E, reference="sparsemixer-repo")
     assert (repo.effective_jitter_eps, repo.effective_aux_loss_coeff, repo.effective_balance_map) == (0.1, 1e-2, "sampled")
+    assert repo.effective_balance_scope == "per-layer"
     mixed = SparseMixerConfig(hidden_size=D, num_experts=E, reference="sparsemixer-repo", jitter_eps=0.05)
     assert (mixed.effective_jitter_eps, mixed.effective_aux_loss_coeff) == (0.05, 1e-2)  # a field overrides
 
@@ -800,3 +803,81 @@ def test_sparsemixer_only_top1_and_top2():
     assert SparseMixerConfig(hidden_size=D, num_experts=E, top_k=2).top_k == 2
     with pytest.raises(ValueError, match="top_k"):
         SparseMixerConfig(hidden_size=D, num_experts=E, top_k=3)
+
+
+def _linked_sparsemixers(L: int, k: int, same: bool, **options):
+    """L SparseMixer routers of one model (linked as the builder links them), layers 1..L, in training."""
+    from baselines.sparsemixer import SparseMixerRouter
+
+    layers = []
+    for layer in range(1, L + 1):
+        router = build("sparsemixer", top_k=k, **options).train()
+        if not same:
+            with torch.no_grad():
+                router.weight.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(layer))
+        router.set_layer_number(layer)
+        layers.append(router)
+    SparseMixerRouter.link_layers(layers)
+    return layers
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_sparsemixer_pooled_balance_loss_is_grins_loss_over_all_layers(k):
+    from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
+
+    L, alpha = 3, 1e-3
+    layers = _linked_sparsemixers(L, k, same=False)
+    hs = [hidden(30 + layer) for layer in range(L)]
+    torch.manual_seed(0)
+    outs = [router(h) for router, h in zip(layers, hs)]
+    # Only the forward's last layer carries the loss: the whole pooled loss.
+    assert [("load_balancing_loss" in o.aux_losses) for o in outs] == [False] * (L - 1) + [True]
+    pooled = outs[-1].aux_losses["load_balancing_loss"]
+    # By hand: GRIN concatenates the layers' logits, [L T, E], and takes one loss on them (megatron's 1/(kT)).
+    logits = [h @ r.weight.detach().t() for r, h in zip(layers, hs)]
+    scores_NE = torch.softmax(torch.cat(logits), dim=-1)
+    map_NE = torch.zeros(L * T, E, dtype=torch.bool).scatter(1, scores_NE.topk(k, dim=-1).indices, True)
+    f_E, P_E = map_NE.sum(0) / (L * T * k), scores_NE.mean(0)
+    torch.testing.assert_close(pooled.detach(), alpha * E * (f_E * P_E).sum())
+    # It is not the sum (nor the mean) of the per-layer losses: the layers' counts and probabilities cross.
+    per_layer = [switch_load_balancing_loss_func(torch.softmax(z, -1), m.sum(0), T, k, E, alpha)
+                 for z, m in zip(logits, map_NE.view(L, T, E))]
+    value = float(pooled.detach())
+    assert abs(value - float(sum(per_layer).detach()) / L) > 1e-4 * value
+    # Gradient: d pooled / d logits_m = (1 / L) alpha E sum_e fbar_e dP_me, fbar the pooled counts: 1/L of
+    # the per-layer loss's gradient with layer m's counts replaced by the layers' mean counts.
+    pooled.backward()
+    counts_mean_E = map_NE.sum(0).float() / L
+    for router, h in zip(layers, hs):
+        w = router.weight.detach().clone().requires_grad_(True)
+        ref = switch_load_balancing_loss_func(torch.softmax(h @ w.t(), -1), counts_mean_E, T, k, E, alpha) / L
+        ref.backward()
+        torch.testing.assert_close(router.weight.grad, w.grad, rtol=1e-5, atol=1e-12)
+    # The pool starts again for the next forward; evaluation and no-grad forwards add nothing.
+    with torch.no_grad():
+        assert all("load_balancing_loss" not in r(h).aux_losses for r, h in zip(layers, hs))
+    assert [("load_balancing_loss" in r(h).aux_losses) for r, h in zip(layers, hs)] == [False] * (L - 1) + [True]
+
+
+def test_sparsemixer_per_layer_scope_balances_L_times_as_hard():
+    L = 3
+    # The same weights and inputs in every layer: equal counts, where the two scopes' gradients differ by L.
+    pooled = _linked_sparsemixers(L, 1, same=True)
+    per_layer = _linked_sparsemixers(L, 1, same=True, balance_scope="per-layer")
+    h = hidden(40)
+    for routers_ in (pooled, per_layer):
+        losses = [loss for r in routers_ for loss in r(h).aux_losses.values()]
+        sum(losses).backward()
+    per_layer_losses = [r(h).aux_losses["load_balancing_loss"] for r in per_layer]
+    assert len(per_layer_losses) == L  # one loss per layer, each weighted by alpha
+    for a, b in zip(pooled, per_layer):
+        scale = float(b.weight.grad.abs().max())
+        assert scale > 0
+        torch.testing.assert_close(b.weight.grad, L * a.weight.grad, rtol=1e-5, atol=1e-6 * scale)
+    # The repository's setting is per layer; a router used alone pools its one layer (the per-layer loss).
+    assert build("sparsemixer", reference="sparsemixer-repo").config.effective_balance_scope == "per-layer"
+    alone = build("sparsemixer").train()
+    single = build("sparsemixer", balance_scope="per-layer").train()
+    torch.testing.assert_close(
+        alone(h).aux_losses["load_balancing_loss"], single(h).aux_losses["load_balancing_loss"]
+    )

@@ -366,6 +366,17 @@ def test_routing_metrics_are_per_model_and_reset():
     assert collect_aux_losses(a) == {}
 
 
+def test_sparsemixer_routers_of_a_model_pool_their_balance_loss():
+    model = tiny("sparsemixer").train()
+    adapters = router_adapters(model)
+    pools = {id(a.router._pool) for a in adapters}
+    assert len(adapters) == 2 and len(pools) == 1 and adapters[0].router._pool.num_layers == 2
+    lm_loss(model).backward()
+    # GRIN's one loss over both layers' logits, carried by the forward's last layer.
+    assert [sorted(a.last_aux_losses) for a in adapters] == [[], ["load_balancing_loss"]]
+    assert all(a.router.weight.grad is not None for a in adapters)
+
+
 # ------------------------------------------------------------------------------------ Lory
 def _expert_weights(layer: LoryMoELayer):
     fc1_EGH, fc2_EHF = layer.expert_weights()
