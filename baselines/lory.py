@@ -134,6 +134,11 @@ def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, se
     return (sums_GBD / counts_G[:, None, None]).permute(1, 0, 2)
 
 
+def _sync_phase_after_load(module: LoryRouter, _incompatible_keys) -> None:
+    """``load_state_dict`` post-hook: the dense phase follows the loaded ``step`` buffer."""
+    module._sync_phase(int(module.step))
+
+
 @register_router("lory")
 class LoryRouter(Router):
     """Lory's causal segment routing (Zhong et al. 2024).
@@ -179,7 +184,7 @@ class LoryRouter(Router):
         self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
         # The phase follows the step buffer: set by set_step, recomputed when a state dict is loaded.
         self._dense_phase = config.dense_steps > 0
-        self.register_load_state_dict_post_hook(lambda module, _keys: module._sync_phase(int(module.step)))
+        self.register_load_state_dict_post_hook(_sync_phase_after_load)
 
     @property
     def dense_phase(self) -> bool:
