@@ -28,8 +28,11 @@ The dense start (a switchable default, ``dense_fraction``):
     the run's ``schedule.steps`` by the run config; without it, e.g. a router built outside a training
     run, there is no dense phase). While ``step < dense_steps`` the merge layer
     (:class:`baselines.lory_layer.LoryMoELayer`) runs one dense FFN on every token and the router is not
-    used (its weight W_r gets no gradient: ``requires_grad`` is off, so AdamW neither updates it nor counts
-    the step in its moments, as if the router were created at the switch). The dense FFN is held as E tied
+    used (its weight W_r gets no gradient: ``requires_grad`` is off, so the CPU path's AdamW, which reads
+    ``.grad``, neither updates it nor counts the step, as if the router were created at the switch;
+    megatron's GPU optimizer copies every parameter's zero ``main_grad`` instead, so there W_r takes
+    zero-gradient steps: weight decay only, and Adam's bias correction counts them, which makes its first
+    updates after the switch larger than a fresh optimizer's). The dense FFN is held as E tied
     copies in the experts' parameters: they start equal (expert 0's initialisation copied into every
     expert) and each receives the same gradient, so they stay bit-identical and at the switch step every
     expert *is* the dense FFN, with the same optimizer state: the paper's copy, with nothing to do at
