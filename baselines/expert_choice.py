@@ -10,22 +10,42 @@ Reference:
 
 Options and how they relate to the reference:
 
+The group and capacity rules follow one of two references (``reference``):
+
+==================  =======================================  ==========================================
+``reference``       ``"megatron"`` (default)                  ``"flaxformer"``
+capacity per group  ``C = min(g, ceil((g * k / E) * (c / k)))`` ``C = max(round(c * g / E), 4)``, capped
+                    (megatron-core's ``get_capacity``         at g (flaxformer ``moe_layers.MoeLayer``:
+                    expression and operation order, as        ``int(round(capacity_factor *
+                    everywhere in the suite)                  tokens_per_group / num_experts))``, then
+                                                              ``max(., min_expert_capacity=4)``; Python's
+                                                              round, half to even)
+number of groups    the smallest n >= T / G that divides T    flaxformer's ``_num_groups`` (one replica):
+                                                              the smallest n >= max(T // G, E) that
+                                                              divides T and is a multiple of E (or T)
+==================  =======================================  ==========================================
+
+Why megatron's stays the default: the suite's other capacity routers use megatron-core's expression, and
+the two agree wherever the comparisons run (one group per micro-batch, E divides g * c: the 185M runs,
+g = 16384, E = 8, c = 1; the tiny runs, g = 512); flaxformer's group count always cuts a micro-batch
+into at least E groups (its SPMD sharding puts groups on the expert axis), a different routing that the
+papers' numbers were not measured with on this suite's hardware layout. ``reference=flaxformer`` runs
+the authors' code's rules as they are.
+
+Options and how they relate to the reference:
+
 1. ``group_size``: the experts choose among the tokens of a group. flaxformer reshapes the batch
    (batch-major, so consecutive tokens of a sequence) into groups of at most ``max_group_size`` tokens
-   (its ``_num_groups``). Here ``None`` (default) is one group per micro-batch, the suite's earlier
-   behaviour and what a plain port of the paper's formula does; ``"sequence"`` makes every sequence its
-   own group, so a token's routing no longer depends on the other sequences of the micro-batch nor on the
-   micro-batch size (its leak is then confined to its own sequence); an integer G groups G consecutive
-   tokens of each sequence order (batch-major), using the smallest number of groups n >= T / G that divides
-   T (flaxformer starts from ``T // G`` and also requires n to be a multiple of the number of experts, a
-   constraint of its SPMD sharding that does not apply here). The group size used is reported as the
-   metric ``group_size`` (and ``num_groups``), for the efficiency table.
-2. Capacity per group ``C = min(g, ceil(g * c / E))`` for a group of g tokens: megatron-core's capacity
-   expression (as everywhere in the suite) where flaxformer rounds, ``max(round(g * c / E), 4)``; the two
-   agree whenever E divides g * c (the 185M runs: g = 1024 or 16384, E = 8, c = 1).
-3. ``eval_capacity_factor``: the capacity factor in eval mode (flaxformer's ``eval_capacity_factor``);
+   (its ``_num_groups``). Here ``None`` (default) is one group per micro-batch under ``megatron`` (the
+   suite's earlier behaviour and what a plain port of the paper's formula does) and a ``max_group_size``
+   of the whole micro-batch under ``flaxformer`` (which still makes E groups); ``"sequence"`` makes every
+   sequence its own group (``megatron``), or sets ``max_group_size`` to the sequence length
+   (``flaxformer``), so a token's routing no longer depends on the micro-batch size; an integer G is the
+   largest group, the number of groups then chosen by the reference's rule (table above). The group size
+   used is reported as the metric ``group_size`` (and ``num_groups``), for the efficiency table.
+2. ``eval_capacity_factor``: the capacity factor in eval mode (flaxformer's ``eval_capacity_factor``);
    None uses the training one.
-4. ``z_loss_coeff``: the router z-loss (flaxformer's ``router_z_loss``); 0 (default) turns it off.
+3. ``z_loss_coeff``: the router z-loss (flaxformer's ``router_z_loss``); 0 (default) turns it off.
 
 Shape legend: T tokens, D hidden size, E experts, N groups, G tokens per group (see :mod:`routers.base`).
 """
@@ -45,6 +65,10 @@ from routers.registry import register_router
 
 #: ``group_size`` value that makes every sequence of the micro-batch its own group.
 SEQUENCE_GROUPS = "sequence"
+#: ``reference`` values: whose capacity and group-count rules (see the module docstring).
+EC_REFERENCES = ("megatron", "flaxformer")
+#: flaxformer ``MoeLayer.min_expert_capacity``'s default.
+FLAXFORMER_MIN_CAPACITY = 4
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,8 @@ class ExpertChoiceConfig(RouterConfig):
             sequence) or a number of tokens per group (see the module docstring).
         z_loss_coeff: coefficient of the router z-loss ``coeff * mean_t logsumexp(logits_t)^2``; 0 turns it off.
         init_std: std of the normal initialisation of the gate weight.
+        reference: whose capacity and group-count rules: "megatron" (default) or "flaxformer" (see the
+            module docstring).
     """
 
     capacity_factor: float | None = None
@@ -68,9 +94,12 @@ class ExpertChoiceConfig(RouterConfig):
     group_size: int | str | None = None
     z_loss_coeff: float = 0.0
     init_std: float = 0.01
+    reference: str = "megatron"
 
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.reference not in EC_REFERENCES:
+            raise ValueError(f"reference must be one of {EC_REFERENCES}, got {self.reference!r}")
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)
             if value is not None and not 0 < value <= self.num_experts:
@@ -100,28 +129,70 @@ class ExpertChoiceConfig(RouterConfig):
         return float(self.eval_capacity_factor)
 
 
-def num_groups(num_tokens: int, group_size: int) -> int:
-    """The smallest number of groups n >= num_tokens / group_size that divides num_tokens.
+def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", num_experts: int = 1) -> int:
+    """The number of groups the ``num_tokens`` tokens are cut into (every group at most ``group_size``).
 
     Args:
         num_tokens: T.
         group_size: the largest group wanted, G.
+        reference: "megatron": the smallest n >= T / G that divides T. "flaxformer": its ``_num_groups``
+            with one expert replica: the smallest n >= max(T // G, E) with T % n == 0 and n % E == 0,
+            stopping at n = T.
+        num_experts: E (the "flaxformer" rule only).
 
     Returns:
-        n, so that every group has ``T / n <= G`` tokens.
+        n, so that every group has ``T / n`` tokens.
+
+    Raises:
+        ValueError: no viable n under the "flaxformer" rule (T < E), as flaxformer raises.
     """
+    if reference == "flaxformer":
+        n = max(num_tokens // group_size, num_experts)
+        while n < num_tokens and not (num_tokens % n == 0 and n % num_experts == 0):
+            n += 1
+        if num_tokens % n:
+            raise ValueError(
+                f"flaxformer groups: {num_tokens} tokens cannot be cut into a multiple of {num_experts} groups"
+            )
+        return n
     n = max(1, math.ceil(num_tokens / group_size))
     while num_tokens % n:
         n += 1
     return n
 
 
-def group_tokens(seq_shape: tuple[int, int], group_size: int | str | None) -> torch.Tensor:
+def group_capacity(group_size: int, capacity_factor: float, num_experts: int, top_k: int, reference: str) -> int:
+    """C, the tokens every expert takes from a group of ``group_size`` tokens.
+
+    Args:
+        group_size: g.
+        capacity_factor: c.
+        num_experts: E.
+        top_k: k (megatron's expression is written with it; c / k * k cancels up to float rounding).
+        reference: "megatron": ``min(g, ceil((g * k / E) * (c / k)))``, megatron-core's expression and
+            operation order; "flaxformer": ``min(g, max(round(c * g / E), 4))`` (flaxformer rounds half to
+            even, as Python's ``round``; the cap at g, which flaxformer lacks, keeps the top-C defined).
+
+    Returns:
+        C.
+    """
+    if reference == "flaxformer":
+        return min(group_size, max(int(round(capacity_factor * group_size / num_experts)), FLAXFORMER_MIN_CAPACITY))
+    return RoutingConstraint(
+        RoutingKind.EXPERT_CHOICE, 0, num_experts, capacity_factor=capacity_factor / top_k, top_k=top_k
+    ).capacity(group_size, num_experts)
+
+
+def group_tokens(
+    seq_shape: tuple[int, int], group_size: int | str | None, reference: str = "megatron", num_experts: int = 1
+) -> torch.Tensor:
     """Token indices of every group, batch-major (consecutive positions of one sequence together).
 
     Args:
         seq_shape: ``(S, B)``; tokens are in megatron-core's order ``t = s * B + b``.
         group_size: see :class:`ExpertChoiceConfig`.
+        reference: whose group-count rule (:func:`num_groups`).
+        num_experts: E (the "flaxformer" rule).
 
     Returns:
         ``[N, G]`` long: row n holds the (megatron-order) indices of the tokens of group n.
@@ -130,10 +201,37 @@ def group_tokens(seq_shape: tuple[int, int], group_size: int | str | None) -> to
     T = S * B
     # Batch-major order: sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
     batch_major_T = torch.arange(T).view(S, B).t().reshape(-1)
-    if group_size is None:
+    if group_size is None and reference == "megatron":
         return batch_major_T[None, :]
-    size = S if group_size == SEQUENCE_GROUPS else int(group_size)
-    return batch_major_T.view(num_groups(T, size), -1)
+    size = T if group_size is None else S if group_size == SEQUENCE_GROUPS else int(group_size)
+    return batch_major_T.view(num_groups(T, size, reference, num_experts), -1)
+
+
+@dataclass(frozen=True)
+class ExpertChoiceConstraint(RoutingConstraint):
+    """EXPERT_CHOICE with the capacity of the router's group and capacity rules.
+
+    ``capacity(T, E)`` is the tokens each expert takes from a micro-batch of T tokens: N groups times the
+    per-group C of the reference (:func:`group_capacity`), with the groups of ``group_size``
+    (``"sequence"`` is taken as one sequence of T tokens: the constraint does not see the sequence length).
+
+    Args:
+        group_size: the router's ``group_size``.
+        reference: the router's ``reference``.
+        expert_capacity_factor: c itself (``capacity_factor`` holds c / k, megatron's form).
+    """
+
+    group_size: int | str | None = None
+    reference: str = "megatron"
+    expert_capacity_factor: float = 1.0
+
+    def capacity(self, num_tokens: int, num_experts: int) -> int:
+        """N * C for a micro-batch of ``num_tokens`` tokens (see the class docstring)."""
+        groups_NG = group_tokens((num_tokens, 1), self.group_size, self.reference, num_experts)
+        N, G = groups_NG.shape
+        if self.reference == "megatron":
+            return N * super().capacity(G, num_experts)
+        return N * group_capacity(G, self.expert_capacity_factor, num_experts, self.top_k, self.reference)
 
 
 @register_router("expert_choice")
@@ -142,7 +240,7 @@ class ExpertChoiceRouter(Router):
 
     ``scores = softmax(W h)`` over the experts (float32, no bias, W ~ N(0, init_std^2)); within every group
     of g tokens each expert takes the C tokens with the highest score for it, ``C = ceil(g * c / E)``
-    (c the training or eval capacity factor); ``probs`` are the scores on that map (not renormalised, as
+    (``reference=flaxformer``: ``max(round(g * c / E), 4)``; c the training or eval capacity factor); ``probs`` are the scores on that map (not renormalised, as
     in the paper's gating matrix). A token may be taken by 0 to E experts. Every expert is exactly full in
     every group, so there is no load-balancing loss (a z-loss is optional).
 
@@ -153,9 +251,9 @@ class ExpertChoiceRouter(Router):
     to the token's own sequence. It is implemented as published and its results are measured and reported
     as such, not corrected.
 
-    The declared constraint is EXPERT_CHOICE with ``top_k = k`` and ``capacity_factor = c / k`` (training
-    c), so that ``RoutingConstraint.capacity(T, E) = ceil(T * c / E)`` is C for one group of T tokens; with
-    N groups each expert takes ``N * ceil(g * c / E)`` tokens, the same number whenever E divides g * c.
+    The declared constraint is an :class:`ExpertChoiceConstraint` with ``top_k = k`` and ``capacity_factor
+    = c / k`` (training c): its ``capacity(T, E)`` is the N * C tokens each expert takes from T tokens, by
+    the reference's group and capacity rules.
     """
 
     Config = ExpertChoiceConfig
@@ -167,12 +265,15 @@ class ExpertChoiceRouter(Router):
     @property
     def constraint(self) -> RoutingConstraint:
         cfg = self.config
-        return RoutingConstraint(
+        return ExpertChoiceConstraint(
             RoutingKind.EXPERT_CHOICE,
             0,
             cfg.num_experts,
             capacity_factor=cfg.effective_capacity_factor / cfg.top_k,
             top_k=cfg.top_k,
+            group_size=cfg.group_size,
+            reference=cfg.reference,
+            expert_capacity_factor=cfg.effective_capacity_factor,
         )
 
     def capacity(self, num_tokens: int, training: bool | None = None) -> int:
@@ -183,14 +284,12 @@ class ExpertChoiceRouter(Router):
             training: which capacity factor; default the module's mode.
 
         Returns:
-            ``min(g, ceil((g * k / E) * (c / k)))`` (megatron-core's expression and operation order).
+            :func:`group_capacity` under the router's ``reference``.
         """
         cfg = self.config
         training = self.training if training is None else training
         c = cfg.effective_capacity_factor if training else cfg.effective_eval_capacity_factor
-        return RoutingConstraint(
-            RoutingKind.EXPERT_CHOICE, 0, cfg.num_experts, capacity_factor=c / cfg.top_k, top_k=cfg.top_k
-        ).capacity(num_tokens, cfg.num_experts)
+        return group_capacity(num_tokens, c, cfg.num_experts, cfg.top_k, cfg.reference)
 
     def route(
         self,
@@ -213,7 +312,8 @@ class ExpertChoiceRouter(Router):
         T = hidden_TD.shape[0]
         logits_TE = gate_logits(hidden_TD, self.weight)
         scores_TE = torch.softmax(logits_TE, dim=-1)
-        groups_NG = group_tokens((T, 1) if seq_shape is None else seq_shape, cfg.group_size).to(hidden_TD.device)
+        seq = (T, 1) if seq_shape is None else seq_shape
+        groups_NG = group_tokens(seq, cfg.group_size, cfg.reference, cfg.num_experts).to(hidden_TD.device)
         N, G = groups_NG.shape
         capacity = self.capacity(G)
         # Top-C along each group's token axis: expert e's column keeps its C best tokens of the group

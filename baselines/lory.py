@@ -21,6 +21,24 @@ The first segment (a switchable default, ``first_segment_grad``):
     (the suite's earlier behaviour, kept for comparison). Either way the forward of segment 0 uses its
     own tokens, as published.
 
+The dense start (a switchable default, ``dense_fraction``):
+    The paper trains the model dense for the first 5% of the steps and then copies the FFN into every
+    expert (Sec. 4.1 and Appendix G.3, "crucial" for the experts to be used). Here the router carries the
+    schedule: ``dense_steps = round(dense_fraction * schedule_steps)`` (``schedule_steps`` is filled with
+    the run's ``schedule.steps`` by the run config; without it, e.g. a router built outside a training
+    run, there is no dense phase). While ``step < dense_steps`` the merge layer
+    (:class:`baselines.lory_layer.LoryMoELayer`) runs one dense FFN on every token and the router is not
+    used (its weight W_r gets no gradient: ``requires_grad`` is off, so the CPU path's AdamW, which reads
+    ``.grad``, neither updates it nor counts the step, as if the router were created at the switch;
+    megatron's GPU optimizer copies every parameter's zero ``main_grad`` instead, so there W_r takes
+    zero-gradient steps: weight decay only, and Adam's bias correction counts them, which makes its first
+    updates after the switch larger than a fresh optimizer's). The dense FFN is held as E tied
+    copies in the experts' parameters: they start equal (expert 0's initialisation copied into every
+    expert) and each receives the same gradient, so they stay bit-identical and at the switch step every
+    expert *is* the dense FFN, with the same optimizer state: the paper's copy, with nothing to do at
+    the switch and nothing outside the state dict (the phase is derived from the ``step`` buffer, so a
+    resume before, at or after the switch is exact). ``dense_fraction=0`` turns the dense start off.
+
 Shape legend: T tokens (t = s * B + b), S sequence length, B sequences, D hidden size, E experts,
 G segments per sequence (see :mod:`routers.base`).
 """
@@ -51,11 +69,17 @@ class LoryConfig(RouterConfig):
         first_segment_grad: what learns from the first segment's routing: "none" (default, the paper's
             stop-gradient on R(mean of segment 0)) or "router" (only the mean is detached; W_r learns).
         init_std: std of the normal initialisation of the routing weight W_r.
+        dense_fraction: share of the run's steps trained dense before the experts are the FFN's copies
+            (paper: 0.05; 0 turns the dense start off). See the module docstring.
+        schedule_steps: the run's total steps (filled with ``schedule.steps`` by the run config); None
+            means no dense phase.
     """
 
     segment_len: int = 256
     first_segment_grad: str = "none"
     init_std: float = 0.01
+    dense_fraction: float = 0.05
+    schedule_steps: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -66,6 +90,15 @@ class LoryConfig(RouterConfig):
                 f"first_segment_grad must be one of {FIRST_SEGMENT_GRADS}, got {self.first_segment_grad!r}"
             )
         check_init_std(self.init_std)
+        if not 0 <= self.dense_fraction < 1:
+            raise ValueError(f"dense_fraction must be in [0, 1), got {self.dense_fraction}")
+        if self.schedule_steps is not None and self.schedule_steps < 1:
+            raise ValueError(f"schedule_steps must be None or >= 1, got {self.schedule_steps}")
+
+    @property
+    def dense_steps(self) -> int:
+        """Steps trained dense: ``round(dense_fraction * schedule_steps)``, 0 without ``schedule_steps``."""
+        return 0 if self.schedule_steps is None else round(self.dense_fraction * self.schedule_steps)
 
 
 def num_segments(seq_len: int, segment_len: int) -> int:
@@ -104,6 +137,11 @@ def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, se
     return (sums_GBD / counts_G[:, None, None]).permute(1, 0, 2)
 
 
+def _sync_phase_after_load(module: LoryRouter, _incompatible_keys) -> None:
+    """``load_state_dict`` post-hook: the dense phase follows the loaded ``step`` buffer."""
+    module._sync_phase(int(module.step))
+
+
 @register_router("lory")
 class LoryRouter(Router):
     """Lory's causal segment routing (Zhong et al. 2024).
@@ -122,6 +160,9 @@ class LoryRouter(Router):
     Every token of a segment gets that segment's weights as ``probs [T, E]``; ``routing_map`` is all
     True (kind MERGE: the merge layer mixes all E experts' parameters). W_r is float32, bias-free,
     N(0, init_std^2). The whole path is differentiable and there is no aux loss.
+
+    For the first ``config.dense_steps`` steps (:attr:`dense_phase`) the merge layer trains one dense FFN
+    and does not call the router (the module docstring).
     """
 
     Config = LoryConfig
@@ -144,6 +185,24 @@ class LoryRouter(Router):
     def __init__(self, config: LoryConfig) -> None:
         super().__init__(config)
         self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
+        # The phase follows the step buffer: set by set_step, recomputed when a state dict is loaded.
+        self._dense_phase = config.dense_steps > 0
+        self.register_load_state_dict_post_hook(_sync_phase_after_load)
+
+    @property
+    def dense_phase(self) -> bool:
+        """Whether the model trains dense at the current step (``step < config.dense_steps``)."""
+        return self._dense_phase
+
+    def _sync_phase(self, step: int) -> None:
+        self._dense_phase = step < self.config.dense_steps
+
+    def set_step(self, step: int) -> None:
+        """Set the step; in the dense phase W_r takes no gradient (no AdamW step, no decay), after it it does."""
+        super().set_step(step)
+        self._sync_phase(int(step))
+        if self.config.dense_steps > 0:
+            self.weight.requires_grad_(not self._dense_phase)
 
     @property
     def constraint(self) -> RoutingConstraint:

@@ -28,6 +28,15 @@ sequence, prompt and continuation alike. The lm-eval bridge scores ``context + c
 forward with the context length as the prompt length. Outside the context (training, validation loss)
 the layer routes per segment as in training.
 
+The dense start (``LoryConfig.dense_fraction``, the paper's Sec. 4.1 / Appendix G.3): while the router
+reports :attr:`~baselines.lory.LoryRouter.dense_phase`, the layer runs one dense SwiGLU FFN on every
+token without calling the router. That FFN is the experts' parameters tied: the layer makes every expert a
+copy of expert 0 when it is built with a dense phase, the forward uses expert 0's values
+(``W_0 + sum_e (W_e - stopgrad(W_e)) / sqrt(E)``, exactly W_0) and every expert receives the dense gradient
+divided by sqrt(E): the E copies together have the dense FFN's gradient norm, so global-norm clipping acts
+as on the dense model, and AdamW's update does not depend on the scale (up to its eps). The experts thus stay
+bit-identical, and at the switch each is the trained dense FFN.
+
 Constraints: all experts must be local (expert parallel 1) with expert tensor parallel 1, no biases,
 SwiGLU experts (``gated_linear_unit`` with SiLU). The experts are megatron's ``SequentialMLP`` (the local
 spec), so parameter names and initialisation are those of every other MoE model of the suite.
@@ -88,10 +97,39 @@ class LoryMoELayer(MoELayer):
             raise ValueError("Lory needs expert tensor parallel size 1")
         if not config.gated_linear_unit or config.activation_func is not F.silu or config.add_bias_linear:
             raise ValueError("Lory's merge is implemented for bias-free SwiGLU experts")
+        if self._dense_steps() > 0:
+            # The dense start trains the experts as tied copies of one FFN: they start equal.
+            with torch.no_grad():
+                first = self.experts.local_experts[0]
+                for expert in self.experts.local_experts[1:]:
+                    expert.linear_fc1.weight.copy_(first.linear_fc1.weight)
+                    expert.linear_fc2.weight.copy_(first.linear_fc2.weight)
         # Per-sequence prompt lengths, set only inside routers.megatron_adapter.prompt_routing (never outlives that block).
         self._prompt_lengths_B: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- helpers
+    def _dense_steps(self) -> int:
+        """The router's ``dense_steps`` (0 for a router without a dense start)."""
+        inner = getattr(self.router, "router", self.router)
+        return int(getattr(getattr(inner, "config", None), "dense_steps", 0))
+
+    def in_dense_phase(self) -> bool:
+        """Whether the router says the model is still dense at this step."""
+        inner = getattr(self.router, "router", self.router)
+        return bool(getattr(inner, "dense_phase", False))
+
+    def dense_ffn_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(fc1 [2F, H], fc2 [H, F])`` of the dense FFN: expert 0's values, each expert's gradient / sqrt(E).
+
+        ``W_e - stopgrad(W_e)`` is exactly zero, so the value is W_0 to the bit; its gradient with respect
+        to every ``W_e`` is the dense FFN's gradient times ``1 / sqrt(E)``.
+        """
+        fc1_EGH, fc2_EHF = self.expert_weights()
+        scale = fc1_EGH.shape[0] ** -0.5
+        fc1_GH = fc1_EGH[0].detach() + ((fc1_EGH - fc1_EGH.detach()) * scale).sum(0)
+        fc2_HF = fc2_EHF[0].detach() + ((fc2_EHF - fc2_EHF.detach()) * scale).sum(0)
+        return fc1_GH, fc2_HF
+
     @property
     def segment_length(self) -> int:
         """The Lory router's ``segment_len`` (default 256 for a router without one)."""
@@ -151,6 +189,12 @@ class LoryMoELayer(MoELayer):
         if intermediate_tensors is not None or padding_mask is not None:
             raise NotImplementedError("LoryMoELayer supports neither intermediate_tensors nor padding_mask")
         S, B, H = hidden_states.shape
+        if self.in_dense_phase():
+            fc1_GH, fc2_HF = self.dense_ffn_weights()
+            x_1TH = hidden_states.reshape(1, S * B, H)
+            one_11 = torch.ones(1, 1, dtype=fc1_GH.dtype, device=fc1_GH.device)
+            y_1TH = lory_merged_ffn(x_1TH, one_11, fc1_GH[None], fc2_HF[None])
+            return y_1TH.reshape(S, B, H).to(hidden_states.dtype), None
         fc1_EGH, fc2_EHF = self.expert_weights()
         L = self.segment_length
         if self._prompt_lengths_B is not None:

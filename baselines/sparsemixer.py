@@ -13,6 +13,8 @@ Two published settings, one flag apart (``reference``):
 jitter eps          0.01                                 0.1
 balancing loss      alpha = 1e-3, f from the top-k of    alpha = 1e-2, f from the sampled experts
                     the plain softmax of the logits
+loss scope          one loss over all layers' logits     one loss per layer (each weighted by alpha)
+                    pooled (``balance_scope="pooled"``)   (``balance_scope="per-layer"``)
 source              GRIN / Phi-3.5-MoE configuration     microsoft/SparseMixer ``SparseMixerV2``
                     (``router_jitter_noise: 0.01``) and   (``jitter_eps=0.1`` default; its optional
                     GRIN's model code (aux loss 1e-3      ``compute_balance_loss`` counts the sampled
@@ -31,6 +33,24 @@ The balancing loss is megatron-core's ``switch_load_balancing_loss_func``,
 mean softmax probability. Deviation (documented, not switchable): GRIN's model code (the Mixtral-style
 ``load_balancing_loss_func``) normalises ``f`` by T instead of ``k T``, so at k = 2 its loss is twice
 megatron's for the same alpha; the suite keeps megatron's normalisation, shared with Switch.
+
+The pooled loss (``balance_scope="pooled"``, GRIN's): GRIN's model code (Phi-3.5-MoE's
+``load_balancing_loss_func``, Mixtral-style) concatenates the router logits of all L layers into one
+``[L T, E]`` tensor and computes one loss on it, weighted once by alpha; megatron (and the
+``"per-layer"`` scope) adds one loss per layer, each weighted by alpha. With the layers' assignment shares
+``f_l`` and mean probabilities ``P_l``, the pooled loss is ``alpha E sum_e fbar_e Pbar_e`` with
+``fbar = mean_l f_l``, ``Pbar = mean_l P_l``: bilinear, with cross-layer terms ``f_l . P_m``, so it is *not* a
+sum of per-layer terms, and its gradient with respect to layer m's logits, ``(alpha E / L) sum_e fbar_e
+dP_me``, needs every layer's counts, later layers' included. It is ``1/L`` of the per-layer loss's gradient
+when the layers' counts agree (so the per-layer scope balances about L times as hard: 12x at 185M, k = 1).
+The design: the routers of one model share a :class:`BalancePool` (the model builder calls
+:meth:`SparseMixerRouter.link_layers` with them); in a training forward each layer adds its softmax scores
+(with their graph) and counts, and the layer that completes the set (the last) returns the pooled loss,
+``switch_load_balancing_loss_func`` on the concatenated scores, as its ``load_balancing_loss``: exact in
+value and gradient (autograd carries it back to every layer's logits), and the per-layer aux losses the
+trainer sums add up to it. A router used alone (no pool) pools its one layer, the per-layer loss. Not
+supported with activation recomputation or pipeline stages (a layer's scores must be in the pool once per
+forward), which the suite does not use.
 
 Shape legend: T tokens, D hidden size, E experts, k experts per token (see :mod:`routers.base`).
 """
@@ -52,12 +72,13 @@ from routers.registry import register_router
 HEUN_FULL_PROBABILITY = 0.25
 HEUN_MIDPOINT_SCALE = 1.0 / 3.0
 
-#: ``reference`` presets: (jitter_eps, aux_loss_coeff, balance_map); see the module docstring.
-REFERENCE_SETTINGS: dict[str, tuple[float, float, str]] = {
-    "grin": (0.01, 1e-3, "topk"),
-    "sparsemixer-repo": (0.1, 1e-2, "sampled"),
+#: ``reference`` presets: (jitter_eps, aux_loss_coeff, balance_map, balance_scope); see the module docstring.
+REFERENCE_SETTINGS: dict[str, tuple[float, float, str, str]] = {
+    "grin": (0.01, 1e-3, "topk", "pooled"),
+    "sparsemixer-repo": (0.1, 1e-2, "sampled", "per-layer"),
 }
 BALANCE_MAPS = ("topk", "sampled")
+BALANCE_SCOPES = ("pooled", "per-layer")
 
 
 @dataclass(frozen=True)
@@ -73,6 +94,8 @@ class SparseMixerConfig(RouterConfig):
             off. None: the preset's (1e-3 / 1e-2).
         balance_map: which experts ``f_i`` counts: "topk" (the k largest of the plain softmax, GRIN's model
             code) or "sampled" (the experts the router selected, the repository module). None: the preset's.
+        balance_scope: "pooled" (one loss over all layers' logits, GRIN's model code) or "per-layer" (one
+            loss per layer, each weighted by alpha: megatron's, the repository module's). None: the preset's.
         init_std: std of the normal initialisation of the gate weight.
     """
 
@@ -80,6 +103,7 @@ class SparseMixerConfig(RouterConfig):
     jitter_eps: float | None = None
     aux_loss_coeff: float | None = None
     balance_map: str | None = None
+    balance_scope: str | None = None
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
@@ -94,6 +118,8 @@ class SparseMixerConfig(RouterConfig):
             raise ValueError(f"aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
         if self.balance_map is not None and self.balance_map not in BALANCE_MAPS:
             raise ValueError(f"balance_map must be one of {BALANCE_MAPS}, got {self.balance_map!r}")
+        if self.balance_scope is not None and self.balance_scope not in BALANCE_SCOPES:
+            raise ValueError(f"balance_scope must be one of {BALANCE_SCOPES}, got {self.balance_scope!r}")
         check_init_std(self.init_std)
 
     @property
@@ -110,6 +136,46 @@ class SparseMixerConfig(RouterConfig):
     def effective_balance_map(self) -> str:
         """``balance_map``, or the ``reference`` preset's."""
         return REFERENCE_SETTINGS[self.reference][2] if self.balance_map is None else self.balance_map
+
+    @property
+    def effective_balance_scope(self) -> str:
+        """``balance_scope``, or the ``reference`` preset's."""
+        return REFERENCE_SETTINGS[self.reference][3] if self.balance_scope is None else self.balance_scope
+
+
+class BalancePool:
+    """The layers' softmax scores and assignment counts of one training forward, pooled into one loss.
+
+    Shared by the SparseMixer routers of one model (:meth:`SparseMixerRouter.link_layers`). Each layer adds
+    its entry once per forward; the entry that completes the set returns everything concatenated, and the
+    pool empties for the next forward. A layer that finds its own entry already there (a forward that
+    stopped midway) starts the pool again.
+
+    Args:
+        num_layers: L, the layers whose logits are pooled.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.num_layers = num_layers
+        self._entries: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def add(
+        self, layer: int | None, scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Add one layer's ``scores_TE`` (with their graph) and ``tokens_per_expert_E``.
+
+        Returns:
+            ``(scores [L T, E], tokens_per_expert [E])`` over all layers, in layer order, when this entry
+            completes the set; otherwise None.
+        """
+        if layer in self._entries:
+            self._entries.clear()
+        self._entries[layer] = (scores_TE, tokens_per_expert_E)
+        if len(self._entries) < self.num_layers:
+            return None
+        entries = [self._entries[key] for key in sorted(self._entries, key=lambda k: -1 if k is None else k)]
+        self._entries.clear()
+        return torch.cat([e[0] for e in entries]), torch.stack([e[1] for e in entries]).sum(0)
 
 
 class SparseMixerV2Estimator(torch.autograd.Function):
@@ -195,7 +261,8 @@ class SparseMixerRouter(Router):
     ``dL/dlogits = g * pi_i * (e_i - pi)`` (g the incoming gradient of the weight), summed over the k
     selections. With an aux-loss coefficient > 0, the switch load-balancing loss on the plain softmax of
     the logits is added in training (megatron-core's ``switch_load_balancing_loss_func``), its token counts
-    taken from the softmax's top-k or from the sampled experts (``balance_map``).
+    taken from the softmax's top-k or from the sampled experts (``balance_map``), one loss per layer or one
+    over all layers' logits (``balance_scope``, the module docstring).
     """
 
     Config = SparseMixerConfig
@@ -203,6 +270,40 @@ class SparseMixerRouter(Router):
     def __init__(self, config: SparseMixerConfig) -> None:
         super().__init__(config)
         self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
+        self._layer_number: int | None = None
+        self._pool: BalancePool | None = None  # a plain attribute: per-forward state, not in the state dict
+
+    @classmethod
+    def link_layers(cls, routers: list[SparseMixerRouter]) -> None:
+        """Give the SparseMixer routers of one model a shared :class:`BalancePool` (the pooled loss).
+
+        Called by the model builder (``repro.model.builder.build_model``) with every router of this class
+        in the model, once it is built.
+        """
+        pool = BalancePool(len(routers))
+        for router in routers:
+            router._pool = pool
+
+    def set_layer_number(self, layer_number: int) -> None:
+        """Keep the layer number: the pool's key for this layer's entry."""
+        self._layer_number = layer_number
+
+    def balance_loss(self, scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor | None:
+        """The training balancing loss this layer returns (alpha applied), or None.
+
+        Per layer (or alone, without a pool): megatron's switch loss on this layer's scores. Pooled: None
+        until the last layer of the forward, which returns the switch loss of all layers' concatenated
+        scores and summed counts, ``alpha E sum_e fbar_e Pbar_e`` (the module docstring).
+        """
+        cfg = self.config
+        alpha, k, E = cfg.effective_aux_loss_coeff, cfg.top_k, cfg.num_experts
+        if cfg.effective_balance_scope == "per-layer" or self._pool is None:
+            return switch_load_balancing_loss_func(scores_TE, tokens_per_expert_E, scores_TE.shape[0], k, E, alpha)
+        pooled = self._pool.add(self._layer_number, scores_TE, tokens_per_expert_E)
+        if pooled is None:
+            return None
+        scores_NE, tokens_E = pooled
+        return switch_load_balancing_loss_func(scores_NE, tokens_E, scores_NE.shape[0], k, E, alpha)
 
     @property
     def constraint(self) -> RoutingConstraint:
@@ -223,7 +324,8 @@ class SparseMixerRouter(Router):
             seq_shape: unused.
 
         Returns:
-            :class:`RouterOutput` with ``load_balancing_loss`` in training (when enabled) and the extra
+            :class:`RouterOutput` with ``load_balancing_loss`` in training (when enabled; pooled, only from
+            the forward's last layer, which carries all layers' loss) and the extra
             metrics ``sampled_not_argmax`` (share of selections that were not the arg-max), ``mean_scale``
             (mean Heun factor) and ``balance_loss`` (unscaled).
         """
@@ -255,9 +357,9 @@ class SparseMixerRouter(Router):
         aux_losses: dict[str, torch.Tensor] = {}
         alpha = cfg.effective_aux_loss_coeff
         if self.training and torch.is_grad_enabled() and alpha > 0:
-            aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
-                scores_TE, tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, alpha
-            )
+            loss = self.balance_loss(scores_TE, tokens_per_expert_E)
+            if loss is not None:
+                aux_losses["load_balancing_loss"] = loss
 
         metrics = routing_metrics(probs_TE, routing_map_TE)
         with torch.no_grad():

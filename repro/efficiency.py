@@ -33,7 +33,8 @@ Defaults, each one option away:
    directly, up to the data-parallel all-reduce of 8 GPUs. The ``tiny`` flavour keeps its recipe's 8
    sequences of 128 per device (micro-batch 4, 2 steps).
 3. **The first iterations of the recipe's run** (``--warmup``, ``--iters``): the experiment keeps its schedule
-   (LR warm-up, DirMoE's temperature and prior schedules at their start) and is stopped after
+   (LR warm-up, DirMoE's temperature and prior schedules at their start; a dense start, Lory's, is turned off
+   with ``router.options.dense_fraction=0`` so that the routed model is timed) and is stopped after
    ``warmup + iters`` iterations, so no checkpoint is written (the trainer writes one only at the schedule's
    end); validation is off. Routing is therefore measured near initialisation: the table's "active experts"
    and measured TFLOP/s say how many experts the variable-k routers used.
@@ -262,6 +263,7 @@ def efficiency_overrides(
         f"schedule.steps={max(base.schedule.steps, steps + 1)}",
         "checkpoint.interval=0",
         "validation.interval=0",
+        *_routed_from_the_start(base.router.name),
         *overrides,
     ]
     # The global batch follows the micro-batch and tensor-parallel size the overrides leave; read them as
@@ -291,6 +293,16 @@ def efficiency_overrides(
     if config.schedule.steps <= steps:
         raise ReproError(f"schedule.steps={config.schedule.steps}: must be above the {steps} iterations run")
     return [*own, f"data.global_batch_size={global_batch}"]
+
+
+def _routed_from_the_start(router: str | None) -> list[str]:
+    """``router.options.dense_fraction=0`` for a router with a dense start (Lory's first 5% of steps): the
+    first iterations a run measures would otherwise time the dense FFN, not the routed model."""
+    from repro.training.config import MEGATRON_ROUTER, _router_option_fields
+
+    if router is None or router == MEGATRON_ROUTER or "dense_fraction" not in _router_option_fields(router):
+        return []
+    return ["router.options.dense_fraction=0"]
 
 
 def efficiency_config(router: str, flavour: str, **kwargs: Any):

@@ -61,10 +61,12 @@ def test_all_six_baselines_are_registered():
         ("sparsemixer", {"top_k": 3}, "top_k"),
         ("sparsemixer", {"reference": "phi"}, "reference"),
         ("sparsemixer", {"balance_map": "all"}, "balance_map"),
+        ("sparsemixer", {"balance_scope": "model"}, "balance_scope"),
         ("expert_choice", {"eval_capacity_factor": 0.0}, "eval_capacity_factor"),
         ("expert_choice", {"group_size": 0}, "group_size"),
         ("expert_choice", {"group_size": "batch"}, "group_size"),
         ("expert_choice", {"z_loss_coeff": -1.0}, "z_loss_coeff"),
+        ("expert_choice", {"reference": "t5x"}, "reference"),
     ],
 )
 def test_invalid_options_name_the_field(name, options, field):
@@ -475,10 +477,11 @@ def _zipf_counts(V: int = 1000, seed: int = 0) -> np.ndarray:
     return rng.permutation(counts)
 
 
+@pytest.mark.parametrize("rule", ["greedy", "random-greedy"])
 @pytest.mark.parametrize("k", [1, 2])
-def test_hash_balanced_table_balances_the_corpus_load(k):
+def test_hash_balanced_table_balances_the_corpus_load(k, rule):
     counts = _zipf_counts()
-    table = balanced_table(counts, E, k, seed=3)
+    table = balanced_table(counts, E, k, seed=3, rule=rule)
     assert table.shape == (1000, k) and all(len(set(row.tolist())) == k for row in table)
     load_E = np.zeros(E, dtype=np.int64)
     for token, experts in enumerate(table.tolist()):
@@ -494,8 +497,9 @@ def test_hash_balanced_table_balances_the_corpus_load(k):
     # Unseen ids are spread round-robin; the table is a function of the seed.
     unseen = np.flatnonzero(counts == 0)
     assert np.bincount(table[unseen].reshape(-1).numpy(), minlength=E).max() <= math.ceil(len(unseen) * k / E)
-    assert torch.equal(table, balanced_table(counts, E, k, seed=3))
-    assert not torch.equal(table, balanced_table(counts, E, k, seed=4))
+    assert torch.equal(table, balanced_table(counts, E, k, seed=3, rule=rule))
+    # The paper's greedy draws nothing; the randomised rule is a function of the seed.
+    assert torch.equal(table, balanced_table(counts, E, k, seed=4, rule=rule)) == (rule == "greedy")
 
 
 def test_hash_balanced_router_reads_counts_and_checkpoints_its_table(tmp_path):
@@ -699,8 +703,10 @@ def test_sparsemixer_top2_router_backward_sums_both_estimators():
 def test_sparsemixer_defaults_follow_grin_and_the_repository_setting_is_one_flag_away():
     grin = SparseMixerConfig(hidden_size=D, num_experts=E)
     assert (grin.effective_jitter_eps, grin.effective_aux_loss_coeff, grin.effective_balance_map) == (0.01, 1e-3, "topk")
+    assert grin.effective_balance_scope == "pooled"
     repo = SparseMixerConfig(hidden_size=D, num_experts=E, reference="sparsemixer-repo")
     assert (repo.effective_jitter_eps, repo.effective_aux_loss_coeff, repo.effective_balance_map) == (0.1, 1e-2, "sampled")
+    assert repo.effective_balance_scope == "per-layer"
     mixed = SparseMixerConfig(hidden_size=D, num_experts=E, reference="sparsemixer-repo", jitter_eps=0.05)
     assert (mixed.effective_jitter_eps, mixed.effective_aux_loss_coeff) == (0.05, 1e-2)  # a field overrides
 

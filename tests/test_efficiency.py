@@ -120,6 +120,11 @@ def test_the_papers_batch_on_eight_gpus_and_its_per_gpu_work_on_one():
     # overrides after the command's own; the global batch follows the micro-batch they set
     custom = efficiency_overrides("switch", "llama-185m", devices=2, steps=5, overrides=["data.micro_batch_size=8"])
     assert custom[-1] == "data.global_batch_size=64"  # 8 x 4 x 2
+    # Lory's dense start (its first 5% of steps) is off: the iterations measured are the routed model's.
+    lory = efficiency_config("lory", "llama-185m", devices=1, steps=23)
+    assert lory.router.options["dense_fraction"] == 0 and "dense_fraction" not in one.router.options
+    kept = efficiency_config("lory", "tiny", steps=5, overrides=["router.options.dense_fraction=0.1"])
+    assert kept.router.options["dense_fraction"] == 0.1  # an explicit --set still wins
 
 
 def _error(capsys, argv: list[str]) -> str:

@@ -366,6 +366,17 @@ def test_routing_metrics_are_per_model_and_reset():
     assert collect_aux_losses(a) == {}
 
 
+def test_sparsemixer_routers_of_a_model_pool_their_balance_loss():
+    model = tiny("sparsemixer").train()
+    adapters = router_adapters(model)
+    pools = {id(a.router._pool) for a in adapters}
+    assert len(adapters) == 2 and len(pools) == 1 and adapters[0].router._pool.num_layers == 2
+    lm_loss(model).backward()
+    # GRIN's one loss over both layers' logits, carried by the forward's last layer.
+    assert [sorted(a.last_aux_losses) for a in adapters] == [[], ["load_balancing_loss"]]
+    assert all(a.router.weight.grad is not None for a in adapters)
+
+
 # ------------------------------------------------------------------------------------ Lory
 def _expert_weights(layer: LoryMoELayer):
     fc1_EGH, fc2_EHF = layer.expert_weights()
@@ -424,6 +435,52 @@ def test_lory_layer_merges_per_segment_with_the_routers_weights():
     hidden2 = hidden_SBH.detach().clone()
     hidden2[4:] = torch.randn(S - 4, B, H)
     torch.testing.assert_close(layer(hidden2)[0].detach()[:4], out_SBH.detach()[:4])
+
+
+def test_lory_dense_start_trains_one_ffn_held_as_tied_experts():
+    # schedule_steps=100 at the default 5%: steps 0-4 are dense.
+    model = tiny("lory", {"segment_len": 4, "schedule_steps": 100})
+    layer = model.decoder.layers[0].mlp
+    router = layer.router.router
+    assert router.config.dense_steps == 5 and router.dense_phase
+    fc1_EGH, fc2_EHF = _expert_weights(layer)
+    assert all(torch.equal(fc1_EGH[e], fc1_EGH[0]) and torch.equal(fc2_EHF[e], fc2_EHF[0]) for e in range(8))
+    router.set_step(4)
+    assert router.dense_phase and not router.weight.requires_grad
+    S, B, H = 10, 2, 128
+    hidden_SBH = torch.randn(S, B, H)
+    out_SBH, _ = layer(hidden_SBH)
+    # The dense phase runs expert 0 (any expert: they are equal) on every token, to the bit.
+    with torch.no_grad():
+        expert_SBH = layer.experts.local_experts[0](hidden_SBH.reshape(S * B, H))[0].reshape(S, B, H)
+    torch.testing.assert_close(out_SBH.detach(), expert_SBH, rtol=1e-6, atol=1e-7)
+    out_SBH.square().sum().backward()
+    # Every expert gets the dense FFN's gradient / sqrt(8): the same for all, and the router none.
+    grads = [e.linear_fc1.weight.grad for e in layer.experts.local_experts]
+    assert grads[0].abs().sum() > 0 and all(torch.equal(g, grads[0]) for g in grads)
+    dense = layer.experts.local_experts[0]
+    w1 = dense.linear_fc1.weight.detach().clone().requires_grad_(True)
+    w2 = dense.linear_fc2.weight.detach().clone().requires_grad_(True)
+    ref = lory_merged_ffn(hidden_SBH.reshape(1, S * B, H), torch.ones(1, 1), w1[None], w2[None])
+    ref.square().sum().backward()
+    torch.testing.assert_close(grads[0], w1.grad / 8**0.5, rtol=1e-5, atol=1e-8)
+    assert router.weight.grad is None
+    # From the switch on, the router routes and learns; the phase follows the step buffer on load.
+    router.set_step(5)
+    assert not router.dense_phase and router.weight.requires_grad
+    layer(hidden_SBH)[0].sum().backward()
+    assert router.weight.grad is not None
+    state = router.state_dict()
+    fresh = tiny("lory", {"segment_len": 4, "schedule_steps": 100}).decoder.layers[0].mlp.router.router
+    assert fresh.dense_phase
+    fresh.load_state_dict(state)
+    assert not fresh.dense_phase
+    # No schedule (a router built outside a run) or dense_fraction=0: no dense phase, experts drawn apart.
+    for options in ({}, {"schedule_steps": 100, "dense_fraction": 0.0}):
+        other = tiny("lory", options).decoder.layers[0].mlp
+        assert not other.router.router.dense_phase
+        fc1_EGH, _ = _expert_weights(other)
+        assert not torch.equal(fc1_EGH[1], fc1_EGH[0])
 
 
 def test_lory_prompt_routing_routes_once_on_the_prompt():

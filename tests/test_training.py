@@ -139,14 +139,17 @@ def _final_state(out: Path) -> dict:
     return torch.load(files[-1], map_location="cpu", weights_only=True)  # tensors and plain data only
 
 
-@pytest.mark.parametrize("router", ["dirmoe", "remoe", "hash"])
+@pytest.mark.parametrize("router", ["dirmoe", "remoe", "hash", "lory"])
 def test_resume_after_kill_is_bit_identical(router, tmp_path):
     from repro.training.trainer import train
 
     # dirmoe draws noise and runs step schedules, remoe adapts a buffer after every step, hash holds a
     # table: each is state a resume must carry. Validation every 2 steps checks eval leaves no trace.
+    # lory trains dense for steps 0-1 (0.4 of 5): the resume from step 2's checkpoint starts at the switch.
+    lory = ["router.options.dense_fraction=0.4"] if router == "lory" else []
     exp = _experiment(
-        router, ["schedule.steps=5", "checkpoint.interval=2", "validation.interval=2", "data.synthetic_samples=0"]
+        router,
+        ["schedule.steps=5", "checkpoint.interval=2", "validation.interval=2", "data.synthetic_samples=0", *lory],
     )
     full, killed = tmp_path / "full", tmp_path / "killed"
     train(exp, full, progress=False)
@@ -166,6 +169,41 @@ def test_resume_after_kill_is_bit_identical(router, tmp_path):
         if torch.is_tensor(value_a):
             assert torch.equal(value_a, value_b), key  # weights and router buffers (step, coefficients, tables)
     assert any(k.endswith("router.step") for k in sa["model"])
+
+
+def test_lory_switches_from_dense_to_copies_of_the_ffn_and_trains_on(tmp_path):
+    from repro.training.trainer import train
+
+    # 6 steps at dense_fraction 0.5: steps 0-2 dense, the experts copies of the FFN at the switch (step 3).
+    exp = _experiment("lory", ["router.options.dense_fraction=0.5", "checkpoint.interval=1"])
+    train(exp, tmp_path, progress=False)
+    states = {
+        int(f.parent.name.split("_")[1]): torch.load(f, map_location="cpu", weights_only=True)["model"]
+        for f in (tmp_path / "checkpoints").glob("step_*/rank_00000.pt")
+    }
+    assert sorted(states) == [1, 2, 3, 4, 5, 6]
+
+    def experts(state, layer):  # fc1 and fc2 of every expert of one layer
+        prefix = f"decoder.layers.{layer}.mlp.experts.local_experts."
+        return [[state[f"{prefix}{e}.{w}.weight"] for e in range(8)] for w in ("linear_fc1", "linear_fc2")]
+
+    def router_weight(state, layer):
+        return next(v for k, v in state.items() if k.startswith(f"decoder.layers.{layer}.") and k.endswith("router.weight"))
+
+    for layer in (0, 1):
+        for step in (1, 3):  # in the dense phase and at the switch: E identical copies, trained
+            for copies in experts(states[step], layer):
+                assert all(torch.equal(w, copies[0]) for w in copies)
+        assert not torch.equal(experts(states[3], layer)[0][0], experts(states[1], layer)[0][0])
+        # The router is not trained before the switch (no gradient, no decay), and is after it.
+        assert torch.equal(router_weight(states[1], layer), router_weight(states[3], layer))
+        assert not torch.equal(router_weight(states[3], layer), router_weight(states[6], layer))
+        # After the switch the experts part: the segment weights differ, and so do their gradients.
+        fc1 = experts(states[6], layer)[0]
+        assert not all(torch.equal(w, fc1[0]) for w in fc1)
+    records = _read_log(tmp_path)
+    assert all(math.isfinite(r["loss"]) for r in records)
+    assert records[-1]["active_experts"] is not None and len(records[-1]["active_experts"]) == 2
 
 
 def test_resume_errors_name_the_path(tmp_path):

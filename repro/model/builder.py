@@ -22,7 +22,9 @@ Forward (megatron's GPTModel)::
 
 Routers: ``router_name`` is a registered name (``routers.available_routers()``) plugged in through
 ``MoESubmodules.router`` via :mod:`routers.megatron_adapter`; a router whose class names its own MoE layer
-(``Router.moe_layer_class()``, Lory's parameter-merging layer) gets that layer with local experts; and
+(``Router.moe_layer_class()``, Lory's parameter-merging layer) gets that layer with local experts; a router
+class with a ``link_layers`` classmethod is given its routers of the built model (SparseMixer-v2's loss
+pooled over the layers); and
 ``"megatron"`` keeps megatron-core's own
 ``TopKRouter`` (softmax before top-k, load-balancing aux loss; options ``aux_loss_coeff`` (1e-2),
 ``z_loss_coeff``, ``capacity_factor``) for comparisons. Dense flavours take no router.
@@ -373,4 +375,22 @@ def build_model(
         model.cuda(torch.cuda.current_device())
     model.flavour = flavour
     model.backend = backend
+    _link_router_layers(model)
     return model
+
+
+def _link_router_layers(model: torch.nn.Module) -> None:
+    """Hand every router class that defines ``link_layers`` the list of its routers in ``model`` (layer order).
+
+    Routers whose loss spans the layers of one forward (SparseMixer-v2's pooled balancing loss, GRIN's) share
+    state through it; the others are left alone.
+    """
+    from routers.schedule import routers_in
+
+    by_class: dict[type, list] = {}
+    for router in routers_in(model):
+        by_class.setdefault(type(router), []).append(router)
+    for cls, members in by_class.items():
+        link = getattr(cls, "link_layers", None)
+        if link is not None:
+            link(members)
