@@ -495,7 +495,7 @@ def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
     from repro.report.stats import holm
 
     records, table = _seed_runs()
-    comparison = compare_over_seeds(records)
+    comparison = compare_over_seeds(records, family="column")
     assert comparison.test == "seeds" and comparison.reference == "switch"
     assert comparison.seeds == {"remoe": (1, 2), "switch": (1, 2, 3), "dirmoe": (1, 2, 3)}
     rendered = seed_zero_shot_table(comparison)
@@ -523,7 +523,33 @@ def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
     avg_dirmoe = [(c + w) / 2 for c, w in zip(cont["dirmoe"], last["dirmoe"])]
     assert rows["dirmoe"][4].startswith(expected_cell(avg_dirmoe))
     assert "95% Student-t confidence interval" in rendered.caption and "paired t-test over the seeds" in rendered.caption
-    assert "Holm" in rendered.caption
+    assert "Holm-adjusted over the routers of each column (family: a column" in rendered.caption
+    # the default family: every test of the table (3 columns x 2 routers), adjusted together
+    whole = compare_over_seeds(records)
+    tests = {(r, c): s.test.p_value for r, cells in whole.cells.items() for c, s in cells.items() if s.test is not None}
+    assert len(tests) == 6 and whole.family == "table"
+    for (router, column), p in zip(tests, holm(list(tests.values()))):
+        assert whole.cells[router][column].adjusted_p == pytest.approx(p)
+    assert "Holm-adjusted over all 6 tests of this table (family: the table" in seed_zero_shot_table(whole).caption
+
+
+def test_seed_tables_leave_a_constant_difference_unmarked_with_a_footnote():
+    from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
+
+    # two seeds, dirmoe exactly 10 points above switch on both: t = inf, p = 0 before; undefined now
+    scores = {("switch", 1): 0.30, ("switch", 2): 0.35, ("dirmoe", 1): 0.40, ("dirmoe", 2): 0.45}
+    records = [
+        _record(f"{router}-s{seed}", router, seed=seed,
+                scores={"minipile_continuation": (v, None), "minipile_lastword": (0.1 * seed + v / 7, None)})
+        for (router, seed), v in scores.items()
+    ]
+    comparison = compare_over_seeds(records)
+    cell = comparison.cells["dirmoe"]["minipile_continuation"]
+    assert cell.undefined and not comparison.significant("dirmoe", "minipile_continuation")
+    table = seed_zero_shot_table(comparison)
+    row = {r[0]: r for r in table.rows}["dirmoe"]
+    assert not row[2].endswith("*")
+    assert "Test undefined" in table.caption and "dirmoe in Continuation (local)" in table.caption
 
 
 def test_seed_table_per_question_tests_and_refusals():

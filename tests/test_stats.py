@@ -77,10 +77,14 @@ def test_paired_t_test_on_students_sleep_data():
     assert result.difference == pytest.approx(1.58) and result.n == 10
     scipy_result = sps.ttest_rel(DRUG_2, DRUG_1)
     assert result.p_value == pytest.approx(scipy_result.pvalue, rel=1e-12)
-    # no noise at all: identical runs are no evidence, a constant shift is
-    assert paired_t_test([1.0, 2.0], [1.0, 2.0]).p_value == 1.0
-    shifted = paired_t_test([1.0, 2.0, 3.0], [1.5, 2.5, 3.5])
-    assert shifted.p_value == 0.0 and shifted.statistic == math.inf
+    # no spread in the differences: the test is undefined (never t = inf, p = 0 and a mark), zero or not
+    for other in ([1.0, 2.0], [1.5, 2.5]):
+        undefined = paired_t_test([1.0, 2.0], other)
+        assert not undefined.defined and math.isnan(undefined.p_value) and math.isnan(undefined.statistic)
+        assert undefined.difference == pytest.approx(other[0] - 1.0)
+    assert paired_t_test([1.0, 2.0, 3.0], [1.5, 2.5, 3.6]).defined
+    # equal up to floating-point rounding (0.45 - 0.35 != 0.40 - 0.30 in the last bit) is no spread either
+    assert not paired_t_test([0.30, 0.35], [0.40, 0.45]).defined
     with pytest.raises(ValueError, match="at least two pairs"):
         paired_t_test([1.0], [2.0])
     with pytest.raises(ValueError, match="same length"):
@@ -109,10 +113,31 @@ def test_mcnemar_exact_textbook_values():
 
 def test_permutation_test_is_exact_mcnemar_on_binary_outcomes():
     rng = np.random.default_rng(3)
-    for _ in range(20):
-        ref = rng.integers(0, 2, size=12)
-        oth = np.where(rng.random(12) < 0.3, 1 - ref, ref)  # some questions flip
-        assert paired_permutation_test(ref, oth).p_value == pytest.approx(mcnemar_exact(ref, oth).p_value, abs=1e-12)
+    # 12 questions (2^m <= n_resamples: enumerated) and 600 (up to ~200 discordant: far beyond 2^m resamples)
+    for size in [12] * 10 + [600] * 10:
+        ref = rng.integers(0, 2, size=size)
+        oth = np.where(rng.random(size) < 0.3, 1 - ref, ref)  # some questions flip
+        ours = paired_permutation_test(ref, oth, n_resamples=1000)
+        assert ours.p_value == pytest.approx(mcnemar_exact(ref, oth).p_value, rel=1e-9, abs=1e-15)
+        assert ours.test == "sign-flip permutation"  # exact, not Monte Carlo
+
+
+def test_permutation_test_is_exact_on_a_lattice_and_says_when_it_is_monte_carlo():
+    rng = np.random.default_rng(4)
+    # correctness averaged over 3 seeds: multiples of 1/3, 40 questions (2^40 patterns): exact by convolution
+    ref, oth = rng.integers(0, 4, size=40) / 3, rng.integers(0, 4, size=40) / 3
+    exact = paired_permutation_test(ref, oth)
+    assert exact.test == "sign-flip permutation"
+    monte_carlo = paired_permutation_test(ref + rng.normal(0, 1e-3, 40), oth, n_resamples=20_000, seed=1)
+    assert monte_carlo.test == "sign-flip permutation (Monte Carlo, 20000 resamples)"
+    assert monte_carlo.p_value == pytest.approx(exact.p_value, abs=0.02)  # the jitter barely moves it
+    # the lattice against brute-force enumeration on a small case with mixed multiples
+    small_ref, small_oth = np.array([0, 0, 0, 1, 2, 0, 0]) / 3, np.array([1, 2, 3, 0, 0, 1, 2]) / 3
+    brute = sps.permutation_test(
+        (small_oth, small_ref), lambda x, y: np.mean(x - y), permutation_type="samples", n_resamples=np.inf,
+        alternative="two-sided",
+    )
+    assert paired_permutation_test(small_ref, small_oth, n_resamples=1).p_value == pytest.approx(brute.pvalue, abs=1e-12)
 
 
 def test_permutation_test_matches_scipy_exact_and_monte_carlo_is_seeded():
@@ -127,12 +152,11 @@ def test_permutation_test_matches_scipy_exact_and_monte_carlo_is_seeded():
     assert ours.difference == pytest.approx(np.mean(np.subtract(oth, ref)))
     # beyond 2^m > n_resamples: Monte Carlo, reproducible for a seed, never exactly zero
     rng = np.random.default_rng(1)
-    big_ref = rng.integers(0, 2, size=400).astype(float)
-    big_oth = np.where(rng.random(400) < 0.25, 1.0, big_ref)  # the other model fixes a quarter of the questions
+    big_ref = rng.random(400)  # scores off any lattice: 2^m > n_resamples is a Monte Carlo draw
+    big_oth = np.where(rng.random(400) < 0.25, big_ref + 0.5 + rng.random(400), big_ref)
     first = paired_permutation_test(big_ref, big_oth, n_resamples=2000, seed=5)
     assert first == paired_permutation_test(big_ref, big_oth, n_resamples=2000, seed=5)
-    assert first.p_value == pytest.approx(1 / 2001)
-    assert mcnemar_exact(big_ref, big_oth).p_value < 1e-10  # the exact test agrees: a clear difference
+    assert first.p_value == pytest.approx(1 / 2001) and "Monte Carlo" in first.test
     same = paired_permutation_test(big_ref, rng.permutation(big_ref), n_resamples=2000, seed=5)
     assert same.p_value > 0.01
     # weights: the statistic is the weighted sum of the differences
