@@ -533,25 +533,6 @@ def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
     assert "Holm-adjusted over all 6 tests of this table (family: the table" in seed_zero_shot_table(whole).caption
 
 
-def test_seed_tables_leave_a_constant_difference_unmarked_with_a_footnote():
-    from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
-
-    # two seeds, dirmoe exactly 10 points above switch on both: t = inf, p = 0 before; undefined now
-    scores = {("switch", 1): 0.30, ("switch", 2): 0.35, ("dirmoe", 1): 0.40, ("dirmoe", 2): 0.45}
-    records = [
-        _record(f"{router}-s{seed}", router, seed=seed,
-                scores={"minipile_continuation": (v, None), "minipile_lastword": (0.1 * seed + v / 7, None)})
-        for (router, seed), v in scores.items()
-    ]
-    comparison = compare_over_seeds(records)
-    cell = comparison.cells["dirmoe"]["minipile_continuation"]
-    assert cell.undefined and not comparison.significant("dirmoe", "minipile_continuation")
-    table = seed_zero_shot_table(comparison)
-    row = {r[0]: r for r in table.rows}["dirmoe"]
-    assert not row[2].endswith("*")
-    assert "Test undefined" in table.caption and "dirmoe in Continuation (local)" in table.caption
-
-
 def test_seed_table_per_question_tests_and_refusals():
     from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
     from repro.report.stats import mcnemar_exact
@@ -625,12 +606,18 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
     assert {r.metric.split(" ")[0] for r in report.rows} == {
         "loss.final", "loss.validation", "minipile_continuation/acc", "minipile_continuation/acc_norm"
     }
-    outside = _seed_record("new", 4, 0.09, 0.33, 4.30)  # final loss 5.09: outside
+    # four numbers at a family-wise 5%: each band at 1 - 0.05/4 = 98.75%, t_{0.99375,2} = 8.860
+    assert "family-wise false-alarm rate at most 5% over the 4 numbers" in report.header
+    wide = prediction_interval([final_loss(s) for s in seeds], 1 - 0.05 / 4)
+    assert wide.half_width == pytest.approx(8.86 * 0.0152753 * (4 / 3) ** 0.5, rel=1e-3)
+    assert check_against_seeds(_seed_record("new", 4, 0.09, 0.33, 4.30), seeds).passed  # 5.09: out of the 95% band only
+    outside = _seed_record("new", 4, 0.2, 0.33, 4.30)  # final loss 5.2: outside
     failed = [r for r in check_against_seeds(outside, seeds).rows if r.status == "FAIL"]
     assert [r.metric for r in failed] == ["loss.final (mean of last 10 steps)"]
-    assert failed[0].tolerance == f"95% PI [{band.low:.6g}, {band.high:.6g}] (n=3)"
-    # a wider coverage widens the band
-    assert check_against_seeds(outside, seeds, confidence=0.999).passed
+    assert failed[0].tolerance == f"98.75% PI [{wide.low:.6g}, {wide.high:.6g}] (n=3)"
+    assert failed[0].detectable > wide.half_width  # 80% power needs more than the band's edge
+    # a larger family-wise rate narrows the bands: at 50%, each at 87.5%, 5.09 is outside
+    assert not check_against_seeds(_seed_record("new", 4, 0.09, 0.33, 4.30), seeds, alpha=0.5).passed
     with pytest.raises(ReproError, match="at least two earlier runs"):
         check_against_seeds(inside, seeds[:1])
 
@@ -639,7 +626,8 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
     write_record(inside, tmp_path / "inside" / "record.json")
     write_record(outside, tmp_path / "outside" / "record.json")
     assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds")]) == 0
-    assert "95% PI" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("Against 3 seeds: family-wise false-alarm rate at most 5%") and "detectable (80%)" in out
     assert repro_main(["check", str(tmp_path / "outside"), "--against", str(tmp_path / "seeds")]) == 1
     assert "| loss.final (mean of last 10 steps) |" in capsys.readouterr().out
-    assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--confidence", "2"]) == 2
+    assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--alpha", "2"]) == 2

@@ -319,6 +319,23 @@ def test_validation_and_routing_over_seeds_are_t_intervals_with_paired_marks():
     assert "No significance test" in single.caption
 
 
+def test_seed_tables_leave_a_constant_difference_unmarked_with_a_footnote():
+    # two seeds, dirmoe exactly 10 points above switch on both: t = inf, p = 0 before; undefined now
+    scores = {("switch", 1): 0.30, ("switch", 2): 0.35, ("dirmoe", 1): 0.40, ("dirmoe", 2): 0.45}
+    records = [
+        _record(f"{router}-s{seed}", router, seed=seed,
+                scores={"minipile_continuation": (v, None), "minipile_lastword": (0.1 * seed + v / 7, None)})
+        for (router, seed), v in scores.items()
+    ]
+    comparison = compare_over_seeds(records)
+    cell = comparison.cells["dirmoe"]["minipile_continuation"]
+    assert cell.undefined and not comparison.significant("dirmoe", "minipile_continuation")
+    table = seed_zero_shot_table(comparison)
+    row = {r[0]: r for r in table.rows}["dirmoe"]
+    assert not row[2].endswith("*")
+    assert "Test undefined" in table.caption and "dirmoe in Continuation (local)" in table.caption
+
+
 def test_a_variant_is_compared_beside_its_router_not_as_its_seeds():
     """``dirmoe+centered-tiny`` runs are their own row: the same seeds as ``dirmoe-tiny`` are no clash."""
     def run(name, router, seed, valid, model="tiny"):
