@@ -441,9 +441,12 @@ def build_tables(results, cells: tuple[str, ...], *, family: str = "table", conf
     if 2 <= len(paired) <= MAX_PAIRED_CELLS:
         pairs = [(a, b) for i, a in enumerate(paired) for b in paired[i + 1:]]
         tables.append(pairs_table(results, pairs, family=family))
-    if confirm:
-        tables.append(confirm_table(results, HYPOTHESES))
-    return tables
+    if not confirm:  # a screen: say what its p-values are worth
+        note = (" Screen: cells and claims were chosen from runs on these seeds, so these p-values are exploratory; "
+                f"`{COMMAND} --confirm` tests the claims stated in advance on seeds outside {min(SCREEN_SEEDS)}-"
+                f"{max(SCREEN_SEEDS)}.")
+        return [dataclasses.replace(t, caption=t.caption + note) for t in tables]
+    return [*tables, confirm_table(results, HYPOTHESES)]
 
 
 def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -> str:
@@ -538,9 +541,14 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
     if unknown:
         raise ReproError(f"{path}: unknown cell(s) {', '.join(unknown)}")
     confirm = bool(summary.get("confirm", False)) if confirm is None else confirm
+    reused = sorted({s for c in results.cells for s in results.seeds(c)} & set(SCREEN_SEEDS))
+    if confirm and reused:
+        raise ReproError(f"{path}: runs on the screen's seeds {reused} cannot confirm what they suggested")
     tables = build_tables(results, results.cells, family=family, confirm=confirm)
     write_tables(tables, out_dir)
     summary.update(family=family, confirm=confirm,
+                   tables_rebuilt_by=f"{COMMAND} --tables-only --out {out_dir} --family {family}"
+                   + (" --confirm" if confirm else ""),
                    results=results_to_json(results, reference=REFERENCE, switch=SWITCH, family=family))
     write_json_atomic(path, summary)
     return "\n".join(render(t, "md") for t in tables)

@@ -14,11 +14,13 @@ from scipy import stats as sps
 from repro import ablation
 from repro.errors import ReproError
 from repro.report.ablation_tables import (
+    Hypothesis,
     ablation_difference_table,
     ablation_table,
     collect_results,
     compare_cell_pairs,
     compare_cells,
+    confirm_table,
     pairs_table,
     run_metrics,
 )
@@ -195,6 +197,22 @@ def test_cell_against_cell_is_paired_over_shared_seeds_in_one_family():
     assert "Holm-adjusted over all 2 tests" in table.caption
 
 
+def test_confirmatory_table_tests_the_stated_hypotheses_alone_in_one_family():
+    values = {"paper": {7: 6.0, 8: 7.0, 9: 6.5}, "recon-centered": {7: 3.0, 8: 3.1, 9: 2.9}, "b": {7: 6.2, 8: 6.7, 9: 6.9}}
+    results = _results(values)
+    hypotheses = [Hypothesis("recon-centered", "paper", "load_imbalance[0]", "centred lowers L1"),
+                  Hypothesis("b", "paper", "load_imbalance[0]", "b changes L1"),
+                  Hypothesis("recon-centered", "kl-off", "load_imbalance[0]", "more than the KL")]
+    table = confirm_table(results, hypotheses)
+    raw = [sps.ttest_rel([3.0, 3.1, 2.9], [6.0, 7.0, 6.5]).pvalue, sps.ttest_rel([6.2, 6.7, 6.9], [6.0, 7.0, 6.5]).pvalue]
+    adjusted = _holm(raw)  # the family: the two hypotheses whose cells ran, nothing else of the table
+    assert [row[1] for row in table.rows] == ["recon-centered - paper", "b - paper"]
+    assert f"(p={adjusted[0]:.2g})*" in table.rows[0][3] and f"(p={adjusted[1]:.2g})" in table.rows[1][3]
+    assert "Holm-adjusted over the 2 hypotheses" in table.caption and "(7, 8, 9)" in table.caption
+    assert "Not tested (a cell not run): recon-centered - kl-off (load imb. L1)" in table.caption
+    assert {h.cell for h in ablation.HYPOTHESES} | {h.versus for h in ablation.HYPOTHESES} <= set(ablation.CELLS)
+
+
 def test_unpaired_seeds_are_not_tested():
     results = _results({"paper": {1: 6.0, 2: 7.0}, "a": {3: 3.0, 4: 3.1}})
     stat = compare_cells(results, "paper")["a"]["load_imbalance[0]"]
@@ -267,11 +285,8 @@ def test_tables_only_rebuilds_the_tables_from_the_summary_alone(session, tmp_pat
         (copy / name).unlink()
     assert ablation.main(["--tables-only", "--out", str(copy)]) == 0
     assert {name: (copy / name).read_text() for name in tables} == before
-    assert ablation.main(["--tables-only", "--confirm", "--out", str(copy)]) == 0
-    confirm = (copy / "ablation_confirm.md").read_text()
-    # only the hypotheses whose cells ran (recon-centered vs paper), one family of those alone
-    assert "Holm-adjusted over the 3 hypotheses of this table" in confirm and "Not tested (a cell not run)" in confirm
-    assert confirm.count("| recon-centered - paper ") == 3
+    with pytest.raises(ReproError, match=r"screen's seeds \[1, 2\] cannot confirm"):
+        ablation.main(["--tables-only", "--confirm", "--out", str(copy)])
     with pytest.raises(ReproError, match="no ablation summary"):
         ablation.main(["--tables-only", "--out", str(tmp_path / "nothing")])
 

@@ -24,9 +24,9 @@ import numpy as np
 
 from repro.errors import ReproError
 from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
+from repro.report.over_seeds import SeedStat, against_reference, count_defined, family_sentence, undefined_note
 from repro.report.parity import DEFAULT_REFERENCE_ROUTER
 from repro.report.record import PartialTask, RunRecord, lm_eval_metrics
-from repro.report.over_seeds import SeedStat, against_reference, count_defined, family_sentence, undefined_note
 from repro.report.stats import PairedTest, mcnemar_exact, paired_permutation_test, question_scores
 from repro.report.table_core import (
     DENSE_SUFFIX,

@@ -56,8 +56,8 @@ Decisions (each with its source):
 
 from __future__ import annotations
 
-import hashlib
 import functools
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
