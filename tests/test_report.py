@@ -583,6 +583,9 @@ def test_tables_command_over_seeds(tmp_path, capsys):
     assert repro_main(["tables", str(tmp_path / "runs"), "--over-seeds"]) == 0
     out = capsys.readouterr().out
     assert "Zero-shot accuracy (%) over seeds" in out and "| switch (reference) |" in out and "*" in out
+    assert "family: the table" in out
+    assert repro_main(["tables", str(tmp_path / "runs"), "--over-seeds", "--family", "column"]) == 0
+    assert "family: a column" in capsys.readouterr().out
 
 
 def _seed_record(run_id, seed, shift, cont=0.31, val=4.2, **kw):

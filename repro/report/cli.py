@@ -56,6 +56,8 @@ def tables_main(argv: list[str], prog: str) -> int:
         help="add a zero-shot table with one row per router over its runs (seeds): mean +- 95%% CI, "
         "* where it differs from --reference-router (paired t over shared seeds)",
     )
+    parser.add_argument("--family", choices=("table", "column"), default="table",
+                        help="with --over-seeds: Holm family of the marks, every test of the table (default) or each column")
     args = parser.parse_args(argv)
 
     records = load_records(args.records)
@@ -67,7 +69,8 @@ def tables_main(argv: list[str], prog: str) -> int:
         routing_table(records),
     ]
     if args.over_seeds:
-        comparison = compare_over_seeds(records, reference_router=args.reference_router, metric=args.metric)
+        comparison = compare_over_seeds(records, reference_router=args.reference_router, metric=args.metric,
+                                        family=args.family)
         tables.insert(1, seed_zero_shot_table(comparison))
     empty = [t.name for t in tables if not t.rows]
     if empty:  # e.g. runs not evaluated yet: say so rather than print or write an empty table
