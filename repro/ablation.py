@@ -14,8 +14,21 @@ load-balancing loss on DirMoE and take it off Switch, and Switch as is gives the
    mean over the last ``final_fraction`` of the steps) and the losses (validation loss at the last step,
    training LM loss over the same final window). Per cell: mean +- 95% Student-t interval over the seeds,
    and a paired t-test over the seeds against the paper's DirMoE (cell ``paper``), Holm-adjusted over the
-   cells of a column (:mod:`repro.report.ablation_tables`); the same against Switch.
+   family ``--family`` (default: the whole table, every cell and column; :mod:`repro.report.ablation_tables`);
+   the same against Switch. With at most :data:`MAX_PAIRED_CELLS` DirMoE cells besides ``paper``, every pair
+   of them cell against cell (``ablation_pairs``: what a claim like "X is the main lever" needs).
 4. Tables (Markdown, CSV, LaTeX), plots and ``summary.json`` under ``results/dirmoe-ablation/``.
+
+**Screen and confirmation.** The runs on seeds 1-6 (:data:`SCREEN_SEEDS`) are a screen: cells and claims were
+picked from them, so their p-values are exploratory. ``--confirm`` runs a confirmatory study: it refuses
+screen seeds, and adds ``ablation_confirm``, which tests only the hypotheses of :data:`HYPOTHESES` (stated
+before those seeds were run) as one Holm family::
+
+    python -m repro ablation --confirm --cells paper,recon-centered,kl-off,aux-off,switch --seeds 7,8,9,10,11,12 \
+        --out results/dirmoe-ablation-confirm
+
+``--tables-only`` rebuilds the tables and the statistics in ``summary.json`` from the per-seed values that
+``<out>/summary.json`` stores (no run directories needed, no training; the plots are left as they are).
 
 Reuse and resume: a run whose record matches the current settings is reused; a run directory this command
 created (it holds the marker ``.ablation-run``) whose config matches but that did not finish (killed) is
@@ -69,6 +82,11 @@ COMMAND = "python -m repro ablation"
 REFERENCE = "paper"
 #: The reference level of a router that balances its load.
 SWITCH = "switch"
+#: The seeds of the screens (results/dirmoe-ablation, -6seeds): a confirmatory study must use others.
+SCREEN_SEEDS = (1, 2, 3, 4, 5, 6)
+#: The pairs table compares every two DirMoE cells besides the reference up to this many cells (a 16-cell
+#: screen would give 91 pairs: a screen's pairs are for the confirmatory study to state, not to scan).
+MAX_PAIRED_CELLS = 6
 
 
 @dataclass(frozen=True)
@@ -128,6 +146,25 @@ _CELL_LIST = (
 CELLS = types.MappingProxyType({cell.name: cell for cell in _CELL_LIST})
 
 
+def _hypotheses():
+    from repro.report.ablation_tables import Hypothesis
+
+    lever = "the centred target is the main lever on layer 1's collapse"
+    return (
+        Hypothesis("recon-centered", REFERENCE, "load_imbalance[0]", "the centred target lowers layer 1's load imbalance"),
+        Hypothesis("recon-centered", REFERENCE, "load_imbalance[1]", "the centred target lowers layer 2's load imbalance"),
+        Hypothesis("recon-centered", REFERENCE, "val_loss", "the centred target changes the validation loss"),
+        Hypothesis("recon-centered", SWITCH, "val_loss", "the centred target's validation loss differs from Switch's"),
+        Hypothesis("recon-centered", "kl-off", "load_imbalance[0]", f"{lever}: more than removing the KL"),
+        Hypothesis("recon-centered", "aux-off", "load_imbalance[0]", f"{lever}: more than removing every aux term"),
+    )
+
+
+#: The confirmatory study's hypotheses (``--confirm``), stated from the screen before its seeds are run:
+#: the README's claims about the centred target. One Holm family, two-sided paired t-tests.
+HYPOTHESES = _hypotheses()
+
+
 @dataclass(frozen=True)
 class AblationConfig:
     """Settings of the ablation.
@@ -143,6 +180,9 @@ class AblationConfig:
         final_fraction: the share of the steps at the end of a run whose rows the end-of-run metrics average.
         warmup_rows: log rows skipped before the efficiency window of the run records.
         overrides: extra dot-list overrides applied to every run (after the cell's).
+        family: the Holm family of the tables against a reference cell (``table`` or ``column``,
+            :mod:`repro.report.over_seeds`).
+        confirm: a confirmatory study: seeds outside :data:`SCREEN_SEEDS`, and the ``ablation_confirm`` table.
     """
 
     cells: tuple[str, ...]
@@ -155,6 +195,8 @@ class AblationConfig:
     final_fraction: float = 0.1
     warmup_rows: int = 2
     overrides: tuple[str, ...] = ()
+    family: str = "table"
+    confirm: bool = False
 
     def __post_init__(self) -> None:
         unknown = [c for c in self.cells if c not in CELLS]
@@ -171,6 +213,11 @@ class AblationConfig:
             raise ValueError(f"final_fraction must be in (0, 1], got {self.final_fraction}")
         if self.warmup_rows < 0:
             raise ValueError(f"warmup_rows must be >= 0, got {self.warmup_rows}")
+        if self.family not in ("table", "column"):
+            raise ValueError(f"unknown family '{self.family}'; valid: table, column")
+        reused = sorted(set(self.seeds) & set(SCREEN_SEEDS))
+        if self.confirm and reused:
+            raise ValueError(f"a confirmatory study needs seeds outside the screen's {list(SCREEN_SEEDS)}, got {reused}")
 
     @property
     def final_window(self) -> int:
@@ -379,17 +426,33 @@ def _cost(cfg: AblationConfig) -> dict[str, Any]:
     }
 
 
+def build_tables(results, cells: tuple[str, ...], *, family: str = "table", confirm: bool = False) -> list:
+    """The ablation's tables of ``results`` (cells in table order): against ``paper``, against Switch, the
+    differences to ``paper``, cell against cell (up to :data:`MAX_PAIRED_CELLS`) and, for a confirmatory study,
+    the pre-registered hypotheses."""
+    from repro.report.ablation_tables import ablation_difference_table, ablation_table, confirm_table, pairs_table
+
+    tables = [ablation_table(results, reference=REFERENCE, family=family)]
+    if SWITCH in cells:
+        tables.append(ablation_table(results, reference=SWITCH, name="ablation_vs_switch", family=family))
+    if REFERENCE in cells and len(cells) > 1:
+        tables.append(ablation_difference_table(results, reference=REFERENCE, family=family))
+    paired = [c for c in cells if c != REFERENCE and CELLS[c].router == "dirmoe"]
+    if 2 <= len(paired) <= MAX_PAIRED_CELLS:
+        pairs = [(a, b) for i, a in enumerate(paired) for b in paired[i + 1:]]
+        tables.append(pairs_table(results, pairs, family=family))
+    if not confirm:  # a screen: say what its p-values are worth
+        note = (" Screen: cells and claims were chosen from runs on these seeds, so these p-values are exploratory; "
+                f"`{COMMAND} --confirm` tests the claims stated in advance on seeds outside {min(SCREEN_SEEDS)}-"
+                f"{max(SCREEN_SEEDS)}.")
+        return [dataclasses.replace(t, caption=t.caption + note) for t in tables]
+    return [*tables, confirm_table(results, HYPOTHESES)]
+
+
 def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -> str:
     """Write the tables, plots and ``summary.json``; return the text to print."""
     from repro.io_utils import claim_output_dir
-    from repro.report.ablation_tables import (
-        DIFFERENCE_KEYS,
-        ablation_difference_table,
-        ablation_table,
-        collect_results,
-        results_to_json,
-        summary_intervals,
-    )
+    from repro.report.ablation_tables import DIFFERENCE_KEYS, collect_results, results_to_json, summary_intervals
     from repro.report.plots import (
         plot_ablation_summary,
         plot_expert_load,
@@ -406,11 +469,7 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
         final_window=cfg.final_window,
         readings={cell: CELLS[cell].reading for cell in cfg.cells},
     )
-    tables = [ablation_table(results, reference=REFERENCE)]
-    if SWITCH in cfg.cells:
-        tables.append(ablation_table(results, reference=SWITCH, name="ablation_vs_switch"))
-    if REFERENCE in cfg.cells and len(cfg.cells) > 1:
-        tables.append(ablation_difference_table(results, reference=REFERENCE))
+    tables = build_tables(results, cfg.cells, family=cfg.family, confirm=cfg.confirm)
     write_tables(tables, out)
 
     first = cfg.seeds[0]
@@ -438,15 +497,61 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
         "steps": cfg.steps,
         "final_window_steps": cfg.final_window,
         "overrides": list(cfg.overrides),
+        "family": cfg.family,
+        "confirm": cfg.confirm,
         "wall_seconds_this_invocation": round(elapsed, 1),
         "this_invocation": {k: len(v) for k, v in outcome.items()},
         "cost": _cost(cfg),
-        "results": results_to_json(results, reference=REFERENCE, switch=SWITCH),
+        "results": results_to_json(results, reference=REFERENCE, switch=SWITCH, family=cfg.family),
     }
     write_json_atomic(out / "summary.json", summary)
     lines = [render(t, "md") for t in tables]
     lines.append(f"Tables and plots in {cfg.out_dir}/; wall time of this invocation {elapsed / 60:.1f} min.")
     return "\n".join(lines)
+
+
+def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None = None) -> str:
+    """``--tables-only``: the tables and the statistics of ``summary.json`` again, from the per-seed values it
+    stores (every number the tables show is computed from those); the run directories are not needed and the
+    plots are left as they are.
+
+    Args:
+        out_dir: an output directory of this command (holding ``summary.json``).
+        family: the Holm family.
+        confirm: add the confirmatory table (default: what the summary records).
+
+    Returns:
+        The tables as Markdown, to print.
+
+    Raises:
+        ReproError: not this command's output directory, or no readable ``summary.json`` there.
+    """
+    from repro.io_utils import check_output_dir
+    from repro.report.ablation_tables import results_from_json, results_to_json
+    from repro.report.table_core import render, write_tables
+
+    check_output_dir(out_dir, OUT_MARKER, COMMAND)
+    path = Path(out_dir) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+        results = results_from_json(summary)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ReproError(f"{path}: no ablation summary to rebuild the tables from ({exc})") from None
+    unknown = [c for c in results.cells if c not in CELLS]
+    if unknown:
+        raise ReproError(f"{path}: unknown cell(s) {', '.join(unknown)}")
+    confirm = bool(summary.get("confirm", False)) if confirm is None else confirm
+    reused = sorted({s for c in results.cells for s in results.seeds(c)} & set(SCREEN_SEEDS))
+    if confirm and reused:
+        raise ReproError(f"{path}: runs on the screen's seeds {reused} cannot confirm what they suggested")
+    tables = build_tables(results, results.cells, family=family, confirm=confirm)
+    write_tables(tables, out_dir)
+    summary.update(family=family, confirm=confirm,
+                   tables_rebuilt_by=f"{COMMAND} --tables-only --out {out_dir} --family {family}"
+                   + (" --confirm" if confirm else ""),
+                   results=results_to_json(results, reference=REFERENCE, switch=SWITCH, family=family))
+    write_json_atomic(path, summary)
+    return "\n".join(render(t, "md") for t in tables)
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -457,8 +562,9 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
         raise ReproError(f"{flag}: expected comma-separated integers, got '{text}'") from None
 
 
-def parse(argv: list[str], prog: str) -> tuple[AblationConfig, bool]:
-    """The ablation's settings from the command line, checked before any work; and ``--fresh``."""
+def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespace, bool | None]:
+    """The ablation's settings from the command line, checked before any work; and ``--fresh``. With
+    ``--tables-only``: the parsed arguments and None (nothing is trained)."""
     defaults = AblationConfig(cells=tuple(CELLS))
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--cells", default="all", help=f"comma-separated cells, or all ({', '.join(CELLS)})")
@@ -470,7 +576,16 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig, bool]:
     p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
     p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
+    p.add_argument("--family", choices=("table", "column"), default=defaults.family,
+                   help="Holm family of the tests against a reference cell: the whole table (default) or each column")
+    p.add_argument("--confirm", action="store_true",
+                   help=f"confirmatory study: seeds outside the screen's {','.join(map(str, SCREEN_SEEDS))}, and a "
+                   "table of the pre-registered hypotheses alone")
+    p.add_argument("--tables-only", action="store_true",
+                   help="rebuild the tables and summary statistics from <out>/summary.json; no training")
     args = p.parse_args(argv)
+    if args.tables_only:
+        return args, None
     cells = tuple(CELLS) if args.cells == "all" else tuple(c.strip() for c in args.cells.split(",") if c.strip())
     unknown = [c for c in cells if c not in CELLS]
     if unknown or not cells:
@@ -479,7 +594,8 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig, bool]:
     try:
         cfg = AblationConfig(
             cells=cells, seeds=seeds, steps=args.steps, data_dir=args.data_dir, work_dir=args.work_dir,
-            out_dir=args.out, workers=args.workers, overrides=tuple(args.set),
+            out_dir=args.out, workers=args.workers, overrides=tuple(args.set), family=args.family,
+            confirm=args.confirm,
         )
     except ValueError as exc:
         raise ReproError(str(exc)) from None
@@ -491,6 +607,9 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig, bool]:
 def main(argv: list[str], prog: str = COMMAND) -> int:
     """Run the ablation. Returns the exit status."""
     cfg, fresh = parse(argv, prog)
+    if fresh is None:  # --tables-only
+        print(rebuild_tables(cfg.out, family=cfg.family, confirm=cfg.confirm or None))
+        return 0
     from repro.data.minipile import build_mini_pile
     from repro.io_utils import check_output_dir
 

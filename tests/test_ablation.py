@@ -14,10 +14,14 @@ from scipy import stats as sps
 from repro import ablation
 from repro.errors import ReproError
 from repro.report.ablation_tables import (
+    Hypothesis,
     ablation_difference_table,
     ablation_table,
     collect_results,
+    compare_cell_pairs,
     compare_cells,
+    confirm_table,
+    pairs_table,
     run_metrics,
 )
 from repro.report.table_core import PLUS_MINUS, render
@@ -99,7 +103,7 @@ def test_intervals_paired_tests_and_holm_against_scipy():
         "c": {1: 5.0, 2: 6.8, 3: 5.5},
     }
     results = _results(values)
-    stats = compare_cells(results, "paper")
+    stats = compare_cells(results, "paper", family="column")
     key = "load_imbalance[0]"
     raw = {}
     for cell, seeds in values.items():
@@ -124,15 +128,89 @@ def test_intervals_paired_tests_and_holm_against_scipy():
         holm[cell] = running
     for cell in raw:
         assert stats[cell][key].adjusted_p == pytest.approx(holm[cell])
-    table = ablation_table(results, reference="paper")
+    # the default family is the whole table: every defined test of every column, adjusted together
+    whole = compare_cells(results, "paper")
+    tested = {(c, k): s.test.p_value for c, cells in whole.items() for k, s in cells.items() if s.test is not None}
+    assert len(tested) > len(raw)  # more columns than the one checked above
+    adjusted = dict(zip(tested, _holm(list(tested.values()))))
+    for (cell, k), p in adjusted.items():
+        assert whole[cell][k].adjusted_p == pytest.approx(p)
+    assert "Holm-adjusted over all" in ablation_table(results, reference="paper").caption
+    table = ablation_table(results, reference="paper", family="column")
+    assert "family: a column" in table.caption
     by_cell = {row[0]: row for row in table.rows}
     column = table.headers.index("load imb. L1")
     assert by_cell["a"][column].endswith("*") and not by_cell["b"][column].endswith("*")
     assert by_cell["paper (reference)"][column] == f"6.50 {PLUS_MINUS} {stats['paper'][key].interval.half_width:.2f}"
-    diff = ablation_difference_table(results, reference="paper")
+    diff = ablation_difference_table(results, reference="paper", family="column")
     assert [row[0] for row in diff.rows] == ["a", "b", "c"] and "p=" in diff.rows[0][1]
+    assert diff.rows[0][1].endswith("*") and f"(p={holm['a']:.2g})" in diff.rows[0][1]
     for fmt in ("md", "csv", "tex"):
         assert "paper" in render(table, fmt)
+
+
+def _holm(p):
+    order = sorted(range(len(p)), key=p.__getitem__)
+    out, running = [0.0] * len(p), 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (len(p) - rank) * p[i]))
+        out[i] = running
+    return out
+
+
+def test_a_constant_difference_is_undefined_not_significant_in_every_table():
+    # "a" is exactly 1.0 below the reference on both seeds: t would be -inf, p = 0
+    results = _results({"paper": {1: 6.0, 2: 7.0}, "a": {1: 5.0, 2: 6.0}, "b": {1: 6.5, 2: 6.6}})
+    stat = compare_cells(results, "paper")["a"]["load_imbalance[0]"]
+    assert stat.undefined and stat.adjusted_p is None and not stat.significant(0.05)
+    assert stat.difference.estimate == pytest.approx(-1.0)
+    table = ablation_table(results, reference="paper")
+    column = table.headers.index("load imb. L1")
+    row = {r[0]: r for r in table.rows}["a"]
+    assert not row[column].endswith("*") and "Test undefined" in table.caption and "a in load imb. L1" in table.caption
+    diff = ablation_difference_table(results, reference="paper")
+    assert "p undefined" in {r[0]: r for r in diff.rows}["a"][1] and "Test undefined" in diff.caption
+    pairs = pairs_table(results, [("a", "b")])
+    assert pairs.rows[0][0] == "a - b" and "family: the table" in pairs.caption
+
+
+def test_cell_against_cell_is_paired_over_shared_seeds_in_one_family():
+    values = {
+        "paper": {1: 6.0, 2: 7.0, 3: 6.5, 4: 6.6},
+        "a": {1: 3.0, 2: 3.1, 3: 2.9, 4: 3.3},
+        "b": {1: 4.0, 2: 4.4, 3: 4.1, 4: 4.2},
+        "c": {1: 3.1, 2: 3.0, 3: 3.2},  # one seed fewer: paired over the three it shares
+    }
+    results = _results(values)
+    pairs = [("a", "b"), ("a", "c")]
+    stats = compare_cell_pairs(results, pairs, ["load_imbalance[0]"])
+    ab, ac = stats[("a", "b", "load_imbalance[0]")], stats[("a", "c", "load_imbalance[0]")]
+    expected_ab = sps.ttest_rel([3.0, 3.1, 2.9, 3.3], [4.0, 4.4, 4.1, 4.2])
+    expected_ac = sps.ttest_rel([3.0, 3.1, 2.9], [3.1, 3.0, 3.2])
+    assert ab.test.p_value == pytest.approx(expected_ab.pvalue) and ab.test.n == 4
+    assert ac.test.p_value == pytest.approx(expected_ac.pvalue) and ac.test.n == 3
+    assert ab.difference.estimate == pytest.approx(-1.1) and ac.test.statistic == pytest.approx(expected_ac.statistic)
+    holm = _holm([expected_ab.pvalue, expected_ac.pvalue])
+    assert (ab.adjusted_p, ac.adjusted_p) == pytest.approx(tuple(holm))
+    table = pairs_table(results, pairs, keys=["load_imbalance[0]"])
+    assert [r[0] for r in table.rows] == ["a - b", "a - c"] and table.rows[0][1].endswith("*")
+    assert "Holm-adjusted over all 2 tests" in table.caption
+
+
+def test_confirmatory_table_tests_the_stated_hypotheses_alone_in_one_family():
+    values = {"paper": {7: 6.0, 8: 7.0, 9: 6.5}, "recon-centered": {7: 3.0, 8: 3.1, 9: 2.9}, "b": {7: 6.2, 8: 6.7, 9: 6.9}}
+    results = _results(values)
+    hypotheses = [Hypothesis("recon-centered", "paper", "load_imbalance[0]", "centred lowers L1"),
+                  Hypothesis("b", "paper", "load_imbalance[0]", "b changes L1"),
+                  Hypothesis("recon-centered", "kl-off", "load_imbalance[0]", "more than the KL")]
+    table = confirm_table(results, hypotheses)
+    raw = [sps.ttest_rel([3.0, 3.1, 2.9], [6.0, 7.0, 6.5]).pvalue, sps.ttest_rel([6.2, 6.7, 6.9], [6.0, 7.0, 6.5]).pvalue]
+    adjusted = _holm(raw)  # the family: the two hypotheses whose cells ran, nothing else of the table
+    assert [row[1] for row in table.rows] == ["recon-centered - paper", "b - paper"]
+    assert f"(p={adjusted[0]:.2g})*" in table.rows[0][3] and f"(p={adjusted[1]:.2g})" in table.rows[1][3]
+    assert "Holm-adjusted over the 2 hypotheses" in table.caption and "(7, 8, 9)" in table.caption
+    assert "Not tested (a cell not run): recon-centered - kl-off (load imb. L1)" in table.caption
+    assert {h.cell for h in ablation.HYPOTHESES} | {h.versus for h in ablation.HYPOTHESES} <= set(ablation.CELLS)
 
 
 def test_unpaired_seeds_are_not_tested():
@@ -180,7 +258,11 @@ def test_tables_plots_and_summary_come_from_the_runs(session):
         assert entry["ci95"] == pytest.approx(list(sps.t.interval(0.95, 1, loc=x.mean(), scale=sps.sem(x))))
     versus = summary["results"]["recon-centered"][key]["vs_paper"]
     assert versus["p"] == pytest.approx(sps.ttest_rel(per_cell["recon-centered"], per_cell["paper"]).pvalue)
-    assert versus["p_holm"] == pytest.approx(versus["p"])  # one test in the family
+    # the family is the whole table against paper: every column's test of recon-centered
+    family = {k: v["vs_paper"]["p"] for k, v in summary["results"]["recon-centered"].items()
+              if k != "seeds" and v["vs_paper"] is not None and v["vs_paper"]["p"] is not None}
+    assert len(family) > 1 and summary["family"] == "table"
+    assert versus["p_holm"] == pytest.approx(dict(zip(family, _holm(list(family.values()))))[key])
     md = (out / "ablation.md").read_text()
     assert "paper (reference)" in md and "| 1,2 " in md
     mean, half = summary["results"]["paper"][key]["mean"], np.diff(summary["results"]["paper"][key]["ci95"])[0] / 2
@@ -189,6 +271,24 @@ def test_tables_plots_and_summary_come_from_the_runs(session):
     config = json.loads((session / "runs" / "recon-centered-s2" / "config.json").read_text())["experiment"]
     assert config["seed"] == 2 and config["router"]["options"] == {"recon_target": "centered"}
     assert len(read_rows(session / "runs" / "recon-centered-s2")) == STEPS
+
+
+@pytest.mark.slow
+def test_tables_only_rebuilds_the_tables_from_the_summary_alone(session, tmp_path):
+    import shutil
+
+    copy = tmp_path / "out"
+    shutil.copytree(session / "out", copy)  # no run directories next to it: the summary is all it has
+    tables = sorted(p.name for p in copy.glob("ablation*"))
+    before = {name: (copy / name).read_text() for name in tables}
+    for name in tables:
+        (copy / name).unlink()
+    assert ablation.main(["--tables-only", "--out", str(copy)]) == 0
+    assert {name: (copy / name).read_text() for name in tables} == before
+    with pytest.raises(ReproError, match=r"screen's seeds \[1, 2\] cannot confirm"):
+        ablation.main(["--tables-only", "--confirm", "--out", str(copy)])
+    with pytest.raises(ReproError, match="no ablation summary"):
+        ablation.main(["--tables-only", "--out", str(tmp_path / "nothing")])
 
 
 @pytest.mark.slow
@@ -268,5 +368,7 @@ def test_bad_arguments_are_one_line_errors(capsys):
         ablation.main(["--seeds", "1,x"])
     with pytest.raises(ReproError, match="seeds must be distinct"):
         ablation.main(["--seeds", "1,1"])
+    with pytest.raises(ReproError, match=r"confirmatory study needs seeds outside the screen's .* got \[6\]"):
+        ablation.main(["--confirm", "--seeds", "6,7,8"])
     with pytest.raises(ReproError, match="Key .stepz. not in .RunConfig."):
         ablation.main(["--cells", "paper", "--set", "stepz=3"])

@@ -495,7 +495,7 @@ def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
     from repro.report.stats import holm
 
     records, table = _seed_runs()
-    comparison = compare_over_seeds(records)
+    comparison = compare_over_seeds(records, family="column")
     assert comparison.test == "seeds" and comparison.reference == "switch"
     assert comparison.seeds == {"remoe": (1, 2), "switch": (1, 2, 3), "dirmoe": (1, 2, 3)}
     rendered = seed_zero_shot_table(comparison)
@@ -523,7 +523,14 @@ def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
     avg_dirmoe = [(c + w) / 2 for c, w in zip(cont["dirmoe"], last["dirmoe"])]
     assert rows["dirmoe"][4].startswith(expected_cell(avg_dirmoe))
     assert "95% Student-t confidence interval" in rendered.caption and "paired t-test over the seeds" in rendered.caption
-    assert "Holm" in rendered.caption
+    assert "Holm-adjusted over the routers of each column (family: a column" in rendered.caption
+    # the default family: every test of the table (3 columns x 2 routers), adjusted together
+    whole = compare_over_seeds(records)
+    tests = {(r, c): s.test.p_value for r, cells in whole.cells.items() for c, s in cells.items() if s.test is not None}
+    assert len(tests) == 6 and whole.family == "table"
+    for (router, column), p in zip(tests, holm(list(tests.values()))):
+        assert whole.cells[router][column].adjusted_p == pytest.approx(p)
+    assert "Holm-adjusted over all 6 tests of this table (family: the table" in seed_zero_shot_table(whole).caption
 
 
 def test_seed_table_per_question_tests_and_refusals():
@@ -576,6 +583,9 @@ def test_tables_command_over_seeds(tmp_path, capsys):
     assert repro_main(["tables", str(tmp_path / "runs"), "--over-seeds"]) == 0
     out = capsys.readouterr().out
     assert "Zero-shot accuracy (%) over seeds" in out and "| switch (reference) |" in out and "*" in out
+    assert "family: the table" in out
+    assert repro_main(["tables", str(tmp_path / "runs"), "--over-seeds", "--family", "column"]) == 0
+    assert "family: a column" in capsys.readouterr().out
 
 
 def _seed_record(run_id, seed, shift, cont=0.31, val=4.2, **kw):
@@ -599,12 +609,18 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
     assert {r.metric.split(" ")[0] for r in report.rows} == {
         "loss.final", "loss.validation", "minipile_continuation/acc", "minipile_continuation/acc_norm"
     }
-    outside = _seed_record("new", 4, 0.09, 0.33, 4.30)  # final loss 5.09: outside
+    # four numbers at a family-wise 5%: each band at 1 - 0.05/4 = 98.75%, t_{0.99375,2} = 8.860
+    assert "family-wise false-alarm rate at most 5% over the 4 numbers" in report.header
+    wide = prediction_interval([final_loss(s) for s in seeds], 1 - 0.05 / 4)
+    assert wide.half_width == pytest.approx(8.86 * 0.0152753 * (4 / 3) ** 0.5, rel=1e-3)
+    assert check_against_seeds(_seed_record("new", 4, 0.09, 0.33, 4.30), seeds).passed  # 5.09: out of the 95% band only
+    outside = _seed_record("new", 4, 0.2, 0.33, 4.30)  # final loss 5.2: outside
     failed = [r for r in check_against_seeds(outside, seeds).rows if r.status == "FAIL"]
     assert [r.metric for r in failed] == ["loss.final (mean of last 10 steps)"]
-    assert failed[0].tolerance == f"95% PI [{band.low:.6g}, {band.high:.6g}] (n=3)"
-    # a wider coverage widens the band
-    assert check_against_seeds(outside, seeds, confidence=0.999).passed
+    assert failed[0].tolerance == f"98.75% PI [{wide.low:.6g}, {wide.high:.6g}] (n=3)"
+    assert failed[0].detectable > wide.half_width  # 80% power needs more than the band's edge
+    # a larger family-wise rate narrows the bands: at 50%, each at 87.5%, 5.09 is outside
+    assert not check_against_seeds(_seed_record("new", 4, 0.09, 0.33, 4.30), seeds, alpha=0.5).passed
     with pytest.raises(ReproError, match="at least two earlier runs"):
         check_against_seeds(inside, seeds[:1])
 
@@ -613,7 +629,8 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
     write_record(inside, tmp_path / "inside" / "record.json")
     write_record(outside, tmp_path / "outside" / "record.json")
     assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds")]) == 0
-    assert "95% PI" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.startswith("Against 3 seeds: family-wise false-alarm rate at most 5%") and "detectable (80%)" in out
     assert repro_main(["check", str(tmp_path / "outside"), "--against", str(tmp_path / "seeds")]) == 1
     assert "| loss.final (mean of last 10 steps) |" in capsys.readouterr().out
-    assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--confidence", "2"]) == 2
+    assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--alpha", "2"]) == 2

@@ -307,14 +307,33 @@ def test_validation_and_routing_over_seeds_are_t_intervals_with_paired_marks():
     assert rows["dirmoe"][2] == "1.000 ± 0.000"  # identical over seeds: no spread, no test evidence
     # the dense baseline runs the model's dense counterpart: compared with the routers, another model is not
     dense = [_record(f"dense-s{k}", "dense", seed=k, model="tiny-dense", validation_loss=5.3) for k in (1, 2, 3)]
-    with_dense = validation_seed_table(records + dense)
+    with_dense = validation_seed_table(records + dense, family="column")
     assert with_dense.rows[1][:4] == ("dense", "3", "5.300 ± 0.000*", "--")  # after the reference, dense first
+    # in the table's family (the default) its p = 0.013 does not survive the 8 tests of the table
+    assert validation_seed_table(records + dense).rows[1][2] == "5.300 ± 0.000"
     with pytest.raises(ReproError, match=r"several models \(llama-185m, tiny\)"):
         validation_seed_table(records + [_record("big", "switch", seed=9, model="llama-185m-dense", validation_loss=3.0)])
     # one seed each: intervals undefined, no test
     single = validation_seed_table([r for r in records if r.run_id.endswith("-s1")])
     assert single.rows[0] == ("switch (reference)", "1", "5.000", "4.000", "4.000")
     assert "No significance test" in single.caption
+
+
+def test_seed_tables_leave_a_constant_difference_unmarked_with_a_footnote():
+    # two seeds, dirmoe exactly 10 points above switch on both: t = inf, p = 0 before; undefined now
+    scores = {("switch", 1): 0.30, ("switch", 2): 0.35, ("dirmoe", 1): 0.40, ("dirmoe", 2): 0.45}
+    records = [
+        _record(f"{router}-s{seed}", router, seed=seed,
+                scores={"minipile_continuation": (v, None), "minipile_lastword": (0.1 * seed + v / 7, None)})
+        for (router, seed), v in scores.items()
+    ]
+    comparison = compare_over_seeds(records)
+    cell = comparison.cells["dirmoe"]["minipile_continuation"]
+    assert cell.undefined and not comparison.significant("dirmoe", "minipile_continuation")
+    table = seed_zero_shot_table(comparison)
+    row = {r[0]: r for r in table.rows}["dirmoe"]
+    assert not row[2].endswith("*")
+    assert "Test undefined" in table.caption and "dirmoe in Continuation (local)" in table.caption
 
 
 def test_a_variant_is_compared_beside_its_router_not_as_its_seeds():

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,9 +16,11 @@ from repro.report.stats import (
     mcnemar_exact,
     mean_ci,
     mean_stderr,
+    minimum_detectable_shift,
     paired_permutation_test,
     paired_t_test,
     per_question_scores,
+    prediction_bounds,
     prediction_interval,
     question_scores,
 )
@@ -77,10 +81,14 @@ def test_paired_t_test_on_students_sleep_data():
     assert result.difference == pytest.approx(1.58) and result.n == 10
     scipy_result = sps.ttest_rel(DRUG_2, DRUG_1)
     assert result.p_value == pytest.approx(scipy_result.pvalue, rel=1e-12)
-    # no noise at all: identical runs are no evidence, a constant shift is
-    assert paired_t_test([1.0, 2.0], [1.0, 2.0]).p_value == 1.0
-    shifted = paired_t_test([1.0, 2.0, 3.0], [1.5, 2.5, 3.5])
-    assert shifted.p_value == 0.0 and shifted.statistic == math.inf
+    # no spread in the differences: the test is undefined (never t = inf, p = 0 and a mark), zero or not
+    for other in ([1.0, 2.0], [1.5, 2.5]):
+        undefined = paired_t_test([1.0, 2.0], other)
+        assert not undefined.defined and math.isnan(undefined.p_value) and math.isnan(undefined.statistic)
+        assert undefined.difference == pytest.approx(other[0] - 1.0)
+    assert paired_t_test([1.0, 2.0, 3.0], [1.5, 2.5, 3.6]).defined
+    # equal up to floating-point rounding (0.45 - 0.35 != 0.40 - 0.30 in the last bit) is no spread either
+    assert not paired_t_test([0.30, 0.35], [0.40, 0.45]).defined
     with pytest.raises(ValueError, match="at least two pairs"):
         paired_t_test([1.0], [2.0])
     with pytest.raises(ValueError, match="same length"):
@@ -109,10 +117,31 @@ def test_mcnemar_exact_textbook_values():
 
 def test_permutation_test_is_exact_mcnemar_on_binary_outcomes():
     rng = np.random.default_rng(3)
-    for _ in range(20):
-        ref = rng.integers(0, 2, size=12)
-        oth = np.where(rng.random(12) < 0.3, 1 - ref, ref)  # some questions flip
-        assert paired_permutation_test(ref, oth).p_value == pytest.approx(mcnemar_exact(ref, oth).p_value, abs=1e-12)
+    # 12 questions (2^m <= n_resamples: enumerated) and 600 (up to ~200 discordant: far beyond 2^m resamples)
+    for size in [12] * 10 + [600] * 10:
+        ref = rng.integers(0, 2, size=size)
+        oth = np.where(rng.random(size) < 0.3, 1 - ref, ref)  # some questions flip
+        ours = paired_permutation_test(ref, oth, n_resamples=1000)
+        assert ours.p_value == pytest.approx(mcnemar_exact(ref, oth).p_value, rel=1e-9, abs=1e-15)
+        assert ours.test == "sign-flip permutation"  # exact, not Monte Carlo
+
+
+def test_permutation_test_is_exact_on_a_lattice_and_says_when_it_is_monte_carlo():
+    rng = np.random.default_rng(4)
+    # correctness averaged over 3 seeds: multiples of 1/3, 40 questions (2^40 patterns): exact by convolution
+    ref, oth = rng.integers(0, 4, size=40) / 3, rng.integers(0, 4, size=40) / 3
+    exact = paired_permutation_test(ref, oth)
+    assert exact.test == "sign-flip permutation"
+    monte_carlo = paired_permutation_test(ref + rng.normal(0, 1e-3, 40), oth, n_resamples=20_000, seed=1)
+    assert monte_carlo.test == "sign-flip permutation (Monte Carlo, 20000 resamples)"
+    assert monte_carlo.p_value == pytest.approx(exact.p_value, abs=0.02)  # the jitter barely moves it
+    # the lattice against brute-force enumeration on a small case with mixed multiples
+    small_ref, small_oth = np.array([0, 0, 0, 1, 2, 0, 0]) / 3, np.array([1, 2, 3, 0, 0, 1, 2]) / 3
+    brute = sps.permutation_test(
+        (small_oth, small_ref), lambda x, y: np.mean(x - y), permutation_type="samples", n_resamples=np.inf,
+        alternative="two-sided",
+    )
+    assert paired_permutation_test(small_ref, small_oth, n_resamples=1).p_value == pytest.approx(brute.pvalue, abs=1e-12)
 
 
 def test_permutation_test_matches_scipy_exact_and_monte_carlo_is_seeded():
@@ -127,12 +156,11 @@ def test_permutation_test_matches_scipy_exact_and_monte_carlo_is_seeded():
     assert ours.difference == pytest.approx(np.mean(np.subtract(oth, ref)))
     # beyond 2^m > n_resamples: Monte Carlo, reproducible for a seed, never exactly zero
     rng = np.random.default_rng(1)
-    big_ref = rng.integers(0, 2, size=400).astype(float)
-    big_oth = np.where(rng.random(400) < 0.25, 1.0, big_ref)  # the other model fixes a quarter of the questions
+    big_ref = rng.random(400)  # scores off any lattice: 2^m > n_resamples is a Monte Carlo draw
+    big_oth = np.where(rng.random(400) < 0.25, big_ref + 0.5 + rng.random(400), big_ref)
     first = paired_permutation_test(big_ref, big_oth, n_resamples=2000, seed=5)
     assert first == paired_permutation_test(big_ref, big_oth, n_resamples=2000, seed=5)
-    assert first.p_value == pytest.approx(1 / 2001)
-    assert mcnemar_exact(big_ref, big_oth).p_value < 1e-10  # the exact test agrees: a clear difference
+    assert first.p_value == pytest.approx(1 / 2001) and "Monte Carlo" in first.test
     same = paired_permutation_test(big_ref, rng.permutation(big_ref), n_resamples=2000, seed=5)
     assert same.p_value > 0.01
     # weights: the statistic is the weighted sum of the differences
@@ -177,3 +205,76 @@ def test_per_question_scores_from_lm_eval_samples():
     twice["boolq"][1]["doc_id"] = 0
     with pytest.raises(ValueError, match="twice"):
         per_question_scores(twice)
+
+
+# ------------------------------------------------------------------------------------------ the seed check
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def _seed_spread() -> tuple[np.ndarray, np.ndarray]:
+    """Means and standard deviations of the suite's own per-seed numbers: the ablation's reference cell over
+    six seeds (10 routing and loss numbers) and the mini's Switch over three (final, validation, held-out loss)."""
+    paper = json.loads((RESULTS / "dirmoe-ablation-6seeds" / "summary.json").read_text())["results"]["paper"]
+    series = [list(item["values"].values()) for key, item in paper.items() if key != "seeds"]
+    switch = json.loads((RESULTS / "mini-seeds" / "summary.json").read_text())["per_seed"]["switch"]
+    series += [switch[k] for k in ("final_train_lm_loss_last10", "validation_loss", "heldout_loss")]
+    return np.array([np.mean(s) for s in series]), np.array([np.std(s, ddof=1) for s in series])
+
+
+def _false_alarms(mean_K, sd_K, seeds, confidence, reps, rng, shift_K=None):
+    """Share of simulated new runs that fail: ``seeds`` earlier runs and one new run, each number an
+    independent normal with the given mean and SD (the new run's shifted by ``shift_K``)."""
+    K = mean_K.size
+    earlier = mean_K + sd_K * rng.standard_normal((reps, seeds, K))
+    new = mean_K + sd_K * rng.standard_normal((reps, K)) + (0 if shift_K is None else shift_K)
+    low, high = prediction_bounds(earlier.transpose(0, 2, 1).reshape(reps * K, seeds), confidence)
+    outside = (new.reshape(-1) < low) | (new.reshape(-1) > high)
+    return float(outside.reshape(reps, K).any(axis=1).mean())
+
+
+def test_seed_check_false_alarm_rate_is_at_most_its_stated_level():
+    from repro.report.check import family_confidence
+
+    mean_K, sd_K = _seed_spread()
+    K, reps, alpha = mean_K.size, 200_000, 0.05
+    se = math.sqrt(alpha * (1 - alpha) / reps)  # the Monte Carlo estimate's own error: 0.0005
+    rng = np.random.default_rng(20261125)
+    assert K == 13
+    for seeds in (3, 6):  # the mini's seed count and the ablation's
+        rate = _false_alarms(mean_K, sd_K, seeds, family_confidence(alpha, K), reps, rng)
+        # independent numbers are Bonferroni's worst case: 1 - (1 - alpha/K)^K = 0.0488 at K = 13
+        assert rate <= alpha + 3 * se and rate == pytest.approx(1 - (1 - alpha / K) ** K, abs=4 * se)
+    # the old per-number 95% bands: an honest run failed about half the time
+    old = _false_alarms(mean_K, sd_K, 3, 0.95, 20_000, rng)
+    assert old == pytest.approx(1 - 0.95**K, abs=0.015) and old > 0.45
+
+
+def test_seed_check_states_what_it_cannot_detect_at_three_seeds():
+    from test_report import _seed_record
+
+    from repro.report.check import DETECTION_POWER, check_against_seeds, family_confidence, final_loss, render_report
+
+    switch = json.loads((RESULTS / "mini-seeds" / "summary.json").read_text())["per_seed"]["switch"]
+    losses = switch["final_train_lm_loss_last10"]
+    mean, sd, K, reps = float(np.mean(losses)), float(np.std(losses, ddof=1)), 6, 100_000
+    confidence = family_confidence(0.05, K)  # the mini compares about 6 numbers
+    detectable = minimum_detectable_shift(3, confidence, DETECTION_POWER) * sd
+    rng = np.random.default_rng(7)
+    # the power calculation against simulation: at the detectable shift, caught 80% of the time
+    caught = _false_alarms(np.array([mean]), np.array([sd]), 3, confidence, reps, rng, np.array([detectable]))
+    assert caught == pytest.approx(DETECTION_POWER, abs=4 * math.sqrt(0.16 / reps))
+    # a real 1% shift of Switch's final loss (0.055 nats, 4.8 seed SDs): caught far less often than 80% at 3 seeds
+    one_percent = _false_alarms(np.array([mean]), np.array([sd]), 3, confidence, reps, rng, np.array([0.01 * mean]))
+    assert detectable > 0.01 * mean and one_percent < DETECTION_POWER
+    # ... and the check says so: its row states the detectable shift, over 1% of the loss
+    seeds = [_seed_record(f"s{k}", k, v - 5.0) for k, v in enumerate(losses, 1)]
+    shifted = _seed_record("new", 9, 1.01 * mean - 5.0)
+    assert [final_loss(s) for s in seeds] == pytest.approx(losses)
+    report = check_against_seeds(shifted, seeds)
+    row = next(r for r in report.rows if r.metric.startswith("loss.final"))
+    assert row.detectable == pytest.approx(
+        minimum_detectable_shift(3, family_confidence(0.05, report.compared), DETECTION_POWER) * sd, rel=1e-9
+    )
+    assert row.status == "ok" and row.detectable / mean > 0.01  # passes: below what 3 seeds can see
+    text = render_report(report)
+    assert f"±{row.detectable:.3g} ({100 * row.detectable / row.reference:.2g}%)" in text

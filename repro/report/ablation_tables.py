@@ -12,24 +12,33 @@ Per run, from its training log (:func:`run_metrics`), over the last ``final_wind
   means over layers;
 - ``val_loss``: the validation loss of the last evaluation; ``lm_loss``: the training LM loss over the window.
 
-Per cell over its seeds (:func:`compare_cells`): the mean and the half-width of its 95% Student-t interval
-(:func:`repro.report.stats.mean_ci`); a paired t-test over the seeds the cell shares with the reference cell
-(:func:`repro.report.stats.paired_t_test`: same seed, same data order and initial backbone), Holm-adjusted over
-the cells of a column (:func:`repro.report.stats.holm`); and the Student-t interval of the paired differences.
-A cell is marked where the adjusted p-value is below alpha (0.05). Metrics a router does not report (Switch has
-no Dirichlet) are missing, not zero.
+Per cell over its seeds (:func:`compare_cells`, on the shared over-seeds comparison of
+:mod:`repro.report.over_seeds`): the mean and the half-width of its 95% Student-t interval; a paired t-test over
+the seeds the cell shares with the reference cell (same seed, same data order and initial backbone),
+Holm-adjusted over a family fixed before the data (default: every cell and column of the table against that
+reference); and the Student-t interval of the paired differences. A cell is marked where the adjusted p-value
+is below alpha (0.05); a test with no spread is undefined and footnoted, never marked. Cell against cell
+(:func:`compare_cell_pairs`, :func:`pairs_table`) uses the same machinery. Metrics a router does not report
+(Switch has no Dirichlet) are missing, not zero.
 """
 
 from __future__ import annotations
 
-import math
 import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from repro.report.stats import Interval, PairedTest, holm, mean_ci, paired_t_test
-from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table
+from repro.report.over_seeds import (
+    SeedStat,
+    against_reference,
+    compare,
+    count_defined,
+    family_sentence,
+    undefined_note,
+)
+from repro.report.stats import Interval, mean_ci
+from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table, _fmt_pm
 from repro.training.log import LogRow
 
 
@@ -166,77 +175,79 @@ def collect_results(
     )
 
 
-@dataclass(frozen=True)
-class CellStat:
-    """One cell's value in one column, over its seeds, and its comparison with the reference cell.
+#: One cell's value in one column over its seeds and its comparison (the shared
+#: :class:`~repro.report.over_seeds.SeedStat`).
+CellStat = SeedStat
 
-    Args:
-        interval: mean and Student-t interval over the seeds (None: no seed reports the metric).
-        test: paired t-test against the reference over the shared seeds (None: the reference itself, or
-            fewer than two shared seeds).
-        adjusted_p: the test's p-value after Holm's adjustment over the cells of the column.
-        difference: mean and Student-t interval of the paired differences (cell minus reference).
-    """
 
-    interval: Interval | None
-    test: PairedTest | None = None
-    adjusted_p: float | None = None
-    difference: Interval | None = None
+def _values(results: AblationResults) -> dict[str, dict[str, dict[int, float]]]:
+    return {cell: {m.key: results.per_seed(cell, m.key) for m in results.metrics} for cell in results.cells}
 
 
 def compare_cells(
-    results: AblationResults, reference: str, confidence: float = 0.95
+    results: AblationResults, reference: str, confidence: float = 0.95, *, family: str = "table"
 ) -> dict[str, dict[str, CellStat]]:
-    """Every cell against ``reference``, column by column (module docstring).
+    """Every cell against ``reference``, in every column (module docstring).
 
     Args:
         results: the runs' values.
         reference: the reference cell (no tests when it is not among the cells).
         confidence: coverage of the intervals.
+        family: the Holm family: ``table`` (every cell and column of the comparison with ``reference``) or
+            ``column`` (:mod:`repro.report.over_seeds`).
 
     Returns:
         cell -> metric key -> :class:`CellStat`.
     """
-    out: dict[str, dict[str, CellStat]] = {cell: {} for cell in results.cells}
-    for metric in results.metrics:
-        tests: dict[str, tuple[PairedTest, Interval]] = {}
-        if reference in results.cells:
-            ref = results.per_seed(reference, metric.key)
-            for cell in results.cells:
-                if cell == reference:
-                    continue
-                other = results.per_seed(cell, metric.key)
-                shared = sorted(set(ref) & set(other))
-                if len(shared) >= 2:
-                    a, b = [ref[s] for s in shared], [other[s] for s in shared]
-                    tests[cell] = (paired_t_test(a, b), mean_ci([y - x for x, y in zip(a, b)], confidence))
-        adjusted = dict(zip(tests, holm([t.p_value for t, _ in tests.values()]))) if tests else {}
-        for cell in results.cells:
-            values = list(results.per_seed(cell, metric.key).values())
-            test, diff = tests.get(cell, (None, None))
-            out[cell][metric.key] = CellStat(
-                mean_ci(values, confidence) if values else None, test, adjusted.get(cell), diff
-            )
-    return out
+    keys = [m.key for m in results.metrics]
+    return against_reference(_values(results), keys, reference if reference in results.cells else None,
+                             family=family, confidence=confidence)
 
 
-def _num(value: float | None, spec: str) -> str:
-    if value is None or not math.isfinite(value):
-        return MISSING
-    text = format(value, spec)
-    return format(0.0, spec) if float(text) == 0 else text  # no "-0.00" from rounding
+def compare_cell_pairs(
+    results: AblationResults,
+    pairs: Sequence[tuple[str, str]],
+    keys: Sequence[str],
+    *,
+    family: str = "table",
+    confidence: float = 0.95,
+) -> dict[tuple[str, str, str], CellStat]:
+    """Cell against cell, paired over their shared seeds (what a claim like "X is the main lever" needs).
+
+    Args:
+        results: the runs' values.
+        pairs: ``(a, b)``: ``a`` is compared with ``b`` (differences ``a - b``).
+        keys: the metric keys compared.
+        family: ``table`` (every pair and key one family) or ``column`` (one family per key).
+        confidence: coverage of the intervals.
+
+    Returns:
+        ``(a, b, key)`` -> :class:`CellStat` (``difference``: a minus b).
+    """
+    return compare(_values(results), [(a, b, k) for k in keys for a, b in pairs], family=family,
+                   confidence=confidence)
 
 
 def _pm(interval: Interval | None, spec: str, mark: str = "") -> str:
-    if interval is None:
+    return MISSING if interval is None else _fmt_pm(interval.estimate, interval.half_width, mark, spec)
+
+
+def _diff_cell(stat: CellStat, spec: str, alpha: float) -> str:
+    """``difference +- half-width (p=adjusted)``, marked; undefined tests and missing ones as such."""
+    if stat.difference is None:
         return MISSING
-    if interval.half_width is None:
-        return _num(interval.estimate, spec) + mark
-    return f"{_num(interval.estimate, spec)} {PLUS_MINUS} {_num(interval.half_width, spec)}{mark}"
+    if stat.undefined:
+        return f"{_pm(stat.difference, spec)} (p undefined)"
+    mark = SIGNIFICANT if stat.significant(alpha) else ""
+    return f"{_pm(stat.difference, spec)} (p={stat.adjusted_p:.2g}){mark}"
 
 
 def _legend(results: AblationResults) -> str:
     return "; ".join(f"{cell}: {results.readings[cell]}" for cell in results.cells if cell in results.readings)
+
+
+def _labels(results: AblationResults) -> dict[str, str]:
+    return {m.key: m.label for m in results.metrics}
 
 
 def ablation_table(
@@ -246,6 +257,7 @@ def ablation_table(
     name: str = "ablation",
     confidence: float = 0.95,
     alpha: float = 0.05,
+    family: str = "table",
 ) -> Table:
     """Per cell and column: ``mean +- CI half-width`` over the seeds, marked where it differs from ``reference``.
 
@@ -254,20 +266,20 @@ def ablation_table(
         reference: the cell the others are tested against.
         name: the table's file stem.
         confidence: coverage of the intervals.
-        alpha: significance level of the marks (after Holm's adjustment over the cells of a column).
+        alpha: significance level of the marks (after Holm's adjustment over ``family``).
+        family: ``table`` (every cell and column against ``reference``) or ``column``.
 
     Returns:
         The :class:`Table`.
     """
-    stats = compare_cells(results, reference, confidence)
+    stats = compare_cells(results, reference, confidence, family=family)
     rows = []
     for cell in results.cells:
         label = f"{cell} (reference)" if cell == reference else cell
         row = [label, ",".join(map(str, results.seeds(cell)))]
         for metric in results.metrics:
             stat = stats[cell][metric.key]
-            mark = SIGNIFICANT if stat.adjusted_p is not None and stat.adjusted_p < alpha else ""
-            row.append(_pm(stat.interval, metric.spec, mark))
+            row.append(_pm(stat.interval, metric.spec, SIGNIFICANT if stat.significant(alpha) else ""))
         rows.append(tuple(row))
     caption = (
         f"DirMoE ablation on the embedded default: end-of-run routing and losses per cell, over seeds. Each cell: "
@@ -281,15 +293,26 @@ def ablation_table(
     if reference in results.cells:
         caption += (
             f"{SIGNIFICANT}: differs from '{reference}' at alpha = {alpha:g} by a paired t-test over the seeds both "
-            "cells ran, Holm-adjusted over the cells of the column. "
+            f"cells ran, {family_sentence(family, count_defined(stats), 'cells')}."
         )
+        caption += undefined_note(_undefined(stats, results)) + " "
     caption += f"Cells: {_legend(results)}."
     headers = ("Cell", "seeds", *(m.label for m in results.metrics))
     return Table(name, caption, headers, tuple(rows))
 
 
+def _undefined(stats: Mapping[str, Mapping[str, CellStat]], results: AblationResults) -> list[tuple[str, str]]:
+    labels = _labels(results)
+    return [(cell, labels[key]) for cell, cells in stats.items() for key, stat in cells.items() if stat.undefined]
+
+
 #: The columns of the difference table: the collapse and what it costs.
 DIFFERENCE_KEYS = ("load_imbalance", "weight_imbalance", "val_loss", "lm_loss")
+
+
+def difference_metrics(results: AblationResults) -> list[Metric]:
+    """The columns of :data:`DIFFERENCE_KEYS` (per layer where per layer)."""
+    return [m for m in results.metrics if m.key.split("[")[0] in DIFFERENCE_KEYS]
 
 
 def ablation_difference_table(
@@ -299,8 +322,12 @@ def ablation_difference_table(
     name: str = "ablation_differences",
     confidence: float = 0.95,
     alpha: float = 0.05,
+    family: str = "table",
 ) -> Table:
     """Paired differences to ``reference``: ``mean difference +- CI half-width (Holm-adjusted p)`` per cell.
+
+    Its tests are those of :func:`ablation_table` against the same reference, in the same family (the whole
+    ablation table's comparisons with ``family="table"``), so both tables mark the same cells.
 
     Args:
         results: the runs' values.
@@ -308,33 +335,135 @@ def ablation_difference_table(
         name: the table's file stem.
         confidence: coverage of the intervals of the paired differences.
         alpha: significance level of the marks.
+        family: as in :func:`ablation_table`.
 
     Returns:
         The :class:`Table` (columns: load and weight imbalance per layer, validation and LM loss).
     """
-    stats = compare_cells(results, reference, confidence)
-    metrics = [m for m in results.metrics if m.key.split("[")[0] in DIFFERENCE_KEYS]
-    rows = []
-    for cell in results.cells:
-        if cell == reference:
-            continue
-        row = [cell]
-        for metric in metrics:
-            stat = stats[cell][metric.key]
-            if stat.difference is None or stat.adjusted_p is None:
-                row.append(MISSING)
-                continue
-            mark = SIGNIFICANT if stat.adjusted_p < alpha else ""
-            row.append(f"{_pm(stat.difference, metric.spec)} (p={stat.adjusted_p:.2g}){mark}")
-        rows.append(tuple(row))
+    stats = compare_cells(results, reference, confidence, family=family)
+    metrics = difference_metrics(results)
+    rows = [
+        (cell, *(_diff_cell(stats[cell][m.key], m.spec, alpha) for m in metrics))
+        for cell in results.cells if cell != reference
+    ]
     caption = (
         f"DirMoE ablation: each cell minus '{reference}', paired by seed. Each cell: the mean of the paired "
         f"differences {PLUS_MINUS} the half-width of their {confidence:.0%} Student-t interval, and the "
-        f"Holm-adjusted p-value of the paired t-test (over the cells of the column); {SIGNIFICANT}: p < {alpha:g}. "
-        "Columns as in the ablation table."
+        f"adjusted p-value of the paired t-test, {family_sentence(family, count_defined(stats), 'cells')}: "
+        f"the family of the ablation table against '{reference}', all its columns, of which these are a part; "
+        f"{SIGNIFICANT}: p < {alpha:g}. Columns as in the ablation table."
     )
+    caption += undefined_note([(c, k) for c, k in _undefined(stats, results) if k in {m.label for m in metrics}])
     headers = ("Cell", *(f"{m.label} diff" for m in metrics))
     return Table(name, caption, headers, tuple(rows))
+
+
+def pairs_table(
+    results: AblationResults,
+    pairs: Sequence[tuple[str, str]],
+    *,
+    name: str = "ablation_pairs",
+    keys: Sequence[str] | None = None,
+    confidence: float = 0.95,
+    alpha: float = 0.05,
+    family: str = "table",
+    what: str = "",
+) -> Table:
+    """Cell against cell (:func:`compare_cell_pairs`): ``a - b`` per pair and column, with the adjusted p.
+
+    Args:
+        results: the runs' values.
+        pairs: ``(a, b)`` pairs of cells.
+        name: the table's file stem.
+        keys: metric keys (default: the difference table's columns).
+        confidence: coverage of the intervals of the paired differences.
+        alpha: significance level of the marks.
+        family: ``table`` (every pair and column) or ``column``.
+        what: the caption's first sentence (default: what the table compares).
+
+    Returns:
+        The :class:`Table` (one row per pair).
+    """
+    metrics = [m for m in results.metrics if m.key in keys] if keys is not None else difference_metrics(results)
+    stats = compare_cell_pairs(results, pairs, [m.key for m in metrics], family=family, confidence=confidence)
+    rows = [(f"{a} - {b}", *(_diff_cell(stats[(a, b, m.key)], m.spec, alpha) for m in metrics)) for a, b in pairs]
+    defined = sum(s.test is not None and s.test.defined for s in stats.values())
+    labels = _labels(results)
+    caption = (
+        (what or "DirMoE ablation, cell against cell: the first cell minus the second, paired by the seeds both "
+         "ran.")
+        + f" Each cell: the mean of the paired differences {PLUS_MINUS} the half-width of their "
+        f"{confidence:.0%} Student-t interval, and the p-value of the paired t-test, "
+        f"{family_sentence(family, defined, 'pairs')}; {SIGNIFICANT}: p < {alpha:g}. Columns as in the "
+        "ablation table."
+    )
+    caption += undefined_note([(f"{a} - {b}", labels[k]) for (a, b, k), s in stats.items() if s.undefined])
+    headers = ("Cells", *(f"{m.label} diff" for m in metrics))
+    return Table(name, caption, headers, tuple(rows))
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """A comparison stated before the seeds that test it were run (a confirmatory study's family).
+
+    Args:
+        cell: the cell compared.
+        versus: the cell it is compared with (differences ``cell - versus``).
+        key: the metric key.
+        claim: the claim it checks, in words.
+    """
+
+    cell: str
+    versus: str
+    key: str
+    claim: str
+
+
+def confirm_table(
+    results: AblationResults,
+    hypotheses: Sequence[Hypothesis],
+    *,
+    name: str = "ablation_confirm",
+    confidence: float = 0.95,
+    alpha: float = 0.05,
+) -> Table:
+    """The pre-registered hypotheses on seeds that were not part of the screen: one family, Holm over them only.
+
+    Args:
+        results: the confirmatory runs' values.
+        hypotheses: the hypotheses, fixed in advance (those whose cells are not all run are left out, and the
+            caption says so).
+        name: the table's file stem.
+        confidence: coverage of the intervals of the paired differences.
+        alpha: the family-wise significance level.
+
+    Returns:
+        The :class:`Table`: one row per hypothesis, ``cell - versus`` with its interval and adjusted p-value.
+    """
+    tested = [h for h in hypotheses if h.cell in results.cells and h.versus in results.cells]
+    stats = compare(_values(results), [(h.cell, h.versus, h.key) for h in tested], family="table",
+                    confidence=confidence)
+    labels, specs = _labels(results), {m.key: m.spec for m in results.metrics}
+    rows = [
+        (h.claim, f"{h.cell} - {h.versus}", labels.get(h.key, h.key), _diff_cell(stats[(h.cell, h.versus, h.key)],
+                                                                                   specs.get(h.key, ".3f"), alpha))
+        for h in tested
+    ]
+    defined = sum(s.test is not None and s.test.defined for s in stats.values())
+    seeds = sorted({s for cell in results.cells for s in results.seeds(cell)})
+    caption = (
+        f"DirMoE ablation, confirmatory: the hypotheses stated before these seeds ({', '.join(map(str, seeds))}) "
+        "were run, tested on them alone. Each row: the first cell minus the second, paired by seed; the mean of "
+        f"the differences {PLUS_MINUS} the half-width of their {confidence:.0%} Student-t interval and the "
+        f"p-value of the paired t-test, Holm-adjusted over the {defined} hypotheses of this table (family: the "
+        f"pre-registered hypotheses, fixed before the runs); {SIGNIFICANT}: p < {alpha:g}, two-sided."
+    )
+    left = [f"{h.cell} - {h.versus} ({labels.get(h.key, h.key)})" for h in hypotheses if h not in tested]
+    if left:
+        caption += f" Not tested (a cell not run): {'; '.join(left)}."
+    caption += undefined_note([(f"{h.cell} - {h.versus}", labels.get(h.key, h.key)) for h in tested
+                               if stats[(h.cell, h.versus, h.key)].undefined])
+    return Table(name, caption, ("Claim", "Cells", "Column", "Difference (p)"), tuple(rows))
 
 
 def _interval_json(interval: Interval | None) -> dict[str, Any] | None:
@@ -348,15 +477,17 @@ def _versus_json(stat: CellStat, alpha: float) -> dict[str, Any] | None:
         return None
     return {
         "difference": _interval_json(stat.difference),
-        "t": stat.test.statistic,
-        "p": stat.test.p_value,
+        "t": stat.test.statistic if stat.test.defined else None,
+        "p": stat.test.p_value if stat.test.defined else None,
         "p_holm": stat.adjusted_p,
-        "significant": stat.adjusted_p is not None and stat.adjusted_p < alpha,
+        "significant": stat.significant(alpha),
+        **({"undefined": "every paired difference the same"} if stat.undefined else {}),
     }
 
 
 def results_to_json(
-    results: AblationResults, *, reference: str, switch: str | None = None, alpha: float = 0.05
+    results: AblationResults, *, reference: str, switch: str | None = None, alpha: float = 0.05,
+    family: str = "table",
 ) -> dict[str, Any]:
     """The results as JSON: per cell and metric, the per-seed values, the mean and interval, and the paired
     comparisons with ``reference`` and with ``switch`` (where they are cells).
@@ -366,11 +497,14 @@ def results_to_json(
         reference: the reference cell.
         switch: a second reference (Switch's level), or None.
         alpha: significance level of the ``significant`` flags.
+        family: the Holm family of each reference's comparisons (as in :func:`ablation_table`).
 
     Returns:
-        ``{cell: {"seeds": [...], metric key: {"values", "mean", "ci95", "vs_<reference>", "vs_<switch>"}}}``.
+        ``{cell: {"seeds": [...], metric key: {"values", "mean", "ci95", "vs_<reference>", "vs_<switch>"}}}``;
+        ``p``/``t`` are null where the test is undefined.
     """
-    versus = {ref: compare_cells(results, ref) for ref in (reference, switch) if ref is not None and ref in results.cells}
+    versus = {ref: compare_cells(results, ref, family=family) for ref in (reference, switch)
+              if ref is not None and ref in results.cells}
     out: dict[str, Any] = {}
     for cell in results.cells:
         entry: dict[str, Any] = {"seeds": list(results.seeds(cell))}
@@ -384,6 +518,33 @@ def results_to_json(
             entry[metric.key] = item
         out[cell] = entry
     return out
+
+
+def results_from_json(summary: Mapping[str, Any]) -> AblationResults:
+    """The :class:`AblationResults` stored in an ablation's ``summary.json`` (its per-seed values), to rebuild
+    the tables without the run directories.
+
+    Args:
+        summary: the parsed ``summary.json`` (``results``, ``cells``, ``final_window_steps``).
+
+    Returns:
+        The results: every value the tables use is a per-seed value stored there.
+    """
+    stored = summary["results"]
+    values: dict[str, dict[int, dict[str, float | None]]] = {}
+    keys: set[str] = set()
+    for cell, entry in stored.items():
+        runs = values.setdefault(cell, {int(seed): {} for seed in entry["seeds"]})
+        for key, item in entry.items():
+            if key == "seeds":
+                continue
+            keys.add(key)
+            for seed, value in item["values"].items():
+                runs[int(seed)][key] = value
+    num_layers = sum(k.startswith("load_imbalance[") for k in keys)
+    readings = {cell: spec["reading"] for cell, spec in summary.get("cells", {}).items() if "reading" in spec}
+    return AblationResults(cells=tuple(stored), values=values, metrics=metrics_for(num_layers),
+                           final_window=int(summary["final_window_steps"]), readings=readings)
 
 
 def summary_intervals(
@@ -414,11 +575,17 @@ __all__ = [
     "AblationResults",
     "CellStat",
     "DIFFERENCE_KEYS",
+    "Hypothesis",
     "Metric",
     "ablation_difference_table",
     "ablation_table",
     "collect_results",
+    "compare_cell_pairs",
     "compare_cells",
+    "confirm_table",
+    "difference_metrics",
+    "pairs_table",
+    "results_from_json",
     "metrics_for",
     "results_to_json",
     "run_metrics",

@@ -6,7 +6,7 @@ Examples::
     python -m repro tables runs/pile --published --out results/pile --format md,csv,tex
     python -m repro check runs/pile/dirmoe-185m --against published
     python -m repro check runs/mini/switch --against runs/mini-before/switch   # exit 1 on a drift
-    python -m repro check runs/new/switch --against runs/seeds/switch   # several seeds: their 95% band
+    python -m repro check runs/new/switch --against runs/seeds/switch   # several seeds: 5% false alarms in all
     python -m repro tables runs/seeds --over-seeds            # mean +- 95% CI over seeds, * vs --reference-router
 """
 
@@ -56,6 +56,8 @@ def tables_main(argv: list[str], prog: str) -> int:
         help="add a zero-shot table with one row per router over its runs (seeds): mean +- 95%% CI, "
         "* where it differs from --reference-router (paired t over shared seeds)",
     )
+    parser.add_argument("--family", choices=("table", "column"), default="table",
+                        help="with --over-seeds: Holm family of the marks, every test of the table (default) or each column")
     args = parser.parse_args(argv)
 
     records = load_records(args.records)
@@ -67,7 +69,8 @@ def tables_main(argv: list[str], prog: str) -> int:
         routing_table(records),
     ]
     if args.over_seeds:
-        comparison = compare_over_seeds(records, reference_router=args.reference_router, metric=args.metric)
+        comparison = compare_over_seeds(records, reference_router=args.reference_router, metric=args.metric,
+                                        family=args.family)
         tables.insert(1, seed_zero_shot_table(comparison))
     empty = [t.name for t in tables if not t.rows]
     if empty:  # e.g. runs not evaluated yet: say so rather than print or write an empty table
@@ -116,11 +119,12 @@ def check_main(argv: list[str], prog: str) -> int:
                         help="zero-shot metric compared with the papers (default auto: acc_norm where reported)")
     parser.add_argument("--loss-rtol", type=float, default=1e-6, help="against a run: loss tolerance (default 1e-6)")
     parser.add_argument("--eval-rtol", type=float, default=1e-6, help="against a run: lm-eval tolerance (default 1e-6)")
-    parser.add_argument("--confidence", type=float, default=0.95,
-                        help="against seeds: coverage of the prediction interval (default 0.95)")
+    parser.add_argument("--alpha", type=float, default=0.05,
+                        help="against seeds: family-wise false-alarm rate over all numbers compared (default 0.05; "
+                        "each number's prediction interval at 1 - alpha/K)")
     args = parser.parse_args(argv)
-    if not 0 < args.confidence < 1:
-        raise ReproError(f"--confidence must be in (0, 1), got {args.confidence}")
+    if not 0 < args.alpha < 1:
+        raise ReproError(f"--alpha must be in (0, 1), got {args.alpha}")
 
     records = load_records([args.run])
     reports: list[CheckReport] = []
@@ -141,7 +145,7 @@ def check_main(argv: list[str], prog: str) -> int:
         for record in records:
             seeds = [r for r in earlier_runs if _same_experiment(r, record) and r != record]
             if len(seeds) >= 2:
-                reports.append(check_against_seeds(record, seeds, confidence=args.confidence))
+                reports.append(check_against_seeds(record, seeds, alpha=args.alpha))
                 continue
             if record.run_id in previous:
                 earlier = previous[record.run_id]
@@ -150,7 +154,8 @@ def check_main(argv: list[str], prog: str) -> int:
             else:
                 raise ReproError(f"{Path(args.against)}: no earlier run with run_id '{record.run_id}'")
             reports.append(check_against_run(record, earlier, loss_rtol=args.loss_rtol, eval_rtol=args.eval_rtol))
-    merged = CheckReport(tuple(row for report in reports for row in report.rows))
+    headers = list(dict.fromkeys(report.header for report in reports if report.header))
+    merged = CheckReport(tuple(row for report in reports for row in report.rows), "\n".join(headers))
     print(render_report(merged), end="")
     if merged.compared == 0:
         raise ReproError("nothing was compared: every number was skipped (see the notes above)")

@@ -1,6 +1,7 @@
 """Comparing routers over seeds: one row per router over its runs with different seeds, each cell ``mean
 +- half-width of the 95% Student-t interval``, marked where the router differs from a reference router (paired
-over seeds or over questions, :mod:`repro.report.stats`, Holm-adjusted over the routers of a column).
+over seeds or over questions, :mod:`repro.report.stats`, Holm-adjusted over a family fixed in advance: the
+table by default, :mod:`repro.report.over_seeds`).
 
 - :func:`compare_over_seeds` and :func:`seed_zero_shot_table`: the zero-shot scores (the columns of
   :func:`repro.report.tables.zero_shot_table`);
@@ -23,18 +24,10 @@ import numpy as np
 
 from repro.errors import ReproError
 from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
+from repro.report.over_seeds import SeedStat, against_reference, count_defined, family_sentence, undefined_note
 from repro.report.parity import DEFAULT_REFERENCE_ROUTER
 from repro.report.record import PartialTask, RunRecord, lm_eval_metrics
-from repro.report.stats import (
-    Interval,
-    PairedTest,
-    holm,
-    mcnemar_exact,
-    mean_ci,
-    paired_permutation_test,
-    paired_t_test,
-    question_scores,
-)
+from repro.report.stats import PairedTest, mcnemar_exact, paired_permutation_test, question_scores
 from repro.report.table_core import (
     DENSE_SUFFIX,
     MISSING,
@@ -74,19 +67,8 @@ def record_seed(record: RunRecord) -> int:
     raise ReproError(f"run '{record.run_id}': its config records no seed")
 
 
-@dataclass(frozen=True)
-class SeedCell:
-    """One router's result in one column over its seeds.
-
-    Args:
-        interval: mean and Student-t interval over the seeds (percent).
-        test: the paired test against the reference router (None: the reference itself, or no test).
-        adjusted_p: the test's p-value after Holm's adjustment over the routers of the column.
-    """
-
-    interval: Interval
-    test: PairedTest | None = None
-    adjusted_p: float | None = None
+#: One router's result in one column over its seeds (the shared :class:`~repro.report.over_seeds.SeedStat`).
+SeedCell = SeedStat
 
 
 @dataclass(frozen=True)
@@ -104,6 +86,7 @@ class SeedComparison:
         confidence: coverage of the intervals.
         alpha: significance level of the marks.
         partial: router -> its runs' tasks scored on part of their documents (``run_id -> task -> entry``).
+        family: the Holm family (``table`` or ``column``, :mod:`repro.report.over_seeds`).
     """
 
     columns: tuple[str, ...]
@@ -115,6 +98,7 @@ class SeedComparison:
     confidence: float
     alpha: float
     partial: Mapping[str, Mapping[str, Mapping[str, PartialTask]]] = dataclasses.field(default_factory=dict)
+    family: str = "table"
 
     def is_partial(self, router: str, column: str) -> bool:
         """Whether a run of ``router`` scored ``column`` (any task, for Avg.) on part of its documents."""
@@ -124,7 +108,16 @@ class SeedComparison:
     def significant(self, router: str, column: str) -> bool:
         """Whether ``router`` differs from the reference in ``column`` at ``alpha`` (Holm-adjusted)."""
         cell = self.cells.get(router, {}).get(column)  # no cell: the router has no value in the column
-        return cell is not None and cell.adjusted_p is not None and cell.adjusted_p < self.alpha
+        return cell is not None and cell.significant(self.alpha)
+
+    def undefined(self, labels: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+        """``(router, column label)`` of the cells whose test is undefined (no spread), in table order."""
+        return [(router, (labels or {}).get(column, column)) for router, cells in self.cells.items()
+                for column, cell in cells.items() if cell.undefined]
+
+    def marks(self, rows: str = "routers") -> str:
+        """The caption's family phrase (:func:`repro.report.over_seeds.family_sentence`)."""
+        return family_sentence(self.family, count_defined(self.cells), rows)
 
 
 AVG = "avg"
@@ -210,6 +203,7 @@ def compare_over_seeds(
     confidence: float = 0.95,
     alpha: float = 0.05,
     seed_of: Callable[[RunRecord], int] = record_seed,
+    family: str = "table",
 ) -> SeedComparison:
     """Each router's zero-shot scores over its seeds, tested against a reference router.
 
@@ -226,8 +220,10 @@ def compare_over_seeds(
             over seeds), ``none``, or ``auto``: ``seeds`` when every router shares at least two seeds with the
             reference, else ``questions`` when every run has per-question results, else ``none``.
         confidence: coverage of the Student-t intervals.
-        alpha: significance level of the marks (after Holm's adjustment over the routers of a column).
+        alpha: significance level of the marks (after Holm's adjustment over ``family``).
         seed_of: a run's seed (default :func:`record_seed`).
+        family: the Holm family, ``table`` (every test of the table) or ``column``
+            (:mod:`repro.report.over_seeds`).
 
     Returns:
         The :class:`SeedComparison`.
@@ -272,14 +268,14 @@ def compare_over_seeds(
     elif test == "questions" and not questions_ok:
         raise ReproError(f"test 'questions' needs the reference '{reference_router}' and per-question results of every run")
 
-    def question_test(router: str, column: str) -> PairedTest:
+    def question_test(router: str, _reference: str, column: str) -> PairedTest:
         return _question_test(
             tasks if column == AVG else [column], chosen, groups[reference], groups[router], per_question
         )
 
-    cells = _cells_over_seeds(
-        groups, columns, value, reference, None if used == "none" else question_test if used == "questions" else "seeds",
-        confidence,
+    cells = against_reference(
+        _values(groups, columns, value), columns, reference, family=family, confidence=confidence,
+        tested=used != "none", test=question_test if used == "questions" else None,
     )
     partial = {
         router: {r.run_id: {t: p for t, p in record_partial(r).items() if t in chosen} for r in runs.values()}
@@ -296,41 +292,20 @@ def compare_over_seeds(
         confidence=confidence,
         alpha=alpha,
         partial={r: runs for r, runs in partial.items() if runs},
+        family=family,
     )
 
 
-def _cells_over_seeds(
-    groups: Mapping[str, Mapping[int, RunRecord]],
-    columns: Sequence[str],
-    value: Callable[[RunRecord, str], float | None],
-    reference: str | None,
-    test: Callable[[str, str], PairedTest] | str | None,
-    confidence: float,
-) -> dict[str, dict[str, SeedCell]]:
-    """Each router's interval per column, and its test against ``reference``, Holm-adjusted per column.
-
-    ``test`` is ``"seeds"`` (paired t over the seeds both ran, pairs where both have a value; fewer than two:
-    no test), a function ``(router, column) -> PairedTest``, or None (no test).
-    """
-    others = [r for r in groups if r != reference] if reference is not None else []
-    cells: dict[str, dict[str, SeedCell]] = {r: {} for r in groups}
-    for column in columns:
-        tests: dict[str, PairedTest] = {}
-        for router in others if test is not None else ():
-            if test == "seeds":
-                shared = sorted(set(groups[router]) & set(groups[reference]))
-                pairs = [(value(groups[reference][s], column), value(groups[router][s], column)) for s in shared]
-                pairs = [(a, b) for a, b in pairs if a is not None and b is not None]
-                if len(pairs) >= 2:
-                    tests[router] = paired_t_test([a for a, _ in pairs], [b for _, b in pairs])
-            else:
-                tests[router] = test(router, column)
-        adjusted = dict(zip(tests, holm([t.p_value for t in tests.values()]))) if tests else {}
-        for router, runs in groups.items():
-            values = [v for v in (value(r, column) for r in runs.values()) if v is not None]
-            if values:
-                cells[router][column] = SeedCell(mean_ci(values, confidence), tests.get(router), adjusted.get(router))
-    return cells
+def _values(
+    groups: Mapping[str, Mapping[int, RunRecord]], columns: Sequence[str], value: Callable[[RunRecord, str], float | None]
+) -> dict[str, dict[str, dict[int, float]]]:
+    """``{router: {column: {seed: value}}}``, the seeds that have the value."""
+    out: dict[str, dict[str, dict[int, float]]] = {}
+    for router, runs in groups.items():
+        for column in columns:
+            found = {seed: value(record, column) for seed, record in sorted(runs.items())}
+            out.setdefault(router, {})[column] = {seed: v for seed, v in found.items() if v is not None}
+    return out
 
 
 _TEST_TEXT = {
@@ -357,7 +332,8 @@ def _rows_over_seeds(
             mark = SIGNIFICANT if comparison.significant(router, column) else ""
             mark += PARTIAL if comparison.is_partial(router, column) else ""
             spec = (specs or {}).get(column, default)
-            row.append(MISSING if cell is None else _fmt_pm(cell.interval.estimate, cell.interval.half_width, mark, spec))
+            interval = None if cell is None else cell.interval
+            row.append(MISSING if interval is None else _fmt_pm(interval.estimate, interval.half_width, mark, spec))
         rows.append(tuple(row))
     return tuple(rows)
 
@@ -384,8 +360,9 @@ def seed_zero_shot_table(comparison: SeedComparison) -> Table:
     if comparison.test in _TEST_TEXT and comparison.reference is not None:
         caption += (
             f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
-            f"{_TEST_TEXT[comparison.test]}, Holm-adjusted over the routers of the column."
+            f"{_TEST_TEXT[comparison.test]}, {comparison.marks()}."
         )
+        caption += undefined_note(comparison.undefined(dict(zip(comparison.columns, (*labels, "Avg.")))))
     else:
         caption += " No significance test (no reference router, or neither shared seeds nor per-question results)."
     caption += _partial_note({run: tasks for runs in comparison.partial.values() for run, tasks in runs.items()})
@@ -402,12 +379,13 @@ def compare_metrics_over_seeds(
     confidence: float = 0.95,
     alpha: float = 0.05,
     seed_of: Callable[[RunRecord], int] = record_seed,
+    family: str = "table",
 ) -> SeedComparison:
     """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router.
 
     Each cell is the mean over a router's seeds with its Student-t interval; where every other router shares at
     least two seeds with the reference, a paired t-test over the shared seeds (same seed: same data order and
-    initialisation stream), Holm-adjusted over the routers of the column.
+    initialisation stream), Holm-adjusted over ``family``.
 
     Args:
         records: runs of one model, one per router and seed; a run without any of the numbers is left out.
@@ -416,6 +394,7 @@ def compare_metrics_over_seeds(
         confidence: coverage of the intervals.
         alpha: significance level of the marks.
         seed_of: a run's seed (default :func:`record_seed`).
+        family: the Holm family, ``table`` or ``column`` (:mod:`repro.report.over_seeds`).
 
     Returns:
         The :class:`SeedComparison` (``metrics`` maps each column to itself; ``test`` is ``seeds`` or ``none``).
@@ -430,9 +409,9 @@ def compare_metrics_over_seeds(
     seeds_ok = reference is not None and bool(others) and all(
         len(set(groups[r]) & set(groups[reference])) >= 2 for r in others
     )
-    cells = _cells_over_seeds(
-        groups, tuple(columns), lambda record, column: columns[column](record), reference,
-        "seeds" if seeds_ok else None, confidence,
+    cells = against_reference(
+        _values(groups, tuple(columns), lambda record, column: columns[column](record)), tuple(columns), reference,
+        family=family, confidence=confidence, tested=seeds_ok,
     )
     return SeedComparison(
         columns=tuple(columns),
@@ -443,6 +422,7 @@ def compare_metrics_over_seeds(
         test="seeds" if seeds_ok else "none",
         confidence=confidence,
         alpha=alpha,
+        family=family,
     )
 
 
@@ -475,8 +455,9 @@ def seed_metric_table(
     if comparison.test == "seeds" and comparison.reference is not None:
         caption += (
             f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
-            f"{_TEST_TEXT['seeds']}, Holm-adjusted over the routers of the column."
+            f"{_TEST_TEXT['seeds']}, {comparison.marks()}."
         )
+        caption += undefined_note(comparison.undefined(labels))
     else:
         caption += " No significance test (no reference router, or fewer than two seeds shared with it)."
     headers = ("Router", "seeds", *(labels.get(c, c) for c in comparison.columns))

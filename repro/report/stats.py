@@ -29,19 +29,34 @@ Decisions (each with its source):
    over seeds, or a task-weighted average over several tasks): under no difference each per-question
    difference is as likely positive as negative. Exact enumeration of the ``2^m`` sign patterns of the ``m``
    non-zero differences when that is at most ``n_resamples``, else a seeded Monte Carlo sample with
-   ``p = (1 + #{|T*| >= |T|}) / (1 + R)`` (Phipson & Smyth 2010, never zero). On 0/1 outcomes it is
-   exactly McNemar's exact test (tested). A paired bootstrap was not chosen: its p-values are approximate
-   under the null for small samples, the permutation test's are exact.
-5. **Holm's step-down adjustment** (Holm 1979) of the p-values of several routers against one reference:
-   controls the family-wise error rate with no assumption on how the tests depend on one another.
-6. **lm-eval's standard error** (``acc_stderr``) is ``s / sqrt(n)`` over the questions' 0/1 scores, ``s``
+   ``p = (1 + #{|T*| >= |T|}) / (1 + R)`` (Phipson & Smyth 2010, never zero). Where the non-zero terms
+   are integer multiples of the smallest one (0/1 outcomes always are; correctness averaged over seeds often
+   is), the null distribution of ``T`` is computed exactly at any ``m`` by convolving the terms' two-point
+   distributions on that lattice, so on 0/1 outcomes the test is McNemar's exact test whatever ``m`` is
+   (tested). Otherwise, above ``2^m > n_resamples``, the p-value is a Monte Carlo estimate and the test's
+   name says so. A paired bootstrap was not chosen: its p-values are approximate under the null for small
+   samples, the permutation test's are exact.
+5. **Holm's step-down adjustment** (Holm 1979) of the p-values of a family of tests fixed before the data
+   (:mod:`repro.report.over_seeds` says which): controls the family-wise error rate with no assumption on how
+   the tests depend on one another.
+6. **A test with no spread is undefined, not significant.** When every paired difference over seeds is the
+   same (common for accuracies on a few hundred questions with two or three seeds), the t statistic divides
+   by a zero standard deviation: :func:`paired_t_test` returns ``p = nan`` (:attr:`PairedTest.defined` is
+   False), the tables leave such cells unmarked and say why in a footnote, and Holm's family leaves them
+   out (a test that cannot be run cannot raise a false alarm).
+7. **lm-eval's standard error** (``acc_stderr``) is ``s / sqrt(n)`` over the questions' 0/1 scores, ``s``
    with n - 1 (``lm_eval/api/metrics.py``, ``mean_stderr``), closed-form whatever ``bootstrap_iters`` is as
    long as it is > 0 (0 switches standard errors off: ``stderr_for_metric``). :func:`mean_stderr` here is the
    same formula, to check the two agree.
+8. **Power of the regression band** (:func:`minimum_detectable_shift`): a new value shifted by ``delta``
+   from the seeds' mean gives ``(x - mean) / (s sqrt(1 + 1/n))`` a noncentral t distribution with ``n - 1``
+   degrees of freedom and noncentrality ``delta / (sigma sqrt(1 + 1/n))``; the smallest ``delta / sigma``
+   the band catches with the given power is solved from it.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
@@ -50,6 +65,8 @@ from typing import Any
 
 import numpy as np
 from scipy import stats as sps
+from scipy.integrate import quad
+from scipy.optimize import brentq
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,7 @@ class PairedTest:
             their weighted sum with weights).
         statistic: the test statistic (t; the smaller discordant count for McNemar; the difference for the
             permutation test).
-        p_value: two-sided p-value.
+        p_value: two-sided p-value (nan where the test is undefined: paired differences with no spread).
         n: number of pairs.
     """
 
@@ -99,6 +116,11 @@ class PairedTest:
     statistic: float
     p_value: float
     n: int
+
+    @property
+    def defined(self) -> bool:
+        """Whether the test has a p-value (False: every paired difference the same, decision 6)."""
+        return math.isfinite(self.p_value)
 
 
 def _array(values: Sequence[float], name: str) -> np.ndarray:
@@ -122,6 +144,7 @@ def _check_confidence(confidence: float) -> None:
         raise ValueError(f"confidence must be in (0, 1), got {confidence}")
 
 
+@functools.lru_cache(maxsize=1024)
 def _t_quantile(confidence: float, df: int) -> float:
     return float(sps.t.ppf((1 + confidence) / 2, df))
 
@@ -163,13 +186,69 @@ def prediction_interval(values: Sequence[float], confidence: float = 0.95) -> In
     Raises:
         ValueError: fewer than two values, values that are not finite, or a confidence outside (0, 1).
     """
-    _check_confidence(confidence)
     x = _array(values, "values")
-    if x.size < 2:
-        raise ValueError(f"a prediction interval needs at least two values, got {x.size}")
-    mean = float(x.mean())
-    half = _t_quantile(confidence, x.size - 1) * float(x.std(ddof=1)) * math.sqrt(1 + 1 / x.size)
-    return Interval(mean, mean - half, mean + half, int(x.size), confidence)
+    low, high = prediction_bounds(x[None, :], confidence)
+    return Interval(float(x.mean()), float(low[0]), float(high[0]), int(x.size), confidence)
+
+
+def prediction_bounds(values_RN: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`prediction_interval` of each row at once (the Monte Carlo checks of the regression band).
+
+    Args:
+        values_RN: R sets of N values (N >= 2), one set per row.
+        confidence: coverage.
+
+    Returns:
+        ``(low_R, high_R)``.
+
+    Raises:
+        ValueError: fewer than two values per row, or a confidence outside (0, 1).
+    """
+    _check_confidence(confidence)
+    x = np.asarray(values_RN, dtype=float)
+    if x.ndim != 2 or x.shape[1] < 2:
+        raise ValueError(f"a prediction interval needs at least two values, got {x.shape[-1] if x.ndim else 0}")
+    mean = x.mean(axis=1)
+    half = _t_quantile(confidence, x.shape[1] - 1) * x.std(axis=1, ddof=1) * math.sqrt(1 + 1 / x.shape[1])
+    return mean - half, mean + half
+
+
+def minimum_detectable_shift(n: int, confidence: float, power: float = 0.8) -> float:
+    """The smallest shift of one new value, in units of the seeds' standard deviation, that falls outside the
+    ``confidence`` prediction interval of ``n`` seeds with probability ``power`` (decision 8).
+
+    Args:
+        n: seeds the band is made of (at least two).
+        confidence: the band's coverage.
+        power: the probability of catching the shift.
+
+    Returns:
+        ``delta / sigma`` (``inf`` where no shift reaches that power).
+    """
+    _check_confidence(confidence)
+    if n < 2 or not 0 < power < 1:
+        raise ValueError(f"need n >= 2 and power in (0, 1), got n={n}, power={power}")
+    df, q, scale = n - 1, _t_quantile(confidence, n - 1), math.sqrt(1 + 1 / n)
+
+    def caught(shift: float) -> float:
+        # P(|T'| > q), T' = (Z + nc) / sqrt(V / df), V ~ chi2(df): integrated over V (scipy's nct loses
+        # precision at the large noncentralities that few seeds and a strict band need).
+        nc = shift / scale
+
+        def given(v: float) -> float:
+            cut = q * math.sqrt(v / df)
+            return (sps.norm.sf(cut - nc) + sps.norm.cdf(-cut - nc)) * sps.chi2.pdf(v, df)
+
+        return float(quad(given, 0, math.inf, limit=200)[0]) - power
+
+    if caught(0.0) >= 0:
+        return 0.0
+    high = 1.0
+    while caught(high) < 0:
+        high *= 2
+        if high > 1e6:
+            return math.inf
+    return float(brentq(caught, 0.0, high, xtol=1e-9))
 
 
 def mean_stderr(values: Sequence[float]) -> float:
@@ -195,8 +274,8 @@ def paired_t_test(reference: Sequence[float], other: Sequence[float]) -> PairedT
         other: the other router's value for the same seeds, in the same order.
 
     Returns:
-        The :class:`PairedTest`. When every difference is the same, t is 0 (p = 1) for a zero difference and
-        infinite (p = 0) otherwise: a constant non-zero difference has no noise to hide in.
+        The :class:`PairedTest`. When every difference is the same (to a relative 1e-9: rounding) the t
+        statistic is 0/0 or d/0: the test is undefined, ``statistic`` and ``p_value`` are nan (decision 6), never t = inf and p = 0.
 
     Raises:
         ValueError: fewer than two pairs, or samples of different lengths.
@@ -206,8 +285,9 @@ def paired_t_test(reference: Sequence[float], other: Sequence[float]) -> PairedT
         raise ValueError(f"a paired t-test needs at least two pairs, got {ref.size}")
     diff = oth - ref
     mean = float(diff.mean())
-    if np.all(diff == diff[0]):
-        return PairedTest("paired t", mean, 0.0 if mean == 0 else math.copysign(math.inf, mean), 1.0 if mean == 0 else 0.0, int(ref.size))
+    # Equal up to rounding (accuracies averaged in floating point differ in the last bits): no spread either.
+    if np.ptp(diff) <= 1e-9 * float(np.max(np.abs(diff))):
+        return PairedTest("paired t", mean, math.nan, math.nan, int(ref.size))
     result = sps.ttest_rel(oth, ref)
     return PairedTest("paired t", mean, float(result.statistic), float(result.pvalue), int(ref.size))
 
@@ -258,7 +338,9 @@ def paired_permutation_test(
         seed: seeds the Monte Carlo draw.
 
     Returns:
-        The :class:`PairedTest` (``statistic`` = ``difference`` = the weighted difference).
+        The :class:`PairedTest` (``statistic`` = ``difference`` = the weighted difference); its ``test`` is
+        ``sign-flip permutation`` where the p-value is exact (enumerated, or on a lattice: decision 4) and
+        ``sign-flip permutation (Monte Carlo, R resamples)`` where it is estimated.
 
     Raises:
         ValueError: samples or weights of different lengths, non-finite values, ``n_resamples < 1``.
@@ -278,10 +360,15 @@ def paired_permutation_test(
         return PairedTest("sign-flip permutation", observed, observed, 1.0, int(n))
     # Compare with a relative tolerance: the same |T| reached by another sign pattern must count as extreme.
     threshold = abs(observed) * (1 - 1e-9) - 1e-15
-    if m <= 62 and 2**m <= n_resamples:
+    name = "sign-flip permutation"
+    lattice = _lattice_p(active, threshold)
+    if lattice is not None:
+        p = lattice
+    elif m <= 62 and 2**m <= n_resamples:
         patterns = ((np.arange(2**m)[:, None] >> np.arange(m)) & 1) * 2 - 1
         p = float(np.mean(np.abs(patterns @ active) >= threshold))
     else:
+        name = f"sign-flip permutation (Monte Carlo, {n_resamples} resamples)"
         rng = np.random.default_rng(seed)
         extreme, left = 0, n_resamples
         while left:  # in chunks: a resample matrix for thousands of questions would not fit in memory
@@ -290,7 +377,31 @@ def paired_permutation_test(
             extreme += int(np.sum(np.abs(signs @ active) >= threshold))
             left -= size
         p = (1 + extreme) / (1 + n_resamples)
-    return PairedTest("sign-flip permutation", observed, observed, min(1.0, p), int(n))
+    return PairedTest(name, observed, observed, min(1.0, p), int(n))
+
+
+#: The largest lattice (sum of the terms' multiples of the smallest) whose null distribution is convolved.
+_LATTICE_LIMIT = 200_000
+
+
+def _lattice_p(active: np.ndarray, threshold: float) -> float | None:
+    """The exact sign-flip p-value where every term is an integer multiple of the smallest (decision 4), by
+    convolving the distributions of the terms' sums on that lattice; None where they are not, or the lattice
+    is too large."""
+    unit = float(np.min(np.abs(active)))
+    k = np.abs(active) / unit
+    steps = np.round(k)
+    if not np.allclose(k, steps, rtol=0, atol=1e-9) or steps.sum() > _LATTICE_LIMIT:
+        return None
+    dist = np.ones(1)  # dist[j]: P(T = (j - (len - 1) / 2) * unit), grown one distinct multiple at a time
+    for step, count in zip(*np.unique(steps.astype(int), return_counts=True)):
+        # ``count`` terms of size ``step``: their sum is step * (2B - count) with B ~ Binomial(count, 1/2).
+        kernel = np.zeros(2 * step * count + 1)
+        kernel[:: 2 * step] = sps.binom.pmf(np.arange(count + 1), count, 0.5)
+        dist = np.convolve(dist, kernel)
+    total = (dist.size - 1) // 2
+    values = np.abs(np.arange(-total, total + 1) * unit)
+    return float(dist[values >= threshold].sum())
 
 
 def holm(p_values: Sequence[float]) -> list[float]:

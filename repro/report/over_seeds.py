@@ -1,0 +1,226 @@
+"""One over-seeds comparison for every seeded table: the zero-shot, validation and routing tables over seeds
+(:mod:`repro.report.seed_tables`) and the DirMoE ablation's tables (:mod:`repro.report.ablation_tables`).
+
+Each row (a router, an ablation cell) has per column a value per seed. A comparison of row ``a`` with row
+``b`` in a column is a paired t-test over the seeds both ran (:func:`repro.report.stats.paired_t_test`: same
+seed, same data order and initial backbone) with the Student-t interval of the paired differences, or a test
+the caller supplies (the per-question tests of the zero-shot table). The p-values of one *family* are
+adjusted together with Holm's step-down method (:func:`repro.report.stats.holm`).
+
+**Families are fixed by the table's definition, before the data** (its rows and columns are named before
+any run): ``family="table"`` (the default) puts every test a table marks in one family, so the chance of any
+false mark in the table is at most alpha; ``family="column"`` adjusts each column on its own (any false mark
+in a column at most alpha), for a study that states one question per column in advance. The table is the
+default because a reader scans the whole table for marks. A test that cannot be run (every paired
+difference the same: no spread, decision 6 of :mod:`repro.report.stats`) is *undefined*: no mark, left out
+of its family, and named in the caption's footnote (:func:`undefined_note`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from dataclasses import dataclass
+
+from repro.report.stats import Interval, PairedTest, holm, mean_ci, paired_t_test
+
+#: The families a table's tests can be adjusted in (module docstring).
+FAMILIES = ("table", "column")
+#: Values per seed: row -> column -> seed -> value (a seed without the value is absent).
+Values = Mapping[str, Mapping[str, Mapping[int, float]]]
+
+
+@dataclass(frozen=True)
+class SeedStat:
+    """One row's value in one column over its seeds, and its comparison with another row.
+
+    Args:
+        interval: mean and Student-t interval over the row's seeds (None: no seed has the value).
+        test: the paired test (None: not compared, or fewer than two shared seeds).
+        adjusted_p: the test's p-value after Holm's adjustment over its family (None: no test, or undefined).
+        difference: mean and Student-t interval of the paired differences (row minus the other; None
+            where the test is not over seeds).
+    """
+
+    interval: Interval | None
+    test: PairedTest | None = None
+    adjusted_p: float | None = None
+    difference: Interval | None = None
+
+    @property
+    def undefined(self) -> bool:
+        """Whether the test could not be run (paired differences with no spread)."""
+        return self.test is not None and not self.test.defined
+
+    def significant(self, alpha: float) -> bool:
+        """Whether the adjusted p-value is below ``alpha`` (never for an undefined test)."""
+        return self.adjusted_p is not None and self.adjusted_p < alpha
+
+
+def check_family(family: str) -> str:
+    """``family`` if it is one of :data:`FAMILIES`, else ValueError."""
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family '{family}'; valid: {', '.join(FAMILIES)}")
+    return family
+
+
+def paired_over_seeds(
+    a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95
+) -> tuple[PairedTest, Interval] | None:
+    """Paired t-test of ``a - b`` over the seeds both have, and the interval of the differences.
+
+    Args:
+        a: seed -> value of one row.
+        b: seed -> value of the other.
+        confidence: coverage of the interval.
+
+    Returns:
+        ``(test, interval)``, None with fewer than two shared seeds.
+    """
+    shared = sorted(set(a) & set(b))
+    if len(shared) < 2:
+        return None
+    first, second = [a[s] for s in shared], [b[s] for s in shared]
+    return paired_t_test(second, first), mean_ci([x - y for x, y in zip(first, second)], confidence)
+
+
+Key = tuple[str, str, str]
+
+
+def compare(
+    values: Values,
+    tests: Sequence[Key],
+    *,
+    family: str = "table",
+    confidence: float = 0.95,
+    test: Callable[[str, str, str], PairedTest | None] | None = None,
+) -> dict[Key, SeedStat]:
+    """Every comparison ``(a, b, column)`` (``a`` against ``b``), Holm-adjusted over its family.
+
+    Args:
+        values: row -> column -> seed -> value.
+        tests: the comparisons, ``(a, b, column)``.
+        family: ``table`` (every comparison given is one family) or ``column`` (one family per column).
+        confidence: coverage of the intervals.
+        test: ``(a, b, column) -> PairedTest`` instead of the paired t over shared seeds (no difference
+            interval then).
+
+    Returns:
+        ``(a, b, column)`` -> :class:`SeedStat` (``interval`` is ``a``'s over its seeds).
+    """
+    check_family(family)
+    found: dict[Key, tuple[PairedTest, Interval | None]] = {}
+    for key in tests:
+        a, b, column = key
+        if test is not None:
+            result = test(a, b, column)
+            if result is not None:
+                found[key] = (result, None)
+            continue
+        paired = paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}), confidence)
+        if paired is not None:
+            found[key] = paired
+    adjusted = adjust({k: t for k, (t, _) in found.items()}, family, lambda k: k[2])
+    out = {}
+    for key in tests:
+        a, _, column = key
+        own = list(values.get(a, {}).get(column, {}).values())
+        result, diff = found.get(key, (None, None))
+        out[key] = SeedStat(mean_ci(own, confidence) if own else None, result, adjusted.get(key), diff)
+    return out
+
+
+def adjust(tests: Mapping[Hashable, PairedTest], family: str, column_of: Callable[[Hashable], str]) -> dict:
+    """Holm-adjusted p-values of the defined tests, per family (undefined tests are left out).
+
+    Args:
+        tests: key -> test.
+        family: ``table`` or ``column``.
+        column_of: a key's column (the family with ``family="column"``).
+
+    Returns:
+        key -> adjusted p-value, for the defined tests.
+    """
+    groups: dict[str, list] = {}
+    for key, result in tests.items():
+        if result.defined:
+            groups.setdefault(column_of(key) if check_family(family) == "column" else "", []).append(key)
+    out = {}
+    for keys in groups.values():
+        out.update(zip(keys, holm([tests[k].p_value for k in keys])))
+    return out
+
+
+def against_reference(
+    values: Values,
+    columns: Sequence[str],
+    reference: str | None,
+    *,
+    family: str = "table",
+    confidence: float = 0.95,
+    tested: bool = True,
+    test: Callable[[str, str, str], PairedTest | None] | None = None,
+) -> dict[str, dict[str, SeedStat]]:
+    """Every row's interval per column and, where ``tested``, its comparison with ``reference``.
+
+    Args:
+        values: row -> column -> seed -> value (rows in table order).
+        columns: the columns.
+        reference: the reference row (None: no tests).
+        family: see :func:`compare`.
+        confidence: coverage of the intervals.
+        tested: whether to test at all.
+        test: see :func:`compare`.
+
+    Returns:
+        row -> column -> :class:`SeedStat` (every row and column; ``interval`` None where there is no value).
+    """
+    others = [r for r in values if r != reference] if tested and reference is not None else []
+    stats = compare(values, [(r, reference, c) for c in columns for r in others], family=family,
+                    confidence=confidence, test=test)
+    out: dict[str, dict[str, SeedStat]] = {}
+    for row in values:
+        for column in columns:
+            own = list(values[row].get(column, {}).values())
+            plain = SeedStat(mean_ci(own, confidence) if own else None)
+            out.setdefault(row, {})[column] = stats.get((row, reference, column), plain)
+    return out
+
+
+def family_sentence(family: str, count: int, rows: str = "rows") -> str:
+    """The caption's words for a family (``Holm-adjusted over ...``).
+
+    Args:
+        family: ``table`` or ``column``.
+        count: the number of defined tests in the table.
+        rows: what the rows are (``routers``, ``cells``).
+
+    Returns:
+        The phrase.
+    """
+    if check_family(family) == "table":
+        return (f"Holm-adjusted over all {count} tests of this table (family: the table, fixed by its {rows} and "
+                "columns before the runs)")
+    return f"Holm-adjusted over the {rows} of each column (family: a column, fixed before the runs)"
+
+
+def undefined_note(undefined: Sequence[tuple[str, str]]) -> str:
+    """The caption's footnote for undefined tests ('' when there is none).
+
+    Args:
+        undefined: ``(row, column label)`` of each cell whose test is undefined.
+
+    Returns:
+        The sentence, with a leading space.
+    """
+    if not undefined:
+        return ""
+    listed = "; ".join(f"{row} in {column}" for row, column in undefined)
+    return (
+        " Test undefined, so not marked (every paired difference over the shared seeds the same: no spread to "
+        f"test it against, t would divide by zero): {listed}."
+    )
+
+
+def count_defined(stats: Mapping[str, Mapping[str, SeedStat]]) -> int:
+    """The number of defined tests among ``stats`` (row -> column -> stat)."""
+    return sum(s.test is not None and s.test.defined for cells in stats.values() for s in cells.values())
