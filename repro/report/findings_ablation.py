@@ -28,6 +28,9 @@ from repro.report.prose import (
 )
 
 LAYERS = ("load_imbalance[0]", "load_imbalance[1]")
+#: How the summary's Holm family (``summary.json`` ``family``, fixed before the runs) reads in a sentence.
+_FAMILY_WORDS = {"column": "the cells of its column", "table": "every test of its table (all cells and columns)"}
+
 #: The cell-vs-cell family: the centred reconstruction target against each other cell that removes an aux
 #: term or adds a balancing loss, per layer, Holm over these cells. Fixed in advance, not chosen by the values.
 CONTRASTS = ("recon-centered", ("recon-off", "kl-off", "aux-off", "dirmoe-balance"))
@@ -163,8 +166,9 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
     others = [c for c in results if c != REFERENCE]
     cost = s.get("cost", {})
     findings = [
-        "Each test: a paired t-test over the seeds two cells share, Holm-adjusted over the cells of its column (the "
-        f"tables' marks); a raw p below {ALPHA:g} that Holm's adjustment does not keep is reported as such.",
+        "Each test: a paired t-test over the seeds two cells share, Holm-adjusted over "
+        f"{_FAMILY_WORDS.get(s.get('family', 'column'), 'its family')} (the tables' marks); a raw p below {ALPHA:g} "
+        "that Holm's adjustment does not keep is reported as such.",
         *_reference_findings(results),
         *(_cell_finding(results, cells, c) for c in others if c != SWITCH and REFERENCE in results),
         *filter(None, [_theta_finding(results, s.get("final_window_steps"))]),
