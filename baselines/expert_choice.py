@@ -116,12 +116,15 @@ def num_groups(num_tokens: int, group_size: int) -> int:
     return n
 
 
-def group_tokens(seq_shape: tuple[int, int], group_size: int | str | None) -> torch.Tensor:
+def group_tokens(
+    seq_shape: tuple[int, int], group_size: int | str | None, device: torch.device | None = None
+) -> torch.Tensor:
     """Token indices of every group, batch-major (consecutive positions of one sequence together).
 
     Args:
         seq_shape: ``(S, B)``; tokens are in megatron-core's order ``t = s * B + b``.
         group_size: see :class:`ExpertChoiceConfig`.
+        device: where to build the indices (built there directly: a host-to-device copy would synchronise).
 
     Returns:
         ``[N, G]`` long: row n holds the (megatron-order) indices of the tokens of group n.
@@ -129,7 +132,7 @@ def group_tokens(seq_shape: tuple[int, int], group_size: int | str | None) -> to
     S, B = seq_shape
     T = S * B
     # Batch-major order: sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
-    batch_major_T = torch.arange(T).view(S, B).t().reshape(-1)
+    batch_major_T = torch.arange(T, device=device).view(S, B).t().reshape(-1)
     if group_size is None:
         return batch_major_T[None, :]
     size = S if group_size == SEQUENCE_GROUPS else int(group_size)
@@ -213,7 +216,7 @@ class ExpertChoiceRouter(Router):
         T = hidden_TD.shape[0]
         logits_TE = gate_logits(hidden_TD, self.weight)
         scores_TE = torch.softmax(logits_TE, dim=-1)
-        groups_NG = group_tokens((T, 1) if seq_shape is None else seq_shape, cfg.group_size).to(hidden_TD.device)
+        groups_NG = group_tokens((T, 1) if seq_shape is None else seq_shape, cfg.group_size, hidden_TD.device)
         N, G = groups_NG.shape
         capacity = self.capacity(G)
         # Top-C along each group's token axis: expert e's column keeps its C best tokens of the group
@@ -228,6 +231,8 @@ class ExpertChoiceRouter(Router):
         if self.training and torch.is_grad_enabled() and cfg.z_loss_coeff > 0:
             aux_losses["z_loss"] = z_loss_func(logits_TE, cfg.z_loss_coeff)
 
+        if not self.collect_metrics:
+            return RouterOutput(probs_TE, routing_map_TE, aux_losses, {})
         metrics = routing_metrics(probs_TE, routing_map_TE)
         device = probs_TE.device
         metrics["capacity"] = torch.tensor(float(capacity), device=device)
