@@ -2,7 +2,9 @@
 
 Every function reads :class:`repro.training.log.LogRow` rows (``repro.training.log.read_rows``). Efficiency
 figures are medians over a window of steps after warm-up (the first steps carry allocator growth and
-compilation; the median resists the odd slow step, checkpointing or validation, better than the mean).
+compilation; the median resists the odd slow step better than the mean), over the window's steps that did
+not compute routing metrics when it has any (:func:`timed_rows`); the routing figures average the window's
+steps that did.
 """
 
 from __future__ import annotations
@@ -39,6 +41,18 @@ def window(rows: Sequence[LogRow], warmup: int, length: int | None) -> Sequence[
     if not selected:
         raise ReproError(f"the log has {len(rows)} steps and warm-up skips {warmup}: no steps left to measure")
     return selected
+
+
+def timed_rows(rows: Sequence[LogRow]) -> Sequence[LogRow]:
+    """The rows whose iteration time is training alone: those that did not collect routing metrics
+    (``LogRow.metrics_collected``). A log that collected on every step (``logging.metrics_interval=1``, the
+    default of training runs) has no such row and is returned whole, so its figures are what they were.
+
+    Validation, checkpoints and the log write run after a step's timer stops (``repro.training.trainer``):
+    no row's time contains them, so rows of such steps need not be left out.
+    """
+    clean = [r for r in rows if not r.metrics_collected]
+    return clean if clean else rows
 
 
 def routing(rows: Sequence[LogRow], *, warmup: int = 0, length: int | None = None) -> tuple[LayerRouting, ...]:
@@ -83,7 +97,8 @@ def efficiency(
         global_batch_size: sequences per iteration.
         seq_length: tokens per sequence.
         num_devices: devices sharing an iteration (TFLOP/s are per device).
-        length: rows measured after the warm-up (None: all the rest).
+        length: rows measured after the warm-up (None: all the rest); the times are those of
+            :func:`timed_rows` among them.
         peak_memory_bytes: peak memory per device; default: the largest ``peak_memory_bytes`` of the rows.
         mean_active_experts: measured experts per token; default: the mean over layers and window rows of
             ``active_experts``. Pass 1 for a dense model or a router that merges experts. None and no
@@ -96,7 +111,7 @@ def efficiency(
     Raises:
         ReproError: no rows left after warm-up, or a median iteration time that is not positive.
     """
-    selected = window(rows, warmup, length)
+    selected = timed_rows(window(rows, warmup, length))
     iter_time_s = statistics.median(r.iter_time_s for r in selected)
     tokens_per_s = statistics.median(r.tokens_per_s for r in selected)
     if iter_time_s <= 0:
@@ -134,4 +149,4 @@ def efficiency(
     )
 
 
-__all__ = ["efficiency", "loss_curve", "routing", "window"]
+__all__ = ["efficiency", "loss_curve", "routing", "timed_rows", "window"]

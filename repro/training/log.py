@@ -1,6 +1,7 @@
 """The training log: one :class:`LogRow` per optimizer step in ``log.jsonl``, one writer, one reader.
 
-The trainer appends a row after every step (rank 0); everything that reads a log (summaries, run records,
+The trainer appends a row after every step (rank 0), with the routing metrics on the steps that collect them
+(``logging.metrics_interval``, default every step); everything that reads a log (summaries, run records,
 plots, checks) goes through :func:`read_rows`, which checks every row against :class:`LogRow` and names the
 file and line of a bad one. Routing metrics are per MoE layer: ``routing[name][layer]`` for scalar metrics
 (``active_experts``, ``simpson``, ``load_imbalance``, ...) and ``routing_per_expert[name][layer][expert]``
@@ -44,6 +45,10 @@ class LogRow:
         router_stats: ``{router: statistic}`` averaged over layers and ranks by the step schedule (ReMoE's
             sparsity).
         val_loss: validation LM loss, on evaluation steps only.
+        metrics_collected: whether the routers computed their diagnostic metrics in this step
+            (``logging.metrics_interval``): then ``routing``, ``routing_per_expert`` and ``router_stats`` hold
+            them and ``iter_time_s`` includes computing them; otherwise the three are empty. Logs written
+            before the setting existed collected on every step (the default).
     """
 
     step: int
@@ -61,6 +66,7 @@ class LogRow:
     routing_per_expert: dict[str, Any] = field(default_factory=dict)
     router_stats: dict[str, Any] = field(default_factory=dict)
     val_loss: float | None = None
+    metrics_collected: bool = True
 
     def layer_mean(self, metric: str) -> float | None:
         """Mean over MoE layers of a scalar routing metric (None when the row has none)."""
