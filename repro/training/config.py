@@ -390,6 +390,16 @@ class RunConfig:
         return dataclasses.asdict(self)
 
     @classmethod
+    def stored_dict(cls, data: Any) -> dict[str, Any] | None:
+        """A stored config (``config.json``'s ``experiment``) as :meth:`to_dict` writes it today: fields added
+        since it was written take their defaults, so an earlier run compares equal to the same run now.
+        None when it is not a valid config."""
+        try:
+            return cls.from_dict(data).to_dict()
+        except (ReproError, TypeError, ValueError):
+            return None
+
+    @classmethod
     def from_dict(cls, data: Mapping[str, Any], origin: str = "config") -> RunConfig:
         """Rebuild a config from :meth:`to_dict`'s output (e.g. read from ``config.json``).
 
