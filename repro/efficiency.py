@@ -436,7 +436,7 @@ def _write_record(plan: EfficiencyPlan, run: RunSpec, device: str | None) -> Pat
 
 def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
     """Iteration times (ms) of a run's log after ``warmup`` rows, of the steps that did not collect routing
-    metrics (:func:`repro.report.efficiency.timed_rows`).
+    metrics (:func:`repro.training.log.timed_rows`).
 
     Raises:
         ReproError: no log, or no rows left after the warm-up.
@@ -446,7 +446,7 @@ def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
     rows = read_rows(Path(run_dir))
     if len(rows) <= warmup:
         raise ReproError(f"{run_dir}: the log has {len(rows)} iterations, none after a warm-up of {warmup}")
-    from repro.report.efficiency import timed_rows
+    from repro.training.log import timed_rows
 
     return [r.iter_time_s * 1e3 for r in timed_rows(rows[warmup:])]
 

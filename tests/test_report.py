@@ -13,7 +13,7 @@ from repro.cli import main as repro_main
 from repro.errors import ReproError
 from repro.report import bench_table
 from repro.report.check import check_against_published, check_against_run, record_value
-from repro.report.efficiency import efficiency, routing, timed_rows
+from repro.report.efficiency import efficiency, routing
 from repro.report.flops import (
     LLAMA_185M,
     FlopsConfig,
@@ -37,7 +37,7 @@ from repro.report.store import (
 )
 from repro.report.table_core import render
 from repro.report.tables import efficiency_table, routing_table, zero_shot_table
-from repro.training.log import LogRow
+from repro.training.log import LogRow, timed_rows
 
 # ---------------------------------------------------------------------------------------------- FLOPs
 

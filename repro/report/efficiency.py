@@ -21,7 +21,7 @@ from repro.report.flops import (
     tflops_per_device,
 )
 from repro.report.record import ROUTING_METRICS, Efficiency, LayerRouting, LossPoint
-from repro.training.log import LogRow
+from repro.training.log import LogRow, timed_rows
 
 
 def loss_curve(rows: Sequence[LogRow]) -> tuple[LossPoint, ...]:
@@ -41,18 +41,6 @@ def window(rows: Sequence[LogRow], warmup: int, length: int | None) -> Sequence[
     if not selected:
         raise ReproError(f"the log has {len(rows)} steps and warm-up skips {warmup}: no steps left to measure")
     return selected
-
-
-def timed_rows(rows: Sequence[LogRow]) -> Sequence[LogRow]:
-    """The rows whose iteration time is training alone: those that did not collect routing metrics
-    (``LogRow.metrics_collected``). A log that collected on every step (``logging.metrics_interval=1``, the
-    default of training runs) has no such row and is returned whole, so its figures are what they were.
-
-    Validation, checkpoints and the log write run after a step's timer stops (``repro.training.trainer``):
-    no row's time contains them, so rows of such steps need not be left out.
-    """
-    clean = [r for r in rows if not r.metrics_collected]
-    return clean if clean else rows
 
 
 def routing(rows: Sequence[LogRow], *, warmup: int = 0, length: int | None = None) -> tuple[LayerRouting, ...]:
@@ -149,4 +137,4 @@ def efficiency(
     )
 
 
-__all__ = ["efficiency", "loss_curve", "routing", "timed_rows", "window"]
+__all__ = ["efficiency", "loss_curve", "routing", "window"]

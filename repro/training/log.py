@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -83,6 +84,18 @@ def write_row(file: IO[str], row: LogRow) -> None:
     file.flush()
 
 
+def timed_rows(rows: Sequence[LogRow]) -> Sequence[LogRow]:
+    """The rows whose iteration time is training alone: those that did not collect routing metrics
+    (``LogRow.metrics_collected``). A log that collected on every step (``logging.metrics_interval=1``, the
+    default of training runs) has no such row and is returned whole, so its figures are what they were.
+
+    Validation, checkpoints and the log write run after a step's timer stops (:mod:`repro.training.trainer`):
+    no row's time contains them, so rows of such steps need not be left out.
+    """
+    clean = [r for r in rows if not r.metrics_collected]
+    return clean if clean else rows
+
+
 def read_rows(path: str | os.PathLike) -> list[LogRow]:
     """The rows of a ``log.jsonl`` (or of the one in a run directory), in file order.
 
@@ -129,4 +142,4 @@ def truncate_rows(path: Path, last_step: int) -> None:
         tmp.write_text("".join(line + "\n" for line in kept))
 
 
-__all__ = ["LOG_FILE", "LogRow", "read_rows", "truncate_rows", "write_row"]
+__all__ = ["LOG_FILE", "LogRow", "read_rows", "timed_rows", "truncate_rows", "write_row"]

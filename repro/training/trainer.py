@@ -33,7 +33,7 @@ diagnostics or forces a host synchronisation (the routers' ones are counted by
 ``tests/test_host_sync.py``; the optimizer's ``float(grad_norm)`` and whatever the expert layer's token
 dispatch needs are the same for every router); on a step
 that collects, the metrics' computation is inside the region, and such rows say so
-(``LogRow.metrics_collected``): efficiency figures leave them out (:func:`repro.report.efficiency.timed_rows`).
+(``LogRow.metrics_collected``): efficiency figures leave them out (:func:`repro.training.log.timed_rows`).
 
 Outputs in ``out_dir``: ``config.json`` (the config, the process layout, the model's size, the data's
 origin), ``log.jsonl`` (:mod:`repro.training.log`), ``checkpoints/`` (:mod:`repro.training.checkpoint`),
@@ -70,7 +70,7 @@ from repro.training.components import Checkpointer, StepLog, Validator
 from repro.training.config import RunConfig
 from repro.training.data import build_run_data, tokenizer_fingerprint
 from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel
-from repro.training.log import LOG_FILE, LogRow, read_rows, truncate_rows
+from repro.training.log import LOG_FILE, LogRow, read_rows, timed_rows, truncate_rows
 from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
 from repro.training.optim import CpuOptimization, MegatronOptimization
 from repro.training.run_dir import RunPaths, run_lock, start_state
@@ -494,14 +494,15 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------- summary
 def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """The run's summary from its log rows; throughput statistics leave out the first row (warm-up).
+    """The run's summary from its log rows; throughput statistics leave out the first row (warm-up) and the
+    rows that computed routing metrics when some did not (:func:`repro.training.log.timed_rows`).
 
     Returns:
         ``{experiment, router, flavour, steps, final_loss, final_lm_loss, final_loss_mean10, final_val_loss,
         tokens, tokens_per_s_mean, tokens_per_s_median, iter_time_s_mean, active_experts_final, simpson_final,
         **extra}``.
     """
-    timed = rows[1:] if len(rows) > 1 else rows
+    timed = timed_rows(rows[1:] if len(rows) > 1 else rows)
     last = rows[-1] if rows else None
     vals = [r.val_loss for r in rows if r.val_loss is not None]
     tail = rows[-min(10, len(rows)):] if rows else []
