@@ -184,7 +184,11 @@ def group_capacity(group_size: int, capacity_factor: float, num_experts: int, to
 
 
 def group_tokens(
-    seq_shape: tuple[int, int], group_size: int | str | None, reference: str = "megatron", num_experts: int = 1
+    seq_shape: tuple[int, int],
+    group_size: int | str | None,
+    reference: str = "megatron",
+    num_experts: int = 1,
+    device: torch.device | None = None,
 ) -> torch.Tensor:
     """Token indices of every group, batch-major (consecutive positions of one sequence together).
 
@@ -193,6 +197,7 @@ def group_tokens(
         group_size: see :class:`ExpertChoiceConfig`.
         reference: whose group-count rule (:func:`num_groups`).
         num_experts: E (the "flaxformer" rule).
+        device: where to build the indices (built there directly: a host-to-device copy would synchronise).
 
     Returns:
         ``[N, G]`` long: row n holds the (megatron-order) indices of the tokens of group n.
@@ -200,7 +205,7 @@ def group_tokens(
     S, B = seq_shape
     T = S * B
     # Batch-major order: sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
-    batch_major_T = torch.arange(T).view(S, B).t().reshape(-1)
+    batch_major_T = torch.arange(T, device=device).view(S, B).t().reshape(-1)
     if group_size is None and reference == "megatron":
         return batch_major_T[None, :]
     size = T if group_size is None else S if group_size == SEQUENCE_GROUPS else int(group_size)
@@ -313,7 +318,7 @@ class ExpertChoiceRouter(Router):
         logits_TE = gate_logits(hidden_TD, self.weight)
         scores_TE = torch.softmax(logits_TE, dim=-1)
         seq = (T, 1) if seq_shape is None else seq_shape
-        groups_NG = group_tokens(seq, cfg.group_size, cfg.reference, cfg.num_experts).to(hidden_TD.device)
+        groups_NG = group_tokens(seq, cfg.group_size, cfg.reference, cfg.num_experts, hidden_TD.device)
         N, G = groups_NG.shape
         capacity = self.capacity(G)
         # Top-C along each group's token axis: expert e's column keeps its C best tokens of the group
@@ -328,6 +333,8 @@ class ExpertChoiceRouter(Router):
         if self.training and torch.is_grad_enabled() and cfg.z_loss_coeff > 0:
             aux_losses["z_loss"] = z_loss_func(logits_TE, cfg.z_loss_coeff)
 
+        if not self.collect_metrics:
+            return RouterOutput(probs_TE, routing_map_TE, aux_losses, {})
         metrics = routing_metrics(probs_TE, routing_map_TE)
         device = probs_TE.device
         metrics["capacity"] = torch.tensor(float(capacity), device=device)

@@ -249,21 +249,28 @@ class HashRouter(Router):
             :class:`RouterOutput` with no aux loss.
 
         Raises:
-            ValueError: token ids missing, not integers, or outside ``[0, vocab_size)``.
+            ValueError: token ids missing, not integers, or outside ``[0, vocab_size)`` (the range is read on
+                the host only when :attr:`collect_metrics` is set; otherwise an out-of-range id fails a
+                device-side assert, a ``RuntimeError``, so the forward forces no host synchronisation).
         """
         if token_ids_T is None:
             raise ValueError("hash routing needs token_ids_T")
         if token_ids_T.dtype.is_floating_point or token_ids_T.dtype == torch.bool:
             raise ValueError(f"token_ids_T must be an integer tensor, got {token_ids_T.dtype}")
         V = self.config.vocab_size
-        if token_ids_T.numel():
+        if token_ids_T.numel() and self.collect_metrics:
             lo, hi = int(token_ids_T.min()), int(token_ids_T.max())
             if lo < 0 or hi >= V:
                 bad = hi if hi >= V else lo
                 raise ValueError(f"token id {bad} is outside [0, vocab_size={V}); set the router's vocab_size")
+        elif token_ids_T.numel():
+            # The same check without reading the ids on the host: a device-side assert (RuntimeError).
+            in_range = ((token_ids_T >= 0) & (token_ids_T < V)).all()
+            torch._assert_async(in_range, f"a token id is outside [0, vocab_size={V}); set the router's vocab_size")
         experts_Tk = self.table[token_ids_T.to(self.table.device).long()]
         T, E = hidden_TD.shape[0], self.num_experts
         routing_map_TE = torch.zeros(T, E, dtype=torch.bool, device=hidden_TD.device)
         routing_map_TE.scatter_(1, experts_Tk.to(hidden_TD.device), True)
         probs_TE = routing_map_TE.float() / self.top_k
-        return RouterOutput(probs_TE, routing_map_TE, {}, routing_metrics(probs_TE, routing_map_TE))
+        metrics = routing_metrics(probs_TE, routing_map_TE) if self.collect_metrics else {}
+        return RouterOutput(probs_TE, routing_map_TE, {}, metrics)

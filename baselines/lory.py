@@ -256,6 +256,8 @@ class LoryRouter(Router):
         # [B, S, E] -> [S, B, E] -> [T, E] in megatron-core's token order.
         probs_TE = weights_BGE[:, seg_S].transpose(0, 1).reshape(T, self.num_experts)
         routing_map_TE = torch.ones(T, self.num_experts, dtype=torch.bool, device=hidden_TD.device)
+        if not self.collect_metrics:
+            return RouterOutput(probs_TE, routing_map_TE, {}, {})
         metrics = routing_metrics(probs_TE, routing_map_TE)
         metrics["num_segments"] = torch.tensor(float(weights_BGE.shape[1]), device=hidden_TD.device)
         return RouterOutput(probs_TE, routing_map_TE, {}, metrics)

@@ -154,7 +154,11 @@ class LoryMoELayer(MoELayer):
         probs_SBE = probs_TE.reshape(S, B, E)
         weights_GBE = torch.stack([probs_SBE[start : start + L].mean(0) for start in range(0, S, L)])
         # The router must give every token of a segment the same weights; a mismatch means the router and
-        # this layer disagree on the segment length. One comparison (and one host sync) per forward.
+        # this layer disagree on the segment length. One comparison (and one host sync) per forward, on the
+        # forwards that collect metrics only: the segment lengths are settings, fixed for the run, and the
+        # steps that do not log must force no host synchronisation.
+        if not getattr(getattr(self.router, "router", self.router), "collect_metrics", True):
+            return weights_GBE
         spread = (probs_SBE.detach() - weights_GBE.detach().repeat_interleave(L, dim=0)[:S]).abs().max()
         if float(spread) > 1e-5:
             raise RuntimeError(

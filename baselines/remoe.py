@@ -86,7 +86,9 @@ class ReMoERouter(Router):
         self.register_buffer("l1_coeff", torch.tensor(config.l1_coeff_init, dtype=torch.float32))
         # Per-step accumulators: reset by end_step, so a checkpoint taken between steps needs none.
         self.register_buffer("sparsity_sum", torch.zeros((), dtype=torch.float32), persistent=False)
-        self.register_buffer("sparsity_count", torch.zeros((), dtype=torch.long), persistent=False)
+        # The count is a host integer (how many forwards, known without reading the device), so deciding
+        # whether the step has a statistic forces no host synchronisation.
+        self.sparsity_count = 0
 
     @property
     def constraint(self) -> RoutingConstraint:
@@ -144,6 +146,8 @@ class ReMoERouter(Router):
                 self.sparsity_sum += sparsity.detach()
                 self.sparsity_count += 1
 
+        if not self.collect_metrics:
+            return RouterOutput(probs_TE, routing_map_TE, aux_losses, {})
         metrics = routing_metrics(probs_TE, routing_map_TE)
         with torch.no_grad():
             metrics["sparsity"] = sparsity.detach()
@@ -158,9 +162,9 @@ class ReMoERouter(Router):
         """Mean sparsity S of this router's training forwards since the last :meth:`end_step`.
 
         Returns:
-            A float32 scalar, or ``None`` when no training forward happened.
+            A float32 scalar, or ``None`` when no training forward happened (decided on the host count).
         """
-        if int(self.sparsity_count) == 0:
+        if self.sparsity_count == 0:
             return None
         return self.sparsity_sum / self.sparsity_count
 
@@ -172,11 +176,14 @@ class ReMoERouter(Router):
                 (no training forward this step) leaves lambda unchanged.
         """
         if global_statistic is not None:
-            gap = self.config.effective_target_sparsity - float(global_statistic)
-            # Too dense (S < target): raise lambda; too sparse: lower it; exactly on target: keep it.
-            if gap > 0:
-                self.l1_coeff.mul_(self.config.l1_coeff_multiplier)
-            elif gap < 0:
-                self.l1_coeff.div_(self.config.l1_coeff_multiplier)
+            # Too dense (S < target): raise lambda; too sparse: lower it; exactly on target: keep it. Chosen on
+            # the device (no host synchronisation): S is compared in float64 with the float64 target (as a
+            # Python comparison of the two would), and lambda * alpha, lambda / alpha are the same float32
+            # operations as an in-place mul_/div_.
+            s = global_statistic.detach().to(device=self.l1_coeff.device, dtype=torch.float64)
+            target = self.config.effective_target_sparsity
+            alpha = self.config.l1_coeff_multiplier
+            lam = self.l1_coeff
+            self.l1_coeff.copy_(torch.where(s < target, lam * alpha, torch.where(s > target, lam / alpha, lam)))
         self.sparsity_sum.zero_()
-        self.sparsity_count.zero_()
+        self.sparsity_count = 0

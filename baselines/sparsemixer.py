@@ -338,11 +338,13 @@ class SparseMixerRouter(Router):
             weight_T, selected_T, pi_TE, scale_T = sparsemixer_v2_select(
                 logits_TE, cfg.effective_jitter_eps, self.training, exclude_TE
             )
-            chosen_TE = torch.nn.functional.one_hot(selected_T, cfg.num_experts).bool()
+            # A scatter, not F.one_hot: one_hot checks the class range with .item() on CPU (a host sync).
+            chosen_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter_(1, selected_T[:, None], True)
             exclude_TE = chosen_TE if exclude_TE is None else exclude_TE | chosen_TE
             weights.append(weight_T)
             experts.append(selected_T)
-            not_argmax.append(selected_T != pi_TE.argmax(-1))
+            if self.collect_metrics:
+                not_argmax.append(selected_T != pi_TE.argmax(-1))
             scales.append(scale_T)
         experts_Tk = torch.stack(experts, dim=1)
         probs_TE = logits_TE.new_zeros(T, cfg.num_experts).scatter(1, experts_Tk, torch.stack(weights, dim=1))
@@ -361,6 +363,8 @@ class SparseMixerRouter(Router):
             if loss is not None:
                 aux_losses["load_balancing_loss"] = loss
 
+        if not self.collect_metrics:
+            return RouterOutput(probs_TE, routing_map_TE, aux_losses, {})
         metrics = routing_metrics(probs_TE, routing_map_TE)
         with torch.no_grad():
             metrics["sampled_not_argmax"] = torch.stack(not_argmax).float().mean()

@@ -152,7 +152,7 @@ class SwitchRouter(Router):
         probs_TE, routing_map_TE = topk_routing_with_score_function(
             logits_TE, cfg.top_k, use_pre_softmax=cfg.use_pre_softmax, score_function="softmax"
         )
-        assigned_before_drop = routing_map_TE.sum()
+        assigned_before_drop = routing_map_TE.sum() if self.collect_metrics else None
         if cfg.capacity_factor is not None:
             probs_TE, routing_map_TE = apply_router_token_dropping(
                 probs_TE,
@@ -175,6 +175,8 @@ class SwitchRouter(Router):
                 moe_aux_loss_coeff=cfg.aux_loss_coeff,
             )
 
+        if not self.collect_metrics:
+            return RouterOutput(probs_TE.float(), routing_map_TE, aux_losses, {})
         metrics = routing_metrics(probs_TE, routing_map_TE)
         with torch.no_grad():
             metrics["balance_loss"] = switch_load_balancing_loss_func(

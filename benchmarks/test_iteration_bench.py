@@ -53,7 +53,11 @@ def _trainers(runs: dict[str, tuple[str, tuple[str, ...]]], tmp_path) -> Iterato
     from repro.training.trainer import Trainer
 
     configs = {
-        label: efficiency_config(router, FLAVOUR, steps=WARMUP_ROUNDS + ROUNDS, vocab_size=VOCAB, overrides=overrides)
+        # One step more than are run: the efficiency runs' routing metrics are computed on the first and the last
+        # step (logging.metrics_interval), so no measured round computes them.
+        label: efficiency_config(
+            router, FLAVOUR, steps=WARMUP_ROUNDS + ROUNDS + 1, vocab_size=VOCAB, overrides=overrides
+        )
         for label, (router, overrides) in runs.items()
     }
     info = init_distributed(tp=1, ep=1, seed=next(iter(configs.values())).seed)

@@ -313,10 +313,13 @@ def run_cost(run_dir: Path) -> dict[str, float] | None:
 
 
 def _stored_experiment(run_dir: Path) -> dict[str, Any] | None:
+    from repro.training.config import RunConfig
+
     try:
-        return json.loads((run_dir / "config.json").read_text())["experiment"]
+        stored = json.loads((run_dir / "config.json").read_text())["experiment"]
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    return RunConfig.stored_dict(stored)  # with the defaults of fields added since
 
 
 def run_state(cfg: AblationConfig, cell: str, seed: int) -> str:

@@ -35,12 +35,16 @@ Defaults, each one option away:
 3. **The first iterations of the recipe's run** (``--warmup``, ``--iters``): the experiment keeps its schedule
    (LR warm-up, DirMoE's temperature and prior schedules at their start; a dense start, Lory's, is turned off
    with ``router.options.dense_fraction=0`` so that the routed model is timed) and is stopped after
-   ``warmup + iters`` iterations, so no checkpoint is written (the trainer writes one only at the schedule's
+   ``warmup + iters + 1`` iterations, so no checkpoint is written (the trainer writes one only at the schedule's
    end); validation is off. Routing is therefore measured near initialisation: the table's "active experts"
    and measured TFLOP/s say how many experts the variable-k routers used.
 4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA/cuBLAS
    initialisation, allocator growth and torch.compile; the median resists an odd slow iteration; min and max
-   are in the summary.
+   are in the summary. **Only training is timed**: the routers compute their diagnostic metrics on the first
+   iteration and on one extra iteration after the measured ones (``logging.metrics_interval``), whose
+   routing gives the table's active experts; both are left out of the times (``LogRow.metrics_collected``),
+   as are data generation, validation and checkpoints, which run outside every iteration's timer
+   (:mod:`repro.training.trainer`).
 5. **A fresh process per run**, also for one device (:func:`train_command`). In one process a finished run
    stays in memory: megatron-core's DDP wrapper registers gradient hooks that close over it, and the cycle
    through those C++ hooks is never collected. Measured with four tiny runs in one process (``train()`` then
@@ -178,8 +182,9 @@ class EfficiencyPlan:
 
     @property
     def steps_run(self) -> int:
-        """Iterations each run trains (warm-up and measured)."""
-        return self.warmup + self.iters
+        """Iterations each run trains: warm-up, measured, and one more whose routers compute their metrics
+        (the routing figures; it is not timed, like the first)."""
+        return self.warmup + self.iters + 1
 
     def config_kwargs(self, run: RunSpec) -> dict[str, Any]:
         """The keyword arguments of :func:`efficiency_overrides` for ``run``."""
@@ -264,6 +269,8 @@ def efficiency_overrides(
         "checkpoint.interval=0",
         "validation.interval=0",
         *_routed_from_the_start(base.router.name),
+        # Routing metrics on the first and the last iteration only (the last is not timed, see steps_run).
+        f"logging.metrics_interval={steps}",
         *overrides,
     ]
     # The global batch follows the micro-batch and tensor-parallel size the overrides leave; read them as
@@ -440,7 +447,8 @@ def _write_record(plan: EfficiencyPlan, run: RunSpec, device: str | None) -> Pat
 
 
 def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
-    """Iteration times (ms) of a run's log after ``warmup`` rows.
+    """Iteration times (ms) of a run's log after ``warmup`` rows, of the steps that did not collect routing
+    metrics (:func:`repro.training.log.timed_rows`).
 
     Raises:
         ReproError: no log, or no rows left after the warm-up.
@@ -450,7 +458,9 @@ def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
     rows = read_rows(Path(run_dir))
     if len(rows) <= warmup:
         raise ReproError(f"{run_dir}: the log has {len(rows)} iterations, none after a warm-up of {warmup}")
-    return [r.iter_time_s * 1e3 for r in rows[warmup:]]
+    from repro.training.log import timed_rows
+
+    return [r.iter_time_s * 1e3 for r in timed_rows(rows[warmup:])]
 
 
 # ------------------------------------------------------------------------------------------ report

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any
 
 from repro.errors import ReproError
 from repro.io_utils import claim_run_dir, write_json_atomic
-from repro.training.config import MEGATRON_ROUTER
+from repro.training.config import MEGATRON_ROUTER, RunConfig
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -369,7 +369,8 @@ def _record_is_current(cfg: MiniConfig, run: str, seed_index: int = 0) -> bool:
         settings = json.loads((run_dir / "analysis.json").read_text()).get("settings")
     except (OSError, ValueError, KeyError):
         return False
-    return stored == cfg.experiment(run, seed_index).to_dict() and settings == cfg.analysis_settings()
+    current = RunConfig.stored_dict(stored) == cfg.experiment(run, seed_index).to_dict()
+    return current and settings == cfg.analysis_settings()
 
 
 def run_all(cfg: MiniConfig, runs: Sequence[str | tuple[str, int]], tasks_dir: Path) -> None:

@@ -159,6 +159,13 @@ class Router(nn.Module):
     #: applied at every scale on top of the recipe: experiments ``<router>+<variant>-<scale>``, e.g. DirMoE's
     #: ``centered`` reconstruction target. The comparison runs them beside the router; tables label them.
     variants: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    #: Whether :meth:`route` computes its diagnostic ``metrics``. The training loop sets it per step
+    #: (``routers.schedule.begin_step``): True on the steps it logs, False on the others, where ``route``
+    #: returns ``metrics={}`` and forces no host synchronisation (no ``.item()``, ``int(t)``, ``bool(t)``,
+    #: ``nonzero``, boolean-mask indexing, data-dependent shapes) unless its routing itself needs one (then
+    #: its docstring says which). Probs, routing map, aux losses, schedules and random draws are identical
+    #: whatever it is. The class default (True) is for direct calls; setting it makes it an instance attribute.
+    collect_metrics: bool = True
 
     @classmethod
     def moe_layer_class(cls) -> type | None:
@@ -226,13 +233,20 @@ class Router(nn.Module):
         """Tell the router the global training step (before the step's forward passes)."""
         self.step.fill_(int(step))
 
+    def set_collect_metrics(self, collect: bool) -> None:
+        """Compute the diagnostic metrics in the coming forwards (True) or skip them (False); see
+        :attr:`collect_metrics`."""
+        self.collect_metrics = bool(collect)
+
     def step_statistic(self) -> torch.Tensor | None:
         """A statistic accumulated over this step's micro-batches that the router's schedule needs
-        averaged over layers and data-parallel ranks (ReMoE's sparsity). ``None`` if it needs none."""
+        averaged over layers and data-parallel ranks (ReMoE's sparsity). ``None`` if it needs none.
+        Deciding between a tensor and ``None`` must not read a device value (no host synchronisation)."""
         return None
 
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
-        """Called once after each optimizer step with the averaged :meth:`step_statistic`."""
+        """Called once after each optimizer step with the averaged :meth:`step_statistic` (a device tensor:
+        an update that depends on it stays on the device, with no host synchronisation)."""
 
     def set_layer_number(self, layer_number: int) -> None:
         """Told the router's (1-based) layer once the model is built; a no-op unless a router needs it.

@@ -21,7 +21,8 @@ What the adapter does in each forward:
    no single coefficient). Values are rank-local (no reduce group): average over data-parallel ranks in
    the training loop if wanted;
 4. accumulates the detached metrics in ``self.stats`` (per layer, summed over every forward, training or
-   evaluation, until reset: reset around an evaluation to keep the two apart) and the
+   evaluation, until reset: reset around an evaluation to keep the two apart; a forward whose router did
+   not collect metrics, ``Router.collect_metrics`` False, adds its aux losses only) and the
    last forward's in ``self.last_metrics``. :func:`collect_routing_metrics` walks a model and returns
    ``{layer_number: {metric: mean over forwards}}``; :func:`collect_aux_losses` does the same for the aux
    losses.
@@ -66,9 +67,14 @@ class RoutingStats:
         self.metric_sums: dict[str, torch.Tensor] = {}
         self.aux_loss_sums: dict[str, torch.Tensor] = {}
         self.count = 0
+        # Forwards that returned metrics: a router computes them only on the steps that log
+        # (``Router.collect_metrics``), so the metric means divide by these forwards alone.
+        self.metric_count = 0
 
     def add(self, metrics: dict[str, torch.Tensor], aux_losses: dict[str, torch.Tensor]) -> None:
-        """Accumulate one forward's (detached) metrics and aux losses."""
+        """Accumulate one forward's (detached) metrics (possibly none) and aux losses."""
+        if metrics:
+            self.metric_count += 1
         for key, value in metrics.items():
             value = value.detach().float()
             self.metric_sums[key] = self.metric_sums[key] + value if key in self.metric_sums else value.clone()
@@ -78,11 +84,12 @@ class RoutingStats:
         self.count += 1
 
     def means(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(metrics, aux_losses)`` averaged over the forwards since the last reset (empty if none)."""
+        """``(metrics, aux_losses)`` averaged over the forwards since the last reset (empty if none; metrics
+        over the forwards that returned them)."""
         if self.count == 0:
             return {}, {}
         return (
-            {k: v / self.count for k, v in self.metric_sums.items()},
+            {k: v / self.metric_count for k, v in self.metric_sums.items()},
             {k: v / self.count for k, v in self.aux_loss_sums.items()},
         )
 
@@ -91,6 +98,7 @@ class RoutingStats:
         self.metric_sums.clear()
         self.aux_loss_sums.clear()
         self.count = 0
+        self.metric_count = 0
 
 
 class MegatronRouterAdapter(MegatronModule):

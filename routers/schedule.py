@@ -1,7 +1,7 @@
 """Driving the routers' step schedules from a training loop.
 
-The loop calls :func:`begin_step` before a step's forward passes and :func:`end_step` after the
-optimizer step. ``end_step`` averages each router class's :meth:`Router.step_statistic` over its layers
+The loop calls :func:`begin_step` before a step's forward passes (with whether the routers compute their
+diagnostic metrics in this step) and :func:`end_step` after the optimizer step. ``end_step`` averages each router class's :meth:`Router.step_statistic` over its layers
 and over the data-parallel ranks, then hands the average to every router of that class, so layer
 replicas of a global schedule (ReMoE's L1 coefficient) stay identical on every rank.
 """
@@ -22,14 +22,25 @@ def routers_in(model: nn.Module) -> list[Router]:
     return [m for m in model.modules() if isinstance(m, Router)]
 
 
-def begin_step(model: nn.Module, step: int) -> None:
-    """Set the global step on every router of ``model`` (schedules read it in the forward)."""
+def begin_step(model: nn.Module, step: int, collect_metrics: bool = True) -> None:
+    """Set the global step on every router of ``model`` (schedules read it in the forward).
+
+    Args:
+        model: the model holding the routers.
+        step: completed optimizer steps so far.
+        collect_metrics: whether the routers compute their diagnostic metrics in this step's forwards
+            (:attr:`routers.base.Router.collect_metrics`); training is identical either way.
+    """
     for router in routers_in(model):
         router.set_step(step)
+        router.set_collect_metrics(collect_metrics)
 
 
-def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, float]:
+def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
     """Average the routers' step statistics over layers and ranks and apply their schedule updates.
+
+    Nothing here reads a device value: the averages stay tensors (an all-reduce, no ``.item()``), so a step
+    that does not log forces no host synchronisation; the caller converts them when it logs.
 
     Args:
         model: the (local) model holding the routers.
@@ -37,12 +48,13 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[s
             torch.distributed is not initialised).
 
     Returns:
-        ``{router_name: averaged statistic}`` for the router classes that report one (for logging).
+        ``{router_name: averaged statistic}`` (float32 scalar tensors on the routers' device) for the router
+        classes that report one (for logging).
     """
     by_class: dict[type, list[Router]] = defaultdict(list)
     for router in routers_in(model):
         by_class[type(router)].append(router)
-    averaged: dict[str, float] = {}
+    averaged: dict[str, torch.Tensor] = {}
     for cls, routers in by_class.items():
         stats = [r.step_statistic() for r in routers]
         if all(s is None for s in stats):
@@ -55,5 +67,5 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[s
             mean = mean / dist.get_world_size(group)
         for r in routers:
             r.end_step(mean)
-        averaged[cls.name] = float(mean)
+        averaged[cls.name] = mean.detach()
     return averaged

@@ -57,13 +57,15 @@ def test_two_routers_and_dense_on_one_cpu_device(tmp_path, capsys):
         assert config["experiment"]["data"]["source"] == "synthetic" and config["vocab_size"] == 256
         assert config["num_microbatches"] == 2
         # the training process built exactly the configuration the command planned
-        assert RunConfig.from_dict(config["experiment"]) == efficiency_config(label, "tiny", steps=3, vocab_size=256)
-        # stopped after warm-up + measured iterations, before the schedule's end: no checkpoint
+        assert RunConfig.from_dict(config["experiment"]) == efficiency_config(label, "tiny", steps=4, vocab_size=256)
+        # stopped after warm-up + measured iterations + the one that collects routing metrics: no checkpoint
         times = _times_ms(run_dir)
-        assert len(times) == 3 and not (run_dir / "checkpoints").exists()
+        assert len(times) == 4 and not (run_dir / "checkpoints").exists()
+        assert [r.metrics_collected for r in read_rows(run_dir)] == [True, False, False, True]
         assert (run_dir / RUN_MARKER).is_file()
+        # the median is over the measured iterations only, none of which computed routing metrics
         entry = summary["runs"][label]
-        assert entry["iter_time_ms"] == {"min": min(times[1:]), "median": statistics.median(times[1:]), "max": max(times[1:])}
+        assert entry["iter_time_ms"] == {"min": min(times[1:3]), "median": statistics.median(times[1:3]), "max": max(times[1:3])}
         assert eff.iter_time_ms == pytest.approx(entry["iter_time_ms"]["median"])
         assert entry["ratio_to_switch"] == pytest.approx(
             entry["iter_time_ms"]["median"] / summary["runs"]["switch"]["iter_time_ms"]["median"]
@@ -98,11 +100,11 @@ def test_two_gloo_processes_through_torchrun(tmp_path):
     config = json.loads((out / "runs" / "dirmoe" / "config.json").read_text())
     assert config["layout"]["world_size"] == 2 and config["num_microbatches"] == 2
     # the child built exactly the configuration the command planned
-    planned = efficiency_config("dirmoe", "tiny", devices=2, steps=3, vocab_size=256)
+    planned = efficiency_config("dirmoe", "tiny", devices=2, steps=4, vocab_size=256)
     assert RunConfig.from_dict(config["experiment"]) == planned
     summary = json.loads((out / "summary.json").read_text())
     assert summary["devices"] == 2 and summary["global_batch_size"] == 16
-    assert len(_times_ms(out / "runs" / "dirmoe")) == 3
+    assert len(_times_ms(out / "runs" / "dirmoe")) == 4
 
 
 def test_the_papers_batch_on_eight_gpus_and_its_per_gpu_work_on_one():

@@ -37,7 +37,7 @@ from repro.report.store import (
 )
 from repro.report.table_core import render
 from repro.report.tables import efficiency_table, routing_table, zero_shot_table
-from repro.training.log import LogRow
+from repro.training.log import LogRow, timed_rows
 
 # ---------------------------------------------------------------------------------------------- FLOPs
 
@@ -150,6 +150,18 @@ def test_efficiency_from_log_window_and_flops():
     with pytest.raises(ReproError, match="median iter_time_s over the window is 0.0: must be > 0"):
         efficiency([dataclasses.replace(rows[0], iter_time_s=0.0)], warmup=0, flops=TINY, global_batch_size=1,
                    seq_length=1)
+
+
+def test_efficiency_times_the_steps_that_collected_no_metrics():
+    # Steps 1 and 5 computed routing metrics (slower); 2-4 trained only and carry no routing.
+    rows = [_row(1, 6.0, 0.5, {"active_experts": [3.0]}), *[_row(s, 6.0, t, metrics_collected=False)
+            for s, t in ((2, 0.2), (3, 0.22), (4, 0.21))], _row(5, 6.0, 0.4, {"active_experts": [2.0]})]
+    eff = efficiency(rows, warmup=1, flops=TINY, global_batch_size=4, seq_length=256)
+    assert eff.window_steps == 3 and eff.iter_time_ms == pytest.approx(210.0)  # 0.4 s of step 5 left out
+    assert eff.mean_active_experts == pytest.approx(2.0)  # routing from the window's collecting step
+    assert timed_rows(rows) == rows[1:4]
+    # a log that collected on every step (the training default) is timed whole, as before
+    assert timed_rows(_log()) == _log()
 
 
 def test_routing_metrics_per_layer_averaged_over_the_window():

@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -204,6 +205,30 @@ def test_lory_switches_from_dense_to_copies_of_the_ffn_and_trains_on(tmp_path):
     records = _read_log(tmp_path)
     assert all(math.isfinite(r["loss"]) for r in records)
     assert records[-1]["active_experts"] is not None and len(records[-1]["active_experts"]) == 2
+
+
+@pytest.mark.parametrize("router", ["dirmoe", "remoe", "lory"])
+def test_metrics_on_some_steps_train_identically_and_log_the_same_values(router, tmp_path):
+    from repro.training.trainer import train
+
+    # dirmoe draws noise, remoe's schedule reads its statistic every step, lory's layer checks its segments.
+    every, sparse = tmp_path / "every", tmp_path / "sparse"
+    train(_experiment(router, ["schedule.steps=7"]), every, progress=False)
+    train(_experiment(router, ["schedule.steps=7", "logging.metrics_interval=3"]), sparse, progress=False)
+    a, b = read_rows(every), read_rows(sparse)
+    assert [r.step for r in b] == list(range(1, 8))
+    collected = [r.step for r in b if r.metrics_collected]
+    assert collected == [1, 3, 6, 7] and all(r.metrics_collected for r in a)  # first, every 3rd, last
+    for ra, rb in zip(a, b):
+        assert (ra.loss, ra.lm_loss, ra.grad_norm, ra.aux_losses) == (rb.loss, rb.lm_loss, rb.grad_norm, rb.aux_losses)
+        if rb.metrics_collected:
+            assert ra.routing and (ra.routing, ra.routing_per_expert) == (rb.routing, rb.routing_per_expert)
+            assert ra.router_stats == rb.router_stats
+        else:
+            assert rb.routing == {} and rb.routing_per_expert == {} and rb.router_stats == {}
+    assert (router == "remoe") == bool(b[-1].router_stats)
+    sa, sb = _final_state(every), _final_state(sparse)
+    assert all(torch.equal(sa["model"][k], sb["model"][k]) for k in sa["model"] if torch.is_tensor(sa["model"][k]))
 
 
 def test_resume_errors_name_the_path(tmp_path):
@@ -547,6 +572,41 @@ def test_synthetic_data_is_deterministic_and_dp_slices_cover_the_batch():
     assert single == split  # the same micro-batches, spread over the ranks
     batch = collate(data, one.indices(0, 0))
     assert batch["tokens"].shape == (2, 16) and batch["loss_mask"].dtype == torch.float32
+
+
+def _loop_sample(data: SyntheticTokens, index: int) -> np.ndarray:
+    """The per-token loop the vectorised generator replaced, kept as its reference."""
+    table = np.random.default_rng([data.seed, 0x5EED]).integers(0, data.vocab_size, size=(data.vocab_size, data.successors))
+    rng = np.random.default_rng([data.seed, data.split + 1, index])
+    n = data.seq_length + 1
+    pick = rng.integers(0, data.successors, size=n)
+    noisy = rng.random(n) < data.noise
+    uniform = rng.integers(0, data.vocab_size, size=n)
+    seq = np.empty(n, dtype=np.int64)
+    seq[0] = uniform[0]
+    for t in range(1, n):
+        seq[t] = uniform[t] if noisy[t] else table[seq[t - 1], pick[t]]
+    return seq
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        SyntheticTokens(vocab_size=50257, seq_length=256, seed=1),
+        SyntheticTokens(vocab_size=100, seq_length=64, seed=3, split=1),
+        SyntheticTokens(vocab_size=7, seq_length=9, noise=0.0),  # one run per sample
+        SyntheticTokens(vocab_size=30, seq_length=20, noise=1.0, num_samples=5),  # every token noisy; wraps
+    ],
+)
+def test_vectorised_synthetic_tokens_equal_the_per_token_loop(data):
+    indices = [*range(24), 1000, 123456789]
+    batch = collate(data, indices)
+    for row, index in enumerate(indices):
+        reference = _loop_sample(data, index % data.num_samples if data.num_samples else index)
+        assert np.array_equal(batch["tokens"][row].numpy(), reference[:-1]), index
+        assert np.array_equal(batch["labels"][row].numpy(), reference[1:]), index
+        assert all(torch.equal(batch[k][row], v) for k, v in data[index].items())
+    assert batch["position_ids"].shape == batch["loss_mask"].shape == (len(indices), data.seq_length)
 
 
 def test_training_leaves_megatron_aux_loss_scale_as_it_was(tmp_path):

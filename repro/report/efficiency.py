@@ -2,7 +2,9 @@
 
 Every function reads :class:`repro.training.log.LogRow` rows (``repro.training.log.read_rows``). Efficiency
 figures are medians over a window of steps after warm-up (the first steps carry allocator growth and
-compilation; the median resists the odd slow step, checkpointing or validation, better than the mean).
+compilation; the median resists the odd slow step better than the mean), over the window's steps that did
+not compute routing metrics when it has any (:func:`timed_rows`); the routing figures average the window's
+steps that did.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from repro.report.flops import (
     tflops_per_device,
 )
 from repro.report.record import ROUTING_METRICS, Efficiency, LayerRouting, LossPoint
-from repro.training.log import LogRow
+from repro.training.log import LogRow, timed_rows
 
 
 def loss_curve(rows: Sequence[LogRow]) -> tuple[LossPoint, ...]:
@@ -83,7 +85,8 @@ def efficiency(
         global_batch_size: sequences per iteration.
         seq_length: tokens per sequence.
         num_devices: devices sharing an iteration (TFLOP/s are per device).
-        length: rows measured after the warm-up (None: all the rest).
+        length: rows measured after the warm-up (None: all the rest); the times are those of
+            :func:`timed_rows` among them.
         peak_memory_bytes: peak memory per device; default: the largest ``peak_memory_bytes`` of the rows.
         mean_active_experts: measured experts per token; default: the mean over layers and window rows of
             ``active_experts``. Pass 1 for a dense model or a router that merges experts. None and no
@@ -96,7 +99,7 @@ def efficiency(
     Raises:
         ReproError: no rows left after warm-up, or a median iteration time that is not positive.
     """
-    selected = window(rows, warmup, length)
+    selected = timed_rows(window(rows, warmup, length))
     iter_time_s = statistics.median(r.iter_time_s for r in selected)
     tokens_per_s = statistics.median(r.tokens_per_s for r in selected)
     if iter_time_s <= 0:

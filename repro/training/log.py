@@ -1,6 +1,7 @@
 """The training log: one :class:`LogRow` per optimizer step in ``log.jsonl``, one writer, one reader.
 
-The trainer appends a row after every step (rank 0); everything that reads a log (summaries, run records,
+The trainer appends a row after every step (rank 0), with the routing metrics on the steps that collect them
+(``logging.metrics_interval``, default every step); everything that reads a log (summaries, run records,
 plots, checks) goes through :func:`read_rows`, which checks every row against :class:`LogRow` and names the
 file and line of a bad one. Routing metrics are per MoE layer: ``routing[name][layer]`` for scalar metrics
 (``active_experts``, ``simpson``, ``load_imbalance``, ...) and ``routing_per_expert[name][layer][expert]``
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -44,6 +46,10 @@ class LogRow:
         router_stats: ``{router: statistic}`` averaged over layers and ranks by the step schedule (ReMoE's
             sparsity).
         val_loss: validation LM loss, on evaluation steps only.
+        metrics_collected: whether the routers computed their diagnostic metrics in this step
+            (``logging.metrics_interval``): then ``routing``, ``routing_per_expert`` and ``router_stats`` hold
+            them and ``iter_time_s`` includes computing them; otherwise the three are empty. Logs written
+            before the setting existed collected on every step (the default).
     """
 
     step: int
@@ -61,6 +67,7 @@ class LogRow:
     routing_per_expert: dict[str, Any] = field(default_factory=dict)
     router_stats: dict[str, Any] = field(default_factory=dict)
     val_loss: float | None = None
+    metrics_collected: bool = True
 
     def layer_mean(self, metric: str) -> float | None:
         """Mean over MoE layers of a scalar routing metric (None when the row has none)."""
@@ -75,6 +82,18 @@ def write_row(file: IO[str], row: LogRow) -> None:
         del data["val_loss"]
     file.write(json.dumps(data) + "\n")
     file.flush()
+
+
+def timed_rows(rows: Sequence[LogRow]) -> Sequence[LogRow]:
+    """The rows whose iteration time is training alone: those that did not collect routing metrics
+    (``LogRow.metrics_collected``). A log that collected on every step (``logging.metrics_interval=1``, the
+    default of training runs) has no such row and is returned whole, so its figures are what they were.
+
+    Validation, checkpoints and the log write run after a step's timer stops (:mod:`repro.training.trainer`):
+    no row's time contains them, so rows of such steps need not be left out.
+    """
+    clean = [r for r in rows if not r.metrics_collected]
+    return clean if clean else rows
 
 
 def read_rows(path: str | os.PathLike) -> list[LogRow]:
@@ -123,4 +142,4 @@ def truncate_rows(path: Path, last_step: int) -> None:
         tmp.write_text("".join(line + "\n" for line in kept))
 
 
-__all__ = ["LOG_FILE", "LogRow", "read_rows", "truncate_rows", "write_row"]
+__all__ = ["LOG_FILE", "LogRow", "read_rows", "timed_rows", "truncate_rows", "write_row"]

@@ -7,7 +7,9 @@ that restarts at a sample index sees exactly the data it would have seen.
 
 Its text is a random sparse bigram chain: each token has a few likely successors (fixed by the seed), with
 some uniform noise. A model lowers its loss quickly from ``log V`` by learning the table, so a falling loss
-is a meaningful check after a handful of steps.
+is a meaningful check after a handful of steps. Generation is vectorised (:meth:`SyntheticTokens.batch`):
+the chain restarts at every noisy token, so all runs advance together, one table lookup per position within
+a run, for every sample of a micro-batch at once.
 
 :class:`MicroBatchSampler` cuts the global sample order into micro-batches the way megatron's
 ``MegatronPretrainingSampler`` does: each micro-step takes ``micro_batch_size x dp_size`` consecutive
@@ -17,6 +19,8 @@ global batch therefore see the same micro-batches, only spread over ranks.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,38 +55,71 @@ class SyntheticTokens:
         if self.vocab_size < 2 or self.seq_length < 1:
             raise ValueError(f"need vocab_size >= 2 and seq_length >= 1, got {self.vocab_size}, {self.seq_length}")
 
+    @functools.cached_property
     def _table(self) -> np.ndarray:
         # The bigram table depends on the seed only (not the split), so validation measures the same language.
+        # Cached on the instance (the dataclass is frozen; cached_property writes the instance dict directly).
         rng = np.random.default_rng([self.seed, 0x5EED])
         return rng.integers(0, self.vocab_size, size=(self.vocab_size, self.successors))
 
     def __len__(self) -> int:
         return self.num_samples if self.num_samples else 2**62
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample ``index``: ``tokens``/``labels``/``position_ids`` int64 ``[S]``, ``loss_mask`` float ``[S]``."""
+    def _text(self, indices: list[int]) -> np.ndarray:
+        """``[b, S + 1]`` int64 token sequences of the samples ``indices`` (already checked and wrapped).
+
+        Sample i draws, from its own generator seeded ``(seed, split + 1, i)``, the successor choice, the noise
+        flags and the uniform tokens of its ``S + 1`` positions, in that order. Position 0 and every noisy
+        position take their uniform token and start a run; every other position is its predecessor's chosen
+        successor ``table[previous, pick]``. All runs of all samples advance together: at round r every
+        position that is r tokens into its run is filled, from positions filled at round r - 1.
+        """
+        n = self.seq_length + 1
+        picks, noisy, uniform = [], [], []
+        for index in indices:
+            rng = np.random.default_rng([self.seed, self.split + 1, index])
+            picks.append(rng.integers(0, self.successors, size=n))
+            noisy.append(rng.random(n) < self.noise)
+            uniform.append(rng.integers(0, self.vocab_size, size=n))
+        pick = np.concatenate(picks)
+        starts = np.concatenate(noisy)
+        starts[::n] = True  # every sample's first token starts a run
+        text = np.where(starts, np.concatenate(uniform), 0).astype(np.int64)
+        positions = np.arange(starts.size)
+        depth = positions - np.maximum.accumulate(np.where(starts, positions, 0))
+        order = np.argsort(depth, kind="stable")
+        bounds = np.cumsum(np.bincount(depth))
+        table = self._table
+        for lo, hi in zip(bounds[:-1], bounds[1:]):
+            at = order[lo:hi]
+            text[at] = table[text[at - 1], pick[at]]
+        return text.reshape(len(indices), n)
+
+    def _check_index(self, index: int) -> int:
         index = int(index)
         if index < 0:
             raise IndexError(index)
-        if self.num_samples:
-            index %= self.num_samples
-        table = self._table()
-        rng = np.random.default_rng([self.seed, self.split + 1, index])
-        n = self.seq_length + 1
-        pick = rng.integers(0, self.successors, size=n)
-        noisy = rng.random(n) < self.noise
-        uniform = rng.integers(0, self.vocab_size, size=n)
-        seq = np.empty(n, dtype=np.int64)
-        seq[0] = uniform[0]
-        for t in range(1, n):
-            seq[t] = uniform[t] if noisy[t] else table[seq[t - 1], pick[t]]
-        text = torch.from_numpy(seq)
+        return index % self.num_samples if self.num_samples else index
+
+    def batch(self, indices: Iterable[int]) -> dict[str, torch.Tensor]:
+        """Samples ``indices`` stacked, as :func:`collate` returns them (each row equal to ``self[i]``).
+
+        Returns:
+            ``tokens``/``labels``/``position_ids`` int64 ``[b, S]``, ``loss_mask`` float32 ``[b, S]``.
+        """
+        indices = [self._check_index(i) for i in indices]
+        text = torch.from_numpy(self._text(indices))
+        b, S = len(indices), self.seq_length
         return {
-            "tokens": text[:-1].clone(),
-            "labels": text[1:].clone(),
-            "loss_mask": torch.ones(self.seq_length, dtype=torch.float32),
-            "position_ids": torch.arange(self.seq_length, dtype=torch.int64),
+            "tokens": text[:, :-1].contiguous(),
+            "labels": text[:, 1:].contiguous(),
+            "loss_mask": torch.ones(b, S, dtype=torch.float32),
+            "position_ids": torch.arange(S, dtype=torch.int64).expand(b, S).contiguous(),
         }
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        """Sample ``index``: ``tokens``/``labels``/``position_ids`` int64 ``[S]``, ``loss_mask`` float ``[S]``."""
+        return {key: value[0] for key, value in self.batch([index]).items()}
 
 
 @dataclass(frozen=True)
@@ -131,6 +168,8 @@ def collate(dataset, indices) -> dict[str, torch.Tensor]:
         ``{tokens, labels, loss_mask, position_ids}``, each ``[b, s]`` (int64, float32 for the mask).
     """
     n = len(dataset)
+    if isinstance(dataset, SyntheticTokens):
+        return dataset.batch(int(i) % n for i in indices)  # all samples generated at once
     samples = [dataset[int(i) % n] for i in indices]
     batch = {}
     for key in SAMPLE_KEYS:

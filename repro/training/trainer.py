@@ -7,8 +7,10 @@
 the step log, checkpoints), each deciding its own cadence. One optimizer step (``step`` counts completed
 steps, from 0):
 
-1. the LR schedule sets the step's learning rate; ``routers.begin_step(model, step)`` tells every router
-   the step (its schedules read it in the forward);
+1. the LR schedule sets the step's learning rate; ``routers.begin_step(model, step, collect_metrics)`` tells
+   every router the step (its schedules read it in the forward) and whether to compute its diagnostic
+   metrics: on step 1, every ``logging.metrics_interval`` steps (default 1: every step) and the last step
+   (:meth:`Trainer.collects_metrics`);
 2. megatron's ``MoEAuxLossAutoScaler`` gets the loss scale ``1 / num_microbatches`` (megatron's training
    sets the same: the LM loss of each micro-batch is divided by the micro-batch count, and the routers'
    aux losses, attached to the graph through the autoscaler, must be scaled alike);
@@ -19,7 +21,19 @@ steps, from 0):
    megatron's optimizer on GPU);
 5. ``routers.end_step(model, group=dp_group)``: ReMoE's sparsity statistic averaged over layers,
    micro-batches and DP ranks updates its L1 coefficient on every rank alike;
-6. the row: losses, aux losses and routing metrics per layer, averaged over DP ranks in one all-reduce.
+6. the row: losses, aux losses and (on the steps that collect them) routing metrics per layer, averaged
+   over DP ranks in one all-reduce.
+
+The timed region (the row's ``iter_time_s``) is steps 1-5: the device copies of the micro-batches, forwards,
+backwards, gradient reduction, clipping, optimizer step and router schedule update, closed by
+``torch.cuda.synchronize()`` on a GPU. The micro-batches are read and collated on the host before the timer
+starts; the row (reading the losses on the host, the DP all-reduce of the measurements), validation, the log
+write and checkpoints come after it stops. On a step that does not collect metrics no router computes its
+diagnostics or forces a host synchronisation (the routers' ones are counted by
+``tests/test_host_sync.py``; the optimizer's ``float(grad_norm)`` and whatever the expert layer's token
+dispatch needs are the same for every router); on a step
+that collects, the metrics' computation is inside the region, and such rows say so
+(``LogRow.metrics_collected``): efficiency figures leave them out (:func:`repro.training.log.timed_rows`).
 
 Outputs in ``out_dir``: ``config.json`` (the config, the process layout, the model's size, the data's
 origin), ``log.jsonl`` (:mod:`repro.training.log`), ``checkpoints/`` (:mod:`repro.training.checkpoint`),
@@ -56,7 +70,7 @@ from repro.training.components import Checkpointer, StepLog, Validator
 from repro.training.config import RunConfig
 from repro.training.data import build_run_data, tokenizer_fingerprint
 from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel
-from repro.training.log import LOG_FILE, LogRow, read_rows, truncate_rows
+from repro.training.log import LOG_FILE, LogRow, read_rows, timed_rows, truncate_rows
 from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
 from repro.training.optim import CpuOptimization, MegatronOptimization
 from repro.training.run_dir import RunPaths, run_lock, start_state
@@ -185,12 +199,15 @@ def _megatron_aux_losses(model: nn.Module, skip: set[str]) -> dict[str, torch.Te
     return out
 
 
-def _step_measurements(model: nn.Module, lm_sum: torch.Tensor, num_microbatches: int) -> dict[str, torch.Tensor]:
+def _step_measurements(
+    model: nn.Module, lm_sum: torch.Tensor, num_microbatches: int, with_metrics: bool = True
+) -> dict[str, torch.Tensor]:
     """Everything of one step to average over DP ranks, as named CPU tensors:
-    ``{"lm_loss": [1], "aux/<name>": [L], "metric/<name>": [L], "expert/<name>": [L, E]}``."""
+    ``{"lm_loss": [1], "aux/<name>": [L], "metric/<name>": [L], "expert/<name>": [L, E]}`` (no metrics
+    unless ``with_metrics``: the steps that do not collect them log none, whatever a router returned)."""
     from routers.megatron_adapter import collect_aux_losses, collect_routing_metrics
 
-    metrics_by_layer = collect_routing_metrics(model)
+    metrics_by_layer = collect_routing_metrics(model) if with_metrics else {}
     aux_by_layer = collect_aux_losses(model)
     layers = sorted(set(metrics_by_layer) | set(aux_by_layer))
     values: dict[str, torch.Tensor] = {"lm_loss": (lm_sum / num_microbatches).detach().float().cpu().reshape(1)}
@@ -375,6 +392,12 @@ class Trainer:
         loss_mask = batch["loss_mask"]
         return (per_token_BS.float() * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
 
+    def collects_metrics(self, step: int) -> bool:
+        """Whether the routers compute their diagnostic metrics in step ``step`` (1-based): step 1, every
+        ``logging.metrics_interval`` steps and the last step."""
+        interval = self.config.logging.metrics_interval
+        return step == 1 or step % interval == 0 or step == self.config.schedule.steps
+
     def train_step(self) -> LogRow:
         """Run one optimizer step (see the module docstring) and return its row.
 
@@ -386,16 +409,22 @@ class Trainer:
         from routers import begin_step, end_step
         from routers.megatron_adapter import reset_routing_stats
 
+        collect = self.collects_metrics(self.step + 1)
+        # The step's micro-batches, read and collated on the host before the timer starts (the timed region
+        # holds training only); the copies to the device stay inside it.
+        host_batches = [
+            collate(self.data.train, self.sampler.indices(self.consumed, j)) for j in range(self.num_microbatches)
+        ]
         t0 = time.perf_counter()
         lr = self.scheduler.apply()
-        begin_step(self.model, self.step)
+        begin_step(self.model, self.step, collect_metrics=collect)
         MoEAuxLossAutoScaler.set_loss_scale(self.loss_scale)
         clear_aux_losses_tracker()
         reset_routing_stats(self.model)
         self.optimization.zero_grad()
         lm_sum = torch.zeros((), device=self.device)
-        for j in range(self.num_microbatches):
-            batch = self.to_device(collate(self.data.train, self.sampler.indices(self.consumed, j)))
+        for host_batch in host_batches:
+            batch = self.to_device(host_batch)
             lm = self.lm_loss(batch)
             (lm / self.num_microbatches).backward()
             lm_sum += lm.detach()
@@ -408,7 +437,7 @@ class Trainer:
         self.step += 1
         self.consumed += self.config.data.global_batch_size
 
-        values = _reduce_named(_step_measurements(self.model, lm_sum, self.num_microbatches), self.parallel)
+        values = _reduce_named(_step_measurements(self.model, lm_sum, self.num_microbatches, collect), self.parallel)
         clear_aux_losses_tracker()
         reset_routing_stats(self.model)
         aux_per_layer = _by_prefix(values, "aux/")
@@ -435,7 +464,9 @@ class Trainer:
             aux_losses_per_layer=aux_per_layer,
             routing=_by_prefix(values, "metric/"),
             routing_per_expert=_by_prefix(values, "expert/"),
-            router_stats=router_stats,
+            # Read on the host only on the steps that log routing (after the timer stopped).
+            router_stats={name: float(value) for name, value in router_stats.items()} if collect else {},
+            metrics_collected=collect,
         )
 
     def fit(self, stop_after: int | None = None) -> bool:
@@ -463,14 +494,15 @@ class Trainer:
 
 # ------------------------------------------------------------------------------------------- summary
 def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """The run's summary from its log rows; throughput statistics leave out the first row (warm-up).
+    """The run's summary from its log rows; throughput statistics leave out the first row (warm-up) and the
+    rows that computed routing metrics when some did not (:func:`repro.training.log.timed_rows`).
 
     Returns:
         ``{experiment, router, flavour, steps, final_loss, final_lm_loss, final_loss_mean10, final_val_loss,
         tokens, tokens_per_s_mean, tokens_per_s_median, iter_time_s_mean, active_experts_final, simpson_final,
         **extra}``.
     """
-    timed = rows[1:] if len(rows) > 1 else rows
+    timed = timed_rows(rows[1:] if len(rows) > 1 else rows)
     last = rows[-1] if rows else None
     vals = [r.val_loss for r in rows if r.val_loss is not None]
     tail = rows[-min(10, len(rows)):] if rows else []
