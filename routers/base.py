@@ -159,6 +159,7 @@ class Router(nn.Module):
     #: applied at every scale on top of the recipe: experiments ``<router>+<variant>-<scale>``, e.g. DirMoE's
     #: ``centered`` reconstruction target. The comparison runs them beside the router; tables label them.
     variants: ClassVar[Mapping[str, tuple[str, ...]]] = {}
+    collect_metrics: ClassVar[bool] = True
 
     @classmethod
     def moe_layer_class(cls) -> type | None:
