@@ -298,6 +298,13 @@ class Trainer:
             self.log,
             Checkpointer(paths.checkpoints, config.checkpoint.interval, config.schedule.steps, self.log),
         ]
+        if config.logging.tensorboard:
+            from repro.training.tensorboard import TensorBoardLog, tensorboard_dir
+
+            self.components.append(TensorBoardLog(
+                tensorboard_dir(paths.root, config.logging.tensorboard_dir), config.logging.interval,
+                config.schedule.steps, self.step, self.parallel.is_main,
+            ))
 
     # ------------------------------------------------------------------ set-up pieces
     def _build_model(self, fresh: bool) -> nn.Module:
