@@ -65,7 +65,8 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
         prog: the program name for usage messages.
 
     Returns:
-        The exit status (0 on success).
+        The exit status: 0 on success, 75 (``repro.training.preemption.EXIT_STOPPED``) when SIGTERM or SIGUSR1
+        stopped the run after writing the checkpoint of the step reached.
 
     Raises:
         ReproError: unknown experiment or key, bad value, missing ``--out``, a run directory that is not this
@@ -117,6 +118,10 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
     from repro.training.trainer import train  # imports megatron-core: only when training
 
     summary = train(config, args.out, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
+    if summary.get("stopped_by"):
+        from repro.training.preemption import EXIT_STOPPED
+
+        return EXIT_STOPPED  # checkpointed after a signal (a time limit): resume with --resume
     if summary.get("stopped_at") is not None or summary.get("finished_before") or int(os.environ.get("RANK", "0")):
         return 0
     from repro.report.store import write_run_record

@@ -278,6 +278,7 @@ class Trainer:
         )
         self.scheduler = LRScheduler(self.optimization, schedule, weight_decay=config.optimizer.weight_decay)
         self.step, self.consumed = 0, 0
+        self.stopped_by: str | None = None  # the signal that stopped the run early (fit)
         if payload is not None:
             Checkpointer.restore(self, payload)
             del payload
@@ -448,20 +449,32 @@ class Trainer:
     def fit(self, stop_after: int | None = None) -> bool:
         """Train to the last step, letting every component act after each step.
 
+        SIGTERM or SIGUSR1 (a cluster's time limit) ends the run after the step in progress, on every rank at the
+        same step, with a checkpoint of that step and one line saying how to resume (``stopped_by`` then names
+        the signal; :mod:`repro.training.preemption`).
+
         Args:
             stop_after: stop once this many steps are completed, as if killed (no final checkpoint).
 
         Returns:
             True when the run reached its last step, False when it stopped early.
         """
+        from repro.training.preemption import StopRequest, stop_run
+
+        last = self.config.schedule.steps
         try:
-            self.model.train()
-            while self.step < self.config.schedule.steps:
-                if stop_after is not None and self.step >= stop_after:
-                    return False
-                row = self.train_step()
-                for component in self.components:
-                    row = component.after_step(self, row)
+            with StopRequest().installed() as stop:
+                self.model.train()
+                while self.step < last:
+                    if stop_after is not None and self.step >= stop_after:
+                        return False
+                    row = self.train_step()
+                    for component in self.components:
+                        row = component.after_step(self, row)
+                    signum = stop.agreed(self.device) if self.step < last else 0  # the last step ends anyway
+                    if signum:
+                        self.stopped_by = stop_run(self, signum)
+                        return False
         finally:
             for component in self.components:
                 component.close()
@@ -536,7 +549,8 @@ def train(
 
     Returns:
         The summary (also in ``summary.json``), with ``"finished_before": True`` when a resumed run had
-        already finished; with ``stop_after``, ``{"experiment", "stopped_at"}``.
+        already finished; with ``stop_after``, ``{"experiment", "stopped_at"}``; stopped by SIGTERM or SIGUSR1
+        (after writing the checkpoint of the step reached), ``{"experiment", "stopped_at", "stopped_by"}``.
 
     Raises:
         ReproError: a bad config, an output directory that is not this run's, a run directory locked by
@@ -580,7 +594,8 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
             f"with other settings, e.g. python -m repro train --out {paths.root} --resume --set optimizer.lr=..."
         ) from None
     if not finished:
-        return {"experiment": config.name, "stopped_at": trainer.step}
+        stopped = {"experiment": config.name, "stopped_at": trainer.step}
+        return {**stopped, "stopped_by": trainer.stopped_by} if trainer.stopped_by else stopped
     barrier()
     rows = read_rows(paths.log) if (paths.root / LOG_FILE).exists() else []
     summary = summarize(
