@@ -1,5 +1,9 @@
 """A cluster's time limit is not a crash: SIGTERM mid-run checkpoints the step reached, exits with 75, and the
-resumed run ends with the losses of an uninterrupted one (one process, and two under torchrun)."""
+resumed run ends with the losses of an uninterrupted one (one process, and two under torchrun).
+
+The router is the aux-loss-free one: its bias is state the checkpoint must carry, and under torchrun its
+per-step token counts must be summed over the ranks for two processes to train as one (without that sum the
+losses part at step 2)."""
 
 from __future__ import annotations
 
@@ -30,14 +34,14 @@ def uninterrupted(tmp_path_factory) -> list[dict]:
     from repro.training.trainer import train
 
     out = tmp_path_factory.mktemp("uninterrupted")
-    train(apply_overrides(get_experiment("switch-tiny"), SETS), out, progress=False)
+    train(apply_overrides(get_experiment("auxfree-tiny"), SETS), out, progress=False)
     return _read_log(out)
 
 
 def _start(out: Path, torchrun: bool) -> subprocess.Popen:
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"] if torchrun else [
         sys.executable]
-    cmd = [*launcher, "-m", "repro", "train", "--experiment", "switch-tiny", "--out", str(out), "--no-progress"]
+    cmd = [*launcher, "-m", "repro", "train", "--experiment", "auxfree-tiny", "--out", str(out), "--no-progress"]
     for item in SETS:
         cmd += ["--set", item]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
