@@ -122,3 +122,29 @@ def test_two_ranks_stop_at_the_same_step_when_one_is_signalled(uninterrupted, tm
     done = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     _same_rows(_read_log(out), uninterrupted, exact=False)  # DP=2 against one process, as the DP test
+
+
+def test_sigusr1_in_process_raises_run_stopped_and_restores_the_handlers(tmp_path, monkeypatch):
+    """Callers of train() other than the CLI (the mini comparison, the ablation) get an error, never a summary of
+    an unfinished run; the checkpoint is the step's, and the process's own handlers are back afterwards."""
+    from repro.training import trainer as trainer_module
+    from repro.training.preemption import RunStopped
+
+    real_step = trainer_module.Trainer.train_step
+
+    def step_then_signal(self):
+        row = real_step(self)
+        if row.step == 2:
+            os.kill(os.getpid(), signal.SIGUSR1)  # arrives mid-run; the step in progress completes
+        return row
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", step_then_signal)
+    before = signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)
+    exp = apply_overrides(get_experiment("switch-tiny"), [*TINY, "schedule.steps=4", "checkpoint.interval=2"])
+    with pytest.raises(RunStopped, match="stopped by SIGUSR1 after step 2") as info:
+        trainer_module.train(exp, tmp_path, progress=False)
+    assert (info.value.step, info.value.signal) == (2, "SIGUSR1")
+    assert (signal.getsignal(signal.SIGUSR1), signal.getsignal(signal.SIGTERM)) == before
+    # the checkpoint of the step reached, and nothing claims the run finished
+    assert sorted(p.name for p in (tmp_path / "checkpoints").glob("step_*")) == ["step_0000002"]
+    assert not (tmp_path / "summary.json").exists()

@@ -115,13 +115,13 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
     if args.stop_after is not None and args.stop_after < 0:
         raise ReproError(f"--stop-after must be >= 0, got {args.stop_after}")
 
+    from repro.training.preemption import EXIT_STOPPED, RunStopped
     from repro.training.trainer import train  # imports megatron-core: only when training
 
-    summary = train(config, args.out, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
-    if summary.get("stopped_by"):
-        from repro.training.preemption import EXIT_STOPPED
-
-        return EXIT_STOPPED  # checkpointed after a signal (a time limit): resume with --resume
+    try:
+        summary = train(config, args.out, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
+    except RunStopped:
+        return EXIT_STOPPED  # checkpointed after a signal (a time limit); rank 0 said how to resume
     if summary.get("stopped_at") is not None or summary.get("finished_before") or int(os.environ.get("RANK", "0")):
         return 0
     from repro.report.store import write_run_record

@@ -9,7 +9,8 @@ handler (``megatron/training/dist_signal_handler.py``), the trainer then:
 2. after each step, agrees with every rank on whether any of them got one: a MAX all-reduce of the signal
    number over all processes, so all ranks stop after the same step even when only some were signalled;
 3. writes the checkpoint of that step (unless the checkpoint interval just wrote it), prints one line saying
-   how to resume (rank 0), and ends the run; ``python -m repro train`` exits with :data:`EXIT_STOPPED`.
+   how to resume (rank 0), and ends the run: ``train()`` raises :class:`RunStopped` and ``python -m repro
+   train`` exits with :data:`EXIT_STOPPED`.
 
 The all-reduce costs one scalar per step; a run without torch.distributed (or with one process) reads its
 own flag.
@@ -27,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
+from repro.errors import ReproError
 from repro.training.components import Checkpointer
 from repro.training.distributed import barrier
 
@@ -37,6 +39,23 @@ if TYPE_CHECKING:
 #: sysexits.h's EX_TEMPFAIL ("temporary failure; the user is invited to retry"). 0 is a finished run, 1 an
 #: error, 2 a usage error; 143 (128 + SIGTERM) is a process killed by the signal, i.e. without a checkpoint.
 EXIT_STOPPED = 75
+class RunStopped(ReproError):
+    """A signal stopped the run after a step, whose checkpoint is written: resume it (``train --resume``).
+
+    An error to callers that expect a finished run (the mini comparison, the ablation), so nothing evaluates or
+    records the unfinished run; ``python -m repro train`` turns it into :data:`EXIT_STOPPED`.
+
+    Attributes:
+        step: the step reached and checkpointed.
+        signal: the signal's name (``SIGTERM``, ``SIGUSR1``).
+    """
+
+    def __init__(self, message: str, step: int, signal: str) -> None:
+        super().__init__(message)
+        self.step = step
+        self.signal = signal
+
+
 #: The signals that stop a run cleanly: SLURM's at the time limit, and the usual ``--signal=USR1@...``.
 STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
 
@@ -114,4 +133,4 @@ def stop_run(trainer: Trainer, signum: int) -> str:
     return signal_name(signum)
 
 
-__all__ = ["EXIT_STOPPED", "STOP_SIGNALS", "StopRequest", "resume_line", "signal_name", "stop_run"]
+__all__ = ["EXIT_STOPPED", "STOP_SIGNALS", "RunStopped", "StopRequest", "resume_line", "signal_name", "stop_run"]

@@ -549,12 +549,13 @@ def train(
 
     Returns:
         The summary (also in ``summary.json``), with ``"finished_before": True`` when a resumed run had
-        already finished; with ``stop_after``, ``{"experiment", "stopped_at"}``; stopped by SIGTERM or SIGUSR1
-        (after writing the checkpoint of the step reached), ``{"experiment", "stopped_at", "stopped_by"}``.
+        already finished; with ``stop_after``, ``{"experiment", "stopped_at"}``.
 
     Raises:
         ReproError: a bad config, an output directory that is not this run's, a run directory locked by
-            another run, a corrupt checkpoint (naming the path), a layout change on resume, a non-finite loss.
+            another run, a corrupt checkpoint (naming the path), a layout change on resume, a non-finite loss;
+            :class:`~repro.training.preemption.RunStopped` when SIGTERM or SIGUSR1 stopped the run after a step,
+            whose checkpoint it wrote.
     """
     from repro.model import parallel as model_parallel
 
@@ -593,9 +594,13 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
             f"{exc}; the run stopped and its log and checkpoints are kept in {paths.root}: resume from {where} "
             f"with other settings, e.g. python -m repro train --out {paths.root} --resume --set optimizer.lr=..."
         ) from None
+    if trainer.stopped_by:
+        from repro.training.preemption import RunStopped
+
+        raise RunStopped(f"experiment '{config.name}': stopped by {trainer.stopped_by} after step {trainer.step} "
+                         f"(checkpointed); resume with --resume", trainer.step, trainer.stopped_by)
     if not finished:
-        stopped = {"experiment": config.name, "stopped_at": trainer.step}
-        return {**stopped, "stopped_by": trainer.stopped_by} if trainer.stopped_by else stopped
+        return {"experiment": config.name, "stopped_at": trainer.step}
     barrier()
     rows = read_rows(paths.log) if (paths.root / LOG_FILE).exists() else []
     summary = summarize(
