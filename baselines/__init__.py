@@ -1,9 +1,11 @@
-"""Baseline routers: Switch/dMoE, ReMoE, Expert Choice, Hash, Lory, SparseMixer-v2 (one file each).
+"""Baseline routers: Switch/dMoE, ReMoE, Expert Choice, Hash, Lory, SparseMixer-v2, aux-loss-free balancing
+(one file each).
 
 Importing this package registers them (``@register_router``) under the names "switch", "remoe",
-"expert_choice", "hash", "lory" and "sparsemixer".
+"expert_choice", "hash", "lory", "sparsemixer" and "auxfree".
 """
 
+from baselines.auxfree import AuxFreeConfig, AuxFreeRouter
 from baselines.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
 from baselines.hash import HashConfig, HashRouter
 from baselines.lory import LoryConfig, LoryRouter
@@ -12,6 +14,8 @@ from baselines.sparsemixer import SparseMixerConfig, SparseMixerRouter
 from baselines.switch import SwitchConfig, SwitchRouter
 
 __all__ = [
+    "AuxFreeConfig",
+    "AuxFreeRouter",
     "ExpertChoiceConfig",
     "ExpertChoiceRouter",
     "HashConfig",

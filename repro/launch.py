@@ -23,6 +23,8 @@ Defaults the references leave open, numbered so they can be switched:
    nodes waiting in a collective until the NCCL timeout.
 3. ``--max_restarts=0`` (torchrun's default, written out): a failed worker fails the run; resuming is an
    explicit ``--resume`` from the last complete checkpoint, not an elastic restart mid-step.
+4. The time limit (a ``train`` command): ``--signal=B:USR1@300`` and ``--requeue``: 300 s ahead of the limit
+   the run checkpoints and stops, and the job requeues itself and resumes (``--stop-lead``, 0 for neither).
 """
 
 from __future__ import annotations
@@ -180,6 +182,9 @@ class SlurmJob:
         setup: shell lines run on the batch host before the step (``source venv/bin/activate``,
             ``module load ...``); srun passes the resulting environment to every node.
         output: ``--output`` file pattern.
+        stop_lead_s: for a ``train`` command, seconds before the time limit at which SLURM signals the batch
+            shell (``--signal=B:USR1@...``), which stops the run cleanly and requeues the job to resume (see
+            :func:`sbatch_script`); ``None``: neither. Leave room for a step and a checkpoint.
     """
 
     nodes: int
@@ -192,9 +197,12 @@ class SlurmJob:
     python: str = "python"
     setup: tuple[str, ...] = ()
     output: str = "%x-%j.out"
+    stop_lead_s: int | None = 300
 
     def __post_init__(self) -> None:
         Launch(nodes=self.nodes, gpus_per_node=self.gpus_per_node, endpoint=f"head:{self.port}")
+        if self.stop_lead_s is not None and self.stop_lead_s < 1:
+            raise ValueError(f"slurm stop_lead_s must be None or >= 1 seconds, got {self.stop_lead_s}")
         for key in ("job_name", "time", "partition", "account", "output"):
             value = getattr(self, key)
             if value is not None and (not value or any(c.isspace() for c in value)):
@@ -216,8 +224,18 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
     Returns:
         The script text (``#!/bin/bash``, ``#SBATCH`` lines, ``set -eo pipefail``; no ``-u``: the setup
         lines may source activation scripts that read unset variables).
+
+    A ``train`` command with ``job.stop_lead_s`` survives the time limit (default 4 of the module docstring):
+    ``--signal=B:USR1@LEAD --requeue --open-mode=append``; on USR1 the batch shell sends SIGTERM to ``srun``,
+    which passes it to each node's torchrun, which passes it to every rank (waiting up to
+    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` = LEAD seconds before SIGKILL); the ranks finish their step, write a
+    checkpoint and exit with 75 (:mod:`repro.training.preemption`); the shell then requeues the job
+    (``scontrol requeue``) and skips the ``after`` commands. A requeued job (``SLURM_RESTART_COUNT`` > 0)
+    trains with ``--resume``. A plain SIGTERM (``scancel``, or the limit without the early signal) also
+    checkpoints, but does not requeue.
     """
     q = shlex.quote
+    stoppable = job.stop_lead_s is not None and program[:1] == ["train"]
     header = [
         "#!/bin/bash",
         f"#SBATCH --job-name={job.job_name}",
@@ -228,6 +246,8 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
         *([f"#SBATCH --time={job.time}"] if job.time else []),
         *([f"#SBATCH --partition={job.partition}"] if job.partition else []),
         *([f"#SBATCH --account={job.account}"] if job.account else []),
+        *([f"#SBATCH --signal=B:USR1@{job.stop_lead_s}", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
+          if stoppable else []),
         "# One torchrun per node (srun, one task per node); they meet in a c10d rendezvous on the first node.",
         "# Code, data and checkpoints must be on a filesystem every node sees.",
         "set -eo pipefail",
@@ -247,11 +267,35 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
             options.append(q(arg))
     srun = (f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {q(job.python)} -m torch.distributed.run "
             + " ".join(options) + " -m repro " + " ".join(map(q, program)))
-    lines = header + [srun]
+    lines = header + (_stoppable_step(srun, job.stop_lead_s) if stoppable else [srun])
     # A step of one task: the batch script's own environment says SLURM_NTASKS=nodes, which
     # init_distributed rightly refuses for a process that was not started by srun.
     lines += [f"srun --nodes=1 --ntasks=1 {q(job.python)} -m repro " + " ".join(map(q, cmd)) for cmd in after]
     return "\n".join(lines) + "\n"
+
+
+def _stoppable_step(srun: str, lead_s: int) -> list[str]:
+    """The training step of :func:`sbatch_script` that stops on USR1, requeues and resumes when requeued."""
+    return [
+        f"# USR1 {lead_s} s before the time limit: every rank finishes its step, checkpoints and exits (75);",
+        "# the job is requeued and, requeued, resumes from that checkpoint.",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={lead_s}",
+        "stop_requested=0",
+        'trap \'stop_requested=1; kill -TERM "$train_pid" 2>/dev/null || true\' USR1',
+        "resume=()",
+        'if [ "${SLURM_RESTART_COUNT:-0}" -gt 0 ]; then resume=(--resume); fi',
+        srun + ' "${resume[@]}" &',
+        "train_pid=$!",
+        "status=0",
+        'wait "$train_pid" || status=$?',
+        'while kill -0 "$train_pid" 2>/dev/null; do status=0; wait "$train_pid" || status=$?; done',
+        'if [ "$stop_requested" = 1 ]; then',
+        '    echo "stopped ahead of the time limit: requeueing job $SLURM_JOB_ID to resume" >&2',
+        '    scontrol requeue "$SLURM_JOB_ID"',
+        "    exit 0",
+        "fi",
+        '[ "$status" -eq 0 ] || exit "$status"',
+    ]
 
 
 # ------------------------------------------------------------------------------------------ the command
@@ -296,6 +340,8 @@ def _parse(argv: list[str], prog: str) -> _LaunchArgs:
     slurm.add_argument("--partition", default=None)
     slurm.add_argument("--account", default=None)
     slurm.add_argument("--port", type=int, default=29500, help="rendezvous port on the head node (default 29500)")
+    slurm.add_argument("--stop-lead", type=int, default=300, metavar="SECONDS",
+                       help="train: checkpoint, stop and requeue this long before the time limit (default 300; 0: never)")
     slurm.add_argument("--setup", action="append", default=[], metavar="LINE",
                        help="shell line run before the step (e.g. 'source .venv/bin/activate'); repeatable")
     slurm.add_argument("--then", action="append", default=[], metavar="COMMAND",
@@ -314,7 +360,7 @@ def _parse(argv: list[str], prog: str) -> _LaunchArgs:
                 raise ReproError("--slurm takes the rendezvous host from the allocation; drop --rdzv-endpoint (use --port)")
             job = SlurmJob(nodes=args.nodes, gpus_per_node=args.gpus, job_name=args.job_name, time=args.time,
                            partition=args.partition, account=args.account, port=args.port, python=args.python,
-                           setup=tuple(args.setup))
+                           setup=tuple(args.setup), stop_lead_s=args.stop_lead or None)
             launch = Launch(nodes=args.nodes, gpus_per_node=args.gpus, endpoint=f"head:{args.port}")
         else:
             if args.then or args.setup:

@@ -3,7 +3,9 @@
 The loop calls :func:`begin_step` before a step's forward passes (with whether the routers compute their
 diagnostic metrics in this step) and :func:`end_step` after the optimizer step. ``end_step`` averages each router class's :meth:`Router.step_statistic` over its layers
 and over the data-parallel ranks, then hands the average to every router of that class, so layer
-replicas of a global schedule (ReMoE's L1 coefficient) stay identical on every rank.
+replicas of a global schedule (ReMoE's L1 coefficient) stay identical on every rank. A statistic with one
+value per expert (the aux-loss-free router's token counts) is per layer instead: summed over the ranks and
+handed back to its own layer's router.
 """
 
 from __future__ import annotations
@@ -61,6 +63,9 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[s
             for r in routers:
                 r.end_step(None)
             continue
+        if any(s is not None and s.dim() > 0 for s in stats):
+            _end_step_per_layer(routers, stats, group)
+            continue
         mean = torch.stack([s.detach().float() for s in stats if s is not None]).mean()
         if group is not None and dist.is_available() and dist.is_initialized():
             dist.all_reduce(mean, group=group)
@@ -69,3 +74,14 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[s
             r.end_step(mean)
         averaged[cls.name] = mean.detach()
     return averaged
+
+
+def _end_step_per_layer(routers: list[Router], stats: list[torch.Tensor | None], group: dist.ProcessGroup | None) -> None:
+    """A per-expert statistic (``[E]``, the aux-loss-free router's token counts) belongs to its own layer: it is
+    summed over the data-parallel ranks, all layers in one all-reduce, and handed back to its router."""
+    ref = next(s for s in stats if s is not None)
+    stacked_LE = torch.stack([(s if s is not None else torch.zeros_like(ref)).detach().float() for s in stats])
+    if group is not None and dist.is_available() and dist.is_initialized():
+        dist.all_reduce(stacked_LE, group=group)
+    for router, row_E in zip(routers, stacked_LE):
+        router.end_step(row_E)

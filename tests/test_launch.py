@@ -262,7 +262,7 @@ srun --nodes=1 --ntasks=1 python -m repro eval --checkpoint 'runs/a b'
 
 def test_sbatch_script_text_and_what_bash_runs(tmp_path):
     job = rl.SlurmJob(nodes=2, gpus_per_node=4, job_name="dirmoe", time="1:00:00", partition="gpu", port=29600,
-                      setup=("source /shared/env/bin/activate",))
+                      setup=("source /shared/env/bin/activate",), stop_lead_s=None)  # the time-limit part: below
     script = rl.sbatch_script(job, ["train", "--out", "runs/a b"], after=[["eval", "--checkpoint", "runs/a b"]])
     assert script == SBATCH
     # Run it with stand-ins for scontrol and srun: the shell fills the head node and the job id in, and
@@ -282,6 +282,65 @@ def test_sbatch_script_text_and_what_bash_runs(tmp_path):
     assert "srun<--rdzv_endpoint=gpu07:29600>srun<--rdzv_id=4242>" in srun_line
     assert srun_line.endswith("srun<train>srun<--out>srun<runs/a b>")
     assert eval_line == "srun<--nodes=1>srun<--ntasks=1>srun<python>srun<-m>srun<repro>srun<eval>srun<--checkpoint>srun<runs/a b>"
+
+
+_FAKE_SCONTROL = 'if [ "$1" = requeue ]; then echo "requeue<$2>"; else printf "gpu07\\ngpu08\\n"; fi'
+# The training step stands in for srun + torchrun + ranks: on SIGTERM it "checkpoints" and exits 75.
+_FAKE_SRUN = (
+    'printf "srun<%s>" "$@"; echo\n'
+    'case " $* " in *" train "*) trap \'echo stopped-cleanly; exit 75\' TERM; touch "$STARTED"; '
+    'i=0; while [ $i -lt ${TICKS:-100} ]; do sleep 0.1; i=$((i+1)); done;; esac'
+)
+
+
+def _slurm_tools(tmp_path: Path) -> dict[str, str]:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, body in {"scontrol": _FAKE_SCONTROL, "srun": _FAKE_SRUN}.items():
+        tool = bin_dir / name
+        tool.write_text(f"#!/bin/bash\n{body}\n")
+        tool.chmod(tool.stat().st_mode | stat.S_IEXEC)
+    return {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}", "SLURM_JOB_NODELIST": "gpu[07-08]",
+            "SLURM_JOB_ID": "4242", "STARTED": str(tmp_path / "started")}
+
+
+def test_slurm_time_limit_stops_requeues_and_resumes(tmp_path):
+    """USR1 ahead of the limit: the shell passes SIGTERM to the training step, requeues the job instead of running
+    the evaluation, and the requeued job (SLURM_RESTART_COUNT) trains with --resume."""
+    import signal
+    import time
+
+    job = rl.SlurmJob(nodes=2, gpus_per_node=4, time="1:00:00", stop_lead_s=240)
+    script = rl.sbatch_script(job, ["train", "--out", "runs/x"], after=[["eval", "--checkpoint", "runs/x"]])
+    header = [line for line in script.splitlines() if line.startswith("#SBATCH")]
+    assert {"#SBATCH --signal=B:USR1@240", "#SBATCH --requeue", "#SBATCH --open-mode=append"} <= set(header)
+    assert "export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=240" in script
+    # only a train command stops and requeues; --stop-lead 0 turns it off
+    assert "--signal" not in rl.sbatch_script(job, ["eval", "--checkpoint", "runs/x"])
+    assert "--signal" not in rl.sbatch_script(rl.SlurmJob(nodes=1, stop_lead_s=None), ["train"])
+
+    env = _slurm_tools(tmp_path)
+    proc = subprocess.Popen(["bash", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    deadline = time.monotonic() + 20
+    while not Path(env["STARTED"]).exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)  # what --signal=B:USR1@240 delivers to the batch shell
+    out, err = proc.communicate(timeout=20)
+    assert proc.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[-2:] == ["stopped-cleanly", "requeue<4242>"], out
+    assert "--resume" not in lines[0] and not any("eval" in line for line in lines), out
+    assert "requeueing job 4242" in err
+
+    # the requeued job resumes, and with the run finished the evaluation follows
+    Path(env["STARTED"]).unlink()
+    proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30,
+                          env={**env, "SLURM_RESTART_COUNT": "1", "TICKS": "0"})
+    assert proc.returncode == 0, proc.stderr
+    train_line, eval_line = proc.stdout.splitlines()
+    assert train_line.endswith("srun<train>srun<--out>srun<runs/x>srun<--resume>")
+    assert "srun<eval>" in eval_line
 
 
 def test_slurm_job_validation():

@@ -42,8 +42,8 @@ def _installed_routers() -> list[str]:
 ALL = _installed_routers()
 
 
-def test_registry_has_the_seven_routers():
-    assert {"dirmoe", "switch", "remoe", "expert_choice", "hash", "lory", "sparsemixer"} <= set(ALL)
+def test_registry_has_the_eight_routers():
+    assert {"dirmoe", "switch", "remoe", "expert_choice", "hash", "lory", "sparsemixer", "auxfree"} <= set(ALL)
 
 
 @pytest.mark.parametrize("name", ALL)

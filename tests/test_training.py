@@ -46,7 +46,7 @@ TINY = [
     "checkpoint.interval=0",
 ]
 #: The routers of this package (tests elsewhere register routers of their own, which have experiments too).
-BUILTIN = ["dirmoe", "expert_choice", "hash", "lory", "remoe", "sparsemixer", "switch"]
+BUILTIN = ["auxfree", "dirmoe", "expert_choice", "hash", "lory", "remoe", "sparsemixer", "switch"]
 
 
 def _experiment(router: str, extra: list[str] = ()) -> RunConfig:
@@ -140,11 +140,11 @@ def _final_state(out: Path) -> dict:
     return torch.load(files[-1], map_location="cpu", weights_only=True)  # tensors and plain data only
 
 
-@pytest.mark.parametrize("router", ["dirmoe", "remoe", "hash", "lory"])
+@pytest.mark.parametrize("router", ["dirmoe", "remoe", "hash", "lory", "auxfree"])
 def test_resume_after_kill_is_bit_identical(router, tmp_path):
     from repro.training.trainer import train
 
-    # dirmoe draws noise and runs step schedules, remoe adapts a buffer after every step, hash holds a
+    # dirmoe draws noise and runs step schedules, remoe and auxfree adapt buffers after every step, hash holds a
     # table: each is state a resume must carry. Validation every 2 steps checks eval leaves no trace.
     # lory trains dense for steps 0-1 (0.4 of 5): the resume from step 2's checkpoint starts at the switch.
     lory = ["router.options.dense_fraction=0.4"] if router == "lory" else []
@@ -170,6 +170,8 @@ def test_resume_after_kill_is_bit_identical(router, tmp_path):
         if torch.is_tensor(value_a):
             assert torch.equal(value_a, value_b), key  # weights and router buffers (step, coefficients, tables)
     assert any(k.endswith("router.step") for k in sa["model"])
+    if router == "auxfree":  # the balancing bias has moved, and the resumed run carried it
+        assert any(k.endswith("expert_bias") and sa["model"][k].abs().sum() > 0 for k in sa["model"])
 
 
 def test_lory_switches_from_dense_to_copies_of_the_ffn_and_trains_on(tmp_path):

@@ -8,6 +8,7 @@ Examples::
     python -m repro train --out runs/dirmoe-tiny --resume
     python -m repro train --out runs/dirmoe-tiny --resume --set optimizer.lr=5e-4    # e.g. after a NaN loss
     torchrun --nproc_per_node=2 -m repro train --experiment switch-tiny --set parallel.ep=2 --out runs/switch-ep2
+    python -m repro train --experiment auxfree-tiny --out runs/auxfree-tiny --tensorboard runs/tb/auxfree-tiny
 
 A finished run gets its run record (``record.json``, read by ``tables`` and ``check``); ``eval`` adds the
 zero-shot results to it.
@@ -47,6 +48,10 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "--stop-after", type=int, default=None, metavar="STEPS",
         help="stop after this many completed steps without a final checkpoint (resume later)",
     )
+    parser.add_argument(
+        "--tensorboard", metavar="DIR", default=None,
+        help="also write TensorBoard events to DIR (logging.tensorboard=true; needs the extra 'tensorboard')",
+    )
     parser.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return parser
@@ -60,7 +65,8 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
         prog: the program name for usage messages.
 
     Returns:
-        The exit status (0 on success).
+        The exit status: 0 on success, 75 (``repro.training.preemption.EXIT_STOPPED``) when SIGTERM or SIGUSR1
+        stopped the run after writing the checkpoint of the step reached.
 
     Raises:
         ReproError: unknown experiment or key, bad value, missing ``--out``, a run directory that is not this
@@ -72,6 +78,11 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
     from repro.training.experiments import describe, experiment_names, experiment_routers, get_experiment
 
     args = _parser(prog).parse_args(argv)
+    if args.tensorboard is not None:
+        if not args.tensorboard:
+            raise ReproError("--tensorboard needs a directory")
+        # Two overrides like any --set; a resumed run takes them through its stored config.
+        args.overrides += ["logging.tensorboard=true", f"logging.tensorboard_dir={args.tensorboard}"]
     if args.list:
         for name in experiment_names():
             print(describe(get_experiment(name)))
@@ -104,9 +115,13 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
     if args.stop_after is not None and args.stop_after < 0:
         raise ReproError(f"--stop-after must be >= 0, got {args.stop_after}")
 
+    from repro.training.preemption import EXIT_STOPPED, RunStopped
     from repro.training.trainer import train  # imports megatron-core: only when training
 
-    summary = train(config, args.out, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
+    try:
+        summary = train(config, args.out, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
+    except RunStopped:
+        return EXIT_STOPPED  # checkpointed after a signal (a time limit); rank 0 said how to resume
     if summary.get("stopped_at") is not None or summary.get("finished_before") or int(os.environ.get("RANK", "0")):
         return 0
     from repro.report.store import write_run_record

@@ -4,7 +4,8 @@
   the last step;
 * :class:`StepLog` appends the row to ``log.jsonl`` (rank 0) and updates the progress bar every
   ``logging.interval`` steps;
-* :class:`Checkpointer` saves a checkpoint every ``checkpoint.interval`` steps and at the last step.
+* :class:`Checkpointer` saves a checkpoint every ``checkpoint.interval`` steps and at the last step (and, through
+  :meth:`Checkpointer.ensure_saved`, when a signal stops the run: :mod:`repro.training.preemption`).
 
 A component is any object with ``after_step(trainer, row) -> row`` and ``close()``; they run in the order
 the trainer holds them (validation first, so the logged row carries the validation loss).
@@ -147,6 +148,7 @@ class Checkpointer:
         self.interval = interval
         self.last_step = last_step
         self.log = log
+        self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this run wrote last
 
     def due(self, step: int) -> bool:
         """Whether a checkpoint is written after ``step``."""
@@ -154,14 +156,21 @@ class Checkpointer:
 
     def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
         if self.due(row.step):
-            if self.log is not None:
-                self.log.sync()
             self.save(trainer)
         return row
 
+    def ensure_saved(self, trainer: Trainer) -> Path:
+        """The checkpoint of the trainer's current step: written now unless :meth:`after_step` just wrote it
+        (a run stopped by a signal; collective)."""
+        if self.saved is not None and self.saved[0] == trainer.step:
+            return self.saved[1]
+        return self.save(trainer)
+
     def save(self, trainer: Trainer) -> Path:
-        """Write one checkpoint of the trainer's state (collective: every rank calls it)."""
-        return ckpt.save_checkpoint(
+        """Write one checkpoint of the trainer's state, the step log synced first (collective: every rank calls it)."""
+        if self.log is not None:
+            self.log.sync()
+        path = ckpt.save_checkpoint(
             self.root,
             step=trainer.step,
             consumed_samples=trainer.consumed,
@@ -171,6 +180,8 @@ class Checkpointer:
             optimizer_state=trainer.optimization.state_dict(),
             scheduler_state=trainer.scheduler.state_dict(),
         )
+        self.saved = (trainer.step, path)
+        return path
 
     @staticmethod
     def restore(trainer: Trainer, payload: dict[str, Any]) -> None:

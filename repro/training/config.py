@@ -11,7 +11,7 @@ A run is described by sections, each a frozen dataclass validated in ``__post_in
                               similarity_batching),
               parallel=ParallelConfig(tp, ep),
               checkpoint=CheckpointConfig(interval, init_from, layout_independent_init),
-              logging=LoggingConfig(interval),
+              logging=LoggingConfig(interval, tensorboard, tensorboard_dir),
               validation=ValidationConfig(interval, iters))
 
 Overrides are dot-lists (``optimizer.lr=3e-4``, ``router.options.sparsity_weight=0.1``) merged by OmegaConf's
@@ -295,19 +295,26 @@ class LoggingConfig:
     """Progress reporting and routing diagnostics (``log.jsonl`` has a row for every step whatever this says).
 
     Args:
-        interval: steps between progress-bar updates of the loss and throughput.
+        interval: steps between progress-bar updates of the loss and throughput, and between TensorBoard rows.
         metrics_interval: the routers compute their diagnostic metrics (the rows' ``routing`` and
             ``routing_per_expert``, ``router_stats``) on step 1, every ``metrics_interval`` steps and the
             last step; on the other steps they compute none and force no host synchronisation, and their
             rows carry losses, throughput and memory only. 1 (default): every step, as the committed results
             were made. Training is identical whatever it is.
+        tensorboard: also write TensorBoard events (the optional extra ``tensorboard``;
+            :mod:`repro.training.tensorboard`).
+        tensorboard_dir: where the events go; ``None``: ``<run dir>/tensorboard``.
     """
 
     interval: int = 1
     metrics_interval: int = 1
+    tensorboard: bool = False
+    tensorboard_dir: str | None = None
 
     def __post_init__(self) -> None:
         _at_least("logging", self, ("interval", "metrics_interval"), 1)
+        if self.tensorboard_dir is not None and not self.tensorboard_dir:
+            raise ValueError("logging.tensorboard_dir must be None or a non-empty path")
 
 
 @dataclass(frozen=True)

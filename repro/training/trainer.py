@@ -295,6 +295,7 @@ class Trainer:
         )
         self.scheduler = LRScheduler(self.optimization, schedule, weight_decay=config.optimizer.weight_decay)
         self.step, self.consumed = 0, 0
+        self.stopped_by: str | None = None  # the signal that stopped the run early (fit)
         if payload is not None:
             Checkpointer.restore(self, payload)
             del payload
@@ -315,6 +316,13 @@ class Trainer:
             self.log,
             Checkpointer(paths.checkpoints, config.checkpoint.interval, config.schedule.steps, self.log),
         ]
+        if config.logging.tensorboard:
+            from repro.training.tensorboard import TensorBoardLog, tensorboard_dir
+
+            self.components.append(TensorBoardLog(
+                tensorboard_dir(paths.root, config.logging.tensorboard_dir), config.logging.interval,
+                config.schedule.steps, self.step, self.parallel.is_main,
+            ))
 
     # ------------------------------------------------------------------ set-up pieces
     def _build_model(self, fresh: bool) -> nn.Module:
@@ -472,20 +480,32 @@ class Trainer:
     def fit(self, stop_after: int | None = None) -> bool:
         """Train to the last step, letting every component act after each step.
 
+        SIGTERM or SIGUSR1 (a cluster's time limit) ends the run after the step in progress, on every rank at the
+        same step, with a checkpoint of that step and one line saying how to resume (``stopped_by`` then names
+        the signal; :mod:`repro.training.preemption`).
+
         Args:
             stop_after: stop once this many steps are completed, as if killed (no final checkpoint).
 
         Returns:
             True when the run reached its last step, False when it stopped early.
         """
+        from repro.training.preemption import StopRequest, stop_run
+
+        last = self.config.schedule.steps
         try:
-            self.model.train()
-            while self.step < self.config.schedule.steps:
-                if stop_after is not None and self.step >= stop_after:
-                    return False
-                row = self.train_step()
-                for component in self.components:
-                    row = component.after_step(self, row)
+            with StopRequest().installed() as stop:
+                self.model.train()
+                while self.step < last:
+                    if stop_after is not None and self.step >= stop_after:
+                        return False
+                    row = self.train_step()
+                    for component in self.components:
+                        row = component.after_step(self, row)
+                    signum = stop.agreed(self.device) if self.step < last else 0  # the last step ends anyway
+                    if signum:
+                        self.stopped_by = stop_run(self, signum)
+                        return False
         finally:
             for component in self.components:
                 component.close()
@@ -565,7 +585,9 @@ def train(
 
     Raises:
         ReproError: a bad config, an output directory that is not this run's, a run directory locked by
-            another run, a corrupt checkpoint (naming the path), a layout change on resume, a non-finite loss.
+            another run, a corrupt checkpoint (naming the path), a layout change on resume, a non-finite loss;
+            :class:`~repro.training.preemption.RunStopped` when SIGTERM or SIGUSR1 stopped the run after a step,
+            whose checkpoint it wrote.
     """
     from repro.model import parallel as model_parallel
 
@@ -604,6 +626,11 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
             f"{exc}; the run stopped and its log and checkpoints are kept in {paths.root}: resume from {where} "
             f"with other settings, e.g. python -m repro train --out {paths.root} --resume --set optimizer.lr=..."
         ) from None
+    if trainer.stopped_by:
+        from repro.training.preemption import RunStopped
+
+        raise RunStopped(f"experiment '{config.name}': stopped by {trainer.stopped_by} after step {trainer.step} "
+                         f"(checkpointed); resume with --resume", trainer.step, trainer.stopped_by)
     if not finished:
         return {"experiment": config.name, "stopped_at": trainer.step}
     barrier()

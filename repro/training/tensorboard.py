@@ -1,0 +1,134 @@
+"""TensorBoard events from the training log's rows (the optional extra ``tensorboard``).
+
+``logging.tensorboard=true`` (or ``python -m repro train --tensorboard DIR``) adds :class:`TensorBoardLog` to the
+trainer's components. On every logging step (``logging.interval``, and the last step) rank 0 writes the step's
+:class:`~repro.training.log.LogRow`, the same row ``log.jsonl`` gets, with ``torch.utils.tensorboard``'s
+``SummaryWriter``:
+
+* scalars ``train/loss``, ``train/lm_loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
+  ``train/iter_time_s``, ``train/aux/<name>`` (summed over layers) and ``train/aux/<name>/layer<l>``;
+  ``val/loss`` on every step that has a validation loss (whatever the logging cadence);
+* ``routing/<metric>/layer<l>`` for every scalar routing metric, ``router/<name>`` for the step schedules'
+  statistics (ReMoE's sparsity);
+* per-expert metrics as histograms over the expert index, ``experts/<metric>/layer<l>``: bucket i holds
+  expert i's value (``tokens_per_expert``: its token load), so TensorBoard's histogram view shows the load of
+  every expert over the steps. A metric with negative entries (the aux-loss-free router's bias) is written as
+  the distribution of its values instead.
+
+Layers are numbered from 1, in the order of the row's per-layer lists. A resumed run passes ``purge_step`` so
+TensorBoard drops the events a killed run wrote after its checkpoint. Open the events with
+``tensorboard --logdir RUN_DIR/tensorboard``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from repro.errors import ReproError
+from repro.training.log import LogRow
+
+if TYPE_CHECKING:
+    from repro.training.trainer import Trainer
+
+#: The folder of a run directory that holds the events unless ``logging.tensorboard_dir`` says otherwise.
+DEFAULT_DIR = "tensorboard"
+
+
+def require_tensorboard() -> None:
+    """Raise a one-line :class:`ReproError` unless the ``tensorboard`` package is importable."""
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ReproError(
+            "logging.tensorboard needs TensorBoard, which is not installed: pip install 'dirmoe-bench[tensorboard]'"
+        )
+
+
+class TensorBoardLog:
+    """The trainer component writing TensorBoard events on rank 0 (see the module docstring).
+
+    Args:
+        log_dir: the events folder.
+        interval: steps between written rows (``logging.interval``); the last step is always written.
+        last_step: the run's last step.
+        initial_step: the step the run starts from (a resume purges the events after it).
+        is_main: whether this process writes (global rank 0); other ranks hold no writer.
+    """
+
+    def __init__(self, log_dir: Path, interval: int, last_step: int, initial_step: int, is_main: bool) -> None:
+        require_tensorboard()
+        self.interval = interval
+        self.last_step = last_step
+        self.writer = None
+        if is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(str(log_dir), purge_step=initial_step + 1 if initial_step else None)
+
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a logging step."""
+        return step % self.interval == 0 or step == self.last_step
+
+    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+        if self.writer is not None:
+            if self.due(row.step):
+                self.write(row)
+            elif row.val_loss is not None:
+                self.writer.add_scalar("val/loss", row.val_loss, row.step)
+        return row
+
+    def write(self, row: LogRow) -> None:
+        """Write every value of ``row`` at its step (rank 0)."""
+        w, step = self.writer, row.step
+        for name in ("loss", "lm_loss", "lr", "grad_norm", "tokens_per_s", "iter_time_s"):
+            w.add_scalar(f"train/{name}", getattr(row, name), step)
+        if row.val_loss is not None:
+            w.add_scalar("val/loss", row.val_loss, step)
+        for name, value in row.aux_losses.items():
+            w.add_scalar(f"train/aux/{name}", value, step)
+        for name, per_layer in row.aux_losses_per_layer.items():
+            for layer, value in enumerate(per_layer, 1):
+                w.add_scalar(f"train/aux/{name}/layer{layer}", value, step)
+        for name, per_layer in row.routing.items():
+            for layer, value in enumerate(per_layer, 1):
+                w.add_scalar(f"routing/{name}/layer{layer}", value, step)
+        for name, value in row.router_stats.items():
+            w.add_scalar(f"router/{name}", value, step)
+        for name, per_layer in row.routing_per_expert.items():
+            for layer, values in enumerate(per_layer, 1):
+                _expert_histogram(w, f"experts/{name}/layer{layer}", values, step)
+        w.flush()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _expert_histogram(writer, tag: str, values: list[float], step: int) -> None:
+    """Expert i's value as the count of bucket (i - 0.5, i + 0.5]; the values' distribution if any is negative."""
+    if any(v < 0 for v in values):
+        import numpy as np
+
+        writer.add_histogram(tag, np.asarray(values, dtype=np.float64), step)
+        return
+    total = float(sum(values))
+    writer.add_histogram_raw(
+        tag,
+        min=0.0,
+        max=float(len(values) - 1),
+        num=total,
+        sum=float(sum(i * v for i, v in enumerate(values))),
+        sum_squares=float(sum(i * i * v for i, v in enumerate(values))),
+        bucket_limits=[i + 0.5 for i in range(len(values))],
+        bucket_counts=[float(v) for v in values],
+        global_step=step,
+    )
+
+
+def tensorboard_dir(run_root: Path, configured: str | None) -> Path:
+    """Where a run writes its events: ``logging.tensorboard_dir`` or ``<run dir>/tensorboard``."""
+    return Path(configured) if configured else run_root / DEFAULT_DIR
+
+
+__all__ = ["DEFAULT_DIR", "TensorBoardLog", "require_tensorboard", "tensorboard_dir"]
