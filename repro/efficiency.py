@@ -638,7 +638,12 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
 
 def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
     """Measure every run of the plan, write records, tables and the summary. Returns the exit status (1 when
-    a run failed; the others are still measured and reported)."""
+    a run failed; the others are still measured and reported). ``--profile``: the cost report instead
+    (:mod:`repro.report.costs`)."""
+    if "--profile" in argv:
+        from repro.report.costs import main as profile_main
+
+        return profile_main(argv, prog)
     check_requirements()
     plan = parse(argv, prog)
     import torch
