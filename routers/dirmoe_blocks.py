@@ -13,6 +13,8 @@ Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.nn.functional as F
 
@@ -37,21 +39,64 @@ def simplex_decode(weights_TE: torch.Tensor, params: tuple[torch.Tensor, ...]) -
     return h
 
 
+def _c_compiler() -> str | None:
+    """The host C compiler Triton would build its launchers with (``$CC``, else gcc, else clang), or None."""
+    import os
+    import shutil
+
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("gcc") or shutil.which("clang")
+
+
+def _cxx_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would use (its own search list), or None."""
+    import shutil
+
+    from torch._inductor import config as inductor_config
+
+    cxx = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
+    # None in the list stands for a conda install that inductor does not do by default.
+    return next((path for path in (shutil.which(c) for c in cxx if c) if path), None)
+
+
+def _has_triton() -> bool:
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
 def inductor_available(device: torch.device) -> tuple[bool, str]:
-    """Whether torch.compile's inductor can generate code for ``device``, and what it needs there."""
+    """Whether torch.compile's inductor can generate code for ``device``.
+
+    Returns:
+        ``(available, missing)``: ``missing`` names what is lacking ("" when available): on CUDA Triton and
+        the host C compiler Triton builds with; on CPU a C++ compiler.
+    """
     if device.type == "cuda":
-        from torch.utils._triton import has_triton
+        missing = [name for name, ok in (("Triton", _has_triton()), ("a C compiler ($CC, gcc or clang)", _c_compiler()))
+                   if not ok]
+    elif device.type == "cpu":
+        missing = [] if _cxx_compiler() else ["a C++ compiler (inductor's cpp.cxx)"]
+    else:
+        missing = [f"an inductor backend for {device.type}"]
+    return not missing, " and ".join(missing)
 
-        return has_triton(), "Triton"
-    if device.type == "cpu":
-        import shutil
 
-        from torch._inductor import config as inductor_config
+_WARNED: set[str] = set()
 
-        # inductor's own search list (None stands for a conda install it does not do by default)
-        cxx = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
-        return any(c and shutil.which(c) for c in cxx), "a C++ compiler"
-    return False, f"an inductor backend for {device.type}"
+
+def warn_eager_fallback(device: torch.device, missing: str) -> None:
+    """Warn once per process and device type that ``compile_elementwise="auto"`` runs eager for lack of
+    ``missing``."""
+    if device.type not in _WARNED:
+        _WARNED.add(device.type)
+        warnings.warn(
+            f"DirMoE runs eager on {device.type}: torch.compile needs {missing}, which is missing "
+            "(compile_elementwise='auto'; 'never' silences this)",
+            stacklevel=3,
+        )
 
 
 # The router's elementwise maths in two pure functions of tensors, called as they are (eager, the default) or
