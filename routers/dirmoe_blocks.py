@@ -1,12 +1,12 @@
-"""DirMoE's elementwise maths as pure functions of tensors, run as they are (eager) or through ``torch.compile``
-(router option ``compile_elementwise``), so both modes run the same maths: only inductor's fusion (and its
-float32 rounding) differs. Random draws stay outside them (see :meth:`routers.dirmoe.DirMoERouter.sample`).
+"""DirMoE's elementwise maths as pure functions of tensors, called by :meth:`routers.dirmoe.DirMoERouter.route_core`
+(eager, or inside its one compiled region: option ``compile_elementwise``), and the checks of what inductor needs.
 
 - :func:`gates_and_concentrations`: gate logits, relaxed gates z~, posterior bases and the posterior / prior
   concentrations;
 - :func:`combine_and_losses`: combine weights on the routing map and the three (unweighted) loss terms;
 - :func:`simplex_decode`: the decoder g_psi in float32;
-- :func:`inductor_available`: whether inductor can generate code on a device.
+- :func:`inductor_available`: whether inductor can generate code on a device, and what it lacks;
+  :func:`warn_eager_fallback`: the one warning of ``compile_elementwise="auto"`` falling back to eager.
 
 Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 """
@@ -99,9 +99,6 @@ def warn_eager_fallback(device: torch.device, missing: str) -> None:
         )
 
 
-# The router's elementwise maths in two pure functions of tensors, called as they are (eager, the default) or
-# through torch.compile (option ``compile_elementwise``), so both modes run the same maths: only inductor's
-# fusion (and its rounding) differs. Random draws stay outside them (see DirMoERouter.sample).
 def gates_and_concentrations(
     heads_T3E: torch.Tensor,
     bias_3E: torch.Tensor,

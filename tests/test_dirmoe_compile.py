@@ -76,6 +76,24 @@ def test_no_host_sync_without_metrics():
     assert syncs[True] > 0 and syncs[False] == 0
 
 
+def test_schedule_is_computed_once_per_step_state():
+    """The eager path reuses the schedule's tensors within a step and recomputes them whenever the step buffer
+    is written (set_step, load_state_dict) or inference mode changes; the values are schedule_values()'s."""
+    router = _dirmoe(schedule_steps=100)
+    first = router._step_schedule()
+    assert router._step_schedule() is first
+    router.set_step(40)
+    moved = router._step_schedule()
+    assert moved is not first and float(moved["tau"]) < float(first["tau"])
+    state = router.state_dict()
+    state["step"] = torch.tensor(7)
+    router.load_state_dict(state)
+    restored = router._step_schedule()
+    assert restored is not moved and all(torch.equal(restored[k], v) for k, v in router.schedule_values().items())
+    with torch.inference_mode():
+        assert router._step_schedule() is not restored
+
+
 # ------------------------------------------------------------------------------ the op counter
 def test_op_counter_counts_ops_views_syncs_and_bytes():
     x = torch.arange(6.0)
@@ -213,3 +231,21 @@ def test_auto_is_eager_on_the_cpu_without_a_warning():
         warnings.simplefilter("always")
         _dirmoe("auto").compiles_elementwise(torch.device("cpu"))
     assert caught == []
+
+
+def test_cost_report_command_writes_its_table(tmp_path, capsys):
+    """``python -m repro efficiency --profile`` on two routers: the three files, a row per pass, Switch the unit."""
+    import json
+
+    from repro.cli import main as cli_main
+
+    assert cli_main(["efficiency", "--profile", "--router", "switch,dirmoe", "--out", str(tmp_path)]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {"router_costs.md", "router_costs.csv", "router_costs.json"}
+    rows = {(r["router"], r["pass"]): r for r in json.loads((tmp_path / "router_costs.json").read_text())["rows"]}
+    assert set(rows) == {(r, p) for r in ("switch", "dirmoe") for p in ("fwd", "bwd", "fwd+bwd")}
+    assert rows["switch", "fwd+bwd"]["x_switch"] == 1.0
+    total, fwd, bwd = (rows["dirmoe", p] for p in ("fwd+bwd", "fwd", "bwd"))
+    assert total["launches"] == fwd["launches"] + bwd["launches"] == total["outside"] + total["regions"]
+    assert total["syncs"] == 0 and total["regions"] == 0 and fwd["bytes_moved"] > 1024 * 128 * 4  # reads x at least
+    assert cli_main(["efficiency", "--profile", "--router", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown run(s) nope" in capsys.readouterr().err
