@@ -643,7 +643,7 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
     if "--profile" in argv:
         from repro.report.costs import main as profile_main
 
-        return profile_main(argv, prog)
+        return profile_main(argv, f"{prog} --profile")
     check_requirements()
     plan = parse(argv, prog)
     import torch

@@ -513,6 +513,10 @@ class DirMoERouter(Router):
             "alpha_p_TE": s.alpha_p_TE, "lambda_q": s.lambda_q, "kept_T": kept_T, "active_T": active_T,
             "recon": recon, "kl": kl, "sparsity": sparsity, "mean_D": mean_D, **s.schedule,
         }
+        if torch.compiler.is_compiling():
+            # A compiled region's output that requires grad gets a zero gradient filled in its backward (one
+            # launch each); the metrics read these detached anyway.
+            parts = {name: value.detach() for name, value in parts.items()}
         return probs_TE, routing_map_TE, aux_losses, parts
 
     def _metrics(
