@@ -179,7 +179,8 @@ class DirMoERouter(Router):
             else (self._prior.alpha_floor / self._prior.alpha_lo_init) ** (1 / T)
         )
         self._inductor: dict[str, tuple[bool, str]] = {}  # device type -> (inductor can compile there, what lacks)
-        self._schedule_cache: tuple | None = None  # (key of the step buffer's state, schedule_values()) for eager
+        # (step buffer, its version, inference mode, schedule_values()) for the eager path (_step_schedule)
+        self._schedule_cache: tuple | None = None
         self.reset_parameters()
 
     def initial_gate_bias(self) -> float:
@@ -244,17 +245,18 @@ class DirMoERouter(Router):
         """:meth:`schedule_values`, computed once per state of the ``step`` buffer when eager (the same tensors for
         every micro-batch of a step: ~25 scalar ops fewer per call); in the compiled region, fused into it.
 
-        The key is read on the host without a sync: the buffer's identity, device and version counter (which
-        every in-place write, ``set_step``'s ``fill_`` or ``load_state_dict``'s ``copy_``, advances), and whether
-        inference mode is on (its tensors may not enter a training graph).
+        The key is read on the host without a sync: the buffer itself (held, so a new buffer is never mistaken
+        for it; ``.to(device)`` makes a new one), its version counter (which every in-place write,
+        ``set_step``'s ``fill_`` or ``load_state_dict``'s ``copy_``, advances), and whether inference mode is
+        on (its tensors may not enter a training graph).
         """
         if torch.compiler.is_compiling():
             return self.schedule_values()
-        step = self.step
-        key = (id(step), step.device, step._version, torch.is_inference_mode_enabled())
-        if self._schedule_cache is None or self._schedule_cache[0] != key:
-            self._schedule_cache = (key, self.schedule_values())
-        return self._schedule_cache[1]
+        step, inference = self.step, torch.is_inference_mode_enabled()
+        cache = self._schedule_cache
+        if cache is None or not (cache[0] is step and cache[1] == step._version and cache[2] == inference):
+            cache = self._schedule_cache = (step, step._version, inference, self.schedule_values())
+        return cache[3]
 
     # ------------------------------------------------------------------- forward
     def compiles_elementwise(self, device: torch.device) -> bool:
@@ -424,10 +426,8 @@ class DirMoERouter(Router):
         with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
             return self._route_fp32(hidden_TD)
 
-    def _recon_offset(self, mean_D: torch.Tensor) -> torch.Tensor | None:
+    def _recon_offset(self, mean_D: torch.Tensor) -> torch.Tensor:
         """``recon_target="data_mean"``: update the running data mean (training forwards only) and return it."""
-        if self.config.recon_target != "data_mean":
-            return None
         if self.training:
             with torch.no_grad():
                 # The first micro-batch sets the mean; later ones move it by the momentum. torch.where keeps
@@ -478,8 +478,7 @@ class DirMoERouter(Router):
         s = self.sample(hidden_TD, u_TE)
         routing_map_TE = self.dispatch(s.weights_TE, s.gates_TE)
         x_TD = hidden_TD.float()
-        mean_D = x_TD.detach().mean(0)
-        offset_D = self._recon_offset(mean_D)
+        offset_D = self._recon_offset(x_TD.detach().mean(0)) if c.recon_target == "data_mean" else None
         probs_TE, kept_T, recon, kl, active_T, sparsity = blocks.combine_and_losses(
             s.weights_TE, routing_map_TE, s.gates_TE, s.alpha_q_TE, s.alpha_p_TE,
             x_TD.detach() if c.detach_recon_target else x_TD, offset_D, self.decoder.params(),
@@ -497,12 +496,11 @@ class DirMoERouter(Router):
             )
             if weight > 0
         }
-        tokens_per_expert_E = routing_map_TE.sum(0)
         if c.balance_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             # Switch's loss exactly as megatron-core computes it, on r (all E) and DirMoE's map (gap 12).
             aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
                 probs=s.weights_TE,
-                tokens_per_expert=tokens_per_expert_E,
+                tokens_per_expert=routing_map_TE.sum(0),
                 total_num_tokens=T,
                 topk=k,
                 num_experts=E,
@@ -511,7 +509,7 @@ class DirMoERouter(Router):
         parts = {
             "gates_TE": s.gates_TE, "weights_TE": s.weights_TE, "theta_TE": s.theta_TE, "alpha_q_TE": s.alpha_q_TE,
             "alpha_p_TE": s.alpha_p_TE, "lambda_q": s.lambda_q, "kept_T": kept_T, "active_T": active_T,
-            "recon": recon, "kl": kl, "sparsity": sparsity, "mean_D": mean_D, **s.schedule,
+            "recon": recon, "kl": kl, "sparsity": sparsity, **s.schedule,
         }
         if torch.compiler.is_compiling():
             # A compiled region's output that requires grad gets a zero gradient filled in its backward (one
@@ -529,7 +527,7 @@ class DirMoERouter(Router):
         with torch.no_grad():
             x_TD = hidden_TD.float()
             tokens_per_expert_E = routing_map_TE.sum(0)
-            mean_D = p["mean_D"]
+            mean_D = x_TD.mean(0)
             dense_T = self.dense_phase().expand(T)
             if c.dispatch == "threshold":
                 fallback_T = ~(p["gates_TE"] >= c.z_threshold).any(-1) & ~dense_T

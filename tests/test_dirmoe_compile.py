@@ -92,6 +92,11 @@ def test_schedule_is_computed_once_per_step_state():
     assert restored is not moved and all(torch.equal(restored[k], v) for k, v in router.schedule_values().items())
     with torch.inference_mode():
         assert router._step_schedule() is not restored
+    router.step = torch.tensor(7)  # a new buffer with the same value and a fresh version counter
+    assert router._step_schedule() is not restored
+    with OpCounter() as counter:
+        router._step_schedule()
+    assert counter.counts.dispatched == 0  # a hit reads no tensor
 
 
 # ------------------------------------------------------------------------------ the op counter
@@ -184,7 +189,7 @@ def _ks_statistic(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_compiled_region_matches_eager():
     """inductor (C++ backend here) against eager. At fixed noise (the gates' uniforms passed in, the same seed for
     the Dirichlet draw): same routing map, everything else within 1e-3 of each tensor's scale, gradients too; one
-    region forward and one backward, no host sync. With inductor's own generator: other uniforms, the same
+    region forward and one backward, no host sync; bit-identical with the metrics on. With inductor's own generator: other uniforms, the same
     distribution (KS statistic of the 32768 relaxed gates below 0.02; critical value at p = 0.001 is 0.015)."""
     if not blocks.inductor_available(torch.device("cpu"))[0]:
         pytest.skip("no C++ compiler for inductor on this machine")
@@ -200,6 +205,11 @@ def test_compiled_region_matches_eager():
             fixed[mode] = _step(router, x, signal, u_TE)
         if mode == "always":
             assert counter.counts.regions == 2 and counter.counts.syncs == 0
+            router.collect_metrics = True  # the same region: the metrics change nothing the training computes
+            logged, grads, _, _, _ = _step(router, x, signal, u_TE)
+            assert logged.metrics and torch.equal(logged.probs, fixed[mode][0].probs)
+            assert all(torch.equal(grads[n], fixed[mode][1][n]) for n in grads)
+            router.collect_metrics = False
         torch.manual_seed(11)
         core = dirmoe._compiled_route_core() if mode == "always" else dirmoe._route_core
         drawn[mode] = core(router, x, None)[3]  # the gates' uniforms drawn inside the region
