@@ -586,6 +586,8 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     p.add_argument("--out", default=None, help="output directory (default runs/efficiency-<flavour>-<N>dev)")
     p.add_argument("--published", action="store_true", help="show the published rows beside the runs")
     p.add_argument("--format", default=",".join(FORMATS), help="table formats: any of md,csv,tex")
+    p.add_argument("--profile", action="store_true", help="instead: launches and host syncs per router call, "
+                   "counted on any machine (repro/report/costs.py; --profile --help for its options)")
     args = p.parse_args(argv)
 
     if "WORLD_SIZE" in os.environ:

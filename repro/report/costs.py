@@ -130,10 +130,15 @@ def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tupl
 
 def main(argv: list[str], prog: str = "python -m repro efficiency --profile") -> int:
     """Profile every router and write ``router_costs.{md,csv,json}``. Returns the exit status."""
+    from repro.errors import ReproError
     from repro.io_utils import atomic_path, write_json_atomic
     from repro.report.table_core import render
 
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str):  # type: ignore[override]
+            raise ReproError(message)  # one line, as every command's bad argument
+
+    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--profile", action="store_true", help="this report (the flag that selects it)")
     p.add_argument("--router", default=None, help="comma-separated run labels (default: all)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
@@ -143,8 +148,6 @@ def main(argv: list[str], prog: str = "python -m repro efficiency --profile") ->
         wanted = [r.strip() for r in args.router.split(",") if r.strip()]
         unknown = [r for r in wanted if r not in selected]
         if unknown:
-            from repro.errors import ReproError
-
             raise ReproError(f"--router: unknown run(s) {', '.join(unknown)}; valid: {', '.join(selected)}")
         selected = {r: selected[r] for r in wanted}
     rows, table = build(selected)
