@@ -7,7 +7,7 @@ with micro-batch 16 x 4 accumulation steps of 1024 tokens at GPT-2's vocabulary 
 the ``tiny`` flavour (micro-batch 4 x 2 of 128) at the mini-pile tokenizer's vocabulary, 8192, as the suite
 trains it (at GPT-2's 50257 its output layer would be most of the iteration).
 
-* ``test_training_iteration[...]``: dense, Switch, DirMoE eager and DirMoE with its elementwise blocks compiled,
+* ``test_training_iteration[...]``: dense, Switch, DirMoE eager and DirMoE compiled (one region),
   one model at a time; ``python -m repro bench-table`` shows each over Switch ("x switch").
 * ``test_dirmoe_over_switch_interleaved``: Switch and DirMoE (default options) built side by side and stepped
   alternately, so a change in the machine's load hits both alike; the median ratio is in the benchmark's
@@ -118,7 +118,7 @@ def test_dirmoe_over_switch_interleaved(benchmark, request, tmp_path):
 
         benchmark.group = _group(trainers["switch"]) + ", interleaved"
         benchmark.pedantic(one_step_each, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
-        # whether the default ("auto") compiled DirMoE's elementwise blocks on this device
+        # whether the default ("auto") compiled DirMoE on this device
         compiled = routers_in(trainers["dirmoe"].model)[0].compiles_elementwise(trainers["dirmoe"].device)
     medians = {label: statistics.median(values[WARMUP_ROUNDS:]) for label, values in times.items()}
     benchmark.extra_info.update(

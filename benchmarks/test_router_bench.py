@@ -1,5 +1,5 @@
 """Router micro-benchmarks: forward + backward of every registered router at T=4096, D=768, E=8, k=1, CPU fp32,
-plus DirMoE with its elementwise blocks compiled (``compile_elementwise="always"``) beside Switch and eager DirMoE,
+plus DirMoE compiled as one region (``compile_elementwise="always"``) beside Switch and eager DirMoE,
 there and at the ``tiny`` model's per-layer shape (T=512: micro-batch 4 x sequence 128, D=128).
 
 Run with ``nox -s bench`` (results in results/bench/routers.json and a summary table). Skipped in the

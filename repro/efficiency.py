@@ -608,6 +608,8 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     p.add_argument("--out", default=None, help="output directory (default runs/efficiency-<flavour>-<N>dev)")
     p.add_argument("--published", action="store_true", help="show the published rows beside the runs")
     p.add_argument("--format", default=",".join(FORMATS), help="table formats: any of md,csv,tex")
+    p.add_argument("--profile", action="store_true", help="instead: launches and host syncs per router call, "
+                   "counted on any machine (repro/report/costs.py; --profile --help for its options)")
     args = p.parse_args(argv)
 
     if "WORLD_SIZE" in os.environ:
@@ -660,7 +662,12 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
 
 def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
     """Measure every run of the plan, write records, tables and the summary. Returns the exit status (1 when
-    a run failed; the others are still measured and reported)."""
+    a run failed; the others are still measured and reported). ``--profile``: the cost report instead
+    (:mod:`repro.report.costs`)."""
+    if "--profile" in argv:
+        from repro.report.costs import main as profile_main
+
+        return profile_main(argv, f"{prog} --profile")
     check_requirements()
     plan = parse(argv, prog)
     import torch

@@ -151,6 +151,7 @@ class Router(nn.Module):
     #: The router merges the experts' parameters instead of dispatching tokens (Lory): one merged FFN per
     #: token, so its compute is one expert's whatever its map says. Must agree with ``constraint.kind``.
     merges_experts: ClassVar[bool] = False
+    collect_metrics: ClassVar[bool] = True
     #: Settings this router's experiments take beyond a scale's shared recipe, as dot-list overrides of the
     #: run config per scale (``"tiny"``, ``"185m"``; see ``repro.training.experiments``), e.g.
     #: ``{"185m": ("optimizer.beta2=0.995",)}``. Declared here so no central code names a router.

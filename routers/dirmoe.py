@@ -16,9 +16,12 @@ Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE la
   ``dirmoe_sparsity`` (each already weighted).
 * Evaluation (``router.eval()``) is deterministic: no logistic noise, ``theta`` = the posterior mean.
 * All router maths (logits, gates, Dirichlet, KL, decoder) runs in float32 whatever the model dtype.
-* The elementwise maths is two pure functions (:mod:`routers.dirmoe_blocks`),
-  run eagerly or through ``torch.compile`` (option ``compile_elementwise``: compiled on CUDA by default, eager
-  on CPU); random draws stay outside them, so both modes compute the same maths up to float32 rounding.
+* Everything the training computes is :meth:`DirMoERouter.route_core`, free of host syncs, run eagerly or as one
+  ``torch.compile`` region (option ``compile_elementwise``: compiled on CUDA by default, eager on CPU) with its
+  random draws inside (the gates' uniforms from inductor's generator, the Dirichlet draw an ATen fallback);
+  eager is the reference (equal at fixed noise up to float32 rounding, equal in distribution otherwise:
+  ``tests/test_dirmoe_compile.py``). The diagnostic metrics are computed after it, eagerly, only when the
+  router's ``collect_metrics`` is set (steps that log).
 
 The paper's calibration maths (:func:`~routers.dirichlet.expected_simpson` (Lemma),
 :func:`~routers.dirichlet.lambda_for_simpson`, :func:`~routers.dirichlet.lambda_for_mass_variance`,
@@ -175,10 +178,9 @@ class DirMoERouter(Router):
             if config.alpha_decay is not None
             else (self._prior.alpha_floor / self._prior.alpha_lo_init) ** (1 / T)
         )
-        # torch.compile wrappers of the elementwise blocks, made on first use (compile_elementwise; dynamo
-        # caches the compiled code per function, so every layer's router shares one compilation).
-        self._compiled: dict = {}
-        self._inductor: dict[str, tuple[bool, str]] = {}  # device type -> (inductor can compile there, what it needs)
+        self._inductor: dict[str, tuple[bool, str]] = {}  # device type -> (inductor can compile there, what lacks)
+        # (step buffer, its version, inference mode, schedule_values()) for the eager path (_step_schedule)
+        self._schedule_cache: tuple | None = None
         self.reset_parameters()
 
     def initial_gate_bias(self) -> float:
@@ -239,37 +241,46 @@ class DirMoERouter(Router):
             "alpha_hi": alpha_hi.float(),
         }
 
+    def _step_schedule(self) -> dict[str, torch.Tensor]:
+        """:meth:`schedule_values`, computed once per state of the ``step`` buffer when eager (the same tensors for
+        every micro-batch of a step: ~25 scalar ops fewer per call); in the compiled region, fused into it.
+
+        The key is read on the host without a sync: the buffer itself (held, so a new buffer is never mistaken
+        for it; ``.to(device)`` makes a new one), its version counter (which every in-place write,
+        ``set_step``'s ``fill_`` or ``load_state_dict``'s ``copy_``, advances), and whether inference mode is
+        on (its tensors may not enter a training graph).
+        """
+        if torch.compiler.is_compiling():
+            return self.schedule_values()
+        step, inference = self.step, torch.is_inference_mode_enabled()
+        cache = self._schedule_cache
+        if cache is None or not (cache[0] is step and cache[1] == step._version and cache[2] == inference):
+            cache = self._schedule_cache = (step, step._version, inference, self.schedule_values())
+        return cache[3]
+
     # ------------------------------------------------------------------- forward
     def compiles_elementwise(self, device: torch.device) -> bool:
-        """Whether the elementwise blocks run through torch.compile on ``device`` (option
-        ``compile_elementwise``: ``"always"``, ``"auto"`` on CUDA where Triton is installed, ``"never"``).
+        """Whether the router's forward runs as one ``torch.compile`` region on ``device`` (option
+        ``compile_elementwise``: ``"always"``; ``"auto"`` on CUDA where inductor has all it needs, eager
+        elsewhere, with one warning when CUDA lacks it; ``"never"``).
 
         Raises:
-            ValueError: ``"always"`` where inductor has no compiler for the device (Triton on CUDA, a C++
-                compiler on CPU).
+            ValueError: ``"always"`` where inductor lacks what it needs for the device (one line naming it).
         """
         mode = self.config.compile_elementwise
-        if mode == "never":
+        if mode == "never" or (mode == "auto" and device.type != "cuda"):
             return False
         if device.type not in self._inductor:
             self._inductor[device.type] = blocks.inductor_available(device)
-        available, needs = self._inductor[device.type]
+        available, missing = self._inductor[device.type]
+        if available:
+            return True
         if mode == "auto":
-            return device.type == "cuda" and available
-        if not available:
-            raise ValueError(
-                f"compile_elementwise='always' needs {needs} for torch.compile on {device.type}; use 'auto' or 'never'"
-            )
-        return True
-
-    def _elementwise(self, fn, like: torch.Tensor):
-        """``fn`` itself, or its torch.compile wrapper where :meth:`compiles_elementwise` says so for ``like``'s
-        device."""
-        if not self.compiles_elementwise(like.device):
-            return fn
-        if fn not in self._compiled:
-            self._compiled[fn] = torch.compile(fn)
-        return self._compiled[fn]
+            blocks.warn_eager_fallback(device, missing)
+            return False
+        raise ValueError(
+            f"compile_elementwise='always' cannot compile on {device.type}: {missing} is missing; use 'auto' or 'never'"
+        )
 
     @property
     def constraint(self) -> RoutingConstraint:
@@ -288,28 +299,32 @@ class DirMoERouter(Router):
             RoutingKind.VARIABLE, 1, c.dispatch_cap(), top_k=c.top_k, probs_sum_to_one=c.renormalize
         )
 
-    def sample(self, hidden_TD: torch.Tensor) -> DirMoESample:
+    def sample(self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None) -> DirMoESample:
         """Draw the gates and the Dirichlet weights for a micro-batch (deterministic in eval mode).
 
         Args:
             hidden_TD: ``[T, D]`` layer input (any float dtype; the maths runs in float32).
+            u_TE: ``[T, E]`` uniforms of the gates' Logistic noise (training only); None draws them here (with
+                inductor's generator when compiled). Passing them fixes the noise, e.g. to compare the compiled
+                region with eager.
 
         Returns:
             A :class:`DirMoESample`.
         """
         c, E = self.config, self.num_experts
-        sched = self.schedule_values()
+        sched = self._step_schedule()
         x_TD = hidden_TD.float()
         heads_T3E = F.linear(x_TD, self.weight.float())
-        # Logistic(0, 1) noise is drawn here, outside the elementwise block, so eager and compiled runs use the
-        # same uniforms (inductor would otherwise generate its own random numbers).
-        u_TE = torch.rand(heads_T3E.shape[0], E, dtype=heads_T3E.dtype, device=heads_T3E.device) if self.training else None
+        if not self.training:
+            u_TE = None
+        elif u_TE is None:
+            u_TE = torch.rand(heads_T3E.shape[0], E, dtype=heads_T3E.dtype, device=heads_T3E.device)
         lambda_q = sched["lambda_p"] if c.posterior_scale == "tied" else torch.full_like(sched["tau"], c.lambda_q)
         lambda_p = sched["lambda_p"]
         if c.posterior_scale == "prior_matched":
             # The prior at the calibrated scale, keeping lambda_p's schedule as a relative decay (gap 10).
             lambda_p = lambda_p * (c.lambda_q / c.lambda_p_start)
-        logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE = self._elementwise(blocks.gates_and_concentrations, hidden_TD)(
+        logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE = blocks.gates_and_concentrations(
             heads_T3E, self.bias.float(), u_TE, sched["tau"], sched["alpha_hi"], sched["alpha_lo"], lambda_q, lambda_p,
             num_experts=E, center_logits=c.center_logits, alpha_min=c.posterior_alpha_min,
             normalized=c.posterior_scale == "normalized",
@@ -411,10 +426,8 @@ class DirMoERouter(Router):
         with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
             return self._route_fp32(hidden_TD)
 
-    def _recon_offset(self, mean_D: torch.Tensor) -> torch.Tensor | None:
+    def _recon_offset(self, mean_D: torch.Tensor) -> torch.Tensor:
         """``recon_target="data_mean"``: update the running data mean (training forwards only) and return it."""
-        if self.config.recon_target != "data_mean":
-            return None
         if self.training:
             with torch.no_grad():
                 # The first micro-batch sets the mean; later ones move it by the momentum. torch.where keeps
@@ -438,15 +451,35 @@ class DirMoERouter(Router):
             origin_1D = self.decoder(torch.zeros(1, E, device=self.bias.device))
             return vertices_ED - origin_1D
 
-    def _route_fp32(self, hidden_TD: torch.Tensor) -> RouterOutput:
+    def _route_fp32(self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None) -> RouterOutput:
+        """Route in float32: :meth:`route_core` (one compiled region where :meth:`compiles_elementwise` says so),
+        then the diagnostic metrics, only when ``collect_metrics`` (eager, from the region's outputs: they
+        force host syncs, and leaving them out changes nothing the training computes)."""
+        core = _compiled_route_core() if self.compiles_elementwise(hidden_TD.device) else _route_core
+        probs_TE, routing_map_TE, aux_losses, parts = core(self, hidden_TD, u_TE)
+        metrics = self._metrics(hidden_TD, probs_TE, routing_map_TE, parts) if self.collect_metrics else {}
+        return RouterOutput(probs=probs_TE, routing_map=routing_map_TE, aux_losses=aux_losses, metrics=metrics)
+
+    def route_core(
+        self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """Everything the training computes, free of host syncs: the compiled region when compiling.
+
+        Args:
+            hidden_TD: ``[T, D]`` layer input.
+            u_TE: the gates' uniforms, or None to draw them (see :meth:`sample`).
+
+        Returns:
+            ``(probs_TE, routing_map_TE, aux_losses, parts)``; ``parts`` holds the sample's tensors and the
+            unweighted loss terms that :meth:`_metrics` reads.
+        """
         c, E, k = self.config, self.num_experts, self.top_k
         T = hidden_TD.shape[0]
-        s = self.sample(hidden_TD)
+        s = self.sample(hidden_TD, u_TE)
         routing_map_TE = self.dispatch(s.weights_TE, s.gates_TE)
         x_TD = hidden_TD.float()
-        mean_D = x_TD.detach().mean(0)
-        offset_D = self._recon_offset(mean_D)
-        probs_TE, kept_T, recon, kl, active_T, sparsity = self._elementwise(blocks.combine_and_losses, hidden_TD)(
+        offset_D = self._recon_offset(x_TD.detach().mean(0)) if c.recon_target == "data_mean" else None
+        probs_TE, kept_T, recon, kl, active_T, sparsity = blocks.combine_and_losses(
             s.weights_TE, routing_map_TE, s.gates_TE, s.alpha_q_TE, s.alpha_p_TE,
             x_TD.detach() if c.detach_recon_target else x_TD, offset_D, self.decoder.params(),
             top_k=k, renormalize=c.renormalize, recon_grad=c.recon_weight > 0, sigma2=c.recon_sigma2,
@@ -463,23 +496,41 @@ class DirMoERouter(Router):
             )
             if weight > 0
         }
-        tokens_per_expert_E = routing_map_TE.sum(0)
         if c.balance_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             # Switch's loss exactly as megatron-core computes it, on r (all E) and DirMoE's map (gap 12).
             aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
                 probs=s.weights_TE,
-                tokens_per_expert=tokens_per_expert_E,
+                tokens_per_expert=routing_map_TE.sum(0),
                 total_num_tokens=T,
                 topk=k,
                 num_experts=E,
                 moe_aux_loss_coeff=c.balance_loss_coeff,
             )
+        parts = {
+            "gates_TE": s.gates_TE, "weights_TE": s.weights_TE, "theta_TE": s.theta_TE, "alpha_q_TE": s.alpha_q_TE,
+            "alpha_p_TE": s.alpha_p_TE, "lambda_q": s.lambda_q, "kept_T": kept_T, "active_T": active_T,
+            "recon": recon, "kl": kl, "sparsity": sparsity, **s.schedule,
+        }
+        if torch.compiler.is_compiling():
+            # A compiled region's output that requires grad gets a zero gradient filled in its backward (one
+            # launch each); the metrics read these detached anyway.
+            parts = {name: value.detach() for name, value in parts.items()}
+        return probs_TE, routing_map_TE, aux_losses, parts
 
+    def _metrics(
+        self, hidden_TD: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, p: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """The diagnostic metrics (``routers/dirmoe_config.py``, "Metrics") from :meth:`route_core`'s outputs."""
+        c, E, k = self.config, self.num_experts, self.top_k
+        T = hidden_TD.shape[0]
         metrics = routing_metrics(probs_TE, routing_map_TE)
         with torch.no_grad():
+            x_TD = hidden_TD.float()
+            tokens_per_expert_E = routing_map_TE.sum(0)
+            mean_D = x_TD.mean(0)
             dense_T = self.dense_phase().expand(T)
             if c.dispatch == "threshold":
-                fallback_T = ~(s.gates_TE >= c.z_threshold).any(-1) & ~dense_T
+                fallback_T = ~(p["gates_TE"] >= c.z_threshold).any(-1) & ~dense_T
             else:
                 fallback_T = torch.zeros_like(dense_T)
             sq_norm_mean = x_TD.pow(2).sum(-1).mean()
@@ -487,35 +538,51 @@ class DirMoERouter(Router):
             alignment = F.cosine_similarity(directions_ED, mean_D.detach().expand_as(directions_ED), dim=-1).mean()
             # The calibrator's target: the Lemma with the scale in use and the prior's bases on an ideal
             # active set (k experts at alpha_hi^(t), E - k at alpha_lo^(t)).
-            a_hi, a_lo, lam = s.schedule["alpha_hi"], s.schedule["alpha_lo"], s.lambda_q.detach()
+            a_hi, a_lo, lam = p["alpha_hi"], p["alpha_lo"], p["lambda_q"].detach()
             B = k * a_hi + (E - k) * a_lo
             S2 = k * a_hi * a_hi + (E - k) * a_lo * a_lo
-            gates_TE = s.gates_TE.detach()
+            gates_TE = p["gates_TE"].detach()
             prior_bases_TE = gates_TE * a_hi + (1.0 - gates_TE) * a_lo
-            alpha_q_TE = s.alpha_q_TE.detach()
+            alpha_q_TE = p["alpha_q_TE"].detach()
             metrics.update(
                 load_share=tokens_per_expert_E.float() / tokens_per_expert_E.sum().clamp_min(1).float(),
-                weight_share=s.weights_TE.detach().mean(0),
+                weight_share=p["weights_TE"].detach().mean(0),
                 fallback_share=fallback_T.float().mean(),
                 dense_phase=self.dense_phase().float(),
-                expected_active=active_T.mean().detach(),
-                dropped_mass=(1.0 - kept_T).mean().detach(),
-                kl=kl.detach(),
-                recon=recon.detach(),
-                sparsity=sparsity.detach(),
+                expected_active=p["active_T"].mean().detach(),
+                dropped_mass=(1.0 - p["kept_T"]).mean().detach(),
+                kl=p["kl"].detach(),
+                recon=p["recon"].detach(),
+                sparsity=p["sparsity"].detach(),
                 balance_loss=switch_load_balancing_loss_func(
-                    s.weights_TE.detach(), tokens_per_expert_E, T, k, E, 1.0
+                    p["weights_TE"].detach(), tokens_per_expert_E, T, k, E, 1.0
                 ),
                 input_mean_energy=mean_D.pow(2).sum() / sq_norm_mean.clamp_min(1e-30),
                 decoder_mean_alignment=alignment,
-                simpson_r=simpson_index(s.weights_TE),
-                simpson_theta=simpson_index(s.theta_TE),
+                simpson_r=simpson_index(p["weights_TE"]),
+                simpson_theta=simpson_index(p["theta_TE"]),
                 simpson_theta_expected=dirichlet_expected_simpson(alpha_q_TE).mean(),
                 simpson_theta_target=(lam * S2 / B + 1.0) / (lam * B + 1.0),
                 simpson_theta_target_gates=dirichlet_expected_simpson(lam * prior_bases_TE).mean(),
                 lambda_q=lam,
                 posterior_total=alpha_q_TE.sum(-1).mean(),
-                prior_total=s.alpha_p_TE.detach().sum(-1).mean(),
-                **{name: value.detach() for name, value in s.schedule.items()},
+                prior_total=p["alpha_p_TE"].detach().sum(-1).mean(),
+                **{name: p[name].detach() for name in ("tau", "lambda_p", "alpha_lo", "alpha_hi")},
             )
-        return RouterOutput(probs=probs_TE, routing_map=routing_map_TE, aux_losses=aux_losses, metrics=metrics)
+        return metrics
+
+
+def _route_core(router: DirMoERouter, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None):
+    """:meth:`DirMoERouter.route_core` as a function of the router, so one compiled function serves every layer's
+    router (dynamo guards on the routers' options, not their identity)."""
+    return router.route_core(hidden_TD, u_TE)
+
+
+_COMPILED: list = []
+
+
+def _compiled_route_core():
+    """``torch.compile(_route_core)``, made on first use (importing dynamo costs seconds)."""
+    if not _COMPILED:
+        _COMPILED.append(torch.compile(_route_core))
+    return _COMPILED[0]

@@ -1,17 +1,19 @@
-"""DirMoE's elementwise maths as pure functions of tensors, run as they are (eager) or through ``torch.compile``
-(router option ``compile_elementwise``), so both modes run the same maths: only inductor's fusion (and its
-float32 rounding) differs. Random draws stay outside them (see :meth:`routers.dirmoe.DirMoERouter.sample`).
+"""DirMoE's elementwise maths as pure functions of tensors, called by :meth:`routers.dirmoe.DirMoERouter.route_core`
+(eager, or inside its one compiled region: option ``compile_elementwise``), and the checks of what inductor needs.
 
 - :func:`gates_and_concentrations`: gate logits, relaxed gates z~, posterior bases and the posterior / prior
   concentrations;
 - :func:`combine_and_losses`: combine weights on the routing map and the three (unweighted) loss terms;
 - :func:`simplex_decode`: the decoder g_psi in float32;
-- :func:`inductor_available`: whether inductor can generate code on a device.
+- :func:`inductor_available`: whether inductor can generate code on a device, and what it lacks;
+  :func:`warn_eager_fallback`: the one warning of ``compile_elementwise="auto"`` falling back to eager.
 
 Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 """
 
 from __future__ import annotations
+
+import warnings
 
 import torch
 import torch.nn.functional as F
@@ -37,26 +39,66 @@ def simplex_decode(weights_TE: torch.Tensor, params: tuple[torch.Tensor, ...]) -
     return h
 
 
+def _c_compiler() -> str | None:
+    """The host C compiler Triton would build its launchers with (``$CC``, else gcc, else clang), or None."""
+    import os
+    import shutil
+
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc)
+    return shutil.which("gcc") or shutil.which("clang")
+
+
+def _cxx_compiler() -> str | None:
+    """The C++ compiler inductor's CPU backend would use (its own search list), or None."""
+    import shutil
+
+    from torch._inductor import config as inductor_config
+
+    cxx = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
+    # None in the list stands for a conda install that inductor does not do by default.
+    return next((path for path in (shutil.which(c) for c in cxx if c) if path), None)
+
+
+def _has_triton() -> bool:
+    from torch.utils._triton import has_triton
+
+    return has_triton()
+
+
 def inductor_available(device: torch.device) -> tuple[bool, str]:
-    """Whether torch.compile's inductor can generate code for ``device``, and what it needs there."""
+    """Whether torch.compile's inductor can generate code for ``device``.
+
+    Returns:
+        ``(available, missing)``: ``missing`` names what is lacking ("" when available): on CUDA Triton and
+        the host C compiler Triton builds with; on CPU a C++ compiler.
+    """
     if device.type == "cuda":
-        from torch.utils._triton import has_triton
-
-        return has_triton(), "Triton"
-    if device.type == "cpu":
-        import shutil
-
-        from torch._inductor import config as inductor_config
-
-        # inductor's own search list (None stands for a conda install it does not do by default)
-        cxx = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
-        return any(c and shutil.which(c) for c in cxx), "a C++ compiler"
-    return False, f"an inductor backend for {device.type}"
+        missing = [name for name, ok in (("Triton", _has_triton()), ("a C compiler ($CC, gcc or clang)", _c_compiler()))
+                   if not ok]
+    elif device.type == "cpu":
+        missing = [] if _cxx_compiler() else ["a C++ compiler (inductor's cpp.cxx)"]
+    else:
+        missing = [f"an inductor backend for {device.type}"]
+    return not missing, " and ".join(missing)
 
 
-# The router's elementwise maths in two pure functions of tensors, called as they are (eager, the default) or
-# through torch.compile (option ``compile_elementwise``), so both modes run the same maths: only inductor's
-# fusion (and its rounding) differs. Random draws stay outside them (see DirMoERouter.sample).
+_WARNED: set[str] = set()
+
+
+def warn_eager_fallback(device: torch.device, missing: str) -> None:
+    """Warn once per process and device type that ``compile_elementwise="auto"`` runs eager for lack of
+    ``missing``."""
+    if device.type not in _WARNED:
+        _WARNED.add(device.type)
+        warnings.warn(
+            f"DirMoE runs eager on {device.type}: torch.compile needs {missing}, which is missing "
+            "(compile_elementwise='auto'; 'never' silences this)",
+            stacklevel=3,
+        )
+
+
 def gates_and_concentrations(
     heads_T3E: torch.Tensor,
     bias_3E: torch.Tensor,

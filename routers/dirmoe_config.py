@@ -194,25 +194,29 @@ Gaps and inconsistencies in the paper, and the switchable defaults chosen here
 Implementation option (not the maths)
 --------------------------------------
 
-``compile_elementwise`` (default ``"auto"``). The router's elementwise maths lives in two pure functions of
-tensors in :mod:`routers.dirmoe`: the gates and concentrations (Logistic noise, relaxed gates, the alpha heads'
-softplus, posterior and prior concentrations), and the combine weights with the three loss terms (g_psi and the
-reconstruction term, the Dirichlet KL, the sparsity penalty). They run as they are (eager) or through
-``torch.compile``, whose inductor fuses each into a few kernels; the uniforms and the Dirichlet draw stay
-outside, so both modes draw the same random numbers and compute the same maths, and differ only in float32
-rounding (routing maps equal, everything else within 1e-3 of each tensor's scale:
-``tests/test_efficiency.py``). ``"auto"`` compiles on CUDA where Triton is installed and runs eager elsewhere;
-``"always"`` compiles wherever inductor has a compiler (a C++ compiler on CPU) and refuses otherwise;
-``"never"`` is eager everywhere. Eager on CPU because it did not pay there, measured with
+``compile_elementwise`` (default ``"auto"``). Everything the training computes (heads, Logistic noise, relaxed
+gates, concentrations, the Dirichlet draw, the dispatch, combine weights, g_psi and the three loss terms:
+:meth:`~routers.dirmoe.DirMoERouter.route_core`) runs as it is (eager, the reference) or as one ``torch.compile``
+region, forward and backward one compiled graph each. Inside the region the gates' uniforms come from inductor's
+generator (other numbers than eager's, the same distribution) and the Dirichlet draw is ATen's kernel called from
+the region; with the uniforms passed in (``sample(u_TE=...)``) and the same seed both modes agree up to float32
+rounding (routing maps equal, everything else within 1e-3 of each tensor's scale: ``tests/test_dirmoe_compile.py``).
+``"auto"`` compiles on CUDA where inductor has all it needs (Triton, and the host C compiler Triton builds its
+launchers with: ``$CC``, gcc or clang) and otherwise runs eager with one warning; on CPU it runs eager;
+``"always"`` compiles wherever inductor can (a C++ compiler on CPU) and otherwise fails naming what is missing;
+``"never"`` is eager everywhere. The diagnostic metrics are outside the region, computed only on steps that log
+(``collect_metrics``). What one call costs in launches and host syncs, compiled and eager, against the other
+routers: ``python -m repro efficiency --profile`` (``results/bench/router_costs.md``). Eager on CPU because
+compiling did not pay there, measured with the two elementwise blocks this region replaced:
 ``OMP_NUM_THREADS=1 pytest benchmarks/test_router_bench.py benchmarks/test_iteration_bench.py -k "switch or
 dirmoe" --benchmark-only --benchmark-enable --benchmark-timer=time.process_time`` (2-core machine shared with
 other jobs, so process time; medians of two runs, ``results/bench/dirmoe_compile.run1.json`` and
 ``dirmoe_compile.json``, and ``results/bench/iteration.json``): the router alone, forward + backward at T=4096,
 D=768, went from 83 / 65 ms to 42 / 50 ms (Switch: 10.7 / 10.3 ms), but at the tiny model's per-layer shape
 (T=512, D=128) only from 5.0 / 5.3 to 4.3 / 4.8 ms, and a tiny-model iteration not at all (210 ms eager,
-222 ms compiled, Switch 200 ms), while compiling costs one to two minutes per process. On a GPU, where the eager maths is a string of small kernels,
-the fusion is expected to pay; ``python -m repro efficiency`` measures it there (README, "Efficiency on any
-number of GPUs").
+222 ms compiled, Switch 200 ms), while compiling costs one to two minutes per process. On a GPU, where the eager
+maths is a string of small kernels, the fusion is expected to pay; ``python -m repro efficiency`` measures it
+there (README, "Efficiency on any number of GPUs").
 
 Metrics (all detached; ``[E]`` marks per-expert vectors)
 --------------------------------------------------------
@@ -335,7 +339,8 @@ class DirMoEConfig(RouterConfig):
     init_std: float = 0.01  # std of the heads' and decoder's weights (the model's init std)
     balance_loss_coeff: float = 0.0  # Switch's load-balancing loss on r and the dispatch map; 0: off (gap 12)
     # ---- implementation (not the maths)
-    # torch.compile of the elementwise blocks: "auto" (CUDA with Triton; eager elsewhere) | "always" | "never"
+    # the router as one torch.compile region: "auto" (CUDA with Triton and a C compiler; eager elsewhere) |
+    # "always" | "never"
     compile_elementwise: str = "auto"
 
     def __post_init__(self) -> None:

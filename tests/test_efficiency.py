@@ -1,5 +1,5 @@
 """``python -m repro efficiency`` on CPU (one process per run, and two under torchrun): its records, table and summary, its
-configuration against the papers' batch, its refusals; and DirMoE's compiled elementwise blocks against eager."""
+configuration against the papers' batch, its refusals (DirMoE compiled against eager: tests/test_dirmoe_compile.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 import torch
 
-import routers
 from repro.cli import main as cli_main
 from repro.efficiency import OUT_MARKER, RUN_MARKER, efficiency_config, efficiency_overrides
 from repro.report.store import load_record
@@ -202,98 +201,3 @@ def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
 def test_refused_under_an_outer_torchrun(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "without torchrun" in _error(capsys, ["--out", str(tmp_path / "o")])
-
-
-# ------------------------------------------------------------------------- DirMoE's compiled blocks
-def _dirmoe(mode: str, seed: int = 0, **options) -> routers.Router:
-    torch.manual_seed(seed)
-    return routers.build_router("dirmoe", hidden_size=32, num_experts=8, top_k=1, compile_elementwise=mode, **options)
-
-
-def test_compile_modes_choose_by_device(monkeypatch):
-    import routers.dirmoe_blocks as blocks
-
-    cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(blocks, "inductor_available", lambda device: (True, "x"))
-    assert not _dirmoe("auto").compiles_elementwise(cpu)  # the default: eager on CPU (no gain measured)
-    assert _dirmoe("auto").compiles_elementwise(cuda)
-    assert _dirmoe("always").compiles_elementwise(cpu)
-    assert not _dirmoe("never").compiles_elementwise(cuda)
-    monkeypatch.setattr(blocks, "inductor_available", lambda device: (False, "Triton"))
-    assert not _dirmoe("auto").compiles_elementwise(cuda)
-    with pytest.raises(ValueError, match="compile_elementwise='always' needs Triton for torch.compile on cuda"):
-        _dirmoe("always").compiles_elementwise(cuda)
-    assert routers.router_class("dirmoe").Config(hidden_size=8, num_experts=4).compile_elementwise == "auto"
-
-
-@pytest.mark.parametrize(
-    "options",
-    [{}, {"posterior_scale": "normalized", "recon_target": "centered", "center_logits": False},
-     {"recon_target": "data_mean", "decoder_hidden_size": 16, "renormalize": True, "recon_weight": 0.0}],
-    ids=["default", "normalized-centered", "data-mean-mlp"],
-)
-def test_elementwise_blocks_trace_without_graph_breaks(options):
-    """Each block is one graph for dynamo (a break would split the fusion), in training and evaluation."""
-    import torch._dynamo
-
-    import routers.dirmoe_blocks as blocks
-
-    router = _dirmoe("never", **options)
-    calls = {}
-    for name in ("gates_and_concentrations", "combine_and_losses"):
-        real = getattr(blocks, name)
-
-        def spy(*args, _real=real, _name=name, **kwargs):
-            calls.setdefault(_name, []).append((args, kwargs, torch.is_grad_enabled()))
-            return _real(*args, **kwargs)
-
-        router._compiled[real] = spy  # the router calls what _elementwise hands it
-    router.compiles_elementwise = lambda device: True
-    x = torch.randn(24, 32)
-    router.train()(x).total_aux_loss().backward()
-    with torch.no_grad():
-        router.eval()(x)
-    for name, captured in calls.items():
-        for args, kwargs, grad in captured:
-            with torch.set_grad_enabled(grad):
-                explanation = torch._dynamo.explain(getattr(blocks, name))(*args, **kwargs)
-            assert explanation.graph_break_count == 0 and explanation.graph_count == 1, (name, explanation.break_reasons)
-    assert len(calls) == 2 and all(len(c) == 2 for c in calls.values())
-
-
-@pytest.mark.slow
-def test_compiled_blocks_match_eager_within_tolerance():
-    """torch.compile (inductor's C++ backend here) against eager, same seed: same routing map; combine weights,
-    loss terms, metrics and every gradient within 1e-3 of the tensor's scale (inductor fuses and reorders
-    float32 arithmetic; its lgamma/digamma differ in the last bits)."""
-    from routers.dirmoe_blocks import inductor_available
-
-    if not inductor_available(torch.device("cpu"))[0]:
-        pytest.skip("no C++ compiler for inductor on this machine")
-    results = {}
-    for mode in ("never", "always"):
-        router = _dirmoe(mode)
-        x = torch.randn(96, 32, generator=torch.Generator().manual_seed(1), requires_grad=True)
-        out = router.train()(x)
-        ((out.probs * torch.arange(8.0)).sum() + out.total_aux_loss()).backward()
-        with torch.no_grad():
-            evaluated = router.eval()(x.detach())
-        results[mode] = (out, evaluated, {n: p.grad for n, p in router.named_parameters()}, x.grad)
-
-    def close(a, b):
-        a, b = a.detach(), b.detach()
-        torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-3 * float(b.abs().max().clamp_min(1e-12)))
-
-    (out_c, eval_c, grads_c, xgrad_c), (out_e, eval_e, grads_e, xgrad_e) = results["always"], results["never"]
-    for compiled, eager in ((out_c, out_e), (eval_c, eval_e)):
-        assert torch.equal(compiled.routing_map, eager.routing_map)
-        close(compiled.probs, eager.probs)
-        assert compiled.aux_losses.keys() == eager.aux_losses.keys()
-        for name in eager.aux_losses:
-            close(compiled.aux_losses[name], eager.aux_losses[name])
-        for name in ("kl", "recon", "sparsity", "expected_active", "simpson_theta"):
-            close(compiled.metrics[name], eager.metrics[name])
-    assert grads_c.keys() == grads_e.keys() and all(g is not None for g in grads_e.values())
-    for name in grads_e:
-        close(grads_c[name], grads_e[name])
-    close(xgrad_c, xgrad_e)

@@ -1,6 +1,6 @@
 """Nothing but training on a step that does not log: with ``collect_metrics`` off, every router computes no
 diagnostic metrics and forces no host synchronisation in its forward and backward (counted with
-:class:`repro.model.dispatch_count.DispatchCounter`), the step schedules read no device value, and what the
+:class:`repro.report.op_counts.OpCounter`), the step schedules read no device value, and what the
 router trains with (probs, map, aux losses, gradients, random draws) is identical to a step that logs."""
 
 from __future__ import annotations
@@ -10,21 +10,10 @@ import torch
 from test_router_contract import ALL, build, make_inputs
 
 import routers
-from repro.model.dispatch_count import DispatchCounter
+from repro.report.op_counts import OpCounter
 from routers.megatron_adapter import RoutingStats
 
-#: DirMoE's own metrics gating and compiled region live in routers/dirmoe.py, outside this change; until it
-#: gates them, these checks fail for it (strict: the marker must go as soon as it passes).
-GATED_ELSEWHERE = {"dirmoe"}
-
-
-def _param(name: str):
-    if name in GATED_ELSEWHERE:
-        return pytest.param(name, marks=pytest.mark.xfail(strict=True, reason="DirMoE's metrics are not gated yet"))
-    return name
-
-
-def _step(router: routers.Router, collect: bool, counter: DispatchCounter | None = None):
+def _step(router: routers.Router, collect: bool, counter: OpCounter | None = None):
     """One training forward + backward of ``router`` with ``collect_metrics`` = ``collect``; returns the output,
     the input's gradient and the parameters' gradients."""
     router.train()
@@ -41,12 +30,12 @@ def _step(router: routers.Router, collect: bool, counter: DispatchCounter | None
     return out, hidden_TD.grad, grads
 
 
-@pytest.mark.parametrize("name", [_param(n) for n in ALL])
+@pytest.mark.parametrize("name", ALL)
 def test_a_step_that_does_not_log_forces_no_host_sync_and_computes_no_metrics(name):
-    counter = DispatchCounter()
+    counter = OpCounter()
     out, _, _ = _step(build(name), collect=False, counter=counter)
-    assert counter.total_ops > 0  # the counter saw the router's work
-    assert dict(counter.host_syncs) == {}, f"{name}: host synchronisations {dict(counter.host_syncs)}"
+    assert counter.counts.dispatched > 0  # the counter saw the router's work
+    assert dict(counter.counts.sync_ops) == {}, f"{name}: host synchronisations {dict(counter.counts.sync_ops)}"
     assert out.metrics == {}
 
 
@@ -72,15 +61,15 @@ def test_remoe_schedule_updates_on_the_device_without_host_sync():
     for collect in (True, False):
         model = torch.nn.ModuleList([build("remoe"), build("remoe", seed=1)]).train()
         routers.begin_step(model, 0, collect_metrics=collect)
-        forward = DispatchCounter()
+        forward = OpCounter()
         with forward:
             for layer in model:
                 layer(make_inputs(0)[0])
-        schedule = DispatchCounter()
+        schedule = OpCounter()
         with schedule:
             averaged = routers.end_step(model)
-        assert dict(schedule.host_syncs) == {}  # the schedule never reads a device value
-        assert collect or dict(forward.host_syncs) == {}
+        assert dict(schedule.counts.sync_ops) == {}  # the schedule never reads a device value
+        assert collect or dict(forward.counts.sync_ops) == {}
         assert torch.is_tensor(averaged["remoe"])
         coefficients.append([layer.l1_coeff.clone() for layer in model])
         assert all(layer.step_statistic() is None for layer in model)  # accumulators reset
@@ -102,13 +91,13 @@ def test_routing_stats_average_metrics_over_the_forwards_that_returned_them():
 
 def test_the_counter_recognises_host_syncs_and_lets_the_rest_pass():
     x = torch.tensor([3.0, -1.0, 2.0])
-    with DispatchCounter() as counter:
+    with OpCounter() as counter:
         x.topk(2)
         torch.where(x > 0, x, 0.0)
         x.masked_fill(x < 0, 0.0)
         torch._assert_async((x < 5).all())
-    assert counter.total_ops >= 6 and dict(counter.host_syncs) == {}
-    with DispatchCounter() as counter:
+    assert counter.counts.dispatched >= 6 and dict(counter.counts.sync_ops) == {}
+    with OpCounter() as counter:
         float(x.sum())
         bool((x > 0).any())
         x[x > 0]
@@ -116,7 +105,7 @@ def test_the_counter_recognises_host_syncs_and_lets_the_rest_pass():
         torch.unique(x)
         torch.repeat_interleave(torch.tensor([1, 2]))
         torch.equal(x, x)
-    syncs = counter.host_syncs
+    syncs = counter.counts.sync_ops
     assert syncs["_local_scalar_dense"] >= 2 and syncs["index(bool mask)"] == 1
     assert syncs["nonzero"] >= 1 and syncs["equal"] == 1
     assert syncs["repeat_interleave(no output_size)"] == 1

@@ -210,11 +210,26 @@ def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
     return findings + alternating, key, table
 
 
+def _costs_file(path: Path) -> tuple[list[str], list[str], list[str]]:
+    """``router_costs.json`` (``python -m repro efficiency --profile``): launches and host syncs per router call,
+    forward + backward on a non-logging step; counts, so exact, with no test."""
+    rows = [r for r in load_json(path)["rows"] if r["pass"] == "fwd+bwd"]
+    launches = ", ".join(f"{r['router']} {r['launches']} ({num(r['x_switch'])} x {REFERENCE_ROUTER})" for r in rows)
+    syncs = sum(r["syncs"] for r in rows)
+    finding = (
+        f"`{path.name}` (`python -m repro efficiency --profile`), launches per router call, forward + backward on a "
+        f"non-logging step: {launches}; host synchronisations in all of them together: {syncs}."
+    )
+    table = [f"### `{path.name}`", "", f"See [`{path.stem}.md`]({path.stem}.md).", ""]
+    return [finding], [finding], table
+
+
 def bench(directory: Path) -> Writeup:
-    """``results/bench``: every pytest-benchmark JSON there (medians of one run each: no test, no comparison word)."""
+    """``results/bench``: every pytest-benchmark JSON there (medians of one run each: no test, no comparison word),
+    and the router cost counts."""
     findings, key, tables = [], [], ["## Tables", ""]
     for path in sorted(directory.glob("*.json"), key=lambda p: (p.name != "routers.json", p.name)):
-        f, k, table = _bench_file(path)
+        f, k, table = (_costs_file if path.name == "router_costs.json" else _bench_file)(path)
         findings, key, tables = findings + f, key + k, tables + table
     readme = page("Micro-benchmarks (pytest-benchmark; medians of one run each, no test)", BENCH_COMMAND, findings, [], tables)
     return Writeup(directory.name, readme, "\n".join(f"- {line}" for line in (*key, link(directory.name))))

@@ -1,0 +1,225 @@
+"""Counting what a piece of PyTorch code asks of the device, independent of the hardware: the ATen ops it
+dispatches, which of them run outside compiled regions, how many compiled regions it enters, which ops force a
+host synchronisation, and an estimate of the bytes it moves.
+
+:class:`OpCounter` is a ``TorchDispatchMode`` (every ATen op that reaches the dispatcher, forward and backward)
+that also wraps inductor's compiled graphs (``CompiledFxGraph.__call__``): a call of one is one compiled region
+entered, and the ATen ops dispatched while it runs (its extern kernels: matmuls, random seeds, fallbacks) are
+counted as inside it. On a GPU every op outside a compiled region is at least one kernel launch, and a compiled
+region a few (one per fused kernel it generated), so ``outside + regions`` is the proxy for launches.
+
+Estimated bytes moved: for each op outside a compiled region that is not a view (a view moves no data), the
+bytes of its tensor inputs plus its tensor outputs (each tensor counted once per op, as if read or written
+once: ops that read an input twice, or reductions that write less, are not modelled); for each compiled region,
+the bytes of its inputs plus its outputs (what a fully fused region must read and write at least; its
+intermediates stay in registers or cache only if inductor fused them, so this is a lower bound for a region).
+
+Host synchronisations (:func:`host_sync_reason`):
+
+* reading a value: ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``float(t)``, ``bool(t)``),
+  ``aten.is_nonzero``, ``aten.equal``, ``aten.allclose``;
+* an output whose size depends on the data: ``aten.nonzero``, ``aten.masked_select``, the ``unique``
+  family, ``aten.bincount``, ``aten.repeat_interleave`` by a tensor without ``output_size``, and indexing
+  (``aten.index``, ``aten.index_put``) with a boolean mask (it runs ``nonzero``);
+* a blocking copy between the host and an accelerator (``aten._to_copy`` / ``aten.copy_`` across devices
+  without ``non_blocking``; on a CPU-only machine these cannot occur);
+* ``Tensor.tolist`` / ``Tensor.numpy`` (on a CPU tensor they read memory without dispatching an op; counted
+  by wrapping them while the counter is active).
+
+Not synchronising: ``aten.nonzero_static`` (fixed output size) and ``aten._assert_async`` (a device-side
+assert). ``torch.tensor(data, device=...)`` is built below the dispatcher and not seen.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+__all__ = ["OpCounter", "OpCounts", "host_sync_reason"]
+
+#: Operators that read a device value on the host, whatever their arguments.
+VALUE_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose"})
+#: Operators whose output size depends on the data (the host waits for it before it can allocate).
+DATA_DEPENDENT_SHAPES = frozenset(
+    {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
+     "bincount"}
+)
+#: Indexing operators that run ``nonzero`` when an index is a boolean mask.
+MASK_INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl", "_index_put_impl_"})
+
+
+def _is_mask(value: Any) -> bool:
+    return torch.is_tensor(value) and value.dtype in (torch.bool, torch.uint8)
+
+
+def _devices(values: Any) -> set[str]:
+    return {v.device.type for v in (values if isinstance(values, (list, tuple)) else (values,)) if torch.is_tensor(v)}
+
+
+def host_sync_reason(func, args: tuple, kwargs: dict[str, Any]) -> str | None:
+    """Why an operator call forces a host synchronisation, or None if it does not.
+
+    Args:
+        func: the ATen operator overload (``torch.ops.aten.<name>.<overload>``).
+        args: its positional arguments.
+        kwargs: its keyword arguments.
+
+    Returns:
+        The operator's name (a value read or data-dependent size), ``"<name>(bool mask)"``,
+        ``"repeat_interleave(no output_size)"``, ``"<name>(cross-device copy)"``, or None.
+    """
+    name = func.overloadpacket.__name__
+    if name in VALUE_READS or name in DATA_DEPENDENT_SHAPES:
+        return name
+    if name in MASK_INDEXING:
+        indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
+        return f"{name}(bool mask)" if any(_is_mask(i) for i in indices or ()) else None
+    if name == "repeat_interleave":
+        # Repeats given as a tensor: the output size is their sum, read on the host unless given.
+        by_tensor = func._overloadname in ("Tensor", "self_Tensor")
+        return "repeat_interleave(no output_size)" if by_tensor and kwargs.get("output_size") is None else None
+    if name in ("_to_copy", "copy_") and not kwargs.get("non_blocking", False):
+        if name == "copy_":
+            both = _devices(args[:2])
+        else:
+            target = kwargs.get("device")
+            both = _devices(args[:1]) | ({torch.device(target).type} if target is not None else set())
+        if "cpu" in both and len(both) > 1:
+            return f"{name}(cross-device copy)"
+    return None
+
+
+@dataclass
+class OpCounts:
+    """What one :class:`OpCounter` saw.
+
+    Attributes:
+        dispatched: ATen ops dispatched (inside and outside compiled regions).
+        outside: ops dispatched outside any compiled region.
+        views: of ``outside``, view ops (metadata only, no kernel on a GPU).
+        regions: compiled regions entered.
+        syncs: host synchronisations.
+        bytes_moved: the estimate of the module docstring.
+        sync_ops: :func:`host_sync_reason` -> count (to say which ops synchronised).
+        ops: name -> count of every op dispatched.
+        outside_ops: name -> count of the ops outside compiled regions.
+    """
+
+    dispatched: int = 0
+    outside: int = 0
+    views: int = 0
+    regions: int = 0
+    syncs: int = 0
+    bytes_moved: int = 0
+    sync_ops: collections.Counter = field(default_factory=collections.Counter)
+    outside_ops: collections.Counter = field(default_factory=collections.Counter)
+    ops: collections.Counter = field(default_factory=collections.Counter)
+
+    @property
+    def launches(self) -> int:
+        """The launch proxy: ops outside compiled regions plus compiled regions entered."""
+        return self.outside + self.regions
+
+
+def _tensor_bytes(values) -> int:
+    seen: set[int] = set()
+    total = 0
+    for value in tree_flatten(values)[0]:
+        if isinstance(value, torch.Tensor) and id(value) not in seen:
+            seen.add(id(value))
+            total += value.numel() * value.element_size()
+    return total
+
+
+def _is_view(func) -> bool:
+    returns = func._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+class OpCounter(TorchDispatchMode):
+    """``with OpCounter() as counter: ...``, then read ``counter.counts`` (an :class:`OpCounts`).
+
+    Compiled code runs compiled under it (``ignore_compile_internals``): a function compiled with
+    ``torch.compile`` must have been compiled (called once) before, or its compilation runs inside the counter.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts = OpCounts()
+        self._depth = 0
+        self._restore: list = []
+
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # Let torch.compile'd code run compiled under this mode (otherwise dynamo runs it eagerly).
+        return True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        c = self.counts
+        c.dispatched += 1
+        name = func._overloadpacket.__name__
+        c.ops[name] += 1
+        reason = host_sync_reason(func, args, kwargs)
+        if reason is not None:
+            c.syncs += 1
+            c.sync_ops[reason] += 1
+        if self._depth == 0:
+            c.outside += 1
+            c.outside_ops[name] += 1
+            if _is_view(func):
+                c.views += 1
+            else:
+                c.bytes_moved += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
+        return out
+
+    def _wrap(self, owner, attr, wrapper_factory) -> None:
+        original = getattr(owner, attr)
+        setattr(owner, attr, wrapper_factory(original))
+        self._restore.append((owner, attr, original))
+
+    def __enter__(self):
+        from torch._inductor.output_code import CompiledFxGraph
+
+        counter = self
+
+        def region(original):
+            def call(graph, inputs):
+                counter.counts.regions += 1
+                counter.counts.bytes_moved += _tensor_bytes(inputs)
+                counter._depth += 1
+                try:
+                    out = original(graph, inputs)
+                finally:
+                    counter._depth -= 1
+                counter.counts.bytes_moved += _tensor_bytes(out)
+                return out
+
+            return call
+
+        def host_read(original):
+            def read(tensor, *args, **kwargs):
+                counter.counts.syncs += 1
+                counter.counts.sync_ops[original.__name__] += 1
+                return original(tensor, *args, **kwargs)
+
+            return read
+
+        self._wrap(CompiledFxGraph, "__call__", region)
+        for attr in ("tolist", "numpy"):
+            self._wrap(torch.Tensor, attr, host_read)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            for owner, attr, original in reversed(self._restore):
+                setattr(owner, attr, original)
+            self._restore.clear()
