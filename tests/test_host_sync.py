@@ -13,6 +13,7 @@ import routers
 from repro.report.op_counts import OpCounter
 from routers.megatron_adapter import RoutingStats
 
+
 def _step(router: routers.Router, collect: bool, counter: OpCounter | None = None):
     """One training forward + backward of ``router`` with ``collect_metrics`` = ``collect``; returns the output,
     the input's gradient and the parameters' gradients."""
