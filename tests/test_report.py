@@ -48,14 +48,16 @@ SMALL = FlopsConfig(
 
 
 def _hand_count(cfg: FlopsConfig, B: int, s: int, k: float) -> float:
-    """Every GEMM of one training iteration, 2*m*n*k FLOPs each, forward x 3 (forward + two backward)."""
+    """Every GEMM of one training iteration, 2*m*n*k FLOPs each, forward x 3 (forward + two backward); the
+    attention scores over half the s x s square for the causal count, the whole square for the full one."""
+    square = 0.5 if cfg.attention == "causal" else 1.0
     T, h, a, g, d, f = B * s, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size
     gemm = lambda m, n, kk: 2 * m * n * kk  # noqa: E731
     per_layer = (
         gemm(T, a * d, h)  # query projection
         + 2 * gemm(T, g * d, h)  # key and value projections (GQA: g groups)
-        + B * a * gemm(s, s, d)  # scores Q K^T, full square
-        + B * a * gemm(s, d, s)  # probabilities x V
+        + square * B * a * gemm(s, s, d)  # scores Q K^T
+        + square * B * a * gemm(s, d, s)  # probabilities x V
         + gemm(T, h, a * d)  # output projection
         + k * (3 if cfg.swiglu else 2) * gemm(T, f, h)  # gate, up, down of the k experts
     )
@@ -63,9 +65,10 @@ def _hand_count(cfg: FlopsConfig, B: int, s: int, k: float) -> float:
     return 3 * (cfg.num_layers * per_layer + logits)
 
 
+@pytest.mark.parametrize("attention", ["causal", "full"])
 @pytest.mark.parametrize("swiglu", [True, False])
-def test_flops_formula_matches_a_hand_count(swiglu):
-    cfg = FlopsConfig(**{**SMALL.__dict__, "swiglu": swiglu})
+def test_flops_formula_matches_a_hand_count(swiglu, attention):
+    cfg = FlopsConfig(**{**SMALL.__dict__, "swiglu": swiglu, "attention": attention})
     assert math.isclose(analytic_flops_per_iteration(cfg, 3, 6), _hand_count(cfg, 3, 6, 2), rel_tol=1e-12)
     # measured: per-layer k values enter through their mean (the FFN term is linear in k)
     assert math.isclose(
@@ -75,13 +78,35 @@ def test_flops_formula_matches_a_hand_count(swiglu):
 
 def test_flops_llama_185m_and_published_device_count():
     flops = analytic_flops_per_iteration(LLAMA_185M, 512, 1024)
-    assert flops == pytest.approx(5.1e14, rel=0.01)
+    assert LLAMA_185M.attention == "causal"
+    assert flops == pytest.approx(4.78e14, rel=0.01)
     # DirMoE paper: 437.3 ms/iter and 137.2 TFLOP/s per GPU imply about 8 GPUs.
     assert flops / 0.4373 / 137.2e12 == pytest.approx(8, abs=0.5)
-    assert tflops_per_device(flops, 0.4373, 8) == pytest.approx(145.05, abs=0.1)
     dense = FlopsConfig(**{**LLAMA_185M.__dict__, "top_k": 1})
     assert model_flops_per_iteration(dense, 512, 1024, 1) == flops
     assert expert_flops_per_token(LLAMA_185M, 1) == 12 * 12 * 768 * 3072 * 1.5
+    # The causal count differs from the full square by the halved scores term only: 12 B s^2 L a d / 2.
+    full = analytic_flops_per_iteration(dataclasses.replace(LLAMA_185M, attention="full"), 512, 1024)
+    assert full - flops == pytest.approx(12 * 512 * 1024**2 * 12 * 12 * 64 / 2, rel=1e-12)
+
+
+#: The DirMoE paper's efficiency table: LLaMA-185M, E=8, k=1, 512 x 1024 tokens per iteration on 8 H100s.
+PAPER_MS_TFLOPS = {"switch": (431.5, 138.2), "dirmoe": (437.3, 137.2)}
+
+
+@pytest.mark.parametrize("router", sorted(PAPER_MS_TFLOPS))
+def test_the_default_count_gives_the_papers_tflops_from_its_ms_per_iteration(router):
+    ms, published = PAPER_MS_TFLOPS[router]
+    flops = analytic_flops_per_iteration(LLAMA_185M, 512, 1024)
+    assert tflops_per_device(flops, ms / 1e3, 8) == pytest.approx(published, rel=0.01)
+    # The full square is the option, and it does not fit the paper (about 6% high).
+    full = analytic_flops_per_iteration(dataclasses.replace(LLAMA_185M, attention="full"), 512, 1024)
+    assert tflops_per_device(full, ms / 1e3, 8) > 1.04 * published
+
+
+def test_the_flops_count_refuses_an_unknown_attention_count():
+    with pytest.raises(ValueError, match="attention must be one of causal, full"):
+        dataclasses.replace(LLAMA_185M, attention="half")
 
 
 def test_flops_config_from_the_model_flavours():
@@ -89,6 +114,8 @@ def test_flops_config_from_the_model_flavours():
     assert flops_config_from_flavour(flavours.get_flavour("llama-185m"), vocab_size=50257) == LLAMA_185M
     dense = flops_config_from_flavour(flavours.get_flavour("llama-185m").dense(), vocab_size=50257)
     assert dense.top_k == 1 and dense.ffn_hidden_size == 3072
+    full = flops_config_from_flavour(flavours.get_flavour("llama-185m"), vocab_size=50257, attention="full")
+    assert full == dataclasses.replace(LLAMA_185M, attention="full")
 
 
 # ---------------------------------------------------------------------------------------------- records
@@ -264,8 +291,8 @@ Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: Continuation (local)
 
 EXPECTED_EFFICIENCY_CSV = """\
 Router,ms/iter,TFLOP/s/dev (analytic),TFLOP/s/dev (measured),tokens/s,peak mem (GiB),active experts,token group,devices,device,backend,compute parity
-dirmoe,200.0,0.00554,0.00591,5120,--,1.250,--,1,cpu (x86_64),--,"NO (+25.0% vs t-switch, tolerance 5%)"
-switch,200.0,0.00554,0.00554,5120,--,1.000,--,1,cpu (x86_64),--,reference
+dirmoe,200.0,0.00453,0.00491,5120,--,1.250,--,1,cpu (x86_64),--,"NO (+25.0% vs t-switch, tolerance 5%)"
+switch,200.0,0.00453,0.00453,5120,--,1.000,--,1,cpu (x86_64),--,reference
 """
 
 EXPECTED_ROUTING_MD_ROWS = """\
@@ -617,3 +644,26 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
     assert repro_main(["check", str(tmp_path / "outside"), "--against", str(tmp_path / "seeds")]) == 1
     assert "| loss.final (mean of last 10 steps) |" in capsys.readouterr().out
     assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--confidence", "2"]) == 2
+
+
+def test_efficiency_caption_names_the_flops_count_and_the_start_step(tmp_path):
+    switch, dirmoe = _record("t-switch", "switch"), _record("t-dirmoe", "dirmoe", active=(1.25, 1.25))
+    assert switch.efficiency.flops_attention == "causal"
+    caption = efficiency_table([switch, dirmoe]).caption
+    assert "causal attention halved" in caption and "(1+g/a+s/2h)" in caption and "full s x s" not in caption
+    assert "trained checkpoint" not in caption
+    full = dataclasses.replace(dirmoe, efficiency=dataclasses.replace(dirmoe.efficiency, flops_attention="full"))
+    caption = efficiency_table([switch, full]).caption
+    assert "causal attention halved: 12BsLh^2" in caption and "full s x s square" in caption
+    assert "(t-dirmoe)" in caption and "(t-switch)" in caption
+    old = dataclasses.replace(switch, efficiency=dataclasses.replace(switch.efficiency, flops_attention=None))
+    assert "not recorded" in efficiency_table([old]).caption
+    trained = dataclasses.replace(dirmoe, efficiency=dataclasses.replace(dirmoe.efficiency, start_step=6000))
+    caption = efficiency_table([switch, trained]).caption
+    assert "Timed from trained checkpoints" in caption and "dirmoe 6000" in caption
+    # Both fields survive a write and a load; a record without them (written before) still loads.
+    assert load_record(write_record(trained, tmp_path / "record.json")).efficiency == trained.efficiency
+    data = json.loads((tmp_path / "record.json").read_text())
+    del data["efficiency"]["flops_attention"], data["efficiency"]["start_step"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_record(tmp_path / "old.json").efficiency.flops_attention is None
