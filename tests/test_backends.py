@@ -6,6 +6,7 @@ same weights and inputs; the local backend's models for state dicts and training
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 
@@ -213,6 +214,135 @@ def test_grouped_experts_match_sequential_mlp_in_bf16():
     fc1_ref, fc2_ref = _stacked_grads(reference)
     torch.testing.assert_close(ours.fc1_weight.grad, fc1_ref, **tol)
     torch.testing.assert_close(ours.fc2_weight.grad, fc2_ref, **tol)
+
+
+# ----------------------------------------------------------------------------- megatron's compiled fusions
+@contextlib.contextmanager
+def _maybe_eager(compiled: bool):
+    """megatron's fusions are torch.compile'd (megatron.core.jit); eager runs the same functions uncompiled
+    (their custom forward/backward maths, in seconds), compiled goes through inductor's CPU code too."""
+    if compiled:
+        yield
+    else:
+        with torch._dynamo.config.patch(disable=True):
+            yield
+
+
+#: fp32: the fused backward's closed-form SiLU derivative against autograd's, a few ulps. bf16: both round
+#: to bf16 at different points (the unfused path after each elementwise op), as the bf16 GEMM test allows.
+FUSION_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-6), torch.bfloat16: dict(rtol=2e-2, atol=2e-3)}
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_swiglu_experts_match_the_unfused_activation(dtype, compiled, monkeypatch):
+    from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+    from repro.model import torch_backend
+
+    counts = DISTRIBUTIONS["uneven_with_empty_experts"]
+    options = TorchBackendOptions(expert_gemm="grouped_mm")
+    config, reference, unfused = _expert_pair(dtype=dtype, options=options)
+    assert not config.bias_activation_fusion
+    fused = torch_backend.TorchGroupedMLP(
+        E, dataclasses.replace(config, bias_activation_fusion=True), pg_collection=get_default_pg_collection(),
+        options=options,
+    )
+    fused.load_state_dict(unfused.state_dict(), strict=True)
+    calls = []
+    real = torch_backend.weighted_bias_swiglu_impl
+    monkeypatch.setattr(torch_backend, "weighted_bias_swiglu_impl", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(3)
+    x_MH = torch.randn(sum(counts), config.hidden_size, generator=g).to(dtype)
+    probs_M = torch.rand(sum(counts), generator=g)  # float32, as the routers give
+    with _maybe_eager(compiled):
+        out, dx, dp = _run_experts(fused, x_MH, counts, probs_M)
+    assert calls == [1]  # the fused function ran, once per forward
+    expected = _run_experts(unfused, x_MH, counts, probs_M)
+    assert (out.dtype, dx.dtype, dp.dtype) == (dtype, dtype, torch.float32)
+    for actual, want in zip((out, dx, dp, fused.fc1_weight.grad, fused.fc2_weight.grad),
+                            (*expected, unfused.fc1_weight.grad, unfused.fc2_weight.grad)):
+        torch.testing.assert_close(actual, want, **FUSION_TOL[dtype])
+    # and megatron's SequentialMLP (unfused) agrees with both
+    torch.testing.assert_close(out, _run_experts(reference, x_MH, counts, probs_M)[0], **FUSION_TOL[dtype])
+
+
+@pytest.mark.parametrize("flavour", ["tiny", "tiny-dense"])
+def test_fused_swiglu_in_a_whole_model_matches_unfused(flavour, monkeypatch):
+    """The torch backend's experts and megatron's dense MLP, both through the fused SwiGLU: loss and every
+    gradient as unfused (fp32)."""
+    from megatron.core.fusions import fused_bias_swiglu as fusion_module
+
+    calls = {"SwiGLUFunction": 0, "WeightedSwiGLUFunction": 0}
+    for name in calls:
+        real = getattr(fusion_module, name).apply
+        monkeypatch.setattr(getattr(fusion_module, name), "apply",
+                            lambda *a, _n=name, _r=real: calls.__setitem__(_n, calls[_n] + 1) or _r(*a))
+    ids_BS, pos_BS, mask, labels_BS = make_batch(4)
+    results = []
+    for fusion in (False, True):
+        model = tiny(None if flavour.endswith("dense") else "switch", backend="torch", seed=5, flavour=flavour)
+        model.config.bias_activation_fusion = fusion  # one config object, read by every MLP at forward time
+        with _maybe_eager(False), token_ids_context(model, ids_BS):
+            loss = model(ids_BS, pos_BS, mask, labels=labels_BS).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    layers = get_flavour(flavour).num_layers
+    # every layer's FFN took the fused function (the experts' weighted one in the MoE model), only when fused
+    assert calls == ({"SwiGLUFunction": 0, "WeightedSwiGLUFunction": layers} if flavour == "tiny"
+                     else {"SwiGLUFunction": layers, "WeightedSwiGLUFunction": 0})
+    (loss_u, grads_u), (loss_f, grads_f) = results
+    torch.testing.assert_close(loss_f, loss_u, rtol=1e-6, atol=0)
+    assert grads_f.keys() == grads_u.keys() and grads_u
+    for name, grad in grads_u.items():
+        torch.testing.assert_close(grads_f[name], grad, rtol=1e-4, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)])
+def test_native_fused_cross_entropy_matches_megatrons_unfused_in_bf16(compiled):
+    """megatron's native fused cross-entropy (no TransformerEngine): the bf16 GPU path of the te and torch
+    backends. Loss in fp32 and the bf16 logits' gradient as the unfused vocab-parallel cross-entropy."""
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.fusions.fused_cross_entropy import fused_vocab_parallel_cross_entropy
+
+    g = torch.Generator().manual_seed(6)
+    logits_SBV = (3 * torch.randn(SEQ, BATCH, VOCAB, generator=g)).bfloat16()
+    labels_SB = torch.randint(0, VOCAB, (SEQ, BATCH), generator=g)
+    grad_SB = torch.rand(SEQ, BATCH, generator=g)
+    results = []
+    for fused in (False, True):
+        leaf = logits_SBV.clone().requires_grad_()
+        with _maybe_eager(compiled):
+            if fused:
+                loss = fused_vocab_parallel_cross_entropy(leaf, labels_SB, parallel_state.get_tensor_model_parallel_group())
+            else:
+                loss = tensor_parallel.vocab_parallel_cross_entropy(leaf, labels_SB)
+            (loss * grad_SB).sum().backward()
+        results.append((loss.detach(), leaf.grad))
+    (loss_u, grad_u), (loss_f, grad_f) = results
+    assert loss_f.dtype == torch.float32 and grad_f.dtype == torch.bfloat16
+    torch.testing.assert_close(loss_f, loss_u, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(grad_f, grad_u, rtol=1e-2, atol=1e-4)
+
+
+def test_fusions_follow_the_backend_and_the_device(monkeypatch):
+    """megatron's compiled fusions: te and torch backends on a GPU with inductor; never the local backend,
+    never on CPU; the fused cross-entropy (bf16 gradients) in bf16 only."""
+    import routers.dirmoe_blocks
+    from repro.model import builder
+
+    assert not builder.fusions_enabled("torch", on_gpu=False) and not builder.fusions_enabled("local", on_gpu=True)
+    monkeypatch.setattr(routers.dirmoe_blocks, "inductor_available", lambda device: (False, "Triton"))
+    assert not builder.fusions_enabled("torch", on_gpu=True)
+    monkeypatch.setattr(routers.dirmoe_blocks, "inductor_available", lambda device: (True, "Triton"))
+    assert builder.fusions_enabled("torch", on_gpu=True) and builder.fusions_enabled("te", on_gpu=True)
+    monkeypatch.setattr(builder, "cuda_available", lambda: True)
+    bf16 = transformer_config(get_flavour("tiny"), "switch", backend="torch")
+    assert bf16.bias_activation_fusion and bf16.cross_entropy_loss_fusion and bf16.cross_entropy_fusion_impl == "native"
+    fp32 = transformer_config(get_flavour("tiny"), "switch", backend="torch", bf16=False)
+    assert fp32.bias_activation_fusion and not fp32.cross_entropy_loss_fusion
+    local = transformer_config(get_flavour("tiny"), "switch", backend="local")
+    assert not local.bias_activation_fusion and not local.cross_entropy_loss_fusion
 
 
 def test_probs_applied_on_input_match_sequential_mlp():
