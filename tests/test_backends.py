@@ -632,3 +632,72 @@ def test_expert_parallel_2_torch_backend_matches_local_under_torchrun(tmp_path):
     )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0 and out.count("EP2-BACKENDS-OK") == 2, out[-4000:]
+
+
+# ------------------------------------------------------------------ the precision harness of tests/test_gpu.py
+def _harness_models(router_name="switch"):
+    """A tiny fp32 model after a few AdamW steps (non-initial weights) and its bf16 copy (torch backend)."""
+    from gradients import train_steps
+
+    S, B = 64, 8  # 64 tokens per expert: one token routed elsewhere in bf16 moves an expert's gradient little
+
+    def data(seed):
+        g = torch.Generator().manual_seed(seed)
+        ids_BS = torch.randint(0, VOCAB, (B, S), generator=g)
+        return ids_BS, torch.arange(S)[None].expand(B, S), causal_attention_mask(S), torch.roll(ids_BS, -1, 1)
+
+    def loss(model, seed):
+        ids_BS, pos_BS, mask, labels_BS = data(seed)
+        torch.manual_seed(seed)  # the routers' draws, alike in both models
+        with token_ids_context(model, ids_BS):
+            return model(ids_BS, pos_BS, mask, labels=labels_BS).float().mean()
+
+    fp32 = build_model("tiny", router_name, vocab_size=VOCAB, seq_length=S, seed=0, backend="torch", bf16=False)
+    losses = train_steps(fp32, lambda step: loss(fp32, step), steps=6, lr=3e-3)
+    assert losses[-1] < losses[0]
+    bf16 = build_model("tiny", router_name, vocab_size=VOCAB, seq_length=S, seed=1, backend="torch", bf16=True)
+    bf16.load_state_dict(fp32.state_dict())
+    for model in (fp32, bf16):
+        routers.begin_step(model, 6)
+    return fp32, bf16, lambda model: loss(model, 99)
+
+
+#: CPU, tiny model, 8 x 64 tokens, bf16 against fp32 after 6 steps, measured (torch 2.13 CPU): largest
+#: per-tensor error 0.009 (switch, dirmoe), 0.029 (remoe's ReLU router weight), overall 0.004. With 4 x 32
+#: tokens one token routed to another expert in bf16 moved switch's expert gradients by 0.09: hence the batch.
+#: A gradient 20% off in one tensor (error 0.2) fails the per-tensor bound.
+HARNESS_TENSOR_RTOL, HARNESS_OVERALL_RTOL = 0.1, 0.02
+
+
+def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch):
+    from gradients import gradient_errors, gradient_mismatches, model_gradients
+
+    from repro.model import torch_backend
+
+    fp32, bf16, loss = _harness_models()
+    reference = model_gradients(fp32, loss(fp32))
+    bounds = dict(tensor_rtol=HARNESS_TENSOR_RTOL, overall_rtol=HARNESS_OVERALL_RTOL)
+    assert gradient_mismatches(model_gradients(bf16, loss(bf16)), reference, **bounds) == []
+    assert any("experts.fc1_weight" in name for name in reference)  # the experts are compared too
+
+    # A wrong backward: the SwiGLU gate's gradient lost (the activation's gate detached), bf16 model only.
+    unfused = torch_backend.TorchGroupedMLP._activation
+
+    def gate_detached(self, fc1_MG, probs_M):
+        gate, up = torch.chunk(fc1_MG, 2, dim=-1)
+        return unfused(self, torch.cat([gate.detach(), up], dim=-1), probs_M)
+
+    monkeypatch.setattr(torch_backend.TorchGroupedMLP, "_activation", gate_detached)
+    wrong = gradient_mismatches(model_gradients(bf16, loss(bf16)), reference, **bounds)
+    monkeypatch.undo()
+    assert any("experts.fc1_weight" in line for line in wrong), wrong
+
+    # A gradient 20% too large in one tensor (a missing scale factor, say) fails, however small its share.
+    name = "decoder.layers.1.mlp.experts.fc2_weight"
+    scaled = dict(model_gradients(bf16, loss(bf16)))
+    scaled[name] = scaled[name] * 1.2
+    per_tensor, share, _ = gradient_errors(scaled, reference)
+    assert share[name] < 1e-2
+    assert [line.split(":")[0] for line in gradient_mismatches(scaled, reference, **bounds)] == [name]
+    with pytest.raises(ValueError, match="different parameters"):
+        gradient_errors({}, reference)
