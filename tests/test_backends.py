@@ -637,7 +637,7 @@ def test_expert_parallel_2_torch_backend_matches_local_under_torchrun(tmp_path):
 # ------------------------------------------------------------------ the precision harness of tests/test_gpu.py
 def _harness_models(router_name="switch"):
     """A tiny fp32 model after a few AdamW steps (non-initial weights) and its bf16 copy (torch backend)."""
-    from gradients import train_steps
+    from gpu_harness import train_steps
 
     S, B = 64, 8  # 64 tokens per expert: one token routed elsewhere in bf16 moves an expert's gradient little
 
@@ -670,7 +670,7 @@ HARNESS_TENSOR_RTOL, HARNESS_OVERALL_RTOL = 0.1, 0.02
 
 
 def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch):
-    from gradients import gradient_errors, gradient_mismatches, model_gradients
+    from gpu_harness import gradient_errors, gradient_mismatches, model_gradients
 
     from repro.model import torch_backend
 
@@ -701,3 +701,29 @@ def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch)
     assert [line.split(":")[0] for line in gradient_mismatches(scaled, reference, **bounds)] == [name]
     with pytest.raises(ValueError, match="different parameters"):
         gradient_errors({}, reference)
+
+
+def test_step_counters_of_the_gpu_tests_see_what_a_whole_model_step_runs(monkeypatch):
+    """tests/test_gpu.py counts the grouped kernel, flash-ready attention and the fused SwiGLU in a bf16
+    LLaMA-185M step; the same counters on the tiny model here (fp32, where the CPU kernel runs)."""
+    from gpu_harness import step_counters
+
+    from repro.model import backends
+
+    model = tiny("switch", backend="torch", seed=2)
+    L = model.config.num_layers
+    backends._kernel_self_check("cpu", torch.float32)
+    calls = step_counters(monkeypatch)
+    ids_BS, pos_BS, mask, labels_BS = make_batch(3)
+    with token_ids_context(model, ids_BS):
+        model(ids_BS, pos_BS, mask, labels=labels_BS).mean().backward()
+    assert len(calls["kernel"]) == 2 * L and calls["loop"] == [] and calls["swiglu"] == []
+    assert calls["sdpa"] == [(True, True, torch.float32)] * L
+    for key in calls:
+        calls[key].clear()
+    model.config.bias_activation_fusion = True
+    with _maybe_eager(False), token_ids_context(model, ids_BS):
+        model(ids_BS, pos_BS, mask, labels=labels_BS).mean().backward()
+    assert len(calls["swiglu"]) == L and len(calls["kernel"]) == 2 * L
+    monkeypatch.undo()
+    assert backends._loop_linear.__name__ == "_loop_linear"  # undone: the real functions are back

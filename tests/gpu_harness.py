@@ -1,8 +1,7 @@
-"""Comparing a whole model's gradients in a lower precision with an fp32 reference on the same weights.
-
-Used by ``tests/test_gpu.py`` (LLaMA-185M, bf16 against fp32 on an H100) and exercised on CPU by
-``tests/test_backends.py`` (the tiny model, with a deliberately wrong gradient that it must catch), so the
-GPU test's logic is not untested.
+"""The logic of ``tests/test_gpu.py`` that CPU tests exercise too (``tests/test_backends.py``), so the GPU
+tests do not rest on untested code: counting which kernels a whole-model step takes (:func:`step_counters`),
+and comparing a whole model's gradients in a lower precision with an fp32 reference on the same weights
+(with a deliberately wrong gradient that the comparison must catch, on CPU).
 
 The weights are non-initial (:func:`train_steps` first): at initialisation (std 0.01 everywhere) the logits
 are nearly uniform and many gradients are nearly zero or nearly alike, so a wrong gradient can hide there.
@@ -16,9 +15,41 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
+import pytest
 import torch
 
 import routers
+
+
+def step_counters(monkeypatch: pytest.MonkeyPatch) -> dict[str, list]:
+    """Record, until ``monkeypatch`` is undone, what the torch backend runs: ``kernel`` (torch's grouped GEMM
+    through ``_GroupedLinear``, one per projection and forward), ``loop`` (the per-expert loop instead),
+    ``swiglu`` (megatron's fused weighted SwiGLU) and ``sdpa`` (one ``(is_causal, mask is None, dtype)`` per
+    attention call). The grouped kernel's one-time self-check is run first, so it is not counted.
+
+    Returns:
+        ``{name: [one entry per call]}``, filled as the model runs.
+    """
+    import torch.nn.functional as F
+
+    from repro.model import backends, torch_backend
+
+    calls: dict[str, list] = {"kernel": [], "loop": [], "swiglu": [], "sdpa": []}
+
+    def counting(key, real):
+        return lambda *args, **kwargs: calls[key].append(1) or real(*args, **kwargs)
+
+    real_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kwargs):
+        calls["sdpa"].append((kwargs.get("is_causal"), kwargs.get("attn_mask") is None, args[0].dtype))
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(backends._GroupedLinear, "apply", counting("kernel", backends._GroupedLinear.apply))
+    monkeypatch.setattr(backends, "_loop_linear", counting("loop", backends._loop_linear))
+    monkeypatch.setattr(torch_backend, "weighted_bias_swiglu_impl", counting("swiglu", torch_backend.weighted_bias_swiglu_impl))
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    return calls
 
 
 def train_steps(model: torch.nn.Module, loss_fn: Callable[[int], torch.Tensor], steps: int, lr: float = 1e-3) -> list[float]:
