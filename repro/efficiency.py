@@ -27,7 +27,7 @@ Defaults, each one option away:
    tokens instead.
 2. **The papers' per-device work** (``--accumulation``, ``--global-batch``). The papers train 512 x 1024 tokens
    per iteration on ~8 GPUs (Megatron's FLOPs count, :mod:`repro.report.flops`, with the DirMoE paper's 437.3 ms
-   and 137.2 TFLOP/s per GPU gives 8.5), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
+   and 137.2 TFLOP/s per GPU gives 8.0), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
    accumulation steps. Every device here does the same by default: the global batch is 16 x 4 x N sequences
    of 1024 on N GPUs (64 x 1024 tokens on one GPU), so ms/iter and TFLOP/s per GPU compare with the papers'
    directly, up to the data-parallel all-reduce of 8 GPUs. The ``tiny`` flavour keeps its recipe's 8
