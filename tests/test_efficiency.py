@@ -147,6 +147,7 @@ def _error(capsys, argv: list[str]) -> str:
         (["--global-batch", "6"], "not a multiple of micro-batch x data-parallel size = 4 x 1"),
         (["--set", "data.global_batch_size=16"], "--set data.global_batch_size: use --global-batch or --accumulation"),
         (["--format", "pdf"], "unknown table format(s) pdf"),
+        (["--flops-attention", "half"], "argument --flops-attention: invalid choice: 'half'"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys, tmp_path):
@@ -190,6 +191,13 @@ def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
     _prepare_dirs(plan)
     assert (out / "runs" / "switch" / "log.jsonl").read_text() == "switch's earlier log"
     assert sorted(p.name for p in (out / "runs" / "dense").iterdir()) == [RUN_MARKER]  # fresh for the new run
+
+
+def test_the_flops_count_is_causal_by_default_and_full_on_request(tmp_path):
+    from repro.efficiency import parse
+
+    assert parse(["--out", str(tmp_path / "a")], "efficiency").flops_attention == "causal"
+    assert parse(["--flops-attention", "full", "--out", str(tmp_path / "b")], "efficiency").flops_attention == "full"
 
 
 def test_refused_under_an_outer_torchrun(capsys, monkeypatch, tmp_path):

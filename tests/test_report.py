@@ -225,6 +225,13 @@ def test_record_from_a_training_run_directory(tmp_path):
     assert [(r.layer, r.simpson, r.load_imbalance) for r in record.routing] == [(0, 1.0, 1.5), (1, 0.9, 2.5)]
     tiny = flops_config_from_flavour(flavours.get_flavour("tiny"), vocab_size=8192)
     assert record.efficiency.flops_per_iter_analytic == analytic_flops_per_iteration(tiny, 8, 128)
+    assert (record.efficiency.flops_attention, record.efficiency.start_step) == ("causal", None)
+    full = record_from_run_dir(run, warmup=1, environment=ENV, flops_attention="full", start_step=500)
+    assert full.efficiency.flops_per_iter_analytic == analytic_flops_per_iteration(
+        dataclasses.replace(tiny, attention="full"), 8, 128
+    )
+    assert (full.efficiency.flops_attention, full.efficiency.start_step) == ("full", 500)
+    assert full.efficiency.iter_time_ms == record.efficiency.iter_time_ms
 
 
 @pytest.mark.parametrize(
