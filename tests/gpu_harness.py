@@ -1,4 +1,4 @@
-"""The logic of ``tests/test_gpu.py`` that CPU tests exercise too (``tests/test_backends.py``), so the GPU
+"""The logic of ``tests/test_gpu.py`` that CPU tests exercise too (``tests/test_fusions.py``), so the GPU
 tests do not rest on untested code: counting which kernels a whole-model step takes (:func:`step_counters`),
 and comparing a whole model's gradients in a lower precision with an fp32 reference on the same weights
 (with a deliberately wrong gradient that the comparison must catch, on CPU).

@@ -21,7 +21,7 @@ Tolerances (bf16 rounds every GEMM output to 8 mantissa bits, ~0.4%):
   overall, and a token routed to another expert in bf16 moves that expert's gradient by about one token's
   share (1/256 of an expert's 256 tokens here). A wrong gradient is off by O(1): a lost term, a wrong
   expert, a sign; a missing scale factor of 1.2 or more fails too (the harness's own CPU test,
-  ``tests/test_backends.py``, shows both kinds caught);
+  ``tests/test_fusions.py``, shows both kinds caught);
 - compiled DirMoE against eager on CUDA (evaluation, deterministic): routing map equal, combine weights, loss
   terms and gradients within 1e-3 of each tensor's scale (:data:`COMPILE_REL`); training (noise): mean
   experts per token within 0.3 of each other over 4096 tokens (four standard errors of the worst case).
