@@ -418,9 +418,13 @@ def test_bf16_whole_model_gradients_match_fp32_on_trained_weights(router_name):
     from gpu_harness import gradient_errors, gradient_mismatches, model_gradients, train_steps
 
     fp32 = build(router_name, bf16=False, seed=3)
+    initial = fp32.decoder.layers[0].self_attention.linear_qkv.weight.detach().clone()
     with no_tf32():
+        # random labels: the loss need not fall, but the weights move (3 steps of 1e-3 against std 0.01)
         losses = train_steps(fp32, lambda step: lm_loss(fp32, data=batch(10 + step), noise_seed=step), steps=3)
-        assert losses[-1] < losses[0], losses
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        moved = rel_err(fp32.decoder.layers[0].self_attention.linear_qkv.weight, initial)
+        assert moved > 0.05, moved
         routers.begin_step(fp32, 3)
         reference = model_gradients(fp32, lm_loss(fp32, data=batch(99), noise_seed=99))
     state = fp32.state_dict()
