@@ -214,8 +214,10 @@ def _harness_models(router_name="switch"):
             return model(ids_BS, pos_BS, mask, labels=labels_BS).float().mean()
 
     fp32 = build_model("tiny", router_name, vocab_size=VOCAB, seq_length=S, seed=0, backend="torch", bf16=False)
-    losses = train_steps(fp32, lambda step: loss(fp32, step), steps=6, lr=3e-3)
-    assert losses[-1] < losses[0]
+    initial = fp32.decoder.layers[0].self_attention.linear_qkv.weight.detach().clone()
+    train_steps(fp32, lambda step: loss(fp32, step), steps=6, lr=3e-3)
+    moved = fp32.decoder.layers[0].self_attention.linear_qkv.weight.detach() - initial
+    assert float(moved.norm() / initial.norm()) > 0.1  # non-initial weights (random tokens: no loss to fall)
     bf16 = build_model("tiny", router_name, vocab_size=VOCAB, seq_length=S, seed=1, backend="torch", bf16=True)
     bf16.load_state_dict(fp32.state_dict())
     for model in (fp32, bf16):
