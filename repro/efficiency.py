@@ -27,7 +27,7 @@ Defaults, each one option away:
    tokens instead.
 2. **The papers' per-device work** (``--accumulation``, ``--global-batch``). The papers train 512 x 1024 tokens
    per iteration on ~8 GPUs (Megatron's FLOPs count, :mod:`repro.report.flops`, with the DirMoE paper's 437.3 ms
-   and 137.2 TFLOP/s per GPU gives 8.5), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
+   and 137.2 TFLOP/s per GPU gives 8.0), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
    accumulation steps. Every device here does the same by default: the global batch is 16 x 4 x N sequences
    of 1024 on N GPUs (64 x 1024 tokens on one GPU), so ms/iter and TFLOP/s per GPU compare with the papers'
    directly, up to the data-parallel all-reduce of 8 GPUs. The ``tiny`` flavour keeps its recipe's 8
@@ -37,7 +37,10 @@ Defaults, each one option away:
    with ``router.options.dense_fraction=0`` so that the routed model is timed) and is stopped after
    ``warmup + iters + 1`` iterations, so no checkpoint is written (the trainer writes one only at the schedule's
    end); validation is off. Routing is therefore measured near initialisation: the table's "active experts"
-   and measured TFLOP/s say how many experts the variable-k routers used.
+   and measured TFLOP/s say how many experts the variable-k routers used. ``--init-from DIR`` times the
+   steady state instead: each run starts from a trained checkpoint of its router (:func:`resolve_init_from`)
+   with the routers' schedules at its step (``checkpoint.init_router_step``), so variable-k routers (ReMoE,
+   DirMoE) use the experts they use in training; the caption and ``summary.json`` name the step.
 4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA/cuBLAS
    initialisation, allocator growth and torch.compile; the median resists an odd slow iteration; min and max
    are in the summary. **Only training is timed**: the routers compute their diagnostic metrics on the first
@@ -64,9 +67,7 @@ import argparse
 import dataclasses
 import os
 import re
-import shlex
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -86,12 +87,9 @@ REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
 GPT2_VOCAB = 50257
 DEFAULT_WARMUP = 3
 DEFAULT_ITERS: dict[str, int] = {"185m": 20, "tiny": 10}
-#: The published iteration times the summary compares the DirMoE / Switch ratio with (DirMoE paper, Table 1).
-PUBLISHED_MS = {"switch": 431.5, "dirmoe": 437.3}
 OUT_MARKER = ".efficiency-out"
 RUN_MARKER = ".efficiency-run"
 FORMATS = ("md", "csv", "tex")
-REFERENCE_ROUTER = "switch"
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 #: Modules a run imports beyond torch and the suite (a GPU machine with only torch installs them from wheels).
 REQUIRED_MODULES: dict[str, str] = {
@@ -114,11 +112,15 @@ class RunSpec:
         label: the run's name (its directory under ``runs/``, its record's ``run_id``).
         router: a router with experiments, or ``dense``.
         overrides: dot-list overrides of this run only (``router.options.compile_elementwise=never``).
+        init_from: the trained checkpoint the run starts from ("": initialisation).
+        start_step: that checkpoint's step (0 from initialisation).
     """
 
     label: str
     router: str
     overrides: tuple[str, ...] = ()
+    init_from: str = ""
+    start_step: int = 0
 
     def __post_init__(self) -> None:
         if not _LABEL.match(self.label):
@@ -143,6 +145,7 @@ class EfficiencyPlan:
         formats: table formats written.
         micro_batch_size: sequences per micro-batch (None: the recipe's).
         global_batch_size: sequences per iteration (None: micro x accumulation x data-parallel size).
+        flops_attention: how the FLOPs count takes attention (:data:`repro.report.flops.ATTENTION_COUNTS`).
     """
 
     runs: tuple[RunSpec, ...]
@@ -158,6 +161,7 @@ class EfficiencyPlan:
     formats: tuple[str, ...] = FORMATS
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
+    flops_attention: str = "causal"
 
     def __post_init__(self) -> None:
         if self.flavour not in FLAVOUR_SCALES:
@@ -196,6 +200,7 @@ class EfficiencyPlan:
             micro_batch_size=self.micro_batch_size,
             global_batch_size=self.global_batch_size,
             overrides=(*self.overrides, *run.overrides),
+            init_from=run.init_from,
         )
 
     def config(self, run: RunSpec):
@@ -228,6 +233,7 @@ def efficiency_overrides(
     micro_batch_size: int | None = None,
     global_batch_size: int | None = None,
     overrides: tuple[str, ...] | list[str] = (),
+    init_from: str = "",
 ) -> list[str]:
     """The dot-list that turns the ``<router>-<scale>`` experiment into its efficiency run: synthetic tokens,
     the per-device batch of the module docstring, no checkpoints, no validation, then ``overrides``.
@@ -245,6 +251,7 @@ def efficiency_overrides(
         micro_batch_size: sequences per micro-batch (None: the recipe's).
         global_batch_size: sequences per iteration, instead of micro x accumulation x data-parallel size.
         overrides: further dot-list overrides (``--set``), applied after this command's own.
+        init_from: a trained checkpoint to start from, the routers' schedules at its step ("": none).
 
     Returns:
         The ``key=value`` assignments, in order.
@@ -271,6 +278,7 @@ def efficiency_overrides(
         *_routed_from_the_start(base.router.name),
         # Routing metrics on the first and the last iteration only (the last is not timed, see steps_run).
         f"logging.metrics_interval={steps}",
+        *([f"checkpoint.init_from={init_from}", "checkpoint.init_router_step=true"] if init_from else []),
         *overrides,
     ]
     # The global batch follows the micro-batch and tensor-parallel size the overrides leave; read them as
@@ -442,118 +450,11 @@ def _write_record(plan: EfficiencyPlan, run: RunSpec, device: str | None) -> Pat
 
     run_dir = plan.run_dir(run)
     environment = environment_info(num_processes=plan.devices, device=device)
-    record = record_from_run_dir(run_dir, warmup=plan.warmup, run_id=run.label, environment=environment)
-    return write_record(record, run_dir / "record.json")
-
-
-def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
-    """Iteration times (ms) of a run's log after ``warmup`` rows, of the steps that did not collect routing
-    metrics (:func:`repro.training.log.timed_rows`).
-
-    Raises:
-        ReproError: no log, or no rows left after the warm-up.
-    """
-    from repro.training.log import read_rows
-
-    rows = read_rows(Path(run_dir))
-    if len(rows) <= warmup:
-        raise ReproError(f"{run_dir}: the log has {len(rows)} iterations, none after a warm-up of {warmup}")
-    from repro.training.log import timed_rows
-
-    return [r.iter_time_s * 1e3 for r in timed_rows(rows[warmup:])]
-
-
-# ------------------------------------------------------------------------------------------ report
-def summarise(
-    plan: EfficiencyPlan, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
-) -> dict[str, Any]:
-    """The summary JSON: the command and its settings, per-run iteration times (min/median/max) and figures,
-    ratios to Switch's median iteration time, and the runs that failed."""
-    runs: dict[str, Any] = {}
-    for run in plan.runs:
-        if run.label in errors:
-            runs[run.label] = {"router": run.router, "error": errors[run.label]}
-            continue
-        record = records[run.label]
-        eff = record.efficiency
-        times = iteration_times_ms(plan.run_dir(run), plan.warmup)
-        runs[run.label] = {
-            "router": run.router,
-            "overrides": list(run.overrides),
-            "iter_time_ms": {"min": min(times), "median": statistics.median(times), "max": max(times)},
-            "tokens_per_s": eff.tokens_per_s,
-            "tflops_per_device_analytic": eff.tflops_per_device_analytic,
-            "tflops_per_device_measured": eff.tflops_per_device_measured,
-            "mean_active_experts": eff.mean_active_experts,
-            "peak_memory_gib": None if eff.peak_memory_bytes is None else eff.peak_memory_bytes / 2**30,
-            "backend": eff.backend,
-            "wall_s": round(wall_s[run.label], 1),
-            "record": str(plan.run_dir(run) / "record.json"),
-        }
-    reference = runs.get(REFERENCE_ROUTER, {}).get("iter_time_ms", {}).get("median")
-    for entry in runs.values():
-        if "iter_time_ms" in entry:
-            entry["ratio_to_switch"] = entry["iter_time_ms"]["median"] / reference if reference else None
-    first = next((records[r.label] for r in plan.runs if r.label in records), None)
-    config = plan.config(plan.runs[0])
-    batch, seq = config.data.global_batch_size, config.seq_length
-    dirmoe = runs.get("dirmoe", {}).get("ratio_to_switch")
-    return {
-        "command": shlex.join(["python", "-m", "repro", "efficiency", *argv]),
-        "flavour": plan.flavour,
-        "devices": plan.devices,
-        "device": first.environment.device if first else None,
-        "torch": first.environment.torch if first else None,
-        "megatron_core": first.environment.megatron_core if first else None,
-        "micro_batch_size": config.data.micro_batch_size,
-        "accumulation": config.data.num_microbatches(plan.devices // config.parallel.tp),
-        "global_batch_size": batch,
-        "seq_length": seq,
-        "tokens_per_iteration": batch * seq,
-        "vocab_size": plan.vocab_size,
-        "warmup_iterations": plan.warmup,
-        "measured_iterations": plan.iters,
-        "runs": runs,
-        "dirmoe_over_switch": dirmoe,
-        "published_dirmoe_over_switch": PUBLISHED_MS["dirmoe"] / PUBLISHED_MS["switch"],
-        "failed": sorted(errors),
-    }
-
-
-def _table(plan: EfficiencyPlan, records: list, summary: dict[str, Any]):
-    from repro.report.ledger import load_ledger
-    from repro.report.tables import efficiency_table
-
-    table = efficiency_table(records, ledger=load_ledger() if plan.published else None, reference_router=REFERENCE_ROUTER)
-    extra = (
-        f" Tokens per iteration: {summary['global_batch_size']} x {summary['seq_length']} = "
-        f"{summary['tokens_per_iteration']:,} (micro-batch {summary['micro_batch_size']} x "
-        f"{summary['accumulation']} accumulation steps x {plan.devices} device(s)); synthetic tokens, vocabulary "
-        f"{plan.vocab_size}; {plan.iters} iterations measured after {plan.warmup} warm-up."
+    record = record_from_run_dir(
+        run_dir, warmup=plan.warmup, run_id=run.label, environment=environment,
+        flops_attention=plan.flops_attention, start_step=run.start_step,
     )
-    if plan.published and plan.flavour == "llama-185m":
-        extra += " The papers' rows: 512 x 1024 tokens per iteration on 8 GPUs (64 sequences per GPU)."
-    return dataclasses.replace(table, caption=table.caption + extra)
-
-
-def _summary_text(summary: dict[str, Any]) -> str:
-    lines = [
-        f"Iteration time (ms) over {summary['measured_iterations']} iterations after {summary['warmup_iterations']} "
-        f"warm-up, {summary['devices']} x {summary['device']}, {summary['tokens_per_iteration']:,} tokens per iteration:"
-    ]
-    for label, entry in summary["runs"].items():
-        if "error" in entry:
-            lines.append(f"  {label:<18} FAILED: {entry['error']}")
-            continue
-        t = entry["iter_time_ms"]
-        ratio = f"  x switch {entry['ratio_to_switch']:.3f}" if entry.get("ratio_to_switch") else ""
-        lines.append(f"  {label:<18} min {t['min']:9.1f}  median {t['median']:9.1f}  max {t['max']:9.1f}{ratio}")
-    if summary["dirmoe_over_switch"] is not None:
-        lines.append(
-            f"DirMoE / Switch (median iteration time): {summary['dirmoe_over_switch']:.3f} "
-            f"(DirMoE paper: {summary['published_dirmoe_over_switch']:.3f})"
-        )
-    return "\n".join(lines)
+    return write_record(record, run_dir / "record.json")
 
 
 # ------------------------------------------------------------------------------------------ command line
@@ -566,6 +467,50 @@ def _variant(text: str) -> RunSpec:
         return RunSpec(label.strip(), parts[0], tuple(parts[1:]))
     except ValueError as exc:
         raise ReproError(f"--variant: {exc}") from None
+
+
+def resolve_init_from(values: list[str], runs: list[RunSpec]) -> list[RunSpec]:
+    """The runs with the trained checkpoints ``--init-from`` names for them (module docstring, default 3).
+
+    Args:
+        values: at most one ``DIR`` (each run from the first of ``DIR/<label>``, ``DIR/<router>``, ``DIR``
+            holding a checkpoint of its router), and ``LABEL=PATH`` for single runs (a run or a checkpoint).
+        runs: the runs.
+
+    Returns:
+        The runs, each with ``init_from`` (the checkpoint's absolute path) and ``start_step`` (its step).
+
+    Raises:
+        ReproError: two ``DIR``, an unknown label, or a run without a checkpoint of its router.
+    """
+    from repro.training import checkpoint as ckpt
+
+    labels = {run.label for run in runs}
+    per_run, shared = {}, []
+    for value in values:
+        label, sep, path = value.partition("=")
+        if sep and label in labels:
+            per_run[label] = Path(path)
+        elif sep and not Path(value).exists():
+            raise ReproError(f"--init-from {value}: no run labelled '{label}'; runs: {', '.join(sorted(labels))}")
+        else:
+            shared.append(Path(value))
+    if len(shared) > 1:
+        raise ReproError("--init-from: give one DIR holding a run per router (and LABEL=PATH for single runs)")
+    if not values:
+        return runs
+    resolved = []
+    for run in runs:
+        if run.label in per_run:
+            candidates = [per_run[run.label]]
+        else:
+            candidates = [shared[0] / run.label, shared[0] / run.router, shared[0]] if shared else []
+        info = ckpt.find_router_checkpoint(candidates, run.router)
+        if info is None:
+            where = ", ".join(str(c) for c in candidates) or "(no --init-from for it)"
+            raise ReproError(f"--init-from: no checkpoint of router '{run.router}' for run '{run.label}' in {where}")
+        resolved.append(dataclasses.replace(run, init_from=str(info.path.resolve()), start_step=info.step))
+    return resolved
 
 
 class _Parser(argparse.ArgumentParser):
@@ -610,6 +555,12 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     p.add_argument("--format", default=",".join(FORMATS), help="table formats: any of md,csv,tex")
     p.add_argument("--profile", action="store_true", help="instead: launches and host syncs per router call, "
                    "counted on any machine (repro/report/costs.py; --profile --help for its options)")
+    p.add_argument("--flops-attention", default="causal", choices=("causal", "full"),
+                   help="FLOPs count of attention scores: causal (current Megatron-LM, half the s x s square; "
+                   "the DirMoE paper's TFLOP/s) or full (the whole square, ReMoE's fork)")
+    p.add_argument("--init-from", action="append", default=[], metavar="DIR | LABEL=PATH",
+                   help="time from trained checkpoints: DIR holds a run (or checkpoint) per router, DIR/<label> "
+                   "or DIR/<router>; LABEL=PATH for one run (repeatable)")
     args = p.parse_args(argv)
 
     if "WORLD_SIZE" in os.environ:
@@ -637,6 +588,7 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     for run in runs:
         if run.router not in experiment_routers():
             raise ReproError(f"--variant {run.label}: unknown router '{run.router}'; valid: {', '.join(everyone)}")
+    runs = resolve_init_from(args.init_from, runs)
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     try:
         plan = EfficiencyPlan(
@@ -645,7 +597,7 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
             warmup=args.warmup, iters=args.iters or DEFAULT_ITERS[scale], vocab_size=args.vocab_size,
             overrides=tuple(args.set), out_dir=args.out or f"runs/efficiency-{flavour}-{args.gpus}dev",
             published=args.published, formats=formats, micro_batch_size=args.micro_batch,
-            global_batch_size=args.global_batch,
+            global_batch_size=args.global_batch, flops_attention=args.flops_attention,
         )
     except ValueError as exc:
         raise ReproError(str(exc)) from None
@@ -673,6 +625,8 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
     import torch
 
     from repro.io_utils import write_json_atomic
+    from repro.report.efficiency import command_summary, command_table, summary_text
+    from repro.report.ledger import load_ledger
     from repro.report.table_core import render, write_tables
 
     on_gpu = torch.cuda.is_available()
@@ -703,15 +657,15 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
         state = f"FAILED ({errors[run.label]})" if run.label in errors else "done"
         print(f"  {run.label}: {state} in {wall[run.label]:.0f} s", flush=True)
 
-    summary = summarise(plan, records, errors, wall, argv)
+    summary = command_summary(plan, records, errors, wall, argv)
     measured = [records[r.label] for r in plan.runs if r.label in records]
     if measured:
-        table = _table(plan, measured, summary)
+        table = command_table(plan, measured, summary, ledger=load_ledger() if plan.published else None)
         for path in write_tables([table], plan.out_dir, plan.formats):
             print(f"wrote {path}")
         print("\n" + render(table, "md"))
     write_json_atomic(Path(plan.out_dir) / "summary.json", summary)
-    print(_summary_text(summary))
+    print(summary_text(summary))
     print(f"wrote {Path(plan.out_dir) / 'summary.json'}")
     return 1 if errors else 0
 

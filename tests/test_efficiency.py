@@ -153,6 +153,7 @@ def _error(capsys, argv: list[str]) -> str:
         (["--global-batch", "6"], "not a multiple of micro-batch x data-parallel size = 4 x 1"),
         (["--set", "data.global_batch_size=16"], "--set data.global_batch_size: use --global-batch or --accumulation"),
         (["--format", "pdf"], "unknown table format(s) pdf"),
+        (["--flops-attention", "half"], "argument --flops-attention: invalid choice: 'half'"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys, tmp_path):
@@ -198,6 +199,62 @@ def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
     assert sorted(p.name for p in (out / "runs" / "dense").iterdir()) == [RUN_MARKER]  # fresh for the new run
 
 
+def test_the_flops_count_is_causal_by_default_and_full_on_request(tmp_path):
+    from repro.efficiency import parse
+
+    assert parse(["--out", str(tmp_path / "a")], "efficiency").flops_attention == "causal"
+    assert parse(["--flops-attention", "full", "--out", str(tmp_path / "b")], "efficiency").flops_attention == "full"
+
+
 def test_refused_under_an_outer_torchrun(capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "without torchrun" in _error(capsys, ["--out", str(tmp_path / "o")])
+
+
+# ------------------------------------------------------------------------- from trained checkpoints
+#: A trained tiny DirMoE: dense dispatch (every expert) for its first 3 steps, sparse after; the efficiency
+#: run must time it sparse, at the checkpoint's step, not dense as a run from step 0 would.
+DENSE_STEPS = ["--set", "router.options.dense_steps=3"]
+
+
+def _train_tiny(router: str, out: Path, steps: int = 3) -> None:
+    cmd = [sys.executable, "-m", "repro", "train", "--experiment", f"{router}-tiny", "--out", str(out), *DENSE_STEPS]
+    for item in ("data.source=synthetic", "data.vocab_size=256", "data.synthetic_samples=0", f"schedule.steps={steps}",
+                 "validation.interval=0"):
+        cmd += ["--set", item]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_steady_state_is_timed_from_each_routers_trained_checkpoint(tmp_path):
+    trained = tmp_path / "trained"
+    _train_tiny("dirmoe", trained / "dirmoe")
+    out = tmp_path / "eff"
+    argv = ["efficiency", "--router", "dirmoe", *FAST, *DENSE_STEPS, "--init-from", str(trained), "--out", str(out)]
+    assert cli_main(argv) == 0
+    record = load_record(out / "runs" / "dirmoe" / "record.json")
+    assert record.efficiency.start_step == 3 and record.efficiency.flops_attention == "causal"
+    config = json.loads((out / "runs" / "dirmoe" / "config.json").read_text())["experiment"]
+    assert config["checkpoint"]["init_from"] == str((trained / "dirmoe" / "checkpoints").resolve() / "step_0000003")
+    assert config["checkpoint"]["init_router_step"] is True
+    # The routers ran at the checkpoint's step (3 + i >= dense_steps): sparse dispatch, not every expert.
+    num_experts = RunConfig.from_dict(config).model.flavour_config().num_experts
+    active = [k for row in read_rows(out / "runs" / "dirmoe") for k in row.routing.get("active_experts") or []]
+    assert active and max(active) < num_experts
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["timed_from"] == "trained checkpoints" and summary["runs"]["dirmoe"]["start_step"] == 3
+    caption = (out / "efficiency.md").read_text()
+    assert "Timed from trained checkpoints" in caption and "dirmoe 3" in caption
+    assert "causal attention halved" in caption
+
+
+def test_init_from_refuses_a_run_without_a_checkpoint_of_its_router(capsys, tmp_path):
+    empty = tmp_path / "empty"
+    (empty / "switch").mkdir(parents=True)
+    message = _error(capsys, ["--router", "switch", "--init-from", str(empty), "--out", str(tmp_path / "o")])
+    assert "no checkpoint of router 'switch' for run 'switch'" in message and str(empty / "switch") in message
+    message = _error(capsys, ["--router", "switch", "--init-from", "nope=/x", "--out", str(tmp_path / "o")])
+    assert "no run labelled 'nope'" in message
+    assert not (tmp_path / "o").exists()

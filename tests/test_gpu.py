@@ -13,7 +13,18 @@ Tolerances (bf16 rounds every GEMM output to 8 mantissa bits, ~0.4%):
   (:data:`FP32_REL`); in bf16 the logits 3e-2 (:data:`BF16_REL`) and each training step's loss relative
   1e-2 (:data:`BF16_TRAIN_RTOL`);
 - one grouped-experts module against ``SequentialMLP``, one SDPA attention against ``DotProductAttention``,
-  bf16 on the GPU: relative L2 error of outputs and gradients 2e-2 (:data:`BF16_MODULE_REL`), fp32 1e-4.
+  bf16 on the GPU: relative L2 error of outputs and gradients 2e-2 (:data:`BF16_MODULE_REL`), fp32 1e-4;
+- whole-model gradients, bf16 against fp32 on the same trained weights (:func:`gpu_harness.gradient_mismatches`):
+  every parameter tensor's relative L2 error 0.15 (:data:`BF16_GRAD_TENSOR_REL`), all together 0.05
+  (:data:`BF16_GRAD_OVERALL_REL`). Why these: bf16 rounds each GEMM output and activation to 8 mantissa
+  bits (~0.4% each); through 12 layers the tiny CPU model's 2 layers measured 0.9% per tensor and 0.4%
+  overall, and a token routed to another expert in bf16 moves that expert's gradient by about one token's
+  share (1/256 of an expert's 256 tokens here). A wrong gradient is off by O(1): a lost term, a wrong
+  expert, a sign; a missing scale factor of 1.2 or more fails too (the harness's own CPU test,
+  ``tests/test_fusions.py``, shows both kinds caught);
+- compiled DirMoE against eager on CUDA (evaluation, deterministic): routing map equal, combine weights, loss
+  terms and gradients within 1e-3 of each tensor's scale (:data:`COMPILE_REL`); training (noise): mean
+  experts per token within 0.3 of each other over 4096 tokens (four standard errors of the worst case).
 """
 
 from __future__ import annotations
@@ -45,6 +56,13 @@ FP32_REL = 1e-4
 BF16_REL = 3e-2
 BF16_TRAIN_RTOL = 1e-2
 BF16_MODULE_REL = 2e-2  # one experts module or one attention, bf16, against megatron's on the same inputs
+BF16_GRAD_TENSOR_REL = 0.15
+BF16_GRAD_OVERALL_REL = 0.05
+COMPILE_REL = 1e-3
+#: ``repro efficiency`` at 16 x 1024 tokens on one H100: a plausible band of model TFLOP/s. Below 30 the step
+#: is not running its GPU kernels (a loop, a fallback, a host-bound step); above 600 (60% of the bf16 dense
+#: peak, more than the papers' 138 at 8x the tokens per GPU) the FLOP count or the timing is wrong.
+SMOKE_TFLOPS_BAND = (30.0, 600.0)
 
 
 def _device() -> torch.device:
@@ -362,3 +380,180 @@ def test_alltoall_dispatcher_with_expert_parallel_1():
     assert abs(a - b) <= 1e-3 * abs(b), (a, b)
     losses, _ = train(alltoall, steps=2)
     assert all(torch.isfinite(torch.tensor(losses)))
+
+
+# ------------------------------------------------------------------------ what a whole-model step runs
+def test_a_whole_model_step_takes_the_grouped_kernel_flash_attention_and_the_fused_swiglu(monkeypatch):
+    """One bf16 LLaMA-185M forward and backward (Switch, torch backend): flash attention only (any fallback
+    raises), every layer's experts through the grouped kernel (no loop), and megatron's fused SwiGLU where
+    inductor can compile it."""
+    from gpu_harness import step_counters
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from repro.model import backends
+    from routers.dirmoe_blocks import inductor_available
+
+    _needs_grouped_kernel()
+    model = build("switch", backend="torch")
+    assert model.backend == "torch"
+    L = model.config.num_layers
+    backends._kernel_self_check(str(_device()), torch.bfloat16)  # its own kernel calls, before counting
+    calls = step_counters(monkeypatch)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        loss = lm_loss(model)
+        loss.backward()
+    assert torch.isfinite(loss)
+    assert len(calls["kernel"]) == 2 * L and calls["loop"] == [], calls  # fc1 and fc2 of every layer, grouped
+    assert calls["sdpa"] == [(True, True, torch.bfloat16)] * L  # is_causal, no mask: what flash takes
+    assert len(calls["swiglu"]) == (L if inductor_available(_device())[0] else 0)
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None and bool(torch.isfinite(g).all()) for g in grads)
+
+
+# ---------------------------------------------------------------- bf16 gradients against fp32, trained weights
+@pytest.mark.parametrize("router_name", ["switch", "remoe"])
+def test_bf16_whole_model_gradients_match_fp32_on_trained_weights(router_name):
+    """fp32 LLaMA-185M after 3 AdamW steps; its bf16 copy's gradients on a new batch against its own
+    (tolerances in the module docstring; the harness is ``tests/gpu_harness.py``)."""
+    from gpu_harness import gradient_errors, gradient_mismatches, model_gradients, train_steps
+
+    fp32 = build(router_name, bf16=False, seed=3)
+    initial = fp32.decoder.layers[0].self_attention.linear_qkv.weight.detach().clone()
+    with no_tf32():
+        # random labels: the loss need not fall, but the weights move (3 steps of 1e-3 against std 0.01)
+        losses = train_steps(fp32, lambda step: lm_loss(fp32, data=batch(10 + step), noise_seed=step), steps=3)
+        assert all(torch.isfinite(torch.tensor(losses))), losses
+        moved = rel_err(fp32.decoder.layers[0].self_attention.linear_qkv.weight, initial)
+        assert moved > 0.05, moved
+        routers.begin_step(fp32, 3)
+        reference = model_gradients(fp32, lm_loss(fp32, data=batch(99), noise_seed=99))
+    state = fp32.state_dict()
+    fp32 = None  # its memory back before the bf16 copy (the state dict keeps only the weights)
+    gc.collect()
+    bf16 = build(router_name, bf16=True, seed=4)
+    bf16.load_state_dict(state)  # the trained weights, rounded to bf16 (routers stay fp32)
+    del state
+    routers.begin_step(bf16, 3)
+    actual = model_gradients(bf16, lm_loss(bf16, data=batch(99), noise_seed=99))
+    per_tensor, _, overall = gradient_errors(actual, reference)
+    print(f"{router_name}: overall {overall:.4f}, largest per tensor {max(per_tensor.values()):.4f}")
+    mismatches = gradient_mismatches(
+        actual, reference, tensor_rtol=BF16_GRAD_TENSOR_REL, overall_rtol=BF16_GRAD_OVERALL_REL
+    )
+    assert mismatches == [], mismatches
+    assert any("experts" in name for name in reference)
+
+
+# ------------------------------------------------------------------------- DirMoE compiled against eager
+def test_compiled_dirmoe_matches_eager_on_cuda():
+    from routers.dirmoe_blocks import inductor_available
+
+    if not inductor_available(_device())[0]:
+        pytest.skip("inductor cannot compile on this GPU machine (Triton or a C compiler missing)")
+    E, D, T = 8, 64, 4096
+    g = torch.Generator().manual_seed(1)
+    x_TD = torch.randn(T, D, generator=g).to(_device())
+    results = {}
+    for mode in ("never", "always"):
+        torch.manual_seed(0)
+        router = routers.build_router("dirmoe", hidden_size=D, num_experts=E, top_k=1, compile_elementwise=mode)
+        router = router.to(_device())
+        x = x_TD.clone().requires_grad_()
+        out = router.eval()(x)
+        ((out.probs * torch.arange(E, device=_device())).sum() + out.total_aux_loss()).backward()
+        grads = {n: p.grad.clone() for n, p in router.named_parameters() if p.grad is not None}
+        router.zero_grad(set_to_none=True)
+        active = []
+        for seed in range(2):  # training: noise drawn, so equal in distribution only
+            torch.manual_seed(100 + seed)
+            train_out = router.train()(x_TD)
+            train_out.total_aux_loss().backward()
+            assert all(bool(torch.isfinite(p.grad).all()) for p in router.parameters() if p.grad is not None)
+            active.append(float(train_out.routing_map.sum(dim=-1).float().mean()))
+        results[mode] = (out, grads, x.grad, active)
+
+    def close(a, b):
+        a, b = a.detach().float(), b.detach().float()
+        torch.testing.assert_close(a, b, rtol=COMPILE_REL, atol=COMPILE_REL * float(b.abs().max().clamp_min(1e-12)))
+
+    (out_c, grads_c, xgrad_c, active_c), (out_e, grads_e, xgrad_e, active_e) = results["always"], results["never"]
+    assert torch.equal(out_c.routing_map, out_e.routing_map)
+    close(out_c.probs, out_e.probs)
+    assert out_c.aux_losses.keys() == out_e.aux_losses.keys()
+    for name in out_e.aux_losses:
+        close(out_c.aux_losses[name], out_e.aux_losses[name])
+    assert grads_c.keys() == grads_e.keys() and grads_e
+    for name in grads_e:
+        close(grads_c[name], grads_e[name])
+    close(xgrad_c, xgrad_e)
+    for compiled, eager in zip(active_c, active_e):
+        assert abs(compiled - eager) <= 0.3, (active_c, active_e)
+
+
+# ------------------------------------------------------------------------------ the explicit-mask path
+@pytest.mark.parametrize("pattern", ["causal", "causal_with_padding"])
+def test_explicit_mask_attention_matches_dot_product_attention_on_gpu(pattern):
+    """``causal_mask="explicit"``: SDPA with the boolean mask itself (no ``is_causal``), bf16 on the GPU,
+    against megatron's ``DotProductAttention`` with the same mask; also a mask that is not causal."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from repro.model.backends import TorchBackendOptions
+    from repro.model.builder import causal_attention_mask, transformer_config
+    from repro.model.torch_backend import TorchSDPAttention
+
+    config = transformer_config(FLAVOUR, "switch", bf16=True, backend="local")
+    kwargs = dict(config=config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    reference = DotProductAttention(**kwargs)
+    ours = TorchSDPAttention(**kwargs, options=TorchBackendOptions(causal_mask="explicit"))
+    mask = causal_attention_mask(SEQ, _device()).expand(BATCH, 1, SEQ, SEQ).clone()
+    if pattern == "causal_with_padding":
+        mask[1, :, :, SEQ - 100 :] = True  # the second sequence's last 100 keys masked for every query
+        mask[1, :, torch.arange(SEQ, device=_device()), torch.arange(SEQ, device=_device())] = False  # no empty row
+    heads, groups, d = config.num_attention_heads, config.num_query_groups, config.kv_channels
+    g = torch.Generator().manual_seed(0)
+    shapes = ((SEQ, BATCH, heads, d), (SEQ, BATCH, groups, d), (SEQ, BATCH, groups, d))
+    qkv = [torch.randn(s, generator=g).to(_device(), torch.bfloat16) for s in shapes]
+    seen = []
+    real_sdpa = F.scaled_dot_product_attention
+
+    def sdpa(*args, **kw):
+        seen.append((kw.get("is_causal"), kw.get("attn_mask") is not None))
+        return real_sdpa(*args, **kw)
+
+    results = []
+    for module in (reference, ours):
+        leaves = [t.clone().requires_grad_() for t in qkv]
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(F, "scaled_dot_product_attention", sdpa)
+            out = module(*leaves, mask)
+        (out.float() * torch.linspace(-1, 1, out.shape[-1], device=_device())).sum().backward()
+        results.append([out, *(t.grad for t in leaves)])
+    assert seen == [(False, True)]  # ours passed the mask itself, not is_causal
+    for actual, expected in zip(results[1], results[0]):
+        assert rel_err(actual, expected) < BF16_MODULE_REL
+
+
+# ------------------------------------------------------------------------------ the command, end to end
+@pytest.mark.slow
+def test_efficiency_smoke_run_at_16_by_1024_on_one_gpu(tmp_path):
+    """``python -m repro efficiency`` on LLaMA-185M, one micro-batch of 16 x 1024 tokens per iteration: its
+    TFLOP/s in a plausible band (:data:`SMOKE_TFLOPS_BAND`), its peak memory reported and below the GPU's."""
+    import json
+
+    from repro.cli import main as cli_main
+
+    out = tmp_path / "eff"
+    argv = ["efficiency", "--router", "switch,dirmoe", "--flavour", "llama-185m", "--accumulation", "1",
+            "--warmup", "2", "--iters", "3", "--out", str(out)]
+    assert cli_main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["tokens_per_iteration"] == 16 * 1024 and summary["flops_attention"] == "causal"
+    total = torch.cuda.get_device_properties(_device()).total_memory
+    for label, entry in summary["runs"].items():
+        tflops, peak = entry["tflops_per_device_analytic"], entry["peak_memory_gib"]
+        print(f"{label}: {entry['iter_time_ms']['median']:.1f} ms/iter, {tflops:.1f} TFLOP/s, peak {peak:.2f} GiB")
+        assert SMOKE_TFLOPS_BAND[0] <= tflops <= SMOKE_TFLOPS_BAND[1], (label, tflops)
+        assert 1.0 < peak < total / 2**30, (label, peak)
+        assert entry["backend"] == "torch"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import statistics
 
 import pytest
@@ -15,14 +14,10 @@ from repro.report import bench_table
 from repro.report.check import check_against_published, check_against_run, record_value
 from repro.report.efficiency import efficiency, routing
 from repro.report.flops import (
-    LLAMA_185M,
     FlopsConfig,
     analytic_flops_per_iteration,
-    expert_flops_per_token,
     flops_config_from_flavour,
     measured_flops_per_iteration,
-    model_flops_per_iteration,
-    tflops_per_device,
 )
 from repro.report.ledger import DEFAULT_LEDGER_DIR, load_ledger, load_ledger_file, select
 from repro.report.parity import compute_parity, require_parity
@@ -38,58 +33,6 @@ from repro.report.store import (
 from repro.report.table_core import render
 from repro.report.tables import efficiency_table, routing_table, zero_shot_table
 from repro.training.log import LogRow, timed_rows
-
-# ---------------------------------------------------------------------------------------------- FLOPs
-
-SMALL = FlopsConfig(
-    num_layers=2, hidden_size=8, num_attention_heads=2, num_query_groups=1, kv_channels=4,
-    ffn_hidden_size=16, vocab_size=32, top_k=2, swiglu=True,
-)
-
-
-def _hand_count(cfg: FlopsConfig, B: int, s: int, k: float) -> float:
-    """Every GEMM of one training iteration, 2*m*n*k FLOPs each, forward x 3 (forward + two backward)."""
-    T, h, a, g, d, f = B * s, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels, cfg.ffn_hidden_size
-    gemm = lambda m, n, kk: 2 * m * n * kk  # noqa: E731
-    per_layer = (
-        gemm(T, a * d, h)  # query projection
-        + 2 * gemm(T, g * d, h)  # key and value projections (GQA: g groups)
-        + B * a * gemm(s, s, d)  # scores Q K^T, full square
-        + B * a * gemm(s, d, s)  # probabilities x V
-        + gemm(T, h, a * d)  # output projection
-        + k * (3 if cfg.swiglu else 2) * gemm(T, f, h)  # gate, up, down of the k experts
-    )
-    logits = gemm(T, cfg.vocab_size, h)
-    return 3 * (cfg.num_layers * per_layer + logits)
-
-
-@pytest.mark.parametrize("swiglu", [True, False])
-def test_flops_formula_matches_a_hand_count(swiglu):
-    cfg = FlopsConfig(**{**SMALL.__dict__, "swiglu": swiglu})
-    assert math.isclose(analytic_flops_per_iteration(cfg, 3, 6), _hand_count(cfg, 3, 6, 2), rel_tol=1e-12)
-    # measured: per-layer k values enter through their mean (the FFN term is linear in k)
-    assert math.isclose(
-        measured_flops_per_iteration(cfg, 3, 6, [1.0, 2.5]), _hand_count(cfg, 3, 6, 1.75), rel_tol=1e-12
-    )
-
-
-def test_flops_llama_185m_and_published_device_count():
-    flops = analytic_flops_per_iteration(LLAMA_185M, 512, 1024)
-    assert flops == pytest.approx(5.1e14, rel=0.01)
-    # DirMoE paper: 437.3 ms/iter and 137.2 TFLOP/s per GPU imply about 8 GPUs.
-    assert flops / 0.4373 / 137.2e12 == pytest.approx(8, abs=0.5)
-    assert tflops_per_device(flops, 0.4373, 8) == pytest.approx(145.05, abs=0.1)
-    dense = FlopsConfig(**{**LLAMA_185M.__dict__, "top_k": 1})
-    assert model_flops_per_iteration(dense, 512, 1024, 1) == flops
-    assert expert_flops_per_token(LLAMA_185M, 1) == 12 * 12 * 768 * 3072 * 1.5
-
-
-def test_flops_config_from_the_model_flavours():
-    flavours = pytest.importorskip("repro.model.flavours")
-    assert flops_config_from_flavour(flavours.get_flavour("llama-185m"), vocab_size=50257) == LLAMA_185M
-    dense = flops_config_from_flavour(flavours.get_flavour("llama-185m").dense(), vocab_size=50257)
-    assert dense.top_k == 1 and dense.ffn_hidden_size == 3072
-
 
 # ---------------------------------------------------------------------------------------------- records
 
@@ -210,6 +153,13 @@ def test_record_from_a_training_run_directory(tmp_path):
     assert [(r.layer, r.simpson, r.load_imbalance) for r in record.routing] == [(0, 1.0, 1.5), (1, 0.9, 2.5)]
     tiny = flops_config_from_flavour(flavours.get_flavour("tiny"), vocab_size=8192)
     assert record.efficiency.flops_per_iter_analytic == analytic_flops_per_iteration(tiny, 8, 128)
+    assert (record.efficiency.flops_attention, record.efficiency.start_step) == ("causal", None)
+    full = record_from_run_dir(run, warmup=1, environment=ENV, flops_attention="full", start_step=500)
+    assert full.efficiency.flops_per_iter_analytic == analytic_flops_per_iteration(
+        dataclasses.replace(tiny, attention="full"), 8, 128
+    )
+    assert (full.efficiency.flops_attention, full.efficiency.start_step) == ("full", 500)
+    assert full.efficiency.iter_time_ms == record.efficiency.iter_time_ms
 
 
 @pytest.mark.parametrize(
@@ -276,8 +226,8 @@ Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: Continuation (local)
 
 EXPECTED_EFFICIENCY_CSV = """\
 Router,ms/iter,TFLOP/s/dev (analytic),TFLOP/s/dev (measured),tokens/s,peak mem (GiB),active experts,token group,devices,device,backend,compute parity
-dirmoe,200.0,0.00554,0.00591,5120,--,1.250,--,1,cpu (x86_64),--,"NO (+25.0% vs t-switch, tolerance 5%)"
-switch,200.0,0.00554,0.00554,5120,--,1.000,--,1,cpu (x86_64),--,reference
+dirmoe,200.0,0.00453,0.00491,5120,--,1.250,--,1,cpu (x86_64),--,"NO (+25.0% vs t-switch, tolerance 5%)"
+switch,200.0,0.00453,0.00453,5120,--,1.000,--,1,cpu (x86_64),--,reference
 """
 
 EXPECTED_ROUTING_MD_ROWS = """\
@@ -646,3 +596,26 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
     assert repro_main(["check", str(tmp_path / "outside"), "--against", str(tmp_path / "seeds")]) == 1
     assert "| loss.final (mean of last 10 steps) |" in capsys.readouterr().out
     assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--alpha", "2"]) == 2
+
+
+def test_efficiency_caption_names_the_flops_count_and_the_start_step(tmp_path):
+    switch, dirmoe = _record("t-switch", "switch"), _record("t-dirmoe", "dirmoe", active=(1.25, 1.25))
+    assert switch.efficiency.flops_attention == "causal"
+    caption = efficiency_table([switch, dirmoe]).caption
+    assert "causal attention halved" in caption and "(1+g/a+s/2h)" in caption and "full s x s" not in caption
+    assert "trained checkpoint" not in caption
+    full = dataclasses.replace(dirmoe, efficiency=dataclasses.replace(dirmoe.efficiency, flops_attention="full"))
+    caption = efficiency_table([switch, full]).caption
+    assert "causal attention halved: 12BsLh^2" in caption and "full s x s square" in caption
+    assert "(t-dirmoe)" in caption and "(t-switch)" in caption
+    old = dataclasses.replace(switch, efficiency=dataclasses.replace(switch.efficiency, flops_attention=None))
+    assert "not recorded" in efficiency_table([old]).caption
+    trained = dataclasses.replace(dirmoe, efficiency=dataclasses.replace(dirmoe.efficiency, start_step=6000))
+    caption = efficiency_table([switch, trained]).caption
+    assert "Timed from trained checkpoints" in caption and "dirmoe 6000" in caption
+    # Both fields survive a write and a load; a record without them (written before) still loads.
+    assert load_record(write_record(trained, tmp_path / "record.json")).efficiency == trained.efficiency
+    data = json.loads((tmp_path / "record.json").read_text())
+    del data["efficiency"]["flops_attention"], data["efficiency"]["start_step"]
+    (tmp_path / "old.json").write_text(json.dumps(data))
+    assert load_record(tmp_path / "old.json").efficiency.flops_attention is None

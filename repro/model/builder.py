@@ -88,7 +88,8 @@ def transformer_config(
         router_options: for ``"megatron"``: ``aux_loss_coeff``, ``z_loss_coeff``, ``capacity_factor``.
         bf16: bf16 parameters; default: on GPU only.
         backend: ``"auto"`` (default), ``"te"``, ``"torch"`` or ``"local"`` (see the module docstring);
-            only ``"te"`` changes the config (fusions on, grouped GEMM for the TE experts).
+            ``"te"`` and ``"torch"`` turn megatron's compiled fusions on on a GPU (:func:`fusions_enabled`),
+            ``"te"`` also its TE-only fusions and the grouped GEMM of the TE experts.
         use_te: the former switch (True = ``"te"``, False = ``"local"``); prefer ``backend``.
         tp: tensor-parallel size (must match megatron's parallel_state).
         ep: expert-parallel size; with ep > 1 megatron marks expert parameters ``allreduce=False`` so that
@@ -102,7 +103,9 @@ def transformer_config(
     flavour = get_flavour(flavour)
     on_gpu = cuda_available()
     bf16 = on_gpu if bf16 is None else bf16
-    use_te = resolve_backend(backend, use_te) == "te"
+    resolved = resolve_backend(backend, use_te)
+    use_te = resolved == "te"
+    fused = fusions_enabled(resolved, on_gpu)
     kwargs: dict[str, Any] = dict(
         num_layers=flavour.num_layers,
         hidden_size=flavour.hidden_size,
@@ -123,10 +126,16 @@ def transformer_config(
         expert_model_parallel_size=ep if flavour.is_moe else 1,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        # Fused kernels (SwiGLU, RoPE, masked softmax) need CUDA and, in 0.16.1, TransformerEngine or
-        # megatron's CUDA extensions: on with the TransformerEngine spec on a GPU (as the papers' Megatron-LM
-        # runs, so TFLOP/s are comparable), off on CPU. Apex-only fusions stay off (Apex is not a dependency).
-        bias_activation_fusion=use_te and on_gpu,
+        # megatron's fused SwiGLU (bias_swiglu_impl / weighted_bias_swiglu_impl) and native fused
+        # cross-entropy are torch.compile'd functions (megatron.core.jit): no TransformerEngine, but inductor
+        # (Triton and a C compiler on CUDA). On for the TE and torch backends on a GPU (:func:`fusions_enabled`,
+        # as the papers' Megatron-LM runs, so TFLOP/s are comparable); the local backend stays megatron's
+        # unfused reference. The fused cross-entropy casts its gradient to bf16: bf16 models only. RoPE and
+        # masked-softmax fusions need TransformerEngine or megatron's CUDA extensions: TE backend only.
+        # Apex-only fusions stay off (Apex is not a dependency).
+        bias_activation_fusion=fused,
+        cross_entropy_loss_fusion=fused and bf16,
+        cross_entropy_fusion_impl="native",
         bias_dropout_fusion=False,
         masked_softmax_fusion=use_te and on_gpu,
         persist_layer_norm=False,
@@ -160,6 +169,16 @@ def transformer_config(
             moe_permute_fusion=False,
         )
     return TransformerConfig(**kwargs)
+
+
+def fusions_enabled(backend: str, on_gpu: bool) -> bool:
+    """Whether megatron's torch.compile'd fusions (SwiGLU; cross-entropy in bf16) are on: the ``te`` and
+    ``torch`` backends on a GPU where inductor can generate code (else off, with the unfused maths)."""
+    if not on_gpu or backend not in ("te", "torch"):
+        return False
+    from routers.dirmoe_blocks import inductor_available
+
+    return inductor_available(torch.device("cuda"))[0]
 
 
 def _moe_layer_class(router_name: str | None) -> type | None:

@@ -1,6 +1,7 @@
-"""From a training log to a record's figures: the loss curve, per-layer routing, and efficiency.
+"""From a training log to a record's figures: the loss curve, per-layer routing, and efficiency; and the
+summary, table and text of ``python -m repro efficiency`` (:mod:`repro.efficiency`) built from its runs.
 
-Every function reads :class:`repro.training.log.LogRow` rows (``repro.training.log.read_rows``). Efficiency
+Every figure function reads :class:`repro.training.log.LogRow` rows (``repro.training.log.read_rows``). Efficiency
 figures are medians over a window of steps after warm-up (the first steps carry allocator growth and
 compilation; the median resists the odd slow step better than the mean), over the window's steps that did
 not compute routing metrics when it has any (:func:`timed_rows`); the routing figures average the window's
@@ -9,19 +10,29 @@ steps that did.
 
 from __future__ import annotations
 
+import dataclasses
+import shlex
 import statistics
 from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
 
 from repro.errors import ReproError
 from repro.report.flops import (
     FlopsConfig,
     analytic_flops_per_iteration,
     expert_flops_per_token,
+    formula_name,
     measured_flops_per_iteration,
     tflops_per_device,
 )
 from repro.report.record import ROUTING_METRICS, Efficiency, LayerRouting, LossPoint
-from repro.training.log import LogRow, timed_rows
+from repro.training.log import LogRow, read_rows, timed_rows
+
+#: The published iteration times the summary compares the DirMoE / Switch ratio with (DirMoE paper, Table 1).
+PUBLISHED_MS = {"switch": 431.5, "dirmoe": 437.3}
+#: The router the summary's ratios divide by.
+REFERENCE_ROUTER = "switch"
 
 
 def loss_curve(rows: Sequence[LogRow]) -> tuple[LossPoint, ...]:
@@ -75,6 +86,7 @@ def efficiency(
     peak_memory_bytes: int | None = None,
     mean_active_experts: float | None = None,
     backend: str | None = None,
+    start_step: int | None = None,
 ) -> Efficiency:
     """Efficiency figures from a training log.
 
@@ -92,6 +104,7 @@ def efficiency(
             ``active_experts``. Pass 1 for a dense model or a router that merges experts. None and no
             routing metrics in the log: the measured figures are None.
         backend: the model's backend, recorded with the figures.
+        start_step: the step the run started from (0: initialisation; a checkpoint's step), recorded.
 
     Returns:
         An :class:`Efficiency`.
@@ -134,7 +147,144 @@ def efficiency(
             None if mean_active_experts is None else expert_flops_per_token(flops, mean_active_experts)
         ),
         backend=backend,
+        flops_attention=flops.attention,
+        start_step=start_step,
     )
 
 
-__all__ = ["efficiency", "loss_curve", "routing", "window"]
+# ------------------------------------------------------------------------------------------ the command's summary
+def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
+    """Iteration times (ms) of a run's log after ``warmup`` rows, of the steps that did not collect routing
+    metrics (:func:`repro.training.log.timed_rows`).
+
+    Raises:
+        ReproError: no log, or no rows left after the warm-up.
+    """
+    rows = read_rows(Path(run_dir))
+    if len(rows) <= warmup:
+        raise ReproError(f"{run_dir}: the log has {len(rows)} iterations, none after a warm-up of {warmup}")
+    return [r.iter_time_s * 1e3 for r in timed_rows(rows[warmup:])]
+
+
+def command_summary(
+    plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
+) -> dict[str, Any]:
+    """The summary JSON of ``python -m repro efficiency``: the command and its settings, the FLOPs count,
+    where each run started (initialisation or a trained checkpoint's step), per-run iteration times
+    (min/median/max) and figures, ratios to Switch's median iteration time, and the runs that failed.
+
+    Args:
+        plan: the command's :class:`repro.efficiency.EfficiencyPlan`.
+        records: the finished runs' records, by run label.
+        errors: the failed runs' one-line errors, by run label.
+        wall_s: each run's wall time, by run label.
+        argv: the command's arguments.
+    """
+    runs: dict[str, Any] = {}
+    for run in plan.runs:
+        if run.label in errors:
+            runs[run.label] = {"router": run.router, "error": errors[run.label]}
+            continue
+        eff = records[run.label].efficiency
+        times = iteration_times_ms(plan.run_dir(run), plan.warmup)
+        runs[run.label] = {
+            "router": run.router,
+            "overrides": list(run.overrides),
+            "init_from": run.init_from or None,
+            "start_step": run.start_step,
+            "iter_time_ms": {"min": min(times), "median": statistics.median(times), "max": max(times)},
+            "tokens_per_s": eff.tokens_per_s,
+            "tflops_per_device_analytic": eff.tflops_per_device_analytic,
+            "tflops_per_device_measured": eff.tflops_per_device_measured,
+            "mean_active_experts": eff.mean_active_experts,
+            "peak_memory_gib": None if eff.peak_memory_bytes is None else eff.peak_memory_bytes / 2**30,
+            "backend": eff.backend,
+            "wall_s": round(wall_s[run.label], 1),
+            "record": str(plan.run_dir(run) / "record.json"),
+        }
+    reference = runs.get(REFERENCE_ROUTER, {}).get("iter_time_ms", {}).get("median")
+    for entry in runs.values():
+        if "iter_time_ms" in entry:
+            entry["ratio_to_switch"] = entry["iter_time_ms"]["median"] / reference if reference else None
+    first = next((records[r.label] for r in plan.runs if r.label in records), None)
+    config = plan.config(plan.runs[0])
+    batch, seq = config.data.global_batch_size, config.seq_length
+    return {
+        "command": shlex.join(["python", "-m", "repro", "efficiency", *argv]),
+        "flavour": plan.flavour,
+        "devices": plan.devices,
+        "device": first.environment.device if first else None,
+        "torch": first.environment.torch if first else None,
+        "megatron_core": first.environment.megatron_core if first else None,
+        "micro_batch_size": config.data.micro_batch_size,
+        "accumulation": config.data.num_microbatches(plan.devices // config.parallel.tp),
+        "global_batch_size": batch,
+        "seq_length": seq,
+        "tokens_per_iteration": batch * seq,
+        "vocab_size": plan.vocab_size,
+        "warmup_iterations": plan.warmup,
+        "measured_iterations": plan.iters,
+        "flops_attention": plan.flops_attention,
+        "flops_count": formula_name(plan.flops_attention),
+        "timed_from": "trained checkpoints" if any(r.init_from for r in plan.runs) else "initialisation",
+        "runs": runs,
+        "dirmoe_over_switch": runs.get("dirmoe", {}).get("ratio_to_switch"),
+        "published_dirmoe_over_switch": PUBLISHED_MS["dirmoe"] / PUBLISHED_MS["switch"],
+        "failed": sorted(errors),
+    }
+
+
+def command_table(plan: Any, records: list, summary: dict[str, Any], ledger=None):
+    """The efficiency table of the command's runs (:func:`repro.report.tables.efficiency_table`), its caption
+    saying the tokens per iteration and where the runs started.
+
+    Args:
+        plan: the command's :class:`repro.efficiency.EfficiencyPlan`.
+        records: the finished runs' records.
+        summary: :func:`command_summary`.
+        ledger: published numbers to show beside the runs (None: none).
+    """
+    from repro.report.tables import efficiency_table
+
+    table = efficiency_table(records, ledger=ledger, reference_router=REFERENCE_ROUTER)
+    extra = (
+        f" Tokens per iteration: {summary['global_batch_size']} x {summary['seq_length']} = "
+        f"{summary['tokens_per_iteration']:,} (micro-batch {summary['micro_batch_size']} x "
+        f"{summary['accumulation']} accumulation steps x {plan.devices} device(s)); synthetic tokens, vocabulary "
+        f"{plan.vocab_size}; {plan.iters} iterations measured after {plan.warmup} warm-up"
+    )
+    if not any(r.init_from for r in plan.runs):
+        extra += ", from initialisation (the recipe's first iterations)"
+    extra += "."
+    if ledger is not None and plan.flavour == "llama-185m":
+        extra += " The papers' rows: 512 x 1024 tokens per iteration on 8 GPUs (64 sequences per GPU)."
+    return dataclasses.replace(table, caption=table.caption + extra)
+
+
+def summary_text(summary: dict[str, Any]) -> str:
+    """The summary's iteration times as lines of text (what the command prints)."""
+    lines = [
+        f"Iteration time (ms) over {summary['measured_iterations']} iterations after {summary['warmup_iterations']} "
+        f"warm-up, {summary['devices']} x {summary['device']}, {summary['tokens_per_iteration']:,} tokens per iteration, "
+        f"from {summary['timed_from']}:"
+    ]
+    for label, entry in summary["runs"].items():
+        if "error" in entry:
+            lines.append(f"  {label:<18} FAILED: {entry['error']}")
+            continue
+        t = entry["iter_time_ms"]
+        ratio = f"  x switch {entry['ratio_to_switch']:.3f}" if entry.get("ratio_to_switch") else ""
+        start = f"  (from step {entry['start_step']})" if entry.get("start_step") else ""
+        lines.append(f"  {label:<18} min {t['min']:9.1f}  median {t['median']:9.1f}  max {t['max']:9.1f}{ratio}{start}")
+    if summary["dirmoe_over_switch"] is not None:
+        lines.append(
+            f"DirMoE / Switch (median iteration time): {summary['dirmoe_over_switch']:.3f} "
+            f"(DirMoE paper: {summary['published_dirmoe_over_switch']:.3f})"
+        )
+    return "\n".join(lines)
+
+
+__all__ = [
+    "command_summary", "command_table", "efficiency", "iteration_times_ms", "loss_curve", "routing", "summary_text",
+    "window",
+]

@@ -1,15 +1,24 @@
 """Model FLOPs per iteration as Megatron-LM counts them, so TFLOP/s are comparable with the papers.
 
-Megatron-LM (``num_floating_point_operations`` in ``megatron/training/training.py``) counts, per iteration::
+Current Megatron-LM (``num_floating_point_operations`` in ``megatron/training/training.py``, its
+``transformer_flops``) counts, per iteration, for a GQA transformer with routed experts::
 
-    12 * B * s * L * h^2 * [ (1 + g/a + s/h) * (a*d_head/h)      attention: QKV/out projections, QK^T and AV
+    12 * B * s * L * h^2 * [ (1 + g/a + s/(2h)) * (a*d_head/h)   attention: QKV/out projections, QK^T and AV
                              + (f/h) * k * (3/2 if SwiGLU else 1)  FFN of the k experts a token reaches
                              + V / (2*L*h) ]                       logits
 
 B global batch (sequences), s sequence length, L layers, h hidden size, a attention heads, g query groups
 (GQA), d_head kv channels, f FFN hidden size per expert, k experts per token, V padded vocabulary. The 12 is
-3 GEMM passes (forward, two backward) x 2 stacked GEMMs x 2 FLOPs per multiply-add. Attention scores are
-counted for the full s x s square, as Megatron-LM does, not the causal half.
+3 GEMM passes (forward, two backward) x 2 stacked GEMMs x 2 FLOPs per multiply-add; Megatron-LM writes the
+FFN as ``6 * h * f * k * (3 if SwiGLU else 2)`` and the logits as ``6 * h * V`` per token, the same numbers.
+The router's own GEMM, norms, softmax and element-wise work are not counted.
+
+Attention scores (QK^T and AV) are counted for the causal half of the s x s square (``s/(2h)``, Megatron-LM's
+"causal mask (only half of the mask is non-zero)"): :data:`DEFAULT_ATTENTION` ``"causal"``. Earlier
+Megatron-LM, and ReMoE's fork of it, counted the full square (``s/h``): ``attention="full"``. The DirMoE
+paper's TFLOP/s fit the causal count (LLaMA-185M, 512 x 1024 tokens on 8 GPUs: 431.5 ms gives 138.4
+TFLOP/s/GPU causal, 147.0 full; the paper says 138.2), so the causal count is the default and the full square
+one option away (``python -m repro efficiency --flops-attention full``).
 
 The "analytic" figure uses the nominal k. The "measured" figure uses the mean number of experts a token
 actually reached (routers such as ReMoE, DirMoE or Expert Choice do not route exactly k per token): the FFN
@@ -22,6 +31,25 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+#: How attention scores are counted: ``"causal"`` (current Megatron-LM, half the s x s square) or ``"full"``.
+ATTENTION_COUNTS = ("causal", "full")
+DEFAULT_ATTENTION = "causal"
+#: The count each choice names, for table captions and summaries.
+FORMULA_NAMES = {
+    "causal": "current Megatron-LM's model-FLOPs count, causal attention halved: "
+    "12BsLh^2[(1+g/a+s/2h)(a d/h) + (f/h) k 3/2 + V/(2Lh)]",
+    "full": "Megatron-LM's model-FLOPs count with attention over the full s x s square (earlier Megatron-LM, "
+    "ReMoE's fork): 12BsLh^2[(1+g/a+s/h)(a d/h) + (f/h) k 3/2 + V/(2Lh)]",
+}
+
+
+def formula_name(attention: str | None) -> str:
+    """The FLOPs count a record's TFLOP/s come from (None: a record written before the count was recorded,
+    when the suite counted the full square)."""
+    if attention is None:
+        return "not recorded (records written before it was: the full s x s square)"
+    return FORMULA_NAMES[attention]
 
 
 @dataclass(frozen=True)
@@ -38,6 +66,7 @@ class FlopsConfig:
         vocab_size: V, the padded vocabulary.
         top_k: nominal experts per token (1 for a dense model).
         swiglu: gated FFN (three h x f matrices instead of two).
+        attention: ``"causal"`` (half the s x s scores, current Megatron-LM) or ``"full"`` (the whole square).
     """
 
     num_layers: int
@@ -49,8 +78,11 @@ class FlopsConfig:
     vocab_size: int
     top_k: float = 1
     swiglu: bool = True
+    attention: str = DEFAULT_ATTENTION
 
     def __post_init__(self) -> None:
+        if self.attention not in ATTENTION_COUNTS:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION_COUNTS)}, got '{self.attention}'")
         for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
                      "ffn_hidden_size", "vocab_size"):
             if getattr(self, name) < 1:
@@ -59,7 +91,9 @@ class FlopsConfig:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
-def flops_config_from_flavour(flavour: Any, vocab_size: int | None = None, tp: int = 1) -> FlopsConfig:
+def flops_config_from_flavour(
+    flavour: Any, vocab_size: int | None = None, tp: int = 1, attention: str = DEFAULT_ATTENTION
+) -> FlopsConfig:
     """The FLOPs dimensions of a model flavour (``repro.model.flavours.ModelFlavour``, read by attribute).
 
     Args:
@@ -68,6 +102,7 @@ def flops_config_from_flavour(flavour: Any, vocab_size: int | None = None, tp: i
             ``padded_vocab_size(vocab_size, tp)``.
         vocab_size: the tokenizer's size before padding (default: the flavour's).
         tp: tensor-parallel size (the padding multiple grows with it).
+        attention: how attention scores are counted (:data:`ATTENTION_COUNTS`).
 
     Returns:
         The :class:`FlopsConfig` (SwiGLU; k = 1 for a dense flavour).
@@ -82,6 +117,7 @@ def flops_config_from_flavour(flavour: Any, vocab_size: int | None = None, tp: i
         vocab_size=flavour.padded_vocab_size(vocab_size, tp),
         top_k=1 if flavour.num_experts is None else flavour.top_k,
         swiglu=True,
+        attention=attention,
     )
 
 
@@ -111,7 +147,9 @@ def model_flops_per_iteration(
     B, s, L, h = global_batch_size, seq_length, cfg.num_layers, cfg.hidden_size
     a, g, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
     gate = 1.5 if cfg.swiglu else 1.0
-    attention = (1 + g / a + s / h) * (a * d / h)
+    # Scores and AV: s x s per head; current Megatron-LM counts only the causal half of the square.
+    square = 0.5 if cfg.attention == "causal" else 1.0
+    attention = (1 + g / a + square * s / h) * (a * d / h)
     ffn = (cfg.ffn_hidden_size / h) * _mean_k(experts_per_token) * gate
     logits = cfg.vocab_size / (2 * L * h)
     return 12.0 * B * s * L * h * h * (attention + ffn + logits)

@@ -178,6 +178,11 @@ class Efficiency:
         tflops_per_device_measured: achieved TFLOP/s per device, measured FLOPs.
         expert_flops_per_token_measured: expert (FFN) FLOPs per token at the measured k: compute parity.
         backend: the modules the model was built with (``te``, ``torch``, ``local``; None where not recorded).
+        flops_attention: how the FLOPs count took attention scores (``causal``: current Megatron-LM, half
+            the s x s square; ``full``: the whole square; None: not recorded, records written when the
+            suite counted the full square), see :mod:`repro.report.flops`.
+        start_step: the step the timed run started from (0: initialisation; a trained checkpoint's step when
+            the run was initialised from one; None where not recorded).
     """
 
     warmup_steps: int
@@ -196,10 +201,14 @@ class Efficiency:
     tflops_per_device_measured: float | None
     expert_flops_per_token_measured: float | None
     backend: str | None = None
+    flops_attention: str | None = None
+    start_step: int | None = None
 
     def __post_init__(self) -> None:
+        if self.flops_attention not in (None, "causal", "full"):
+            raise ValueError(f"flops_attention must be causal, full or null, got {self.flops_attention!r}")
         for name in ("warmup_steps", "peak_memory_bytes", "nominal_experts", "mean_active_experts",
-                     "expert_flops_per_token_measured"):
+                     "expert_flops_per_token_measured", "start_step"):
             _check(name, getattr(self, name), 0)
         for name in ("window_steps", "num_devices", "global_batch_size", "seq_length"):
             _check(name, getattr(self, name), 1)

@@ -198,6 +198,8 @@ def record_from_run_dir(
     run_id: str | None = None,
     environment: Environment | None = None,
     domain_losses: Sequence[DomainLoss] = (),
+    flops_attention: str = "causal",
+    start_step: int | None = None,
 ) -> RunRecord:
     """Build the record of a finished training run from its output directory.
 
@@ -213,6 +215,9 @@ def record_from_run_dir(
         run_id: default: the experiment's name.
         environment: default :func:`environment_info` with the run's world size.
         domain_losses: held-out LM loss per domain, if measured.
+        flops_attention: how the FLOPs count takes attention (:data:`repro.report.flops.ATTENTION_COUNTS`).
+        start_step: the step the run's weights come from (0: initialisation, a checkpoint's step), recorded
+            with the efficiency figures (None: not recorded).
 
     Returns:
         The :class:`RunRecord` (write it with :func:`write_record`).
@@ -231,7 +236,9 @@ def record_from_run_dir(
         router = run.router.name or "dense"
         flavour = run.model.flavour_config()
         world_size = int(config["layout"]["world_size"])
-        flops = flops_config_from_flavour(flavour, vocab_size=config["vocab_size"], tp=int(config["layout"]["tp"]))
+        flops = flops_config_from_flavour(
+            flavour, vocab_size=config["vocab_size"], tp=int(config["layout"]["tp"]), attention=flops_attention
+        )
         batch, seq_length = run.data.global_batch_size, int(config["seq_length"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ReproError(f"{origin}: not a training run's config ({type(exc).__name__}: {exc})") from None
@@ -246,6 +253,7 @@ def record_from_run_dir(
         num_devices=world_size,
         mean_active_experts=1.0 if router == "dense" or _merges_experts(router) else None,
         backend=config.get("backend"),
+        start_step=start_step,
     )
     val_losses = [r.val_loss for r in rows if r.val_loss is not None]
     return make_record(

@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
+from repro.report.flops import formula_name
 from repro.report.ledger import PublishedEntry
 from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
 from repro.report.record import RunRecord, lm_eval_metrics
@@ -367,17 +368,34 @@ def efficiency_table(
     )
     caption = (
         "Training efficiency. ms/iter and tokens/s (all devices): medians over the steps after warm-up. "
-        "TFLOP/s per device by Megatron-LM's model-FLOPs count at the nominal k (analytic) and at the measured "
-        "mean experts per token (measured). Token group: tokens that compete for the experts together, for "
+        f"TFLOP/s per device by {_flops_formulas(measured)}, at the nominal k (analytic) and at the measured "
+        "mean experts per token (measured); B sequences of s tokens, L layers, hidden h, a heads, g query groups, "
+        "d head size, f FFN size per expert, V padded vocabulary. Token group: tokens that compete for the experts together, for "
         "routers whose choice couples tokens (Expert Choice; -- for the others). Backend: the modules "
         "megatron-core built (te: TransformerEngine; torch: torch's grouped GEMM and SDPA; local: megatron's "
         "local spec). Compute parity: measured "
         "expert FLOPs per token within "
         f"+-{parity_tolerance * 100:g}% of the reference run (router '{reference_router}' where present)."
     )
+    starts = {r.run_id: r.efficiency.start_step for r in measured if r.efficiency.start_step}
+    if starts:
+        caption += " Timed from trained checkpoints (weights and router schedules at step): " + ", ".join(
+            f"{labels[run_id]} {step}" for run_id, step in starts.items()
+        ) + "; the other runs from initialisation."
     if ledger is not None:
         caption += " Rows 'router [paper table]' are published numbers for the same model."
     return Table("efficiency", caption, headers, tuple(rows))
+
+
+def _flops_formulas(records: Sequence[RunRecord]) -> str:
+    """The FLOPs count(s) the records' TFLOP/s come from, named (:func:`repro.report.flops.formula_name`)."""
+    counts = sorted({r.efficiency.flops_attention or "" for r in records})
+    if len(counts) == 1:
+        return formula_name(counts[0] or None)
+    return "; ".join(
+        f"{formula_name(c or None)} ({', '.join(r.run_id for r in records if (r.efficiency.flops_attention or '') == c)})"
+        for c in counts
+    )
 
 
 # ------------------------------------------------------------------------------------------ routing

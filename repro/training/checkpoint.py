@@ -558,6 +558,30 @@ def global_model_state(payloads: list[dict[str, Any]]) -> dict[str, torch.Tensor
     return merged
 
 
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The checkpoint ``path`` names: itself when it holds ``meta.json``, else the newest checkpoint in it or
+    in its ``checkpoints`` directory (a run's output directory), else ``path`` unchanged (reading it fails)."""
+    path = Path(path)
+    if not (path / "meta.json").is_file():
+        for candidate in (path, path / "checkpoints"):
+            latest = find_latest_checkpoint(candidate)
+            if latest is not None:
+                return latest
+    return path
+
+
+def find_router_checkpoint(candidates: list[Path], router: str) -> CheckpointInfo | None:
+    """The first of ``candidates`` (checkpoints, ``checkpoints`` directories or run directories, as
+    :func:`resolve_checkpoint` reads them) that holds a checkpoint of ``router`` (``dense``: no router), or None."""
+    for candidate in candidates:
+        path = resolve_checkpoint(candidate)
+        if (path / "meta.json").is_file():
+            info = read_checkpoint_info(path)
+            if ((info.experiment.get("router") or {}).get("name") or "dense") == router:
+                return info
+    return None
+
+
 def load_model_weights(path: str | os.PathLike, model: nn.Module, parallel: Parallel) -> CheckpointInfo:
     """Initialise ``model`` from a checkpoint written with any DP/EP layout (weights and buffers only).
 
@@ -573,13 +597,7 @@ def load_model_weights(path: str | os.PathLike, model: nn.Module, parallel: Para
     Raises:
         ReproError: no checkpoint there, corrupt files, or weights that do not fit the model.
     """
-    path = Path(path)
-    if not (path / "meta.json").is_file():
-        for candidate in (path, path / "checkpoints"):
-            latest = find_latest_checkpoint(candidate)
-            if latest is not None:
-                path = latest
-                break
+    path = resolve_checkpoint(path)
     info = read_checkpoint_info(path)
     if info.layout == parallel.layout():
         state = load_rank_payload(info, parallel.rank)["model"]

@@ -278,12 +278,17 @@ class CheckpointConfig:
         interval: steps between checkpoints (0: only the final one).
         init_from: a checkpoint directory whose model weights initialise the run (any DP/EP layout); the
             optimizer, data position and step start fresh.
+        init_router_step: with ``init_from``, the routers' step schedules (temperature, prior, dense phase)
+            go on from the checkpoint's step instead of 0, so the routers route as they did when it was
+            written (``python -m repro efficiency --init-from``); the LR schedule and the run's step still
+            start at 0.
         layout_independent_init: with ``parallel.ep > 1``, build the full model once under EP=1 and keep this
             rank's experts from it, so the initial weights equal a one-process run's.
     """
 
     interval: int = 0
     init_from: str = ""
+    init_router_step: bool = False
     layout_independent_init: bool = True
 
     def __post_init__(self) -> None:

@@ -286,6 +286,11 @@ class Trainer:
             self.model.load_state_dict(payload["model"], strict=True)
         elif config.checkpoint.init_from:
             ckpt.load_model_weights(config.checkpoint.init_from, self.model, self.parallel)
+        # The routers' schedules run at router_step0 + step: the initial checkpoint's step with
+        # checkpoint.init_router_step (on a resume too), else 0.
+        self.router_step0 = 0
+        if config.checkpoint.init_from and config.checkpoint.init_router_step:
+            self.router_step0 = ckpt.read_checkpoint_info(ckpt.resolve_checkpoint(config.checkpoint.init_from)).step
         # Training draws (router noise) start from the same seed whatever the layout or the build's draws.
         _seed_everything(config.seed + 1)
         self.optimization = self._build_optimization()
@@ -425,7 +430,7 @@ class Trainer:
         ]
         t0 = time.perf_counter()
         lr = self.scheduler.apply()
-        begin_step(self.model, self.step, collect_metrics=collect)
+        begin_step(self.model, self.router_step0 + self.step, collect_metrics=collect)
         MoEAuxLossAutoScaler.set_loss_scale(self.loss_scale)
         clear_aux_losses_tracker()
         reset_routing_stats(self.model)
