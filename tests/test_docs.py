@@ -1,0 +1,117 @@
+"""The README and the reference pages under docs/ stay navigable: every relative link points to a file that
+exists and, for a Markdown target, to a heading that exists; every page is reachable from the README."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+_FENCE = re.compile(r"^\s*(```|~~~)")
+_HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
+# [text](target) or ![alt](target); a target has no spaces (a title after one is ignored).
+_LINK = re.compile(r"!?\[[^\]]*\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_CODE_SPAN = re.compile(r"`[^`]*`")
+
+
+def pages(root: Path) -> list[Path]:
+    """The README and every docs/*.md under ``root``."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
+def _prose_lines(text: str) -> list[tuple[int, str]]:
+    """(line number, line) of the lines outside fenced code blocks."""
+    out, fenced = [], False
+    for number, line in enumerate(text.splitlines(), 1):
+        if _FENCE.match(line):
+            fenced = not fenced
+            continue
+        if not fenced:
+            out.append((number, line))
+    return out
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped (hyphens and underscores kept), spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    """Every heading anchor of a Markdown file, with GitHub's ``-1``, ``-2`` suffixes for repeated headings."""
+    seen: dict[str, int] = {}
+    out = set()
+    for _, line in _prose_lines(path.read_text()):
+        match = _HEADING.match(line)
+        if not match:
+            continue
+        base = slug(match.group(2))
+        count = seen.get(base, 0)
+        seen[base] = count + 1
+        out.add(base if count == 0 else f"{base}-{count}")
+    return out
+
+
+def broken_links(path: Path, root: Path) -> list[str]:
+    """The relative links of ``path`` whose file (or heading, for a Markdown file) does not exist under ``root``.
+
+    Args:
+        path: a Markdown file.
+        root: the repository root; a link may not leave it.
+
+    Returns:
+        one ``file:line: target (why)`` per broken link.
+    """
+    broken = []
+    for number, line in _prose_lines(path.read_text()):
+        for target in _LINK.findall(_CODE_SPAN.sub("", line)):
+            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+                continue
+            file_part, _, anchor = target.partition("#")
+            dest = (path.parent / file_part).resolve() if file_part else path
+            where = f"{path.relative_to(root)}:{number}: {target}"
+            if not dest.is_relative_to(root.resolve()):
+                broken.append(f"{where} (outside the repository)")
+            elif not dest.exists():
+                broken.append(f"{where} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{where} (no heading with this anchor)")
+    return broken
+
+
+def test_every_relative_link_in_the_readme_and_docs_resolves():
+    found = pages(ROOT)
+    assert len(found) > 1, "docs/*.md missing"
+    broken = [b for page in found for b in broken_links(page, ROOT)]
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_docs_page_is_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text()
+    linked = {Path(t.partition("#")[0]).as_posix() for t in _LINK.findall(readme)}
+    unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in linked]
+    assert not unlinked, f"docs pages the README does not link: {unlinked}"
+
+
+def test_the_readme_stays_short():
+    """The README leads; the reference lives in docs/."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 300
+
+
+def test_the_checker_catches_a_missing_file_a_missing_anchor_and_an_escape(tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "topic.md").write_text("# Topic\n\n## Lory's similarity batching (`--x`)\n\n## Twice\n\n## Twice\n")
+    (tmp_path / "README.md").write_text(
+        "[ok](docs/topic.md#lorys-similarity-batching---x) [again](docs/topic.md#twice-1) [web](https://x.org/a)\n"
+        "[gone](docs/nothing.md) [bad anchor](docs/topic.md#no-such-heading) [up](../outside.md)\n"
+        "`[in code](docs/nothing.md)`\n"
+        "```\n[in a fence](docs/nothing.md)\n```\n"
+        "[self](#also-missing)\n"
+    )
+    broken = broken_links(tmp_path / "README.md", tmp_path)
+    assert [b.split(": ", 1)[1] for b in broken] == [
+        "docs/nothing.md (no such file)",
+        "docs/topic.md#no-such-heading (no heading with this anchor)",
+        "../outside.md (outside the repository)",
+        "#also-missing (no heading with this anchor)",
+    ]
