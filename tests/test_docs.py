@@ -63,19 +63,24 @@ def broken_links(path: Path, root: Path) -> list[str]:
         one ``file:line: target (why)`` per broken link.
     """
     broken = []
-    for number, line in _prose_lines(path.read_text()):
-        for target in _LINK.findall(_CODE_SPAN.sub("", line)):
-            if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
-                continue
-            file_part, _, anchor = target.partition("#")
-            dest = (path.parent / file_part).resolve() if file_part else path
-            where = f"{path.relative_to(root)}:{number}: {target}"
-            if not dest.is_relative_to(root.resolve()):
-                broken.append(f"{where} (outside the repository)")
-            elif not dest.exists():
-                broken.append(f"{where} (no such file)")
-            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
-                broken.append(f"{where} (no heading with this anchor)")
+    # Fenced lines blanked and code spans emptied (keeping their newlines), so a link wrapped over two
+    # lines is still one link and its line number still counts from the top.
+    prose = dict(_prose_lines(path.read_text()))
+    text = "\n".join(prose.get(n, "") for n in range(1, max(prose, default=0) + 1))
+    text = _CODE_SPAN.sub(lambda m: "\n" * m.group(0).count("\n"), text)
+    for match in _LINK.finditer(text):
+        target, number = match.group(1), text.count("\n", 0, match.start(1)) + 1
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, re.I):  # http:, https:, mailto:
+            continue
+        file_part, _, anchor = target.partition("#")
+        dest = (path.parent / file_part).resolve() if file_part else path
+        where = f"{path.relative_to(root)}:{number}: {target}"
+        if not dest.is_relative_to(root.resolve()):
+            broken.append(f"{where} (outside the repository)")
+        elif not dest.exists():
+            broken.append(f"{where} (no such file)")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{where} (no heading with this anchor)")
     return broken
 
 
@@ -88,7 +93,7 @@ def test_every_relative_link_in_the_readme_and_docs_resolves():
 
 def test_every_docs_page_is_linked_from_the_readme():
     readme = (ROOT / "README.md").read_text()
-    linked = {Path(t.partition("#")[0]).as_posix() for t in _LINK.findall(readme)}
+    linked = {t.partition("#")[0] for t in _LINK.findall(readme)}
     unlinked = [p.name for p in sorted((ROOT / "docs").glob("*.md")) if f"docs/{p.name}" not in linked]
     assert not unlinked, f"docs pages the README does not link: {unlinked}"
 
@@ -106,7 +111,7 @@ def test_the_checker_catches_a_missing_file_a_missing_anchor_and_an_escape(tmp_p
         "[gone](docs/nothing.md) [bad anchor](docs/topic.md#no-such-heading) [up](../outside.md)\n"
         "`[in code](docs/nothing.md)`\n"
         "```\n[in a fence](docs/nothing.md)\n```\n"
-        "[self](#also-missing)\n"
+        "[self](#also-missing) [wrapped over\ntwo lines](docs/gone.md)\n"
     )
     broken = broken_links(tmp_path / "README.md", tmp_path)
     assert [b.split(": ", 1)[1] for b in broken] == [
@@ -114,4 +119,6 @@ def test_the_checker_catches_a_missing_file_a_missing_anchor_and_an_escape(tmp_p
         "docs/topic.md#no-such-heading (no heading with this anchor)",
         "../outside.md (outside the repository)",
         "#also-missing (no heading with this anchor)",
+        "docs/gone.md (no such file)",
     ]
+    assert broken[-1].startswith("README.md:8: ")  # the line where the target is
