@@ -502,6 +502,7 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
         "overrides": list(cfg.overrides),
         "family": cfg.family,
         "confirm": cfg.confirm,
+        **_hypotheses_json(cfg.confirm),
         "wall_seconds_this_invocation": round(elapsed, 1),
         "this_invocation": {k: len(v) for k, v in outcome.items()},
         "cost": _cost(cfg),
@@ -511,6 +512,11 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
     lines = [render(t, "md") for t in tables]
     lines.append(f"Tables and plots in {cfg.out_dir}/; wall time of this invocation {elapsed / 60:.1f} min.")
     return "\n".join(lines)
+
+
+def _hypotheses_json(confirm: bool) -> dict[str, Any]:
+    """A confirmatory study's summary records the hypotheses it tested (its write-up reads them from there)."""
+    return {"hypotheses": [dataclasses.asdict(h) for h in HYPOTHESES]} if confirm else {}
 
 
 def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None = None) -> str:
@@ -549,7 +555,7 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
         raise ReproError(f"{path}: runs on the screen's seeds {reused} cannot confirm what they suggested")
     tables = build_tables(results, results.cells, family=family, confirm=confirm)
     write_tables(tables, out_dir)
-    summary.update(family=family, confirm=confirm,
+    summary.update(family=family, confirm=confirm, **_hypotheses_json(confirm),
                    tables_rebuilt_by=f"{COMMAND} --tables-only --out {out_dir} --family {family}"
                    + (" --confirm" if confirm else ""),
                    results=results_to_json(results, reference=REFERENCE, switch=SWITCH, family=family))

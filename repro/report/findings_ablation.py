@@ -23,6 +23,7 @@ from repro.report.prose import (
     num,
     page,
     paired_family,
+    paired_tests,
     plots,
     verdict,
 )
@@ -191,6 +192,43 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
         command, findings, [t for t in tables if t.is_file()], plots(directory),
     )
     return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief)))
+
+
+def confirm(directory: Path) -> Writeup:
+    """``results/dirmoe-ablation-confirm``: the hypotheses its summary records, stated before its seeds were run,
+    tested on those seeds alone (one Holm family: the hypotheses)."""
+    s = load_json(directory / "summary.json")
+    results, seeds = s["results"], s.get("seeds", [])
+    hypotheses = [h for h in s.get("hypotheses", []) if h["cell"] in results and h["versus"] in results]
+    family = paired_tests({
+        i: (_values(results, h["versus"], h["key"]), _values(results, h["cell"], h["key"])) for i, h in enumerate(hypotheses)
+    })
+    findings = [
+        f"Hypotheses stated from the screens (seeds 1-6) before these seeds ({', '.join(map(str, seeds))}) were run, "
+        f"tested on them alone: paired t-tests over the seeds, Holm-adjusted over the {len(family)} hypotheses."
+    ]
+    for i, h in enumerate(hypotheses):
+        if i in family:
+            p = family[i]
+            findings.append(
+                f"Hypothesis \"{h['claim']}\" ({h['key']}, {h['cell']} minus {h['versus']}): {num(p.mean, '.3f')} "
+                f"[{num(p.low, '.3f')}, {num(p.high, '.3f')}], {verdict(p)}."
+            )
+    cost = s.get("cost", {})
+    if cost.get("cpu_seconds_measured_runs"):
+        findings.append(
+            f"Cost: {num(cost['cpu_seconds_measured_runs'], '.0f')} CPU-seconds for the {cost.get('runs_measured')} "
+            f"of {cost.get('runs')} runs whose workers were timed."
+        )
+    command = (
+        f"python -m repro ablation --confirm --cells {','.join(results)} --seeds {','.join(map(str, seeds))} "
+        f"--steps {s.get('steps')} --out results/{directory.name}"
+    )
+    tables = [directory / f"{t}.md" for t in ("ablation_confirm", "ablation", "ablation_differences")]
+    readme = page(f"DirMoE ablation, confirmatory: {len(results)} cells x {len(seeds)} new seeds", command, findings,
+                  [t for t in tables if t.is_file()], plots(directory))
+    return Writeup(directory.name, readme, "\n".join([*(f"- {f}" for f in findings[1:len(hypotheses) + 1]),
+                                                      f"- {link(directory.name)}"]))
 
 
 def _block(results: dict[str, Any], study: str, brief: bool) -> list[str]:

@@ -66,10 +66,6 @@ def paired_family(
 ) -> dict[str, Paired]:
     """Each of ``others`` against ``reference`` over their shared seeds, Holm-adjusted over ``others``.
 
-    The one place the write-ups call the statistics of :mod:`repro.report.stats` (for the differences the
-    results files do not hold, such as one cell against another); the numbers the files hold are read, not
-    recomputed.
-
     Args:
         reference: seed -> value of the reference.
         others: name -> (seed -> value), the family of comparisons.
@@ -77,17 +73,33 @@ def paired_family(
     Returns:
         name -> :class:`Paired` (a name with fewer than two shared seeds is left out).
     """
+    return paired_tests({name: (reference, values) for name, values in others.items()})
+
+
+def paired_tests(pairs: Mapping[str, tuple[Mapping[str, float], Mapping[str, float]]]) -> dict[str, Paired]:
+    """Each pair ``(reference, other)`` compared over its shared seeds, Holm-adjusted over all the pairs.
+
+    The one place the write-ups call the statistics of :mod:`repro.report.stats` (for the differences the
+    results files do not hold, such as one cell against another); the numbers the files hold are read, not
+    recomputed.
+
+    Args:
+        pairs: name -> (seed -> reference value, seed -> other value); the family.
+
+    Returns:
+        name -> :class:`Paired`, ``other - reference`` (a pair with fewer than two shared seeds is left out).
+    """
     from repro.report.stats import holm, mean_ci, paired_t_test
 
     tests: dict[str, tuple[Paired, float | None]] = {}
-    for name, values in others.items():
+    for name, (reference, values) in pairs.items():
         shared = sorted(set(reference) & set(values))
         if len(shared) < 2:
             continue
         ref, oth = [reference[s] for s in shared], [values[s] for s in shared]
         test = paired_t_test(ref, oth)
-        # A constant non-zero difference has t = inf: the test is undefined there, not significant.
-        p = test.p_value if math.isfinite(test.statistic) else None
+        # A constant difference has no spread: the test is undefined there, not significant.
+        p = test.p_value if test.defined else None
         ci = mean_ci([b - a for a, b in zip(ref, oth)])
         tests[name] = (Paired(ci.estimate, ci.low, ci.high, p, None, len(shared), sum(b < a for a, b in zip(ref, oth))), p)
     defined = [name for name, (_, p) in tests.items() if p is not None]

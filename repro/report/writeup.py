@@ -38,6 +38,7 @@ def studies() -> dict[str, Callable[[Path], Writeup]]:
         "mini-seeds": findings.mini_seeds,
         "dirmoe-ablation": findings_ablation.screen,
         "dirmoe-ablation-6seeds": findings_ablation.ablation,
+        "dirmoe-ablation-confirm": findings_ablation.confirm,
         "bench": findings.bench,
     }
 
