@@ -121,7 +121,7 @@ def test_a_broken_entry_point_is_one_clear_error(tmp_path):
     (info / "entry_points.txt").write_text("[dirmoe_bench.routers]\nbad = no_such_module_anywhere\n")
     code = "import routers; routers.available_routers()"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     assert "router entry point 'bad = no_such_module_anywhere' (dirmoe_bench.routers) failed to import" in proc.stderr
 
