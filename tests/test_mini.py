@@ -71,18 +71,19 @@ def test_check_passes_against_itself_and_fails_when_nudged(comparison, tmp_path,
     assert check_main([str(tmp_path / "record.json"), "--against", str(record)], prog="check") == 1
 
 
-def test_a_run_directory_it_did_not_create_is_refused_not_deleted(tmp_path):
+def test_a_run_directory_it_did_not_create_is_refused_not_deleted(tmp_path, mini_pile):
     foreign = tmp_path / "runs" / "switch"
     foreign.mkdir(parents=True)
     (foreign / "precious.txt").write_text("keep me")
-    argv = ["--runs", "switch", "--steps", "2", "--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "runs"),
+    # the refusal comes after the data and the tasks are ready: the shared mini-pile, not a build of its own
+    argv = ["--runs", "switch", "--steps", "2", "--data-dir", str(mini_pile), "--work-dir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "out")]
     with pytest.raises(ReproError, match="exists and was not created by the mini comparison"):
         mini.main(argv)
     assert (foreign / "precious.txt").read_text() == "keep me"
 
 
-def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path):
+def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path, mini_pile):
     """A stale run directory of this command is replaced only once no other one is foreign."""
     runs = tmp_path / "runs"
     (runs / "dirmoe").mkdir(parents=True)
@@ -90,7 +91,7 @@ def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path):
     (runs / "dirmoe" / "stale.txt").write_text("an unfinished run")
     (runs / "switch").mkdir()
     (runs / "switch" / "precious.txt").write_text("keep me")
-    argv = ["--runs", "dirmoe,switch", "--steps", "2", "--data-dir", str(tmp_path / "data"), "--work-dir", str(runs),
+    argv = ["--runs", "dirmoe,switch", "--steps", "2", "--data-dir", str(mini_pile), "--work-dir", str(runs),
             "--out", str(tmp_path / "out")]
     with pytest.raises(ReproError, match="switch: exists and was not created by the mini comparison"):
         mini.main(argv)
