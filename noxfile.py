@@ -57,9 +57,18 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (CPU, a few minutes)."""
+    """Run the test suite (CPU, a few minutes) on every core (pytest-xdist, a test file per worker at a time)."""
     _install(session, "dev,eval,tensorboard")  # tensorboard: the events test reads them back with its own reader
-    session.run("pytest", *(session.posargs or ["-q"]), env=OFFLINE_ENV)
+    # --dist loadfile: a file's module-scoped fixtures (trained runs, a mini comparison) are built once, in one
+    # worker. Arguments after -- come last: `nox -s tests -- -n 0 tests/test_data.py` runs one file serially.
+    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", *(session.posargs or ["-q"]), env=OFFLINE_ENV)
+
+
+def _test_workers() -> int:
+    """pytest-xdist workers: the cores this process may use (a container's CPU set, not the host's), at most 8
+    (each worker holds torch and megatron-core; the end-to-end files train several small models)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, min(cores, 8))
 
 
 @nox.session(name="tests-gpu", venv_backend="none")

@@ -394,8 +394,37 @@ def run_all(cfg: MiniConfig, runs: Sequence[str | tuple[str, int]], tasks_dir: P
         )
     for run, k in jobs:
         _prepare_run_dir(cfg, run, k)
+    jobs = longest_first(jobs, _previous_cpu_seconds(cfg))
     run_pool(run_one_timed, {cfg.run_id(run, k): (cfg, run, tasks_dir, k) for run, k in jobs},
              workers=cfg.workers, log_dir=Path(cfg.work_dir))
+
+
+def _previous_cpu_seconds(cfg: MiniConfig) -> dict[str, float]:
+    """run name -> its CPU seconds in the last comparison written to ``cfg.out_dir`` (its ``summary.json``; a
+    fresh clone has the published one), or nothing where there is none."""
+    try:
+        seconds = json.loads((Path(cfg.out_dir) / "summary.json").read_text())["run_cpu_seconds"]
+        return {str(run): float(value) for run, value in seconds.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def longest_first(jobs: Sequence[tuple[str, int]], cpu_seconds: Mapping[str, float]) -> list[tuple[str, int]]:
+    """The jobs of each seed (seeds still in order) longest first, by a previous run's CPU seconds.
+
+    The pool starts jobs in this order on its free workers: the last job to start is then a short one, so
+    the workers finish close together (a greedy longest-first schedule) instead of one of them training a
+    long run alone at the end. A run without a figure counts as the longest; ties keep the given order. The
+    order changes no run's result (each run is its own process with its own seed).
+
+    Args:
+        jobs: ``(run, seed_index)`` pairs.
+        cpu_seconds: run name (first seed) -> CPU seconds.
+
+    Returns:
+        The same pairs, reordered.
+    """
+    return sorted(jobs, key=lambda job: (job[1], -cpu_seconds.get(job[0], math.inf)))
 
 
 # -------------------------------------------------------------------------------------------- reporting

@@ -221,14 +221,16 @@ def test_unpaired_seeds_are_not_tested():
 
 # ------------------------------------------------------------------------------------------ end to end
 def _argv(root, *extra: str, work: str = "runs", out: str = "out", cells: str = CELLS, seeds: str = "1,2"):
+    # The data: the run's shared mini-pile (conftest), named in root/data-dir by the ``session`` fixture.
     argv = ["--cells", cells, "--seeds", seeds, "--steps", str(STEPS)]
-    argv += ["--data-dir", str(root / "data"), "--work-dir", str(root / work), "--out", str(root / out)]
+    argv += ["--data-dir", (root / "data-dir").read_text(), "--work-dir", str(root / work), "--out", str(root / out)]
     return [*argv, "--set", "validation.interval=3", "--set", "checkpoint.interval=3", *extra]
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
+def session(tmp_path_factory, mini_pile):
     root = tmp_path_factory.mktemp("ablation")
+    (root / "data-dir").write_text(str(mini_pile))
     assert ablation.main(_argv(root)) == 0
     return root
 

@@ -121,7 +121,7 @@ def test_a_broken_entry_point_is_one_clear_error(tmp_path):
     (info / "entry_points.txt").write_text("[dirmoe_bench.routers]\nbad = no_such_module_anywhere\n")
     code = "import routers; routers.available_routers()"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(REPO)]))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path)
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert proc.returncode != 0
     assert "router entry point 'bad = no_such_module_anywhere' (dirmoe_bench.routers) failed to import" in proc.stderr
 
@@ -139,10 +139,10 @@ def test_contract_suite_covers_the_installed_router(external_package):
 
 # Step 4: a first comparison run on the embedded default, beside Switch, with the tables.
 @pytest.mark.slow
-def test_mini_comparison_with_the_installed_router(external_package, tmp_path):
+def test_mini_comparison_with_the_installed_router(external_package, tmp_path, mini_pile):
     from repro import mini
 
-    argv = ["--runs", f"switch,{NAME}", "--steps", "6", "--eval-limit", "6", "--data-dir", str(tmp_path / "data"),
+    argv = ["--runs", f"switch,{NAME}", "--steps", "6", "--eval-limit", "6", "--data-dir", str(mini_pile),
             "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),
             "--set", "validation.interval=0", "--set", "checkpoint.interval=0"]
     assert mini.main(argv) == 0

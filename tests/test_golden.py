@@ -37,8 +37,8 @@ def test_the_comparison_flags_a_step_that_drifts(tmp_path):
 
 
 @pytest.mark.slow
-def test_fresh_runs_reproduce_the_golden_curves(tmp_path):
-    data = tmp_path / "mini-pile"
+def test_fresh_runs_reproduce_the_golden_curves(tmp_path, mini_pile):
+    data = mini_pile
     fingerprint = golden.corpus_fingerprint(data)
     recorded = {golden.read_golden(router).data for router in golden.ROUTERS}
     if recorded != {fingerprint}:

@@ -16,10 +16,10 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def comparison(tmp_path_factory):
+def comparison(tmp_path_factory, mini_pile):
     root = tmp_path_factory.mktemp("mini")
     argv = ["--runs", "switch,dirmoe,lory,expert_choice,dirmoe+centered", "--steps", "8", "--eval-limit", "8"]
-    argv += ["--data-dir", str(root / "data"), "--work-dir", str(root / "runs"), "--out", str(root / "out")]
+    argv += ["--data-dir", str(mini_pile), "--work-dir", str(root / "runs"), "--out", str(root / "out")]
     argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
     assert mini.main(argv) == 0
     return root
@@ -71,18 +71,19 @@ def test_check_passes_against_itself_and_fails_when_nudged(comparison, tmp_path,
     assert check_main([str(tmp_path / "record.json"), "--against", str(record)], prog="check") == 1
 
 
-def test_a_run_directory_it_did_not_create_is_refused_not_deleted(tmp_path):
+def test_a_run_directory_it_did_not_create_is_refused_not_deleted(tmp_path, mini_pile):
     foreign = tmp_path / "runs" / "switch"
     foreign.mkdir(parents=True)
     (foreign / "precious.txt").write_text("keep me")
-    argv = ["--runs", "switch", "--steps", "2", "--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "runs"),
+    # the refusal comes after the data and the tasks are ready: the shared mini-pile, not a build of its own
+    argv = ["--runs", "switch", "--steps", "2", "--data-dir", str(mini_pile), "--work-dir", str(tmp_path / "runs"),
             "--out", str(tmp_path / "out")]
     with pytest.raises(ReproError, match="exists and was not created by the mini comparison"):
         mini.main(argv)
     assert (foreign / "precious.txt").read_text() == "keep me"
 
 
-def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path):
+def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path, mini_pile):
     """A stale run directory of this command is replaced only once no other one is foreign."""
     runs = tmp_path / "runs"
     (runs / "dirmoe").mkdir(parents=True)
@@ -90,7 +91,7 @@ def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path):
     (runs / "dirmoe" / "stale.txt").write_text("an unfinished run")
     (runs / "switch").mkdir()
     (runs / "switch" / "precious.txt").write_text("keep me")
-    argv = ["--runs", "dirmoe,switch", "--steps", "2", "--data-dir", str(tmp_path / "data"), "--work-dir", str(runs),
+    argv = ["--runs", "dirmoe,switch", "--steps", "2", "--data-dir", str(mini_pile), "--work-dir", str(runs),
             "--out", str(tmp_path / "out")]
     with pytest.raises(ReproError, match="switch: exists and was not created by the mini comparison"):
         mini.main(argv)
@@ -108,18 +109,18 @@ def test_an_output_directory_of_another_command_is_refused_before_any_work(tmp_p
     assert (other / "summary.json").read_text() == '{"another": "command"}' and not (tmp_path / "data").exists()
 
 
-def test_reruns_reuse_finished_runs(comparison, capsys):
-    argv = ["--runs", "switch", "--steps", "8", "--eval-limit", "8", "--data-dir", str(comparison / "data")]
+def test_reruns_reuse_finished_runs(comparison, mini_pile, capsys):
+    argv = ["--runs", "switch", "--steps", "8", "--eval-limit", "8", "--data-dir", str(mini_pile)]
     argv += ["--work-dir", str(comparison / "runs"), "--out", str(comparison / "out2")]
     argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
     assert mini.main(argv) == 0
     assert "reusing finished runs: switch" in capsys.readouterr().out
 
 
-def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, capsys):
+def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, mini_pile, capsys):
     first = (comparison / "runs" / "switch" / "record.json").read_bytes()
     argv = ["--runs", "switch,dirmoe", "--steps", "8", "--eval-limit", "8", "--seeds", "2"]
-    argv += ["--data-dir", str(comparison / "data"), "--work-dir", str(comparison / "runs"), "--out", str(comparison / "out3")]
+    argv += ["--data-dir", str(mini_pile), "--work-dir", str(comparison / "runs"), "--out", str(comparison / "out3")]
     argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
     assert mini.main(argv) == 0
     printed = capsys.readouterr().out
@@ -139,8 +140,21 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, c
     assert sorted(summary["trained_runs"]) == ["dirmoe-s1", "switch-s1"]
 
 
+def test_jobs_start_longest_first_seed_by_seed(tmp_path):
+    jobs = [("dense", 0), ("hash", 0), ("dirmoe", 0), ("new", 0), ("dense", 1), ("hash", 1), ("dirmoe", 1)]
+    seconds = {"dense": 120.0, "dirmoe": 170.0, "hash": 150.0}
+    assert mini.longest_first(jobs, seconds) == [
+        ("new", 0), ("dirmoe", 0), ("hash", 0), ("dense", 0), ("dirmoe", 1), ("hash", 1), ("dense", 1)]
+    assert mini.longest_first(jobs, {}) == jobs  # no figures: the given order
+    # the figures come from the last comparison's summary in --out; none there (or unreadable): none
+    cfg = mini.MiniConfig(runs=("dense",), out_dir=str(tmp_path))
+    assert mini._previous_cpu_seconds(cfg) == {}
+    (tmp_path / "summary.json").write_text(json.dumps({"run_cpu_seconds": seconds}))
+    assert mini._previous_cpu_seconds(cfg) == seconds
+
+
 def test_bad_arguments_are_one_line_errors():
-    with pytest.raises(ReproError, match="unknown run.*valid: dense, dirmoe, "):
+    with pytest.raises(ReproError, match="unknown run.*valid: dense, auxfree, dirmoe, "):
         mini.main(["--runs", "nope"])
     with pytest.raises(ReproError, match="Key .stepz. not in .RunConfig."):
         mini.main(["--set", "stepz=3"])

@@ -51,8 +51,14 @@ def _start(out: Path, torchrun: bool) -> subprocess.Popen:
 def _wait_for_first_step(proc: subprocess.Popen, out: Path) -> None:
     deadline = time.monotonic() + 300
     while not (out / "log.jsonl").is_file() or not (out / "log.jsonl").read_text():
-        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        assert proc.poll() is None and time.monotonic() < deadline, _stop(proc)
         time.sleep(0.02)
+
+
+def _stop(proc: subprocess.Popen) -> tuple[str, str]:
+    """The output of a process that ended or ran past its deadline (killed first: never a wait without end)."""
+    proc.kill()
+    return proc.communicate(timeout=60)
 
 
 def _checkpoint_at_the_step_reached(out: Path, stderr: str) -> int:

@@ -33,9 +33,9 @@ def _train_tiny(run_dir: Path, data_dir: Path, steps: int = 2) -> None:
 
 
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory):
+def run_dir(tmp_path_factory, mini_pile):
     root = tmp_path_factory.mktemp("zero-shot")
-    _train_tiny(root / "run", root / "mini-pile")
+    _train_tiny(root / "run", mini_pile)
     yield root / "run"
     from repro.model.parallel import destroy_distributed
 
