@@ -8,7 +8,7 @@ load-balancing loss on DirMoE and take it off Switch, and Switch as is gives the
 1. Build (or reuse) the mini-pile.
 2. Train every (cell, seed) in a pool of worker processes (:func:`repro.mini.run_pool`: two at a time, one
    thread each, a fresh process per run) and write its run record. No zero-shot evaluation: the question is
-   the routing, and at this scale the zero-shot differences are within noise (README, mini results).
+   the routing, and at this scale the zero-shot differences are within noise (results/mini/README.md).
 3. From the training logs, per run: the end-of-run routing (per-layer load imbalance, per-layer imbalance
    of the routing-weight mass, active experts, Simpson index of r and of theta, fallback share; each the
    mean over the last ``final_fraction`` of the steps) and the losses (validation loss at the last step,
@@ -42,7 +42,7 @@ killed invocation or a re-run would distort.
 Choices (each with its reason):
 
 1. **Run length 600 steps**, the length of the users' findings and of ``nox -s mini``: a shorter run would
-   compress every DirMoE schedule (they span the run) and change the question. Cost: measured, README.
+   compress every DirMoE schedule (they span the run) and change the question. Cost: measured, results/dirmoe-ablation/README.md.
 2. **End-of-run window**: the routing metrics are averaged over the last tenth of the steps (60 rows at 600
    steps): per-step load imbalance is noisy (one micro-batch of 512 tokens), the end state is what the
    findings are about, and the same window is used for every cell. The LM loss uses the same window.

@@ -12,7 +12,7 @@ CPU). Outputs in ``--out``::
     efficiency.md|csv|tex   the efficiency table (with --published: the papers' rows beside)
     summary.json       iteration time min/median/max per run, ratios to Switch, the settings and the command
 
-Example (one H100, only torch and the carried wheels installed; README "Efficiency on any number of GPUs")::
+Example (one H100, only torch and the carried wheels installed; docs/efficiency.md, "Efficiency on any number of GPUs")::
 
     python -m repro efficiency --published --out runs/efficiency-h100
     python -m repro efficiency --gpus 8 --router dirmoe,switch --out runs/efficiency-8gpu

@@ -216,7 +216,7 @@ D=768, went from 83 / 65 ms to 42 / 50 ms (Switch: 10.7 / 10.3 ms), but at the t
 (T=512, D=128) only from 5.0 / 5.3 to 4.3 / 4.8 ms, and a tiny-model iteration not at all (210 ms eager,
 222 ms compiled, Switch 200 ms), while compiling costs one to two minutes per process. On a GPU, where the eager
 maths is a string of small kernels, the fusion is expected to pay; ``python -m repro efficiency`` measures it
-there (README, "Efficiency on any number of GPUs").
+there (docs/efficiency.md, "Efficiency on any number of GPUs").
 
 Metrics (all detached; ``[E]`` marks per-expert vectors)
 --------------------------------------------------------

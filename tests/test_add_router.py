@@ -1,4 +1,4 @@
-"""The README's "Adding a router" walkthrough: one file in a package of the user's own, one entry point, and
+"""The "Adding a router" walkthrough of docs/routers.md: one file in a package of the user's own, one entry point, and
 the contract suite and the comparison come for free, without editing this repository.
 
 The package is written to a temporary directory outside the repository and made importable the way an
@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 NAME = "plain_topk"
 
 # Step 1: one file with a frozen config and the router (here: softmax top-k with no load balancing). This
-# is the README's example, verbatim.
+# is the example of docs/routers.md ("Adding a router"), verbatim.
 ROUTER_FILE = '''\
 from dataclasses import dataclass
 

@@ -1,6 +1,6 @@
 """A run directory: its files, its lock, and what a command may do with it.
 
-Rules (the README's "What happens when things go wrong" states them for users):
+Rules (docs/failures.md, "What happens when things go wrong", states them for users):
 
 * A fresh run needs a new or empty directory (hidden entries such as ``.lock`` aside); a directory that
   holds a run is continued only with ``--resume``, and one that holds other files is refused. Nothing in
