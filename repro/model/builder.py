@@ -268,7 +268,7 @@ def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> To
 def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, options: TorchBackendOptions | None):
     """The local layer spec with the torch backend's SDPA core attention and, for MoE flavours except routers
     with their own MoE layer (Lory's merges SequentialMLP parameters), its grouped-GEMM experts."""
-    from repro.model.backends import torch_core_attention_builder, torch_experts_spec
+    from repro.model.torch_backend import torch_core_attention_builder, torch_experts_spec
 
     attention = spec.submodules.self_attention
     attention = dataclasses.replace(
