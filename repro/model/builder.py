@@ -56,8 +56,7 @@ import torch.nn.functional as F
 
 from repro.model.backends import BACKENDS, TorchBackendOptions, resolve_backend, te_available
 from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
-from repro.model.flavours import ModelFlavour, get_flavour
-from repro.training.config import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
+from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS, ModelFlavour, get_flavour
 
 __all__ = [
     "BACKENDS",

@@ -36,15 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from repro.errors import ReproError
+from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
 
-#: megatron-core's own TopKRouter, offered by the model builder under this name (a reference for Switch).
-MEGATRON_ROUTER = "megatron"
-#: Options of the ``megatron`` router -> the megatron-core TransformerConfig field each sets.
-MEGATRON_ROUTER_OPTIONS: dict[str, str] = {
-    "aux_loss_coeff": "moe_aux_loss_coeff",
-    "z_loss_coeff": "moe_z_loss_coeff",
-    "capacity_factor": "moe_expert_capacity_factor",
-}
 #: Data sources besides ``pile:<prefix>`` / ``indexed:<prefix>`` / ``mini-pile:<dir>``.
 DATA_CHOICES: tuple[str, ...] = ("synthetic", "mini-pile")
 
