@@ -390,6 +390,18 @@ class RunConfig:
                 options["schedule_steps"] = self.schedule.steps
         return options
 
+    def model_kwargs(self) -> dict[str, Any]:
+        """What the run hands :func:`repro.model.builder.build_model` besides the vocabulary, the sequence
+        length and the precision (training builds the model from it, and evaluation rebuilds it alike)."""
+        return dict(
+            flavour=self.model.flavour_config(),
+            router_name=self.router.name,
+            router_options=self.router_options() if self.router.name else None,
+            backend=self.model.backend,
+            backend_options=self.model.backend_options,
+            seed=self.seed,
+        )
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""
         return dataclasses.asdict(self)

@@ -122,17 +122,7 @@ def build_model_for(config: RunConfig, vocab_size: int, precision: Precision) ->
     from repro.model.builder import build_model
 
     try:
-        return build_model(
-            config.model.flavour_config(),
-            router_name=config.router.name,
-            router_options=config.router_options() if config.router.name else None,
-            vocab_size=vocab_size,
-            seq_length=config.seq_length,
-            bf16=precision.bf16,
-            backend=config.model.backend,
-            backend_options=config.model.backend_options,
-            seed=config.seed,
-        )
+        return build_model(**config.model_kwargs(), vocab_size=vocab_size, seq_length=config.seq_length, bf16=precision.bf16)
     except (ValueError, TypeError) as exc:
         raise ReproError(f"experiment '{config.name}': cannot build the model: {exc}") from None
 
