@@ -5,6 +5,7 @@
   those under ``if TYPE_CHECKING:``, since each of them says one module needs the other. An edge goes to
   the module a statement names (``from pkg import mod`` counts ``pkg.mod`` when it is a module, else
   ``pkg``); the parent packages that Python imports on the way are not counted as edges.
+- No import from a lower layer to one above it (:data:`LOWER_LAYERS`).
 - No source file over ``MAX_FILE_LINES`` lines and no function over ``MAX_FUNCTION_LINES`` lines.
 
 ``python tests/test_layout.py`` prints the cycles, the largest file and the longest function.
@@ -162,6 +163,29 @@ def test_no_import_cycles_between_modules():
     graph = import_graph()
     assert "repro.training.trainer" in graph and graph["repro.training.trainer"], "the graph read nothing"
     assert cycles(graph) == []
+
+
+#: Packages -> the project packages they must not import: the routers stand alone, and the model and the
+#: data sit below training, evaluation and the reports.
+LOWER_LAYERS = {
+    "routers": ("repro",),
+    "baselines": ("repro",),
+    "repro.model": ("repro.training", "repro.evaluation", "repro.report"),
+    "repro.data": ("repro.model", "repro.training", "repro.evaluation", "repro.report"),
+}
+
+
+def test_lower_layers_import_nothing_above_them():
+    graph = import_graph()
+    upward = sorted(
+        f"{module} -> {target}"
+        for module, targets in graph.items()
+        for layer, above in LOWER_LAYERS.items()
+        if module == layer or module.startswith(layer + ".")
+        for target in targets
+        if any(target == a or target.startswith(a + ".") for a in above)
+    )
+    assert upward == []
 
 
 def test_no_file_over_the_line_bound():
