@@ -83,6 +83,8 @@ class AuxFreeRouter(Router):
     """
 
     Config = AuxFreeConfig
+    # The bias moves by steps of 1e-3, which vanish in bf16.
+    fp32_buffers = ("expert_bias", "tokens_per_expert")
 
     def __init__(self, config: AuxFreeConfig) -> None:
         super().__init__(config)
@@ -98,17 +100,6 @@ class AuxFreeRouter(Router):
             RoutingKind.EXACT_K, cfg.top_k, cfg.top_k, top_k=cfg.top_k,
             probs_sum_to_one=cfg.top_k > 1 and cfg.topk_scaling_factor in (None, 1.0),
         )
-
-    def _apply(self, fn, recurse: bool = True):
-        """Keep the bias and the counts in float32 when the module is cast (``.bfloat16()``, megatron-core's
-        Float16Module), as megatron's ``_maintain_float32_expert_bias``: steps of 1e-3 vanish in bf16."""
-        fp32_buffers = {name: getattr(self, name) for name in ("expert_bias", "tokens_per_expert")}
-        result = super()._apply(fn, recurse)
-        for name, before in fp32_buffers.items():
-            after = getattr(self, name)
-            if after.dtype != torch.float32:
-                setattr(self, name, before.to(device=after.device, dtype=torch.float32))
-        return result
 
     def route(
         self,

@@ -79,6 +79,8 @@ class ReMoERouter(Router):
     """
 
     Config = ReMoEConfig
+    # lambda is multiplied by 1.2 every step and must not be rounded to bf16.
+    fp32_buffers = ("l1_coeff", "sparsity_sum")
 
     def __init__(self, config: ReMoEConfig) -> None:
         super().__init__(config)
@@ -93,17 +95,6 @@ class ReMoERouter(Router):
     @property
     def constraint(self) -> RoutingConstraint:
         return RoutingConstraint(RoutingKind.VARIABLE, 0, self.num_experts, top_k=self.top_k)
-
-    def _apply(self, fn, recurse: bool = True):
-        """Keep the schedule's buffers in float32 when the module is cast (``.bfloat16()``, megatron-core's
-        Float16Module): lambda is multiplied by 1.2 every step and must not be rounded to bf16."""
-        fp32_buffers = {name: getattr(self, name) for name in ("l1_coeff", "sparsity_sum")}
-        result = super()._apply(fn, recurse)
-        for name, before in fp32_buffers.items():
-            after = getattr(self, name)
-            if after.dtype != torch.float32:
-                setattr(self, name, before.to(device=after.device, dtype=torch.float32))
-        return result
 
     def route(
         self,

@@ -91,17 +91,6 @@ OUT_MARKER = ".efficiency-out"
 RUN_MARKER = ".efficiency-run"
 FORMATS = ("md", "csv", "tex")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
-#: Modules a run imports beyond torch and the suite (a GPU machine with only torch installs them from wheels).
-REQUIRED_MODULES: dict[str, str] = {
-    "megatron.core": "megatron-core==0.16.1",
-    "omegaconf": "omegaconf==2.4.0",
-    "zstandard": "zstandard",
-    "scipy": "scipy",
-    "numpy": "numpy",
-    "tabulate": "tabulate",
-    "tqdm": "tqdm",
-    "yaml": "pyyaml",
-}
 
 
 @dataclass(frozen=True)
@@ -342,29 +331,6 @@ def efficiency_config(router: str, flavour: str, **kwargs: Any):
 
 
 # ------------------------------------------------------------------------------------------ checks
-def check_requirements() -> None:
-    """Refuse, in one line, a machine that lacks a module a run imports (naming the packages to install).
-
-    Raises:
-        ReproError: missing modules.
-    """
-    import importlib.util
-
-    missing = []
-    for module, package in REQUIRED_MODULES.items():
-        try:
-            found = importlib.util.find_spec(module) is not None
-        except ModuleNotFoundError:  # a missing parent package
-            found = False
-        if not found:
-            missing.append(package)
-    if missing:
-        raise ReproError(
-            f"missing package(s) {', '.join(missing)}: install them (offline: pip install --no-index "
-            f"--find-links WHEEL_DIR {' '.join(missing)})"
-        )
-
-
 def _check_devices(devices: int, on_gpu: bool, gpu_count: int) -> None:
     if devices < 1:
         raise ReproError(f"--gpus must be >= 1, got {devices}")
@@ -620,14 +586,13 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
         from repro.report.costs import main as profile_main
 
         return profile_main(argv, f"{prog} --profile")
+    from repro.wheelhouse import check_requirements
+
     check_requirements()
     plan = parse(argv, prog)
     import torch
 
-    from repro.io_utils import write_json_atomic
-    from repro.report.efficiency import command_summary, command_table, summary_text
-    from repro.report.ledger import load_ledger
-    from repro.report.table_core import render, write_tables
+    from repro.report.efficiency import write_command_outputs
 
     on_gpu = torch.cuda.is_available()
     _prepare_dirs(plan)
@@ -657,16 +622,7 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
         state = f"FAILED ({errors[run.label]})" if run.label in errors else "done"
         print(f"  {run.label}: {state} in {wall[run.label]:.0f} s", flush=True)
 
-    summary = command_summary(plan, records, errors, wall, argv)
-    measured = [records[r.label] for r in plan.runs if r.label in records]
-    if measured:
-        table = command_table(plan, measured, summary, ledger=load_ledger() if plan.published else None)
-        for path in write_tables([table], plan.out_dir, plan.formats):
-            print(f"wrote {path}")
-        print("\n" + render(table, "md"))
-    write_json_atomic(Path(plan.out_dir) / "summary.json", summary)
-    print(summary_text(summary))
-    print(f"wrote {Path(plan.out_dir) / 'summary.json'}")
+    write_command_outputs(plan, records, errors, wall, argv)
     return 1 if errors else 0
 
 

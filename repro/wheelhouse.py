@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import importlib.util
 import json
 import re
 import zipfile
@@ -62,6 +63,18 @@ _LEGACY_MANYLINUX = {"manylinux2014": 17, "manylinux2010": 12, "manylinux1": 5}
 _MANYLINUX_RE = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
 _LEGACY_RE = re.compile(r"^(manylinux2014|manylinux2010|manylinux1)_(\w+)$")
 _SDIST_SUFFIXES = (".tar.gz", ".zip")
+#: Modules a run imports beyond torch and the suite: what a GPU machine with only torch installs from the
+#: wheelhouse (:func:`check_requirements` refuses a machine without them).
+REQUIRED_MODULES: dict[str, str] = {
+    "megatron.core": "megatron-core==0.16.1",
+    "omegaconf": "omegaconf==2.4.0",
+    "zstandard": "zstandard",
+    "scipy": "scipy",
+    "numpy": "numpy",
+    "tabulate": "tabulate",
+    "tqdm": "tqdm",
+    "yaml": "pyyaml",
+}
 
 
 def is_excluded(name: str, present: Iterable[str] = ()) -> bool:
@@ -432,3 +445,26 @@ def manifest(
 def write_json(path: str | Path, data: Mapping) -> None:
     """Write ``data`` as indented JSON (the wheelhouse manifest)."""
     Path(path).write_text(json.dumps(data, indent=2) + "\n")
+
+
+def check_requirements() -> None:
+    """Refuse, in one line, a machine that lacks a module a run imports (naming the packages to install).
+
+    Raises:
+        ReproError: missing modules.
+    """
+    missing = []
+    for module, package in REQUIRED_MODULES.items():
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:  # a missing parent package
+            found = False
+        if not found:
+            missing.append(package)
+    if missing:
+        from repro.errors import ReproError
+
+        raise ReproError(
+            f"missing package(s) {', '.join(missing)}: install them (offline: pip install --no-index "
+            f"--find-links WHEEL_DIR {' '.join(missing)})"
+        )

@@ -151,6 +151,9 @@ class Router(nn.Module):
     #: The router merges the experts' parameters instead of dispatching tokens (Lory): one merged FFN per
     #: token, so its compute is one expert's whatever its map says. Must agree with ``constraint.kind``.
     merges_experts: ClassVar[bool] = False
+    #: Buffers kept in float32 when the module is cast (``.bfloat16()``, megatron-core's Float16Module), as
+    #: megatron's ``_maintain_float32_expert_bias``: schedules and statistics whose small steps bf16 would lose.
+    fp32_buffers: ClassVar[tuple[str, ...]] = ()
     collect_metrics: ClassVar[bool] = True
     #: Settings this router's experiments take beyond a scale's shared recipe, as dot-list overrides of the
     #: run config per scale (``"tiny"``, ``"185m"``; see ``repro.training.experiments``), e.g.
@@ -180,6 +183,16 @@ class Router(nn.Module):
             raise TypeError(f"{type(self).__name__} needs a {self.Config.__name__}, got {type(config).__name__}")
         self.config = config
         self.register_buffer("step", torch.zeros((), dtype=torch.long))
+
+    def _apply(self, fn, recurse: bool = True):
+        """Cast or move as ``nn.Module`` does, then put the :attr:`fp32_buffers` back in float32."""
+        kept = {name: getattr(self, name) for name in self.fp32_buffers}
+        result = super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if after.dtype != torch.float32:
+                setattr(self, name, before.to(device=after.device, dtype=torch.float32))
+        return result
 
     # ----------------------------------------------------------------- interface
     @property

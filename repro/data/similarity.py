@@ -56,8 +56,8 @@ overwritten (an error names them), and a build writes under temporary names and 
 when everything succeeded.
 
 The ordering (steps 1 and 2, and the chains of step 3) is in :mod:`repro.data.similarity_chains`, whose
-names are importable from here too; this module holds the options, the split, the cache and the derived
-dataset's files.
+names (and the options, :class:`SimilarityBatchingConfig`) are importable from here too; this module holds
+the split, the cache and the derived dataset's files.
 
 Command line (to build once before a multi-GPU run): ``python -m repro.data.similarity PREFIX [PREFIX...]``.
 """
@@ -86,7 +86,13 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, load_domain_index
-from repro.data.similarity_chains import chains_from_path, document_embeddings, greedy_path, nearest_neighbors
+from repro.data.similarity_chains import (  # noqa: F401 (re-exported)
+    SimilarityBatchingConfig,
+    chains_from_path,
+    document_embeddings,
+    greedy_path,
+    nearest_neighbors,
+)
 from repro.errors import ReproError
 
 FORMAT = 1
@@ -94,42 +100,6 @@ DEFAULT_SPLIT = "969,30,1"
 #: Suffixes of the files of a derived dataset besides ``.bin``/``.idx``.
 CHAINS_NPZ = ".chains.npz"
 MANIFEST_JSON = ".simbatch.json"
-#: megatron's index stores sequence lengths as int32.
-MAX_SEQUENCE_TOKENS = 2**31 - 1
-
-
-@dataclass(frozen=True)
-class SimilarityBatchingConfig:
-    """Options of similarity batching (every field is part of the cache key).
-
-    Args:
-        num_neighbors: k, the nearest neighbours retrieved per document.
-        embedding_dim: dimensions of the TF-IDF + truncated-SVD document vectors.
-        max_chain_tokens: a chain (one derived sequence) ends before it would exceed this many tokens; a
-            single longer document stays a chain of its own.
-        svd_fit_documents: documents (a seeded sample) the TF-IDF weights and the SVD are fitted on.
-        exact_search_max_documents: exact FAISS search up to this many documents, IVF above.
-        seed: seeds the SVD, the fitting sample, the minimum-degree tie-breaks and the chain order.
-    """
-
-    num_neighbors: int = 10
-    embedding_dim: int = 128
-    max_chain_tokens: int = 1 << 16
-    svd_fit_documents: int = 100_000
-    exact_search_max_documents: int = 200_000
-    seed: int = 1234
-
-    def __post_init__(self) -> None:
-        for name in ("num_neighbors", "embedding_dim", "max_chain_tokens", "svd_fit_documents",
-                     "exact_search_max_documents"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_chain_tokens > MAX_SEQUENCE_TOKENS:
-            raise ValueError(f"max_chain_tokens must be <= {MAX_SEQUENCE_TOKENS} (megatron's int32 lengths)")
-        if not 0 <= self.seed < 2**32:
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
-
-
 @dataclass(frozen=True)
 class SimilarityBatched:
     """A derived, similarity-batched indexed dataset (what :func:`build_similarity_dataset` returns).

@@ -3,14 +3,16 @@ document vectors, nearest neighbours, the greedy path over the neighbour graph, 
 
 These are steps 1 and 2 of :mod:`repro.data.similarity`'s docstring and the chains of its step 3, with its
 deviations 1, 2 and 4 (TF-IDF + SVD vectors instead of Contriever; FAISS exact or IVF search; the
-undirected graph and its seeded tie-breaks). The functions read documents and return arrays; the cache, the
-split and the derived dataset's files are :mod:`repro.data.similarity`'s, which re-exports these names.
+undirected graph and its seeded tie-breaks), and the options they take (:class:`SimilarityBatchingConfig`).
+The functions read documents and return arrays; the cache, the split and the derived dataset's files are
+:mod:`repro.data.similarity`'s, which re-exports these names.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,7 +20,40 @@ import numpy as np
 if TYPE_CHECKING:
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    from repro.data.similarity import SimilarityBatchingConfig
+#: megatron's index stores sequence lengths as int32.
+MAX_SEQUENCE_TOKENS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class SimilarityBatchingConfig:
+    """Options of similarity batching (every field is part of the cache key).
+
+    Args:
+        num_neighbors: k, the nearest neighbours retrieved per document.
+        embedding_dim: dimensions of the TF-IDF + truncated-SVD document vectors.
+        max_chain_tokens: a chain (one derived sequence) ends before it would exceed this many tokens; a
+            single longer document stays a chain of its own.
+        svd_fit_documents: documents (a seeded sample) the TF-IDF weights and the SVD are fitted on.
+        exact_search_max_documents: exact FAISS search up to this many documents, IVF above.
+        seed: seeds the SVD, the fitting sample, the minimum-degree tie-breaks and the chain order.
+    """
+
+    num_neighbors: int = 10
+    embedding_dim: int = 128
+    max_chain_tokens: int = 1 << 16
+    svd_fit_documents: int = 100_000
+    exact_search_max_documents: int = 200_000
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("num_neighbors", "embedding_dim", "max_chain_tokens", "svd_fit_documents",
+                     "exact_search_max_documents"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_chain_tokens > MAX_SEQUENCE_TOKENS:
+            raise ValueError(f"max_chain_tokens must be <= {MAX_SEQUENCE_TOKENS} (megatron's int32 lengths)")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
 
 # --------------------------------------------------------------------------------------- representation

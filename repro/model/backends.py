@@ -95,8 +95,6 @@ __all__ = [
     "offsets",
     "resolve_backend",
     "te_available",
-    "torch_core_attention_builder",
-    "torch_experts_spec",
 ]
 
 
@@ -333,34 +331,3 @@ def offsets(counts: list[int], device: torch.device) -> torch.Tensor:
         total += c
         ends.append(total)
     return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
-
-
-# --------------------------------------------------------------------------------------- specs
-def torch_core_attention_builder(options: TorchBackendOptions | None = None):
-    """The ``SelfAttentionSubmodules.core_attention`` builder of the torch backend.
-
-    Args:
-        options: the backend's options.
-
-    Returns:
-        A callable megatron calls with ``DotProductAttention``'s keyword arguments.
-    """
-    from repro.model.torch_backend import TorchSDPAttention
-
-    return functools.partial(TorchSDPAttention, options=options or TorchBackendOptions())
-
-
-def torch_experts_spec(options: TorchBackendOptions | None = None):
-    """The ``MoESubmodules.experts`` ModuleSpec of the torch backend.
-
-    Args:
-        options: the backend's options.
-
-    Returns:
-        ``ModuleSpec(module=TorchGroupedMLP, params={"options": options})``.
-    """
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from repro.model.torch_backend import TorchGroupedMLP
-
-    return ModuleSpec(module=TorchGroupedMLP, params={"options": options or TorchBackendOptions()})

@@ -56,8 +56,7 @@ import torch.nn.functional as F
 
 from repro.model.backends import BACKENDS, TorchBackendOptions, resolve_backend, te_available
 from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
-from repro.model.flavours import ModelFlavour, get_flavour
-from repro.training.config import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
+from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS, ModelFlavour, get_flavour
 
 __all__ = [
     "BACKENDS",
@@ -268,7 +267,7 @@ def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> To
 def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, options: TorchBackendOptions | None):
     """The local layer spec with the torch backend's SDPA core attention and, for MoE flavours except routers
     with their own MoE layer (Lory's merges SequentialMLP parameters), its grouped-GEMM experts."""
-    from repro.model.backends import torch_core_attention_builder, torch_experts_spec
+    from repro.model.torch_backend import torch_core_attention_builder, torch_experts_spec
 
     attention = spec.submodules.self_attention
     attention = dataclasses.replace(

@@ -21,6 +21,14 @@ from dataclasses import dataclass
 
 #: Megatron-LM pads the vocabulary to a multiple of this (times the tensor-parallel size).
 VOCAB_PAD_MULTIPLE = 128
+#: megatron-core's own TopKRouter, offered by the model builder under this name (a reference for Switch).
+MEGATRON_ROUTER = "megatron"
+#: Options of the ``megatron`` router -> the megatron-core TransformerConfig field each sets.
+MEGATRON_ROUTER_OPTIONS: dict[str, str] = {
+    "aux_loss_coeff": "moe_aux_loss_coeff",
+    "z_loss_coeff": "moe_z_loss_coeff",
+    "capacity_factor": "moe_expert_capacity_factor",
+}
 
 
 @dataclass(frozen=True)

@@ -3,11 +3,13 @@
 What they are, the kernel facts they rest on and their switchable defaults: see :mod:`repro.model.backends`.
 :class:`TorchGroupedMLP` replaces ``SequentialMLP`` as the MoE layer's ``experts`` submodule,
 :class:`TorchSDPAttention` replaces ``DotProductAttention`` as ``core_attention``; both keep the contract
-(constructor, forward, state-dict keys) of the module they replace.
+(constructor, forward, state-dict keys) of the module they replace. :func:`torch_experts_spec` and
+:func:`torch_core_attention_builder` are how :mod:`repro.model.builder` plugs them into a layer spec.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 
@@ -379,3 +381,28 @@ class TorchSDPAttention(MegatronModule):
         )
 
 
+# --------------------------------------------------------------------------------------- specs
+def torch_core_attention_builder(options: TorchBackendOptions | None = None):
+    """The ``SelfAttentionSubmodules.core_attention`` builder of the torch backend.
+
+    Args:
+        options: the backend's options.
+
+    Returns:
+        A callable megatron calls with ``DotProductAttention``'s keyword arguments.
+    """
+    return functools.partial(TorchSDPAttention, options=options or TorchBackendOptions())
+
+
+def torch_experts_spec(options: TorchBackendOptions | None = None):
+    """The ``MoESubmodules.experts`` ModuleSpec of the torch backend.
+
+    Args:
+        options: the backend's options.
+
+    Returns:
+        ``ModuleSpec(module=TorchGroupedMLP, params={"options": options})``.
+    """
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    return ModuleSpec(module=TorchGroupedMLP, params={"options": options or TorchBackendOptions()})

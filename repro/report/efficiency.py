@@ -284,7 +284,29 @@ def summary_text(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def write_command_outputs(
+    plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
+) -> None:
+    """Write and print what ``python -m repro efficiency`` leaves in ``plan.out_dir``: the table of the finished
+    runs in every format of ``plan.formats`` (:func:`command_table`) and ``summary.json``
+    (:func:`command_summary`, printed as :func:`summary_text`). Arguments as :func:`command_summary`."""
+    from repro.io_utils import write_json_atomic
+    from repro.report.ledger import load_ledger
+    from repro.report.table_core import render, write_tables
+
+    summary = command_summary(plan, records, errors, wall_s, argv)
+    measured = [records[r.label] for r in plan.runs if r.label in records]
+    if measured:
+        table = command_table(plan, measured, summary, ledger=load_ledger() if plan.published else None)
+        for path in write_tables([table], plan.out_dir, plan.formats):
+            print(f"wrote {path}")
+        print("\n" + render(table, "md"))
+    write_json_atomic(Path(plan.out_dir) / "summary.json", summary)
+    print(summary_text(summary))
+    print(f"wrote {Path(plan.out_dir) / 'summary.json'}")
+
+
 __all__ = [
     "command_summary", "command_table", "efficiency", "iteration_times_ms", "loss_curve", "routing", "summary_text",
-    "window",
+    "window", "write_command_outputs",
 ]

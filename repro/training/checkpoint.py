@@ -54,7 +54,6 @@ import pickle
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +65,7 @@ from repro.errors import ReproError
 from repro.io_utils import atomic_path, error_from_os_error, os_error_message
 from repro.training.checkpoint_data import (
     IDENTITY_FIELDS,
+    CheckpointInfo,
     capture_rng_state,
     check_identity,
     check_payload_identity,
@@ -81,7 +81,6 @@ __all__ = [
     "FORMAT_VERSION",
     "INCOMPLETE_DIR",
     "STEP_DIR",
-    "CheckpointInfo",
     "check_same_layout",
     "find_latest_checkpoint",
     "global_model_state",
@@ -95,6 +94,7 @@ __all__ = [
     "step_dir_name",
     # the plain data of a checkpoint (repro.training.checkpoint_data), re-exported
     "IDENTITY_FIELDS",
+    "CheckpointInfo",
     "capture_rng_state",
     "check_identity",
     "check_plain_data",
@@ -111,31 +111,6 @@ _OWN_ENTRY = re.compile(r"^(meta\.json|rank_\d{5,}\.pt|rank_\d{5,}\.pt\.sha256|\
 # megatron's SequentialMLP names experts ``...experts.local_experts.<i>.``; TEGroupedMLP ``...weight<i>``.
 _SEQUENTIAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
-
-
-@dataclass(frozen=True)
-class CheckpointInfo:
-    """What ``meta.json`` of one checkpoint says.
-
-    Args:
-        path: the checkpoint directory.
-        step: completed optimizer steps.
-        consumed_samples: training samples consumed by all ranks together.
-        layout: ``{"world_size", "dp", "tp", "ep"}`` of the run that wrote it.
-        experiment: the experiment config (:meth:`Experiment.to_dict`).
-        files: per-rank file names, indexed by global rank.
-        sha256: each rank file's digest, by file name.
-        identity: what defines the model that wrote it (:func:`run_identity`).
-    """
-
-    path: Path
-    step: int
-    consumed_samples: int
-    layout: dict[str, int]
-    experiment: dict[str, Any]
-    files: tuple[str, ...]
-    sha256: dict[str, str] = field(default_factory=dict)
-    identity: dict[str, Any] = field(default_factory=dict)
 
 
 def step_dir_name(step: int) -> str:

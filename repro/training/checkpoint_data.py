@@ -1,7 +1,8 @@
-"""The plain data of a checkpoint besides the weights: the run's identity, RNG states, the plain-data check
-and file digests (see :mod:`repro.training.checkpoint` for the layout and the format these serve; its
-names are importable from there too).
+"""The plain data of a checkpoint besides the weights: its ``meta.json``, the run's identity, RNG states,
+the plain-data check and file digests (see :mod:`repro.training.checkpoint` for the layout and the format
+these serve; its names are importable from there too).
 
+- :class:`CheckpointInfo`: what a checkpoint's ``meta.json`` says.
 - :func:`run_identity`: what defines the model a checkpoint's weights belong to (router, its options,
   flavour, ...), read from the run config by :data:`IDENTITY_FIELDS`, recorded in ``meta.json`` and in
   every rank file; :func:`check_identity` and :func:`check_payload_identity` refuse a checkpoint, or a
@@ -21,8 +22,9 @@ import os
 import random
 from collections import Counter, OrderedDict
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,8 +32,31 @@ from torch import nn
 
 from repro.errors import ReproError
 
-if TYPE_CHECKING:
-    from repro.training.checkpoint import CheckpointInfo
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """What ``meta.json`` of one checkpoint says.
+
+    Args:
+        path: the checkpoint directory.
+        step: completed optimizer steps.
+        consumed_samples: training samples consumed by all ranks together.
+        layout: ``{"world_size", "dp", "tp", "ep"}`` of the run that wrote it.
+        experiment: the experiment config (:meth:`Experiment.to_dict`).
+        files: per-rank file names, indexed by global rank.
+        sha256: each rank file's digest, by file name.
+        identity: what defines the model that wrote it (:func:`run_identity`).
+    """
+
+    path: Path
+    step: int
+    consumed_samples: int
+    layout: dict[str, int]
+    experiment: dict[str, Any]
+    files: tuple[str, ...]
+    sha256: dict[str, str] = field(default_factory=dict)
+    identity: dict[str, Any] = field(default_factory=dict)
+
 
 # --------------------------------------------------------------------------------------- identity
 # identity key -> its path in the run config (repro.training.config.RunConfig.to_dict()). What defines the

@@ -8,7 +8,8 @@
   :meth:`Checkpointer.ensure_saved`, when a signal stops the run: :mod:`repro.training.preemption`).
 
 A component is any object with ``after_step(trainer, row) -> row`` and ``close()``; they run in the order
-the trainer holds them (validation first, so the logged row carries the validation loss).
+the trainer holds them (validation first, so the logged row carries the validation loss). What a component
+may read and set of the trainer is :class:`TrainerState`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -27,7 +28,31 @@ from repro.training.log import LogRow, write_row
 from repro.training.synthetic import MicroBatchSampler, collate
 
 if TYPE_CHECKING:
-    from repro.training.trainer import Trainer
+    from repro.training.config import RunConfig
+    from repro.training.distributed import Parallel
+    from repro.training.lr_schedule import LRScheduler
+    from repro.training.run_dir import RunPaths
+
+
+class TrainerState(Protocol):
+    """What the components read and set of the trainer they serve (:class:`repro.training.trainer.Trainer`
+    has it all): declared here, below the trainer, so that the trainer imports its components and not the
+    other way round."""
+
+    config: RunConfig
+    paths: RunPaths
+    parallel: Parallel
+    device: torch.device
+    model: torch.nn.Module  # unwrapped (not megatron's DDP wrapper)
+    optimization: Any  # repro.training.optim's CpuOptimization or MegatronOptimization
+    scheduler: LRScheduler
+    step: int  # completed optimizer steps
+    consumed: int  # samples consumed by all ranks together
+    components: list[Any]
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
 
 class Validator:
@@ -52,13 +77,13 @@ class Validator:
             return False
         return step % self.interval == 0 or step == self.last_step
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if not self.due(row.step):
             return row
         return dataclasses.replace(row, val_loss=self.evaluate(trainer))
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> float:
+    def evaluate(self, trainer: TrainerState) -> float:
         """The validation loss, in eval mode (routers deterministic), leaving the training RNG streams as they
         were and clearing the routers' statistics and megatron's aux-loss tracker afterwards, so evaluation
         forwards never mix into the next training step's row."""
@@ -112,7 +137,7 @@ class StepLog:
         self.file = open_in_dir(path.parent, path.name, "a") if is_main else None
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not show, desc=desc, dynamic_ncols=True)
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if self.file is not None:
             write_row(self.file, row)
         self.bar.update(1)
@@ -154,19 +179,19 @@ class Checkpointer:
         """Whether a checkpoint is written after ``step``."""
         return step == self.last_step or bool(self.interval and step % self.interval == 0)
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if self.due(row.step):
             self.save(trainer)
         return row
 
-    def ensure_saved(self, trainer: Trainer) -> Path:
+    def ensure_saved(self, trainer: TrainerState) -> Path:
         """The checkpoint of the trainer's current step: written now unless :meth:`after_step` just wrote it
         (a run stopped by a signal; collective)."""
         if self.saved is not None and self.saved[0] == trainer.step:
             return self.saved[1]
         return self.save(trainer)
 
-    def save(self, trainer: Trainer) -> Path:
+    def save(self, trainer: TrainerState) -> Path:
         """Write one checkpoint of the trainer's state, the step log synced first (collective: every rank calls it)."""
         if self.log is not None:
             self.log.sync()
@@ -184,7 +209,7 @@ class Checkpointer:
         return path
 
     @staticmethod
-    def restore(trainer: Trainer, payload: dict[str, Any]) -> None:
+    def restore(trainer: TrainerState, payload: dict[str, Any]) -> None:
         """Restore optimizer, LR schedule, data position and RNG from a rank payload (model weights are
         loaded before the optimizer is built). The RNG comes last: it must be exactly the state after the
         checkpointed step."""

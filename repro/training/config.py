@@ -36,15 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from repro.errors import ReproError
+from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
 
-#: megatron-core's own TopKRouter, offered by the model builder under this name (a reference for Switch).
-MEGATRON_ROUTER = "megatron"
-#: Options of the ``megatron`` router -> the megatron-core TransformerConfig field each sets.
-MEGATRON_ROUTER_OPTIONS: dict[str, str] = {
-    "aux_loss_coeff": "moe_aux_loss_coeff",
-    "z_loss_coeff": "moe_z_loss_coeff",
-    "capacity_factor": "moe_expert_capacity_factor",
-}
 #: Data sources besides ``pile:<prefix>`` / ``indexed:<prefix>`` / ``mini-pile:<dir>``.
 DATA_CHOICES: tuple[str, ...] = ("synthetic", "mini-pile")
 
@@ -396,6 +389,18 @@ class RunConfig:
             if "schedule_steps" in _router_option_fields(name):
                 options["schedule_steps"] = self.schedule.steps
         return options
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """What the run hands :func:`repro.model.builder.build_model` besides the vocabulary, the sequence
+        length and the precision (training builds the model from it, and evaluation rebuilds it alike)."""
+        return dict(
+            flavour=self.model.flavour_config(),
+            router_name=self.router.name,
+            router_options=self.router_options() if self.router.name else None,
+            backend=self.model.backend,
+            backend_options=self.model.backend_options,
+            seed=self.seed,
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict."""

@@ -178,16 +178,7 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
     seq_length = config.seq_length
     target = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
-        model = build_model(
-            config.model.flavour_config(),
-            router_name=config.router.name,
-            router_options=config.router_options() if config.router.name else None,
-            vocab_size=tokenizer.vocab_size,
-            seq_length=seq_length,
-            backend=config.model.backend,
-            backend_options=config.model.backend_options,
-            seed=config.seed,
-        )
+        model = build_model(**config.model_kwargs(), vocab_size=tokenizer.vocab_size, seq_length=seq_length)
     except (ValueError, TypeError) as exc:
         raise ReproError(f"{checkpoint_dir}: cannot rebuild the model: {exc}") from None
     ckpt.load_model_weights(checkpoint_dir, model, current_parallel())

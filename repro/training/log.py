@@ -3,23 +3,28 @@
 The trainer appends a row after every step (rank 0), with the routing metrics on the steps that collect them
 (``logging.metrics_interval``, default every step); everything that reads a log (summaries, run records,
 plots, checks) goes through :func:`read_rows`, which checks every row against :class:`LogRow` and names the
-file and line of a bad one. Routing metrics are per MoE layer: ``routing[name][layer]`` for scalar metrics
-(``active_experts``, ``simpson``, ``load_imbalance``, ...) and ``routing_per_expert[name][layer][expert]``
-for per-expert ones (``tokens_per_expert``), so a dead expert is visible from the log alone.
+file and line of a bad one; :func:`summarize` makes a finished run's ``summary.json`` from its rows.
+Routing metrics are per MoE layer: ``routing[name][layer]`` for scalar metrics (``active_experts``,
+``simpson``, ``load_imbalance``, ...) and ``routing_per_expert[name][layer][expert]`` for per-expert ones
+(``tokens_per_expert``), so a dead expert is visible from the log alone.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 from repro.errors import ReproError
 from repro.io_utils import atomic_path
 from repro.schema import from_json, to_json
+
+if TYPE_CHECKING:
+    from repro.training.config import RunConfig
 
 LOG_FILE = "log.jsonl"
 
@@ -142,4 +147,37 @@ def truncate_rows(path: Path, last_step: int) -> None:
         tmp.write_text("".join(line + "\n" for line in kept))
 
 
-__all__ = ["LOG_FILE", "LogRow", "read_rows", "timed_rows", "truncate_rows", "write_row"]
+
+def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
+    """The run's summary from its log rows; throughput statistics leave out the first row (warm-up) and the
+    rows that computed routing metrics when some did not (:func:`timed_rows`).
+
+    Returns:
+        ``{experiment, router, flavour, steps, final_loss, final_lm_loss, final_loss_mean10, final_val_loss,
+        tokens, tokens_per_s_mean, tokens_per_s_median, iter_time_s_mean, active_experts_final, simpson_final,
+        **extra}``.
+    """
+    timed = timed_rows(rows[1:] if len(rows) > 1 else rows)
+    last = rows[-1] if rows else None
+    vals = [r.val_loss for r in rows if r.val_loss is not None]
+    tail = rows[-min(10, len(rows)):] if rows else []
+    return {
+        "experiment": config.name,
+        "router": config.router.name or "dense",
+        "flavour": config.model.flavour,
+        "steps": last.step if last else 0,
+        "final_loss": last.loss if last else None,
+        "final_lm_loss": last.lm_loss if last else None,
+        "final_loss_mean10": statistics.fmean(r.loss for r in tail) if tail else None,
+        "final_val_loss": vals[-1] if vals else None,
+        "tokens": (last.consumed_samples if last else 0) * int(extra.get("seq_length", 0)),
+        "tokens_per_s_mean": statistics.fmean(r.tokens_per_s for r in timed) if timed else None,
+        "tokens_per_s_median": statistics.median(r.tokens_per_s for r in timed) if timed else None,
+        "iter_time_s_mean": statistics.fmean(r.iter_time_s for r in timed) if timed else None,
+        "active_experts_final": last.routing.get("active_experts") if last else None,
+        "simpson_final": last.routing.get("simpson") if last else None,
+        **extra,
+    }
+
+
+__all__ = ["LOG_FILE", "LogRow", "read_rows", "summarize", "timed_rows", "truncate_rows", "write_row"]

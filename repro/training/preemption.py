@@ -33,7 +33,7 @@ from repro.training.components import Checkpointer
 from repro.training.distributed import barrier
 
 if TYPE_CHECKING:
-    from repro.training.trainer import Trainer
+    from repro.training.components import TrainerState
 
 #: Exit status of ``python -m repro train`` when a signal stopped the run after writing its checkpoint:
 #: sysexits.h's EX_TEMPFAIL ("temporary failure; the user is invited to retry"). 0 is a finished run, 1 an
@@ -115,7 +115,7 @@ def resume_line(run_name: str, signum: int, step: int, checkpoint: str, run_dir:
     )
 
 
-def stop_run(trainer: Trainer, signum: int) -> str:
+def stop_run(trainer: TrainerState, signum: int) -> str:
     """End a run on a signal: the checkpoint of the step just completed (unless the interval just wrote it), the
     resume line on rank 0, and a barrier so no rank leaves before rank 0 has said it (collective).
 

@@ -30,7 +30,7 @@ from repro.errors import ReproError
 from repro.training.log import LogRow
 
 if TYPE_CHECKING:
-    from repro.training.trainer import Trainer
+    from repro.training.components import TrainerState
 
 #: The folder of a run directory that holds the events unless ``logging.tensorboard_dir`` says otherwise.
 DEFAULT_DIR = "tensorboard"
@@ -69,7 +69,7 @@ class TensorBoardLog:
         """Whether ``step`` is a logging step."""
         return step % self.interval == 0 or step == self.last_step
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if self.writer is not None:
             if self.due(row.step):
                 self.write(row)

@@ -52,7 +52,6 @@ import json
 import math
 import os
 import random
-import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -70,7 +69,7 @@ from repro.training.components import Checkpointer, StepLog, Validator
 from repro.training.config import RunConfig
 from repro.training.data import build_run_data, tokenizer_fingerprint
 from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel
-from repro.training.log import LOG_FILE, LogRow, read_rows, timed_rows, truncate_rows
+from repro.training.log import LOG_FILE, LogRow, read_rows, summarize, truncate_rows
 from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
 from repro.training.optim import CpuOptimization, MegatronOptimization
 from repro.training.run_dir import RunPaths, run_lock, start_state
@@ -123,17 +122,7 @@ def build_model_for(config: RunConfig, vocab_size: int, precision: Precision) ->
     from repro.model.builder import build_model
 
     try:
-        return build_model(
-            config.model.flavour_config(),
-            router_name=config.router.name,
-            router_options=config.router_options() if config.router.name else None,
-            vocab_size=vocab_size,
-            seq_length=config.seq_length,
-            bf16=precision.bf16,
-            backend=config.model.backend,
-            backend_options=config.model.backend_options,
-            seed=config.seed,
-        )
+        return build_model(**config.model_kwargs(), vocab_size=vocab_size, seq_length=config.seq_length, bf16=precision.bf16)
     except (ValueError, TypeError) as exc:
         raise ReproError(f"experiment '{config.name}': cannot build the model: {exc}") from None
 
@@ -252,9 +241,8 @@ def _by_prefix(values: dict[str, torch.Tensor], prefix: str) -> dict[str, list]:
 class Trainer:
     """One run's model, data, optimizer and schedule, and the step that trains them.
 
-    Build it with megatron's parallel state initialised (:func:`train` does both). Attributes read by the
-    components: ``config``, ``parallel``, ``device``, ``model`` (unwrapped), ``optimization``, ``scheduler``,
-    ``step`` (completed steps) and ``consumed`` (samples consumed by all ranks).
+    Build it with megatron's parallel state initialised (:func:`train` does both). What the components read
+    and set of it: :class:`~repro.training.components.TrainerState`.
 
     Args:
         config: the run's config.
@@ -517,39 +505,6 @@ class Trainer:
         return True
 
 
-# ------------------------------------------------------------------------------------------- summary
-def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """The run's summary from its log rows; throughput statistics leave out the first row (warm-up) and the
-    rows that computed routing metrics when some did not (:func:`repro.training.log.timed_rows`).
-
-    Returns:
-        ``{experiment, router, flavour, steps, final_loss, final_lm_loss, final_loss_mean10, final_val_loss,
-        tokens, tokens_per_s_mean, tokens_per_s_median, iter_time_s_mean, active_experts_final, simpson_final,
-        **extra}``.
-    """
-    timed = timed_rows(rows[1:] if len(rows) > 1 else rows)
-    last = rows[-1] if rows else None
-    vals = [r.val_loss for r in rows if r.val_loss is not None]
-    tail = rows[-min(10, len(rows)):] if rows else []
-    return {
-        "experiment": config.name,
-        "router": config.router.name or "dense",
-        "flavour": config.model.flavour,
-        "steps": last.step if last else 0,
-        "final_loss": last.loss if last else None,
-        "final_lm_loss": last.lm_loss if last else None,
-        "final_loss_mean10": statistics.fmean(r.loss for r in tail) if tail else None,
-        "final_val_loss": vals[-1] if vals else None,
-        "tokens": (last.consumed_samples if last else 0) * int(extra.get("seq_length", 0)),
-        "tokens_per_s_mean": statistics.fmean(r.tokens_per_s for r in timed) if timed else None,
-        "tokens_per_s_median": statistics.median(r.tokens_per_s for r in timed) if timed else None,
-        "iter_time_s_mean": statistics.fmean(r.iter_time_s for r in timed) if timed else None,
-        "active_experts_final": last.routing.get("active_experts") if last else None,
-        "simpson_final": last.routing.get("simpson") if last else None,
-        **extra,
-    }
-
-
 @contextlib.contextmanager
 def _aux_loss_scale_restored() -> Iterator[None]:
     """Put megatron's process-wide ``MoEAuxLossAutoScaler`` scale back as it was after training (left at
@@ -657,7 +612,3 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
         write_json_atomic(paths.summary, summary)
     return summary
 
-
-def read_summary(run_dir: str | os.PathLike) -> dict[str, Any]:
-    """A finished run's ``summary.json``."""
-    return json.loads((Path(run_dir) / "summary.json").read_text())
