@@ -7,6 +7,7 @@ losses part at step 2)."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,10 +32,12 @@ KEYS = ("step", "loss", "lm_loss", "grad_norm", "lr", "aux_losses", "routing", "
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory) -> list[dict]:
-    from repro.training.trainer import train
-
-    out = tmp_path_factory.mktemp("uninterrupted")
-    train(apply_overrides(get_experiment("auxfree-tiny"), SETS), out, progress=False)
+    # A fresh process, as the interrupted and the resumed runs: the comparison is bit for bit, so none of the
+    # three may inherit state from the tests that ran before in this process.
+    out = tmp_path_factory.mktemp("uninterrupted") / "run"
+    done = _start(out, torchrun=False)
+    _, stderr = done.communicate(timeout=600)
+    assert done.returncode == 0, stderr[-3000:]
     return _read_log(out)
 
 
@@ -44,8 +47,11 @@ def _start(out: Path, torchrun: bool) -> subprocess.Popen:
     cmd = [*launcher, "-m", "repro", "train", "--experiment", "auxfree-tiny", "--out", str(out), "--no-progress"]
     for item in SETS:
         cmd += ["--set", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _env() -> dict[str, str]:
+    return dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
 
 
 def _wait_for_first_step(proc: subprocess.Popen, out: Path) -> None:
@@ -82,8 +88,6 @@ def _same_rows(resumed: list[dict], full: list[dict], exact: bool) -> None:
 
 
 def test_sigterm_checkpoints_the_step_reached_and_the_resume_matches(uninterrupted, tmp_path):
-    from repro.training.trainer import train
-
     out = tmp_path / "run"
     proc = _start(out, torchrun=False)
     _wait_for_first_step(proc, out)
@@ -93,8 +97,10 @@ def test_sigterm_checkpoints_the_step_reached_and_the_resume_matches(uninterrupt
     _checkpoint_at_the_step_reached(out, stderr)
     assert not (out / "summary.json").exists()
 
-    summary = train(None, out, resume=True, progress=False)
-    assert summary["steps"] == STEPS
+    resume = [sys.executable, "-m", "repro", "train", "--out", str(out), "--resume", "--no-progress"]
+    done = subprocess.run(resume, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "summary.json").read_text())["steps"] == STEPS
     _same_rows(_read_log(out), uninterrupted, exact=True)  # fp32 on CPU: bit for bit
 
 
@@ -124,8 +130,7 @@ def test_two_ranks_stop_at_the_same_step_when_one_is_signalled(uninterrupted, tm
 
     resume = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
               "-m", "repro", "train", "--out", str(out), "--resume", "--no-progress"]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    done = subprocess.run(resume, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(resume, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     _same_rows(_read_log(out), uninterrupted, exact=False)  # DP=2 against one process, as the DP test
 
