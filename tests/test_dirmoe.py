@@ -9,6 +9,7 @@ import torch
 
 import routers
 from routers.base import RoutingKind
+from routers.dirichlet import dirichlet_kl_mean
 from routers.dirmoe import (
     DirMoEConfig,
     alpha_ratio,
@@ -17,7 +18,6 @@ from routers.dirmoe import (
     lambda_for_mass_variance,
     lambda_for_simpson,
 )
-from routers.dirichlet import dirichlet_kl_mean
 
 HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 8, 1, 64
 
