@@ -9,6 +9,7 @@ import torch
 
 import routers
 from routers.base import RoutingKind
+from routers.dirichlet import dirichlet_kl_mean
 from routers.dirmoe import (
     DirMoEConfig,
     alpha_ratio,
@@ -117,6 +118,21 @@ def test_dirichlet_kl_matches_torch_batched_and_differentiable():
         atol=1e-5,
     )
     torch.testing.assert_close(dirichlet_kl(alpha_p, alpha_p), torch.zeros(4, 3), rtol=0, atol=1e-5)
+
+
+def test_dirichlet_kl_mean_closed_form_gradient_matches_autograd():
+    g = torch.Generator().manual_seed(5)
+    alpha_q = (0.05 + 5 * torch.rand(7, 6, generator=g, dtype=torch.float64)).requires_grad_(True)
+    alpha_p = (0.05 + 5 * torch.rand(7, 6, generator=g, dtype=torch.float64)).requires_grad_(True)
+    assert torch.autograd.gradcheck(dirichlet_kl_mean, (alpha_q, alpha_p))
+    ref = dirichlet_kl(alpha_q, alpha_p).mean()
+    ours = dirichlet_kl_mean(alpha_q, alpha_p)
+    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
+    ref_grads = torch.autograd.grad(ref, (alpha_q, alpha_p))
+    for ours_grad, ref_grad in zip(torch.autograd.grad(ours, (alpha_q, alpha_p)), ref_grads):
+        torch.testing.assert_close(ours_grad, ref_grad, rtol=1e-10, atol=1e-12)
+    with pytest.raises(ValueError, match="one"):
+        dirichlet_kl_mean(alpha_q, alpha_p[0])
 
 
 def test_alpha_ratio_and_the_two_readings_of_the_hyperparameter_table():
