@@ -11,7 +11,7 @@ what torchtitan and Megatron-LM document (DESIGN.md 9): one ``torchrun`` per nod
 no node rank to hand out, any node may start first); one node without an endpoint uses ``--standalone``
 (a free local port, so concurrent single-node runs on one machine cannot collide). Under SLURM the batch
 script runs ``srun`` with one task per node, each task a ``torchrun``, with the head node from
-``scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1`` and the job id as rendezvous id; what runs
+``scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p`` and the job id as rendezvous id; what runs
 after training (the evaluation) is a step of one task. Processes
 started by ``srun`` directly (one task per GPU) get their ranks from the SLURM variables in
 :func:`repro.model.parallel.rank_environment`.
@@ -253,7 +253,9 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
         "set -eo pipefail",
         "export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false",
         *job.setup,
-        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)',
+        # sed reads the whole list: `head -n1` would close the pipe early, and under pipefail a scontrol killed
+        # by SIGPIPE ends the script (exit 141).
+        'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
     ]
     # torchrun's options come from torchrun_args; the endpoint and id are shell variables, filled in on the node.
     launch = Launch(nodes=job.nodes, gpus_per_node=job.gpus_per_node, endpoint=f"head:{job.port}", rdzv_id="job")

@@ -252,7 +252,7 @@ SBATCH = """\
 set -eo pipefail
 export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 source /shared/env/bin/activate
-head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n1)
+head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)
 srun --nodes=2 --ntasks-per-node=1 --kill-on-bad-exit=1 python -m torch.distributed.run --nnodes=2 \
 --nproc_per_node=4 --rdzv_backend=c10d --rdzv_endpoint="$head_node:29600" --rdzv_id="$SLURM_JOB_ID" \
 --max_restarts=0 -m repro train --out 'runs/a b'
