@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_baselines import megatron_cpu, megatron_parallel  # noqa: F401 - fixtures
+from test_baselines import megatron_cpu, megatron_parallel, megatron_router_config  # noqa: F401 - fixtures
 
 import routers
 from baselines.auxfree import AuxFreeConfig
@@ -16,24 +16,14 @@ T = S * B
 
 
 def megatron_config(cfg: AuxFreeConfig):
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=cfg.hidden_size,
-        num_attention_heads=4,
-        num_moe_experts=cfg.num_experts,
-        moe_ffn_hidden_size=4 * cfg.hidden_size,
-        moe_router_topk=cfg.top_k,
+    return megatron_router_config(
+        cfg,
         moe_router_score_function="sigmoid",
         moe_router_enable_expert_bias=True,
         moe_router_bias_update_rate=cfg.bias_update_rate,
         moe_router_topk_scaling_factor=cfg.topk_scaling_factor,
         moe_router_load_balancing_type="seq_aux_loss" if cfg.seq_aux_loss_coeff else "none",
         moe_aux_loss_coeff=cfg.seq_aux_loss_coeff,
-        moe_router_dtype="fp32",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
     )
 
 

@@ -126,7 +126,9 @@ def megatron_cpu(monkeypatch):
     tracker.update(saved)
 
 
-def megatron_config(cfg: SwitchConfig):
+def megatron_router_config(cfg, **router_fields):
+    """A one-layer megatron ``TransformerConfig`` of ``cfg``'s sizes, fp32 router on CPU, with ``router_fields``
+    (the ``moe_router_*`` / aux-loss fields of the mode compared)."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     return TransformerConfig(
@@ -136,15 +138,22 @@ def megatron_config(cfg: SwitchConfig):
         num_moe_experts=cfg.num_experts,
         moe_ffn_hidden_size=4 * cfg.hidden_size,
         moe_router_topk=cfg.top_k,
+        moe_router_dtype="fp32",
+        add_bias_linear=False,
+        use_cpu_initialization=True,
+        **router_fields,
+    )
+
+
+def megatron_config(cfg: SwitchConfig):
+    return megatron_router_config(
+        cfg,
         moe_router_load_balancing_type="aux_loss",
         moe_aux_loss_coeff=cfg.aux_loss_coeff,
         moe_z_loss_coeff=cfg.z_loss_coeff or None,
         moe_router_pre_softmax=cfg.use_pre_softmax,
         moe_expert_capacity_factor=cfg.capacity_factor,
         moe_token_drop_policy=cfg.drop_policy,
-        moe_router_dtype="fp32",
-        add_bias_linear=False,
-        use_cpu_initialization=True,
     )
 
 
