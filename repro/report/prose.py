@@ -79,9 +79,9 @@ def paired_family(
 def paired_tests(pairs: Mapping[str, tuple[Mapping[str, float], Mapping[str, float]]]) -> dict[str, Paired]:
     """Each pair ``(reference, other)`` compared over its shared seeds, Holm-adjusted over all the pairs.
 
-    The one place the write-ups call the statistics of :mod:`repro.report.stats` (for the differences the
-    results files do not hold, such as one cell against another); the numbers the files hold are read, not
-    recomputed.
+    The one place the write-ups compute a statistic (for the differences the results files do not hold, such as
+    one cell against another), with the tables' own :func:`repro.report.over_seeds.compare`; the numbers the
+    files hold are read, not recomputed.
 
     Args:
         pairs: name -> (seed -> reference value, seed -> other value); the family.
@@ -89,24 +89,23 @@ def paired_tests(pairs: Mapping[str, tuple[Mapping[str, float], Mapping[str, flo
     Returns:
         name -> :class:`Paired`, ``other - reference`` (a pair with fewer than two shared seeds is left out).
     """
-    from repro.report.stats import holm, mean_ci, paired_t_test
+    from repro.report.over_seeds import compare
 
-    tests: dict[str, tuple[Paired, float | None]] = {}
-    for name, (reference, values) in pairs.items():
-        shared = sorted(set(reference) & set(values))
-        if len(shared) < 2:
+    # The tables' own machinery (repro.report.over_seeds): each pair is a two-row table, all in one family.
+    values = {(name, side): {"v": dict(v)} for name, pair in pairs.items() for side, v in zip(("ref", "oth"), pair)}
+    stats = compare(values, [((name, "oth"), (name, "ref"), "v") for name in pairs], family="table")
+    out = {}
+    for name, (reference, other) in pairs.items():
+        stat = stats[((name, "oth"), (name, "ref"), "v")]
+        if stat.test is None:  # fewer than two shared seeds
             continue
-        ref, oth = [reference[s] for s in shared], [values[s] for s in shared]
-        test = paired_t_test(ref, oth)
-        # A constant difference has no spread: the test is undefined there, not significant.
-        p = test.p_value if test.defined else None
-        ci = mean_ci([b - a for a, b in zip(ref, oth)])
-        tests[name] = (Paired(ci.estimate, ci.low, ci.high, p, None, len(shared), sum(b < a for a, b in zip(ref, oth))), p)
-    defined = [name for name, (_, p) in tests.items() if p is not None]
-    adjusted = dict(zip(defined, holm([tests[n][1] for n in defined]))) if defined else {}
-    return {
-        name: Paired(t.mean, t.low, t.high, t.p, adjusted.get(name), t.n, t.n_lower) for name, (t, _) in tests.items()
-    }
+        shared = set(reference) & set(other)
+        diff = stat.difference
+        out[name] = Paired(
+            diff.estimate, diff.low, diff.high, stat.test.p_value if stat.test.defined else None, stat.adjusted_p,
+            len(shared), sum(other[s] < reference[s] for s in shared),
+        )
+    return out
 
 
 # ------------------------------------------------------------------------------------------ words and numbers
