@@ -14,6 +14,7 @@ and JSON (``results/bench/router_costs.*`` by default).
 from __future__ import annotations
 
 import argparse
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -62,11 +63,11 @@ def profile_router(name: str, options: dict[str, Any], seed: int = 0) -> dict[st
     signal_TE = torch.randn(T, E)  # stands in for the gradient the experts' outputs send back
 
     def call(counters=None):
-        with counters[0] if counters else _null():
+        with counters[0] if counters else contextlib.nullcontext():
             out = router(hidden_TD, token_ids_T, SEQ_SHAPE)
         tensors = [t for t in (out.probs, *out.aux_losses.values()) if t.requires_grad]
         grads = [signal_TE if t is out.probs else torch.ones_like(t) for t in tensors]
-        with counters[1] if counters else _null():
+        with counters[1] if counters else contextlib.nullcontext():
             if tensors:
                 torch.autograd.backward(tensors, grads)
 
@@ -75,12 +76,6 @@ def profile_router(name: str, options: dict[str, Any], seed: int = 0) -> dict[st
     counters = (OpCounter(), OpCounter())
     call(counters)
     return {"forward": counters[0].counts, "backward": counters[1].counts}
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tuple[list[dict[str, Any]], Any]:
@@ -122,7 +117,7 @@ def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tupl
         "regions entered, launches = outside + regions (the proxy for GPU kernel launches), its ratio to "
         "Switch's, host synchronisations, and estimated MB moved (inputs + outputs of each non-view op outside "
         "a region and of each region). After two warm-up calls at the same step: DirMoE's eager schedule values "
-        "are computed once per step and layer, so its first micro-batch of a step costs 23 launches more. "
+        "are computed once per step and layer, so its first micro-batch of a step costs more than these. "
         "Counted by python -m repro efficiency --profile; hardware-independent."
     )
     return rows, Table(name=NAME, caption=caption, headers=COLUMNS, rows=cells)
