@@ -9,11 +9,13 @@ import hashlib
 import importlib.metadata
 import json
 import os
+import random
 import socket
 import stat
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -35,9 +37,32 @@ PYPROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the kernel's ephemeral range, so that no port another test's process asks the kernel
+    for (torchrun --standalone, any bind to port 0) can take it between this check and its use."""
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.randrange(20000, 32000)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 20000-32000")
+
+
+def _communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[str, str]]:
+    """Wait for every process; as soon as one fails (or the time is up) the others are killed, so a rank left
+    waiting for a dead peer never holds the test for the whole timeout."""
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs):
+        if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+            break
+        time.sleep(0.1)
+    return [p.communicate(timeout=60) for p in procs]
 
 
 def _clean_env(**extra: str) -> dict[str, str]:
@@ -502,7 +527,7 @@ def test_srun_style_tasks_find_each_other(tmp_path):
                          PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
         procs.append(subprocess.Popen([sys.executable, str(worker), str(tmp_path)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))
-    outs = [p.communicate(timeout=600) for p in procs]
+    outs = _communicate_all(procs, timeout=600)
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-4000:]
     assert [(tmp_path / f"rank{r}.txt").read_text() for r in range(2)] == [
