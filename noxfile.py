@@ -28,6 +28,7 @@ import nox
 # The command builders live in the package (stdlib + packaging only, so nox's own interpreter can import them).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from repro import launch as rl  # noqa: E402
+from repro import wheelhouse as wh  # noqa: E402
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
@@ -48,7 +49,7 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
     """
     spec = f".[{extras}]" if extras else "."
     if wheelhouse:
-        session.install(*rl.install_args(wheelhouse, spec))
+        session.install(*wh.install_args(wheelhouse, spec))
         return
     if not _has_gpu():
         session.install(CPU_TORCH)
@@ -153,7 +154,7 @@ def wheelhouse(session: nox.Session) -> None:
     parser.add_argument("--extras", default="", help="project extras to cover, comma-separated (eval, dev); default: training only")
     parser.add_argument("--with-nox", action="store_true", help="add nox, to run the nox sessions on the target")
     parser.add_argument("--present", action="append", default=[], metavar="NAME==VERSION",
-                        help=f"a package the target already has (never carried); default {rl.DEFAULT_PRESENT}; repeatable")
+                        help=f"a package the target already has (never carried); default {wh.DEFAULT_PRESENT}; repeatable")
     parser.add_argument("--present-from", default=None, metavar="FILE", help="the target's pip freeze: all of it is present")
     args = parser.parse_args(session.posargs)
     out = Path(args.out)
@@ -161,15 +162,15 @@ def wheelhouse(session: nox.Session) -> None:
         session.error(f"{out} exists and is not an empty folder: choose another --out")
     extras = [e for e in args.extras.split(",") if e]
     try:
-        target = rl.WheelhouseTarget(python=args.target_python, platform=args.platform)
-        present = dict(rl.DEFAULT_PRESENT)
+        target = wh.WheelhouseTarget(python=args.target_python, platform=args.platform)
+        present = dict(wh.DEFAULT_PRESENT)
         if args.present_from:
-            present.update(rl.parse_present(Path(args.present_from).read_text().splitlines()))
-        present.update(rl.parse_present(args.present))
+            present.update(wh.parse_present(Path(args.present_from).read_text().splitlines()))
+        present.update(wh.parse_present(args.present))
         pyproject = nox.project.load_toml("pyproject.toml")
-        roots = rl.project_requirements(pyproject, extras, present, with_nox=args.with_nox)
+        roots = wh.project_requirements(pyproject, extras, present, with_nox=args.with_nox)
         # The offline check resolves the requirements on present packages too (torch>=2.6 against 2.11.0).
-        check_roots = rl.project_requirements(pyproject, extras, (), with_nox=args.with_nox, drop_excluded=False)
+        check_roots = wh.project_requirements(pyproject, extras, (), with_nox=args.with_nox, drop_excluded=False)
     except (ValueError, OSError) as exc:
         session.error(str(exc))
     session.install("pip>=24.1", "uv>=0.13")
@@ -183,38 +184,38 @@ def wheelhouse(session: nox.Session) -> None:
             d.mkdir()
         (tmp / "roots.in").write_text("".join(r + "\n" for r in roots))
         (tmp / "check.in").write_text("".join(r + "\n" for r in check_roots))
-        (tmp / "excludes.txt").write_text("".join(n + "\n" for n in sorted({*rl.ALWAYS_EXCLUDED, *present})))
-        session.run(*rl.uv_compile_command(tmp / "roots.in", tmp / "excludes.txt", tmp / "pins.txt", target))
-        pins = rl.parse_pins((tmp / "pins.txt").read_text())
-        keep = [(n, v) for n, v in pins if not rl.is_excluded(n, present)]
-        left_out = [n for n, _ in pins if rl.is_excluded(n, present)]
+        (tmp / "excludes.txt").write_text("".join(n + "\n" for n in sorted({*wh.ALWAYS_EXCLUDED, *present})))
+        session.run(*wh.uv_compile_command(tmp / "roots.in", tmp / "excludes.txt", tmp / "pins.txt", target))
+        pins = wh.parse_pins((tmp / "pins.txt").read_text())
+        keep = [(n, v) for n, v in pins if not wh.is_excluded(n, present)]
+        left_out = [n for n, _ in pins if wh.is_excluded(n, present)]
         (tmp / "download.txt").write_text("".join(f"{n}=={v}\n" for n, v in keep))
-        session.run(*rl.download_command(tmp / "download.txt", downloads, target, pip=pip))
-        sdists = sorted(p for p in downloads.iterdir() if rl.is_sdist(p.name))
+        session.run(*wh.download_command(tmp / "download.txt", downloads, target, pip=pip))
+        sdists = sorted(p for p in downloads.iterdir() if wh.is_sdist(p.name))
         if sdists:
-            session.run(*rl.build_command(sdists, built_dir, pip=pip))
+            session.run(*wh.build_command(sdists, built_dir, pip=pip))
         built = sorted(built_dir.glob("*.whl"))
-        platform_built = [w.name for w in built if not rl.is_pure_wheel(w.name)]
+        platform_built = [w.name for w in built if not wh.is_pure_wheel(w.name)]
         if platform_built:
             session.error(f"no {target.abi} {target.platform} wheel and not pure Python: {', '.join(platform_built)}; "
                           "build these on a machine like the target and add them to the folder")
         for whl in [*downloads.glob("*.whl"), *built]:
             whl.rename(stage / whl.name)
-        have = sorted(rl.distribution_name(w.name) for w in stage.glob("*.whl"))
+        have = sorted(wh.distribution_name(w.name) for w in stage.glob("*.whl"))
         if have != sorted(keep):
             session.error(f"the folder does not match the pins: missing {sorted(set(keep) - set(have))}, "
                           f"unexpected {sorted(set(have) - set(keep))}")
         for name, version in present.items():
-            rl.placeholder_wheel(name, version, placeholders)
-        session.run(*rl.verify_command(tmp / "check.in", [stage, placeholders], tmp / "scratch", target, pip=pip))
-        data = rl.manifest(stage, target, extras, roots, present, [w.name for w in built], left_out)
-        rl.write_json(stage / "manifest.json", data)
+            wh.placeholder_wheel(name, version, placeholders)
+        session.run(*wh.verify_command(tmp / "check.in", [stage, placeholders], tmp / "scratch", target, pip=pip))
+        data = wh.manifest(stage, target, extras, roots, present, [w.name for w in built], left_out)
+        wh.write_json(stage / "manifest.json", data)
         if out.exists():
             out.rmdir()  # empty, checked above
         stage.rename(out)
     spec = f".[{','.join(extras)}]" if extras else "."
     session.log(f"{out}: {len(data['wheels'])} wheels, {data['total_bytes'] / 2**20:.1f} MiB "
-                f"({len(built)} built from sdists); install: {' '.join(rl.install_command(out, spec))}")
+                f"({len(built)} built from sdists); install: {' '.join(wh.install_command(out, spec))}")
 
 
 # ------------------------------------------------------------------------------------ full scale (GPU)

@@ -1,30 +1,17 @@
 """Multi-node launch: torchrun with c10d rendezvous, SLURM batch scripts, ``python -m repro launch``.
 
-Pure functions that build commands and files; running them is left to the caller (``noxfile.py``'s
-full-scale sessions, and ``python -m repro launch``). The module imports only the standard library and
-``packaging``, so ``noxfile.py`` can import it without torch. The offline installs (the wheelhouse) live in
-:mod:`repro.wheelhouse`; their names are importable from here too, as ``noxfile.py`` uses them.
-
-The launch (:class:`Launch`, :func:`torchrun_command`, :class:`SlurmJob`, :func:`sbatch_script`), following
-what torchtitan and Megatron-LM document (DESIGN.md 9): one ``torchrun`` per node, ``--nnodes N
---nproc_per_node G --rdzv_backend c10d --rdzv_endpoint HOST:PORT --rdzv_id ID`` (elastic c10d rendezvous:
-no node rank to hand out, any node may start first); one node without an endpoint uses ``--standalone``
-(a free local port, so concurrent single-node runs on one machine cannot collide). Under SLURM the batch
-script runs ``srun`` with one task per node, each task a ``torchrun``, with the head node from
-``scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p`` and the job id as rendezvous id; what runs
-after training (the evaluation) is a step of one task. Processes
-started by ``srun`` directly (one task per GPU) get their ranks from the SLURM variables in
+Pure functions that build commands and files (only the standard library: ``noxfile.py`` imports it without
+torch). Following torchtitan and Megatron-LM (DESIGN.md 9): one ``torchrun`` per node with an elastic c10d
+rendezvous (no node rank to hand out, any node may start first); one node without an endpoint runs
+``--standalone``. Under SLURM the batch script runs ``srun`` with one task per node, each a ``torchrun``,
+the head node from ``scontrol show hostnames`` and the job id as rendezvous id; what runs after training is
+a step of one task. Processes started by ``srun`` directly get their ranks from
 :func:`repro.model.parallel.rank_environment`.
 
-Defaults the references leave open, numbered so they can be switched:
-
-1. Rendezvous port 29500, torchrun's own default ``--master_port``, in the SLURM script (``--port``).
-2. ``srun --kill-on-bad-exit=1``: a node whose torchrun fails ends the step instead of leaving the other
-   nodes waiting in a collective until the NCCL timeout.
-3. ``--max_restarts=0`` (torchrun's default, written out): a failed worker fails the run; resuming is an
-   explicit ``--resume`` from the last complete checkpoint, not an elastic restart mid-step.
-4. The time limit (a ``train`` command): ``--signal=B:USR1@300`` and ``--requeue``: 300 s ahead of the limit
-   the run checkpoints and stops, and the job requeues itself and resumes (``--stop-lead``, 0 for neither).
+Defaults the references leave open (docs/clusters.md): (1) rendezvous port 29500 in the SLURM script;
+(2) ``srun --kill-on-bad-exit=1``, so a failed node ends the step instead of leaving the others waiting
+until the NCCL timeout; (3) ``--max_restarts=0``: resuming is an explicit ``--resume``, not an elastic
+restart; (4) a ``train`` command checkpoints, stops and requeues itself 300 s ahead of the time limit.
 """
 
 from __future__ import annotations
@@ -34,68 +21,6 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from repro.wheelhouse import (
-    ALWAYS_EXCLUDED,
-    DEFAULT_PRESENT,
-    EXCLUDED_PREFIXES,
-    UNCARRIABLE_EXTRAS,
-    WheelhouseTarget,
-    build_command,
-    distribution_name,
-    download_command,
-    install_args,
-    install_command,
-    is_excluded,
-    is_pure_wheel,
-    is_sdist,
-    manifest,
-    manylinux_glibc,
-    manylinux_platforms,
-    parse_pins,
-    parse_present,
-    placeholder_wheel,
-    project_requirements,
-    uv_compile_command,
-    verify_command,
-    write_json,
-)
-
-__all__ = [
-    # this module
-    "Launch",
-    "SlurmJob",
-    "main",
-    "parse_endpoint",
-    "sbatch_script",
-    "torchrun_args",
-    "torchrun_command",
-    # the wheelhouse (repro.wheelhouse), re-exported
-    "ALWAYS_EXCLUDED",
-    "DEFAULT_PRESENT",
-    "EXCLUDED_PREFIXES",
-    "UNCARRIABLE_EXTRAS",
-    "WheelhouseTarget",
-    "build_command",
-    "distribution_name",
-    "download_command",
-    "install_args",
-    "install_command",
-    "is_excluded",
-    "is_pure_wheel",
-    "is_sdist",
-    "manifest",
-    "manylinux_glibc",
-    "manylinux_platforms",
-    "parse_pins",
-    "parse_present",
-    "placeholder_wheel",
-    "project_requirements",
-    "uv_compile_command",
-    "verify_command",
-    "write_json",
-]
-
-# ----------------------------------------------------------------------------------------------- launch
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -144,7 +69,7 @@ class Launch:
 
 
 def torchrun_args(launch: Launch) -> list[str]:
-    """torchrun's options for ``launch`` (what follows ``torchrun`` and precedes the program)."""
+    """torchrun's options for ``launch``."""
     if launch.endpoint is None:
         return ["--standalone", f"--nproc_per_node={launch.gpus_per_node}"]
     return [f"--nnodes={launch.nodes}", f"--nproc_per_node={launch.gpus_per_node}", "--rdzv_backend=c10d",
@@ -177,14 +102,13 @@ class SlurmJob:
         time: ``--time`` limit (SLURM's formats, e.g. ``2-00:00:00``); None: the partition's default.
         partition: ``--partition``; None: the default.
         account: ``--account``; None: the default.
-        port: the rendezvous port on the head node (29500: default 1 of the module docstring).
+        port: the rendezvous port on the head node.
         python: the interpreter on the nodes (the environment holding torch and the project).
         setup: shell lines run on the batch host before the step (``source venv/bin/activate``,
             ``module load ...``); srun passes the resulting environment to every node.
         output: ``--output`` file pattern.
-        stop_lead_s: for a ``train`` command, seconds before the time limit at which SLURM signals the batch
-            shell (``--signal=B:USR1@...``), which stops the run cleanly and requeues the job to resume (see
-            :func:`sbatch_script`); ``None``: neither. Leave room for a step and a checkpoint.
+        stop_lead_s: for a ``train`` command, seconds before the time limit at which the run checkpoints,
+            stops and requeues the job (:func:`sbatch_script`); ``None``: neither.
     """
 
     nodes: int
@@ -225,14 +149,10 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
         The script text (``#!/bin/bash``, ``#SBATCH`` lines, ``set -eo pipefail``; no ``-u``: the setup
         lines may source activation scripts that read unset variables).
 
-    A ``train`` command with ``job.stop_lead_s`` survives the time limit (default 4 of the module docstring):
-    ``--signal=B:USR1@LEAD --requeue --open-mode=append``; on USR1 the batch shell sends SIGTERM to ``srun``,
-    which passes it to each node's torchrun, which passes it to every rank (waiting up to
-    ``TORCH_ELASTIC_SHUTDOWN_TIMEOUT`` = LEAD seconds before SIGKILL); the ranks finish their step, write a
-    checkpoint and exit with 75 (:mod:`repro.training.preemption`); the shell then requeues the job
-    (``scontrol requeue``) and skips the ``after`` commands. A requeued job (``SLURM_RESTART_COUNT`` > 0)
-    trains with ``--resume``. A plain SIGTERM (``scancel``, or the limit without the early signal) also
-    checkpoints, but does not requeue.
+    A ``train`` command with ``job.stop_lead_s`` survives the time limit (``--signal=B:USR1@LEAD --requeue``):
+    on USR1 the batch shell sends SIGTERM through ``srun`` and torchrun to every rank, which finishes its
+    step, checkpoints and exits with 75 (:mod:`repro.training.preemption`); the shell requeues the job and
+    skips the ``after`` commands, and the requeued job trains with ``--resume``.
     """
     q = shlex.quote
     stoppable = job.stop_lead_s is not None and program[:1] == ["train"]

@@ -1,32 +1,13 @@
 """Offline installs: a wheelhouse (a folder of wheels) for a target interpreter and platform.
 
-Pure functions that build commands and files; running them is left to the caller (``noxfile.py``'s
-``wheelhouse`` session). The module imports only the standard library and ``packaging``, so ``noxfile.py``
-can import it without torch. Its names are also importable from :mod:`repro.launch`, which holds the
-multi-node launch.
-
-``nox -s wheelhouse -- --python 3.12 --platform manylinux_2_28_x86_64 --out wheelhouse``:
-
-1. the roots are the project's dependencies, the chosen extras and its build requirements
-   (:func:`project_requirements`), without the packages the target machine already provides;
-2. ``uv pip compile`` resolves them for the target interpreter and platform (:func:`uv_compile_command`),
-   with the provided packages *excluded from the resolution* (``--excludes``: uv then ignores their own
-   dependencies too, so torch's CUDA libraries, triton, sympy... never enter, and no torch wheel is
-   downloaded just to read its metadata, which is what ``pip install --dry-run`` does on an index without
-   PEP 658 metadata);
-3. ``pip download --no-deps`` fetches the pinned wheels for the target (:func:`download_command`); the few
-   pinned packages with no wheel at all come as sdists and are built with ``pip wheel`` into pure-Python
-   ``py3-none-any`` wheels (:func:`build_command`, :func:`is_pure_wheel`); an sdist that builds to a
-   platform wheel is refused (it would be built for this machine's interpreter, not the target's);
-4. an offline resolve of the roots from the folder alone, with empty placeholder wheels standing for the
-   provided packages at the versions the target has (:func:`placeholder_wheel`, :func:`verify_command`),
-   checks that nothing is missing before ``manifest.json`` (:func:`manifest`) is written.
-
-On the target, ``pip install --no-index --find-links wheelhouse -e .[EXTRAS]`` (:func:`install_command`)
-installs what is missing. pip's default upgrade strategy (``only-if-needed``) leaves an installed
-requirement alone when its version satisfies the range: the machine's ``torch 2.11.0+cu130`` satisfies
-``torch>=2.6`` and is never reinstalled, and TransformerEngine is never asked for (the ``gpu`` extra is not
-installed unless named; it cannot go in a wheelhouse: its PyTorch binding is source-only, DESIGN.md 9).
+Pure functions that build commands and files for ``noxfile.py``'s ``wheelhouse`` session (only the
+standard library and ``packaging``: nox imports it without torch). The steps, described in
+docs/clusters.md: the roots (:func:`project_requirements`) are pinned for the target by ``uv pip compile``
+with the packages the target provides excluded from the resolution (:func:`uv_compile_command`), fetched by
+``pip download --no-deps`` (:func:`download_command`; sdist-only packages built into pure wheels,
+:func:`build_command`), and checked by an offline resolve from the folder alone with empty stand-ins for
+the provided packages (:func:`placeholder_wheel`, :func:`verify_command`) before :func:`manifest` is
+written. On the target, :func:`install_command` leaves an installed torch alone (pip's ``only-if-needed``).
 """
 
 from __future__ import annotations
@@ -78,15 +59,8 @@ REQUIRED_MODULES: dict[str, str] = {
 
 
 def is_excluded(name: str, present: Iterable[str] = ()) -> bool:
-    """Whether a distribution stays out of the wheelhouse.
-
-    Args:
-        name: distribution name, any spelling (``Torch``, ``nvidia_cublas``).
-        present: further names the target machine provides.
-
-    Returns:
-        True for torch, triton, TransformerEngine, the ``nvidia-*`` CUDA libraries and ``present``.
-    """
+    """Whether a distribution (any spelling) stays out of the wheelhouse: torch, triton, TransformerEngine,
+    the ``nvidia-*`` CUDA libraries, and the names in ``present`` (what the target provides)."""
     canon = canonicalize_name(name)
     if canon in ALWAYS_EXCLUDED or canon.startswith(EXCLUDED_PREFIXES):
         return True
@@ -118,19 +92,10 @@ def manylinux_glibc(platform: str) -> tuple[int, str]:
 
 
 def manylinux_platforms(platform: str) -> list[str]:
-    """Every platform tag a machine of ``platform``'s glibc runs, newest first.
+    """Every platform tag a machine of ``platform``'s glibc runs, newest first, as ``packaging.tags`` lists them.
 
-    pip's ``--platform`` matches tags exactly (only the legacy 2014/2010 names are widened), while a
-    ``manylinux_2_x`` wheel runs on any glibc >= 2.x (PEP 600): a wheel tagged ``manylinux_2_17`` is as
-    good on a 2.28 machine, so all of them are listed, with the legacy aliases of 2.17, 2.12 and 2.5.
-
-    Args:
-        platform: a manylinux tag (see :func:`manylinux_glibc`).
-
-    Returns:
-        ``["manylinux_2_28_x86_64", ..., "manylinux_2_17_x86_64", "manylinux2014_x86_64", ...,
-        "manylinux_2_5_x86_64", "manylinux1_x86_64"]``, as ``packaging.tags.platform_tags()`` lists them on
-        a machine of that glibc.
+    pip's ``--platform`` matches tags exactly, while a ``manylinux_2_x`` wheel runs on any glibc >= 2.x
+    (PEP 600), so all of them are listed, with the legacy aliases of 2.17, 2.12 and 2.5.
     """
     minor, arch = manylinux_glibc(platform)
     alias = {m: legacy for legacy, m in _LEGACY_MANYLINUX.items()}
@@ -192,17 +157,10 @@ class WheelhouseTarget:
 
 
 def parse_present(lines: Iterable[str]) -> dict[str, str]:
-    """Packages a target machine provides, from ``pip freeze`` lines or ``NAME==VERSION`` strings.
+    """Packages a target machine provides (canonical name -> version), from ``pip freeze`` lines.
 
-    Args:
-        lines: ``NAME==VERSION`` entries; blank lines, comments, editable (``-e``) and direct-URL
-            (``NAME @ URL``) entries are skipped.
-
-    Returns:
-        canonical name -> version.
-
-    Raises:
-        ValueError: an entry that is not ``NAME==VERSION`` (names it).
+    Blank lines, comments, editable (``-e``) and direct-URL (``NAME @ URL``) entries are skipped; any other
+    entry that is not ``NAME==VERSION`` is a ValueError naming it.
     """
     present: dict[str, str] = {}
     for raw in lines:
@@ -224,7 +182,8 @@ def project_requirements(
     pyproject: Mapping, extras: Sequence[str] = (), present: Iterable[str] = (), with_nox: bool = False,
     drop_excluded: bool = True,
 ) -> list[str]:
-    """The roots of the wheelhouse: the project's dependencies, ``extras`` and build requirements.
+    """The roots of the wheelhouse: the project's dependencies, ``extras`` and build requirements
+    (an editable install builds the project).
 
     Args:
         pyproject: the parsed ``pyproject.toml``.
@@ -252,7 +211,6 @@ def project_requirements(
         roots += optional[extra]
     if with_nox:
         roots += [r for r in optional.get("dev", []) if canonicalize_name(Requirement(r).name) == "nox"] or ["nox"]
-    # An editable install builds the project: its build backend must be in the folder too.
     roots += pyproject.get("build-system", {}).get("requires", [])
     present = list(present)
     out: list[str] = []
@@ -265,32 +223,15 @@ def project_requirements(
 def uv_compile_command(
     requirements_in: str | Path, excludes: str | Path, output: str | Path, target: WheelhouseTarget, uv: str = "uv"
 ) -> list[str]:
-    """``uv pip compile`` pinning the roots for ``target``, the provided packages excluded from resolution.
-
-    Args:
-        requirements_in: file with the roots (:func:`project_requirements`), one a line.
-        excludes: file with the excluded names, one a line.
-        output: pinned requirements file to write.
-        target: the interpreter and platform.
-        uv: the uv executable.
-
-    Returns:
-        The argument vector.
-    """
+    """``uv pip compile`` pinning the roots (a file) for ``target``, the names in ``excludes`` (a file)
+    excluded from the resolution: uv then ignores their own dependencies too (torch's CUDA libraries)."""
     return [uv, "pip", "compile", str(requirements_in), "--python-version", target.python,
             "--python-platform", target.uv_platform, "--excludes", str(excludes), "--no-header",
             "--no-annotate", "--output-file", str(output)]
 
 
 def parse_pins(text: str) -> list[tuple[str, str]]:
-    """The ``NAME==VERSION`` lines of a compiled requirements file.
-
-    Returns:
-        ``(canonical name, version)`` pairs.
-
-    Raises:
-        ValueError: a requirement that is not pinned to one version (names it).
-    """
+    """``(canonical name, version)`` of each line of a compiled requirements file (ValueError: one not pinned)."""
     pins = []
     for raw in text.splitlines():
         line = raw.split("#", 1)[0].strip()
@@ -305,15 +246,8 @@ def parse_pins(text: str) -> list[tuple[str, str]]:
 
 
 def download_command(requirements: str | Path, dest: str | Path, target: WheelhouseTarget, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """``pip download`` of the pinned requirements for ``target``, without resolving again.
-
-    ``--no-deps`` (the list is already complete) is also what lets pip take an sdist for a package that
-    has no wheel while restricted to another interpreter/platform (pip refuses sdists under
-    ``--platform`` otherwise); a wheel is preferred wherever one matches.
-
-    Returns:
-        The argument vector.
-    """
+    """``pip download`` of the pinned requirements for ``target``; ``--no-deps`` (the list is complete) also
+    lets pip take an sdist for a package without a wheel, which it refuses under ``--platform`` otherwise."""
     return [*pip, "download", "--no-deps", *target.pip_target_args(), "--dest", str(dest), "-r", str(requirements)]
 
 
@@ -343,20 +277,8 @@ def distribution_name(filename: str) -> tuple[str, str]:
 
 
 def placeholder_wheel(name: str, version: str, dest: str | Path, requires: Sequence[str] = ()) -> Path:
-    """An empty ``py3-none-any`` wheel standing for a package the target already has.
-
-    Used by the offline check (:func:`verify_command`): the resolver sees ``torch 2.11.0`` as available,
-    as it is installed on the target, and checks every other requirement against the folder.
-
-    Args:
-        name: distribution name.
-        version: its version.
-        dest: folder to write the wheel to.
-        requires: its ``Requires-Dist`` entries (none for the check's placeholders).
-
-    Returns:
-        The wheel's path.
-    """
+    """An empty ``py3-none-any`` wheel in ``dest`` standing for a package the target already has, for the
+    offline check (:func:`verify_command`); returns its path."""
     dist = re.sub(r"[-_.]+", "_", name)
     info = f"{dist}-{version}.dist-info"
     metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
@@ -381,22 +303,15 @@ def verify_command(
     requirements_in: str | Path, find_links: Sequence[str | Path], scratch: str | Path, target: WheelhouseTarget,
     pip: Sequence[str] = ("pip",),
 ) -> list[str]:
-    """An offline resolve of the roots from ``find_links`` alone, for ``target`` (nothing is installed).
-
-    ``--isolated`` ignores pip's configuration and environment (an index or find-links set there would
-    make the check pass on files that are not in the folder).
-    """
+    """An offline resolve of the roots from ``find_links`` alone, for ``target`` (nothing is installed);
+    ``--isolated``: an index set in pip's configuration would make the check pass on files not in the folder."""
     links = [arg for d in find_links for arg in ("--find-links", str(d))]
     return [*pip, "--isolated", "install", "--dry-run", "--ignore-installed", "--no-index", *links,
             "--only-binary=:all:", *target.pip_target_args(), "--target", str(scratch), "-r", str(requirements_in)]
 
 
 def install_args(wheelhouse: str | Path, spec: str = ".", editable: bool = True) -> list[str]:
-    """``pip install`` options installing ``spec`` from the folder alone (no index).
-
-    Installed requirements whose versions satisfy the project's ranges stay as they are (pip's
-    ``only-if-needed`` strategy): torch is never reinstalled.
-    """
+    """``pip install`` options installing ``spec`` from the folder alone (no index)."""
     return ["--no-index", "--find-links", str(wheelhouse), *(["-e"] if editable else []), spec]
 
 
@@ -409,20 +324,9 @@ def manifest(
     wheel_dir: str | Path, target: WheelhouseTarget, extras: Sequence[str], roots: Sequence[str],
     present: Mapping[str, str], built: Iterable[str] = (), left_out: Iterable[str] = (),
 ) -> dict:
-    """The description of a wheelhouse folder: what it holds, for what, and what it leaves to the target.
-
-    Args:
-        wheel_dir: the folder of wheels.
-        target: what it was built for.
-        extras: the extras it covers.
-        roots: the requirements it was resolved from.
-        present: the packages assumed on the target (name -> version), never carried.
-        built: file names built here from sdists.
-        left_out: pinned names dropped as excluded after the resolution.
-
-    Returns:
-        A JSON-able dict with one entry per wheel (name, version, file, bytes, sha256, built) and the total.
-    """
+    """The ``manifest.json`` of a wheelhouse folder: its target, extras, roots, the packages left to the
+    target (``present``, never carried; ``left_out`` after the resolution), one entry per wheel (name,
+    version, file, bytes, sha256, whether ``built`` from an sdist) and the total size."""
     built = set(built)
     wheels = []
     for path in sorted(Path(wheel_dir).glob("*.whl")):
@@ -448,11 +352,7 @@ def write_json(path: str | Path, data: Mapping) -> None:
 
 
 def check_requirements() -> None:
-    """Refuse, in one line, a machine that lacks a module a run imports (naming the packages to install).
-
-    Raises:
-        ReproError: missing modules.
-    """
+    """Raise a one-line ReproError on a machine that lacks a module a run imports (naming the packages)."""
     missing = []
     for module, package in REQUIRED_MODULES.items():
         try:

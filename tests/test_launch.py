@@ -23,6 +23,7 @@ from packaging import tags as packaging_tags
 from packaging.utils import canonicalize_name
 
 from repro import launch as rl
+from repro import wheelhouse as wh
 from repro.cli import main as repro_main
 from repro.errors import ReproError
 from repro.model.parallel import cuda_device_index, rank_environment
@@ -79,14 +80,14 @@ def _clean_env(**extra: str) -> dict[str, str]:
 @pytest.mark.parametrize("name", ["torch", "Torch", "triton", "nvidia_cublas_cu12", "nvidia-nccl-cu13",
                                   "transformer_engine", "Transformer-Engine-Torch"])
 def test_torch_cuda_and_transformer_engine_are_never_carried(name):
-    assert rl.is_excluded(name)
+    assert wh.is_excluded(name)
 
 
 def test_present_packages_are_excluded_by_canonical_name():
-    assert not rl.is_excluded("numpy")
-    assert not rl.is_excluded("megatron-core")
-    assert rl.is_excluded("NumPy", present=["numpy"])
-    assert rl.is_excluded("huggingface_hub", present=["Huggingface-Hub"])
+    assert not wh.is_excluded("numpy")
+    assert not wh.is_excluded("megatron-core")
+    assert wh.is_excluded("NumPy", present=["numpy"])
+    assert wh.is_excluded("huggingface_hub", present=["Huggingface-Hub"])
 
 
 def test_manylinux_expansion_matches_packaging_on_this_machine():
@@ -99,96 +100,96 @@ def test_manylinux_expansion_matches_packaging_on_this_machine():
     machine = [t for t in packaging_tags.platform_tags() if t.startswith("manylinux") and t.endswith("_x86_64")]
     if not machine:
         pytest.skip("not an x86_64 manylinux machine")
-    assert rl.manylinux_platforms(f"manylinux_2_{minor}_x86_64") == machine
+    assert wh.manylinux_platforms(f"manylinux_2_{minor}_x86_64") == machine
 
 
 def test_manylinux_tags_and_target():
-    tags = rl.manylinux_platforms("manylinux_2_28_x86_64")
+    tags = wh.manylinux_platforms("manylinux_2_28_x86_64")
     assert tags[0] == "manylinux_2_28_x86_64" and tags[-1] == "manylinux1_x86_64"
     assert "manylinux_2_17_x86_64" in tags and "manylinux2014_x86_64" in tags and "manylinux_2_31_x86_64" not in tags
-    assert rl.manylinux_platforms("manylinux2014_aarch64")[0] == "manylinux_2_17_aarch64"
+    assert wh.manylinux_platforms("manylinux2014_aarch64")[0] == "manylinux_2_17_aarch64"
     with pytest.raises(ValueError, match="manylinux_2_<minor>_<arch>"):
-        rl.manylinux_glibc("linux_x86_64")
+        wh.manylinux_glibc("linux_x86_64")
 
-    target = rl.WheelhouseTarget()
+    target = wh.WheelhouseTarget()
     assert (target.python, target.abi, target.uv_platform) == ("3.12", "cp312", "x86_64-manylinux_2_28")
     args = target.pip_target_args()
     assert args[:6] == ["--python-version", "3.12", "--implementation", "cp", "--abi", "cp312"]
     assert args[6:] == [x for t in tags for x in ("--platform", t)]
     # uv knows only some glibc minors: the newest one not newer than the target's.
-    assert rl.WheelhouseTarget(platform="manylinux_2_27_x86_64").uv_platform == "x86_64-manylinux2014"
-    assert rl.WheelhouseTarget(python="3.11", platform="manylinux_2_35_x86_64").uv_platform == "x86_64-manylinux_2_35"
+    assert wh.WheelhouseTarget(platform="manylinux_2_27_x86_64").uv_platform == "x86_64-manylinux2014"
+    assert wh.WheelhouseTarget(python="3.11", platform="manylinux_2_35_x86_64").uv_platform == "x86_64-manylinux_2_35"
     for bad, match in [({"python": "3.12.3"}, "MAJOR.MINOR"), ({"implementation": "pp"}, "CPython"),
                        ({"platform": "manylinux2010_x86_64"}, "older than"), ({"platform": "win_amd64"}, "manylinux")]:
         with pytest.raises(ValueError, match=match):
-            rl.WheelhouseTarget(**bad)
+            wh.WheelhouseTarget(**bad)
 
 
 def test_parse_present_reads_a_pip_freeze():
     freeze = ["# comment", "", "NumPy==2.5.2", "torch==2.11.0+cu130", "-e git+https://x/y#egg=z",
               "mypkg @ file:///tmp/mypkg", "huggingface_hub==1.33.0  # trailing"]
-    assert rl.parse_present(freeze) == {"numpy": "2.5.2", "torch": "2.11.0+cu130", "huggingface-hub": "1.33.0"}
+    assert wh.parse_present(freeze) == {"numpy": "2.5.2", "torch": "2.11.0+cu130", "huggingface-hub": "1.33.0"}
     for bad in ("numpy>=1.26", "numpy", "numpy==2.*", "not a requirement!"):
         with pytest.raises(ValueError, match="NAME==VERSION"):
-            rl.parse_present([bad])
+            wh.parse_present([bad])
 
 
 def test_project_requirements_from_the_real_pyproject():
     deps = PYPROJECT["project"]["dependencies"]
-    train = rl.project_requirements(PYPROJECT)
+    train = wh.project_requirements(PYPROJECT)
     assert [r for r in deps if not r.startswith("torch")] == train[: len(deps) - 1]
     assert not any(r.startswith("torch") for r in train)
     assert train[-1] == "setuptools>=68"  # the build backend: an editable install builds the project offline
-    assert "lm-eval==0.4.13" in rl.project_requirements(PYPROJECT, ["eval"])
+    assert "lm-eval==0.4.13" in wh.project_requirements(PYPROJECT, ["eval"])
     assert "lm-eval==0.4.13" not in train
-    assert "nox>=2024.4" in rl.project_requirements(PYPROJECT, with_nox=True)
-    assert not any(r.startswith("numpy") for r in rl.project_requirements(PYPROJECT, present=["numpy"]))
-    assert "torch>=2.6" in rl.project_requirements(PYPROJECT, drop_excluded=False)
+    assert "nox>=2024.4" in wh.project_requirements(PYPROJECT, with_nox=True)
+    assert not any(r.startswith("numpy") for r in wh.project_requirements(PYPROJECT, present=["numpy"]))
+    assert "torch>=2.6" in wh.project_requirements(PYPROJECT, drop_excluded=False)
     with pytest.raises(ValueError, match="source-only"):
-        rl.project_requirements(PYPROJECT, ["gpu"])
+        wh.project_requirements(PYPROJECT, ["gpu"])
     with pytest.raises(ValueError, match="unknown extra 'nope'; valid: eval, tensorboard, dev"):
-        rl.project_requirements(PYPROJECT, ["nope"])
+        wh.project_requirements(PYPROJECT, ["nope"])
 
 
 def test_wheelhouse_commands():
-    t = rl.WheelhouseTarget()
+    t = wh.WheelhouseTarget()
     plat = [x for p in t.platforms for x in ("--platform", p)]
-    assert rl.uv_compile_command("r.in", "ex.txt", "pins.txt", t) == [
+    assert wh.uv_compile_command("r.in", "ex.txt", "pins.txt", t) == [
         "uv", "pip", "compile", "r.in", "--python-version", "3.12", "--python-platform", "x86_64-manylinux_2_28",
         "--excludes", "ex.txt", "--no-header", "--no-annotate", "--output-file", "pins.txt"]
-    assert rl.download_command("pins.txt", "dl", t, pip=("python", "-m", "pip")) == [
+    assert wh.download_command("pins.txt", "dl", t, pip=("python", "-m", "pip")) == [
         "python", "-m", "pip", "download", "--no-deps", "--python-version", "3.12", "--implementation", "cp",
         "--abi", "cp312", *plat, "--dest", "dl", "-r", "pins.txt"]
-    assert rl.build_command(["a-1.tar.gz", "b-2.zip"], "built") == [
+    assert wh.build_command(["a-1.tar.gz", "b-2.zip"], "built") == [
         "pip", "wheel", "--no-deps", "--wheel-dir", "built", "a-1.tar.gz", "b-2.zip"]
-    assert rl.verify_command("check.in", ["wh", "ph"], "scratch", t) == [
+    assert wh.verify_command("check.in", ["wh", "ph"], "scratch", t) == [
         "pip", "--isolated", "install", "--dry-run", "--ignore-installed", "--no-index", "--find-links", "wh",
         "--find-links", "ph", "--only-binary=:all:", "--python-version", "3.12", "--implementation", "cp",
         "--abi", "cp312", *plat, "--target", "scratch", "-r", "check.in"]
-    assert rl.install_command("wheelhouse", ".[eval]") == [
+    assert wh.install_command("wheelhouse", ".[eval]") == [
         "pip", "install", "--no-index", "--find-links", "wheelhouse", "-e", ".[eval]"]
-    assert rl.install_args("wh", "dirmoe-bench", editable=False) == ["--no-index", "--find-links", "wh", "dirmoe-bench"]
+    assert wh.install_args("wh", "dirmoe-bench", editable=False) == ["--no-index", "--find-links", "wh", "dirmoe-bench"]
 
 
 def test_parse_pins_and_file_names():
     text = "numpy==2.5.5\n# via x\n    # via y\npython-dateutil==2.9.0-post0\nPyYAML==6.0.3\n"
-    assert rl.parse_pins(text) == [("numpy", "2.5.5"), ("python-dateutil", "2.9.0.post0"), ("pyyaml", "6.0.3")]
+    assert wh.parse_pins(text) == [("numpy", "2.5.5"), ("python-dateutil", "2.9.0.post0"), ("pyyaml", "6.0.3")]
     with pytest.raises(ValueError, match="not pinned"):
-        rl.parse_pins("numpy>=2\n")
-    assert rl.is_pure_wheel("tqdm-4.70.1-py3-none-any.whl")
-    assert rl.is_pure_wheel("tzdata-2026.6-py2.py3-none-any.whl")
-    assert not rl.is_pure_wheel("numpy-2.5.5-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl")
-    assert not rl.is_pure_wheel("hf_xet-1.8.0-cp38-abi3-manylinux2014_x86_64.whl")
-    assert rl.is_sdist("sqlitedict-2.1.0.tar.gz") and rl.is_sdist("word2number-1.1.zip")
-    assert not rl.is_sdist("tqdm-4.70.1-py3-none-any.whl")
-    assert rl.distribution_name("PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl") == ("pyyaml", "6.0.3")
-    assert rl.distribution_name("rouge_score-0.1.2.tar.gz") == ("rouge-score", "0.1.2")
+        wh.parse_pins("numpy>=2\n")
+    assert wh.is_pure_wheel("tqdm-4.70.1-py3-none-any.whl")
+    assert wh.is_pure_wheel("tzdata-2026.6-py2.py3-none-any.whl")
+    assert not wh.is_pure_wheel("numpy-2.5.5-cp312-cp312-manylinux_2_27_x86_64.manylinux_2_28_x86_64.whl")
+    assert not wh.is_pure_wheel("hf_xet-1.8.0-cp38-abi3-manylinux2014_x86_64.whl")
+    assert wh.is_sdist("sqlitedict-2.1.0.tar.gz") and wh.is_sdist("word2number-1.1.zip")
+    assert not wh.is_sdist("tqdm-4.70.1-py3-none-any.whl")
+    assert wh.distribution_name("PyYAML-6.0.3-cp312-cp312-manylinux2014_x86_64.whl") == ("pyyaml", "6.0.3")
+    assert wh.distribution_name("rouge_score-0.1.2.tar.gz") == ("rouge-score", "0.1.2")
 
 
 def test_manifest_lists_every_wheel_with_size_and_hash(tmp_path):
-    a = rl.placeholder_wheel("alpha", "1.0", tmp_path)
-    b = rl.placeholder_wheel("beta_pkg", "2.0.post1", tmp_path)
-    m = rl.manifest(tmp_path, rl.WheelhouseTarget(), ["eval"], ["alpha"], {"torch": "2.11.0"}, built=[b.name],
+    a = wh.placeholder_wheel("alpha", "1.0", tmp_path)
+    b = wh.placeholder_wheel("beta_pkg", "2.0.post1", tmp_path)
+    m = wh.manifest(tmp_path, wh.WheelhouseTarget(), ["eval"], ["alpha"], {"torch": "2.11.0"}, built=[b.name],
                     left_out=["nvidia-nccl-cu13"])
     assert [(w["name"], w["version"], w["built_from_sdist"]) for w in m["wheels"]] == [
         ("alpha", "1.0", False), ("beta-pkg", "2.0.post1", True)]
@@ -218,20 +219,20 @@ def test_offline_install_keeps_the_installed_torch(tmp_path):
     env_dir = tmp_path / "env"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env_dir)], check=True, timeout=60)
     py = str(env_dir / "bin" / "python")
-    rl.placeholder_wheel("torch", "2.11.0+cu130", machine)
+    wh.placeholder_wheel("torch", "2.11.0+cu130", machine)
     proc = _pip("install", "--no-index", "--find-links", str(machine), "torch==2.11.0+cu130", python=py)
     assert proc.returncode == 0, proc.stderr
-    rl.placeholder_wheel("torch", "2.13.0", house)  # a newer torch within reach must not replace it
-    rl.placeholder_wheel("megatron_core", "0.16.1", house, requires=["torch>=2.6.0", "numpy"])
-    rl.placeholder_wheel("numpy", "2.5.5", house)
-    rl.placeholder_wheel("offline_project", "0.1.0", house, requires=["torch>=2.6", "megatron-core==0.16.1"])
+    wh.placeholder_wheel("torch", "2.13.0", house)  # a newer torch within reach must not replace it
+    wh.placeholder_wheel("megatron_core", "0.16.1", house, requires=["torch>=2.6.0", "numpy"])
+    wh.placeholder_wheel("numpy", "2.5.5", house)
+    wh.placeholder_wheel("offline_project", "0.1.0", house, requires=["torch>=2.6", "megatron-core==0.16.1"])
     proc = _pip("install", "--no-index", "--find-links", str(house), "offline-project", python=py)
     assert proc.returncode == 0, proc.stderr
     site_dirs = list(env_dir.glob("lib/python*/site-packages"))
     versions = {canonicalize_name(d.metadata["Name"]): d.version for d in importlib.metadata.distributions(path=site_dirs)}
     assert versions["torch"] == "2.11.0+cu130"
     assert versions["megatron-core"] == "0.16.1" and versions["numpy"] == "2.5.5"
-    rl.placeholder_wheel("needs_more", "1.0", house, requires=["not-in-the-folder>=1"])
+    wh.placeholder_wheel("needs_more", "1.0", house, requires=["not-in-the-folder>=1"])
     proc = _pip("install", "--no-index", "--find-links", str(house), "needs-more", python=py)
     assert proc.returncode != 0 and "not-in-the-folder" in proc.stderr
 

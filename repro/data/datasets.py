@@ -54,11 +54,6 @@ class DatasetSplits(NamedTuple):
     test: GPTDataset | BlendedDataset | None
 
 
-def _built_on_every_rank() -> bool:
-    # Each data-parallel rank reads its own slice of the samples, so every rank needs the dataset.
-    return True
-
-
 def _num_tokens(prefix: str) -> int:
     # Keep the dataset referenced while reading: its __del__ closes the mmap under any live view.
     ds = IndexedDataset(prefix)
@@ -67,25 +62,40 @@ def _num_tokens(prefix: str) -> int:
     return n
 
 
-def _check_splits(prefixes: Sequence[str], split: str) -> list[tuple[float, float] | None]:
+def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]:
+    """megatron-core's train/valid/test sequence ranges of one indexed dataset.
+
+    The same expressions as ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``:
+    ``beg = int(round(split[i][0] * n))``, ``end = int(round(split[i][1] * n))``.
+
+    Args:
+        num_sequences: n, the sequences (documents) of the dataset.
+        split: megatron's split string, e.g. ``"969,30,1"``.
+
+    Returns:
+        Three ``(beg, end)`` pairs, None for a split without a share.
+    """
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    n = float(num_sequences)
+    return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
+
+
+def _check_splits(prefixes: Sequence[str], split: str) -> list[tuple[int, int] | None]:
     """Refuse a split that gets no document of some prefix (megatron would loop forever building it).
 
     Returns:
-        megatron's split matrix: per split its (begin, end) share of each prefix's documents, or None.
+        The last prefix's :func:`split_ranges` (which splits have a share is the same for every prefix).
     """
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     for prefix in prefixes:
         n = len(IndexedDataset(prefix))
-        for name, bounds in zip(("train", "valid", "test"), matrix):
-            if bounds is None:
-                continue
-            beg, end = int(round(bounds[0] * n)), int(round(bounds[1] * n))
-            if end <= beg:
+        ranges = split_ranges(n, split)
+        for name, bounds in zip(("train", "valid", "test"), ranges):
+            if bounds is not None and bounds[1] <= bounds[0]:
                 raise ReproError(
                     f"{prefix}: split '{split}' leaves the {name} split no document out of {n}; "
                     "use a larger corpus or a split with a larger share for it"
                 )
-    return matrix
+    return ranges
 
 
 def build_datasets(
@@ -109,8 +119,8 @@ def build_datasets(
     Args:
         prefixes: indexed-dataset prefixes (``.bin``/``.idx`` written by :mod:`repro.data.indexed`).
         seq_length: tokens per sample (the model's sequence length).
-        num_samples: samples to draw per split ``(train, valid, test)``; ``None`` = one epoch of that split.
-            More samples than an epoch holds repeat the data in further shuffled epochs.
+        num_samples: samples per split ``(train, valid, test)``; ``None`` = one epoch of that split (more
+            samples than an epoch repeat the data in further shuffled epochs).
         seed: the seed of megatron's document and sample shuffles.
         cache_dir: where megatron caches its shuffle/sample indices (shared by all ranks).
         tokenizer: the tokenizer (megatron reads ``eod`` and ``vocab_size``; its identity keys the cache).
@@ -142,9 +152,9 @@ def build_datasets(
         raise ReproError(f"{len(weights)} blend weights for {len(prefixes)} datasets")
     if len(num_samples) != 3:
         raise ReproError(f"num_samples must give (train, valid, test), got {tuple(num_samples)}")
-    matrix = _check_splits(prefixes, split)
+    ranges = _check_splits(prefixes, split)
     # a split with no share builds nothing: give it 0 samples so megatron's weights/sizes check passes
-    sizes = [0 if bounds is None and n is None else n for bounds, n in zip(matrix, num_samples)]
+    sizes = [0 if bounds is None and n is None else n for bounds, n in zip(ranges, num_samples)]
     if weights is not None and None in sizes:
         raise ReproError("blend weights need a sample count for every split that has a share")
     if weights is None and len(prefixes) > 1 and None not in sizes:
@@ -162,9 +172,8 @@ def build_datasets(
         create_attention_mask=create_attention_mask or reset_attention_mask,
         mmap_bin_files=True,
     )
-    builder = BlendedMegatronDatasetBuilder(
-        GPTDataset, sizes, is_built_on_rank or _built_on_every_rank, config
-    )
+    # Every rank builds by default: each data-parallel rank reads its own slice of the samples.
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
     with _rank_zero_outside_distributed():
         return DatasetSplits(*builder.build())
 
@@ -232,10 +241,6 @@ def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tu
     return dataset.dataset_path, doc_ids[: cfg.sequence_length], offs[: cfg.sequence_length]
 
 
-def _gpt_datasets(dataset: GPTDataset | BlendedDataset) -> list[GPTDataset]:
-    return list(dataset.datasets) if isinstance(dataset, BlendedDataset) else [dataset]
-
-
 class DomainTaggedDataset(torch.utils.data.Dataset):
     """A megatron GPT dataset whose samples keep only the batch keys, optionally with per-token domains.
 
@@ -250,11 +255,11 @@ class DomainTaggedDataset(torch.utils.data.Dataset):
         names: list[str] = []
         self._to_global: dict[str, np.ndarray] = {}  # prefix -> doc -> global domain id
         if with_domains:
-            for sub in _gpt_datasets(dataset):
+            for sub in dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]:
                 if sub.dataset_path in self._to_global:
                     continue
                 index = load_domain_index(sub.dataset_path)
-                local_to_global = np.array([_index_of(names, n) for n in index.names], dtype=np.int64)
+                local_to_global = np.array([append_index(names, n) for n in index.names], dtype=np.int64)
                 self._to_global[sub.dataset_path] = local_to_global[index.doc_domain.astype(np.int64)]
         self.domain_names: tuple[str, ...] = tuple(names)
 
@@ -273,7 +278,8 @@ class DomainTaggedDataset(torch.utils.data.Dataset):
         return out
 
 
-def _index_of(names: list[str], name: str) -> int:
+def append_index(names: list[str], name: str) -> int:
+    """The index of ``name`` in ``names``, appending it first when it is new."""
     if name not in names:
         names.append(name)
     return names.index(name)
@@ -344,12 +350,8 @@ def make_loader(
     num_workers: int = 0,
     max_samples: int | None = None,
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader of megatron-style batches (see the module docstring for the keys and shapes).
-
-    One pass over the loader is one pass over the dataset's samples from ``consumed_samples`` on (the
-    dataset already holds at least as many samples as :func:`build_datasets` was asked for, repeating the
-    data in further epochs when needed); build a new loader to pass again. The loader has a
-    ``domain_names`` attribute (empty unless ``with_domains``).
+    """A DataLoader of megatron-style batches (keys and shapes: the module docstring), with a ``domain_names``
+    attribute (empty unless ``with_domains``); one pass covers the samples from ``consumed_samples`` on.
 
     Args:
         dataset: a dataset from :func:`build_datasets`.

@@ -72,6 +72,11 @@ class TokenizeStats:
         return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
+def domain_dtype(num_domains: int) -> type:
+    """The smallest unsigned integer type of the ``.domains.npy`` sidecar for that many domains."""
+    return np.uint8 if num_domains <= 1 << 8 else np.uint16 if num_domains <= 1 << 16 else np.uint32
+
+
 def _prefix_files(prefix: str) -> list[str]:
     # In rename order. .domains.json first: it marks the files at a prefix as this writer's (see
     # :func:`check_indexed_output`). .idx last: megatron (and :func:`indexed_exists`) treat a prefix as
@@ -183,8 +188,7 @@ def write_indexed(
             raise ReproError(f"{source}: empty corpus, no documents to tokenise")
         builder.finalize(tmp_prefix + ".idx")
 
-        index_dtype = np.uint8 if len(names) <= 1 << 8 else np.uint16 if len(names) <= 1 << 16 else np.uint32
-        np.save(tmp_prefix + DOMAINS_NPY, np.asarray(doc_domain, dtype=index_dtype))
+        np.save(tmp_prefix + DOMAINS_NPY, np.asarray(doc_domain, dtype=domain_dtype(len(names))))
         sidecar = {
             "domains": names,
             "num_documents": n_docs,

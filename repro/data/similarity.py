@@ -1,65 +1,29 @@
 """Similarity-based data batching (Lory, Sec. 3.2 and Appendix C): similar documents in the same sequences.
 
-Lory's experts specialise by domain only when the tokens of adjacent segments come from related documents,
-so the paper builds its training instances by concatenating similar documents, following In-Context
-Pretraining (Shi et al., ICLR 2024, arXiv:2310.10638, Sec. 2 and Algorithm 1):
+Lory builds its training instances by concatenating similar documents, following In-Context Pretraining
+(Shi et al., ICLR 2024, arXiv:2310.10638, Sec. 2 and Algorithm 1): every document gets a vector and its
+top-k nearest neighbours (FAISS); a greedy walk over the neighbour graph (a maximum travelling-salesman
+heuristic) orders the documents; the documents are concatenated in that order. megatron-core's ``GPTDataset``
+shuffles *sequences* once per epoch, so :func:`build_similarity_dataset` writes a derived indexed dataset in
+which every sequence is a **chain**: a run of the walk whose consecutive documents are graph neighbours,
+each still ending with its EOD token. Chains are cut at the walk's jumps and at ``max_chain_tokens`` (an
+int32 in megatron's index) and written in a seeded random order. Only the source's training documents
+(megatron's split of it) are chained; its validation and test documents follow unchanged, and
+:attr:`SimilarityBatched.split` cuts the derived dataset back into exactly those ranges, so the validation
+samples equal those of a run without similarity batching (tested). Several prefixes are merged into one
+derived dataset (neighbours searched across all of them).
 
-1. represent every document by a vector and retrieve its top-k nearest neighbours by cosine similarity
-   (approximate search with FAISS);
-2. walk the document graph greedily (a maximum travelling-salesman heuristic): start at an unvisited
-   document of minimum degree, repeatedly move to the most similar unvisited neighbour, and when every
-   neighbour of the current document is visited, jump to another unvisited minimum-degree document;
-3. concatenate the documents in the order of that path and cut the stream into training instances.
+Deviations from the paper (documented defaults; docs/routers.md): (1) TF-IDF over token ids (sublinear tf,
+EOD excluded) reduced by truncated SVD and L2-normalised, instead of Contriever (not downloadable here;
+lexical rather than semantic similarity); (2) FAISS exact inner product up to
+``exact_search_max_documents``, IVF (``4 sqrt(N)`` lists, ``nprobe`` 32) above; (3) no semantic
+deduplication; (4) an undirected edge joins two documents when either is among the other's k nearest
+neighbours, weighted by cosine similarity; minimum-degree ties are broken by a seeded permutation.
 
-How the suite does it with megatron-core 0.16.1's ``GPTDataset`` (``megatron/core/datasets/gpt_dataset.py``,
-read for this): ``GPTDataset`` splits an indexed dataset by *sequence* index (``numel_low_level_dataset``),
-shuffles the split's sequence ids once per epoch (``_build_document_index``), concatenates the sequences in
-that order, cuts the stream into samples of ``seq_length + 1`` tokens (``sample_index``) and shuffles the
-samples (``shuffle_index``). A random document order would undo step 3, so :func:`build_similarity_dataset`
-writes a *derived* indexed dataset in which every sequence is a **chain**: a run of the path whose
-consecutive documents are graph neighbours, each document still ending with its EOD token. The document
-shuffle then moves whole chains, and a sample's documents are consecutive documents of one chain except for
-the samples that straddle two chains. Chains are cut at the path's jumps and at ``max_chain_tokens`` (a
-sequence length is an int32 in megatron's index), and written in a seeded random order.
-
-Train/valid/test: the chains are built from the source's *training* documents only (megatron's split of
-the source, same rounding); the source's validation and test documents follow unchanged, and
-:attr:`SimilarityBatched.split` is the split string (``"chains,valid,test"`` counts) under which megatron
-cuts the derived dataset back into exactly those three ranges. The validation documents are the same ones,
-in the same order, so for one source prefix the validation samples are identical to those of a run without
-similarity batching (tested), and the validation loss stays comparable across routers. Several prefixes are
-merged into one derived dataset (neighbours are searched across all of them); this equals megatron's
-default blend (weights proportional to tokens) for training, but the validation samples are then those of
-one dataset, not of megatron's blend.
-
-Deviations from the paper (documented defaults):
-
-1. Document representation: the paper embeds documents with Contriever (Izacard et al. 2022), a pretrained
-   retriever that cannot be downloaded here. The suite uses TF-IDF over the document's token ids (sublinear
-   term frequency, scikit-learn's ``TfidfTransformer``, EOD excluded) reduced to ``embedding_dim`` dimensions
-   by truncated SVD (latent semantic analysis, scikit-learn's ``TruncatedSVD``) and L2-normalised, so the
-   inner product is the cosine similarity. It needs no download and works on any tokenised corpus; it
-   measures lexical rather than semantic similarity.
-2. Neighbour search: FAISS, as the paper: exact inner product (``IndexFlatIP``) up to
-   ``exact_search_max_documents`` documents, an inverted-file index (``IndexIVFFlat``, ``4 sqrt(N)`` lists,
-   ``nprobe`` 32) above.
-3. The ICLM pipeline's semantic deduplication step is not applied (the mini-pile drops exact duplicates
-   when it is built; The Pile is used as distributed).
-4. The document graph: an undirected edge joins two documents when either is among the other's k nearest
-   neighbours (ICLM), weighted by their cosine similarity; ties of minimum degree are broken by a seeded
-   permutation (ICLM: a random minimum-degree document).
-
-Everything is cached beside the source data, keyed by a hash of the inputs (the sources' index files and
-data sizes, the split, the options and the format), as ``<first prefix>.simbatch-<key>``: a complete derived
-dataset with a matching manifest is reused, files of that name that this module did not write are never
-overwritten (an error names them), and a build writes under temporary names and renames into place only
-when everything succeeded.
-
-The ordering (steps 1 and 2, and the chains of step 3) is in :mod:`repro.data.similarity_chains`, whose
-names (and the options, :class:`SimilarityBatchingConfig`) are importable from here too; this module holds
-the split, the cache and the derived dataset's files.
-
-Command line (to build once before a multi-GPU run): ``python -m repro.data.similarity PREFIX [PREFIX...]``.
+The result is cached beside the source as ``<first prefix>.simbatch-<key>`` (a hash of the sources'
+index files and sizes, the split, the options and the format): a complete cached dataset is reused, files
+of that name this module did not write are never overwritten, and a build renames into place only when
+everything succeeded. Command line: ``python -m repro.data.similarity PREFIX [PREFIX...]``.
 """
 
 from __future__ import annotations
@@ -69,6 +33,7 @@ import dataclasses
 import fcntl
 import hashlib
 import json
+import math
 import os
 import shutil
 import sys
@@ -79,27 +44,52 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from megatron.core.datasets.blended_megatron_dataset_config import (
-    convert_split_vector_to_split_matrix,
-    parse_and_normalize_split,
-)
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, load_domain_index
-from repro.data.similarity_chains import (  # noqa: F401 (re-exported)
-    SimilarityBatchingConfig,
-    chains_from_path,
-    document_embeddings,
-    greedy_path,
-    nearest_neighbors,
-)
+from repro.data.datasets import DEFAULT_SPLIT, append_index, split_ranges
+from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, domain_dtype, load_domain_index
 from repro.errors import ReproError
 
 FORMAT = 1
-DEFAULT_SPLIT = "969,30,1"
 #: Suffixes of the files of a derived dataset besides ``.bin``/``.idx``.
 CHAINS_NPZ = ".chains.npz"
 MANIFEST_JSON = ".simbatch.json"
+#: megatron's index stores sequence lengths as int32.
+MAX_SEQUENCE_TOKENS = 2**31 - 1
+
+
+@dataclass(frozen=True)
+class SimilarityBatchingConfig:
+    """Options of similarity batching (every field is part of the cache key).
+
+    Args:
+        num_neighbors: k, the nearest neighbours retrieved per document.
+        embedding_dim: dimensions of the TF-IDF + truncated-SVD document vectors.
+        max_chain_tokens: a chain ends before it would exceed this many tokens; a single longer document
+            stays a chain of its own.
+        svd_fit_documents: documents (a seeded sample) the TF-IDF weights and the SVD are fitted on.
+        exact_search_max_documents: exact FAISS search up to this many documents, IVF above.
+        seed: seeds the SVD, the fitting sample, the minimum-degree tie-breaks and the chain order.
+    """
+
+    num_neighbors: int = 10
+    embedding_dim: int = 128
+    max_chain_tokens: int = 1 << 16
+    svd_fit_documents: int = 100_000
+    exact_search_max_documents: int = 200_000
+    seed: int = 1234
+
+    def __post_init__(self) -> None:
+        for name in ("num_neighbors", "embedding_dim", "max_chain_tokens", "svd_fit_documents",
+                     "exact_search_max_documents"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_chain_tokens > MAX_SEQUENCE_TOKENS:
+            raise ValueError(f"max_chain_tokens must be <= {MAX_SEQUENCE_TOKENS} (megatron's int32 lengths)")
+        if not 0 <= self.seed < 2**32:
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+
 @dataclass(frozen=True)
 class SimilarityBatched:
     """A derived, similarity-batched indexed dataset (what :func:`build_similarity_dataset` returns).
@@ -124,7 +114,7 @@ class SimilarityBatched:
 
     def chain_members(self, chain: int) -> list[tuple[int, int]]:
         """``[(source index, document id), ...]`` of one chain, in order."""
-        offsets, members = _load_chains(self.prefix)
+        offsets, members, _ = _load_chains(self.prefix)
         return [tuple(int(v) for v in m) for m in members[offsets[chain] : offsets[chain + 1]]]
 
     def token_sources(self, sequence: np.ndarray, offset: np.ndarray) -> np.ndarray:
@@ -138,8 +128,7 @@ class SimilarityBatched:
             ``[n, 2]`` int64 ``(source index, document id)`` per position (-1 for padding); for a
             validation or test sequence, the source document it copies.
         """
-        offsets, members = _load_chains(self.prefix)
-        lengths = _load_chains_lengths(self.prefix)
+        offsets, members, lengths = _load_chains(self.prefix)
         out = np.full((len(sequence), 2), -1, dtype=np.int64)
         for i, (seq, off) in enumerate(zip(np.asarray(sequence), np.asarray(offset))):
             if seq < 0:
@@ -150,23 +139,212 @@ class SimilarityBatched:
         return out
 
 
-# ------------------------------------------------------------------------------------------ split ranges
-def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]:
-    """megatron-core's train/valid/test sequence ranges of one indexed dataset.
+# --------------------------------------------------------------------------------------- representation
+def _count_matrix(dataset: IndexedDataset, documents: np.ndarray, vocab_size: int, eod: int | None):
+    """Sparse ``[N, V]`` token-count matrix of the given documents (EOD excluded)."""
+    from scipy.sparse import csr_matrix
 
-    The same expressions as ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``:
-    ``beg = int(round(split[i][0] * n))``, ``end = int(round(split[i][1] * n))``.
+    indptr = np.zeros(len(documents) + 1, dtype=np.int64)
+    cols, vals = [], []
+    for i, doc in enumerate(documents):
+        tokens = np.asarray(dataset[int(doc)], dtype=np.int64)
+        if eod is not None:
+            tokens = tokens[tokens != eod]
+        ids, counts = np.unique(tokens, return_counts=True)
+        cols.append(ids)
+        vals.append(counts)
+        indptr[i + 1] = indptr[i] + ids.size
+    data = np.concatenate(vals).astype(np.float32) if vals else np.zeros(0, np.float32)
+    index = np.concatenate(cols) if cols else np.zeros(0, np.int64)
+    return csr_matrix((data, index, indptr), shape=(len(documents), vocab_size))
+
+
+def document_embeddings(
+    datasets: Sequence[IndexedDataset],
+    documents: np.ndarray,
+    vocab_size: int,
+    eod: int | None,
+    config: SimilarityBatchingConfig,
+    chunk: int = 20_000,
+) -> np.ndarray:
+    """L2-normalised TF-IDF + truncated-SVD vectors of documents (deviation 1).
 
     Args:
-        num_sequences: n, the sequences (documents) of the dataset.
-        split: megatron's split string, e.g. ``"969,30,1"``.
+        datasets: the source indexed datasets.
+        documents: ``[N, 2]`` ``(source index, document id)`` rows.
+        vocab_size: columns of the count matrix (every token id must be below it).
+        eod: the end-of-document id, left out of the counts; None keeps all ids.
+        config: the options (``embedding_dim``, ``svd_fit_documents``, ``seed``).
+        chunk: documents transformed at a time (bounds the memory of the sparse matrices).
 
     Returns:
-        Three ``(beg, end)`` pairs, None for a split without a share.
+        ``[N, d]`` float32 with unit rows (rows of documents without any token are zero),
+        ``d = min(embedding_dim, ids present in the fitting sample - 1, fit documents - 1)``.
     """
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
-    n = float(num_sequences)
-    return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
+    from scipy.sparse import vstack
+    from sklearn.decomposition import TruncatedSVD
+    from sklearn.feature_extraction.text import TfidfTransformer
+    from sklearn.preprocessing import normalize
+
+    N = len(documents)
+    rng = np.random.default_rng(config.seed)
+    fit_rows = np.sort(rng.permutation(N)[: config.svd_fit_documents])
+
+    def counts(rows: np.ndarray):
+        parts = [
+            _count_matrix(datasets[s], documents[rows][documents[rows, 0] == s, 1], vocab_size, eod)
+            for s in range(len(datasets))
+        ]
+        # Rows come back grouped by source; restore the requested order.
+        order = np.argsort(documents[rows, 0], kind="stable")
+        inverse = np.empty_like(order)
+        inverse[order] = np.arange(order.size)
+        return vstack(parts).tocsr()[inverse]
+
+    # Only the ids present in the fitting sample: the SVD's components are zero on the others, and the
+    # TF-IDF row norm they would change cancels in the final normalisation (the projection is linear).
+    fit_counts = counts(fit_rows)
+    used = np.flatnonzero(fit_counts.getnnz(axis=0))
+    fit_counts = fit_counts[:, used]
+    tfidf = TfidfTransformer(sublinear_tf=True).fit(fit_counts)
+    dim = max(1, min(config.embedding_dim, used.size - 1, len(fit_rows) - 1))
+    svd = TruncatedSVD(n_components=dim, random_state=config.seed).fit(tfidf.transform(fit_counts))
+    out = np.empty((N, dim), dtype=np.float32)
+    for start in range(0, N, chunk):
+        rows = np.arange(start, min(N, start + chunk))
+        out[rows] = svd.transform(tfidf.transform(counts(rows)[:, used])).astype(np.float32)
+    return normalize(out, norm="l2").astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------- neighbour search
+def nearest_neighbors(
+    embeddings: np.ndarray, k: int, config: SimilarityBatchingConfig
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each document's top-k neighbours by inner product (cosine on unit vectors), itself excluded.
+
+    Args:
+        embeddings: ``[N, d]`` float32 unit rows.
+        k: neighbours per document (at most N - 1 are returned).
+        config: ``exact_search_max_documents`` and ``seed`` (the IVF training sample).
+
+    Returns:
+        ``(ids [N, k'], sims [N, k'])``, most similar first, ``k' = min(k, N - 1)``; -1 ids where the
+        approximate search found fewer.
+    """
+    import faiss
+
+    N, d = embeddings.shape
+    k_eff = min(k, N - 1)
+    if k_eff < 1:
+        return np.zeros((N, 0), np.int64), np.zeros((N, 0), np.float32)
+    x = np.ascontiguousarray(embeddings, dtype=np.float32)
+    if N <= config.exact_search_max_documents:
+        index = faiss.IndexFlatIP(d)
+    else:
+        nlist = int(4 * math.sqrt(N))
+        index = faiss.IndexIVFFlat(faiss.IndexFlatIP(d), d, nlist, faiss.METRIC_INNER_PRODUCT)
+        sample = np.random.default_rng(config.seed).permutation(N)[: max(40 * nlist, 10_000)]
+        index.train(x[np.sort(sample)])
+        index.nprobe = 32
+    index.add(x)
+    sims, ids = index.search(x, k_eff + 1)
+    # Drop each document itself (not necessarily in column 0 when duplicates tie).
+    own = ids == np.arange(N)[:, None]
+    keep = ~own
+    keep[own.sum(1) == 0, -1] = False  # itself not returned: drop the least similar instead
+    ids = ids[keep].reshape(N, k_eff)
+    sims = sims[keep].reshape(N, k_eff)
+    return ids.astype(np.int64), sims.astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------- graph traversal
+def greedy_path(ids: np.ndarray, sims: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """ICLM's greedy maximum-travelling-salesman path over the kNN graph (Shi et al. 2024, Algorithm 1).
+
+    Start at an unvisited document of minimum degree in the undirected graph (deviation 4), move to the
+    unvisited neighbour of highest weight while there is one, otherwise jump to the next such start.
+
+    Args:
+        ids: ``[N, k]`` neighbour ids (-1 for none).
+        sims: ``[N, k]`` their similarities.
+        seed: seeds the tie-break among documents of equal degree.
+
+    Returns:
+        ``(order [N], linked [N])``: every document once, in path order, and whether each was reached
+        from its predecessor along an edge (False for the first and after every jump).
+    """
+    N = ids.shape[0]
+    src = np.repeat(np.arange(N, dtype=np.int64), ids.shape[1])
+    dst = ids.reshape(-1).astype(np.int64)
+    w = sims.reshape(-1)
+    valid = (dst >= 0) & (dst != src)
+    src, dst, w = src[valid], dst[valid], w[valid]
+    # Both directions, one edge per unordered pair (the larger weight if both lists hold it).
+    a, b = np.concatenate([src, dst]), np.concatenate([dst, src])
+    ww = np.concatenate([w, w])
+    order = np.lexsort((-ww, b, a))
+    a, b, ww = a[order], b[order], ww[order]
+    first = np.ones(a.size, dtype=bool)
+    first[1:] = (a[1:] != a[:-1]) | (b[1:] != b[:-1])
+    a, b, ww = a[first], b[first], ww[first]
+    # Within each row, neighbours by decreasing weight.
+    order = np.lexsort((-ww, a))
+    a, b = a[order], b[order]
+    degree = np.bincount(a, minlength=N)
+    indptr = np.concatenate([[0], np.cumsum(degree)])
+    cursor = indptr[:-1].copy()
+
+    rng = np.random.default_rng(seed)
+    start_order = np.lexsort((rng.permutation(N), degree))  # minimum degree first, random ties
+    visited = np.zeros(N, dtype=bool)
+    path = np.empty(N, dtype=np.int64)
+    linked = np.zeros(N, dtype=bool)
+    n, next_start = 0, 0
+    while n < N:
+        while visited[start_order[next_start]]:
+            next_start += 1
+        current = int(start_order[next_start])
+        visited[current] = True
+        path[n], n = current, n + 1
+        while True:
+            row_end = indptr[current + 1]
+            c = cursor[current]
+            while c < row_end and visited[b[c]]:
+                c += 1
+            cursor[current] = c
+            if c == row_end:
+                break
+            current = int(b[c])
+            visited[current] = True
+            path[n], linked[n], n = current, True, n + 1
+    return path, linked
+
+
+def chains_from_path(
+    path: np.ndarray, linked: np.ndarray, lengths: np.ndarray, max_chain_tokens: int
+) -> list[np.ndarray]:
+    """Cut the path into chains: at every jump, and before a chain would exceed ``max_chain_tokens``.
+
+    Args:
+        path: ``[N]`` document indices in path order.
+        linked: ``[N]`` whether each step followed an edge.
+        lengths: ``[N]`` tokens of each document (indexed like ``path``'s values).
+        max_chain_tokens: the largest chain (a longer single document is a chain of its own).
+
+    Returns:
+        The chains, each an array of document indices in path order.
+    """
+    chains: list[np.ndarray] = []
+    start, tokens = 0, 0
+    for i in range(len(path)):
+        length = int(lengths[path[i]])
+        if i > start and (not linked[i] or tokens + length > max_chain_tokens):
+            chains.append(path[start:i])
+            start, tokens = i, 0
+        tokens += length
+    if len(path):
+        chains.append(path[start:])
+    return chains
 
 
 # ------------------------------------------------------------------------------------------- the build
@@ -197,14 +375,9 @@ def _derived_files(prefix: str) -> list[str]:
     return [prefix + ext for ext in (CHAINS_NPZ, DOMAINS_NPY, DOMAINS_JSON, ".bin", ".idx", MANIFEST_JSON)]
 
 
-def _load_chains(prefix: str) -> tuple[np.ndarray, np.ndarray]:
+def _load_chains(prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     with np.load(prefix + CHAINS_NPZ, allow_pickle=False) as z:
-        return z["offsets"], z["members"]
-
-
-def _load_chains_lengths(prefix: str) -> np.ndarray:
-    with np.load(prefix + CHAINS_NPZ, allow_pickle=False) as z:
-        return z["lengths"]
+        return z["offsets"], z["members"], z["lengths"]
 
 
 def _read_manifest(prefix: str) -> dict | None:
@@ -213,6 +386,8 @@ def _read_manifest(prefix: str) -> dict | None:
             return json.load(f)
     except (OSError, ValueError):
         return None
+
+
 
 
 def build_similarity_dataset(
@@ -224,7 +399,7 @@ def build_similarity_dataset(
     eod: int | None = None,
     log=None,
 ) -> SimilarityBatched:
-    """Build (or reuse) the similarity-batched derived dataset of ``prefixes`` (see the module docstring).
+    """Build (or reuse) the similarity-batched derived dataset of ``prefixes``.
 
     Args:
         prefixes: source indexed-dataset prefixes (written by :mod:`repro.data.indexed`, domain sidecar
@@ -239,11 +414,10 @@ def build_similarity_dataset(
         log: called with one line per stage (e.g. ``print``); default silent.
 
     Returns:
-        :class:`SimilarityBatched`. Its ``stats`` hold ``documents``, ``chains``, ``mean_chain_tokens``,
-        ``linked_fraction`` (path steps along an edge), ``adjacent_similarity`` (mean cosine similarity of
-        consecutive documents of a chain), ``random_similarity`` (mean over random pairs, the baseline),
-        ``same_domain_adjacent`` / ``same_domain_random`` (share of pairs from the same domain) and
-        ``seconds``.
+        :class:`SimilarityBatched`; its ``stats``: ``documents``, ``chains``, ``mean_chain_tokens``,
+        ``linked_fraction`` (path steps along an edge), the mean cosine similarity and same-domain share of
+        chain neighbours against random pairs (``adjacent_similarity``, ``random_similarity``,
+        ``same_domain_adjacent``, ``same_domain_random``) and ``seconds``.
 
     Raises:
         ReproError: a missing source, a split leaving the training part empty, or existing files of the
@@ -340,8 +514,7 @@ def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
     tmp = str(tmp_dir / Path(out_prefix).name)
     try:
         names, seq_domain = _write_sequences(tmp, datasets, domains, train, chains, lengths, (valid, test))
-        index_dtype = np.uint8 if len(names) <= 1 << 8 else np.uint16 if len(names) <= 1 << 16 else np.uint32
-        np.save(tmp + DOMAINS_NPY, np.asarray(seq_domain, dtype=index_dtype))
+        np.save(tmp + DOMAINS_NPY, np.asarray(seq_domain, dtype=domain_dtype(len(names))))
         first_meta = json.loads(Path(sources[0] + DOMAINS_JSON).read_text())
         sidecar = {
             "domains": names,
@@ -380,14 +553,7 @@ def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
 def _documents_by_split(
     datasets: Sequence[IndexedDataset], sources: Sequence[str], split: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The sources' training, validation and test documents under megatron's split of each source.
-
-    Returns:
-        Three ``[n, 2]`` int64 arrays of ``(source index, document id)`` rows, sources in order.
-
-    Raises:
-        ReproError: the split leaves no training document.
-    """
+    """The sources' training, validation and test documents (``[n, 2]`` ``(source, document)`` rows each)."""
     ranges = [split_ranges(len(ds), split) for ds in datasets]
     train_docs, valid_docs, test_docs = [], [], []
     for s, r in enumerate(ranges):
@@ -404,11 +570,7 @@ def _documents_by_split(
 
 
 def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Generator) -> dict:
-    """How similar the chained documents are: consecutive documents of a chain against random pairs.
-
-    Returns:
-        The ``stats`` of :func:`build_similarity_dataset` but ``seconds``.
-    """
+    """The ``stats`` of :func:`build_similarity_dataset` but ``seconds``: chain neighbours against random pairs."""
     pairs = np.array([(c[i], c[i + 1]) for c in chains for i in range(len(c) - 1)], dtype=np.int64).reshape(-1, 2)
     rand = rng.integers(0, len(train), size=(max(1, min(100_000, len(pairs) or 1000)), 2))
     dom = np.array([domains[s].doc_domain[d] for s, d in train])
@@ -433,16 +595,8 @@ def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Ge
 
 
 def _write_sequences(tmp, datasets, domains, train, chains, lengths, unchanged) -> tuple[list[str], list[int]]:
-    """Write the derived sequences (``tmp.bin``/``.idx``) and their members (``tmp`` + :data:`CHAINS_NPZ`).
-
-    Args:
-        tmp: the temporary prefix.
-        datasets: the source indexed datasets.
-        domains: their domain sidecars.
-        train: ``[n, 2]`` training documents; ``chains`` index its rows.
-        chains: the chains, in their written order.
-        lengths: tokens of each training document.
-        unchanged: the validation and test documents, each written as a sequence of its own.
+    """Write the derived sequences (``tmp.bin``/``.idx``: the chains of ``train``'s rows, then each of the
+    ``unchanged`` validation and test documents alone) and their members (:data:`CHAINS_NPZ`).
 
     Returns:
         ``(domain names, domain id of each sequence)`` for the domain sidecar.
@@ -453,12 +607,6 @@ def _write_sequences(tmp, datasets, domains, train, chains, lengths, unchanged) 
         builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
         names: list[str] = []
         seq_domain: list[int] = []
-
-        def domain_id(name: str) -> int:
-            if name not in names:
-                names.append(name)
-            return names.index(name)
-
         offsets, members, member_lengths = [0], [], []
         for chain in chains:
             rows = train[chain]
@@ -470,7 +618,7 @@ def _write_sequences(tmp, datasets, domains, train, chains, lengths, unchanged) 
             for (s, d), n in zip(rows, lengths[chain]):
                 name = domains[s].domain_of(int(d))
                 by_domain[name] = by_domain.get(name, 0) + int(n)
-            seq_domain.append(domain_id(max(by_domain, key=by_domain.get)))
+            seq_domain.append(append_index(names, max(by_domain, key=by_domain.get)))
             members.append(rows)
             member_lengths.append(lengths[chain])
             offsets.append(offsets[-1] + len(chain))
@@ -478,7 +626,7 @@ def _write_sequences(tmp, datasets, domains, train, chains, lengths, unchanged) 
             for s, d in rows:
                 tokens = np.asarray(datasets[s][int(d)])
                 builder.add_document(tokens, [tokens.size])
-                seq_domain.append(domain_id(domains[s].domain_of(int(d))))
+                seq_domain.append(append_index(names, domains[s].domain_of(int(d))))
                 members.append(np.array([[s, d]], dtype=np.int64))
                 member_lengths.append(np.array([tokens.size], dtype=np.int64))
                 offsets.append(offsets[-1] + 1)

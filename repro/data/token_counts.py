@@ -1,12 +1,10 @@
 """Token counts of a corpus's training documents: what Hash's ``balanced`` table is built from.
 
-Hash Layers (Roller et al. 2021) balance the load of a hash table with the unigram frequencies of the
-training corpus. :func:`count_tokens` counts every token id over the *training* documents of indexed
-datasets (megatron-core's split of each prefix, the ranges :func:`repro.data.similarity.split_ranges`
-computes, so validation and test documents do not shape the table), and :func:`token_counts_file` writes the
-counts once beside the data as ``<first prefix>.tokcounts-<key>.npy`` (keyed by a hash of the sources'
-index files, data sizes and the split), for the router option ``counts_path``. The router's table, built
-from it, is a persistent buffer: every checkpoint of the run carries it.
+Hash Layers (Roller et al. 2021) balance a hash table with the training corpus's unigram frequencies.
+Only the *training* documents (megatron-core's split of each prefix) are counted, so validation and test
+documents do not shape the table; :func:`token_counts_file` writes the counts once beside the data as
+``<first prefix>.tokcounts-<key>.npy`` (keyed by the sources' fingerprints and the split), for the router
+option ``counts_path``.
 """
 
 from __future__ import annotations
@@ -14,15 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from repro.data.similarity import DEFAULT_SPLIT, dataset_fingerprint, split_ranges
+from repro.data.datasets import DEFAULT_SPLIT, split_ranges
+from repro.data.similarity import dataset_fingerprint
 from repro.errors import ReproError
+from repro.io_utils import atomic_path
 
 
 def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, vocab_size: int | None = None) -> np.ndarray:
@@ -103,12 +101,6 @@ def token_counts_file(
             raise ReproError(f"{path}: exists but is not a token-counts array; move it away (it is not overwritten)")
         return path
     counts = count_tokens(sources, split, vocab_size)
-    fd, tmp = tempfile.mkstemp(prefix=f".{Path(path).name}.", suffix=".tmp", dir=Path(path).parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, counts)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp:
+        np.save(tmp, counts)  # tmp ends with .npy: np.save adds no suffix
     return path
