@@ -17,12 +17,8 @@ from routers.base import Router, RouterOutput
 
 @dataclass
 class RouterTrace:
-    """What the routers of one model saw and returned during a block of forwards, per layer index.
-
-    Attributes:
-        inputs: ``{layer: [hidden_TD, ...]}`` router inputs (detached, float32, CPU).
-        outputs: ``{layer: [RouterOutput, ...]}`` router outputs (tensors detached, CPU).
-    """
+    """Per layer index, the routers' inputs (``hidden_TD``, float32) and outputs during a block of forwards
+    (detached, on the CPU)."""
 
     inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, list[RouterOutput]] = field(default_factory=dict)
@@ -30,15 +26,8 @@ class RouterTrace:
 
 @contextlib.contextmanager
 def trace_routers(model: nn.Module, keep_inputs: bool = False) -> Iterator[RouterTrace]:
-    """Record every router call of ``model`` inside the block (forward hooks, removed on exit).
-
-    Args:
-        model: a model holding :class:`Router` modules (layers are numbered in module order).
-        keep_inputs: also keep the routers' input hidden states (memory: T x D floats per call).
-
-    Yields:
-        A :class:`RouterTrace` that fills up while the block runs.
-    """
+    """Record every router call of ``model`` (layers numbered in module order) inside the block, in the yielded
+    :class:`RouterTrace` (forward hooks, removed on exit); ``keep_inputs`` also keeps the T x D inputs."""
     trace = RouterTrace()
     handles = []
     for layer, router in enumerate(m for m in model.modules() if isinstance(m, Router)):

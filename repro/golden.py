@@ -1,17 +1,11 @@
 """Golden loss curves: fixed-seed training losses of a few routers on the embedded default, committed under
 ``tests/assets/losses/``, and the comparison of a fresh run against them.
 
-A change that is not meant to alter what training computes (a refactor, a new option that is off by default)
-must leave these curves as they are; ``tests/test_golden.py`` trains the same runs and compares every step.
-A change that is meant to alter them regenerates the files with::
-
-    python -m repro golden --refresh            # then review and commit tests/assets/losses/*.txt
-
-Each run is ``<router>-tiny`` on the mini-pile for :data:`STEPS` steps, one thread, the experiment's seed,
-no validation. A file records the command, the settings, the torch version and a fingerprint of the corpus:
-the mini-pile is built from text on the machine (the Python standard library, manual pages, licences, C
-headers), so a machine with other such files has another corpus, and its curves are not comparable (the
-comparison then says so instead of failing on numbers).
+A change not meant to alter what training computes must leave them as they are (``tests/test_golden.py``
+compares every step); one meant to alter them regenerates them with ``python -m repro golden --refresh``.
+Each run is ``<router>-tiny`` on the mini-pile for :data:`STEPS` steps, one thread, no validation. A file
+records the settings, the torch version and the corpus's fingerprint: a machine with other text files has
+another mini-pile, and the comparison then says so instead of failing on numbers (docs/development.md).
 """
 
 from __future__ import annotations
@@ -38,14 +32,8 @@ REFRESH = "python -m repro golden --refresh"
 
 @dataclass(frozen=True)
 class GoldenCurve:
-    """One router's curve.
-
-    Args:
-        router: the router (its ``<router>-tiny`` experiment).
-        losses: the training loss (LM loss plus aux losses) of steps 1..N.
-        data: the corpus fingerprint (sha256 of the training tokens and the tokenizer).
-        torch: the torch version that produced it.
-    """
+    """One router's curve: the training loss (LM plus aux losses) of steps 1..N of its ``<router>-tiny``
+    experiment, the corpus fingerprint (:func:`corpus_fingerprint`) and the torch version."""
 
     router: str
     losses: tuple[float, ...]
@@ -73,11 +61,7 @@ def corpus_fingerprint(data_dir: str | Path) -> str:
 
 
 def run_curve(router: str, data_dir: str | Path, work_dir: str | Path) -> GoldenCurve:
-    """Train ``<router>-tiny`` for :data:`STEPS` steps on the mini-pile in ``work_dir/<router>`` (new or empty).
-
-    Returns:
-        The curve, with the corpus fingerprint and torch's version.
-    """
+    """Train ``<router>-tiny`` for :data:`STEPS` steps on the mini-pile in ``work_dir/<router>`` (new or empty)."""
     import torch
 
     from repro.training.config import apply_overrides
@@ -109,11 +93,7 @@ def write_golden(curve: GoldenCurve, root: Path = GOLDEN_DIR) -> Path:
 
 
 def read_golden(router: str, root: Path = GOLDEN_DIR) -> GoldenCurve:
-    """Read a curve file.
-
-    Raises:
-        ReproError: a missing or malformed file (naming it and the line).
-    """
+    """Read a curve file (a ReproError naming the file and line when it is missing or malformed)."""
     path = golden_path(router, root)
     meta: dict[str, str] = {}
     losses: list[float] = []

@@ -45,9 +45,6 @@ def os_error_message(exc: BaseException, path: str | os.PathLike) -> str:
         exc: the ``OSError``, or an exception whose ``__context__``/``__cause__`` chain holds one (torch's
             zip writer raises ``RuntimeError: ... unexpected pos`` with the ``OSError`` as its context).
         path: the path to name (the user's output path, not a temporary name).
-
-    Returns:
-        The message.
     """
     os_exc = find_os_error(exc)
     if os_exc is not None and os_exc.errno:
@@ -71,15 +68,12 @@ def find_os_error(exc: BaseException | None) -> OSError | None:
 def error_from_os_error(
     exc: BaseException, path: str | os.PathLike, temp_dir: str | os.PathLike | None = None
 ) -> ReproError | None:
-    """The one-line :class:`ReproError` for an ``OSError`` in ``exc``'s chain (None if there is none).
+    """The one-line :class:`ReproError` to raise for an ``OSError`` in ``exc``'s chain (None if there is none).
 
     Args:
         exc: the exception caught while writing.
         path: the output the user named (reported unless the error names another file).
         temp_dir: the writer's temporary directory: an error on a file in it is an error writing ``path``.
-
-    Returns:
-        The error to raise (``raise error from None``), or None when ``exc`` is not about the file system.
     """
     os_exc = find_os_error(exc)
     if os_exc is None:
@@ -108,22 +102,15 @@ def _kind(path: Path) -> str | None:
 
 
 def check_output_path(path: str | os.PathLike, replace: Recognise | None = None, *, probe: bool = False) -> None:
-    """Refuse, before any work, an output path whose current content the write would not be allowed to replace.
-
-    The same rules :func:`atomic_path` applies when it commits (see the module docstring); commands call this
-    first so that a bad ``--out`` fails in a second, not after an hour of evaluation.
+    """Refuse, before any work, an output path whose content the write may not replace (the module's rules,
+    which :func:`atomic_path` applies again when it commits): a bad ``--out`` fails in a second.
 
     Args:
         path: the output path.
         replace: recognises the command's own earlier output (None: a regular file may be replaced, a
             directory may not).
-        probe: also create (and remove again) a temporary file beside ``path``, so that a read-only or
-            full file system, or a parent that is a regular file, is reported now. Without it nothing is
-            created.
-
-    Raises:
-        ReproError: a directory, symlink or special file there that ``replace`` does not recognise, a
-            regular file it rejects, or (with ``probe``) a directory that cannot be written.
+        probe: also create (and remove) a temporary file beside ``path``, so that a read-only or full file
+            system, or a parent that is a regular file, is reported now.
     """
     final = Path(path)
     kind = _kind(final)
@@ -151,18 +138,8 @@ def check_output_path(path: str | os.PathLike, replace: Recognise | None = None,
 
 
 def make_parents(directory: str | os.PathLike, where: str | os.PathLike | None = None) -> list[Path]:
-    """``mkdir -p directory`` with one-line errors; returns the directories it created (outermost first).
-
-    Args:
-        directory: the directory to create.
-        where: the output path to name in errors (default ``directory``).
-
-    Returns:
-        The directories created, so a failed write can remove them again (see :func:`remove_empty_dirs`).
-
-    Raises:
-        ReproError: a parent is a regular file, or an ``OSError`` (``"<cause>: <where>"``).
-    """
+    """``mkdir -p directory`` with one-line errors naming ``where`` (default ``directory``); returns the
+    directories it created, outermost first, for :func:`remove_empty_dirs` after a failed write."""
     directory = Path(directory)
     where = directory if where is None else Path(where)
     missing = []
@@ -198,22 +175,10 @@ def remove_empty_dirs(created: list[Path]) -> None:
 def atomic_path(path: str | os.PathLike, *, replace: Recognise | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success rename it onto ``path``, on error delete it.
 
-    Works for a file or a directory written at the yielded path. What may already be at ``path`` follows
-    the module's rules: a regular file is replaced (unless ``replace`` rejects it), a directory only when
-    ``replace`` recognises it, a symlink never. The check runs before the body (fail fast) and again just
-    before the rename. A replaced directory is first renamed into the temporary directory, then deleted, so
-    a failure of the final rename puts it back.
-
-    Args:
-        path: the final destination.
-        replace: recognises the command's own earlier output at ``path`` (see :func:`check_output_path`).
-
-    Yields:
-        The temporary path to write to (it does not exist yet).
-
-    Raises:
-        ReproError: ``path`` holds something that may not be replaced, or an ``OSError`` while writing
-            (one line, ``"<cause>: <path>"``); nothing is left behind then.
+    For a file or a directory written at the yielded (not yet existing) path. What is at ``path`` follows the
+    module's rules, checked before the body and again before the rename (``replace``: as
+    :func:`check_output_path`). A replaced directory is first moved into the temporary directory, so a
+    failure of the final rename puts it back.
     """
     final = Path(path)
     check_output_path(final, replace)
@@ -280,17 +245,7 @@ def _fsync_dir(directory: Path) -> None:
 def write_json_atomic(
     path: str | os.PathLike, obj: Any, indent: int = 2, *, replace: Recognise | None = None
 ) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (see :func:`atomic_path` for what may be replaced).
-
-    Args:
-        path: the destination.
-        obj: JSON-ready data.
-        indent: JSON indentation.
-        replace: recognises the command's own earlier output at ``path``.
-
-    Raises:
-        ReproError: see :func:`atomic_path`.
-    """
+    """Write ``obj`` as JSON to ``path`` atomically (:func:`atomic_path`, with ``replace``)."""
     with atomic_path(path, replace=replace) as tmp:
         with open(tmp, "w") as f:
             json.dump(obj, f, indent=indent, sort_keys=False)
@@ -302,17 +257,8 @@ def write_json_atomic(
 def check_output_dir(path: str | os.PathLike, marker: str, command: str) -> None:
     """Refuse ``--out`` unless it is new, empty, or an earlier output of ``command`` (it holds ``marker``).
 
-    For commands that write several files into one directory (tables, plots, ``summary.json``): another
-    command's directory (a run directory, the results of another comparison) is refused before any work,
-    never overwritten file by file.
-
-    Args:
-        path: the output directory.
-        marker: the file an output directory of ``command`` holds.
-        command: the command in words, for the error (``python -m repro mini``).
-
-    Raises:
-        ReproError: one line naming the path.
+    For commands that write several files into one directory: another command's directory is refused before
+    any work, never overwritten file by file (``command``: in words, for the error).
     """
     out = Path(path)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
@@ -322,14 +268,7 @@ def check_output_dir(path: str | os.PathLike, marker: str, command: str) -> None
 
 
 def claim_output_dir(path: str | os.PathLike, marker: str, command: str) -> Path:
-    """:func:`check_output_dir`, then create the directory and mark it as ``command``'s output.
-
-    Returns:
-        The directory.
-
-    Raises:
-        ReproError: see :func:`check_output_dir`; an ``OSError`` creating it, in one line.
-    """
+    """:func:`check_output_dir`, then create the directory, mark it as ``command``'s output and return it."""
     check_output_dir(path, marker, command)
     out = Path(path)
     try:
@@ -348,11 +287,7 @@ def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep:
         marker: the file a run directory created by the command holds.
         owner: the command in words, for the error (``the mini comparison``).
         command: the command line written into the marker (``python -m repro mini``).
-        keep: keep an existing directory of this command as it is (to resume the run in it); otherwise it
-            is replaced by an empty one.
-
-    Raises:
-        ReproError: ``run_dir`` exists without the marker (nothing in it is touched).
+        keep: keep an existing directory of this command as it is (to resume in it), else empty it.
     """
     if run_dir.is_symlink():  # never replaced, nor followed: what it points at is not this command's
         raise ReproError(f"{run_dir}: is a symbolic link; move it away or choose another --work-dir")
@@ -366,38 +301,19 @@ def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep:
     (run_dir / marker).write_text(f"created by {command}\n")
 
 
-def is_within(path: str | os.PathLike, root: str | os.PathLike) -> bool:
-    """Whether ``path``, with every symlink resolved, lies inside ``root`` (also resolved)."""
-    real_root = os.path.realpath(root)
-    real = os.path.realpath(path)
-    return os.path.commonpath([real_root, real]) == real_root
-
-
 def open_in_dir(root: str | os.PathLike, name: str | os.PathLike, mode: str = "r", **kwargs: Any) -> IO:
     """``open(root / name, mode)``, refusing a path that leaves ``root`` (``..``, or a symlink pointing out).
 
-    For files a command keeps open inside its own output directory (a run's ``log.jsonl``, opened for
-    append): a ``log.jsonl`` planted as a symlink to a file elsewhere must not get the run's records
-    appended to it. Symlinks that stay inside ``root`` are followed as usual. The resolved path is opened
-    with ``O_NOFOLLOW``, so a link swapped in after the check is refused too.
-
-    Args:
-        root: the directory the file must stay in.
-        name: the file's path relative to ``root``.
-        mode: as :func:`open` (``"r"``, ``"w"``, ``"a"``, ``"x"``, with ``"b"``/``"+"``).
-        **kwargs: passed to :func:`os.fdopen` (``encoding``, ``newline``, ...).
-
-    Returns:
-        The open file object.
-
-    Raises:
-        ReproError: the path leads outside ``root``, or an ``OSError`` opening it (one line naming it).
+    For files a command keeps open in its own output directory (a run's ``log.jsonl``): one planted as a
+    symlink to a file elsewhere must not get the run's records appended. Symlinks that stay inside ``root``
+    are followed; the resolved path is opened with ``O_NOFOLLOW``, so a link swapped in after the check is
+    refused too. ``mode`` as :func:`open`; ``kwargs`` go to :func:`os.fdopen`.
     """
     root_path = Path(root)
     path = root_path / name
-    if not is_within(path, root_path):
+    real_root, real = os.path.realpath(root_path), os.path.realpath(path)
+    if os.path.commonpath([real_root, real]) != real_root:
         raise ReproError(f"{path}: leads outside {root_path} (a symbolic link or '..'); refusing to open it")
-    real = os.path.realpath(path)
     flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     base = mode.replace("b", "").replace("t", "")
     plus = "+" in base

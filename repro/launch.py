@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 import shlex
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
@@ -220,28 +220,9 @@ def _stoppable_step(srun: str, lead_s: int) -> list[str]:
     ]
 
 
-# ------------------------------------------------------------------------------------------ the command
-@dataclass(frozen=True)
-class _LaunchArgs:
-    """Parsed ``python -m repro launch`` arguments (see :func:`main`)."""
-
-    launch: Launch
-    slurm: SlurmJob | None
-    program: list[str]
-    after: list[list[str]] = field(default_factory=list)
-    python: str = "python"
-    run: bool = False
-
-
-def _parse(argv: list[str], prog: str) -> _LaunchArgs:
+def _parser(prog: str):
     import argparse
 
-    from repro.errors import ReproError
-
-    program: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, program = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Print the torchrun command (or SLURM batch script) that runs a repro command on N nodes x G GPUs.",
@@ -269,7 +250,24 @@ def _parse(argv: list[str], prog: str) -> _LaunchArgs:
     slurm.add_argument("--then", action="append", default=[], metavar="COMMAND",
                        help="a repro command run once after training, e.g. 'eval --checkpoint RUN --tasks ... "
                             "--out RUN/lm_eval.json'; repeatable")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str], prog: str = "python -m repro launch") -> int:
+    """``python -m repro launch [options] -- COMMAND ...``: print (or ``--run``) the launch of a repro command.
+
+    Returns:
+        0, or torchrun's exit status with ``--run``.
+    """
+    import subprocess
+
+    from repro.errors import ReproError
+
+    program: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, program = argv[:cut], argv[cut + 1:]
+    args = _parser(prog).parse_args(argv)
     if not program:
         raise ReproError("give the repro command after '--', e.g. -- train --experiment dirmoe-185m --out runs/x")
     if program[0] in ("launch", "mini"):
@@ -283,33 +281,17 @@ def _parse(argv: list[str], prog: str) -> _LaunchArgs:
             job = SlurmJob(nodes=args.nodes, gpus_per_node=args.gpus, job_name=args.job_name, time=args.time,
                            partition=args.partition, account=args.account, port=args.port, python=args.python,
                            setup=tuple(args.setup), stop_lead_s=args.stop_lead or None)
-            launch = Launch(nodes=args.nodes, gpus_per_node=args.gpus, endpoint=f"head:{args.port}")
+        elif args.then or args.setup:
+            raise ReproError("--then and --setup belong to --slurm; without it run each command yourself")
         else:
-            if args.then or args.setup:
-                raise ReproError("--then and --setup belong to --slurm; without it run each command yourself")
-            job = None
             launch = Launch(nodes=args.nodes, gpus_per_node=args.gpus, endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
     except ValueError as exc:
         raise ReproError(str(exc)) from None
-    after = [shlex.split(cmd) for cmd in args.then]
-    return _LaunchArgs(launch=launch, slurm=job, program=program, after=after, python=args.python, run=args.run)
-
-
-def main(argv: list[str], prog: str = "python -m repro launch") -> int:
-    """``python -m repro launch [options] -- COMMAND ...``: print (or ``--run``) the launch of a repro command.
-
-    Returns:
-        0, or torchrun's exit status with ``--run``.
-    """
-    import subprocess
-
-    parsed = _parse(argv, prog)
-    if parsed.slurm is not None:
-        print(sbatch_script(parsed.slurm, parsed.program, parsed.after), end="")
+    if args.slurm:
+        print(sbatch_script(job, program, [shlex.split(cmd) for cmd in args.then]), end="")
         return 0
-    cmd = torchrun_command(parsed.launch, ["-m", "repro", *parsed.program],
-                           launcher=(parsed.python, "-m", "torch.distributed.run"))
-    if not parsed.run:
+    cmd = torchrun_command(launch, ["-m", "repro", *program], launcher=(args.python, "-m", "torch.distributed.run"))
+    if not args.run:
         print(shlex.join(cmd))
         return 0
     return subprocess.run(cmd, check=False).returncode

@@ -1,8 +1,6 @@
 """Typed loading of JSON into frozen dataclasses, with one-line errors that name the file and the field.
 
-The run records (:mod:`repro.report.record`), the training log (:mod:`repro.training.log`) and the published
-ledger (:mod:`repro.report.ledger`) are plain JSON written and read by people and by other programs, each
-described by frozen dataclasses;
+The run records, the training log and the published ledger are plain JSON described by frozen dataclasses;
 :func:`from_json` walks a dataclass's type hints and refuses a missing field, an unknown field or a value of
 the wrong type with a :class:`~repro.errors.ReproError` such as::
 
@@ -122,14 +120,7 @@ def from_json(cls: type[D], data: Any, origin: str) -> D:
 
 
 def to_json(obj: Any) -> Any:
-    """The JSON form of a dataclass built by :func:`from_json` (tuples become lists).
-
-    Args:
-        obj: a dataclass instance (or any JSON-able value).
-
-    Returns:
-        Plain dicts, lists and scalars.
-    """
+    """The JSON form (plain dicts, lists and scalars) of a dataclass built by :func:`from_json`, or of any JSON-able value."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):

@@ -22,7 +22,8 @@ from repro.data.datasets import (
     sample_token_documents,
 )
 from repro.data.indexed import indexed_exists, load_domain_index, read_documents, tokenize_shards
-from repro.data.minipile import ALL_DOMAINS, MiniPileConfig, build_mini_pile, troff_to_text
+from repro.data.minipile import MiniPileConfig, build_mini_pile
+from repro.data.minipile_sources import ALL_DOMAINS, troff_to_text
 from repro.data.pile import PileRecord, iter_pile_documents, write_pile_shard
 from repro.data.tokenizer import EOD_TOKEN, load_tokenizer, train_bpe_tokenizer
 from repro.errors import ReproError

@@ -72,19 +72,9 @@ def _mini_pile(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_copies(out_dir: Path, vocab: Path, merges: Path) -> list[tuple[Path, Path]]:
-    """Which tokenizer files ``data tokenize`` must place beside its output, checked before any work.
-
-    The training loop and evaluation find the tokenizer beside the data as ``vocab.json`` + ``merges.txt``.
-    A file already there with the same bytes (directly or through a symlink) needs nothing; anything else
-    there (another tokenizer's file, a symlink to something else, a directory) is refused, so the clash is
-    reported before hours of tokenising and nothing is ever written through a link.
-
-    Returns:
-        ``(source, destination)`` pairs still to copy.
-
-    Raises:
-        ReproError: a clash, naming the file.
-    """
+    """The ``(source, destination)`` tokenizer files ``data tokenize`` must still copy beside its output
+    (where training and evaluation find them), checked before any work: a file there with the same bytes
+    needs nothing, anything else there is a ReproError naming it (nothing is written through a link)."""
     copies = []
     for src, name in ((vocab, "vocab.json"), (merges, "merges.txt")):
         dst = out_dir / name
@@ -143,15 +133,7 @@ def _token_counts(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str], prog: str = "python -m repro data") -> int:
-    """Run a data command.
-
-    Args:
-        argv: the arguments after ``data``.
-        prog: the program name for usage messages.
-
-    Returns:
-        The exit status.
-    """
+    """Run a data command (``argv``: the arguments after ``data``); returns the exit status."""
     parser = argparse.ArgumentParser(prog=prog, description="Build the mini-pile or tokenise Pile shards.")
     sub = parser.add_subparsers(dest="command", required=True)
 

@@ -1,9 +1,7 @@
 """Training datasets on megatron-core: ``GPTDataset`` through ``BlendedMegatronDatasetBuilder``, and a loader.
 
-:func:`build_datasets` turns indexed-dataset prefixes into megatron's train/valid/test datasets (split by
-document, ``"969,30,1"`` as in the papers). :func:`make_loader` turns one of them into a plain
-``torch.utils.data.DataLoader`` whose items are dicts of ``[b, s]`` tensors, the batch megatron's training
-step expects::
+:func:`build_datasets` gives megatron's train/valid/test datasets (split by document, ``"969,30,1"`` as in
+the papers); :func:`make_loader` a ``DataLoader`` of the batches megatron's training step expects::
 
     tokens        int64   [b, s]  input ids
     labels        int64   [b, s]  next-token ids (tokens shifted by one)
@@ -13,11 +11,9 @@ step expects::
     domain_ids    int64   [b, s]  only with ``with_domains=True``: index into ``loader.domain_names`` of the
                                   document each token comes from; -1 for padding
 
-Batches follow megatron's pretraining sampler: the global sample stream is cut into steps of
-``micro_batch_size * data_parallel_size`` samples and rank ``r`` takes the ``r``-th slice, so resuming from
-``consumed_samples`` continues the same stream. Everything works on CPU without ``torch.distributed``; when
-it is initialised, :func:`build_datasets` must be called on every rank (megatron builds on rank 0 first,
-behind a barrier, then the other ranks load its cached indices from ``cache_dir``, which must be shared).
+Batches follow megatron's pretraining sampler (rank ``r`` takes the ``r``-th slice of each global step, so
+resuming from ``consumed_samples`` continues the same stream). With ``torch.distributed`` initialised,
+:func:`build_datasets` must be called on every rank (rank 0 builds first; ``cache_dir`` must be shared).
 """
 
 from __future__ import annotations
@@ -124,23 +120,18 @@ def build_datasets(
         seed: the seed of megatron's document and sample shuffles.
         cache_dir: where megatron caches its shuffle/sample indices (shared by all ranks).
         tokenizer: the tokenizer (megatron reads ``eod`` and ``vocab_size``; its identity keys the cache).
-        weights: blend weights, one per prefix; default: proportional to each prefix's token count when
-            every split with a share has a sample count, else megatron's one-epoch blend (a multi-prefix
-            blend without weights is capped at one epoch).
+        weights: blend weights, one per prefix; default: proportional to the prefixes' token counts when
+            every split with a share has a sample count, else megatron's one-epoch blend.
         split: the train/valid/test weighting of each prefix's documents (megatron's ``split``).
         eod_mask_loss: mask the loss on EOD tokens.
         reset_position_ids: restart position ids after each EOD.
         reset_attention_mask: block attention across documents (implies a per-sample attention mask).
         create_attention_mask: return megatron's causal ``attention_mask`` with each sample.
-        is_built_on_rank: megatron's per-rank switch, used only with ``torch.distributed`` initialised
-            (default: every rank builds; where it returns False the splits are ``None``).
+        is_built_on_rank: megatron's per-rank switch, with ``torch.distributed`` only (default: every rank).
 
     Returns:
-        :class:`DatasetSplits` ``(train, valid, test)``: ``GPTDataset`` for one prefix, ``BlendedDataset``
-        for several.
-
-    Raises:
-        ReproError: a prefix is missing, or the split leaves a split of some prefix without documents.
+        :class:`DatasetSplits`: ``GPTDataset`` for one prefix, ``BlendedDataset`` for several; a ReproError
+        for a missing prefix or a split that leaves some prefix's split without documents.
     """
     prefixes = [str(p) for p in prefixes]
     if not prefixes:
@@ -204,18 +195,13 @@ def _rank_zero_outside_distributed() -> Iterator[None]:
 
 
 def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tuple[str, np.ndarray, np.ndarray]:
-    """Where every input token of sample ``idx`` comes from.
-
-    Mirrors how ``GPTDataset`` assembles a sample (shuffle index -> sample index -> document index), so
-    ``IndexedDataset(prefix)[doc[i]][offset[i]] == dataset[idx]["tokens"][i]`` wherever ``doc[i] >= 0``.
-
-    Args:
-        dataset: a dataset from :func:`build_datasets`.
-        idx: the sample index.
+    """Where every input token of sample ``idx`` comes from, as ``GPTDataset`` assembles it (shuffle index ->
+    sample index -> document index).
 
     Returns:
-        ``(prefix, doc, offset)``: the indexed dataset the sample comes from, and per token position
-        ``[seq_length]`` the document id in it and the position inside that document (-1 for padding).
+        ``(prefix, doc, offset)``: the indexed dataset, and per token position ``[seq_length]`` the document
+        id in it and the position inside it (-1 for padding):
+        ``IndexedDataset(prefix)[doc[i]][offset[i]] == dataset[idx]["tokens"][i]``.
     """
     if isinstance(dataset, BlendedDataset):
         sub = dataset.datasets[int(dataset.dataset_index[idx])]
@@ -242,12 +228,8 @@ def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tu
 
 
 class DomainTaggedDataset(torch.utils.data.Dataset):
-    """A megatron GPT dataset whose samples keep only the batch keys, optionally with per-token domains.
-
-    Args:
-        dataset: a dataset from :func:`build_datasets`.
-        with_domains: add ``domain_ids`` (``[s]`` int64, index into :attr:`domain_names`, -1 for padding).
-    """
+    """A dataset from :func:`build_datasets` whose samples keep only the batch keys, ``with_domains`` also
+    ``domain_ids`` (``[s]`` int64 into :attr:`domain_names`, -1 for padding)."""
 
     def __init__(self, dataset: GPTDataset | BlendedDataset, with_domains: bool = False) -> None:
         self.dataset = dataset
@@ -355,18 +337,12 @@ def make_loader(
 
     Args:
         dataset: a dataset from :func:`build_datasets`.
-        micro_batch_size: samples per batch on this rank.
-        consumed_samples: samples already consumed by all data-parallel ranks together (to resume).
-        data_parallel_rank: this rank's data-parallel index.
-        data_parallel_size: the number of data-parallel ranks.
+        micro_batch_size, consumed_samples, data_parallel_rank, data_parallel_size, drop_last: as
+            :class:`PretrainingBatchSampler`.
         with_domains: add ``domain_ids`` ``[b, s]`` (per-token domain, for routing-by-domain analysis).
-        drop_last: drop a last step smaller than a full global batch.
         num_workers: DataLoader worker processes (0: load in the calling process).
         max_samples: stop after this many samples of the global stream (default: the whole dataset, which
-            megatron may have built slightly larger than the ``num_samples`` asked for).
-
-    Returns:
-        An iterable of dicts of tensors.
+            megatron may have built slightly larger than asked for).
     """
     tagged = DomainTaggedDataset(dataset, with_domains=with_domains)
     total = len(tagged) if max_samples is None else min(len(tagged), max_samples)

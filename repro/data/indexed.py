@@ -1,17 +1,11 @@
 """Tokenise Pile-format shards into megatron-core's indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``).
 
-One indexed *sequence* per document (its tokens then the EOD id), which is what megatron's
-``GPTDataset`` splits and samples. Every document's domain goes into a sidecar beside the prefix:
-
-- ``PREFIX.domains.json``: ``{"domains": [names...], "num_documents": N, "documents": {...}, "tokens": {...},
-  "bytes": {...}}`` (the per-domain counts for reports);
-- ``PREFIX.domains.npy``: one small integer per document, the index of its domain in ``domains``.
-
-All four files are written under temporary names and renamed into place only when everything succeeded
-(``.domains.json`` first, ``.idx`` last), so a failure never leaves a half-written dataset behind. Files
-already at the prefix are replaced only when its ``.domains.json`` shows they are an earlier output of this
-writer (renamed first, it marks even a set whose renames were interrupted); anything else there, a
-directory or a symlink at one of the four names, is refused before any work.
+One indexed *sequence* per document (its tokens then the EOD id). Every document's domain goes into a
+sidecar: ``PREFIX.domains.json`` (``{"domains": [names...], "num_documents": N}`` and per-domain counts) and
+``PREFIX.domains.npy`` (per document, the index of its domain). The four files are written under temporary
+names and renamed into place only when everything succeeded; files already at the prefix are replaced only
+when its ``.domains.json`` shows they are an earlier output of this writer (renamed first, it marks even a
+set whose renames were interrupted), and anything else there is refused before any work.
 """
 
 from __future__ import annotations
@@ -46,17 +40,8 @@ DOMAINS_NPY = ".domains.npy"
 
 @dataclass(frozen=True)
 class TokenizeStats:
-    """What a tokenisation run produced.
-
-    Attributes:
-        prefix: the indexed-dataset prefix written.
-        num_documents: documents written.
-        num_tokens: tokens written (EOD ids included).
-        seconds: wall time of reading + tokenising + writing.
-        documents: documents per domain.
-        tokens: tokens per domain.
-        bytes: UTF-8 bytes of text per domain.
-    """
+    """What a tokenisation run wrote to ``prefix``: documents and tokens (EOD included) in all and per domain,
+    UTF-8 bytes of text per domain, and the wall time of reading, tokenising and writing."""
 
     prefix: str
     num_documents: int
@@ -96,15 +81,7 @@ def _is_our_sidecar(path: str) -> bool:
 
 
 def check_indexed_output(prefix: str | os.PathLike) -> None:
-    """Refuse an output prefix whose files the writer would replace without having written them.
-
-    Args:
-        prefix: the output prefix.
-
-    Raises:
-        ReproError: a directory, symlink or special file at one of the four names, or regular files there
-            without this writer's ``.domains.json`` beside them (naming the first such path).
-    """
+    """Raise a ReproError naming the first of the prefix's four files that the writer may not replace."""
     prefix = str(prefix)
     ours = _is_our_sidecar(prefix + DOMAINS_JSON)
     for path in _prefix_files(prefix):
@@ -131,17 +108,14 @@ def write_indexed(
     Args:
         records: ``(text, domain)`` documents.
         tokenizer: the tokenizer; the token dtype is megatron's ``DType.optimal_dtype(vocab_size)``.
-        out_prefix: the output prefix (``PREFIX.bin``, ``PREFIX.idx``, ``PREFIX.domains.{json,npy}``).
+        out_prefix: the output prefix.
         num_workers: tokeniser threads (default: all cores).
         batch_size: documents per tokeniser batch.
         progress: show a tqdm bar over documents.
         source: how to name the input in the empty-corpus error.
 
     Returns:
-        :class:`TokenizeStats`.
-
-    Raises:
-        ReproError: the input has no document (or any error of the reader); nothing is written then.
+        :class:`TokenizeStats`; a ReproError (nothing written) for an input without documents.
     """
     prefix = str(out_prefix)
     check_indexed_output(prefix)
@@ -231,17 +205,14 @@ def tokenize_shards(
 
     Args:
         inputs: the shards, read in the order given.
-        tokenizer: the tokenizer (:func:`repro.data.tokenizer.load_tokenizer`).
+        tokenizer: the tokenizer.
         out_prefix: the output prefix.
         num_workers: tokeniser threads (default: all cores).
         default_domain: domain for records without ``meta.pile_set_name`` (default: such a record is an error).
         progress: show progress bars.
 
     Returns:
-        :class:`TokenizeStats`.
-
-    Raises:
-        ReproError: a bad input (see :func:`repro.data.pile.iter_pile_documents`) or an empty corpus.
+        :class:`TokenizeStats` (as :func:`write_indexed`).
     """
     if not inputs:
         raise ReproError("no input shards given")
@@ -255,13 +226,7 @@ def tokenize_shards(
 
 @dataclass(frozen=True)
 class DomainIndex:
-    """The domain of every document of one indexed dataset (read from its sidecar).
-
-    Attributes:
-        prefix: the indexed-dataset prefix.
-        names: domain names; ``doc_domain`` values index into it.
-        doc_domain: ``[num_documents]`` integer array, the domain of each document (= indexed sequence).
-    """
+    """The domain of every document of one indexed dataset: ``doc_domain`` ``[num_documents]`` indexes ``names``."""
 
     prefix: str
     names: tuple[str, ...]
@@ -273,17 +238,7 @@ class DomainIndex:
 
 
 def load_domain_index(prefix: str | os.PathLike) -> DomainIndex:
-    """Read the domain sidecar of an indexed dataset.
-
-    Args:
-        prefix: the indexed-dataset prefix.
-
-    Returns:
-        :class:`DomainIndex`.
-
-    Raises:
-        ReproError: the sidecar is missing or does not match the dataset.
-    """
+    """Read the domain sidecar of an indexed dataset (a ReproError when it is missing or does not match)."""
     prefix = str(prefix)
     meta_path, npy_path = prefix + DOMAINS_JSON, prefix + DOMAINS_NPY
     for p in (meta_path, npy_path):
@@ -302,14 +257,7 @@ def load_domain_index(prefix: str | os.PathLike) -> DomainIndex:
 
 
 def read_documents(prefix: str | os.PathLike) -> Iterator[np.ndarray]:
-    """Yield every document's token ids (EOD included) from an indexed dataset, in order.
-
-    Args:
-        prefix: the indexed-dataset prefix.
-
-    Yields:
-        One integer array per document.
-    """
+    """Yield every document's token ids (EOD included) from an indexed dataset, in order."""
     prefix = str(prefix)
     if not IndexedDataset.exists(prefix):
         raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")

@@ -1,34 +1,18 @@
 """The embedded "mini-pile": a small multi-domain corpus built from text already on any machine.
 
-The CPU default of the suite trains on it with exactly the full-scale pipeline: it is written as Pile shards
-(``*.jsonl.zst`` with ``meta.pile_set_name``), a GPT-2-format byte-level BPE (``vocab.json`` +
-``merges.txt``) is trained on its training part, and the shards are tokenised into megatron-core indexed
-datasets by the same code that tokenises The Pile.
+The CPU default trains on it with exactly the full-scale pipeline: Pile shards, a GPT-2-format byte-level
+BPE trained on the training part, megatron-core indexed datasets written by the code that tokenises The Pile.
+Domains (:mod:`repro.data.minipile_sources`; one whose source is missing is skipped, at least ``min_domains``
+must remain): ``python_code`` (half of the stdlib modules), ``python_docstrings`` (the other half's
+docstrings, pydoc-like), ``python_reference`` (``pydoc_data.topics``), ``licenses`` (the stdlib's, common
+licences, package copyrights), ``man_pages`` (English, troff stripped), ``c_headers`` (/usr/include).
 
-Domains (each read by :mod:`repro.data.minipile_sources`; skipped when its source is missing; at least
-``min_domains`` must remain):
-
-==================  ===================================================================================
-``python_code``     Python standard-library modules, source (one half of the modules)
-``python_docstrings``  docstrings of the other half of the modules, pydoc-like (disjoint from the code)
-``python_reference``   the language reference shipped inside the interpreter (``pydoc_data.topics``)
-``licenses``        licence texts: the stdlib's LICENSE.txt, /usr/share/common-licenses, package copyrights
-``man_pages``       English manual pages (/usr/share/man/man1-8), troff markup stripped
-``c_headers``       C headers (/usr/include)
-==================  ===================================================================================
-
-Selection is deterministic for a given machine image and seed: sorted file lists, visited in a seeded hash
-order, each domain filled up to ``max_bytes_per_domain``, exact duplicate texts dropped. A held-out part
-(``heldout_fraction`` of documents, chosen by a hash of the text, at least one per domain) is written to
-``heldout.jsonl`` for evaluation and never enters the training shards, the tokenizer or the training prefix.
-
-Everything lives under one output directory and is rebuilt only when its inputs change: ``manifest.json``
-records a key per stage (corpus = config + fingerprint of the source files; tokenizer = corpus key + vocab
-settings; indexed = tokenizer key), and a stage whose key and output files match is reused.
-
-This module holds the config, the document selection and held-out split, and the cached build (one function
-per stage); the sources and the troff converter are in :mod:`repro.data.minipile_sources`, whose
-:data:`ALL_DOMAINS` and :func:`troff_to_text` are importable from here too.
+Selection is deterministic for a given machine image and seed: sorted file lists visited in a seeded hash
+order, each domain filled up to ``max_bytes_per_domain``, exact duplicates dropped. A held-out part (chosen
+by a hash of the text, at least one document per domain) goes to ``heldout.jsonl`` for evaluation and never
+enters the training shards or the tokenizer. ``manifest.json`` records a key per stage (corpus: config and
+the source files' fingerprint; tokenizer: corpus key and vocabulary settings; indexed: tokenizer key), and a
+stage whose key and files match is reused.
 """
 
 from __future__ import annotations
@@ -40,30 +24,17 @@ import json
 import os
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.data.minipile_sources import ALL_DOMAINS, Candidate, Source, domain_sources, troff_to_text
+from repro.data.minipile_sources import ALL_DOMAINS, Candidate, Source, domain_sources
 from repro.data.pile import PileRecord, iter_pile_documents, write_pile_shard
 from repro.data.tokenizer import Gpt2BpeTokenizer, load_tokenizer, train_bpe_tokenizer
 from repro.errors import ReproError
 from repro.io_utils import make_parents, open_in_dir, write_json_atomic
 
 MANIFEST_FORMAT = 1
-
-__all__ = [
-    # this module
-    "MANIFEST_FORMAT",
-    "DomainStats",
-    "MiniPile",
-    "MiniPileConfig",
-    "build_mini_pile",
-    "iter_heldout",
-    # the sources (repro.data.minipile_sources), re-exported
-    "ALL_DOMAINS",
-    "troff_to_text",
-]
 
 
 @dataclass(frozen=True)
@@ -112,16 +83,7 @@ class MiniPileConfig:
 
 @dataclass(frozen=True)
 class DomainStats:
-    """Per-domain size of the mini-pile (training part and held-out part).
-
-    Attributes:
-        documents: training documents.
-        bytes: training text, UTF-8 bytes.
-        tokens: training tokens (EOD included).
-        heldout_documents: held-out documents.
-        heldout_bytes: held-out text, UTF-8 bytes.
-        heldout_tokens: held-out tokens (EOD included).
-    """
+    """Per-domain size of the mini-pile's training and held-out parts (bytes of UTF-8 text, tokens with EOD)."""
 
     documents: int
     bytes: int
@@ -133,24 +95,10 @@ class DomainStats:
 
 @dataclass(frozen=True)
 class MiniPile:
-    """A built mini-pile: what the training pipeline and the evaluation read.
-
-    Attributes:
-        root: the output directory.
-        train_shards: training shards (Pile format, ``*.jsonl.zst``).
-        heldout_path: the held-out documents (Pile format, plain ``heldout.jsonl``), for evaluation.
-        vocab_path: GPT-2-format ``vocab.json``.
-        merges_path: GPT-2-format ``merges.txt``.
-        train_prefix: indexed dataset of the training shards (for :func:`repro.data.datasets.build_datasets`).
-        heldout_prefix: indexed dataset of the held-out documents (for per-domain perplexity).
-        domains: the domain names present.
-        stats: per-domain :class:`DomainStats`.
-        skipped_domains: domain -> why it was skipped on this machine.
-        build_seconds: wall time of this call.
-        tokenize_tokens_per_second: tokenisation throughput of the training prefix, when it was built
-            (recorded in the manifest and reported again when reused).
-        reused: True when every stage was reused from the cache.
-    """
+    """A built mini-pile (:func:`build_mini_pile`'s layout): its files, the indexed datasets of the training
+    and held-out parts, the domains present (and why others were skipped on this machine), per-domain
+    :class:`DomainStats`, the wall time of the call, the tokenisation throughput when it was built, and
+    whether every stage was reused from the cache."""
 
     root: Path
     train_shards: tuple[Path, ...]
@@ -167,18 +115,13 @@ class MiniPile:
     reused: bool
 
     def tokenizer(self) -> Gpt2BpeTokenizer:
-        """Load the mini-pile's tokenizer (through the GPT-2 loading path)."""
+        """Load the mini-pile's tokenizer."""
         return load_tokenizer(self.vocab_path, self.merges_path)
 
     @property
     def manifest_path(self) -> Path:
         """The manifest recording keys, stats and timings."""
         return self.root / "manifest.json"
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Building
-# ---------------------------------------------------------------------------------------------------------
 
 
 def _h(*parts: object) -> str:
@@ -280,11 +223,8 @@ _MINI_PILE_ENTRIES = frozenset({".build.lock", "manifest.json", "shards", "heldo
 
 
 def _check_mini_pile_dir(root: Path) -> None:
-    """Refuse to build into an existing directory that holds anything but a (possibly partial) mini-pile.
-
-    Stages rewrite ``shards/``, ``tokenizer/``, ``indexed/`` and delete stale shards: in someone else's
-    directory that would destroy their files.
-    """
+    """Refuse an existing directory that holds anything but a (possibly partial) mini-pile: the stages rewrite
+    ``shards/``, ``tokenizer/``, ``indexed/`` and delete stale shards, which would destroy someone's files."""
     if not root.is_dir():
         return
     foreign = sorted(
@@ -310,21 +250,16 @@ def build_mini_pile(
     """Build the mini-pile under ``out_dir`` (or reuse what is there when its inputs are unchanged).
 
     Layout: ``shards/train-NN.jsonl.zst``, ``heldout.jsonl``, ``tokenizer/{vocab.json,merges.txt}``,
-    ``indexed/train.*`` and ``indexed/heldout.*`` (``.bin``/``.idx`` + domain sidecar), ``manifest.json``.
+    ``indexed/{train,heldout}.*`` (``.bin``/``.idx`` + domain sidecar), ``manifest.json``.
 
     Args:
         out_dir: the output directory.
-        config: what to build (default :class:`MiniPileConfig()`).
+        config: what to build (default :class:`MiniPileConfig()`); a ReproError for a bad one, or when fewer
+            than ``config.min_domains`` domains are available on this machine.
         num_workers: tokeniser threads (default: all cores); does not change the output.
         force: rebuild every stage even if cached.
         progress: show progress bars while tokenising.
         log: called with one line per stage (e.g. ``print``); default silent.
-
-    Returns:
-        :class:`MiniPile`.
-
-    Raises:
-        ReproError: a bad config, or fewer than ``config.min_domains`` domains available on this machine.
     """
     cfg = config or MiniPileConfig()
     cfg.validate()
@@ -343,15 +278,8 @@ def build_mini_pile(
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def _build_locked(
-    root: Path,
-    cfg: MiniPileConfig,
-    num_workers: int | None,
-    force: bool,
-    progress: bool,
-    say: Callable[[str], None],
-    t_start: float,
-) -> MiniPile:
+def _build_locked(root: Path, cfg: MiniPileConfig, num_workers: int | None, force: bool, progress: bool,
+                  say: Callable[[str], None], t_start: float) -> MiniPile:
     """The body of :func:`build_mini_pile`, run while holding the output directory's lock."""
     manifest_path = root / "manifest.json"
     old = {} if force else _load_manifest(manifest_path)
@@ -382,11 +310,7 @@ def _build_locked(
 
 
 def _list_sources(cfg: MiniPileConfig) -> tuple[dict[str, tuple[Source, list[Candidate]]], dict[str, str]]:
-    """List the candidates of the wanted domains (cheap: a directory listing and stat per candidate).
-
-    Returns:
-        ``(domain -> (source, candidates), domain -> why it was skipped)``.
-    """
+    """``(domain -> (source, candidates), domain -> why it was skipped)`` of the wanted domains."""
     wanted = set(cfg.domains or ALL_DOMAINS)
     listed: dict[str, tuple[Source, list[Candidate]]] = {}
     skipped: dict[str, str] = {}
@@ -407,14 +331,8 @@ def _list_sources(cfg: MiniPileConfig) -> tuple[dict[str, tuple[Source, list[Can
 
 @dataclass(frozen=True)
 class _Stages:
-    """The stages of one build: each reused when its key and files match the old manifest, else rebuilt.
-
-    Attributes:
-        root: the output directory.
-        manifest: the manifest being written; its ``stages`` fill in as the stages run.
-        old_stages: the stages of the manifest found on disk (empty with ``force``).
-        say: the log.
-    """
+    """The stages of one build: each reused when its key and files match ``old_stages`` (the manifest on disk,
+    empty with ``force``), else rebuilt; ``manifest["stages"]`` fills in as they run."""
 
     root: Path
     manifest: dict
@@ -422,18 +340,8 @@ class _Stages:
     say: Callable[[str], None]
 
     def run(self, name: str, key: str, out_dir: str, reusable: bool, build: Callable[[], tuple[dict, str]]) -> bool:
-        """Reuse stage ``name`` or build it, recording it in the manifest.
-
-        Args:
-            name: the stage.
-            key: the key of its inputs.
-            out_dir: its directory under the root (named when reused).
-            reusable: False when an earlier stage was rebuilt.
-            build: writes the stage's files; returns its manifest entry and a line for the log.
-
-        Returns:
-            Whether it was reused.
-        """
+        """Reuse stage ``name`` (unless an earlier stage was rebuilt: ``reusable`` False) or ``build`` it (it
+        returns its manifest entry and a log line); returns whether it was reused."""
         stages = self.manifest["stages"]
         prev = self.old_stages.get(name, {})
         if reusable and prev.get("key") == key and _files_ok(self.root, prev.get("files", {})):
@@ -449,22 +357,10 @@ class _Stages:
         return False
 
 
-def _write_corpus(
-    root: Path,
-    cfg: MiniPileConfig,
-    key: str,
-    listed: dict[str, tuple[Source, list[Candidate]]],
-    skipped: dict[str, str],
-    shard_rels: list[str],
-) -> tuple[dict, str]:
-    """Stage 1: select the documents, write the training shards and the held-out file.
-
-    Returns:
-        The stage's manifest entry and its log line.
-
-    Raises:
-        ReproError: fewer than ``cfg.min_domains`` domains have a usable document.
-    """
+def _write_corpus(root: Path, cfg: MiniPileConfig, key: str, listed: dict[str, tuple[Source, list[Candidate]]],
+                  skipped: dict[str, str], shard_rels: list[str]) -> tuple[dict, str]:
+    """Stage 1: select the documents, write the training shards and the held-out file (each stage returns
+    its manifest entry and log line); a ReproError when fewer than ``cfg.min_domains`` domains remain."""
     t0 = time.perf_counter()
     seen: set[str] = set()
     docs: list[_Doc] = []
@@ -508,30 +404,18 @@ def _write_corpus(
 def _train_tokenizer(
     root: Path, cfg: MiniPileConfig, key: str, shard_rels: list[str], tok_rels: list[str]
 ) -> tuple[dict, str]:
-    """Stage 2: the tokenizer, trained on the training shards only.
-
-    Returns:
-        The stage's manifest entry and its log line.
-    """
+    """Stage 2: the tokenizer, trained on the training shards only."""
     t0 = time.perf_counter()
     texts = (text for text, _ in iter_pile_documents([root / r for r in shard_rels]))
     train_bpe_tokenizer(texts, root / "tokenizer", vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency)
-    entry = {
-        "key": key,
-        "files": _sizes(root, tok_rels),
-        "seconds": time.perf_counter() - t0,
-    }
+    entry = {"key": key, "files": _sizes(root, tok_rels), "seconds": time.perf_counter() - t0}
     return entry, f"tokenizer: vocabulary {cfg.vocab_size} trained ({entry['seconds']:.1f} s)"
 
 
 def _tokenize(
     root: Path, key: str, shard_rels: list[str], tok_rels: list[str], num_workers: int | None, progress: bool
 ) -> tuple[dict, str]:
-    """Stage 3: the indexed datasets (same reader + tokeniser path as The Pile).
-
-    Returns:
-        The stage's manifest entry and its log line.
-    """
+    """Stage 3: the indexed datasets (same reader + tokeniser path as The Pile)."""
     with warnings.catch_warnings():  # megatron-core's import-time "no TransformerEngine/Apex" notices
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
         from repro.data.indexed import tokenize_shards  # imports megatron-core: only when this stage runs
@@ -587,15 +471,3 @@ def _mini_pile(
         tokenize_tokens_per_second=float(ix.get("tokens_per_second", float("nan"))),
         reused=reused_all,
     )
-
-
-def iter_heldout(mini: MiniPile) -> Iterator[PileRecord]:
-    """Stream the held-out documents ``(text, domain)`` of a built mini-pile (for evaluation tasks).
-
-    Args:
-        mini: the built mini-pile.
-
-    Yields:
-        :class:`PileRecord` per held-out document.
-    """
-    return iter_pile_documents([mini.heldout_path])

@@ -1,11 +1,5 @@
-"""The mini-pile's sources: per domain, where its documents come from and how a file becomes a document text.
-
-A source lists candidates (:class:`Candidate`: a key stable across machines with the same image, and a
-path) and reads one into a document text, or None to skip it; :func:`domain_sources` gives one per name of
-:data:`ALL_DOMAINS` (the table of :mod:`repro.data.minipile`'s docstring). Man pages go through
-:func:`troff_to_text`. Which candidates enter the corpus, the held-out part and the cached build are
-:mod:`repro.data.minipile`'s.
-"""
+"""The mini-pile's sources: per domain (:mod:`repro.data.minipile`'s table), where its documents come from
+and how a file becomes a document text (man pages through :func:`troff_to_text`)."""
 
 from __future__ import annotations
 
@@ -26,12 +20,8 @@ ALL_DOMAINS = ("python_code", "python_docstrings", "python_reference", "licenses
 
 @dataclass(frozen=True)
 class Candidate:
-    """One file (or entry) a source may read.
-
-    Attributes:
-        key: stable across machines with the same image: a path relative to the source root.
-        path: where it is read from.
-    """
+    """One file (or entry) a source may read: ``key`` is stable across machines with the same image (a path
+    relative to the source root), ``path`` is where it is read from."""
 
     key: str
     path: Path
@@ -51,8 +41,7 @@ class Source:
     name: str
     list: Callable[[], list[Candidate]]
     read: Callable[[Candidate], str | None]
-    # Candidates of one family (e.g. the ~16k ``gcloud-*`` man pages) are capped so one family cannot fill
-    # a domain; None = no families.
+    # Capped so one family (e.g. the ~16k ``gcloud-*`` man pages) cannot fill a domain.
     family: Callable[[Candidate], str] | None = None
 
 
@@ -180,10 +169,6 @@ def _header_files() -> list[Candidate]:
     return [Candidate(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.h")) if p.is_file()]
 
 
-def _source_file(cand: Candidate) -> str | None:
-    return _read_text(cand.path)
-
-
 def _man_page(cand: Candidate) -> str | None:
     src = _read_text(cand.path)
     return None if src is None else troff_to_text(src)
@@ -196,12 +181,12 @@ def _man_family(cand: Candidate) -> str:
 def domain_sources() -> tuple[Source, ...]:
     """One :class:`Source` per domain, in the order of :data:`ALL_DOMAINS`."""
     return (
-        Source("python_code", lambda: _stdlib_modules(0), _source_file),
+        Source("python_code", lambda: _stdlib_modules(0), lambda c: _read_text(c.path)),
         Source("python_docstrings", lambda: _stdlib_modules(1), _docstrings),
         Source("python_reference", _reference_topics, _reference_text),
-        Source("licenses", _license_files, _source_file),
+        Source("licenses", _license_files, lambda c: _read_text(c.path)),
         Source("man_pages", _man_files, _man_page, _man_family),
-        Source("c_headers", _header_files, _source_file),
+        Source("c_headers", _header_files, lambda c: _read_text(c.path)),
     )
 
 
@@ -247,11 +232,8 @@ def _troff_inline(text: str) -> str:
 def troff_to_text(src: str) -> str | None:
     """Strip man(7) troff markup to readable plain text (a light converter, not a full troff).
 
-    Args:
-        src: the page source.
-
     Returns:
-        The text, or ``None`` for a ``.so`` redirection stub or an mdoc(7) page (not handled).
+        The text, or ``None`` for ``src`` that is a ``.so`` redirection stub or an mdoc(7) page (not handled).
     """
     lines = src.replace("\r\n", "\n").split("\n")
     body = [line for line in lines if line.strip() and not line.startswith(('.\\"', "'\\\"", '.\\}'))]

@@ -1,10 +1,8 @@
 """Reading and writing shards in The Pile's format: one JSON object a line, ``*.jsonl.zst`` or plain ``*.jsonl``.
 
-Each line is ``{"text": "...", "meta": {"pile_set_name": "Github"}}``. Reading streams: a compressed shard is
-decompressed chunk by chunk and decoded through :class:`io.TextIOWrapper`, so a 14 GB shard never sits in
-memory. Every problem with an input (missing file, corrupt or truncated zstd stream, invalid UTF-8, a line
-that is not JSON, a record without ``text``) is a one-line :class:`~repro.errors.ReproError` naming the file,
-and the line where there is one.
+Each line is ``{"text": "...", "meta": {"pile_set_name": "Github"}}``. Reading streams (a 14 GB shard never
+sits in memory), and every problem with an input is a one-line :class:`~repro.errors.ReproError` naming the
+file, and the line where there is one.
 """
 
 from __future__ import annotations
@@ -40,10 +38,9 @@ class PileRecord(NamedTuple):
 class _ZstdRawReader(io.RawIOBase):
     """A streaming zstd decompressor as a raw binary stream, for :class:`io.TextIOWrapper`.
 
-    zstandard's ``stream_reader`` silently stops at the end of the compressed bytes, so a truncated shard
-    would look like a shorter valid one. This reader drives zstandard's streaming decompression object
-    frame by frame instead and raises when the compressed input ends inside a frame. Concatenated frames
-    (``cat a.zst b.zst``) are read one after the other, as the ``zstd`` tool does.
+    zstandard's ``stream_reader`` silently stops at the end of the compressed bytes (a truncated shard would
+    look like a shorter valid one); this reader decompresses frame by frame, raises when the input ends
+    inside a frame, and reads concatenated frames one after the other, as the ``zstd`` tool does.
     """
 
     def __init__(self, fileobj: io.BufferedIOBase, path: Path) -> None:
@@ -90,15 +87,6 @@ class _ZstdRawReader(io.RawIOBase):
         buffer[:n] = self._pending[self._pos : self._pos + n]
         self._pos += n
         return n
-
-
-def _open_lines(path: Path, raw: io.BufferedIOBase) -> io.TextIOWrapper:
-    """Wrap an open binary shard in a UTF-8 text stream, decompressing ``.zst`` on the fly."""
-    if path.name.endswith(".zst"):
-        stream: io.RawIOBase | io.BufferedIOBase = io.BufferedReader(_ZstdRawReader(raw, path), 1 << 16)
-    else:
-        stream = raw
-    return io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
 
 
 def _parse_record(line: str, path: Path, lineno: int, default_domain: str | None) -> PileRecord:
@@ -148,7 +136,9 @@ def iter_pile_documents(
         with open(path, "rb") as raw, tqdm(
             total=size, unit="B", unit_scale=True, desc=path.name, disable=not progress, leave=False
         ) as bar:
-            text_stream = _open_lines(path, raw)
+            zst = path.name.endswith(".zst")
+            stream = io.BufferedReader(_ZstdRawReader(raw, path), 1 << 16) if zst else raw
+            text_stream = io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
             done = 0
             try:
                 for line in text_stream:
@@ -172,8 +162,8 @@ def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord], *, 
     """Write records as a Pile-format shard, atomically (nothing is left at ``path`` on failure).
 
     Args:
-        path: the destination; ``*.zst`` is zstd-compressed (one frame, with a content checksum, as the
-            ``zstd`` tool writes), anything else is plain JSON lines.
+        path: the destination; ``*.zst`` is zstd-compressed (one frame with a content checksum), anything
+            else plain JSON lines.
         records: ``(text, domain)`` pairs.
         level: the zstd compression level.
 

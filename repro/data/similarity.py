@@ -20,10 +20,9 @@ lexical rather than semantic similarity); (2) FAISS exact inner product up to
 deduplication; (4) an undirected edge joins two documents when either is among the other's k nearest
 neighbours, weighted by cosine similarity; minimum-degree ties are broken by a seeded permutation.
 
-The result is cached beside the source as ``<first prefix>.simbatch-<key>`` (a hash of the sources'
-index files and sizes, the split, the options and the format): a complete cached dataset is reused, files
-of that name this module did not write are never overwritten, and a build renames into place only when
-everything succeeded. Command line: ``python -m repro.data.similarity PREFIX [PREFIX...]``.
+The result is cached beside the source as ``<first prefix>.simbatch-<key>`` (a hash of the inputs), reused
+when complete; files of that name this module did not write are never overwritten. Command line:
+``python -m repro.data.similarity PREFIX [PREFIX...]``.
 """
 
 from __future__ import annotations
@@ -139,7 +138,6 @@ class SimilarityBatched:
         return out
 
 
-# --------------------------------------------------------------------------------------- representation
 def _count_matrix(dataset: IndexedDataset, documents: np.ndarray, vocab_size: int, eod: int | None):
     """Sparse ``[N, V]`` token-count matrix of the given documents (EOD excluded)."""
     from scipy.sparse import csr_matrix
@@ -174,8 +172,8 @@ def document_embeddings(
         documents: ``[N, 2]`` ``(source index, document id)`` rows.
         vocab_size: columns of the count matrix (every token id must be below it).
         eod: the end-of-document id, left out of the counts; None keeps all ids.
-        config: the options (``embedding_dim``, ``svd_fit_documents``, ``seed``).
-        chunk: documents transformed at a time (bounds the memory of the sparse matrices).
+        config: ``embedding_dim``, ``svd_fit_documents`` and ``seed``.
+        chunk: documents transformed at a time (bounds the sparse matrices' memory).
 
     Returns:
         ``[N, d]`` float32 with unit rows (rows of documents without any token are zero),
@@ -216,7 +214,6 @@ def document_embeddings(
     return normalize(out, norm="l2").astype(np.float32)
 
 
-# ------------------------------------------------------------------------------------- neighbour search
 def nearest_neighbors(
     embeddings: np.ndarray, k: int, config: SimilarityBatchingConfig
 ) -> tuple[np.ndarray, np.ndarray]:
@@ -257,7 +254,6 @@ def nearest_neighbors(
     return ids.astype(np.int64), sims.astype(np.float32)
 
 
-# ---------------------------------------------------------------------------------------- graph traversal
 def greedy_path(ids: np.ndarray, sims: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """ICLM's greedy maximum-travelling-salesman path over the kNN graph (Shi et al. 2024, Algorithm 1).
 
@@ -347,7 +343,6 @@ def chains_from_path(
     return chains
 
 
-# ------------------------------------------------------------------------------------------- the build
 def _id_bound(dataset: IndexedDataset) -> int:
     """An upper bound of the token ids: the range of a small index dtype, else the largest id + 1."""
     dtype = np.dtype(dataset.index.dtype)
@@ -407,10 +402,9 @@ def build_similarity_dataset(
         split: the split the run uses for the sources (megatron's ``split``); the chains come from the
             training part only.
         config: the options (default :class:`SimilarityBatchingConfig()`).
-        vocab_size: token-id bound of the count matrix; default: the range of the index's token dtype
-            (65536 for GPT-2's uint16), or the largest id + 1 for wider dtypes.
-        eod: the end-of-document id to leave out of the representation; default: the last token of the
-            first document (every document of :mod:`repro.data.indexed` ends with it).
+        vocab_size: token-id bound of the count matrix; default: the range of a 16-bit token dtype, or the
+            largest id + 1 for wider dtypes.
+        eod: the end-of-document id left out of the representation; default: the first document's last token.
         log: called with one line per stage (e.g. ``print``); default silent.
 
     Returns:
@@ -438,19 +432,9 @@ def build_similarity_dataset(
         split_ranges(1, split)
     except Exception as exc:  # megatron asserts on a malformed split
         raise ReproError(f"similarity batching: bad split '{split}' ({exc or type(exc).__name__})") from None
-    key = hashlib.sha256(
-        json.dumps(
-            {
-                "format": FORMAT,
-                "sources": [dataset_fingerprint(p) for p in sources],
-                "split": split,
-                "config": dataclasses.asdict(cfg),
-                "vocab_size": vocab_size,
-                "eod": eod,
-            },
-            sort_keys=True,
-        ).encode()
-    ).hexdigest()
+    inputs = {"format": FORMAT, "sources": [dataset_fingerprint(p) for p in sources], "split": split,
+              "config": dataclasses.asdict(cfg), "vocab_size": vocab_size, "eod": eod}
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     out_prefix = f"{sources[0]}.simbatch-{key[:16]}"
     parent = Path(out_prefix).parent
     with open(parent / f".{Path(out_prefix).name}.lock", "w") as lock:
@@ -476,15 +460,8 @@ def build_similarity_dataset(
 
 
 def _result(prefix: str, manifest: dict, reused: bool) -> SimilarityBatched:
-    return SimilarityBatched(
-        prefix=prefix,
-        split=manifest["derived_split"],
-        sources=tuple(manifest["sources"]),
-        source_split=manifest["split"],
-        num_chains=int(manifest["num_chains"]),
-        stats=dict(manifest["stats"]),
-        reused=reused,
-    )
+    return SimilarityBatched(prefix, manifest["derived_split"], tuple(manifest["sources"]), manifest["split"],
+                             int(manifest["num_chains"]), dict(manifest["stats"]), reused)
 
 
 def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
@@ -576,7 +553,7 @@ def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Ge
     dom = np.array([domains[s].doc_domain[d] for s, d in train])
     dom_name = np.array([domains[s].names[int(dom[i])] for i, (s, _) in enumerate(train)]) if len(train) else dom
 
-    def mean_sim(p):
+    def mean_sim(p):  # cosine: the rows are unit vectors
         return float(np.mean(np.sum(emb[p[:, 0]] * emb[p[:, 1]], axis=1))) if len(p) else float("nan")
 
     def same_domain(p):
@@ -643,7 +620,6 @@ def _write_sequences(tmp, datasets, domains, train, chains, lengths, unchanged) 
     return names, seq_domain
 
 
-# ---------------------------------------------------------------------------------------------- command
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m repro.data.similarity PREFIX [PREFIX...] [--split S]``: build the derived dataset once."""
     parser = argparse.ArgumentParser(prog="python -m repro.data.similarity", description=__doc__.split("\n")[0])

@@ -1,10 +1,9 @@
 """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, through HF ``tokenizers``.
 
-The same loading path serves OpenAI's GPT-2 files (The Pile at full scale) and the tokenizer trained on the
-mini-pile (:func:`train_bpe_tokenizer` writes the same two files). :class:`Gpt2BpeTokenizer` carries what
-megatron-core's datasets read from a tokenizer (``vocab_size``, ``eod``, ``unique_identifiers``,
-``tokenize``/``detokenize``), so it is passed as ``GPTDatasetConfig.tokenizer`` directly. It is duck-typed
-rather than a subclass of megatron's base class so that importing it does not import megatron-core.
+One loading path serves OpenAI's GPT-2 files (The Pile) and the tokenizer trained on the mini-pile
+(:func:`train_bpe_tokenizer` writes the same two files). :class:`Gpt2BpeTokenizer` carries what megatron-core's
+datasets read from a tokenizer, so it is passed as ``GPTDatasetConfig.tokenizer`` directly; it is duck-typed
+so that importing it does not import megatron-core.
 """
 
 from __future__ import annotations
@@ -28,16 +27,11 @@ from repro.io_utils import atomic_path, check_output_path
 EOD_TOKEN = "<|endoftext|>"
 """GPT-2's end-of-document token, appended to every document."""
 
+#: Longest piece of text handed to the BPE encoder in one call (characters). HF ``tokenizers`` holds about
+#: 155 bytes per character while it encodes one string (``ru_maxrss``), so a 50 M-character document took
+#: 9.09 GB to tokenise (1.51 GB in pieces, byte-identical output: ``/usr/bin/time -v python -m repro data
+#: tokenize --workers 1``); about 160 MB per encoding thread in pieces (:func:`split_for_encoding`).
 MAX_CHUNK_CHARS = 1 << 20
-"""Longest piece of text handed to the BPE encoder in one call (characters).
-
-HF ``tokenizers`` holds about 155 bytes per character while it encodes one string (measured with
-``Gpt2BpeTokenizer.encode_batch`` on one string and ``ru_maxrss``: 5.6 M characters took 0.83 GB), so a shard
-line holding a 50 M-character document took 9.09 GB to tokenise (``/usr/bin/time -v python -m repro data
-tokenize --workers 1``; 1.51 GB in pieces, byte-identical output). Longer documents are encoded in pieces cut
-where GPT-2's pre-tokenizer splits anyway (:func:`split_for_encoding`), which gives exactly the unchunked ids,
-at about 160 MB per encoding thread.
-"""
 
 # A non-whitespace character followed by a space or newline: GPT-2's pre-tokenizer never puts the two into
 # one pre-token (no alternative of its regex matches non-space then space), and BPE never merges across
@@ -102,9 +96,9 @@ def _check_merges(path: Path, vocab: dict[str, int]) -> None:
 class Gpt2BpeTokenizer:
     """GPT-2 byte-level BPE with the end-of-document token; usable as megatron-core's dataset tokenizer.
 
-    ``<|endoftext|>`` is looked up in the vocabulary but not registered as a special token: text that
-    happens to contain that string is encoded as ordinary bytes, so the only EOD ids in a corpus are the
-    ones appended at document ends (what megatron's ``eod_mask_loss``/``reset_*`` options rely on).
+    ``<|endoftext|>`` is looked up in the vocabulary but not registered as a special token: text containing
+    that string is encoded as ordinary bytes, so the only EOD ids in a corpus are the ones appended at
+    document ends (what megatron's ``eod_mask_loss``/``reset_*`` options rely on).
 
     Args:
         vocab_path: ``vocab.json`` (token -> id).
@@ -130,10 +124,9 @@ class Gpt2BpeTokenizer:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
         self._tok = tok
-        self._vocab = vocab
-        self._inv_vocab = {i: t for t, i in vocab.items()}
-        self._eod = vocab[EOD_TOKEN]
-        self._vocab_size = max(vocab.values()) + 1
+        self.vocab = vocab  # token string -> id
+        self.eod = self.eos = vocab[EOD_TOKEN]  # GPT-2 has one end token
+        self.vocab_size = max(vocab.values()) + 1  # max id + 1; the model pads it for its embedding table
         self.unique_identifiers = OrderedDict(
             [
                 ("class", f"{type(self).__module__}.{type(self).__qualname__}"),
@@ -142,32 +135,6 @@ class Gpt2BpeTokenizer:
                 ("merges_sha256", _sha256(self.merges_path)),
             ]
         )
-
-    # ---- what megatron-core's datasets and the training loop read ----
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids (max id + 1); the model pads it further for its embedding table."""
-        return self._vocab_size
-
-    @property
-    def eod(self) -> int:
-        """The end-of-document id."""
-        return self._eod
-
-    @property
-    def eos(self) -> int:
-        """Same as :attr:`eod` (GPT-2 has one end token)."""
-        return self._eod
-
-    @property
-    def vocab(self) -> dict[str, int]:
-        """Token string -> id."""
-        return self._vocab
-
-    @property
-    def inv_vocab(self) -> dict[int, str]:
-        """Id -> token string."""
-        return self._inv_vocab
 
     def tokenize(self, text: str) -> list[int]:
         """Encode one text (no EOD appended); long texts in pieces (:func:`split_for_encoding`), same ids."""
@@ -182,20 +149,8 @@ class Gpt2BpeTokenizer:
         return [ids.tolist() for ids in self.encode_arrays(texts)]
 
     def encode_arrays(self, texts: Sequence[str], dtype=np.int64) -> list[np.ndarray]:
-        """Encode several texts (no EOD appended) into one id array each, with bounded memory.
-
-        Texts are cut into pieces of at most :data:`MAX_CHUNK_CHARS` (:func:`split_for_encoding`, exact
-        where BPE allows) and handed to the encoder in calls of at most that many characters in all, each
-        call's ids turned into arrays at once: the encoder's per-character overhead never covers more than
-        one such call.
-
-        Args:
-            texts: the texts.
-            dtype: the arrays' integer dtype.
-
-        Returns:
-            One array per text, in order.
-        """
+        """Encode several texts (no EOD appended) into one id array each, with bounded memory: pieces of
+        :func:`split_for_encoding` go to the encoder in calls of at most :data:`MAX_CHUNK_CHARS` in all."""
         encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch  # fast: no offsets
         limit = MAX_CHUNK_CHARS
         parts: list[list[np.ndarray]] = [[] for _ in texts]
@@ -221,10 +176,6 @@ class Gpt2BpeTokenizer:
             flush()
         empty = np.zeros(0, dtype=dtype)
         return [p[0] if len(p) == 1 else np.concatenate(p) if p else empty for p in parts]
-
-    def apply_chat_template(self, *args, **kwargs):
-        """Not supported: a pre-training tokenizer has no chat template."""
-        raise NotImplementedError("Gpt2BpeTokenizer has no chat template")
 
     def __repr__(self) -> str:
         return f"Gpt2BpeTokenizer(vocab={str(self.vocab_path)!r}, vocab_size={self.vocab_size}, eod={self.eod})"
@@ -271,15 +222,7 @@ def split_for_encoding(text: str, max_chars: int | None = None) -> list[str]:
 
 
 def load_tokenizer(vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> Gpt2BpeTokenizer:
-    """Load a GPT-2-format tokenizer.
-
-    Args:
-        vocab_path: ``vocab.json``.
-        merges_path: ``merges.txt``.
-
-    Returns:
-        The tokenizer.
-    """
+    """Load a GPT-2-format tokenizer from ``vocab.json`` and ``merges.txt``."""
     return Gpt2BpeTokenizer(vocab_path, merges_path)
 
 
@@ -303,10 +246,8 @@ def train_bpe_tokenizer(
     vocab_size: int = 8192,
     min_frequency: int = 2,
 ) -> tuple[Path, Path]:
-    """Train a GPT-2-style byte-level BPE on ``texts`` and save it as ``vocab.json`` + ``merges.txt``.
-
-    The directory is written atomically (a half-trained tokenizer is never left behind). The vocabulary
-    contains ``<|endoftext|>`` (id 0) and the 256 byte symbols, so any text can be encoded.
+    """Train a GPT-2-style byte-level BPE on ``texts`` and save it as ``vocab.json`` + ``merges.txt``, atomically;
+    the vocabulary holds ``<|endoftext|>`` (id 0) and the 256 byte symbols, so any text can be encoded.
 
     Args:
         texts: the training texts.
@@ -342,9 +283,8 @@ def encode_documents(
 ) -> Iterator[np.ndarray]:
     """Encode a stream of documents on several cores, in order, with bounded memory.
 
-    Batches of documents go to a thread pool; HF ``tokenizers`` releases the GIL while encoding, so the
-    threads run in parallel whatever ``TOKENIZERS_PARALLELISM`` says. At most ``2 * num_workers`` batches
-    are in flight, so a long input stream is never read ahead into memory.
+    HF ``tokenizers`` releases the GIL while encoding, so a thread pool runs in parallel whatever
+    ``TOKENIZERS_PARALLELISM`` says; at most ``2 * num_workers`` batches are in flight.
 
     Args:
         tokenizer: the tokenizer.

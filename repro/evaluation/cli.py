@@ -24,15 +24,7 @@ from repro.evaluation.offline import ensure_offline
 
 
 def main(argv: list[str], prog: str) -> int:
-    """Run the evaluation and write lm-eval's results JSON.
-
-    Args:
-        argv: command-line arguments.
-        prog: program name for usage messages.
-
-    Returns:
-        Exit status (0).
-    """
+    """Run the evaluation and write lm-eval's results JSON; returns the exit status."""
     parser = argparse.ArgumentParser(prog=prog, description="Zero-shot evaluation of a checkpoint through lm-eval (offline).")
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory written by the training loop")
     parser.add_argument(
@@ -115,9 +107,8 @@ def is_lm_eval_results(path: Path) -> bool:
 
 
 def _add_to_run_record(run_dir: Path, results: dict, out: str | Path) -> None:
-    """Put lm-eval's results, their per-question results and the tasks scored on part of their documents
-    (``--limit``) into the ``record.json`` of the run the checkpoint belongs to (if it has one). A partial
-    evaluation never replaces complete results already there: a quick ``--limit`` look stays in ``out``."""
+    """Put the results into the ``record.json`` of the checkpoint's run (if it has one); a partial (``--limit``)
+    evaluation never replaces complete results there."""
     from repro.errors import ReproError
     from repro.report.store import load_record, with_lm_eval, write_record
     from repro.training.inference import resolve_checkpoint, run_dir_of

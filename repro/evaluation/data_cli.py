@@ -22,17 +22,8 @@ from repro.errors import ReproError
 _ON = ("1", "on", "yes", "true")
 
 
-
 def main(argv: list[str], prog: str) -> int:
-    """Run ``fetch`` or ``check``.
-
-    Args:
-        argv: command-line arguments.
-        prog: program name for usage messages.
-
-    Returns:
-        Exit status (0).
-    """
+    """Run ``fetch`` or ``check``; returns the exit status."""
     # Not from runner.py: importing it switches the process to offline mode, and fetch downloads.
     from repro.evaluation.task_data import PAPER_TASK_DIRS
 

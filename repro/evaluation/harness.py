@@ -1,23 +1,14 @@
 """The lm-eval bridge: this suite's checkpoints (any router) as an lm-eval ``LM`` registered as ``dirmoe-bench``.
 
-The bridge talks to the model through a small protocol, :class:`ScoringModel` (token ids in, next-token
-logits out) plus a tokenizer: a Hugging Face ``tokenizers.Tokenizer`` (``encode(...).ids`` / ``decode``) or a
-megatron-style one with ``tokenize`` / ``detokenize`` (``repro.data.tokenizer.Gpt2BpeTokenizer``), so it does
-not depend on how the model is built.
-Checkpoint loading has exactly one place: :func:`load_scoring_model`, which calls
-``repro.training.inference.load_for_evaluation(checkpoint_dir, device=...)``.
+The bridge talks to the model through :class:`ScoringModel` (token ids in, next-token logits out) and a
+tokenizer (a Hugging Face ``tokenizers.Tokenizer`` or one with ``tokenize``/``detokenize``), so it does not
+depend on how the model is built; checkpoint loading is wired in one place, :func:`load_scoring_model`.
 
-Scoring is batched and deterministic (the model is put in eval mode and run under ``torch.inference_mode``).
-Batches are right-padded: in a causal model a token's logits depend only on the tokens before it, so pad
-tokens after a row's end cannot change that row's scores (routers that couple the tokens of a batch, such as
-Expert Choice and capacity dropping, break this: a model that says so with ``batch_coupled = True`` is scored
-one request at a time; Lory routes each row once on its prompt, given the prompt lengths), and no attention mask or position offsets are
-needed (left padding would shift positions and let pads be attended). The exception is a router that couples
-the tokens of a batch (Expert Choice, capacity-limited dispatch that drops tokens): evaluate those with
-``batch_size=1`` for scores that do not depend on the batch.
-
-Context is truncated from the left to ``max_length`` tokens, as lm-eval's Hugging Face backend does; a
-continuation longer than ``max_length`` cannot be scored and is refused.
+Scoring is batched and deterministic (eval mode, ``torch.inference_mode``). Batches are right-padded: in a
+causal model pads after a row's end cannot change its scores, and no attention mask or position offsets are
+needed. A model that couples the tokens of a batch says so with ``batch_coupled = True`` (Expert Choice,
+capacity dropping) and is scored one request at a time; Lory routes each row once on its prompt, given the
+prompt lengths. Context is truncated from the left to ``max_length`` tokens, as lm-eval's HF backend does.
 """
 
 from __future__ import annotations
@@ -46,15 +37,9 @@ T = TypeVar("T")
 
 @runtime_checkable
 class ScoringModel(Protocol):
-    """What the bridge needs from a trained model.
-
-    Attributes:
-        eod_id: the end-of-document token id (the prefix of an empty context, the stop token).
-        max_length: the longest sequence the model takes (its training sequence length).
-
-    An implementation may also have ``device`` (where input ids must be placed; default CPU) and ``eval()``
-    (called once, e.g. an ``nn.Module``'s, so routers run deterministically).
-    """
+    """What the bridge needs from a trained model: ``eod_id`` (the prefix of an empty context, the stop
+    token), ``max_length`` (its training sequence length) and :meth:`logits`; optionally ``device`` (where
+    input ids go; default CPU) and ``eval()`` (called once, so routers run deterministically)."""
 
     eod_id: int
     max_length: int
@@ -65,22 +50,14 @@ class ScoringModel(Protocol):
 
 
 def load_scoring_model(checkpoint_dir: str | Path, device: str | None = None) -> tuple[ScoringModel, Any]:
-    """Load a checkpoint of this suite for evaluation: THE place where checkpoint loading is wired.
-
-    Calls ``repro.training.inference.load_for_evaluation(checkpoint_dir, device=device)``, which must
-    return ``(ScoringModel, tokenizer)``: the model built by ``repro.model.builder.build_model`` with its
-    router, weights from the checkpoint, and the run's tokenizer (vocab.json/merges.txt; a
-    ``tokenizers.Tokenizer`` or ``repro.data.tokenizer.Gpt2BpeTokenizer``).
+    """Load a checkpoint of this suite for evaluation (the one place where checkpoint loading is wired).
 
     Args:
         checkpoint_dir: a checkpoint directory written by the training loop.
         device: where to put the model (None: the loader's default).
 
     Returns:
-        ``(model, tokenizer)``.
-
-    Raises:
-        ReproError: the directory does not exist or the training code's loader is not available.
+        ``(model, tokenizer)`` from ``repro.training.inference.load_for_evaluation``.
     """
     path = Path(checkpoint_dir)
     if not path.is_dir():
@@ -153,15 +130,7 @@ class SuiteLM(TemplateLM):
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, **kwargs: Any) -> SuiteLM:
-        """Build the LM from a checkpoint directory (see :func:`load_scoring_model`).
-
-        Args:
-            checkpoint_dir: the checkpoint.
-            **kwargs: other constructor arguments.
-
-        Returns:
-            The LM.
-        """
+        """Build the LM from a checkpoint directory (``kwargs``: the other constructor arguments)."""
         return cls(checkpoint=str(checkpoint_dir), **kwargs)
 
     # ------------------------------------------------------------------ tokenisation
@@ -194,12 +163,8 @@ class SuiteLM(TemplateLM):
     def _log_probs(
         self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int] | None = None
     ) -> list[torch.Tensor]:
-        """Per-sequence next-token log-probabilities ``[len, V]`` (float32) from one right-padded forward.
-
-        Args:
-            sequences: token ids per row.
-            prompt_lengths: tokens of each row that are context (for models that route on the prompt).
-        """
+        """Per-sequence next-token log-probabilities ``[len, V]`` (float32) from one right-padded forward
+        (``prompt_lengths``: the context tokens of each row, for models that route on the prompt)."""
         width = max(len(s) for s in sequences)
         tokens = torch.full((len(sequences), width), self.eot_token_id, dtype=torch.long)
         for row, seq in enumerate(sequences):
@@ -219,12 +184,7 @@ class SuiteLM(TemplateLM):
         disable_tqdm: bool = False,
         override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
-        """Score continuation tokens given context tokens.
-
-        Args:
-            requests: ``((context, continuation) or None, context_ids, continuation_ids)``.
-            disable_tqdm: unused (no progress bar).
-            override_bs: batch size for this call.
+        """Score ``((context, continuation) or None, context_ids, continuation_ids)`` requests.
 
         Returns:
             ``(sum of log-probabilities, whether every continuation token is the greedy one)`` per request.
@@ -258,15 +218,8 @@ class SuiteLM(TemplateLM):
 
     # ------------------------------------------------------------------ lm-eval request types
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        """Log-likelihood of whole strings in windows of ``max_length`` tokens, each token predicted once.
-
-        Args:
-            requests: lm-eval ``Instance`` objects with ``args == (string,)``.
-            disable_tqdm: unused.
-
-        Returns:
-            One summed log-likelihood per request.
-        """
+        """Summed log-likelihood of each request's string (``args == (string,)``) in windows of ``max_length``
+        tokens, each token predicted once."""
         windows: list[tuple[None, list[int], list[int]]] = []
         owners: list[int] = []
         for index, request in enumerate(requests):
@@ -291,19 +244,8 @@ class SuiteLM(TemplateLM):
 
     @torch.inference_mode()
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy generation until a stop string, the end-of-document token or ``max_gen_toks``.
-
-        Args:
-            requests: lm-eval ``Instance`` objects with ``args == (context, gen_kwargs)``.
-            disable_tqdm: unused.
-
-        Returns:
-            The generated continuation per request, cut before the first stop string.
-
-        Raises:
-            ReproError: sampling requested (the bridge decodes greedily only), or ``max_gen_toks`` not below
-                ``max_length``.
-        """
+        """Greedy generation (``args == (context, gen_kwargs)``) until a stop string, the end-of-document token
+        or ``max_gen_toks``, cut before the first stop string; sampling is refused (greedy only)."""
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)

@@ -1,8 +1,7 @@
 """Local lm-eval tasks over the mini-pile's held-out documents, for the embedded default (no Hub access).
 
-:func:`build_local_tasks` turns a held-out jsonl (``{"text": ..., "meta": {"pile_set_name": ...}}`` per line)
-into three lm-eval YAML tasks with their data, all under one directory to pass to lm-eval's
-``TaskManager(include_path=...)`` (or ``python -m repro eval --local-tasks DIR``):
+:func:`build_local_tasks` turns a held-out Pile-format file into three lm-eval YAML tasks with their data,
+under one directory for ``TaskManager(include_path=...)`` (or ``python -m repro eval --local-tasks DIR``):
 
 - ``minipile_lastword`` (LAMBADA-style): the log-likelihood of a passage's final word given the passage
   before it; metrics ``acc`` (the word is the greedy continuation) and ``perplexity``.
@@ -11,9 +10,8 @@ into three lm-eval YAML tasks with their data, all under one directory to pass t
   ``acc_norm`` (log-likelihood per character).
 - ``minipile_ppl``: rolling log-likelihood of each document's start; word/byte perplexity, bits per byte.
 
-All three carry the tag ``minipile``. The YAMLs use ``dataset_path: json`` with absolute ``data_files`` and a
-datasets cache inside the task directory, so lm-eval never touches the Hub or the user's cache.
-Documents are whitespace-normalised (single spaces) so the tasks' word boundaries are unambiguous.
+All three carry the tag ``minipile`` and read ``dataset_path: json`` with absolute ``data_files`` and a datasets
+cache inside the task directory (never the Hub or the user's cache). Documents are whitespace-normalised.
 """
 
 from __future__ import annotations
@@ -39,8 +37,6 @@ LOCAL_TASK_LABELS: dict[str, str] = {
     "minipile_ppl": "Perplexity (local)",
 }
 _TRAILING_PUNCT = ".,;:!?\"')]}*"
-
-
 _MANIFEST = "manifest.json"
 _HF_CACHE = ".hf_cache"
 
@@ -101,10 +97,7 @@ class LocalTaskOptions:
 
 
 def _read_heldout(path: Path, max_docs: int, seed: int) -> list[dict[str, str]]:
-    """``[{"text", "domain"}]`` from a held-out Pile-format file (plain or ``.zst``), whitespace-normalised.
-
-    Read with the suite's Pile reader, so a bad file gets the same one-line errors (file and line) as a shard.
-    """
+    """``[{"text", "domain"}]`` from a held-out Pile-format file (the Pile reader's one-line errors)."""
     from repro.data.pile import iter_pile_documents
 
     docs = [
@@ -213,18 +206,16 @@ def build_local_tasks(
     """Write the local tasks' data and YAMLs for lm-eval.
 
     Args:
-        heldout_jsonl: held-out documents, one ``{"text", "meta": {"pile_set_name"}}`` JSON object per line
-            (``.jsonl`` or ``.jsonl.zst``).
-        out_dir: the task directory to write. If it exists it must be an earlier output of this function
-            (:func:`is_local_tasks_dir`), which is then replaced atomically; anything else is refused.
+        heldout_jsonl: held-out documents in Pile format (``.jsonl`` or ``.jsonl.zst``).
+        out_dir: the task directory; an existing one must be an earlier output of this function
+            (:func:`is_local_tasks_dir`), replaced atomically; anything else is refused.
         options: how to cut the tasks (default :class:`LocalTaskOptions`).
 
     Returns:
         ``out_dir`` as an absolute path: pass it to ``TaskManager(include_path=...)``.
 
     Raises:
-        ReproError: unreadable or malformed held-out file, too few documents for a task, or ``out_dir``
-            holding something else.
+        ReproError: a bad held-out file, too few documents for a task, or ``out_dir`` holding something else.
     """
     opts = options or LocalTaskOptions()
     source = Path(heldout_jsonl).resolve()

@@ -31,18 +31,8 @@ FULL_SCALE_TASKS = tuple(PAPER_TASK_DIRS)
 
 
 def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None) -> TaskManager:
-    """A TaskManager that knows ``tasks``, scanning lm-eval's own task tree only when needed (it takes seconds).
-
-    Args:
-        tasks: task, group or tag names.
-        local_tasks: a directory written by :func:`repro.evaluation.local_tasks.build_local_tasks`.
-
-    Returns:
-        The TaskManager.
-
-    Raises:
-        ReproError: a missing local-task directory.
-    """
+    """A TaskManager that knows ``tasks`` (names), with the ``local_tasks`` directory, scanning lm-eval's own
+    task tree only when needed (it takes seconds)."""
     if local_tasks is not None:
         if not Path(local_tasks).is_dir():
             raise ReproError(f"{local_tasks}: no such local-task directory")
@@ -75,9 +65,8 @@ def evaluate_lm(
             ``local_tasks`` read their datasets from it, through lm-eval's own task YAMLs.
         task_manager: a TaskManager to reuse (default: :func:`task_manager_for`; not with ``tasks_data``).
         limit: documents per task (for quick checks; lm-eval's ``limit``).
-        bootstrap_iters: switches lm-eval's standard errors on (> 0) or off (0). The accuracies' standard error
-            is closed-form (``mean_stderr``) whatever the count; the count matters for bootstrapped metrics
-            such as perplexity.
+        bootstrap_iters: switches lm-eval's standard errors on (> 0) or off (0); the count matters only for
+            bootstrapped metrics such as perplexity (the accuracies' error is closed-form).
         seed: lm-eval's python / numpy / torch / few-shot seeds.
         log_samples: keep lm-eval's per-document records under ``samples`` (per-question correctness:
             :func:`repro.report.stats.per_question_scores`).

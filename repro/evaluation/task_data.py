@@ -1,44 +1,16 @@
 """The papers' zero-shot tasks from data on disk: lm-eval's own task definitions, local datasets.
 
-GPU clusters are often offline; their users fetch data on a login node and copy it over. A *task-data folder*
-holds the Hugging Face datasets that lm-eval's task YAMLs read, one folder per hub dataset, named like the
-hub repository and laid out as a dataset repository that the ``datasets`` library loads from disk::
-
-    DIR/allenai/ai2_arc/README.md                  dataset card: its YAML header lists configs and files
-    DIR/allenai/ai2_arc/ARC-Easy/test.jsonl        one JSON-lines file per config and split
-    DIR/allenai/ai2_arc/ARC-Challenge/test.jsonl
-    DIR/aps/super_glue/boolq/validation.jsonl
-    DIR/Rowan/hellaswag/default/validation.jsonl   (``default``: the task names no config)
-    DIR/EleutherAI/lambada_openai/default/test.jsonl
-    DIR/baber/piqa/default/validation.jsonl
-    DIR/EleutherAI/race/high/test.jsonl
-    ...
-
-``python -m repro eval-data fetch --out DIR`` fills it on a machine with network access
-(:func:`fetch`); ``python -m repro eval --tasks-data DIR`` evaluates on it with no network
-(:func:`task_manager_for_data`). What each task reads (dataset, config, splits) comes from lm-eval's installed
-YAML (:func:`task_data_specs`), never from a copy here.
-
-Decisions (each with its reason):
-
-1. **Hub-named dataset folders with a dataset card** (DESIGN.md section 9, way (b)), not bare data files
-   named in per-task YAMLs (way (a)): the folder is self-describing (``datasets.load_dataset(DIR/allenai/ai2_arc,
-   "ARC-Easy")`` loads it; plain ``lm_eval`` run from ``DIR`` finds it by the hub name), several tasks share one
-   dataset (ARC-Easy and ARC-Challenge), and lm-eval's ``dataset_name`` keeps its meaning as the config name.
-2. **lm-eval is pointed at the folders by absolute path**: ``datasets`` resolves a hub name to a local folder
-   only relative to the working directory, so instead of changing directory, :func:`write_task_overrides`
-   writes one YAML per task that ``include:``\\ s the installed YAML and overrides ``dataset_path`` (and adds
-   ``dataset_kwargs.cache_dir``) only: prompts, metrics, splits, ``process_docs`` and the RACE loader functions
-   are lm-eval's, resolved from the installed files (``lm_eval/tasks/_yaml_loader.py``, ``load_yaml``).
-3. **Every split the YAML names is required** (training, validation, test, few-shot), not only the scored one:
-   ``ConfigurableTask.__init__`` builds its few-shot sampler from the training split even at 0 shots
-   (``lm_eval/api/task.py``, ``fewshot_docs``), so a missing training split is a ``KeyError`` mid-run.
-4. **JSON lines**, written by ``datasets.Dataset.to_json``: readable, so the test fixtures are plain text in the
-   same layout. Class labels are written as their integer ids, which is what lm-eval's ``doc_to_target`` reads.
-5. **The datasets cache goes to a throw-away directory** beside the generated YAMLs: the task-data folder may
-   be read-only (a shared filesystem), and evaluation never writes to the user's cache.
-6. **Fetching never changes an existing dataset folder**: a complete one is kept as it is, an incomplete one
-   is refused (remove it, or fetch into another folder); a new one is written atomically.
+A *task-data folder* (docs/evaluation.md) holds the Hugging Face datasets that lm-eval's task YAMLs read, one
+dataset repository per hub dataset, named like it, with a dataset card listing each config's JSON-lines
+files (``DIR/allenai/ai2_arc/{README.md, ARC-Easy/test.jsonl, ...}``; ``default`` for a task naming no
+config): self-describing, shared by tasks (ARC-Easy and ARC-Challenge), and ``dataset_name`` keeps its
+meaning. :func:`fetch` fills it on a machine with network access; :func:`task_manager_for_data` evaluates on
+it offline. What each task reads comes from lm-eval's installed YAML (:func:`task_data_specs`), never from a
+copy here, and *every* split it names is required: ``ConfigurableTask`` builds its few-shot sampler from the
+training split even at 0 shots (``lm_eval/api/task.py``). ``datasets`` resolves a hub name to a local folder
+only relative to the working directory, so :func:`write_task_overrides` writes one YAML per task that
+``include:``\\ s the installed one and overrides only ``dataset_path`` (absolute) and the datasets cache
+(a throw-away directory: the folder may be read-only). Fetching never changes an existing dataset folder.
 """
 
 from __future__ import annotations
@@ -54,8 +26,8 @@ import yaml
 from repro.errors import ReproError
 from repro.io_utils import atomic_path
 
-#: The papers' seven tasks and the folder of lm-eval 0.4.13's task tree that holds each one's YAML: indexing
-#: these few folders takes a fraction of a second, the whole tree about ten (other tasks fall back to it).
+#: The papers' seven tasks and the folder of lm-eval 0.4.13's task tree that holds each one's YAML (indexing
+#: these takes a fraction of a second, the whole tree about ten; other tasks fall back to it).
 PAPER_TASK_DIRS: dict[str, str] = {
     "arc_challenge": "arc",
     "arc_easy": "arc",
@@ -209,16 +181,9 @@ def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
 
 
 def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str | Path) -> None:
-    """Check that ``root`` holds every config and split each task reads, before anything is evaluated.
-
-    Args:
-        specs: from :func:`task_data_specs`.
-        root: the task-data folder.
-        cache_dir: a scratch directory for ``datasets`` (it writes lock files there).
-
-    Raises:
-        ReproError: one line naming each task whose data is missing or incomplete and the folder looked in.
-    """
+    """Check that ``root`` holds every config and split each task of ``specs`` reads, before anything is
+    evaluated (``cache_dir``: scratch for ``datasets``' lock files); a ReproError names each task lacking data
+    and the folder looked in."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise ReproError(f"{root}: no such task-data folder ({_fetch_hint(root, [s.task for s in specs])})")
@@ -230,18 +195,11 @@ def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str 
 
 # ------------------------------------------------------------------------------------------ lm-eval
 def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: str | Path) -> Path:
-    """Write one lm-eval YAML per task that includes the installed YAML and reads the local dataset.
-
-    Each YAML sets ``include`` (the installed YAML), ``task``, ``dataset_path`` (the absolute local folder) and
-    ``dataset_kwargs.cache_dir`` (``out_dir/.hf_cache``), and nothing else.
-
-    Args:
-        specs: from :func:`task_data_specs`.
-        root: the task-data folder.
-        out_dir: where to write the YAMLs (created; pass it to ``TaskManager(include_path=...)``).
+    """Write into ``out_dir`` one lm-eval YAML per task: ``include`` (the installed YAML), ``task``,
+    ``dataset_path`` (the absolute folder in ``root``) and ``dataset_kwargs.cache_dir``, nothing else.
 
     Returns:
-        ``out_dir`` as an absolute path.
+        ``out_dir`` as an absolute path, for ``TaskManager(include_path=...)``.
     """
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -297,13 +255,7 @@ def task_manager_for_data(
 # ------------------------------------------------------------------------------------------ fetching
 @dataclass(frozen=True)
 class DatasetPlan:
-    """One hub dataset to fetch: its configs and the splits of each that the tasks read.
-
-    Args:
-        dataset_path: the hub dataset (``allenai/ai2_arc``).
-        configs: ``(dataset_name, splits)`` pairs; ``dataset_name`` None for the default config.
-        tasks: the tasks that read it.
-    """
+    """One hub dataset to fetch: ``(dataset_name, splits)`` per config the ``tasks`` read (None: default)."""
 
     dataset_path: str
     configs: tuple[tuple[str | None, tuple[str, ...]], ...]
@@ -316,14 +268,7 @@ class DatasetPlan:
 
 
 def fetch_plan(specs: Sequence[TaskData]) -> list[DatasetPlan]:
-    """Group the tasks' data by hub dataset and config (ARC-Easy and ARC-Challenge share one dataset).
-
-    Args:
-        specs: from :func:`task_data_specs`.
-
-    Returns:
-        One :class:`DatasetPlan` per hub dataset, in first-seen order.
-    """
+    """One :class:`DatasetPlan` per hub dataset of ``specs``, in first-seen order, its configs grouped."""
     grouped: dict[str, dict[str | None, list[str]]] = {}
     owners: dict[str, list[str]] = {}
     for spec in specs:
@@ -337,15 +282,7 @@ def fetch_plan(specs: Sequence[TaskData]) -> list[DatasetPlan]:
 
 
 def dataset_card(plan: DatasetPlan, note: str) -> str:
-    """The ``README.md`` of a local dataset folder: a YAML header listing each config's files, then ``note``.
-
-    Args:
-        plan: the dataset.
-        note: Markdown text after the header (where the data came from).
-
-    Returns:
-        The card's text.
-    """
+    """The ``README.md`` of a local dataset folder: a YAML header listing each config's files, then ``note``."""
     configs = [
         {
             "config_name": name or DEFAULT_CONFIG,
@@ -361,10 +298,8 @@ Loader = Callable[[str, str | None], Mapping[str, Any]]
 
 
 def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None = None, log: Callable[[str], None] = print) -> list[Path]:
-    """Download each planned dataset and write it as a local dataset folder under ``out``.
-
-    Needs network access to the Hugging Face hub (run it on a login node, then copy ``out``). Each dataset
-    folder is written atomically; one that exists already is kept when complete and refused otherwise.
+    """Download each planned dataset (network access needed) into a local dataset folder under ``out``,
+    atomically; a folder that exists already is kept when complete and refused otherwise.
 
     Args:
         plan: from :func:`fetch_plan`.
