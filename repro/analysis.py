@@ -50,19 +50,15 @@ def trace_routers(model: nn.Module, keep_inputs: bool = False) -> Iterator[Route
 
 
 def expert_specialisation(
-    forward: Callable[[torch.Tensor], object],
-    model: nn.Module,
-    documents: Iterable[tuple[list[int], str]],
-    seq_length: int,
-    max_tokens_per_domain: int = 8192,
+    forward: Callable[[torch.Tensor], object], model: nn.Module, documents: Iterable[tuple[list[int], str]],
+    seq_length: int, max_tokens_per_domain: int = 8192,
 ) -> dict[str, object]:
     """Share of each domain's tokens routed to each expert, per layer (the paper's specialisation figure).
 
-    Each document is cut into windows of ``seq_length`` tokens and run through ``forward`` one window at a
-    time (batch 1, so batch-coupled routers see no other domain); a token counts once for every expert
-    that receives it (for a merge router such as Lory, by its combine weights), and the counts are
-    normalised per (layer, domain) so each row sums to one. Expert Choice fills every expert to the same
-    capacity within a window, so its shares are uniform by construction.
+    Documents run through ``forward`` in windows of ``seq_length`` tokens, one at a time (batch-coupled
+    routers see no other domain); a token counts once for every expert that receives it (a merge router such
+    as Lory: by its combine weights), normalised per (layer, domain). Expert Choice fills every expert to the
+    same capacity within a window, so its shares are uniform by construction.
 
     Args:
         forward: runs the model on ``[1, S]`` token ids (in eval mode, without gradients).
@@ -102,8 +98,7 @@ def expert_specialisation(
 
 
 def _routed(output: RouterOutput) -> torch.Tensor:
-    """``[E]`` tokens routed to each expert; for a map that sends every token everywhere (Lory's parameter
-    merge) the combine weights are counted instead, since they are what differs between tokens."""
+    """``[E]`` tokens routed to each expert; the combine weights where every token goes everywhere (Lory)."""
     if bool(output.routing_map.all()):
         return output.probs.sum(0)
     return output.routing_map.float().sum(0)
@@ -115,18 +110,11 @@ def has_sparsity_knob(router: Router) -> bool:
 
 
 def sparsity_knob(
-    router: Router,
-    hidden_TD: torch.Tensor,
-    lambdas: Iterable[float],
-    samples: int = 64,
-    seed: int = 0,
+    router: Router, hidden_TD: torch.Tensor, lambdas: Iterable[float], samples: int = 64, seed: int = 0
 ) -> dict[str, list[float]]:
-    """The sparsity knob of a router with a Dirichlet posterior (DirMoE): expected Simpson index of theta
-    against the posterior's scale lambda.
-
-    The posterior is ``Dir(lambda * beta(x))`` with the router's bases ``beta(x)`` at evaluation
-    (``router.posterior_bases``). Theory: the paper's Lemma per token, averaged over tokens. Measurement: the
-    mean Simpson index of Monte Carlo draws of theta from the same posterior.
+    """The sparsity knob of a router with a Dirichlet posterior ``Dir(lambda * beta(x))`` (DirMoE): expected
+    Simpson index of theta against lambda, in theory (the paper's Lemma per token, averaged over tokens) and
+    measured (Monte Carlo draws of theta from the same posterior).
 
     Args:
         router: a router with ``posterior_bases(hidden_TD)`` and ``posterior_scale`` (see :func:`has_sparsity_knob`).

@@ -11,6 +11,7 @@ another mini-pile, and the comparison then says so instead of failing on numbers
 from __future__ import annotations
 
 import argparse
+import hashlib
 import math
 import sys
 import tempfile
@@ -48,8 +49,6 @@ def golden_path(router: str, root: Path = GOLDEN_DIR) -> Path:
 
 def corpus_fingerprint(data_dir: str | Path) -> str:
     """sha256 over the mini-pile's training tokens (``.bin``/``.idx``) and its tokenizer files."""
-    import hashlib
-
     from repro.data.minipile import build_mini_pile
 
     mini = build_mini_pile(data_dir)

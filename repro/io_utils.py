@@ -1,21 +1,12 @@
 """Safe writes: readers never see a partial file, failures leave nothing behind, nothing the writer did not
 make is removed or written through.
 
-The rules every command's output goes through (:func:`atomic_path`, :func:`write_json_atomic`,
-:func:`check_output_path`, :func:`open_in_dir`):
-
-1. Nothing at the final path: written.
-2. A regular file there: replaced atomically, unless the caller passes ``replace`` (a predicate that
-   recognises the command's own earlier output) and it says no. Commands whose output path is typed by the
-   user (``eval --out``) pass one, so a mistyped path cannot overwrite a run's files.
-3. A directory there: replaced only when the caller's ``replace`` recognises it as the command's own
-   earlier output (e.g. a local-task directory with its manifest); otherwise refused. A directory is never
-   removed on the strength of its path alone: ``eval --out RUN_DIR`` used to delete a whole run.
-4. A symbolic link (or a FIFO, socket, device) there: refused, never followed and never replaced.
-5. Any ``OSError`` while writing (disk full, read-only file system, a path through a regular file,
-   permission denied) becomes one :class:`ReproError` line, ``"<cause>: <path>"`` (e.g.
-   ``no space left on device: runs/x/lm_eval.json``), after the temporary files and any parent directories
-   the write created are removed.
+The rules every command's output goes through (docs/failures.md): a regular file at the final path is
+replaced atomically unless the caller's ``replace`` predicate (recognising the command's own earlier output,
+for user-typed paths such as ``eval --out``) says no; a directory only when ``replace`` recognises it, never
+on the strength of its path alone; a symbolic link or special file never. Any ``OSError`` while writing
+becomes one :class:`ReproError` line, ``"<cause>: <path>"``, after the temporary files and the parent
+directories the write created are removed.
 """
 
 from __future__ import annotations
@@ -33,11 +24,10 @@ from typing import IO, Any
 
 from repro.errors import ReproError
 
+#: ``replace(path) -> bool``: whether what exists at ``path`` is the command's own earlier output.
 Recognise = Callable[[Path], bool]
-"""``replace(path) -> bool``: whether what exists at ``path`` is the command's own earlier output."""
 
 
-# ------------------------------------------------------------------------------------ OS errors
 def os_error_message(exc: BaseException, path: str | os.PathLike) -> str:
     """One line for a failed write: ``"<cause>: <path>"`` (``no space left on device: runs/x``).
 

@@ -26,11 +26,7 @@ _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
 
 def parse_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) -> ``(host, port)``.
-
-    Raises:
-        ValueError: anything else, or a port outside 1..65535.
-    """
+    """``HOST:PORT`` (``[v6addr]:PORT`` for IPv6) -> ``(host, port)``; a ValueError for anything else."""
     m = _ENDPOINT_RE.match(endpoint)
     if not m or not 1 <= int(m.group(2)) <= 65535:
         raise ValueError(f"rendezvous endpoint '{endpoint}' must be HOST:PORT with a port in 1..65535")
@@ -44,9 +40,8 @@ class Launch:
     Args:
         nodes: machines taking part (torchrun ``--nnodes``).
         gpus_per_node: processes per machine (``--nproc_per_node``).
-        endpoint: ``HOST:PORT`` of the c10d rendezvous: HOST is one of the nodes (its torchrun hosts the
-            rendezvous store; the first node is usual) and every node reaches it; required for more than
-            one node. One node without it runs ``--standalone``.
+        endpoint: ``HOST:PORT`` of the c10d rendezvous, one of the nodes that every node reaches; required for
+            more than one node (one node without it runs ``--standalone``).
         rdzv_id: the rendezvous id, the same on every node and different between concurrent jobs.
     """
 
@@ -77,17 +72,8 @@ def torchrun_args(launch: Launch) -> list[str]:
 
 
 def torchrun_command(launch: Launch, program: Sequence[str], launcher: Sequence[str] = ("torchrun",)) -> list[str]:
-    """The command each node runs.
-
-    Args:
-        launch: sizes and rendezvous.
-        program: what torchrun starts, e.g. ``["-m", "repro", "train", "--experiment", ...]``.
-        launcher: ``("torchrun",)`` or ``(python, "-m", "torch.distributed.run")`` (the same program,
-            for an environment whose scripts are not on PATH).
-
-    Returns:
-        The argument vector.
-    """
+    """The command each node runs: ``launcher`` (``torchrun``, or ``python -m torch.distributed.run`` where
+    scripts are not on PATH), its options for ``launch``, then ``program`` (e.g. ``-m repro train ...``)."""
     return [*launcher, *torchrun_args(launch), *program]
 
 
@@ -98,15 +84,11 @@ class SlurmJob:
     Args:
         nodes: nodes to allocate.
         gpus_per_node: GPUs per node, one process each.
-        job_name: ``--job-name``.
-        time: ``--time`` limit (SLURM's formats, e.g. ``2-00:00:00``); None: the partition's default.
-        partition: ``--partition``; None: the default.
-        account: ``--account``; None: the default.
+        job_name, time, partition, account, output: the ``#SBATCH`` options (None: SLURM's default).
         port: the rendezvous port on the head node.
         python: the interpreter on the nodes (the environment holding torch and the project).
-        setup: shell lines run on the batch host before the step (``source venv/bin/activate``,
-            ``module load ...``); srun passes the resulting environment to every node.
-        output: ``--output`` file pattern.
+        setup: shell lines run on the batch host before the step (``source venv/bin/activate``); srun passes
+            the resulting environment to every node.
         stop_lead_s: for a ``train`` command, seconds before the time limit at which the run checkpoints,
             stops and requeues the job (:func:`sbatch_script`); ``None``: neither.
     """

@@ -68,17 +68,8 @@ def is_excluded(name: str, present: Iterable[str] = ()) -> bool:
 
 
 def manylinux_glibc(platform: str) -> tuple[int, str]:
-    """The glibc minor and architecture of a manylinux platform tag.
-
-    Args:
-        platform: ``manylinux_2_28_x86_64`` (PEP 600) or a legacy ``manylinux2014_x86_64``.
-
-    Returns:
-        ``(28, "x86_64")``.
-
-    Raises:
-        ValueError: not a manylinux tag (names the valid forms).
-    """
+    """``(28, "x86_64")`` for ``manylinux_2_28_x86_64`` (PEP 600) or a legacy tag (``manylinux2014_x86_64``);
+    a ValueError naming the valid forms for anything else."""
     if m := _MANYLINUX_RE.match(platform):
         if int(m.group(1)) != 2:
             raise ValueError(f"platform '{platform}': only glibc 2.x manylinux tags exist")
@@ -109,13 +100,8 @@ def manylinux_platforms(platform: str) -> list[str]:
 
 @dataclass(frozen=True)
 class WheelhouseTarget:
-    """The interpreter and platform the wheelhouse is for.
-
-    Args:
-        python: ``MAJOR.MINOR`` of the target interpreter (the borrowed H100 runs 3.12).
-        platform: its manylinux tag (glibc floor); ``manylinux_2_28_x86_64`` covers the usual GPU images.
-        implementation: ``cp`` (CPython).
-    """
+    """The interpreter (``MAJOR.MINOR``, CPython) and manylinux platform tag (glibc floor;
+    ``manylinux_2_28_x86_64`` covers the usual GPU images) the wheelhouse is for."""
 
     python: str = "3.12"
     platform: str = "manylinux_2_28_x86_64"
@@ -299,10 +285,8 @@ def placeholder_wheel(name: str, version: str, dest: str | Path, requires: Seque
     return out
 
 
-def verify_command(
-    requirements_in: str | Path, find_links: Sequence[str | Path], scratch: str | Path, target: WheelhouseTarget,
-    pip: Sequence[str] = ("pip",),
-) -> list[str]:
+def verify_command(requirements_in: str | Path, find_links: Sequence[str | Path], scratch: str | Path,
+                   target: WheelhouseTarget, pip: Sequence[str] = ("pip",)) -> list[str]:
     """An offline resolve of the roots from ``find_links`` alone, for ``target`` (nothing is installed);
     ``--isolated``: an index set in pip's configuration would make the check pass on files not in the folder."""
     links = [arg for d in find_links for arg in ("--find-links", str(d))]

@@ -35,26 +35,22 @@ def _mini_pile(args: argparse.Namespace) -> int:
     from repro.data.minipile import MiniPileConfig, build_mini_pile
 
     config = MiniPileConfig(
-        max_bytes_per_domain=int(args.max_mb_per_domain * 1e6),
-        heldout_fraction=args.heldout_fraction,
-        vocab_size=args.vocab_size,
-        num_shards=args.shards,
-        seed=args.seed,
+        max_bytes_per_domain=int(args.max_mb_per_domain * 1e6), heldout_fraction=args.heldout_fraction,
+        vocab_size=args.vocab_size, num_shards=args.shards, seed=args.seed,
         domains=tuple(args.domains) if args.domains else None,
     )
     mini = build_mini_pile(
         args.out, config, num_workers=args.workers, force=args.force, progress=not args.no_progress, log=print
     )
+
+    def row(name: str, docs: int, nbytes: int, tokens: int, held_docs: int, held_tokens: int) -> tuple[str, ...]:
+        return name, str(docs), _mb(nbytes), f"{tokens:,}", str(held_docs), f"{held_tokens:,}"
+
+    fields = ("documents", "bytes", "tokens", "heldout_documents", "heldout_tokens")
+    values = {name: [getattr(mini.stats[name], f) for f in fields] for name in mini.domains}
     rows = [("domain", "docs", "MB", "tokens", "held-out docs", "held-out tokens")]
-    total = [0, 0, 0, 0, 0]
-    for name in mini.domains:
-        s = mini.stats[name]
-        rows.append(
-            (name, str(s.documents), _mb(s.bytes), f"{s.tokens:,}", str(s.heldout_documents), f"{s.heldout_tokens:,}")
-        )
-        for i, v in enumerate((s.documents, s.bytes, s.tokens, s.heldout_documents, s.heldout_tokens)):
-            total[i] += v
-    rows.append(("total", str(total[0]), _mb(total[1]), f"{total[2]:,}", str(total[3]), f"{total[4]:,}"))
+    rows += [row(name, *v) for name, v in values.items()]
+    rows.append(row("total", *(sum(v[i] for v in values.values()) for i in range(len(fields)))))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))

@@ -34,7 +34,7 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from repro.data.indexed import load_domain_index
+from repro.data.indexed import existing_prefixes, load_domain_index
 from repro.data.tokenizer import Gpt2BpeTokenizer
 from repro.errors import ReproError
 
@@ -95,19 +95,10 @@ def _check_splits(prefixes: Sequence[str], split: str) -> list[tuple[int, int] |
 
 
 def build_datasets(
-    prefixes: Sequence[str | os.PathLike],
-    seq_length: int,
-    num_samples: tuple[int | None, int | None, int | None],
-    seed: int,
-    cache_dir: str | os.PathLike,
-    tokenizer: Gpt2BpeTokenizer,
-    *,
-    weights: Sequence[float] | None = None,
-    split: str = DEFAULT_SPLIT,
-    eod_mask_loss: bool = False,
-    reset_position_ids: bool = False,
-    reset_attention_mask: bool = False,
-    create_attention_mask: bool = False,
+    prefixes: Sequence[str | os.PathLike], seq_length: int, num_samples: tuple[int | None, int | None, int | None],
+    seed: int, cache_dir: str | os.PathLike, tokenizer: Gpt2BpeTokenizer, *, weights: Sequence[float] | None = None,
+    split: str = DEFAULT_SPLIT, eod_mask_loss: bool = False, reset_position_ids: bool = False,
+    reset_attention_mask: bool = False, create_attention_mask: bool = False,
     is_built_on_rank: Callable[[], bool] | None = None,
 ) -> DatasetSplits:
     """Build megatron-core's GPT train/valid/test datasets over a blend of indexed datasets.
@@ -133,12 +124,7 @@ def build_datasets(
         :class:`DatasetSplits`: ``GPTDataset`` for one prefix, ``BlendedDataset`` for several; a ReproError
         for a missing prefix or a split that leaves some prefix's split without documents.
     """
-    prefixes = [str(p) for p in prefixes]
-    if not prefixes:
-        raise ReproError("no indexed dataset given")
-    for prefix in prefixes:
-        if not IndexedDataset.exists(prefix):
-            raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
+    prefixes = existing_prefixes(prefixes)
     if weights is not None and len(weights) != len(prefixes):
         raise ReproError(f"{len(weights)} blend weights for {len(prefixes)} datasets")
     if len(num_samples) != 3:
@@ -151,17 +137,10 @@ def build_datasets(
     if weights is None and len(prefixes) > 1 and None not in sizes:
         weights = [float(_num_tokens(p)) for p in prefixes]
     config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=(prefixes, list(weights) if weights is not None else None),
-        split=split,
-        path_to_cache=str(cache_dir),
-        tokenizer=tokenizer,
-        reset_position_ids=reset_position_ids,
-        reset_attention_mask=reset_attention_mask,
-        eod_mask_loss=eod_mask_loss,
-        create_attention_mask=create_attention_mask or reset_attention_mask,
-        mmap_bin_files=True,
+        random_seed=seed, sequence_length=seq_length, blend=(prefixes, list(weights) if weights is not None else None),
+        split=split, path_to_cache=str(cache_dir), tokenizer=tokenizer, reset_position_ids=reset_position_ids,
+        reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
+        create_attention_mask=create_attention_mask or reset_attention_mask, mmap_bin_files=True,
     )
     # Every rank builds by default: each data-parallel rank reads its own slice of the samples.
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
@@ -187,11 +166,6 @@ def _rank_zero_outside_distributed() -> Iterator[None]:
         yield
     finally:
         dist.get_rank = original
-
-
-# ---------------------------------------------------------------------------------------------------------
-# Token -> document -> domain
-# ---------------------------------------------------------------------------------------------------------
 
 
 def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tuple[str, np.ndarray, np.ndarray]:
@@ -279,15 +253,8 @@ class PretrainingBatchSampler(torch.utils.data.Sampler):
         drop_last: drop a last step smaller than a full global batch.
     """
 
-    def __init__(
-        self,
-        total_samples: int,
-        micro_batch_size: int,
-        consumed_samples: int = 0,
-        data_parallel_rank: int = 0,
-        data_parallel_size: int = 1,
-        drop_last: bool = True,
-    ) -> None:
+    def __init__(self, total_samples: int, micro_batch_size: int, consumed_samples: int = 0,
+                 data_parallel_rank: int = 0, data_parallel_size: int = 1, drop_last: bool = True) -> None:
         if micro_batch_size < 1 or data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
             raise ReproError(
                 f"bad batch layout: micro_batch_size={micro_batch_size}, "
@@ -321,16 +288,9 @@ class PretrainingBatchSampler(torch.utils.data.Sampler):
 
 
 def make_loader(
-    dataset: GPTDataset | BlendedDataset,
-    micro_batch_size: int,
-    *,
-    consumed_samples: int = 0,
-    data_parallel_rank: int = 0,
-    data_parallel_size: int = 1,
-    with_domains: bool = False,
-    drop_last: bool = True,
-    num_workers: int = 0,
-    max_samples: int | None = None,
+    dataset: GPTDataset | BlendedDataset, micro_batch_size: int, *, consumed_samples: int = 0,
+    data_parallel_rank: int = 0, data_parallel_size: int = 1, with_domains: bool = False, drop_last: bool = True,
+    num_workers: int = 0, max_samples: int | None = None,
 ) -> torch.utils.data.DataLoader:
     """A DataLoader of megatron-style batches (keys and shapes: the module docstring), with a ``domain_names``
     attribute (empty unless ``with_domains``); one pass covers the samples from ``consumed_samples`` on.

@@ -53,7 +53,6 @@ class TokenizeStats:
 
     @property
     def tokens_per_second(self) -> float:
-        """Throughput of the run."""
         return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
@@ -94,14 +93,8 @@ def indexed_exists(prefix: str | os.PathLike) -> bool:
 
 
 def write_indexed(
-    records: Iterable[PileRecord],
-    tokenizer: Gpt2BpeTokenizer,
-    out_prefix: str | os.PathLike,
-    *,
-    num_workers: int | None = None,
-    batch_size: int = 256,
-    progress: bool = False,
-    source: str = "input",
+    records: Iterable[PileRecord], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
+    num_workers: int | None = None, batch_size: int = 256, progress: bool = False, source: str = "input",
 ) -> TokenizeStats:
     """Tokenise documents (EOD appended) into an indexed dataset with its domain sidecar, atomically.
 
@@ -193,26 +186,13 @@ def write_indexed(
 
 
 def tokenize_shards(
-    inputs: Sequence[str | os.PathLike],
-    tokenizer: Gpt2BpeTokenizer,
-    out_prefix: str | os.PathLike,
-    *,
-    num_workers: int | None = None,
-    default_domain: str | None = None,
-    progress: bool = False,
+    inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
+    num_workers: int | None = None, default_domain: str | None = None, progress: bool = False,
 ) -> TokenizeStats:
     """Tokenise Pile-format shards (``*.jsonl.zst`` / ``*.jsonl``) into one indexed dataset.
 
-    Args:
-        inputs: the shards, read in the order given.
-        tokenizer: the tokenizer.
-        out_prefix: the output prefix.
-        num_workers: tokeniser threads (default: all cores).
-        default_domain: domain for records without ``meta.pile_set_name`` (default: such a record is an error).
-        progress: show progress bars.
-
-    Returns:
-        :class:`TokenizeStats` (as :func:`write_indexed`).
+    ``default_domain``: for records without ``meta.pile_set_name`` (default: such a record is an error); the
+    other arguments and the result as :func:`write_indexed`.
     """
     if not inputs:
         raise ReproError("no input shards given")
@@ -256,12 +236,20 @@ def load_domain_index(prefix: str | os.PathLike) -> DomainIndex:
     return DomainIndex(prefix, names, doc_domain)
 
 
+def existing_prefixes(prefixes: Sequence[str | os.PathLike], what: str = "") -> list[str]:
+    """``prefixes`` as strings; a ReproError (``what`` its first words) for none, or for a missing dataset."""
+    sources = [str(p) for p in prefixes]
+    if not sources:
+        raise ReproError(f"{what}no indexed dataset given")
+    for prefix in sources:
+        if not IndexedDataset.exists(prefix):
+            raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
+    return sources
+
+
 def read_documents(prefix: str | os.PathLike) -> Iterator[np.ndarray]:
     """Yield every document's token ids (EOD included) from an indexed dataset, in order."""
-    prefix = str(prefix)
-    if not IndexedDataset.exists(prefix):
-        raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
-    ds = IndexedDataset(prefix)
+    ds = IndexedDataset(existing_prefixes([prefix])[0])
     for i in range(len(ds)):
         # a copy: megatron closes the mmap when ``ds`` goes away, which would invalidate a view
         yield np.array(ds[i])

@@ -239,13 +239,8 @@ def _check_mini_pile_dir(root: Path) -> None:
 
 
 def build_mini_pile(
-    out_dir: str | os.PathLike,
-    config: MiniPileConfig | None = None,
-    *,
-    num_workers: int | None = None,
-    force: bool = False,
-    progress: bool = False,
-    log: Callable[[str], None] | None = None,
+    out_dir: str | os.PathLike, config: MiniPileConfig | None = None, *, num_workers: int | None = None,
+    force: bool = False, progress: bool = False, log: Callable[[str], None] | None = None,
 ) -> MiniPile:
     """Build the mini-pile under ``out_dir`` (or reuse what is there when its inputs are unchanged).
 
@@ -285,12 +280,8 @@ def _build_locked(root: Path, cfg: MiniPileConfig, num_workers: int | None, forc
     old = {} if force else _load_manifest(manifest_path)
     listed, skipped = _list_sources(cfg)
     fingerprints = {name: _fingerprint(cands) for name, (_, cands) in listed.items()}
-    corpus_key = _h(
-        "corpus",
-        MANIFEST_FORMAT,
-        json.dumps(dataclasses.asdict(cfg), sort_keys=True),
-        json.dumps(fingerprints, sort_keys=True),
-    )
+    corpus_key = _h("corpus", MANIFEST_FORMAT, json.dumps(dataclasses.asdict(cfg), sort_keys=True),
+                    json.dumps(fingerprints, sort_keys=True))
     tokenizer_key = _h("tokenizer", corpus_key, cfg.vocab_size, cfg.min_frequency)
     indexed_key = _h("indexed", tokenizer_key)
 
@@ -387,17 +378,10 @@ def _write_corpus(root: Path, cfg: MiniPileConfig, key: str, listed: dict[str, t
         if stale.relative_to(root).as_posix() not in shard_rels:
             stale.unlink()
     write_pile_shard(root / "heldout.jsonl", (PileRecord(d.text, d.domain) for d in heldout))
-    entry = {
-        "key": key,
-        "files": _sizes(root, shard_rels + ["heldout.jsonl"]),
-        "domains": present,
-        "skipped": skipped,
-        "seconds": time.perf_counter() - t0,
-    }
-    line = (
-        f"corpus: {len(train)} training + {len(heldout)} held-out documents in {len(present)} domains "
-        f"({entry['seconds']:.1f} s)"
-    )
+    entry = {"key": key, "files": _sizes(root, shard_rels + ["heldout.jsonl"]), "domains": present,
+             "skipped": skipped, "seconds": time.perf_counter() - t0}
+    line = (f"corpus: {len(train)} training + {len(heldout)} held-out documents in {len(present)} domains "
+            f"({entry['seconds']:.1f} s)")
     return entry, line
 
 

@@ -107,10 +107,7 @@ def _parse_record(line: str, path: Path, lineno: int, default_domain: str | None
 
 
 def iter_pile_documents(
-    paths: Sequence[str | os.PathLike],
-    *,
-    default_domain: str | None = None,
-    progress: bool = False,
+    paths: Sequence[str | os.PathLike], *, default_domain: str | None = None, progress: bool = False
 ) -> Iterator[PileRecord]:
     """Stream the documents of Pile-format shards, in order, one shard after the other.
 
@@ -121,11 +118,7 @@ def iter_pile_documents(
         progress: show a tqdm progress bar over the (compressed) bytes read, per shard.
 
     Yields:
-        :class:`PileRecord` ``(text, domain)`` for every non-blank line.
-
-    Raises:
-        ReproError: a missing file, a corrupt or truncated zstd stream, invalid UTF-8, a line that is not
-            JSON or a record without ``text`` (naming the file, and the line where there is one).
+        :class:`PileRecord` ``(text, domain)`` for every non-blank line (a bad input: the module's errors).
     """
     for p in paths:
         path = Path(p)

@@ -46,7 +46,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from repro.data.datasets import DEFAULT_SPLIT, append_index, split_ranges
-from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, domain_dtype, load_domain_index
+from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, domain_dtype, existing_prefixes, load_domain_index
 from repro.errors import ReproError
 
 FORMAT = 1
@@ -158,12 +158,8 @@ def _count_matrix(dataset: IndexedDataset, documents: np.ndarray, vocab_size: in
 
 
 def document_embeddings(
-    datasets: Sequence[IndexedDataset],
-    documents: np.ndarray,
-    vocab_size: int,
-    eod: int | None,
-    config: SimilarityBatchingConfig,
-    chunk: int = 20_000,
+    datasets: Sequence[IndexedDataset], documents: np.ndarray, vocab_size: int, eod: int | None,
+    config: SimilarityBatchingConfig, chunk: int = 20_000,
 ) -> np.ndarray:
     """L2-normalised TF-IDF + truncated-SVD vectors of documents (deviation 1).
 
@@ -354,10 +350,8 @@ def _id_bound(dataset: IndexedDataset) -> int:
 
 def dataset_fingerprint(prefix: str) -> str:
     """Hash of an indexed dataset's identity: its whole index file, its data size and its domain sidecar."""
-    h = hashlib.sha256()
     with open(prefix + ".idx", "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
+        h = hashlib.file_digest(f, "sha256")
     h.update(str(os.path.getsize(prefix + ".bin")).encode())
     for ext in (DOMAINS_JSON, DOMAINS_NPY):
         path = prefix + ext
@@ -386,13 +380,8 @@ def _read_manifest(prefix: str) -> dict | None:
 
 
 def build_similarity_dataset(
-    prefixes: Sequence[str | os.PathLike],
-    split: str = DEFAULT_SPLIT,
-    config: SimilarityBatchingConfig | None = None,
-    *,
-    vocab_size: int | None = None,
-    eod: int | None = None,
-    log=None,
+    prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, config: SimilarityBatchingConfig | None = None,
+    *, vocab_size: int | None = None, eod: int | None = None, log=None,
 ) -> SimilarityBatched:
     """Build (or reuse) the similarity-batched derived dataset of ``prefixes``.
 
@@ -419,12 +408,8 @@ def build_similarity_dataset(
     """
     cfg = config or SimilarityBatchingConfig()
     say = log or (lambda _msg: None)
-    sources = [str(p) for p in prefixes]
-    if not sources:
-        raise ReproError("similarity batching: no indexed dataset given")
+    sources = existing_prefixes(prefixes, "similarity batching: ")
     for prefix in sources:
-        if not IndexedDataset.exists(prefix):
-            raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
         for ext in (DOMAINS_JSON, DOMAINS_NPY):
             if not os.path.isfile(prefix + ext):
                 raise ReproError(f"{prefix}{ext}: no such file (domain sidecar of indexed dataset {prefix})")

@@ -18,6 +18,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from repro.data.datasets import DEFAULT_SPLIT, split_ranges
+from repro.data.indexed import existing_prefixes
 from repro.data.similarity import dataset_fingerprint
 from repro.errors import ReproError
 from repro.io_utils import atomic_path
@@ -29,18 +30,13 @@ def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPL
     Args:
         prefixes: indexed-dataset prefixes.
         split: megatron's split string; only the training range of each prefix is counted.
-        vocab_size: length of the result (ids at or above it are an error); default: largest id + 1.
+        vocab_size: length of the result (a ReproError for an id at or above it); default: largest id + 1.
 
     Returns:
         ``[V]`` int64 counts.
-
-    Raises:
-        ReproError: a missing prefix, or a token id at or above ``vocab_size``.
     """
     total = np.zeros(0 if vocab_size is None else vocab_size, dtype=np.int64)
-    for prefix in map(str, prefixes):
-        if not IndexedDataset.exists(prefix):
-            raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
+    for prefix in existing_prefixes(prefixes, "token counts: ") if prefixes else []:
         ds = IndexedDataset(prefix)
         bounds = split_ranges(len(ds), split)[0]
         if bounds is None or bounds[1] <= bounds[0]:
@@ -69,25 +65,9 @@ def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPL
 def token_counts_file(
     prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, vocab_size: int | None = None
 ) -> str:
-    """Write (or reuse) the training-token counts of ``prefixes`` beside the first prefix.
-
-    Args:
-        prefixes: indexed-dataset prefixes.
-        split: the run's split (only training documents are counted).
-        vocab_size: see :func:`count_tokens`.
-
-    Returns:
-        The path of the ``.npy`` file (an int64 array, :func:`count_tokens`'s result).
-
-    Raises:
-        ReproError: as :func:`count_tokens`, or a file of that name that is not a counts array.
-    """
-    sources = [str(p) for p in prefixes]
-    if not sources:
-        raise ReproError("token counts: no indexed dataset given")
-    for prefix in sources:
-        if not IndexedDataset.exists(prefix):
-            raise ReproError(f"{prefix}.idx / {prefix}.bin: no such indexed dataset")
+    """Write (or reuse) :func:`count_tokens`'s result beside the first prefix; returns the ``.npy`` file's path
+    (a ReproError when a file of that name is not a counts array: it is not overwritten)."""
+    sources = existing_prefixes(prefixes, "token counts: ")
     key = hashlib.sha256(
         json.dumps({"sources": [dataset_fingerprint(p) for p in sources], "split": split, "vocab_size": vocab_size}).encode()
     ).hexdigest()

@@ -24,8 +24,8 @@ from tokenizers.implementations import ByteLevelBPETokenizer
 from repro.errors import ReproError
 from repro.io_utils import atomic_path, check_output_path
 
+#: GPT-2's end-of-document token, appended to every document.
 EOD_TOKEN = "<|endoftext|>"
-"""GPT-2's end-of-document token, appended to every document."""
 
 #: Longest piece of text handed to the BPE encoder in one call (characters). HF ``tokenizers`` holds about
 #: 155 bytes per character while it encodes one string (``ru_maxrss``), so a 50 M-character document took
@@ -41,11 +41,8 @@ _CUT_SEARCH = 1 << 16  # characters searched per step, from the end of the windo
 
 
 def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def _read_vocab(path: Path) -> dict[str, int]:
@@ -127,14 +124,10 @@ class Gpt2BpeTokenizer:
         self.vocab = vocab  # token string -> id
         self.eod = self.eos = vocab[EOD_TOKEN]  # GPT-2 has one end token
         self.vocab_size = max(vocab.values()) + 1  # max id + 1; the model pads it for its embedding table
-        self.unique_identifiers = OrderedDict(
-            [
-                ("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-                # content hashes, so megatron's index cache follows the vocabulary, not the file name
-                ("vocab_sha256", _sha256(self.vocab_path)),
-                ("merges_sha256", _sha256(self.merges_path)),
-            ]
-        )
+        # content hashes, so megatron's index cache follows the vocabulary, not the file name
+        self.unique_identifiers = OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
+                                               ("vocab_sha256", _sha256(self.vocab_path)),
+                                               ("merges_sha256", _sha256(self.merges_path))])
 
     def tokenize(self, text: str) -> list[int]:
         """Encode one text (no EOD appended); long texts in pieces (:func:`split_for_encoding`), same ids."""
@@ -182,19 +175,12 @@ class Gpt2BpeTokenizer:
 
 
 def split_for_encoding(text: str, max_chars: int | None = None) -> list[str]:
-    """Cut ``text`` into pieces of at most ``max_chars`` characters whose encodings, concatenated, equal its own.
+    """Cut ``text`` into pieces of at most ``max_chars`` (default :data:`MAX_CHUNK_CHARS`) characters whose
+    encodings, concatenated, equal its own (``"".join(pieces) == text``).
 
-    Each cut falls just before a space or newline that follows a non-whitespace character, where GPT-2's
-    pre-tokenizer splits anyway, as far into the window as possible. A stretch of more than ``max_chars``
-    characters with no such place (a base64 blob, say) is cut at ``max_chars``: the only case where the ids
-    can differ from the unchunked encoding (BPE cannot merge across that cut), and the price of bounded memory.
-
-    Args:
-        text: the text.
-        max_chars: the longest piece (default :data:`MAX_CHUNK_CHARS`).
-
-    Returns:
-        The pieces, in order (``"".join(pieces) == text``); ``[text]`` when it is short enough.
+    Each cut falls as late as possible just before a space or newline that follows a non-whitespace
+    character, where GPT-2's pre-tokenizer splits anyway. A longer stretch without such a place (a base64
+    blob) is cut at ``max_chars``: the only case where the ids can differ, the price of bounded memory.
     """
     limit = MAX_CHUNK_CHARS if max_chars is None else max_chars
     if limit < 2:
@@ -240,11 +226,7 @@ def is_tokenizer_dir(path: str | os.PathLike) -> bool:
 
 
 def train_bpe_tokenizer(
-    texts: Iterable[str],
-    out_dir: str | os.PathLike,
-    *,
-    vocab_size: int = 8192,
-    min_frequency: int = 2,
+    texts: Iterable[str], out_dir: str | os.PathLike, *, vocab_size: int = 8192, min_frequency: int = 2
 ) -> tuple[Path, Path]:
     """Train a GPT-2-style byte-level BPE on ``texts`` and save it as ``vocab.json`` + ``merges.txt``, atomically;
     the vocabulary holds ``<|endoftext|>`` (id 0) and the 256 byte symbols, so any text can be encoded.
@@ -252,7 +234,7 @@ def train_bpe_tokenizer(
     Args:
         texts: the training texts.
         out_dir: the directory to write; an existing one is replaced only when it is a tokenizer directory
-            (:func:`is_tokenizer_dir`), anything else is refused.
+            (:func:`is_tokenizer_dir`).
         vocab_size: the vocabulary size, ``<|endoftext|>`` included.
         min_frequency: the least count for a pair to be merged.
 
@@ -274,11 +256,7 @@ def train_bpe_tokenizer(
 
 
 def encode_documents(
-    tokenizer: Gpt2BpeTokenizer,
-    texts: Iterable[str],
-    *,
-    num_workers: int | None = None,
-    batch_size: int = 256,
+    tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *, num_workers: int | None = None, batch_size: int = 256,
     append_eod: bool = True,
 ) -> Iterator[np.ndarray]:
     """Encode a stream of documents on several cores, in order, with bounded memory.
@@ -286,15 +264,9 @@ def encode_documents(
     HF ``tokenizers`` releases the GIL while encoding, so a thread pool runs in parallel whatever
     ``TOKENIZERS_PARALLELISM`` says; at most ``2 * num_workers`` batches are in flight.
 
-    Args:
-        tokenizer: the tokenizer.
-        texts: the documents.
-        num_workers: threads (default: all cores).
-        batch_size: documents per batch.
-        append_eod: append the end-of-document id to every document.
-
     Yields:
-        One int64 array of token ids per document, in input order.
+        One int64 array of token ids per document of ``texts``, in order (the EOD id appended with
+        ``append_eod``), encoded in batches of ``batch_size`` by ``num_workers`` threads (default: all cores).
     """
     workers = max(1, num_workers or os.cpu_count() or 1)
     eod = [tokenizer.eod] if append_eod else []

@@ -1,16 +1,8 @@
-"""``python -m repro eval``: zero-shot evaluation of a checkpoint through lm-eval, offline.
-
-Examples::
-
-    python -m repro eval --checkpoint runs/mini/dirmoe --local-tasks runs/mini/tasks --out runs/mini/dirmoe/lm_eval.json
-    python -m repro eval --checkpoint runs/pile/dirmoe-185m --out runs/pile/dirmoe-185m/lm_eval.json  # the 7 tasks
-    python -m repro eval --checkpoint runs/pile/dirmoe-185m --tasks-data data/tasks --out ...  # the 7, from disk
-    python -m repro eval --local-tasks-from data/mini-pile/heldout.jsonl --local-tasks runs/tasks --checkpoint ... --out ...
+"""``python -m repro eval``: zero-shot evaluation of a checkpoint through lm-eval, offline (docs/evaluation.md).
 
 The checkpoint may be a run directory (its newest checkpoint), its ``checkpoints`` directory or one
-checkpoint; the run's ``record.json`` gets the results, the per-question results behind them (lm-eval's
-per-document samples, compacted; the ``--out`` file holds lm-eval's results without them) and, with
-``--limit``, the tasks scored on part of their documents, which every table marks.
+checkpoint; the run's ``record.json`` gets the results, the per-question results behind them (the ``--out``
+file holds lm-eval's results without them) and, with ``--limit``, the tasks scored on part of their documents.
 """
 
 from __future__ import annotations

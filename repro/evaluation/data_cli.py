@@ -1,13 +1,5 @@
-"""``python -m repro eval-data``: fill or check a task-data folder for ``python -m repro eval --tasks-data``.
-
-Examples::
-
-    python -m repro eval-data fetch --out data/tasks                 # on a machine with network access
-    python -m repro eval-data fetch --out data/tasks --tasks piqa,race --dry-run   # what it would download
-    python -m repro eval-data check data/tasks                       # offline: is every task's data there?
-
-``fetch`` calls ``datasets.load_dataset`` for each hub dataset the tasks' lm-eval YAMLs read and writes the
-layout described in :mod:`repro.evaluation.task_data`; copy the folder to the offline machine.
+"""``python -m repro eval-data fetch|check``: fill (with network access) or check a task-data folder for
+``python -m repro eval --tasks-data`` (:mod:`repro.evaluation.task_data`, docs/evaluation.md).
 """
 
 from __future__ import annotations

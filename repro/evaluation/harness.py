@@ -74,11 +74,9 @@ def _batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
 
 @register_model(MODEL_NAME)
 class SuiteLM(TemplateLM):
-    """The suite's lm-eval ``LM`` (registered as ``dirmoe-bench``, the suite's name): any of the suite's
-    checkpoints, whatever its router, behind a :class:`ScoringModel` and its tokenizer.
-
-    Construct from a checkpoint (``lm_eval --model dirmoe-bench --model_args checkpoint=DIR``, or
-    :meth:`from_checkpoint`) or from objects (``SuiteLM(model=..., tokenizer=...)``).
+    """The suite's lm-eval ``LM`` (``dirmoe-bench``): any checkpoint of the suite, whatever its router, from a
+    checkpoint (``lm_eval --model dirmoe-bench --model_args checkpoint=DIR``, :meth:`from_checkpoint`) or from
+    objects (``SuiteLM(model=..., tokenizer=...)``).
 
     Args:
         checkpoint: a checkpoint directory (loaded by :func:`load_scoring_model`).
@@ -92,16 +90,9 @@ class SuiteLM(TemplateLM):
     """
 
     def __init__(
-        self,
-        checkpoint: str | None = None,
-        *,
-        model: ScoringModel | None = None,
-        tokenizer: Any = None,
-        batch_size: int | str | None = 8,
-        max_length: int | str | None = None,
-        max_gen_toks: int | str = 256,
-        device: str | None = None,
-        max_batch_size: int | None = None,
+        self, checkpoint: str | None = None, *, model: ScoringModel | None = None, tokenizer: Any = None,
+        batch_size: int | str | None = 8, max_length: int | str | None = None, max_gen_toks: int | str = 256,
+        device: str | None = None, max_batch_size: int | None = None,
     ) -> None:
         super().__init__()
         if (checkpoint is None) == (model is None):
@@ -179,9 +170,7 @@ class SuiteLM(TemplateLM):
         return [log_probs[row, : len(seq)] for row, seq in enumerate(sequences)]
 
     def _loglikelihood_tokens(
-        self,
-        requests: Sequence[tuple[tuple[str, str] | None, list[int], list[int]]],
-        disable_tqdm: bool = False,
+        self, requests: Sequence[tuple[tuple[str, str] | None, list[int], list[int]]], disable_tqdm: bool = False,
         override_bs: int | None = None,
     ) -> list[tuple[float, bool]]:
         """Score ``((context, continuation) or None, context_ids, continuation_ids)`` requests.

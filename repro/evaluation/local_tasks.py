@@ -41,11 +41,8 @@ _MANIFEST = "manifest.json"
 _HF_CACHE = ".hf_cache"
 
 
-def _task_dir_entries() -> set[str]:
-    names = {_MANIFEST, _HF_CACHE}
-    for task in LOCAL_TASK_LABELS:
-        names |= {f"{task}.yaml", f"{task}.jsonl"}
-    return names
+# What a local-task directory holds: anything else makes it someone else's directory.
+_TASK_DIR_ENTRIES = {_MANIFEST, _HF_CACHE, *(f"{t}.{ext}" for t in LOCAL_TASK_LABELS for ext in ("yaml", "jsonl"))}
 
 
 def is_local_tasks_dir(path: str | Path) -> bool:
@@ -57,7 +54,7 @@ def is_local_tasks_dir(path: str | Path) -> bool:
         manifest = json.loads((path / _MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return isinstance(manifest, dict) and {"heldout", "tasks"} <= set(manifest) and entries <= _task_dir_entries()
+    return isinstance(manifest, dict) and {"heldout", "tasks"} <= set(manifest) and entries <= _TASK_DIR_ENTRIES
 
 
 @dataclass(frozen=True)

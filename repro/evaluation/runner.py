@@ -43,16 +43,9 @@ def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None) -> Ta
 
 
 def evaluate_lm(
-    lm: LM,
-    tasks: Sequence[str] | None = None,
-    *,
-    local_tasks: str | Path | None = None,
-    tasks_data: str | Path | None = None,
-    task_manager: TaskManager | None = None,
-    limit: int | float | None = None,
-    bootstrap_iters: int = 1000,
-    seed: int = 1234,
-    log_samples: bool = False,
+    lm: LM, tasks: Sequence[str] | None = None, *, local_tasks: str | Path | None = None,
+    tasks_data: str | Path | None = None, task_manager: TaskManager | None = None, limit: int | float | None = None,
+    bootstrap_iters: int = 1000, seed: int = 1234, log_samples: bool = False,
 ) -> dict[str, Any]:
     """Zero-shot evaluation through lm-eval, with no network access.
 
@@ -103,29 +96,15 @@ def _leaf_tasks(manager: TaskManager, names: Sequence[str]) -> set[str]:
     return leaves
 
 
-def _evaluate(
-    lm: LM,
-    tasks: Sequence[str],
-    manager: TaskManager,
-    limit: int | float | None,
-    bootstrap_iters: int,
-    seed: int,
-    log_samples: bool,
-) -> dict[str, Any]:
+def _evaluate(lm: LM, tasks: Sequence[str], manager: TaskManager, limit: int | float | None, bootstrap_iters: int,
+              seed: int, log_samples: bool) -> dict[str, Any]:
     unknown = [t for t in tasks if t not in manager.all_tasks]
     if unknown:
         raise ReproError(f"unknown lm-eval task(s): {', '.join(unknown)}")
     try:
         results = simple_evaluate(
-            model=lm,
-            tasks=list(tasks),
-            task_manager=manager,
-            limit=limit,
-            bootstrap_iters=bootstrap_iters,
-            log_samples=log_samples,
-            random_seed=seed,
-            numpy_random_seed=seed,
-            torch_random_seed=seed,
+            model=lm, tasks=list(tasks), task_manager=manager, limit=limit, bootstrap_iters=bootstrap_iters,
+            log_samples=log_samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
             fewshot_random_seed=seed,
         )
     except ConnectionError as exc:

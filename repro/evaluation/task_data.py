@@ -220,18 +220,14 @@ def task_manager_for_data(
     """A TaskManager whose ``tasks`` read the task-data folder ``root`` (after checking it holds them).
 
     Args:
-        tasks: lm-eval task names; those defined in ``local_tasks`` are taken from there.
+        tasks: lm-eval task names; those defined in ``local_tasks`` (a local-task directory, included as
+            well) are taken from there.
         root: the task-data folder.
         work_dir: an empty scratch directory for the generated YAMLs and the datasets cache (the caller
             removes it).
-        local_tasks: a directory of local task YAMLs to include as well
-            (:func:`repro.evaluation.local_tasks.build_local_tasks`).
 
     Returns:
-        The ``lm_eval.tasks.TaskManager``.
-
-    Raises:
-        ReproError: as :func:`task_data_specs` and :func:`check_task_data`.
+        The ``lm_eval.tasks.TaskManager`` (ReproErrors as :func:`task_data_specs` and :func:`check_task_data`).
     """
     from lm_eval.tasks import TaskManager
 
@@ -336,36 +332,30 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None =
                 )
             log(f"kept {dest} (complete)")
             continue
-        created = [p for p in reversed(dest.parents) if not p.exists()]
-        try:
-            with atomic_path(dest) as tmp:
-                rows: dict[str, dict[str, int]] = {}
-                for name, splits in item.configs:
-                    log(f"downloading {item.dataset_path} {name or DEFAULT_CONFIG} ...")
-                    data = load(item.dataset_path, name)
-                    missing = [s for s in splits if s not in data]
-                    if missing:
-                        raise ReproError(
-                            f"{item.dataset_path} config '{name or DEFAULT_CONFIG}' has no split(s) "
-                            f"{', '.join(missing)} (has: {', '.join(data)})"
-                        )
-                    for split in splits:
-                        path = tmp / (name or DEFAULT_CONFIG) / f"{split}.jsonl"
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        data[split].to_json(str(path))
-                        rows.setdefault(name or DEFAULT_CONFIG, {})[split] = len(data[split])
-                counts = "; ".join(f"{c}: " + ", ".join(f"{s} {n}" for s, n in sp.items()) for c, sp in rows.items())
-                note = (
-                    f"Local copy of the Hugging Face dataset `{item.dataset_path}` for lm-eval's tasks "
-                    f"{', '.join(item.tasks)}, written by `python -m repro eval-data fetch` with datasets "
-                    f"{datasets.__version__}. Rows: {counts}."
-                )
-                (tmp / CARD).write_text(dataset_card(item, note))
-        except BaseException:
-            for folder in reversed(created):  # only the parents this call created, and only if still empty
-                if folder.is_dir() and not any(folder.iterdir()):
-                    folder.rmdir()
-            raise
+        # atomic_path removes the parent folders it made when the download fails
+        with atomic_path(dest) as tmp:
+            rows: dict[str, dict[str, int]] = {}
+            for name, splits in item.configs:
+                log(f"downloading {item.dataset_path} {name or DEFAULT_CONFIG} ...")
+                data = load(item.dataset_path, name)
+                missing = [s for s in splits if s not in data]
+                if missing:
+                    raise ReproError(
+                        f"{item.dataset_path} config '{name or DEFAULT_CONFIG}' has no split(s) "
+                        f"{', '.join(missing)} (has: {', '.join(data)})"
+                    )
+                for split in splits:
+                    path = tmp / (name or DEFAULT_CONFIG) / f"{split}.jsonl"
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    data[split].to_json(str(path))
+                    rows.setdefault(name or DEFAULT_CONFIG, {})[split] = len(data[split])
+            counts = "; ".join(f"{c}: " + ", ".join(f"{s} {n}" for s, n in sp.items()) for c, sp in rows.items())
+            note = (
+                f"Local copy of the Hugging Face dataset `{item.dataset_path}` for lm-eval's tasks "
+                f"{', '.join(item.tasks)}, written by `python -m repro eval-data fetch` with datasets "
+                f"{datasets.__version__}. Rows: {counts}."
+            )
+            (tmp / CARD).write_text(dataset_card(item, note))
         log(f"wrote {dest}")
         written.append(dest)
     return written
