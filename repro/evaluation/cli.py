@@ -19,26 +19,18 @@ def main(argv: list[str], prog: str) -> int:
     """Run the evaluation and write lm-eval's results JSON; returns the exit status."""
     parser = argparse.ArgumentParser(prog=prog, description="Zero-shot evaluation of a checkpoint through lm-eval (offline).")
     parser.add_argument("--checkpoint", required=True, help="checkpoint directory written by the training loop")
-    parser.add_argument(
-        "--tasks",
-        type=comma_list,
-        default=None,
-        help="comma-separated lm-eval tasks (default: the local tasks with --local-tasks, else "
-        "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race)",
-    )
+    parser.add_argument("--tasks", type=comma_list, default=None,
+                        help="comma-separated lm-eval tasks (default: the local tasks with --local-tasks, else "
+                        "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race)")
     parser.add_argument("--local-tasks", default=None, help="directory of local task YAMLs (build_local_tasks)")
-    parser.add_argument(
-        "--tasks-data", default=None,
-        help="task-data folder: the tasks (default: the seven) read their datasets from it with lm-eval's own "
-        "task YAMLs (fill it with `python -m repro eval-data fetch --out DIR` on a machine with network access)",
-    )
-    parser.add_argument(
-        "--local-tasks-from", default=None, help="build the local tasks into --local-tasks from this held-out jsonl first"
-    )
-    parser.add_argument(
-        "--limit", type=float, default=None,
-        help="documents per task (quick checks only: the record and every table mark cut tasks as partial)",
-    )
+    parser.add_argument("--tasks-data", default=None,
+                        help="task-data folder: the tasks (default: the seven) read their datasets from it with "
+                        "lm-eval's own task YAMLs (fill it with `python -m repro eval-data fetch --out DIR` on a "
+                        "machine with network access)")
+    parser.add_argument("--local-tasks-from", default=None,
+                        help="build the local tasks into --local-tasks from this held-out jsonl first")
+    parser.add_argument("--limit", type=float, default=None,
+                        help="documents per task (quick checks only: the record and every table mark cut tasks as partial)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--max-length", type=int, default=None, help="context cap in tokens (default: the model's)")
     parser.add_argument("--device", default=None, help="device for the model (default: the loader's)")
@@ -68,16 +60,8 @@ def main(argv: list[str], prog: str) -> int:
     lm = SuiteLM.from_checkpoint(
         args.checkpoint, batch_size=args.batch_size, max_length=args.max_length, device=args.device
     )
-    results = evaluate_lm(
-        lm,
-        args.tasks,
-        local_tasks=args.local_tasks,
-        tasks_data=args.tasks_data,
-        limit=limit,
-        bootstrap_iters=args.bootstrap_iters,
-        seed=args.seed,
-        log_samples=True,
-    )
+    results = evaluate_lm(lm, args.tasks, local_tasks=args.local_tasks, tasks_data=args.tasks_data, limit=limit,
+                          bootstrap_iters=args.bootstrap_iters, seed=args.seed, log_samples=True)
     # The samples (every prompt and answer) go into the record only as per-question scores.
     write_json_atomic(args.out, {k: v for k, v in results.items() if k != "samples"}, replace=is_lm_eval_results)
     print(make_table(results))

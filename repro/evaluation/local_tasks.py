@@ -69,8 +69,8 @@ class LocalTaskOptions:
         continuation_words: length (words) of each continuation choice.
         num_choices: choices per question (one true, the rest distractors).
         ppl_words: words of each document scored by ``minipile_ppl``.
-        windows_per_doc: questions cut from one document at most (consecutive, non-overlapping windows),
-            so a small held-out part still gives enough questions to separate models.
+        windows_per_doc: questions cut from one document at most (consecutive windows; enough questions
+            from a small held-out part to separate models).
         seed: seeds the distractor draw and the choice order.
     """
 

@@ -149,7 +149,6 @@ def task_data_specs(tasks: Sequence[str]) -> list[TaskData]:
     return [_spec_from_entry(t, index[t]) for t in tasks]
 
 
-# ------------------------------------------------------------------------------------------ checking
 def _fetch_hint(root: Path, tasks: Iterable[str]) -> str:
     return (
         f"fill it on a machine with network access: python -m repro eval-data fetch --out {root} "
@@ -193,7 +192,6 @@ def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str 
         raise ReproError(f"{text} ({_fetch_hint(root, [t for t, _ in problems])})")
 
 
-# ------------------------------------------------------------------------------------------ lm-eval
 def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: str | Path) -> Path:
     """Write into ``out_dir`` one lm-eval YAML per task: ``include`` (the installed YAML), ``task``,
     ``dataset_path`` (the absolute folder in ``root``) and ``dataset_kwargs.cache_dir``, nothing else.
@@ -248,7 +246,6 @@ def task_manager_for_data(
     return TaskManager(include_path=paths, include_defaults=False)
 
 
-# ------------------------------------------------------------------------------------------ fetching
 @dataclass(frozen=True)
 class DatasetPlan:
     """One hub dataset to fetch: ``(dataset_name, splits)`` per config the ``tasks`` read (None: default)."""
