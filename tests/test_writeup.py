@@ -3,7 +3,9 @@ README blocks and results/<study>/README.md files in step with the committed res
 
 from __future__ import annotations
 
+import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -90,17 +92,36 @@ def test_a_changed_test_result_changes_the_words(tmp_path):
     assert "switch lower in 4 of 6 seeds" in after
 
 
-def test_the_cell_against_cell_family_is_computed_from_the_per_seed_values(tmp_path):
+def test_the_cell_against_cell_sentences_quote_the_pairs_table_and_its_family(tmp_path):
+    """One family per comparison: the write-up's cell-against-cell p-values are those of the table it links."""
     root = _copy_results(tmp_path, ("dirmoe-ablation-6seeds",))
-    summary_path = root / "results" / "dirmoe-ablation-6seeds" / "summary.json"
-    assert "kl-off minus recon-centered: -0.26 [-0.56, 0.04], no significant difference" in writeup.generate(root)[0].block
-    summary = json.loads(summary_path.read_text())
+    study = root / "results" / "dirmoe-ablation-6seeds"
+    written = writeup.generate(root)[0]
+    assert "DirMoE ablation, cell against cell" in written.readme  # the table is on the page
+    assert "Cell against cell (`ablation_pairs`, Holm over its 60 tests)" in written.block
+    rows = {r["Cells"]: r for r in csv.DictReader((study / "ablation_pairs.csv").open())}
+    for layer, column in ((1, "load imb. L1 diff"), (2, "load imb. L2 diff")):
+        sentence = next(line for line in written.block.splitlines() if line.startswith(f"- Layer {layer},"))
+        for pair, row in rows.items():
+            if "recon-centered" not in pair:
+                continue
+            table_p = re.search(r"\(p=([^)]+)\)", row[column]).group(1)
+            quoted = re.search(re.escape(pair.replace(" - ", " minus ")) + r": [^;]*?(?:Holm p = |after Holm \(p = )([^)]+)\)", sentence)
+            assert quoted is not None and quoted.group(1) == table_p, (pair, layer)
+    # The per-seed values decide the words: a large, consistent shift is significant after Holm over the table.
+    summary = json.loads((study / "summary.json").read_text())
     values = summary["results"]["kl-off"]["load_imbalance[0]"]["values"]
     base = summary["results"]["recon-centered"]["load_imbalance[0]"]["values"]
     for seed in values:
         values[seed] = base[seed] - 1.0 - 0.01 * int(seed)
-    summary_path.write_text(json.dumps(summary))
-    assert "kl-off minus recon-centered: -1.03 [-1.05, -1.02], lower, significant after Holm" in writeup.generate(root)[0].block
+    (study / "summary.json").write_text(json.dumps(summary))
+    assert "recon-centered minus kl-off: 1.03 [1.02, 1.05], higher, significant after Holm" in writeup.generate(root)[0].block
+
+
+def test_no_cell_against_cell_test_without_its_table(tmp_path):
+    root = _copy_results(tmp_path, ("dirmoe-ablation-6seeds",))
+    (root / "results" / "dirmoe-ablation-6seeds" / "ablation_pairs.csv").unlink()
+    assert "Cell against cell" not in writeup.generate(root)[0].readme
 
 
 def test_fill_blocks_replaces_only_the_blocks_bodies():

@@ -1,9 +1,11 @@
 """The DirMoE ablation's findings, as sentences built from its ``summary.json`` (:mod:`repro.report.writeup`).
 
 The summary holds every cell's per-seed values and its paired comparisons with the paper's DirMoE and with
-Switch (``vs_paper``, ``vs_switch``: the tests behind the tables' marks); those are read, not recomputed. The
-one comparison the summary does not hold, a remedy cell against another, is computed from the per-seed values
-by :func:`prose.paired_family`, over a family fixed here before the values are read (:data:`CONTRASTS`).
+Switch (``vs_paper``, ``vs_switch``: the tests behind the tables' marks); those are read, not recomputed. A
+cell against another is quoted from the cell-against-cell table (``ablation_pairs``) with that table's
+p-values, its family being the only one such a comparison is tested in: every pair and column of the table,
+fixed by the table's definition before the runs. Where a study has no such table, no cell-against-cell test is
+stated.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.ablation import REFERENCE, SWITCH
+from repro.report.ablation_tables import compare_cell_pairs, difference_metrics, results_from_json
 from repro.report.prose import (
     ALPHA,
     Paired,
@@ -22,9 +25,10 @@ from repro.report.prose import (
     load_json,
     num,
     page,
-    paired_family,
+    paired,
     paired_tests,
     plots,
+    read_rows,
     verdict,
 )
 
@@ -32,9 +36,10 @@ LAYERS = ("load_imbalance[0]", "load_imbalance[1]")
 #: How the summary's Holm family (``summary.json`` ``family``, fixed before the runs) reads in a sentence.
 _FAMILY_WORDS = {"column": "the cells of its column", "table": "every test of its table (all cells and columns)"}
 
-#: The cell-vs-cell family: the centred reconstruction target against each other cell that removes an aux
-#: term or adds a balancing loss, per layer, Holm over these cells. Fixed in advance, not chosen by the values.
-CONTRASTS = ("recon-centered", ("recon-off", "kl-off", "aux-off", "dirmoe-balance"))
+#: The cell whose rows of the cell-against-cell table the write-up quotes (the README's claims are about it).
+FOCUS = "recon-centered"
+#: The cell-against-cell table's file stem (``ablation_tables.pairs_table``).
+PAIRS_TABLE = "ablation_pairs"
 
 
 def read_paired(entry: dict[str, Any], versus: str, reference_values: dict[str, float]) -> Paired | None:
@@ -126,21 +131,30 @@ def _theta_finding(results: dict[str, Any], window: int | None) -> str | None:
     )
 
 
-def _contrast_findings(results: dict[str, Any]) -> list[str]:
-    """The cell-vs-cell family of :data:`CONTRASTS`, per layer (empty where a cell of it was not run)."""
-    base, others = CONTRASTS
-    if base not in results or any(c not in results for c in others):
+def _contrast_findings(directory: Path, summary: dict[str, Any]) -> list[str]:
+    """The rows of the cell-against-cell table with :data:`FOCUS`, per layer, with that table's tests (its pairs,
+    columns and family; empty where the study has no such table)."""
+    path = directory / f"{PAIRS_TABLE}.csv"
+    if not path.is_file():
         return []
+    pairs = [tuple(row["Cells"].split(" - ")) for row in read_rows(path)]
+    results = results_from_json(summary)
+    keys = [m.key for m in difference_metrics(results)]
+    stats = compare_cell_pairs(results, pairs, keys, family=summary.get("family", "table"))
+    defined = sum(s.test is not None and s.test.defined for s in stats.values())
+    quoted = [(a, b) for a, b in pairs if FOCUS in (a, b)]
+    cells = list(dict.fromkeys(c for pair in quoted for c in pair))
+    values = summary["results"]
     out = []
     for layer, metric in enumerate(LAYERS, start=1):
-        family = paired_family(_values(results, base, metric), {c: _values(results, c, metric) for c in others})
-        diffs = ", ".join(
-            f"{c} {num(results[c][metric]['vs_' + REFERENCE]['difference']['mean'])}" for c in (base, *others)
+        diffs = ", ".join(f"{c} {num(values[c][metric]['vs_' + REFERENCE]['difference']['mean'])}" for c in cells)
+        tests = "; ".join(
+            compared(a, p, b) for a, b in quoted
+            if (p := paired(stats[(a, b, metric)], _values(values, a, metric), _values(values, b, metric)))
         )
-        tests = "; ".join(compared(c, p, base) for c, p in family.items())
         out.append(
-            f"Layer {layer}, each cell minus `{REFERENCE}`: {diffs}. Cell against cell (Holm over the "
-            f"{len(family)} cells compared with `{base}`): {tests}."
+            f"Layer {layer}, each cell minus `{REFERENCE}`: {diffs}. Cell against cell (`{PAIRS_TABLE}`, "
+            f"Holm over its {defined} tests): {tests}."
         )
     return out
 
@@ -166,6 +180,7 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
     seeds = s.get("seeds", [])
     others = [c for c in results if c != REFERENCE]
     cost = s.get("cost", {})
+    contrasts = _contrast_findings(directory, s)
     findings = [
         "Each test: a paired t-test over the seeds two cells share, Holm-adjusted over "
         f"{_FAMILY_WORDS.get(s.get('family', 'column'), 'its family')} (the tables' marks); a raw p below {ALPHA:g} "
@@ -173,14 +188,14 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
         *_reference_findings(results),
         *(_cell_finding(results, cells, c) for c in others if c != SWITCH and REFERENCE in results),
         *filter(None, [_theta_finding(results, s.get("final_window_steps"))]),
-        *_contrast_findings(results),
+        *contrasts,
     ]
     if cost.get("cpu_seconds_measured_runs"):
         findings.append(
             f"Cost: {num(cost['cpu_seconds_measured_runs'], '.0f')} CPU-seconds for the {cost.get('runs_measured')} "
             f"of {cost.get('runs')} runs whose workers were timed."
         )
-    tables = [directory / f"{t}.md" for t in ("ablation", "ablation_differences", "ablation_vs_switch")]
+    tables = [directory / f"{t}.md" for t in ("ablation", "ablation_differences", "ablation_vs_switch", PAIRS_TABLE)]
     # The summary's command names the entry point; the selection it ran is in the summary too.
     command = (
         f"python -m repro ablation --cells {','.join(results)} --seeds {','.join(map(str, seeds))} "
@@ -191,7 +206,7 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
         f"Why DirMoE's routing collapses: {len(results)} cells x {len(seeds)} seeds, {s.get('steps')} steps",
         command, findings, [t for t in tables if t.is_file()], plots(directory),
     )
-    return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief)))
+    return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief, contrasts)))
 
 
 def confirm(directory: Path) -> Writeup:
@@ -231,7 +246,7 @@ def confirm(directory: Path) -> Writeup:
                                                       f"- {link(directory.name)}"]))
 
 
-def _block(results: dict[str, Any], study: str, brief: bool) -> list[str]:
+def _block(results: dict[str, Any], study: str, brief: bool, contrasts: list[str]) -> list[str]:
     """The README block: the reference's collapse, which cells lower it (both layers), the cell-vs-cell tests."""
     lowered = {
         layer: [c for c in results if c not in (REFERENCE,) and (p := _versus(results, c, m, REFERENCE)) is not None
@@ -248,6 +263,6 @@ def _block(results: dict[str, Any], study: str, brief: bool) -> list[str]:
         return [lowered_text, f"- {link(study)}"]
     block = [f"- {f}" for f in _reference_findings(results)]
     block.append(lowered_text)
-    block += [f"- {f}" for f in _contrast_findings(results)]
+    block += [f"- {f}" for f in contrasts]
     block.append(f"- {link(study)}")
     return block
