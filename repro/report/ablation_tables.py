@@ -188,11 +188,7 @@ def compare_cells(
 
 
 def compare_cell_pairs(
-    results: AblationResults,
-    pairs: Sequence[tuple[str, str]],
-    keys: Sequence[str],
-    *,
-    family: str = "table",
+    results: AblationResults, pairs: Sequence[tuple[str, str]], keys: Sequence[str], *, family: str = "table",
     confidence: float = 0.95,
 ) -> dict[tuple[str, str, str], SeedStat]:
     """Cell against cell, paired over their shared seeds (what a claim like "X is the main lever" needs).
@@ -234,13 +230,8 @@ def _labels(results: AblationResults) -> dict[str, str]:
 
 
 def ablation_table(
-    results: AblationResults,
-    reference: str = "paper",
-    *,
-    name: str = "ablation",
-    confidence: float = 0.95,
-    alpha: float = 0.05,
-    family: str = "table",
+    results: AblationResults, reference: str = "paper", *, name: str = "ablation", confidence: float = 0.95,
+    alpha: float = 0.05, family: str = "table",
 ) -> Table:
     """Per cell and column: ``mean +- CI half-width`` over the seeds, marked where it differs from ``reference``.
 

@@ -218,13 +218,6 @@ def tflops_per_device(flops_per_iteration: float, iteration_time_s: float, num_d
 
 #: LLaMA-185M of ReMoE and DirMoE (12 layers, hidden 768, GQA 12/4, SwiGLU 3072), E=8, k=1.
 LLAMA_185M = FlopsConfig(
-    num_layers=12,
-    hidden_size=768,
-    num_attention_heads=12,
-    num_query_groups=4,
-    kv_channels=64,
-    ffn_hidden_size=3072,
-    vocab_size=50304,
-    top_k=1,
-    swiglu=True,
+    num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4, kv_channels=64,
+    ffn_hidden_size=3072, vocab_size=50304, top_k=1, swiglu=True,
 )

@@ -347,7 +347,8 @@ def find_records(paths: Iterable[str | Path]) -> list[Path]:
         if path.is_file():
             found.append(path)
         elif path.is_dir():
-            inside = sorted(p for p in path.rglob("*.json") if p.name == "record.json" or p.name.endswith(".record.json"))
+            inside = sorted(p for p in path.rglob("*.json") 
+                            if p.name == "record.json" or p.name.endswith(".record.json"))
             if not inside:
                 raise ReproError(f"{path}: no run records (record.json or *.record.json) in this directory")
             found.extend(inside)
