@@ -14,7 +14,7 @@ import pytest
 from repro.__main__ import main as repro_main
 from repro.errors import ReproError
 from repro.report import writeup
-from repro.report.prose import Paired, Writeup, paired_family, verdict
+from repro.report.prose import Paired, Writeup, paired_tests, verdict
 from repro.report.writeup import fill_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,12 +54,13 @@ def test_the_direction_word_follows_the_sign():
     assert verdict(Paired(0.5, 0.1, 0.9, 0.001, 0.002, 6, 0), higher="slower").startswith("slower")
 
 
-def test_paired_family_tests_each_against_the_reference_with_holm():
+def test_paired_tests_compare_each_pair_with_holm_over_the_family():
     reference = {"1": 5.0, "2": 5.3, "3": 4.9, "4": 5.1, "5": 5.2, "6": 4.8}
     shifted = {s: v - 1.0 + 0.01 * int(s) for s, v in reference.items()}
     noise = {s: v + (0.05 if int(s) % 2 else -0.05) for s, v in reference.items()}
     constant = {s: v + 0.2 for s, v in reference.items()}
-    family = paired_family(reference, {"shifted": shifted, "noise": noise, "constant": constant, "one": {"1": 1.0}})
+    others = {"shifted": shifted, "noise": noise, "constant": constant, "one": {"1": 1.0}}
+    family = paired_tests({name: (reference, values) for name, values in others.items()})
     assert set(family) == {"shifted", "noise", "constant"}  # one shared seed: no test
     assert verdict(family["shifted"]).startswith("lower, significant after Holm")
     assert family["shifted"].n_lower == 6 and family["shifted"].n == 6

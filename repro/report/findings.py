@@ -33,7 +33,6 @@ from repro.report.prose import (
     num,
     page,
     paired,
-    paired_family,
     paired_tests,
     plots,
     read_rows,
@@ -121,7 +120,7 @@ def _loss_family(per_seed: dict[str, dict[str, list]], key: str) -> dict[str, An
         return dict(zip(map(str, per_seed[router]["seed"]), per_seed[router][key]))
 
     others = {r: by_seed(r) for r in per_seed if r != REFERENCE_ROUTER}
-    return paired_family(by_seed(REFERENCE_ROUTER), others)
+    return paired_tests({router: (by_seed(REFERENCE_ROUTER), values) for router, values in others.items()})
 
 
 def _loss_sentence(label: str, family: dict[str, Any]) -> str:

@@ -2,8 +2,8 @@
 worded, how the results files are read, how a study's page is laid out.
 
 :func:`verdict` is the only source of comparison words ("lower", "higher", "no significant difference",
-"significant after Holm"): it words a test result, never a hand-written judgement. :func:`paired_family` is the
-only place the write-ups call :mod:`repro.report.stats`.
+"significant after Holm"): it words a test result, never a hand-written judgement. The write-ups compute a test
+only with the tables' own functions (:func:`paired_tests` on :mod:`repro.report.over_seeds`).
 """
 
 from __future__ import annotations
@@ -60,21 +60,6 @@ class Paired:
     p_holm: float | None
     n: int
     n_lower: int
-
-
-def paired_family(
-    reference: Mapping[str, float], others: Mapping[str, Mapping[str, float]]
-) -> dict[str, Paired]:
-    """Each of ``others`` against ``reference`` over their shared seeds, Holm-adjusted over ``others``.
-
-    Args:
-        reference: seed -> value of the reference.
-        others: name -> (seed -> value), the family of comparisons.
-
-    Returns:
-        name -> :class:`Paired` (a name with fewer than two shared seeds is left out).
-    """
-    return paired_tests({name: (reference, values) for name, values in others.items()})
 
 
 def paired_tests(pairs: Mapping[str, tuple[Mapping[str, float], Mapping[str, float]]]) -> dict[str, Paired]:
