@@ -119,6 +119,12 @@ def test_the_cell_against_cell_sentences_quote_the_pairs_table_and_its_family(tm
     assert "recon-centered minus kl-off: 1.03 [1.02, 1.05], higher, significant after Holm" in writeup.generate(root)[0].block
 
 
+def test_the_confirmatory_page_shows_only_its_pre_registered_family():
+    page = next(w for w in writeup.generate(ROOT) if w.study == "dirmoe-ablation-confirm").readme
+    assert "the hypotheses stated before these seeds" in page  # the ablation_confirm table
+    assert "Holm-adjusted over all" not in page and "cell against cell" not in page  # no table in another family
+
+
 def test_no_cell_against_cell_test_without_its_table(tmp_path):
     root = _copy_results(tmp_path, ("dirmoe-ablation-6seeds",))
     (root / "results" / "dirmoe-ablation-6seeds" / "ablation_pairs.csv").unlink()

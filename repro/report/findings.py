@@ -255,6 +255,8 @@ _FAMILY_WORDS = {"column": "the cells of its column", "table": "every test of it
 FOCUS = "recon-centered"
 #: The cell-against-cell table's file stem (``ablation_tables.pairs_table``).
 PAIRS_TABLE = "ablation_pairs"
+#: The confirmatory study's table of its pre-registered hypotheses (``ablation_tables.confirm_table``).
+CONFIRM_TABLE = "ablation_confirm"
 
 
 def read_paired(entry: dict[str, Any], versus: str, reference_values: dict[str, float]) -> Paired | None:
@@ -374,6 +376,14 @@ def _contrast_findings(directory: Path, summary: dict[str, Any]) -> list[str]:
     return out
 
 
+def _cost(summary: dict[str, Any]) -> list[str]:
+    cost = summary.get("cost", {})
+    if not cost.get("cpu_seconds_measured_runs"):
+        return []
+    return [f"Cost: {num(cost['cpu_seconds_measured_runs'], '.0f')} CPU-seconds for the {cost.get('runs_measured')} "
+            f"of {cost.get('runs')} runs whose workers were timed."]
+
+
 def screen(directory: Path) -> Writeup:
     """``results/dirmoe-ablation``, the screen over every cell: its README block names the cells whose load
     imbalance is below the paper's (the confirmatory study's block has the rest)."""
@@ -394,7 +404,6 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
     results, cells = s["results"], s.get("cells", {})
     seeds = s.get("seeds", [])
     others = [c for c in results if c != REFERENCE]
-    cost = s.get("cost", {})
     contrasts = _contrast_findings(directory, s)
     findings = [
         "Each test: a paired t-test over the seeds two cells share, Holm-adjusted over "
@@ -405,11 +414,7 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
         *filter(None, [_theta_finding(results, s.get("final_window_steps"))]),
         *contrasts,
     ]
-    if cost.get("cpu_seconds_measured_runs"):
-        findings.append(
-            f"Cost: {num(cost['cpu_seconds_measured_runs'], '.0f')} CPU-seconds for the {cost.get('runs_measured')} "
-            f"of {cost.get('runs')} runs whose workers were timed."
-        )
+    findings += _cost(s)
     tables = [directory / f"{t}.md" for t in ("ablation", "ablation_differences", "ablation_vs_switch", PAIRS_TABLE)]
     # The summary's command names the entry point; the selection it ran is in the summary too.
     command = (
@@ -444,19 +449,20 @@ def confirm(directory: Path) -> Writeup:
                 f"Hypothesis \"{h['claim']}\" ({h['key']}, {h['cell']} minus {h['versus']}): {num(p.mean, '.3f')} "
                 f"[{num(p.low, '.3f')}, {num(p.high, '.3f')}], {verdict(p)}."
             )
-    cost = s.get("cost", {})
-    if cost.get("cpu_seconds_measured_runs"):
-        findings.append(
-            f"Cost: {num(cost['cpu_seconds_measured_runs'], '.0f')} CPU-seconds for the {cost.get('runs_measured')} "
-            f"of {cost.get('runs')} runs whose workers were timed."
-        )
+    # One family per comparison: the directory's other tables test these cells again in exploratory families
+    # (other p-values for the same differences), so the page shows the pre-registered family's table alone.
+    findings.append(
+        f"This study's inference is the table `{CONFIRM_TABLE}` alone: the directory's other tables, which the "
+        "ablation command writes for every study, test the same cells again in other families and are not shown."
+    )
+    findings += _cost(s)
     command = (
         f"python -m repro ablation --confirm --cells {','.join(results)} --seeds {','.join(map(str, seeds))} "
         f"--steps {s.get('steps')} --out results/{directory.name}"
     )
-    tables = [directory / f"{t}.md" for t in ("ablation_confirm", "ablation", "ablation_differences")]
+    table = directory / f"{CONFIRM_TABLE}.md"
     readme = page(f"DirMoE ablation, confirmatory: {len(results)} cells x {len(seeds)} new seeds", command, findings,
-                  [t for t in tables if t.is_file()], plots(directory))
+                  [table] if table.is_file() else [], plots(directory))
     return Writeup(directory.name, readme, "\n".join([*(f"- {f}" for f in findings[1:len(hypotheses) + 1]),
                                                       f"- {link(directory.name)}"]))
 
