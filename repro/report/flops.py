@@ -108,16 +108,10 @@ def flops_config_from_flavour(
         The :class:`FlopsConfig` (SwiGLU; k = 1 for a dense flavour).
     """
     return FlopsConfig(
-        num_layers=flavour.num_layers,
-        hidden_size=flavour.hidden_size,
-        num_attention_heads=flavour.num_attention_heads,
-        num_query_groups=flavour.num_query_groups,
-        kv_channels=flavour.kv_channels,
-        ffn_hidden_size=flavour.ffn_hidden_size,
-        vocab_size=flavour.padded_vocab_size(vocab_size, tp),
-        top_k=1 if flavour.num_experts is None else flavour.top_k,
-        swiglu=True,
-        attention=attention,
+        num_layers=flavour.num_layers, hidden_size=flavour.hidden_size, num_attention_heads=flavour.num_attention_heads,
+        num_query_groups=flavour.num_query_groups, kv_channels=flavour.kv_channels,
+        ffn_hidden_size=flavour.ffn_hidden_size, vocab_size=flavour.padded_vocab_size(vocab_size, tp),
+        top_k=1 if flavour.num_experts is None else flavour.top_k, swiglu=True, attention=attention,
     )
 
 
