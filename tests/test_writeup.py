@@ -3,7 +3,9 @@ README blocks and results/<study>/README.md files in step with the committed res
 
 from __future__ import annotations
 
+import csv
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -12,7 +14,7 @@ import pytest
 from repro.__main__ import main as repro_main
 from repro.errors import ReproError
 from repro.report import writeup
-from repro.report.prose import Paired, Writeup, paired_family, verdict
+from repro.report.prose import Paired, Writeup, paired_tests, verdict
 from repro.report.writeup import fill_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -52,12 +54,13 @@ def test_the_direction_word_follows_the_sign():
     assert verdict(Paired(0.5, 0.1, 0.9, 0.001, 0.002, 6, 0), higher="slower").startswith("slower")
 
 
-def test_paired_family_tests_each_against_the_reference_with_holm():
+def test_paired_tests_compare_each_pair_with_holm_over_the_family():
     reference = {"1": 5.0, "2": 5.3, "3": 4.9, "4": 5.1, "5": 5.2, "6": 4.8}
     shifted = {s: v - 1.0 + 0.01 * int(s) for s, v in reference.items()}
     noise = {s: v + (0.05 if int(s) % 2 else -0.05) for s, v in reference.items()}
     constant = {s: v + 0.2 for s, v in reference.items()}
-    family = paired_family(reference, {"shifted": shifted, "noise": noise, "constant": constant, "one": {"1": 1.0}})
+    others = {"shifted": shifted, "noise": noise, "constant": constant, "one": {"1": 1.0}}
+    family = paired_tests({name: (reference, values) for name, values in others.items()})
     assert set(family) == {"shifted", "noise", "constant"}  # one shared seed: no test
     assert verdict(family["shifted"]).startswith("lower, significant after Holm")
     assert family["shifted"].n_lower == 6 and family["shifted"].n == 6
@@ -90,17 +93,42 @@ def test_a_changed_test_result_changes_the_words(tmp_path):
     assert "switch lower in 4 of 6 seeds" in after
 
 
-def test_the_cell_against_cell_family_is_computed_from_the_per_seed_values(tmp_path):
+def test_the_cell_against_cell_sentences_quote_the_pairs_table_and_its_family(tmp_path):
+    """One family per comparison: the write-up's cell-against-cell p-values are those of the table it links."""
     root = _copy_results(tmp_path, ("dirmoe-ablation-6seeds",))
-    summary_path = root / "results" / "dirmoe-ablation-6seeds" / "summary.json"
-    assert "kl-off minus recon-centered: -0.26 [-0.56, 0.04], no significant difference" in writeup.generate(root)[0].block
-    summary = json.loads(summary_path.read_text())
+    study = root / "results" / "dirmoe-ablation-6seeds"
+    written = writeup.generate(root)[0]
+    assert "DirMoE ablation, cell against cell" in written.readme  # the table is on the page
+    assert "Cell against cell (`ablation_pairs`, Holm over its 60 tests)" in written.block
+    rows = {r["Cells"]: r for r in csv.DictReader((study / "ablation_pairs.csv").open())}
+    for layer, column in ((1, "load imb. L1 diff"), (2, "load imb. L2 diff")):
+        sentence = next(line for line in written.block.splitlines() if line.startswith(f"- Layer {layer},"))
+        for pair, row in rows.items():
+            if "recon-centered" not in pair:
+                continue
+            table_p = re.search(r"\(p=([^)]+)\)", row[column]).group(1)
+            quoted = re.search(re.escape(pair.replace(" - ", " minus ")) + r": [^;]*?(?:Holm p = |after Holm \(p = )([^)]+)\)", sentence)
+            assert quoted is not None and quoted.group(1) == table_p, (pair, layer)
+    # The per-seed values decide the words: a large, consistent shift is significant after Holm over the table.
+    summary = json.loads((study / "summary.json").read_text())
     values = summary["results"]["kl-off"]["load_imbalance[0]"]["values"]
     base = summary["results"]["recon-centered"]["load_imbalance[0]"]["values"]
     for seed in values:
         values[seed] = base[seed] - 1.0 - 0.01 * int(seed)
-    summary_path.write_text(json.dumps(summary))
-    assert "kl-off minus recon-centered: -1.03 [-1.05, -1.02], lower, significant after Holm" in writeup.generate(root)[0].block
+    (study / "summary.json").write_text(json.dumps(summary))
+    assert "recon-centered minus kl-off: 1.03 [1.02, 1.05], higher, significant after Holm" in writeup.generate(root)[0].block
+
+
+def test_the_confirmatory_page_shows_only_its_pre_registered_family():
+    page = next(w for w in writeup.generate(ROOT) if w.study == "dirmoe-ablation-confirm").readme
+    assert "the hypotheses stated before these seeds" in page  # the ablation_confirm table
+    assert "Holm-adjusted over all" not in page and "cell against cell" not in page  # no table in another family
+
+
+def test_no_cell_against_cell_test_without_its_table(tmp_path):
+    root = _copy_results(tmp_path, ("dirmoe-ablation-6seeds",))
+    (root / "results" / "dirmoe-ablation-6seeds" / "ablation_pairs.csv").unlink()
+    assert "Cell against cell" not in writeup.generate(root)[0].readme
 
 
 def test_fill_blocks_replaces_only_the_blocks_bodies():

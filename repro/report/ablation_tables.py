@@ -1,25 +1,13 @@
 """The DirMoE ablation's tables: per cell, the end-of-run routing and losses over seeds, tested against a
 reference cell (:mod:`repro.ablation` runs the cells).
 
-Per run, from its training log (:func:`run_metrics`), over the last ``final_window`` rows (the end state):
-
-- ``load_imbalance[l]``: max / mean tokens per expert of layer l (the routers' shared metric);
-- ``weight_imbalance[l]``: max / mean over experts of the mean routing weight ``mean_t r_ti`` (DirMoE's
-  per-expert ``weight_share``; E x its largest entry). With dense dispatch the load is flat by
-  construction and only this shows a collapse;
-- ``active_experts``, ``simpson_r`` (Simpson index of DirMoE's full routing weights r), ``simpson_theta``
-  (of its Dirichlet draws), ``fallback_share`` (tokens dispatched by the threshold rule's arg-max alone):
-  means over layers;
-- ``val_loss``: the validation loss of the last evaluation; ``lm_loss``: the training LM loss over the window.
-
-Per cell over its seeds (:func:`compare_cells`, on the shared over-seeds comparison of
-:mod:`repro.report.over_seeds`): the mean and the half-width of its 95% Student-t interval; a paired t-test over
-the seeds the cell shares with the reference cell (same seed, same data order and initial backbone),
-Holm-adjusted over a family fixed before the data (default: every cell and column of the table against that
-reference); and the Student-t interval of the paired differences. A cell is marked where the adjusted p-value
-is below alpha (0.05); a test with no spread is undefined and footnoted, never marked. Cell against cell
-(:func:`compare_cell_pairs`, :func:`pairs_table`) uses the same machinery. Metrics a router does not report
-(Switch has no Dirichlet) are missing, not zero.
+Per run (:func:`run_metrics`), over the last ``final_window`` log rows: load imbalance per layer (max / mean
+tokens per expert), weight imbalance per layer (max / mean over experts of the mean routing weight, which alone
+shows a collapse under dense dispatch), and means over layers of active experts, Simpson index of r and of
+theta, fallback share; the last validation loss and the window's LM loss. Per cell over its seeds: the mean
+and its 95% Student-t interval, and a paired t-test against the reference cell over the shared seeds,
+Holm-adjusted over a family fixed before the data (:mod:`repro.report.over_seeds`). Metrics a router does not
+report are missing, not zero.
 """
 
 from __future__ import annotations
@@ -175,18 +163,13 @@ def collect_results(
     )
 
 
-#: One cell's value in one column over its seeds and its comparison (the shared
-#: :class:`~repro.report.over_seeds.SeedStat`).
-CellStat = SeedStat
-
-
 def _values(results: AblationResults) -> dict[str, dict[str, dict[int, float]]]:
     return {cell: {m.key: results.per_seed(cell, m.key) for m in results.metrics} for cell in results.cells}
 
 
 def compare_cells(
     results: AblationResults, reference: str, confidence: float = 0.95, *, family: str = "table"
-) -> dict[str, dict[str, CellStat]]:
+) -> dict[str, dict[str, SeedStat]]:
     """Every cell against ``reference``, in every column (module docstring).
 
     Args:
@@ -197,7 +180,7 @@ def compare_cells(
             ``column`` (:mod:`repro.report.over_seeds`).
 
     Returns:
-        cell -> metric key -> :class:`CellStat`.
+        cell -> metric key -> :class:`SeedStat`.
     """
     keys = [m.key for m in results.metrics]
     return against_reference(_values(results), keys, reference if reference in results.cells else None,
@@ -205,13 +188,9 @@ def compare_cells(
 
 
 def compare_cell_pairs(
-    results: AblationResults,
-    pairs: Sequence[tuple[str, str]],
-    keys: Sequence[str],
-    *,
-    family: str = "table",
+    results: AblationResults, pairs: Sequence[tuple[str, str]], keys: Sequence[str], *, family: str = "table",
     confidence: float = 0.95,
-) -> dict[tuple[str, str, str], CellStat]:
+) -> dict[tuple[str, str, str], SeedStat]:
     """Cell against cell, paired over their shared seeds (what a claim like "X is the main lever" needs).
 
     Args:
@@ -222,7 +201,7 @@ def compare_cell_pairs(
         confidence: coverage of the intervals.
 
     Returns:
-        ``(a, b, key)`` -> :class:`CellStat` (``difference``: a minus b).
+        ``(a, b, key)`` -> :class:`SeedStat` (``difference``: a minus b).
     """
     return compare(_values(results), [(a, b, k) for k in keys for a, b in pairs], family=family,
                    confidence=confidence)
@@ -232,7 +211,7 @@ def _pm(interval: Interval | None, spec: str, mark: str = "") -> str:
     return MISSING if interval is None else _fmt_pm(interval.estimate, interval.half_width, mark, spec)
 
 
-def _diff_cell(stat: CellStat, spec: str, alpha: float) -> str:
+def _diff_cell(stat: SeedStat, spec: str, alpha: float) -> str:
     """``difference +- half-width (p=adjusted)``, marked; undefined tests and missing ones as such."""
     if stat.difference is None:
         return MISSING
@@ -251,13 +230,8 @@ def _labels(results: AblationResults) -> dict[str, str]:
 
 
 def ablation_table(
-    results: AblationResults,
-    reference: str = "paper",
-    *,
-    name: str = "ablation",
-    confidence: float = 0.95,
-    alpha: float = 0.05,
-    family: str = "table",
+    results: AblationResults, reference: str = "paper", *, name: str = "ablation", confidence: float = 0.95,
+    alpha: float = 0.05, family: str = "table",
 ) -> Table:
     """Per cell and column: ``mean +- CI half-width`` over the seeds, marked where it differs from ``reference``.
 
@@ -301,7 +275,7 @@ def ablation_table(
     return Table(name, caption, headers, tuple(rows))
 
 
-def _undefined(stats: Mapping[str, Mapping[str, CellStat]], results: AblationResults) -> list[tuple[str, str]]:
+def _undefined(stats: Mapping[str, Mapping[str, SeedStat]], results: AblationResults) -> list[tuple[str, str]]:
     labels = _labels(results)
     return [(cell, labels[key]) for cell, cells in stats.items() for key, stat in cells.items() if stat.undefined]
 
@@ -472,7 +446,7 @@ def _interval_json(interval: Interval | None) -> dict[str, Any] | None:
     return {"mean": interval.estimate, "ci95": None if interval.low is None else [interval.low, interval.high]}
 
 
-def _versus_json(stat: CellStat, alpha: float) -> dict[str, Any] | None:
+def _versus_json(stat: SeedStat, alpha: float) -> dict[str, Any] | None:
     if stat.test is None:
         return None
     return {
@@ -569,25 +543,3 @@ def summary_intervals(
                 ci = mean_ci(values, confidence)
                 out.setdefault(cell, {})[labels[key]] = (ci.estimate, ci.low, ci.high)
     return out
-
-
-__all__ = [
-    "AblationResults",
-    "CellStat",
-    "DIFFERENCE_KEYS",
-    "Hypothesis",
-    "Metric",
-    "ablation_difference_table",
-    "ablation_table",
-    "collect_results",
-    "compare_cell_pairs",
-    "compare_cells",
-    "confirm_table",
-    "difference_metrics",
-    "pairs_table",
-    "results_from_json",
-    "metrics_for",
-    "results_to_json",
-    "run_metrics",
-    "summary_intervals",
-]

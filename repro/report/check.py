@@ -1,34 +1,14 @@
-"""Regression checks: a run against the published numbers, or against an earlier run.
+"""Regression checks: a run against the published numbers (each original ledger entry for its router and model,
+within the entry's tolerance; efficiency only on the same accelerator), against an earlier run (point by point
+at a tight relative tolerance: CPU runs are deterministic), or against earlier seeds of its experiment.
 
-Against the published numbers (:func:`check_against_published`), every original ledger entry (copies are
-skipped: they repeat another table's measurement) for the run's router and model is compared within the
-entry's own tolerance. Efficiency entries are compared only with runs on the same accelerator model.
-
-Against an earlier run (:func:`check_against_run`), the loss curves must agree point by point at a tight
-relative tolerance (the CPU runs are deterministic), and so must the validation loss and every lm-eval metric.
-
-Against several earlier runs of the same experiment with different seeds (:func:`check_against_seeds`), each
-of its K numbers (the final training loss, the mean of the last :data:`FINAL_LOSS_STEPS` logged losses; the
-validation loss; every lm-eval metric) must fall inside the seeds' prediction interval,
-``mean +- t_{n-1} s sqrt(1 + 1/n)`` (:func:`repro.report.stats.prediction_interval`): the range one more seed
-falls in with the interval's coverage. A seed-to-seed spread is the noise a change has to stand out from; the
-interval of the mean would narrow with every seed added and fail honest runs.
-
-**The false-alarm rate is family-wise.** Each number at 95% would fail an honest run with probability up to
-``1 - 0.95^K`` (26% at K = 6, 56% at K = 16). The check is a Bonferroni correction over the K numbers: each
-band has coverage ``1 - alpha/K``, so an honest run (a new seed of the same experiment, each number normal with
-the seeds' spread) fails with probability at most ``alpha`` (default 5%) whatever the dependence between the
-numbers; the report's header states it. Why not the alternatives: Holm over the numbers' p-values gives the
-same verdict (it rejects anything exactly when the smallest p-value is under alpha/K) and differs only in
-which further rows it flags; a joint criterion (Hotelling's T^2 on the vector of numbers) needs more seeds
-than numbers (n > K: 3 seeds against 6 to 16 numbers), and the losses and accuracies are strongly but not
-exactly correlated, so a correlation model is not available from three seeds either. The price of the wider
-bands is power: every row reports the smallest shift of that number its band catches with 80% probability
-(:func:`repro.report.stats.minimum_detectable_shift` times the seeds' standard deviation), so a reader sees
-what the check cannot detect at this seed count rather than trusting a pass.
-
-Each comparison is a :class:`CheckRow`; a :class:`CheckReport` fails when any row is outside tolerance. A
-zero-shot number of a task the run scored on part of its documents (``eval --limit``) says so in its note.
+Against seeds (:func:`check_against_seeds`), each of the K numbers (final training loss, validation loss, every
+lm-eval metric) must fall in the seeds' prediction interval (a seed-to-seed spread is the noise a change has to
+stand out from; the interval of the mean would narrow with every seed and fail honest runs), at coverage
+``1 - alpha/K`` (Bonferroni): an honest new seed fails with probability at most ``alpha`` whatever the
+dependence between the numbers, and the report's header says so. Holm would give the same pass/fail verdict; a
+joint criterion (Hotelling's T^2) needs more seeds than numbers. The price is power: each row states the
+smallest shift its band catches with 80% probability (:func:`repro.report.stats.minimum_detectable_shift`).
 """
 
 from __future__ import annotations
@@ -167,11 +147,7 @@ def _accelerator(name: str) -> str | None:
 
 
 def check_against_published(
-    record: RunRecord,
-    ledger: Sequence[PublishedEntry],
-    *,
-    zero_shot_metric: str = "auto",
-    paper: str | None = None,
+    record: RunRecord, ledger: Sequence[PublishedEntry], *, zero_shot_metric: str = "auto", paper: str | None = None
 ) -> CheckReport:
     """Compare a run with every original published number for its router and model.
 
@@ -190,14 +166,8 @@ def check_against_published(
     rows = []
     for entry in entries:
         measured = record_value(record, entry.metric, zero_shot_metric)
-        common = dict(
-            run_id=record.run_id,
-            metric=entry.metric,
-            measured=measured,
-            reference=entry.value,
-            tolerance=entry.tolerance.describe(),
-            source=entry.source,
-        )
+        common = dict(run_id=record.run_id, metric=entry.metric, measured=measured, reference=entry.value,
+                      tolerance=entry.tolerance.describe(), source=entry.source)
         wanted = _accelerator(entry.setting.hardware or "") if entry.metric.startswith("efficiency.") else None
         if wanted is not None and _accelerator(record.environment.device) != wanted:
             rows.append(CheckRow(**common, status=SKIPPED, note=f"published on {entry.setting.hardware}, run on {record.environment.device}"))
@@ -209,17 +179,8 @@ def check_against_published(
     return CheckReport(tuple(_noted(row, record) for row in rows))
 
 
-def _close(a: float, b: float, rtol: float, atol: float) -> bool:
-    return math.isclose(a, b, rel_tol=rtol, abs_tol=atol)
-
-
 def check_against_run(
-    record: RunRecord,
-    previous: RunRecord,
-    *,
-    loss_rtol: float = 1e-6,
-    eval_rtol: float = 1e-6,
-    atol: float = 1e-12,
+    record: RunRecord, previous: RunRecord, *, loss_rtol: float = 1e-6, eval_rtol: float = 1e-6, atol: float = 1e-12
 ) -> CheckReport:
     """Compare a run with an earlier run of the same experiment.
 
@@ -242,18 +203,14 @@ def check_against_run(
     base = dict(run_id=record.run_id, source=source)
     if new_curve.keys() != old_curve.keys():
         missing = sorted(old_curve.keys() ^ new_curve.keys())
-        rows.append(
-            CheckRow(**base, metric=f"loss curve ({len(new_curve)} steps)", measured=None, reference=None,
-                     tolerance=tol_loss, status=FAIL, note=f"logged steps differ (e.g. step {missing[0]})")
-        )
+        rows.append(CheckRow(**base, metric=f"loss curve ({len(new_curve)} steps)", measured=None, reference=None,
+                             tolerance=tol_loss, status=FAIL, note=f"logged steps differ (e.g. step {missing[0]})"))
     elif new_curve:
         worst = max(new_curve, key=lambda s: abs(new_curve[s] - old_curve[s]))
-        ok = all(_close(new_curve[s], old_curve[s], loss_rtol, atol) for s in new_curve)
-        rows.append(
-            CheckRow(**base, metric=f"loss curve ({len(new_curve)} steps), worst step {worst}",
-                     measured=new_curve[worst], reference=old_curve[worst], tolerance=tol_loss,
-                     status=OK if ok else FAIL)
-        )
+        ok = all(math.isclose(new_curve[s], old_curve[s], rel_tol=loss_rtol, abs_tol=atol) for s in new_curve)
+        rows.append(CheckRow(**base, metric=f"loss curve ({len(new_curve)} steps), worst step {worst}",
+                             measured=new_curve[worst], reference=old_curve[worst], tolerance=tol_loss,
+                             status=OK if ok else FAIL))
     rows.append(_pair_row(base, "loss.validation", record.validation_loss, previous.validation_loss, loss_rtol, atol))
     new_eval, old_eval = lm_eval_metrics(record), lm_eval_metrics(previous)
     for task in sorted(new_eval.keys() | old_eval.keys()):
@@ -269,7 +226,7 @@ def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rto
     if new is None or old is None:
         note = "missing in this run" if new is None else "missing in the earlier run"
         return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=FAIL, note=note)
-    ok = _close(new, old, rtol, atol)
+    ok = math.isclose(new, old, rel_tol=rtol, abs_tol=atol)
     return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=OK if ok else FAIL)
 
 

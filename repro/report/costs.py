@@ -1,14 +1,9 @@
 """``python -m repro efficiency --profile``: what one router call asks of the device, counted on any machine.
 
 Every registered router (and DirMoE eager and compiled) routes T=1024 tokens of D=128 to E=8 experts, k=1, in
-training mode, on a step that does not log (``collect_metrics=False``), fp32 on the CPU; after two warm-up calls
-(which compile DirMoE's compiled run) one forward and one backward (the gradients of the combine weights and of
-the aux losses, the router's graph alone) are counted by :class:`repro.report.op_counts.OpCounter`: ATen ops
-dispatched, ops outside compiled regions, compiled regions entered, launches (their sum: the proxy for GPU
-kernel launches, since on a GPU each op outside a region is at least one launch), host synchronisations, and
-estimated bytes moved (defined in :mod:`repro.report.op_counts`). The counts do not depend on the hardware:
-they are the proxy for GPU launch overhead that a CPU machine can measure. One table, written as Markdown, CSV
-and JSON (``results/bench/router_costs.*`` by default).
+training mode on a non-logging step, fp32 on the CPU; after two warm-up calls, one forward and one backward are
+counted by :class:`repro.report.op_counts.OpCounter` (ops, regions, launches, host syncs, bytes moved). The
+counts do not depend on the hardware. One table, as Markdown, CSV and JSON (``results/bench/router_costs.*``).
 """
 
 from __future__ import annotations

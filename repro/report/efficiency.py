@@ -75,18 +75,9 @@ def routing(rows: Sequence[LogRow], *, warmup: int = 0, length: int | None = Non
 
 
 def efficiency(
-    rows: Sequence[LogRow],
-    *,
-    warmup: int,
-    flops: FlopsConfig,
-    global_batch_size: int,
-    seq_length: int,
-    num_devices: int = 1,
-    length: int | None = None,
-    peak_memory_bytes: int | None = None,
-    mean_active_experts: float | None = None,
-    backend: str | None = None,
-    start_step: int | None = None,
+    rows: Sequence[LogRow], *, warmup: int, flops: FlopsConfig, global_batch_size: int, seq_length: int,
+    num_devices: int = 1, length: int | None = None, peak_memory_bytes: int | None = None,
+    mean_active_experts: float | None = None, backend: str | None = None, start_step: int | None = None,
 ) -> Efficiency:
     """Efficiency figures from a training log.
 
@@ -129,26 +120,16 @@ def efficiency(
     if mean_active_experts is not None:
         measured = measured_flops_per_iteration(flops, global_batch_size, seq_length, mean_active_experts)
     return Efficiency(
-        warmup_steps=warmup,
-        window_steps=len(selected),
-        iter_time_ms=iter_time_s * 1e3,
-        tokens_per_s=tokens_per_s,
-        peak_memory_bytes=peak_memory_bytes,
-        num_devices=num_devices,
-        global_batch_size=global_batch_size,
-        seq_length=seq_length,
-        nominal_experts=float(flops.top_k),
-        mean_active_experts=mean_active_experts,
-        flops_per_iter_analytic=analytic,
-        flops_per_iter_measured=measured,
+        warmup_steps=warmup, window_steps=len(selected), iter_time_ms=iter_time_s * 1e3, tokens_per_s=tokens_per_s,
+        peak_memory_bytes=peak_memory_bytes, num_devices=num_devices, global_batch_size=global_batch_size,
+        seq_length=seq_length, nominal_experts=float(flops.top_k), mean_active_experts=mean_active_experts,
+        flops_per_iter_analytic=analytic, flops_per_iter_measured=measured,
         tflops_per_device_analytic=tflops_per_device(analytic, iter_time_s, num_devices),
         tflops_per_device_measured=None if measured is None else tflops_per_device(measured, iter_time_s, num_devices),
         expert_flops_per_token_measured=(
             None if mean_active_experts is None else expert_flops_per_token(flops, mean_active_experts)
         ),
-        backend=backend,
-        flops_attention=flops.attention,
-        start_step=start_step,
+        backend=backend, flops_attention=flops.attention, start_step=start_step,
     )
 
 
@@ -305,8 +286,3 @@ def write_command_outputs(
     print(summary_text(summary))
     print(f"wrote {Path(plan.out_dir) / 'summary.json'}")
 
-
-__all__ = [
-    "command_summary", "command_table", "efficiency", "iteration_times_ms", "loss_curve", "routing", "summary_text",
-    "window", "write_command_outputs",
-]

@@ -108,16 +108,10 @@ def flops_config_from_flavour(
         The :class:`FlopsConfig` (SwiGLU; k = 1 for a dense flavour).
     """
     return FlopsConfig(
-        num_layers=flavour.num_layers,
-        hidden_size=flavour.hidden_size,
-        num_attention_heads=flavour.num_attention_heads,
-        num_query_groups=flavour.num_query_groups,
-        kv_channels=flavour.kv_channels,
-        ffn_hidden_size=flavour.ffn_hidden_size,
-        vocab_size=flavour.padded_vocab_size(vocab_size, tp),
-        top_k=1 if flavour.num_experts is None else flavour.top_k,
-        swiglu=True,
-        attention=attention,
+        num_layers=flavour.num_layers, hidden_size=flavour.hidden_size, num_attention_heads=flavour.num_attention_heads,
+        num_query_groups=flavour.num_query_groups, kv_channels=flavour.kv_channels,
+        ffn_hidden_size=flavour.ffn_hidden_size, vocab_size=flavour.padded_vocab_size(vocab_size, tp),
+        top_k=1 if flavour.num_experts is None else flavour.top_k, swiglu=True, attention=attention,
     )
 
 
@@ -218,13 +212,6 @@ def tflops_per_device(flops_per_iteration: float, iteration_time_s: float, num_d
 
 #: LLaMA-185M of ReMoE and DirMoE (12 layers, hidden 768, GQA 12/4, SwiGLU 3072), E=8, k=1.
 LLAMA_185M = FlopsConfig(
-    num_layers=12,
-    hidden_size=768,
-    num_attention_heads=12,
-    num_query_groups=4,
-    kv_channels=64,
-    ffn_hidden_size=3072,
-    vocab_size=50304,
-    top_k=1,
-    swiglu=True,
+    num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4, kv_channels=64,
+    ffn_hidden_size=3072, vocab_size=50304, top_k=1, swiglu=True,
 )

@@ -182,12 +182,8 @@ def load_ledger(ledger_dir: str | Path | None = None) -> list[PublishedEntry]:
 
 
 def select(
-    entries: list[PublishedEntry],
-    *,
-    router: str | None = None,
-    metric: str | None = None,
-    model_id: str | None = None,
-    originals_only: bool = False,
+    entries: list[PublishedEntry], *, router: str | None = None, metric: str | None = None,
+    model_id: str | None = None, originals_only: bool = False,
 ) -> list[PublishedEntry]:
     """Entries matching every given criterion.
 
@@ -202,10 +198,7 @@ def select(
         The matching entries, in ledger order.
     """
     return [
-        e
-        for e in entries
-        if (router is None or e.router == router)
-        and (metric is None or e.metric == metric)
-        and (model_id is None or e.setting.model_id == model_id)
-        and not (originals_only and e.copied)
+        e for e in entries
+        if (router is None or e.router == router) and (metric is None or e.metric == metric)
+        and (model_id is None or e.setting.model_id == model_id) and not (originals_only and e.copied)
     ]

@@ -1,33 +1,16 @@
 """Counting what a piece of PyTorch code asks of the device, independent of the hardware: the ATen ops it
-dispatches, which of them run outside compiled regions, how many compiled regions it enters, which ops force a
-host synchronisation, and an estimate of the bytes it moves.
+dispatches, which run outside compiled regions, how many compiled regions it enters, which force a host
+synchronisation (:func:`host_sync_reason`), and an estimate of the bytes it moves.
 
-:class:`OpCounter` is a ``TorchDispatchMode`` (every ATen op that reaches the dispatcher, forward and backward)
-that also wraps inductor's compiled graphs (``CompiledFxGraph.__call__``): a call of one is one compiled region
-entered, and the ATen ops dispatched while it runs (its extern kernels: matmuls, random seeds, fallbacks) are
-counted as inside it. On a GPU every op outside a compiled region is at least one kernel launch, and a compiled
-region a few (one per fused kernel it generated), so ``outside + regions`` is the proxy for launches.
-
-Estimated bytes moved: for each op outside a compiled region that is not a view (a view moves no data), the
-bytes of its tensor inputs plus its tensor outputs (each tensor counted once per op, as if read or written
-once: ops that read an input twice, or reductions that write less, are not modelled); for each compiled region,
-the bytes of its inputs plus its outputs (what a fully fused region must read and write at least; its
-intermediates stay in registers or cache only if inductor fused them, so this is a lower bound for a region).
-
-Host synchronisations (:func:`host_sync_reason`):
-
-* reading a value: ``aten._local_scalar_dense`` (``.item()``, ``int(t)``, ``float(t)``, ``bool(t)``),
-  ``aten.is_nonzero``, ``aten.equal``, ``aten.allclose``;
-* an output whose size depends on the data: ``aten.nonzero``, ``aten.masked_select``, the ``unique``
-  family, ``aten.bincount``, ``aten.repeat_interleave`` by a tensor without ``output_size``, and indexing
-  (``aten.index``, ``aten.index_put``) with a boolean mask (it runs ``nonzero``);
-* a blocking copy between the host and an accelerator (``aten._to_copy`` / ``aten.copy_`` across devices
-  without ``non_blocking``; on a CPU-only machine these cannot occur);
-* ``Tensor.tolist`` / ``Tensor.numpy`` (on a CPU tensor they read memory without dispatching an op; counted
-  by wrapping them while the counter is active).
-
-Not synchronising: ``aten.nonzero_static`` (fixed output size) and ``aten._assert_async`` (a device-side
-assert). ``torch.tensor(data, device=...)`` is built below the dispatcher and not seen.
+:class:`OpCounter` is a ``TorchDispatchMode`` that also wraps inductor's compiled graphs
+(``CompiledFxGraph.__call__``): one call is one region entered, and the ops dispatched while it runs (extern
+kernels) count as inside it. On a GPU every op outside a region is at least one kernel launch and a region a
+few, so ``outside + regions`` is the proxy for launches. Bytes moved: per non-view op outside a region, its
+tensor inputs plus outputs (each once); per region, its inputs plus outputs (a lower bound for a region).
+Host synchronisations: value reads (``.item()``, ``is_nonzero``, ``equal``, ``allclose``), data-dependent
+output sizes (``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
+``output_size``, boolean-mask indexing), blocking host/device copies, and ``Tensor.tolist``/``numpy``.
+``nonzero_static`` and ``_assert_async`` do not synchronise; ``torch.tensor(data, device=...)`` is not seen.
 """
 
 from __future__ import annotations

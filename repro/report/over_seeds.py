@@ -1,19 +1,12 @@
-"""One over-seeds comparison for every seeded table: the zero-shot, validation and routing tables over seeds
-(:mod:`repro.report.seed_tables`) and the DirMoE ablation's tables (:mod:`repro.report.ablation_tables`).
+"""One over-seeds comparison for every seeded table (:mod:`repro.report.seed_tables`,
+:mod:`repro.report.ablation_tables`): row ``a`` against row ``b`` in a column is a paired t-test over the seeds
+both ran (same seed: same data order and initial backbone) with the Student-t interval of the differences, or a
+test the caller supplies; the p-values of one *family* are Holm-adjusted together.
 
-Each row (a router, an ablation cell) has per column a value per seed. A comparison of row ``a`` with row
-``b`` in a column is a paired t-test over the seeds both ran (:func:`repro.report.stats.paired_t_test`: same
-seed, same data order and initial backbone) with the Student-t interval of the paired differences, or a test
-the caller supplies (the per-question tests of the zero-shot table). The p-values of one *family* are
-adjusted together with Holm's step-down method (:func:`repro.report.stats.holm`).
-
-**Families are fixed by the table's definition, before the data** (its rows and columns are named before
-any run): ``family="table"`` (the default) puts every test a table marks in one family, so the chance of any
-false mark in the table is at most alpha; ``family="column"`` adjusts each column on its own (any false mark
-in a column at most alpha), for a study that states one question per column in advance. The table is the
-default because a reader scans the whole table for marks. A test that cannot be run (every paired
-difference the same: no spread, decision 6 of :mod:`repro.report.stats`) is *undefined*: no mark, left out
-of its family, and named in the caption's footnote (:func:`undefined_note`).
+Families are fixed by the table's definition, before the data: ``family="table"`` (the default: a reader scans
+the whole table for marks) puts every test of the table in one family, ``family="column"`` adjusts each column
+alone. A test with no spread (every paired difference the same) is undefined: no mark, left out of its family,
+and named in the caption's footnote.
 """
 
 from __future__ import annotations

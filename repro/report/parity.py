@@ -43,9 +43,7 @@ def _expert_flops(record: RunRecord) -> float | None:
 
 
 def compute_parity(
-    records: Sequence[RunRecord],
-    *,
-    tolerance: float = DEFAULT_PARITY_TOLERANCE,
+    records: Sequence[RunRecord], *, tolerance: float = DEFAULT_PARITY_TOLERANCE,
     reference_router: str = DEFAULT_REFERENCE_ROUTER,
 ) -> dict[str, ParityVerdict]:
     """Judge every run's compute parity against a reference run.

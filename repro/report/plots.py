@@ -330,8 +330,7 @@ def plot_simpson_theta(
 
 
 def plot_ablation_summary(
-    intervals: Mapping[str, Mapping[str, tuple[float, float | None, float | None]]],
-    path: str | os.PathLike,
+    intervals: Mapping[str, Mapping[str, tuple[float, float | None, float | None]]], path: str | os.PathLike,
     references: Sequence[str] = (),
 ) -> None:
     """One panel per column: each cell's mean with its interval over seeds, the references' intervals shaded.

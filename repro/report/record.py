@@ -1,16 +1,9 @@
-"""The run record: one JSON file per run holding everything the tables and checks read.
+"""The run record: one JSON file per run (``record.json``) holding everything the tables and checks read.
 
-A record (:class:`RunRecord`, written as ``record.json`` in the run directory) holds what was run (the
-experiment's name, router, model and full config), where it ran, the loss curve, per-layer routing metrics,
-the efficiency figures, lm-eval's results dict exactly as lm-eval returns it, the per-question results behind
-it, which tasks were scored on only part of their documents, and the held-out loss per domain. It is a frozen
-dataclass tree; :mod:`repro.report.store` builds, writes and loads records, refusing a file with a missing
-field, an unknown field, a wrong type or a value out of range with one line naming the file and the field.
-
-Ranges (checked in each dataclass's ``__post_init__``): accuracies, Simpson indices and shares in [0, 1];
-times, throughputs, FLOPs and sizes > 0; counts and steps >= 0; validation and per-domain losses >= 0 (the
-training loss, which includes the aux losses, only finite); perplexities >= 1; standard errors >= 0. A record
-built in code is checked the same way as one read from a file.
+A frozen dataclass tree: what was run, where, the loss curve, per-layer routing, the efficiency figures,
+lm-eval's results dict as lm-eval returns it with its per-question results and partial tasks, and the held-out
+loss per domain. Each dataclass checks its ranges in ``__post_init__`` (listed in docs/evaluation.md), so a
+record built in code is checked as one read from a file (:mod:`repro.report.store`).
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
-"""Comparing routers over seeds: one row per router over its runs with different seeds, each cell ``mean
-+- half-width of the 95% Student-t interval``, marked where the router differs from a reference router (paired
-over seeds or over questions, :mod:`repro.report.stats`, Holm-adjusted over a family fixed in advance: the
-table by default, :mod:`repro.report.over_seeds`).
-
-- :func:`compare_over_seeds` and :func:`seed_zero_shot_table`: the zero-shot scores (the columns of
-  :func:`repro.report.tables.zero_shot_table`);
-- :func:`compare_metrics_over_seeds` and :func:`seed_metric_table`: any per-run numbers (the validation and
-  routing tables over seeds in :mod:`repro.report.tables` are built on them).
-
-Runs are grouped under their experiment's name (:func:`comparison_label`), so a router's variants are rows of
-their own; a run's seed is read from its config (:func:`record_seed`).
+"""Comparing routers over seeds: one row per router (runs grouped by :func:`comparison_label`, a run's seed read
+by :func:`record_seed`), each cell ``mean +- half-width of the 95% Student-t interval``, marked where the router
+differs from a reference router (paired over seeds or over questions, Holm-adjusted over a family fixed in
+advance, :mod:`repro.report.over_seeds`): the zero-shot scores (:func:`compare_over_seeds`,
+:func:`seed_zero_shot_table`) and any per-run numbers (:func:`compare_metrics_over_seeds`,
+:func:`seed_metric_table`, on which :mod:`repro.report.tables` builds validation and routing over seeds).
 """
 
 from __future__ import annotations
@@ -67,10 +61,6 @@ def record_seed(record: RunRecord) -> int:
     raise ReproError(f"run '{record.run_id}': its config records no seed")
 
 
-#: One router's result in one column over its seeds (the shared :class:`~repro.report.over_seeds.SeedStat`).
-SeedCell = SeedStat
-
-
 @dataclass(frozen=True)
 class SeedComparison:
     """Routers over seeds against a reference router (see :func:`compare_over_seeds`).
@@ -79,7 +69,7 @@ class SeedComparison:
         columns: task names, then ``avg``.
         metrics: the lm-eval metric of each task column.
         seeds: router -> its seeds, sorted.
-        cells: router -> column -> :class:`SeedCell` (routers in table order).
+        cells: router -> column -> :class:`SeedStat` (routers in table order).
         reference: the reference router (None when it is not among the records).
         test: the test used: ``seeds`` (paired t over shared seeds), ``questions`` (McNemar exact /
             sign-flip permutation over shared questions) or ``none``.
@@ -92,7 +82,7 @@ class SeedComparison:
     columns: tuple[str, ...]
     metrics: Mapping[str, str]
     seeds: Mapping[str, tuple[int, ...]]
-    cells: Mapping[str, Mapping[str, SeedCell]]
+    cells: Mapping[str, Mapping[str, SeedStat]]
     reference: str | None
     test: str
     confidence: float
@@ -155,19 +145,14 @@ def _group_by_router(
         seed, label = seed_of(record), comparison_label(record)
         runs = groups.setdefault(label, {})
         if seed in runs:
-            raise ReproError(
-                f"runs '{runs[seed].run_id}' and '{record.run_id}' of '{label}' have the same seed {seed}"
-            )
+            raise ReproError(f"runs '{runs[seed].run_id}' and '{record.run_id}' of '{label}' have the same seed {seed}")
         runs[seed] = record
     return groups
 
 
 def _question_test(
-    tasks: Sequence[str],
-    metrics: Mapping[str, str],
-    reference: Mapping[int, RunRecord],
-    other: Mapping[int, RunRecord],
-    per_question: Mapping[str, Mapping[str, Any]],
+    tasks: Sequence[str], metrics: Mapping[str, str], reference: Mapping[int, RunRecord],
+    other: Mapping[int, RunRecord], per_question: Mapping[str, Mapping[str, Any]],
 ) -> PairedTest:
     """Per-question test of ``other`` against ``reference`` on ``tasks`` (one task, or all for Avg.)."""
     ref_scores, oth_scores, weights = [], [], []
@@ -194,16 +179,9 @@ def _question_test(
 
 
 def compare_over_seeds(
-    records: Sequence[RunRecord],
-    *,
-    reference_router: str = DEFAULT_REFERENCE_ROUTER,
-    metric: str = "auto",
-    per_question: Mapping[str, Mapping[str, Any]] | None = None,
-    test: str = "auto",
-    confidence: float = 0.95,
-    alpha: float = 0.05,
-    seed_of: Callable[[RunRecord], int] = record_seed,
-    family: str = "table",
+    records: Sequence[RunRecord], *, reference_router: str = DEFAULT_REFERENCE_ROUTER, metric: str = "auto",
+    per_question: Mapping[str, Mapping[str, Any]] | None = None, test: str = "auto", confidence: float = 0.95,
+    alpha: float = 0.05, seed_of: Callable[[RunRecord], int] = record_seed, family: str = "table",
 ) -> SeedComparison:
     """Each router's zero-shot scores over its seeds, tested against a reference router.
 
@@ -283,16 +261,9 @@ def compare_over_seeds(
     }
     partial = {router: {run: tasks for run, tasks in runs.items() if tasks} for router, runs in partial.items()}
     return SeedComparison(
-        columns=columns,
-        metrics=chosen,
-        seeds={r: tuple(sorted(runs)) for r, runs in groups.items()},
-        cells=cells,
-        reference=reference,
-        test=used,
-        confidence=confidence,
-        alpha=alpha,
-        partial={r: runs for r, runs in partial.items() if runs},
-        family=family,
+        columns=columns, metrics=chosen, seeds={r: tuple(sorted(runs)) for r, runs in groups.items()}, cells=cells,
+        reference=reference, test=used, confidence=confidence, alpha=alpha,
+        partial={r: runs for r, runs in partial.items() if runs}, family=family,
     )
 
 
@@ -381,11 +352,8 @@ def compare_metrics_over_seeds(
     seed_of: Callable[[RunRecord], int] = record_seed,
     family: str = "table",
 ) -> SeedComparison:
-    """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router.
-
-    Each cell is the mean over a router's seeds with its Student-t interval; where every other router shares at
-    least two seeds with the reference, a paired t-test over the shared seeds (same seed: same data order and
-    initialisation stream), Holm-adjusted over ``family``.
+    """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router by a paired
+    t-test over the shared seeds where every other router shares at least two with it.
 
     Args:
         records: runs of one model, one per router and seed; a run without any of the numbers is left out.
@@ -414,24 +382,14 @@ def compare_metrics_over_seeds(
         family=family, confidence=confidence, tested=seeds_ok,
     )
     return SeedComparison(
-        columns=tuple(columns),
-        metrics={c: c for c in columns},
-        seeds={r: tuple(sorted(runs)) for r, runs in groups.items()},
-        cells=cells,
-        reference=reference,
-        test="seeds" if seeds_ok else "none",
-        confidence=confidence,
-        alpha=alpha,
-        family=family,
+        columns=tuple(columns), metrics={c: c for c in columns},
+        seeds={r: tuple(sorted(runs)) for r, runs in groups.items()}, cells=cells, reference=reference,
+        test="seeds" if seeds_ok else "none", confidence=confidence, alpha=alpha, family=family,
     )
 
 
 def seed_metric_table(
-    comparison: SeedComparison,
-    *,
-    name: str,
-    what: str,
-    labels: Mapping[str, str],
+    comparison: SeedComparison, *, name: str, what: str, labels: Mapping[str, str],
     specs: Mapping[str, str] | None = None,
 ) -> Table:
     """A table over seeds of per-run numbers (:func:`compare_metrics_over_seeds`), marked like the zero-shot one.

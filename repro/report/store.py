@@ -1,17 +1,9 @@
 """Building, writing, finding and loading run records (:class:`repro.report.record.RunRecord`).
 
-The pipeline builds a record from a finished run's directory (``config.json`` and ``log.jsonl``)::
-
-    write_run_record(run_dir)                                   # record.json beside the run
-    write_run_record(run_dir, lm_eval_results=results)          # with zero-shot results
-
-or piece by piece with :func:`make_record` and the functions of :mod:`repro.report.efficiency`.
-lm-eval's per-document ``samples`` (``evaluate_lm(..., log_samples=True)``) become the record's compact
-``per_question`` results, and the tasks lm-eval scored on part of their documents (its ``limit``) the record's
-``partial`` tasks; :func:`with_lm_eval` puts a later evaluation into an existing record the same way. A run's
-record is ``record.json`` in its directory or ``<name>.record.json``; :func:`find_records` looks for those
-names under a directory. :func:`load_record` refuses a file with a missing, unknown, mistyped or
-out-of-range field with one line naming the file and the field.
+``write_run_record(run_dir)`` builds a finished run's record from ``config.json`` and ``log.jsonl`` and writes
+``record.json`` beside it; lm-eval's per-document samples become the record's compact ``per_question`` results,
+and tasks it scored on part of their documents the ``partial`` tasks. :func:`load_record` refuses a file with a
+missing, unknown, mistyped or out-of-range field in one line naming the file and the field.
 """
 
 from __future__ import annotations
@@ -38,9 +30,7 @@ _REPO_ROOT = Path(__file__).resolve().parents[2]
 
 def _git(*args: str) -> str | None:
     try:
-        out = subprocess.run(
-            ["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True
-        )
+        out = subprocess.run(["git", *args], cwd=_REPO_ROOT, capture_output=True, text=True, timeout=10, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
     return out.stdout.strip()
@@ -79,19 +69,11 @@ def environment_info(num_processes: int | None = None, device: str | None = None
     # --no-optional-locks: read-only, never refreshes the index of the checkout being measured
     status = _git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no") if commit else None
     return Environment(
-        git_commit=commit,
-        git_dirty=None if status is None else bool(status),
-        python=platform.python_version(),
-        torch=torch.__version__,
-        megatron_core=_version("megatron-core"),
-        lm_eval=_version("lm_eval"),
-        device=device,
-        hostname=socket.gethostname(),
-        num_processes=num_processes,
+        git_commit=commit, git_dirty=None if status is None else bool(status), python=platform.python_version(),
+        torch=torch.__version__, megatron_core=_version("megatron-core"), lm_eval=_version("lm_eval"),
+        device=device, hostname=socket.gethostname(), num_processes=num_processes,
         platform=f"{platform.system()} {platform.release()} {platform.machine()}",
     )
-
-
 
 
 def make_record(
@@ -201,11 +183,8 @@ def record_from_run_dir(
     flops_attention: str = "causal",
     start_step: int | None = None,
 ) -> RunRecord:
-    """Build the record of a finished training run from its output directory.
-
-    Reads ``config.json`` (the run's :class:`repro.training.config.RunConfig`, ``seq_length``, ``vocab_size``,
-    ``layout.{world_size, tp}``) and ``log.jsonl`` as the trainer writes them; the model dimensions for the
-    FLOPs count come from the config's flavour. The validation loss is the last ``val_loss`` in the log.
+    """Build the record of a finished training run from its ``config.json`` and ``log.jsonl`` (the FLOPs count's
+    dimensions from the config's flavour; the validation loss is the log's last ``val_loss``).
 
     Args:
         run_dir: the run's output directory.
@@ -244,29 +223,16 @@ def record_from_run_dir(
         raise ReproError(f"{origin}: not a training run's config ({type(exc).__name__}: {exc})") from None
     rows = read_rows(run_dir)
     efficiency = eff.efficiency(
-        rows,
-        warmup=warmup,
-        length=window,
-        flops=flops,
-        global_batch_size=batch,
-        seq_length=seq_length,
-        num_devices=world_size,
-        mean_active_experts=1.0 if router == "dense" or _merges_experts(router) else None,
-        backend=config.get("backend"),
-        start_step=start_step,
+        rows, warmup=warmup, length=window, flops=flops, global_batch_size=batch, seq_length=seq_length,
+        num_devices=world_size, mean_active_experts=1.0 if router == "dense" or _merges_experts(router) else None,
+        backend=config.get("backend"), start_step=start_step,
     )
     val_losses = [r.val_loss for r in rows if r.val_loss is not None]
     return make_record(
-        run_id=run_id or run.name,
-        router=router,
-        model=flavour.name,
-        config=config,
-        log_rows=rows,
-        efficiency=efficiency,
-        lm_eval_results=lm_eval_results,
+        run_id=run_id or run.name, router=router, model=flavour.name, config=config, log_rows=rows,
+        efficiency=efficiency, lm_eval_results=lm_eval_results,
         validation_loss=float(val_losses[-1]) if val_losses else None,
-        environment=environment or environment_info(num_processes=world_size),
-        experiment_name=run.name,
+        environment=environment or environment_info(num_processes=world_size), experiment_name=run.name,
         domain_losses=domain_losses,
     )
 
@@ -363,11 +329,6 @@ def load_record(path: str | Path) -> RunRecord:
     return from_json(RunRecord, data, str(path))
 
 
-def is_record_file(path: Path) -> bool:
-    """Whether ``path`` is named like a run record (``record.json`` or ``*.record.json``)."""
-    return path.name == "record.json" or path.name.endswith(".record.json")
-
-
 def find_records(paths: Iterable[str | Path]) -> list[Path]:
     """Record files named by ``paths``: files as given, directories searched recursively.
 
@@ -386,7 +347,8 @@ def find_records(paths: Iterable[str | Path]) -> list[Path]:
         if path.is_file():
             found.append(path)
         elif path.is_dir():
-            inside = sorted(p for p in path.rglob("*.json") if is_record_file(p))
+            inside = sorted(p for p in path.rglob("*.json") 
+                            if p.name == "record.json" or p.name.endswith(".record.json"))
             if not inside:
                 raise ReproError(f"{path}: no run records (record.json or *.record.json) in this directory")
             found.extend(inside)

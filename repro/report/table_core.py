@@ -1,8 +1,6 @@
 """What every generated table shares: the :class:`Table`, its constants and number formats, the runs' order
-and row labels, the partial-run marks, the zero-shot columns both kinds of table read, and rendering (:func:`render` as Markdown, CSV or LaTeX; :func:`write_tables`).
-
-The tables themselves are in :mod:`repro.report.tables` (one row per run) and :mod:`repro.report.seed_tables`
-(one row per router over its seeds).
+and row labels, the partial-run marks, the zero-shot columns, and rendering (:func:`render` as Markdown, CSV or
+LaTeX; :func:`write_tables`). The tables are in :mod:`repro.report.tables` and :mod:`repro.report.seed_tables`.
 """
 
 from __future__ import annotations
@@ -22,13 +20,8 @@ from repro.report.record import PartialTask, RunRecord, lm_eval_metrics, partial
 
 #: The papers' zero-shot tasks (lm-eval names) and their column labels, in the papers' order.
 PAPER_TASKS: dict[str, str] = {
-    "arc_challenge": "ARC-c",
-    "arc_easy": "ARC-e",
-    "boolq": "BoolQ",
-    "hellaswag": "HellaSwag",
-    "lambada_openai": "LAMBADA",
-    "piqa": "PIQA",
-    "race": "RACE",
+    "arc_challenge": "ARC-c", "arc_easy": "ARC-e", "boolq": "BoolQ", "hellaswag": "HellaSwag",
+    "lambada_openai": "LAMBADA", "piqa": "PIQA", "race": "RACE",
 }
 ZERO_SHOT_METRICS = ("auto", "acc", "acc_norm")
 FORMATS = ("md", "csv", "tex")
@@ -181,11 +174,8 @@ def choose_metric(task: str, records: Sequence[RunRecord], metric: str = "auto")
 _LATEX_SPECIAL = {
     "\\": r"\textbackslash{}", "&": r"\&", "%": r"\%", "$": r"\$", "#": r"\#", "_": r"\_",
     "{": r"\{", "}": r"\}", "~": r"\textasciitilde{}", "^": r"\^{}",
+    PLUS_MINUS: r"\ensuremath{\pm}", PARTIAL: r"\ensuremath{^\dagger}",
 }
-
-
-_LATEX_SPECIAL[PLUS_MINUS] = r"\ensuremath{\pm}"
-_LATEX_SPECIAL[PARTIAL] = r"\ensuremath{^\dagger}"
 
 
 def _latex_escape(text: str) -> str:

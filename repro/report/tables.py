@@ -1,29 +1,11 @@
-"""The paper's tables, generated from run records (never edited by hand).
-
-Each is a :class:`~repro.report.table_core.Table` rendered as Markdown, CSV or LaTeX
-(:func:`~repro.report.table_core.render`):
-
-- :func:`zero_shot_table`: rows = runs, columns = ARC-c, ARC-e, BoolQ, HellaSwag, LAMBADA, PIQA, RACE (the
-  ones any row has), then the local tasks of the embedded default, then Avg.; each cell ``value +- lm-eval's
-  standard error``;
-- :func:`efficiency_table`: ms/iter, TFLOP/s per device (analytic and measured), tokens/s, peak memory,
-  active experts and the compute-parity verdict;
-- :func:`routing_table`: active experts per token, Simpson index, load imbalance and dropped mass, per layer;
-- :func:`validation_table`: the final validation loss and the held-out loss per domain, per run;
-- over seeds, with the same marks as :func:`~repro.report.seed_tables.seed_zero_shot_table` (the zero-shot
-  table over seeds, :mod:`repro.report.seed_tables`): :func:`validation_seed_table` and
-  :func:`routing_seed_table`, built on :func:`~repro.report.seed_tables.compare_metrics_over_seeds`.
-
-A zero-shot cell of a task scored on part of its documents (``python -m repro eval --limit``, the record's
-``partial`` tasks) carries a dagger, and the caption says how many documents were scored.
-
-With published numbers (a ledger, :mod:`repro.report.ledger`), each run is followed by the published rows of
-its router measured in the same model setting, and a ``delta`` row (measured minus published).
-
-What every table shares (constants, number formats, row order and labels, rendering) is in
-:mod:`repro.report.table_core`; ``__all__`` re-exports the tables over seeds, :class:`Table`, :func:`render` and
-:func:`write_tables`, so that one import gives every table and the means to write it.
+"""The paper's tables, generated from run records (never edited by hand): zero-shot accuracy, validation loss,
+efficiency (with a compute-parity verdict) and routing, per run; validation and routing over seeds, marked as
+:func:`~repro.report.seed_tables.seed_zero_shot_table` is. A zero-shot cell of a task scored on part of its
+documents carries a dagger. With a ledger (:mod:`repro.report.ledger`), each run is followed by the published
+rows of its router in the same model setting and a ``delta`` row. What the tables share is in
+:mod:`repro.report.table_core`.
 """
+
 from __future__ import annotations
 
 import math
@@ -36,12 +18,7 @@ from repro.report.flops import formula_name
 from repro.report.ledger import PublishedEntry
 from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
 from repro.report.record import RunRecord, lm_eval_metrics
-from repro.report.seed_tables import (
-    compare_metrics_over_seeds,
-    compare_over_seeds,
-    seed_metric_table,
-    seed_zero_shot_table,
-)
+from repro.report.seed_tables import compare_metrics_over_seeds, seed_metric_table
 from repro.report.table_core import (
     MISSING,
     PAPER_TASKS,
@@ -58,30 +35,7 @@ from repro.report.table_core import (
     choose_metric,
     lm_eval_stderr,
     record_partial,
-    render,
-    write_tables,
 )
-
-__all__ = [
-    "HELDOUT",
-    "SEED_ROUTING_METRICS",
-    "VALID_SPLIT",
-    "efficiency_table",
-    "heldout_loss",
-    "routing_seed_table",
-    "routing_table",
-    "validation_seed_table",
-    "validation_table",
-    "zero_shot_table",
-    # Re-exported, so that one import gives every table and the means to write it.
-    "Table",
-    "compare_metrics_over_seeds",
-    "compare_over_seeds",
-    "render",
-    "seed_metric_table",
-    "seed_zero_shot_table",
-    "write_tables",
-]
 
 
 # ------------------------------------------------------------------------------------------ zero-shot
@@ -316,55 +270,25 @@ def efficiency_table(
         e = record.efficiency
         memory = None if e.peak_memory_bytes is None else e.peak_memory_bytes / 2**30
         groups = [layer.group_size for layer in record.routing if layer.group_size is not None]
-        rows.append(
-            (
-                labels[record.run_id],
-                _fmt(e.iter_time_ms, ".1f"),
-                _fmt_tflops(e.tflops_per_device_analytic),
-                _fmt_tflops(e.tflops_per_device_measured),
-                _fmt(e.tokens_per_s, ".0f"),
-                _fmt(memory, ".2f"),
-                _fmt(e.mean_active_experts, ".3f"),
-                _fmt(statistics.fmean(groups) if groups else None, ".0f"),
-                str(e.num_devices),
-                record.environment.device,
-                e.backend or MISSING,
-                parity[record.run_id].note,
-            )
-        )
+        rows.append((
+            labels[record.run_id], _fmt(e.iter_time_ms, ".1f"), _fmt_tflops(e.tflops_per_device_analytic),
+            _fmt_tflops(e.tflops_per_device_measured), _fmt(e.tokens_per_s, ".0f"), _fmt(memory, ".2f"),
+            _fmt(e.mean_active_experts, ".3f"), _fmt(statistics.fmean(groups) if groups else None, ".0f"),
+            str(e.num_devices), record.environment.device, e.backend or MISSING, parity[record.run_id].note,
+        ))
         for source, entries in _published_groups(record, ledger or (), "efficiency.").items():
             ms = entries.get("efficiency.iter_time_ms")
             tf = entries.get("efficiency.tflops_per_device")
             setting = next(iter(entries.values())).setting
-            rows.append(
-                (
-                    f"{record.experiment.router} [{source}]",
-                    _fmt(ms.value if ms else None, ".1f"),
-                    _fmt_tflops(tf.value if tf else None),
-                    MISSING,
-                    MISSING,
-                    MISSING,
-                    MISSING,
-                    MISSING,
-                    MISSING if setting.num_devices is None else str(setting.num_devices),
-                    setting.hardware or MISSING,
-                    MISSING,
-                    f"published, {setting.model}",
-                )
-            )
+            rows.append((
+                f"{record.experiment.router} [{source}]", _fmt(ms.value if ms else None, ".1f"),
+                _fmt_tflops(tf.value if tf else None), *[MISSING] * 5,
+                MISSING if setting.num_devices is None else str(setting.num_devices), setting.hardware or MISSING,
+                MISSING, f"published, {setting.model}",
+            ))
     headers = (
-        "Router",
-        "ms/iter",
-        "TFLOP/s/dev (analytic)",
-        "TFLOP/s/dev (measured)",
-        "tokens/s",
-        "peak mem (GiB)",
-        "active experts",
-        "token group",
-        "devices",
-        "device",
-        "backend",
-        "compute parity",
+        "Router", "ms/iter", "TFLOP/s/dev (analytic)", "TFLOP/s/dev (measured)", "tokens/s", "peak mem (GiB)",
+        "active experts", "token group", "devices", "device", "backend", "compute parity",
     )
     caption = (
         "Training efficiency. ms/iter and tokens/s (all devices): medians over the steps after warm-up. "

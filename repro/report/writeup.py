@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from repro.errors import ReproError
-from repro.report import findings, findings_ablation
+from repro.report import findings
 from repro.report.prose import Writeup
 
 _BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w.+-]+) -->\n)(?P<body>.*?)(<!-- END generated: (?P=name) -->)", re.S)
@@ -36,9 +36,9 @@ def studies() -> dict[str, Callable[[Path], Writeup]]:
     return {
         "mini": findings.mini,
         "mini-seeds": findings.mini_seeds,
-        "dirmoe-ablation": findings_ablation.screen,
-        "dirmoe-ablation-6seeds": findings_ablation.ablation,
-        "dirmoe-ablation-confirm": findings_ablation.confirm,
+        "dirmoe-ablation": findings.screen,
+        "dirmoe-ablation-6seeds": findings.ablation,
+        "dirmoe-ablation-confirm": findings.confirm,
         "bench": findings.bench,
     }
 
