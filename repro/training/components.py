@@ -23,6 +23,7 @@ import torch
 
 from repro.io_utils import open_in_dir
 from repro.training import checkpoint as ckpt
+from repro.training.checkpoint_data import restore_rng_state
 from repro.training.distributed import all_reduce_mean
 from repro.training.log import LogRow, write_row
 from repro.training.synthetic import MicroBatchSampler, collate
@@ -216,7 +217,7 @@ class Checkpointer:
         trainer.optimization.load_state_dict(payload["optimizer"])
         trainer.scheduler.load_state_dict(payload["scheduler"])
         trainer.step, trainer.consumed = int(payload["step"]), int(payload["consumed_samples"])
-        ckpt.restore_rng_state(payload["rng"])
+        restore_rng_state(payload["rng"])
 
     def close(self) -> None:
         pass
