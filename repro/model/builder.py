@@ -202,7 +202,7 @@ def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> To
     """The torch backend's options from an instance, a dict of its fields or None (the defaults)."""
     if isinstance(options, TorchBackendOptions):
         return options
-    options = options or {}
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise ValueError(f"backend_options must be a TorchBackendOptions or a dict, got {type(options).__name__}")
     valid = {f.name for f in dataclasses.fields(TorchBackendOptions)}
