@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from repro.training.components import TrainerState
 
 #: Exit status of ``python -m repro train`` when a signal stopped the run after writing its checkpoint:
-#: sysexits.h's EX_TEMPFAIL (143, 128 + SIGTERM, is a process killed by the signal without a checkpoint).
+#: sysexits.h's EX_TEMPFAIL (a process killed by the signal, without a checkpoint, exits 143 = 128 + SIGTERM).
 EXIT_STOPPED = 75
 
 
