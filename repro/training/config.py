@@ -174,7 +174,7 @@ class DataConfig:
         global_batch_size: sequences per optimizer step over all ranks (a multiple of ``micro_batch_size x``
             data-parallel size).
         similarity_batching: train on chains of similar documents (Lory's data batching,
-            :mod:`repro.data.similarity`); indexed data only (on synthetic tokens ``config.json`` says it does not apply).
+            :mod:`repro.data.similarity`); indexed data only (``config.json`` says so on synthetic tokens).
     """
 
     source: str = "synthetic"
