@@ -293,7 +293,9 @@ def build_model(
 
         names = [MEGATRON_ROUTER, *available_routers()]
         if router_name is None:
-            raise ValueError(f"flavour '{flavour.name}' is an MoE model and needs a router; available: {', '.join(names)}")
+            raise ValueError(
+                f"flavour '{flavour.name}' is an MoE model and needs a router; available: {', '.join(names)}"
+            )
         if router_name not in names:
             raise ValueError(f"unknown router '{router_name}'; available: {', '.join(names)}")
     elif router_name is not None:
