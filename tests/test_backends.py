@@ -62,16 +62,12 @@ def test_backend_resolution_on_this_machine():
     expected_auto = "te" if te_available() else ("torch" if on_gpu else "local")
     assert resolve_backend("auto") == resolve_backend(None) == expected_auto
     assert resolve_backend("torch") == "torch" and resolve_backend("local") == "local"
-    assert resolve_backend(use_te=False) == "local"
     with pytest.raises(ValueError, match="unknown backend 'fast'; valid: auto, te, torch, local"):
         resolve_backend("fast")
-    with pytest.raises(ValueError, match="contradicts"):
-        resolve_backend("torch", use_te=False)
     if not te_available():
-        for request in ({"backend": "te"}, {"use_te": True}):
-            with pytest.raises(ValueError, match="^backend 'te' needs TransformerEngine on a GPU") as info:
-                resolve_backend(**request)
-            assert "\n" not in str(info.value)
+        with pytest.raises(ValueError, match="^backend 'te' needs TransformerEngine on a GPU") as info:
+            resolve_backend("te")
+        assert "\n" not in str(info.value)
     assert BACKENDS == ("auto", "te", "torch", "local")
 
 

@@ -129,7 +129,7 @@ def test_flavour_table_and_lookup():
 
 
 def test_llama_185m_transformer_config():
-    cfg = transformer_config("llama-185m", "switch", bf16=False, use_te=False)
+    cfg = transformer_config("llama-185m", "switch", bf16=False, backend="local")
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups) == (12, 768, 12, 4)
     assert (cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts, cfg.moe_router_topk) == (3072, 3072, 8, 1)
     assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and cfg.activation_func is F.silu

@@ -1,107 +1,26 @@
-"""Backend choice for megatron-core 0.16.1 models, and a TransformerEngine-free fast backend: grouped-GEMM
-experts and SDPA attention.
+"""Backend choice for megatron-core 0.16.1 models, and the kernel plumbing of the TransformerEngine-free
+``"torch"`` backend (grouped-GEMM experts and SDPA attention, modules in :mod:`repro.model.torch_backend`).
 
-Why: without TransformerEngine (TE), megatron-core 0.16.1 falls back to its *local* layer spec, whose MoE
-experts are ``SequentialMLP`` (a Python loop of two GEMMs per expert) and whose attention is the unfused
-``DotProductAttention`` (``baddbmm`` of the full ``[b * heads, s, s]`` scores, softmax, ``bmm``). Neither is
-what the papers timed (TE's grouped GEMM and fused attention). TE's PyTorch binding is source-only, so
-offline GPU machines cannot install it. The ``"torch"`` backend gives megatron the two fast pieces from
-torch itself (the modules live in :mod:`repro.model.torch_backend`, the kernel plumbing here):
-
-- :class:`~repro.model.torch_backend.TorchGroupedMLP`: the MoE layer's ``experts`` submodule. All local
-  experts run as ONE grouped GEMM per projection (``torch.nn.functional.grouped_mm``, else ``torch._grouped_mm``), forward and
-  backward. Same constructor and forward contract as megatron's ``SequentialMLP``
-  (``forward(permuted_local_hidden_states [M, H], tokens_per_expert [E_local], permuted_probs [M])
-  -> (output [M, H], None)``, the probs scaling the activation before the second projection, any number
-  of tokens per expert, zero included), same parameters, same initialisation (same RNG draws in the same
-  order, so one seed gives the same weights on either backend) and the same ``state_dict`` keys
-  (``...experts.local_experts.<i>.linear_fc1.weight`` ``[2F, H]``, ``...linear_fc2.weight`` ``[H, F]``, and
-  megatron's ``_extra_state`` placeholders), so checkpoints move between backends and
-  ``repro.training.checkpoint``'s expert renumbering for expert parallelism keeps working.
-- :class:`~repro.model.torch_backend.TorchSDPAttention`: the ``core_attention`` submodule, on
-  ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient / cuDNN kernels chosen by
-  torch; GQA through ``enable_gqa``). Same constructor and forward contract as megatron's
-  ``DotProductAttention`` (``[s, b, heads, d]`` query, ``[s, b, groups, d]`` key and value, megatron's
-  boolean mask with True = masked, output ``[s, b, heads * d]``); no parameters.
-
-Backend selection (:func:`resolve_backend`): ``"auto"`` is ``"te"`` when TransformerEngine is importable on
-a GPU, else ``"torch"`` on a GPU, else ``"local"`` (CPU); ``"torch"`` also runs on CPU (the tests use it).
-``repro.model.builder.build_model(..., backend=...)`` plugs the modules in and records the choice in
-``model.backend``.
-
-Kernel facts this rests on (torch source ``aten/src/ATen/native/cuda/GroupedBlas.cpp`` and
-``GroupedMMUtils.h``; measured on torch 2.13 CPU):
-
-- ``grouped_mm(a [M, K], b [G, K, N], offs=int32 cumulative ends) -> [M, N]`` (2d x 3d, the forward and
-  the input gradient) and ``grouped_mm(a [N, M], b [M, K], offs) -> [G, N, K]`` (2d x 2d, the weight
-  gradient). Offsets must be int32; groups may be empty.
-- dtypes: float32, bfloat16, float16. On CUDA, only bf16 on compute capability 9.x / 10.x takes the
-  CUTLASS kernel (no host sync); everything else runs ``_grouped_mm_fallback``, a loop of ``mm`` after a
-  device-to-host copy of the offsets, i.e. no faster than our own loop. On CPU all three dtypes run.
-- layout: each operand row- or column-major with its leading stride a multiple of 16 bytes, and on CUDA
-  a 16-byte aligned data pointer; the autograd formula of torch's own op fails on a non-contiguous
-  incoming gradient (measured: "Invalid strides/sizes" for the gradient of ``y.sum()``), hence our own
-  ``autograd.Function`` that makes it contiguous.
-
-Switchable defaults (:class:`TorchBackendOptions`, passed through the module specs):
-
-1. ``expert_gemm="auto"``: the grouped kernel where it applies (CPU in fp32/bf16/fp16; CUDA in bf16 on
-   sm90/sm100), with 16-byte aligned dimensions and at least one token, after a one-time self-check per
-   device and dtype against the loop; otherwise the exact per-expert loop (the same ``x @ W.t()`` GEMMs
-   as ``SequentialMLP``). ``"grouped_mm"`` insists on the kernel (a clear error where it cannot run; a
-   rank without tokens still takes the loop), ``"loop"`` never uses it.
-2. ``zero_empty_expert_grads=True``: the weight gradient of an expert that received no token is set to
-   exactly zero after the grouped kernel. It is zero mathematically, but kernels have been reported to
-   leave values there (pytorch/pytorch#172439 on sm100; pytorch/pytorch#174314 on ROCm). Costs an index
-   write over the empty experts only.
-3. ``causal_mask="verify"``: the suite always passes an explicit causal mask; flash attention takes no
-   mask, only ``is_causal``. An explicit mask is checked once per mask tensor (and again if it is modified
-   in place; one host sync) against the causal pattern; if it is causal, SDPA runs with ``is_causal=True``,
-   otherwise with the mask itself (exact, on the memory-efficient or math kernel), as megatron's
-   ``DotProductAttention`` honours any mask. ``"trust"`` follows TE instead (with ``attn_mask_type``
-   causal the mask is not read), ``"explicit"`` always passes the mask.
-
-Known differences from the modules replaced: rows whose every key is masked get megatron's uniform
-attention (it fills -10000) but NaN from SDPA (the suite's causal masks never mask a whole row);
-``sharded_state_dict`` (megatron's distributed checkpointing, unused by the suite) is not implemented for
-the grouped experts; expert tensor parallelism, biases, FP8/FP4 and megatron's latent MoE projections are
-refused with a ``ValueError`` (the suite uses none of them). In bf16, SDPA's kernels accumulate the scores
-and the softmax in fp32 where megatron's unfused path rounds the scores to bf16 first: outputs agree to
-bf16 precision, not bit for bit.
+Why it exists, the kernel facts it rests on and its switchable defaults (:class:`TorchBackendOptions`,
+numbered 1-3) are in docs/efficiency.md, "Model backends".
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-#: Backend names accepted by :func:`resolve_backend` (and ``build_model(backend=...)``).
 BACKENDS = ("auto", "te", "torch", "local")
-#: Values of :attr:`TorchBackendOptions.expert_gemm`.
 EXPERT_GEMMS = ("auto", "grouped_mm", "loop")
-#: Values of :attr:`TorchBackendOptions.causal_mask`.
 CAUSAL_MASK_MODES = ("verify", "trust", "explicit")
 
-__all__ = [
-    "BACKENDS",
-    "CAUSAL_MASK_MODES",
-    "EXPERT_GEMMS",
-    "TorchBackendOptions",
-    "grouped_linear",
-    "grouped_mm_unusable_reason",
-    "offsets",
-    "resolve_backend",
-    "te_available",
-]
-
-
-# ------------------------------------------------------------------------------------- options
 @dataclass(frozen=True)
 class TorchBackendOptions:
-    """The torch backend's switchable defaults (numbered 1-3 in the module docstring).
+    """The torch backend's switchable defaults (numbered 1-3 in docs/efficiency.md).
 
     Args:
         expert_gemm: ``"auto"`` (grouped kernel where it applies, else the exact loop), ``"grouped_mm"``
@@ -124,7 +43,6 @@ class TorchBackendOptions:
             raise ValueError(f"zero_empty_expert_grads must be a bool, got {self.zero_empty_expert_grads!r}")
 
 
-# ------------------------------------------------------------------------------------ selection
 def te_available() -> bool:
     """Whether TransformerEngine is importable and a GPU is present (never on the CPU machines)."""
     if not torch.cuda.is_available():
@@ -136,30 +54,19 @@ def te_available() -> bool:
     return True
 
 
-def resolve_backend(backend: str | None = "auto", use_te: bool | None = None) -> str:
+def resolve_backend(backend: str | None = "auto") -> str:
     """The concrete backend (``"te"``, ``"torch"`` or ``"local"``) for a request on this machine.
 
     Args:
         backend: one of :data:`BACKENDS`; None means ``"auto"``: TE when importable on a GPU, else
             ``"torch"`` on a GPU, else ``"local"``.
-        use_te: the former boolean switch, still accepted: True means ``"te"``, False ``"local"``; it must
-            agree with an explicit ``backend``.
-
-    Returns:
-        ``"te"``, ``"torch"`` or ``"local"``.
 
     Raises:
-        ValueError: an unknown backend, ``"te"`` where TransformerEngine is not usable, or a ``use_te``
-            that contradicts ``backend``.
+        ValueError: an unknown backend, or ``"te"`` where TransformerEngine is not usable.
     """
     requested = "auto" if backend is None else backend
     if requested not in BACKENDS:
         raise ValueError(f"unknown backend '{requested}'; valid: {', '.join(BACKENDS)}")
-    if use_te is not None:
-        legacy = "te" if use_te else "local"
-        if requested not in ("auto", legacy):
-            raise ValueError(f"use_te={use_te} contradicts backend='{requested}'; pass only backend")
-        requested = legacy
     if requested == "te":
         if not te_available():
             raise ValueError(
@@ -174,7 +81,6 @@ def resolve_backend(backend: str | None = "auto", use_te: bool | None = None) ->
     return requested
 
 
-# ------------------------------------------------------------------------------- grouped GEMM
 def _grouped_mm_op():
     """torch's grouped GEMM: the public ``F.grouped_mm`` where present, else ``torch._grouped_mm``."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
@@ -192,9 +98,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 class _GroupedLinear(torch.autograd.Function):
     """``y[rows of expert e] = x[rows of expert e] @ w[e].t()`` with torch's grouped GEMM, both directions.
 
-    Forward ``x_MK``, ``w_ENK`` (megatron's ``[out, in]`` weight layout stacked over experts), ``offs_E``
-    (int32 cumulative row ends, on x's device) and ``empty_experts`` (indices whose weight gradient is
-    zeroed, option 2). Backward: ``dx = grouped_mm(dy, w)``, ``dw = grouped_mm(dy.t(), x)``.
+    ``w_ENK`` is megatron's ``[out, in]`` layout stacked over experts, ``offs_E`` the int32 cumulative row
+    ends, ``empty_experts`` the experts whose weight gradient is zeroed (option 2).
     """
 
     @staticmethod
@@ -262,9 +167,6 @@ def grouped_mm_unusable_reason(
         num_tokens: M, if not ``x_MK.shape[0]`` (to ask about an input not computed yet).
         in_features: K, if not ``x_MK.shape[1]``.
 
-    Returns:
-        A one-line reason (no kernel in this torch, dtype, device, alignment, no tokens, failed self-check)
-        or None.
     """
     if _grouped_mm_op() is None:
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
@@ -312,9 +214,6 @@ def grouped_linear(
         use_kernel: torch's grouped kernel (the caller checked :func:`grouped_mm_unusable_reason`);
             False runs the exact loop.
         zero_empty_grads: zero the kernel's weight gradient of experts with no rows.
-
-    Returns:
-        ``[M, N]``.
     """
     if not use_kernel:
         return _loop_linear(x_MK, w_ENK, counts)
@@ -326,8 +225,4 @@ def grouped_linear(
 
 def offsets(counts: list[int], device: torch.device) -> torch.Tensor:
     """The int32 cumulative ends of ``counts`` (the kernel's ``offs``), built on the host and copied to ``device``."""
-    ends, total = [], 0
-    for c in counts:
-        total += c
-        ends.append(total)
-    return torch.tensor(ends, dtype=torch.int32).to(device, non_blocking=True)
+    return torch.tensor(list(itertools.accumulate(counts)), dtype=torch.int32).to(device, non_blocking=True)

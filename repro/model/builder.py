@@ -1,49 +1,21 @@
 """Build LLaMA-style megatron-core GPT models with any registered router in every block.
 
-Public API (signatures kept stable for the training loop and the evaluation bridge)::
-
-    build_model(flavour, router_name=None, router_options=None, vocab_size=None, *,
-                seq_length=None, bf16=None, backend=None, backend_options=None, use_te=None, seed=None)
-        -> GPTModel
-    transformer_config(flavour, router_name=None, router_options=None, *, bf16=None, backend=None,
-                       use_te=None) -> TransformerConfig
-    causal_attention_mask(seq_length, device=None) -> [1, 1, S, S] bool       (re-exported from cpu_shims)
-    MEGATRON_ROUTER = "megatron"
-
-Call :func:`repro.model.parallel.init_distributed` first (megatron needs its parallel state).
-
-Forward (megatron's GPTModel)::
+Call :func:`repro.model.parallel.init_distributed` first (megatron needs its parallel state). Forward::
 
     mask = causal_attention_mask(S, device)                  # always pass it: see cpu_shims (shim 3)
-    position_ids_BS = torch.arange(S, device=device).expand(B, S)
     with token_ids_context(model, input_ids_BS):            # needed by Hash, harmless for the others
         loss_BS = model(input_ids_BS, position_ids_BS, mask, labels=labels_BS)   # per-token CE, fp32
     logits_BSV = model(input_ids_BS, position_ids_BS, mask)                        # without labels
 
-Routers: ``router_name`` is a registered name (``routers.available_routers()``) plugged in through
-``MoESubmodules.router`` via :mod:`routers.megatron_adapter`; a router whose class names its own MoE layer
-(``Router.moe_layer_class()``, Lory's parameter-merging layer) gets that layer with local experts; a router
-class with a ``link_layers`` classmethod is given its routers of the built model (SparseMixer-v2's loss
-pooled over the layers); and
-``"megatron"`` keeps megatron-core's own
-``TopKRouter`` (softmax before top-k, load-balancing aux loss; options ``aux_loss_coeff`` (1e-2),
-``z_loss_coeff``, ``capacity_factor``) for comparisons. Dense flavours take no router.
+Routers plug in through ``MoESubmodules.router`` (:mod:`routers.megatron_adapter`); a router class naming its
+own MoE layer (``Router.moe_layer_class()``, Lory's) gets that layer with ``SequentialMLP`` experts on every
+backend; one with a ``link_layers`` classmethod is given its routers of the built model (SparseMixer-v2's
+loss pooled over the layers); ``"megatron"`` keeps megatron-core's ``TopKRouter`` (softmax before top-k,
+options ``aux_loss_coeff`` (1e-2), ``z_loss_coeff``, ``capacity_factor``). Backends: docs/efficiency.md.
 
-Backends (``backend``, :mod:`repro.model.backends`): ``"te"`` the TransformerEngine layer spec with
-grouped-GEMM experts and fused attention; ``"torch"`` megatron's local spec with torch's grouped GEMM for
-the experts and SDPA for the attention (:mod:`repro.model.torch_backend`; same parameters and state-dict
-keys as the local spec); ``"local"`` megatron's local spec (``SequentialMLP`` experts, unfused
-``DotProductAttention``). ``"auto"`` (the default) takes TE when it is importable on a GPU, else
-``"torch"`` on a GPU, else ``"local"``. Routers with their own MoE layer (Lory's, which merges the experts'
-parameters) keep megatron's ``SequentialMLP`` experts on every backend. ``model.backend`` says which backend
-was built.
-
-Devices and precision: on CPU fp32. On GPU bf16 parameters (megatron modules) with the routers kept in
-fp32 (the adapter feeds them fp32 hidden states) and ``moe_router_dtype="fp32"`` for TopKRouter. Do not call
-``model.bfloat16()`` afterwards: it would cast the routers too.
-
-``model.config`` is the TransformerConfig (for FLOPs); ``model.flavour`` the :class:`ModelFlavour` used;
-``model.backend`` the backend (``"te"``, ``"torch"`` or ``"local"``).
+On GPU the parameters are bf16 and the routers fp32 (the adapter feeds them fp32 hidden states; do not call
+``model.bfloat16()`` afterwards). ``model.config`` is the TransformerConfig (for FLOPs), ``model.flavour`` the
+:class:`ModelFlavour` used, ``model.backend`` the backend built.
 """
 
 from __future__ import annotations
@@ -54,18 +26,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from repro.model.backends import BACKENDS, TorchBackendOptions, resolve_backend, te_available
+from repro.model.backends import TorchBackendOptions, resolve_backend
 from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
 from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS, ModelFlavour, get_flavour
 
-__all__ = [
-    "BACKENDS",
-    "MEGATRON_ROUTER",
-    "build_model",
-    "causal_attention_mask",
-    "te_available",
-    "transformer_config",
-]
+__all__ = ["MEGATRON_ROUTER", "build_model", "causal_attention_mask", "transformer_config"]
 
 
 def transformer_config(
@@ -75,7 +40,6 @@ def transformer_config(
     *,
     bf16: bool | None = None,
     backend: str | None = None,
-    use_te: bool | None = None,
     tp: int = 1,
     ep: int = 1,
 ):
@@ -86,23 +50,18 @@ def transformer_config(
         router_name: the router (only ``"megatron"`` changes the config: it enables TopKRouter's aux loss).
         router_options: for ``"megatron"``: ``aux_loss_coeff``, ``z_loss_coeff``, ``capacity_factor``.
         bf16: bf16 parameters; default: on GPU only.
-        backend: ``"auto"`` (default), ``"te"``, ``"torch"`` or ``"local"`` (see the module docstring);
-            ``"te"`` and ``"torch"`` turn megatron's compiled fusions on on a GPU (:func:`fusions_enabled`),
-            ``"te"`` also its TE-only fusions and the grouped GEMM of the TE experts.
-        use_te: the former switch (True = ``"te"``, False = ``"local"``); prefer ``backend``.
+        backend: ``"auto"`` (default), ``"te"``, ``"torch"`` or ``"local"``; ``"te"`` and ``"torch"`` turn
+            megatron's compiled fusions on on a GPU (:func:`fusions_enabled`), ``"te"`` also its TE-only
+            fusions and the grouped GEMM of the TE experts.
         tp: tensor-parallel size (must match megatron's parallel_state).
-        ep: expert-parallel size; with ep > 1 megatron marks expert parameters ``allreduce=False`` so that
-            data-parallel gradient reduction leaves them to the expert-data-parallel group.
-
-    Returns:
-        A ``megatron.core.transformer.transformer_config.TransformerConfig``.
+        ep: expert-parallel size (megatron then marks expert parameters ``allreduce=False``).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     flavour = get_flavour(flavour)
     on_gpu = cuda_available()
     bf16 = on_gpu if bf16 is None else bf16
-    resolved = resolve_backend(backend, use_te)
+    resolved = resolve_backend(backend)
     use_te = resolved == "te"
     fused = fusions_enabled(resolved, on_gpu)
     kwargs: dict[str, Any] = dict(
@@ -125,13 +84,8 @@ def transformer_config(
         expert_model_parallel_size=ep if flavour.is_moe else 1,
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        # megatron's fused SwiGLU (bias_swiglu_impl / weighted_bias_swiglu_impl) and native fused
-        # cross-entropy are torch.compile'd functions (megatron.core.jit): no TransformerEngine, but inductor
-        # (Triton and a C compiler on CUDA). On for the TE and torch backends on a GPU (:func:`fusions_enabled`,
-        # as the papers' Megatron-LM runs, so TFLOP/s are comparable); the local backend stays megatron's
-        # unfused reference. The fused cross-entropy casts its gradient to bf16: bf16 models only. RoPE and
-        # masked-softmax fusions need TransformerEngine or megatron's CUDA extensions: TE backend only.
-        # Apex-only fusions stay off (Apex is not a dependency).
+        # Compiled fusions as the papers' Megatron-LM runs (docs/efficiency.md); the fused cross-entropy casts
+        # its gradient to bf16 (bf16 models only); RoPE and masked-softmax fusions need TE; Apex's stay off.
         bias_activation_fusion=fused,
         cross_entropy_loss_fusion=fused and bf16,
         cross_entropy_fusion_impl="native",
@@ -190,11 +144,7 @@ def _moe_layer_class(router_name: str | None) -> type | None:
 
 
 def _with_vocab_size(router_name: str, router_options: dict[str, Any] | None, padded_vocab: int) -> dict[str, Any]:
-    """Fill a router's ``vocab_size`` option (Hash's table size) with the model's padded vocabulary.
-
-    A router whose config has a ``vocab_size`` field must cover every token id the model can see; unless
-    the caller set it, it is the model's (padded) vocabulary.
-    """
+    """Fill a router's ``vocab_size`` option (Hash's table size), unless set, with the padded vocabulary."""
     from routers import router_class
 
     options = dict(router_options or {})
@@ -249,12 +199,10 @@ def _layer_spec(
 
 
 def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> TorchBackendOptions:
-    """The torch backend's options from an instance, a dict of its fields (ValueError naming the valid
-    ones for an unknown field) or None (the defaults)."""
-    if options is None:
-        return TorchBackendOptions()
+    """The torch backend's options from an instance, a dict of its fields or None (the defaults)."""
     if isinstance(options, TorchBackendOptions):
         return options
+    options = {} if options is None else options
     if not isinstance(options, dict):
         raise ValueError(f"backend_options must be a TorchBackendOptions or a dict, got {type(options).__name__}")
     valid = {f.name for f in dataclasses.fields(TorchBackendOptions)}
@@ -292,7 +240,6 @@ def build_model(
     bf16: bool | None = None,
     backend: str | None = None,
     backend_options: TorchBackendOptions | dict[str, Any] | None = None,
-    use_te: bool | None = None,
     seed: int | None = None,
 ):
     """Build a LLaMA-style megatron-core ``GPTModel`` with ``router_name`` in every block's MoE layer.
@@ -308,19 +255,14 @@ def build_model(
             the flavour's.
         seq_length: override of the flavour's sequence length (RoPE's maximum position).
         bf16: bf16 parameters (default: on GPU only).
-        backend: ``"auto"`` (default: TE when importable on a GPU, else ``"torch"`` on a GPU, else
-            ``"local"``), ``"te"``, ``"torch"`` or ``"local"``; see the module docstring.
+        backend: ``"auto"`` (default), ``"te"``, ``"torch"`` or ``"local"`` (:func:`resolve_backend`).
         backend_options: options of the ``"torch"`` backend (a
-            :class:`~repro.model.backends.TorchBackendOptions` or a dict of its fields); ignored by the
-            other backends.
-        use_te: the former switch (True = ``"te"``, False = ``"local"``); prefer ``backend``.
-        seed: if given, re-seed torch and megatron's RNG tracker (``seed_model_parallel_rng``) right
-            before construction, so two builds with the same seed have identical initial weights.
+            :class:`~repro.model.backends.TorchBackendOptions` or a dict of its fields).
+        seed: if given, re-seed torch and megatron's RNG tracker right before construction, so two builds
+            with the same seed have identical initial weights.
 
     Returns:
-        The ``GPTModel`` on this process's device, with ``model.config`` (TransformerConfig),
-        ``model.flavour`` (the ModelFlavour used, vocabulary and sequence length filled in) and
-        ``model.backend`` (``"te"``, ``"torch"`` or ``"local"``).
+        The ``GPTModel`` on this process's device (see the module docstring for its attributes).
 
     Raises:
         ValueError: unknown flavour/router/option/backend, backend ``"te"`` without TransformerEngine, a
@@ -347,20 +289,15 @@ def build_model(
         raise ValueError(f"flavour '{flavour.name}' takes its vocabulary from the tokenizer: pass vocab_size")
 
     if flavour.is_moe:
+        from routers import available_routers
+
+        names = [MEGATRON_ROUTER, *available_routers()]
         if router_name is None:
-            from routers import available_routers
-
             raise ValueError(
-                f"flavour '{flavour.name}' is an MoE model and needs a router; "
-                f"available: {', '.join([MEGATRON_ROUTER, *available_routers()])}"
+                f"flavour '{flavour.name}' is an MoE model and needs a router; available: {', '.join(names)}"
             )
-        if router_name != MEGATRON_ROUTER:
-            from routers import available_routers
-
-            if router_name not in available_routers():
-                raise ValueError(
-                    f"unknown router '{router_name}'; available: {', '.join([MEGATRON_ROUTER, *available_routers()])}"
-                )
+        if router_name not in names:
+            raise ValueError(f"unknown router '{router_name}'; available: {', '.join(names)}")
     elif router_name is not None:
         raise ValueError(f"flavour '{flavour.name}' is dense and takes no router (got '{router_name}')")
 
@@ -369,7 +306,7 @@ def build_model(
     if flavour.is_moe and router_name != MEGATRON_ROUTER:
         router_options = _with_vocab_size(router_name, router_options, padded_vocab)
 
-    backend = resolve_backend(backend, use_te)
+    backend = resolve_backend(backend)
     backend_options = _backend_options(backend_options)
     ep = parallel_state.get_expert_model_parallel_world_size()
     config = transformer_config(flavour, router_name, router_options, bf16=bf16, backend=backend, tp=tp, ep=ep)
@@ -398,11 +335,8 @@ def build_model(
 
 
 def _link_router_layers(model: torch.nn.Module) -> None:
-    """Hand every router class that defines ``link_layers`` the list of its routers in ``model`` (layer order).
-
-    Routers whose loss spans the layers of one forward (SparseMixer-v2's pooled balancing loss, GRIN's) share
-    state through it; the others are left alone.
-    """
+    """Hand every router class that defines ``link_layers`` its routers in ``model``, in layer order (for
+    losses that span the layers of one forward: SparseMixer-v2's pooled balancing loss)."""
     from routers.schedule import routers_in
 
     by_class: dict[type, list] = {}

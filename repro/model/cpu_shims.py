@@ -1,10 +1,7 @@
 """The few patches megatron-core 0.16.1 needs to build and train on a machine without CUDA.
 
-Call :func:`apply_cpu_shims` once before building a model (``repro.model.builder.build_model`` and
-``repro.model.parallel.init_distributed`` call it for you). It does nothing when CUDA is available, and
-applying it twice is the same as applying it once. Each shim below says why it exists; every one of them
-has a test in ``tests/test_cpu_shims.py`` that fails when megatron-core's behaviour changes (so a shim that
-is no longer needed, or no longer enough, is noticed).
+:func:`apply_cpu_shims` (called by ``build_model`` and ``init_distributed``) is idempotent and a no-op with
+CUDA. Each shim has a test in ``tests/test_cpu_shims.py`` that fails when megatron-core's behaviour changes.
 
 The shims (all measured on megatron-core 0.16.1, torch 2.13.0 CPU):
 
@@ -28,8 +25,7 @@ The shims (all measured on megatron-core 0.16.1, torch 2.13.0 CPU):
    the shim gives the class a placeholder stream and a stream-free ``_maybe_dtoh_and_synchronize`` that
    makes the same conversions (split sizes to numpy) at the same point.
 6. ``get_megatron_optimizer`` hard-codes ``device='cuda'`` (``FP32Optimizer._scale``, grad clipping):
-   NOT patched. On CPU use ``torch.optim.AdamW`` plus ``torch.nn.utils.clip_grad_norm_``; on GPU use
-   megatron's (distributed) optimizer. See :data:`CPU_OPTIMIZER_NOTE`.
+   NOT patched: the training loop uses ``torch.optim.AdamW`` on CPU (:mod:`repro.training.optim`).
 """
 
 from __future__ import annotations
@@ -37,12 +33,6 @@ from __future__ import annotations
 import functools
 
 import torch
-
-#: Why the training loop must not call ``get_megatron_optimizer`` on CPU (shim 6, resolved by design).
-CPU_OPTIMIZER_NOTE = (
-    "megatron-core 0.16.1's get_megatron_optimizer allocates on device='cuda' (FP32Optimizer._scale, "
-    "clip_grads); on CPU use torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ instead"
-)
 
 # Marker set on patched objects so the shims are idempotent and tests can see what was applied.
 _SHIM_MARK = "_repro_cpu_shim"
@@ -72,13 +62,8 @@ setattr(_cpu_default_causal_mask, _SHIM_MARK, True)
 
 
 def _cpu_maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
-    """Stream-free replacement of ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (shim 5).
-
-    On GPU the split sizes are copied device-to-host on a side stream at ``cuda_dtoh_point`` and waited
-    for at ``cuda_sync_point``. On CPU they already live on the host; we make the same type conversions
-    at the same point (numpy for the splits, as the GPU path produces) so downstream code sees the same
-    types, and skip the stream and the event.
-    """
+    """Stream-free ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (shim 5): the splits become
+    numpy at ``cuda_dtoh_point``, as on GPU, without the side stream and the event."""
 
     def as_numpy(value):
         return value.numpy() if torch.is_tensor(value) else value
@@ -102,9 +87,7 @@ class _NoStream:
 
 
 def apply_cpu_shims() -> bool:
-    """Patch megatron-core (and ``torch.cuda.current_device``) so it runs on a machine without CUDA.
-
-    Safe to call many times; a no-op when CUDA is available.
+    """Patch megatron-core (and ``torch.cuda.current_device``) so it runs without CUDA; idempotent.
 
     Returns:
         True if the shims are in place (CPU machine), False if CUDA is available and nothing was done.
@@ -136,9 +119,7 @@ def apply_cpu_shims() -> bool:
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
 
-    # 2. (the RNG tracker) and 6. (the optimizer) are handled by seed_model_parallel_rng and by the
-    # training loop's choice of torch AdamW on CPU; see the module docstring.
-    return True
+    return True  # 2. and 6. are not patches (see the module docstring)
 
 
 def shims_applied() -> bool:
@@ -149,13 +130,8 @@ def shims_applied() -> bool:
 
 
 def seed_model_parallel_rng(seed: int) -> None:
-    """Seed torch and megatron-core's model-parallel RNG tracker for this machine (shim 2).
-
-    Needs megatron's ``parallel_state`` initialised (the tracker's seeds depend on the TP/EP ranks).
-
-    Args:
-        seed: the base seed; megatron derives the tensor- and expert-parallel seeds from it.
-    """
+    """Seed torch and megatron-core's model-parallel RNG tracker for this machine (shim 2; needs megatron's
+    ``parallel_state``: the tracker derives the tensor- and expert-parallel seeds from ``seed``)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
@@ -167,14 +143,6 @@ def seed_model_parallel_rng(seed: int) -> None:
 
 
 def causal_attention_mask(seq_length: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The explicit causal attention mask to pass to ``GPTModel.forward`` (works on CPU and GPU).
-
-    Args:
-        seq_length: S.
-        device: where to put it (default CPU).
-
-    Returns:
-        ``[1, 1, S, S]`` bool, True where attention is NOT allowed (above the diagonal), broadcast over
-        the batch and heads: megatron's convention (``attention_mask_func`` fills True with -10000).
-    """
+    """The explicit causal attention mask to pass to ``GPTModel.forward``: ``[1, 1, S, S]`` bool on ``device``,
+    True where attention is NOT allowed (above the diagonal), megatron's convention."""
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]

@@ -1,10 +1,5 @@
 """Model flavours: frozen configs of the LLaMA-style GPT models the suite trains.
 
-``get_flavour(name)`` returns a :class:`ModelFlavour`; change any field with ``dataclasses.replace`` or
-:meth:`ModelFlavour.with_overrides` (``num_experts``, ``top_k``, ``seq_length``, ``vocab_size``, ...).
-
-Flavours:
-
 - ``tiny``: the CPU model that trains in seconds (2 layers, hidden 128, 4 heads, 2 query groups,
   SwiGLU FFN 256 per expert, E=8, k=1, sequence 128, vocabulary from the tokenizer).
 - ``llama-185m``: the published setting of ReMoE and DirMoE (12 layers, hidden 768, 12 heads, GQA with 4
@@ -36,19 +31,12 @@ class ModelFlavour:
     """One model configuration (architecture only; optimisation settings live with the training loop).
 
     Args:
-        name: the flavour's name.
-        num_layers: L.
-        hidden_size: h (D).
-        num_attention_heads: a.
-        num_query_groups: g (GQA key/value heads).
-        ffn_hidden_size: f, the SwiGLU FFN width of one expert (or of the dense FFN).
+        num_query_groups: GQA key/value heads.
+        ffn_hidden_size: the SwiGLU FFN width of one expert (or of the dense FFN).
         num_experts: E; ``None`` for a dense model.
         top_k: k, the nominal experts per token (compute-parity target; ignored when dense).
-        seq_length: S, the training sequence length (also the maximum position for RoPE).
+        seq_length: the training sequence length (also RoPE's maximum position).
         vocab_size: the tokenizer's vocabulary size before padding; ``None`` = given at build time.
-        rotary_base: RoPE base.
-        init_method_std: standard deviation of the normal initialisation.
-        layernorm_epsilon: RMSNorm epsilon.
         token_dispatcher: megatron-core's MoE token dispatcher (``"alltoall"`` or ``"allgather"``).
     """
 
@@ -84,7 +72,6 @@ class ModelFlavour:
         if self.vocab_size is not None and self.vocab_size < 1:
             raise ValueError(f"{self.name}: vocab_size must be >= 1")
 
-    # ------------------------------------------------------------------ derived
     @property
     def is_moe(self) -> bool:
         """Whether the FFN of every block is an MoE layer."""
@@ -96,15 +83,8 @@ class ModelFlavour:
         return self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, vocab_size: int | None = None, tp: int = 1) -> int:
-        """The embedding/output size: the vocabulary padded to a multiple of ``128 * tp`` (Megatron-LM's rule).
-
-        Args:
-            vocab_size: the tokenizer's size; default this flavour's ``vocab_size``.
-            tp: tensor-model-parallel size.
-
-        Returns:
-            The padded size V used by the model (and by the FLOPs formula).
-        """
+        """The embedding/output size V: ``vocab_size`` (default this flavour's) padded to a multiple of
+        ``128 * tp`` (Megatron-LM's rule)."""
         size = vocab_size if vocab_size is not None else self.vocab_size
         if size is None:
             raise ValueError(f"flavour '{self.name}' has no vocab_size; pass the tokenizer's size")
@@ -163,18 +143,8 @@ def available_flavours() -> list[str]:
 
 
 def get_flavour(name: str | ModelFlavour, **overrides) -> ModelFlavour:
-    """Look a flavour up by name (a :class:`ModelFlavour` is passed through), optionally overriding fields.
-
-    Args:
-        name: a name from :func:`available_flavours`, or a flavour.
-        **overrides: fields to change (see :class:`ModelFlavour`).
-
-    Returns:
-        The flavour.
-
-    Raises:
-        ValueError: an unknown name (the message lists the valid ones) or field.
-    """
+    """Look a flavour up by name (a :class:`ModelFlavour` is passed through), optionally overriding fields
+    (ValueError naming the valid ones for an unknown name or field)."""
     if isinstance(name, ModelFlavour):
         flavour = name
     else:

@@ -1,29 +1,10 @@
 """torch.distributed + megatron-core ``parallel_state`` set-up, for one process or under ``torchrun``.
 
-Usage (the training loop, tests, the lm-eval bridge)::
-
-    from repro.model.parallel import init_distributed, destroy_distributed
-    info = init_distributed(tp=1, ep=1, seed=1234)   # gloo on CPU, nccl on GPU
-    ...
-    destroy_distributed()
-
-Signatures (kept stable):
-
-- ``init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | None = None) -> ParallelInfo``
-- ``destroy_distributed() -> None``
-- ``is_initialized() -> bool``
-
-Under ``torchrun`` the rank and world size come from the environment (``RANK``, ``WORLD_SIZE``,
-``LOCAL_RANK``, ``MASTER_ADDR``/``MASTER_PORT``). Tasks started by ``srun`` directly (one per GPU) get them
-from SLURM's own variables (:func:`rank_environment`: ``SLURM_PROCID``, the step's task count,
-``SLURM_LOCALID``, the step's first node), the mapping Megatron-Bridge and Lightning's ``SLURMEnvironment`` use. A process
-that sees a launch of several tasks but cannot tell its rank (a batch script of several tasks run without
-``srun``, an MPI launcher, ``RANK`` without ``WORLD_SIZE``) refuses to start, rather than training alone
-as a one-process world. Without any of them a one-process group is created on an in-process store (no
-port is opened, so concurrent test runs on one machine cannot collide).
-
-On CPU it applies :func:`repro.model.cpu_shims.apply_cpu_shims` and seeds megatron's RNG tracker in its
-CPU form; on GPU it selects the local device and seeds the regular CUDA tracker.
+Ranks come from torchrun's variables, or from SLURM's for tasks ``srun`` started directly
+(:func:`rank_environment`); a launch of several tasks whose rank a process cannot tell is refused rather than
+trained as a one-process world. One process gets a group on an in-process store (no port, so concurrent
+test runs cannot collide). On CPU the CPU shims are applied and megatron's RNG tracker is seeded in its CPU
+form; on GPU the local device is selected.
 """
 
 from __future__ import annotations
@@ -40,25 +21,13 @@ import torch.distributed as dist
 from repro.errors import ReproError
 from repro.model.cpu_shims import apply_cpu_shims, cuda_available, seed_model_parallel_rng
 
-#: Variables by which MPI launchers (Open MPI, MPICH / Intel MPI / PMI-2, PMIx, MVAPICH2) give the number of
-#: processes they started; > 1 without torch's rank variables means this process cannot know its rank.
+#: How MPI launchers (Open MPI, MPICH / Intel MPI / PMI-2, PMIx, MVAPICH2) give the number of processes.
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
 
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """What :func:`init_distributed` set up.
-
-    Args:
-        rank: global rank.
-        world_size: number of processes.
-        local_rank: rank on this machine (the GPU index on GPU machines).
-        tp: tensor-model-parallel size.
-        ep: expert-model-parallel size.
-        dp: data-parallel size (``world_size / tp``; megatron folds EP into DP for the dense part).
-        backend: ``"gloo"`` or ``"nccl"``.
-        device: the device this process computes on.
-    """
+    """What :func:`init_distributed` set up (``dp`` is ``world_size / tp``: megatron folds EP into DP)."""
 
     rank: int
     world_size: int
@@ -70,17 +39,12 @@ class ParallelInfo:
     device: torch.device
 
 
-# Whether this module created the default process group (so destroy_distributed only tears down what
-# init_distributed built). Process-wide by nature: torch.distributed's default group is process-wide too.
+# Whether init_distributed created the default process group (destroy_distributed tears down only that).
 _OWNS_PROCESS_GROUP = False
 
 
 def scontrol_hostnames(nodelist: str) -> list[str]:
-    """Expand a SLURM node list (``gpu[01-04]``) with ``scontrol show hostnames``, SLURM's own expansion.
-
-    Raises:
-        ReproError: scontrol is missing or fails.
-    """
+    """Expand a SLURM node list (``gpu[01-04]``) with ``scontrol show hostnames`` (ReproError if it fails)."""
     if shutil.which("scontrol") is None:
         raise ReproError(f"cannot find the first node of '{nodelist}': scontrol is not on PATH; export MASTER_ADDR")
     proc = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, check=False)
@@ -117,9 +81,6 @@ def rank_environment(
     Args:
         environ: the environment (``os.environ``).
         hostnames: expands a SLURM node list (:func:`scontrol_hostnames`; replaced in tests).
-
-    Returns:
-        The variables to set (empty when there is nothing to add).
 
     Raises:
         ReproError: only one of ``RANK`` / ``WORLD_SIZE``; ``SLURM_NTASKS`` > 1 outside an srun step (a
@@ -164,11 +125,8 @@ def rank_environment(
 
 
 def cuda_device_index(local_rank: int, device_count: int) -> int:
-    """The GPU a process uses: its local rank, or the only visible GPU when the launcher bound one per task.
-
-    Raises:
-        ReproError: a local rank beyond the visible GPUs (more processes than GPUs on the node).
-    """
+    """The GPU a process uses: its local rank, or the only visible GPU when the launcher bound one per task
+    (ReproError: more processes than GPUs on the node)."""
     if device_count == 1:
         return 0
     if not 0 <= local_rank < device_count:
@@ -192,9 +150,6 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
             must be a multiple of it, which megatron checks when the model is built).
         seed: seeds torch and megatron's model-parallel RNG tracker.
         backend: ``"gloo"``/``"nccl"``; default gloo without CUDA, nccl with it.
-
-    Returns:
-        A :class:`ParallelInfo`.
 
     Raises:
         ValueError: sizes that do not divide the world size, or a different TP/EP than an existing

@@ -1,10 +1,7 @@
-"""The torch backend's megatron-core modules: grouped-GEMM experts and SDPA core attention.
-
-What they are, the kernel facts they rest on and their switchable defaults: see :mod:`repro.model.backends`.
-:class:`TorchGroupedMLP` replaces ``SequentialMLP`` as the MoE layer's ``experts`` submodule,
-:class:`TorchSDPAttention` replaces ``DotProductAttention`` as ``core_attention``; both keep the contract
-(constructor, forward, state-dict keys) of the module they replace. :func:`torch_experts_spec` and
-:func:`torch_core_attention_builder` are how :mod:`repro.model.builder` plugs them into a layer spec.
+"""The torch backend's megatron-core modules: :class:`TorchGroupedMLP` replaces ``SequentialMLP`` as the MoE
+layer's ``experts``, :class:`TorchSDPAttention` replaces ``DotProductAttention`` as ``core_attention``, each
+keeping the contract (constructor, forward, state-dict keys) of the module it replaces. The kernel facts and
+the switchable defaults (options 1-3) are in docs/efficiency.md, "Model backends".
 """
 
 from __future__ import annotations
@@ -32,15 +29,13 @@ _EXTRA_STATE = "_extra_state"
 class TorchGroupedMLP(MegatronModule):
     """megatron's MoE ``experts`` submodule running all local experts as one grouped GEMM per projection.
 
-    Drop-in for ``SequentialMLP`` (see the module docstring): same constructor, forward and ``state_dict``
-    layout. The weights are stored stacked, ``fc1_weight [E_local, 2F, H]`` (gate rows then up rows, as
-    megatron's ``linear_fc1.weight``) and ``fc2_weight [E_local, H, F]``, and written to / read from the
-    state dict as the per-expert ``local_experts.<i>.linear_fc{1,2}.weight`` of ``SequentialMLP``.
+    The weights are stored stacked, ``fc1_weight [E_local, 2F, H]`` (gate rows then up rows, as megatron's
+    ``linear_fc1.weight``) and ``fc2_weight [E_local, H, F]``, and written to / read from the state dict as
+    the per-expert ``local_experts.<i>.linear_fc{1,2}.weight`` of ``SequentialMLP``.
 
     Args:
         num_local_experts: experts on this rank (``E / ep``).
-        config: megatron's TransformerConfig (``hidden_size``, ``moe_ffn_hidden_size``,
-            ``gated_linear_unit``, ``activation_func``, ``params_dtype``, init methods).
+        config: megatron's TransformerConfig.
         submodules: accepted for the ``SequentialMLP`` contract (unused: no linear submodules).
         pg_collection: megatron's process groups (``ep``, ``expt_tp``, ``expt_dp``); default: megatron's.
         options: :class:`TorchBackendOptions` (default: the defaults).
@@ -99,7 +94,6 @@ class TorchGroupedMLP(MegatronModule):
                         config.init_method(self.fc1_weight[e])
                         config.output_layer_init_method(self.fc2_weight[e])
 
-    # ----------------------------------------------------------------------- forward
     def use_grouped_kernel(self, hidden_MH: torch.Tensor) -> bool:
         """Whether a forward on ``hidden_MH`` takes torch's grouped kernel (option 1).
 
@@ -125,10 +119,8 @@ class TorchGroupedMLP(MegatronModule):
         else unfused."""
         config = self.config
         if config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu:
-            if fc1_MG.shape[0] > 0:  # (no tokens: nothing to fuse, and no compilation for an empty shape)
-                # megatron's fused SwiGLU with the routing weight (torch.compile'd, no TransformerEngine): one
-                # kernel each way instead of ~8 elementwise passes over [M, 2F]; the config refuses a clamp or
-                # offset with fusion.
+            if fc1_MG.shape[0] > 0:  # (no tokens: no compilation for an empty shape)
+                # One kernel each way instead of ~8 elementwise passes; the config refuses a clamp or offset here.
                 return weighted_bias_swiglu_impl(
                     fc1_MG, None, probs_M.unsqueeze(-1), config.activation_func_fp8_input_store
                 )
@@ -148,19 +140,8 @@ class TorchGroupedMLP(MegatronModule):
         tokens_per_expert: torch.Tensor,
         permuted_probs: torch.Tensor,
     ) -> tuple[torch.Tensor, None]:
-        """Run every local expert on its tokens.
-
-        Args:
-            permuted_local_hidden_states: ``[M, H]`` tokens grouped by local expert.
-            tokens_per_expert: ``[E_local]`` token counts (zeros allowed; host or device tensor).
-            permuted_probs: ``[M]`` each token's routing weight for that expert.
-
-        Returns:
-            ``(output [M, H], None)`` (no bias), like ``SequentialMLP``.
-
-        Raises:
-            ValueError: counts that do not match the experts or the tokens.
-        """
+        """Run every local expert on its tokens: ``[M, H]`` tokens grouped by local expert, ``[E_local]`` token
+        counts (zeros allowed), ``[M]`` routing weights -> ``(output [M, H], None)`` as ``SequentialMLP``."""
         hidden_MH, probs_M = permuted_local_hidden_states, permuted_probs
         if self.config.moe_apply_probs_on_input:
             # As SequentialMLP: scale the inputs instead (top-1 only), then unit probs.
@@ -184,13 +165,11 @@ class TorchGroupedMLP(MegatronModule):
     def backward_dw(self) -> None:
         """megatron's delayed weight-gradient hook; the gradients are computed in the backward already."""
 
-    # -------------------------------------------------------------- checkpoint layout
     def _expert_keys(self, prefix: str, e: int) -> tuple[str, str]:
         return f"{prefix}local_experts.{e}.linear_fc1.", f"{prefix}local_experts.{e}.linear_fc2."
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
-        """Write SequentialMLP's keys: one ``[2F, H]`` / ``[H, F]`` view per expert, plus megatron's
-        ``_extra_state`` placeholders (None), so the state dict is the local backend's."""
+        """Write SequentialMLP's keys: one ``[2F, H]`` / ``[H, F]`` view per expert and ``_extra_state`` (None)."""
         fc1 = self.fc1_weight if keep_vars else self.fc1_weight.detach()
         fc2 = self.fc2_weight if keep_vars else self.fc2_weight.detach()
         for e in range(self.num_local_experts):
@@ -238,25 +217,12 @@ class TorchGroupedMLP(MegatronModule):
         return f"num_local_experts={E}, hidden={H}, fc1_out={G}, expert_gemm={self.options.expert_gemm!r}"
 
 
-# ------------------------------------------------------------------------------------ attention
 class TorchSDPAttention(MegatronModule):
     """megatron's ``core_attention`` on ``torch.nn.functional.scaled_dot_product_attention``.
 
-    Same constructor and forward contract as megatron-core 0.16.1's ``DotProductAttention``; the
-    softmax scale is ``softmax_scale`` or ``1/sqrt(d)`` (megatron's query-key layer scaling divides it by
-    the layer number and multiplies the fp32 softmax input back, a no-op on the result). Masks: option 3
-    of the module docstring.
-
-    Args:
-        config: megatron's TransformerConfig.
-        layer_number: 1-based layer index (kept for the contract).
-        attn_mask_type: megatron's ``AttnMaskType`` (``causal`` in the GPT spec).
-        attention_type: ``"self"`` (kept for the contract).
-        attention_dropout: dropout probability (default ``config.attention_dropout``).
-        softmax_scale: the scale of the scores (default ``1/sqrt(kv_channels)``).
-        cp_comm_type: context-parallel communication (context parallelism is not supported).
-        pg_collection: megatron's process groups (``tp``).
-        options: :class:`TorchBackendOptions`.
+    The constructor's arguments are ``DotProductAttention``'s, plus ``options``. The softmax scale is
+    ``softmax_scale`` or ``1/sqrt(d)`` (megatron's query-key layer scaling divides it by the layer number and
+    multiplies the fp32 softmax input back, a no-op on the result). Masks: option 3.
 
     Raises:
         ValueError: context parallelism, a non-vanilla softmax or sliding-window attention.
@@ -336,21 +302,8 @@ class TorchSDPAttention(MegatronModule):
         attention_bias: torch.Tensor | None = None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        """Attention over ``[s, b, heads, d]`` inputs.
-
-        Args:
-            query: ``[sq, b, heads, d]``.
-            key: ``[sk, b, groups, d]``.
-            value: ``[sk, b, groups, d]``.
-            attention_mask: megatron's bool mask broadcastable to ``[b, heads, sq, sk]``, True = masked;
-                or None.
-            attn_mask_type: overrides the constructor's mask type for this call.
-            attention_bias: not supported (must be None).
-            packed_seq_params: not supported (must be None).
-
-        Returns:
-            ``[sq, b, heads * d]``.
-        """
+        """``[sq, b, heads, d]`` query, ``[sk, b, groups, d]`` key and value, megatron's bool mask (True =
+        masked) or None -> ``[sq, b, heads * d]``."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("TorchSDPAttention supports neither attention_bias nor packed sequences")
         sq, b, heads, d = query.shape
@@ -381,28 +334,13 @@ class TorchSDPAttention(MegatronModule):
         )
 
 
-# --------------------------------------------------------------------------------------- specs
 def torch_core_attention_builder(options: TorchBackendOptions | None = None):
-    """The ``SelfAttentionSubmodules.core_attention`` builder of the torch backend.
-
-    Args:
-        options: the backend's options.
-
-    Returns:
-        A callable megatron calls with ``DotProductAttention``'s keyword arguments.
-    """
+    """The ``SelfAttentionSubmodules.core_attention`` builder of the torch backend."""
     return functools.partial(TorchSDPAttention, options=options or TorchBackendOptions())
 
 
 def torch_experts_spec(options: TorchBackendOptions | None = None):
-    """The ``MoESubmodules.experts`` ModuleSpec of the torch backend.
-
-    Args:
-        options: the backend's options.
-
-    Returns:
-        ``ModuleSpec(module=TorchGroupedMLP, params={"options": options})``.
-    """
+    """The ``MoESubmodules.experts`` ModuleSpec of the torch backend."""
     from megatron.core.transformer.spec_utils import ModuleSpec
 
     return ModuleSpec(module=TorchGroupedMLP, params={"options": options or TorchBackendOptions()})

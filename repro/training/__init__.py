@@ -6,12 +6,7 @@ Public API::
     config = apply_overrides(get_experiment("dirmoe-tiny"), ["schedule.steps=50"])
     summary = train(config, "runs/dirmoe-tiny")         # or resume=True to continue a run
 
-Modules: ``config`` (:class:`RunConfig`, dot-list overrides), ``experiments`` (``<router>-<scale>`` names
-derived from the router registry), ``trainer`` (:class:`~repro.training.trainer.Trainer` and ``train``;
-imports megatron-core), ``components`` (validation, step log, checkpoints), ``log`` (``log.jsonl`` rows),
-``run_dir`` (a run directory's files, lock and start rules), ``checkpoint`` (with ``checkpoint_data``:
-identity, RNG states, plain-data checks), ``data``, ``optim``,
-``lr_schedule``, ``distributed``, ``synthetic``, ``inference`` (checkpoints as scoring models), ``cli``.
+The trainer (``trainer``) imports megatron-core, so ``train`` here imports it on first use.
 """
 
 from repro.training.config import RunConfig, apply_overrides

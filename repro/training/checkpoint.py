@@ -1,49 +1,26 @@
 """Checkpoints that hold everything a bit-identical resume needs, written atomically, one file per rank,
-loaded without running any code from them, and checked against what wrote them.
-
-Layout (``torch.save`` per rank, not megatron's ``dist_checkpointing``: the suite's runs are small enough,
-and a plain layout needs no sharded-tensor metadata to read back)::
+loaded without running any code from them, and checked against what wrote them (docs/failures.md says what
+a user sees). Layout (``torch.save`` per rank: no sharded-tensor metadata needed to read it back)::
 
     OUT/checkpoints/
         step_0000100/
-            meta.json           format, step, consumed samples, layout, experiment config, the run's identity
-                                (:func:`run_identity`), the rank files and their sha256 digests
-            rank_00000.pt       this rank's model state (router buffers included), optimizer state, LR
-            rank_00001.pt       scheduler state, RNG states (python, numpy, torch CPU/CUDA, megatron's
-            ...                 CUDA RNG tracker), step, consumed samples, the run's identity
-        latest                  the name of the newest complete checkpoint directory (a convenience:
-                                the newest directory with a meta.json is the truth)
+            meta.json           format, step, consumed samples, layout, experiment config, the run's identity,
+                                the rank files and their sha256 digests
+            rank_00000.pt       this rank's model state (router buffers included), optimizer and LR scheduler
+            ...                 state, RNG states, step, consumed samples, the run's identity
+        latest                  the newest complete checkpoint's name (a convenience: the newest directory
+                                with a meta.json is the truth)
 
-Atomicity: every rank writes its file into ``.step_0000100.tmp/``, all ranks agree that every write
-succeeded, then rank 0 writes ``meta.json`` and renames the directory to ``step_0000100``. A checkpoint
-directory therefore exists only when it is complete; a run killed while writing leaves a ``.tmp``
-directory (:func:`incomplete_checkpoints` lists them, so a caller can tell "killed before its first
-checkpoint" from "no run here") that the next write of that step removes. A write that fails on any rank
-(a full disk, a read-only directory) fails on every rank with one line naming the checkpoint and the cause,
-and leaves no ``.tmp`` behind. The file system must be shared by the ranks (one machine, or a shared mount).
+Every rank writes its file into ``.step_0000100.tmp/``, all ranks agree that every write succeeded, then
+rank 0 writes ``meta.json`` and renames the directory: a checkpoint directory exists only when complete. A
+write that fails on any rank fails on every rank with one line, leaving no ``.tmp``. Rank files hold
+tensors and plain data only (format 2), loaded with ``torch.load(weights_only=True)``; their digests and
+the run's identity are checked before use. The ranks must share the file system.
 
-Safety and integrity (format 2):
-
-1. Rank files hold tensors and plain Python data only (RNG states are stored as tensors and numbers, not
-   numpy arrays or tuples of objects), so they load with ``torch.load(weights_only=True)`` and no
-   allow-list: a crafted file cannot run code through ``eval`` or ``train --resume``. :func:`save_checkpoint`
-   refuses to write anything else, naming the key. Format-1 checkpoints (pickled numpy RNG states) cannot
-   be loaded that way and are refused with a one-line error.
-2. ``meta.json`` records each rank file's sha256, checked before the file is used: a changed byte inside a
-   tensor (still a valid file) is refused instead of resumed from.
-3. ``meta.json`` and every rank file record the run's identity (router, its options, flavour and the other
-   fields that define the model). A rank file of another run (a Switch file copied into an Expert Choice
-   checkpoint) is refused naming both; :func:`check_identity` compares a checkpoint with the run about to
-   use it.
-
-Model state in the per-rank files keeps megatron's *local* expert numbering. Resuming needs the same
-layout (checked). :func:`load_model_weights` reads the weights of a checkpoint of *any* DP/EP layout
-into a model of another (e.g. a one-process checkpoint into an EP=2 run): it renumbers experts
-``local_experts.i`` of EP rank ``r`` to the global ``r * E_local + i`` and back.
-
-This module writes and reads checkpoints; the plain data they hold besides the weights (the run's
-identity and its checks, RNG states, the plain-data check, file digests) is built by
-:mod:`repro.training.checkpoint_data`, whose names are importable from here too.
+Model state keeps megatron's *local* expert numbering, so resuming needs the same layout;
+:func:`load_model_weights` reads a checkpoint of any DP/EP layout into a model of another by renumbering
+expert ``i`` of EP rank ``r`` to ``r * E_local + i`` and back. The plain data besides the weights is built
+by :mod:`repro.training.checkpoint_data`.
 """
 
 from __future__ import annotations
@@ -64,44 +41,14 @@ from torch import nn
 from repro.errors import ReproError
 from repro.io_utils import atomic_path, error_from_os_error, os_error_message
 from repro.training.checkpoint_data import (
-    IDENTITY_FIELDS,
     CheckpointInfo,
     capture_rng_state,
-    check_identity,
     check_payload_identity,
     check_plain_data,
     file_sha256,
-    restore_rng_state,
     run_identity,
 )
 from repro.training.distributed import Parallel
-
-__all__ = [
-    # this module
-    "FORMAT_VERSION",
-    "INCOMPLETE_DIR",
-    "STEP_DIR",
-    "check_same_layout",
-    "find_latest_checkpoint",
-    "global_model_state",
-    "incomplete_checkpoints",
-    "load_global_state",
-    "load_model_weights",
-    "load_rank_payload",
-    "rank_file_name",
-    "read_checkpoint_info",
-    "save_checkpoint",
-    "step_dir_name",
-    # the plain data of a checkpoint (repro.training.checkpoint_data), re-exported
-    "IDENTITY_FIELDS",
-    "CheckpointInfo",
-    "capture_rng_state",
-    "check_identity",
-    "check_plain_data",
-    "file_sha256",
-    "restore_rng_state",
-    "run_identity",
-]
 
 FORMAT_VERSION = 2
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
@@ -113,23 +60,13 @@ _SEQUENTIAL_EXPERT = re.compile(r"(\.experts\.local_experts\.)(\d+)(\.)")
 _GROUPED_EXPERT = re.compile(r"(\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$")
 
 
-def step_dir_name(step: int) -> str:
-    """``step_0000100`` for step 100 (zero-padded so names sort by step)."""
-    return f"step_{step:07d}"
-
-
-def rank_file_name(rank: int) -> str:
-    """``rank_00003.pt`` for global rank 3."""
+def _rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
-# ------------------------------------------------------------------------------------------ saving
 def _all_ranks_ok(ok: bool) -> bool:
-    """Whether every rank reports success (a collective; also the barrier between the write phases).
-
-    A plain barrier would leave the other ranks waiting forever when one rank's write failed; agreeing on
-    a flag lets every rank stop with an error instead.
-    """
+    """Whether every rank reports success (a collective, also the barrier between the write phases: a plain
+    barrier would leave the other ranks waiting forever when one rank's write failed)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return ok
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -175,29 +112,27 @@ def save_checkpoint(
         checkpoints_dir: ``OUT/checkpoints``.
         step: completed optimizer steps.
         consumed_samples: samples consumed by all ranks together.
-        parallel: the layout (rank, sizes).
-        experiment: the run config dict (stored in ``meta.json``; :func:`run_identity` reads the run's
-            identity from it).
+        parallel: the layout.
+        experiment: the run config dict (stored in ``meta.json``, the run's identity read from it).
         model: the local model (its ``state_dict`` includes the routers' buffers).
         optimizer_state: the optimizer's state (already gathered where the optimizer needs it).
         scheduler_state: the LR scheduler's state.
-        extra: more per-rank entries (e.g. the run's running statistics).
+        extra: more per-rank entries.
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        ReproError: the write failed on some rank (a full disk, a read-only directory: one line naming the
-            checkpoint and the cause; no ``.tmp`` directory is left), or something that is not a checkpoint
-            directory is in the way.
+        ReproError: the write failed on some rank (one line naming the checkpoint and the cause), or
+            something that is not a checkpoint directory is in the way.
         ValueError: a state holds a value that is not a tensor or plain data (naming its key).
     """
     root = Path(checkpoints_dir)
-    final = root / step_dir_name(step)
+    final = root / f"step_{step:07d}"
     tmp = root / f".{final.name}.tmp"
     aside = root / f".{final.name}.old.tmp"
     identity = run_identity(experiment)
-    rank_name = rank_file_name(parallel.rank)
+    rank_name = _rank_file_name(parallel.rank)
 
     # ---- phase 1 (rank 0): a clean temporary directory
     error = _attempt(lambda: _fresh_dir(root, tmp), final, tmp) if parallel.is_main else None
@@ -249,16 +184,8 @@ def save_checkpoint(
 
 
 def _attempt(action: Callable[[], None], final: Path, tmp: Path) -> BaseException | None:
-    """Run one rank's part of a write phase; return its error (not raised: every rank must hear of it first).
-
-    Args:
-        action: the part.
-        final: the checkpoint directory being written (named by the error).
-        tmp: its temporary directory (a file system error on a file in it is an error writing ``final``).
-
-    Returns:
-        None, or the error: a file system error as its one-line :class:`ReproError`, any other as raised.
-    """
+    """Run one rank's part of a write phase and return its error, not raised (every rank must hear of it
+    first): a file system error as a one-line :class:`ReproError` naming ``final``, any other as raised."""
     try:
         action()
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
@@ -275,11 +202,7 @@ def _fresh_dir(root: Path, tmp: Path) -> None:
 
 
 def _write_rank_file(target: Path, payload: dict[str, Any]) -> None:
-    """Phase 2 (every rank): write this rank's file, then its digest beside it (``<name>.sha256``).
-
-    Raises:
-        ValueError: the payload holds a value that is not a tensor or plain data (naming its key).
-    """
+    """Phase 2 (every rank): write this rank's file, then its digest beside it (``<name>.sha256``)."""
     check_plain_data(payload)
     with open(target, "wb") as f:
         # A Python file object: torch reports a failed write as RuntimeError("unexpected pos") with the
@@ -295,18 +218,10 @@ def _write_rank_file(target: Path, payload: dict[str, Any]) -> None:
 
 
 def _publish(root: Path, tmp: Path, final: Path, aside: Path, meta: dict[str, Any], world_size: int) -> None:
-    """Phase 3 (rank 0): ``meta.json`` with every rank file's digest, then ``tmp`` renamed to ``final``.
-
-    Args:
-        root: the checkpoints directory (its ``latest`` is updated last).
-        tmp: the complete temporary directory.
-        final: the checkpoint directory; one already there (a re-run of the same step after a resume from
-            an earlier one) is moved to ``aside`` and removed once ``tmp`` took its place.
-        aside: where the earlier checkpoint of this step waits (the caller moves it back on a failure).
-        meta: the ``meta.json`` entries before ``files`` and ``sha256``.
-        world_size: ranks (one file each).
-    """
-    files = [rank_file_name(r) for r in range(world_size)]
+    """Phase 3 (rank 0): ``meta.json`` with every rank file's digest, then ``tmp`` renamed to ``final``, and
+    ``latest`` updated. A ``final`` already there (a re-run of the same step after a resume from an earlier
+    one) waits in ``aside`` (the caller moves it back on a failure) until ``tmp`` took its place."""
+    files = [_rank_file_name(r) for r in range(world_size)]
     digests = {}
     for name in files:
         sidecar = tmp / f"{name}.sha256"
@@ -339,15 +254,8 @@ def _raise(error: BaseException | None, final: Path) -> None:
     raise error
 
 
-# ----------------------------------------------------------------------------------------- reading
 def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
     """Read and check ``meta.json`` of a checkpoint directory.
-
-    Args:
-        path: the checkpoint directory.
-
-    Returns:
-        Its :class:`CheckpointInfo`.
 
     Raises:
         ReproError: missing or unreadable ``meta.json``, another format, or a missing rank file or digest
@@ -387,10 +295,7 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
 
 
 def find_latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directory under ``checkpoints_dir`` (None if there is none).
-
-    Complete means it has a ``meta.json`` (written last, just before the directory got its final name).
-    """
+    """The newest complete checkpoint directory (one with its ``meta.json``) under ``checkpoints_dir``, or None."""
     root = Path(checkpoints_dir)
     if not root.is_dir():
         return None
@@ -403,18 +308,8 @@ def find_latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
 
 
 def incomplete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
-    """The ``.step_XXXXXXX.tmp`` directories runs killed while writing a checkpoint left, oldest step first.
-
-    With :func:`find_latest_checkpoint` this tells the cases apart: a complete checkpoint (resume from it);
-    none but some incomplete (the run was killed while writing its first checkpoint: nothing to resume,
-    the run must start again); neither (no run here).
-
-    Args:
-        checkpoints_dir: ``OUT/checkpoints``.
-
-    Returns:
-        The directories (empty when there is none, or no such directory).
-    """
+    """The ``.step_XXXXXXX.tmp`` directories runs killed while writing a checkpoint left, oldest step first
+    (with none complete, the run was killed while writing its first checkpoint: nothing to resume)."""
     root = Path(checkpoints_dir)
     if not root.is_dir():
         return []
@@ -444,14 +339,8 @@ def _load_plain(path: Path) -> Any:
 
 
 def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
-    """Load one rank's file of a checkpoint, after checking its digest; tensors and plain data only.
-
-    Args:
-        info: the checkpoint.
-        rank: which rank's file.
-
-    Returns:
-        The payload written by :func:`save_checkpoint`.
+    """Load one rank's file of a checkpoint (the payload :func:`save_checkpoint` wrote), after checking its
+    digest; tensors and plain data only.
 
     Raises:
         ReproError: a file that changed since it was written (sha256), that belongs to another run
@@ -484,7 +373,6 @@ def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
     return payload
 
 
-
 def check_same_layout(info: CheckpointInfo, parallel: Parallel) -> None:
     """Raise :class:`ReproError` unless the checkpoint was written by the same process layout."""
     if info.layout != parallel.layout():
@@ -494,7 +382,6 @@ def check_same_layout(info: CheckpointInfo, parallel: Parallel) -> None:
         )
 
 
-# ----------------------------------------------------------------------- weights across layouts
 def _to_global_key(key: str, ep_rank: int, num_local: int) -> str:
     def seq(m: re.Match) -> str:
         return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
@@ -516,14 +403,8 @@ def _num_local_experts(keys) -> int:
 
 
 def global_model_state(payloads: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Merge per-rank model states into one state with global expert numbers.
-
-    Args:
-        payloads: the rank payloads of one checkpoint (any subset covering every EP rank).
-
-    Returns:
-        ``{key: tensor}`` as a single process holding every expert would name it.
-    """
+    """Merge the rank payloads of one checkpoint (any subset covering every EP rank) into one model state,
+    keyed as a single process holding every expert would name it."""
     merged: dict[str, torch.Tensor] = {}
     for payload in payloads:
         state = payload["model"]
@@ -558,16 +439,8 @@ def find_router_checkpoint(candidates: list[Path], router: str) -> CheckpointInf
 
 
 def load_model_weights(path: str | os.PathLike, model: nn.Module, parallel: Parallel) -> CheckpointInfo:
-    """Initialise ``model`` from a checkpoint written with any DP/EP layout (weights and buffers only).
-
-    Args:
-        path: a checkpoint directory, or a run's ``checkpoints`` directory / output directory (its newest
-            checkpoint is taken).
-        model: the local model of this run.
-        parallel: this run's layout.
-
-    Returns:
-        The checkpoint read.
+    """Initialise ``model`` (weights and buffers) from a checkpoint written with any DP/EP layout, or from the
+    newest of a run's (:func:`resolve_checkpoint`); return the checkpoint read.
 
     Raises:
         ReproError: no checkpoint there, corrupt files, or weights that do not fit the model.
@@ -586,17 +459,8 @@ def load_model_weights(path: str | os.PathLike, model: nn.Module, parallel: Para
 def load_global_state(
     model: nn.Module, state_global: dict[str, torch.Tensor], parallel: Parallel, source: str
 ) -> None:
-    """Load the part of a global-numbered model state (:func:`global_model_state`) this rank holds.
-
-    Args:
-        model: the local model (experts ``ep_rank * E_local ...`` of every layer).
-        state_global: the state with global expert numbers.
-        parallel: this rank's layout (its EP rank picks the experts).
-        source: where the state comes from, for error messages.
-
-    Raises:
-        ReproError: the state lacks weights of the model or does not fit it.
-    """
+    """Load the part of a global-numbered model state (:func:`global_model_state`) this rank's experts hold;
+    ReproError naming ``source`` when the state lacks weights of the model or does not fit it."""
     local_keys = list(model.state_dict().keys())
     num_local = _num_local_experts(local_keys)
     state = {}

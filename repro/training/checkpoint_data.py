@@ -1,17 +1,6 @@
-"""The plain data of a checkpoint besides the weights: its ``meta.json``, the run's identity, RNG states,
-the plain-data check and file digests (see :mod:`repro.training.checkpoint` for the layout and the format
-these serve; its names are importable from there too).
-
-- :class:`CheckpointInfo`: what a checkpoint's ``meta.json`` says.
-- :func:`run_identity`: what defines the model a checkpoint's weights belong to (router, its options,
-  flavour, ...), read from the run config by :data:`IDENTITY_FIELDS`, recorded in ``meta.json`` and in
-  every rank file; :func:`check_identity` and :func:`check_payload_identity` refuse a checkpoint, or a
-  rank file, of another run, naming both.
-- :func:`capture_rng_state` / :func:`restore_rng_state`: every RNG a training step draws from, stored as
-  tensors and plain numbers.
-- :func:`check_plain_data`: refuses, naming the key, a value that ``torch.load(weights_only=True)`` could
-  not read back, so a checkpoint never needs code to load.
-- :func:`file_sha256`: the digest ``meta.json`` records for each rank file.
+"""The plain data of a checkpoint besides the weights (:mod:`repro.training.checkpoint` has the layout):
+what ``meta.json`` says, the run's identity and its checks, RNG states stored as tensors and plain numbers,
+the plain-data check that keeps a checkpoint loadable without code, and file digests.
 """
 
 from __future__ import annotations
@@ -35,18 +24,9 @@ from repro.errors import ReproError
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What ``meta.json`` of one checkpoint says.
-
-    Args:
-        path: the checkpoint directory.
-        step: completed optimizer steps.
-        consumed_samples: training samples consumed by all ranks together.
-        layout: ``{"world_size", "dp", "tp", "ep"}`` of the run that wrote it.
-        experiment: the experiment config (:meth:`Experiment.to_dict`).
-        files: per-rank file names, indexed by global rank.
-        sha256: each rank file's digest, by file name.
-        identity: what defines the model that wrote it (:func:`run_identity`).
-    """
+    """What ``meta.json`` of the checkpoint directory ``path`` says (``layout``: ``{"world_size", "dp", "tp",
+    "ep"}``; ``experiment``: the run config dict; ``files``: rank file names by global rank; ``sha256``: their
+    digests; ``identity``: :func:`run_identity`)."""
 
     path: Path
     step: int
@@ -58,9 +38,7 @@ class CheckpointInfo:
     identity: dict[str, Any] = field(default_factory=dict)
 
 
-# --------------------------------------------------------------------------------------- identity
-# identity key -> its path in the run config (repro.training.config.RunConfig.to_dict()). What defines the
-# model a checkpoint's weights belong to; renaming a config field means editing this table.
+# identity key -> its path in the run config dict: what defines the model a checkpoint's weights belong to.
 IDENTITY_FIELDS: dict[str, tuple[str, ...]] = {
     "router": ("router", "name"),
     "router_options": ("router", "options"),
@@ -78,15 +56,8 @@ def _json_plain(value: Any) -> Any:
 
 
 def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
-    """What defines a run's model, from its config dict: router, router options, flavour, ...
-
-    Args:
-        config: the run config dict (``RunConfig.to_dict()``).
-
-    Returns:
-        ``{"router", "router_options", "flavour", "num_experts", "top_k", "seq_length", "vocab_size"}`` (see
-        :data:`IDENTITY_FIELDS`), JSON-plain, router options sorted by name; missing fields are None.
-    """
+    """What defines a run's model, from its config dict (``RunConfig.to_dict()``): :data:`IDENTITY_FIELDS`,
+    JSON-plain, router options sorted by name, missing fields None."""
     identity: dict[str, Any] = {}
     for key, path in IDENTITY_FIELDS.items():
         value: Any = config
@@ -108,16 +79,8 @@ def _describe_pair(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[
 
 
 def check_identity(info: CheckpointInfo, config: Mapping[str, Any], what: str = "this run") -> None:
-    """Refuse a checkpoint whose model is not the one ``config`` defines (e.g. resuming another router's run).
-
-    Args:
-        info: the checkpoint.
-        config: the config dict of the run about to use it (see :func:`run_identity`).
-        what: how to name that run in the message.
-
-    Raises:
-        ReproError: the identities differ (one line naming both).
-    """
+    """Refuse (ReproError naming both) a checkpoint whose model is not the one the run config dict ``config``
+    defines (e.g. resuming another router's run); ``what`` names that run in the message."""
     expected = run_identity(config)
     if _json_plain(info.identity) != expected:
         stored, wanted = _describe_pair(info.identity, expected)
@@ -125,16 +88,8 @@ def check_identity(info: CheckpointInfo, config: Mapping[str, Any], what: str = 
 
 
 def check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: Path) -> None:
-    """Refuse a rank file written by another run than the one its checkpoint's ``meta.json`` describes.
-
-    Args:
-        payload: the rank file's content (its ``identity`` entry is compared).
-        info: the checkpoint it was found in.
-        path: the rank file, for the message.
-
-    Raises:
-        ReproError: the identities differ (one line naming both).
-    """
+    """Refuse (ReproError naming both) a rank file ``path`` whose payload was written by another run than the
+    one its checkpoint's ``meta.json`` describes."""
     found = _json_plain(payload.get("identity"))
     if found != _json_plain(info.identity):
         theirs, ours = _describe_pair(found or {}, info.identity)
@@ -144,13 +99,9 @@ def check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: 
         )
 
 
-# -------------------------------------------------------------------------------------------- RNG
 def capture_rng_state() -> dict[str, Any]:
-    """Every RNG state a training step may draw from (python, numpy, torch CPU, CUDA, megatron tracker).
-
-    Stored as tensors and plain numbers (no numpy arrays, no pickled objects), so a checkpoint holding it
-    loads with ``torch.load(weights_only=True)``.
-    """
+    """Every RNG state a training step may draw from (python, numpy, torch CPU, CUDA, megatron tracker), as
+    tensors and plain numbers so that ``torch.load(weights_only=True)`` reads it back."""
     py_version, py_internal, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
@@ -195,23 +146,14 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
-
-# ------------------------------------------------------------------------------------ plain data
 # Exact types: a subclass (numpy's float64, a str enum) pickles as its own class, which weights_only refuses.
 _PLAIN_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.device, torch.dtype)
 _PLAIN_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
 
 
 def check_plain_data(obj: Any, where: str = "payload") -> None:
-    """Raise ``ValueError`` naming the first value ``torch.load(weights_only=True)`` could not read back.
-
-    Allowed: tensors (``torch.Tensor``, ``nn.Parameter``), ``str``/``bytes``/numbers/``bool``/``None``,
-    ``torch.Size``/``device``/``dtype``, and dicts, lists, tuples and sets of those.
-
-    Args:
-        obj: the value to check.
-        where: its key path, for the message.
-    """
+    """Raise ``ValueError`` naming (by its key path from ``where``) the first value of ``obj`` that
+    ``torch.load(weights_only=True)`` could not read back: only tensors, plain leaves and containers pass."""
     if type(obj) in (torch.Tensor, nn.Parameter) or type(obj) in _PLAIN_LEAVES:
         return
     if type(obj) in _PLAIN_CONTAINERS:

@@ -58,20 +58,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], prog: str = "python -m repro train") -> int:
-    """Run the ``train`` command.
-
-    Args:
-        argv: the arguments after ``train``.
-        prog: the program name for usage messages.
-
-    Returns:
-        The exit status: 0 on success, 75 (``repro.training.preemption.EXIT_STOPPED``) when SIGTERM or SIGUSR1
-        stopped the run after writing the checkpoint of the step reached.
-
-    Raises:
-        ReproError: unknown experiment or key, bad value, missing ``--out``, a run directory that is not this
-            run's, a missing or corrupt checkpoint with ``--resume``.
-    """
+    """Run the ``train`` command on ``argv`` (the arguments after ``train``); return the exit status: 0, or 75
+    (``repro.training.preemption.EXIT_STOPPED``) when a signal stopped the run after its checkpoint."""
     from pathlib import Path
 
     from repro.training.config import apply_overrides

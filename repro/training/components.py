@@ -1,15 +1,7 @@
-"""The trainer's components: each runs after every step and decides its own cadence.
-
-* :class:`Validator` adds the validation loss to the step's row every ``validation.interval`` steps and at
-  the last step;
-* :class:`StepLog` appends the row to ``log.jsonl`` (rank 0) and updates the progress bar every
-  ``logging.interval`` steps;
-* :class:`Checkpointer` saves a checkpoint every ``checkpoint.interval`` steps and at the last step (and, through
-  :meth:`Checkpointer.ensure_saved`, when a signal stops the run: :mod:`repro.training.preemption`).
-
-A component is any object with ``after_step(trainer, row) -> row`` and ``close()``; they run in the order
-the trainer holds them (validation first, so the logged row carries the validation loss). What a component
-may read and set of the trainer is :class:`TrainerState`.
+"""The trainer's components: any object with ``after_step(trainer, row) -> row`` and ``close()``, run after
+every step in the order the trainer holds them (validation first, so the logged row carries the validation
+loss), each deciding its own cadence. What a component may read and set of the trainer is
+:class:`TrainerState`.
 """
 
 from __future__ import annotations
@@ -23,6 +15,7 @@ import torch
 
 from repro.io_utils import open_in_dir
 from repro.training import checkpoint as ckpt
+from repro.training.checkpoint_data import restore_rng_state
 from repro.training.distributed import all_reduce_mean
 from repro.training.log import LogRow, write_row
 from repro.training.synthetic import MicroBatchSampler, collate
@@ -35,9 +28,8 @@ if TYPE_CHECKING:
 
 
 class TrainerState(Protocol):
-    """What the components read and set of the trainer they serve (:class:`repro.training.trainer.Trainer`
-    has it all): declared here, below the trainer, so that the trainer imports its components and not the
-    other way round."""
+    """What the components read and set of the trainer (declared here so that the trainer imports its
+    components and not the other way round)."""
 
     config: RunConfig
     paths: RunPaths
@@ -56,14 +48,8 @@ class TrainerState(Protocol):
 
 
 class Validator:
-    """Mean validation LM loss over ``validation.iters`` micro-batches per rank (the same samples every time).
-
-    Args:
-        dataset: indexable validation samples (None: no validation).
-        interval: steps between evaluations (0: none).
-        iters: micro-batches per evaluation and rank.
-        last_step: the run's last step (always evaluated when validation is on).
-    """
+    """Mean validation LM loss over ``iters`` micro-batches per rank of ``dataset`` (None: no validation), the
+    same samples every time, every ``interval`` steps (0: never) and at ``last_step``."""
 
     def __init__(self, dataset, interval: int, iters: int, last_step: int) -> None:
         self.dataset = dataset
@@ -114,17 +100,8 @@ class Validator:
 
 
 class StepLog:
-    """``log.jsonl`` (rank 0 writes, one row per step) and the progress bar.
-
-    Args:
-        path: the log file (opened for append: a resumed run continues it after truncation).
-        interval: steps between progress-bar postfix updates.
-        total_steps: the run's steps (the bar's length).
-        initial_step: the step the run starts from.
-        is_main: whether this process writes (global rank 0).
-        show: whether to show the bar.
-        desc: the bar's label.
-    """
+    """``log.jsonl`` (appended by rank 0, one row per step) and the progress bar (its loss and throughput
+    updated every ``interval`` steps)."""
 
     def __init__(
         self, path: Path, interval: int, total_steps: int, initial_step: int, is_main: bool, show: bool, desc: str
@@ -159,14 +136,8 @@ class StepLog:
 
 
 class Checkpointer:
-    """Saves everything a bit-identical resume needs, every ``interval`` steps and at the last step.
-
-    Args:
-        root: the run's ``checkpoints`` directory.
-        interval: steps between checkpoints (0: only the final one).
-        last_step: the run's last step.
-        log: the step log, synced before each checkpoint so the checkpoint never refers to unwritten rows.
-    """
+    """Saves everything a bit-identical resume needs into ``root`` every ``interval`` steps (0: never) and at
+    ``last_step``, syncing ``log`` first so that a checkpoint never refers to unwritten rows."""
 
     def __init__(self, root: Path, interval: int, last_step: int, log: StepLog | None = None) -> None:
         self.root = root
@@ -192,7 +163,7 @@ class Checkpointer:
         return self.save(trainer)
 
     def save(self, trainer: TrainerState) -> Path:
-        """Write one checkpoint of the trainer's state, the step log synced first (collective: every rank calls it)."""
+        """Write one checkpoint of the trainer's state (collective)."""
         if self.log is not None:
             self.log.sync()
         path = ckpt.save_checkpoint(
@@ -210,13 +181,12 @@ class Checkpointer:
 
     @staticmethod
     def restore(trainer: TrainerState, payload: dict[str, Any]) -> None:
-        """Restore optimizer, LR schedule, data position and RNG from a rank payload (model weights are
-        loaded before the optimizer is built). The RNG comes last: it must be exactly the state after the
-        checkpointed step."""
+        """Restore optimizer, LR schedule, data position and, last, the RNG from a rank payload (the model's
+        weights are loaded before the optimizer is built)."""
         trainer.optimization.load_state_dict(payload["optimizer"])
         trainer.scheduler.load_state_dict(payload["scheduler"])
         trainer.step, trainer.consumed = int(payload["step"]), int(payload["consumed_samples"])
-        ckpt.restore_rng_state(payload["rng"])
+        restore_rng_state(payload["rng"])
 
     def close(self) -> None:
         pass

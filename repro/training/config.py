@@ -1,29 +1,12 @@
-"""The run configuration: small frozen dataclasses composed into one :class:`RunConfig`.
-
-A run is described by sections, each a frozen dataclass validated in ``__post_init__``::
-
-    RunConfig(name, seed,
-              model=ModelConfig(flavour, num_experts, top_k, seq_length, precision, backend, backend_options),
-              router=RouterSpec(name, options),
-              optimizer=OptimizerConfig(lr, weight_decay, beta1, beta2, eps, clip_grad, distributed),
-              schedule=ScheduleConfig(steps, warmup_fraction, warmup_steps, min_lr),
-              data=DataConfig(source, tokenizer, vocab_size, synthetic_samples, micro_batch_size, global_batch_size,
-                              similarity_batching),
-              parallel=ParallelConfig(tp, ep),
-              checkpoint=CheckpointConfig(interval, init_from, layout_independent_init),
-              logging=LoggingConfig(interval, tensorboard, tensorboard_dir),
-              validation=ValidationConfig(interval, iters))
+"""The run configuration: frozen dataclass sections (validated in ``__post_init__``) composed into one
+:class:`RunConfig` (docs/experiments.md, "Experiments").
 
 Overrides are dot-lists (``optimizer.lr=3e-4``, ``router.options.sparsity_weight=0.1``) merged by OmegaConf's
-structured configs (:func:`apply_overrides`): OmegaConf checks every key against the dataclasses (with a
-"did you mean" on a typo), converts values to the field's type and enforces ``Literal`` choices; the
-dataclasses' own ``__post_init__`` then checks ranges. Router options are typed by the router's own config
-dataclass (``routers.router_class(name).Config``) and validated by building it with the model's real sizes.
-OmegaConf rather than tyro: the suite needs merges of data (a named experiment, a router's declared recipe
-overrides, the user's ``--set``) and a round trip through ``config.json`` for resume and evaluation, which
-are OmegaConf's core operations; tyro builds an argparse CLI from the types, which the suite does not want.
-
-Non-finite floats (NaN, inf) are refused wherever a value must be finite.
+structured configs (:func:`apply_overrides`), which check keys (with a "did you mean"), types and ``Literal``
+choices; router options are typed by the router's own config dataclass and validated by building it with
+the model's real sizes. OmegaConf rather than tyro: the suite merges data (a named experiment, a router's
+recipe overrides, ``--set``) and round-trips ``config.json``, OmegaConf's core operations. Non-finite floats
+are refused wherever a value must be finite.
 """
 
 from __future__ import annotations
@@ -66,14 +49,11 @@ class ModelConfig:
     Args:
         flavour: a model flavour (``repro.model.flavours.available_flavours()``).
         num_experts: E, overriding the flavour's (MoE flavours only).
-        top_k: k, the nominal experts per token, overriding the flavour's (MoE flavours only).
+        top_k: k, overriding the flavour's (MoE flavours only).
         seq_length: tokens per sequence, overriding the flavour's.
         precision: ``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (GPU only).
-        backend: the modules megatron-core builds (:mod:`repro.model.backends`): ``te`` (TransformerEngine),
-            ``torch`` (torch's grouped GEMM and SDPA), ``local`` (megatron's local spec), or ``auto``: ``te``
-            where TransformerEngine imports on a GPU, else ``torch`` on a GPU, else ``local``.
-        backend_options: options of the ``torch`` backend (``TorchBackendOptions`` fields: ``expert_gemm``,
-            ``zero_empty_expert_grads``, ``causal_mask``).
+        backend: ``auto``, ``te``, ``torch`` or ``local`` (docs/efficiency.md, "Model backends").
+        backend_options: ``TorchBackendOptions`` fields of the ``torch`` backend.
     """
 
     flavour: str = "tiny"
@@ -93,11 +73,8 @@ class ModelConfig:
             raise ValueError(f"model.seq_length must be >= 2, got {self.seq_length}")
 
     def flavour_config(self):
-        """The :class:`repro.model.flavours.ModelFlavour` with this section's overrides applied.
-
-        Raises:
-            ValueError: an unknown flavour, or an override the flavour cannot take.
-        """
+        """The :class:`repro.model.flavours.ModelFlavour` with this section's overrides (ValueError if it
+        cannot take them)."""
         from repro.model.flavours import get_flavour
 
         overrides = {k: getattr(self, k) for k in ("num_experts", "top_k") if getattr(self, k) is not None}
@@ -111,11 +88,9 @@ class RouterSpec:
     """The router in every MoE layer.
 
     Args:
-        name: a registered router (``routers.available_routers()``), ``"megatron"`` (megatron-core's own
-            TopKRouter) or None for a dense model.
-        options: fields of the router's config dataclass. Options the run provides are filled in when the
-            model is built: ``schedule_steps`` (the run's steps) and ``vocab_size`` (the model's padded
-            vocabulary), unless set here.
+        name: a registered router, ``"megatron"`` (megatron-core's TopKRouter) or None for a dense model.
+        options: fields of the router's config dataclass; unless set here, ``schedule_steps`` (the run's
+            steps) and ``vocab_size`` (the model's padded vocabulary) are filled in when the model is built.
     """
 
     name: str | None = None
@@ -129,9 +104,6 @@ class OptimizerConfig:
     Args:
         lr: peak learning rate.
         weight_decay: decoupled weight decay (not on biases and 1-D parameters, as megatron).
-        beta1: Adam beta1.
-        beta2: Adam beta2.
-        eps: Adam epsilon.
         clip_grad: global gradient-norm clip (0 disables).
         distributed: GPU only: megatron's distributed optimizer (state sharded over data-parallel ranks).
     """
@@ -161,8 +133,7 @@ class ScheduleConfig:
 
     Args:
         steps: optimizer steps of the whole run.
-        warmup_fraction: warmup length as a fraction of ``steps`` (used when ``warmup_steps`` is None).
-        warmup_steps: explicit warmup length.
+        warmup_fraction: warmup length as a fraction of ``steps`` (when ``warmup_steps`` is None).
         min_lr: the floor the cosine decays to (at most ``optimizer.lr``).
     """
 
@@ -200,11 +171,10 @@ class DataConfig:
         vocab_size: vocabulary of the synthetic source (None: 512); real data takes the tokenizer's.
         synthetic_samples: distinct synthetic sequences before they repeat (0: never repeat).
         micro_batch_size: sequences per forward pass on one data-parallel rank.
-        global_batch_size: sequences per optimizer step over all ranks (a multiple of
-            ``micro_batch_size x`` data-parallel size; the quotient is the gradient-accumulation count).
+        global_batch_size: sequences per optimizer step over all ranks (a multiple of ``micro_batch_size x``
+            data-parallel size).
         similarity_batching: train on chains of similar documents (Lory's data batching,
-            :mod:`repro.data.similarity`) instead of the shuffled documents; indexed data only (synthetic
-            tokens have no documents: the option does not apply there, and ``config.json`` says so).
+            :mod:`repro.data.similarity`); indexed data only (``config.json`` says so on synthetic tokens).
     """
 
     source: str = "synthetic"
@@ -233,11 +203,7 @@ class DataConfig:
             )
 
     def num_microbatches(self, dp_size: int) -> int:
-        """Gradient-accumulation count for ``dp_size`` data-parallel ranks.
-
-        Raises:
-            ReproError: the global batch does not divide evenly.
-        """
+        """Gradient-accumulation count for ``dp_size`` data-parallel ranks (ReproError if it is not whole)."""
         per_step = self.micro_batch_size * dp_size
         if self.global_batch_size % per_step:
             raise ReproError(
@@ -249,12 +215,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Model parallelism (data parallelism is what ``torchrun`` adds on top).
-
-    Args:
-        tp: tensor-parallel size.
-        ep: expert-parallel size (experts sharded over ``ep`` ranks, alltoall dispatcher).
-    """
+    """Tensor- and expert-parallel sizes (data parallelism is what ``torchrun`` adds on top)."""
 
     tp: int = 1
     ep: int = 1
@@ -271,10 +232,8 @@ class CheckpointConfig:
         interval: steps between checkpoints (0: only the final one).
         init_from: a checkpoint directory whose model weights initialise the run (any DP/EP layout); the
             optimizer, data position and step start fresh.
-        init_router_step: with ``init_from``, the routers' step schedules (temperature, prior, dense phase)
-            go on from the checkpoint's step instead of 0, so the routers route as they did when it was
-            written (``python -m repro efficiency --init-from``); the LR schedule and the run's step still
-            start at 0.
+        init_router_step: with ``init_from``, the routers' step schedules go on from the checkpoint's step
+            (``python -m repro efficiency --init-from``); the LR schedule and the run's step start at 0.
         layout_independent_init: with ``parallel.ep > 1``, build the full model once under EP=1 and keep this
             rank's experts from it, so the initial weights equal a one-process run's.
     """
@@ -294,13 +253,11 @@ class LoggingConfig:
 
     Args:
         interval: steps between progress-bar updates of the loss and throughput, and between TensorBoard rows.
-        metrics_interval: the routers compute their diagnostic metrics (the rows' ``routing`` and
-            ``routing_per_expert``, ``router_stats``) on step 1, every ``metrics_interval`` steps and the
-            last step; on the other steps they compute none and force no host synchronisation, and their
-            rows carry losses, throughput and memory only. 1 (default): every step, as the committed results
-            were made. Training is identical whatever it is.
-        tensorboard: also write TensorBoard events (the optional extra ``tensorboard``;
-            :mod:`repro.training.tensorboard`).
+        metrics_interval: the routers compute their diagnostic metrics (the rows' ``routing``,
+            ``routing_per_expert``, ``router_stats``) on step 1, every ``metrics_interval`` steps and the last
+            step only, forcing no host synchronisation on the others; 1 (default): every step, as the
+            committed results were made. Training is identical whatever it is.
+        tensorboard: also write TensorBoard events (the optional extra ``tensorboard``).
         tensorboard_dir: where the events go; ``None``: ``<run dir>/tensorboard``.
     """
 
@@ -317,12 +274,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class ValidationConfig:
-    """Validation loss on the held-out split.
-
-    Args:
-        interval: steps between evaluations (0: none; the last step is always evaluated when on).
-        iters: micro-batches per evaluation and data-parallel rank.
-    """
+    """Validation loss on the held-out split every ``interval`` steps (0: none) and at the last step, over
+    ``iters`` micro-batches per data-parallel rank."""
 
     interval: int = 0
     iters: int = 2
@@ -333,21 +286,8 @@ class ValidationConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a training run needs except where it writes (``--out``) and how many processes run it.
-
-    Args:
-        name: the experiment's name (kept in ``config.json``, records and tables).
-        seed: seeds model init, router noise and the synthetic data.
-        model: see :class:`ModelConfig`.
-        router: see :class:`RouterSpec`.
-        optimizer: see :class:`OptimizerConfig`.
-        schedule: see :class:`ScheduleConfig`.
-        data: see :class:`DataConfig`.
-        parallel: see :class:`ParallelConfig`.
-        checkpoint: see :class:`CheckpointConfig`.
-        logging: see :class:`LoggingConfig`.
-        validation: see :class:`ValidationConfig`.
-    """
+    """Everything a training run needs except where it writes (``--out``) and how many processes run it:
+    the experiment's ``name``, the ``seed`` (model init, router noise, synthetic data) and the sections."""
 
     name: str
     seed: int = 1234
@@ -378,11 +318,8 @@ class RunConfig:
         return self.model.seq_length or self.model.flavour_config().seq_length
 
     def router_options(self) -> dict[str, Any]:
-        """The options handed to the model builder: ``router.options`` plus the run-provided ones.
-
-        ``schedule_steps`` is filled with ``schedule.steps`` when the router has that option and it is unset,
-        so step-dependent schedules (DirMoE's temperature and prior scale) span the whole run.
-        """
+        """``router.options`` plus ``schedule_steps=schedule.steps`` when the router has that option unset, so
+        step-dependent schedules (DirMoE's temperature and prior scale) span the whole run."""
         options = dict(self.router.options)
         name = self.router.name
         if name and name != MEGATRON_ROUTER and "schedule_steps" not in options:
@@ -391,8 +328,8 @@ class RunConfig:
         return options
 
     def model_kwargs(self) -> dict[str, Any]:
-        """What the run hands :func:`repro.model.builder.build_model` besides the vocabulary, the sequence
-        length and the precision (training builds the model from it, and evaluation rebuilds it alike)."""
+        """What training and evaluation hand :func:`repro.model.builder.build_model` besides the vocabulary,
+        the sequence length and the precision."""
         return dict(
             flavour=self.model.flavour_config(),
             router_name=self.router.name,
@@ -418,11 +355,7 @@ class RunConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], origin: str = "config") -> RunConfig:
-        """Rebuild a config from :meth:`to_dict`'s output (e.g. read from ``config.json``).
-
-        Raises:
-            ReproError: unknown or mistyped fields, or values out of range (one line naming ``origin``).
-        """
+        """Rebuild a config from :meth:`to_dict`'s output (ReproError naming ``origin`` on a bad field)."""
         from omegaconf import OmegaConf
         from omegaconf.errors import OmegaConfBaseException
 
@@ -435,7 +368,6 @@ class RunConfig:
             raise ReproError(f"{origin}: {exc}") from None
 
 
-# ---------------------------------------------------------------------------------------- overrides
 def _omegaconf_message(exc: Exception) -> str:
     """OmegaConf's first message line, with the full key it concerns."""
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -458,11 +390,7 @@ def _leaf_keys(obj: Any, prefix: str = "") -> list[str]:
 
 
 def _router_option_fields(router: str) -> dict[str, Any]:
-    """``{option: type}`` of a router's options (megatron's TopKRouter options are optional floats).
-
-    Raises:
-        ReproError: an unknown router (the message lists the valid names).
-    """
+    """``{option: type}`` of a router's options (ReproError listing the valid routers for an unknown one)."""
     if router == MEGATRON_ROUTER:
         return {name: float | None for name in MEGATRON_ROUTER_OPTIONS}
     import routers
@@ -476,18 +404,8 @@ def _router_option_fields(router: str) -> dict[str, Any]:
 
 
 def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """Check option names and convert values to the types of the router's config fields.
-
-    Args:
-        router: a router name (or ``megatron``).
-        options: ``{option: value}`` (values as OmegaConf parsed them from text, or Python values).
-
-    Returns:
-        The options with converted values.
-
-    Raises:
-        ReproError: an unknown option (listing the valid ones) or a value of the wrong type.
-    """
+    """``options`` with values converted to the types of the router's config fields (ReproError on an unknown
+    option, listing the valid ones, or a value of the wrong type)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -499,8 +417,7 @@ def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, A
         )
     if not options:
         return {}
-    # A structured schema of just the given options, typed by the router's config fields (no defaults:
-    # every field is given).
+    # A structured schema of just the given options (no defaults: every field is given).
     schema = dataclasses.make_dataclass(f"{router}_options", [(name, fields[name]) for name in options])
     try:
         typed = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), dict(options)))
@@ -510,11 +427,8 @@ def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, A
 
 
 def check_router_options(config: RunConfig) -> None:
-    """Build the router's config dataclass with the model's real sizes, so a bad value fails now.
-
-    Raises:
-        ReproError: an invalid option value (the router's own message), or options on a dense model.
-    """
+    """Build the router's config dataclass with the model's real sizes, so a bad value fails now (ReproError
+    with the router's own message, or for options on a dense model)."""
     name = config.router.name
     if name is None:
         if config.router.options:
@@ -546,13 +460,6 @@ def apply_overrides(config: RunConfig, assignments: Iterable[str]) -> RunConfig:
     router options are ``router.options.NAME=VALUE``, typed by the router's config field ``NAME``;
     ``router.name=NAME`` changes the router and drops the previous router's options; ``null`` sets an
     optional field to None. Later assignments win.
-
-    Args:
-        config: the starting config.
-        assignments: ``"key=value"`` strings.
-
-    Returns:
-        The new, validated config.
 
     Raises:
         ReproError: a malformed assignment, an unknown key (with the valid keys), a value of the wrong type
@@ -588,21 +495,3 @@ def apply_overrides(config: RunConfig, assignments: Iterable[str]) -> RunConfig:
     updated = RunConfig.from_dict(data, origin=f"experiment '{config.name}'")
     check_router_options(updated)
     return updated
-
-
-__all__ = [
-    "CheckpointConfig",
-    "DataConfig",
-    "LoggingConfig",
-    "MEGATRON_ROUTER",
-    "ModelConfig",
-    "OptimizerConfig",
-    "ParallelConfig",
-    "RouterSpec",
-    "RunConfig",
-    "ScheduleConfig",
-    "ValidationConfig",
-    "apply_overrides",
-    "check_router_options",
-    "typed_router_options",
-]

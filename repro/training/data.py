@@ -1,9 +1,7 @@
-"""The training and validation samples of an experiment: the synthetic source or megatron indexed datasets.
-
-Both are indexable datasets whose items are dicts of 1-D tensors (``tokens``, ``labels``, ``loss_mask``,
-``position_ids``); the loop cuts them into micro-batches with
-:class:`repro.training.synthetic.MicroBatchSampler`, so the data position of a run is one integer (the
-consumed-sample count) and a resumed run reads exactly the samples an uninterrupted one would.
+"""The training and validation samples of an experiment: the synthetic source or megatron indexed datasets,
+both indexable, so that a run's data position is one integer (the consumed-sample count,
+:class:`repro.training.synthetic.MicroBatchSampler`) and a resumed run reads the samples an uninterrupted one
+would.
 """
 
 from __future__ import annotations
@@ -27,16 +25,9 @@ DEFAULT_MINI_PILE_DIR = "data/mini-pile"
 
 @dataclass(frozen=True)
 class RunData:
-    """The datasets of one run.
-
-    Args:
-        train: indexable training samples.
-        valid: indexable validation samples (None: no validation).
-        vocab_size: the tokenizer's vocabulary size (the model pads it).
-        description: a short human-readable origin (for ``config.json``).
-        tokenizer_dir: absolute directory of the tokenizer's ``vocab.json`` + ``merges.txt`` (None: synthetic).
-        similarity: with similarity batching, the derived dataset's prefix, split and statistics.
-    """
+    """The datasets of one run (``valid`` None: no validation), the tokenizer's vocabulary size and absolute
+    directory (None: synthetic), a short origin for ``config.json`` and, with similarity batching, the
+    derived dataset's prefix, split and statistics."""
 
     train: Any
     valid: Any
@@ -55,12 +46,8 @@ def _indexed_prefixes(spec: str) -> list[str]:
 
 
 def _mini_pile(spec: str) -> tuple[list[str], str]:
-    """Build (or reuse) the embedded mini-pile and return its training prefix and tokenizer directory.
-
-    ``spec`` is ``mini-pile`` (directory :data:`DEFAULT_MINI_PILE_DIR`, relative to the working directory)
-    or ``mini-pile:<dir>``. Rank 0 builds first (:func:`repro.data.minipile.build_mini_pile` reuses a
-    complete build whose inputs are unchanged); the other ranks then find it built.
-    """
+    """Build (or reuse) the embedded mini-pile of ``mini-pile[:<dir>]`` and return its training prefix and
+    tokenizer directory (rank 0 builds first, the other ranks then find it built)."""
     from repro.data.minipile import build_mini_pile
 
     root = spec.partition(":")[2].strip() or DEFAULT_MINI_PILE_DIR
@@ -74,17 +61,8 @@ def _mini_pile(spec: str) -> tuple[list[str], str]:
 
 
 def data_sources(config: RunConfig) -> tuple[list[str], str]:
-    """The indexed-dataset prefixes and the tokenizer directory of a non-synthetic run.
-
-    Args:
-        config: the run's config (``data.source`` is ``mini-pile[:dir]`` or ``indexed:prefix,...``).
-
-    Returns:
-        ``(prefixes, tokenizer_dir)``; the mini-pile is built (or reused) on the way.
-
-    Raises:
-        ReproError: synthetic data (it has no tokenizer) or no prefix given.
-    """
+    """``(indexed-dataset prefixes, tokenizer directory)`` of a non-synthetic run, the mini-pile built (or
+    reused) on the way (ReproError for synthetic data or no prefix)."""
     data = config.data
     if data.source == "synthetic":
         raise ReproError(f"experiment '{config.name}' trains on synthetic tokens: it has no tokenizer")
@@ -95,11 +73,7 @@ def data_sources(config: RunConfig) -> tuple[list[str], str]:
 
 
 def load_run_tokenizer(tokenizer_dir: str | os.PathLike):
-    """Load the GPT-2-format tokenizer (``vocab.json`` + ``merges.txt``) in ``tokenizer_dir``.
-
-    Raises:
-        ReproError: a missing file (naming it).
-    """
+    """Load the GPT-2-format tokenizer (``vocab.json`` + ``merges.txt``) in ``tokenizer_dir``."""
     from repro.data.tokenizer import load_tokenizer
 
     vocab_path = Path(tokenizer_dir) / "vocab.json"
@@ -126,20 +100,8 @@ def build_run_data(
     dp_size: int,
     cache_dir: str | os.PathLike,
 ) -> RunData:
-    """Build the experiment's datasets.
-
-    Args:
-        config: the run's config (``data``, ``seed``, ``schedule.steps``, ``validation``).
-        seq_length: tokens per sample.
-        dp_size: data-parallel size (sizes the validation set: ``validation.iters`` micro-batches per rank).
-        cache_dir: where megatron caches its sample indices (indexed data only).
-
-    Returns:
-        The :class:`RunData`.
-
-    Raises:
-        ReproError: missing data or tokenizer files.
-    """
+    """Build the experiment's datasets (the validation set holds ``validation.iters`` micro-batches for each of
+    ``dp_size`` ranks; megatron caches its sample indices in ``cache_dir``)."""
     data, validate = config.data, bool(config.validation.interval)
     valid_samples = max(1, config.validation.iters) * data.micro_batch_size * dp_size
     if data.source == "synthetic":

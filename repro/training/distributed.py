@@ -1,21 +1,10 @@
-"""Process layout, the expert/non-expert parameter split and gradient-norm clipping for DP and EP runs.
+"""Process layout, the expert/non-expert parameter split and the global gradient-norm clipping of the CPU
+path (megatron's optimizer, which clips on GPU, allocates on CUDA).
 
-megatron-core shards the experts over the expert-parallel (EP) ranks and marks every expert parameter with
-``allreduce=False`` when EP > 1. Gradients must then be reduced in two different groups:
-
-* non-expert parameters (``allreduce`` True or absent): summed over the data-parallel (DP) group;
-* expert parameters (``allreduce=False``): summed over the *expert*-data-parallel group only (the ranks
-  holding the same experts), never over the EP group (those ranks hold different experts).
-
-Both are scaled by ``1 / dp_size``: an expert's gradient on its owning rank already sums the contributions
-of every EP rank's tokens (through the all-to-all's backward), so it carries ``ep`` ranks' worth of the
-per-rank-mean loss, exactly as a dense gradient does after the DP sum. This is megatron's own
-``DistributedDataParallel`` rule (``gradient_scaling_factor = expert_gradient_scaling_factor = 1/dp``).
-
-megatron's ``DistributedDataParallel`` does the reduction on CPU (gloo, with the CPU shims) and GPU alike
-(:mod:`repro.training.optim`). This module provides the layout (:class:`Parallel`), the expert/non-expert
-split of the parameters, and the global gradient norm and clipping the CPU path needs (megatron's
-optimizer, which does them on GPU, allocates on CUDA).
+megatron's ``DistributedDataParallel`` reduces the gradients (:mod:`repro.training.optim`): non-expert
+parameters over the data-parallel (DP) group, expert parameters (``allreduce=False``) over the
+expert-data-parallel group only (the ranks holding the same experts), both scaled by ``1 / dp_size``: an
+expert's gradient on its owning rank already sums every EP rank's tokens through the all-to-all's backward.
 """
 
 from __future__ import annotations
@@ -30,22 +19,8 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Parallel:
-    """This process's place in the run and the process groups the loop needs.
-
-    Args:
-        rank: global rank.
-        world_size: number of processes.
-        dp_rank: rank in the data-parallel group.
-        dp_size: data-parallel size (includes the EP ranks: megatron carves EP out of DP).
-        tp_size: tensor-parallel size.
-        ep_rank: rank in the expert-parallel group.
-        ep_size: expert-parallel size.
-        expert_dp_size: size of the expert-data-parallel group (``dp_size / ep_size`` for TP=1).
-        dp_group: the data-parallel group (None: single process).
-        expert_dp_group: the expert-data-parallel group.
-        ep_group: the expert-parallel group.
-        tp_group: the tensor-parallel group.
-    """
+    """This process's place in the run and the process groups the loop needs (groups None: one process;
+    ``dp_size`` includes the EP ranks: megatron carves EP out of DP)."""
 
     rank: int = 0
     world_size: int = 1
@@ -71,11 +46,7 @@ class Parallel:
 
 
 def current_parallel() -> Parallel:
-    """Read the layout and groups from megatron-core's ``parallel_state`` (initialised by the caller).
-
-    Returns:
-        The :class:`Parallel` of this process.
-    """
+    """This process's :class:`Parallel`, from megatron-core's ``parallel_state`` (initialised by the caller)."""
     from megatron.core import parallel_state as ps
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -97,13 +68,8 @@ def current_parallel() -> Parallel:
 
 
 def is_expert_param(name: str, param: torch.Tensor) -> bool:
-    """Whether a parameter belongs to one expert (sharded over the EP ranks).
-
-    megatron-core marks them ``allreduce=False``, but only when its TransformerConfig says
-    ``expert_model_parallel_size > 1``; the name (``...mlp.experts...``) is checked too, so a config that
-    leaves that field at 1 while ``parallel_state`` shards the experts cannot make the experts' gradients
-    get averaged across ranks that hold different experts.
-    """
+    """Whether a parameter belongs to one expert: marked ``allreduce=False`` (megatron does only when its
+    config has ``expert_model_parallel_size > 1``) or named ``...experts...``."""
     return (not getattr(param, "allreduce", True)) or ".experts." in f".{name}"
 
 
@@ -116,24 +82,14 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
     return dense, expert
 
 
-def _trainable(model: nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
+def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> float:
+    """Clip the global gradient norm to ``max_norm`` (0 or less: measure only) with torch's rule (scale by
+    ``max_norm / (norm + 1e-6)`` when that is below 1) and return the norm before clipping (``nan``/``inf``
+    passed through).
 
-
-def global_grad_norm(model: nn.Module, parallel: Parallel) -> torch.Tensor:
-    """The L2 norm of the full model's gradient, as one process holding the whole model would see it.
-
-    Non-expert parameters are replicated over DP (after the DDP reduction), so they are counted
-    once; expert parameters differ across the EP group, so their squared norms are summed over it;
-    tensor-parallel shards (``tensor_model_parallel`` attribute) are summed over the TP group and
-    TP-duplicated parameters counted once.
-
-    Args:
-        model: the local model with reduced gradients.
-        parallel: the layout and groups.
-
-    Returns:
-        A float32 scalar (float64 accumulation).
+    The norm is the whole model's, as one process holding it would see it: non-expert parameters (replicated
+    over DP after the reduction) counted once, expert parameters' squares summed over the EP group,
+    tensor-parallel shards summed over the TP group and TP duplicates counted once; float64 accumulation.
     """
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
@@ -160,26 +116,11 @@ def global_grad_norm(model: nn.Module, parallel: Parallel) -> torch.Tensor:
         total = total.to(_comm_device())
         dist.all_reduce(total, group=parallel.tp_group)
         total = total.cpu()
-    return total.sqrt().float()
-
-
-def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> float:
-    """Clip the global gradient norm to ``max_norm`` (torch's rule: scale by ``max_norm / (norm + 1e-6)``
-    when that is below 1) and return the norm before clipping.
-
-    Args:
-        model: the local model with reduced gradients.
-        parallel: the layout and groups.
-        max_norm: the clip threshold (0 or less: measure only).
-
-    Returns:
-        The global gradient norm before clipping (``nan``/``inf`` passed through for the caller to see).
-    """
-    norm = float(global_grad_norm(model, parallel))
+    norm = float(total.sqrt().float())
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            for p in _trainable(model):
+            for p in (*dense, *expert):
                 if p.grad is not None:
                     p.grad.mul_(coef)
     return norm

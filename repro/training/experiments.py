@@ -1,12 +1,8 @@
 """Named experiments, derived from the router registry: ``<router>-tiny`` and ``<router>-185m`` for every
-registered router (``routers.available_routers()``, which includes routers of other packages registered
-through the ``dirmoe_bench.routers`` entry points), plus ``dense-*`` and ``megatron-*`` (megatron-core's own
-TopKRouter, the reference for Switch), and ``<router>+<variant>-*`` for the variants a router declares
-(``Router.variants``: the suite's own variants, such as DirMoE's centred reconstruction target).
-
-Each experiment is a scale's recipe (:data:`RECIPES`) with the router set, then the router's own declared
-overrides for that scale (``Router.recipe_overrides``, e.g. Lory's segment length on the tiny flavour,
-DirMoE's optimizer settings from its paper's table) applied as dot-lists. No router is special-cased here.
+registered router (entry-point routers included), ``dense-*``, ``megatron-*`` (megatron-core's TopKRouter)
+and ``<router>+<variant>-*`` for the variants a router declares (``Router.variants``). Each is a scale's
+recipe (:data:`RECIPES`) with the router set, then the router's declared overrides for that scale
+(``Router.recipe_overrides``) as dot-lists. No router is special-cased here.
 
 Settings of the 185M recipe and where they come from: ReMoE's published launch script (thu-ml/ReMoE,
 ``train_llama_*_remoe.sh``): micro batch 16, global batch 512 x 1024 tokens, 60k iterations, LR 5e-4 cosine to
@@ -72,11 +68,8 @@ RECIPES: dict[str, Callable[[str | None], RunConfig]] = {"tiny": _tiny, "185m": 
 
 
 def experiment_routers(variants: bool = False) -> list[str]:
-    """Every router with experiments: the registered routers, megatron-core's TopKRouter, and dense.
-
-    Args:
-        variants: also the routers' declared variants, as ``<router>+<variant>``.
-    """
+    """Every router with experiments: the registered routers (with ``variants``, also their declared variants
+    as ``<router>+<variant>``), megatron-core's TopKRouter, and dense."""
     import routers
 
     names = routers.available_routers()
@@ -125,11 +118,7 @@ def experiment_names() -> list[str]:
 
 
 def get_experiment(name: str) -> RunConfig:
-    """The experiment called ``name`` (``<router>-<scale>`` or ``<router>+<variant>-<scale>``).
-
-    Raises:
-        ReproError: an unknown name (the message lists the valid ones).
-    """
+    """The experiment called ``name`` (ReproError listing the valid names for an unknown one)."""
     router, _, scale = name.rpartition("-")
     if scale not in RECIPES or router not in experiment_routers(variants=True):
         raise ReproError(f"unknown experiment '{name}'; valid: {', '.join(experiment_names())}")
@@ -144,6 +133,3 @@ def describe(config: RunConfig) -> str:
         f"{config.name:<24} router={router:<14} flavour={config.model.flavour:<17} steps={config.schedule.steps:<6} "
         f"batch={config.data.global_batch_size}x{seq} lr={config.optimizer.lr:g}->{config.schedule.min_lr:g}"
     )
-
-
-__all__ = ["DENSE", "RECIPES", "build_experiment", "describe", "experiment_names", "experiment_routers", "get_experiment"]

@@ -1,9 +1,4 @@
-"""Trained checkpoints as scoring models: what the lm-eval bridge and the routing analysis load.
-
-``load_for_evaluation(run_or_checkpoint_dir)`` rebuilds the run's model (flavour, router and its options
-from the checkpoint's experiment config) in a single process, loads the weights written by any DP/EP layout,
-puts it in eval mode (deterministic routers) and returns it with the run's tokenizer.
-"""
+"""Trained checkpoints as scoring models: what the lm-eval bridge and the routing analysis load."""
 
 from __future__ import annotations
 
@@ -22,25 +17,12 @@ from repro.training.config import RunConfig
 
 
 class CheckpointScorer(nn.Module):
-    """A megatron-core GPTModel behind the bridge's ``ScoringModel`` protocol.
-
-    Args:
-        model: the GPTModel (weights loaded).
-        config: the run's config.
-        eod_id: the end-of-document token id.
-        vocab_size: the tokenizer's vocabulary (the model's padded extra logits are cut off).
-        max_length: the training sequence length.
-        device: where the model lives.
-    """
+    """A megatron-core GPTModel (weights loaded) behind the bridge's ``ScoringModel`` protocol; ``vocab_size``
+    is the tokenizer's (the model's padded extra logits are cut off), ``max_length`` the training sequence
+    length."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        config: RunConfig,
-        eod_id: int,
-        vocab_size: int,
-        max_length: int,
-        device: torch.device,
+        self, model: nn.Module, config: RunConfig, eod_id: int, vocab_size: int, max_length: int, device: torch.device
     ):
         super().__init__()
         self.model = model
@@ -61,15 +43,12 @@ class CheckpointScorer(nn.Module):
 
     @torch.no_grad()
     def logits(self, tokens_BS: torch.Tensor, prompt_lengths_B: list[int] | None = None) -> torch.Tensor:
-        """Next-token logits ``[B, S, V]`` (float32) for token ids ``[B, S]``.
+        """Next-token logits ``[B, S, V]`` (float32, V the tokenizer's vocabulary) for token ids ``[B, S]``.
 
         Args:
             tokens_BS: token ids.
             prompt_lengths_B: context tokens of each row; layers with an inference rule of their own (Lory's)
                 then route each row once on its prompt, so neither the scored tokens nor padding steer them.
-
-        Returns:
-            Logits without the padded vocabulary's extra columns (V is the tokenizer's vocabulary size).
         """
         from repro.model.cpu_shims import causal_attention_mask
         from routers.megatron_adapter import prompt_routing, token_ids_context
@@ -95,12 +74,9 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
             is told apart from a directory that holds no run).
     """
     path = Path(path)
-    if (path / "meta.json").is_file():
-        return path
-    for candidate in (path, path / "checkpoints"):
-        latest = ckpt.find_latest_checkpoint(candidate)
-        if latest is not None:
-            return latest
+    resolved = ckpt.resolve_checkpoint(path)
+    if (resolved / "meta.json").is_file():
+        return resolved
     for candidate in (path, path / "checkpoints"):
         incomplete = ckpt.incomplete_checkpoints(candidate)
         if incomplete:
@@ -117,13 +93,8 @@ def run_dir_of(checkpoint_dir: Path) -> Path:
 
 
 def _run_tokenizer_dir(checkpoint_dir: Path, config: RunConfig) -> str:
-    """The tokenizer the run trained with, as its ``config.json`` records it (checked by hash).
-
-    Runs that recorded none (a bare checkpoint directory) fall back to the experiment's data sources.
-
-    Raises:
-        ReproError: the recorded tokenizer is gone or its files changed.
-    """
+    """The tokenizer the run trained with, as its ``config.json`` records it (ReproError when it is gone or its
+    files changed); runs that recorded none (a bare checkpoint directory) take the experiment's data sources."""
     from repro.training.data import data_sources, tokenizer_fingerprint
 
     config_path = run_dir_of(checkpoint_dir) / "config.json"
@@ -149,14 +120,14 @@ def _run_tokenizer_dir(checkpoint_dir: Path, config: RunConfig) -> str:
 
 
 def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> tuple[CheckpointScorer, Any]:
-    """Load a run's checkpoint for scoring.
+    """Rebuild a run's model in one process from its checkpoint (any DP/EP layout) for scoring.
 
     Args:
         path: a run directory (its newest checkpoint), a ``checkpoints`` directory or one checkpoint.
         device: ``"cpu"``/``"cuda"``; default CUDA when available.
 
     Returns:
-        ``(CheckpointScorer in eval mode, tokenizer)``.
+        ``(CheckpointScorer in eval mode, the run's tokenizer)``.
 
     Raises:
         ReproError: no checkpoint, a synthetic-data run (no tokenizer), or weights that do not fit.

@@ -1,12 +1,5 @@
-"""The training log: one :class:`LogRow` per optimizer step in ``log.jsonl``, one writer, one reader.
-
-The trainer appends a row after every step (rank 0), with the routing metrics on the steps that collect them
-(``logging.metrics_interval``, default every step); everything that reads a log (summaries, run records,
-plots, checks) goes through :func:`read_rows`, which checks every row against :class:`LogRow` and names the
-file and line of a bad one; :func:`summarize` makes a finished run's ``summary.json`` from its rows.
-Routing metrics are per MoE layer: ``routing[name][layer]`` for scalar metrics (``active_experts``,
-``simpson``, ``load_imbalance``, ...) and ``routing_per_expert[name][layer][expert]`` for per-expert ones
-(``tokens_per_expert``), so a dead expert is visible from the log alone.
+"""The training log: one :class:`LogRow` per optimizer step in ``log.jsonl``, one writer, one reader
+(:func:`read_rows` checks every row and names the file and line of a bad one), and the run's summary.
 """
 
 from __future__ import annotations
@@ -38,23 +31,16 @@ class LogRow:
         loss: ``lm_loss`` plus the sum of the aux losses (the objective that was differentiated).
         lm_loss: mean next-token cross-entropy over the step's tokens (mean over micro-batches and DP ranks).
         aux_losses: ``{name: value summed over layers}``, as added to the objective (coefficients applied).
-        aux_losses_per_layer: ``{name: [value per MoE layer]}``.
-        lr: the learning rate the step used.
-        grad_norm: global gradient norm before clipping.
-        iter_time_s: wall time of the step (data, forward, backward, reduction, optimizer, router update).
-        tokens_per_s: global tokens of the step / ``iter_time_s``.
+        iter_time_s: wall time of the timed part of the step (:mod:`repro.training.trainer`).
         consumed_samples: training samples consumed by all ranks after this step.
         peak_memory_bytes: peak allocated CUDA memory on GPU; the process's peak RSS on CPU.
         routing: ``{metric: [value per MoE layer]}`` of the scalar routing metrics (mean over the step's
             micro-batches and DP ranks); empty for a dense model.
         routing_per_expert: ``{metric: [[value per expert] per MoE layer]}`` (``tokens_per_expert``).
-        router_stats: ``{router: statistic}`` averaged over layers and ranks by the step schedule (ReMoE's
-            sparsity).
+        router_stats: ``{router: statistic}`` of the step schedules (ReMoE's sparsity).
         val_loss: validation LM loss, on evaluation steps only.
-        metrics_collected: whether the routers computed their diagnostic metrics in this step
-            (``logging.metrics_interval``): then ``routing``, ``routing_per_expert`` and ``router_stats`` hold
-            them and ``iter_time_s`` includes computing them; otherwise the three are empty. Logs written
-            before the setting existed collected on every step (the default).
+        metrics_collected: whether the routers computed their diagnostic metrics in this step (then
+            ``iter_time_s`` includes computing them; otherwise the three fields above are empty).
     """
 
     step: int
@@ -90,23 +76,14 @@ def write_row(file: IO[str], row: LogRow) -> None:
 
 
 def timed_rows(rows: Sequence[LogRow]) -> Sequence[LogRow]:
-    """The rows whose iteration time is training alone: those that did not collect routing metrics
-    (``LogRow.metrics_collected``). A log that collected on every step (``logging.metrics_interval=1``, the
-    default of training runs) has no such row and is returned whole, so its figures are what they were.
-
-    Validation, checkpoints and the log write run after a step's timer stops (:mod:`repro.training.trainer`):
-    no row's time contains them, so rows of such steps need not be left out.
-    """
+    """The rows whose iteration time is training alone (those that did not collect routing metrics), or all
+    rows when every step collected them (``logging.metrics_interval=1``, the training runs' default)."""
     clean = [r for r in rows if not r.metrics_collected]
     return clean if clean else rows
 
 
 def read_rows(path: str | os.PathLike) -> list[LogRow]:
-    """The rows of a ``log.jsonl`` (or of the one in a run directory), in file order.
-
-    Raises:
-        ReproError: an unreadable file, or a line that is not a valid row (named by file and line).
-    """
+    """The rows of a ``log.jsonl`` (or of the one in a run directory), in file order."""
     path = Path(path)
     if path.is_dir():
         path = path / LOG_FILE
@@ -127,10 +104,8 @@ def read_rows(path: str | os.PathLike) -> list[LogRow]:
 
 
 def truncate_rows(path: Path, last_step: int) -> None:
-    """Keep the rows of steps <= ``last_step`` (a killed run may have logged past its checkpoint).
-
-    A line cut short by the kill ends the kept part: nothing after it is trustworthy.
-    """
+    """Keep the rows of steps <= ``last_step`` (a killed run may have logged past its checkpoint); a line
+    cut short by the kill ends the kept part."""
     if not path.exists():
         return
     kept = []
@@ -145,7 +120,6 @@ def truncate_rows(path: Path, last_step: int) -> None:
             kept.append(line)
     with atomic_path(path) as tmp:
         tmp.write_text("".join(line + "\n" for line in kept))
-
 
 
 def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
@@ -178,6 +152,3 @@ def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> d
         "simpson_final": last.routing.get("simpson") if last else None,
         **extra,
     }
-
-
-__all__ = ["LOG_FILE", "LogRow", "read_rows", "summarize", "timed_rows", "truncate_rows", "write_row"]

@@ -14,14 +14,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WarmupCosineSchedule:
-    """The learning rate as a pure function of the step.
-
-    Args:
-        peak_lr: the LR at the end of warmup.
-        min_lr: the floor the cosine decays to (and stays at after ``total_steps``).
-        warmup_steps: linear warmup length (0: start at the peak).
-        total_steps: the step at which the cosine reaches ``min_lr``.
-    """
+    """The learning rate as a pure function of the step: linear warmup over ``warmup_steps`` (0: start at the
+    peak) to ``peak_lr``, then cosine to ``min_lr`` at ``total_steps``, and ``min_lr`` after it."""
 
     peak_lr: float
     min_lr: float
@@ -37,15 +31,9 @@ class WarmupCosineSchedule:
             raise ValueError(f"need 0 <= min_lr <= peak_lr, got {self.min_lr}, {self.peak_lr}")
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step number ``step`` (1-based: the first step is 1).
-
-        Args:
-            step: 1-based step (0 gives 0 during warmup, the value before any step).
-
-        Returns:
-            ``peak * step / warmup`` during warmup, then ``min + (peak - min) * (1 + cos(pi * p)) / 2`` with
-            ``p = (step - warmup) / (total - warmup)`` clamped to [0, 1], so ``min_lr`` after ``total_steps``.
-        """
+        """The learning rate of optimizer step number ``step`` (1-based; 0 gives 0 during warmup):
+        ``peak * step / warmup`` during warmup, then ``min + (peak - min) * (1 + cos(pi * p)) / 2`` with
+        ``p = (step - warmup) / (total - warmup)`` clamped to [0, 1]."""
         if self.warmup_steps > 0 and step <= self.warmup_steps:
             return self.peak_lr * step / self.warmup_steps
         decay_steps = self.total_steps - self.warmup_steps
@@ -56,18 +44,10 @@ class WarmupCosineSchedule:
 
 
 class LRScheduler:
-    """Applies a :class:`WarmupCosineSchedule` to an optimizer's parameter groups.
-
-    Works with ``torch.optim`` optimizers and megatron-core's (both expose ``param_groups``). Its state is
-    the number of steps taken. megatron's groups carry ``lr_mult`` and ``wd_mult`` (0 for biases and 1-D
-    parameters) and leave it to the scheduler to set ``lr`` and ``weight_decay`` from them, as megatron's
-    ``OptimizerParamScheduler`` does; groups without them (torch's) keep their own weight decay.
-
-    Args:
-        optimizer: the optimizer whose ``param_groups`` get the LR.
-        schedule: the schedule.
-        weight_decay: the base weight decay for groups with a ``wd_mult``.
-    """
+    """Applies a :class:`WarmupCosineSchedule` to an optimizer's ``param_groups`` (torch's or megatron's); its
+    state is the number of steps taken. megatron's groups carry ``lr_mult`` and ``wd_mult`` and leave it to
+    the scheduler to set ``lr`` and ``weight_decay`` (the base ``weight_decay`` times ``wd_mult``), as its
+    ``OptimizerParamScheduler`` does; torch's groups keep their own weight decay."""
 
     def __init__(self, optimizer, schedule: WarmupCosineSchedule, weight_decay: float = 0.0) -> None:
         self.optimizer = optimizer

@@ -1,15 +1,7 @@
-"""The optimizer side of a training step, behind one small interface for CPU and GPU.
-
-Both wrap the model in megatron-core's ``DistributedDataParallel`` (gradients reduced non-expert over
-DP, expert over expert-DP, see :mod:`repro.training.distributed`).
-
-* CPU (:class:`CpuOptimization`): ``torch.optim.AdamW`` on megatron's reduced gradients, global-norm
-  clipping by :func:`repro.training.distributed.clip_gradients`. megatron's optimizer is not usable there:
-  ``get_megatron_optimizer`` allocates on CUDA (see ``repro.model.cpu_shims``).
-* GPU (:class:`MegatronOptimization`): ``get_megatron_optimizer`` (fp32 main parameters for bf16 models,
-  its own global-norm clipping, optionally the distributed optimizer). Not exercised by the CPU suite.
-
-Weight decay follows megatron: none on biases and 1-D parameters (norm weights, router biases).
+"""The optimizer side of a training step, behind one small interface for CPU and GPU: both wrap the model in
+megatron-core's ``DistributedDataParallel`` (:mod:`repro.training.distributed`); the CPU path steps torch's
+AdamW (megatron's optimizer allocates on CUDA), the GPU path megatron's. Weight decay follows megatron: none
+on biases and 1-D parameters (norm weights, router biases).
 """
 
 from __future__ import annotations
@@ -22,25 +14,13 @@ from torch import nn
 from repro.training.distributed import Parallel, clip_gradients, is_expert_param
 
 
-def _no_decay(name: str, param: torch.Tensor) -> bool:
-    return param.dim() < 2 or name.endswith(".bias")
-
-
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW parameter groups: decayed (>= 2-D weights) and not decayed (biases, 1-D parameters).
-
-    Args:
-        model: the model.
-        weight_decay: the decoupled weight decay of the first group.
-
-    Returns:
-        Two groups (empty ones dropped), in a fixed order so optimizer state loads back correctly.
-    """
+    """AdamW parameter groups, decayed (>= 2-D weights) then not decayed (biases, 1-D parameters), empty ones
+    dropped (a fixed order, so that optimizer state loads back)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if _no_decay(name, p) else decay).append(p)
+        if p.requires_grad:
+            (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
     groups = [
         {"params": decay, "weight_decay": weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
@@ -49,13 +29,9 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def _wrap_ddp(model: nn.Module, parallel: Parallel, distributed_optimizer: bool) -> nn.Module:
-    """megatron-core's ``DistributedDataParallel`` around ``model`` (fp32 grad buffers, no overlap).
-
-    Expert parameters are marked ``allreduce=False`` first when EP > 1: megatron's DDP (and optimizer) split
-    expert from non-expert parameters by that attribute, which its layers set only when the
-    TransformerConfig carries ``expert_model_parallel_size > 1``; marking them here guarantees their
-    gradients are reduced over the expert-data-parallel group, never across ranks holding other experts.
-    """
+    """megatron-core's ``DistributedDataParallel`` around ``model`` (fp32 grad buffers, no overlap), expert
+    parameters marked ``allreduce=False`` first when EP > 1 (megatron's DDP splits them by that attribute,
+    which its layers set only when their config has ``expert_model_parallel_size > 1``)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if parallel.ep_size > 1:
@@ -70,26 +46,22 @@ def _wrap_ddp(model: nn.Module, parallel: Parallel, distributed_optimizer: bool)
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
 
-class CpuOptimization:
-    """megatron-core's DDP gradient reduction + torch AdamW + global-norm clipping (the CPU path).
+class _Optimization:
+    """What both paths share: ``ddp_model`` (the wrapped model to run forward/backward through) and the
+    optimizer's ``param_groups`` (the LR scheduler writes ``lr`` into them)."""
 
-    megatron's ``DistributedDataParallel`` works on CPU under gloo with the CPU shims (measured: one
-    process, DP=2 and EP=2): backward hooks accumulate into its fp32 ``main_grad`` buffers and
-    ``finalize_model_grads`` reduces them (non-expert over DP, expert over expert-DP, both scaled by 1/dp).
-    Its optimizer is not usable on CPU (``get_megatron_optimizer`` allocates on CUDA), so torch's AdamW
-    steps on the reduced gradients, after :func:`~repro.training.distributed.clip_gradients`.
+    ddp_model: nn.Module
+    optimizer: Any
 
-    Args:
-        model: the local model.
-        parallel: the layout and groups.
-        lr: initial LR (the scheduler sets it every step).
-        weight_decay: AdamW weight decay.
-        betas: AdamW betas.
-        eps: AdamW epsilon.
-        clip_grad: global-norm clip (0: none).
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
 
-    Attributes:
-        ddp_model: the wrapped model to run forward/backward through.
+
+class CpuOptimization(_Optimization):
+    """megatron-core's DDP gradient reduction (on CPU under gloo with the CPU shims: backward hooks fill its fp32
+    ``main_grad`` buffers, ``finalize_model_grads`` reduces them), then global-norm clipping
+    (:func:`~repro.training.distributed.clip_gradients`) and torch's AdamW; ``clip_grad`` 0 does not clip.
     """
 
     def __init__(
@@ -112,22 +84,13 @@ class CpuOptimization:
             param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, foreach=False
         )
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The optimizer's parameter groups (the LR scheduler writes ``lr`` into them)."""
-        return self.optimizer.param_groups
-
     def zero_grad(self) -> None:
         """Zero megatron's grad buffers and drop the gradients before a step's first backward."""
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad(set_to_none=True)
 
     def step(self) -> float:
-        """Reduce gradients over the ranks, clip, and update.
-
-        Returns:
-            The global gradient norm before clipping.
-        """
+        """Reduce gradients over the ranks, clip, and update; return the global gradient norm before clipping."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.ddp_model])
@@ -148,19 +111,9 @@ class CpuOptimization:
         self.optimizer.load_state_dict(state)
 
 
-class MegatronOptimization:  # pragma: no cover - needs CUDA
-    """megatron-core's DDP wrapper and optimizer (GPU only).
-
-    Args:
-        model: the local (unwrapped) megatron model; wrapped here in ``DistributedDataParallel``.
-        parallel: the layout.
-        lr, weight_decay, betas, eps, clip_grad: as :class:`CpuOptimization`.
-        bf16: the model is in bf16 (megatron keeps fp32 main parameters).
-        distributed_optimizer: shard the optimizer state over data-parallel ranks.
-
-    Attributes:
-        ddp_model: the wrapped model to run forward/backward through.
-    """
+class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
+    """megatron-core's DDP wrapper and optimizer (GPU only; fp32 main parameters for a bf16 model, the state
+    sharded over data-parallel ranks with ``distributed_optimizer``)."""
 
     def __init__(
         self,
@@ -197,22 +150,13 @@ class MegatronOptimization:  # pragma: no cover - needs CUDA
         # on the missing intra-partial-data-parallel gloo group as soon as it builds the optimizer.
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp_model], use_gloo_process_groups=False)
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:
-        """The optimizer's parameter groups."""
-        return self.optimizer.param_groups
-
     def zero_grad(self) -> None:
         """Zero megatron's grad buffers and the optimizer's gradients."""
         self.ddp_model.zero_grad_buffer()
         self.optimizer.zero_grad()
 
     def step(self) -> float:
-        """Finish the gradient reduction (DP, expert-DP, embedding/TP duplicates) and take the step.
-
-        Returns:
-            The global gradient norm before clipping (megatron's).
-        """
+        """Finish the gradient reduction and take the step; return megatron's gradient norm before clipping."""
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.ddp_model])

@@ -1,20 +1,14 @@
-"""A run directory: its files, its lock, and what a command may do with it.
-
-Rules (docs/failures.md, "What happens when things go wrong", states them for users):
+"""A run directory: its files, its lock, and what a command may do with it (docs/failures.md states the
+rules for users).
 
 * A fresh run needs a new or empty directory (hidden entries such as ``.lock`` aside); a directory that
-  holds a run is continued only with ``--resume``, and one that holds other files is refused. Nothing in
-  an existing directory is ever deleted.
+  holds a run is continued only with ``--resume``, one that holds other files is refused; nothing in an
+  existing directory is deleted.
 * The directory is locked for the life of a run: an exclusive ``flock`` on ``.lock``, taken by global
   rank 0 before anything is written and released by the operating system on any exit, SIGKILL included.
-  A second run on the same directory fails at once with one line.
-* ``--resume`` continues from the newest complete checkpoint; with none yet (a run killed before or while
-  writing its first one) it starts again from step 0 with the run's own ``config.json``; a finished run is
-  left untouched (its record and evaluation results stay as they are).
-* A resumed run may change settings that do not define the model or its data order (``optimizer``,
-  ``schedule``, ``checkpoint.interval``, ``logging``, ``validation``, and the backend's name): the way to
-  recover a run that hit a non-finite loss from its last good checkpoint. The changes are listed in
-  ``resume_changes.json``.
+* ``--resume`` continues from the newest complete checkpoint, or from step 0 with the run's own
+  ``config.json`` when there is none yet; a finished run is left untouched. It may change the settings that
+  do not define the model or its data order (:data:`CHANGEABLE_ON_RESUME`), listed in ``resume_changes.json``.
 """
 
 from __future__ import annotations
@@ -30,13 +24,13 @@ from pathlib import Path
 from typing import Any
 
 from repro.errors import ReproError
+from repro.io_utils import write_json_atomic
 from repro.training import checkpoint as ckpt
 from repro.training.config import RunConfig
 from repro.training.log import LOG_FILE
 
 LOCK_FILE = ".lock"
-#: Sections (and fields) a resumed run may change: they do not define the model, its parameters or its data
-#: order. The backend may be named explicitly (the trainer checks it resolves to the one the run started with).
+#: What a resumed run may change (the trainer checks that the backend resolves to the run's own).
 CHANGEABLE_ON_RESUME: tuple[str, ...] = (
     "optimizer", "schedule", "checkpoint", "logging", "validation", "model.backend", "model.backend_options",
 )
@@ -44,52 +38,35 @@ CHANGEABLE_ON_RESUME: tuple[str, ...] = (
 
 @dataclass(frozen=True)
 class RunPaths:
-    """Where a run writes.
-
-    Args:
-        root: the run directory.
-    """
+    """Where a run writes: the run directory ``root`` and its files."""
 
     root: Path
 
     @property
     def config(self) -> Path:
-        """The config and the run's set-up (JSON)."""
         return self.root / "config.json"
 
     @property
     def log(self) -> Path:
-        """One row per step."""
         return self.root / LOG_FILE
 
     @property
     def checkpoints(self) -> Path:
-        """The checkpoint directories."""
         return self.root / "checkpoints"
 
     @property
     def summary(self) -> Path:
-        """The final summary (JSON)."""
         return self.root / "summary.json"
 
     @property
-    def record(self) -> Path:
-        """The run record the tables and checks read (written by the caller of the trainer)."""
-        return self.root / "record.json"
-
-    @property
-    def data_cache(self) -> Path:
-        """megatron's dataset index cache (indexed data only)."""
+    def data_cache(self) -> Path:  # megatron's dataset index cache (indexed data only)
         return self.root / "data_cache"
 
 
 @contextlib.contextmanager
 def run_lock(paths: RunPaths) -> Iterator[None]:
-    """Hold the run directory's lock (global rank 0; other ranks belong to the same run).
-
-    Raises:
-        ReproError: the directory cannot be created, or another process holds the lock.
-    """
+    """Hold the run directory's lock (global rank 0; other ranks belong to the same run); ReproError when the
+    directory cannot be created or another process holds the lock."""
     if int(os.environ.get("RANK", "0")) != 0:
         yield
         return
@@ -116,13 +93,8 @@ def run_lock(paths: RunPaths) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class StartState:
-    """How a run starts.
-
-    Args:
-        config: the config to train with.
-        checkpoint: the checkpoint to resume from (None: from step 0).
-        finished: the summary of a run that had already finished (nothing to do), else None.
-    """
+    """How a run starts: its config, the checkpoint to resume from (None: step 0) and, for a run that had
+    already finished, its summary."""
 
     config: RunConfig
     checkpoint: ckpt.CheckpointInfo | None
@@ -134,11 +106,8 @@ def _visible_entries(root: Path) -> list[str]:
 
 
 def stored_config(paths: RunPaths) -> RunConfig:
-    """The config of the run in ``paths.root``: its newest checkpoint's, else its ``config.json``'s.
-
-    Raises:
-        ReproError: no run there, or an unreadable config (naming the file).
-    """
+    """The config of the run in ``paths.root``: its newest checkpoint's, else its ``config.json``'s (ReproError
+    when there is no run or the config is unreadable)."""
     latest = ckpt.find_latest_checkpoint(paths.checkpoints)
     if latest is not None:
         info = ckpt.read_checkpoint_info(latest)
@@ -170,15 +139,8 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> StartState:
-    """Decide how a run starts in ``paths.root`` (see the module docstring for the rules).
-
-    Args:
-        paths: the run directory.
-        config: the config asked for (None with ``resume``: the run's own).
-        resume: continue the run that is there.
-
-    Returns:
-        The :class:`StartState`.
+    """Decide how a run starts in ``paths.root`` (see the module docstring for the rules) with the config asked
+    for (None with ``resume``: the run's own).
 
     Raises:
         ReproError: a directory that is not this run's, nothing to resume, or a changed config on resume that
@@ -227,21 +189,7 @@ def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> Star
 
 def _note_changes(paths: RunPaths, step: int, changes: dict[str, str]) -> None:
     """Keep the settings changed on resume in ``resume_changes.json`` (config.json holds the current ones)."""
-    from repro.io_utils import write_json_atomic
-
     path = paths.root / "resume_changes.json"
     history = json.loads(path.read_text()) if path.is_file() else []
     history.append({"from_step": step, "changes": changes})
     write_json_atomic(path, history)
-
-
-__all__ = [
-    "CHANGEABLE_ON_RESUME",
-    "LOCK_FILE",
-    "RunPaths",
-    "StartState",
-    "config_changes",
-    "run_lock",
-    "start_state",
-    "stored_config",
-]

@@ -1,20 +1,13 @@
 """A deterministic synthetic token source with learnable structure, and the micro-batch sampler.
 
-The synthetic source stands in for a tokenized corpus when no files are wanted (tests, smoke runs): it is
-indexable like megatron's ``GPTDataset`` (sample ``i`` is a dict of 1-D tensors ``tokens``, ``labels``,
-``loss_mask``, ``position_ids``), every sample is a pure function of ``(seed, split, i)``, so a resumed run
-that restarts at a sample index sees exactly the data it would have seen.
+The synthetic source stands in for a tokenized corpus when no files are wanted (tests, smoke runs): indexable
+like megatron's ``GPTDataset``, every sample a pure function of ``(seed, split, i)``. Its text is a random
+sparse bigram chain (a few likely successors per token, fixed by the seed, and some uniform noise), so a
+falling loss is a meaningful check after a handful of steps.
 
-Its text is a random sparse bigram chain: each token has a few likely successors (fixed by the seed), with
-some uniform noise. A model lowers its loss quickly from ``log V`` by learning the table, so a falling loss
-is a meaningful check after a handful of steps. Generation is vectorised (:meth:`SyntheticTokens.batch`):
-the chain restarts at every noisy token, so all runs advance together, one table lookup per position within
-a run, for every sample of a micro-batch at once.
-
-:class:`MicroBatchSampler` cuts the global sample order into micro-batches the way megatron's
-``MegatronPretrainingSampler`` does: each micro-step takes ``micro_batch_size x dp_size`` consecutive
-samples, and data-parallel rank ``r`` takes slice ``r`` of them. A one-process run and a DP run of the same
-global batch therefore see the same micro-batches, only spread over ranks.
+:class:`MicroBatchSampler` cuts the global sample order into micro-batches as megatron's
+``MegatronPretrainingSampler`` does, so a one-process run and a DP run of the same global batch see the same
+micro-batches, only spread over ranks.
 """
 
 from __future__ import annotations
@@ -57,8 +50,7 @@ class SyntheticTokens:
 
     @functools.cached_property
     def _table(self) -> np.ndarray:
-        # The bigram table depends on the seed only (not the split), so validation measures the same language.
-        # Cached on the instance (the dataclass is frozen; cached_property writes the instance dict directly).
+        # The seed's only (not the split's): validation measures the same language.
         rng = np.random.default_rng([self.seed, 0x5EED])
         return rng.integers(0, self.vocab_size, size=(self.vocab_size, self.successors))
 
@@ -102,11 +94,7 @@ class SyntheticTokens:
         return index % self.num_samples if self.num_samples else index
 
     def batch(self, indices: Iterable[int]) -> dict[str, torch.Tensor]:
-        """Samples ``indices`` stacked, as :func:`collate` returns them (each row equal to ``self[i]``).
-
-        Returns:
-            ``tokens``/``labels``/``position_ids`` int64 ``[b, S]``, ``loss_mask`` float32 ``[b, S]``.
-        """
+        """Samples ``indices`` stacked as :func:`collate` returns them, each row equal to ``self[i]``."""
         indices = [self._check_index(i) for i in indices]
         text = torch.from_numpy(self._text(indices))
         b, S = len(indices), self.seq_length
@@ -124,49 +112,24 @@ class SyntheticTokens:
 
 @dataclass(frozen=True)
 class MicroBatchSampler:
-    """Which samples one data-parallel rank reads, as a function of the consumed-sample count.
-
-    Args:
-        micro_batch_size: m, sequences per micro-batch per rank.
-        dp_rank: r.
-        dp_size: number of data-parallel ranks.
-        num_microbatches: micro-batches per optimizer step on each rank.
-    """
+    """Which samples data-parallel rank ``dp_rank`` reads, as a function of the consumed-sample count: each
+    micro-step takes ``micro_batch_size x dp_size`` consecutive samples, and rank ``r`` takes slice ``r``."""
 
     micro_batch_size: int
     dp_rank: int
     dp_size: int
     num_microbatches: int
 
-    @property
-    def global_batch_size(self) -> int:
-        """Samples consumed by one optimizer step over all ranks."""
-        return self.micro_batch_size * self.dp_size * self.num_microbatches
-
     def indices(self, consumed_samples: int, microbatch: int) -> range:
-        """Global sample indices of micro-batch ``microbatch`` of the step starting at ``consumed_samples``.
-
-        Args:
-            consumed_samples: samples consumed by all ranks before this step.
-            microbatch: 0-based micro-batch number within the step.
-
-        Returns:
-            The ``micro_batch_size`` sample indices for this rank.
-        """
+        """This rank's sample indices of micro-batch ``microbatch`` (0-based) of the step that starts after
+        ``consumed_samples`` samples of all ranks."""
         start = consumed_samples + (microbatch * self.dp_size + self.dp_rank) * self.micro_batch_size
         return range(start, start + self.micro_batch_size)
 
 
 def collate(dataset, indices) -> dict[str, torch.Tensor]:
-    """Stack samples ``indices`` of an indexable dataset into a ``[b, s]`` batch dict.
-
-    Args:
-        dataset: indexable; items are dicts with (at least) :data:`SAMPLE_KEYS`, as tensors or numpy arrays.
-        indices: sample indices (wrapped modulo ``len(dataset)``).
-
-    Returns:
-        ``{tokens, labels, loss_mask, position_ids}``, each ``[b, s]`` (int64, float32 for the mask).
-    """
+    """Stack samples ``indices`` (wrapped modulo ``len(dataset)``) of an indexable dataset whose items hold
+    :data:`SAMPLE_KEYS` into ``[b, s]`` tensors (int64, float32 for ``loss_mask``)."""
     n = len(dataset)
     if isinstance(dataset, SyntheticTokens):
         return dataset.batch(int(i) % n for i in indices)  # all samples generated at once

@@ -1,9 +1,7 @@
 """TensorBoard events from the training log's rows (the optional extra ``tensorboard``).
 
-``logging.tensorboard=true`` (or ``python -m repro train --tensorboard DIR``) adds :class:`TensorBoardLog` to the
-trainer's components. On every logging step (``logging.interval``, and the last step) rank 0 writes the step's
-:class:`~repro.training.log.LogRow`, the same row ``log.jsonl`` gets, with ``torch.utils.tensorboard``'s
-``SummaryWriter``:
+With ``logging.tensorboard=true`` rank 0 writes the step's :class:`~repro.training.log.LogRow` on every
+logging step (``logging.interval``, and the last step) with ``torch.utils.tensorboard``'s ``SummaryWriter``:
 
 * scalars ``train/loss``, ``train/lm_loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
   ``train/iter_time_s``, ``train/aux/<name>`` (summed over layers) and ``train/aux/<name>/layer<l>``;
@@ -15,9 +13,8 @@ trainer's components. On every logging step (``logging.interval``, and the last 
   every expert over the steps. A metric with negative entries (the aux-loss-free router's bias) is written as
   the distribution of its values instead.
 
-Layers are numbered from 1, in the order of the row's per-layer lists. A resumed run passes ``purge_step`` so
-TensorBoard drops the events a killed run wrote after its checkpoint. Open the events with
-``tensorboard --logdir RUN_DIR/tensorboard``.
+Layers are numbered from 1. A resumed run passes ``purge_step`` so TensorBoard drops the events a killed run
+wrote after its checkpoint.
 """
 
 from __future__ import annotations
@@ -32,31 +29,15 @@ from repro.training.log import LogRow
 if TYPE_CHECKING:
     from repro.training.components import TrainerState
 
-#: The folder of a run directory that holds the events unless ``logging.tensorboard_dir`` says otherwise.
-DEFAULT_DIR = "tensorboard"
-
-
-def require_tensorboard() -> None:
-    """Raise a one-line :class:`ReproError` unless the ``tensorboard`` package is importable."""
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ReproError(
-            "logging.tensorboard needs TensorBoard, which is not installed: pip install 'dirmoe-bench[tensorboard]'"
-        )
-
-
 class TensorBoardLog:
-    """The trainer component writing TensorBoard events on rank 0 (see the module docstring).
-
-    Args:
-        log_dir: the events folder.
-        interval: steps between written rows (``logging.interval``); the last step is always written.
-        last_step: the run's last step.
-        initial_step: the step the run starts from (a resume purges the events after it).
-        is_main: whether this process writes (global rank 0); other ranks hold no writer.
-    """
+    """The trainer component writing TensorBoard events into ``log_dir`` on rank 0 (``is_main``) every
+    ``interval`` steps and at ``last_step``; a run resumed at ``initial_step`` purges the events after it."""
 
     def __init__(self, log_dir: Path, interval: int, last_step: int, initial_step: int, is_main: bool) -> None:
-        require_tensorboard()
+        if importlib.util.find_spec("tensorboard") is None:
+            raise ReproError(
+                "logging.tensorboard needs TensorBoard, which is not installed: pip install 'dirmoe-bench[tensorboard]'"
+            )
         self.interval = interval
         self.last_step = last_step
         self.writer = None
@@ -128,7 +109,4 @@ def _expert_histogram(writer, tag: str, values: list[float], step: int) -> None:
 
 def tensorboard_dir(run_root: Path, configured: str | None) -> Path:
     """Where a run writes its events: ``logging.tensorboard_dir`` or ``<run dir>/tensorboard``."""
-    return Path(configured) if configured else run_root / DEFAULT_DIR
-
-
-__all__ = ["DEFAULT_DIR", "TensorBoardLog", "require_tensorboard", "tensorboard_dir"]
+    return Path(configured) if configured else run_root / "tensorboard"

@@ -1,48 +1,25 @@
 """The trainer: megatron-core GPT models with any router, on CPU (gloo) or GPU, one process or torchrun.
 
-``train(config, out_dir)`` is the entry point (every rank calls it under torchrun). It builds a
-:class:`Trainer` (data, model, optimizer, schedule; restored from a checkpoint on resume) and calls
-:meth:`Trainer.fit`, which runs :meth:`Trainer.train_step` until the last step and hands every step's
-:class:`~repro.training.log.LogRow` to the components of :mod:`repro.training.components` (validation,
-the step log, checkpoints), each deciding its own cadence. One optimizer step (``step`` counts completed
-steps, from 0):
+``train(config, out_dir)`` (every rank calls it under torchrun) builds a :class:`Trainer` (data, model,
+optimizer, schedule; restored from a checkpoint on resume) whose :meth:`Trainer.fit` runs
+:meth:`Trainer.train_step` to the last step, handing every step's row to the components
+(:mod:`repro.training.components`). One optimizer step (``step`` counts completed steps, from 0):
 
-1. the LR schedule sets the step's learning rate; ``routers.begin_step(model, step, collect_metrics)`` tells
-   every router the step (its schedules read it in the forward) and whether to compute its diagnostic
-   metrics: on step 1, every ``logging.metrics_interval`` steps (default 1: every step) and the last step
-   (:meth:`Trainer.collects_metrics`);
-2. megatron's ``MoEAuxLossAutoScaler`` gets the loss scale ``1 / num_microbatches`` (megatron's training
-   sets the same: the LM loss of each micro-batch is divided by the micro-batch count, and the routers'
-   aux losses, attached to the graph through the autoscaler, must be scaled alike);
+1. the LR schedule sets the step's learning rate; ``routers.begin_step`` tells every router the step and
+   whether to compute its diagnostic metrics (:meth:`Trainer.collects_metrics`);
+2. megatron's ``MoEAuxLossAutoScaler`` gets the loss scale ``1 / num_microbatches``, as megatron's training
+   sets it (the routers' aux losses reach the graph through it and must be scaled as the LM loss is);
 3. for each micro-batch: forward (inside ``token_ids_context`` so Hash sees the ids), mean token loss under
    the loss mask, backward of ``loss / num_microbatches``;
-4. gradients averaged over data-parallel ranks by megatron's ``DistributedDataParallel`` (expert gradients
-   over the expert-data-parallel group), clipped to the global norm, AdamW step (torch's on CPU,
-   megatron's optimizer on GPU);
-5. ``routers.end_step(model, group=dp_group)``: ReMoE's sparsity statistic averaged over layers,
-   micro-batches and DP ranks updates its L1 coefficient on every rank alike;
-6. the row: losses, aux losses and (on the steps that collect them) routing metrics per layer, averaged
-   over DP ranks in one all-reduce.
+4. gradients reduced by megatron's ``DistributedDataParallel``, clipped to the global norm, AdamW step;
+5. ``routers.end_step``: ReMoE's sparsity statistic updates its L1 coefficient on every rank alike;
+6. the row: losses, aux losses and routing metrics per layer, averaged over DP ranks in one all-reduce.
 
-The timed region (the row's ``iter_time_s``) is steps 1-5: the device copies of the micro-batches, forwards,
-backwards, gradient reduction, clipping, optimizer step and router schedule update, closed by
-``torch.cuda.synchronize()`` on a GPU. The micro-batches are read and collated on the host before the timer
-starts; the row (reading the losses on the host, the DP all-reduce of the measurements), validation, the log
-write and checkpoints come after it stops. On a step that does not collect metrics no router computes its
-diagnostics or forces a host synchronisation (the routers' ones are counted by
-``tests/test_host_sync.py``; the optimizer's ``float(grad_norm)`` and whatever the expert layer's token
-dispatch needs are the same for every router); on a step
-that collects, the metrics' computation is inside the region, and such rows say so
-(``LogRow.metrics_collected``): efficiency figures leave them out (:func:`repro.training.log.timed_rows`).
-
-Outputs in ``out_dir``: ``config.json`` (the config, the process layout, the model's size, the data's
-origin), ``log.jsonl`` (:mod:`repro.training.log`), ``checkpoints/`` (:mod:`repro.training.checkpoint`),
-``summary.json`` when the run reaches its last step. The run record (``record.json``) is the caller's
-business (``python -m repro train`` and the mini comparison write it with :mod:`repro.report`).
-
-The run directory is locked for the life of a run (an OS lock on ``.lock``, released on any exit). Resuming
-takes the newest checkpoint, restores model, optimizer, LR schedule, RNG states, data position and step,
-drops the log rows written after that checkpoint, and continues bit-identically (fp32 on CPU; tested).
+Steps 1-5 are timed (the row's ``iter_time_s``; what that holds and leaves out: docs/efficiency.md, "What is
+timed"). Outputs in ``out_dir``: ``config.json`` (the config, the process layout, the model's size, the
+data's origin), ``log.jsonl``, ``checkpoints/`` and ``summary.json`` when the run reaches its last step;
+``record.json`` is the caller's. The run directory is locked for the life of a run; a resume restores
+everything a step depends on and continues bit-identically (fp32 on CPU; tested).
 """
 
 from __future__ import annotations
@@ -54,7 +31,6 @@ import os
 import random
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +41,7 @@ from torch import nn
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.training import checkpoint as ckpt
+from repro.training.checkpoint_data import check_identity
 from repro.training.components import Checkpointer, StepLog, Validator
 from repro.training.config import RunConfig
 from repro.training.data import build_run_data, tokenizer_fingerprint
@@ -88,26 +65,12 @@ class NonFiniteLoss(ReproError):
     """A step's loss or gradient norm is NaN or infinite."""
 
 
-@dataclass(frozen=True)
-class Precision:
-    """Numeric set-up of a run.
-
-    Args:
-        device: where the model computes.
-        bf16: bf16 parameters and activations (GPU only; the routers keep fp32).
-    """
-
-    device: torch.device
-    bf16: bool
-
-
-# ------------------------------------------------------------------------------------------- set-up
-def _precision(config: RunConfig, device: torch.device) -> Precision:
+def _bf16(config: RunConfig, device: torch.device) -> bool:
+    """Whether the run has bf16 parameters and activations (GPU only; the routers keep fp32)."""
     on_gpu = device.type == "cuda"
     if config.model.precision == "bf16" and not on_gpu:
         raise ReproError(f"experiment '{config.name}': model.precision=bf16 needs a GPU; use --set model.precision=fp32")
-    bf16 = config.model.precision == "bf16" or (config.model.precision == "auto" and on_gpu)
-    return Precision(device=device, bf16=bf16)
+    return config.model.precision == "bf16" or (config.model.precision == "auto" and on_gpu)
 
 
 def _seed_everything(seed: int) -> None:
@@ -117,38 +80,37 @@ def _seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def build_model_for(config: RunConfig, vocab_size: int, precision: Precision) -> nn.Module:
+def build_model_for(config: RunConfig, vocab_size: int, bf16: bool) -> nn.Module:
     """The run's GPTModel with its router (raises ReproError on a bad flavour, router or option)."""
     from repro.model.builder import build_model
 
     try:
-        return build_model(**config.model_kwargs(), vocab_size=vocab_size, seq_length=config.seq_length, bf16=precision.bf16)
+        return build_model(**config.model_kwargs(), vocab_size=vocab_size, seq_length=config.seq_length, bf16=bf16)
     except (ValueError, TypeError) as exc:
         raise ReproError(f"experiment '{config.name}': cannot build the model: {exc}") from None
 
 
-def _build_layout_independent(config: RunConfig, vocab_size: int, precision: Precision, parallel: Parallel) -> nn.Module:
+def _build_layout_independent(config: RunConfig, vocab_size: int, bf16: bool, parallel: Parallel) -> nn.Module:
     """Build the model so that its initial weights do not depend on the expert-parallel layout.
 
     megatron initialises parameters from torch's generator in construction order, so an EP rank that
-    builds only its ``E / ep`` experts draws different values (for its experts and every layer after the
-    first MoE layer) than a process building all ``E``. With ``ep > 1`` the full model is therefore built
-    once under an EP=1 parallel state (same seed), and each rank keeps the weights of its experts from it.
+    builds only its ``E / ep`` experts draws other values than a process building all ``E``. With ``ep > 1``
+    the full model is built once under EP=1 (same seed), and each rank keeps its experts' weights from it.
     """
     if parallel.ep_size == 1:
-        return build_model_for(config, vocab_size, precision)
+        return build_model_for(config, vocab_size, bf16)
     from megatron.core import parallel_state
 
     from repro.model.parallel import init_distributed
 
     parallel_state.destroy_model_parallel()
     init_distributed(tp=config.parallel.tp, ep=1, seed=config.seed)
-    full = build_model_for(config, vocab_size, precision)
+    full = build_model_for(config, vocab_size, bf16)
     state_global = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in full.state_dict().items()}
     del full
     parallel_state.destroy_model_parallel()
     init_distributed(tp=config.parallel.tp, ep=config.parallel.ep, seed=config.seed)
-    model = build_model_for(config, vocab_size, precision)
+    model = build_model_for(config, vocab_size, bf16)
     ckpt.load_global_state(model, state_global, current_parallel(), "the EP=1 build of the model")
     return model
 
@@ -171,7 +133,6 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-# ----------------------------------------------------------------------------------- step measurements
 def _megatron_aux_losses(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
     """Per-layer aux losses megatron's own routers logged to its tracker, with coefficients applied."""
     from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
@@ -192,8 +153,8 @@ def _step_measurements(
     model: nn.Module, lm_sum: torch.Tensor, num_microbatches: int, with_metrics: bool = True
 ) -> dict[str, torch.Tensor]:
     """Everything of one step to average over DP ranks, as named CPU tensors:
-    ``{"lm_loss": [1], "aux/<name>": [L], "metric/<name>": [L], "expert/<name>": [L, E]}`` (no metrics
-    unless ``with_metrics``: the steps that do not collect them log none, whatever a router returned)."""
+    ``{"lm_loss": [1], "aux/<name>": [L], "metric/<name>": [L], "expert/<name>": [L, E]}`` (metrics only
+    ``with_metrics``)."""
     from routers.megatron_adapter import collect_aux_losses, collect_routing_metrics
 
     metrics_by_layer = collect_routing_metrics(model) if with_metrics else {}
@@ -237,12 +198,9 @@ def _by_prefix(values: dict[str, torch.Tensor], prefix: str) -> dict[str, list]:
     return {k[len(prefix):]: v.tolist() for k, v in values.items() if k.startswith(prefix)}
 
 
-# ------------------------------------------------------------------------------------------- trainer
 class Trainer:
-    """One run's model, data, optimizer and schedule, and the step that trains them.
-
-    Build it with megatron's parallel state initialised (:func:`train` does both). What the components read
-    and set of it: :class:`~repro.training.components.TrainerState`.
+    """One run's model, data, optimizer and schedule, and the step that trains them (built with megatron's
+    parallel state initialised; :func:`train` does both).
 
     Args:
         config: the run's config.
@@ -258,13 +216,13 @@ class Trainer:
     ) -> None:
         self.config, self.paths, self.device = config, paths, device
         self.parallel = current_parallel()
-        self.precision = _precision(config, device)
+        self.bf16 = _bf16(config, device)
         self.num_microbatches = config.data.num_microbatches(self.parallel.dp_size)
         self.seq_length = config.seq_length
         _seed_everything(config.seed)
         if resume is not None:
             ckpt.check_same_layout(resume, self.parallel)
-            ckpt.check_identity(resume, config.to_dict())
+            check_identity(resume, config.to_dict())
         self.data = build_run_data(config, self.seq_length, self.parallel.dp_size, paths.data_cache)
         self.model = self._build_model(resume is None)
         if resume is not None:
@@ -317,14 +275,13 @@ class Trainer:
                 config.schedule.steps, self.step, self.parallel.is_main,
             ))
 
-    # ------------------------------------------------------------------ set-up pieces
     def _build_model(self, fresh: bool) -> nn.Module:
         config = self.config
         if fresh and not config.checkpoint.init_from and config.checkpoint.layout_independent_init:
-            model = _build_layout_independent(config, self.data.vocab_size, self.precision, self.parallel)
+            model = _build_layout_independent(config, self.data.vocab_size, self.bf16, self.parallel)
             self.parallel = current_parallel()  # the EP=1 detour re-created megatron's groups
             return model
-        return build_model_for(config, self.data.vocab_size, self.precision)
+        return build_model_for(config, self.data.vocab_size, self.bf16)
 
     def _check_backend_unchanged(self) -> None:
         """The optimizer state follows the parameter layout, which the backend decides (and ``auto`` resolves
@@ -346,7 +303,7 @@ class Trainer:
         )
         if self.device.type == "cuda":  # pragma: no cover - GPU machines only
             return MegatronOptimization(
-                self.model, self.parallel, bf16=self.precision.bf16, distributed_optimizer=opt.distributed, **kwargs
+                self.model, self.parallel, bf16=self.bf16, distributed_optimizer=opt.distributed, **kwargs
             )
         return CpuOptimization(self.model, self.parallel, **kwargs)
 
@@ -368,7 +325,7 @@ class Trainer:
             else {"dir": data.tokenizer_dir, "sha256": tokenizer_fingerprint(data.tokenizer_dir)},
             "device": str(self.device),
             "backend": getattr(self.model, "backend", None),
-            "precision": "bf16" if self.precision.bf16 else "fp32",
+            "precision": "bf16" if self.bf16 else "fp32",
             "parameters": _count_params(self.model, self.parallel),
             "torch": torch.__version__,
         }
@@ -379,7 +336,6 @@ class Trainer:
             write_json_atomic(self.paths.config, record)
         barrier()
 
-    # ------------------------------------------------------------------ the step
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """A collated batch on the model's device."""
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -400,11 +356,8 @@ class Trainer:
         return step == 1 or step % interval == 0 or step == self.config.schedule.steps
 
     def train_step(self) -> LogRow:
-        """Run one optimizer step (see the module docstring) and return its row.
-
-        Raises:
-            ReproError: the loss or the gradient norm is not finite.
-        """
+        """Run one optimizer step (see the module docstring) and return its row (NonFiniteLoss when the loss
+        or the gradient norm is not finite)."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
 
         from routers import begin_step, end_step
@@ -471,18 +424,10 @@ class Trainer:
         )
 
     def fit(self, stop_after: int | None = None) -> bool:
-        """Train to the last step, letting every component act after each step.
-
-        SIGTERM or SIGUSR1 (a cluster's time limit) ends the run after the step in progress, on every rank at the
-        same step, with a checkpoint of that step and one line saying how to resume (``stopped_by`` then names
-        the signal; :mod:`repro.training.preemption`).
-
-        Args:
-            stop_after: stop once this many steps are completed, as if killed (no final checkpoint).
-
-        Returns:
-            True when the run reached its last step, False when it stopped early.
-        """
+        """Train to the last step, letting every component act after each step; True when the run reached its
+        last step. ``stop_after`` stops once this many steps are completed, as if killed (no final checkpoint);
+        SIGTERM or SIGUSR1 ends the run after the step in progress (:mod:`repro.training.preemption`; then
+        ``stopped_by`` names the signal)."""
         from repro.training.preemption import StopRequest, stop_run
 
         last = self.config.schedule.steps
@@ -519,7 +464,6 @@ def _aux_loss_scale_restored() -> Iterator[None]:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
-# --------------------------------------------------------------------------------------------- train
 def train(
     config: RunConfig | None,
     out_dir: str | os.PathLike,
@@ -544,10 +488,9 @@ def train(
         already finished; with ``stop_after``, ``{"experiment", "stopped_at"}``.
 
     Raises:
-        ReproError: a bad config, an output directory that is not this run's, a run directory locked by
-            another run, a corrupt checkpoint (naming the path), a layout change on resume, a non-finite loss;
-            :class:`~repro.training.preemption.RunStopped` when SIGTERM or SIGUSR1 stopped the run after a step,
-            whose checkpoint it wrote.
+        ReproError: a bad config, a run directory that is not this run's or is locked by another run, a
+            corrupt checkpoint, a layout change on resume, a non-finite loss;
+            :class:`~repro.training.preemption.RunStopped` when a signal stopped the run after a step.
     """
     from repro.model import parallel as model_parallel
 
@@ -601,7 +544,7 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
         {
             "layout": trainer.parallel.layout(),
             "device": str(device),
-            "precision": "bf16" if trainer.precision.bf16 else "fp32",
+            "precision": "bf16" if trainer.bf16 else "fp32",
             "seq_length": trainer.seq_length,
             "global_batch_size": config.data.global_batch_size,
             "parameters": trainer.config_record["parameters"],
