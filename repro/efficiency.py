@@ -4,7 +4,7 @@ For each requested run (default: every router with experiments but megatron's ow
 trains the first iterations of the ``<router>-<scale>`` experiment on synthetic tokens, skips the warm-up
 iterations, and reports the median iteration time (with min and max), tokens/s and TFLOP/s per device
 (Megatron-LM's model-FLOPs count, :mod:`repro.report.flops`). Runs go one after another, each in fresh
-processes (:func:`train_command`): ``python -m repro train`` for one device, ``torchrun --standalone
+processes (:func:`repro.study.train_command`): ``python -m repro train`` for one device, ``torchrun --standalone
 --nproc_per_node N -m repro train`` for ``--gpus N`` (data parallel over N processes: NCCL on GPUs, gloo on
 CPU). Outputs in ``--out``::
 
@@ -48,17 +48,13 @@ Defaults, each one option away:
    routing gives the table's active experts; both are left out of the times (``LogRow.metrics_collected``),
    as are data generation, validation and checkpoints, which run outside every iteration's timer
    (:mod:`repro.training.trainer`).
-5. **A fresh process per run**, also for one device (:func:`train_command`). In one process a finished run
-   stays in memory: megatron-core's DDP wrapper registers gradient hooks that close over it, and the cycle
-   through those C++ hooks is never collected. Measured with four tiny runs in one process (``train()`` then
-   ``gc.collect()``): the first run's model still alive after it returned, live tensors 137, 333, 336, 471
-   and resident memory 542, 662, 887, 888 MiB after each. Later runs would report the earlier ones' memory in
-   their peak, and nine LLaMA-185M runs could exhaust a GPU.
+5. **A fresh process per run**, also for one device (:mod:`repro.study` launches each run): in one process a
+   finished run stays in memory (megatron-core's DDP wrapper registers gradient hooks that close over it), and
+   later runs would report the earlier ones' memory in their peak.
 
-Output directories follow the suite's rules (:mod:`repro.io_utils`): ``--out`` must be new, empty, or an
-earlier output of this command (it holds ``.efficiency-out``); a run directory is replaced only when it holds
-this command's marker ``.efficiency-run``; nothing else is touched. Records of earlier runs in ``--out`` that
-were not asked for again are left as they are (``python -m repro tables OUT/runs`` tabulates them all).
+``--out`` must be new, empty, or an earlier output of this command (``.efficiency-out``); a run directory is
+replaced only when it holds ``.efficiency-run``. Earlier runs in ``--out`` not asked for again are kept
+(``python -m repro tables OUT/runs`` tabulates them all).
 """
 
 from __future__ import annotations
@@ -69,14 +65,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
-import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from repro.errors import ReproError
+from repro.launch import Launch
+from repro.study import Run, Study, check_out_dir, claim, run_study
 
 #: Flavours this command measures -> the experiment scale (``repro.training.experiments.RECIPES``) they come from.
 FLAVOUR_SCALES: dict[str, str] = {"llama-185m": "185m", "tiny": "tiny"}
@@ -87,8 +82,7 @@ REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
 GPT2_VOCAB = 50257
 DEFAULT_WARMUP = 3
 DEFAULT_ITERS: dict[str, int] = {"185m": 20, "tiny": 10}
-OUT_MARKER = ".efficiency-out"
-RUN_MARKER = ".efficiency-run"
+COMMAND = "python -m repro efficiency"
 FORMATS = ("md", "csv", "tex")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -199,6 +193,14 @@ class EfficiencyPlan:
     def run_dir(self, run: RunSpec) -> Path:
         """Where the run writes."""
         return Path(self.out_dir) / "runs" / run.label
+
+    def study(self) -> Study:
+        """The measurement as a :class:`~repro.study.Study`: each run launched on its own, then its record."""
+        runs = tuple(Run(r.label, f"{r.router}-{self.scale}",
+                         tuple(efficiency_overrides(r.router, self.flavour, **self.config_kwargs(r)))) for r in self.runs)
+        return Study("efficiency", runs, str(Path(self.out_dir) / "runs"), self.out_dir, task=_write_record,
+                     launch=Launch(1, self.devices), train_args=("--stop-after", str(self.steps_run)), settings=self,
+                     owner=COMMAND, command=COMMAND)
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -338,64 +340,6 @@ def _check_devices(devices: int, on_gpu: bool, gpu_count: int) -> None:
         raise ReproError(f"--gpus {devices}: this machine has {gpu_count} visible GPU(s)")
 
 
-def _check_out_dir(plan: EfficiencyPlan) -> None:
-    """Refuse an output directory, or a run directory inside it, that this command did not create."""
-    from repro.io_utils import check_output_dir
-
-    check_output_dir(plan.out_dir, OUT_MARKER, "python -m repro efficiency")
-    for run in plan.runs:
-        run_dir = plan.run_dir(run)
-        if run_dir.is_symlink() or (run_dir.exists() and not (run_dir.is_dir() and (run_dir / RUN_MARKER).is_file())):
-            raise ReproError(f"{run_dir}: exists and was not created by python -m repro efficiency; move it away")
-
-
-def _prepare_dirs(plan: EfficiencyPlan) -> None:
-    """Create ``--out`` (marked as this command's) and a fresh, marked directory per run."""
-    from repro.io_utils import claim_output_dir, claim_run_dir
-
-    out = claim_output_dir(plan.out_dir, OUT_MARKER, "python -m repro efficiency")
-    try:
-        for run in plan.runs:  # each checked by _check_out_dir: new, or this command's own earlier run
-            claim_run_dir(plan.run_dir(run), marker=RUN_MARKER, owner="python -m repro efficiency",
-                          command="python -m repro efficiency")
-    except OSError as exc:
-        from repro.io_utils import os_error_message
-
-        raise ReproError(os_error_message(exc, out)) from None
-
-
-# ------------------------------------------------------------------------------------------ running
-def train_command(plan: EfficiencyPlan, run: RunSpec) -> list[str]:
-    """The command that trains one run in fresh processes: ``python -m repro train`` for one device,
-    ``python -m torch.distributed.run --standalone --nproc_per_node N -m repro train`` for N, with the
-    dot-list of :func:`efficiency_overrides` (``train`` builds the config from it exactly as
-    :meth:`EfficiencyPlan.config` does) and ``--stop-after`` the iterations to run.
-
-    A fresh process per run, also for one device: megatron-core's DDP wrapper keeps its model alive after a
-    run (its gradient hooks close over it), so runs sharing a process would each keep the previous models'
-    memory, and report it in their peak.
-    """
-    launcher = [sys.executable]
-    if plan.devices > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.devices}"]
-    cmd = [
-        *launcher, "-m", "repro", "train", "--experiment", f"{run.router}-{plan.scale}",
-        "--out", str(plan.run_dir(run)), "--stop-after", str(plan.steps_run),
-    ]
-    for item in efficiency_overrides(run.router, plan.flavour, **plan.config_kwargs(run)):
-        cmd += ["--set", item]
-    return cmd
-
-
-def _train(plan: EfficiencyPlan, run: RunSpec) -> None:
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run(train_command(plan, run), env=env, cwd=os.getcwd(), check=False)
-    if proc.returncode != 0:
-        what = "torchrun" if plan.devices > 1 else "python -m repro train"
-        raise ReproError(f"{what} exited with status {proc.returncode} (its output is above)")
-
-
 def _device_name(on_gpu: bool) -> str | None:
     """The GPU's name without creating a CUDA context in this process (nvidia-smi), else None (the record's
     own default: torch's name for CUDA device 0, or the CPU)."""
@@ -411,14 +355,19 @@ def _device_name(on_gpu: bool) -> str | None:
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
-def _write_record(plan: EfficiencyPlan, run: RunSpec, device: str | None) -> Path:
+def _write_record(study: Study, run: Run) -> Path:
+    """The study's task after each run's training: its record, with this machine's device."""
+    import torch
+
     from repro.report.store import environment_info, record_from_run_dir, write_record
 
-    run_dir = plan.run_dir(run)
-    environment = environment_info(num_processes=plan.devices, device=device)
+    plan: EfficiencyPlan = study.settings
+    spec = next(r for r in plan.runs if r.label == run.run_id)
+    run_dir = study.run_dir(run)
+    environment = environment_info(num_processes=plan.devices, device=_device_name(torch.cuda.is_available()))
     record = record_from_run_dir(
-        run_dir, warmup=plan.warmup, run_id=run.label, environment=environment,
-        flops_attention=plan.flops_attention, start_step=run.start_step,
+        run_dir, warmup=plan.warmup, run_id=run.run_id, environment=environment,
+        flops_attention=plan.flops_attention, start_step=spec.start_step,
     )
     return write_record(record, run_dir / "record.json")
 
@@ -574,7 +523,8 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
                 f"{run.label}: flavour '{flavour}' trains in bf16, which needs a GPU; on CPU use --flavour tiny "
                 "(or --set model.precision=fp32)"
             )
-    _check_out_dir(plan)
+    check_out_dir(plan.study())  # before any work: another command's results stay
+    claim(plan.study(), fresh=True, check_only=True)
     return plan
 
 
@@ -593,40 +543,16 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
     import torch
 
     from repro.report.efficiency import write_command_outputs
+    from repro.report.store import load_record
 
-    on_gpu = torch.cuda.is_available()
-    _prepare_dirs(plan)
     config = plan.config(plan.runs[0])
     print(
         f"{len(plan.runs)} run(s) of {plan.flavour} x {plan.steps_run} iterations ({plan.warmup} warm-up) on "
-        f"{plan.devices} {'GPU(s)' if on_gpu else 'CPU process(es)'}, {config.data.global_batch_size} x "
-        f"{config.seq_length} tokens per iteration -> {plan.out_dir}",
+        f"{plan.devices} {'GPU(s)' if torch.cuda.is_available() else 'CPU process(es)'}, "
+        f"{config.data.global_batch_size} x {config.seq_length} tokens per iteration -> {plan.out_dir}",
         flush=True,
     )
-    device = _device_name(on_gpu)
-    records: dict[str, Any] = {}
-    errors: dict[str, str] = {}
-    wall: dict[str, float] = {}
-    for run in plan.runs:
-        start = time.perf_counter()
-        try:
-            _train(plan, run)
-            from repro.report.store import load_record
-
-            records[run.label] = load_record(_write_record(plan, run, device))
-        except Exception as exc:  # noqa: BLE001 - one failed run must not lose the others' measurements
-            if not isinstance(exc, ReproError):
-                traceback.print_exc()  # an unexpected failure here (the training's own output is above)
-            errors[run.label] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        wall[run.label] = time.perf_counter() - start
-        state = f"FAILED ({errors[run.label]})" if run.label in errors else "done"
-        print(f"  {run.label}: {state} in {wall[run.label]:.0f} s", flush=True)
-
-    write_command_outputs(plan, records, errors, wall, argv)
-    return 1 if errors else 0
-
-
-if __name__ == "__main__":
-    from repro.cli import main as cli_main
-
-    sys.exit(cli_main(["efficiency", *sys.argv[1:]]))
+    outcome = run_study(plan.study(), fresh=True)
+    records = {r.label: load_record(plan.run_dir(r) / "record.json") for r in plan.runs if r.label not in outcome["failed"]}
+    write_command_outputs(plan, records, outcome["failed"], outcome["seconds"], argv)
+    return 1 if outcome["failed"] else 0
