@@ -64,7 +64,7 @@ from typing import Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
-from repro.study import Run, Study, run_cost, run_study
+from repro.study import Run, Study, cpu_parser, pick, run_cost, run_study
 
 COMMAND = "python -m repro ablation"
 #: The cell every other cell is tested against: DirMoE with the paper's options.
@@ -167,7 +167,6 @@ class AblationConfig:
         out_dir: tables, plots and ``summary.json``.
         workers: runs trained at once (each one process with one thread).
         final_fraction: the share of the steps at the end of a run whose rows the end-of-run metrics average.
-        warmup_rows: log rows skipped before the efficiency window of the run records.
         overrides: extra dot-list overrides applied to every run (after the cell's).
         family: the Holm family of the tables against a reference cell (``table`` or ``column``,
             :mod:`repro.report.over_seeds`).
@@ -182,7 +181,6 @@ class AblationConfig:
     out_dir: str = "results/dirmoe-ablation"
     workers: int = 2
     final_fraction: float = 0.1
-    warmup_rows: int = 2
     overrides: tuple[str, ...] = ()
     family: str = "table"
     confirm: bool = False
@@ -200,8 +198,6 @@ class AblationConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.final_fraction <= 1:
             raise ValueError(f"final_fraction must be in (0, 1], got {self.final_fraction}")
-        if self.warmup_rows < 0:
-            raise ValueError(f"warmup_rows must be >= 0, got {self.warmup_rows}")
         if self.family not in ("table", "column"):
             raise ValueError(f"unknown family '{self.family}'; valid: table, column")
         reused = sorted(set(self.seeds) & set(SCREEN_SEEDS))
@@ -411,16 +407,9 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespa
     """The ablation's settings from the command line, checked before any work; and ``--fresh``. With
     ``--tables-only``: the parsed arguments and None (nothing is trained)."""
     defaults = AblationConfig(cells=tuple(CELLS))
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = cpu_parser(prog, __doc__.split("\n\n")[0], defaults)
     p.add_argument("--cells", default="all", help=f"comma-separated cells, or all ({', '.join(CELLS)})")
     p.add_argument("--seeds", default=",".join(map(str, defaults.seeds)), help="comma-separated seeds (set as seed=N)")
-    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
-    p.add_argument("--workers", type=int, default=defaults.workers, help="runs trained at once")
-    p.add_argument("--data-dir", default=defaults.data_dir)
-    p.add_argument("--work-dir", default=defaults.work_dir)
-    p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
-    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
     p.add_argument("--family", choices=("table", "column"), default=defaults.family,
                    help="Holm family of the tests against a reference cell: the whole table (default) or each column")
     p.add_argument("--confirm", action="store_true",
@@ -431,10 +420,7 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespa
     args = p.parse_args(argv)
     if args.tables_only:
         return args, None
-    cells = tuple(CELLS) if args.cells == "all" else tuple(c.strip() for c in args.cells.split(",") if c.strip())
-    unknown = [c for c in cells if c not in CELLS]
-    if unknown or not cells:
-        raise ReproError(f"--cells: unknown cell(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(CELLS)}")
+    cells = pick(args.cells, tuple(CELLS), "--cells", "cell")
     seeds = _int_list(args.seeds, "--seeds")
     try:
         cfg = AblationConfig(

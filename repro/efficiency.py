@@ -175,16 +175,10 @@ class EfficiencyPlan:
 
     def config_kwargs(self, run: RunSpec) -> dict[str, Any]:
         """The keyword arguments of :func:`efficiency_overrides` for ``run``."""
-        return dict(
-            devices=self.devices,
-            accumulation=self.accumulation,
-            steps=self.steps_run,
-            vocab_size=self.vocab_size,
-            micro_batch_size=self.micro_batch_size,
-            global_batch_size=self.global_batch_size,
-            overrides=(*self.overrides, *run.overrides),
-            init_from=run.init_from,
-        )
+        return dict(devices=self.devices, accumulation=self.accumulation, steps=self.steps_run,
+                    vocab_size=self.vocab_size, micro_batch_size=self.micro_batch_size,
+                    global_batch_size=self.global_batch_size, overrides=(*self.overrides, *run.overrides),
+                    init_from=run.init_from)
 
     def config(self, run: RunSpec):
         """The run's :class:`~repro.training.config.RunConfig` (raises ReproError on a bad router or override)."""
@@ -214,23 +208,15 @@ def default_accumulation(flavour: str) -> int:
 
 
 def efficiency_overrides(
-    router: str,
-    flavour: str,
-    *,
-    devices: int = 1,
-    accumulation: int | None = None,
-    steps: int = DEFAULT_WARMUP + 10,
-    vocab_size: int = GPT2_VOCAB,
-    micro_batch_size: int | None = None,
-    global_batch_size: int | None = None,
-    overrides: tuple[str, ...] | list[str] = (),
-    init_from: str = "",
+    router: str, flavour: str, *, devices: int = 1, accumulation: int | None = None, steps: int = DEFAULT_WARMUP + 10,
+    vocab_size: int = GPT2_VOCAB, micro_batch_size: int | None = None, global_batch_size: int | None = None,
+    overrides: tuple[str, ...] | list[str] = (), init_from: str = "",
 ) -> list[str]:
     """The dot-list that turns the ``<router>-<scale>`` experiment into its efficiency run: synthetic tokens,
     the per-device batch of the module docstring, no checkpoints, no validation, then ``overrides``.
 
     ``python -m repro train --experiment <router>-<scale> --set ...`` with this list builds the same config
-    as :func:`efficiency_config` (that is how each torchrun run is started).
+    as :func:`efficiency_config` (that is how each run is started).
 
     Args:
         router: a router with experiments (``repro.training.experiments.experiment_routers()``) or ``dense``.
@@ -257,15 +243,11 @@ def efficiency_overrides(
         raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(FLAVOUR_SCALES)}")
     base = build_experiment(router, FLAVOUR_SCALES[flavour])
     own = [
-        "data.source=synthetic",
-        f"data.vocab_size={vocab_size}",
-        "data.synthetic_samples=0",
+        "data.source=synthetic", f"data.vocab_size={vocab_size}", "data.synthetic_samples=0",
         f"data.micro_batch_size={micro_batch_size or base.data.micro_batch_size}",
         # The trainer checkpoints at the schedule's last step: keep the recipe's schedule (or one step more
         # than is run) and stop before it (default 3).
-        f"schedule.steps={max(base.schedule.steps, steps + 1)}",
-        "checkpoint.interval=0",
-        "validation.interval=0",
+        f"schedule.steps={max(base.schedule.steps, steps + 1)}", "checkpoint.interval=0", "validation.interval=0",
         *_routed_from_the_start(base.router.name),
         # Routing metrics on the first and the last iteration only (the last is not timed, see steps_run).
         f"logging.metrics_interval={steps}",
@@ -312,19 +294,8 @@ def _routed_from_the_start(router: str | None) -> list[str]:
 
 
 def efficiency_config(router: str, flavour: str, **kwargs: Any):
-    """The efficiency run of ``router`` at ``flavour``: the experiment with :func:`efficiency_overrides` applied.
-
-    Args:
-        router: a router with experiments, or ``dense``.
-        flavour: ``llama-185m`` or ``tiny``.
-        **kwargs: as :func:`efficiency_overrides`.
-
-    Returns:
-        The :class:`~repro.training.config.RunConfig`.
-
-    Raises:
-        ReproError: as :func:`efficiency_overrides`.
-    """
+    """The efficiency run of ``router`` at ``flavour`` (a RunConfig): the experiment with
+    :func:`efficiency_overrides` (same arguments) applied; ReproError as there."""
     from repro.training.config import apply_overrides
     from repro.training.experiments import build_experiment
 

@@ -27,7 +27,6 @@ Finished runs with the current settings are reused; ``--fresh`` retrains everyth
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from collections.abc import Callable
@@ -37,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
-from repro.study import Run, Study, run_cost, run_study
+from repro.study import Run, Study, cpu_parser, pick, run_cost, run_study
 from repro.training.config import MEGATRON_ROUTER
 
 if TYPE_CHECKING:
@@ -382,26 +381,13 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     every = tuple(r for r in experiment_routers(variants=True) if r not in (DENSE, MEGATRON_ROUTER))
     every = (DENSE, *every)
     defaults = MiniConfig(runs=every)
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = cpu_parser(prog, __doc__.split("\n\n")[0], defaults)
     p.add_argument("--runs", default="all", help=f"comma-separated dense and router names, or all ({', '.join(every)})")
-    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
-    p.add_argument("--workers", type=int, default=defaults.workers, help="runs trained at once")
     p.add_argument("--eval-limit", type=int, default=defaults.eval_limit, help="documents per local task")
-    p.add_argument(
-        "--seeds", type=int, default=defaults.seeds,
-        help="runs per router with seeds seed, seed+1, ...: adds tables over seeds (mean +- 95%% CI, paired tests "
-        "against switch)",
-    )
-    p.add_argument("--data-dir", default=defaults.data_dir)
-    p.add_argument("--work-dir", default=defaults.work_dir)
-    p.add_argument("--out", default=defaults.out_dir, help="tables and plots")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
-    p.add_argument("--fresh", action="store_true", help="retrain every run even if its record is current")
+    p.add_argument("--seeds", type=int, default=defaults.seeds, help="runs per router with seeds seed, seed+1, ...: "
+                   "adds tables over seeds (mean +- 95%% CI, paired tests against switch)")
     args = p.parse_args(argv)
-    runs = every if args.runs == "all" else tuple(r.strip() for r in args.runs.split(",") if r.strip())
-    unknown = [r for r in runs if r not in every]
-    if unknown or not runs:
-        raise ReproError(f"--runs: unknown run(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(every)}")
+    runs = pick(args.runs, every, "--runs", "run")
     for name, value in (
         ("--steps", args.steps), ("--workers", args.workers), ("--eval-limit", args.eval_limit), ("--seeds", args.seeds)
     ):

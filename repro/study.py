@@ -72,7 +72,7 @@ class Study:
     """A study as data.
 
     Args:
-        name: the study's name; its markers are ``.<marker>-run`` and ``.<marker>-out`` (marker: default name).
+        name: the study's name; its markers are ``.<name>-run`` and ``.<name>-out``.
         runs: the runs, in order.
         work_dir: the run directories' parent.
         out_dir: tables, plots and ``summary.json`` ("": none).
@@ -102,7 +102,6 @@ class Study:
     finished: tuple[str, ...] = ("record.json",)
     current: Callable[[Study, Run], bool] | None = None
     settings: Any = None
-    marker: str = ""
     owner: str = ""
     command: str = ""
 
@@ -112,8 +111,7 @@ class Study:
     @property
     def markers(self) -> tuple[str, str]:
         """The run directories' and the output directory's marker files."""
-        stem = self.marker or self.name
-        return f".{stem}-run", f".{stem}-out"
+        return f".{self.name}-run", f".{self.name}-out"
 
     @property
     def shared(self) -> bool:
@@ -379,6 +377,29 @@ def run_study(study: Study, *, fresh: bool = False, prepare: Callable[[], Any] |
     if study.report is not None:
         print(study.report(study, outcome))
     return outcome
+
+
+# ------------------------------------------------------------------------------------------ command lines
+def cpu_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
+    """The options every CPU study shares, their defaults from ``defaults`` (a study's settings)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
+    p.add_argument("--workers", type=int, default=defaults.workers, help="runs trained at once")
+    p.add_argument("--data-dir", default=defaults.data_dir)
+    p.add_argument("--work-dir", default=defaults.work_dir)
+    p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
+    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
+    return p
+
+
+def pick(text: str, valid: Sequence[str], flag: str, what: str) -> tuple[str, ...]:
+    """``all`` or a comma-separated list of names out of ``valid`` (ReproError naming the unknown ones)."""
+    names = tuple(valid) if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        raise ReproError(f"{flag}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
+    return names
 
 
 # ------------------------------------------------------------------------------------------ registry
