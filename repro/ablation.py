@@ -64,7 +64,8 @@ from typing import Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
-from repro.study import Run, Study, cpu_parser, pick, run_cost, run_study
+from repro.studies import cpu_parser, pick
+from repro.study import Run, Study, run_cost, run_study
 
 COMMAND = "python -m repro ablation"
 #: The cell every other cell is tested against: DirMoE with the paper's options.

@@ -18,36 +18,25 @@ Example (one H100, only torch and the carried wheels installed; docs/efficiency.
     python -m repro efficiency --gpus 8 --router dirmoe,switch --out runs/efficiency-8gpu
     python -m repro efficiency --flavour tiny --warmup 2 --iters 5 --out /tmp/eff      # CPU, minutes
 
-Defaults, each one option away:
+Defaults, each one option away (docs/efficiency.md has the measurements behind them):
 
-1. **Synthetic tokens at GPT-2's vocabulary** (``--vocab-size 50257``; ``data.source=synthetic``): no data set
-   is needed, and the model has the papers' embedding and output sizes (padded to 50304). Dense compute does
-   not depend on the token ids; routing does a little: Hash routes by id, so its load follows the synthetic
-   bigram chain's id distribution rather than The Pile's. ``--set data.source=pile:PREFIX`` measures on real
-   tokens instead.
-2. **The papers' per-device work** (``--accumulation``, ``--global-batch``). The papers train 512 x 1024 tokens
-   per iteration on ~8 GPUs (Megatron's FLOPs count, :mod:`repro.report.flops`, with the DirMoE paper's 437.3 ms
-   and 137.2 TFLOP/s per GPU gives 8.0), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
-   accumulation steps. Every device here does the same by default: the global batch is 16 x 4 x N sequences
-   of 1024 on N GPUs (64 x 1024 tokens on one GPU), so ms/iter and TFLOP/s per GPU compare with the papers'
-   directly, up to the data-parallel all-reduce of 8 GPUs. The ``tiny`` flavour keeps its recipe's 8
-   sequences of 128 per device (micro-batch 4, 2 steps).
-3. **The first iterations of the recipe's run** (``--warmup``, ``--iters``): the experiment keeps its schedule
-   (LR warm-up, DirMoE's temperature and prior schedules at their start; a dense start, Lory's, is turned off
-   with ``router.options.dense_fraction=0`` so that the routed model is timed) and is stopped after
-   ``warmup + iters + 1`` iterations, so no checkpoint is written (the trainer writes one only at the schedule's
-   end); validation is off. Routing is therefore measured near initialisation: the table's "active experts"
-   and measured TFLOP/s say how many experts the variable-k routers used. ``--init-from DIR`` times the
-   steady state instead: each run starts from a trained checkpoint of its router (:func:`resolve_init_from`)
-   with the routers' schedules at its step (``checkpoint.init_router_step``), so variable-k routers (ReMoE,
-   DirMoE) use the experts they use in training; the caption and ``summary.json`` name the step.
-4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA/cuBLAS
-   initialisation, allocator growth and torch.compile; the median resists an odd slow iteration; min and max
-   are in the summary. **Only training is timed**: the routers compute their diagnostic metrics on the first
-   iteration and on one extra iteration after the measured ones (``logging.metrics_interval``), whose
-   routing gives the table's active experts; both are left out of the times (``LogRow.metrics_collected``),
-   as are data generation, validation and checkpoints, which run outside every iteration's timer
-   (:mod:`repro.training.trainer`).
+1. **Synthetic tokens at GPT-2's vocabulary** (``--vocab-size 50257``): no data set is needed, and the model
+   has the papers' embedding and output sizes. Dense compute does not depend on the token ids; Hash routes by
+   id, so its load follows the synthetic chain's ids. ``--set data.source=pile:PREFIX`` measures real tokens.
+2. **The papers' per-device work** (``--accumulation``, ``--global-batch``): they train 512 x 1024 tokens per
+   iteration on ~8 GPUs (Megatron's FLOPs count with the DirMoE paper's 437.3 ms and 137.2 TFLOP/s per GPU
+   gives 8.0), i.e. micro-batches of 16 (ReMoE's launch scripts) x 4 accumulation steps per GPU; every device
+   here does the same, so ms/iter and TFLOP/s per GPU compare with the papers' directly. ``tiny`` keeps its
+   recipe's 8 sequences of 128 per device.
+3. **The first iterations of the recipe's run** (``--warmup``, ``--iters``), stopped after ``warmup + iters +
+   1``, so no checkpoint is written and validation is off; a dense start (Lory's) is turned off so that the
+   routed model is timed. Routing is measured near initialisation; ``--init-from DIR`` times the steady state
+   from a trained checkpoint of each router (:func:`resolve_init_from`) with the routers' schedules at its step.
+4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA initialisation,
+   allocator growth and torch.compile; min and max are in the summary. Only training is timed: the two
+   iterations whose routers compute their metrics (the first, and one after the measured ones, which gives the
+   table's active experts) are left out (``LogRow.metrics_collected``), as are data generation, validation
+   and checkpoints.
 5. **A fresh process per run**, also for one device (:mod:`repro.study` launches each run): in one process a
    finished run stays in memory (megatron-core's DDP wrapper registers gradient hooks that close over it), and
    later runs would report the earlier ones' memory in their peak.

@@ -36,7 +36,8 @@ from typing import TYPE_CHECKING, Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
-from repro.study import Run, Study, cpu_parser, pick, run_cost, run_study
+from repro.studies import cpu_parser, pick
+from repro.study import Run, Study, run_cost, run_study
 from repro.training.config import MEGATRON_ROUTER
 
 if TYPE_CHECKING:

@@ -8,34 +8,36 @@ import sys
 
 import pytest
 
+from repro import studies
 from repro import study as engine
 from repro.errors import ReproError
 from repro.launch import Launch
-from repro.study import Run, Study, Sweep, register, run_state, train_command
+from repro.studies import Sweep, register
+from repro.study import Run, Study, run_state, train_command
 
 
 @pytest.fixture
 def tiny_sweep(monkeypatch):
-    """A user's study: Switch at k = 1 and k = 2, two steps each, registered for this test only."""
-    monkeypatch.setattr(engine, "SWEEPS", dict(engine.SWEEPS))
-    return register(Sweep("tiny-k", "Switch at k = 1, 2 (two steps)", "model.top_k", (1, 2), "k", ("switch",),
-                          overrides=("schedule.steps=2", "validation.interval=0", "checkpoint.interval=0"),
+    """A user's study: Switch at k = 1 and k = 2, four steps each, registered for this test only."""
+    monkeypatch.setattr(studies, "SWEEPS", dict(studies.SWEEPS))
+    return register(Sweep("tiny-k", "Switch at k = 1, 2 (four steps)", "model.top_k", (1, 2), "k", ("switch",),
+                          overrides=("schedule.steps=4", "validation.interval=0", "checkpoint.interval=0"),
                           scale="tiny", gpus=0))
 
 
 def test_a_registered_study_is_listed_and_a_name_is_taken_once(tiny_sweep, capsys):
-    assert engine.main(["--list"]) == 0
+    assert studies.main(["--list"]) == 0
     assert "tiny-k" in capsys.readouterr().out
     with pytest.raises(ValueError, match="exists already"):
         register(tiny_sweep)
     with pytest.raises(ReproError, match="unknown study 'nope'; valid: mini, ablation, efficiency, .*tiny-k"):
-        engine.main(["nope"])
+        studies.main(["nope"])
 
 
 @pytest.mark.slow
 def test_a_registered_study_runs_through_the_engine(tiny_sweep, tmp_path, mini_pile, capsys):
     argv = ["tiny-k", "--out", str(tmp_path), "--set", f"data.source=mini-pile:{mini_pile}"]
-    assert engine.main(argv) == 0
+    assert studies.main(argv) == 0
     runs = tmp_path / "tiny-k"
     for k in (1, 2):
         record = json.loads((runs / f"switch-k{k}" / "record.json").read_text())
@@ -45,7 +47,7 @@ def test_a_registered_study_runs_through_the_engine(tiny_sweep, tmp_path, mini_p
         assert json.loads((runs / f"switch-k{k}" / "timing.json").read_text())["cpu_seconds"] > 0
     assert json.loads((runs / "sessions.json").read_text())[-1]["trained"] == ["switch-k1", "switch-k2"]
     capsys.readouterr()
-    assert engine.main([*argv, "--values", "2"]) == 0  # a part of the grid, finished: reused
+    assert studies.main([*argv, "--values", "2"]) == 0  # a part of the grid, finished: reused
     assert "reusing finished runs: switch-k2" in capsys.readouterr().out
 
 
