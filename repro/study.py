@@ -280,7 +280,8 @@ def _launched(study: Study, runs: list[Run], states: Mapping[str, str]) -> tuple
 # ------------------------------------------------------------------------------------------ the engine
 def claim(study: Study, *, fresh: bool = False, check_only: bool = False) -> dict[str, str]:
     """Every run's state (:func:`run_state`; all ``new`` with ``fresh`` but a foreign one), and, unless
-    ``check_only``, each run directory to train made this study's (emptied unless it resumes).
+    ``check_only``, the output directory and each run directory to train made this study's (a run directory
+    is emptied unless it resumes).
 
     Raises:
         ReproError: a run directory this study did not create, before any is touched.
@@ -294,7 +295,12 @@ def claim(study: Study, *, fresh: bool = False, check_only: bool = False) -> dic
         more = f" ({len(foreign) - 1} more)" if len(foreign) > 1 else ""
         raise ReproError(f"{foreign[0]}: exists and was not created by {owner}; move it away or choose another --work-dir{more}")
     states = dict.fromkeys(states, "new") if fresh else states
-    for run in study.runs if not check_only else ():
+    if check_only:
+        return states
+    if study.out_dir:  # before the run directories: the work directory may lie inside it
+        claim_output_dir(study.out_dir, study.markers[1], command)
+    Path(study.work_dir).mkdir(parents=True, exist_ok=True)
+    for run in study.runs:
         if states[run.run_id] != "done":
             claim_run_dir(study.run_dir(run), marker=study.markers[0], owner=owner, command=command,
                           keep=states[run.run_id] == "resume")
@@ -311,7 +317,6 @@ def execute(study: Study, *, fresh: bool = False) -> dict[str, Any]:
     Raises:
         ReproError: a run directory this study did not create (nothing is touched), or, on CPU, failed runs.
     """
-    Path(study.work_dir).mkdir(parents=True, exist_ok=True)
     states = claim(study, fresh=fresh)
     names = {s: [r.run_id for r in study.runs if states[r.run_id] == s] for s in ("new", "resume", "done")}
     if names["done"]:
@@ -361,16 +366,13 @@ def check_out_dir(study: Study) -> None:
 
 
 def run_study(study: Study, *, fresh: bool = False, prepare: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Check the output directory, ``prepare()`` (data), :func:`execute`, then claim the output directory and
-    print ``study.report``'s text. Returns the outcome of :func:`execute` with ``elapsed`` (seconds) added."""
+    """Check the output directory, ``prepare()`` (data), :func:`execute`, then print ``study.report``'s text. Returns the outcome of :func:`execute` with ``elapsed`` (seconds) added."""
     check_out_dir(study)
     start = time.perf_counter()
     if prepare is not None:
         prepare()
     outcome = execute(study, fresh=fresh)
     outcome["elapsed"] = time.perf_counter() - start
-    if study.out_dir:
-        claim_output_dir(study.out_dir, study.markers[1], study.words[1])
     if study.report is not None:
         print(study.report(study, outcome))
     return outcome
