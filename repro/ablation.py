@@ -8,14 +8,10 @@ load-balancing loss on DirMoE and take it off Switch, and Switch as is gives the
 1. A study (:mod:`repro.study`): every (cell, seed) trained in a fresh worker process, two at a time, and
    its run record written. No zero-shot evaluation: the question is the routing, and at this scale the
    zero-shot differences are within noise (results/mini/README.md).
-2. From the training logs, per run: the end-of-run routing (per-layer load imbalance, per-layer imbalance
-   of the routing-weight mass, active experts, Simpson index of r and of theta, fallback share; each the
-   mean over the last ``final_fraction`` of the steps) and the losses (validation loss at the last step,
-   training LM loss over the same final window). Per cell: mean +- 95% Student-t interval over the seeds,
-   and a paired t-test over the seeds against the paper's DirMoE (cell ``paper``), Holm-adjusted over the
-   family ``--family`` (default: the whole table, every cell and column; :mod:`repro.report.ablation_tables`);
-   the same against Switch. With at most :data:`MAX_PAIRED_CELLS` DirMoE cells besides ``paper``, every pair
-   of them cell against cell (``ablation_pairs``: what a claim like "X is the main lever" needs).
+2. From the training logs, per run, the end-of-run routing and losses (the mean over the last
+   ``final_fraction`` of the steps); per cell, the mean +- 95% interval over the seeds and paired tests against
+   the paper's DirMoE and against Switch, Holm-adjusted over ``--family``; with at most :data:`MAX_PAIRED_CELLS`
+   DirMoE cells besides ``paper``, cell against cell (:mod:`repro.report.ablation_tables`).
 3. Tables (Markdown, CSV, LaTeX), plots and ``summary.json`` under ``results/dirmoe-ablation/``.
 
 **Screen and confirmation.** The runs on seeds 1-6 (:data:`SCREEN_SEEDS`) are a screen: cells and claims were

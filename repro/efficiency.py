@@ -6,17 +6,8 @@ iterations, and reports the median iteration time (with min and max), tokens/s a
 (Megatron-LM's model-FLOPs count, :mod:`repro.report.flops`). Runs go one after another, each in fresh
 processes (:func:`repro.study.train_command`): ``python -m repro train`` for one device, ``torchrun --standalone
 --nproc_per_node N -m repro train`` for ``--gpus N`` (data parallel over N processes: NCCL on GPUs, gloo on
-CPU). Outputs in ``--out``::
-
-    runs/<run>/        config.json, log.jsonl, record.json (run record: device, GPU count, backend, versions)
-    efficiency.md|csv|tex   the efficiency table (with --published: the papers' rows beside)
-    summary.json       iteration time min/median/max per run, ratios to Switch, the settings and the command
-
-Example (one H100, only torch and the carried wheels installed; docs/efficiency.md, "Efficiency on any number of GPUs")::
-
-    python -m repro efficiency --published --out runs/efficiency-h100
-    python -m repro efficiency --gpus 8 --router dirmoe,switch --out runs/efficiency-8gpu
-    python -m repro efficiency --flavour tiny --warmup 2 --iters 5 --out /tmp/eff      # CPU, minutes
+CPU). ``--out`` gets ``runs/<run>/`` (config, log, record), the efficiency table (``efficiency.md|csv|tex``;
+``--published``: the papers' rows beside) and ``summary.json``; commands and examples: docs/efficiency.md.
 
 Defaults, each one option away (docs/efficiency.md has the measurements behind them):
 
