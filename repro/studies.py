@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from repro.cli import COMMANDS
 from repro.errors import ReproError
 from repro.launch import Launch
 from repro.study import Run, Study, run_study
@@ -71,12 +72,9 @@ class Sweep:
     folder: str = ""
 
 
-#: Studies with options of their own: name -> (module whose ``main(argv, prog)`` runs it, help).
-ALIASES: dict[str, tuple[str, str]] = {
-    "mini": ("repro.mini", "the whole comparison on the embedded default (CPU)"),
-    "ablation": ("repro.ablation", "why DirMoE's routing collapses: its readings and remedies over seeds (CPU)"),
-    "efficiency": ("repro.efficiency", "iteration time and TFLOP/s of every router and dense on 1..N GPUs"),
-}
+#: Studies with options and commands of their own (``python -m repro mini`` is ``python -m repro study mini``):
+#: name -> (module whose ``main(argv, prog)`` runs it, help).
+ALIASES = {name: (COMMANDS[name][0], COMMANDS[name][2]) for name in ("mini", "ablation", "efficiency")}
 SWEEPS: dict[str, Sweep] = {}
 
 
