@@ -504,6 +504,7 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
         flush=True,
     )
     outcome = run_study(plan.study(), fresh=True)
-    records = {r.label: load_record(plan.run_dir(r) / "record.json") for r in plan.runs if r.label not in outcome["failed"]}
+    done = [r for r in plan.runs if r.label not in outcome["failed"]]
+    records = {r.label: load_record(plan.run_dir(r) / "record.json") for r in done}
     write_command_outputs(plan, records, outcome["failed"], outcome["seconds"], argv)
     return 1 if outcome["failed"] else 0

@@ -89,7 +89,8 @@ def register(sweep: Sweep) -> Sweep:
 for _sweep in (
     Sweep("pile-185m", "LLaMA-185M, E=8, k=1 on The Pile (60k steps), then zero-shot lm-eval", "", (None,), "",
           routers=("all",), overrides=(), evaluate=True, folder="."),
-    Sweep("sweep-k", "active experts k in {1, 2, 4}, E=8, 10k steps", "model.top_k", (1, 2, 4), "k", ("dirmoe", "switch")),
+    Sweep("sweep-k", "active experts k in {1, 2, 4}, E=8, 10k steps", "model.top_k", (1, 2, 4), "k",
+          ("dirmoe", "switch")),
     Sweep("sweep-E", "number of experts E in {8, 16, 32}, k=1, 10k steps", "model.num_experts", (8, 16, 32), "E",
           ("dirmoe", "switch")),
     Sweep("sweep-dirmoe-sparsity", "DirMoE's expected-k penalty in {0, 1e-3, 1e-2, 1e-1}, 10k steps",
@@ -126,7 +127,8 @@ def sweep_study(sweep: Sweep, args: argparse.Namespace) -> Study:
         routers = [r for r in experiment_routers() if r != MEGATRON_ROUTER]
     values = [v for v in sweep.values if not args.values or str(v) in args.values.split(",")]
     if not values:
-        raise ReproError(f"--values: none of {args.values} is a value of {sweep.name}: {', '.join(map(str, sweep.values))}")
+        valid = ", ".join(map(str, sweep.values))
+        raise ReproError(f"--values: none of {args.values} is a value of {sweep.name}: {valid}")
     data = [f"data.source=pile:{args.data}"] if args.data else []
     data += [f"data.tokenizer={args.tokenizer}"] if args.tokenizer else []
     runs = []

@@ -140,7 +140,8 @@ def run_state(study: Study, run: Run) -> str:
     if stored != run.config().to_dict():
         # A launched run that resumes is never replaced: ``train --resume`` refuses a config it cannot continue.
         return "resume" if study.launch is not None and study.resume else "new"
-    if all((run_dir / name).is_file() for name in study.finished) and (study.current is None or study.current(study, run)):
+    finished = all((run_dir / name).is_file() for name in study.finished)
+    if finished and (study.current is None or study.current(study, run)):
         return "done"
     return "resume" if study.resume else "new"
 
@@ -293,7 +294,8 @@ def claim(study: Study, *, fresh: bool = False, check_only: bool = False) -> dic
     foreign = [str(study.run_dir(r)) for r in study.runs if states[r.run_id] == "foreign"]
     if foreign:
         more = f" ({len(foreign) - 1} more)" if len(foreign) > 1 else ""
-        raise ReproError(f"{foreign[0]}: exists and was not created by {owner}; move it away or choose another --work-dir{more}")
+        raise ReproError(
+            f"{foreign[0]}: exists and was not created by {owner}; move it away or choose another --work-dir{more}")
     states = dict.fromkeys(states, "new") if fresh else states
     if check_only:
         return states
@@ -331,7 +333,8 @@ def execute(study: Study, *, fresh: bool = False) -> dict[str, Any]:
         if todo and study.launch:
             seconds, failed = _launched(study, todo, states)
         elif todo:
-            seconds, failed = _pool(study, longest_first(todo, previous_cpu_seconds(study.out_dir) if study.out_dir else {}))
+            previous = previous_cpu_seconds(study.out_dir) if study.out_dir else {}
+            seconds, failed = _pool(study, longest_first(todo, previous))
     finally:
         if not study.shared:
             _note_session(study, time.perf_counter() - start, names, seconds)
@@ -366,7 +369,11 @@ def check_out_dir(study: Study) -> None:
 
 
 def run_study(study: Study, *, fresh: bool = False, prepare: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Check the output directory, ``prepare()`` (data), :func:`execute`, then print ``study.report``'s text. Returns the outcome of :func:`execute` with ``elapsed`` (seconds) added."""
+    """Check the output directory, ``prepare()`` (data), :func:`execute`, then print ``study.report``'s text.
+
+    Returns:
+        The outcome of :func:`execute` with ``elapsed`` (seconds) added.
+    """
     check_out_dir(study)
     start = time.perf_counter()
     if prepare is not None:
