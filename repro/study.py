@@ -166,9 +166,16 @@ def previous_cpu_seconds(out_dir: str) -> dict[str, float]:
 
 def run_cost(run_dir: Path) -> dict[str, float] | None:
     """A CPU run's CPU and wall seconds over the invocations that trained it (None: not recorded)."""
+    keys = ("cpu_seconds", "wall_seconds")
     try:
         cost = json.loads((Path(run_dir) / "timing.json").read_text())
-        return {key: float(cost[key]) for key in ("cpu_seconds", "wall_seconds")}
+        return {key: float(cost[key]) for key in keys}
+    except FileNotFoundError:  # an ablation run trained before timing.json: its list of invocations
+        try:
+            history = json.loads((Path(run_dir) / "ablation_cost.json").read_text())
+            return {key: round(sum(float(h[key]) for h in history), 1) for key in keys}
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

@@ -89,3 +89,14 @@ def test_a_launched_run_is_one_train_command(tmp_path):
     assert any(a.startswith("--rdzv_id=") and a.endswith("runs-b") for a in cmd)  # the same on every node
     assert nodes.shared and engine.claim(nodes) == {"a": "new", "b": "new"}  # the trainer's checks hold there
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_runs_cost_is_its_timing_or_an_earlier_ablations_invocations(tmp_path):
+    from repro.study import run_cost
+
+    assert run_cost(tmp_path) is None
+    (tmp_path / "ablation_cost.json").write_text(json.dumps([{"cpu_seconds": 10.04, "wall_seconds": 20},
+                                                             {"cpu_seconds": 1, "wall_seconds": 2}]))
+    assert run_cost(tmp_path) == {"cpu_seconds": 11.0, "wall_seconds": 22.0}  # summed, as the ablation did
+    (tmp_path / "timing.json").write_text(json.dumps({"cpu_seconds": 3, "wall_seconds": 4}))
+    assert run_cost(tmp_path) == {"cpu_seconds": 3.0, "wall_seconds": 4.0}
