@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
 import site
 import sys
@@ -27,7 +26,6 @@ import nox
 
 # The command builders live in the package (stdlib + packaging only, so nox's own interpreter can import them).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from repro import launch as rl  # noqa: E402
 from repro import wheelhouse as wh  # noqa: E402
 
 nox.options.reuse_existing_virtualenvs = True
@@ -219,39 +217,6 @@ def wheelhouse(session: nox.Session) -> None:
 
 
 # ------------------------------------------------------------------------------------ full scale (GPU)
-PILE_TASKS = "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race"
-
-
-def _scale_args(session: nox.Session, routers_default: str = "all") -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --", description="full-scale run options")
-    parser.add_argument(
-        "--router", default=routers_default,
-        help="comma-separated routers (and dense), or all: every router with experiments "
-        "(python -m repro train --list-routers)",
-    )
-    parser.add_argument("--data", required=True, help="indexed-dataset prefix(es) of tokenized Pile shards, comma-separated")
-    parser.add_argument("--tokenizer", default="", help="directory with GPT-2 vocab.json and merges.txt (default: beside the data)")
-    parser.add_argument("--gpus", type=int, default=8, help="processes per node for torchrun")
-    parser.add_argument("--out", default="runs/pile", help="root of the run directories")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
-    parser.add_argument("--nodes", type=int, default=1,
-                        help="nodes; run the same session on each (code, data and runs on a shared filesystem)")
-    parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT",
-                        help="c10d rendezvous endpoint: one of the nodes, reachable from all (needed with --nodes > 1)")
-    parser.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: from the run directory)")
-    parser.add_argument("--wheelhouse", default=None, metavar="DIR",
-                        help="install from this folder alone, no index (built by nox -s wheelhouse)")
-    parser.add_argument("--extras", default="", help="more project extras, e.g. gpu where TransformerEngine installs")
-    parser.add_argument("--tasks-data", default=None, metavar="DIR",
-                        help="the seven zero-shot tasks' datasets on disk (python -m repro eval-data fetch --out DIR)")
-    args = parser.parse_args(session.posargs)
-    try:
-        rl.Launch(nodes=args.nodes, gpus_per_node=args.gpus, endpoint=args.rdzv_endpoint)
-    except ValueError as exc:
-        session.error(str(exc))
-    return args
-
-
 def _see_launching_env(session: nox.Session) -> None:
     """Let the session's virtualenv see the packages of the environment nox runs in (its CUDA torch).
 
@@ -272,51 +237,24 @@ def _see_launching_env(session: nox.Session) -> None:
     Path(purelib, "_dirmoe_launching_env.pth").write_text("".join(d + "\n" for d in dirs))
 
 
-def _install_scale(session: nox.Session, args: argparse.Namespace, extras: str) -> list[str]:
-    """Install for a full-scale session (torch from the launching environment, the rest from the index or the
-    wheelhouse) and return the routers it runs (``--router``; ``all`` asks the installed registry)."""
+def _study(session: nox.Session, name: str, *args: str, extras: str = "") -> None:
+    """Install for a full-scale study (torch from the launching environment, the rest from the index or from
+    ``--wheelhouse DIR``; ``--extras gpu`` for TransformerEngine) and run ``python -m repro study NAME`` with
+    ``args`` and the session's other arguments (``python -m repro study NAME --help``)."""
+    parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --", add_help=False)
+    parser.add_argument("--wheelhouse", default=None)
+    parser.add_argument("--extras", default="")
+    known, rest = parser.parse_known_args(session.posargs)
     _see_launching_env(session)
-    _install(session, ",".join(e for e in (extras, args.extras) if e), args.wheelhouse)
-    if args.router != "all":
-        return [r.strip() for r in args.router.split(",") if r.strip()]
-    listing = session.run("python", "-m", "repro", "train", "--list-routers", silent=True, env=OFFLINE_ENV)
-    return [r for r in (listing or "").split() if r != "megatron"]
-
-
-def _torchrun_train(session: nox.Session, args: argparse.Namespace, experiment: str, out: str, sets: list[str]) -> None:
-    sets = [f"data.source=pile:{args.data}", *([f"data.tokenizer={args.tokenizer}"] if args.tokenizer else []), *sets, *args.set]
-    program = ["-m", "repro", "train", "--experiment", experiment, "--out", out]
-    for item in sets:
-        program += ["--set", item]
-    # Every node derives the same id from the run directory; different runs get different ones.
-    rdzv_id = args.rdzv_id or (re.sub(r"[^A-Za-z0-9_.-]+", "-", out).strip("-")[-64:] or "dirmoe-bench")
-    launch = rl.Launch(nodes=args.nodes, gpus_per_node=args.gpus, endpoint=args.rdzv_endpoint, rdzv_id=rdzv_id)
-    # python -m torch.distributed.run is torchrun; the torchrun script lives beside the outer torch, off PATH.
-    cmd = rl.torchrun_command(launch, program, launcher=("python", "-m", "torch.distributed.run"))
-    # A run that started (its config.json exists) is continued: from its newest checkpoint, or from step 0.
-    resume = os.path.isfile(os.path.join(out, "config.json"))
-    session.run(*cmd, *(["--resume"] if resume else []), env=OFFLINE_ENV)
-
-
-def _evaluate(session: nox.Session, args: argparse.Namespace, out: str) -> None:
-    cmd = ["python", "-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json"]
-    if args.tasks_data:  # offline: lm-eval's task definitions on the datasets in this folder
-        cmd += ["--tasks-data", args.tasks_data]
-    if args.nodes > 1:  # one process on one GPU: not on every node at once
-        session.log(f"evaluate once the run is done, on one node: {' '.join(cmd)}")
-        return
-    session.run(*cmd, env=OFFLINE_ENV)
+    _install(session, ",".join(e for e in (extras, known.extras) if e), known.wheelhouse)
+    session.run("python", "-m", "repro", "study", name, *args, *rest, env=OFFLINE_ENV)
 
 
 @nox.session(name="pile-185m")
 def pile_185m(session: nox.Session) -> None:
     """LLaMA-185M, E=8, k=1 on The Pile with the papers' settings (60k steps, 30B tokens), then zero-shot lm-eval:
     nox -s pile-185m -- --router dirmoe --data PREFIX --gpus 8 (--router all: every router and dense)."""
-    args = _scale_args(session)
-    for router in _install_scale(session, args, "eval"):
-        out = f"{args.out}/{router}-185m"
-        _torchrun_train(session, args, f"{router}-185m", out, [])
-        _evaluate(session, args, out)
+    _study(session, "pile-185m", extras="eval")
 
 
 @nox.session(name="efficiency-185m")
@@ -324,59 +262,39 @@ def efficiency_185m(session: nox.Session) -> None:
     """Iteration time and TFLOP/s of every router and dense, LLaMA-185M on synthetic tokens at the papers' per-GPU
     batch, with the published rows, on one node: nox -s efficiency-185m -- [--wheelhouse DIR] [--extras gpu]
     [--gpus 8] [--router dirmoe,switch] [--out DIR] (the other options: python -m repro efficiency --help)."""
-    parser = argparse.ArgumentParser(prog=f"nox -s {session.name} --", add_help=False)
-    parser.add_argument("--wheelhouse", default=None)
-    parser.add_argument("--extras", default="")
-    args, rest = parser.parse_known_args(session.posargs)
-    _see_launching_env(session)
-    _install(session, args.extras, args.wheelhouse)
-    session.run("python", "-m", "repro", "efficiency", "--flavour", "llama-185m", "--published", *rest, env=OFFLINE_ENV)
+    _study(session, "efficiency", "--flavour", "llama-185m", "--published")
 
 
 @nox.session(name="sweep-k")
 @nox.parametrize("k", [1, 2, 4])
 def sweep_k(session: nox.Session, k: int) -> None:
     """Active experts k in {1, 2, 4}, E=8 (the DirMoE paper's scalability figure: --router dirmoe,switch by default), 10k steps."""
-    args = _scale_args(session, routers_default="dirmoe,switch")
-    for router in _install_scale(session, args, ""):
-        _torchrun_train(session, args, f"{router}-185m", f"{args.out}/sweep-k/{router}-k{k}", [f"model.top_k={k}", "schedule.steps=10000"])
+    _study(session, "sweep-k", "--values", str(k))
 
 
 @nox.session(name="sweep-E")
 @nox.parametrize("experts", [8, 16, 32])
 def sweep_experts(session: nox.Session, experts: int) -> None:
     """Number of experts E in {8, 16, 32} at k=1 (the paper's scalability figure: --router dirmoe,switch by default), 10k steps."""
-    args = _scale_args(session, routers_default="dirmoe,switch")
-    for router in _install_scale(session, args, ""):
-        out = f"{args.out}/sweep-E/{router}-E{experts}"
-        _torchrun_train(session, args, f"{router}-185m", out, [f"model.num_experts={experts}", "schedule.steps=10000"])
+    _study(session, "sweep-E", "--values", str(experts))
 
 
 @nox.session(name="sweep-dirmoe-sparsity")
 @nox.parametrize("sparsity_weight", [0.0, 0.001, 0.01, 0.1])
 def sweep_dirmoe_sparsity(session: nox.Session, sparsity_weight: float) -> None:
     """DirMoE's expected-k penalty lambda_sparsity (option sparsity_weight) in {0, 1e-3, 1e-2, 1e-1}, 10k steps."""
-    args = _scale_args(session, routers_default="dirmoe")
-    _install_scale(session, args, "")
-    out = f"{args.out}/sweep-sparsity/dirmoe-ls{sparsity_weight:g}"
-    _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.sparsity_weight={sparsity_weight}", "schedule.steps=10000"])
+    _study(session, "sweep-dirmoe-sparsity", "--values", str(sparsity_weight))
 
 
 @nox.session(name="sweep-dirmoe-m")
 @nox.parametrize("m", [0.7, 0.8, 0.85, 0.9, 0.95])
 def sweep_dirmoe_m(session: nox.Session, m: float) -> None:
     """DirMoE's prior mean mass m (option prior_mass) on the active experts (paper's m x lambda_sparsity heatmap), 10k steps."""
-    args = _scale_args(session, routers_default="dirmoe")
-    _install_scale(session, args, "")
-    out = f"{args.out}/sweep-m/dirmoe-m{m:g}"
-    _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.prior_mass={m}", "schedule.steps=10000"])
+    _study(session, "sweep-dirmoe-m", "--values", str(m))
 
 
 @nox.session(name="sweep-dirmoe-recon")
 @nox.parametrize("recon_target", ["raw", "centered"])
 def sweep_dirmoe_recon(session: nox.Session, recon_target: str) -> None:
     """DirMoE's reconstruction target (option recon_target) raw (the paper) or centered (the ablation's remedy), 10k steps."""
-    args = _scale_args(session, routers_default="dirmoe")
-    _install_scale(session, args, "")
-    out = f"{args.out}/sweep-recon/dirmoe-{recon_target}"
-    _torchrun_train(session, args, "dirmoe-185m", out, [f"router.options.recon_target={recon_target}", "schedule.steps=10000"])
+    _study(session, "sweep-dirmoe-recon", "--values", recon_target)

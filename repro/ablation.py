@@ -5,19 +5,14 @@ of one layer to one expert. Each *cell* of this ablation is one reading of the p
 router options, :data:`CELLS`), run for several seeds (``--set seed=N`` per run); two controls put Switch's
 load-balancing loss on DirMoE and take it off Switch, and Switch as is gives the reference level.
 
-1. Build (or reuse) the mini-pile.
-2. Train every (cell, seed) in a pool of worker processes (:func:`repro.mini.run_pool`: two at a time, one
-   thread each, a fresh process per run) and write its run record. No zero-shot evaluation: the question is
-   the routing, and at this scale the zero-shot differences are within noise (results/mini/README.md).
-3. From the training logs, per run: the end-of-run routing (per-layer load imbalance, per-layer imbalance
-   of the routing-weight mass, active experts, Simpson index of r and of theta, fallback share; each the
-   mean over the last ``final_fraction`` of the steps) and the losses (validation loss at the last step,
-   training LM loss over the same final window). Per cell: mean +- 95% Student-t interval over the seeds,
-   and a paired t-test over the seeds against the paper's DirMoE (cell ``paper``), Holm-adjusted over the
-   family ``--family`` (default: the whole table, every cell and column; :mod:`repro.report.ablation_tables`);
-   the same against Switch. With at most :data:`MAX_PAIRED_CELLS` DirMoE cells besides ``paper``, every pair
-   of them cell against cell (``ablation_pairs``: what a claim like "X is the main lever" needs).
-4. Tables (Markdown, CSV, LaTeX), plots and ``summary.json`` under ``results/dirmoe-ablation/``.
+1. A study (:mod:`repro.study`): every (cell, seed) trained in a fresh worker process, two at a time, and
+   its run record written. No zero-shot evaluation: the question is the routing, and at this scale the
+   zero-shot differences are within noise (results/mini/README.md).
+2. From the training logs, per run, the end-of-run routing and losses (the mean over the last
+   ``final_fraction`` of the steps); per cell, the mean +- 95% interval over the seeds and paired tests against
+   the paper's DirMoE and against Switch, Holm-adjusted over ``--family``; with at most :data:`MAX_PAIRED_CELLS`
+   DirMoE cells besides ``paper``, cell against cell (:mod:`repro.report.ablation_tables`).
+3. Tables (Markdown, CSV, LaTeX), plots and ``summary.json`` under ``results/dirmoe-ablation/``.
 
 **Screen and confirmation.** The runs on seeds 1-6 (:data:`SCREEN_SEEDS`) are a screen: cells and claims were
 picked from them, so their p-values are exploratory. ``--confirm`` runs a confirmatory study: it refuses
@@ -30,14 +25,9 @@ before those seeds were run) as one Holm family::
 ``--tables-only`` rebuilds the tables and the statistics in ``summary.json`` from the per-seed values that
 ``<out>/summary.json`` stores (no run directories needed, no training; the plots are left as they are).
 
-Reuse and resume: a run whose record matches the current settings is reused; a run directory this command
-created (it holds the marker ``.ablation-run``) whose config matches but that did not finish (killed) is
-resumed from its newest checkpoint (``train --resume``); one with other settings is replaced. A directory
-at a run's path that this command did not create is refused, never deleted. ``--fresh`` retrains every run.
-Every invocation's wall time and the runs it trained, resumed or reused are logged in
-``<work_dir>/sessions.json``. The cost in ``summary.json`` is each run's own worker CPU time (kept in the run
-directory, so it always belongs to the run there), not a sum over invocations, which a shared machine, a
-killed invocation or a re-run would distort.
+Finished runs are reused, killed ones resumed from their newest checkpoint, runs with other settings
+replaced (:mod:`repro.study`); ``--fresh`` retrains every run. The cost in ``summary.json`` is each run's own
+worker CPU time (kept in its run directory), not the invocations' wall time, which a shared machine distorts.
 
 Choices (each with its reason):
 
@@ -63,8 +53,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
-import time
 import types
 from dataclasses import dataclass
 from pathlib import Path
@@ -72,11 +60,9 @@ from typing import Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
+from repro.studies import cpu_parser, pick
+from repro.study import Run, Study, run_cost, run_study
 
-#: The marker a run directory created by this command holds (only such directories are resumed or replaced).
-RUN_MARKER = ".ablation-run"
-#: The marker of an output directory (``--out``) this command wrote: the only non-empty one it writes into.
-OUT_MARKER = ".ablation-out"
 COMMAND = "python -m repro ablation"
 #: The cell every other cell is tested against: DirMoE with the paper's options.
 REFERENCE = "paper"
@@ -178,7 +164,6 @@ class AblationConfig:
         out_dir: tables, plots and ``summary.json``.
         workers: runs trained at once (each one process with one thread).
         final_fraction: the share of the steps at the end of a run whose rows the end-of-run metrics average.
-        warmup_rows: log rows skipped before the efficiency window of the run records.
         overrides: extra dot-list overrides applied to every run (after the cell's).
         family: the Holm family of the tables against a reference cell (``table`` or ``column``,
             :mod:`repro.report.over_seeds`).
@@ -193,7 +178,6 @@ class AblationConfig:
     out_dir: str = "results/dirmoe-ablation"
     workers: int = 2
     final_fraction: float = 0.1
-    warmup_rows: int = 2
     overrides: tuple[str, ...] = ()
     family: str = "table"
     confirm: bool = False
@@ -211,8 +195,6 @@ class AblationConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 < self.final_fraction <= 1:
             raise ValueError(f"final_fraction must be in (0, 1], got {self.final_fraction}")
-        if self.warmup_rows < 0:
-            raise ValueError(f"warmup_rows must be >= 0, got {self.warmup_rows}")
         if self.family not in ("table", "column"):
             raise ValueError(f"unknown family '{self.family}'; valid: table, column")
         reused = sorted(set(self.seeds) & set(SCREEN_SEEDS))
@@ -237,178 +219,25 @@ class AblationConfig:
         fall on every cell alike."""
         return [(cell, seed) for seed in self.seeds for cell in self.cells]
 
+    def run(self, cell: str, seed: int) -> Run:
+        """The run of ``cell`` on ``seed``: ``<router>-tiny`` with this ablation's settings and the cell's options."""
+        overrides = (
+            f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}", f"seed={seed}",
+            "validation.iters=8",  # choice 3
+            "checkpoint.interval=200",  # choice 4
+            *CELLS[cell].overrides(self.steps), *self.overrides,
+        )
+        return Run(self.run_name(cell, seed), f"{CELLS[cell].router}-tiny", overrides, label=cell, name=f"ablation-{cell}")
+
     def experiment(self, cell: str, seed: int):
-        """The run's config: ``<router>-tiny`` with this ablation's settings, the cell's options and the seed."""
-        from repro.training.config import apply_overrides
-        from repro.training.experiments import get_experiment
+        """The run's config (:meth:`run`)."""
+        return self.run(cell, seed).config()
 
-        spec = CELLS[cell]
-        config = get_experiment(f"{spec.router}-tiny")
-        config = apply_overrides(
-            config,
-            [
-                f"schedule.steps={self.steps}",
-                f"data.source=mini-pile:{self.data_dir}",
-                f"seed={seed}",
-                "validation.iters=8",  # choice 3
-                "checkpoint.interval=200",  # choice 4
-                *spec.overrides(self.steps),
-                *self.overrides,
-            ],
-        )
-        return dataclasses.replace(config, name=f"ablation-{cell}")
-
-
-# ------------------------------------------------------------------------------------------------ runs
-def run_one(cfg: AblationConfig, cell: str, seed: int) -> Path:
-    """Train (or resume) one run and write its record (called in a worker process).
-
-    Args:
-        cfg: the ablation's settings.
-        cell: the cell.
-        seed: the seed.
-
-    Returns:
-        The run's record path.
-    """
-    import torch
-
-    from repro.report.store import write_run_record
-    from repro.training.trainer import train
-
-    torch.set_num_threads(1)
-    run_dir = cfg.run_dir(cell, seed)
-    cpu, wall = time.process_time(), time.perf_counter()
-    # A started run (its config.json is there) continues from its newest checkpoint, or from step 0.
-    resume = (run_dir / "config.json").is_file()
-    train(cfg.experiment(cell, seed), run_dir, resume=resume, progress=False)
-    record = write_run_record(run_dir, warmup=cfg.warmup_rows, run_id=cfg.run_name(cell, seed))
-    _note_cost(run_dir, time.process_time() - cpu, time.perf_counter() - wall)
-    return record
-
-
-#: Per run: the CPU and wall seconds of each invocation that trained it (a killed one's are not counted).
-COST_FILE = "ablation_cost.json"
-
-
-def _note_cost(run_dir: Path, cpu_seconds: float, wall_seconds: float) -> None:
-    """Append one invocation's cost to the run's :data:`COST_FILE`. CPU time is what states the cost on a
-    shared machine: wall time there depends on what else runs."""
-    path = run_dir / COST_FILE
-    try:
-        history = json.loads(path.read_text()) if path.is_file() else []
-    except ValueError:
-        history = []
-    history.append({"cpu_seconds": round(cpu_seconds, 1), "wall_seconds": round(wall_seconds, 1)})
-    write_json_atomic(path, history)
-
-
-def run_cost(run_dir: Path) -> dict[str, float] | None:
-    """A run's CPU and wall seconds over the invocations that trained it (None: not recorded)."""
-    try:
-        history = json.loads((run_dir / COST_FILE).read_text())
-        return {key: round(sum(float(h[key]) for h in history), 1) for key in ("cpu_seconds", "wall_seconds")}
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-
-
-def _stored_experiment(run_dir: Path) -> dict[str, Any] | None:
-    from repro.training.config import RunConfig
-
-    try:
-        stored = json.loads((run_dir / "config.json").read_text())["experiment"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
-    return RunConfig.stored_dict(stored)  # with the defaults of fields added since
-
-
-def run_state(cfg: AblationConfig, cell: str, seed: int) -> str:
-    """What a run needs: ``done`` (record current), ``resume`` (this command's run, same settings, unfinished),
-    ``new`` (nothing there, or this command's run with other settings) or ``foreign`` (not this command's)."""
-    run_dir = cfg.run_dir(cell, seed)
-    if not run_dir.exists():
-        return "new"
-    if not (run_dir / RUN_MARKER).is_file():
-        return "foreign"
-    if _stored_experiment(run_dir) != cfg.experiment(cell, seed).to_dict():
-        return "new"
-    finished = (run_dir / "summary.json").is_file() and (run_dir / "record.json").is_file()
-    return "done" if finished else "resume"
-
-
-def train_runs(cfg: AblationConfig, *, fresh: bool = False) -> dict[str, list[str]]:
-    """Train what is not done yet; record the invocation in ``<work_dir>/sessions.json``.
-
-    Args:
-        cfg: the ablation's settings.
-        fresh: retrain every run from scratch.
-
-    Returns:
-        ``{"trained": [...], "resumed": [...], "reused": [...]}`` run names.
-
-    Raises:
-        ReproError: a run directory this command did not create (nothing is touched), or failed runs.
-    """
-    from repro.io_utils import claim_run_dir
-    from repro.mini import run_pool
-
-    start = time.perf_counter()
-    states = {(c, s): run_state(cfg, c, s) for c, s in cfg.runs()}
-    foreign = [str(cfg.run_dir(c, s)) for (c, s), state in states.items() if state == "foreign"]
-    if foreign:
-        raise ReproError(
-            f"{foreign[0]}: exists and was not created by the DirMoE ablation; move it away or choose another "
-            f"--work-dir{f' ({len(foreign) - 1} more)' if len(foreign) > 1 else ''}"
-        )
-    if fresh:
-        states = dict.fromkeys(states, "new")
-    todo = [(c, s) for (c, s), state in states.items() if state != "done"]
-    names = {state: [cfg.run_name(c, s) for (c, s), st in states.items() if st == state] for state in ("new", "resume", "done")}
-    if names["done"]:
-        print(f"reusing finished runs: {', '.join(names['done'])}")
-    if names["resume"]:
-        print(f"resuming unfinished runs: {', '.join(names['resume'])}")
-    Path(cfg.work_dir).mkdir(parents=True, exist_ok=True)
-    for cell, seed in todo:
-        claim_run_dir(
-            cfg.run_dir(cell, seed), marker=RUN_MARKER, owner="the DirMoE ablation", command=COMMAND,
-            keep=states[(cell, seed)] == "resume",
-        )
-    print(f"training {len(todo)} runs x {cfg.steps} steps, {cfg.workers} at a time "
-          f"(logs in {cfg.work_dir}/<cell>-s<seed>.worker.log)")
-    sys.stdout.flush()
-    seconds: dict[str, float] = {}
-    try:
-        if todo:
-            jobs = {cfg.run_name(c, s): (cfg, c, s) for c, s in todo}
-            seconds = run_pool(run_one, jobs, workers=cfg.workers, log_dir=Path(cfg.work_dir))
-    finally:
-        _note_session(cfg, time.perf_counter() - start, names, seconds)
-    return {"trained": names["new"], "resumed": names["resume"], "reused": names["done"]}
-
-
-def _note_session(cfg: AblationConfig, wall: float, names: dict[str, list[str]], seconds: dict[str, float]) -> None:
-    """Append this invocation to the log ``<work_dir>/sessions.json`` (a damaged log is left alone)."""
-    path = Path(cfg.work_dir) / "sessions.json"
-    try:
-        history = json.loads(path.read_text()) if path.is_file() else []
-    except ValueError:
-        print(f"{path}: not a JSON list; this invocation is not logged there")
-        return
-    if not isinstance(history, list):
-        print(f"{path}: not a JSON list; this invocation is not logged there")
-        return
-    history.append({
-        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "wall_seconds": round(wall, 1),
-        "workers": cfg.workers,
-        "steps": cfg.steps,
-        "trained": names["new"],
-        "resumed": names["resume"],
-        "reused": len(names["done"]),
-        "run_seconds": {name: round(s, 1) for name, s in sorted(seconds.items())},
-    })
-    write_json_atomic(path, history)
+    def study(self) -> Study:
+        """The ablation as a :class:`~repro.study.Study`: killed runs resume."""
+        return Study("ablation", tuple(self.run(c, s) for c, s in self.runs()), self.work_dir, self.out_dir,
+                     report=report, workers=self.workers, resume=True, finished=("summary.json", "record.json"),
+                     settings=self, owner="the DirMoE ablation", command=COMMAND)
 
 
 # ------------------------------------------------------------------------------------------- reporting
@@ -452,9 +281,8 @@ def build_tables(results, cells: tuple[str, ...], *, family: str = "table", conf
     return [*tables, confirm_table(results, HYPOTHESES)]
 
 
-def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -> str:
+def report(study: Study, outcome: dict[str, Any]) -> str:
     """Write the tables, plots and ``summary.json``; return the text to print."""
-    from repro.io_utils import claim_output_dir
     from repro.report.ablation_tables import DIFFERENCE_KEYS, collect_results, results_to_json, summary_intervals
     from repro.report.plots import (
         plot_ablation_summary,
@@ -465,7 +293,8 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
     from repro.report.table_core import render, write_tables
     from repro.training.log import read_rows
 
-    out = claim_output_dir(cfg.out_dir, OUT_MARKER, COMMAND)
+    cfg: AblationConfig = study.settings
+    out, elapsed = Path(cfg.out_dir), outcome["elapsed"]
     logs = {(c, s): read_rows(cfg.run_dir(c, s)) for c, s in cfg.runs()}
     results = collect_results(
         {cell: {seed: logs[(cell, seed)] for seed in cfg.seeds} for cell in cfg.cells},
@@ -504,7 +333,7 @@ def report(cfg: AblationConfig, elapsed: float, outcome: dict[str, list[str]]) -
         "confirm": cfg.confirm,
         **_hypotheses_json(cfg.confirm),
         "wall_seconds_this_invocation": round(elapsed, 1),
-        "this_invocation": {k: len(v) for k, v in outcome.items()},
+        "this_invocation": {k: len(outcome[k]) for k in ("trained", "resumed", "reused")},
         "cost": _cost(cfg),
         "results": results_to_json(results, reference=REFERENCE, switch=SWITCH, family=cfg.family),
     }
@@ -535,11 +364,11 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
     Raises:
         ReproError: not this command's output directory, or no readable ``summary.json`` there.
     """
-    from repro.io_utils import check_output_dir
     from repro.report.ablation_tables import results_from_json, results_to_json
     from repro.report.table_core import render, write_tables
+    from repro.study import check_out_dir
 
-    check_output_dir(out_dir, OUT_MARKER, COMMAND)
+    check_out_dir(Study("ablation", (), "", out_dir, command=COMMAND))
     path = Path(out_dir) / "summary.json"
     try:
         summary = json.loads(path.read_text())
@@ -575,16 +404,9 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespa
     """The ablation's settings from the command line, checked before any work; and ``--fresh``. With
     ``--tables-only``: the parsed arguments and None (nothing is trained)."""
     defaults = AblationConfig(cells=tuple(CELLS))
-    p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = cpu_parser(prog, __doc__.split("\n\n")[0], defaults)
     p.add_argument("--cells", default="all", help=f"comma-separated cells, or all ({', '.join(CELLS)})")
     p.add_argument("--seeds", default=",".join(map(str, defaults.seeds)), help="comma-separated seeds (set as seed=N)")
-    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
-    p.add_argument("--workers", type=int, default=defaults.workers, help="runs trained at once")
-    p.add_argument("--data-dir", default=defaults.data_dir)
-    p.add_argument("--work-dir", default=defaults.work_dir)
-    p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
-    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
     p.add_argument("--family", choices=("table", "column"), default=defaults.family,
                    help="Holm family of the tests against a reference cell: the whole table (default) or each column")
     p.add_argument("--confirm", action="store_true",
@@ -595,10 +417,7 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespa
     args = p.parse_args(argv)
     if args.tables_only:
         return args, None
-    cells = tuple(CELLS) if args.cells == "all" else tuple(c.strip() for c in args.cells.split(",") if c.strip())
-    unknown = [c for c in cells if c not in CELLS]
-    if unknown or not cells:
-        raise ReproError(f"--cells: unknown cell(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(CELLS)}")
+    cells = pick(args.cells, tuple(CELLS), "--cells", "cell")
     seeds = _int_list(args.seeds, "--seeds")
     try:
         cfg = AblationConfig(
@@ -620,15 +439,7 @@ def main(argv: list[str], prog: str = COMMAND) -> int:
         print(rebuild_tables(cfg.out, family=cfg.family, confirm=cfg.confirm or None))
         return 0
     from repro.data.minipile import build_mini_pile
-    from repro.io_utils import check_output_dir
 
-    check_output_dir(cfg.out_dir, OUT_MARKER, COMMAND)  # before any work: another command's results stay
-    start = time.perf_counter()
-    build_mini_pile(cfg.data_dir, log=print)
-    outcome = train_runs(cfg, fresh=fresh)
-    print(report(cfg, time.perf_counter() - start, outcome))
+    run_study(cfg.study(), fresh=fresh, prepare=lambda: build_mini_pile(cfg.data_dir, log=print))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))

@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "tables": ("repro.report.cli", "tables_main", "build the zero-shot and efficiency tables from run records"),
     "check": ("repro.report.cli", "check_main", "regression-check a run against published numbers or a run"),
     "writeup": ("repro.report.writeup", "main", "write results/<study>/README.md and the README's result blocks from the results files"),
+    "study": ("repro.studies", "main", "run a study by name (--list: mini, ablation, efficiency, the sweeps)"),
     "mini": ("repro.mini", "main", "the whole comparison on the embedded default (CPU)"),
     "ablation": ("repro.ablation", "main", "why DirMoE's routing collapses: its readings and remedies over seeds (CPU)"),
     "bench-table": ("repro.report.bench_table", "main", "summarise a pytest-benchmark JSON as a table"),

@@ -4,61 +4,37 @@ For each requested run (default: every router with experiments but megatron's ow
 trains the first iterations of the ``<router>-<scale>`` experiment on synthetic tokens, skips the warm-up
 iterations, and reports the median iteration time (with min and max), tokens/s and TFLOP/s per device
 (Megatron-LM's model-FLOPs count, :mod:`repro.report.flops`). Runs go one after another, each in fresh
-processes (:func:`train_command`): ``python -m repro train`` for one device, ``torchrun --standalone
+processes (:func:`repro.study.train_command`): ``python -m repro train`` for one device, ``torchrun --standalone
 --nproc_per_node N -m repro train`` for ``--gpus N`` (data parallel over N processes: NCCL on GPUs, gloo on
-CPU). Outputs in ``--out``::
+CPU). ``--out`` gets ``runs/<run>/`` (config, log, record), the efficiency table (``efficiency.md|csv|tex``;
+``--published``: the papers' rows beside) and ``summary.json``; commands and examples: docs/efficiency.md.
 
-    runs/<run>/        config.json, log.jsonl, record.json (run record: device, GPU count, backend, versions)
-    efficiency.md|csv|tex   the efficiency table (with --published: the papers' rows beside)
-    summary.json       iteration time min/median/max per run, ratios to Switch, the settings and the command
+Defaults, each one option away (docs/efficiency.md has the measurements behind them):
 
-Example (one H100, only torch and the carried wheels installed; docs/efficiency.md, "Efficiency on any number of GPUs")::
+1. **Synthetic tokens at GPT-2's vocabulary** (``--vocab-size 50257``): no data set is needed, and the model
+   has the papers' embedding and output sizes. Dense compute does not depend on the token ids; Hash routes by
+   id, so its load follows the synthetic chain's ids. ``--set data.source=pile:PREFIX`` measures real tokens.
+2. **The papers' per-device work** (``--accumulation``, ``--global-batch``): they train 512 x 1024 tokens per
+   iteration on ~8 GPUs (Megatron's FLOPs count with the DirMoE paper's 437.3 ms and 137.2 TFLOP/s per GPU
+   gives 8.0), i.e. micro-batches of 16 (ReMoE's launch scripts) x 4 accumulation steps per GPU; every device
+   here does the same, so ms/iter and TFLOP/s per GPU compare with the papers' directly. ``tiny`` keeps its
+   recipe's 8 sequences of 128 per device.
+3. **The first iterations of the recipe's run** (``--warmup``, ``--iters``), stopped after ``warmup + iters +
+   1``, so no checkpoint is written and validation is off; a dense start (Lory's) is turned off so that the
+   routed model is timed. Routing is measured near initialisation; ``--init-from DIR`` times the steady state
+   from a trained checkpoint of each router (:func:`resolve_init_from`) with the routers' schedules at its step.
+4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA initialisation,
+   allocator growth and torch.compile; min and max are in the summary. Only training is timed: the two
+   iterations whose routers compute their metrics (the first, and one after the measured ones, which gives the
+   table's active experts) are left out (``LogRow.metrics_collected``), as are data generation, validation
+   and checkpoints.
+5. **A fresh process per run**, also for one device (:mod:`repro.study` launches each run): in one process a
+   finished run stays in memory (megatron-core's DDP wrapper registers gradient hooks that close over it), and
+   later runs would report the earlier ones' memory in their peak.
 
-    python -m repro efficiency --published --out runs/efficiency-h100
-    python -m repro efficiency --gpus 8 --router dirmoe,switch --out runs/efficiency-8gpu
-    python -m repro efficiency --flavour tiny --warmup 2 --iters 5 --out /tmp/eff      # CPU, minutes
-
-Defaults, each one option away:
-
-1. **Synthetic tokens at GPT-2's vocabulary** (``--vocab-size 50257``; ``data.source=synthetic``): no data set
-   is needed, and the model has the papers' embedding and output sizes (padded to 50304). Dense compute does
-   not depend on the token ids; routing does a little: Hash routes by id, so its load follows the synthetic
-   bigram chain's id distribution rather than The Pile's. ``--set data.source=pile:PREFIX`` measures on real
-   tokens instead.
-2. **The papers' per-device work** (``--accumulation``, ``--global-batch``). The papers train 512 x 1024 tokens
-   per iteration on ~8 GPUs (Megatron's FLOPs count, :mod:`repro.report.flops`, with the DirMoE paper's 437.3 ms
-   and 137.2 TFLOP/s per GPU gives 8.0), i.e. 64 sequences per GPU: micro-batches of 16 (ReMoE's launch scripts) and 4
-   accumulation steps. Every device here does the same by default: the global batch is 16 x 4 x N sequences
-   of 1024 on N GPUs (64 x 1024 tokens on one GPU), so ms/iter and TFLOP/s per GPU compare with the papers'
-   directly, up to the data-parallel all-reduce of 8 GPUs. The ``tiny`` flavour keeps its recipe's 8
-   sequences of 128 per device (micro-batch 4, 2 steps).
-3. **The first iterations of the recipe's run** (``--warmup``, ``--iters``): the experiment keeps its schedule
-   (LR warm-up, DirMoE's temperature and prior schedules at their start; a dense start, Lory's, is turned off
-   with ``router.options.dense_fraction=0`` so that the routed model is timed) and is stopped after
-   ``warmup + iters + 1`` iterations, so no checkpoint is written (the trainer writes one only at the schedule's
-   end); validation is off. Routing is therefore measured near initialisation: the table's "active experts"
-   and measured TFLOP/s say how many experts the variable-k routers used. ``--init-from DIR`` times the
-   steady state instead: each run starts from a trained checkpoint of its router (:func:`resolve_init_from`)
-   with the routers' schedules at its step (``checkpoint.init_router_step``), so variable-k routers (ReMoE,
-   DirMoE) use the experts they use in training; the caption and ``summary.json`` name the step.
-4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA/cuBLAS
-   initialisation, allocator growth and torch.compile; the median resists an odd slow iteration; min and max
-   are in the summary. **Only training is timed**: the routers compute their diagnostic metrics on the first
-   iteration and on one extra iteration after the measured ones (``logging.metrics_interval``), whose
-   routing gives the table's active experts; both are left out of the times (``LogRow.metrics_collected``),
-   as are data generation, validation and checkpoints, which run outside every iteration's timer
-   (:mod:`repro.training.trainer`).
-5. **A fresh process per run**, also for one device (:func:`train_command`). In one process a finished run
-   stays in memory: megatron-core's DDP wrapper registers gradient hooks that close over it, and the cycle
-   through those C++ hooks is never collected. Measured with four tiny runs in one process (``train()`` then
-   ``gc.collect()``): the first run's model still alive after it returned, live tensors 137, 333, 336, 471
-   and resident memory 542, 662, 887, 888 MiB after each. Later runs would report the earlier ones' memory in
-   their peak, and nine LLaMA-185M runs could exhaust a GPU.
-
-Output directories follow the suite's rules (:mod:`repro.io_utils`): ``--out`` must be new, empty, or an
-earlier output of this command (it holds ``.efficiency-out``); a run directory is replaced only when it holds
-this command's marker ``.efficiency-run``; nothing else is touched. Records of earlier runs in ``--out`` that
-were not asked for again are left as they are (``python -m repro tables OUT/runs`` tabulates them all).
+``--out`` must be new, empty, or an earlier output of this command (``.efficiency-out``); a run directory is
+replaced only when it holds ``.efficiency-run``. Earlier runs in ``--out`` not asked for again are kept
+(``python -m repro tables OUT/runs`` tabulates them all).
 """
 
 from __future__ import annotations
@@ -69,14 +45,13 @@ import os
 import re
 import shutil
 import subprocess
-import sys
-import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from repro.errors import ReproError
+from repro.launch import Launch
+from repro.study import Run, Study, check_out_dir, claim, run_study
 
 #: Flavours this command measures -> the experiment scale (``repro.training.experiments.RECIPES``) they come from.
 FLAVOUR_SCALES: dict[str, str] = {"llama-185m": "185m", "tiny": "tiny"}
@@ -87,8 +62,7 @@ REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
 GPT2_VOCAB = 50257
 DEFAULT_WARMUP = 3
 DEFAULT_ITERS: dict[str, int] = {"185m": 20, "tiny": 10}
-OUT_MARKER = ".efficiency-out"
-RUN_MARKER = ".efficiency-run"
+COMMAND = "python -m repro efficiency"
 FORMATS = ("md", "csv", "tex")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -181,16 +155,10 @@ class EfficiencyPlan:
 
     def config_kwargs(self, run: RunSpec) -> dict[str, Any]:
         """The keyword arguments of :func:`efficiency_overrides` for ``run``."""
-        return dict(
-            devices=self.devices,
-            accumulation=self.accumulation,
-            steps=self.steps_run,
-            vocab_size=self.vocab_size,
-            micro_batch_size=self.micro_batch_size,
-            global_batch_size=self.global_batch_size,
-            overrides=(*self.overrides, *run.overrides),
-            init_from=run.init_from,
-        )
+        return dict(devices=self.devices, accumulation=self.accumulation, steps=self.steps_run,
+                    vocab_size=self.vocab_size, micro_batch_size=self.micro_batch_size,
+                    global_batch_size=self.global_batch_size, overrides=(*self.overrides, *run.overrides),
+                    init_from=run.init_from)
 
     def config(self, run: RunSpec):
         """The run's :class:`~repro.training.config.RunConfig` (raises ReproError on a bad router or override)."""
@@ -199,6 +167,14 @@ class EfficiencyPlan:
     def run_dir(self, run: RunSpec) -> Path:
         """Where the run writes."""
         return Path(self.out_dir) / "runs" / run.label
+
+    def study(self) -> Study:
+        """The measurement as a :class:`~repro.study.Study`: each run launched on its own, then its record."""
+        runs = tuple(Run(r.label, f"{r.router}-{self.scale}",
+                         tuple(efficiency_overrides(r.router, self.flavour, **self.config_kwargs(r)))) for r in self.runs)
+        return Study("efficiency", runs, str(Path(self.out_dir) / "runs"), self.out_dir, task=_write_record,
+                     launch=Launch(1, self.devices), train_args=("--stop-after", str(self.steps_run)), settings=self,
+                     owner=COMMAND, command=COMMAND)
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -212,23 +188,15 @@ def default_accumulation(flavour: str) -> int:
 
 
 def efficiency_overrides(
-    router: str,
-    flavour: str,
-    *,
-    devices: int = 1,
-    accumulation: int | None = None,
-    steps: int = DEFAULT_WARMUP + 10,
-    vocab_size: int = GPT2_VOCAB,
-    micro_batch_size: int | None = None,
-    global_batch_size: int | None = None,
-    overrides: tuple[str, ...] | list[str] = (),
-    init_from: str = "",
+    router: str, flavour: str, *, devices: int = 1, accumulation: int | None = None, steps: int = DEFAULT_WARMUP + 10,
+    vocab_size: int = GPT2_VOCAB, micro_batch_size: int | None = None, global_batch_size: int | None = None,
+    overrides: tuple[str, ...] | list[str] = (), init_from: str = "",
 ) -> list[str]:
     """The dot-list that turns the ``<router>-<scale>`` experiment into its efficiency run: synthetic tokens,
     the per-device batch of the module docstring, no checkpoints, no validation, then ``overrides``.
 
     ``python -m repro train --experiment <router>-<scale> --set ...`` with this list builds the same config
-    as :func:`efficiency_config` (that is how each torchrun run is started).
+    as :func:`efficiency_config` (that is how each run is started).
 
     Args:
         router: a router with experiments (``repro.training.experiments.experiment_routers()``) or ``dense``.
@@ -255,15 +223,11 @@ def efficiency_overrides(
         raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(FLAVOUR_SCALES)}")
     base = build_experiment(router, FLAVOUR_SCALES[flavour])
     own = [
-        "data.source=synthetic",
-        f"data.vocab_size={vocab_size}",
-        "data.synthetic_samples=0",
+        "data.source=synthetic", f"data.vocab_size={vocab_size}", "data.synthetic_samples=0",
         f"data.micro_batch_size={micro_batch_size or base.data.micro_batch_size}",
         # The trainer checkpoints at the schedule's last step: keep the recipe's schedule (or one step more
         # than is run) and stop before it (default 3).
-        f"schedule.steps={max(base.schedule.steps, steps + 1)}",
-        "checkpoint.interval=0",
-        "validation.interval=0",
+        f"schedule.steps={max(base.schedule.steps, steps + 1)}", "checkpoint.interval=0", "validation.interval=0",
         *_routed_from_the_start(base.router.name),
         # Routing metrics on the first and the last iteration only (the last is not timed, see steps_run).
         f"logging.metrics_interval={steps}",
@@ -310,19 +274,8 @@ def _routed_from_the_start(router: str | None) -> list[str]:
 
 
 def efficiency_config(router: str, flavour: str, **kwargs: Any):
-    """The efficiency run of ``router`` at ``flavour``: the experiment with :func:`efficiency_overrides` applied.
-
-    Args:
-        router: a router with experiments, or ``dense``.
-        flavour: ``llama-185m`` or ``tiny``.
-        **kwargs: as :func:`efficiency_overrides`.
-
-    Returns:
-        The :class:`~repro.training.config.RunConfig`.
-
-    Raises:
-        ReproError: as :func:`efficiency_overrides`.
-    """
+    """The efficiency run of ``router`` at ``flavour`` (a RunConfig): the experiment with
+    :func:`efficiency_overrides` (same arguments) applied; ReproError as there."""
     from repro.training.config import apply_overrides
     from repro.training.experiments import build_experiment
 
@@ -336,64 +289,6 @@ def _check_devices(devices: int, on_gpu: bool, gpu_count: int) -> None:
         raise ReproError(f"--gpus must be >= 1, got {devices}")
     if on_gpu and devices > gpu_count:
         raise ReproError(f"--gpus {devices}: this machine has {gpu_count} visible GPU(s)")
-
-
-def _check_out_dir(plan: EfficiencyPlan) -> None:
-    """Refuse an output directory, or a run directory inside it, that this command did not create."""
-    from repro.io_utils import check_output_dir
-
-    check_output_dir(plan.out_dir, OUT_MARKER, "python -m repro efficiency")
-    for run in plan.runs:
-        run_dir = plan.run_dir(run)
-        if run_dir.is_symlink() or (run_dir.exists() and not (run_dir.is_dir() and (run_dir / RUN_MARKER).is_file())):
-            raise ReproError(f"{run_dir}: exists and was not created by python -m repro efficiency; move it away")
-
-
-def _prepare_dirs(plan: EfficiencyPlan) -> None:
-    """Create ``--out`` (marked as this command's) and a fresh, marked directory per run."""
-    from repro.io_utils import claim_output_dir, claim_run_dir
-
-    out = claim_output_dir(plan.out_dir, OUT_MARKER, "python -m repro efficiency")
-    try:
-        for run in plan.runs:  # each checked by _check_out_dir: new, or this command's own earlier run
-            claim_run_dir(plan.run_dir(run), marker=RUN_MARKER, owner="python -m repro efficiency",
-                          command="python -m repro efficiency")
-    except OSError as exc:
-        from repro.io_utils import os_error_message
-
-        raise ReproError(os_error_message(exc, out)) from None
-
-
-# ------------------------------------------------------------------------------------------ running
-def train_command(plan: EfficiencyPlan, run: RunSpec) -> list[str]:
-    """The command that trains one run in fresh processes: ``python -m repro train`` for one device,
-    ``python -m torch.distributed.run --standalone --nproc_per_node N -m repro train`` for N, with the
-    dot-list of :func:`efficiency_overrides` (``train`` builds the config from it exactly as
-    :meth:`EfficiencyPlan.config` does) and ``--stop-after`` the iterations to run.
-
-    A fresh process per run, also for one device: megatron-core's DDP wrapper keeps its model alive after a
-    run (its gradient hooks close over it), so runs sharing a process would each keep the previous models'
-    memory, and report it in their peak.
-    """
-    launcher = [sys.executable]
-    if plan.devices > 1:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={plan.devices}"]
-    cmd = [
-        *launcher, "-m", "repro", "train", "--experiment", f"{run.router}-{plan.scale}",
-        "--out", str(plan.run_dir(run)), "--stop-after", str(plan.steps_run),
-    ]
-    for item in efficiency_overrides(run.router, plan.flavour, **plan.config_kwargs(run)):
-        cmd += ["--set", item]
-    return cmd
-
-
-def _train(plan: EfficiencyPlan, run: RunSpec) -> None:
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
-    proc = subprocess.run(train_command(plan, run), env=env, cwd=os.getcwd(), check=False)
-    if proc.returncode != 0:
-        what = "torchrun" if plan.devices > 1 else "python -m repro train"
-        raise ReproError(f"{what} exited with status {proc.returncode} (its output is above)")
 
 
 def _device_name(on_gpu: bool) -> str | None:
@@ -411,14 +306,19 @@ def _device_name(on_gpu: bool) -> str | None:
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
 
 
-def _write_record(plan: EfficiencyPlan, run: RunSpec, device: str | None) -> Path:
+def _write_record(study: Study, run: Run) -> Path:
+    """The study's task after each run's training: its record, with this machine's device."""
+    import torch
+
     from repro.report.store import environment_info, record_from_run_dir, write_record
 
-    run_dir = plan.run_dir(run)
-    environment = environment_info(num_processes=plan.devices, device=device)
+    plan: EfficiencyPlan = study.settings
+    spec = next(r for r in plan.runs if r.label == run.run_id)
+    run_dir = study.run_dir(run)
+    environment = environment_info(num_processes=plan.devices, device=_device_name(torch.cuda.is_available()))
     record = record_from_run_dir(
-        run_dir, warmup=plan.warmup, run_id=run.label, environment=environment,
-        flops_attention=plan.flops_attention, start_step=run.start_step,
+        run_dir, warmup=plan.warmup, run_id=run.run_id, environment=environment,
+        flops_attention=plan.flops_attention, start_step=spec.start_step,
     )
     return write_record(record, run_dir / "record.json")
 
@@ -574,7 +474,8 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
                 f"{run.label}: flavour '{flavour}' trains in bf16, which needs a GPU; on CPU use --flavour tiny "
                 "(or --set model.precision=fp32)"
             )
-    _check_out_dir(plan)
+    check_out_dir(plan.study())  # before any work: another command's results stay
+    claim(plan.study(), fresh=True, check_only=True)
     return plan
 
 
@@ -593,40 +494,17 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
     import torch
 
     from repro.report.efficiency import write_command_outputs
+    from repro.report.store import load_record
 
-    on_gpu = torch.cuda.is_available()
-    _prepare_dirs(plan)
     config = plan.config(plan.runs[0])
     print(
         f"{len(plan.runs)} run(s) of {plan.flavour} x {plan.steps_run} iterations ({plan.warmup} warm-up) on "
-        f"{plan.devices} {'GPU(s)' if on_gpu else 'CPU process(es)'}, {config.data.global_batch_size} x "
-        f"{config.seq_length} tokens per iteration -> {plan.out_dir}",
+        f"{plan.devices} {'GPU(s)' if torch.cuda.is_available() else 'CPU process(es)'}, "
+        f"{config.data.global_batch_size} x {config.seq_length} tokens per iteration -> {plan.out_dir}",
         flush=True,
     )
-    device = _device_name(on_gpu)
-    records: dict[str, Any] = {}
-    errors: dict[str, str] = {}
-    wall: dict[str, float] = {}
-    for run in plan.runs:
-        start = time.perf_counter()
-        try:
-            _train(plan, run)
-            from repro.report.store import load_record
-
-            records[run.label] = load_record(_write_record(plan, run, device))
-        except Exception as exc:  # noqa: BLE001 - one failed run must not lose the others' measurements
-            if not isinstance(exc, ReproError):
-                traceback.print_exc()  # an unexpected failure here (the training's own output is above)
-            errors[run.label] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
-        wall[run.label] = time.perf_counter() - start
-        state = f"FAILED ({errors[run.label]})" if run.label in errors else "done"
-        print(f"  {run.label}: {state} in {wall[run.label]:.0f} s", flush=True)
-
-    write_command_outputs(plan, records, errors, wall, argv)
-    return 1 if errors else 0
-
-
-if __name__ == "__main__":
-    from repro.cli import main as cli_main
-
-    sys.exit(cli_main(["efficiency", *sys.argv[1:]]))
+    outcome = run_study(plan.study(), fresh=True)
+    done = [r for r in plan.runs if r.label not in outcome["failed"]]
+    records = {r.label: load_record(plan.run_dir(r) / "record.json") for r in done}
+    write_command_outputs(plan, records, outcome["failed"], outcome["seconds"], argv)
+    return 1 if outcome["failed"] else 0

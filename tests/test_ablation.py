@@ -312,11 +312,12 @@ def test_a_killed_run_resumes_where_it_stopped(session, capsys):
     import torch
 
     from repro.io_utils import claim_run_dir
+    from repro.study import run_state
     from repro.training.trainer import train
 
     cfg, _ = ablation.parse(_argv(session, work="killed", cells="paper", seeds="1"), "test")
     run_dir = cfg.run_dir("paper", 1)
-    claim_run_dir(run_dir, marker=ablation.RUN_MARKER, owner="the DirMoE ablation", command=ablation.COMMAND)
+    claim_run_dir(run_dir, marker=cfg.study().markers[0], owner="the DirMoE ablation", command=ablation.COMMAND)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as in the workers
     try:
@@ -324,7 +325,7 @@ def test_a_killed_run_resumes_where_it_stopped(session, capsys):
     finally:
         torch.set_num_threads(threads)
     first_rows = read_rows(run_dir)[:3]
-    assert ablation.run_state(cfg, "paper", 1) == "resume"
+    assert run_state(cfg.study(), cfg.run("paper", 1)) == "resume"
     assert ablation.main(_argv(session, work="killed", out="out-killed", cells="paper", seeds="1")) == 0
     assert "resuming unfinished runs: paper-s1" in capsys.readouterr().out
     rows = read_rows(run_dir)

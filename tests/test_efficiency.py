@@ -16,10 +16,13 @@ import pytest
 import torch
 
 from repro.cli import main as cli_main
-from repro.efficiency import OUT_MARKER, RUN_MARKER, efficiency_config, efficiency_overrides
+from repro.efficiency import efficiency_config, efficiency_overrides
 from repro.report.store import load_record
 from repro.training.config import RunConfig
 from repro.training.log import read_rows
+
+#: The markers of the efficiency study's run and output directories (repro.study's scheme).
+RUN_MARKER, OUT_MARKER = ".efficiency-run", ".efficiency-out"
 
 REPO = Path(__file__).resolve().parents[1]
 # Small and quick: the tiny flavour, a small synthetic vocabulary, one warm-up and two measured iterations.
@@ -184,7 +187,8 @@ def test_outputs_it_did_not_write_are_refused_and_left_alone(capsys, tmp_path):
 
 
 def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
-    from repro.efficiency import _check_out_dir, _prepare_dirs, parse
+    from repro.efficiency import parse
+    from repro.study import claim
 
     out = tmp_path / "eff"
     for run in ("switch", "dense"):
@@ -193,8 +197,7 @@ def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
         (out / "runs" / run / "log.jsonl").write_text(f"{run}'s earlier log")
     (out / OUT_MARKER).write_text("")
     plan = parse(["--router", "dense", "--out", str(out)], "efficiency")
-    _check_out_dir(plan)
-    _prepare_dirs(plan)
+    claim(plan.study(), fresh=True)
     assert (out / "runs" / "switch" / "log.jsonl").read_text() == "switch's earlier log"
     assert sorted(p.name for p in (out / "runs" / "dense").iterdir()) == [RUN_MARKER]  # fresh for the new run
 

@@ -11,6 +11,7 @@ import pytest
 from repro import mini
 from repro.errors import ReproError
 from repro.report.cli import check_main
+from repro.study import Run, longest_first, previous_cpu_seconds
 
 pytestmark = pytest.mark.slow
 
@@ -87,7 +88,7 @@ def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path, mini_pi
     """A stale run directory of this command is replaced only once no other one is foreign."""
     runs = tmp_path / "runs"
     (runs / "dirmoe").mkdir(parents=True)
-    (runs / "dirmoe" / mini.RUN_MARKER).write_text("created by python -m repro mini\n")
+    (runs / "dirmoe" / ".mini-run").write_text("created by python -m repro mini\n")
     (runs / "dirmoe" / "stale.txt").write_text("an unfinished run")
     (runs / "switch").mkdir()
     (runs / "switch" / "precious.txt").write_text("keep me")
@@ -128,7 +129,7 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, m
     assert (comparison / "runs" / "switch" / "record.json").read_bytes() == first  # seed 0 untouched
     seed_0 = json.loads((comparison / "runs" / "switch" / "config.json").read_text())["experiment"]["seed"]
     seed_1 = json.loads((comparison / "runs" / "switch-s1" / "config.json").read_text())["experiment"]
-    assert seed_1["seed"] == seed_0 + 1 and (comparison / "runs" / "switch-s1" / mini.RUN_MARKER).is_file()
+    assert seed_1["seed"] == seed_0 + 1 and (comparison / "runs" / "switch-s1" / ".mini-run").is_file()
     assert json.loads((comparison / "runs" / "switch-s1" / "record.json").read_text())["run_id"] == "switch-s1"
     out = comparison / "out3"
     for table in ("zero_shot_seeds", "validation_seeds", "routing_seeds"):
@@ -142,15 +143,19 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, m
 
 def test_jobs_start_longest_first_seed_by_seed(tmp_path):
     jobs = [("dense", 0), ("hash", 0), ("dirmoe", 0), ("new", 0), ("dense", 1), ("hash", 1), ("dirmoe", 1)]
+    runs = [Run(f"{name}-s{k}", f"{name}-tiny", label=name, wave=k) for name, k in jobs]
     seconds = {"dense": 120.0, "dirmoe": 170.0, "hash": 150.0}
-    assert mini.longest_first(jobs, seconds) == [
+    assert [(r.label, r.wave) for r in longest_first(runs, seconds)] == [
         ("new", 0), ("dirmoe", 0), ("hash", 0), ("dense", 0), ("dirmoe", 1), ("hash", 1), ("dense", 1)]
-    assert mini.longest_first(jobs, {}) == jobs  # no figures: the given order
+    assert longest_first(runs, {}) == runs  # no figures: the given order
     # the figures come from the last comparison's summary in --out; none there (or unreadable): none
-    cfg = mini.MiniConfig(runs=("dense",), out_dir=str(tmp_path))
-    assert mini._previous_cpu_seconds(cfg) == {}
+    assert previous_cpu_seconds(str(tmp_path)) == {}
     (tmp_path / "summary.json").write_text(json.dumps({"run_cpu_seconds": seconds}))
-    assert mini._previous_cpu_seconds(cfg) == seconds
+    assert previous_cpu_seconds(str(tmp_path)) == seconds
+    # the mini comparison's runs: a row per router, a wave per seed
+    study = mini.MiniConfig(runs=("dense", "hash"), seeds=2, out_dir=str(tmp_path)).study()
+    assert [(r.run_id, r.label, r.wave) for r in study.runs] == [
+        ("dense", "dense", 0), ("hash", "hash", 0), ("dense-s1", "dense", 1), ("hash-s1", "hash", 1)]
 
 
 def test_bad_arguments_are_one_line_errors():

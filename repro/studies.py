@@ -1,0 +1,185 @@
+"""The registered studies and ``python -m repro study NAME [options]`` (``--list``): ``mini``, ``ablation`` and
+``efficiency`` (studies with options of their own, :mod:`repro.mini`, :mod:`repro.ablation`,
+:mod:`repro.efficiency`) and the grids of full-scale runs (:class:`Sweep`: ``pile-185m`` and the sweeps), which the
+engine (:mod:`repro.study`) runs. A user's grid is one :func:`register` call (docs/experiments.md, "Studies").
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from repro.cli import COMMANDS
+from repro.errors import ReproError
+from repro.launch import Launch
+from repro.study import Run, Study, run_study
+
+
+def cpu_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
+    """The options every CPU study shares, their defaults from ``defaults`` (a study's settings)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
+    p.add_argument("--workers", type=int, default=defaults.workers, help="runs trained at once")
+    p.add_argument("--data-dir", default=defaults.data_dir)
+    p.add_argument("--work-dir", default=defaults.work_dir)
+    p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
+    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
+    return p
+
+
+def pick(text: str, valid: Sequence[str], flag: str, what: str) -> tuple[str, ...]:
+    """``all`` or a comma-separated list of names out of ``valid`` (ReproError naming the unknown ones)."""
+    names = tuple(valid) if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in valid]
+    if unknown or not names:
+        raise ReproError(f"{flag}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
+    return names
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """A study given as a grid: each router's experiment at ``scale`` for each value of one setting.
+
+    Args:
+        name: ``python -m repro study NAME``.
+        help: one line for ``--list``.
+        key: the dot-list key swept (``model.top_k``; "": none, one run per router); values: its values.
+        tag: run ids are ``<router>-<tag><value>`` (``<router>-<scale>`` without a key) under
+            ``<--out>/<folder>`` (folder: default the name).
+        routers: the routers run by default (``--router``).
+        overrides: set on every run (before ``--set``).
+        scale: the experiments' scale (``185m``, ``tiny``).
+        gpus: default processes per run (0: CPU lanes).
+        evaluate: zero-shot lm-eval on The Pile's seven tasks after each run.
+    """
+
+    name: str
+    help: str
+    key: str
+    values: tuple[Any, ...]
+    tag: str
+    routers: tuple[str, ...] = ("dirmoe",)
+    overrides: tuple[str, ...] = ("schedule.steps=10000",)
+    scale: str = "185m"
+    gpus: int = 8
+    evaluate: bool = False
+    folder: str = ""
+
+
+#: Studies with options and commands of their own (``python -m repro mini`` is ``python -m repro study mini``):
+#: name -> (module whose ``main(argv, prog)`` runs it, help).
+ALIASES = {name: (COMMANDS[name][0], COMMANDS[name][2]) for name in ("mini", "ablation", "efficiency")}
+SWEEPS: dict[str, Sweep] = {}
+
+
+def register(sweep: Sweep) -> Sweep:
+    """Make ``sweep`` runnable as ``python -m repro study NAME``. Returns it."""
+    if sweep.name in SWEEPS or sweep.name in ALIASES:
+        raise ValueError(f"a study named '{sweep.name}' exists already")
+    SWEEPS[sweep.name] = sweep
+    return sweep
+
+
+for _sweep in (
+    Sweep("pile-185m", "LLaMA-185M, E=8, k=1 on The Pile (60k steps), then zero-shot lm-eval", "", (None,), "",
+          routers=("all",), overrides=(), evaluate=True, folder="."),
+    Sweep("sweep-k", "active experts k in {1, 2, 4}, E=8, 10k steps", "model.top_k", (1, 2, 4), "k",
+          ("dirmoe", "switch")),
+    Sweep("sweep-E", "number of experts E in {8, 16, 32}, k=1, 10k steps", "model.num_experts", (8, 16, 32), "E",
+          ("dirmoe", "switch")),
+    Sweep("sweep-dirmoe-sparsity", "DirMoE's expected-k penalty in {0, 1e-3, 1e-2, 1e-1}, 10k steps",
+          "router.options.sparsity_weight", (0.0, 0.001, 0.01, 0.1), "ls", folder="sweep-sparsity"),
+    Sweep("sweep-dirmoe-m", "DirMoE's prior mass m in {0.7, ..., 0.95}, 10k steps", "router.options.prior_mass",
+          (0.7, 0.8, 0.85, 0.9, 0.95), "m", folder="sweep-m"),
+    Sweep("sweep-dirmoe-recon", "DirMoE's reconstruction target, raw (the paper) or centered, 10k steps",
+          "router.options.recon_target", ("raw", "centered"), "", folder="sweep-recon"),
+):
+    register(_sweep)
+
+
+PILE_TASKS = "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race"
+
+
+def _evaluate(study: Study, run: Run) -> None:
+    """After a run of a sweep that evaluates: zero-shot lm-eval on The Pile's tasks, in a process of its own."""
+    out = str(study.run_dir(run))
+    cmd = ["-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json"]
+    cmd += ["--tasks-data", study.settings] if study.settings else []
+    if study.launch.nodes > 1:  # one process on one GPU: not on every node at once
+        print(f"evaluate once the run is done, on one node: python {' '.join(cmd)}")
+    elif subprocess.run([sys.executable, *cmd], check=False).returncode != 0:
+        raise ReproError("python -m repro eval failed (its output is above)")
+
+
+def sweep_study(sweep: Sweep, args: argparse.Namespace) -> Study:
+    """The :class:`Study` of ``sweep`` with the command line's options."""
+    from repro.training.config import MEGATRON_ROUTER
+    from repro.training.experiments import experiment_routers
+
+    routers = args.router.split(",") if args.router else list(sweep.routers)
+    if routers == ["all"]:
+        routers = [r for r in experiment_routers() if r != MEGATRON_ROUTER]
+    values = [v for v in sweep.values if not args.values or str(v) in args.values.split(",")]
+    if not values:
+        valid = ", ".join(map(str, sweep.values))
+        raise ReproError(f"--values: none of {args.values} is a value of {sweep.name}: {valid}")
+    data = [f"data.source=pile:{args.data}"] if args.data else []
+    data += [f"data.tokenizer={args.tokenizer}"] if args.tokenizer else []
+    runs = []
+    for value in values:
+        for router in routers:
+            text = format(value, "g") if isinstance(value, float) else str(value)
+            run_id = f"{router}-{sweep.tag}{text}" if sweep.key else f"{router}-{sweep.scale}"
+            sets = [*data, *([f"{sweep.key}={value}"] if sweep.key else []), *sweep.overrides, *args.set]
+            runs.append(Run(run_id, f"{router}-{sweep.scale}", tuple(sets)))
+    gpus = sweep.gpus if args.gpus is None else args.gpus
+    try:
+        launch = Launch(args.nodes, gpus, args.rdzv_endpoint, args.rdzv_id or "dirmoe-bench") if gpus else None
+    except ValueError as exc:
+        raise ReproError(str(exc)) from None
+    return Study(sweep.name, tuple(runs), str(Path(args.out) / (sweep.folder or sweep.name)), workers=args.workers,
+                 launch=launch, resume=True, task=_evaluate if sweep.evaluate else None, settings=args.tasks_data)
+
+
+def main(argv: list[str], prog: str = "python -m repro study") -> int:
+    """Run the study ``argv[0]`` (``--list``: list them). Returns the exit status."""
+    every = [*ALIASES, *SWEEPS]
+    if not argv or argv[0] in ("--list", "-h", "--help"):
+        width = max(map(len, every))
+        print(f"usage: {prog} NAME [options]  ({prog} NAME --help: its options)\n\nstudies:")
+        print("\n".join(f"  {n:<{width}}  {ALIASES[n][1] if n in ALIASES else SWEEPS[n].help}" for n in every))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name in ALIASES:
+        import importlib
+
+        return int(importlib.import_module(ALIASES[name][0]).main(rest, prog=f"{prog} {name}") or 0)
+    if name not in SWEEPS:
+        raise ReproError(f"unknown study '{name}'; valid: {', '.join(every)}")
+    sweep = SWEEPS[name]
+    p = argparse.ArgumentParser(prog=f"{prog} {name}", description=sweep.help)
+    p.add_argument("--router", default="", help=f"comma-separated routers, or all (default {','.join(sweep.routers)})")
+    p.add_argument("--values", default="", help=f"comma-separated values of {sweep.key or 'the sweep'} (default all)")
+    p.add_argument("--data", default="", required=sweep.scale != "tiny",
+                   help="indexed-dataset prefix(es) of tokenized Pile shards, comma-separated")
+    p.add_argument("--tokenizer", default="", help="directory with GPT-2 vocab.json and merges.txt (default: beside the data)")
+    p.add_argument("--gpus", type=int, default=None, help=f"processes per node per run (0: CPU lanes; default {sweep.gpus})")
+    p.add_argument("--workers", type=int, default=2, help="CPU lanes (with --gpus 0)")
+    p.add_argument("--out", default="runs/pile", help="root of the run directories")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="extra config override")
+    p.add_argument("--nodes", type=int, default=1, help="nodes; run the same command on each (shared filesystem)")
+    p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (--nodes > 1)")
+    p.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: from the run directory)")
+    p.add_argument("--tasks-data", default=None, metavar="DIR", help="the zero-shot tasks' datasets on disk (eval-data fetch)")
+    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
+    args = p.parse_args(rest)
+    study = sweep_study(sweep, args)
+    for run in study.runs:
+        run.config()  # unknown keys / bad values: one-line error before any work
+    return 1 if run_study(study, fresh=args.fresh)["failed"] else 0

@@ -1,0 +1,102 @@
+"""The study engine: a study registered as data runs through ``python -m repro study NAME`` (CPU lanes, reuse,
+the run-directory claim), and the launched form builds one ``python -m repro train`` (torchrun) per run."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from repro import studies
+from repro import study as engine
+from repro.errors import ReproError
+from repro.launch import Launch
+from repro.studies import Sweep, register
+from repro.study import Run, Study, run_state, train_command
+
+
+@pytest.fixture
+def tiny_sweep(monkeypatch):
+    """A user's study: Switch at k = 1 and k = 2, four steps each, registered for this test only."""
+    monkeypatch.setattr(studies, "SWEEPS", dict(studies.SWEEPS))
+    return register(Sweep("tiny-k", "Switch at k = 1, 2 (four steps)", "model.top_k", (1, 2), "k", ("switch",),
+                          overrides=("schedule.steps=4", "validation.interval=0", "checkpoint.interval=0"),
+                          scale="tiny", gpus=0))
+
+
+def test_a_registered_study_is_listed_and_a_name_is_taken_once(tiny_sweep, capsys):
+    assert studies.main(["--list"]) == 0
+    assert "tiny-k" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="exists already"):
+        register(tiny_sweep)
+    with pytest.raises(ReproError, match="unknown study 'nope'; valid: mini, ablation, efficiency, .*tiny-k"):
+        studies.main(["nope"])
+
+
+@pytest.mark.slow
+def test_a_registered_study_runs_through_the_engine(tiny_sweep, tmp_path, mini_pile, capsys):
+    argv = ["tiny-k", "--out", str(tmp_path), "--set", f"data.source=mini-pile:{mini_pile}"]
+    assert studies.main(argv) == 0
+    runs = tmp_path / "tiny-k"
+    for k in (1, 2):
+        record = json.loads((runs / f"switch-k{k}" / "record.json").read_text())
+        config = json.loads((runs / f"switch-k{k}" / "config.json").read_text())["experiment"]
+        assert record["run_id"] == f"switch-k{k}" and config["model"]["top_k"] == k
+        assert (runs / f"switch-k{k}" / ".tiny-k-run").is_file()
+        assert json.loads((runs / f"switch-k{k}" / "timing.json").read_text())["cpu_seconds"] > 0
+    assert json.loads((runs / "sessions.json").read_text())[-1]["trained"] == ["switch-k1", "switch-k2"]
+    capsys.readouterr()
+    assert studies.main([*argv, "--values", "2"]) == 0  # a part of the grid, finished: reused
+    assert "reusing finished runs: switch-k2" in capsys.readouterr().out
+
+
+def _study(tmp_path, **kwargs) -> Study:
+    runs = (Run("a", "switch-tiny", ("schedule.steps=3",)), Run("b", "dense-tiny", ("schedule.steps=3",)))
+    return Study("demo", runs, str(tmp_path / "runs"), **kwargs)
+
+
+def test_run_states_and_the_claim(tmp_path):
+    study = _study(tmp_path)
+    run_a, run_b = study.runs
+    assert run_state(study, run_a) == "new"
+    (tmp_path / "runs" / "b").mkdir(parents=True)
+    (tmp_path / "runs" / "b" / "notes.txt").write_text("keep me")
+    assert run_state(study, run_b) == "foreign"
+    with pytest.raises(ReproError, match="runs/b: exists and was not created by python -m repro study demo"):
+        engine.claim(study)
+    assert not (tmp_path / "runs" / "a").exists()  # nothing claimed while one is foreign
+    (tmp_path / "runs" / "b" / "notes.txt").unlink()
+    (tmp_path / "runs" / "b").rmdir()
+    assert engine.claim(study) == {"a": "new", "b": "new"}
+    assert (tmp_path / "runs" / "a" / ".demo-run").is_file()
+    # this study's run with the same config but unfinished: resumed where the study resumes, else replaced
+    (tmp_path / "runs" / "a" / "config.json").write_text(json.dumps({"experiment": run_a.config().to_dict()}))
+    assert run_state(study, run_a) == "new" and run_state(_study(tmp_path, resume=True), run_a) == "resume"
+    (tmp_path / "runs" / "a" / "record.json").write_text("{}")
+    assert run_state(study, run_a) == "done"
+    assert run_state(_study(tmp_path, current=lambda s, r: False), run_a) == "new"
+
+
+def test_a_launched_run_is_one_train_command(tmp_path):
+    one = _study(tmp_path, launch=Launch(1, 1), train_args=("--stop-after", "2"))
+    cmd = train_command(one, one.runs[0])
+    assert cmd[:5] == [sys.executable, "-m", "repro", "train", "--experiment"] and "--resume" not in cmd
+    assert cmd[cmd.index("--set") + 1] == "schedule.steps=3" and cmd[-2:] == ["--stop-after", "2"]
+    nodes = _study(tmp_path, launch=Launch(2, 8, "head:29500"), resume=True)
+    cmd = train_command(nodes, nodes.runs[1], resume=True)
+    assert cmd[1:3] == ["-m", "torch.distributed.run"] and "--nnodes=2" in cmd and cmd[-1] == "--resume"
+    assert any(a.startswith("--rdzv_id=") and a.endswith("runs-b") for a in cmd)  # the same on every node
+    assert nodes.shared and engine.claim(nodes) == {"a": "new", "b": "new"}  # the trainer's checks hold there
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_runs_cost_is_its_timing_or_an_earlier_ablations_invocations(tmp_path):
+    from repro.study import run_cost
+
+    assert run_cost(tmp_path) is None
+    (tmp_path / "ablation_cost.json").write_text(json.dumps([{"cpu_seconds": 10.04, "wall_seconds": 20},
+                                                             {"cpu_seconds": 1, "wall_seconds": 2}]))
+    assert run_cost(tmp_path) == {"cpu_seconds": 11.0, "wall_seconds": 22.0}  # summed, as the ablation did
+    (tmp_path / "timing.json").write_text(json.dumps({"cpu_seconds": 3, "wall_seconds": 4}))
+    assert run_cost(tmp_path) == {"cpu_seconds": 3.0, "wall_seconds": 4.0}
