@@ -449,11 +449,9 @@ def confirm(directory: Path) -> Writeup:
                 f"Hypothesis \"{h['claim']}\" ({h['key']}, {h['cell']} minus {h['versus']}): {num(p.mean, '.3f')} "
                 f"[{num(p.low, '.3f')}, {num(p.high, '.3f')}], {verdict(p)}."
             )
-    # One family per comparison: the directory's other tables test these cells again in exploratory families
-    # (other p-values for the same differences), so the page shows the pre-registered family's table alone.
     findings.append(
-        f"This study's inference is the table `{CONFIRM_TABLE}` alone: the directory's other tables, which the "
-        "ablation command writes for every study, test the same cells again in other families and are not shown."
+        f"This study's inference is the table `{CONFIRM_TABLE}` alone: one family per comparison, so a confirmatory "
+        "study writes none of the screen's tables, which would test the same cells again in other families."
     )
     findings += _cost(s)
     command = (
