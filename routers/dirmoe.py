@@ -401,15 +401,18 @@ class DirMoERouter(Router):
                 top_TK = weights_TE.topk(c.top_k, dim=-1).indices
                 selected_TE = torch.zeros_like(weights_TE, dtype=torch.bool).scatter_(-1, top_TK, True)
             else:
-                selected_TE = gates_TE >= c.z_threshold
                 # Every token reaches at least its highest-weighted expert (the fallback).
-                selected_TE.scatter_(-1, weights_TE.argmax(-1, keepdim=True), True)
+                best = weights_TE.max(-1, keepdim=True)
                 cap = c.dispatch_cap()
-                if cap < self.num_experts:
-                    # r > 0 everywhere (eps_w leak), so -1 ranks unselected experts below every selected one.
-                    ranked_TE = weights_TE.masked_fill(~selected_TE, -1.0)
-                    top_TC = ranked_TE.topk(cap, dim=-1).indices
-                    selected_TE &= torch.zeros_like(selected_TE).scatter_(-1, top_TC, True)
+                if cap >= self.num_experts:
+                    selected_TE = (gates_TE >= c.z_threshold).scatter_(-1, best.indices, True)
+                else:
+                    # r on the selected experts (the fallback's included), -1 elsewhere: r > 0 (eps_w leak), so -1
+                    # ranks the unselected below every selected one, and the cap keeps the top ones that are selected.
+                    ranked_TE = weights_TE.masked_fill(gates_TE < c.z_threshold, -1.0)
+                    top = ranked_TE.scatter_(-1, best.indices, best.values).topk(cap, dim=-1)
+                    selected_TE = torch.zeros_like(gates_TE, dtype=torch.bool)
+                    selected_TE.scatter_(-1, top.indices, top.values >= 0)
             if c.dense_steps > 0:
                 # A device-side select rather than a branch on the step: no host sync per forward.
                 selected_TE = selected_TE | self.dense_phase()

@@ -422,9 +422,12 @@ def test_dispatch_rule_constraint_and_dropped_mass(options, training):
         # Dispatched experts are above the threshold (or the forced top expert) ...
         forced_TE = torch.zeros_like(above_TE).scatter(-1, top_T[:, None], True)
         assert not (out.routing_map & ~(above_TE | forced_TE)).any()
-        # ... and every above-threshold expert is dispatched unless the cap is full.
+        # ... and every above-threshold expert is dispatched unless the cap is full, which keeps the highest r.
         full_T = out.routing_map.sum(-1) == cap
         assert (out.routing_map | ~above_TE | full_T[:, None]).all()
+        ranked_TE = torch.where(above_TE | forced_TE, r_TE, -1.0)
+        top_TE = torch.zeros_like(above_TE).scatter(-1, ranked_TE.topk(cap).indices, True)
+        assert torch.equal(out.routing_map, top_TE & (above_TE | forced_TE))
     if c.z_threshold == 0.125 and training:
         assert int(out.routing_map.sum(-1).max()) == c.dispatch_cap(), "the cap should bite at tau=2 with 0.125"
 
