@@ -16,9 +16,9 @@ __all__ = [
     "alpha_ratio",
     "dirichlet_expected_simpson",
     "dirichlet_kl",
-    "dirichlet_kl_mean",
     "expected_simpson",
     "is_finite_number",
+    "kl_terms",
     "lambda_for_mass_variance",
     "lambda_for_simpson",
     "reconstruction_loss",
@@ -199,67 +199,32 @@ def dirichlet_kl(alpha_q: torch.Tensor, alpha_p: torch.Tensor, validate_args: bo
             if not bool(torch.isfinite(alpha).all()) or not bool((alpha > 0).all()):
                 raise ValueError(f"{name} must be positive and finite")
     alpha_q, alpha_p = torch.broadcast_tensors(alpha_q, alpha_p)
-    return _kl_terms(alpha_q, alpha_p, alpha_q.sum(-1), alpha_p.sum(-1))
+    return kl_terms(alpha_q, alpha_p, alpha_q.sum(-1, keepdim=True))[0].sum(-1)
 
 
-def _kl_terms(alpha_q, alpha_p, q0, p0):
-    # The KL of :func:`dirichlet_kl` per row, given the totals q0 = sum alpha_q, p0 = sum alpha_p.
-    return (
-        torch.lgamma(q0)
-        - torch.lgamma(alpha_q).sum(-1)
-        - torch.lgamma(p0)
-        + torch.lgamma(alpha_p).sum(-1)
-        + ((alpha_q - alpha_p) * (torch.digamma(alpha_q) - torch.digamma(q0).unsqueeze(-1))).sum(-1)
-    )
+def kl_terms(
+    alpha_q: torch.Tensor, alpha_p: torch.Tensor, q0: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`dirichlet_kl`'s terms, unchecked: ``KL = F.sum(-1)``, with what its closed-form gradient reuses.
 
-
-class _DirichletKLMean(torch.autograd.Function):
-    """``mean KL(Dir(alpha_q) || Dir(alpha_p))`` with its closed-form gradient: autograd through the lgamma /
-    digamma expression records some forty ops for the backward; the closed form needs about ten.
-
-    ``d KL / d q_i = (q_i - p_i) psi'(q_i) - (q0 - p0) psi'(q0)`` and
-    ``d KL / d p_i = psi(p_i) - psi(p0) - psi(q_i) + psi(q0)`` (``q0``, ``p0`` the totals).
-    """
-
-    @staticmethod
-    def forward(ctx, alpha_q, alpha_p):
-        q0 = alpha_q.sum(-1)
-        p0 = alpha_p.sum(-1)
-        ctx.save_for_backward(alpha_q, alpha_p, q0, p0)
-        return _kl_terms(alpha_q, alpha_p, q0, p0).mean()
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        alpha_q, alpha_p, q0, p0 = ctx.saved_tensors
-        scale = grad / q0.numel()  # the mean's gradient
-        grad_q = grad_p = None
-        if ctx.needs_input_grad[0]:
-            total_T1 = (torch.polygamma(1, q0) * (q0 - p0)).unsqueeze(-1)
-            grad_q = ((alpha_q - alpha_p) * torch.polygamma(1, alpha_q) - total_T1) * scale
-        if ctx.needs_input_grad[1]:
-            shift_T1 = (torch.digamma(q0) - torch.digamma(p0)).unsqueeze(-1)
-            grad_p = (torch.digamma(alpha_p) - torch.digamma(alpha_q) + shift_T1) * scale
-        return grad_q, grad_p
-
-
-def dirichlet_kl_mean(alpha_q: torch.Tensor, alpha_p: torch.Tensor) -> torch.Tensor:
-    """``dirichlet_kl(alpha_q, alpha_p, validate_args=False).mean()`` with a closed-form backward (the router's
-    hot path: far fewer ops, hence kernel launches, than autograd through the expression).
+    ``F = lgG(X) - lgG(Y) + (Y - X) digamma(C)`` elementwise over ``E + 1`` columns, the totals
+    (``q0 = sum q``, ``p0 = sum p``) appended: ``X = [p, q0]``, ``Y = [q, p0]``, ``C = [q, q0]``. Its sum is
+    :func:`dirichlet_kl`'s expression (``sum_i (q_i - p_i) digamma(q_i) - (q0 - p0) digamma(q0)`` for the last
+    term): one lgamma per argument, one digamma, and no sign to apply per column.
 
     Args:
-        alpha_q: ``[..., E]`` posterior concentrations, > 0 (not checked).
-        alpha_p: ``[..., E]`` prior concentrations of the same shape, > 0 (not checked).
+        alpha_q: ``[..., E]`` posterior concentrations (q), > 0.
+        alpha_p: ``[..., E]`` prior concentrations (p) of the same shape, > 0.
+        q0: ``[..., 1]`` the posterior's totals, ``alpha_q.sum(-1, keepdim=True)``.
 
     Returns:
-        The mean KL, a scalar differentiable in both arguments (once: no double backward).
-
-    Raises:
-        ValueError: shapes that differ.
+        ``(F, C, Y - X)``, each ``[..., E + 1]``.
     """
-    if alpha_q.shape != alpha_p.shape or alpha_q.dim() == 0:
-        raise ValueError(f"alpha_q {tuple(alpha_q.shape)} and alpha_p {tuple(alpha_p.shape)} must be one [..., E] shape")
-    return _DirichletKLMean.apply(alpha_q, alpha_p)
+    X = torch.cat([alpha_p, q0], -1)
+    Y = torch.cat([alpha_q, alpha_p.sum(-1, keepdim=True)], -1)
+    C = torch.cat([alpha_q, q0], -1)
+    delta = Y - X
+    return torch.addcmul(torch.lgamma(X) - torch.lgamma(Y), delta, torch.digamma(C)), C, delta
 
 
 def dirichlet_expected_simpson(alpha: torch.Tensor) -> torch.Tensor:

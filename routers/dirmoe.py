@@ -104,29 +104,38 @@ class _SimplexDecoder(nn.Module):
 
 @dataclass
 class DirMoESample:
-    """One draw of DirMoE's latent variables for a micro-batch (all float32, attached to the graph).
+    """One draw of DirMoE's latent variables for a micro-batch, and its sparsity and KL terms (all float32).
 
     Attributes:
         logits_TE: gate logits l(x) (centred x-dependent part plus bias).
         gates_TE: relaxed gates z~ (``sigmoid(l / tau)`` in eval mode).
         base_q_TE: the posterior's bases, ``alpha_q = lambda_q * base_q`` (``z~ alpha_hi(x) + (1 - z~)
             alpha_lo(x)``, rescaled to the prior's base total under ``posterior_scale="normalized"``).
-        lambda_q: the posterior scale in use (``config.lambda_q``, or lambda_p^(t) when tied), a scalar.
         alpha_q_TE: posterior concentrations.
         alpha_p_TE: prior concentrations (built on stop-gradient gates).
         theta_TE: the Dirichlet draw (the posterior mean in eval mode).
         weights_TE: routing weights r = normalize(z~ * theta + eps_w), over all E experts.
-        schedule: the schedule values used (``tau``, ``lambda_p``, ``alpha_lo``, ``alpha_hi``).
+        active_T1: ``sum_i z~_i`` per token.
+        sparsity: the sparsity term ``mean (sum_i z~_i - k)^2`` times ``sparsity_weight`` (1 when that is 0).
+        kl: the KL term ``mean KL(Dir(alpha_q) || Dir(alpha_p))`` times ``kl_weight`` (1 when that is 0).
+        lambda_q: the posterior scale in use (``config.lambda_q``, or lambda_p^(t) when tied), a scalar.
+        schedule: the schedule values used (``tau``, ``lambda_p``, ``lambda_q``, ``alpha_lo``, ``alpha_hi``).
+
+    All are attached to the graph, except in eager training (the closed-form backward of
+    :func:`routers.dirmoe_blocks.routing_sample`), where only ``weights_TE`` and the two terms are.
     """
 
     logits_TE: torch.Tensor
     gates_TE: torch.Tensor
     base_q_TE: torch.Tensor
-    lambda_q: torch.Tensor
     alpha_q_TE: torch.Tensor
     alpha_p_TE: torch.Tensor
     theta_TE: torch.Tensor
     weights_TE: torch.Tensor
+    active_T1: torch.Tensor
+    sparsity: torch.Tensor
+    kl: torch.Tensor
+    lambda_q: torch.Tensor
     schedule: dict[str, torch.Tensor]
 
 
@@ -223,8 +232,9 @@ class DirMoERouter(Router):
         bit-identical values.
 
         Returns:
-            ``tau`` (gate temperature), ``lambda_p`` (prior scale), ``alpha_lo`` and ``alpha_hi`` (prior
-            bases, ``alpha_hi = r alpha_lo``).
+            ``tau`` (gate temperature), ``lambda_p`` (prior scale), ``lambda_q`` (the posterior scale in use:
+            ``lambda_p`` when tied, else the constant), ``alpha_lo`` and ``alpha_hi`` (prior bases,
+            ``alpha_hi = r alpha_lo``).
         """
         c = self.config
         t = self.step.to(torch.float64)
@@ -234,9 +244,11 @@ class DirMoERouter(Router):
         )
         alpha_lo = (self._prior.alpha_lo_init * torch.pow(self._alpha_decay, t)).clamp_min(self._prior.alpha_floor)
         alpha_hi = self._prior.ratio * alpha_lo
+        lambda_p = lambda_p.float()
         return {
             "tau": tau.float(),
-            "lambda_p": lambda_p.float(),
+            "lambda_p": lambda_p,
+            "lambda_q": lambda_p if c.posterior_scale == "tied" else torch.full_like(lambda_p, c.lambda_q),
             "alpha_lo": alpha_lo.float(),
             "alpha_hi": alpha_hi.float(),
         }
@@ -314,38 +326,24 @@ class DirMoERouter(Router):
         c, E = self.config, self.num_experts
         sched = self._step_schedule()
         x_TD = hidden_TD.float()
-        heads_T3E = F.linear(x_TD, self.weight.float())
         if not self.training:
             u_TE = None
         elif u_TE is None:
-            u_TE = torch.rand(heads_T3E.shape[0], E, dtype=heads_T3E.dtype, device=heads_T3E.device)
-        lambda_q = sched["lambda_p"] if c.posterior_scale == "tied" else torch.full_like(sched["tau"], c.lambda_q)
+            u_TE = torch.rand(x_TD.shape[0], E, dtype=x_TD.dtype, device=x_TD.device)
         lambda_p = sched["lambda_p"]
         if c.posterior_scale == "prior_matched":
             # The prior at the calibrated scale, keeping lambda_p's schedule as a relative decay (gap 10).
             lambda_p = lambda_p * (c.lambda_q / c.lambda_p_start)
-        logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE = blocks.gates_and_concentrations(
-            heads_T3E, self.bias.float(), u_TE, sched["tau"], sched["alpha_hi"], sched["alpha_lo"], lambda_q, lambda_p,
-            num_experts=E, center_logits=c.center_logits, alpha_min=c.posterior_alpha_min,
-            normalized=c.posterior_scale == "normalized",
-        )
-
-        if self.training:
-            theta_TE = torch.distributions.Dirichlet(alpha_q_TE, validate_args=False).rsample()
-        else:
-            theta_TE = alpha_q_TE / alpha_q_TE.sum(-1, keepdim=True)
-
-        unnormalised_TE = gates_TE * theta_TE + c.weight_leak
-        weights_TE = unnormalised_TE / unnormalised_TE.sum(-1, keepdim=True)
         return DirMoESample(
-            logits_TE=logits_TE,
-            gates_TE=gates_TE,
-            base_q_TE=base_q_TE,
-            lambda_q=lambda_q,
-            alpha_q_TE=alpha_q_TE,
-            alpha_p_TE=alpha_p_TE,
-            theta_TE=theta_TE,
-            weights_TE=weights_TE,
+            *blocks.routing_sample(
+                x_TD, self.weight.float(), self.bias.float(), u_TE, sched["tau"], sched["alpha_hi"], sched["alpha_lo"],
+                sched["lambda_q"], lambda_p, num_experts=E, top_k=self.top_k, center_logits=c.center_logits,
+                alpha_min=c.posterior_alpha_min, normalized=c.posterior_scale == "normalized",
+                weight_leak=c.weight_leak,
+                # Weighted as aux losses; a term left out of the loss (weight 0) is still reported, unweighted.
+                sparsity_weight=c.sparsity_weight or 1.0, kl_weight=c.kl_weight or 1.0,
+            ),
+            lambda_q=sched["lambda_q"],
             schedule=sched,
         )
 
@@ -401,15 +399,18 @@ class DirMoERouter(Router):
                 top_TK = weights_TE.topk(c.top_k, dim=-1).indices
                 selected_TE = torch.zeros_like(weights_TE, dtype=torch.bool).scatter_(-1, top_TK, True)
             else:
-                selected_TE = gates_TE >= c.z_threshold
                 # Every token reaches at least its highest-weighted expert (the fallback).
-                selected_TE.scatter_(-1, weights_TE.argmax(-1, keepdim=True), True)
+                best = weights_TE.max(-1, keepdim=True)
                 cap = c.dispatch_cap()
-                if cap < self.num_experts:
-                    # r > 0 everywhere (eps_w leak), so -1 ranks unselected experts below every selected one.
-                    ranked_TE = weights_TE.masked_fill(~selected_TE, -1.0)
-                    top_TC = ranked_TE.topk(cap, dim=-1).indices
-                    selected_TE &= torch.zeros_like(selected_TE).scatter_(-1, top_TC, True)
+                if cap >= self.num_experts:
+                    selected_TE = (gates_TE >= c.z_threshold).scatter_(-1, best.indices, True)
+                else:
+                    # r on the selected experts (the fallback's included), -1 elsewhere: r > 0 (eps_w leak), so -1
+                    # ranks the unselected below every selected one, and the cap keeps the top ones that are selected.
+                    ranked_TE = weights_TE.masked_fill(gates_TE < c.z_threshold, -1.0)
+                    top = ranked_TE.scatter_(-1, best.indices, best.values).topk(cap, dim=-1)
+                    selected_TE = torch.zeros_like(gates_TE, dtype=torch.bool)
+                    selected_TE.scatter_(-1, top.indices, top.values >= 0)
             if c.dense_steps > 0:
                 # A device-side select rather than a branch on the step: no host sync per forward.
                 selected_TE = selected_TE | self.dense_phase()
@@ -479,23 +480,23 @@ class DirMoERouter(Router):
         routing_map_TE = self.dispatch(s.weights_TE, s.gates_TE)
         x_TD = hidden_TD.float()
         offset_D = self._recon_offset(x_TD.detach().mean(0)) if c.recon_target == "data_mean" else None
-        probs_TE, kept_T, recon, kl, active_T, sparsity = blocks.combine_and_losses(
-            s.weights_TE, routing_map_TE, s.gates_TE, s.alpha_q_TE, s.alpha_p_TE,
-            x_TD.detach() if c.detach_recon_target else x_TD, offset_D, self.decoder.params(),
-            top_k=k, renormalize=c.renormalize, recon_grad=c.recon_weight > 0, sigma2=c.recon_sigma2,
+        probs_TE, recon = blocks.combine_and_recon(
+            s.weights_TE, routing_map_TE, x_TD.detach() if c.detach_recon_target else x_TD, offset_D,
+            self.decoder.params(), renormalize=c.renormalize, recon_grad=c.recon_weight > 0, sigma2=c.recon_sigma2,
             reduction=c.recon_reduction, centered=c.recon_target == "centered",
         )
 
-        # A term whose weight is 0 is left out: no backward through it (gap 11).
-        # Eager, a weight of 1 multiplies nothing (one op forward and one backward fewer; x * 1.0 is exact). The
-        # compiled region keeps the product: an output that is another output's alias costs launches outside it.
-        eager = not torch.compiler.is_compiling()
+        # A term whose weight is 0 is left out: no backward through it (gap 11). The KL and sparsity terms come
+        # weighted (sample). Eager, a weight of 1 multiplies nothing (one op forward and one backward fewer;
+        # x * 1.0 is exact). The compiled region keeps the product: an output that is another output's alias costs
+        # launches outside it.
+        recon_term = recon if c.recon_weight == 1.0 and not torch.compiler.is_compiling() else c.recon_weight * recon
         aux_losses = {
-            name: value if eager and weight == 1.0 else weight * value
+            name: value
             for name, weight, value in (
-                ("dirmoe_recon", c.recon_weight, recon),
-                ("dirmoe_kl", c.kl_weight, kl),
-                ("dirmoe_sparsity", c.sparsity_weight, sparsity),
+                ("dirmoe_recon", c.recon_weight, recon_term),
+                ("dirmoe_kl", c.kl_weight, s.kl),
+                ("dirmoe_sparsity", c.sparsity_weight, s.sparsity),
             )
             if weight > 0
         }
@@ -511,13 +512,15 @@ class DirMoERouter(Router):
             )
         parts = {
             "gates_TE": s.gates_TE, "weights_TE": s.weights_TE, "theta_TE": s.theta_TE, "alpha_q_TE": s.alpha_q_TE,
-            "alpha_p_TE": s.alpha_p_TE, "lambda_q": s.lambda_q, "kept_T": kept_T, "active_T": active_T,
-            "recon": recon, "kl": kl, "sparsity": sparsity, **s.schedule,
+            "alpha_p_TE": s.alpha_p_TE, "active_T1": s.active_T1, "recon": recon, "kl": s.kl, "sparsity": s.sparsity,
+            **s.schedule,
         }
         if torch.compiler.is_compiling():
             # A compiled region's output that requires grad gets a zero gradient filled in its backward (one
-            # launch each); the metrics read these detached anyway.
-            parts = {name: value.detach() for name, value in parts.items()}
+            # launch each); the metrics read these detached anyway. The two terms are copies: an output that
+            # aliases another (the aux losses return them too) costs launches outside the region.
+            parts = {name: value.detach().clone() if name in ("kl", "sparsity") else value.detach()
+                     for name, value in parts.items()}
         return probs_TE, routing_map_TE, aux_losses, parts
 
     def _metrics(
@@ -552,11 +555,11 @@ class DirMoERouter(Router):
                 weight_share=p["weights_TE"].detach().mean(0),
                 fallback_share=fallback_T.float().mean(),
                 dense_phase=self.dense_phase().float(),
-                expected_active=p["active_T"].mean().detach(),
-                dropped_mass=(1.0 - p["kept_T"]).mean().detach(),
-                kl=p["kl"].detach(),
+                expected_active=p["active_T1"].mean().detach(),
+                dropped_mass=(1.0 - (p["weights_TE"].detach() * routing_map_TE).sum(-1)).mean(),
+                kl=p["kl"].detach() / (c.kl_weight or 1.0),
                 recon=p["recon"].detach(),
-                sparsity=p["sparsity"].detach(),
+                sparsity=p["sparsity"].detach() / (c.sparsity_weight or 1.0),
                 balance_loss=switch_load_balancing_loss_func(
                     p["weights_TE"].detach(), tokens_per_expert_E, T, k, E, 1.0
                 ),

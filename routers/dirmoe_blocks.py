@@ -1,9 +1,10 @@
 """DirMoE's elementwise maths as pure functions of tensors, called by :meth:`routers.dirmoe.DirMoERouter.route_core`
 (eager, or inside its one compiled region: option ``compile_elementwise``), and the checks of what inductor needs.
 
-- :func:`gates_and_concentrations`: gate logits, relaxed gates z~, posterior bases and the posterior / prior
-  concentrations;
-- :func:`combine_and_losses`: combine weights on the routing map and the three (unweighted) loss terms;
+- :func:`routing_sample`: gate logits, relaxed gates z~, posterior bases, the posterior / prior concentrations,
+  the Dirichlet draw and the routing weights, with the sparsity and KL terms (:class:`_RoutingSample` in eager
+  training: a closed-form backward);
+- :func:`combine_and_recon`: combine weights on the routing map and the reconstruction term;
 - :func:`simplex_decode`: the decoder g_psi in float32;
 - :func:`inductor_available`: whether inductor can generate code on a device, and what it lacks;
   :func:`warn_eager_fallback`: the one warning of ``compile_elementwise="auto"`` falling back to eager.
@@ -18,7 +19,7 @@ import warnings
 import torch
 import torch.nn.functional as F
 
-from routers.dirichlet import dirichlet_kl, dirichlet_kl_mean, reconstruction_loss
+from routers.dirichlet import kl_terms, reconstruction_loss
 
 
 def simplex_decode(weights_TE: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -99,8 +100,9 @@ def warn_eager_fallback(device: torch.device, missing: str) -> None:
         )
 
 
-def gates_and_concentrations(
-    heads_T3E: torch.Tensor,
+def routing_sample(
+    x_TD: torch.Tensor,
+    weight_3ED: torch.Tensor,
     bias_3E: torch.Tensor,
     u_TE: torch.Tensor | None,
     tau: torch.Tensor,
@@ -110,43 +112,62 @@ def gates_and_concentrations(
     lambda_p: torch.Tensor,
     *,
     num_experts: int,
+    top_k: int,
     center_logits: bool,
     alpha_min: float,
     normalized: bool,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gate logits, relaxed gates and the posterior's and prior's concentrations from the heads' outputs.
+    weight_leak: float,
+    sparsity_weight: float,
+    kl_weight: float,
+) -> tuple[torch.Tensor, ...]:
+    """Gates, concentrations, the Dirichlet draw and the routing weights from x, with the sparsity and KL terms.
+
+    Eager with noise and ``normalized`` off (training's default), :class:`_RoutingSample`: the same ops forward, a
+    closed-form backward. Otherwise the expression below, through autograd.
 
     Args:
-        heads_T3E: ``x W^T`` of the three heads (gate, alpha_hi, alpha_lo), float32.
+        x_TD: the router's input, float32.
+        weight_3ED: the three heads' weight (gate, alpha_hi, alpha_lo), float32.
         bias_3E: the heads' bias.
-        u_TE: uniforms for the Logistic(0, 1) noise (training), or None (evaluation: noise-free gates).
+        u_TE: uniforms for the Logistic(0, 1) noise and a Dirichlet draw (training), or None (evaluation:
+            noise-free gates and the posterior mean).
         tau: the gate temperature.
         prior_alpha_hi: alpha_hi^(t) of the prior.
         prior_alpha_lo: alpha_lo^(t) of the prior.
         lambda_q: the posterior scale in use.
         lambda_p: the prior scale in use.
         num_experts: E.
+        top_k: k, the sparsity term's target.
         center_logits: centre the x-dependent logits per token (gap 1).
         alpha_min: ``posterior_alpha_min`` (gap 7).
         normalized: ``posterior_scale="normalized"`` (gap 10).
+        weight_leak: eps_w.
+        sparsity_weight: multiplies the sparsity term (in its last op: no product of its own, forward or backward).
+        kl_weight: multiplies the KL term (likewise).
 
     Returns:
-        ``(logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE)``.
+        ``(logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE, weights_TE, active_T1, sparsity,
+        kl)``, the fields of :class:`routers.dirmoe.DirMoESample` in order: ``active_T1`` is ``sum_i z~_i`` per
+        token, ``sparsity`` ``sparsity_weight mean (active - k)^2`` and ``kl`` ``kl_weight mean KL(Dir(alpha_q) ||
+        Dir(alpha_p))``. Through :class:`_RoutingSample` only ``weights_TE`` and the two terms carry gradients.
     """
+    if u_TE is not None and not normalized and not torch.compiler.is_compiling():
+        return _RoutingSample.apply(x_TD, weight_3ED, bias_3E, u_TE, tau, prior_alpha_hi, prior_alpha_lo, lambda_q,
+                                    lambda_p, num_experts, top_k, center_logits, alpha_min, weight_leak,
+                                    sparsity_weight, kl_weight)
     E = num_experts
+    heads_T3E = F.linear(x_TD, weight_3ED)
     # One add of the three heads' bias, then the split: three slices and adds cost three times the launches,
     # forward and backward.
-    logits_TE, hi_TE, lo_TE = (heads_T3E + bias_3E).split(E, dim=-1)
+    logits_TE, bases_T2E = (heads_T3E + bias_3E).split([E, 2 * E], dim=-1)
     if center_logits:
         # Centre only the x-dependent part: centering the bias too would cancel its init (gap 1).
         logits_TE = logits_TE - heads_T3E[:, :E].mean(-1, keepdim=True)
-    alpha_hi_TE = F.softplus(hi_TE) + alpha_min
-    alpha_lo_TE = F.softplus(lo_TE) + alpha_min
+    alpha_hi_TE, alpha_lo_TE = (F.softplus(bases_T2E) + alpha_min).split(E, dim=-1)
     if u_TE is not None:
         # Logistic(0, 1) noise by inversion; the clamp keeps log finite (|g| <= ~13.8).
         # logit(u) = log(u) - log(1 - u), clamped to [1e-6, 1 - 1e-6] first, in one op.
-        noise_TE = torch.logit(u_TE, eps=1e-6)
-        gates_TE = torch.sigmoid((logits_TE + noise_TE) / tau)
+        gates_TE = torch.sigmoid((logits_TE + torch.logit(u_TE, eps=1e-6)) / tau)
     else:
         gates_TE = torch.sigmoid(logits_TE / tau)
     # z alpha_hi + (1 - z) alpha_lo as one lerp (one op forward where the sum of products takes four).
@@ -156,40 +177,125 @@ def gates_and_concentrations(
         base_p_T = (gates_TE * prior_alpha_hi + (1.0 - gates_TE) * prior_alpha_lo).sum(-1)
         base_q_TE = base_q_TE * (base_p_T / base_q_TE.sum(-1)).unsqueeze(-1)
     alpha_q_TE = lambda_q * base_q_TE
-    gates_sg_TE = gates_TE.detach()
-    alpha_p_TE = lambda_p * torch.lerp(prior_alpha_lo, prior_alpha_hi, gates_sg_TE)
-    return logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE
+    with torch.no_grad():  # the prior sees sg(z~)
+        alpha_p_TE = lambda_p * torch.lerp(prior_alpha_lo, prior_alpha_hi, gates_TE)
+    if u_TE is not None:
+        theta_TE = torch.distributions.Dirichlet(alpha_q_TE, validate_args=False).rsample()
+    else:
+        theta_TE = alpha_q_TE / alpha_q_TE.sum(-1, keepdim=True)
+    unnormalised_TE = gates_TE * theta_TE + weight_leak
+    active_T1 = gates_TE.sum(-1, keepdim=True)
+    T = x_TD.shape[0]
+    return (logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE,
+            unnormalised_TE / unnormalised_TE.sum(-1, keepdim=True), active_T1,
+            (active_T1 - top_k).pow(2).sum() * (sparsity_weight / T),
+            kl_terms(alpha_q_TE, alpha_p_TE, alpha_q_TE.sum(-1, keepdim=True))[0].sum() * (kl_weight / T))
 
 
-def combine_and_losses(
+class _RoutingSample(torch.autograd.Function):
+    """:func:`routing_sample` in eager training (noise given, ``normalized`` off) with a closed-form backward: a
+    few ops per term where autograd records the expression's backward op by op.
+
+    Forward (``h = x W^T + b = [h_l, h_hi, h_lo]``): ``l = h_l - mean_i (x W_l^T)_i`` (centred, else ``h_l``),
+    ``[a_hi, a_lo] = softplus([h_hi, h_lo]) + alpha_min``, ``z = sigmoid((l + logit(u)) / tau)``,
+    ``alpha_q = lambda_q (z a_hi + (1 - z) a_lo)``, ``alpha_p = lambda_p (z p_hi + (1 - z) p_lo)`` (no gradient),
+    ``theta = torch._sample_dirichlet(alpha_q)`` (what ``Dirichlet.rsample`` runs: the same draws),
+    ``r = v / S`` with ``v = z theta + eps`` and ``S = sum_i v_i``, ``s = w_s mean_t (sum_i z_i - k)^2`` and
+    ``kl = w_kl mean_t KL_t`` (:func:`~routers.dirichlet.kl_terms`), ``w_s``, ``w_kl`` their weights. Backward,
+    from ``g_r``, ``g_s`` and ``g_kl``:
+
+    * ``g_v = (g_r - <g_r, v> / S) / S``; ``g_theta = g_v z``;
+    * ``g_alpha_q = dtheta/dalpha_q (g_theta - <g_theta, theta>)`` (the implicit reparameterisation gradient,
+      ``torch._dirichlet_grad``, as ``Dirichlet.rsample``'s backward) ``+ (w_kl g_kl / T) ((q - p) psi'(q) -
+      (q0 - p0) psi'(q0))`` (``q0``, ``p0`` the totals, ``psi'`` the trigamma function);
+    * ``g_base = lambda_q g_alpha_q``; ``g_z = g_v theta + g_base (a_hi - a_lo) + (2 w_s g_s / T) (sum_i z_i - k)``;
+    * ``g_l = g_z z (1 - z) / tau``; ``g_[h_hi, h_lo] = [g_base z, g_base (1 - z)] sigmoid([h_hi, h_lo])``;
+    * ``g_b = sum_t g_h``; ``g_heads = g_h`` with ``g_l - mean_i g_l`` when centred; ``g_x = g_heads W``,
+      ``g_W = g_heads^T x``.
+    """
+
+    @staticmethod
+    def forward(ctx, x_TD, weight_3ED, bias_3E, u_TE, tau, prior_hi, prior_lo, lambda_q, lambda_p, E, top_k,
+                center, alpha_min, weight_leak, sparsity_weight, kl_weight):
+        ctx.set_materialize_grads(False)
+        heads_T3E = x_TD.mm(weight_3ED.t())
+        logits_TE, bases_T2E = (heads_T3E + bias_3E).split([E, 2 * E], dim=-1)
+        if center:
+            logits_TE = logits_TE - heads_T3E[:, :E].mean(-1, keepdim=True)
+        alpha_hi_TE, alpha_lo_TE = (F.softplus(bases_T2E) + alpha_min).split(E, dim=-1)
+        gates_TE = torch.sigmoid((logits_TE + torch.logit(u_TE, eps=1e-6)) / tau)
+        base_q_TE = torch.lerp(alpha_lo_TE, alpha_hi_TE, gates_TE)
+        alpha_q_TE = lambda_q * base_q_TE
+        alpha_p_TE = lambda_p * torch.lerp(prior_lo, prior_hi, gates_TE)
+        theta_TE = torch._sample_dirichlet(alpha_q_TE)
+        unnormalised_TE = gates_TE * theta_TE + weight_leak
+        total_T1 = unnormalised_TE.sum(-1, keepdim=True)
+        active_T1 = gates_TE.sum(-1, keepdim=True)
+        excess_T1 = active_T1 - top_k
+        q0_T1 = alpha_q_TE.sum(-1, keepdim=True)
+        kl_TE1, C_TE1, delta_TE1 = kl_terms(alpha_q_TE, alpha_p_TE, q0_T1)
+        T = x_TD.shape[0]
+        ctx.save_for_backward(x_TD, weight_3ED, bases_T2E, alpha_hi_TE, alpha_lo_TE, gates_TE, alpha_q_TE, q0_T1,
+                              theta_TE, unnormalised_TE, total_T1, excess_T1, C_TE1, delta_TE1)
+        ctx.tau, ctx.lambda_q, ctx.center = tau, lambda_q, center
+        ctx.sparsity_scale, ctx.kl_scale = 2.0 * sparsity_weight / T, kl_weight / T
+        ctx.mark_non_differentiable(logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE, active_T1)
+        return (logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE, unnormalised_TE / total_T1,
+                active_T1, excess_T1.pow(2).sum() * (sparsity_weight / T), kl_TE1.sum() * (kl_weight / T))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        g_weights_TE, g_sparsity, g_kl = grads[6], grads[8], grads[9]
+        (x_TD, weight_3ED, bases_T2E, alpha_hi_TE, alpha_lo_TE, gates_TE, alpha_q_TE, q0_T1, theta_TE,
+         unnormalised_TE, total_T1, excess_T1, C_TE1, delta_TE1) = ctx.saved_tensors
+        E = gates_TE.shape[-1]
+        if g_weights_TE is None:  # a loss without the weights
+            g_weights_TE = torch.zeros_like(gates_TE)
+        dot_T1 = (g_weights_TE * unnormalised_TE).sum(-1, keepdim=True)
+        g_v_TE = torch.addcdiv(g_weights_TE, dot_T1, total_T1, value=-1) / total_T1
+        g_theta_TE = g_v_TE * gates_TE
+        g_alpha_TE = torch._dirichlet_grad(theta_TE, alpha_q_TE, q0_T1) * (
+            g_theta_TE - (theta_TE * g_theta_TE).sum(-1, keepdim=True))
+        if g_kl is not None:
+            g_q_TE, g_0_T1 = (delta_TE1 * torch.polygamma(1, C_TE1)).split([E, 1], -1)
+            g_alpha_TE = torch.addcmul(g_alpha_TE, g_q_TE + g_0_T1, g_kl, value=ctx.kl_scale)
+        g_base_TE = g_alpha_TE * ctx.lambda_q
+        g_z_TE = torch.addcmul(g_v_TE * theta_TE, g_base_TE, alpha_hi_TE - alpha_lo_TE)
+        if g_sparsity is not None:
+            g_z_TE = torch.addcmul(g_z_TE, excess_T1, g_sparsity, value=ctx.sparsity_scale)
+        g_logits_TE = torch.ops.aten.sigmoid_backward(g_z_TE, gates_TE) / ctx.tau
+        g_hi_TE = g_base_TE * gates_TE
+        g_bases_T2E = torch.ops.aten.softplus_backward(torch.cat([g_hi_TE, g_base_TE - g_hi_TE], -1), bases_T2E, 1, 20)
+        g_bias_3E = torch.cat([g_logits_TE, g_bases_T2E], -1).sum(0)
+        if ctx.center:
+            g_logits_TE = g_logits_TE - g_logits_TE.mean(-1, keepdim=True)
+        g_heads_T3E = torch.cat([g_logits_TE, g_bases_T2E], -1)
+        g_x_TD = g_heads_T3E.mm(weight_3ED) if ctx.needs_input_grad[0] else None
+        return g_x_TD, g_heads_T3E.t().mm(x_TD), g_bias_3E, *(None,) * 13
+
+
+def combine_and_recon(
     weights_TE: torch.Tensor,
     routing_map_TE: torch.Tensor,
-    gates_TE: torch.Tensor,
-    alpha_q_TE: torch.Tensor,
-    alpha_p_TE: torch.Tensor,
     target_TD: torch.Tensor,
     offset_D: torch.Tensor | None,
     decoder_params: tuple[torch.Tensor, ...],
     *,
-    top_k: int,
     renormalize: bool,
     recon_grad: bool,
     sigma2: float,
     reduction: str,
     centered: bool,
-) -> tuple[torch.Tensor, ...]:
-    """Combine weights on the routing map, and the three loss terms (unweighted).
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Combine weights on the routing map, and the reconstruction term (unweighted).
 
     Args:
         weights_TE: routing weights r.
         routing_map_TE: the dispatch map.
-        gates_TE: relaxed gates z~.
-        alpha_q_TE: posterior concentrations.
-        alpha_p_TE: prior concentrations.
         target_TD: the reconstruction target (x, detached under ``detach_recon_target``).
         offset_D: the ``"data_mean"`` offset added to the decoder's output, or None.
         decoder_params: g_psi's parameters (:meth:`routers.dirmoe._SimplexDecoder.params`).
-        top_k: k.
         renormalize: rescale the dispatched weights to sum to one.
         recon_grad: whether the reconstruction term takes part in the backward (``recon_weight > 0``).
         sigma2: ``recon_sigma2``.
@@ -197,14 +303,12 @@ def combine_and_losses(
         centered: ``recon_target="centered"``.
 
     Returns:
-        ``(probs_TE, kept_T, recon, kl, active_T, sparsity)``: the combine weights, the dispatched weight
-        mass per token, the reconstruction term, ``mean KL(Dir(alpha_q) || Dir(alpha_p))``, ``sum_i z~_i`` per
-        token and ``mean (sum_i z~_i - k)^2``.
+        ``(probs_TE, recon)``: the combine weights and the reconstruction term.
     """
-    probs_TE = torch.where(routing_map_TE, weights_TE, 0.0)
-    kept_T = probs_TE.sum(-1)
+    # r times the map: r where dispatched, exactly 0 elsewhere (r is finite), one op forward and one backward.
+    probs_TE = weights_TE * routing_map_TE
     if renormalize:
-        probs_TE = probs_TE / kept_T.unsqueeze(-1)
+        probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True)
     # Reconstruction -log N(x; g_psi(r), sigma^2 I) up to a constant, per token (gaps 3, 5, 9).
     with torch.set_grad_enabled(torch.is_grad_enabled() and recon_grad):
         recon_TD = simplex_decode(weights_TE, decoder_params)
@@ -213,12 +317,4 @@ def combine_and_losses(
         recon = reconstruction_loss(
             target_TD, recon_TD, sigma2=sigma2, reduction=reduction, target="centered" if centered else "raw"
         )
-    if torch.compiler.is_compiling():
-        # Inductor fuses the expression and its autograd backward into a few kernels itself.
-        kl = dirichlet_kl(alpha_q_TE, alpha_p_TE, validate_args=False).mean()
-    else:
-        # Eager: the closed-form backward, a few ops instead of autograd's forty.
-        kl = dirichlet_kl_mean(alpha_q_TE, alpha_p_TE)
-    active_T = gates_TE.sum(-1)
-    sparsity = (active_T - top_k).pow(2).mean()
-    return probs_TE, kept_T, recon, kl, active_T, sparsity
+    return probs_TE, recon

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 import routers
+import routers.dirmoe_blocks as blocks
 from routers.base import RoutingKind
-from routers.dirichlet import dirichlet_kl_mean
 from routers.dirmoe import (
     DirMoEConfig,
     alpha_ratio,
@@ -120,19 +120,79 @@ def test_dirichlet_kl_matches_torch_batched_and_differentiable():
     torch.testing.assert_close(dirichlet_kl(alpha_p, alpha_p), torch.zeros(4, 3), rtol=0, atol=1e-5)
 
 
-def test_dirichlet_kl_mean_closed_form_gradient_matches_autograd():
+def _routing_sample_inputs(center_logits: bool = True, prior_alpha_hi: float = 0.8) -> tuple[tuple, dict]:
+    """Float64 arguments of ``blocks.routing_sample`` (T=6, D=3, E=4, k=1): x, W, b first (the inputs that take
+    gradients), then the noise and the schedule's scalars (tau, prior alpha_hi / alpha_lo, lambda_q, lambda_p)."""
     g = torch.Generator().manual_seed(5)
-    alpha_q = (0.05 + 5 * torch.rand(7, 6, generator=g, dtype=torch.float64)).requires_grad_(True)
-    alpha_p = (0.05 + 5 * torch.rand(7, 6, generator=g, dtype=torch.float64)).requires_grad_(True)
-    assert torch.autograd.gradcheck(dirichlet_kl_mean, (alpha_q, alpha_p))
-    ref = dirichlet_kl(alpha_q, alpha_p).mean()
-    ours = dirichlet_kl_mean(alpha_q, alpha_p)
-    torch.testing.assert_close(ours, ref, rtol=0, atol=0)
-    ref_grads = torch.autograd.grad(ref, (alpha_q, alpha_p))
-    for ours_grad, ref_grad in zip(torch.autograd.grad(ours, (alpha_q, alpha_p)), ref_grads):
-        torch.testing.assert_close(ours_grad, ref_grad, rtol=1e-10, atol=1e-12)
-    with pytest.raises(ValueError, match="one"):
-        dirichlet_kl_mean(alpha_q, alpha_p[0])
+    E = 4
+    tensors = [torch.randn(*shape, generator=g, dtype=torch.float64).requires_grad_(True)
+               for shape in ((6, 3), (3 * E, 3), (3 * E,))]
+    u_TE = torch.rand(6, E, generator=g, dtype=torch.float64)
+    scalars = [torch.tensor(v, dtype=torch.float64) for v in (1.5, prior_alpha_hi, 0.2, 20.0, 0.5)]
+    options = dict(num_experts=E, top_k=1, center_logits=center_logits, alpha_min=1e-3, normalized=False,
+                   weight_leak=1e-3, sparsity_weight=0.3, kl_weight=0.7)
+    return (*tensors, u_TE, *scalars), options
+
+
+def _differentiable(args: tuple, options: dict):
+    """``routing_sample``'s outputs that carry gradients: the routing weights, the sparsity and the KL terms."""
+    out = blocks.routing_sample(*args, **options)
+    return out[6], out[8], out[9]
+
+
+@pytest.fixture
+def mean_for_the_draw(monkeypatch):
+    """The Dirichlet draw replaced by the posterior mean ``alpha / alpha_0``, and ``torch._dirichlet_grad`` by
+    ``1 / alpha_0``: the draw's backward ``grad (g - <g, theta>)`` is then the mean's exact vector-Jacobian product,
+    so finite differences check the whole closed-form backward (the draw's own gradient is torch's)."""
+    monkeypatch.setattr(torch, "_sample_dirichlet", lambda alpha: alpha / alpha.sum(-1, keepdim=True))
+    monkeypatch.setattr(torch, "_dirichlet_grad", lambda theta, alpha, total: (1.0 / total).expand_as(theta))
+
+
+@pytest.mark.parametrize("center_logits", [True, False])
+def test_routing_sample_closed_form_backward_passes_gradcheck(mean_for_the_draw, center_logits):
+    # The prior is built on sg(z~), which finite differences do not see: a flat prior (alpha_hi = alpha_lo) here.
+    args, options = _routing_sample_inputs(center_logits, prior_alpha_hi=0.2)
+    assert torch.autograd.gradcheck(lambda *xwb: _differentiable((*xwb, *args[3:]), options), args[:3])
+
+
+@pytest.mark.parametrize("sabotage", ["trigamma", "draw"])
+def test_gradcheck_catches_a_wrong_term_of_the_closed_form_backward(mean_for_the_draw, monkeypatch, sabotage):
+    """The check above can fail: 1% off in the KL's trigamma, or in the draw's gradient, and gradcheck says so."""
+    if sabotage == "trigamma":
+        polygamma = torch.polygamma
+        monkeypatch.setattr(torch, "polygamma", lambda n, t: 1.01 * polygamma(n, t))
+    else:
+        monkeypatch.setattr(torch, "_dirichlet_grad", lambda theta, alpha, total: (1.01 / total).expand_as(theta))
+    args, options = _routing_sample_inputs(prior_alpha_hi=0.2)
+    fn = lambda *xwb: _differentiable((*xwb, *args[3:]), options)  # noqa: E731
+    assert not torch.autograd.gradcheck(fn, args[:3], raise_exception=False)
+
+
+@pytest.mark.parametrize("center_logits", [True, False])
+def test_routing_sample_closed_form_matches_the_expression_through_autograd(monkeypatch, center_logits):
+    """With torch's Dirichlet draw (the same seed): every output bit-identical to the expression's, and the gradients
+    of x, W and b through any of the differentiable outputs alone or all together equal autograd's."""
+    args, options = _routing_sample_inputs(center_logits)
+    cotangents = [torch.randn(6, 4, dtype=torch.float64), torch.tensor(1.3, dtype=torch.float64),
+                  torch.tensor(-0.6, dtype=torch.float64)]
+    results = {}
+    for path in ("closed form", "autograd"):
+        with monkeypatch.context() as m:
+            if path == "autograd":  # the expression: what the compiled region runs
+                m.setattr(torch.compiler, "is_compiling", lambda: True)
+            torch.manual_seed(3)
+            out = blocks.routing_sample(*args, **options)
+        weights_sparsity_kl = out[6], out[8], out[9]
+        grads = [torch.autograd.grad([weights_sparsity_kl[i] for i in picked], args[:3],
+                                     [cotangents[i] for i in picked], retain_graph=True)
+                 for picked in ((0,), (1,), (2,), (0, 1, 2))]
+        results[path] = out, grads
+    (ours, our_grads), (ref, ref_grads) = results["closed form"], results["autograd"]
+    assert all(torch.equal(a.detach(), b.detach()) for a, b in zip(ours, ref))
+    for mine, theirs in zip(our_grads, ref_grads):
+        for a, b in zip(mine, theirs):
+            torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
 def test_alpha_ratio_and_the_two_readings_of_the_hyperparameter_table():
@@ -422,9 +482,12 @@ def test_dispatch_rule_constraint_and_dropped_mass(options, training):
         # Dispatched experts are above the threshold (or the forced top expert) ...
         forced_TE = torch.zeros_like(above_TE).scatter(-1, top_T[:, None], True)
         assert not (out.routing_map & ~(above_TE | forced_TE)).any()
-        # ... and every above-threshold expert is dispatched unless the cap is full.
+        # ... and every above-threshold expert is dispatched unless the cap is full, which keeps the highest r.
         full_T = out.routing_map.sum(-1) == cap
         assert (out.routing_map | ~above_TE | full_T[:, None]).all()
+        ranked_TE = torch.where(above_TE | forced_TE, r_TE, -1.0)
+        top_TE = torch.zeros_like(above_TE).scatter(-1, ranked_TE.topk(cap).indices, True)
+        assert torch.equal(out.routing_map, top_TE & (above_TE | forced_TE))
     if c.z_threshold == 0.125 and training:
         assert int(out.routing_map.sum(-1).max()) == c.dispatch_cap(), "the cap should bite at tau=2 with 0.125"
 
