@@ -14,18 +14,7 @@ from baselines.sparsemixer import SparseMixerConfig, SparseMixerRouter
 from baselines.switch import SwitchConfig, SwitchRouter
 
 __all__ = [
-    "AuxFreeConfig",
-    "AuxFreeRouter",
-    "ExpertChoiceConfig",
-    "ExpertChoiceRouter",
-    "HashConfig",
-    "HashRouter",
-    "LoryConfig",
-    "LoryRouter",
-    "ReMoEConfig",
-    "ReMoERouter",
-    "SparseMixerConfig",
-    "SparseMixerRouter",
-    "SwitchConfig",
-    "SwitchRouter",
+    "AuxFreeConfig", "AuxFreeRouter", "ExpertChoiceConfig", "ExpertChoiceRouter", "HashConfig", "HashRouter",
+    "LoryConfig", "LoryRouter", "ReMoEConfig", "ReMoERouter", "SparseMixerConfig", "SparseMixerRouter",
+    "SwitchConfig", "SwitchRouter",
 ]

@@ -1,4 +1,5 @@
-"""The linear gate the learned baselines share (Switch, ReMoE, Expert Choice, Lory, SparseMixer-v2).
+"""What the baselines share: the linear gate of the learned ones (Switch, ReMoE, Expert Choice, Lory,
+SparseMixer-v2, aux-loss-free) and the diagnostics several report.
 
 Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
 """
@@ -6,48 +7,46 @@ Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
 from __future__ import annotations
 
 import torch
+from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 from torch import nn
 
+from routers.base import Router, RouterConfig
 
-def make_gate_weight(num_experts: int, hidden_size: int, init_std: float) -> nn.Parameter:
-    """A bias-free gate weight ``[E, D]`` in float32, drawn from N(0, init_std^2).
 
-    The layout ``[E, D]`` is megatron-core's ``Router.weight``, so a state dict (or a test) can copy
-    weights between this gate and megatron-core's TopKRouter unchanged. The default std of the
-    baselines is 0.01, the reproduction models' ``init_method_std`` (ReMoE's scripts).
+class GatedRouter(Router):
+    """A router with a linear gate: ``weight`` ``[E, D]``, bias-free, float32, drawn from N(0, init_std^2) with
+    its config's ``init_std`` option.
 
-    Args:
-        num_experts: E.
-        hidden_size: D.
-        init_std: standard deviation of the normal initialisation (mean 0).
-
-    Returns:
-        The parameter.
+    ``[E, D]`` is megatron-core's ``Router.weight`` layout, so a state dict (or a test) copies weights between
+    this gate and megatron-core's TopKRouter unchanged. The baselines' default std, 0.01, is the reproduction
+    models' ``init_method_std`` (ReMoE's scripts).
     """
-    weight_ED = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32))
-    nn.init.normal_(weight_ED, mean=0.0, std=init_std)
-    return weight_ED
+
+    def __init__(self, config: RouterConfig) -> None:
+        super().__init__(config)
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size, dtype=torch.float32))
+        nn.init.normal_(self.weight, mean=0.0, std=config.init_std)
+
+    def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
+        """``[T, E]`` logits ``hidden @ weight^T`` in float32.
+
+        Both operands are cast to float32 and autocast is off around the product, so the router maths stays in
+        float32 under bf16 training (megatron-core's ``moe_router_dtype='fp32'`` computes the same
+        ``torch.mm(inp.float(), weight.float().t())``).
+        """
+        with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
+            return torch.mm(hidden_TD.float(), self.weight.float().t())
 
 
-def gate_logits(hidden_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
-    """Router logits ``hidden @ weight^T`` computed in float32.
-
-    Both operands are cast to float32 and autocast is switched off around the product, so the
-    router maths stays in float32 under bf16 training (megatron-core's ``moe_router_dtype='fp32'``
-    computes the same ``torch.mm(inp.float(), weight.float().t())``).
-
-    Args:
-        hidden_TD: ``[T, D]`` hidden states, any floating dtype.
-        weight_ED: ``[E, D]`` gate weight.
-
-    Returns:
-        ``[T, E]`` float32 logits.
-    """
-    with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
-        return torch.mm(hidden_TD.float(), weight_ED.float().t())
+def balance_metric(scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, config: RouterConfig) -> torch.Tensor:
+    """megatron-core's switch load-balancing loss with coefficient 1, detached: the ``balance_loss`` metric."""
+    with torch.no_grad():
+        T = scores_TE.shape[0]
+        return switch_load_balancing_loss_func(
+            scores_TE.detach(), tokens_per_expert_E, T, config.top_k, config.num_experts, 1.0
+        )
 
 
-def check_init_std(init_std: float) -> None:
-    """``ValueError`` unless ``init_std`` > 0 (shared by the configs' ``__post_init__``)."""
-    if not init_std > 0:
-        raise ValueError(f"init_std must be > 0, got {init_std}")
+def z_loss_metric(logits_TE: torch.Tensor) -> torch.Tensor:
+    """The unscaled router z-loss ``mean_t logsumexp(logits_t)^2`` (ST-MoE), detached."""
+    return torch.logsumexp(logits_TE.detach(), -1).square().mean()

@@ -27,59 +27,53 @@ from megatron.core.transformer.moe.moe_utils import (
     topk_routing_with_score_function,
 )
 
-from baselines._gate import check_init_std, gate_logits, make_gate_weight
-from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from baselines._gate import GatedRouter
+from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
 
 @dataclass(frozen=True)
 class AuxFreeConfig(RouterConfig):
-    """Options of the aux-loss-free router; each maps to one megatron-core ``TransformerConfig`` field.
+    """Options of the aux-loss-free router; each maps to one megatron-core ``TransformerConfig`` field."""
 
-    Args:
-        bias_update_rate: u of the bias update (``moe_router_bias_update_rate``; both papers: 1e-3).
-        topk_scaling_factor: a constant multiplying the combine weights (``moe_router_topk_scaling_factor``;
-            DeepSeek-V3's 2.5 goes with its 8 of 256 experts). ``None`` (default): no scaling, as Wang et al.
-        seq_aux_loss_coeff: alpha of DeepSeek-V3's complementary sequence-wise balance loss (megatron's
-            ``seq_aux_loss`` with ``moe_aux_loss_coeff``). Default 0: the method as Wang et al. define it,
-            without any balance gradient, so the comparison isolates what the bias does; DeepSeek-V3 sets 1e-4.
-        init_std: std of the normal initialisation of the gate weight.
-    """
-
-    bias_update_rate: float = 1e-3
+    bias_update_rate: float = 1e-3  # u of the bias update (moe_router_bias_update_rate; both papers: 1e-3)
+    # A constant multiplying the combine weights (moe_router_topk_scaling_factor; DeepSeek-V3's 2.5 goes with
+    # its 8 of 256 experts). None: no scaling, as Wang et al.
     topk_scaling_factor: float | None = None
+    # alpha of DeepSeek-V3's complementary sequence-wise balance loss (megatron's seq_aux_loss with
+    # moe_aux_loss_coeff). Default 0: the method as Wang et al. define it, without any balance gradient, so the
+    # comparison isolates what the bias does; DeepSeek-V3 sets 1e-4.
     seq_aux_loss_coeff: float = 0.0
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.bias_update_rate > 0:
-            raise ValueError(f"bias_update_rate must be > 0, got {self.bias_update_rate}")
-        if self.topk_scaling_factor is not None and not self.topk_scaling_factor > 0:
-            raise ValueError(f"topk_scaling_factor must be None or > 0, got {self.topk_scaling_factor}")
-        if not self.seq_aux_loss_coeff >= 0:
-            raise ValueError(f"seq_aux_loss_coeff must be >= 0, got {self.seq_aux_loss_coeff}")
-        check_init_std(self.init_std)
+        require(self.bias_update_rate > 0, "bias_update_rate", self.bias_update_rate, "> 0")
+        scale = self.topk_scaling_factor
+        require(scale is None or scale > 0, "topk_scaling_factor", scale, "None or > 0")
+        require(self.seq_aux_loss_coeff >= 0, "seq_aux_loss_coeff", self.seq_aux_loss_coeff, ">= 0")
+        require(self.init_std > 0, "init_std", self.init_std, "> 0")
 
 
 @register_router("auxfree")
-class AuxFreeRouter(Router):
+class AuxFreeRouter(GatedRouter):
     """Sigmoid top-k routing balanced by a per-expert bias outside the gradient (DeepSeek-V3; Wang et al. 2024).
 
-    ``s = sigmoid(W h)`` (float32, no bias in the gate, W ~ N(0, init_std^2)); the k experts with the largest
-    ``s + b`` receive the token, with combine weights from ``s`` alone: normalised over the k chosen for
-    k > 1, ``s`` itself for k = 1 (a normalised single weight would be 1 and pass no gradient to the gate),
-    times ``topk_scaling_factor`` when set. This is megatron-core's ``topk_routing_with_score_function`` with
-    ``score_function="sigmoid"`` and ``expert_bias=b``, called here.
+    ``s = sigmoid(W h)``; the k experts with the largest ``s + b`` receive the token, with combine weights from
+    ``s`` alone: normalised over the k chosen for k > 1, ``s`` itself for k = 1 (a normalised single weight
+    would be 1 and pass no gradient to the gate), times ``topk_scaling_factor`` when set. This is
+    megatron-core's ``topk_routing_with_score_function`` with ``score_function="sigmoid"`` and
+    ``expert_bias=b``, called here.
 
     The bias ``b`` (persistent float32 buffer ``expert_bias``, so checkpoints carry it) moves once per
-    optimizer step: training forwards with grad enabled add their routing counts to ``tokens_per_expert``
-    (no host synchronisation); :meth:`step_statistic` hands the step's counts to ``routers.end_step``, which
-    sums them over the data-parallel ranks (layer by layer) and calls :meth:`end_step`, which applies
-    ``b <- b + u * sign(mean(c) - c)`` (megatron's ``get_updated_expert_bias``) and resets the counts.
-    megatron-core applies the update in ``finalize_model_grads``, before the optimizer step; the bias plays
-    no part in the gradients, so updating after it gives the same values.
+    optimizer step by ``b <- b + u * sign(mean(c) - c)`` (megatron's ``get_updated_expert_bias``), c the
+    step's routing counts of the training forwards with grad, summed over the data-parallel ranks
+    (``routers.end_step``). megatron-core applies the update in ``finalize_model_grads``, before the optimizer
+    step; the bias plays no part in the gradients, so updating after it gives the same values.
+
+    Aux loss: ``seq_load_balancing_loss`` (when its coefficient is > 0; ``seq_shape`` gives the sequences,
+    ``None`` one sequence of T tokens). Metric: ``expert_bias`` ``[E]``.
     """
 
     Config = AuxFreeConfig
@@ -88,7 +82,6 @@ class AuxFreeRouter(Router):
 
     def __init__(self, config: AuxFreeConfig) -> None:
         super().__init__(config)
-        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
         # The step's routing counts: reset by end_step, so a checkpoint taken between steps needs none.
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32), persistent=False)
@@ -101,26 +94,10 @@ class AuxFreeRouter(Router):
             probs_sum_to_one=cfg.top_k > 1 and cfg.topk_scaling_factor in (None, 1.0),
         )
 
-    def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
-    ) -> RouterOutput:
-        """Route each token to the k experts of largest biased sigmoid score.
-
-        Args:
-            hidden_TD: ``[T, D]`` hidden states.
-            token_ids_T: unused.
-            seq_shape: ``(S, B)``, for the sequence-wise loss (``None``: one sequence of T tokens).
-
-        Returns:
-            :class:`RouterOutput` with ``seq_load_balancing_loss`` in training mode with grad enabled when its
-            coefficient is > 0; with ``collect_metrics``, the shared metrics and ``expert_bias`` ``[E]``.
-        """
+    def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config
         T = hidden_TD.shape[0]
-        logits_TE = gate_logits(hidden_TD, self.weight)
+        logits_TE = self.logits(hidden_TD)
         probs_TE, routing_map_TE = topk_routing_with_score_function(
             logits_TE, cfg.top_k, scaling_factor=cfg.topk_scaling_factor, score_function="sigmoid",
             expert_bias=self.expert_bias,
@@ -149,26 +126,20 @@ class AuxFreeRouter(Router):
         # [S*B, E] in megatron's order t = s*B + b -> [S, B*E]: one "expert" column per (sequence, expert).
         scores_SX, aux_map_SX = scores_TE.reshape(S, -1), aux_map_TE.reshape(S, -1)
         loss = switch_load_balancing_loss_func(
-            probs=scores_SX, tokens_per_expert=aux_map_SX.sum(0), total_num_tokens=S, topk=cfg.top_k,
-            num_experts=cfg.num_experts, moe_aux_loss_coeff=cfg.seq_aux_loss_coeff,
+            scores_SX, aux_map_SX.sum(0), S, cfg.top_k, cfg.num_experts, cfg.seq_aux_loss_coeff
         )
         return loss / B
 
     # ------------------------------------------------------------ step schedule
     def step_statistic(self) -> torch.Tensor | None:
-        """The ``[E]`` tokens routed to each expert by this layer's training forwards since the last step.
-
-        A per-expert statistic: ``routers.end_step`` sums it over the data-parallel ranks for this layer alone.
-        """
+        """The ``[E]`` tokens routed to each expert by this layer's training forwards since the last step (per
+        expert: ``routers.end_step`` sums it over the data-parallel ranks for this layer alone)."""
         return self.tokens_per_expert
 
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
-        """``b <- b + u * sign(mean(c) - c)`` with the step's counts c over all ranks; then reset the counts.
-
-        Args:
-            global_statistic: ``[E]`` counts summed over micro-batches and data-parallel ranks. All zero (no
-                training forward) leaves the bias unchanged, as in megatron-core.
-        """
+        """``b <- b + u * sign(mean(c) - c)`` with the step's ``[E]`` counts c summed over micro-batches and
+        data-parallel ranks, then reset the counts. All zero (no training forward) leaves the bias unchanged,
+        as in megatron-core."""
         if global_statistic is not None:
             with torch.no_grad():
                 tokens_E = global_statistic.to(self.expert_bias.device, torch.float32)

@@ -8,9 +8,8 @@ Reference:
     capacity per group and has separate train and eval capacity factors; the router z-loss is
     ``routing.py``'s ``_router_z_loss``, the ST-MoE loss ``mean_t logsumexp(logits_t)^2``).
 
-Options and how they relate to the reference:
-
-The group and capacity rules follow one of two references (``reference``):
+Options and how they relate to the reference. The group and capacity rules follow one of two references
+(``reference``):
 
 ==================  =======================================  ==========================================
 ``reference``       ``"megatron"`` (default)                  ``"flaxformer"``
@@ -32,8 +31,6 @@ into at least E groups (its SPMD sharding puts groups on the expert axis), a dif
 papers' numbers were not measured with on this suite's hardware layout. ``reference=flaxformer`` runs
 the authors' code's rules as they are.
 
-Options and how they relate to the reference:
-
 1. ``group_size``: the experts choose among the tokens of a group. flaxformer reshapes the batch
    (batch-major, so consecutive tokens of a sequence) into groups of at most ``max_group_size`` tokens
    (its ``_num_groups``). Here ``None`` (default) is one group per micro-batch under ``megatron`` (the
@@ -43,9 +40,8 @@ Options and how they relate to the reference:
    (``flaxformer``), so a token's routing no longer depends on the micro-batch size; an integer G is the
    largest group, the number of groups then chosen by the reference's rule (table above). The group size
    used is reported as the metric ``group_size`` (and ``num_groups``), for the efficiency table.
-2. ``eval_capacity_factor``: the capacity factor in eval mode (flaxformer's ``eval_capacity_factor``);
-   None uses the training one.
-3. ``z_loss_coeff``: the router z-loss (flaxformer's ``router_z_loss``); 0 (default) turns it off.
+2. ``eval_capacity_factor`` and ``z_loss_coeff`` are flaxformer's ``eval_capacity_factor`` and
+   ``router_z_loss``.
 
 Shape legend: T tokens, D hidden size, E experts, N groups, G tokens per group (see :mod:`routers.base`).
 """
@@ -58,8 +54,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.moe_utils import z_loss_func
 
-from baselines._gate import check_init_std, gate_logits, make_gate_weight
-from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from baselines._gate import GatedRouter, z_loss_metric
+from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
@@ -73,48 +69,32 @@ FLAXFORMER_MIN_CAPACITY = 4
 
 @dataclass(frozen=True)
 class ExpertChoiceConfig(RouterConfig):
-    """Options of the Expert Choice router.
+    """Options of the Expert Choice router (the module docstring gives each option's reference)."""
 
-    Args:
-        capacity_factor: the paper's c, the mean number of experts per token: each expert takes
-            ``C = ceil((g * k / E) * (c / k)) = ceil(g * c / E)`` tokens of every group of g tokens (at most
-            g; megatron-core's capacity expression). ``None`` (default) means c = k, the compute of top-k
-            routing, as in the paper's comparisons.
-        eval_capacity_factor: c in eval mode; ``None`` (default) uses ``capacity_factor``.
-        group_size: ``None`` (default: the whole micro-batch is one group), ``"sequence"`` (one group per
-            sequence) or a number of tokens per group (see the module docstring).
-        z_loss_coeff: coefficient of the router z-loss ``coeff * mean_t logsumexp(logits_t)^2``; 0 turns it off.
-        init_std: std of the normal initialisation of the gate weight.
-        reference: whose capacity and group-count rules: "megatron" (default) or "flaxformer" (see the
-            module docstring).
-    """
-
+    # The paper's c, the mean number of experts per token: each expert takes C tokens of every group of g
+    # tokens, C = ceil(g * c / E) under reference="megatron". None means c = k, the compute of top-k routing,
+    # as in the paper's comparisons.
     capacity_factor: float | None = None
-    eval_capacity_factor: float | None = None
+    eval_capacity_factor: float | None = None  # c in eval mode; None uses capacity_factor
+    # None (the whole micro-batch is one group), "sequence" (one group per sequence) or tokens per group.
     group_size: int | str | None = None
-    z_loss_coeff: float = 0.0
+    z_loss_coeff: float = 0.0  # coefficient of the router z-loss coeff * mean_t logsumexp(logits_t)^2; 0: off
     init_std: float = 0.01
-    reference: str = "megatron"
+    reference: str = "megatron"  # whose capacity and group-count rules: "megatron" or "flaxformer"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.reference not in EC_REFERENCES:
-            raise ValueError(f"reference must be one of {EC_REFERENCES}, got {self.reference!r}")
+        require(self.reference in EC_REFERENCES, "reference", self.reference, f"one of {EC_REFERENCES}")
         for name in ("capacity_factor", "eval_capacity_factor"):
             value = getattr(self, name)
-            if value is not None and not 0 < value <= self.num_experts:
-                raise ValueError(
-                    f"{name} must be None (= top_k) or in (0, num_experts={self.num_experts}], got {value}"
-                )
-        if self.group_size is not None and self.group_size != SEQUENCE_GROUPS:
-            if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size < 1:
-                raise ValueError(
-                    f"group_size must be None (the micro-batch), {SEQUENCE_GROUPS!r} or an integer >= 1, "
-                    f"got {self.group_size!r}"
-                )
-        if not self.z_loss_coeff >= 0:
-            raise ValueError(f"z_loss_coeff must be >= 0, got {self.z_loss_coeff}")
-        check_init_std(self.init_std)
+            rule = f"None (= top_k) or in (0, num_experts={self.num_experts}]"
+            require(value is None or 0 < value <= self.num_experts, name, value, rule)
+        size = self.group_size
+        is_count = isinstance(size, int) and not isinstance(size, bool) and size >= 1
+        rule = f"None (the micro-batch), {SEQUENCE_GROUPS!r} or an integer >= 1"
+        require(size is None or size == SEQUENCE_GROUPS or is_count, "group_size", size, rule)
+        require(self.z_loss_coeff >= 0, "z_loss_coeff", self.z_loss_coeff, ">= 0")
+        require(self.init_std > 0, "init_std", self.init_std, "> 0")
 
     @property
     def effective_capacity_factor(self) -> float:
@@ -124,28 +104,14 @@ class ExpertChoiceConfig(RouterConfig):
     @property
     def effective_eval_capacity_factor(self) -> float:
         """c in eval mode: ``eval_capacity_factor``, or the training c when it is None."""
-        if self.eval_capacity_factor is None:
-            return self.effective_capacity_factor
-        return float(self.eval_capacity_factor)
+        c = self.eval_capacity_factor
+        return self.effective_capacity_factor if c is None else float(c)
 
 
 def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", num_experts: int = 1) -> int:
-    """The number of groups the ``num_tokens`` tokens are cut into (every group at most ``group_size``).
-
-    Args:
-        num_tokens: T.
-        group_size: the largest group wanted, G.
-        reference: "megatron": the smallest n >= T / G that divides T. "flaxformer": its ``_num_groups``
-            with one expert replica: the smallest n >= max(T // G, E) with T % n == 0 and n % E == 0,
-            stopping at n = T.
-        num_experts: E (the "flaxformer" rule only).
-
-    Returns:
-        n, so that every group has ``T / n`` tokens.
-
-    Raises:
-        ValueError: no viable n under the "flaxformer" rule (T < E), as flaxformer raises.
-    """
+    """n, the number of groups of ``T / n`` tokens (each at most ``group_size``) the T ``num_tokens`` are cut
+    into, by the ``reference``'s rule (the module docstring's table; flaxformer's with one expert replica).
+    ``ValueError`` when flaxformer's finds none (T < E), as flaxformer raises."""
     if reference == "flaxformer":
         n = max(num_tokens // group_size, num_experts)
         while n < num_tokens and not (num_tokens % n == 0 and n % num_experts == 0):
@@ -162,20 +128,9 @@ def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", nu
 
 
 def group_capacity(group_size: int, capacity_factor: float, num_experts: int, top_k: int, reference: str) -> int:
-    """C, the tokens every expert takes from a group of ``group_size`` tokens.
-
-    Args:
-        group_size: g.
-        capacity_factor: c.
-        num_experts: E.
-        top_k: k (megatron's expression is written with it; c / k * k cancels up to float rounding).
-        reference: "megatron": ``min(g, ceil((g * k / E) * (c / k)))``, megatron-core's expression and
-            operation order; "flaxformer": ``min(g, max(round(c * g / E), 4))`` (flaxformer rounds half to
-            even, as Python's ``round``; the cap at g, which flaxformer lacks, keeps the top-C defined).
-
-    Returns:
-        C.
-    """
+    """C, the tokens every expert takes from a group of g ``group_size`` tokens at capacity factor c, by the
+    ``reference``'s rule (the module docstring's table; under megatron's, c / k * k cancels up to float
+    rounding). The cap at g, which flaxformer lacks, keeps the top-C defined."""
     if reference == "flaxformer":
         return min(group_size, max(int(round(capacity_factor * group_size / num_experts)), FLAXFORMER_MIN_CAPACITY))
     return RoutingConstraint(
@@ -184,24 +139,12 @@ def group_capacity(group_size: int, capacity_factor: float, num_experts: int, to
 
 
 def group_tokens(
-    seq_shape: tuple[int, int],
-    group_size: int | str | None,
-    reference: str = "megatron",
-    num_experts: int = 1,
+    seq_shape: tuple[int, int], group_size: int | str | None, reference: str = "megatron", num_experts: int = 1,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """Token indices of every group, batch-major (consecutive positions of one sequence together).
-
-    Args:
-        seq_shape: ``(S, B)``; tokens are in megatron-core's order ``t = s * B + b``.
-        group_size: see :class:`ExpertChoiceConfig`.
-        reference: whose group-count rule (:func:`num_groups`).
-        num_experts: E (the "flaxformer" rule).
-        device: where to build the indices (built there directly: a host-to-device copy would synchronise).
-
-    Returns:
-        ``[N, G]`` long: row n holds the (megatron-order) indices of the tokens of group n.
-    """
+    """``[N, G]`` long: row n holds the (megatron-order, ``t = s * B + b``) indices of the tokens of group n,
+    batch-major (consecutive positions of one sequence together), grouped by the reference's rule
+    (:func:`num_groups`). Built on ``device`` directly: a host-to-device copy would synchronise."""
     S, B = seq_shape
     T = S * B
     # Batch-major order: sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
@@ -219,11 +162,7 @@ class ExpertChoiceConstraint(RoutingConstraint):
     ``capacity(T, E)`` is the tokens each expert takes from a micro-batch of T tokens: N groups times the
     per-group C of the reference (:func:`group_capacity`), with the groups of ``group_size``
     (``"sequence"`` is taken as one sequence of T tokens: the constraint does not see the sequence length).
-
-    Args:
-        group_size: the router's ``group_size``.
-        reference: the router's ``reference``.
-        expert_capacity_factor: c itself (``capacity_factor`` holds c / k, megatron's form).
+    ``expert_capacity_factor`` is c itself (``capacity_factor`` holds c / k, megatron's form).
     """
 
     group_size: int | str | None = None
@@ -231,23 +170,19 @@ class ExpertChoiceConstraint(RoutingConstraint):
     expert_capacity_factor: float = 1.0
 
     def capacity(self, num_tokens: int, num_experts: int) -> int:
-        """N * C for a micro-batch of ``num_tokens`` tokens (see the class docstring)."""
-        groups_NG = group_tokens((num_tokens, 1), self.group_size, self.reference, num_experts)
-        N, G = groups_NG.shape
-        if self.reference == "megatron":
-            return N * super().capacity(G, num_experts)
+        N, G = group_tokens((num_tokens, 1), self.group_size, self.reference, num_experts).shape
         return N * group_capacity(G, self.expert_capacity_factor, num_experts, self.top_k, self.reference)
 
 
 @register_router("expert_choice")
-class ExpertChoiceRouter(Router):
+class ExpertChoiceRouter(GatedRouter):
     """Expert Choice routing (Zhou et al. 2022), implemented as published, per token group.
 
-    ``scores = softmax(W h)`` over the experts (float32, no bias, W ~ N(0, init_std^2)); within every group
-    of g tokens each expert takes the C tokens with the highest score for it, ``C = ceil(g * c / E)``
-    (``reference=flaxformer``: ``max(round(g * c / E), 4)``; c the training or eval capacity factor); ``probs`` are the scores on that map (not renormalised, as
-    in the paper's gating matrix). A token may be taken by 0 to E experts. Every expert is exactly full in
-    every group, so there is no load-balancing loss (a z-loss is optional).
+    ``scores = softmax(W h)`` over the experts; within every group of g tokens each expert takes the C tokens
+    with the highest score for it (:func:`group_capacity`, c the training or eval capacity factor); ``probs``
+    are the scores on that map (not renormalised, as in the paper's gating matrix). A token may be taken by 0
+    to E experts. Every expert is exactly full in every group, so there is no load-balancing loss (a z-loss is
+    optional).
 
     Causal leakage, stated plainly: the experts choose among all tokens of a group, so in a causal decoder
     a token's routing depends on the other tokens of its group, later tokens of its own sequence included
@@ -256,66 +191,33 @@ class ExpertChoiceRouter(Router):
     to the token's own sequence. It is implemented as published and its results are measured and reported
     as such, not corrected.
 
-    The declared constraint is an :class:`ExpertChoiceConstraint` with ``top_k = k`` and ``capacity_factor
-    = c / k`` (training c): its ``capacity(T, E)`` is the N * C tokens each expert takes from T tokens, by
-    the reference's group and capacity rules.
+    The declared constraint is an :class:`ExpertChoiceConstraint`. Aux loss: ``z_loss`` (when enabled).
+    Metrics: ``capacity`` (C per group), ``group_size`` (g), ``num_groups`` (N) and ``z_loss`` (unscaled).
     """
 
     Config = ExpertChoiceConfig
 
-    def __init__(self, config: ExpertChoiceConfig) -> None:
-        super().__init__(config)
-        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
-
     @property
     def constraint(self) -> RoutingConstraint:
         cfg = self.config
+        c = cfg.effective_capacity_factor
         return ExpertChoiceConstraint(
-            RoutingKind.EXPERT_CHOICE,
-            0,
-            cfg.num_experts,
-            capacity_factor=cfg.effective_capacity_factor / cfg.top_k,
-            top_k=cfg.top_k,
-            group_size=cfg.group_size,
-            reference=cfg.reference,
-            expert_capacity_factor=cfg.effective_capacity_factor,
+            RoutingKind.EXPERT_CHOICE, 0, cfg.num_experts, capacity_factor=c / cfg.top_k, top_k=cfg.top_k,
+            group_size=cfg.group_size, reference=cfg.reference, expert_capacity_factor=c,
         )
 
     def capacity(self, num_tokens: int, training: bool | None = None) -> int:
-        """C, the tokens each expert takes from a group of ``num_tokens`` tokens.
-
-        Args:
-            num_tokens: the group's size g.
-            training: which capacity factor; default the module's mode.
-
-        Returns:
-            :func:`group_capacity` under the router's ``reference``.
-        """
+        """C, the tokens each expert takes from a group of ``num_tokens`` tokens, with the capacity factor of
+        ``training`` (default: the module's mode)."""
         cfg = self.config
         training = self.training if training is None else training
         c = cfg.effective_capacity_factor if training else cfg.effective_eval_capacity_factor
         return group_capacity(num_tokens, c, cfg.num_experts, cfg.top_k, cfg.reference)
 
-    def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
-    ) -> RouterOutput:
-        """Let each expert choose its top-C tokens of every group.
-
-        Args:
-            hidden_TD: ``[T, D]`` hidden states, ``t = s * B + b``.
-            token_ids_T: unused.
-            seq_shape: ``(S, B)``; ``None`` means one sequence of length T.
-
-        Returns:
-            :class:`RouterOutput` with ``z_loss`` in training with grad when enabled, and the extra metrics
-            ``capacity`` (C per group), ``group_size`` (g), ``num_groups`` (N) and ``z_loss`` (unscaled).
-        """
+    def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config
         T = hidden_TD.shape[0]
-        logits_TE = gate_logits(hidden_TD, self.weight)
+        logits_TE = self.logits(hidden_TD)
         scores_TE = torch.softmax(logits_TE, dim=-1)
         seq = (T, 1) if seq_shape is None else seq_shape
         groups_NG = group_tokens(seq, cfg.group_size, cfg.reference, cfg.num_experts, hidden_TD.device)
@@ -333,13 +235,10 @@ class ExpertChoiceRouter(Router):
         if self.training and torch.is_grad_enabled() and cfg.z_loss_coeff > 0:
             aux_losses["z_loss"] = z_loss_func(logits_TE, cfg.z_loss_coeff)
 
-        if not self.collect_metrics:
-            return RouterOutput(probs_TE, routing_map_TE, aux_losses, {})
-        metrics = routing_metrics(probs_TE, routing_map_TE)
-        device = probs_TE.device
-        metrics["capacity"] = torch.tensor(float(capacity), device=device)
-        metrics["group_size"] = torch.tensor(float(G), device=device)
-        metrics["num_groups"] = torch.tensor(float(N), device=device)
-        with torch.no_grad():
-            metrics["z_loss"] = torch.logsumexp(logits_TE.detach(), -1).square().mean()
+        metrics: dict[str, torch.Tensor] = {}
+        if self.collect_metrics:
+            metrics = routing_metrics(probs_TE, routing_map_TE)
+            for key, value in (("capacity", capacity), ("group_size", G), ("num_groups", N)):
+                metrics[key] = torch.tensor(float(value), device=probs_TE.device)
+            metrics["z_loss"] = z_loss_metric(logits_TE)
         return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)

@@ -60,7 +60,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
@@ -71,61 +71,38 @@ BALANCE_RULES = ("greedy", "random-greedy")
 
 @dataclass(frozen=True)
 class HashConfig(RouterConfig):
-    """Options of the Hash router (see the module docstring for the tables).
+    """Options of the Hash router (see the module docstring for the tables)."""
 
-    Args:
-        hash_type: "random" (default, Roller et al.), "mod" (token id mod E, ReMoE's Hash baseline) or
-            "balanced" (built from ``counts_path``).
-        seed: seed of the "random" and "balanced" tables (``seed + layer_number`` with ``per_layer``).
-        vocab_size: V, the number of token ids the table covers (default 50304: GPT-2's 50257 padded
-            to a multiple of 128, as megatron-core pads it). Larger ids are an error.
-        counts_path: a ``.npy`` file of per-id token counts of the training corpus (length at most V;
-            missing trailing ids count 0), required by and only used with "balanced".
-        per_layer: draw a separate table per layer (seeded by the layer number) instead of one table
-            shared by every layer.
-        balance_rule: how the "balanced" table places each id: "greedy" (default, the Hash Layers paper:
-            the currently emptiest experts) or "random-greedy" (seeded draw among the experts with room).
-    """
-
-    hash_type: str = "random"
-    seed: int = 42
+    hash_type: str = "random"  # "random", "mod" or "balanced" (built from counts_path)
+    seed: int = 42  # seed of the "random" and "balanced" tables (seed + layer_number with per_layer)
+    # V, the number of token ids the table covers (default 50304: GPT-2's 50257 padded to a multiple of 128,
+    # as megatron-core pads it). Larger ids are an error.
     vocab_size: int = 50304
+    # A .npy file of per-id token counts of the training corpus (length at most V; missing trailing ids count
+    # 0), required by and only used with "balanced".
     counts_path: str | None = None
-    per_layer: bool = False
-    balance_rule: str = "greedy"
+    per_layer: bool = False  # draw a separate table per layer instead of one table shared by every layer
+    balance_rule: str = "greedy"  # how the "balanced" table places each id: "greedy" or "random-greedy"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.hash_type not in HASH_TYPES:
-            raise ValueError(f"hash_type must be one of {HASH_TYPES}, got {self.hash_type!r}")
-        if not 0 <= self.seed < 2**63:
-            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.vocab_size < 1:
-            raise ValueError(f"vocab_size must be >= 1, got {self.vocab_size}")
+        require(self.hash_type in HASH_TYPES, "hash_type", self.hash_type, f"one of {HASH_TYPES}")
+        require(0 <= self.seed < 2**63, "seed", self.seed, "in [0, 2**63)")
+        require(self.vocab_size >= 1, "vocab_size", self.vocab_size, ">= 1")
         if (self.hash_type == "balanced") != (self.counts_path is not None):
             raise ValueError(
                 f"counts_path is required by hash_type 'balanced' and only used by it "
                 f"(hash_type={self.hash_type!r}, counts_path={self.counts_path!r})"
             )
-        if self.balance_rule not in BALANCE_RULES:
-            raise ValueError(f"balance_rule must be one of {BALANCE_RULES}, got {self.balance_rule!r}")
+        require(self.balance_rule in BALANCE_RULES, "balance_rule", self.balance_rule, f"one of {BALANCE_RULES}")
         if self.per_layer and self.hash_type == "mod":
             raise ValueError("per_layer has no effect with hash_type 'mod' (id mod E is the same in every layer)")
 
 
 def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
-    """Read a counts file (``.npy``, one non-negative count per token id) padded to ``vocab_size``.
-
-    Args:
-        path: the ``.npy`` file.
-        vocab_size: V; the file may cover fewer ids (the rest count 0), never more.
-
-    Returns:
-        ``[V]`` int64 counts.
-
-    Raises:
-        ValueError: unreadable file, wrong shape or dtype, negative counts, more ids than V.
-    """
+    """``[V]`` int64 counts read from a ``.npy`` file of one non-negative count per token id, which may cover
+    fewer ids than V (the rest count 0), never more. ``ValueError`` for an unreadable file, a wrong shape or
+    dtype, negative counts or more ids than V."""
     try:
         counts = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -142,19 +119,8 @@ def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
 
 
 def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int, rule: str = "greedy") -> torch.Tensor:
-    """The ``balanced`` table: k distinct experts per id, loads within one count of ``k * total / E``.
-
-    Args:
-        counts_V: ``[V]`` non-negative token counts.
-        num_experts: E.
-        top_k: k.
-        seed: seeds the choice among the experts with room (``"random-greedy"`` only).
-        rule: ``"greedy"`` (the Hash Layers paper: the k currently emptiest experts, ties to the lower
-            index) or ``"random-greedy"`` (see the module docstring).
-
-    Returns:
-        ``[V, k]`` long tensor of expert ids.
-    """
+    """The ``[V, k]`` ``balanced`` table of the ``[V]`` token counts: k distinct experts per id, loads within
+    one count of ``k * total / E``, by ``rule`` (the module docstring; ``seed`` seeds "random-greedy")."""
     V, E, k = counts_V.shape[0], num_experts, top_k
     rng = np.random.default_rng(seed)
     table = np.empty((V, k), dtype=np.int64)
@@ -166,11 +132,9 @@ def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int
     for token in seen:
         c = int(counts_V[token])
         room = np.flatnonzero(load_E + c <= capacity)
-        if rule == "greedy":
-            chosen = np.argsort(load_E, kind="stable")[:k]
-        elif room.size >= k:
+        if rule == "random-greedy" and room.size >= k:
             chosen = rng.choice(room, size=k, replace=False)
-        else:
+        else:  # the k least loaded (ties to the lower index)
             chosen = np.argsort(load_E, kind="stable")[:k]
         table[token] = chosen
         load_E[chosen] += c
@@ -181,15 +145,8 @@ def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int
 
 
 def build_hash_table(config: HashConfig, layer_number: int | None = None) -> torch.Tensor:
-    """The ``[V, k]`` table of expert ids (k distinct experts per token id).
-
-    Args:
-        config: the router's config.
-        layer_number: the layer (1-based) for ``per_layer`` tables; ignored otherwise.
-
-    Returns:
-        A long tensor ``[V, k]`` (see the module docstring for each ``hash_type``).
-    """
+    """The ``[V, k]`` long table of expert ids (k distinct experts per token id) of ``config.hash_type``;
+    ``layer_number`` (1-based) seeds ``per_layer`` tables and is ignored otherwise."""
     V, E, k = config.vocab_size, config.num_experts, config.top_k
     if config.hash_type == "mod":
         ids_V1 = torch.arange(V, dtype=torch.long)[:, None]
@@ -204,13 +161,13 @@ def build_hash_table(config: HashConfig, layer_number: int | None = None) -> tor
 
 @register_router("hash")
 class HashRouter(Router):
-    """Hash routing (Roller et al. 2021): token id -> k fixed experts, no learned gate.
+    """Hash routing (Roller et al. 2021): token id -> k fixed experts of the persistent buffer ``table``
+    ``[V, k]``, each with weight 1/k; no learned gate, no parameters, no aux loss. The output depends on the
+    token ids only; the hidden states are read for their number and device alone.
 
-    The table is the persistent buffer ``table`` ``[V, k]``, so a checkpoint carries it and a resumed
-    or evaluated model routes exactly as in training whatever the seed or counts options then say. Each routed
-    expert gets weight 1/k: weight 1 for the k = 1 of the papers, and a mean of the k experts (weights
-    summing to one) for k > 1, which the papers leave open. The output depends on the token ids only;
-    the hidden states are read for their shape alone. There are no parameters and no aux loss.
+    Token ids outside ``[0, vocab_size)`` raise ``ValueError`` when :attr:`collect_metrics` is set (the range
+    is read on the host); otherwise they fail a device-side assert, a ``RuntimeError``, so the forward forces
+    no host synchronisation.
     """
 
     Config = HashConfig
@@ -232,27 +189,7 @@ class HashRouter(Router):
         k = self.top_k
         return RoutingConstraint(RoutingKind.EXACT_K, k, k, top_k=k, probs_sum_to_one=True)
 
-    def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
-    ) -> RouterOutput:
-        """Look the token ids up in the table.
-
-        Args:
-            hidden_TD: ``[T, D]`` hidden states (only their number and device are used).
-            token_ids_T: ``[T]`` integer token ids in ``[0, vocab_size)``.
-            seq_shape: unused.
-
-        Returns:
-            :class:`RouterOutput` with no aux loss.
-
-        Raises:
-            ValueError: token ids missing, not integers, or outside ``[0, vocab_size)`` (the range is read on
-                the host only when :attr:`collect_metrics` is set; otherwise an out-of-range id fails a
-                device-side assert, a ``RuntimeError``, so the forward forces no host synchronisation).
-        """
+    def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         if token_ids_T is None:
             raise ValueError("hash routing needs token_ids_T")
         if token_ids_T.dtype.is_floating_point or token_ids_T.dtype == torch.bool:

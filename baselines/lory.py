@@ -32,10 +32,9 @@ The dense start (a switchable default, ``dense_fraction``):
     ``.grad``, neither updates it nor counts the step, as if the router were created at the switch;
     megatron's GPU optimizer copies every parameter's zero ``main_grad`` instead, so there W_r takes
     zero-gradient steps: weight decay only, and Adam's bias correction counts them, which makes its first
-    updates after the switch larger than a fresh optimizer's). The dense FFN is held as E tied
-    copies in the experts' parameters: they start equal (expert 0's initialisation copied into every
-    expert) and each receives the same gradient, so they stay bit-identical and at the switch step every
-    expert *is* the dense FFN, with the same optimizer state: the paper's copy, with nothing to do at
+    updates after the switch larger than a fresh optimizer's). The dense FFN is held as E tied,
+    bit-identical copies in the experts' parameters (:mod:`baselines.lory_layer`), so at the switch step
+    every expert *is* the dense FFN, with the same optimizer state: the paper's copy, with nothing to do at
     the switch and nothing outside the state dict (the phase is derived from the ``step`` buffer, so a
     resume before, at or after the switch is exact). ``dense_fraction=0`` turns the dense start off.
 
@@ -50,8 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-from baselines._gate import check_init_std, make_gate_weight
-from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from baselines._gate import GatedRouter
+from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
@@ -61,39 +60,28 @@ FIRST_SEGMENT_GRADS = ("none", "router")
 
 @dataclass(frozen=True)
 class LoryConfig(RouterConfig):
-    """Options of the Lory router.
+    """Options of the Lory router (the module docstring gives the first segment's and the dense start's)."""
 
-    Args:
-        segment_len: tokens per segment along each sequence (paper: 256). The last segment of a
-            sequence is shorter when the sequence length is not a multiple.
-        first_segment_grad: what learns from the first segment's routing: "none" (default, the paper's
-            stop-gradient on R(mean of segment 0)) or "router" (only the mean is detached; W_r learns).
-        init_std: std of the normal initialisation of the routing weight W_r.
-        dense_fraction: share of the run's steps trained dense before the experts are the FFN's copies
-            (paper: 0.05; 0 turns the dense start off). See the module docstring.
-        schedule_steps: the run's total steps (filled with ``schedule.steps`` by the run config); None
-            means no dense phase.
-    """
-
+    # Tokens per segment along each sequence (paper: 256); the last segment of a sequence is shorter when the
+    # sequence length is not a multiple.
     segment_len: int = 256
+    # What learns from the first segment's routing: "none" (the paper's) or "router" (only the mean is
+    # detached; W_r learns).
     first_segment_grad: str = "none"
     init_std: float = 0.01
-    dense_fraction: float = 0.05
+    dense_fraction: float = 0.05  # share of the run's steps trained dense (paper: 0.05; 0 turns it off)
+    # The run's total steps (filled with schedule.steps by the run config); None means no dense phase.
     schedule_steps: int | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.segment_len < 1:
-            raise ValueError(f"segment_len must be >= 1, got {self.segment_len}")
-        if self.first_segment_grad not in FIRST_SEGMENT_GRADS:
-            raise ValueError(
-                f"first_segment_grad must be one of {FIRST_SEGMENT_GRADS}, got {self.first_segment_grad!r}"
-            )
-        check_init_std(self.init_std)
-        if not 0 <= self.dense_fraction < 1:
-            raise ValueError(f"dense_fraction must be in [0, 1), got {self.dense_fraction}")
-        if self.schedule_steps is not None and self.schedule_steps < 1:
-            raise ValueError(f"schedule_steps must be None or >= 1, got {self.schedule_steps}")
+        require(self.segment_len >= 1, "segment_len", self.segment_len, ">= 1")
+        grads = FIRST_SEGMENT_GRADS
+        require(self.first_segment_grad in grads, "first_segment_grad", self.first_segment_grad, f"one of {grads}")
+        require(self.init_std > 0, "init_std", self.init_std, "> 0")
+        require(0 <= self.dense_fraction < 1, "dense_fraction", self.dense_fraction, "in [0, 1)")
+        steps = self.schedule_steps
+        require(steps is None or steps >= 1, "schedule_steps", steps, "None or >= 1")
 
     @property
     def dense_steps(self) -> int:
@@ -106,23 +94,9 @@ def num_segments(seq_len: int, segment_len: int) -> int:
     return math.ceil(seq_len / segment_len)
 
 
-def segment_index(seq_len: int, segment_len: int, device: torch.device | None = None) -> torch.Tensor:
-    """``[S]`` long: the segment of each position of a sequence (``s // segment_len``)."""
-    return torch.arange(seq_len, device=device) // segment_len
-
-
 def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, segment_len: int) -> torch.Tensor:
-    """Mean hidden state of every segment of every sequence, in float32.
-
-    Args:
-        hidden_TD: ``[T, D]`` hidden states in megatron-core's order ``t = s * B + b``.
-        seq_shape: ``(S, B)``; ``None`` means one sequence (S = T, B = 1).
-        segment_len: tokens per segment; the last segment of a sequence may be shorter and is averaged
-            over the tokens it has.
-
-    Returns:
-        ``[B, G, D]`` float32 means.
-    """
+    """``[B, G, D]`` float32: the mean hidden state of every segment of every sequence (``seq_shape`` ``(S, B)``,
+    ``None`` one sequence); the last segment of a sequence may be shorter, averaged over the tokens it has."""
     T, D = hidden_TD.shape
     S, B = (T, 1) if seq_shape is None else seq_shape
     G = num_segments(S, segment_len)
@@ -139,30 +113,23 @@ def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, se
 
 def _sync_phase_after_load(module: LoryRouter, _incompatible_keys) -> None:
     """``load_state_dict`` post-hook: the dense phase follows the loaded ``step`` buffer."""
-    module._sync_phase(int(module.step))
+    module._dense_phase = int(module.step) < module.config.dense_steps
 
 
 @register_router("lory")
-class LoryRouter(Router):
+class LoryRouter(GatedRouter):
     """Lory's causal segment routing (Zhong et al. 2024).
 
-    Every sequence is cut into segments of ``segment_len`` tokens along its length (``seq_shape`` gives
-    ``(S, B)``; tokens ``t = s * B + b``). Segment g >= 1 of a sequence is routed by
-    ``softmax(W_r mean(h of segment g-1))``, so its weights use only earlier tokens; the first segment is
-    routed on the mean of its own hidden states with a stop-gradient: on its whole routing output by
-    default (the paper: nothing learns from it), or on the mean only (``first_segment_grad="router"``: W_r
-    still learns from it). Either way the first segment's weights see all of that segment's tokens in the
-    forward pass: within segment 0 a token's weights depend on later tokens of the segment, a property of
-    the published method. At
-    inference the paper routes once on the prompt; that generation-time rule belongs to the model's
-    decoding code, this router applies the training rule to whatever sequence it is given.
+    Every sequence is cut into segments of ``segment_len`` tokens along its length. Segment g >= 1 of a
+    sequence is routed by ``softmax(W_r mean(h of segment g-1))``, so its weights use only earlier tokens;
+    the first segment is routed on the mean of its own hidden states with a stop-gradient (the module
+    docstring). Every token of a segment gets that segment's weights as ``probs [T, E]``; ``routing_map`` is
+    all True (kind MERGE: the merge layer mixes all E experts' parameters). The whole path is differentiable
+    and there is no aux loss. Metric: ``num_segments`` (G).
 
-    Every token of a segment gets that segment's weights as ``probs [T, E]``; ``routing_map`` is all
-    True (kind MERGE: the merge layer mixes all E experts' parameters). W_r is float32, bias-free,
-    N(0, init_std^2). The whole path is differentiable and there is no aux loss.
-
-    For the first ``config.dense_steps`` steps (:attr:`dense_phase`) the merge layer trains one dense FFN
-    and does not call the router (the module docstring).
+    The paper's inference rule, routing once on the prompt, is the merge layer's
+    (``routers.megatron_adapter.prompt_routing``); for the first ``config.dense_steps`` steps
+    (:attr:`dense_phase`) that layer trains one dense FFN and does not call the router.
     """
 
     Config = LoryConfig
@@ -177,14 +144,12 @@ class LoryRouter(Router):
 
     @classmethod
     def moe_layer_class(cls) -> type:
-        """Lory's parameter-merging layer (:class:`baselines.lory_layer.LoryMoELayer`)."""
         from baselines.lory_layer import LoryMoELayer
 
         return LoryMoELayer
 
     def __init__(self, config: LoryConfig) -> None:
         super().__init__(config)
-        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
         # The phase follows the step buffer: set by set_step, recomputed when a state dict is loaded.
         self._dense_phase = config.dense_steps > 0
         self.register_load_state_dict_post_hook(_sync_phase_after_load)
@@ -194,13 +159,10 @@ class LoryRouter(Router):
         """Whether the model trains dense at the current step (``step < config.dense_steps``)."""
         return self._dense_phase
 
-    def _sync_phase(self, step: int) -> None:
-        self._dense_phase = step < self.config.dense_steps
-
     def set_step(self, step: int) -> None:
         """Set the step; in the dense phase W_r takes no gradient (no AdamW step, no decay), after it it does."""
         super().set_step(step)
-        self._sync_phase(int(step))
+        self._dense_phase = int(step) < self.config.dense_steps
         if self.config.dense_steps > 0:
             self.weight.requires_grad_(not self._dense_phase)
 
@@ -210,17 +172,10 @@ class LoryRouter(Router):
         return RoutingConstraint(RoutingKind.MERGE, E, E, top_k=self.top_k, probs_sum_to_one=True)
 
     def segment_weights(self, hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None = None) -> torch.Tensor:
-        """The expert weights of every segment (what the merge layer mixes the experts' parameters with).
-
-        Args:
-            hidden_TD: ``[T, D]`` hidden states, ``t = s * B + b``.
-            seq_shape: ``(S, B)``; ``None`` means one sequence of length T.
-
-        Returns:
-            ``[B, G, E]`` float32, each row on the simplex: row g is ``softmax(W_r mean(segment g-1))``
-            for g >= 1, and for g = 0 ``stopgrad(softmax(W_r mean(segment 0)))`` (paper, default) or
-            ``softmax(W_r stopgrad(mean(segment 0)))`` (``first_segment_grad="router"``).
-        """
+        """``[B, G, E]`` float32, the expert weights of every segment (what the merge layer mixes the experts'
+        parameters with), each row on the simplex: row g is ``softmax(W_r mean(segment g-1))`` for g >= 1, and
+        for g = 0 ``stopgrad(softmax(W_r mean(segment 0)))`` (paper, default) or
+        ``softmax(W_r stopgrad(mean(segment 0)))`` (``first_segment_grad="router"``)."""
         means_BGD = segment_means(hidden_TD, seq_shape, self.config.segment_len)
         # Segment g reads segment g-1 (causal); the first reads itself, detached.
         route_on_BGD = torch.cat([means_BGD[:, :1].detach(), means_BGD[:, :-1]], dim=1)
@@ -232,32 +187,16 @@ class LoryRouter(Router):
             weights_BGE = torch.cat([weights_BGE[:, :1].detach(), weights_BGE[:, 1:]], dim=1)
         return weights_BGE
 
-    def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
-    ) -> RouterOutput:
-        """Give every token its segment's expert weights.
-
-        Args:
-            hidden_TD: ``[T, D]`` hidden states, ``t = s * B + b``.
-            token_ids_T: unused.
-            seq_shape: ``(S, B)``; ``None`` means one sequence of length T.
-
-        Returns:
-            :class:`RouterOutput` with all-True ``routing_map``, no aux loss, and the extra metric
-            ``num_segments`` (G).
-        """
+    def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         T = hidden_TD.shape[0]
         S, B = (T, 1) if seq_shape is None else seq_shape
         weights_BGE = self.segment_weights(hidden_TD, seq_shape)
-        seg_S = segment_index(S, self.config.segment_len, device=hidden_TD.device)
+        seg_S = torch.arange(S, device=hidden_TD.device) // self.config.segment_len
         # [B, S, E] -> [S, B, E] -> [T, E] in megatron-core's token order.
         probs_TE = weights_BGE[:, seg_S].transpose(0, 1).reshape(T, self.num_experts)
         routing_map_TE = torch.ones(T, self.num_experts, dtype=torch.bool, device=hidden_TD.device)
-        if not self.collect_metrics:
-            return RouterOutput(probs_TE, routing_map_TE, {}, {})
-        metrics = routing_metrics(probs_TE, routing_map_TE)
-        metrics["num_segments"] = torch.tensor(float(weights_BGE.shape[1]), device=hidden_TD.device)
+        metrics: dict[str, torch.Tensor] = {}
+        if self.collect_metrics:
+            metrics = routing_metrics(probs_TE, routing_map_TE)
+            metrics["num_segments"] = torch.tensor(float(weights_BGE.shape[1]), device=hidden_TD.device)
         return RouterOutput(probs_TE, routing_map_TE, {}, metrics)

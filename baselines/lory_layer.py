@@ -7,12 +7,10 @@ merged SwiGLU FFN on the segment's tokens:
     W1(g, b) = sum_e w_e(g, b) W1_e      W2(g, b) = sum_e w_e(g, b) W2_e
     y = W2(g, b) (silu(W1_gate(g, b) x) * W1_up(g, b) x)      for x in segment g of sequence b
 
-The weights come from the Lory router (``baselines/lory.py``) through the usual router interface: it
-returns ``probs [T, E]`` in which every token of a segment carries its segment's weights (segment g >= 1
-routed on the mean hidden state of segment g-1, segment 0 on itself with stop-gradient), with a routing
-map that is all True. This layer reads one weight vector per (segment, sequence) from ``probs`` (the mean
-over the segment's tokens, which are equal; the layer checks it) and does the merge. The router's
-gradients flow through the merged parameters; there is no aux loss.
+The weights come from the Lory router (``baselines/lory.py``) through the usual router interface: every
+token of a segment carries its segment's weights in ``probs [T, E]``. This layer reads one weight vector
+per (segment, sequence) from ``probs`` (the mean over the segment's tokens, which are equal; the layer
+checks it) and does the merge. The router's gradients flow through the merged parameters.
 
 Note what is and is not the same: merging the parameters of a SwiGLU FFN is NOT mixing the experts'
 outputs (``sum_e w_e FFN_e(x)``) — the FFN is not linear in its parameters. What holds exactly is that the
@@ -20,13 +18,12 @@ merged FFN is the FFN whose parameters are the weighted sums (the first projecti
 the weighted sums of the experts' pre-activations), and with a one-hot weight it is that expert.
 ``tests/test_model.py`` checks those identities.
 
-Inference routes once on the prompt (the Lory paper): inside
-``routers.megatron_adapter.prompt_routing`` (which calls :meth:`LoryMoELayer.set_prompt_lengths`) every Lory layer
-of the model routes each sequence once, on the mean hidden state of its first ``prompt_length`` tokens
-(the router called on that mean as a one-token segment 0), and uses those weights for every token of the
-sequence, prompt and continuation alike. The lm-eval bridge scores ``context + continuation`` in one
-forward with the context length as the prompt length. Outside the context (training, validation loss)
-the layer routes per segment as in training.
+Inference routes once on the prompt (the Lory paper): inside ``routers.megatron_adapter.prompt_routing``
+(which calls :meth:`LoryMoELayer.set_prompt_lengths`) every Lory layer of the model routes each sequence
+once, on the mean hidden state of its first ``prompt_length`` tokens (the router called on that mean as a
+one-token segment 0), and uses those weights for every token of the sequence, prompt and continuation
+alike. The lm-eval bridge scores ``context + continuation`` in one forward with the context length as the
+prompt length. Outside the context (training, validation loss) the layer routes per segment as in training.
 
 The dense start (``LoryConfig.dense_fraction``, the paper's Sec. 4.1 / Appendix G.3): while the router
 reports :attr:`~baselines.lory.LoryRouter.dense_phase`, the layer runs one dense SwiGLU FFN on every
@@ -53,25 +50,15 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 DEFAULT_SEGMENT_LENGTH = 256
-# Names under which a router config may carry its segment length (baselines/lory.py defines the field).
+
+
 def lory_merged_ffn(
-    x_BLH: torch.Tensor,
-    weights_BE: torch.Tensor,
-    fc1_EGH: torch.Tensor,
-    fc2_EHF: torch.Tensor,
+    x_BLH: torch.Tensor, weights_BE: torch.Tensor, fc1_EGH: torch.Tensor, fc2_EHF: torch.Tensor
 ) -> torch.Tensor:
-    """Run, for each sequence b, the SwiGLU FFN whose parameters are the ``weights_BE[b]``-weighted sums.
-
-    Args:
-        x_BLH: ``[B, L, H]`` the tokens of one segment of each sequence.
-        weights_BE: ``[B, E]`` the segment's routing weights per sequence.
-        fc1_EGH: ``[E, 2F, H]`` the experts' first projections, gate rows first then up rows (megatron's
-            ``linear_fc1.weight`` layout for ``gated_linear_unit``); G = 2F.
-        fc2_EHF: ``[E, H, F]`` the experts' second projections.
-
-    Returns:
-        ``[B, L, H]`` the merged FFN's output.
-    """
+    """``[B, L, H]``: for each sequence b, the SwiGLU FFN whose parameters are the ``weights_BE[b]``-weighted
+    sums run on ``x_BLH[b]`` (one segment of each sequence). ``fc1_EGH`` ``[E, 2F, H]`` are the experts' first
+    projections, gate rows first then up rows (megatron's ``linear_fc1.weight`` layout for
+    ``gated_linear_unit``; G = 2F), ``fc2_EHF`` ``[E, H, F]`` their second projections."""
     w_BE = weights_BE.to(fc1_EGH.dtype)
     fc1_BGH = torch.einsum("be,egh->bgh", w_BE, fc1_EGH)
     fc2_BHF = torch.einsum("be,ehf->bhf", w_BE, fc2_EHF)
@@ -104,19 +91,22 @@ class LoryMoELayer(MoELayer):
                 for expert in self.experts.local_experts[1:]:
                     expert.linear_fc1.weight.copy_(first.linear_fc1.weight)
                     expert.linear_fc2.weight.copy_(first.linear_fc2.weight)
-        # Per-sequence prompt lengths, set only inside routers.megatron_adapter.prompt_routing (never outlives that block).
+        # Per-sequence prompt lengths, set only inside prompt_routing (never outlives that block).
         self._prompt_lengths_B: torch.Tensor | None = None
 
     # ---------------------------------------------------------------- helpers
+    @property
+    def _inner_router(self):
+        """The project router (megatron's adapter holds it as ``router``)."""
+        return getattr(self.router, "router", self.router)
+
     def _dense_steps(self) -> int:
         """The router's ``dense_steps`` (0 for a router without a dense start)."""
-        inner = getattr(self.router, "router", self.router)
-        return int(getattr(getattr(inner, "config", None), "dense_steps", 0))
+        return int(getattr(getattr(self._inner_router, "config", None), "dense_steps", 0))
 
     def in_dense_phase(self) -> bool:
         """Whether the router says the model is still dense at this step."""
-        inner = getattr(self.router, "router", self.router)
-        return bool(getattr(inner, "dense_phase", False))
+        return bool(getattr(self._inner_router, "dense_phase", False))
 
     def dense_ffn_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [2F, H], fc2 [H, F])`` of the dense FFN: expert 0's values, each expert's gradient / sqrt(E).
@@ -133,8 +123,7 @@ class LoryMoELayer(MoELayer):
     @property
     def segment_length(self) -> int:
         """The Lory router's ``segment_len`` (default 256 for a router without one)."""
-        inner = getattr(self.router, "router", self.router)
-        return int(getattr(getattr(inner, "config", None), "segment_len", DEFAULT_SEGMENT_LENGTH))
+        return int(getattr(getattr(self._inner_router, "config", None), "segment_len", DEFAULT_SEGMENT_LENGTH))
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [E, 2F, H], fc2 [E, H, F])``: the experts' parameters stacked (differentiable)."""
@@ -157,7 +146,7 @@ class LoryMoELayer(MoELayer):
         # this layer disagree on the segment length. One comparison (and one host sync) per forward, on the
         # forwards that collect metrics only: the segment lengths are settings, fixed for the run, and the
         # steps that do not log must force no host synchronisation.
-        if not getattr(getattr(self.router, "router", self.router), "collect_metrics", True):
+        if not getattr(self._inner_router, "collect_metrics", True):
             return weights_GBE
         spread = (probs_SBE.detach() - weights_GBE.detach().repeat_interleave(L, dim=0)[:S]).abs().max()
         if float(spread) > 1e-5:
@@ -180,16 +169,9 @@ class LoryMoELayer(MoELayer):
 
     # ---------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
-        """Merge-and-run per segment.
-
-        Args:
-            hidden_states: ``[S, B, H]``.
-            intermediate_tensors: megatron's partial-CUDA-graph hook; not supported (must be None).
-            padding_mask: not supported (must be None).
-
-        Returns:
-            ``(output [S, B, H], None)`` like megatron's MoELayer.
-        """
+        """Merge-and-run per segment of ``hidden_states`` ``[S, B, H]``: ``(output [S, B, H], None)`` like
+        megatron's MoELayer. Neither megatron's ``intermediate_tensors`` (partial CUDA graphs) nor
+        ``padding_mask`` is supported (both must be None)."""
         if intermediate_tensors is not None or padding_mask is not None:
             raise NotImplementedError("LoryMoELayer supports neither intermediate_tensors nor padding_mask")
         S, B, H = hidden_states.shape

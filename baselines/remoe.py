@@ -15,38 +15,30 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
-from baselines._gate import check_init_std, gate_logits, make_gate_weight
-from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from baselines._gate import GatedRouter, balance_metric
+from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
 
 @dataclass(frozen=True)
 class ReMoEConfig(RouterConfig):
-    """Options of the ReMoE router (defaults: the paper's and its scripts').
+    """Options of the ReMoE router (defaults: the paper's and its scripts')."""
 
-    Args:
-        l1_coeff_init: lambda_0, the initial L1 coefficient (paper: 1e-8).
-        l1_coeff_multiplier: alpha > 1 of the update ``lambda <- lambda * alpha^sign(target - S)`` (paper: 1.2).
-        target_sparsity: the share of zero router outputs the update steers to; ``None`` means the
-            paper's ``1 - k/E`` (the compute of top-k routing).
-        init_std: std of the normal initialisation of the gate weight.
-    """
-
-    l1_coeff_init: float = 1e-8
-    l1_coeff_multiplier: float = 1.2
+    l1_coeff_init: float = 1e-8  # lambda_0, the initial L1 coefficient
+    l1_coeff_multiplier: float = 1.2  # alpha > 1 of the update lambda <- lambda * alpha^sign(target - S)
+    # The share of zero router outputs the update steers to; None means the paper's 1 - k/E (the compute of
+    # top-k routing).
     target_sparsity: float | None = None
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.l1_coeff_init > 0:
-            raise ValueError(f"l1_coeff_init must be > 0, got {self.l1_coeff_init}")
-        if not self.l1_coeff_multiplier > 1:
-            raise ValueError(f"l1_coeff_multiplier must be > 1, got {self.l1_coeff_multiplier}")
-        if self.target_sparsity is not None and not 0 <= self.target_sparsity < 1:
-            raise ValueError(f"target_sparsity must be None or in [0, 1), got {self.target_sparsity}")
-        check_init_std(self.init_std)
+        require(self.l1_coeff_init > 0, "l1_coeff_init", self.l1_coeff_init, "> 0")
+        require(self.l1_coeff_multiplier > 1, "l1_coeff_multiplier", self.l1_coeff_multiplier, "> 1")
+        target = self.target_sparsity
+        require(target is None or 0 <= target < 1, "target_sparsity", target, "None or in [0, 1)")
+        require(self.init_std > 0, "init_std", self.init_std, "> 0")
 
     @property
     def effective_target_sparsity(self) -> float:
@@ -55,27 +47,25 @@ class ReMoEConfig(RouterConfig):
 
 
 @register_router("remoe")
-class ReMoERouter(Router):
+class ReMoERouter(GatedRouter):
     """ReLU routing (ReMoE, Wang et al. ICLR 2025).
 
-    ``R = relu(W h)`` (float32, no bias, W ~ N(0, init_std^2), init std 0.01 as the reference scripts'
-    ``--init-method-std``) is used unnormalised as the combine weights, as in the reference
-    ``ReLURouter``; ``routing_map = R > 0``, so a token may go to any number of experts, none included
-    (it then keeps only the residual path).
+    ``R = relu(W h)`` is used unnormalised as the combine weights, as in the reference ``ReLURouter``;
+    ``routing_map = R > 0``, so a token may go to any number of experts, none included (it then keeps only
+    the residual path).
 
-    Aux loss (training with grad enabled), the paper's load-balanced L1 penalty:
+    Aux loss ``l1_reg_loss`` (training with grad enabled), the paper's load-balanced L1 penalty:
     ``lambda * E / (T^2 k) * sum_e (sum_t R_te) (sum_t 1[R_te > 0])``. Like the reference it is
     megatron-core's ``switch_load_balancing_loss_func`` applied to R with coefficient lambda; the
-    counts are not differentiated through.
+    counts are not differentiated through. Metrics: ``sparsity`` (this micro-batch), ``l1_coeff`` and
+    ``l1_reg`` (the penalty without lambda).
 
     Adaptive coefficient (the paper's adaptive L1 regularisation): after every optimizer step
     ``lambda <- lambda * alpha^sign(target - S)``, S being the share of zero entries of R averaged over
     the step's training micro-batches, over the layers and over the data-parallel ranks (the reference
-    sums S per forward and averages at the step). Here each router accumulates S in buffers during its
-    training forwards, :meth:`step_statistic` returns the local mean, and ``routers.schedule.end_step``
-    averages it over layers and ranks and calls :meth:`end_step`, which applies the update once and
-    resets the accumulators. lambda is the persistent float32 buffer ``l1_coeff``, so checkpoints carry
-    it; every layer holds an identical copy (the reference holds one shared value).
+    sums S per forward and averages at the step; here ``routers.schedule.end_step`` averages
+    :meth:`step_statistic`). lambda is the persistent float32 buffer ``l1_coeff``, so checkpoints carry it;
+    every layer holds an identical copy (the reference holds one shared value).
     """
 
     Config = ReMoEConfig
@@ -84,7 +74,6 @@ class ReMoERouter(Router):
 
     def __init__(self, config: ReMoEConfig) -> None:
         super().__init__(config)
-        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
         self.register_buffer("l1_coeff", torch.tensor(config.l1_coeff_init, dtype=torch.float32))
         # Per-step accumulators: reset by end_step, so a checkpoint taken between steps needs none.
         self.register_buffer("sparsity_sum", torch.zeros((), dtype=torch.float32), persistent=False)
@@ -96,26 +85,10 @@ class ReMoERouter(Router):
     def constraint(self) -> RoutingConstraint:
         return RoutingConstraint(RoutingKind.VARIABLE, 0, self.num_experts, top_k=self.top_k)
 
-    def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
-    ) -> RouterOutput:
-        """Route each token to the experts with a positive ReLU gate.
-
-        Args:
-            hidden_TD: ``[T, D]`` hidden states.
-            token_ids_T: unused.
-            seq_shape: unused.
-
-        Returns:
-            :class:`RouterOutput` with ``l1_reg_loss`` in training mode with grad enabled, and the metrics
-            ``sparsity`` (this micro-batch), ``l1_coeff`` and ``l1_reg`` (the penalty without lambda).
-        """
+    def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config
         T = hidden_TD.shape[0]
-        probs_TE = torch.relu(gate_logits(hidden_TD, self.weight))
+        probs_TE = torch.relu(self.logits(hidden_TD))
         routing_map_TE = probs_TE > 0
         tokens_per_expert_E = routing_map_TE.sum(0)
         sparsity = 1.0 - routing_map_TE.float().mean()
@@ -124,12 +97,7 @@ class ReMoERouter(Router):
         if self.training and torch.is_grad_enabled():
             # clone(): the loss must not hold the buffer itself, which end_step updates in place.
             aux_losses["l1_reg_loss"] = switch_load_balancing_loss_func(
-                probs=probs_TE,
-                tokens_per_expert=tokens_per_expert_E,
-                total_num_tokens=T,
-                topk=cfg.top_k,
-                num_experts=cfg.num_experts,
-                moe_aux_loss_coeff=self.l1_coeff.clone(),
+                probs_TE, tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, self.l1_coeff.clone()
             )
             # Only training forwards with grad feed the schedule (as the reference): evaluation and the
             # no-grad first pass of activation checkpointing are not counted.
@@ -137,35 +105,26 @@ class ReMoERouter(Router):
                 self.sparsity_sum += sparsity.detach()
                 self.sparsity_count += 1
 
-        if not self.collect_metrics:
-            return RouterOutput(probs_TE, routing_map_TE, aux_losses, {})
-        metrics = routing_metrics(probs_TE, routing_map_TE)
-        with torch.no_grad():
+        metrics: dict[str, torch.Tensor] = {}
+        if self.collect_metrics:
+            metrics = routing_metrics(probs_TE, routing_map_TE)
             metrics["sparsity"] = sparsity.detach()
             metrics["l1_coeff"] = self.l1_coeff.detach().clone()
-            metrics["l1_reg"] = switch_load_balancing_loss_func(
-                probs_TE.detach(), tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, 1.0
-            )
+            metrics["l1_reg"] = balance_metric(probs_TE, tokens_per_expert_E, cfg)
         return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)
 
     # ------------------------------------------------------------ step schedule
     def step_statistic(self) -> torch.Tensor | None:
-        """Mean sparsity S of this router's training forwards since the last :meth:`end_step`.
-
-        Returns:
-            A float32 scalar, or ``None`` when no training forward happened (decided on the host count).
-        """
+        """Mean sparsity S of this router's training forwards since the last :meth:`end_step` (``None`` when
+        there was none, decided on the host count)."""
         if self.sparsity_count == 0:
             return None
         return self.sparsity_sum / self.sparsity_count
 
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
-        """Apply ``lambda <- lambda * alpha^sign(target - S)`` with the averaged S, then reset the accumulators.
-
-        Args:
-            global_statistic: S averaged over layers, micro-batches and data-parallel ranks; ``None``
-                (no training forward this step) leaves lambda unchanged.
-        """
+        """Apply ``lambda <- lambda * alpha^sign(target - S)`` with S averaged over layers, micro-batches and
+        data-parallel ranks (``None``, no training forward this step, leaves lambda unchanged); then reset the
+        accumulators."""
         if global_statistic is not None:
             # Too dense (S < target): raise lambda; too sparse: lower it; exactly on target: keep it. Chosen on
             # the device (no host synchronisation): S is compared in float64 with the float64 target (as a

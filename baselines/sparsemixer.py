@@ -62,8 +62,8 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
-from baselines._gate import check_init_std, gate_logits, make_gate_weight
-from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from baselines._gate import GatedRouter, balance_metric
+from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
@@ -72,10 +72,12 @@ from routers.registry import register_router
 HEUN_FULL_PROBABILITY = 0.25
 HEUN_MIDPOINT_SCALE = 1.0 / 3.0
 
-#: ``reference`` presets: (jitter_eps, aux_loss_coeff, balance_map, balance_scope); see the module docstring.
-REFERENCE_SETTINGS: dict[str, tuple[float, float, str, str]] = {
-    "grin": (0.01, 1e-3, "topk", "pooled"),
-    "sparsemixer-repo": (0.1, 1e-2, "sampled", "per-layer"),
+#: ``reference`` presets of the options left at None (see the module docstring).
+REFERENCE_SETTINGS: dict[str, dict[str, float | str]] = {
+    "grin": {"jitter_eps": 0.01, "aux_loss_coeff": 1e-3, "balance_map": "topk", "balance_scope": "pooled"},
+    "sparsemixer-repo": {
+        "jitter_eps": 0.1, "aux_loss_coeff": 1e-2, "balance_map": "sampled", "balance_scope": "per-layer"
+    },
 }
 BALANCE_MAPS = ("topk", "sampled")
 BALANCE_SCOPES = ("pooled", "per-layer")
@@ -83,76 +85,60 @@ BALANCE_SCOPES = ("pooled", "per-layer")
 
 @dataclass(frozen=True)
 class SparseMixerConfig(RouterConfig):
-    """Options of the SparseMixer-v2 router (``top_k`` must be 1 or 2, the cases the reference supports).
+    """Options of the SparseMixer-v2 router (``top_k`` must be 1 or 2, the cases the reference supports)."""
 
-    Args:
-        reference: which published setting fills the options left at None: "grin" (default) or
-            "sparsemixer-repo" (see the module docstring).
-        jitter_eps: eps of the jitter mask: an expert i is excluded when
-            ``(max_j l_j - l_i) / max(|l_i|, max_j l_j) > 2 * eps``. None: the preset's (0.01 / 0.1).
-        aux_loss_coeff: alpha of the switch load-balancing loss ``alpha * E * sum_i f_i P_i``; 0 turns it
-            off. None: the preset's (1e-3 / 1e-2).
-        balance_map: which experts ``f_i`` counts: "topk" (the k largest of the plain softmax, GRIN's model
-            code) or "sampled" (the experts the router selected, the repository module). None: the preset's.
-        balance_scope: "pooled" (one loss over all layers' logits, GRIN's model code) or "per-layer" (one
-            loss per layer, each weighted by alpha: megatron's, the repository module's). None: the preset's.
-        init_std: std of the normal initialisation of the gate weight.
-    """
-
+    # "grin" or "sparsemixer-repo": fills the options left at None with its preset (the module docstring's table).
     reference: str = "grin"
+    # eps of the jitter mask: an expert i is excluded when (max_j l_j - l_i) / max(|l_i|, max_j l_j) > 2 * eps.
     jitter_eps: float | None = None
-    aux_loss_coeff: float | None = None
+    aux_loss_coeff: float | None = None  # alpha of the switch load-balancing loss; 0 turns it off
+    # Which experts f_i counts: "topk" (the k largest of the plain softmax) or "sampled" (the ones selected).
     balance_map: str | None = None
-    balance_scope: str | None = None
+    balance_scope: str | None = None  # "pooled" (one loss over all layers' logits) or "per-layer"
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.top_k not in (1, 2):
-            raise ValueError(f"top_k must be 1 or 2 for sparsemixer (the reference's cases), got {self.top_k}")
-        if self.reference not in REFERENCE_SETTINGS:
-            raise ValueError(f"reference must be one of {tuple(REFERENCE_SETTINGS)}, got {self.reference!r}")
-        if self.jitter_eps is not None and not self.jitter_eps >= 0:
-            raise ValueError(f"jitter_eps must be >= 0, got {self.jitter_eps}")
-        if self.aux_loss_coeff is not None and not self.aux_loss_coeff >= 0:
-            raise ValueError(f"aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
-        if self.balance_map is not None and self.balance_map not in BALANCE_MAPS:
-            raise ValueError(f"balance_map must be one of {BALANCE_MAPS}, got {self.balance_map!r}")
-        if self.balance_scope is not None and self.balance_scope not in BALANCE_SCOPES:
-            raise ValueError(f"balance_scope must be one of {BALANCE_SCOPES}, got {self.balance_scope!r}")
-        check_init_std(self.init_std)
+        require(self.top_k in (1, 2), "top_k", self.top_k, "1 or 2 for sparsemixer (the reference's cases)")
+        references = tuple(REFERENCE_SETTINGS)
+        require(self.reference in references, "reference", self.reference, f"one of {references}")
+        eps, alpha = self.jitter_eps, self.aux_loss_coeff
+        require(eps is None or eps >= 0, "jitter_eps", eps, ">= 0")
+        require(alpha is None or alpha >= 0, "aux_loss_coeff", alpha, ">= 0")
+        for name, choices in (("balance_map", BALANCE_MAPS), ("balance_scope", BALANCE_SCOPES)):
+            value = getattr(self, name)
+            require(value is None or value in choices, name, value, f"one of {choices}")
+        require(self.init_std > 0, "init_std", self.init_std, "> 0")
+
+    def _preset(self, name: str) -> float | str:
+        """The option ``name``, or the ``reference`` preset's when it is None."""
+        value = getattr(self, name)
+        return REFERENCE_SETTINGS[self.reference][name] if value is None else value
 
     @property
     def effective_jitter_eps(self) -> float:
-        """``jitter_eps``, or the ``reference`` preset's."""
-        return REFERENCE_SETTINGS[self.reference][0] if self.jitter_eps is None else float(self.jitter_eps)
+        return float(self._preset("jitter_eps"))
 
     @property
     def effective_aux_loss_coeff(self) -> float:
-        """``aux_loss_coeff``, or the ``reference`` preset's."""
-        return REFERENCE_SETTINGS[self.reference][1] if self.aux_loss_coeff is None else float(self.aux_loss_coeff)
+        return float(self._preset("aux_loss_coeff"))
 
     @property
     def effective_balance_map(self) -> str:
-        """``balance_map``, or the ``reference`` preset's."""
-        return REFERENCE_SETTINGS[self.reference][2] if self.balance_map is None else self.balance_map
+        return self._preset("balance_map")
 
     @property
     def effective_balance_scope(self) -> str:
-        """``balance_scope``, or the ``reference`` preset's."""
-        return REFERENCE_SETTINGS[self.reference][3] if self.balance_scope is None else self.balance_scope
+        return self._preset("balance_scope")
 
 
 class BalancePool:
     """The layers' softmax scores and assignment counts of one training forward, pooled into one loss.
 
-    Shared by the SparseMixer routers of one model (:meth:`SparseMixerRouter.link_layers`). Each layer adds
-    its entry once per forward; the entry that completes the set returns everything concatenated, and the
-    pool empties for the next forward. A layer that finds its own entry already there (a forward that
-    stopped midway) starts the pool again.
-
-    Args:
-        num_layers: L, the layers whose logits are pooled.
+    Shared by the SparseMixer routers of one model (:meth:`SparseMixerRouter.link_layers`), ``num_layers`` L of
+    them. Each layer adds its entry once per forward; the entry that completes the set returns everything
+    concatenated, and the pool empties for the next forward. A layer that finds its own entry already there
+    (a forward that stopped midway) starts the pool again.
     """
 
     def __init__(self, num_layers: int) -> None:
@@ -162,12 +148,9 @@ class BalancePool:
     def add(
         self, layer: int | None, scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Add one layer's ``scores_TE`` (with their graph) and ``tokens_per_expert_E``.
-
-        Returns:
-            ``(scores [L T, E], tokens_per_expert [E])`` over all layers, in layer order, when this entry
-            completes the set; otherwise None.
-        """
+        """Add one layer's ``scores_TE`` (with their graph) and ``tokens_per_expert_E``; return
+        ``(scores [L T, E], tokens_per_expert [E])`` over all layers, in layer order, when this entry completes
+        the set, otherwise None."""
         if layer in self._entries:
             self._entries.clear()
         self._entries[layer] = (scores_TE, tokens_per_expert_E)
@@ -203,18 +186,12 @@ class SparseMixerV2Estimator(torch.autograd.Function):
 
 
 def sparsemixer_v2_select(
-    logits_TE: torch.Tensor,
-    jitter_eps: float,
-    training: bool,
-    exclude_TE: torch.Tensor | None = None,
+    logits_TE: torch.Tensor, jitter_eps: float, training: bool, exclude_TE: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One SparseMixer-v2 selection (the first expert, or with ``exclude_TE`` the second).
-
-    Args:
-        logits_TE: ``[T, E]`` float32 router logits (the gradient estimate flows back to them).
-        jitter_eps: eps of the jitter mask.
-        training: sample with Gumbel-max and apply the Heun mixing (True) or take the arg-max (False).
-        exclude_TE: ``[T, E]`` bool, experts already selected (masked out of this selection).
+    """One SparseMixer-v2 selection (the first expert, or with ``exclude_TE``, ``[T, E]`` bool experts already
+    selected and masked out, the second) from the ``[T, E]`` float32 logits, which the gradient estimate flows
+    back to. In ``training`` it samples with Gumbel-max and applies the Heun mixing, otherwise it takes the
+    arg-max.
 
     Returns:
         ``weight_T`` (differentiable through :class:`SparseMixerV2Estimator`), ``selected_T`` (long),
@@ -248,38 +225,35 @@ def sparsemixer_v2_select(
 
 
 @register_router("sparsemixer")
-class SparseMixerRouter(Router):
+class SparseMixerRouter(GatedRouter):
     """SparseMixer-v2 (GRIN, Liu et al. 2024), top-1 or top-2.
 
-    logits = W h (float32, no bias, W ~ N(0, init_std^2)). For each of the k selections: experts far
-    below the best remaining logit are masked (jitter mask, eps = ``jitter_eps``); in training the expert
-    is sampled by Gumbel-max from ``pi = softmax(masked logits)``, at evaluation it is the arg-max; the
-    second selection masks out the first expert. The combine weight is ``pi_i`` times the Heun
-    third-order mixing factor: 1 when the sampled expert is the arg-max of pi, otherwise 1 with
-    probability 1/4 and 1/3 with probability 3/4 (training only; the reference writes 1/3 as 0.3333).
-    The backward replaces the derivative of that sampled forward with SparseMixer-v2's estimator
-    ``dL/dlogits = g * pi_i * (e_i - pi)`` (g the incoming gradient of the weight), summed over the k
-    selections. With an aux-loss coefficient > 0, the switch load-balancing loss on the plain softmax of
-    the logits is added in training (megatron-core's ``switch_load_balancing_loss_func``), its token counts
-    taken from the softmax's top-k or from the sampled experts (``balance_map``), one loss per layer or one
-    over all layers' logits (``balance_scope``, the module docstring).
+    logits = W h. For each of the k selections: experts far below the best remaining logit are masked
+    (jitter mask, eps = ``jitter_eps``); in training the expert is sampled by Gumbel-max from
+    ``pi = softmax(masked logits)``, at evaluation it is the arg-max; the second selection masks out the first
+    expert. The combine weight is ``pi_i`` times the Heun third-order mixing factor: 1 when the sampled expert
+    is the arg-max of pi, otherwise 1 with probability 1/4 and 1/3 with probability 3/4 (training only; the
+    reference writes 1/3 as 0.3333). The backward replaces the derivative of that sampled forward with
+    SparseMixer-v2's estimator ``dL/dlogits = g * pi_i * (e_i - pi)`` (g the incoming gradient of the weight),
+    summed over the k selections.
+
+    Aux loss: ``load_balancing_loss``, the module docstring's balancing loss, in training when alpha > 0
+    (pooled: only from the forward's last layer, which carries all layers' loss). Metrics:
+    ``sampled_not_argmax`` (share of selections that were not the arg-max), ``mean_scale`` (mean Heun factor)
+    and ``balance_loss`` (unscaled).
     """
 
     Config = SparseMixerConfig
 
     def __init__(self, config: SparseMixerConfig) -> None:
         super().__init__(config)
-        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
         self._layer_number: int | None = None
         self._pool: BalancePool | None = None  # a plain attribute: per-forward state, not in the state dict
 
     @classmethod
     def link_layers(cls, routers: list[SparseMixerRouter]) -> None:
-        """Give the SparseMixer routers of one model a shared :class:`BalancePool` (the pooled loss).
-
-        Called by the model builder (``repro.model.builder.build_model``) with every router of this class
-        in the model, once it is built.
-        """
+        """Give the SparseMixer routers of one model a shared :class:`BalancePool` (the pooled loss). Called by
+        the model builder (``repro.model.builder.build_model``) with all of them, once the model is built."""
         pool = BalancePool(len(routers))
         for router in routers:
             router._pool = pool
@@ -289,12 +263,9 @@ class SparseMixerRouter(Router):
         self._layer_number = layer_number
 
     def balance_loss(self, scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor | None:
-        """The training balancing loss this layer returns (alpha applied), or None.
-
-        Per layer (or alone, without a pool): megatron's switch loss on this layer's scores. Pooled: None
-        until the last layer of the forward, which returns the switch loss of all layers' concatenated
-        scores and summed counts, ``alpha E sum_e fbar_e Pbar_e`` (the module docstring).
-        """
+        """The training balancing loss this layer returns (alpha applied), or None. Per layer (or alone, without
+        a pool): megatron's switch loss on this layer's scores. Pooled: None until the last layer of the
+        forward, which returns the switch loss of all layers' concatenated scores and summed counts."""
         cfg = self.config
         alpha, k, E = cfg.effective_aux_loss_coeff, cfg.top_k, cfg.num_experts
         if cfg.effective_balance_scope == "per-layer" or self._pool is None:
@@ -310,28 +281,10 @@ class SparseMixerRouter(Router):
         k = self.top_k
         return RoutingConstraint(RoutingKind.EXACT_K, k, k, top_k=k)
 
-    def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
-    ) -> RouterOutput:
-        """Sample (train) or pick (eval) k experts per token.
-
-        Args:
-            hidden_TD: ``[T, D]`` hidden states.
-            token_ids_T: unused.
-            seq_shape: unused.
-
-        Returns:
-            :class:`RouterOutput` with ``load_balancing_loss`` in training (when enabled; pooled, only from
-            the forward's last layer, which carries all layers' loss) and the extra
-            metrics ``sampled_not_argmax`` (share of selections that were not the arg-max), ``mean_scale``
-            (mean Heun factor) and ``balance_loss`` (unscaled).
-        """
+    def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config
         T = hidden_TD.shape[0]
-        logits_TE = gate_logits(hidden_TD, self.weight)
+        logits_TE = self.logits(hidden_TD)
         exclude_TE = None
         weights, experts, not_argmax, scales = [], [], [], []
         for _ in range(cfg.top_k):
@@ -357,19 +310,15 @@ class SparseMixerRouter(Router):
             top_Tk = scores_TE.detach().topk(cfg.top_k, dim=-1).indices
             tokens_per_expert_E = torch.zeros_like(routing_map_TE).scatter_(1, top_Tk, True).sum(0)
         aux_losses: dict[str, torch.Tensor] = {}
-        alpha = cfg.effective_aux_loss_coeff
-        if self.training and torch.is_grad_enabled() and alpha > 0:
+        if self.training and torch.is_grad_enabled() and cfg.effective_aux_loss_coeff > 0:
             loss = self.balance_loss(scores_TE, tokens_per_expert_E)
             if loss is not None:
                 aux_losses["load_balancing_loss"] = loss
 
-        if not self.collect_metrics:
-            return RouterOutput(probs_TE, routing_map_TE, aux_losses, {})
-        metrics = routing_metrics(probs_TE, routing_map_TE)
-        with torch.no_grad():
+        metrics: dict[str, torch.Tensor] = {}
+        if self.collect_metrics:
+            metrics = routing_metrics(probs_TE, routing_map_TE)
             metrics["sampled_not_argmax"] = torch.stack(not_argmax).float().mean()
             metrics["mean_scale"] = torch.stack(scales).mean()
-            metrics["balance_loss"] = switch_load_balancing_loss_func(
-                scores_TE.detach(), tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, 1.0
-            )
+            metrics["balance_loss"] = balance_metric(scores_TE, tokens_per_expert_E, cfg)
         return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)

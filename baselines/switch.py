@@ -26,8 +26,8 @@ from megatron.core.transformer.moe.moe_utils import (
     z_loss_func,
 )
 
-from baselines._gate import check_init_std, gate_logits, make_gate_weight
-from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
+from baselines._gate import GatedRouter, balance_metric, z_loss_metric
+from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
@@ -36,47 +36,37 @@ DROP_POLICIES = ("probs", "position")
 
 @dataclass(frozen=True)
 class SwitchConfig(RouterConfig):
-    """Options of the Switch / dMoE router; each maps to one megatron-core ``TransformerConfig`` field.
+    """Options of the Switch / dMoE router; each maps to one megatron-core ``TransformerConfig`` field."""
 
-    Args:
-        aux_loss_coeff: alpha of the load-balancing loss (``moe_aux_loss_coeff``); 0 turns it off.
-        z_loss_coeff: coefficient of the router z-loss (``moe_z_loss_coeff``); 0 (default) turns it off.
-        pre_softmax: softmax before the top-k (``moe_router_pre_softmax``): the k weights are the full
-            softmax's values, not renormalised. ``None`` follows megatron-core: True for k = 1 (0.16.1
-            requires it: a softmax over one selected logit has zero gradient), its default False for k > 1
-            (softmax over the k selected logits, so the weights sum to one). ReMoE's dMoE launch scripts pass
-            ``--moe-router-pre-softmax`` whatever k (``scripts/train_llama_182m_moe.sh``), so runs compared
-            with ReMoE's numbers at k > 1 (the k sweeps) set True.
-        capacity_factor: ``None`` (default) is dropless (dMoE); a value c > 0 caps every expert at
-            ``ceil((T * k / E) * c)`` tokens and drops the rest (``moe_expert_capacity_factor``).
-        drop_policy: which tokens an over-full expert keeps: "probs" (highest weight) or "position"
-            (earliest) (``moe_token_drop_policy``).
-        init_std: std of the normal initialisation of the gate weight.
-    """
-
-    aux_loss_coeff: float = 1e-2
-    z_loss_coeff: float = 0.0
+    aux_loss_coeff: float = 1e-2  # alpha of the load-balancing loss (moe_aux_loss_coeff); 0 turns it off
+    z_loss_coeff: float = 0.0  # coefficient of the router z-loss (moe_z_loss_coeff); 0 turns it off
+    # Softmax before the top-k (moe_router_pre_softmax): the k weights are the full softmax's values, not
+    # renormalised. None follows megatron-core: True for k = 1 (0.16.1 requires it: a softmax over one selected
+    # logit has zero gradient), its default False for k > 1 (softmax over the k selected logits, so the weights
+    # sum to one). ReMoE's dMoE launch scripts pass --moe-router-pre-softmax whatever k
+    # (scripts/train_llama_182m_moe.sh), so runs compared with ReMoE's numbers at k > 1 (the k sweeps) set True.
     pre_softmax: bool | None = None
+    # None is dropless (dMoE); a value c > 0 caps every expert at ceil((T * k / E) * c) tokens and drops the
+    # rest (moe_expert_capacity_factor).
     capacity_factor: float | None = None
+    # Which tokens an over-full expert keeps: "probs" (highest weight) or "position" (earliest)
+    # (moe_token_drop_policy).
     drop_policy: str = "probs"
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.aux_loss_coeff >= 0:
-            raise ValueError(f"aux_loss_coeff must be >= 0, got {self.aux_loss_coeff}")
-        if not self.z_loss_coeff >= 0:
-            raise ValueError(f"z_loss_coeff must be >= 0, got {self.z_loss_coeff}")
+        require(self.aux_loss_coeff >= 0, "aux_loss_coeff", self.aux_loss_coeff, ">= 0")
+        require(self.z_loss_coeff >= 0, "z_loss_coeff", self.z_loss_coeff, ">= 0")
         if self.pre_softmax is False and self.top_k == 1:
             raise ValueError(
                 "pre_softmax must be True or None when top_k == 1 (megatron-core 0.16.1 requires softmax "
                 "before a top-1 selection: a softmax over one logit has zero gradient)"
             )
-        if self.capacity_factor is not None and not self.capacity_factor > 0:
-            raise ValueError(f"capacity_factor must be None (dropless) or > 0, got {self.capacity_factor}")
-        if self.drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {self.drop_policy!r}")
-        check_init_std(self.init_std)
+        cf = self.capacity_factor
+        require(cf is None or cf > 0, "capacity_factor", cf, "None (dropless) or > 0")
+        require(self.drop_policy in DROP_POLICIES, "drop_policy", self.drop_policy, f"one of {DROP_POLICIES}")
+        require(self.init_std > 0, "init_std", self.init_std, "> 0")
 
     @property
     def use_pre_softmax(self) -> bool:
@@ -85,31 +75,29 @@ class SwitchConfig(RouterConfig):
 
 
 @register_router("switch")
-class SwitchRouter(Router):
+class SwitchRouter(GatedRouter):
     """Token-choice top-k routing: Switch Transformer (k = 1) and dMoE, exactly megatron-core's TopKRouter.
 
-    logits = W h (float32, no bias, W ~ N(0, init_std^2)); probs and routing_map from megatron-core's
-    ``topk_routing_with_score_function`` (softmax score function); optional capacity dropping with
-    ``apply_router_token_dropping``; in training with grad enabled, the load-balancing loss
-    ``alpha * E * sum_i f_i P_i`` (f_i: share of the k*T assignments going to expert i before dropping,
-    P_i: mean softmax probability of expert i) from ``switch_load_balancing_loss_func`` and, when
-    enabled, the z-loss ``coeff * mean_t logsumexp(logits_t)^2`` from ``z_loss_func``.
+    logits = W h; probs and routing_map from megatron-core's ``topk_routing_with_score_function`` (softmax
+    score function); optional capacity dropping with ``apply_router_token_dropping``; in training with grad
+    enabled, the load-balancing loss ``alpha * E * sum_i f_i P_i`` (f_i: share of the k*T assignments going
+    to expert i before dropping, P_i: mean softmax probability of expert i) from
+    ``switch_load_balancing_loss_func`` and, when enabled, the z-loss ``coeff * mean_t logsumexp(logits_t)^2``
+    from ``z_loss_func``. The per-sequence aux loss variant is not offered.
 
     Differences from megatron-core's router, by design of the shared interface: the losses are returned
     as named scalars (the megatron adapter attaches them with ``MoEAuxLossAutoScaler`` and logs them)
     instead of being attached to ``probs``/``logits`` here, and the token counts are those of the local
     micro-batch (megatron-core all-reduces them over the tensor/context-parallel group, a no-op when that
     group has one rank; its z-loss coefficient is likewise divided by that group's size).
+
+    Aux losses: ``load_balancing_loss``, ``z_loss``. Metrics: ``balance_loss`` and ``z_loss`` (unscaled),
+    ``dropped_fraction``.
     """
 
     Config = SwitchConfig
-    # ReMoE's dMoE scripts take the softmax before the top-k at every k (``--moe-router-pre-softmax``); the
-    # 185M runs and the k-sweeps derived from them follow that (at k = 1 it is what megatron requires anyway).
+    # The 185M runs and the k sweeps derived from them follow ReMoE's dMoE scripts (see ``pre_softmax``).
     recipe_overrides = {"185m": ("router.options.pre_softmax=true",)}
-
-    def __init__(self, config: SwitchConfig) -> None:
-        super().__init__(config)
-        self.weight = make_gate_weight(config.num_experts, config.hidden_size, config.init_std)
 
     @property
     def constraint(self) -> RoutingConstraint:
@@ -123,26 +111,10 @@ class SwitchRouter(Router):
             RoutingKind.CAPACITY, 0, cfg.top_k, capacity_factor=cfg.capacity_factor, top_k=cfg.top_k
         )
 
-    def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
-    ) -> RouterOutput:
-        """Route each token to its top-k experts.
-
-        Args:
-            hidden_TD: ``[T, D]`` hidden states.
-            token_ids_T: unused.
-            seq_shape: unused (the per-sequence aux loss variant is not offered).
-
-        Returns:
-            :class:`RouterOutput` with ``load_balancing_loss`` (and ``z_loss``) in training mode with grad
-            enabled, and the metrics ``balance_loss`` / ``z_loss`` (unscaled) and ``dropped_fraction``.
-        """
+    def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config
         T = hidden_TD.shape[0]
-        logits_TE = gate_logits(hidden_TD, self.weight)
+        logits_TE = self.logits(hidden_TD)
         with_losses = self.training and torch.is_grad_enabled()
 
         aux_losses: dict[str, torch.Tensor] = {}
@@ -154,34 +126,23 @@ class SwitchRouter(Router):
         )
         assigned_before_drop = routing_map_TE.sum() if self.collect_metrics else None
         if cfg.capacity_factor is not None:
+            # No padding to capacity: that is a dispatcher concern; the map stays "k at most".
             probs_TE, routing_map_TE = apply_router_token_dropping(
-                probs_TE,
-                routing_map_TE,
-                router_topk=cfg.top_k,
-                capacity_factor=cfg.capacity_factor,
-                drop_policy=cfg.drop_policy,
-                pad_to_capacity=False,  # padding is a dispatcher concern; the map stays "k at most"
+                probs_TE, routing_map_TE, router_topk=cfg.top_k, capacity_factor=cfg.capacity_factor,
+                drop_policy=cfg.drop_policy, pad_to_capacity=False,
             )
 
         # megatron-core computes the balance statistics from the full softmax and the undropped top-k.
         aux_map_TE, scores_TE = compute_routing_scores_for_aux_loss(logits_TE, cfg.top_k, "softmax")
         if with_losses and cfg.aux_loss_coeff > 0:
             aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
-                probs=scores_TE,
-                tokens_per_expert=aux_map_TE.sum(0),
-                total_num_tokens=T,
-                topk=cfg.top_k,
-                num_experts=cfg.num_experts,
-                moe_aux_loss_coeff=cfg.aux_loss_coeff,
+                scores_TE, aux_map_TE.sum(0), T, cfg.top_k, cfg.num_experts, cfg.aux_loss_coeff
             )
 
-        if not self.collect_metrics:
-            return RouterOutput(probs_TE.float(), routing_map_TE, aux_losses, {})
-        metrics = routing_metrics(probs_TE, routing_map_TE)
-        with torch.no_grad():
-            metrics["balance_loss"] = switch_load_balancing_loss_func(
-                scores_TE.detach(), aux_map_TE.sum(0), T, cfg.top_k, cfg.num_experts, 1.0
-            )
-            metrics["z_loss"] = torch.logsumexp(logits_TE.detach(), -1).square().mean()
+        metrics: dict[str, torch.Tensor] = {}
+        if self.collect_metrics:
+            metrics = routing_metrics(probs_TE, routing_map_TE)
+            metrics["balance_loss"] = balance_metric(scores_TE, aux_map_TE.sum(0), cfg)
+            metrics["z_loss"] = z_loss_metric(logits_TE)
             metrics["dropped_fraction"] = 1.0 - routing_map_TE.sum() / assigned_before_drop.clamp_min(1)
         return RouterOutput(probs_TE.float(), routing_map_TE, aux_losses, metrics)

@@ -1,8 +1,4 @@
-"""MoE routers behind one interface.
-
-Public entry points: :func:`available_routers`, :func:`build_router`, :func:`register_router`,
-:class:`Router`, :class:`RouterConfig`, :class:`RouterOutput`, :class:`RoutingConstraint`.
-"""
+"""MoE routers behind one interface (``docs/routers.md``); the public entry points are ``__all__``."""
 
 from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
 from routers.metrics import routing_metrics, simpson_index
@@ -10,19 +6,8 @@ from routers.registry import available_routers, build_router, register_router, r
 from routers.schedule import begin_step, end_step, routers_in
 
 __all__ = [
-    "Router",
-    "RouterConfig",
-    "RouterOutput",
-    "RoutingConstraint",
-    "RoutingKind",
-    "available_routers",
-    "build_router",
-    "register_router",
-    "router_class",
-    "router_options",
-    "routing_metrics",
-    "simpson_index",
-    "begin_step",
-    "end_step",
-    "routers_in",
+    "Router", "RouterConfig", "RouterOutput", "RoutingConstraint", "RoutingKind",  # the interface
+    "available_routers", "build_router", "register_router", "router_class", "router_options",  # the registry
+    "routing_metrics", "simpson_index",  # shared metrics
+    "begin_step", "end_step", "routers_in",  # the step schedules
 ]

@@ -25,27 +25,24 @@ import torch
 from torch import nn
 
 
+def require(ok: bool, name: str, value: object, rule: str) -> None:
+    """``ValueError("<name> must be <rule>, got <value!r>")`` unless ``ok``: the routers' option checks."""
+    if not ok:
+        raise ValueError(f"{name} must be {rule}, got {value!r}")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
-    """Options every router takes. Routers subclass this with their own frozen fields.
+    """Options every router takes. Routers subclass this with their own frozen fields."""
 
-    Args:
-        hidden_size: D, the width of the hidden states the router reads.
-        num_experts: E.
-        top_k: k, the nominal number of experts per token (the compute-parity target).
-    """
-
-    hidden_size: int
-    num_experts: int
-    top_k: int = 1
+    hidden_size: int  # D, the width of the hidden states the router reads
+    num_experts: int  # E
+    top_k: int = 1  # k, the nominal number of experts per token (the compute-parity target)
 
     def __post_init__(self) -> None:
-        if self.hidden_size < 1:
-            raise ValueError(f"hidden_size must be >= 1, got {self.hidden_size}")
-        if self.num_experts < 2:
-            raise ValueError(f"num_experts must be >= 2, got {self.num_experts}")
-        if not 1 <= self.top_k <= self.num_experts:
-            raise ValueError(f"top_k must be in [1, num_experts={self.num_experts}], got {self.top_k}")
+        require(self.hidden_size >= 1, "hidden_size", self.hidden_size, ">= 1")
+        require(self.num_experts >= 2, "num_experts", self.num_experts, ">= 2")
+        require(1 <= self.top_k <= self.num_experts, "top_k", self.top_k, f"in [1, num_experts={self.num_experts}]")
 
     @classmethod
     def option_names(cls) -> list[str]:
@@ -66,29 +63,18 @@ class RoutingKind(enum.StrEnum):
 
 @dataclass(frozen=True)
 class RoutingConstraint:
-    """A router's declared constraint on ``routing_map`` (and ``probs``).
-
-    Args:
-        kind: see :class:`RoutingKind`.
-        min_experts_per_token: lower bound of ``routing_map.sum(-1)``.
-        max_experts_per_token: upper bound of ``routing_map.sum(-1)``.
-        capacity_factor: for CAPACITY / EXPERT_CHOICE, c in ``capacity(T) = ceil((T * k / E) * c)``.
-        top_k: the router's k, used by the capacity formula.
-        probs_sum_to_one: whether each routed token's probs sum to one.
-    """
+    """A router's declared constraint on ``routing_map`` (and ``probs``)."""
 
     kind: RoutingKind
-    min_experts_per_token: int
+    min_experts_per_token: int  # bounds of routing_map.sum(-1)
     max_experts_per_token: int
-    capacity_factor: float | None = None
-    top_k: int = 1
-    probs_sum_to_one: bool = False
+    capacity_factor: float | None = None  # CAPACITY / EXPERT_CHOICE: c in capacity(T) = ceil((T * k / E) * c)
+    top_k: int = 1  # the router's k, used by the capacity formula
+    probs_sum_to_one: bool = False  # whether each routed token's probs sum to one
 
     def capacity(self, num_tokens: int, num_experts: int) -> int:
-        """Tokens an expert may take: megatron-core's ``get_capacity`` expression, ceil((T*k/E) * c).
-
-        The operation order is megatron's own, so the float rounding (and the capacity) is identical.
-        """
+        """Tokens an expert may take: megatron-core's ``get_capacity`` expression, ceil((T*k/E) * c), in
+        megatron's operation order, so the float rounding (and the capacity) is identical."""
         if self.capacity_factor is None:
             return num_tokens
         return min(num_tokens, math.ceil((num_tokens * self.top_k / num_experts) * self.capacity_factor))
@@ -112,26 +98,18 @@ class RoutingConstraint:
 
 @dataclass
 class RouterOutput:
-    """What a router returns for one micro-batch of one layer.
+    """What a router returns for one micro-batch of one layer."""
 
-    Attributes:
-        probs: ``[T, E]`` float32 combine weights, exactly zero where ``routing_map`` is False.
-        routing_map: ``[T, E]`` bool, which experts receive each token.
-        aux_losses: named scalar losses, already multiplied by their coefficients, attached to the graph.
-        metrics: named detached tensors (scalars or ``[E]``) describing the routing.
-    """
-
-    probs: torch.Tensor
-    routing_map: torch.Tensor
+    probs: torch.Tensor  # [T, E] float32 combine weights, exactly zero where routing_map is False
+    routing_map: torch.Tensor  # [T, E] bool, which experts receive each token
+    # Named scalar losses, already multiplied by their coefficients, attached to the graph.
     aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
+    # Named detached tensors (scalars or [E]) describing the routing.
     metrics: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def total_aux_loss(self) -> torch.Tensor:
         """Sum of the aux losses (a zero scalar on ``probs``' device when there are none)."""
-        total = torch.zeros((), device=self.probs.device, dtype=torch.float32)
-        for value in self.aux_losses.values():
-            total = total + value
-        return total
+        return sum(self.aux_losses.values(), torch.zeros((), device=self.probs.device, dtype=torch.float32))
 
 
 class Router(nn.Module):
@@ -154,7 +132,6 @@ class Router(nn.Module):
     #: Buffers kept in float32 when the module is cast (``.bfloat16()``, megatron-core's Float16Module), as
     #: megatron's ``_maintain_float32_expert_bias``: schedules and statistics whose small steps bf16 would lose.
     fp32_buffers: ClassVar[tuple[str, ...]] = ()
-    collect_metrics: ClassVar[bool] = True
     #: Settings this router's experiments take beyond a scale's shared recipe, as dot-list overrides of the
     #: run config per scale (``"tiny"``, ``"185m"``; see ``repro.training.experiments``), e.g.
     #: ``{"185m": ("optimizer.beta2=0.995",)}``. Declared here so no central code names a router.
@@ -206,7 +183,7 @@ class Router(nn.Module):
         token_ids_T: torch.Tensor | None = None,
         seq_shape: tuple[int, int] | None = None,
     ) -> RouterOutput:
-        """Route one micro-batch. Subclasses implement this.
+        """Route one micro-batch. Subclasses implement it; their class docstrings name their aux losses and metrics.
 
         Args:
             hidden_TD: ``[T, D]`` hidden states at the MoE layer's input.
@@ -214,9 +191,6 @@ class Router(nn.Module):
             seq_shape: ``(S, B)`` with ``T == S * B`` and token order ``t = s * B + b`` (megatron-core's
                 ``[s, b, h]`` flattened), for routers that need sequence structure (Lory). ``None``
                 means one sequence of length T.
-
-        Returns:
-            A :class:`RouterOutput`.
         """
         raise NotImplementedError
 
@@ -247,11 +221,6 @@ class Router(nn.Module):
         """Tell the router the global training step (before the step's forward passes)."""
         self.step.fill_(int(step))
 
-    def set_collect_metrics(self, collect: bool) -> None:
-        """Compute the diagnostic metrics in the coming forwards (True) or skip them (False); see
-        :attr:`collect_metrics`."""
-        self.collect_metrics = bool(collect)
-
     def step_statistic(self) -> torch.Tensor | None:
         """A statistic accumulated over this step's micro-batches that the router's schedule needs
         averaged over layers and data-parallel ranks (ReMoE's sparsity). ``None`` if it needs none.
@@ -263,11 +232,8 @@ class Router(nn.Module):
         an update that depends on it stays on the device, with no host synchronisation)."""
 
     def set_layer_number(self, layer_number: int) -> None:
-        """Told the router's (1-based) layer once the model is built; a no-op unless a router needs it.
-
-        megatron-core calls ``set_layer_number`` on the router it builds; the adapter passes the number on
-        here. Routers whose routing depends on the layer (Hash's per-layer tables) override this.
-        """
+        """Told the router's (1-based) layer once the model is built (megatron-core tells the router it builds,
+        the adapter passes it on); routers whose routing depends on the layer (Hash's per-layer tables) use it."""
 
     @property
     def num_experts(self) -> int:

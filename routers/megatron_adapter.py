@@ -17,15 +17,14 @@ What the adapter does in each forward:
    added to the LM loss, its gradient (scaled by ``MoEAuxLossAutoScaler.set_loss_scale``, 1 by default)
    is injected in the backward of ``probs``;
 3. in training forwards, logs each aux loss to megatron's aux-loss tracker (``save_to_aux_losses_tracker``)
-   under the router's own name, per layer, *weighted* (megatron logs its own losses divided by their coefficient; ours have
-   no single coefficient). Values are rank-local (no reduce group): average over data-parallel ranks in
-   the training loop if wanted;
-4. accumulates the detached metrics in ``self.stats`` (per layer, summed over every forward, training or
-   evaluation, until reset: reset around an evaluation to keep the two apart; a forward whose router did
-   not collect metrics, ``Router.collect_metrics`` False, adds its aux losses only) and the
-   last forward's in ``self.last_metrics``. :func:`collect_routing_metrics` walks a model and returns
-   ``{layer_number: {metric: mean over forwards}}``; :func:`collect_aux_losses` does the same for the aux
-   losses.
+   under the router's own name, per layer, *weighted* (megatron logs its own losses divided by their
+   coefficient; ours have no single coefficient). Values are rank-local (no reduce group): average over
+   data-parallel ranks in the training loop if wanted;
+4. accumulates the detached metrics and aux losses in ``self.stats`` (per layer, summed over every forward,
+   training or evaluation, until reset: reset around an evaluation to keep the two apart; a forward whose
+   router did not collect metrics adds its aux losses only) and keeps the last forward's in
+   ``self.last_metrics``; :func:`collect_routing_metrics` and :func:`collect_aux_losses` return their means
+   per layer.
 
 Token ids (Hash): megatron-core does not pass token ids to the router. Wrap the forward in
 :func:`token_ids_context`::
@@ -57,13 +56,15 @@ from routers.registry import build_router
 
 
 class RoutingStats:
-    """Per-layer running sums of a router's metrics and aux losses, read and reset by the training loop
-    (scalars and per-expert vectors such as ``tokens_per_expert`` alike).
-
-    Lives on each adapter (never module-global), so two models never mix their statistics.
+    """Per-layer running sums of a router's metrics and aux losses (scalars and per-expert vectors alike), read
+    and reset by the training loop. Lives on each adapter (never module-global), so two models never mix them.
     """
 
     def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget everything recorded so far."""
         self.metric_sums: dict[str, torch.Tensor] = {}
         self.aux_loss_sums: dict[str, torch.Tensor] = {}
         self.count = 0
@@ -75,12 +76,10 @@ class RoutingStats:
         """Accumulate one forward's (detached) metrics (possibly none) and aux losses."""
         if metrics:
             self.metric_count += 1
-        for key, value in metrics.items():
-            value = value.detach().float()
-            self.metric_sums[key] = self.metric_sums[key] + value if key in self.metric_sums else value.clone()
-        for key, value in aux_losses.items():
-            value = value.detach().float()
-            self.aux_loss_sums[key] = self.aux_loss_sums[key] + value if key in self.aux_loss_sums else value.clone()
+        for sums, values in ((self.metric_sums, metrics), (self.aux_loss_sums, aux_losses)):
+            for key, value in values.items():
+                value = value.detach().float()
+                sums[key] = sums[key] + value if key in sums else value.clone()
         self.count += 1
 
     def means(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -93,22 +92,13 @@ class RoutingStats:
             {k: v / self.count for k, v in self.aux_loss_sums.items()},
         )
 
-    def reset(self) -> None:
-        """Forget everything recorded so far."""
-        self.metric_sums.clear()
-        self.aux_loss_sums.clear()
-        self.count = 0
-        self.metric_count = 0
-
 
 class MegatronRouterAdapter(MegatronModule):
     """A project :class:`Router` behind megatron-core's router protocol (see the module docstring).
 
-    Args:
-        config: megatron's TransformerConfig (hidden_size, num_moe_experts, moe_router_topk, num_layers).
-        pg_collection: megatron's process groups (unused: our routers see only local tokens).
-        router_name: a registered router name.
-        router_options: the router's options (fields of its config dataclass).
+    Built from megatron's TransformerConfig (hidden_size, num_moe_experts, moe_router_topk, num_layers) and
+    process groups (unused: our routers see only local tokens), with a registered ``router_name`` and its
+    ``router_options``.
 
     Attributes:
         router: the wrapped :class:`Router`.
@@ -116,53 +106,37 @@ class MegatronRouterAdapter(MegatronModule):
         last_metrics: detached metrics of the last forward (``{}`` before the first).
         last_aux_losses: detached aux losses of the last forward.
         stats: a :class:`RoutingStats` accumulating over forwards until reset.
+        token_ids: the flattened ``[T]`` token ids set by :func:`token_ids_context` (None outside it).
     """
 
     def __init__(
-        self,
-        *,
-        config,
-        pg_collection=None,
-        router_name: str,
-        router_options: dict[str, Any] | None = None,
+        self, *, config, pg_collection=None, router_name: str, router_options: dict[str, Any] | None = None
     ) -> None:
         super().__init__(config)
         self.router: Router = build_router(
-            router_name,
-            hidden_size=config.hidden_size,
-            num_experts=config.num_moe_experts,
-            top_k=config.moe_router_topk,
-            **(router_options or {}),
+            router_name, hidden_size=config.hidden_size, num_experts=config.num_moe_experts,
+            top_k=config.moe_router_topk, **(router_options or {}),
         )
         self.layer_number: int | None = None
         self.last_metrics: dict[str, torch.Tensor] = {}
         self.last_aux_losses: dict[str, torch.Tensor] = {}
         self.stats = RoutingStats()
         # Set only inside token_ids_context (megatron's [s, b] order, flattened): never outlives a forward.
-        self._token_ids_T: torch.Tensor | None = None
+        self.token_ids: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ protocol
     def set_layer_number(self, layer_number: int) -> None:
-        """Called by megatron's TransformerLayer at construction (1-based layer index); passed to the router."""
+        """Called by megatron's TransformerLayer at construction (1-based); passed on to the router."""
         self.layer_number = layer_number
         self.router.set_layer_number(layer_number)
 
     def forward(
         self, hidden_SBD: torch.Tensor, padding_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route one micro-batch of one layer.
-
-        Args:
-            hidden_SBD: ``[S, B, D]`` hidden states at the MoE layer's input (megatron's layout).
-            padding_mask: megatron's optional ``[S, B]`` padding mask; not supported (pretraining uses
-                packed sequences without padding), so it must be None.
-
-        Returns:
-            ``(probs [T, E] float32, routing_map [T, E] bool)`` with ``T = S * B``, aux losses attached.
-
-        Raises:
-            RuntimeError: the router needs token ids and no :func:`token_ids_context` is active.
-        """
+        """Route the ``[S, B, D]`` hidden states of one micro-batch of one layer: ``(probs [T, E] float32,
+        routing_map [T, E] bool)`` with ``T = S * B``, aux losses attached. megatron's ``padding_mask`` is not
+        supported (pretraining uses packed sequences without padding). ``RuntimeError`` if the router needs
+        token ids and no :func:`token_ids_context` is active."""
         if padding_mask is not None:
             raise NotImplementedError(
                 "the suite's routers do not take megatron's padding_mask (pretraining uses packed sequences)"
@@ -171,7 +145,7 @@ class MegatronRouterAdapter(MegatronModule):
         hidden_TD = hidden_SBD.reshape(S * B, D).float()
         # Only routers that declare the need get the ids (Lory's prompt routing calls the router on B
         # prompt means inside a forward whose ids cover S * B tokens).
-        token_ids_T = self._token_ids_T if self.router.requires_token_ids else None
+        token_ids_T = self.token_ids if self.router.requires_token_ids else None
         if self.router.requires_token_ids and token_ids_T is None:
             raise RuntimeError(
                 f"router '{self.router.name}' (layer {self.layer_number}) needs token ids, but none were set: "
@@ -205,30 +179,13 @@ class MegatronRouterAdapter(MegatronModule):
         self.stats.add(self.last_metrics, self.last_aux_losses)
         return probs_TE, out.routing_map
 
-    # --------------------------------------------------------------- token ids
-    def set_token_ids(self, token_ids_T: torch.Tensor | None) -> None:
-        """Set (or clear with None) the flattened ``[T]`` token ids; use :func:`token_ids_context` instead."""
-        self._token_ids_T = token_ids_T
-
-    @property
-    def token_ids(self) -> torch.Tensor | None:
-        """The token ids currently set (None outside a :func:`token_ids_context`)."""
-        return self._token_ids_T
-
     def extra_repr(self) -> str:
         return f"layer_number={self.layer_number}"
 
 
 def megatron_router_builder(router_name: str, router_options: dict[str, Any] | None = None):
-    """A builder for ``MoESubmodules.router``: called by megatron as ``builder(config=..., pg_collection=...)``.
-
-    Args:
-        router_name: a registered router name (``routers.available_routers()``).
-        router_options: options of that router.
-
-    Returns:
-        A callable building a :class:`MegatronRouterAdapter`.
-    """
+    """A builder for ``MoESubmodules.router`` of a :class:`MegatronRouterAdapter` wrapping the registered router
+    ``router_name`` with ``router_options``: megatron calls it as ``builder(config=..., pg_collection=...)``."""
     return functools.partial(MegatronRouterAdapter, router_name=router_name, router_options=dict(router_options or {}))
 
 
@@ -239,18 +196,9 @@ def router_adapters(model: nn.Module) -> list[MegatronRouterAdapter]:
 
 @contextlib.contextmanager
 def token_ids_context(model: nn.Module, input_ids_BS: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Give ``model``'s routers the token ids of the batch for the duration of the block.
-
-    Args:
-        model: the model (only its own adapters get the ids).
-        input_ids_BS: ``[B, S]`` token ids, as passed to ``GPTModel.forward``.
-
-    Yields:
-        The flattened ``[T]`` ids in megatron's token order ``t = s * B + b``.
-
-    Raises:
-        RuntimeError: the model is already inside a token_ids_context (nesting would be ambiguous).
-    """
+    """Give ``model``'s own adapters the ``[B, S]`` token ids of the batch (as passed to ``GPTModel.forward``)
+    for the duration of the block; yields them flattened, ``[T]`` in megatron's token order ``t = s * B + b``.
+    ``RuntimeError`` if the model is already inside a token_ids_context (nesting would be ambiguous)."""
     if input_ids_BS.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got {tuple(input_ids_BS.shape)}")
     adapters = router_adapters(model)
@@ -258,12 +206,12 @@ def token_ids_context(model: nn.Module, input_ids_BS: torch.Tensor) -> Iterator[
         raise RuntimeError("token ids are already set on this model (nested token_ids_context?)")
     token_ids_T = input_ids_BS.detach().transpose(0, 1).reshape(-1)
     for adapter in adapters:
-        adapter.set_token_ids(token_ids_T)
+        adapter.token_ids = token_ids_T
     try:
         yield token_ids_T
     finally:
         for adapter in adapters:
-            adapter.set_token_ids(None)
+            adapter.token_ids = None
 
 
 @contextlib.contextmanager
@@ -273,14 +221,8 @@ def prompt_routing(model: nn.Module, prompt_lengths_B: torch.Tensor | list[int])
     Some routers route differently at inference: Lory routes each sequence once on the mean of its prompt
     and uses those weights for every token (its paper's inference rule). Their layers implement
     ``set_prompt_lengths(lengths or None)``; this context sets it on every such module of ``model`` and clears
-    it on exit (even on error). Other models are not touched.
-
-    Args:
-        model: the model.
-        prompt_lengths_B: ``[B]`` number of prompt tokens of each sequence of the batch (>= 1).
-
-    Yields:
-        Nothing.
+    it on exit (even on error). Other models are not touched. ``prompt_lengths_B``: ``[B]`` number of prompt
+    tokens of each sequence of the batch (>= 1).
     """
     lengths_B = torch.as_tensor(prompt_lengths_B, dtype=torch.long)
     if lengths_B.dim() != 1 or bool((lengths_B < 1).any()):
@@ -308,28 +250,14 @@ def _collect(model: nn.Module, which: int, reset: bool) -> dict[int, dict[str, t
 
 
 def collect_routing_metrics(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-    """Per-layer routing metrics averaged over the forwards since the last reset.
-
-    Args:
-        model: the model whose adapters to read.
-        reset: clear the statistics after reading (metrics and aux losses).
-
-    Returns:
-        ``{layer_number: {metric: detached tensor (scalar or [E])}}``; layers with no forward are left out.
-    """
+    """``{layer_number: {metric: detached tensor (scalar or [E])}}`` averaged over the forwards since the last
+    reset, layers with no forward left out; ``reset`` clears the statistics (metrics and aux losses) after."""
     return _collect(model, 0, reset)
 
 
 def collect_aux_losses(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-    """Per-layer aux losses (weighted, detached) averaged over the forwards since the last reset.
-
-    Args:
-        model: the model whose adapters to read.
-        reset: clear the statistics after reading (metrics and aux losses).
-
-    Returns:
-        ``{layer_number: {loss name: scalar}}``; layers with no forward or no aux loss are left out.
-    """
+    """``{layer_number: {loss name: scalar}}``, the aux losses (weighted, detached) as
+    :func:`collect_routing_metrics` the metrics; layers with no aux loss are left out too."""
     return _collect(model, 1, reset)
 
 

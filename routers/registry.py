@@ -32,14 +32,8 @@ ENTRY_POINT_GROUP = "dirmoe_bench.routers"
 
 
 def register_router(name: str) -> Callable[[R], R]:
-    """Class decorator: register a :class:`Router` subclass under ``name``.
-
-    Args:
-        name: the registry key (used in experiment configs and on the command line).
-
-    Returns:
-        The decorator, which returns the class unchanged (with ``cls.name`` set).
-    """
+    """Class decorator: register a :class:`Router` subclass under ``name`` (the key experiment configs and the
+    command line use) and set ``cls.name``; the class is returned unchanged otherwise."""
 
     def decorate(cls: R) -> R:
         if not (isinstance(cls, type) and issubclass(cls, Router)):
@@ -85,21 +79,9 @@ def router_class(name: str) -> type[Router]:
 
 
 def build_router(name: str, *, hidden_size: int, num_experts: int, top_k: int = 1, **options) -> Router:
-    """Build a registered router.
-
-    Args:
-        name: a name from :func:`available_routers`.
-        hidden_size: D.
-        num_experts: E.
-        top_k: k.
-        **options: fields of the router's config dataclass (see ``router_class(name).Config``).
-
-    Returns:
-        The router module.
-
-    Raises:
-        ValueError: unknown name, unknown option (the message lists the valid ones), or an invalid value.
-    """
+    """Build the router registered as ``name`` with the given D, E, k and ``options`` (fields of its config
+    dataclass, ``router_class(name).Config``). ``ValueError`` for an unknown name, an unknown option (the
+    message lists the valid ones) or an invalid value."""
     cls = router_class(name)
     valid = cls.Config.option_names()
     unknown = sorted(set(options) - set(valid))
