@@ -47,14 +47,8 @@ _SDIST_SUFFIXES = (".tar.gz", ".zip")
 #: Modules a run imports beyond torch and the suite: what a GPU machine with only torch installs from the
 #: wheelhouse (:func:`check_requirements` refuses a machine without them).
 REQUIRED_MODULES: dict[str, str] = {
-    "megatron.core": "megatron-core==0.16.1",
-    "omegaconf": "omegaconf==2.4.0",
-    "zstandard": "zstandard",
-    "scipy": "scipy",
-    "numpy": "numpy",
-    "tabulate": "tabulate",
-    "tqdm": "tqdm",
-    "yaml": "pyyaml",
+    "megatron.core": "megatron-core==0.16.1", "omegaconf": "omegaconf==2.4.0", "zstandard": "zstandard",
+    "scipy": "scipy", "numpy": "numpy", "tabulate": "tabulate", "tqdm": "tqdm", "yaml": "pyyaml",
 }
 
 
