@@ -148,21 +148,20 @@ def make_parents(directory: str | os.PathLike, where: str | os.PathLike | None =
     return created
 
 
-def make_temp_dir(final: str | os.PathLike, where: str | os.PathLike | None = None) -> tuple[Path, list[Path]]:
-    """A new temporary directory beside ``final`` (``.<name>.<random>.tmp``), its parents made first.
+def make_temp_dir(final: str | os.PathLike) -> tuple[Path, list[Path]]:
+    """A new temporary directory beside ``final`` (``.<name>.<random>.tmp``), its missing parents made first.
 
     Returns:
-        ``(the directory, the parents made for it)``, for :func:`remove_empty_dirs` after a failed write;
-        one-line errors name ``where`` (default ``final``).
+        ``(the directory, the parents made for it)``, for :func:`remove_empty_dirs` after a failed write
+        (one-line errors name ``final``).
     """
     final = Path(final)
-    where = final if where is None else where
-    created = make_parents(final.parent, where)
+    created = make_parents(final.parent, final)
     try:
         return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)), created
     except OSError as exc:
         remove_empty_dirs(created)
-        raise ReproError(os_error_message(exc, where)) from None
+        raise ReproError(os_error_message(exc, final)) from None
 
 
 def remove_empty_dirs(created: list[Path]) -> None:

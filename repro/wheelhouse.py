@@ -130,10 +130,8 @@ class WheelhouseTarget:
 
     def pip_target_args(self) -> list[str]:
         """pip's interpreter/platform restriction options for this target."""
-        args = ["--python-version", self.python, "--implementation", self.implementation, "--abi", self.abi]
-        for tag in self.platforms:
-            args += ["--platform", tag]
-        return args
+        platforms = [arg for tag in self.platforms for arg in ("--platform", tag)]
+        return ["--python-version", self.python, "--implementation", self.implementation, "--abi", self.abi, *platforms]
 
 
 def parse_present(lines: Iterable[str]) -> dict[str, str]:

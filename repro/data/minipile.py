@@ -206,10 +206,6 @@ def _sizes(root: Path, rels: Sequence[str]) -> dict[str, int]:
     return {rel: (root / rel).stat().st_size for rel in rels}
 
 
-def _prefix_rels(prefix_rel: str) -> list[str]:
-    return [prefix_rel + ext for ext in (".bin", ".idx", ".domains.json", ".domains.npy")]
-
-
 def _load_manifest(path: Path) -> dict:
     manifest = read_json(path)  # none, unreadable or of another format: rebuild everything
     return manifest if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else {}
@@ -389,7 +385,8 @@ def _tokenize(root: Path, key: str, shard_rels: list[str], num_workers: int | No
     train = stats["train"]
     entry = {
         "key": key,
-        "files": _sizes(root, [rel for part in inputs for rel in _prefix_rels(f"indexed/{part}")]),
+        "files": _sizes(root, [f"indexed/{part}{ext}" for part in inputs
+                               for ext in (".bin", ".idx", ".domains.json", ".domains.npy")]),
         "seconds": train.seconds + stats["heldout"].seconds,
         "tokens_per_second": train.tokens_per_second,
         **{part: {"documents": st.documents, "bytes": st.bytes, "tokens": st.tokens} for part, st in stats.items()},
