@@ -1,18 +1,14 @@
 """``python -m repro ablation``: why DirMoE's routing collapses on the embedded default, cell by cell, over seeds.
 
 On the embedded default (``tiny`` flavour, mini-pile, 600 steps) DirMoE as specified sends almost every token
-of one layer to one expert. Each *cell* of this ablation is one reading of the paper or one remedy (a few
-router options, :data:`CELLS`), run for several seeds (``--set seed=N`` per run); two controls put Switch's
-load-balancing loss on DirMoE and take it off Switch, and Switch as is gives the reference level.
-
-1. A study (:mod:`repro.study`): every (cell, seed) trained in a fresh worker process, two at a time, and
-   its run record written. No zero-shot evaluation: the question is the routing, and at this scale the
-   zero-shot differences are within noise (results/mini/README.md).
-2. From the training logs, per run, the end-of-run routing and losses (the mean over the last
-   ``final_fraction`` of the steps); per cell, the mean +- 95% interval over the seeds and paired tests against
-   the paper's DirMoE and against Switch, Holm-adjusted over ``--family``; with at most :data:`MAX_PAIRED_CELLS`
-   DirMoE cells besides ``paper``, cell against cell (:mod:`repro.report.ablation_tables`).
-3. Tables (Markdown, CSV, LaTeX), plots and ``summary.json`` under ``results/dirmoe-ablation/``.
+of one layer to one expert; what this command runs and writes: docs/experiments.md, "The DirMoE ablation".
+Each *cell* is one reading of the paper or one remedy (a few router options, :data:`CELLS`), run for several
+seeds (``--set seed=N`` per run) as one study (:mod:`repro.study`). From the training logs: per run, the
+end-of-run routing and losses (the mean over the last ``final_fraction`` of the steps); per cell, the mean +-
+95% interval over the seeds and paired tests against the paper's DirMoE and against Switch, Holm-adjusted over
+``--family``; with at most :data:`MAX_PAIRED_CELLS` DirMoE cells besides ``paper``, cell against cell
+(:mod:`repro.report.ablation_tables`). No zero-shot evaluation: the question is the routing, and at this scale
+the zero-shot differences are within noise (results/mini/README.md).
 
 **Screen and confirmation.** The runs on seeds 1-6 (:data:`SCREEN_SEEDS`) are a screen: cells and claims were
 picked from them, so their p-values are exploratory. ``--confirm`` runs a confirmatory study: it refuses
@@ -22,12 +18,9 @@ before those seeds were run) as one Holm family::
     python -m repro ablation --confirm --cells paper,recon-centered,kl-off,aux-off,switch --seeds 7,8,9,10,11,12 \
         --out results/dirmoe-ablation-confirm
 
-``--tables-only`` rebuilds the tables and the statistics in ``summary.json`` from the per-seed values that
-``<out>/summary.json`` stores (no run directories needed, no training; the plots are left as they are).
-
-Finished runs are reused, killed ones resumed from their newest checkpoint, runs with other settings
-replaced (:mod:`repro.study`); ``--fresh`` retrains every run. The cost in ``summary.json`` is each run's own
-worker CPU time (kept in its run directory), not the invocations' wall time, which a shared machine distorts.
+``--tables-only``: :func:`rebuild_tables`. Finished runs are reused, killed ones resumed, ``--fresh`` retrains
+every run. The cost in ``summary.json`` is each run's own worker CPU time (kept in its run directory), not the
+invocations' wall time, which a shared machine distorts.
 
 Choices (each with its reason):
 
@@ -60,6 +53,9 @@ from typing import Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
+from repro.report import ablation_tables
+from repro.report.ablation_tables import Hypothesis
+from repro.schema import check_minimums
 from repro.studies import cpu_parser, pick
 from repro.study import Run, Study, run_cost, run_study
 
@@ -132,23 +128,17 @@ _CELL_LIST = (
 CELLS = types.MappingProxyType({cell.name: cell for cell in _CELL_LIST})
 
 
-def _hypotheses():
-    from repro.report.ablation_tables import Hypothesis
-
-    lever = "the centred target is the main lever on layer 1's collapse"
-    return (
-        Hypothesis("recon-centered", REFERENCE, "load_imbalance[0]", "the centred target lowers layer 1's load imbalance"),
-        Hypothesis("recon-centered", REFERENCE, "load_imbalance[1]", "the centred target lowers layer 2's load imbalance"),
-        Hypothesis("recon-centered", REFERENCE, "val_loss", "the centred target changes the validation loss"),
-        Hypothesis("recon-centered", SWITCH, "val_loss", "the centred target's validation loss differs from Switch's"),
-        Hypothesis("recon-centered", "kl-off", "load_imbalance[0]", f"{lever}: more than removing the KL"),
-        Hypothesis("recon-centered", "aux-off", "load_imbalance[0]", f"{lever}: more than removing every aux term"),
-    )
-
-
+_LEVER = "the centred target is the main lever on layer 1's collapse"
 #: The confirmatory study's hypotheses (``--confirm``), stated from the screen before its seeds are run:
 #: the README's claims about the centred target. One Holm family, two-sided paired t-tests.
-HYPOTHESES = _hypotheses()
+HYPOTHESES = (
+    Hypothesis("recon-centered", REFERENCE, "load_imbalance[0]", "the centred target lowers layer 1's load imbalance"),
+    Hypothesis("recon-centered", REFERENCE, "load_imbalance[1]", "the centred target lowers layer 2's load imbalance"),
+    Hypothesis("recon-centered", REFERENCE, "val_loss", "the centred target changes the validation loss"),
+    Hypothesis("recon-centered", SWITCH, "val_loss", "the centred target's validation loss differs from Switch's"),
+    Hypothesis("recon-centered", "kl-off", "load_imbalance[0]", f"{_LEVER}: more than removing the KL"),
+    Hypothesis("recon-centered", "aux-off", "load_imbalance[0]", f"{_LEVER}: more than removing every aux term"),
+)
 
 
 @dataclass(frozen=True)
@@ -190,9 +180,7 @@ class AblationConfig:
             raise ValueError(f"cells must be distinct, got {', '.join(self.cells)}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"seeds must be distinct integers >= 0, got {list(self.seeds)}")
-        for name in ("steps", "workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_minimums(self, steps=1, workers=1)
         if not 0 < self.final_fraction <= 1:
             raise ValueError(f"final_fraction must be in (0, 1], got {self.final_fraction}")
         if self.family not in ("table", "column"):
@@ -206,12 +194,8 @@ class AblationConfig:
         """Rows at the end of a run that the end-of-run metrics average (at least one)."""
         return max(1, round(self.steps * self.final_fraction))
 
-    def run_name(self, cell: str, seed: int) -> str:
-        """``<cell>-s<seed>``: the run's directory name and run id."""
-        return f"{cell}-s{seed}"
-
     def run_dir(self, cell: str, seed: int) -> Path:
-        return Path(self.work_dir) / self.run_name(cell, seed)
+        return Path(self.work_dir) / self.run(cell, seed).run_id
 
     def runs(self) -> list[tuple[str, int]]:
         """Every (cell, seed), cells inside seeds: the runs of the first seed are trained first, so a
@@ -220,14 +204,14 @@ class AblationConfig:
         return [(cell, seed) for seed in self.seeds for cell in self.cells]
 
     def run(self, cell: str, seed: int) -> Run:
-        """The run of ``cell`` on ``seed``: ``<router>-tiny`` with this ablation's settings and the cell's options."""
+        """The run ``<cell>-s<seed>``: ``<router>-tiny`` with this ablation's settings and the cell's options."""
         overrides = (
             f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}", f"seed={seed}",
             "validation.iters=8",  # choice 3
             "checkpoint.interval=200",  # choice 4
             *CELLS[cell].overrides(self.steps), *self.overrides,
         )
-        return Run(self.run_name(cell, seed), f"{CELLS[cell].router}-tiny", overrides, label=cell, name=f"ablation-{cell}")
+        return Run(f"{cell}-s{seed}", f"{CELLS[cell].router}-tiny", overrides, label=cell, name=f"ablation-{cell}")
 
     def experiment(self, cell: str, seed: int):
         """The run's config (:meth:`run`)."""
@@ -262,19 +246,18 @@ def build_tables(results, cells: tuple[str, ...], *, family: str = "table", conf
     """The ablation's tables of ``results`` (cells in table order): against ``paper``, against Switch, the
     differences to ``paper`` and cell against cell (up to :data:`MAX_PAIRED_CELLS`); for a confirmatory study, the
     pre-registered hypotheses alone."""
-    from repro.report.ablation_tables import ablation_difference_table, ablation_table, confirm_table, pairs_table
-
     if confirm:  # one family per comparison: the screen's tables would test the same cells again in other families
-        return [confirm_table(results, HYPOTHESES)]
-    tables = [ablation_table(results, reference=REFERENCE, family=family)]
+        return [ablation_tables.confirm_table(results, HYPOTHESES)]
+    tables = [ablation_tables.ablation_table(results, reference=REFERENCE, family=family)]
     if SWITCH in cells:
-        tables.append(ablation_table(results, reference=SWITCH, name="ablation_vs_switch", family=family))
+        tables.append(ablation_tables.ablation_table(results, reference=SWITCH, name="ablation_vs_switch",
+                                                     family=family))
     if REFERENCE in cells and len(cells) > 1:
-        tables.append(ablation_difference_table(results, reference=REFERENCE, family=family))
+        tables.append(ablation_tables.ablation_difference_table(results, reference=REFERENCE, family=family))
     paired = [c for c in cells if c != REFERENCE and CELLS[c].router == "dirmoe"]
     if 2 <= len(paired) <= MAX_PAIRED_CELLS:
         pairs = [(a, b) for i, a in enumerate(paired) for b in paired[i + 1:]]
-        tables.append(pairs_table(results, pairs, family=family))
+        tables.append(ablation_tables.pairs_table(results, pairs, family=family))
     note = (" Screen: cells and claims were chosen from runs on these seeds, so these p-values are exploratory; "
             f"`{COMMAND} --confirm` tests the claims stated in advance on seeds outside {min(SCREEN_SEEDS)}-"
             f"{max(SCREEN_SEEDS)}.")
@@ -283,20 +266,14 @@ def build_tables(results, cells: tuple[str, ...], *, family: str = "table", conf
 
 def report(study: Study, outcome: dict[str, Any]) -> str:
     """Write the tables, plots and ``summary.json``; return the text to print."""
-    from repro.report.ablation_tables import DIFFERENCE_KEYS, collect_results, results_to_json, summary_intervals
-    from repro.report.plots import (
-        plot_ablation_summary,
-        plot_expert_load,
-        plot_shared_mean,
-        plot_simpson_theta,
-    )
+    from repro.report.plots import plot_ablation_summary, plot_expert_load, plot_shared_mean, plot_simpson_theta
     from repro.report.table_core import render, write_tables
     from repro.training.log import read_rows
 
     cfg: AblationConfig = study.settings
     out, elapsed = Path(cfg.out_dir), outcome["elapsed"]
     logs = {(c, s): read_rows(cfg.run_dir(c, s)) for c, s in cfg.runs()}
-    results = collect_results(
+    results = ablation_tables.collect_results(
         {cell: {seed: logs[(cell, seed)] for seed in cfg.seeds} for cell in cfg.cells},
         final_window=cfg.final_window,
         readings={cell: CELLS[cell].reading for cell in cfg.cells},
@@ -316,9 +293,9 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     if by_cell:
         plot_shared_mean(by_cell, out / "shared_mean.png")
         plot_simpson_theta(by_cell, out / "simpson_theta.png")
-    summary_keys = [m.key for m in results.metrics if m.key.split("[")[0] in DIFFERENCE_KEYS]
+    summary_keys = [m.key for m in results.metrics if m.key.split("[")[0] in ablation_tables.DIFFERENCE_KEYS]
     plot_ablation_summary(
-        summary_intervals(results, summary_keys), out / "summary.png", references=(REFERENCE, SWITCH)
+        ablation_tables.summary_intervals(results, summary_keys), out / "summary.png", references=(REFERENCE, SWITCH)
     )
 
     summary = {
@@ -335,7 +312,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         "wall_seconds_this_invocation": round(elapsed, 1),
         "this_invocation": {k: len(outcome[k]) for k in ("trained", "resumed", "reused")},
         "cost": _cost(cfg),
-        "results": results_to_json(results, reference=REFERENCE, switch=SWITCH, family=cfg.family),
+        "results": ablation_tables.results_to_json(results, reference=REFERENCE, switch=SWITCH, family=cfg.family),
     }
     write_json_atomic(out / "summary.json", summary)
     lines = [render(t, "md") for t in tables]
@@ -364,7 +341,6 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
     Raises:
         ReproError: not this command's output directory, or no readable ``summary.json`` there.
     """
-    from repro.report.ablation_tables import results_from_json, results_to_json
     from repro.report.table_core import render, write_tables
     from repro.study import check_out_dir
 
@@ -372,7 +348,7 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
     path = Path(out_dir) / "summary.json"
     try:
         summary = json.loads(path.read_text())
-        results = results_from_json(summary)
+        results = ablation_tables.results_from_json(summary)
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ReproError(f"{path}: no ablation summary to rebuild the tables from ({exc})") from None
     unknown = [c for c in results.cells if c not in CELLS]
@@ -387,7 +363,7 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
     summary.update(family=family, confirm=confirm, **_hypotheses_json(confirm),
                    tables_rebuilt_by=f"{COMMAND} --tables-only --out {out_dir} --family {family}"
                    + (" --confirm" if confirm else ""),
-                   results=results_to_json(results, reference=REFERENCE, switch=SWITCH, family=family))
+                   results=ablation_tables.results_to_json(results, reference=REFERENCE, switch=SWITCH, family=family))
     write_json_atomic(path, summary)
     return "\n".join(render(t, "md") for t in tables)
 

@@ -89,12 +89,8 @@ def expert_specialisation(
         return {"domains": [], "num_experts": 0, "tokens": {}, "share": []}
     stacked_LXE = torch.stack([counts[d] for d in domains], dim=1)  # X = domains
     share_LXE = stacked_LXE / stacked_LXE.sum(-1, keepdim=True).clamp_min(1)
-    return {
-        "domains": domains,
-        "num_experts": int(share_LXE.shape[-1]),
-        "tokens": {d: seen[d] for d in domains},
-        "share": share_LXE.tolist(),
-    }
+    return {"domains": domains, "num_experts": int(share_LXE.shape[-1]), "tokens": {d: seen[d] for d in domains},
+            "share": share_LXE.tolist()}
 
 
 def _routed(output: RouterOutput) -> torch.Tensor:

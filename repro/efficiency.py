@@ -1,13 +1,11 @@
 """``python -m repro efficiency``: iteration time and TFLOP/s per device of every router and dense, on 1..N GPUs.
 
 For each requested run (default: every router with experiments but megatron's own TopKRouter, then dense) it
-trains the first iterations of the ``<router>-<scale>`` experiment on synthetic tokens, skips the warm-up
-iterations, and reports the median iteration time (with min and max), tokens/s and TFLOP/s per device
-(Megatron-LM's model-FLOPs count, :mod:`repro.report.flops`). Runs go one after another, each in fresh
-processes (:func:`repro.study.train_command`): ``python -m repro train`` for one device, ``torchrun --standalone
---nproc_per_node N -m repro train`` for ``--gpus N`` (data parallel over N processes: NCCL on GPUs, gloo on
-CPU). ``--out`` gets ``runs/<run>/`` (config, log, record), the efficiency table (``efficiency.md|csv|tex``;
-``--published``: the papers' rows beside) and ``summary.json``; commands and examples: docs/efficiency.md.
+trains the first iterations of the ``<router>-<scale>`` experiment on synthetic tokens, one run after another
+(:func:`repro.study.train_command`, torchrun for ``--gpus N``), and reports the median iteration time, tokens/s
+and TFLOP/s per device (:mod:`repro.report.flops`). ``--out`` gets ``runs/<run>/`` (config, log, record), the
+efficiency table (``efficiency.md|csv|tex``) and ``summary.json``; what is timed, commands and examples:
+docs/efficiency.md.
 
 Defaults, each one option away (docs/efficiency.md has the measurements behind them):
 
@@ -24,13 +22,11 @@ Defaults, each one option away (docs/efficiency.md has the measurements behind t
    routed model is timed. Routing is measured near initialisation; ``--init-from DIR`` times the steady state
    from a trained checkpoint of each router (:func:`resolve_init_from`) with the routers' schedules at its step.
 4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA initialisation,
-   allocator growth and torch.compile; min and max are in the summary. Only training is timed: the two
-   iterations whose routers compute their metrics (the first, and one after the measured ones, which gives the
-   table's active experts) are left out (``LogRow.metrics_collected``), as are data generation, validation
-   and checkpoints.
-5. **A fresh process per run**, also for one device (:mod:`repro.study` launches each run): in one process a
-   finished run stays in memory (megatron-core's DDP wrapper registers gradient hooks that close over it), and
-   later runs would report the earlier ones' memory in their peak.
+   allocator growth and torch.compile; min and max are in the summary. The two iterations whose routers
+   compute their metrics are left out too (``LogRow.metrics_collected``).
+5. **A fresh process per run**, also for one device: in one process a finished run stays in memory
+   (megatron-core's DDP wrapper registers gradient hooks that close over it), and later runs would report the
+   earlier ones' memory in their peak.
 
 ``--out`` must be new, empty, or an earlier output of this command (``.efficiency-out``); a run directory is
 replaced only when it holds ``.efficiency-run``. Earlier runs in ``--out`` not asked for again are kept
@@ -92,23 +88,18 @@ class RunSpec:
 
 @dataclass(frozen=True)
 class EfficiencyPlan:
-    """Everything the command measures, decided (and checked) before any run starts.
+    """Everything the command measures, decided (and checked, :func:`parse`) before any run starts.
 
     Args:
         runs: the runs, in order.
-        flavour: ``llama-185m`` or ``tiny``.
-        devices: processes sharing each iteration (GPUs, or gloo processes on CPU).
-        accumulation: micro-batches per device and iteration.
         warmup: iterations left out of the statistics.
         iters: iterations measured.
-        vocab_size: the synthetic tokens' vocabulary.
-        overrides: dot-list overrides of every run (after this command's own).
         out_dir: the output directory.
         published: show the published rows beside the runs.
         formats: table formats written.
-        micro_batch_size: sequences per micro-batch (None: the recipe's).
-        global_batch_size: sequences per iteration (None: micro x accumulation x data-parallel size).
         flops_attention: how the FLOPs count takes attention (:data:`repro.report.flops.ATTENTION_COUNTS`).
+        flavour, devices, accumulation, vocab_size, overrides, micro_batch_size, global_batch_size: as
+            :func:`efficiency_overrides` (``overrides``: of every run).
     """
 
     runs: tuple[RunSpec, ...]
@@ -126,12 +117,7 @@ class EfficiencyPlan:
     global_batch_size: int | None = None
     flops_attention: str = "causal"
 
-    def __post_init__(self) -> None:
-        if self.flavour not in FLAVOUR_SCALES:
-            raise ValueError(f"flavour must be one of {', '.join(FLAVOUR_SCALES)}, got '{self.flavour}'")
-        for name, low in (("devices", 1), ("accumulation", 1), ("warmup", 0), ("iters", 1), ("vocab_size", 2)):
-            if getattr(self, name) < low:
-                raise ValueError(f"{name} must be >= {low}, got {getattr(self, name)}")
+    def __post_init__(self) -> None:  # the numbers and the flavour are checked by :func:`parse`, naming the flag
         if not self.runs:
             raise ValueError("no runs to measure")
         labels = [r.label for r in self.runs]
@@ -153,25 +139,28 @@ class EfficiencyPlan:
         (the routing figures; it is not timed, like the first)."""
         return self.warmup + self.iters + 1
 
-    def config_kwargs(self, run: RunSpec) -> dict[str, Any]:
-        """The keyword arguments of :func:`efficiency_overrides` for ``run``."""
-        return dict(devices=self.devices, accumulation=self.accumulation, steps=self.steps_run,
-                    vocab_size=self.vocab_size, micro_batch_size=self.micro_batch_size,
-                    global_batch_size=self.global_batch_size, overrides=(*self.overrides, *run.overrides),
-                    init_from=run.init_from)
+    def run(self, spec: RunSpec) -> Run:
+        """The study's run of ``spec``: its experiment with :func:`efficiency_overrides` (ReproError on a bad
+        router or override)."""
+        overrides = efficiency_overrides(
+            spec.router, self.flavour, devices=self.devices, accumulation=self.accumulation, steps=self.steps_run,
+            vocab_size=self.vocab_size, micro_batch_size=self.micro_batch_size,
+            global_batch_size=self.global_batch_size, overrides=(*self.overrides, *spec.overrides),
+            init_from=spec.init_from,
+        )
+        return Run(spec.label, f"{spec.router}-{self.scale}", tuple(overrides))
 
-    def config(self, run: RunSpec):
-        """The run's :class:`~repro.training.config.RunConfig` (raises ReproError on a bad router or override)."""
-        return efficiency_config(run.router, self.flavour, **self.config_kwargs(run))
+    def config(self, spec: RunSpec):
+        """The run's :class:`~repro.training.config.RunConfig` (:meth:`run`)."""
+        return self.run(spec).config()
 
-    def run_dir(self, run: RunSpec) -> Path:
+    def run_dir(self, spec: RunSpec) -> Path:
         """Where the run writes."""
-        return Path(self.out_dir) / "runs" / run.label
+        return Path(self.out_dir) / "runs" / spec.label
 
     def study(self) -> Study:
         """The measurement as a :class:`~repro.study.Study`: each run launched on its own, then its record."""
-        runs = tuple(Run(r.label, f"{r.router}-{self.scale}",
-                         tuple(efficiency_overrides(r.router, self.flavour, **self.config_kwargs(r)))) for r in self.runs)
+        runs = tuple(self.run(spec) for spec in self.runs)
         return Study("efficiency", runs, str(Path(self.out_dir) / "runs"), self.out_dir, task=_write_record,
                      launch=Launch(1, self.devices), train_args=("--stop-after", str(self.steps_run)), settings=self,
                      owner=COMMAND, command=COMMAND)
@@ -228,7 +217,8 @@ def efficiency_overrides(
         # The trainer checkpoints at the schedule's last step: keep the recipe's schedule (or one step more
         # than is run) and stop before it (default 3).
         f"schedule.steps={max(base.schedule.steps, steps + 1)}", "checkpoint.interval=0", "validation.interval=0",
-        *_routed_from_the_start(base.router.name),
+        # A dense start (Lory's first 5% of steps) would have the first iterations time the dense FFN.
+        *(["router.options.dense_fraction=0"] if _has_dense_start(base.router.name) else []),
         # Routing metrics on the first and the last iteration only (the last is not timed, see steps_run).
         f"logging.metrics_interval={steps}",
         *([f"checkpoint.init_from={init_from}", "checkpoint.init_router_step=true"] if init_from else []),
@@ -263,14 +253,10 @@ def efficiency_overrides(
     return [*own, f"data.global_batch_size={global_batch}"]
 
 
-def _routed_from_the_start(router: str | None) -> list[str]:
-    """``router.options.dense_fraction=0`` for a router with a dense start (Lory's first 5% of steps): the
-    first iterations a run measures would otherwise time the dense FFN, not the routed model."""
+def _has_dense_start(router: str | None) -> bool:
     from repro.training.config import MEGATRON_ROUTER, _router_option_fields
 
-    if router is None or router == MEGATRON_ROUTER or "dense_fraction" not in _router_option_fields(router):
-        return []
-    return ["router.options.dense_fraction=0"]
+    return router not in (None, MEGATRON_ROUTER) and "dense_fraction" in _router_option_fields(router)
 
 
 def efficiency_config(router: str, flavour: str, **kwargs: Any):
@@ -283,14 +269,7 @@ def efficiency_config(router: str, flavour: str, **kwargs: Any):
     return apply_overrides(build_experiment(router, FLAVOUR_SCALES[flavour]), overrides)
 
 
-# ------------------------------------------------------------------------------------------ checks
-def _check_devices(devices: int, on_gpu: bool, gpu_count: int) -> None:
-    if devices < 1:
-        raise ReproError(f"--gpus must be >= 1, got {devices}")
-    if on_gpu and devices > gpu_count:
-        raise ReproError(f"--gpus {devices}: this machine has {gpu_count} visible GPU(s)")
-
-
+# ------------------------------------------------------------------------------------------ records
 def _device_name(on_gpu: bool) -> str | None:
     """The GPU's name without creating a CUDA context in this process (nvidia-smi), else None (the record's
     own default: torch's name for CUDA device 0, or the CPU)."""
@@ -431,16 +410,15 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
 
     if "WORLD_SIZE" in os.environ:
         raise ReproError("run python -m repro efficiency without torchrun: it starts torchrun itself for --gpus N > 1")
-    _check_devices(args.gpus, on_gpu, torch.cuda.device_count() if on_gpu else 0)
+    for name in ("gpus", "warmup", "iters", "accumulation", "global_batch", "micro_batch", "vocab_size"):
+        value, low = getattr(args, name), {"warmup": 0, "vocab_size": 2}.get(name, 1)
+        if value is not None and value < low:
+            raise ReproError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    if on_gpu and args.gpus > torch.cuda.device_count():
+        raise ReproError(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
     flavour = args.flavour or ("llama-185m" if on_gpu else "tiny")
     if flavour not in FLAVOUR_SCALES:
         raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(FLAVOUR_SCALES)}")
-    scale = FLAVOUR_SCALES[flavour]
-    for name in ("warmup", "iters", "accumulation", "global_batch", "micro_batch", "vocab_size"):
-        value = getattr(args, name)
-        low = 0 if name == "warmup" else 2 if name == "vocab_size" else 1
-        if value is not None and value < low:
-            raise ReproError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if args.accumulation is not None and args.global_batch is not None:
         raise ReproError("give --accumulation or --global-batch, not both")
     if args.router.strip() == "all":
@@ -460,22 +438,22 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
         plan = EfficiencyPlan(
             runs=tuple(runs), flavour=flavour, devices=args.gpus,
             accumulation=args.accumulation or default_accumulation(flavour),
-            warmup=args.warmup, iters=args.iters or DEFAULT_ITERS[scale], vocab_size=args.vocab_size,
+            warmup=args.warmup, iters=args.iters or DEFAULT_ITERS[FLAVOUR_SCALES[flavour]], vocab_size=args.vocab_size,
             overrides=tuple(args.set), out_dir=args.out or f"runs/efficiency-{flavour}-{args.gpus}dev",
             published=args.published, formats=formats, micro_batch_size=args.micro_batch,
             global_batch_size=args.global_batch, flops_attention=args.flops_attention,
         )
     except ValueError as exc:
         raise ReproError(str(exc)) from None
-    for run in plan.runs:
-        config = plan.config(run)
-        if config.model.precision == "bf16" and not on_gpu:
+    study = plan.study()  # every run's config built: a bad override is an error now
+    for run in study.runs:
+        if run.config().model.precision == "bf16" and not on_gpu:
             raise ReproError(
-                f"{run.label}: flavour '{flavour}' trains in bf16, which needs a GPU; on CPU use --flavour tiny "
+                f"{run.run_id}: flavour '{flavour}' trains in bf16, which needs a GPU; on CPU use --flavour tiny "
                 "(or --set model.precision=fp32)"
             )
-    check_out_dir(plan.study())  # before any work: another command's results stay
-    claim(plan.study(), fresh=True, check_only=True)
+    check_out_dir(study)  # before any work: another command's results stay
+    claim(study, fresh=True, check_only=True)
     return plan
 
 

@@ -1,11 +1,8 @@
 """Golden loss curves: fixed-seed training losses of a few routers on the embedded default, committed under
-``tests/assets/losses/``, and the comparison of a fresh run against them.
+``tests/assets/losses/``, and the comparison of a fresh run against them (docs/development.md).
 
 A change not meant to alter what training computes must leave them as they are (``tests/test_golden.py``
 compares every step); one meant to alter them regenerates them with ``python -m repro golden --refresh``.
-Each run is ``<router>-tiny`` on the mini-pile for :data:`STEPS` steps, one thread, no validation. A file
-records the settings, the torch version and the corpus's fingerprint: a machine with other text files has
-another mini-pile, and the comparison then says so instead of failing on numbers (docs/development.md).
 """
 
 from __future__ import annotations

@@ -78,16 +78,11 @@ def _kind(path: Path) -> str | None:
     """``"file"``, ``"dir"``, ``"symlink"``, ``"other"``, or None when nothing is there (links not followed)."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # a parent that is a file: reported when the write creates it
         return None
-    except NotADirectoryError:
-        return None  # a parent is a regular file: reported when the write tries to create it
-    if stat.S_ISLNK(mode):
-        return "symlink"
-    if stat.S_ISDIR(mode):
-        return "dir"
-    if stat.S_ISREG(mode):
-        return "file"
+    for kind, test in (("symlink", stat.S_ISLNK), ("dir", stat.S_ISDIR), ("file", stat.S_ISREG)):
+        if test(mode):
+            return kind
     return "other"
 
 
@@ -143,15 +138,30 @@ def make_parents(directory: str | os.PathLike, where: str | os.PathLike | None =
             d.mkdir()
             created.append(d)
     except FileExistsError:
-        if not directory.is_dir():
-            remove_empty_dirs(created)
-            raise ReproError(os_error_message(OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)), where)) from None
+        pass  # made meanwhile by another writer, or a regular file (refused below)
     except OSError as exc:
         remove_empty_dirs(created)
         raise ReproError(os_error_message(exc, where)) from None
     if not directory.is_dir():
+        remove_empty_dirs(created)
         raise ReproError(os_error_message(OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)), where))
     return created
+
+
+def make_temp_dir(final: str | os.PathLike) -> tuple[Path, list[Path]]:
+    """A new temporary directory beside ``final`` (``.<name>.<random>.tmp``), its missing parents made first.
+
+    Returns:
+        ``(the directory, the parents made for it)``, for :func:`remove_empty_dirs` after a failed write
+        (one-line errors name ``final``).
+    """
+    final = Path(final)
+    created = make_parents(final.parent, final)
+    try:
+        return Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent)), created
+    except OSError as exc:
+        remove_empty_dirs(created)
+        raise ReproError(os_error_message(exc, final)) from None
 
 
 def remove_empty_dirs(created: list[Path]) -> None:
@@ -172,12 +182,7 @@ def atomic_path(path: str | os.PathLike, *, replace: Recognise | None = None) ->
     """
     final = Path(path)
     check_output_path(final, replace)
-    created = make_parents(final.parent, final)
-    try:
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
-    except OSError as exc:
-        remove_empty_dirs(created)
-        raise ReproError(os_error_message(exc, final)) from None
+    tmp_dir, created = make_temp_dir(final)
     tmp = tmp_dir / final.name
     ok = False
     try:
@@ -232,16 +237,23 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def write_json_atomic(
-    path: str | os.PathLike, obj: Any, indent: int = 2, *, replace: Recognise | None = None
-) -> None:
-    """Write ``obj`` as JSON to ``path`` atomically (:func:`atomic_path`, with ``replace``)."""
+def write_json_atomic(path: str | os.PathLike, obj: Any, *, replace: Recognise | None = None) -> None:
+    """Write ``obj`` as indented JSON to ``path`` atomically (:func:`atomic_path`, with ``replace``)."""
     with atomic_path(path, replace=replace) as tmp:
         with open(tmp, "w") as f:
-            json.dump(obj, f, indent=indent, sort_keys=False)
+            json.dump(obj, f, indent=2)
             f.write("\n")
             f.flush()
             os.fsync(f.fileno())
+
+
+def read_json(path: str | os.PathLike, default: Any = None) -> Any:
+    """The parsed JSON file at ``path``, or ``default`` when it is missing, unreadable or not JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return default
 
 
 def check_output_dir(path: str | os.PathLike, marker: str, command: str) -> None:
@@ -291,34 +303,29 @@ def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep:
     (run_dir / marker).write_text(f"created by {command}\n")
 
 
+#: :func:`open_in_dir`'s modes (no ``x`` or ``+``: nothing needs them).
+_OPEN_FLAGS = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
+               "a": os.O_WRONLY | os.O_CREAT | os.O_APPEND}
+
+
 def open_in_dir(root: str | os.PathLike, name: str | os.PathLike, mode: str = "r", **kwargs: Any) -> IO:
     """``open(root / name, mode)``, refusing a path that leaves ``root`` (``..``, or a symlink pointing out).
 
     For files a command keeps open in its own output directory (a run's ``log.jsonl``): one planted as a
     symlink to a file elsewhere must not get the run's records appended. Symlinks that stay inside ``root``
     are followed; the resolved path is opened with ``O_NOFOLLOW``, so a link swapped in after the check is
-    refused too. ``mode`` as :func:`open`; ``kwargs`` go to :func:`os.fdopen`.
+    refused too. ``mode``: ``r``, ``w`` or ``a`` (with ``b`` or ``t``); ``kwargs`` go to :func:`os.fdopen`.
     """
     root_path = Path(root)
     path = root_path / name
     real_root, real = os.path.realpath(root_path), os.path.realpath(path)
     if os.path.commonpath([real_root, real]) != real_root:
         raise ReproError(f"{path}: leads outside {root_path} (a symbolic link or '..'); refusing to open it")
-    flags = os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    base = mode.replace("b", "").replace("t", "")
-    plus = "+" in base
-    if base.startswith("r"):
-        flags |= os.O_RDWR if plus else os.O_RDONLY
-    elif base.startswith("w"):
-        flags |= (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_TRUNC
-    elif base.startswith("a"):
-        flags |= (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_APPEND
-    elif base.startswith("x"):
-        flags |= (os.O_RDWR if plus else os.O_WRONLY) | os.O_CREAT | os.O_EXCL
-    else:
-        raise ValueError(f"open_in_dir: mode {mode!r} is not one of r, w, a, x (with b, t, +)")
+    flags = _OPEN_FLAGS.get(mode.replace("b", "").replace("t", ""))
+    if flags is None:
+        raise ValueError(f"open_in_dir: mode {mode!r} is not one of r, w, a (with b or t)")
     try:
-        fd = os.open(real, flags, 0o666)
+        fd = os.open(real, flags | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise ReproError(f"{path}: became a symbolic link while being opened; refusing to follow it") from None

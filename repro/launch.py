@@ -1,12 +1,9 @@
 """Multi-node launch: torchrun with c10d rendezvous, SLURM batch scripts, ``python -m repro launch``.
 
 Pure functions that build commands and files (only the standard library: ``noxfile.py`` imports it without
-torch). Following torchtitan and Megatron-LM (DESIGN.md 9): one ``torchrun`` per node with an elastic c10d
-rendezvous (no node rank to hand out, any node may start first); one node without an endpoint runs
-``--standalone``. Under SLURM the batch script runs ``srun`` with one task per node, each a ``torchrun``,
-the head node from ``scontrol show hostnames`` and the job id as rendezvous id; what runs after training is
-a step of one task. Processes started by ``srun`` directly get their ranks from
-:func:`repro.model.parallel.rank_environment`.
+torch); their use: docs/clusters.md. Following torchtitan and Megatron-LM (DESIGN.md 9): one ``torchrun`` per
+node with an elastic c10d rendezvous (no node rank to hand out, any node may start first). Processes started
+by ``srun`` directly get their ranks from :func:`repro.model.parallel.rank_environment`.
 
 Defaults the references leave open (docs/clusters.md): (1) rendezvous port 29500 in the SLURM script;
 (2) ``srun --kill-on-bad-exit=1``, so a failed node ends the step instead of leaving the others waiting

@@ -60,20 +60,14 @@ def _convert(value: Any, tp: Any, where: str, origin: str) -> Any:
         if not isinstance(value, dict):
             raise ReproError(f"{origin}: field '{where}' must be an object, got {_describe(value)}")
         return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ReproError(f"{origin}: field '{where}' must be a number, got {_describe(value)}")
-        if not math.isfinite(value):
-            raise ReproError(f"{origin}: field '{where}' must be a finite number, got {value}")
-        return float(value)
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ReproError(f"{origin}: field '{where}' must be an integer, got {_describe(value)}")
-        return value
-    if tp in (str, bool):
-        if not isinstance(value, tp):
+    if tp in (str, int, float, bool):
+        # an int is a number; a bool (an int to Python) is neither
+        valid = isinstance(value, (int, float) if tp is float else tp)
+        if not valid or (tp in (int, float) and isinstance(value, bool)):
             raise ReproError(f"{origin}: field '{where}' must be {_TYPE_WORDS[tp]}, got {_describe(value)}")
-        return value
+        if tp is float and not math.isfinite(value):
+            raise ReproError(f"{origin}: field '{where}' must be a finite number, got {value}")
+        return float(value) if tp is float else value
     raise TypeError(f"unsupported field type {tp!r} at {where}")
 
 
@@ -91,10 +85,9 @@ def _build(cls: type[D], data: Any, where: str, origin: str) -> D:
     for name, field in fields.items():
         path = f"{where}.{name}" if where else name
         if name not in data:
-            has_default = field.default is not dataclasses.MISSING or field.default_factory is not dataclasses.MISSING
-            if has_default:
-                continue
-            raise ReproError(f"{origin}: missing field '{path}'")
+            if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING:
+                raise ReproError(f"{origin}: missing field '{path}'")
+            continue
         kwargs[name] = _convert(data[name], hints[name], path, origin)
     try:
         return cls(**kwargs)
@@ -117,6 +110,13 @@ def from_json(cls: type[D], data: Any, origin: str) -> D:
         ReproError: a missing or unknown field, or a value of the wrong type, named by its dotted path.
     """
     return _build(cls, data, "", origin)
+
+
+def check_minimums(obj: Any, **minimums: float) -> None:
+    """Raise a ValueError (``name must be >= low, got value``) for the first attribute of ``obj`` below it."""
+    for name, low in minimums.items():
+        if getattr(obj, name) < low:
+            raise ValueError(f"{name} must be >= {low}, got {getattr(obj, name)}")
 
 
 def to_json(obj: Any) -> Any:

@@ -1,15 +1,7 @@
 """One engine for the suite's studies: a study is data (:class:`Study`: its runs, how they execute, where they
 write, what it reports) and :func:`run_study` runs it; :mod:`repro.studies` holds the registered ones and
-``python -m repro study NAME``. Adding a study: docs/experiments.md, "Studies".
-
-Execution: on CPU, every run in a fresh worker process (spawn, one thread) in ``workers`` lanes, the longest
-first (by the CPU seconds the last ``summary.json`` in the output directory records); with a :class:`Launch`,
-one ``python -m repro train`` per run, one after another, under torchrun where it spans more than one process.
-A run directory holds the marker ``.<name>-run`` of the study that created it, an output directory
-``.<name>-out``: a path without it is refused, never deleted. A run whose config and ``current`` check
-match and which finished is reused; one that did not finish is resumed where the study allows it, else
-replaced. Each invocation is appended to ``<work_dir>/sessions.json`` and each CPU run's cost (its worker's CPU
-and wall seconds, summed over the invocations that trained it) is kept in its ``timing.json``.
+``python -m repro study NAME``. How studies execute, reuse and resume runs, and adding one: docs/experiments.md,
+"Studies".
 """
 
 from __future__ import annotations
@@ -31,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.errors import ReproError
-from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, write_json_atomic
+from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, read_json, write_json_atomic
 from repro.launch import Launch, torchrun_command
 
 
@@ -166,16 +158,13 @@ def previous_cpu_seconds(out_dir: str) -> dict[str, float]:
 
 def run_cost(run_dir: Path) -> dict[str, float] | None:
     """A CPU run's CPU and wall seconds over the invocations that trained it (None: not recorded)."""
-    keys = ("cpu_seconds", "wall_seconds")
+    keys, run_dir = ("cpu_seconds", "wall_seconds"), Path(run_dir)
     try:
-        cost = json.loads((Path(run_dir) / "timing.json").read_text())
-        return {key: float(cost[key]) for key in keys}
-    except FileNotFoundError:  # an ablation run trained before timing.json: its list of invocations
-        try:
-            history = json.loads((Path(run_dir) / "ablation_cost.json").read_text())
+        if not (run_dir / "timing.json").exists():  # an ablation run trained before timing.json: its invocations
+            history = json.loads((run_dir / "ablation_cost.json").read_text())
             return {key: round(sum(float(h[key]) for h in history), 1) for key in keys}
-        except (OSError, ValueError, KeyError, TypeError):
-            return None
+        cost = json.loads((run_dir / "timing.json").read_text())
+        return {key: float(cost[key]) for key in keys}
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
@@ -354,10 +343,7 @@ def execute(study: Study, *, fresh: bool = False) -> dict[str, Any]:
 def _note_session(study: Study, wall: float, names: dict[str, list[str]], seconds: dict[str, float]) -> None:
     """Append this invocation to ``<work_dir>/sessions.json`` (a damaged log is left alone)."""
     path = Path(study.work_dir) / "sessions.json"
-    try:
-        history = json.loads(path.read_text()) if path.is_file() else []
-    except ValueError:
-        history = None
+    history = read_json(path) if path.is_file() else []
     if not isinstance(history, list):
         print(f"{path}: not a JSON list; this invocation is not logged there")
         return

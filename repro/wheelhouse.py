@@ -47,14 +47,8 @@ _SDIST_SUFFIXES = (".tar.gz", ".zip")
 #: Modules a run imports beyond torch and the suite: what a GPU machine with only torch installs from the
 #: wheelhouse (:func:`check_requirements` refuses a machine without them).
 REQUIRED_MODULES: dict[str, str] = {
-    "megatron.core": "megatron-core==0.16.1",
-    "omegaconf": "omegaconf==2.4.0",
-    "zstandard": "zstandard",
-    "scipy": "scipy",
-    "numpy": "numpy",
-    "tabulate": "tabulate",
-    "tqdm": "tqdm",
-    "yaml": "pyyaml",
+    "megatron.core": "megatron-core==0.16.1", "omegaconf": "omegaconf==2.4.0", "zstandard": "zstandard",
+    "scipy": "scipy", "numpy": "numpy", "tabulate": "tabulate", "tqdm": "tqdm", "yaml": "pyyaml",
 }
 
 
@@ -136,10 +130,8 @@ class WheelhouseTarget:
 
     def pip_target_args(self) -> list[str]:
         """pip's interpreter/platform restriction options for this target."""
-        args = ["--python-version", self.python, "--implementation", self.implementation, "--abi", self.abi]
-        for tag in self.platforms:
-            args += ["--platform", tag]
-        return args
+        platforms = [arg for tag in self.platforms for arg in ("--platform", tag)]
+        return ["--python-version", self.python, "--implementation", self.implementation, "--abi", self.abi, *platforms]
 
 
 def parse_present(lines: Iterable[str]) -> dict[str, str]:

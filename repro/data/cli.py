@@ -8,23 +8,13 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import shutil
 import time
-import warnings
-from collections.abc import Iterator
 from pathlib import Path
 
+from repro.data import quiet_megatron_import
 from repro.errors import ReproError
-
-
-@contextlib.contextmanager
-def _quiet_megatron_import() -> Iterator[None]:
-    # megatron-core warns at import that TransformerEngine/Apex are absent: expected on CPU, noise here.
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-        yield
 
 
 def _mb(n: int) -> str:
@@ -42,15 +32,11 @@ def _mini_pile(args: argparse.Namespace) -> int:
     mini = build_mini_pile(
         args.out, config, num_workers=args.workers, force=args.force, progress=not args.no_progress, log=print
     )
-
-    def row(name: str, docs: int, nbytes: int, tokens: int, held_docs: int, held_tokens: int) -> tuple[str, ...]:
-        return name, str(docs), _mb(nbytes), f"{tokens:,}", str(held_docs), f"{held_tokens:,}"
-
     fields = ("documents", "bytes", "tokens", "heldout_documents", "heldout_tokens")
     values = {name: [getattr(mini.stats[name], f) for f in fields] for name in mini.domains}
+    values["total"] = [sum(v[i] for v in values.values()) for i in range(len(fields))]
     rows = [("domain", "docs", "MB", "tokens", "held-out docs", "held-out tokens")]
-    rows += [row(name, *v) for name, v in values.items()]
-    rows.append(row("total", *(sum(v[i] for v in values.values()) for i in range(len(fields)))))
+    rows += [(name, str(d), _mb(b), f"{t:,}", str(hd), f"{ht:,}") for name, (d, b, t, hd, ht) in values.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
@@ -94,7 +80,7 @@ def _tokenize(args: argparse.Namespace) -> int:
     from repro.data.tokenizer import load_tokenizer
     from repro.io_utils import atomic_path
 
-    with _quiet_megatron_import():
+    with quiet_megatron_import():
         from repro.data.indexed import tokenize_shards
 
     t0 = time.perf_counter()
@@ -122,7 +108,7 @@ def _tokenize(args: argparse.Namespace) -> int:
 def _token_counts(args: argparse.Namespace) -> int:
     from repro.data.token_counts import token_counts_file
 
-    with _quiet_megatron_import():
+    with quiet_megatron_import():
         path = token_counts_file(args.prefix, args.split)
     print(path)
     return 0

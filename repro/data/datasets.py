@@ -77,11 +77,8 @@ def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]
 
 
 def _check_splits(prefixes: Sequence[str], split: str) -> list[tuple[int, int] | None]:
-    """Refuse a split that gets no document of some prefix (megatron would loop forever building it).
-
-    Returns:
-        The last prefix's :func:`split_ranges` (which splits have a share is the same for every prefix).
-    """
+    """Refuse a split that gets no document of some prefix (megatron would loop forever building it); returns
+    the last prefix's :func:`split_ranges` (which splits have a share is the same for every prefix)."""
     for prefix in prefixes:
         n = len(IndexedDataset(prefix))
         ranges = split_ranges(n, split)
@@ -202,8 +199,7 @@ def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tu
 
 
 class DomainTaggedDataset(torch.utils.data.Dataset):
-    """A dataset from :func:`build_datasets` whose samples keep only the batch keys, ``with_domains`` also
-    ``domain_ids`` (``[s]`` int64 into :attr:`domain_names`, -1 for padding)."""
+    """A dataset from :func:`build_datasets` whose samples keep only the batch keys (module docstring)."""
 
     def __init__(self, dataset: GPTDataset | BlendedDataset, with_domains: bool = False) -> None:
         self.dataset = dataset

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -26,13 +25,7 @@ from tqdm import tqdm
 from repro.data.pile import PileRecord, iter_pile_documents
 from repro.data.tokenizer import Gpt2BpeTokenizer, encode_documents
 from repro.errors import ReproError
-from repro.io_utils import (
-    check_output_path,
-    error_from_os_error,
-    make_parents,
-    os_error_message,
-    remove_empty_dirs,
-)
+from repro.io_utils import check_output_path, error_from_os_error, make_temp_dir, read_json, remove_empty_dirs
 
 DOMAINS_JSON = ".domains.json"
 DOMAINS_NPY = ".domains.npy"
@@ -69,13 +62,7 @@ def _prefix_files(prefix: str) -> list[str]:
 
 
 def _is_our_sidecar(path: str) -> bool:
-    if os.path.islink(path) or not os.path.isfile(path):
-        return False
-    try:
-        with open(path, encoding="utf-8") as f:
-            meta = json.load(f)
-    except (OSError, ValueError):
-        return False
+    meta = None if os.path.islink(path) else read_json(path)
     return isinstance(meta, dict) and isinstance(meta.get("domains"), list) and "num_documents" in meta
 
 
@@ -94,7 +81,7 @@ def indexed_exists(prefix: str | os.PathLike) -> bool:
 
 def write_indexed(
     records: Iterable[PileRecord], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
-    num_workers: int | None = None, batch_size: int = 256, progress: bool = False, source: str = "input",
+    num_workers: int | None = None, progress: bool = False, source: str = "input",
 ) -> TokenizeStats:
     """Tokenise documents (EOD appended) into an indexed dataset with its domain sidecar, atomically.
 
@@ -103,7 +90,6 @@ def write_indexed(
         tokenizer: the tokenizer; the token dtype is megatron's ``DType.optimal_dtype(vocab_size)``.
         out_prefix: the output prefix.
         num_workers: tokeniser threads (default: all cores).
-        batch_size: documents per tokeniser batch.
         progress: show a tqdm bar over documents.
         source: how to name the input in the empty-corpus error.
 
@@ -112,13 +98,7 @@ def write_indexed(
     """
     prefix = str(out_prefix)
     check_indexed_output(prefix)
-    parent = Path(prefix).parent
-    created = make_parents(parent, prefix)
-    try:
-        tmp_dir = Path(tempfile.mkdtemp(prefix=f".{Path(prefix).name}.", suffix=".tmp", dir=parent))
-    except OSError as exc:
-        remove_empty_dirs(created)
-        raise ReproError(os_error_message(exc, prefix)) from None
+    tmp_dir, created = make_temp_dir(prefix)
     tmp_prefix = str(tmp_dir / Path(prefix).name)
     t0 = time.perf_counter()
     builder: IndexedDatasetBuilder | None = None
@@ -144,7 +124,7 @@ def write_indexed(
         builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
         n_docs = n_tokens = 0
         with tqdm(unit="doc", desc=f"tokenize {Path(prefix).name}", disable=not progress) as bar:
-            for ids in encode_documents(tokenizer, texts(), num_workers=num_workers, batch_size=batch_size):
+            for ids in encode_documents(tokenizer, texts(), num_workers=num_workers):
                 builder.add_document(ids, [ids.size])
                 domain = names[doc_domain[n_docs]]
                 toks[domain] = toks.get(domain, 0) + int(ids.size)
@@ -156,15 +136,8 @@ def write_indexed(
         builder.finalize(tmp_prefix + ".idx")
 
         np.save(tmp_prefix + DOMAINS_NPY, np.asarray(doc_domain, dtype=domain_dtype(len(names))))
-        sidecar = {
-            "domains": names,
-            "num_documents": n_docs,
-            "num_tokens": n_tokens,
-            "documents": docs,
-            "tokens": toks,
-            "bytes": nbytes,
-            "tokenizer": dict(tokenizer.unique_identifiers),
-        }
+        sidecar = {"domains": names, "num_documents": n_docs, "num_tokens": n_tokens, "documents": docs,
+                   "tokens": toks, "bytes": nbytes, "tokenizer": dict(tokenizer.unique_identifiers)}
         with open(tmp_prefix + DOMAINS_JSON, "w") as f:
             json.dump(sidecar, f, indent=2)
         check_indexed_output(prefix)  # again: tokenising may have taken hours

@@ -23,18 +23,19 @@ import hashlib
 import json
 import os
 import time
-import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from repro.data import quiet_megatron_import
 from repro.data.minipile_sources import ALL_DOMAINS, Candidate, Source, domain_sources
 from repro.data.pile import PileRecord, iter_pile_documents, write_pile_shard
 from repro.data.tokenizer import Gpt2BpeTokenizer, load_tokenizer, train_bpe_tokenizer
 from repro.errors import ReproError
-from repro.io_utils import make_parents, open_in_dir, write_json_atomic
+from repro.io_utils import make_parents, open_in_dir, read_json, write_json_atomic
 
 MANIFEST_FORMAT = 1
+_TOKENIZER_RELS = ("tokenizer/vocab.json", "tokenizer/merges.txt")
 
 
 @dataclass(frozen=True)
@@ -201,21 +202,13 @@ def _files_ok(root: Path, sizes: dict[str, int]) -> bool:
     )
 
 
-def _sizes(root: Path, rels: list[str]) -> dict[str, int]:
+def _sizes(root: Path, rels: Sequence[str]) -> dict[str, int]:
     return {rel: (root / rel).stat().st_size for rel in rels}
 
 
-def _prefix_rels(prefix_rel: str) -> list[str]:
-    return [prefix_rel + ext for ext in (".bin", ".idx", ".domains.json", ".domains.npy")]
-
-
 def _load_manifest(path: Path) -> dict:
-    try:
-        with open(path) as f:
-            manifest = json.load(f)
-        return manifest if manifest.get("format") == MANIFEST_FORMAT else {}
-    except (OSError, ValueError):
-        return {}  # no or unreadable manifest: rebuild everything
+    manifest = read_json(path)  # none, unreadable or of another format: rebuild everything
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == MANIFEST_FORMAT else {}
 
 
 # What a build puts in its directory (plus atomic writers' temporaries, ``.<name>.<random>.tmp``).
@@ -277,27 +270,41 @@ def _build_locked(root: Path, cfg: MiniPileConfig, num_workers: int | None, forc
                   say: Callable[[str], None], t_start: float) -> MiniPile:
     """The body of :func:`build_mini_pile`, run while holding the output directory's lock."""
     manifest_path = root / "manifest.json"
-    old = {} if force else _load_manifest(manifest_path)
+    old_stages = {} if force else _load_manifest(manifest_path).get("stages", {})
     listed, skipped = _list_sources(cfg)
     fingerprints = {name: _fingerprint(cands) for name, (_, cands) in listed.items()}
     corpus_key = _h("corpus", MANIFEST_FORMAT, json.dumps(dataclasses.asdict(cfg), sort_keys=True),
                     json.dumps(fingerprints, sort_keys=True))
     tokenizer_key = _h("tokenizer", corpus_key, cfg.vocab_size, cfg.min_frequency)
     indexed_key = _h("indexed", tokenizer_key)
-
     stages: dict = {}
     manifest: dict = {"format": MANIFEST_FORMAT, "config": dataclasses.asdict(cfg), "stages": stages}
-    cache = _Stages(root, manifest, old.get("stages", {}), say)
+
+    def stage(name: str, key: str, out_dir: str, reusable: bool, build: Callable[[], tuple[dict, str]]) -> bool:
+        """Reuse stage ``name`` when its key and files match the manifest on disk (unless an earlier stage was
+        rebuilt: ``reusable`` False), else ``build`` it (its manifest entry and log line); whether reused."""
+        prev = old_stages.get(name, {})
+        if reusable and prev.get("key") == key and _files_ok(root, prev.get("files", {})):
+            stages[name] = prev
+            say(f"{name}: reused ({root / out_dir})")
+            return True
+        # Forget this stage and the later ones on disk first: a crash half-way must not leave a manifest
+        # whose keys vouch for files that are being rewritten.
+        write_json_atomic(manifest_path, manifest)
+        stages[name], line = build()
+        write_json_atomic(manifest_path, manifest)
+        say(line)
+        return False
+
     shard_rels = [f"shards/train-{i:02d}.jsonl.zst" for i in range(cfg.num_shards)]
-    tok_rels = ["tokenizer/vocab.json", "tokenizer/merges.txt"]
     # Each stage is reused only when every stage before it was.
-    reused_all = cache.run("corpus", corpus_key, "shards", True,
-                           lambda: _write_corpus(root, cfg, corpus_key, listed, skipped, shard_rels))
-    reused_all = cache.run("tokenizer", tokenizer_key, "tokenizer", reused_all,
-                           lambda: _train_tokenizer(root, cfg, tokenizer_key, shard_rels, tok_rels))
-    reused_all = cache.run("indexed", indexed_key, "indexed", reused_all,
-                           lambda: _tokenize(root, indexed_key, shard_rels, tok_rels, num_workers, progress))
-    return _mini_pile(root, stages, shard_rels, tok_rels, reused_all, t_start)
+    reused_all = stage("corpus", corpus_key, "shards", True,
+                       lambda: _write_corpus(root, cfg, corpus_key, listed, skipped, shard_rels))
+    reused_all = stage("tokenizer", tokenizer_key, "tokenizer", reused_all,
+                       lambda: _train_tokenizer(root, cfg, tokenizer_key, shard_rels))
+    reused_all = stage("indexed", indexed_key, "indexed", reused_all,
+                       lambda: _tokenize(root, indexed_key, shard_rels, num_workers, progress))
+    return _mini_pile(root, stages, shard_rels, reused_all, t_start)
 
 
 def _list_sources(cfg: MiniPileConfig) -> tuple[dict[str, tuple[Source, list[Candidate]]], dict[str, str]]:
@@ -318,34 +325,6 @@ def _list_sources(cfg: MiniPileConfig) -> tuple[dict[str, tuple[Source, list[Can
         else:
             skipped[source.name] = "source not found on this machine"
     return listed, skipped
-
-
-@dataclass(frozen=True)
-class _Stages:
-    """The stages of one build: each reused when its key and files match ``old_stages`` (the manifest on disk,
-    empty with ``force``), else rebuilt; ``manifest["stages"]`` fills in as they run."""
-
-    root: Path
-    manifest: dict
-    old_stages: dict
-    say: Callable[[str], None]
-
-    def run(self, name: str, key: str, out_dir: str, reusable: bool, build: Callable[[], tuple[dict, str]]) -> bool:
-        """Reuse stage ``name`` (unless an earlier stage was rebuilt: ``reusable`` False) or ``build`` it (it
-        returns its manifest entry and a log line); returns whether it was reused."""
-        stages = self.manifest["stages"]
-        prev = self.old_stages.get(name, {})
-        if reusable and prev.get("key") == key and _files_ok(self.root, prev.get("files", {})):
-            stages[name] = prev
-            self.say(f"{name}: reused ({self.root / out_dir})")
-            return True
-        # Forget this stage and the later ones on disk first: a crash half-way must not leave a manifest
-        # whose keys vouch for files that are being rewritten.
-        write_json_atomic(self.root / "manifest.json", self.manifest)
-        stages[name], line = build()
-        write_json_atomic(self.root / "manifest.json", self.manifest)
-        self.say(line)
-        return False
 
 
 def _write_corpus(root: Path, cfg: MiniPileConfig, key: str, listed: dict[str, tuple[Source, list[Candidate]]],
@@ -385,73 +364,49 @@ def _write_corpus(root: Path, cfg: MiniPileConfig, key: str, listed: dict[str, t
     return entry, line
 
 
-def _train_tokenizer(
-    root: Path, cfg: MiniPileConfig, key: str, shard_rels: list[str], tok_rels: list[str]
-) -> tuple[dict, str]:
+def _train_tokenizer(root: Path, cfg: MiniPileConfig, key: str, shard_rels: list[str]) -> tuple[dict, str]:
     """Stage 2: the tokenizer, trained on the training shards only."""
     t0 = time.perf_counter()
     texts = (text for text, _ in iter_pile_documents([root / r for r in shard_rels]))
     train_bpe_tokenizer(texts, root / "tokenizer", vocab_size=cfg.vocab_size, min_frequency=cfg.min_frequency)
-    entry = {"key": key, "files": _sizes(root, tok_rels), "seconds": time.perf_counter() - t0}
+    entry = {"key": key, "files": _sizes(root, _TOKENIZER_RELS), "seconds": time.perf_counter() - t0}
     return entry, f"tokenizer: vocabulary {cfg.vocab_size} trained ({entry['seconds']:.1f} s)"
 
 
-def _tokenize(
-    root: Path, key: str, shard_rels: list[str], tok_rels: list[str], num_workers: int | None, progress: bool
-) -> tuple[dict, str]:
+def _tokenize(root: Path, key: str, shard_rels: list[str], num_workers: int | None, progress: bool) -> tuple[dict, str]:
     """Stage 3: the indexed datasets (same reader + tokeniser path as The Pile)."""
-    with warnings.catch_warnings():  # megatron-core's import-time "no TransformerEngine/Apex" notices
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+    with quiet_megatron_import():
         from repro.data.indexed import tokenize_shards  # imports megatron-core: only when this stage runs
 
-    tok = load_tokenizer(root / tok_rels[0], root / tok_rels[1])
-    train_stats = tokenize_shards(
-        [root / r for r in shard_rels], tok, root / "indexed/train", num_workers=num_workers, progress=progress
-    )
-    held_stats = tokenize_shards(
-        [root / "heldout.jsonl"], tok, root / "indexed/heldout", num_workers=num_workers, progress=progress
-    )
+    tok = load_tokenizer(*(root / rel for rel in _TOKENIZER_RELS))
+    inputs = {"train": [root / r for r in shard_rels], "heldout": [root / "heldout.jsonl"]}
+    stats = {part: tokenize_shards(paths, tok, root / "indexed" / part, num_workers=num_workers, progress=progress)
+             for part, paths in inputs.items()}
+    train = stats["train"]
     entry = {
         "key": key,
-        "files": _sizes(root, _prefix_rels("indexed/train") + _prefix_rels("indexed/heldout")),
-        "seconds": train_stats.seconds + held_stats.seconds,
-        "tokens_per_second": train_stats.tokens_per_second,
-        "train": {"documents": train_stats.documents, "bytes": train_stats.bytes, "tokens": train_stats.tokens},
-        "heldout": {"documents": held_stats.documents, "bytes": held_stats.bytes, "tokens": held_stats.tokens},
+        "files": _sizes(root, [f"indexed/{part}{ext}" for part in inputs
+                               for ext in (".bin", ".idx", ".domains.json", ".domains.npy")]),
+        "seconds": train.seconds + stats["heldout"].seconds,
+        "tokens_per_second": train.tokens_per_second,
+        **{part: {"documents": st.documents, "bytes": st.bytes, "tokens": st.tokens} for part, st in stats.items()},
     }
-    line = f"indexed: {train_stats.num_tokens:,} training tokens at {train_stats.tokens_per_second:,.0f} tokens/s"
+    line = f"indexed: {train.num_tokens:,} training tokens at {train.tokens_per_second:,.0f} tokens/s"
     return entry, line
 
 
-def _mini_pile(
-    root: Path, stages: dict, shard_rels: list[str], tok_rels: list[str], reused_all: bool, t_start: float
-) -> MiniPile:
+def _mini_pile(root: Path, stages: dict, shard_rels: list[str], reused_all: bool, t_start: float) -> MiniPile:
     """The :class:`MiniPile` of a build whose stages are all recorded in ``stages``."""
     ix = stages["indexed"]
     domains = tuple(stages["corpus"]["domains"])
-    stats = {
-        d: DomainStats(
-            documents=ix["train"]["documents"].get(d, 0),
-            bytes=ix["train"]["bytes"].get(d, 0),
-            tokens=ix["train"]["tokens"].get(d, 0),
-            heldout_documents=ix["heldout"]["documents"].get(d, 0),
-            heldout_bytes=ix["heldout"]["bytes"].get(d, 0),
-            heldout_tokens=ix["heldout"]["tokens"].get(d, 0),
-        )
-        for d in domains
-    }
+    # DomainStats' fields in order: documents, bytes and tokens of the training part, then of the held-out one
+    stats = {d: DomainStats(*(ix[part][key].get(d, 0) for part in ("train", "heldout")
+                              for key in ("documents", "bytes", "tokens"))) for d in domains}
     return MiniPile(
-        root=root,
-        train_shards=tuple(root / r for r in shard_rels),
-        heldout_path=root / "heldout.jsonl",
-        vocab_path=root / tok_rels[0],
-        merges_path=root / tok_rels[1],
-        train_prefix=str(root / "indexed/train"),
-        heldout_prefix=str(root / "indexed/heldout"),
-        domains=domains,
-        stats=stats,
-        skipped_domains=dict(stages["corpus"].get("skipped", {})),
-        build_seconds=time.perf_counter() - t_start,
+        root=root, train_shards=tuple(root / r for r in shard_rels), heldout_path=root / "heldout.jsonl",
+        vocab_path=root / _TOKENIZER_RELS[0], merges_path=root / _TOKENIZER_RELS[1],
+        train_prefix=str(root / "indexed/train"), heldout_prefix=str(root / "indexed/heldout"), domains=domains,
+        stats=stats, skipped_domains=dict(stages["corpus"].get("skipped", {})),
+        build_seconds=time.perf_counter() - t_start, reused=reused_all,
         tokenize_tokens_per_second=float(ix.get("tokens_per_second", float("nan"))),
-        reused=reused_all,
     )

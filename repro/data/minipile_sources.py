@@ -73,12 +73,8 @@ def _stdlib_modules(half: int) -> list[Candidate]:
 
 def _read_text(path: Path) -> str | None:
     try:
-        if path.name.endswith(".gz"):
-            with gzip.open(path, "rb") as f:
-                data = f.read()
-        else:
-            data = path.read_bytes()
-        return data.decode("utf-8")
+        data = path.read_bytes()
+        return (gzip.decompress(data) if path.name.endswith(".gz") else data).decode("utf-8")
     except (OSError, UnicodeDecodeError, EOFError):
         return None
 
@@ -217,14 +213,10 @@ _BREAK = frozenset({"PP", "LP", "P", "sp", "TP", "HP", "SH", "SS", "TQ", "PD"})
 
 
 def _troff_inline(text: str) -> str:
-    def sub(m: re.Match) -> str:
-        if m.group("named") is not None:
-            return _TROFF_NAMED.get(m.group("named"), "")
-        if m.group("bracket") is not None:
-            return _TROFF_NAMED.get(m.group("bracket"), "")
+    def sub(m: re.Match) -> str:  # a glyph or one-character escape by its table, every other escape dropped
         if m.group("char") is not None:
             return _TROFF_CHAR.get(m.group("char"), "")
-        return ""
+        return _TROFF_NAMED.get(m.group("named") or m.group("bracket") or "", "")
 
     return _TROFF_ESCAPE.sub(sub, text)
 

@@ -151,14 +151,13 @@ def iter_pile_documents(
             bar.update(size - done)
 
 
-def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord], *, level: int = 10) -> int:
+def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord]) -> int:
     """Write records as a Pile-format shard, atomically (nothing is left at ``path`` on failure).
 
     Args:
-        path: the destination; ``*.zst`` is zstd-compressed (one frame with a content checksum), anything
-            else plain JSON lines.
+        path: the destination; ``*.zst`` is zstd-compressed (level 10, one frame with a content checksum),
+            anything else plain JSON lines.
         records: ``(text, domain)`` pairs.
-        level: the zstd compression level.
 
     Returns:
         The number of records written.
@@ -167,7 +166,7 @@ def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord], *, 
     count = 0
     with atomic_path(path) as tmp, open(tmp, "wb") as raw:
         if path.name.endswith(".zst"):
-            compressor = zstandard.ZstdCompressor(level=level, write_checksum=True)
+            compressor = zstandard.ZstdCompressor(level=10, write_checksum=True)
             sink = compressor.stream_writer(raw, closefd=False)
         else:
             sink = raw

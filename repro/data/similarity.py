@@ -1,28 +1,23 @@
 """Similarity-based data batching (Lory, Sec. 3.2 and Appendix C): similar documents in the same sequences.
 
-Lory builds its training instances by concatenating similar documents, following In-Context Pretraining
-(Shi et al., ICLR 2024, arXiv:2310.10638, Sec. 2 and Algorithm 1): every document gets a vector and its
-top-k nearest neighbours (FAISS); a greedy walk over the neighbour graph (a maximum travelling-salesman
-heuristic) orders the documents; the documents are concatenated in that order. megatron-core's ``GPTDataset``
-shuffles *sequences* once per epoch, so :func:`build_similarity_dataset` writes a derived indexed dataset in
-which every sequence is a **chain**: a run of the walk whose consecutive documents are graph neighbours,
-each still ending with its EOD token. Chains are cut at the walk's jumps and at ``max_chain_tokens`` (an
-int32 in megatron's index) and written in a seeded random order. Only the source's training documents
-(megatron's split of it) are chained; its validation and test documents follow unchanged, and
-:attr:`SimilarityBatched.split` cuts the derived dataset back into exactly those ranges, so the validation
-samples equal those of a run without similarity batching (tested). Several prefixes are merged into one
-derived dataset (neighbours searched across all of them).
+The method and its use: docs/routers.md, "Lory's similarity batching" (after In-Context Pretraining, Shi et
+al., ICLR 2024, arXiv:2310.10638, Algorithm 1). megatron-core's ``GPTDataset`` shuffles *sequences*, so
+:func:`build_similarity_dataset` writes a derived indexed dataset in which every sequence is a **chain**: a
+run of the greedy walk whose consecutive documents are graph neighbours, each still ending with its EOD token.
+Chains are cut at the walk's jumps and at ``max_chain_tokens`` (an int32 in megatron's index) and written in
+a seeded random order. Only the sources' training documents (megatron's split) are chained, across all the
+prefixes; their validation and test documents follow unchanged, and :attr:`SimilarityBatched.split` cuts the
+derived dataset back into exactly those ranges, so the validation samples are those of a run without it.
 
-Deviations from the paper (documented defaults; docs/routers.md): (1) TF-IDF over token ids (sublinear tf,
-EOD excluded) reduced by truncated SVD and L2-normalised, instead of Contriever (not downloadable here;
-lexical rather than semantic similarity); (2) FAISS exact inner product up to
-``exact_search_max_documents``, IVF (``4 sqrt(N)`` lists, ``nprobe`` 32) above; (3) no semantic
-deduplication; (4) an undirected edge joins two documents when either is among the other's k nearest
-neighbours, weighted by cosine similarity; minimum-degree ties are broken by a seeded permutation.
+Deviations from the paper (documented defaults; docs/routers.md): (1) TF-IDF over token ids (sublinear tf, EOD
+excluded) reduced by truncated SVD and L2-normalised, instead of Contriever (not downloadable here; lexical
+rather than semantic similarity); (2) FAISS exact inner product up to ``exact_search_max_documents``, IVF
+(``4 sqrt(N)`` lists, ``nprobe`` 32) above; (3) no semantic deduplication; (4) an undirected edge joins two
+documents when either is among the other's k nearest neighbours, weighted by cosine similarity;
+minimum-degree ties are broken by a seeded permutation.
 
-The result is cached beside the source as ``<first prefix>.simbatch-<key>`` (a hash of the inputs), reused
-when complete; files of that name this module did not write are never overwritten. Command line:
-``python -m repro.data.similarity PREFIX [PREFIX...]``.
+The result is cached beside the first source as ``<prefix>.simbatch-<key>`` (a hash of the inputs), reused
+when complete; files of that name this module did not write are never overwritten.
 """
 
 from __future__ import annotations
@@ -36,7 +31,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +42,8 @@ from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatase
 from repro.data.datasets import DEFAULT_SPLIT, append_index, split_ranges
 from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, domain_dtype, existing_prefixes, load_domain_index
 from repro.errors import ReproError
+from repro.io_utils import make_temp_dir, read_json
+from repro.schema import check_minimums
 
 FORMAT = 1
 #: Suffixes of the files of a derived dataset besides ``.bin``/``.idx``.
@@ -79,10 +75,8 @@ class SimilarityBatchingConfig:
     seed: int = 1234
 
     def __post_init__(self) -> None:
-        for name in ("num_neighbors", "embedding_dim", "max_chain_tokens", "svd_fit_documents",
-                     "exact_search_max_documents"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_minimums(self, num_neighbors=1, embedding_dim=1, max_chain_tokens=1, svd_fit_documents=1,
+                       exact_search_max_documents=1)
         if self.max_chain_tokens > MAX_SEQUENCE_TOKENS:
             raise ValueError(f"max_chain_tokens must be <= {MAX_SEQUENCE_TOKENS} (megatron's int32 lengths)")
         if not 0 <= self.seed < 2**32:
@@ -138,14 +132,14 @@ class SimilarityBatched:
         return out
 
 
-def _count_matrix(dataset: IndexedDataset, documents: np.ndarray, vocab_size: int, eod: int | None):
-    """Sparse ``[N, V]`` token-count matrix of the given documents (EOD excluded)."""
+def _count_matrix(datasets: Sequence[IndexedDataset], documents: np.ndarray, vocab_size: int, eod: int | None):
+    """Sparse ``[N, V]`` token-count matrix of ``[N, 2]`` ``(source, document)`` rows (EOD excluded)."""
     from scipy.sparse import csr_matrix
 
     indptr = np.zeros(len(documents) + 1, dtype=np.int64)
     cols, vals = [], []
-    for i, doc in enumerate(documents):
-        tokens = np.asarray(dataset[int(doc)], dtype=np.int64)
+    for i, (source, doc) in enumerate(documents):
+        tokens = np.asarray(datasets[source][int(doc)], dtype=np.int64)
         if eod is not None:
             tokens = tokens[tokens != eod]
         ids, counts = np.unique(tokens, return_counts=True)
@@ -175,7 +169,6 @@ def document_embeddings(
         ``[N, d]`` float32 with unit rows (rows of documents without any token are zero),
         ``d = min(embedding_dim, ids present in the fitting sample - 1, fit documents - 1)``.
     """
-    from scipy.sparse import vstack
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfTransformer
     from sklearn.preprocessing import normalize
@@ -185,15 +178,7 @@ def document_embeddings(
     fit_rows = np.sort(rng.permutation(N)[: config.svd_fit_documents])
 
     def counts(rows: np.ndarray):
-        parts = [
-            _count_matrix(datasets[s], documents[rows][documents[rows, 0] == s, 1], vocab_size, eod)
-            for s in range(len(datasets))
-        ]
-        # Rows come back grouped by source; restore the requested order.
-        order = np.argsort(documents[rows, 0], kind="stable")
-        inverse = np.empty_like(order)
-        inverse[order] = np.arange(order.size)
-        return vstack(parts).tocsr()[inverse]
+        return _count_matrix(datasets, documents[rows], vocab_size, eod)
 
     # Only the ids present in the fitting sample: the SVD's components are zero on the others, and the
     # TF-IDF row norm they would change cancels in the final normalisation (the projection is linear).
@@ -369,16 +354,6 @@ def _load_chains(prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return z["offsets"], z["members"], z["lengths"]
 
 
-def _read_manifest(prefix: str) -> dict | None:
-    try:
-        with open(prefix + MANIFEST_JSON) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
-
-
-
-
 def build_similarity_dataset(
     prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, config: SimilarityBatchingConfig | None = None,
     *, vocab_size: int | None = None, eod: int | None = None, log=None,
@@ -409,10 +384,7 @@ def build_similarity_dataset(
     cfg = config or SimilarityBatchingConfig()
     say = log or (lambda _msg: None)
     sources = existing_prefixes(prefixes, "similarity batching: ")
-    for prefix in sources:
-        for ext in (DOMAINS_JSON, DOMAINS_NPY):
-            if not os.path.isfile(prefix + ext):
-                raise ReproError(f"{prefix}{ext}: no such file (domain sidecar of indexed dataset {prefix})")
+    domains = [load_domain_index(p) for p in sources]  # a missing sidecar: one line before any work
     try:
         split_ranges(1, split)
     except Exception as exc:  # megatron asserts on a malformed split
@@ -426,7 +398,7 @@ def build_similarity_dataset(
         # Ranks of one run may call this at once: one builds, the others wait and reuse.
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
-            manifest = _read_manifest(out_prefix)
+            manifest = read_json(out_prefix + MANIFEST_JSON)
             complete = all(os.path.isfile(p) for p in _derived_files(out_prefix))
             if manifest is not None and manifest.get("key") == key and complete:
                 say(f"similarity batching: reused {out_prefix}")
@@ -438,7 +410,7 @@ def build_similarity_dataset(
                     f"{present[0]}: exists but was not written by similarity batching; "
                     "move it away (it is not overwritten)"
                 )
-            manifest = _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say)
+            manifest = _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say)
             return _result(out_prefix, manifest, reused=False)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
@@ -449,10 +421,9 @@ def _result(prefix: str, manifest: dict, reused: bool) -> SimilarityBatched:
                              int(manifest["num_chains"]), dict(manifest["stats"]), reused)
 
 
-def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
+def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
     t0 = time.perf_counter()
     datasets = [IndexedDataset(p) for p in sources]
-    domains = [load_domain_index(p) for p in sources]
     train, valid, test = _documents_by_split(datasets, sources, split)
     lengths = np.array([int(datasets[s].sequence_lengths[d]) for s, d in train], dtype=np.int64)
 
@@ -471,33 +442,21 @@ def _build(sources, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
     chains = [chains[i] for i in rng.permutation(len(chains))]  # megatron's split must not see path order
     stats = _chain_stats(chains, linked, lengths, emb, train, domains, rng)
 
-    parent = Path(out_prefix).parent
-    tmp_dir = Path(tempfile.mkdtemp(prefix=f".{Path(out_prefix).name}.", suffix=".tmp", dir=parent))
+    tmp_dir, _ = make_temp_dir(out_prefix)  # beside the sources: no parent to make
     tmp = str(tmp_dir / Path(out_prefix).name)
     try:
-        names, seq_domain = _write_sequences(tmp, datasets, domains, train, chains, lengths, (valid, test))
+        # the chains, then each validation and test document alone
+        sequences = [train[chain] for chain in chains] + [row[None] for row in np.concatenate([valid, test])]
+        names, seq_domain = _write_sequences(tmp, datasets, domains, sequences)
         np.save(tmp + DOMAINS_NPY, np.asarray(seq_domain, dtype=domain_dtype(len(names))))
         first_meta = json.loads(Path(sources[0] + DOMAINS_JSON).read_text())
-        sidecar = {
-            "domains": names,
-            "num_documents": len(seq_domain),
-            "similarity_batched_from": sources,
-            "tokenizer": first_meta.get("tokenizer", {}),
-        }
+        sidecar = {"domains": names, "num_documents": len(seq_domain), "similarity_batched_from": sources,
+                   "tokenizer": first_meta.get("tokenizer", {})}
         Path(tmp + DOMAINS_JSON).write_text(json.dumps(sidecar, indent=2))
         stats["seconds"] = time.perf_counter() - t0
-        manifest = {
-            "format": FORMAT,
-            "key": key,
-            "sources": sources,
-            "split": split,
-            "derived_split": f"{len(chains)},{len(valid)},{len(test)}",
-            "num_chains": len(chains),
-            "config": dataclasses.asdict(cfg),
-            "vocab_size": vocab_size,
-            "eod": eod,
-            "stats": stats,
-        }
+        manifest = {"format": FORMAT, "key": key, "sources": sources, "split": split,
+                    "derived_split": f"{len(chains)},{len(valid)},{len(test)}", "num_chains": len(chains),
+                    "config": dataclasses.asdict(cfg), "vocab_size": vocab_size, "eod": eod, "stats": stats}
         Path(tmp + MANIFEST_JSON).write_text(json.dumps(manifest, indent=2))
         for tmp_file, final in zip(_derived_files(tmp), _derived_files(out_prefix)):
             os.replace(tmp_file, final)
@@ -516,18 +475,15 @@ def _documents_by_split(
     datasets: Sequence[IndexedDataset], sources: Sequence[str], split: str
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The sources' training, validation and test documents (``[n, 2]`` ``(source, document)`` rows each)."""
-    ranges = [split_ranges(len(ds), split) for ds in datasets]
-    train_docs, valid_docs, test_docs = [], [], []
-    for s, r in enumerate(ranges):
-        for bucket, bounds in zip((train_docs, valid_docs, test_docs), r):
+    parts: tuple[list[np.ndarray], ...] = ([], [], [])
+    for s, ds in enumerate(datasets):
+        for bucket, bounds in zip(parts, split_ranges(len(ds), split)):
             if bounds is not None and bounds[1] > bounds[0]:
                 ids = np.arange(bounds[0], bounds[1], dtype=np.int64)
                 bucket.append(np.stack([np.full_like(ids, s), ids], axis=1))
-    if not train_docs:
+    if not parts[0]:
         raise ReproError(f"similarity batching: split '{split}' leaves no training document in {', '.join(sources)}")
-    train = np.concatenate(train_docs)
-    valid = np.concatenate(valid_docs) if valid_docs else np.zeros((0, 2), np.int64)
-    test = np.concatenate(test_docs) if test_docs else np.zeros((0, 2), np.int64)
+    train, valid, test = (np.concatenate(p) if p else np.zeros((0, 2), np.int64) for p in parts)
     return train, valid, test
 
 
@@ -535,8 +491,7 @@ def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Ge
     """The ``stats`` of :func:`build_similarity_dataset` but ``seconds``: chain neighbours against random pairs."""
     pairs = np.array([(c[i], c[i + 1]) for c in chains for i in range(len(c) - 1)], dtype=np.int64).reshape(-1, 2)
     rand = rng.integers(0, len(train), size=(max(1, min(100_000, len(pairs) or 1000)), 2))
-    dom = np.array([domains[s].doc_domain[d] for s, d in train])
-    dom_name = np.array([domains[s].names[int(dom[i])] for i, (s, _) in enumerate(train)]) if len(train) else dom
+    dom_name = np.array([domains[s].domain_of(int(d)) for s, d in train])
 
     def mean_sim(p):  # cosine: the rows are unit vectors
         return float(np.mean(np.sum(emb[p[:, 0]] * emb[p[:, 1]], axis=1))) if len(p) else float("nan")
@@ -556,42 +511,32 @@ def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Ge
     }
 
 
-def _write_sequences(tmp, datasets, domains, train, chains, lengths, unchanged) -> tuple[list[str], list[int]]:
-    """Write the derived sequences (``tmp.bin``/``.idx``: the chains of ``train``'s rows, then each of the
-    ``unchanged`` validation and test documents alone) and their members (:data:`CHAINS_NPZ`).
+def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list[int]]:
+    """Write the derived sequences (``tmp.bin``/``.idx``), each the documents of its ``[n, 2]`` ``(source,
+    document)`` rows one after the other, and their members (:data:`CHAINS_NPZ`).
 
     Returns:
         ``(domain names, domain id of each sequence)`` for the domain sidecar.
     """
     builder = None
     try:
-        dtype = datasets[0].index.dtype
-        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=dtype)
+        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=datasets[0].index.dtype)
         names: list[str] = []
         seq_domain: list[int] = []
-        offsets, members, member_lengths = [0], [], []
-        for chain in chains:
-            rows = train[chain]
-            tokens = np.concatenate([np.asarray(datasets[s][int(d)]) for s, d in rows])
+        offsets, member_lengths = [0], []
+        for rows in sequences:
+            docs = [np.asarray(datasets[s][int(d)]) for s, d in rows]
+            tokens = np.concatenate(docs)
             builder.add_document(tokens, [tokens.size])
-            # The chain's domain for the sidecar: the one with most tokens (per-document domains are in
+            # The sequence's domain for the sidecar: the one with most tokens (per-document domains are in
             # the chains file).
             by_domain: dict[str, int] = {}
-            for (s, d), n in zip(rows, lengths[chain]):
+            for (s, d), doc in zip(rows, docs):
                 name = domains[s].domain_of(int(d))
-                by_domain[name] = by_domain.get(name, 0) + int(n)
+                by_domain[name] = by_domain.get(name, 0) + doc.size
             seq_domain.append(append_index(names, max(by_domain, key=by_domain.get)))
-            members.append(rows)
-            member_lengths.append(lengths[chain])
-            offsets.append(offsets[-1] + len(chain))
-        for rows in unchanged:
-            for s, d in rows:
-                tokens = np.asarray(datasets[s][int(d)])
-                builder.add_document(tokens, [tokens.size])
-                seq_domain.append(append_index(names, domains[s].domain_of(int(d))))
-                members.append(np.array([[s, d]], dtype=np.int64))
-                member_lengths.append(np.array([tokens.size], dtype=np.int64))
-                offsets.append(offsets[-1] + 1)
+            member_lengths.append(np.array([doc.size for doc in docs], dtype=np.int64))
+            offsets.append(offsets[-1] + len(rows))
         builder.finalize(tmp + ".idx")
     finally:
         if builder is not None:
@@ -599,7 +544,7 @@ def _write_sequences(tmp, datasets, domains, train, chains, lengths, unchanged) 
     np.savez(
         tmp + CHAINS_NPZ,
         offsets=np.asarray(offsets, dtype=np.int64),
-        members=np.concatenate(members).astype(np.int64),
+        members=np.concatenate(sequences).astype(np.int64),
         lengths=np.concatenate(member_lengths).astype(np.int64),
     )
     return names, seq_domain

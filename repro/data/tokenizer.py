@@ -9,6 +9,7 @@ so that importing it does not import megatron-core.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -45,16 +46,22 @@ def _sha256(path: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def _read_vocab(path: Path) -> dict[str, int]:
-    """Parse ``vocab.json`` (token -> id), raising a ReproError naming the file and line on any problem."""
+def _read_text(path: Path, what: str) -> str:
     if not path.is_file():
         raise ReproError(f"{path}: no such file")
     try:
-        vocab = json.loads(path.read_text(encoding="utf-8"))
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ReproError(f"{path}: {what} is not valid UTF-8") from None
+
+
+def _read_vocab(path: Path) -> dict[str, int]:
+    """Parse ``vocab.json`` (token -> id), raising a ReproError naming the file and line on any problem."""
+    text = _read_text(path, "vocabulary")
+    try:
+        vocab = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ReproError(f"{path}:{exc.lineno}: vocabulary is not valid JSON ({exc.msg})") from None
-    except UnicodeDecodeError:
-        raise ReproError(f"{path}: vocabulary is not valid UTF-8") from None
     if not isinstance(vocab, dict) or not vocab:
         raise ReproError(f"{path}: vocabulary must be a non-empty JSON object of token -> id")
     ids = list(vocab.values())
@@ -67,14 +74,8 @@ def _read_vocab(path: Path) -> dict[str, int]:
 
 def _check_merges(path: Path, vocab: dict[str, int]) -> None:
     """Check ``merges.txt``: an optional ``#version`` header, then one ``left right`` pair a line."""
-    if not path.is_file():
-        raise ReproError(f"{path}: no such file")
-    try:
-        lines = path.read_text(encoding="utf-8").split("\n")
-    except UnicodeDecodeError:
-        raise ReproError(f"{path}: merges file is not valid UTF-8") from None
     merges = 0
-    for lineno, line in enumerate(lines, start=1):
+    for lineno, line in enumerate(_read_text(path, "merges file").split("\n"), start=1):
         if not line or (lineno == 1 and line.startswith("#version")):
             continue
         parts = line.split(" ")
@@ -256,8 +257,7 @@ def train_bpe_tokenizer(
 
 
 def encode_documents(
-    tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *, num_workers: int | None = None, batch_size: int = 256,
-    append_eod: bool = True,
+    tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *, num_workers: int | None = None, batch_size: int = 256
 ) -> Iterator[np.ndarray]:
     """Encode a stream of documents on several cores, in order, with bounded memory.
 
@@ -265,24 +265,18 @@ def encode_documents(
     ``TOKENIZERS_PARALLELISM`` says; at most ``2 * num_workers`` batches are in flight.
 
     Yields:
-        One int64 array of token ids per document of ``texts``, in order (the EOD id appended with
-        ``append_eod``), encoded in batches of ``batch_size`` by ``num_workers`` threads (default: all cores).
+        One int64 array of token ids per document of ``texts``, in order, the EOD id appended; encoded in
+        batches of ``batch_size`` by ``num_workers`` threads (default: all cores).
     """
     workers = max(1, num_workers or os.cpu_count() or 1)
-    eod = [tokenizer.eod] if append_eod else []
+    eod = np.asarray([tokenizer.eod], dtype=np.int64)
 
     def encode(batch: list[str]) -> list[np.ndarray]:
-        arrays = tokenizer.encode_arrays(batch)
-        return [np.concatenate([ids, np.asarray(eod, dtype=np.int64)]) if eod else ids for ids in arrays]
+        return [np.concatenate([ids, eod]) for ids in tokenizer.encode_arrays(batch)]
 
     def batches() -> Iterator[list[str]]:
-        batch: list[str] = []
-        for text in texts:
-            batch.append(text)
-            if len(batch) == batch_size:
-                yield batch
-                batch = []
-        if batch:
+        stream = iter(texts)
+        while batch := list(itertools.islice(stream, batch_size)):
             yield batch
 
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize") as pool:
