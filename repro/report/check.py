@@ -2,13 +2,10 @@
 within the entry's tolerance; efficiency only on the same accelerator), against an earlier run (point by point
 at a tight relative tolerance: CPU runs are deterministic), or against earlier seeds of its experiment.
 
-Against seeds (:func:`check_against_seeds`), each of the K numbers (final training loss, validation loss, every
-lm-eval metric) must fall in the seeds' prediction interval (a seed-to-seed spread is the noise a change has to
-stand out from; the interval of the mean would narrow with every seed and fail honest runs), at coverage
-``1 - alpha/K`` (Bonferroni): an honest new seed fails with probability at most ``alpha`` whatever the
-dependence between the numbers, and the report's header says so. Holm would give the same pass/fail verdict; a
-joint criterion (Hotelling's T^2) needs more seeds than numbers. The price is power: each row states the
-smallest shift its band catches with 80% probability (:func:`repro.report.stats.minimum_detectable_shift`).
+Against seeds (:func:`check_against_seeds`, docs/evaluation.md), each of the K numbers must fall in the seeds'
+prediction interval at coverage ``1 - alpha/K`` (Bonferroni: a false-alarm rate of at most ``alpha`` whatever
+the dependence between the numbers; Holm would give the same pass/fail verdict; a joint criterion, Hotelling's
+T^2, needs more seeds than numbers). The price is power: each row states the smallest shift its band catches.
 """
 
 from __future__ import annotations
@@ -37,17 +34,10 @@ DETECTION_POWER = 0.8
 
 @dataclass(frozen=True)
 class CheckRow:
-    """One comparison.
+    """One comparison: the run's value (None: not measured) against the published or earlier value, within a
+    tolerance (as text), its status (``ok``, ``FAIL`` or ``skipped``) and why, if not obvious.
 
     Args:
-        run_id: the run checked.
-        metric: what is compared.
-        measured: the run's value (None: not measured).
-        reference: the published or earlier value.
-        tolerance: the allowed difference, as text.
-        source: where the reference comes from.
-        status: ``ok``, ``FAIL`` or ``skipped``.
-        note: why a row was skipped or failed, if not obvious.
         detectable: against seeds, the smallest shift of this number caught with :data:`DETECTION_POWER`
             (None: not a seed check, or no spread to scale it by).
     """
@@ -70,12 +60,8 @@ class CheckRow:
 
 @dataclass(frozen=True)
 class CheckReport:
-    """The rows of one check.
-
-    Args:
-        rows: the comparisons.
-        header: what the check guarantees (the family-wise false-alarm rate of a seed check), printed first.
-    """
+    """The rows of one check, and what it guarantees (the family-wise false-alarm rate of a seed check), printed
+    first."""
 
     rows: tuple[CheckRow, ...]
     header: str = ""
@@ -223,11 +209,10 @@ def check_against_run(
 def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rtol: float, atol: float) -> CheckRow | None:
     if new is None and old is None:
         return None
-    if new is None or old is None:
-        note = "missing in this run" if new is None else "missing in the earlier run"
-        return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=FAIL, note=note)
-    ok = math.isclose(new, old, rel_tol=rtol, abs_tol=atol)
-    return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=OK if ok else FAIL)
+    note = "missing in this run" if new is None else "missing in the earlier run" if old is None else ""
+    ok = not note and math.isclose(new, old, rel_tol=rtol, abs_tol=atol)
+    return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}",
+                    status=OK if ok else FAIL, note=note)
 
 
 def final_loss(record: RunRecord, steps: int = FINAL_LOSS_STEPS) -> float | None:

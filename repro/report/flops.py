@@ -14,11 +14,9 @@ FFN as ``6 * h * f * k * (3 if SwiGLU else 2)`` and the logits as ``6 * h * V`` 
 The router's own GEMM, norms, softmax and element-wise work are not counted.
 
 Attention scores (QK^T and AV) are counted for the causal half of the s x s square (``s/(2h)``, Megatron-LM's
-"causal mask (only half of the mask is non-zero)"): :data:`DEFAULT_ATTENTION` ``"causal"``. Earlier
-Megatron-LM, and ReMoE's fork of it, counted the full square (``s/h``): ``attention="full"``. The DirMoE
-paper's TFLOP/s fit the causal count (LLaMA-185M, 512 x 1024 tokens on 8 GPUs: 431.5 ms gives 138.4
-TFLOP/s/GPU causal, 147.0 full; the paper says 138.2), so the causal count is the default and the full square
-one option away (``python -m repro efficiency --flops-attention full``).
+"causal mask (only half of the mask is non-zero)"); earlier Megatron-LM, and ReMoE's fork of it, counted the
+full square (``s/h``): ``attention="full"``. The DirMoE paper's TFLOP/s fit the causal count, the default
+(docs/efficiency.md).
 
 The "analytic" figure uses the nominal k. The "measured" figure uses the mean number of experts a token
 actually reached (routers such as ReMoE, DirMoE or Expert Choice do not route exactly k per token): the FFN
@@ -150,33 +148,15 @@ def model_flops_per_iteration(
 
 
 def analytic_flops_per_iteration(cfg: FlopsConfig, global_batch_size: int, seq_length: int) -> float:
-    """FLOPs per iteration at the nominal k (``cfg.top_k``): the figure the papers report.
-
-    Args:
-        cfg: model dimensions.
-        global_batch_size: B.
-        seq_length: s.
-
-    Returns:
-        FLOPs per iteration.
-    """
+    """:func:`model_flops_per_iteration` at the nominal k (``cfg.top_k``): the figure the papers report."""
     return model_flops_per_iteration(cfg, global_batch_size, seq_length, cfg.top_k)
 
 
 def measured_flops_per_iteration(
     cfg: FlopsConfig, global_batch_size: int, seq_length: int, mean_active_experts: float | Sequence[float]
 ) -> float:
-    """FLOPs per iteration at the mean number of experts per token actually reached.
-
-    Args:
-        cfg: model dimensions.
-        global_batch_size: B.
-        seq_length: s.
-        mean_active_experts: measured mean experts per token, overall or one value per MoE layer.
-
-    Returns:
-        FLOPs per iteration.
-    """
+    """:func:`model_flops_per_iteration` at the mean number of experts per token actually reached (overall, or
+    one value per MoE layer)."""
     return model_flops_per_iteration(cfg, global_batch_size, seq_length, mean_active_experts)
 
 

@@ -1,10 +1,5 @@
-"""The ledger of published numbers: every figure the suite compares against, with its provenance.
-
-The ledger lives in ``results/published/*.json``; each file is ``{"description": str, "entries": [...]}`` and
-each entry is one number as printed in one paper's table (:class:`PublishedEntry`). Where a paper reprints
-another paper's number, the entry says so: ``measured_in`` names the table whose authors ran the experiment
-and ``copied`` is true. Regression checks compare only against entries that are not copies, so a number
-printed twice is checked once.
+"""The ledger of published numbers, ``results/published/*.json`` (its README: the fields, who measured what and
+the tolerances): every figure the suite compares against, one entry per number as printed in one paper's table.
 
 Metric names are shared with the run records (:func:`repro.report.check.record_value`):
 ``zero_shot.<lm-eval task>`` and ``zero_shot.avg`` (percent), ``efficiency.iter_time_ms``,
@@ -60,20 +55,13 @@ class Tolerance:
 
 @dataclass(frozen=True)
 class Setting:
-    """The experimental setting a published number was measured in.
+    """The experimental setting a published number was measured in (fields: results/published/README.md).
 
     Args:
-        model: the model as the paper names it (``"LLaMA-182M"``).
         model_id: this suite's model flavour for the same architecture (``"llama-185m"``,
             ``"llama-185m-dense"``); a run is compared with an entry only when its ``experiment.model`` equals it.
-        num_experts: E (None for a dense model).
-        top_k: k (None for a dense model).
-        tokens: training tokens as printed (``"30B"``).
-        dataset: training corpus.
         hardware: accelerator (None when the paper does not tie the number to one); efficiency entries are
             compared only with runs on a device whose name contains this string's model (e.g. ``H100``).
-        num_devices: devices used, where known.
-        note: anything else about the setting.
     """
 
     model: str
@@ -89,21 +77,12 @@ class Setting:
 
 @dataclass(frozen=True)
 class PublishedEntry:
-    """One published number.
+    """One published number as printed in ``paper``'s ``table`` (fields: results/published/README.md).
 
     Args:
-        id: unique key, ``paper/table/router/...``.
-        paper: the paper that prints the number.
-        table: the table it is printed in.
-        row: the row label as printed.
-        router: this suite's router name (``"dense"`` for a dense model).
-        setting: see :class:`Setting`.
         measured_in: the paper table whose authors measured it (equals this table unless copied).
-        copied: whether this paper reprints another paper's measurement.
+        copied: whether this paper reprints another paper's measurement (checks compare only with originals).
         metric: the shared metric name (module docstring).
-        value: the number as printed.
-        unit: ``"%"``, ``"ms"``, ``"TFLOP/s"``, ``"nats/token"``.
-        tolerance: see :class:`Tolerance`.
     """
 
     id: str

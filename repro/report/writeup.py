@@ -76,15 +76,8 @@ def targets(root: Path) -> dict[Path, str]:
 
 
 def main(argv: list[str], prog: str) -> int:
-    """Write (or with ``--check`` compare) the write-ups.
-
-    Args:
-        argv: command-line arguments.
-        prog: program name for usage messages.
-
-    Returns:
-        0, or 1 with ``--check`` when a file is out of date.
-    """
+    """Write (or with ``--check`` compare) the write-ups. Returns the exit status: 1 with ``--check`` when a file
+    is out of date."""
     parser = argparse.ArgumentParser(prog=prog, description="Write the result write-ups from the results files.")
     parser.add_argument("--root", default=".", help="repository root (default: the current directory)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file is out of date")
