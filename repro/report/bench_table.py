@@ -76,15 +76,8 @@ def summarise(data: dict, baseline: str = BASELINE, origin: str = "benchmark JSO
 
 
 def render_bench(rows: list[BenchRow], baseline: str = BASELINE) -> str:
-    """GitHub-Markdown table of :func:`summarise`'s rows.
-
-    Args:
-        rows: the summary.
-        baseline: the baseline router's name, for the column header.
-
-    Returns:
-        Text ending in a newline.
-    """
+    """GitHub-Markdown table (text ending in a newline) of :func:`summarise`'s rows; ``baseline`` names the
+    baseline router in the ratio's header."""
     cells = [
         (r.group, r.router, f"{r.median_s * 1e3:.3f}", "--" if r.ratio_to_baseline is None else f"{r.ratio_to_baseline:.2f}")
         for r in rows

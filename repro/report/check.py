@@ -81,7 +81,6 @@ def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto")
     """A run's value of a shared metric name (see :mod:`repro.report.ledger`).
 
     Args:
-        record: the run.
         metric: ``zero_shot.<task>``, ``zero_shot.avg``, ``efficiency.iter_time_ms``,
             ``efficiency.tflops_per_device`` (analytic FLOPs: what the papers report) or ``loss.validation``.
         zero_shot_metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`repro.report.table_core.choose_metric`).
@@ -138,9 +137,7 @@ def check_against_published(
     """Compare a run with every original published number for its router and model.
 
     Args:
-        record: the run.
-        ledger: the published numbers.
-        zero_shot_metric: which lm-eval metric to compare with the papers' accuracies.
+        zero_shot_metric: which lm-eval metric to compare with the papers' accuracies (as in :func:`record_value`).
         paper: keep only entries whose ``paper`` contains this text (case-insensitive), e.g. ``ReMoE``.
 
     Returns:
@@ -171,8 +168,6 @@ def check_against_run(
     """Compare a run with an earlier run of the same experiment.
 
     Args:
-        record: the new run.
-        previous: the earlier run.
         loss_rtol: relative tolerance on every loss-curve point and the validation loss.
         eval_rtol: relative tolerance on every lm-eval metric (accuracies, perplexities).
         atol: absolute tolerance added to both (for values at zero).
@@ -216,15 +211,7 @@ def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rto
 
 
 def final_loss(record: RunRecord, steps: int = FINAL_LOSS_STEPS) -> float | None:
-    """The mean of a run's last ``steps`` logged training losses (None: no loss curve).
-
-    Args:
-        record: the run.
-        steps: how many of the last logged losses.
-
-    Returns:
-        The final training loss.
-    """
+    """The final training loss: the mean of a run's last ``steps`` logged training losses (None: no loss curve)."""
     tail = [p.loss for p in sorted(record.loss_curve, key=lambda p: p.step)[-steps:]]
     return statistics.fmean(tail) if tail else None
 
@@ -241,16 +228,8 @@ def _seed_metrics(record: RunRecord) -> dict[str, float | None]:
 
 
 def family_confidence(alpha: float, count: int) -> float:
-    """The coverage of each of ``count`` bands that keeps the family-wise false-alarm rate at ``alpha``
-    (Bonferroni: ``1 - alpha / count``).
-
-    Args:
-        alpha: the family-wise rate, in (0, 1).
-        count: the numbers compared (at least one).
-
-    Returns:
-        The per-number coverage.
-    """
+    """The coverage of each of ``count`` (>= 1) bands that keeps the family-wise false-alarm rate at ``alpha``,
+    in (0, 1) (Bonferroni: ``1 - alpha / count``)."""
     if not 0 < alpha < 1 or count < 1:
         raise ValueError(f"need alpha in (0, 1) and count >= 1, got alpha={alpha}, count={count}")
     return 1 - alpha / count
@@ -262,7 +241,6 @@ def check_against_seeds(
     """Compare a run with earlier runs of the same experiment, one per seed, at a family-wise false-alarm rate.
 
     Args:
-        record: the new run.
         previous: earlier runs of the same experiment with different seeds (at least two).
         alpha: the family-wise false-alarm rate over every number compared (module docstring): each band's
             coverage is ``1 - alpha / K`` for the K numbers with a band.
@@ -332,14 +310,7 @@ def _detectable(row: CheckRow) -> str:
 
 
 def render_report(report: CheckReport) -> str:
-    """The delta table of a check (GitHub Markdown) with a one-line verdict.
-
-    Args:
-        report: the check.
-
-    Returns:
-        Text ending in a newline.
-    """
+    """The delta table of a check (GitHub Markdown) with a one-line verdict, ending in a newline."""
     powered = any(r.detectable is not None for r in report.rows)
     rows = [
         (r.run_id, r.metric, _num(r.measured), _num(r.reference), _num(r.delta, signed=True), r.tolerance,

@@ -93,9 +93,6 @@ def efficiency(
         backend: the model's backend, recorded with the figures.
         start_step: the step the run started from (0: initialisation; a checkpoint's step), recorded.
 
-    Returns:
-        An :class:`Efficiency`.
-
     Raises:
         ReproError: no rows left after warm-up, or a median iteration time that is not positive.
     """

@@ -52,20 +52,9 @@ def formula_name(attention: str | None) -> str:
 
 @dataclass(frozen=True)
 class FlopsConfig:
-    """The model dimensions the FLOPs count needs.
-
-    Args:
-        num_layers: L.
-        hidden_size: h.
-        num_attention_heads: a.
-        num_query_groups: g (equal to a without GQA).
-        kv_channels: d_head.
-        ffn_hidden_size: f, per expert (the dense FFN for a dense model).
-        vocab_size: V, the padded vocabulary.
-        top_k: nominal experts per token (1 for a dense model).
-        swiglu: gated FFN (three h x f matrices instead of two).
-        attention: ``"causal"`` (half the s x s scores, current Megatron-LM) or ``"full"`` (the whole square).
-    """
+    """The model dimensions the FLOPs count needs: L, h, a, g (equal to a without GQA), d_head, f (the dense FFN
+    for a dense model) and V of the module docstring; the nominal k (1 for a dense model); a gated FFN (three
+    h x f matrices instead of two); and how attention scores are counted (:data:`ATTENTION_COUNTS`)."""
 
     num_layers: int
     hidden_size: int
@@ -132,9 +121,6 @@ def model_flops_per_iteration(
         global_batch_size: B, sequences per iteration over all data-parallel ranks.
         seq_length: s.
         experts_per_token: k, or one k per MoE layer (their mean is used: the FFN term is linear in k).
-
-    Returns:
-        FLOPs per iteration.
     """
     B, s, L, h = global_batch_size, seq_length, cfg.num_layers, cfg.hidden_size
     a, g, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
@@ -161,30 +147,15 @@ def measured_flops_per_iteration(
 
 
 def expert_flops_per_token(cfg: FlopsConfig, experts_per_token: float | Sequence[float]) -> float:
-    """The FFN (expert) part of the count, per token, over all layers: what compute parity compares.
-
-    Args:
-        cfg: model dimensions.
-        experts_per_token: k, or one k per MoE layer.
-
-    Returns:
-        ``12 * L * h * f * k * (3/2 if SwiGLU)`` FLOPs per token.
-    """
+    """The FFN (expert) part of the count, per token, over all layers, ``12 * L * h * f * k * (3/2 if SwiGLU)``:
+    what compute parity compares (``experts_per_token``: k, or one k per MoE layer)."""
     gate = 1.5 if cfg.swiglu else 1.0
     return 12.0 * cfg.num_layers * cfg.hidden_size * cfg.ffn_hidden_size * _mean_k(experts_per_token) * gate
 
 
 def tflops_per_device(flops_per_iteration: float, iteration_time_s: float, num_devices: int) -> float:
-    """Achieved model TFLOP/s per device.
-
-    Args:
-        flops_per_iteration: FLOPs of one iteration over all devices.
-        iteration_time_s: wall time of one iteration.
-        num_devices: devices that shared the iteration.
-
-    Returns:
-        TFLOP/s per device.
-    """
+    """Achieved model TFLOP/s per device, of ``flops_per_iteration`` over all ``num_devices`` that shared an
+    iteration of ``iteration_time_s`` wall time."""
     if iteration_time_s <= 0 or num_devices < 1:
         raise ValueError(f"need iteration_time_s > 0 and num_devices >= 1, got {iteration_time_s}, {num_devices}")
     return flops_per_iteration / iteration_time_s / num_devices / 1e12

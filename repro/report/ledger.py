@@ -105,13 +105,7 @@ class PublishedEntry:
 
 
 def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
-    """Load and validate one ledger file.
-
-    Args:
-        path: a JSON file ``{"description": str, "entries": [...]}``.
-
-    Returns:
-        Its entries.
+    """The entries of one ledger file, ``{"description": str, "entries": [...]}``, validated.
 
     Raises:
         ReproError: unreadable JSON, or an entry with a missing field or a wrong type (named by index and id).
@@ -134,13 +128,8 @@ def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
 
 
 def load_ledger(ledger_dir: str | Path | None = None) -> list[PublishedEntry]:
-    """Load every ``*.json`` ledger file of a directory.
-
-    Args:
-        ledger_dir: the directory (default: this checkout's ``results/published``).
-
-    Returns:
-        All entries, file by file in name order.
+    """The entries of every ``*.json`` ledger file of ``ledger_dir`` (default: this checkout's
+    ``results/published``), file by file in name order.
 
     Raises:
         ReproError: no ledger files, an invalid entry, or a duplicated entry id.
@@ -164,18 +153,8 @@ def select(
     entries: list[PublishedEntry], *, router: str | None = None, metric: str | None = None,
     model_id: str | None = None, originals_only: bool = False,
 ) -> list[PublishedEntry]:
-    """Entries matching every given criterion.
-
-    Args:
-        entries: the ledger.
-        router: keep this router's entries.
-        metric: keep this metric (exact name).
-        model_id: keep entries whose ``setting.model_id`` is this.
-        originals_only: drop copies (entries whose number another paper measured).
-
-    Returns:
-        The matching entries, in ledger order.
-    """
+    """The entries matching every given criterion, in ledger order: ``router``, ``metric`` (exact name),
+    ``setting.model_id``; ``originals_only`` drops copies (entries whose number another paper measured)."""
     return [
         e for e in entries
         if (router is None or e.router == router) and (metric is None or e.metric == metric)

@@ -126,18 +126,9 @@ def against_reference(
     values: Values, columns: Sequence[str], reference: str | None, *, family: str = "table", confidence: float = 0.95,
     tested: bool = True, test: Callable[[str, str, str], PairedTest | None] | None = None,
 ) -> dict[str, dict[str, SeedStat]]:
-    """Every row's interval per column and, where ``tested``, its comparison with ``reference``.
-
-    Args:
-        values: row -> column -> seed -> value (rows in table order).
-        columns: the columns.
-        reference: the reference row (None: no tests).
-        tested: whether to test at all.
-        family, confidence, test: as in :func:`compare`.
-
-    Returns:
-        row -> column -> :class:`SeedStat` (every row and column; ``interval`` None where there is no value).
-    """
+    """Every row's interval per column and, where ``tested`` and there is a ``reference`` row, its comparison
+    with it (:func:`compare`'s other arguments): row -> column -> :class:`SeedStat`, for every row (in the order
+    of ``values``) and column (``interval`` None where there is no value)."""
     others = [r for r in values if r != reference] if tested and reference is not None else []
     stats = compare(values, [(r, reference, c) for c in columns for r in others], family=family,
                     confidence=confidence, test=test)
@@ -151,16 +142,8 @@ def against_reference(
 
 
 def family_sentence(family: str, count: int, rows: str = "rows") -> str:
-    """The caption's words for a family (``Holm-adjusted over ...``).
-
-    Args:
-        family: ``table`` or ``column``.
-        count: the number of defined tests in the table.
-        rows: what the rows are (``routers``, ``cells``).
-
-    Returns:
-        The phrase.
-    """
+    """The caption's words for a family (``Holm-adjusted over ...``), ``count`` the defined tests of the table,
+    ``rows`` what its rows are (``routers``, ``cells``)."""
     if check_family(family) == "table":
         return (f"Holm-adjusted over all {count} tests of this table (family: the table, fixed by its {rows} and "
                 "columns before the runs)")

@@ -75,16 +75,8 @@ def paired_tests(pairs: Mapping[str, tuple[Mapping[str, float], Mapping[str, flo
 
 
 def paired(stat: SeedStat, other: Mapping[str, float], reference: Mapping[str, float]) -> Paired | None:
-    """A table's over-seeds comparison ``other - reference`` as a :class:`Paired`.
-
-    Args:
-        stat: the comparison (:func:`repro.report.over_seeds.compare`).
-        other: seed -> value of the row compared.
-        reference: seed -> value of the row it is compared with.
-
-    Returns:
-        The :class:`Paired`, None where there is no test (fewer than two shared seeds).
-    """
+    """A table's over-seeds comparison (:func:`repro.report.over_seeds.compare`) of ``other - reference`` (seed ->
+    value of each row) as a :class:`Paired`, None where there is no test (fewer than two shared seeds)."""
     if stat.test is None:
         return None
     shared = set(reference) & set(other)
@@ -199,33 +191,19 @@ def cell_marked(text: str) -> bool:
     return (text or "").rstrip().endswith("*")
 
 
-def include(path: Path) -> str:
-    """A table's ``.md`` file, included whole (its own caption and generated-by note)."""
-    try:
-        return path.read_text().strip() + "\n"
-    except OSError as exc:
-        raise ReproError(f"{path}: cannot read: {exc}") from None
-
-
 def page(title: str, command: str, findings: Sequence[str], tables: Sequence[Path], extra: Sequence[str] = ()) -> str:
-    """A ``results/<study>/README.md``: title, command, findings (one bullet each), tables, other files.
-
-    Args:
-        title: the heading.
-        command: the command that produced the directory.
-        findings: sentences (Markdown; a bullet each).
-        tables: ``.md`` table files to include, in order.
-        extra: lines after the tables (plots and other files).
-
-    Returns:
-        The page's text.
-    """
+    """A ``results/<study>/README.md``: the heading, the command that produced the directory, the findings
+    (sentences in Markdown, a bullet each), the ``.md`` table files included whole (their own captions and
+    generated-by notes), in order, and ``extra`` lines after them (plots and other files)."""
     lines = [f"# {title}", "", GENERATED_NOTE, "", f"Produced by `{command}`.", "", "## Findings", ""]
     lines += [f"- {f}" for f in findings]
     if tables:
         lines += ["", "## Tables", ""]
         for table in tables:
-            lines += [include(table)]
+            try:
+                lines.append(table.read_text().strip() + "\n")
+            except OSError as exc:
+                raise ReproError(f"{table}: cannot read: {exc}") from None
     if extra:
         lines += ["", *extra]
     return "\n".join(lines).rstrip() + "\n"

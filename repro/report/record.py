@@ -292,14 +292,12 @@ def _check_lm_eval_value(where: str, key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # aliases, "N/A" standard errors, sample counts kept as text
     name = key.partition(",")[0]
-    if name.endswith("_stderr"):
+    if name.endswith("_stderr") or name == "bits_per_byte":
         _check(where, value, 0)
     elif name.startswith("acc") or name in UNIT_METRICS:
         _check(where, value, 0, 1)
     elif name in PERPLEXITY_METRICS:
         _check(where, value, 1)
-    elif name == "bits_per_byte":
-        _check(where, value, 0)
     else:
         _check(where, value)
 

@@ -186,9 +186,6 @@ def compare_over_seeds(
         family: the Holm family, ``table`` (every test of the table) or ``column``
             (:mod:`repro.report.over_seeds`).
 
-    Returns:
-        The :class:`SeedComparison`.
-
     Raises:
         ReproError: runs of several models, two runs of one router with the same seed, an unknown test, or a
             test the records cannot support.
@@ -324,16 +321,9 @@ def compare_metrics_over_seeds(
     """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router by a paired
     t-test over the shared seeds where every other router shares at least two with it.
 
-    Args:
-        records: runs of one model, one per router and seed; a run without any of the numbers is left out.
-        columns: column name -> the run's number (None where it has none).
-        reference_router, confidence, alpha, seed_of, family: as in :func:`compare_over_seeds`.
-
-    Returns:
-        The :class:`SeedComparison` (``metrics`` maps each column to itself; ``test`` is ``seeds`` or ``none``).
-
-    Raises:
-        ReproError: runs of several models, or two runs of one router with the same seed.
+    ``columns``: column name -> the run's number (None where it has none; a run with none of them is left out);
+    the other arguments and the errors as :func:`compare_over_seeds`. In the comparison, ``metrics`` maps each
+    column to itself and ``test`` is ``seeds`` or ``none``.
     """
     measured = [r for r in records if any(f(r) is not None for f in columns.values())]
     groups, reference, seeds_ok = _group_by_router(measured, seed_of, reference_router)
@@ -354,11 +344,8 @@ def seed_metric_table(
 ) -> Table:
     """A table over seeds of per-run numbers (:func:`compare_metrics_over_seeds`), marked like the zero-shot one.
 
-    Args:
-        name: the table's file stem.
-        what: the caption's first sentence (what the numbers are).
-        labels: column -> header (default: the column's name).
-        specs: column -> number format (default ``.3f``).
+    ``what`` is the caption's first sentence (what the numbers are); ``labels`` and ``specs`` give a column's
+    header (default: its name) and number format (default ``.3f``).
     """
     caption = _caption(comparison, what, labels, "fewer than two seeds shared with it")
     headers = ("Router", "seeds", *(labels.get(c, c) for c in comparison.columns))

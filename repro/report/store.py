@@ -48,9 +48,6 @@ def environment_info(num_processes: int | None = None, device: str | None = None
     Args:
         num_processes: world size; default: torch.distributed's if initialised, else ``$WORLD_SIZE`` or 1.
         device: accelerator name; default: CUDA device 0's name, else ``cpu (<processor>)``.
-
-    Returns:
-        An :class:`Environment`.
     """
     import torch
 
@@ -99,9 +96,6 @@ def make_record(
         environment: default :func:`environment_info`.
         experiment_name: default ``run_id``.
         domain_losses: held-out LM loss per domain.
-
-    Returns:
-        The :class:`RunRecord`.
 
     Raises:
         ReproError: a value of the wrong type (e.g. a config that is not a JSON object).
@@ -230,9 +224,6 @@ def write_run_record(
         run_dir: the run directory.
         warmup: log rows skipped before the efficiency window; default a tenth of the steps (at least one).
         lm_eval_results, run_id, domain_losses: as in :func:`record_from_run_dir`.
-
-    Returns:
-        The record's path.
     """
     run_dir = Path(run_dir)
     if warmup is None:
@@ -281,9 +272,6 @@ def load_record(path: str | Path) -> RunRecord:
 
     Args:
         path: a record JSON file.
-
-    Returns:
-        The :class:`RunRecord`.
 
     Raises:
         ReproError: unreadable JSON, missing or unknown field, wrong type (one line naming file and field).

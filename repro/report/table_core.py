@@ -72,15 +72,9 @@ def fmt_interval(interval: Interval | None, spec: str, mark: str = "") -> str:
 
 
 def record_partial(record: RunRecord) -> dict[str, PartialTask]:
-    """The tasks a run scored on part of their documents: its ``partial`` field, and for records written
-    before that field, what lm-eval's own ``n-samples`` / ``config.limit`` say.
-
-    Args:
-        record: a run record.
-
-    Returns:
-        task -> :class:`~repro.report.record.PartialTask`.
-    """
+    """task -> :class:`~repro.report.record.PartialTask` of the tasks a run scored on part of their documents:
+    its ``partial`` field, and for records written before that field, what lm-eval's ``n-samples`` /
+    ``config.limit`` say."""
     found = {p.task: p for p in partial_tasks(record.lm_eval)}
     found.update({p.task: p for p in record.partial})
     return found
@@ -104,16 +98,8 @@ def _partial_note(partial: Mapping[str, Mapping[str, PartialTask]]) -> str:
 
 # ------------------------------------------------------------------------------------------ zero-shot columns
 def choose_metric(task: str, records: Sequence[RunRecord], metric: str = "auto") -> str:
-    """The lm-eval metric shown for ``task``.
-
-    Args:
-        task: lm-eval task name.
-        records: the runs in the table.
-        metric: ``acc``, ``acc_norm`` or ``auto`` (acc_norm where every run reports it for the task, else acc).
-
-    Returns:
-        ``"acc"`` or ``"acc_norm"``.
-    """
+    """The lm-eval metric shown for ``task`` in a table of ``records``: ``metric``, ``acc`` or ``acc_norm``, or
+    for ``auto`` acc_norm where every run reports it for the task, else acc."""
     if metric not in ZERO_SHOT_METRICS:
         raise ReproError(f"unknown zero-shot metric '{metric}'; valid: {', '.join(ZERO_SHOT_METRICS)}")
     if metric != "auto":
@@ -125,17 +111,12 @@ def choose_metric(task: str, records: Sequence[RunRecord], metric: str = "auto")
 def zero_shot_columns(
     records: Sequence[RunRecord], metric: str = "auto", published: Sequence[str] = ()
 ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
-    """The zero-shot tables' task columns: the papers' tasks that a run measured (or ``published`` names), in the
-    papers' order, then the other measured tasks by name.
-
-    Args:
-        records: the evaluated runs.
-        metric: ``auto``, ``acc`` or ``acc_norm`` (:func:`choose_metric`).
-        published: tasks with published numbers beside the runs.
+    """The zero-shot tables' task columns: the papers' tasks that a run measured (or ``published`` numbers are
+    shown for), in the papers' order, then the other measured tasks by name.
 
     Returns:
-        ``(scores, chosen)``: run_id -> :func:`~repro.report.record.lm_eval_metrics`, and task -> its metric,
-        in column order.
+        ``(scores, chosen)``: run_id -> :func:`~repro.report.record.lm_eval_metrics`, and task -> its metric
+        (:func:`choose_metric`), in column order.
     """
     scores = {r.run_id: lm_eval_metrics(r) for r in records}
     measured = {t for s in scores.values() for t, m in s.items() if "acc" in m or "acc_norm" in m}

@@ -5,10 +5,8 @@ sentences, its tables included from the ``.md`` files beside it), and the reposi
 block per study between ``<!-- BEGIN generated: <study> -->`` and ``<!-- END generated: <study> -->``.
 
 Every number in them is read from a results file (``summary.json``, the tables' ``.csv``, a benchmark JSON) or
-computed from the per-seed values those files hold, and every word that qualifies a difference ("lower",
-"higher", "no significant difference", "significant after Holm") is chosen by a test result by
-:func:`repro.report.prose.verdict`, never written by hand. ``--check`` exits 1 where a committed file differs
-from what the files give (the tests run the same comparison).
+computed from the per-seed values those files hold, and every comparison word is chosen by a test result
+(:mod:`repro.report.prose`). ``--check`` exits 1 where a committed file differs from what the files give.
 
 Examples::
 
