@@ -322,8 +322,9 @@ def compare_metrics_over_seeds(
     t-test over the shared seeds where every other router shares at least two with it.
 
     ``columns``: column name -> the run's number (None where it has none; a run with none of them is left out);
-    the other arguments and the errors as :func:`compare_over_seeds`. In the comparison, ``metrics`` maps each
-    column to itself and ``test`` is ``seeds`` or ``none``.
+    the other arguments as :func:`compare_over_seeds`. In the comparison, ``metrics`` maps each column to itself
+    and ``test`` is ``seeds`` or ``none``. ReproError: runs of several models, or two runs of one router with the
+    same seed.
     """
     measured = [r for r in records if any(f(r) is not None for f in columns.values())]
     groups, reference, seeds_ok = _group_by_router(measured, seed_of, reference_router)
