@@ -17,28 +17,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from repro.report.over_seeds import (
-    SeedStat,
-    against_reference,
-    compare,
-    count_defined,
-    family_sentence,
-    undefined_note,
-)
+from repro.report.over_seeds import SeedStat, against_reference, compare, count_defined, family_sentence, undefined_note
 from repro.report.stats import Interval, mean_ci
-from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table, _fmt_pm
+from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table, fmt_interval
 from repro.training.log import LogRow
 
 
 @dataclass(frozen=True)
 class Metric:
-    """One column of the ablation table.
-
-    Args:
-        key: the value's key in :func:`run_metrics` (``load_imbalance[0]``).
-        label: the column label.
-        spec: format spec of its numbers.
-    """
+    """One column of the ablation table: the value's key in :func:`run_metrics` (``load_imbalance[0]``), the
+    column label and the format spec of its numbers."""
 
     key: str
     label: str
@@ -53,7 +41,7 @@ _LAYER_MEAN = (
 )
 
 
-def metrics_for(num_layers: int) -> tuple[Metric, ...]:
+def _metrics_for(num_layers: int) -> tuple[Metric, ...]:
     """The table's columns for a model with ``num_layers`` MoE layers (layers numbered from 1 in labels)."""
     layers = range(num_layers)
     return (
@@ -109,15 +97,8 @@ def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | 
 
 @dataclass(frozen=True)
 class AblationResults:
-    """Every run's end-of-run values, by cell and seed.
-
-    Args:
-        cells: the cells, in table order.
-        values: cell -> seed -> metric key -> value (None: not reported).
-        metrics: the columns.
-        final_window: rows the end-of-run values average.
-        readings: cell -> what it tests (for captions).
-    """
+    """Every run's end-of-run values, by cell (in table order) and seed: cell -> seed -> metric key -> value
+    (None: not reported); the columns, the rows the values average, and what each cell tests (for captions)."""
 
     cells: tuple[str, ...]
     values: Mapping[str, Mapping[int, Mapping[str, float | None]]]
@@ -133,11 +114,14 @@ class AblationResults:
         """``{seed: value}`` of one metric, the seeds that report it."""
         return {s: v[key] for s, v in sorted(self.values[cell].items()) if v.get(key) is not None}
 
+    @property
+    def labels(self) -> dict[str, str]:
+        """Metric key -> column label."""
+        return {m.key: m.label for m in self.metrics}
+
 
 def collect_results(
-    logs: Mapping[str, Mapping[int, Sequence[LogRow]]],
-    final_window: int,
-    readings: Mapping[str, str] | None = None,
+    logs: Mapping[str, Mapping[int, Sequence[LogRow]]], final_window: int, readings: Mapping[str, str] | None = None
 ) -> AblationResults:
     """The :class:`AblationResults` of the runs' training logs.
 
@@ -145,9 +129,6 @@ def collect_results(
         logs: cell -> seed -> the run's log rows (cells in table order).
         final_window: rows at the end of each run that the routing metrics and the LM loss average.
         readings: cell -> what it tests.
-
-    Returns:
-        The results.
 
     Raises:
         ValueError: a cell without runs.
@@ -158,7 +139,7 @@ def collect_results(
     values = {cell: {seed: run_metrics(rows, final_window) for seed, rows in runs.items()} for cell, runs in logs.items()}
     num_layers = max(sum(k.startswith("load_imbalance[") for k in v) for runs in values.values() for v in runs.values())
     return AblationResults(
-        cells=tuple(logs), values=values, metrics=metrics_for(num_layers), final_window=final_window,
+        cells=tuple(logs), values=values, metrics=_metrics_for(num_layers), final_window=final_window,
         readings=dict(readings or {}),
     )
 
@@ -170,12 +151,9 @@ def _values(results: AblationResults) -> dict[str, dict[str, dict[int, float]]]:
 def compare_cells(
     results: AblationResults, reference: str, confidence: float = 0.95, *, family: str = "table"
 ) -> dict[str, dict[str, SeedStat]]:
-    """Every cell against ``reference``, in every column (module docstring).
+    """Every cell against ``reference`` (no tests when it is not among the cells), in every column.
 
     Args:
-        results: the runs' values.
-        reference: the reference cell (no tests when it is not among the cells).
-        confidence: coverage of the intervals.
         family: the Holm family: ``table`` (every cell and column of the comparison with ``reference``) or
             ``column`` (:mod:`repro.report.over_seeds`).
 
@@ -194,11 +172,9 @@ def compare_cell_pairs(
     """Cell against cell, paired over their shared seeds (what a claim like "X is the main lever" needs).
 
     Args:
-        results: the runs' values.
         pairs: ``(a, b)``: ``a`` is compared with ``b`` (differences ``a - b``).
         keys: the metric keys compared.
         family: ``table`` (every pair and key one family) or ``column`` (one family per key).
-        confidence: coverage of the intervals.
 
     Returns:
         ``(a, b, key)`` -> :class:`SeedStat` (``difference``: a minus b).
@@ -207,26 +183,19 @@ def compare_cell_pairs(
                    confidence=confidence)
 
 
-def _pm(interval: Interval | None, spec: str, mark: str = "") -> str:
-    return MISSING if interval is None else _fmt_pm(interval.estimate, interval.half_width, mark, spec)
-
-
 def _diff_cell(stat: SeedStat, spec: str, alpha: float) -> str:
     """``difference +- half-width (p=adjusted)``, marked; undefined tests and missing ones as such."""
     if stat.difference is None:
         return MISSING
     if stat.undefined:
-        return f"{_pm(stat.difference, spec)} (p undefined)"
+        return f"{fmt_interval(stat.difference, spec)} (p undefined)"
     mark = SIGNIFICANT if stat.significant(alpha) else ""
-    return f"{_pm(stat.difference, spec)} (p={stat.adjusted_p:.2g}){mark}"
+    return f"{fmt_interval(stat.difference, spec)} (p={stat.adjusted_p:.2g}){mark}"
 
 
-def _legend(results: AblationResults) -> str:
-    return "; ".join(f"{cell}: {results.readings[cell]}" for cell in results.cells if cell in results.readings)
-
-
-def _labels(results: AblationResults) -> dict[str, str]:
-    return {m.key: m.label for m in results.metrics}
+def _undefined(stats: Mapping[str, Mapping[str, SeedStat]], results: AblationResults) -> list[tuple[str, str]]:
+    labels = results.labels
+    return [(cell, labels[key]) for cell, cells in stats.items() for key, stat in cells.items() if stat.undefined]
 
 
 def ablation_table(
@@ -242,9 +211,6 @@ def ablation_table(
         confidence: coverage of the intervals.
         alpha: significance level of the marks (after Holm's adjustment over ``family``).
         family: ``table`` (every cell and column against ``reference``) or ``column``.
-
-    Returns:
-        The :class:`Table`.
     """
     stats = compare_cells(results, reference, confidence, family=family)
     rows = []
@@ -253,7 +219,7 @@ def ablation_table(
         row = [label, ",".join(map(str, results.seeds(cell)))]
         for metric in results.metrics:
             stat = stats[cell][metric.key]
-            row.append(_pm(stat.interval, metric.spec, SIGNIFICANT if stat.significant(alpha) else ""))
+            row.append(fmt_interval(stat.interval, metric.spec, SIGNIFICANT if stat.significant(alpha) else ""))
         rows.append(tuple(row))
     caption = (
         f"DirMoE ablation on the embedded default: end-of-run routing and losses per cell, over seeds. Each cell: "
@@ -270,14 +236,10 @@ def ablation_table(
             f"cells ran, {family_sentence(family, count_defined(stats), 'cells')}."
         )
         caption += undefined_note(_undefined(stats, results)) + " "
-    caption += f"Cells: {_legend(results)}."
+    legend = "; ".join(f"{cell}: {results.readings[cell]}" for cell in results.cells if cell in results.readings)
+    caption += f"Cells: {legend}."
     headers = ("Cell", "seeds", *(m.label for m in results.metrics))
     return Table(name, caption, headers, tuple(rows))
-
-
-def _undefined(stats: Mapping[str, Mapping[str, SeedStat]], results: AblationResults) -> list[tuple[str, str]]:
-    labels = _labels(results)
-    return [(cell, labels[key]) for cell, cells in stats.items() for key, stat in cells.items() if stat.undefined]
 
 
 #: The columns of the difference table: the collapse and what it costs.
@@ -290,29 +252,15 @@ def difference_metrics(results: AblationResults) -> list[Metric]:
 
 
 def ablation_difference_table(
-    results: AblationResults,
-    reference: str = "paper",
-    *,
-    name: str = "ablation_differences",
-    confidence: float = 0.95,
-    alpha: float = 0.05,
-    family: str = "table",
+    results: AblationResults, reference: str = "paper", *, name: str = "ablation_differences",
+    confidence: float = 0.95, alpha: float = 0.05, family: str = "table",
 ) -> Table:
-    """Paired differences to ``reference``: ``mean difference +- CI half-width (Holm-adjusted p)`` per cell.
+    """Paired differences to ``reference``: ``mean difference +- CI half-width (Holm-adjusted p)`` per cell, in
+    the columns of :func:`difference_metrics`; arguments as :func:`ablation_table` (``confidence``: of the
+    intervals of the paired differences).
 
     Its tests are those of :func:`ablation_table` against the same reference, in the same family (the whole
     ablation table's comparisons with ``family="table"``), so both tables mark the same cells.
-
-    Args:
-        results: the runs' values.
-        reference: the cell the others are compared with.
-        name: the table's file stem.
-        confidence: coverage of the intervals of the paired differences.
-        alpha: significance level of the marks.
-        family: as in :func:`ablation_table`.
-
-    Returns:
-        The :class:`Table` (columns: load and weight imbalance per layer, validation and LM loss).
     """
     stats = compare_cells(results, reference, confidence, family=family)
     metrics = difference_metrics(results)
@@ -333,36 +281,24 @@ def ablation_difference_table(
 
 
 def pairs_table(
-    results: AblationResults,
-    pairs: Sequence[tuple[str, str]],
-    *,
-    name: str = "ablation_pairs",
-    keys: Sequence[str] | None = None,
-    confidence: float = 0.95,
-    alpha: float = 0.05,
-    family: str = "table",
+    results: AblationResults, pairs: Sequence[tuple[str, str]], *, name: str = "ablation_pairs",
+    keys: Sequence[str] | None = None, confidence: float = 0.95, alpha: float = 0.05, family: str = "table",
     what: str = "",
 ) -> Table:
     """Cell against cell (:func:`compare_cell_pairs`): ``a - b`` per pair and column, with the adjusted p.
 
     Args:
-        results: the runs' values.
-        pairs: ``(a, b)`` pairs of cells.
-        name: the table's file stem.
+        pairs: ``(a, b)`` pairs of cells, a row each.
         keys: metric keys (default: the difference table's columns).
-        confidence: coverage of the intervals of the paired differences.
-        alpha: significance level of the marks.
         family: ``table`` (every pair and column) or ``column``.
         what: the caption's first sentence (default: what the table compares).
-
-    Returns:
-        The :class:`Table` (one row per pair).
+        results, name, confidence, alpha: as in :func:`ablation_difference_table`.
     """
     metrics = [m for m in results.metrics if m.key in keys] if keys is not None else difference_metrics(results)
     stats = compare_cell_pairs(results, pairs, [m.key for m in metrics], family=family, confidence=confidence)
     rows = [(f"{a} - {b}", *(_diff_cell(stats[(a, b, m.key)], m.spec, alpha) for m in metrics)) for a, b in pairs]
-    defined = sum(s.test is not None and s.test.defined for s in stats.values())
-    labels = _labels(results)
+    defined = sum(s.defined for s in stats.values())
+    labels = results.labels
     caption = (
         (what or "DirMoE ablation, cell against cell: the first cell minus the second, paired by the seeds both "
          "ran.")
@@ -378,14 +314,8 @@ def pairs_table(
 
 @dataclass(frozen=True)
 class Hypothesis:
-    """A comparison stated before the seeds that test it were run (a confirmatory study's family).
-
-    Args:
-        cell: the cell compared.
-        versus: the cell it is compared with (differences ``cell - versus``).
-        key: the metric key.
-        claim: the claim it checks, in words.
-    """
+    """A comparison stated before the seeds that test it were run (a confirmatory study's family): the
+    difference ``cell - versus`` in the metric ``key``, and the claim it checks, in words."""
 
     cell: str
     versus: str
@@ -394,36 +324,33 @@ class Hypothesis:
 
 
 def confirm_table(
-    results: AblationResults,
-    hypotheses: Sequence[Hypothesis],
-    *,
-    name: str = "ablation_confirm",
-    confidence: float = 0.95,
-    alpha: float = 0.05,
+    results: AblationResults, hypotheses: Sequence[Hypothesis], *, name: str = "ablation_confirm",
+    confidence: float = 0.95, alpha: float = 0.05,
 ) -> Table:
-    """The pre-registered hypotheses on seeds that were not part of the screen: one family, Holm over them only.
+    """The pre-registered hypotheses on seeds that were not part of the screen: one family, Holm over them only;
+    one row per hypothesis, ``cell - versus`` with its interval and adjusted p-value.
 
     Args:
         results: the confirmatory runs' values.
         hypotheses: the hypotheses, fixed in advance (those whose cells are not all run are left out, and the
             caption says so).
-        name: the table's file stem.
-        confidence: coverage of the intervals of the paired differences.
         alpha: the family-wise significance level.
-
-    Returns:
-        The :class:`Table`: one row per hypothesis, ``cell - versus`` with its interval and adjusted p-value.
+        name, confidence: as in :func:`ablation_difference_table`.
     """
     tested = [h for h in hypotheses if h.cell in results.cells and h.versus in results.cells]
     stats = compare(_values(results), [(h.cell, h.versus, h.key) for h in tested], family="table",
                     confidence=confidence)
-    labels, specs = _labels(results), {m.key: m.spec for m in results.metrics}
+    labels, specs = results.labels, {m.key: m.spec for m in results.metrics}
+
+    def column(h: Hypothesis) -> str:
+        return labels.get(h.key, h.key)
+
     rows = [
-        (h.claim, f"{h.cell} - {h.versus}", labels.get(h.key, h.key), _diff_cell(stats[(h.cell, h.versus, h.key)],
-                                                                                   specs.get(h.key, ".3f"), alpha))
+        (h.claim, f"{h.cell} - {h.versus}", column(h),
+         _diff_cell(stats[(h.cell, h.versus, h.key)], specs.get(h.key, ".3f"), alpha))
         for h in tested
     ]
-    defined = sum(s.test is not None and s.test.defined for s in stats.values())
+    defined = sum(s.defined for s in stats.values())
     seeds = sorted({s for cell in results.cells for s in results.seeds(cell)})
     caption = (
         f"DirMoE ablation, confirmatory: the hypotheses stated before these seeds ({', '.join(map(str, seeds))}) "
@@ -432,10 +359,10 @@ def confirm_table(
         f"p-value of the paired t-test, Holm-adjusted over the {defined} hypotheses of this table (family: the "
         f"pre-registered hypotheses, fixed before the runs); {SIGNIFICANT}: p < {alpha:g}, two-sided."
     )
-    left = [f"{h.cell} - {h.versus} ({labels.get(h.key, h.key)})" for h in hypotheses if h not in tested]
+    left = [f"{h.cell} - {h.versus} ({column(h)})" for h in hypotheses if h not in tested]
     if left:
         caption += f" Not tested (a cell not run): {'; '.join(left)}."
-    caption += undefined_note([(f"{h.cell} - {h.versus}", labels.get(h.key, h.key)) for h in tested
+    caption += undefined_note([(f"{h.cell} - {h.versus}", column(h)) for h in tested
                                if stats[(h.cell, h.versus, h.key)].undefined])
     return Table(name, caption, ("Claim", "Cells", "Column", "Difference (p)"), tuple(rows))
 
@@ -464,12 +391,9 @@ def results_to_json(
     family: str = "table",
 ) -> dict[str, Any]:
     """The results as JSON: per cell and metric, the per-seed values, the mean and interval, and the paired
-    comparisons with ``reference`` and with ``switch`` (where they are cells).
+    comparisons with ``reference`` and with ``switch`` (Switch's level; where they are cells).
 
     Args:
-        results: the runs' values.
-        reference: the reference cell.
-        switch: a second reference (Switch's level), or None.
         alpha: significance level of the ``significant`` flags.
         family: the Holm family of each reference's comparisons (as in :func:`ablation_table`).
 
@@ -495,15 +419,9 @@ def results_to_json(
 
 
 def results_from_json(summary: Mapping[str, Any]) -> AblationResults:
-    """The :class:`AblationResults` stored in an ablation's ``summary.json`` (its per-seed values), to rebuild
-    the tables without the run directories.
-
-    Args:
-        summary: the parsed ``summary.json`` (``results``, ``cells``, ``final_window_steps``).
-
-    Returns:
-        The results: every value the tables use is a per-seed value stored there.
-    """
+    """The :class:`AblationResults` stored in an ablation's parsed ``summary.json`` (``results``, ``cells``,
+    ``final_window_steps``), to rebuild the tables without the run directories: every value the tables use is a
+    per-seed value stored there."""
     stored = summary["results"]
     values: dict[str, dict[int, dict[str, float | None]]] = {}
     keys: set[str] = set()
@@ -517,24 +435,16 @@ def results_from_json(summary: Mapping[str, Any]) -> AblationResults:
                 runs[int(seed)][key] = value
     num_layers = sum(k.startswith("load_imbalance[") for k in keys)
     readings = {cell: spec["reading"] for cell, spec in summary.get("cells", {}).items() if "reading" in spec}
-    return AblationResults(cells=tuple(stored), values=values, metrics=metrics_for(num_layers),
+    return AblationResults(cells=tuple(stored), values=values, metrics=_metrics_for(num_layers),
                            final_window=int(summary["final_window_steps"]), readings=readings)
 
 
 def summary_intervals(
     results: AblationResults, keys: Sequence[str], confidence: float = 0.95
 ) -> dict[str, dict[str, tuple[float, float | None, float | None]]]:
-    """``{cell: {column label: (mean, low, high)}}`` of some columns, for the summary plot.
-
-    Args:
-        results: the runs' values.
-        keys: metric keys.
-        confidence: coverage of the intervals.
-
-    Returns:
-        The intervals (cells without a value left out of that column).
-    """
-    labels = {m.key: m.label for m in results.metrics}
+    """``{cell: {column label: (mean, low, high)}}`` of the columns of ``keys``, for the summary plot (cells
+    without a value left out of that column)."""
+    labels = results.labels
     out: dict[str, dict[str, tuple[float, float | None, float | None]]] = {}
     for cell in results.cells:
         for key in keys:

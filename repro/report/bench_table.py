@@ -23,15 +23,8 @@ BASELINE = "switch"
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One benchmark's summary.
-
-    Args:
-        group: pytest-benchmark group.
-        name: the benchmark's full name.
-        router: the router it measures.
-        median_s: median time per round.
-        ratio_to_baseline: median / the baseline router's median in the group (None without a baseline).
-    """
+    """One benchmark's summary: its pytest-benchmark group, full name, the router it measures, the median time
+    per round, and that median over the baseline router's in the group (None without a baseline)."""
 
     group: str
     name: str
@@ -83,15 +76,8 @@ def summarise(data: dict, baseline: str = BASELINE, origin: str = "benchmark JSO
 
 
 def render_bench(rows: list[BenchRow], baseline: str = BASELINE) -> str:
-    """GitHub-Markdown table of :func:`summarise`'s rows.
-
-    Args:
-        rows: the summary.
-        baseline: the baseline router's name, for the column header.
-
-    Returns:
-        Text ending in a newline.
-    """
+    """GitHub-Markdown table (text ending in a newline) of :func:`summarise`'s rows; ``baseline`` names the
+    baseline router in the ratio's header."""
     cells = [
         (r.group, r.router, f"{r.median_s * 1e3:.3f}", "--" if r.ratio_to_baseline is None else f"{r.ratio_to_baseline:.2f}")
         for r in rows
@@ -101,15 +87,7 @@ def render_bench(rows: list[BenchRow], baseline: str = BASELINE) -> str:
 
 
 def main(argv: list[str], prog: str) -> int:
-    """Print (and optionally write) the benchmark summary.
-
-    Args:
-        argv: command-line arguments.
-        prog: program name for usage messages.
-
-    Returns:
-        Exit status (0).
-    """
+    """Print (and optionally write) the benchmark summary. Returns the exit status (0)."""
     parser = argparse.ArgumentParser(prog=prog, description="Summarise a pytest-benchmark JSON as a table.")
     parser.add_argument("json", help="pytest-benchmark JSON (--benchmark-json)")
     parser.add_argument("--baseline", default=BASELINE, help="router the ratios are relative to (default switch)")

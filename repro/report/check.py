@@ -2,13 +2,10 @@
 within the entry's tolerance; efficiency only on the same accelerator), against an earlier run (point by point
 at a tight relative tolerance: CPU runs are deterministic), or against earlier seeds of its experiment.
 
-Against seeds (:func:`check_against_seeds`), each of the K numbers (final training loss, validation loss, every
-lm-eval metric) must fall in the seeds' prediction interval (a seed-to-seed spread is the noise a change has to
-stand out from; the interval of the mean would narrow with every seed and fail honest runs), at coverage
-``1 - alpha/K`` (Bonferroni): an honest new seed fails with probability at most ``alpha`` whatever the
-dependence between the numbers, and the report's header says so. Holm would give the same pass/fail verdict; a
-joint criterion (Hotelling's T^2) needs more seeds than numbers. The price is power: each row states the
-smallest shift its band catches with 80% probability (:func:`repro.report.stats.minimum_detectable_shift`).
+Against seeds (:func:`check_against_seeds`, docs/evaluation.md), each of the K numbers must fall in the seeds'
+prediction interval at coverage ``1 - alpha/K`` (Bonferroni: a false-alarm rate of at most ``alpha`` whatever
+the dependence between the numbers; Holm would give the same pass/fail verdict; a joint criterion, Hotelling's
+T^2, needs more seeds than numbers). The price is power: each row states the smallest shift its band catches.
 """
 
 from __future__ import annotations
@@ -37,17 +34,10 @@ DETECTION_POWER = 0.8
 
 @dataclass(frozen=True)
 class CheckRow:
-    """One comparison.
+    """One comparison: the run's value (None: not measured) against the published or earlier value, within a
+    tolerance (as text), its status (``ok``, ``FAIL`` or ``skipped``) and why, if not obvious.
 
     Args:
-        run_id: the run checked.
-        metric: what is compared.
-        measured: the run's value (None: not measured).
-        reference: the published or earlier value.
-        tolerance: the allowed difference, as text.
-        source: where the reference comes from.
-        status: ``ok``, ``FAIL`` or ``skipped``.
-        note: why a row was skipped or failed, if not obvious.
         detectable: against seeds, the smallest shift of this number caught with :data:`DETECTION_POWER`
             (None: not a seed check, or no spread to scale it by).
     """
@@ -70,12 +60,8 @@ class CheckRow:
 
 @dataclass(frozen=True)
 class CheckReport:
-    """The rows of one check.
-
-    Args:
-        rows: the comparisons.
-        header: what the check guarantees (the family-wise false-alarm rate of a seed check), printed first.
-    """
+    """The rows of one check, and what it guarantees (the family-wise false-alarm rate of a seed check), printed
+    first."""
 
     rows: tuple[CheckRow, ...]
     header: str = ""
@@ -95,7 +81,6 @@ def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto")
     """A run's value of a shared metric name (see :mod:`repro.report.ledger`).
 
     Args:
-        record: the run.
         metric: ``zero_shot.<task>``, ``zero_shot.avg``, ``efficiency.iter_time_ms``,
             ``efficiency.tflops_per_device`` (analytic FLOPs: what the papers report) or ``loss.validation``.
         zero_shot_metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`repro.report.table_core.choose_metric`).
@@ -152,9 +137,7 @@ def check_against_published(
     """Compare a run with every original published number for its router and model.
 
     Args:
-        record: the run.
-        ledger: the published numbers.
-        zero_shot_metric: which lm-eval metric to compare with the papers' accuracies.
+        zero_shot_metric: which lm-eval metric to compare with the papers' accuracies (as in :func:`record_value`).
         paper: keep only entries whose ``paper`` contains this text (case-insensitive), e.g. ``ReMoE``.
 
     Returns:
@@ -185,8 +168,6 @@ def check_against_run(
     """Compare a run with an earlier run of the same experiment.
 
     Args:
-        record: the new run.
-        previous: the earlier run.
         loss_rtol: relative tolerance on every loss-curve point and the validation loss.
         eval_rtol: relative tolerance on every lm-eval metric (accuracies, perplexities).
         atol: absolute tolerance added to both (for values at zero).
@@ -223,23 +204,14 @@ def check_against_run(
 def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rtol: float, atol: float) -> CheckRow | None:
     if new is None and old is None:
         return None
-    if new is None or old is None:
-        note = "missing in this run" if new is None else "missing in the earlier run"
-        return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=FAIL, note=note)
-    ok = math.isclose(new, old, rel_tol=rtol, abs_tol=atol)
-    return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}", status=OK if ok else FAIL)
+    note = "missing in this run" if new is None else "missing in the earlier run" if old is None else ""
+    ok = not note and math.isclose(new, old, rel_tol=rtol, abs_tol=atol)
+    return CheckRow(**base, metric=metric, measured=new, reference=old, tolerance=f"rtol {rtol:g}",
+                    status=OK if ok else FAIL, note=note)
 
 
 def final_loss(record: RunRecord, steps: int = FINAL_LOSS_STEPS) -> float | None:
-    """The mean of a run's last ``steps`` logged training losses (None: no loss curve).
-
-    Args:
-        record: the run.
-        steps: how many of the last logged losses.
-
-    Returns:
-        The final training loss.
-    """
+    """The final training loss: the mean of a run's last ``steps`` logged training losses (None: no loss curve)."""
     tail = [p.loss for p in sorted(record.loss_curve, key=lambda p: p.step)[-steps:]]
     return statistics.fmean(tail) if tail else None
 
@@ -256,16 +228,8 @@ def _seed_metrics(record: RunRecord) -> dict[str, float | None]:
 
 
 def family_confidence(alpha: float, count: int) -> float:
-    """The coverage of each of ``count`` bands that keeps the family-wise false-alarm rate at ``alpha``
-    (Bonferroni: ``1 - alpha / count``).
-
-    Args:
-        alpha: the family-wise rate, in (0, 1).
-        count: the numbers compared (at least one).
-
-    Returns:
-        The per-number coverage.
-    """
+    """The coverage of each of ``count`` (>= 1) bands that keeps the family-wise false-alarm rate at ``alpha``,
+    in (0, 1) (Bonferroni: ``1 - alpha / count``)."""
     if not 0 < alpha < 1 or count < 1:
         raise ValueError(f"need alpha in (0, 1) and count >= 1, got alpha={alpha}, count={count}")
     return 1 - alpha / count
@@ -277,7 +241,6 @@ def check_against_seeds(
     """Compare a run with earlier runs of the same experiment, one per seed, at a family-wise false-alarm rate.
 
     Args:
-        record: the new run.
         previous: earlier runs of the same experiment with different seeds (at least two).
         alpha: the family-wise false-alarm rate over every number compared (module docstring): each band's
             coverage is ``1 - alpha / K`` for the K numbers with a band.
@@ -347,14 +310,7 @@ def _detectable(row: CheckRow) -> str:
 
 
 def render_report(report: CheckReport) -> str:
-    """The delta table of a check (GitHub Markdown) with a one-line verdict.
-
-    Args:
-        report: the check.
-
-    Returns:
-        Text ending in a newline.
-    """
+    """The delta table of a check (GitHub Markdown) with a one-line verdict, ending in a newline."""
     powered = any(r.detectable is not None for r in report.rows)
     rows = [
         (r.run_id, r.metric, _num(r.measured), _num(r.reference), _num(r.delta, signed=True), r.tolerance,

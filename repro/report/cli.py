@@ -21,15 +21,7 @@ from repro.errors import ReproError
 
 
 def tables_main(argv: list[str], prog: str) -> int:
-    """Build the zero-shot, efficiency and routing tables from run records.
-
-    Args:
-        argv: command-line arguments.
-        prog: program name for usage messages.
-
-    Returns:
-        Exit status (0).
-    """
+    """Build the zero-shot, efficiency and routing tables from run records. Returns the exit status (0)."""
     from repro.report.ledger import load_ledger
     from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER
     from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
@@ -85,15 +77,8 @@ def tables_main(argv: list[str], prog: str) -> int:
 
 
 def check_main(argv: list[str], prog: str) -> int:
-    """Regression-check runs against the published numbers or an earlier run.
-
-    Args:
-        argv: command-line arguments.
-        prog: program name for usage messages.
-
-    Returns:
-        0 when every number is within tolerance, 1 when one is not.
-    """
+    """Regression-check runs against the published numbers or earlier runs. Returns the exit status: 0 when every
+    number is within tolerance, 1 when one is not."""
     from repro.report.check import (
         CheckReport,
         check_against_published,

@@ -40,12 +40,8 @@ def loss_curve(rows: Sequence[LogRow]) -> tuple[LossPoint, ...]:
     return tuple(LossPoint(step=r.step, loss=r.loss) for r in rows)
 
 
-def window(rows: Sequence[LogRow], warmup: int, length: int | None) -> Sequence[LogRow]:
-    """The rows measured: ``length`` rows (None: all) after skipping ``warmup``.
-
-    Raises:
-        ReproError: bad bounds, or no row left to measure.
-    """
+def _window(rows: Sequence[LogRow], warmup: int, length: int | None) -> Sequence[LogRow]:
+    """The rows measured: ``length`` rows (None: all) after skipping ``warmup``; ReproError where none is left."""
     if warmup < 0 or (length is not None and length < 1):
         raise ReproError(f"need warmup >= 0 and window >= 1, got warmup={warmup}, window={length}")
     selected = rows[warmup:] if length is None else rows[warmup : warmup + length]
@@ -61,7 +57,7 @@ def routing(rows: Sequence[LogRow], *, warmup: int = 0, length: int | None = Non
         One :class:`LayerRouting` per layer seen, by layer index; empty when no row has routing metrics.
     """
     seen: dict[int, dict[str, list[float]]] = {}
-    for row in window(rows, warmup, length):
+    for row in _window(rows, warmup, length):
         for name in ROUTING_METRICS:
             for layer, value in enumerate(row.routing.get(name) or []):
                 seen.setdefault(layer, {}).setdefault(name, []).append(float(value))
@@ -97,13 +93,10 @@ def efficiency(
         backend: the model's backend, recorded with the figures.
         start_step: the step the run started from (0: initialisation; a checkpoint's step), recorded.
 
-    Returns:
-        An :class:`Efficiency`.
-
     Raises:
         ReproError: no rows left after warm-up, or a median iteration time that is not positive.
     """
-    selected = timed_rows(window(rows, warmup, length))
+    selected = timed_rows(_window(rows, warmup, length))
     iter_time_s = statistics.median(r.iter_time_s for r in selected)
     tokens_per_s = statistics.median(r.tokens_per_s for r in selected)
     if iter_time_s <= 0:
@@ -134,40 +127,29 @@ def efficiency(
 
 
 # ------------------------------------------------------------------------------------------ the command's summary
-def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
+def _iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
     """Iteration times (ms) of a run's log after ``warmup`` rows, of the steps that did not collect routing
-    metrics (:func:`repro.training.log.timed_rows`).
-
-    Raises:
-        ReproError: no log, or no rows left after the warm-up.
-    """
+    metrics (:func:`repro.training.log.timed_rows`); ReproError where no row is left."""
     rows = read_rows(Path(run_dir))
     if len(rows) <= warmup:
         raise ReproError(f"{run_dir}: the log has {len(rows)} iterations, none after a warm-up of {warmup}")
     return [r.iter_time_s * 1e3 for r in timed_rows(rows[warmup:])]
 
 
-def command_summary(
+def _command_summary(
     plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
 ) -> dict[str, Any]:
     """The summary JSON of ``python -m repro efficiency``: the command and its settings, the FLOPs count,
     where each run started (initialisation or a trained checkpoint's step), per-run iteration times
     (min/median/max) and figures, ratios to Switch's median iteration time, and the runs that failed.
-
-    Args:
-        plan: the command's :class:`repro.efficiency.EfficiencyPlan`.
-        records: the finished runs' records, by run label.
-        errors: the failed runs' one-line errors, by run label.
-        wall_s: each run's wall time, by run label.
-        argv: the command's arguments.
-    """
+    Arguments as :func:`write_command_outputs`."""
     runs: dict[str, Any] = {}
     for run in plan.runs:
         if run.label in errors:
             runs[run.label] = {"router": run.router, "error": errors[run.label]}
             continue
         eff = records[run.label].efficiency
-        times = iteration_times_ms(plan.run_dir(run), plan.warmup)
+        times = _iteration_times_ms(plan.run_dir(run), plan.warmup)
         runs[run.label] = {
             "router": run.router,
             "overrides": list(run.overrides),
@@ -215,16 +197,10 @@ def command_summary(
     }
 
 
-def command_table(plan: Any, records: list, summary: dict[str, Any], ledger=None):
-    """The efficiency table of the command's runs (:func:`repro.report.tables.efficiency_table`), its caption
-    saying the tokens per iteration and where the runs started.
-
-    Args:
-        plan: the command's :class:`repro.efficiency.EfficiencyPlan`.
-        records: the finished runs' records.
-        summary: :func:`command_summary`.
-        ledger: published numbers to show beside the runs (None: none).
-    """
+def _command_table(plan: Any, records: list, summary: dict[str, Any], ledger=None):
+    """The efficiency table of the command's finished runs (:func:`repro.report.tables.efficiency_table`, with
+    the published numbers of ``ledger`` where given), its caption saying the tokens per iteration and where the
+    runs started."""
     from repro.report.tables import efficiency_table
 
     table = efficiency_table(records, ledger=ledger, reference_router=REFERENCE_ROUTER)
@@ -242,7 +218,7 @@ def command_table(plan: Any, records: list, summary: dict[str, Any], ledger=None
     return dataclasses.replace(table, caption=table.caption + extra)
 
 
-def summary_text(summary: dict[str, Any]) -> str:
+def _summary_text(summary: dict[str, Any]) -> str:
     """The summary's iteration times as lines of text (what the command prints)."""
     lines = [
         f"Iteration time (ms) over {summary['measured_iterations']} iterations after {summary['warmup_iterations']} "
@@ -269,20 +245,27 @@ def write_command_outputs(
     plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
 ) -> None:
     """Write and print what ``python -m repro efficiency`` leaves in ``plan.out_dir``: the table of the finished
-    runs in every format of ``plan.formats`` (:func:`command_table`) and ``summary.json``
-    (:func:`command_summary`, printed as :func:`summary_text`). Arguments as :func:`command_summary`."""
+    runs in every format of ``plan.formats`` and ``summary.json``.
+
+    Args:
+        plan: the command's :class:`repro.efficiency.EfficiencyPlan`.
+        records: the finished runs' records, by run label.
+        errors: the failed runs' one-line errors, by run label.
+        wall_s: each run's wall time, by run label.
+        argv: the command's arguments.
+    """
     from repro.io_utils import write_json_atomic
     from repro.report.ledger import load_ledger
     from repro.report.table_core import render, write_tables
 
-    summary = command_summary(plan, records, errors, wall_s, argv)
+    summary = _command_summary(plan, records, errors, wall_s, argv)
     measured = [records[r.label] for r in plan.runs if r.label in records]
     if measured:
-        table = command_table(plan, measured, summary, ledger=load_ledger() if plan.published else None)
+        table = _command_table(plan, measured, summary, ledger=load_ledger() if plan.published else None)
         for path in write_tables([table], plan.out_dir, plan.formats):
             print(f"wrote {path}")
         print("\n" + render(table, "md"))
     write_json_atomic(Path(plan.out_dir) / "summary.json", summary)
-    print(summary_text(summary))
+    print(_summary_text(summary))
     print(f"wrote {Path(plan.out_dir) / 'summary.json'}")
 

@@ -6,9 +6,8 @@ for a table's marks, from the mark the table's own test set).
 
 The ablation's ``summary.json`` holds every cell's per-seed values and its paired comparisons with the paper's
 DirMoE and with Switch (the tests behind the tables' marks); those are read, not recomputed. A cell against
-another is quoted from the cell-against-cell table (``ablation_pairs``) with that table's p-values: its family
-(every pair and column of the table, fixed by the table's definition before the runs) is the only one such a
-comparison is tested in, and a study without that table states no such test.
+another is quoted only from the cell-against-cell table, ``ablation_pairs``, in that table's family
+(docs/evaluation.md: one family per comparison).
 """
 
 from __future__ import annotations
@@ -260,16 +259,9 @@ CONFIRM_TABLE = "ablation_confirm"
 
 
 def read_paired(entry: dict[str, Any], versus: str, reference_values: dict[str, float]) -> Paired | None:
-    """A comparison the summary holds (``entry["vs_<versus>"]``, written by ``ablation_tables.results_to_json``).
-
-    Args:
-        entry: one cell's entry for one metric (``values``, ``mean``, ``ci95``, ``vs_<cell>``).
-        versus: the cell compared with.
-        reference_values: that cell's per-seed values (to count the seeds where this cell is lower).
-
-    Returns:
-        The :class:`Paired`, None where the summary has no test.
-    """
+    """The comparison with ``versus`` that the summary holds in one cell's entry for one metric (its
+    ``vs_<versus>``, written by ``ablation_tables.results_to_json``), None where there is no test;
+    ``reference_values``: the per-seed values of ``versus`` (to count the seeds where this cell is lower)."""
     test = entry.get(f"vs_{versus}")
     if not test:
         return None
@@ -384,6 +376,17 @@ def _cost(summary: dict[str, Any]) -> list[str]:
             f"of {cost.get('runs')} runs whose workers were timed."]
 
 
+def _command(summary: dict[str, Any], directory: Path) -> str:
+    """The command that wrote an ablation's directory (the summary's ``command`` names the entry point alone; the
+    selection it ran is in the summary too)."""
+    return (
+        f"python -m repro ablation{' --confirm' if summary.get('confirm') else ''} --cells "
+        f"{','.join(summary['results'])} --seeds {','.join(map(str, summary.get('seeds', [])))} "
+        f"--steps {summary.get('steps')} --out results/{directory.name}"
+        + "".join(f" --set {o}" for o in summary.get("overrides", []))
+    )
+
+
 def screen(directory: Path) -> Writeup:
     """``results/dirmoe-ablation``, the screen over every cell: its README block names the cells whose load
     imbalance is below the paper's (the confirmatory study's block has the rest)."""
@@ -396,9 +399,6 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
     Args:
         directory: the study's results directory.
         brief: a README block of the lowered cells alone.
-
-    Returns:
-        The :class:`Writeup`.
     """
     s = load_json(directory / "summary.json")
     results, cells = s["results"], s.get("cells", {})
@@ -416,15 +416,9 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
     ]
     findings += _cost(s)
     tables = [directory / f"{t}.md" for t in ("ablation", "ablation_differences", "ablation_vs_switch", PAIRS_TABLE)]
-    # The summary's command names the entry point; the selection it ran is in the summary too.
-    command = (
-        f"python -m repro ablation --cells {','.join(results)} --seeds {','.join(map(str, seeds))} "
-        f"--steps {s.get('steps')} --out results/{directory.name}"
-        + "".join(f" --set {o}" for o in s.get("overrides", []))
-    )
     readme = page(
         f"Why DirMoE's routing collapses: {len(results)} cells x {len(seeds)} seeds, {s.get('steps')} steps",
-        command, findings, [t for t in tables if t.is_file()], plots(directory),
+        _command(s, directory), findings, [t for t in tables if t.is_file()], plots(directory),
     )
     return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief, contrasts)))
 
@@ -454,13 +448,9 @@ def confirm(directory: Path) -> Writeup:
         "study writes none of the screen's tables, which would test the same cells again in other families."
     )
     findings += _cost(s)
-    command = (
-        f"python -m repro ablation --confirm --cells {','.join(results)} --seeds {','.join(map(str, seeds))} "
-        f"--steps {s.get('steps')} --out results/{directory.name}"
-    )
     table = directory / f"{CONFIRM_TABLE}.md"
-    readme = page(f"DirMoE ablation, confirmatory: {len(results)} cells x {len(seeds)} new seeds", command, findings,
-                  [table] if table.is_file() else [], plots(directory))
+    readme = page(f"DirMoE ablation, confirmatory: {len(results)} cells x {len(seeds)} new seeds",
+                  _command(s, directory), findings, [table] if table.is_file() else [], plots(directory))
     return Writeup(directory.name, readme, "\n".join([*(f"- {f}" for f in findings[1:len(hypotheses) + 1]),
                                                       f"- {link(directory.name)}"]))
 

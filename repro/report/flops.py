@@ -14,11 +14,9 @@ FFN as ``6 * h * f * k * (3 if SwiGLU else 2)`` and the logits as ``6 * h * V`` 
 The router's own GEMM, norms, softmax and element-wise work are not counted.
 
 Attention scores (QK^T and AV) are counted for the causal half of the s x s square (``s/(2h)``, Megatron-LM's
-"causal mask (only half of the mask is non-zero)"): :data:`DEFAULT_ATTENTION` ``"causal"``. Earlier
-Megatron-LM, and ReMoE's fork of it, counted the full square (``s/h``): ``attention="full"``. The DirMoE
-paper's TFLOP/s fit the causal count (LLaMA-185M, 512 x 1024 tokens on 8 GPUs: 431.5 ms gives 138.4
-TFLOP/s/GPU causal, 147.0 full; the paper says 138.2), so the causal count is the default and the full square
-one option away (``python -m repro efficiency --flops-attention full``).
+"causal mask (only half of the mask is non-zero)"); earlier Megatron-LM, and ReMoE's fork of it, counted the
+full square (``s/h``): ``attention="full"``. The DirMoE paper's TFLOP/s fit the causal count, the default
+(docs/efficiency.md).
 
 The "analytic" figure uses the nominal k. The "measured" figure uses the mean number of experts a token
 actually reached (routers such as ReMoE, DirMoE or Expert Choice do not route exactly k per token): the FFN
@@ -54,20 +52,9 @@ def formula_name(attention: str | None) -> str:
 
 @dataclass(frozen=True)
 class FlopsConfig:
-    """The model dimensions the FLOPs count needs.
-
-    Args:
-        num_layers: L.
-        hidden_size: h.
-        num_attention_heads: a.
-        num_query_groups: g (equal to a without GQA).
-        kv_channels: d_head.
-        ffn_hidden_size: f, per expert (the dense FFN for a dense model).
-        vocab_size: V, the padded vocabulary.
-        top_k: nominal experts per token (1 for a dense model).
-        swiglu: gated FFN (three h x f matrices instead of two).
-        attention: ``"causal"`` (half the s x s scores, current Megatron-LM) or ``"full"`` (the whole square).
-    """
+    """The model dimensions the FLOPs count needs: L, h, a, g (equal to a without GQA), d_head, f (the dense FFN
+    for a dense model) and V of the module docstring; the nominal k (1 for a dense model); a gated FFN (three
+    h x f matrices instead of two); and how attention scores are counted (:data:`ATTENTION_COUNTS`)."""
 
     num_layers: int
     hidden_size: int
@@ -134,9 +121,6 @@ def model_flops_per_iteration(
         global_batch_size: B, sequences per iteration over all data-parallel ranks.
         seq_length: s.
         experts_per_token: k, or one k per MoE layer (their mean is used: the FFN term is linear in k).
-
-    Returns:
-        FLOPs per iteration.
     """
     B, s, L, h = global_batch_size, seq_length, cfg.num_layers, cfg.hidden_size
     a, g, d = cfg.num_attention_heads, cfg.num_query_groups, cfg.kv_channels
@@ -150,61 +134,28 @@ def model_flops_per_iteration(
 
 
 def analytic_flops_per_iteration(cfg: FlopsConfig, global_batch_size: int, seq_length: int) -> float:
-    """FLOPs per iteration at the nominal k (``cfg.top_k``): the figure the papers report.
-
-    Args:
-        cfg: model dimensions.
-        global_batch_size: B.
-        seq_length: s.
-
-    Returns:
-        FLOPs per iteration.
-    """
+    """:func:`model_flops_per_iteration` at the nominal k (``cfg.top_k``): the figure the papers report."""
     return model_flops_per_iteration(cfg, global_batch_size, seq_length, cfg.top_k)
 
 
 def measured_flops_per_iteration(
     cfg: FlopsConfig, global_batch_size: int, seq_length: int, mean_active_experts: float | Sequence[float]
 ) -> float:
-    """FLOPs per iteration at the mean number of experts per token actually reached.
-
-    Args:
-        cfg: model dimensions.
-        global_batch_size: B.
-        seq_length: s.
-        mean_active_experts: measured mean experts per token, overall or one value per MoE layer.
-
-    Returns:
-        FLOPs per iteration.
-    """
+    """:func:`model_flops_per_iteration` at the mean number of experts per token actually reached (overall, or
+    one value per MoE layer)."""
     return model_flops_per_iteration(cfg, global_batch_size, seq_length, mean_active_experts)
 
 
 def expert_flops_per_token(cfg: FlopsConfig, experts_per_token: float | Sequence[float]) -> float:
-    """The FFN (expert) part of the count, per token, over all layers: what compute parity compares.
-
-    Args:
-        cfg: model dimensions.
-        experts_per_token: k, or one k per MoE layer.
-
-    Returns:
-        ``12 * L * h * f * k * (3/2 if SwiGLU)`` FLOPs per token.
-    """
+    """The FFN (expert) part of the count, per token, over all layers, ``12 * L * h * f * k * (3/2 if SwiGLU)``:
+    what compute parity compares (``experts_per_token``: k, or one k per MoE layer)."""
     gate = 1.5 if cfg.swiglu else 1.0
     return 12.0 * cfg.num_layers * cfg.hidden_size * cfg.ffn_hidden_size * _mean_k(experts_per_token) * gate
 
 
 def tflops_per_device(flops_per_iteration: float, iteration_time_s: float, num_devices: int) -> float:
-    """Achieved model TFLOP/s per device.
-
-    Args:
-        flops_per_iteration: FLOPs of one iteration over all devices.
-        iteration_time_s: wall time of one iteration.
-        num_devices: devices that shared the iteration.
-
-    Returns:
-        TFLOP/s per device.
-    """
+    """Achieved model TFLOP/s per device, of ``flops_per_iteration`` over all ``num_devices`` that shared an
+    iteration of ``iteration_time_s`` wall time."""
     if iteration_time_s <= 0 or num_devices < 1:
         raise ValueError(f"need iteration_time_s > 0 and num_devices >= 1, got {iteration_time_s}, {num_devices}")
     return flops_per_iteration / iteration_time_s / num_devices / 1e12

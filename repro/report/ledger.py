@@ -1,10 +1,5 @@
-"""The ledger of published numbers: every figure the suite compares against, with its provenance.
-
-The ledger lives in ``results/published/*.json``; each file is ``{"description": str, "entries": [...]}`` and
-each entry is one number as printed in one paper's table (:class:`PublishedEntry`). Where a paper reprints
-another paper's number, the entry says so: ``measured_in`` names the table whose authors ran the experiment
-and ``copied`` is true. Regression checks compare only against entries that are not copies, so a number
-printed twice is checked once.
+"""The ledger of published numbers, ``results/published/*.json`` (its README: the fields, who measured what and
+the tolerances): every figure the suite compares against, one entry per number as printed in one paper's table.
 
 Metric names are shared with the run records (:func:`repro.report.check.record_value`):
 ``zero_shot.<lm-eval task>`` and ``zero_shot.avg`` (percent), ``efficiency.iter_time_ms``,
@@ -60,20 +55,13 @@ class Tolerance:
 
 @dataclass(frozen=True)
 class Setting:
-    """The experimental setting a published number was measured in.
+    """The experimental setting a published number was measured in (fields: results/published/README.md).
 
     Args:
-        model: the model as the paper names it (``"LLaMA-182M"``).
         model_id: this suite's model flavour for the same architecture (``"llama-185m"``,
             ``"llama-185m-dense"``); a run is compared with an entry only when its ``experiment.model`` equals it.
-        num_experts: E (None for a dense model).
-        top_k: k (None for a dense model).
-        tokens: training tokens as printed (``"30B"``).
-        dataset: training corpus.
         hardware: accelerator (None when the paper does not tie the number to one); efficiency entries are
             compared only with runs on a device whose name contains this string's model (e.g. ``H100``).
-        num_devices: devices used, where known.
-        note: anything else about the setting.
     """
 
     model: str
@@ -89,21 +77,12 @@ class Setting:
 
 @dataclass(frozen=True)
 class PublishedEntry:
-    """One published number.
+    """One published number as printed in ``paper``'s ``table`` (fields: results/published/README.md).
 
     Args:
-        id: unique key, ``paper/table/router/...``.
-        paper: the paper that prints the number.
-        table: the table it is printed in.
-        row: the row label as printed.
-        router: this suite's router name (``"dense"`` for a dense model).
-        setting: see :class:`Setting`.
         measured_in: the paper table whose authors measured it (equals this table unless copied).
-        copied: whether this paper reprints another paper's measurement.
+        copied: whether this paper reprints another paper's measurement (checks compare only with originals).
         metric: the shared metric name (module docstring).
-        value: the number as printed.
-        unit: ``"%"``, ``"ms"``, ``"TFLOP/s"``, ``"nats/token"``.
-        tolerance: see :class:`Tolerance`.
     """
 
     id: str
@@ -126,13 +105,7 @@ class PublishedEntry:
 
 
 def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
-    """Load and validate one ledger file.
-
-    Args:
-        path: a JSON file ``{"description": str, "entries": [...]}``.
-
-    Returns:
-        Its entries.
+    """The entries of one ledger file, ``{"description": str, "entries": [...]}``, validated.
 
     Raises:
         ReproError: unreadable JSON, or an entry with a missing field or a wrong type (named by index and id).
@@ -155,13 +128,8 @@ def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
 
 
 def load_ledger(ledger_dir: str | Path | None = None) -> list[PublishedEntry]:
-    """Load every ``*.json`` ledger file of a directory.
-
-    Args:
-        ledger_dir: the directory (default: this checkout's ``results/published``).
-
-    Returns:
-        All entries, file by file in name order.
+    """The entries of every ``*.json`` ledger file of ``ledger_dir`` (default: this checkout's
+    ``results/published``), file by file in name order.
 
     Raises:
         ReproError: no ledger files, an invalid entry, or a duplicated entry id.
@@ -185,18 +153,8 @@ def select(
     entries: list[PublishedEntry], *, router: str | None = None, metric: str | None = None,
     model_id: str | None = None, originals_only: bool = False,
 ) -> list[PublishedEntry]:
-    """Entries matching every given criterion.
-
-    Args:
-        entries: the ledger.
-        router: keep this router's entries.
-        metric: keep this metric (exact name).
-        model_id: keep entries whose ``setting.model_id`` is this.
-        originals_only: drop copies (entries whose number another paper measured).
-
-    Returns:
-        The matching entries, in ledger order.
-    """
+    """The entries matching every given criterion, in ledger order: ``router``, ``metric`` (exact name),
+    ``setting.model_id``; ``originals_only`` drops copies (entries whose number another paper measured)."""
     return [
         e for e in entries
         if (router is None or e.router == router) and (metric is None or e.metric == metric)

@@ -45,17 +45,9 @@ def _devices(values: Any) -> set[str]:
 
 
 def host_sync_reason(func, args: tuple, kwargs: dict[str, Any]) -> str | None:
-    """Why an operator call forces a host synchronisation, or None if it does not.
-
-    Args:
-        func: the ATen operator overload (``torch.ops.aten.<name>.<overload>``).
-        args: its positional arguments.
-        kwargs: its keyword arguments.
-
-    Returns:
-        The operator's name (a value read or data-dependent size), ``"<name>(bool mask)"``,
-        ``"repeat_interleave(no output_size)"``, ``"<name>(cross-device copy)"``, or None.
-    """
+    """Why a call of the ATen operator overload ``func`` (``torch.ops.aten.<name>.<overload>``) forces a host
+    synchronisation: the operator's name (a value read or data-dependent size), ``"<name>(bool mask)"``,
+    ``"repeat_interleave(no output_size)"``, ``"<name>(cross-device copy)"``; None if it does not."""
     name = func.overloadpacket.__name__
     if name in VALUE_READS or name in DATA_DEPENDENT_SHAPES:
         return name

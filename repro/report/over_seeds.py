@@ -11,7 +11,7 @@ and named in the caption's footnote.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from repro.report.stats import Interval, PairedTest, holm, mean_ci, paired_t_test
@@ -40,6 +40,11 @@ class SeedStat:
     difference: Interval | None = None
 
     @property
+    def defined(self) -> bool:
+        """Whether the row was tested and the test has a p-value."""
+        return self.test is not None and self.test.defined
+
+    @property
     def undefined(self) -> bool:
         """Whether the test could not be run (paired differences with no spread)."""
         return self.test is not None and not self.test.defined
@@ -56,19 +61,11 @@ def check_family(family: str) -> str:
     return family
 
 
-def paired_over_seeds(
-    a: Mapping[int, float], b: Mapping[int, float], confidence: float = 0.95
+def _paired_over_seeds(
+    a: Mapping[int, float], b: Mapping[int, float], confidence: float
 ) -> tuple[PairedTest, Interval] | None:
-    """Paired t-test of ``a - b`` over the seeds both have, and the interval of the differences.
-
-    Args:
-        a: seed -> value of one row.
-        b: seed -> value of the other.
-        confidence: coverage of the interval.
-
-    Returns:
-        ``(test, interval)``, None with fewer than two shared seeds.
-    """
+    """Paired t-test of ``a - b`` (seed -> value) over the seeds both have, and the interval of the differences;
+    None with fewer than two shared seeds."""
     shared = sorted(set(a) & set(b))
     if len(shared) < 2:
         return None
@@ -80,11 +77,7 @@ Key = tuple[str, str, str]
 
 
 def compare(
-    values: Values,
-    tests: Sequence[Key],
-    *,
-    family: str = "table",
-    confidence: float = 0.95,
+    values: Values, tests: Sequence[Key], *, family: str = "table", confidence: float = 0.95,
     test: Callable[[str, str, str], PairedTest | None] | None = None,
 ) -> dict[Key, SeedStat]:
     """Every comparison ``(a, b, column)`` (``a`` against ``b``), Holm-adjusted over its family.
@@ -109,10 +102,17 @@ def compare(
             if result is not None:
                 found[key] = (result, None)
             continue
-        paired = paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}), confidence)
+        paired = _paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}), confidence)
         if paired is not None:
             found[key] = paired
-    adjusted = adjust({k: t for k, (t, _) in found.items()}, family, lambda k: k[2])
+    # Holm over each family of the defined tests (an undefined one cannot raise a false alarm: left out).
+    families: dict[str, list[Key]] = {}
+    for key, (result, _) in found.items():
+        if result.defined:
+            families.setdefault(key[2] if family == "column" else "", []).append(key)
+    adjusted: dict[Key, float] = {}
+    for keys in families.values():
+        adjusted.update(zip(keys, holm([found[k][0].p_value for k in keys])))
     out = {}
     for key in tests:
         a, _, column = key
@@ -122,51 +122,13 @@ def compare(
     return out
 
 
-def adjust(tests: Mapping[Hashable, PairedTest], family: str, column_of: Callable[[Hashable], str]) -> dict:
-    """Holm-adjusted p-values of the defined tests, per family (undefined tests are left out).
-
-    Args:
-        tests: key -> test.
-        family: ``table`` or ``column``.
-        column_of: a key's column (the family with ``family="column"``).
-
-    Returns:
-        key -> adjusted p-value, for the defined tests.
-    """
-    groups: dict[str, list] = {}
-    for key, result in tests.items():
-        if result.defined:
-            groups.setdefault(column_of(key) if check_family(family) == "column" else "", []).append(key)
-    out = {}
-    for keys in groups.values():
-        out.update(zip(keys, holm([tests[k].p_value for k in keys])))
-    return out
-
-
 def against_reference(
-    values: Values,
-    columns: Sequence[str],
-    reference: str | None,
-    *,
-    family: str = "table",
-    confidence: float = 0.95,
-    tested: bool = True,
-    test: Callable[[str, str, str], PairedTest | None] | None = None,
+    values: Values, columns: Sequence[str], reference: str | None, *, family: str = "table", confidence: float = 0.95,
+    tested: bool = True, test: Callable[[str, str, str], PairedTest | None] | None = None,
 ) -> dict[str, dict[str, SeedStat]]:
-    """Every row's interval per column and, where ``tested``, its comparison with ``reference``.
-
-    Args:
-        values: row -> column -> seed -> value (rows in table order).
-        columns: the columns.
-        reference: the reference row (None: no tests).
-        family: see :func:`compare`.
-        confidence: coverage of the intervals.
-        tested: whether to test at all.
-        test: see :func:`compare`.
-
-    Returns:
-        row -> column -> :class:`SeedStat` (every row and column; ``interval`` None where there is no value).
-    """
+    """Every row's interval per column and, where ``tested`` and there is a ``reference`` row, its comparison
+    with it (:func:`compare`'s other arguments): row -> column -> :class:`SeedStat`, for every row (in the order
+    of ``values``) and column (``interval`` None where there is no value)."""
     others = [r for r in values if r != reference] if tested and reference is not None else []
     stats = compare(values, [(r, reference, c) for c in columns for r in others], family=family,
                     confidence=confidence, test=test)
@@ -180,16 +142,8 @@ def against_reference(
 
 
 def family_sentence(family: str, count: int, rows: str = "rows") -> str:
-    """The caption's words for a family (``Holm-adjusted over ...``).
-
-    Args:
-        family: ``table`` or ``column``.
-        count: the number of defined tests in the table.
-        rows: what the rows are (``routers``, ``cells``).
-
-    Returns:
-        The phrase.
-    """
+    """The caption's words for a family (``Holm-adjusted over ...``), ``count`` the defined tests of the table,
+    ``rows`` what its rows are (``routers``, ``cells``)."""
     if check_family(family) == "table":
         return (f"Holm-adjusted over all {count} tests of this table (family: the table, fixed by its {rows} and "
                 "columns before the runs)")
@@ -197,14 +151,8 @@ def family_sentence(family: str, count: int, rows: str = "rows") -> str:
 
 
 def undefined_note(undefined: Sequence[tuple[str, str]]) -> str:
-    """The caption's footnote for undefined tests ('' when there is none).
-
-    Args:
-        undefined: ``(row, column label)`` of each cell whose test is undefined.
-
-    Returns:
-        The sentence, with a leading space.
-    """
+    """The caption's footnote (with a leading space; '' when there is none) for the cells whose test is undefined,
+    ``undefined``: ``(row, column label)`` of each."""
     if not undefined:
         return ""
     listed = "; ".join(f"{row} in {column}" for row, column in undefined)
@@ -216,4 +164,4 @@ def undefined_note(undefined: Sequence[tuple[str, str]]) -> str:
 
 def count_defined(stats: Mapping[str, Mapping[str, SeedStat]]) -> int:
     """The number of defined tests among ``stats`` (row -> column -> stat)."""
-    return sum(s.test is not None and s.test.defined for cells in stats.values() for s in cells.values())
+    return sum(s.defined for cells in stats.values() for s in cells.values())

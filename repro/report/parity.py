@@ -21,15 +21,9 @@ DEFAULT_REFERENCE_ROUTER = "switch"
 
 @dataclass(frozen=True)
 class ParityVerdict:
-    """One run's compute-parity verdict.
-
-    Args:
-        run_id: the run judged.
-        reference_run_id: the run compared with (None when there is nothing to compare).
-        relative_difference: (run - reference) / reference of the measured expert FLOPs per token, or None.
-        at_parity: True within tolerance, False outside, None when unknown (no measured figure).
-        note: the text the efficiency table shows.
-    """
+    """One run's compute-parity verdict against a reference run (None: nothing to compare): the relative
+    difference (run - reference) / reference of their measured expert FLOPs per token; ``at_parity`` None when
+    unknown (no measured figure); ``note``: the text the efficiency table shows."""
 
     run_id: str
     reference_run_id: str | None
@@ -83,17 +77,10 @@ def compute_parity(
 
 
 def require_parity(
-    records: Sequence[RunRecord],
-    *,
-    tolerance: float = DEFAULT_PARITY_TOLERANCE,
+    records: Sequence[RunRecord], *, tolerance: float = DEFAULT_PARITY_TOLERANCE,
     reference_router: str = DEFAULT_REFERENCE_ROUTER,
 ) -> None:
-    """Raise unless every run is at compute parity with the reference (see :func:`compute_parity`).
-
-    Args:
-        records: the runs.
-        tolerance: relative tolerance.
-        reference_router: the reference router.
+    """Raise unless every run is at compute parity with the reference (arguments as :func:`compute_parity`).
 
     Raises:
         ReproError: naming the runs that are not at parity or whose parity is unknown.

@@ -1,5 +1,7 @@
 """Plots of a comparison (matplotlib, PNG): loss curves, routing over training, DirMoE's sparsity knob,
-expert specialisation by domain. Every function takes plain data (training-log rows, analysis dicts) and a path.
+expert specialisation by domain, and the DirMoE ablation's. Every function takes plain data (training-log rows,
+:class:`repro.training.log.LogRow`; analysis dicts) and ``path``, the PNG to write; ``smooth`` is a
+moving-average window in steps.
 """
 
 from __future__ import annotations
@@ -24,6 +26,15 @@ def _save(fig, path: str | os.PathLike) -> None:
     plt.close(fig)
 
 
+def _grid(panels: int, ncols: int, size: tuple[float, float], **options: Any):
+    """A figure of ``panels`` panels, ``ncols`` to a row, each ``size`` inches; the panels past the last hidden."""
+    nrows = math.ceil(panels / ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows), squeeze=False, **options)
+    for ax in axes.flat[panels:]:
+        ax.set_visible(False)
+    return fig, axes
+
+
 def _smooth(values: Sequence[float], window: int) -> list[float]:
     out, acc = [], []
     for v in values:
@@ -35,19 +46,11 @@ def _smooth(values: Sequence[float], window: int) -> list[float]:
 
 
 def plot_loss_curves(
-    logs: Mapping[str, Sequence[LogRow]],
-    path: str | os.PathLike,
-    unigram_loss: float | None = None,
+    logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike, unigram_loss: float | None = None,
     smooth: int = 10,
 ) -> None:
-    """LM loss against step for every run.
-
-    Args:
-        logs: ``{run label: training-log rows}`` (:class:`repro.training.log.LogRow`).
-        path: the PNG to write.
-        unigram_loss: drawn as a reference line (the loss of predicting token frequencies).
-        smooth: moving-average window in steps.
-    """
+    """LM loss against step for every run (``logs``: run label -> its rows), and ``unigram_loss`` (the loss of
+    predicting token frequencies) as a reference line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, rows in logs.items():
         steps = [r.step for r in rows]
@@ -65,13 +68,8 @@ def plot_loss_curves(
 def plot_routing_over_training(
     logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike, smooth: int = 10
 ) -> None:
-    """Active experts per token and Simpson index of the combine weights (mean over layers) against step.
-
-    Args:
-        logs: ``{run label: training-log rows}`` (rows with ``active_experts`` and ``simpson`` per layer).
-        path: the PNG to write.
-        smooth: moving-average window in steps.
-    """
+    """Active experts per token and Simpson index of the combine weights (mean over layers) against step, per
+    run (``logs``: run label -> its rows)."""
     fig, (ax_a, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, rows in logs.items():
         rows = [r for r in rows if r.routing.get("active_experts")]
@@ -92,13 +90,8 @@ def plot_routing_over_training(
 
 
 def plot_sparsity_knob(knob: Mapping[str, Sequence[float]], path: str | os.PathLike, num_experts: int) -> None:
-    """Expected Simpson index of DirMoE's posterior draws against lambda_q: the Lemma and Monte Carlo.
-
-    Args:
-        knob: :func:`repro.analysis.sparsity_knob` output.
-        path: the PNG to write.
-        num_experts: E (the 1/E floor is drawn).
-    """
+    """Expected Simpson index of DirMoE's posterior draws against lambda_q: the Lemma and Monte Carlo
+    (``knob``: :func:`repro.analysis.sparsity_knob` output), above the 1/E floor of ``num_experts``."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
     ax.plot(knob["lambda"], knob["theory"], "-", lw=2, label="theory (Lemma, per-token bases)")
     ax.plot(knob["lambda"], knob["measured"], "o", ms=5, label="measured (Dirichlet draws)")
@@ -116,12 +109,8 @@ def plot_sparsity_knob(knob: Mapping[str, Sequence[float]], path: str | os.PathL
 
 
 def plot_specialisation(per_router: Mapping[str, Mapping[str, Any]], path: str | os.PathLike) -> None:
-    """Share of each domain's tokens routed to each expert, per layer, one row of panels per router.
-
-    Args:
-        per_router: ``{router label: repro.analysis.expert_specialisation output}``.
-        path: the PNG to write.
-    """
+    """Share of each domain's tokens routed to each expert, per layer, one row of panels per router
+    (``per_router``: router label -> :func:`repro.analysis.expert_specialisation` output)."""
     labels = [k for k, v in per_router.items() if v.get("share")]
     if not labels:
         return
@@ -185,20 +174,16 @@ def _num_layers(runs: Sequence[Sequence[LogRow]], metric: str) -> int:
 
 
 def plot_expert_load(
-    logs: Mapping[str, Sequence[LogRow]],
-    path: str | os.PathLike,
-    metric: str | Mapping[str, str] = "tokens_per_expert",
-    smooth: int = 10,
+    logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike,
+    metric: str | Mapping[str, str] = "tokens_per_expert", smooth: int = 10,
     title: str = "Share of each expert over training",
 ) -> None:
     """Each expert's share over training, stacked, per run and layer (two runs per row of panels).
 
     Args:
-        logs: ``{run label: training-log rows}`` with a per-expert metric in ``routing_per_expert``.
-        path: the PNG to write.
+        logs: run label -> its rows, with a per-expert metric in ``routing_per_expert``.
         metric: the per-expert metric (``tokens_per_expert``: the load; ``weight_share``: the mean routing
             weight), or one per label.
-        smooth: moving-average window in steps.
         title: the figure's title (what the runs are).
     """
     labels = list(logs)
@@ -206,19 +191,13 @@ def plot_expert_load(
     num_layers = max((len(r.routing_per_expert.get(which[k]) or []) for k in labels for r in logs[k]), default=0)
     if not labels or num_layers == 0:
         return
-    per_row = 2
-    nrows = math.ceil(len(labels) / per_row)
-    fig, axes = plt.subplots(
-        nrows, per_row * num_layers, figsize=(3.2 * per_row * num_layers, 2.2 * nrows), squeeze=False, sharey=True
-    )
-    for ax in axes.flat:
-        ax.set_visible(False)
+    # Two runs to a row of panels, one panel per layer.
+    fig, axes = _grid(len(labels) * num_layers, 2 * num_layers, (3.2, 2.2), sharey=True)
     num_experts = 0
     for index, label in enumerate(labels):
         rows = [r for r in logs[label] if r.routing_per_expert.get(which[label])]
         for layer in range(num_layers):
-            ax = axes[index // per_row][(index % per_row) * num_layers + layer]
-            ax.set_visible(True)
+            ax = axes.flat[index * num_layers + layer]
             counts = [r.routing_per_expert[which[label]][layer] for r in rows if len(r.routing_per_expert[which[label]]) > layer]
             if not counts:
                 continue
@@ -248,14 +227,7 @@ def plot_shared_mean(
     logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike, smooth: int = 10
 ) -> None:
     """DirMoE's shared-mean energy of the router input and the decoder columns' alignment with that mean, per
-    layer, over training (mean over a cell's seeds).
-
-    Args:
-        logs: ``{cell label: [training-log rows of each seed]}`` of DirMoE runs (``input_mean_energy`` and
-            ``decoder_mean_alignment`` per layer).
-        path: the PNG to write.
-        smooth: moving-average window in steps.
-    """
+    layer, over training (mean over a cell's seeds; ``logs``: cell label -> the rows of each seed)."""
     metrics = (
         ("input_mean_energy", "shared-mean energy ||mean x||^2 / mean ||x||^2"),
         ("decoder_mean_alignment", "decoder columns: mean cos(column, mean x)"),
@@ -291,29 +263,19 @@ def plot_simpson_theta(
     the posterior scale in use on an ideal active set and at the actual gates (what the heads would give had
     they kept the prior's bases).
 
-    Args:
-        logs: ``{cell label: [training-log rows of each seed]}`` of DirMoE runs (``simpson_theta``,
-            ``simpson_theta_expected``, ``simpson_theta_target`` and ``simpson_theta_target_gates`` per layer).
-        path: the PNG to write.
-        smooth: moving-average window in steps.
+    ``logs``: cell label -> the rows of each seed.
     """
     labels = [k for k, runs in logs.items() if _num_layers(runs, "simpson_theta")]
     if not labels:
         return
-    ncols = min(4, len(labels))
-    nrows = math.ceil(len(labels) / ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 2.8 * nrows), squeeze=False, sharex=True, sharey=True)
-    for ax in axes.flat:
-        ax.set_visible(False)
+    fig, axes = _grid(len(labels), min(4, len(labels)), (3.6, 2.8), sharex=True, sharey=True)
     lines = (
         ("simpson_theta", "draws theta", {"color": "C0", "ls": "-", "lw": 2.0}),
         ("simpson_theta_expected", "Lemma, actual posterior", {"color": "black", "ls": ":", "lw": 1.2}),
         ("simpson_theta_target", "target (ideal active set)", {"color": "C3", "ls": "--", "lw": 1.3}),
         ("simpson_theta_target_gates", "target (actual gates)", {"color": "C1", "ls": "-.", "lw": 1.3}),
     )
-    for index, label in enumerate(labels):
-        ax = axes[index // ncols][index % ncols]
-        ax.set_visible(True)
+    for ax, label in zip(axes.flat, labels):
         for metric, name, style in lines:
             steps, values = _per_step_mean(logs[label], metric, None)
             if steps:
@@ -345,13 +307,7 @@ def plot_ablation_summary(
     if not cells or not columns:
         return
     colours = dict(zip([r for r in references if r in intervals], ("C3", "grey")))
-    ncols = min(3, len(columns))
-    nrows = math.ceil(len(columns) / ncols)
-    fig, axes = plt.subplots(
-        nrows, ncols, figsize=(4.2 * ncols, nrows * (0.3 * len(cells) + 1.2)), squeeze=False, sharey=True
-    )
-    for ax in axes.flat[len(columns):]:
-        ax.set_visible(False)
+    fig, axes = _grid(len(columns), min(3, len(columns)), (4.2, 0.3 * len(cells) + 1.2), sharey=True)
     y = {cell: len(cells) - 1 - i for i, cell in enumerate(cells)}
     for ax, column in zip(axes.flat, columns):
         for reference, colour in colours.items():

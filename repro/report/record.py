@@ -1,9 +1,6 @@
-"""The run record: one JSON file per run (``record.json``) holding everything the tables and checks read.
-
-A frozen dataclass tree: what was run, where, the loss curve, per-layer routing, the efficiency figures,
-lm-eval's results dict as lm-eval returns it with its per-question results and partial tasks, and the held-out
-loss per domain. Each dataclass checks its ranges in ``__post_init__`` (listed in docs/evaluation.md), so a
-record built in code is checked as one read from a file (:mod:`repro.report.store`).
+"""The run record (``record.json``): everything the tables and checks read about one run, a frozen dataclass
+tree. Each dataclass checks its ranges in ``__post_init__`` (listed in docs/evaluation.md), so a record built in
+code is checked as one read from a file (:mod:`repro.report.store`).
 """
 
 from __future__ import annotations
@@ -29,12 +26,8 @@ FLOAT32_SLACK = 1e-6
 
 def _check(name: str, value: float | int | None, low: float | None = None, high: float | None = None,
            *, low_open: bool = False, slack: float = 0.0) -> None:
-    """Refuse ``value`` outside ``[low, high]`` (``(low, high]`` with ``low_open``), widened by ``slack`` at
-    both ends, or not finite; None passes.
-
-    Raises:
-        ValueError: naming the field, the value and the allowed range (:mod:`repro.schema` prefixes the file).
-    """
+    """Refuse (ValueError naming the field, value and range) ``value`` outside ``[low, high]`` (``(low, high]``
+    with ``low_open``), widened by ``slack`` at both ends, or not finite; None passes."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -72,19 +65,9 @@ class ExperimentInfo:
 
 @dataclass(frozen=True)
 class Environment:
-    """Where it was run (see :func:`environment_info`).
-
-    Args:
-        git_commit: ``git rev-parse HEAD`` of the suite, None outside a checkout.
-        git_dirty: whether tracked files had uncommitted changes.
-        python: Python version.
-        torch: torch version.
-        megatron_core: megatron-core version, None if not installed.
-        lm_eval: lm-eval version, None if not installed.
-        device: accelerator name (``NVIDIA H100 80GB HBM3``) or ``cpu (...)``.
-        hostname: the machine.
-        num_processes: processes in the run (world size).
-        platform: OS and architecture.
+    """Where it was run (:func:`repro.report.store.environment_info`): the suite's ``git rev-parse HEAD`` (None
+    outside a checkout) and whether tracked files had uncommitted changes; versions (None: not installed); the
+    accelerator (``NVIDIA H100 80GB HBM3``, or ``cpu (...)``), machine, world size, and OS and architecture.
     """
 
     git_commit: str | None
@@ -116,14 +99,11 @@ class LossPoint:
 
 @dataclass(frozen=True)
 class LayerRouting:
-    """Routing metrics of one MoE layer, averaged over the measurement window (None: not reported).
+    """Routing metrics of one MoE layer (index from 0), averaged over the measurement window (None: not reported):
+    mean experts per token, Simpson index sum_i p_i^2 of the combine weights, max / mean tokens per expert, and
+    the routing-weight mass the dispatch rule dropped.
 
     Args:
-        layer: layer index.
-        active_experts: mean experts per token.
-        simpson: mean Simpson index sum_i p_i^2 of the combine weights.
-        load_imbalance: max / mean tokens per expert.
-        dropped_mass: routing-weight mass the dispatch rule dropped.
         group_size: tokens per routing group, for routers whose choice couples a group of tokens (Expert
             Choice); None for the others.
         fallback_share: share of tokens dispatched only by a fallback rule (DirMoE's arg-max of r when no gate
@@ -151,29 +131,18 @@ class LayerRouting:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Training efficiency over a window of steps after warm-up (see :func:`repro.report.efficiency.efficiency`).
+    """Training efficiency over a window of steps after warm-up (see :func:`repro.report.efficiency.efficiency`):
+    median iteration time and tokens per second (all devices), Megatron-LM model FLOPs per iteration and TFLOP/s
+    per device at the nominal k (analytic) and the measured mean experts per token (measured).
 
     Args:
-        warmup_steps: log rows skipped before the window.
-        window_steps: log rows in the window.
-        iter_time_ms: median iteration time.
-        tokens_per_s: median tokens per second (all devices).
         peak_memory_bytes: peak memory per device (allocated CUDA memory on GPU, process peak RSS on CPU),
             None where not logged.
-        num_devices: devices sharing an iteration.
-        global_batch_size: sequences per iteration.
-        seq_length: tokens per sequence.
-        nominal_experts: the nominal k.
         mean_active_experts: measured mean experts per token over layers (None where unknown).
-        flops_per_iter_analytic: Megatron-LM model FLOPs at the nominal k.
-        flops_per_iter_measured: the same at the measured k.
-        tflops_per_device_analytic: achieved TFLOP/s per device, analytic FLOPs.
-        tflops_per_device_measured: achieved TFLOP/s per device, measured FLOPs.
         expert_flops_per_token_measured: expert (FFN) FLOPs per token at the measured k: compute parity.
         backend: the modules the model was built with (``te``, ``torch``, ``local``; None where not recorded).
-        flops_attention: how the FLOPs count took attention scores (``causal``: current Megatron-LM, half
-            the s x s square; ``full``: the whole square; None: not recorded, records written when the
-            suite counted the full square), see :mod:`repro.report.flops`.
+        flops_attention: how the FLOPs count took attention scores (``causal``, ``full``:
+            :data:`repro.report.flops.ATTENTION_COUNTS`; None: not recorded, when the suite counted the full square).
         start_step: the step the timed run started from (0: initialisation; a trained checkpoint's step when
             the run was initialised from one; None where not recorded).
     """
@@ -212,13 +181,8 @@ class Efficiency:
 
 @dataclass(frozen=True)
 class DomainLoss:
-    """Next-token LM loss on one domain's held-out documents.
-
-    Args:
-        domain: the domain (``meta.pile_set_name`` of the documents).
-        loss: mean cross-entropy over the scored tokens, nats/token.
-        tokens: tokens scored.
-    """
+    """Next-token LM loss (mean cross-entropy, nats/token) over the scored tokens of one domain's held-out
+    documents (``meta.pile_set_name``)."""
 
     domain: str
     loss: float
@@ -265,16 +229,11 @@ class PartialTask:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One run, as written to ``record.json``.
+    """One run, as written to ``record.json``: its unique name, what was run and where, the training loss per
+    logged step, per-layer routing metrics (empty for a dense model), efficiency and the held-out LM loss at the
+    end (None: not measured).
 
     Args:
-        run_id: unique name of the run.
-        experiment: see :class:`ExperimentInfo`.
-        environment: see :class:`Environment`.
-        loss_curve: training loss per logged step.
-        routing: per-layer routing metrics (empty for a dense model).
-        efficiency: see :class:`Efficiency` (None if not measured).
-        validation_loss: held-out LM loss at the end, None if not measured.
         lm_eval: lm-eval's results dict as lm-eval returns it (``results``, ``configs``, ``n-samples``,
             ``config.limit``, ...) without the per-document ``samples``, None if the run was not evaluated.
         per_question: per-question results of the evaluation,
@@ -283,8 +242,7 @@ class RunRecord:
         partial: the tasks scored on fewer documents than they have (empty: every task complete); tables mark
             their cells.
         domain_losses: held-out LM loss per domain at the end of training (empty: not measured).
-        schema: always ``dirmoe-bench/run-record``.
-        schema_version: the record layout version.
+        schema, schema_version: ``dirmoe-bench/run-record`` and the record layout version.
     """
 
     run_id: str
@@ -334,14 +292,12 @@ def _check_lm_eval_value(where: str, key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # aliases, "N/A" standard errors, sample counts kept as text
     name = key.partition(",")[0]
-    if name.endswith("_stderr"):
+    if name.endswith("_stderr") or name == "bits_per_byte":
         _check(where, value, 0)
     elif name.startswith("acc") or name in UNIT_METRICS:
         _check(where, value, 0, 1)
     elif name in PERPLEXITY_METRICS:
         _check(where, value, 1)
-    elif name == "bits_per_byte":
-        _check(where, value, 0)
     else:
         _check(where, value)
 

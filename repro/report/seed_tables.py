@@ -17,41 +17,30 @@ from typing import Any
 import numpy as np
 
 from repro.errors import ReproError
-from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
 from repro.report.over_seeds import SeedStat, against_reference, count_defined, family_sentence, undefined_note
 from repro.report.parity import DEFAULT_REFERENCE_ROUTER
-from repro.report.record import PartialTask, RunRecord, lm_eval_metrics
+from repro.report.record import PartialTask, RunRecord
 from repro.report.stats import PairedTest, mcnemar_exact, paired_permutation_test, question_scores
 from repro.report.table_core import (
     DENSE_SUFFIX,
-    MISSING,
-    PAPER_TASKS,
     PARTIAL,
     PLUS_MINUS,
     SIGNIFICANT,
     Table,
-    _fmt_pm,
     _partial_note,
-    choose_metric,
+    fmt_interval,
     record_partial,
+    task_label,
+    zero_shot_columns,
 )
 
 SEED_TESTS = ("auto", "seeds", "questions", "none")
+AVG = "avg"
 
 
-# ------------------------------------------------------------------------------------------ over seeds
 def record_seed(record: RunRecord) -> int:
-    """A run's training seed, from its config (``seed`` at the top level or under ``experiment``).
-
-    Args:
-        record: a run record.
-
-    Returns:
-        The seed.
-
-    Raises:
-        ReproError: the config records no integer seed.
-    """
+    """A run's training seed, from its config (``seed`` at the top level or under ``experiment``); ReproError where
+    the config records no integer seed."""
     config = record.experiment.config
     for holder in (config, config.get("experiment")):
         if isinstance(holder, Mapping):
@@ -63,7 +52,8 @@ def record_seed(record: RunRecord) -> int:
 
 @dataclass(frozen=True)
 class SeedComparison:
-    """Routers over seeds against a reference router (see :func:`compare_over_seeds`).
+    """Routers over seeds against a reference router (see :func:`compare_over_seeds`, which says what ``test``,
+    ``confidence``, ``alpha`` and ``family`` are).
 
     Args:
         columns: task names, then ``avg``.
@@ -71,12 +61,7 @@ class SeedComparison:
         seeds: router -> its seeds, sorted.
         cells: router -> column -> :class:`SeedStat` (routers in table order).
         reference: the reference router (None when it is not among the records).
-        test: the test used: ``seeds`` (paired t over shared seeds), ``questions`` (McNemar exact /
-            sign-flip permutation over shared questions) or ``none``.
-        confidence: coverage of the intervals.
-        alpha: significance level of the marks.
         partial: router -> its runs' tasks scored on part of their documents (``run_id -> task -> entry``).
-        family: the Holm family (``table`` or ``column``, :mod:`repro.report.over_seeds`).
     """
 
     columns: tuple[str, ...]
@@ -100,9 +85,9 @@ class SeedComparison:
         cell = self.cells.get(router, {}).get(column)  # no cell: the router has no value in the column
         return cell is not None and cell.significant(self.alpha)
 
-    def undefined(self, labels: Mapping[str, str] | None = None) -> list[tuple[str, str]]:
+    def undefined(self, labels: Mapping[str, str]) -> list[tuple[str, str]]:
         """``(router, column label)`` of the cells whose test is undefined (no spread), in table order."""
-        return [(router, (labels or {}).get(column, column)) for router, cells in self.cells.items()
+        return [(router, labels.get(column, column)) for router, cells in self.cells.items()
                 for column, cell in cells.items() if cell.undefined]
 
     def marks(self, rows: str = "routers") -> str:
@@ -110,20 +95,11 @@ class SeedComparison:
         return family_sentence(self.family, count_defined(self.cells), rows)
 
 
-AVG = "avg"
-
-
 def comparison_label(record: RunRecord) -> str:
-    """The name a run is compared under over seeds: its experiment's name without the model
-    (``dirmoe+centered-tiny`` -> ``dirmoe+centered``), so a router's variants are compared beside the router
-    instead of being taken for more seeds of it; the router's name where the experiment is named otherwise.
-
-    Args:
-        record: a run record.
-
-    Returns:
-        The label (``switch``, ``dense``, ``dirmoe+centered``, ...).
-    """
+    """The name a run is compared under over seeds (``switch``, ``dense``, ``dirmoe+centered``, ...): its
+    experiment's name without the model (``dirmoe+centered-tiny`` -> ``dirmoe+centered``), so a router's variants
+    are compared beside the router instead of being taken for more seeds of it; the router's name where the
+    experiment is named otherwise."""
     name, router = record.experiment.name, record.experiment.router
     for model in (record.experiment.model, record.experiment.model.removesuffix(DENSE_SUFFIX)):
         label = name.removesuffix(f"-{model}")
@@ -133,9 +109,10 @@ def comparison_label(record: RunRecord) -> str:
 
 
 def _group_by_router(
-    records: Sequence[RunRecord], seed_of: Callable[[RunRecord], int]
-) -> dict[str, dict[int, RunRecord]]:
-    """``{comparison label: {seed: record}}`` (see :func:`comparison_label`), labels in table order."""
+    records: Sequence[RunRecord], seed_of: Callable[[RunRecord], int], reference_router: str
+) -> tuple[dict[str, dict[int, RunRecord]], str | None, bool]:
+    """``{comparison label: {seed: record}}`` (see :func:`comparison_label`), labels in table order; the reference
+    (None where no run is of ``reference_router``); whether every other router shares two seeds with it."""
     # A dense baseline runs the model's dense counterpart (flavour ``<model>-dense``): the same model.
     models = sorted({r.experiment.model.removesuffix(DENSE_SUFFIX) for r in records})
     if len(models) > 1:
@@ -147,7 +124,13 @@ def _group_by_router(
         if seed in runs:
             raise ReproError(f"runs '{runs[seed].run_id}' and '{record.run_id}' of '{label}' have the same seed {seed}")
         runs[seed] = record
-    return groups
+    reference = reference_router if reference_router in groups else None
+    others = [r for r in groups if r != reference]
+    # Nothing to test without another row: the caption must not claim a test.
+    seeds_ok = reference is not None and bool(others) and all(
+        len(set(groups[r]) & set(groups[reference])) >= 2 for r in others
+    )
+    return groups, reference, seeds_ok
 
 
 def _question_test(
@@ -203,9 +186,6 @@ def compare_over_seeds(
         family: the Holm family, ``table`` (every test of the table) or ``column``
             (:mod:`repro.report.over_seeds`).
 
-    Returns:
-        The :class:`SeedComparison`.
-
     Raises:
         ReproError: runs of several models, two runs of one router with the same seed, an unknown test, or a
             test the records cannot support.
@@ -213,13 +193,11 @@ def compare_over_seeds(
     if test not in SEED_TESTS:
         raise ReproError(f"unknown test '{test}'; valid: {', '.join(SEED_TESTS)}")
     evaluated = [r for r in records if r.lm_eval is not None]
-    groups = _group_by_router(evaluated, seed_of)
+    groups, reference, seeds_ok = _group_by_router(evaluated, seed_of, reference_router)
     if per_question is None and evaluated and all(r.per_question is not None for r in evaluated):
         per_question = {r.run_id: r.per_question for r in evaluated}
-    scores = {r.run_id: lm_eval_metrics(r) for r in evaluated}
-    measured = {t for s in scores.values() for t, m in s.items() if "acc" in m or "acc_norm" in m}
-    tasks = [t for t in PAPER_TASKS if t in measured] + sorted(measured - set(PAPER_TASKS))
-    chosen = {t: choose_metric(t, evaluated, metric) for t in tasks}
+    scores, chosen = zero_shot_columns(evaluated, metric)
+    tasks = list(chosen)
 
     def value(record: RunRecord, column: str) -> float | None:
         if column == AVG:
@@ -229,13 +207,8 @@ def compare_over_seeds(
         return None if v is None else 100 * v
 
     columns = (*tasks, AVG)
-    reference = reference_router if reference_router in groups else None
-    others = [r for r in groups if r != reference]
-    shared = {r: sorted(set(groups[r]) & set(groups[reference])) for r in others} if reference else {}
-    # Nothing to test without another row: the caption must not claim a test.
-    seeds_ok = reference is not None and bool(others) and all(len(shared[r]) >= 2 for r in others)
     questions_ok = (
-        reference is not None and bool(others) and per_question is not None
+        reference is not None and len(groups) > 1 and per_question is not None
         and all(r.run_id in per_question for r in evaluated)
     )
     used = test
@@ -255,15 +228,14 @@ def compare_over_seeds(
         _values(groups, columns, value), columns, reference, family=family, confidence=confidence,
         tested=used != "none", test=question_test if used == "questions" else None,
     )
-    partial = {
-        router: {r.run_id: {t: p for t, p in record_partial(r).items() if t in chosen} for r in runs.values()}
-        for router, runs in groups.items()
-    }
-    partial = {router: {run: tasks for run, tasks in runs.items() if tasks} for router, runs in partial.items()}
+    partial = {}
+    for router, runs in groups.items():
+        cut = {r.run_id: {t: p for t, p in record_partial(r).items() if t in chosen} for r in runs.values()}
+        if any(cut.values()):
+            partial[router] = {run: tasks for run, tasks in cut.items() if tasks}
     return SeedComparison(
         columns=columns, metrics=chosen, seeds={r: tuple(sorted(runs)) for r, runs in groups.items()}, cells=cells,
-        reference=reference, test=used, confidence=confidence, alpha=alpha,
-        partial={r: runs for r, runs in partial.items() if runs}, family=family,
+        reference=reference, test=used, confidence=confidence, alpha=alpha, partial=partial, family=family,
     )
 
 
@@ -299,84 +271,63 @@ def _rows_over_seeds(
         label = f"{router} (reference)" if router == comparison.reference else router
         row = [label, str(len(comparison.seeds[router]))]
         for column in comparison.columns:
-            cell = cells.get(column)
             mark = SIGNIFICANT if comparison.significant(router, column) else ""
             mark += PARTIAL if comparison.is_partial(router, column) else ""
-            spec = (specs or {}).get(column, default)
-            interval = None if cell is None else cell.interval
-            row.append(MISSING if interval is None else _fmt_pm(interval.estimate, interval.half_width, mark, spec))
+            cell = cells.get(column)
+            row.append(fmt_interval(None if cell is None else cell.interval, (specs or {}).get(column, default), mark))
         rows.append(tuple(row))
     return tuple(rows)
 
 
-def seed_zero_shot_table(comparison: SeedComparison) -> Table:
-    """The zero-shot table over seeds: ``mean +- CI half-width`` per router, marked where it differs.
-
-    Args:
-        comparison: from :func:`compare_over_seeds`.
-
-    Returns:
-        The :class:`Table` (name ``zero_shot_seeds``).
-    """
-    rows = _rows_over_seeds(comparison)
-    tasks = [c for c in comparison.columns if c != AVG]
-    labels = [PAPER_TASKS.get(t) or LOCAL_TASK_LABELS.get(t, t) for t in tasks]
-    metric_text = ", ".join(f"{label} {comparison.metrics[t]}" for label, t in zip(labels, tasks))
+def _caption(comparison: SeedComparison, what: str, labels: Mapping[str, str], untested: str) -> str:
+    """A table over seeds' caption: ``what``, what a cell is, and the test behind the marks (``untested``: why
+    there is none, where there is none)."""
     caption = (
-        f"Zero-shot accuracy (%) over seeds, lm-eval, 0-shot. Metric per column: {metric_text or 'none'}. "
-        f"Avg. is the mean over the task columns, per seed. Each cell: the mean over the router's seeds "
-        f"{PLUS_MINUS} the half-width of the {comparison.confidence:.0%} Student-t confidence interval of that "
-        f"mean (no {PLUS_MINUS} with one seed); 'seeds' is their number."
+        f"{what} Each cell: the mean over the router's seeds {PLUS_MINUS} the half-width of the "
+        f"{comparison.confidence:.0%} Student-t confidence interval of that mean (no {PLUS_MINUS} with one seed); "
+        "'seeds' is their number."
     )
-    if comparison.test in _TEST_TEXT and comparison.reference is not None:
-        caption += (
-            f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
-            f"{_TEST_TEXT[comparison.test]}, {comparison.marks()}."
-        )
-        caption += undefined_note(comparison.undefined(dict(zip(comparison.columns, (*labels, "Avg.")))))
-    else:
-        caption += " No significance test (no reference router, or neither shared seeds nor per-question results)."
+    if comparison.test not in _TEST_TEXT or comparison.reference is None:
+        return caption + f" No significance test (no reference router, or {untested})."
+    caption += (
+        f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
+        f"{_TEST_TEXT[comparison.test]}, {comparison.marks()}."
+    )
+    return caption + undefined_note(comparison.undefined(labels))
+
+
+def seed_zero_shot_table(comparison: SeedComparison) -> Table:
+    """The zero-shot table (``zero_shot_seeds``) of a :func:`compare_over_seeds` comparison: ``mean +- CI
+    half-width`` per router, marked where it differs."""
+    tasks = [c for c in comparison.columns if c != AVG]
+    labels = [task_label(t) for t in tasks]
+    metric_text = ", ".join(f"{label} {comparison.metrics[t]}" for label, t in zip(labels, tasks))
+    what = (
+        f"Zero-shot accuracy (%) over seeds, lm-eval, 0-shot. Metric per column: {metric_text or 'none'}. "
+        "Avg. is the mean over the task columns, per seed."
+    )
+    caption = _caption(comparison, what, dict(zip(comparison.columns, (*labels, "Avg."))),
+                       "neither shared seeds nor per-question results")
     caption += _partial_note({run: tasks for runs in comparison.partial.values() for run, tasks in runs.items()})
-    headers = ("Router", "seeds", *labels, "Avg.")
-    return Table("zero_shot_seeds", caption, headers, rows)
+    return Table("zero_shot_seeds", caption, ("Router", "seeds", *labels, "Avg."), _rows_over_seeds(comparison))
 
 
 # ------------------------------------------------------------------------------------------ other numbers over seeds
 def compare_metrics_over_seeds(
-    records: Sequence[RunRecord],
-    columns: Mapping[str, Callable[[RunRecord], float | None]],
-    *,
-    reference_router: str = DEFAULT_REFERENCE_ROUTER,
-    confidence: float = 0.95,
-    alpha: float = 0.05,
-    seed_of: Callable[[RunRecord], int] = record_seed,
-    family: str = "table",
+    records: Sequence[RunRecord], columns: Mapping[str, Callable[[RunRecord], float | None]], *,
+    reference_router: str = DEFAULT_REFERENCE_ROUTER, confidence: float = 0.95, alpha: float = 0.05,
+    seed_of: Callable[[RunRecord], int] = record_seed, family: str = "table",
 ) -> SeedComparison:
     """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router by a paired
     t-test over the shared seeds where every other router shares at least two with it.
 
-    Args:
-        records: runs of one model, one per router and seed; a run without any of the numbers is left out.
-        columns: column name -> the run's number (None where it has none).
-        reference_router: the router the others are tested against.
-        confidence: coverage of the intervals.
-        alpha: significance level of the marks.
-        seed_of: a run's seed (default :func:`record_seed`).
-        family: the Holm family, ``table`` or ``column`` (:mod:`repro.report.over_seeds`).
-
-    Returns:
-        The :class:`SeedComparison` (``metrics`` maps each column to itself; ``test`` is ``seeds`` or ``none``).
-
-    Raises:
-        ReproError: runs of several models, or two runs of one router with the same seed.
+    ``columns``: column name -> the run's number (None where it has none; a run with none of them is left out);
+    the other arguments as :func:`compare_over_seeds`. In the comparison, ``metrics`` maps each column to itself
+    and ``test`` is ``seeds`` or ``none``. ReproError: runs of several models, or two runs of one router with the
+    same seed.
     """
     measured = [r for r in records if any(f(r) is not None for f in columns.values())]
-    groups = _group_by_router(measured, seed_of)
-    reference = reference_router if reference_router in groups else None
-    others = [r for r in groups if r != reference]
-    seeds_ok = reference is not None and bool(others) and all(
-        len(set(groups[r]) & set(groups[reference])) >= 2 for r in others
-    )
+    groups, reference, seeds_ok = _group_by_router(measured, seed_of, reference_router)
     cells = against_reference(
         _values(groups, tuple(columns), lambda record, column: columns[column](record)), tuple(columns), reference,
         family=family, confidence=confidence, tested=seeds_ok,
@@ -394,29 +345,9 @@ def seed_metric_table(
 ) -> Table:
     """A table over seeds of per-run numbers (:func:`compare_metrics_over_seeds`), marked like the zero-shot one.
 
-    Args:
-        comparison: the comparison.
-        name: file stem.
-        what: the caption's first sentence (what the numbers are).
-        labels: column -> header (default: the column's name).
-        specs: column -> number format (default ``.3f``).
-
-    Returns:
-        The :class:`Table`.
+    ``what`` is the caption's first sentence (what the numbers are); ``labels`` and ``specs`` give a column's
+    header (default: its name) and number format (default ``.3f``).
     """
-    rows = _rows_over_seeds(comparison, specs, default=".3f")
-    caption = (
-        f"{what} Each cell: the mean over the router's seeds {PLUS_MINUS} the half-width of the "
-        f"{comparison.confidence:.0%} Student-t confidence interval of that mean (no {PLUS_MINUS} with one seed); "
-        "'seeds' is their number."
-    )
-    if comparison.test == "seeds" and comparison.reference is not None:
-        caption += (
-            f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
-            f"{_TEST_TEXT['seeds']}, {comparison.marks()}."
-        )
-        caption += undefined_note(comparison.undefined(labels))
-    else:
-        caption += " No significance test (no reference router, or fewer than two seeds shared with it)."
+    caption = _caption(comparison, what, labels, "fewer than two seeds shared with it")
     headers = ("Router", "seeds", *(labels.get(c, c) for c in comparison.columns))
-    return Table(name, caption, headers, rows)
+    return Table(name, caption, headers, _rows_over_seeds(comparison, specs, default=".3f"))

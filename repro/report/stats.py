@@ -71,15 +71,8 @@ from scipy.optimize import brentq
 
 @dataclass(frozen=True)
 class Interval:
-    """An estimate with an interval around it.
-
-    Args:
-        estimate: the mean.
-        low: lower end (None where the interval is undefined: fewer than two values).
-        high: upper end (None likewise).
-        n: number of values.
-        confidence: coverage of the interval (0.95).
-    """
+    """The mean of ``n`` values with an interval of coverage ``confidence`` around it (``low`` and ``high`` None
+    where it is undefined: fewer than two values)."""
 
     estimate: float
     low: float | None
@@ -99,16 +92,13 @@ class Interval:
 
 @dataclass(frozen=True)
 class PairedTest:
-    """A paired comparison of ``other`` with ``reference``.
+    """A paired comparison of ``other`` with ``reference`` over ``n`` pairs by ``test`` (``paired t``, ``McNemar
+    exact``, ``sign-flip permutation``).
 
     Args:
-        test: which test (``paired t``, ``McNemar exact``, ``sign-flip permutation``).
-        difference: the estimated difference, other minus reference (mean of the paired differences, or
-            their weighted sum with weights).
-        statistic: the test statistic (t; the smaller discordant count for McNemar; the difference for the
-            permutation test).
-        p_value: two-sided p-value (nan where the test is undefined: paired differences with no spread).
-        n: number of pairs.
+        difference: other minus reference (mean of the paired differences, or their weighted sum with weights).
+        statistic: t; the smaller discordant count for McNemar; the difference for the permutation test.
+        p_value: two-sided (nan where the test is undefined: paired differences with no spread).
     """
 
     test: str
@@ -150,11 +140,7 @@ def _t_quantile(confidence: float, df: int) -> float:
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Interval:
-    """The mean and its Student-t confidence interval (decision 1).
-
-    Args:
-        values: one value per seed.
-        confidence: coverage (0.95).
+    """The mean of ``values`` (one per seed) and its Student-t confidence interval (decision 1).
 
     Returns:
         The :class:`Interval`; ``low``/``high`` are None for a single value.
@@ -174,14 +160,8 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Interval:
 
 
 def prediction_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
-    """Where one further draw (one more seed) falls with probability ``confidence`` (decision 2).
-
-    Args:
-        values: one value per seed (at least two).
-        confidence: coverage (0.95).
-
-    Returns:
-        The :class:`Interval` ``mean +- t_{n-1} s sqrt(1 + 1/n)``.
+    """Where one further draw (one more seed) falls with probability ``confidence`` (decision 2): the
+    :class:`Interval` ``mean +- t_{n-1} s sqrt(1 + 1/n)`` of ``values``, one per seed.
 
     Raises:
         ValueError: fewer than two values, values that are not finite, or a confidence outside (0, 1).
@@ -192,18 +172,8 @@ def prediction_interval(values: Sequence[float], confidence: float = 0.95) -> In
 
 
 def prediction_bounds(values_RN: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`prediction_interval` of each row at once (the Monte Carlo checks of the regression band).
-
-    Args:
-        values_RN: R sets of N values (N >= 2), one set per row.
-        confidence: coverage.
-
-    Returns:
-        ``(low_R, high_R)``.
-
-    Raises:
-        ValueError: fewer than two values per row, or a confidence outside (0, 1).
-    """
+    """:func:`prediction_interval` of each row of ``values_RN`` (R sets of N >= 2 values) at once, ``(low_R,
+    high_R)``: the Monte Carlo checks of the regression band."""
     _check_confidence(confidence)
     x = np.asarray(values_RN, dtype=float)
     if x.ndim != 2 or x.shape[1] < 2:
@@ -252,14 +222,8 @@ def minimum_detectable_shift(n: int, confidence: float, power: float = 0.8) -> f
 
 
 def mean_stderr(values: Sequence[float]) -> float:
-    """``s / sqrt(n)``, ``s`` with n - 1: lm-eval's standard error of a mean metric (decision 6).
-
-    Args:
-        values: per-question scores (at least two).
-
-    Returns:
-        The standard error.
-    """
+    """``s / sqrt(n)`` of per-question scores (at least two), ``s`` with n - 1: lm-eval's standard error of a mean
+    metric (decision 7)."""
     x = _array(values, "values")
     if x.size < 2:
         raise ValueError("a standard error needs at least two values")
@@ -267,15 +231,13 @@ def mean_stderr(values: Sequence[float]) -> float:
 
 
 def paired_t_test(reference: Sequence[float], other: Sequence[float]) -> PairedTest:
-    """Student's paired t-test of ``other - reference`` over seeds (same seed = same data order).
-
-    Args:
-        reference: the reference router's value per seed.
-        other: the other router's value for the same seeds, in the same order.
+    """Student's paired t-test of ``other - reference``, values per seed in the same seed order (same seed = same
+    data order).
 
     Returns:
         The :class:`PairedTest`. When every difference is the same (to a relative 1e-9: rounding) the t
-        statistic is 0/0 or d/0: the test is undefined, ``statistic`` and ``p_value`` are nan (decision 6), never t = inf and p = 0.
+        statistic is 0/0 or d/0: the test is undefined, ``statistic`` and ``p_value`` are nan (decision 6),
+        never t = inf and p = 0.
 
     Raises:
         ValueError: fewer than two pairs, or samples of different lengths.
@@ -297,11 +259,8 @@ def _binary(x: np.ndarray) -> bool:
 
 
 def mcnemar_exact(reference: Sequence[float], other: Sequence[float]) -> PairedTest:
-    """McNemar's exact test on per-question 0/1 outcomes of two models (decision 3).
-
-    Args:
-        reference: the reference model's correctness per question (0/1).
-        other: the other model's correctness on the same questions, in the same order.
+    """McNemar's exact test on per-question 0/1 outcomes of two models, the same questions in the same order
+    (decision 3).
 
     Returns:
         The :class:`PairedTest`: ``difference`` = accuracy(other) - accuracy(reference), ``statistic`` =
@@ -320,18 +279,13 @@ def mcnemar_exact(reference: Sequence[float], other: Sequence[float]) -> PairedT
 
 
 def paired_permutation_test(
-    reference: Sequence[float],
-    other: Sequence[float],
-    *,
-    weights: Sequence[float] | None = None,
-    n_resamples: int = 10_000,
-    seed: int = 0,
+    reference: Sequence[float], other: Sequence[float], *, weights: Sequence[float] | None = None,
+    n_resamples: int = 10_000, seed: int = 0,
 ) -> PairedTest:
     """Paired sign-flip permutation test of ``sum_i w_i (other_i - reference_i)`` (decision 4).
 
     Args:
-        reference: the reference model's score per question.
-        other: the other model's score per question, same questions, same order.
+        reference, other: the two models' scores per question, same questions, same order.
         weights: per-question weights of the statistic (default ``1/n``: the mean difference). A
             task-weighted average over several tasks uses ``1 / (tasks * questions of the task)``.
         n_resamples: the most sign patterns drawn; all ``2^m`` are enumerated when that is no more.
@@ -405,14 +359,8 @@ def _lattice_p(active: np.ndarray, threshold: float) -> float | None:
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm's step-down adjusted p-values (decision 5), in the order given.
-
-    Args:
-        p_values: the p-values of one family of tests.
-
-    Returns:
-        The adjusted p-values (monotone in the raw ones, at most 1).
-    """
+    """Holm's step-down adjusted p-values (decision 5) of one family of tests, in the order given (monotone in the
+    raw ones, at most 1)."""
     p = _array(p_values, "p_values")
     order = np.argsort(p, kind="stable")
     m = p.size
@@ -427,12 +375,10 @@ def holm(p_values: Sequence[float]) -> list[float]:
 # ------------------------------------------------------------------------------------------ per question
 @dataclass(frozen=True)
 class QuestionScores:
-    """One model's per-question scores on one task and metric.
+    """One model's per-question scores on one task and metric (``acc``, ``acc_norm``: any per-document metric
+    lm-eval logs), in lm-eval's document order (``doc_id``): 0/1 for accuracies.
 
     Args:
-        task: lm-eval task name.
-        metric: ``acc`` or ``acc_norm`` (any per-document metric lm-eval logs).
-        scores: one score per question in lm-eval's document order (``doc_id``): 0/1 for accuracies.
         docs_sha256: digest of the questions' ``doc_hash`` values in that order: two models are paired per
             question only when they scored the same questions, that is when the digests agree.
     """
@@ -504,16 +450,8 @@ def compact_per_question(
 
 
 def question_scores(compact: Mapping[str, Mapping[str, Any]], task: str, metric: str) -> QuestionScores | None:
-    """One task's scores from a ``per_question`` field (:func:`compact_per_question`), None if absent.
-
-    Args:
-        compact: the field.
-        task: lm-eval task name.
-        metric: ``acc`` or ``acc_norm``.
-
-    Returns:
-        The :class:`QuestionScores`, or None when the field has no such task or metric.
-    """
+    """One task's scores (``acc`` or ``acc_norm``) from a ``per_question`` field (:func:`compact_per_question`),
+    None when the field has no such task or metric."""
     entry = compact.get(task)
     if not isinstance(entry, Mapping) or metric not in entry:
         return None

@@ -1,9 +1,8 @@
 """Building, writing, finding and loading run records (:class:`repro.report.record.RunRecord`).
 
 ``write_run_record(run_dir)`` builds a finished run's record from ``config.json`` and ``log.jsonl`` and writes
-``record.json`` beside it; lm-eval's per-document samples become the record's compact ``per_question`` results,
-and tasks it scored on part of their documents the ``partial`` tasks. :func:`load_record` refuses a file with a
-missing, unknown, mistyped or out-of-range field in one line naming the file and the field.
+``record.json`` beside it. :func:`load_record` refuses a file with a missing, unknown, mistyped or out-of-range
+field in one line naming the file and the field.
 """
 
 from __future__ import annotations
@@ -49,9 +48,6 @@ def environment_info(num_processes: int | None = None, device: str | None = None
     Args:
         num_processes: world size; default: torch.distributed's if initialised, else ``$WORLD_SIZE`` or 1.
         device: accelerator name; default: CUDA device 0's name, else ``cpu (<processor>)``.
-
-    Returns:
-        An :class:`Environment`.
     """
     import torch
 
@@ -77,18 +73,10 @@ def environment_info(num_processes: int | None = None, device: str | None = None
 
 
 def make_record(
-    *,
-    run_id: str,
-    router: str,
-    model: str,
-    config: Mapping[str, Any],
-    log_rows: Sequence[LogRow] = (),
-    efficiency: Efficiency | None = None,
-    routing: Sequence[LayerRouting] | None = None,
-    lm_eval_results: Mapping[str, Any] | None = None,
-    validation_loss: float | None = None,
-    environment: Environment | None = None,
-    experiment_name: str | None = None,
+    *, run_id: str, router: str, model: str, config: Mapping[str, Any], log_rows: Sequence[LogRow] = (),
+    efficiency: Efficiency | None = None, routing: Sequence[LayerRouting] | None = None,
+    lm_eval_results: Mapping[str, Any] | None = None, validation_loss: float | None = None,
+    environment: Environment | None = None, experiment_name: str | None = None,
     domain_losses: Sequence[DomainLoss] = (),
 ) -> RunRecord:
     """Assemble a run record (validated exactly as :func:`load_record` would validate its file).
@@ -108,9 +96,6 @@ def make_record(
         environment: default :func:`environment_info`.
         experiment_name: default ``run_id``.
         domain_losses: held-out LM loss per domain.
-
-    Returns:
-        The :class:`RunRecord`.
 
     Raises:
         ReproError: a value of the wrong type (e.g. a config that is not a JSON object).
@@ -172,16 +157,9 @@ def with_lm_eval(record: RunRecord, lm_eval_results: Mapping[str, Any], origin: 
 
 
 def record_from_run_dir(
-    run_dir: str | Path,
-    *,
-    warmup: int,
-    window: int | None = None,
-    lm_eval_results: Mapping[str, Any] | None = None,
-    run_id: str | None = None,
-    environment: Environment | None = None,
-    domain_losses: Sequence[DomainLoss] = (),
-    flops_attention: str = "causal",
-    start_step: int | None = None,
+    run_dir: str | Path, *, warmup: int, window: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
+    run_id: str | None = None, environment: Environment | None = None, domain_losses: Sequence[DomainLoss] = (),
+    flops_attention: str = "causal", start_step: int | None = None,
 ) -> RunRecord:
     """Build the record of a finished training run from its ``config.json`` and ``log.jsonl`` (the FLOPs count's
     dimensions from the config's flavour; the validation loss is the log's last ``val_loss``).
@@ -190,10 +168,9 @@ def record_from_run_dir(
         run_dir: the run's output directory.
         warmup: log rows skipped before the efficiency window.
         window: log rows in the window (None: all after warm-up).
-        lm_eval_results: lm-eval's results dict for the run's checkpoint, if evaluated.
         run_id: default: the experiment's name.
         environment: default :func:`environment_info` with the run's world size.
-        domain_losses: held-out LM loss per domain, if measured.
+        lm_eval_results, domain_losses: as in :func:`make_record`.
         flops_attention: how the FLOPs count takes attention (:data:`repro.report.flops.ATTENTION_COUNTS`).
         start_step: the step the run's weights come from (0: initialisation, a checkpoint's step), recorded
             with the efficiency figures (None: not recorded).
@@ -238,24 +215,15 @@ def record_from_run_dir(
 
 
 def write_run_record(
-    run_dir: str | Path,
-    *,
-    warmup: int | None = None,
-    lm_eval_results: Mapping[str, Any] | None = None,
-    run_id: str | None = None,
-    domain_losses: Sequence[DomainLoss] = (),
+    run_dir: str | Path, *, warmup: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
+    run_id: str | None = None, domain_losses: Sequence[DomainLoss] = (),
 ) -> Path:
     """Write ``record.json`` of a finished run (:func:`record_from_run_dir`).
 
     Args:
         run_dir: the run directory.
         warmup: log rows skipped before the efficiency window; default a tenth of the steps (at least one).
-        lm_eval_results: zero-shot results to include (with ``samples``: their per-question results too).
-        run_id: default: the experiment's name.
-        domain_losses: held-out LM loss per domain, if measured.
-
-    Returns:
-        The record's path.
+        lm_eval_results, run_id, domain_losses: as in :func:`record_from_run_dir`.
     """
     run_dir = Path(run_dir)
     if warmup is None:
@@ -294,15 +262,7 @@ def _json_default(obj: Any) -> Any:
 
 
 def write_record(record: RunRecord, path: str | Path) -> Path:
-    """Write a record atomically.
-
-    Args:
-        record: the record.
-        path: destination, conventionally ``<run dir>/record.json``.
-
-    Returns:
-        The path written.
-    """
+    """Write ``record`` atomically to ``path`` (conventionally ``<run dir>/record.json``) and return the path."""
     write_json_atomic(path, to_json(record))
     return Path(path)
 
@@ -312,9 +272,6 @@ def load_record(path: str | Path) -> RunRecord:
 
     Args:
         path: a record JSON file.
-
-    Returns:
-        The :class:`RunRecord`.
 
     Raises:
         ReproError: unreadable JSON, missing or unknown field, wrong type (one line naming file and field).
@@ -329,17 +286,19 @@ def load_record(path: str | Path) -> RunRecord:
     return from_json(RunRecord, data, str(path))
 
 
-def find_records(paths: Iterable[str | Path]) -> list[Path]:
-    """Record files named by ``paths``: files as given, directories searched recursively.
+def load_records(paths: Iterable[str | Path]) -> list[RunRecord]:
+    """Load every record named by ``paths``: files as given, directories searched recursively for
+    ``record.json`` and ``*.record.json``.
 
     Args:
         paths: record files and/or directories.
 
     Returns:
-        Record paths, in argument order, each directory's sorted.
+        The records, in argument order, each directory's sorted by path.
 
     Raises:
-        ReproError: a path that does not exist, or a directory without records.
+        ReproError: a path that does not exist, a directory without records, a record :func:`load_record`
+            refuses, or two records with the same run_id.
     """
     found: list[Path] = []
     for raw in paths:
@@ -347,36 +306,19 @@ def find_records(paths: Iterable[str | Path]) -> list[Path]:
         if path.is_file():
             found.append(path)
         elif path.is_dir():
-            inside = sorted(p for p in path.rglob("*.json") 
+            inside = sorted(p for p in path.rglob("*.json")
                             if p.name == "record.json" or p.name.endswith(".record.json"))
             if not inside:
                 raise ReproError(f"{path}: no run records (record.json or *.record.json) in this directory")
             found.extend(inside)
         else:
             raise ReproError(f"{path}: no such file or directory")
-    return found
-
-
-def load_records(paths: Iterable[str | Path]) -> list[RunRecord]:
-    """Load every record named by ``paths`` (see :func:`find_records`).
-
-    Args:
-        paths: record files and/or directories.
-
-    Returns:
-        The records.
-
-    Raises:
-        ReproError: as :func:`find_records` and :func:`load_record`, or two records with the same run_id.
-    """
     records: list[RunRecord] = []
     origin: dict[str, Path] = {}
-    for path in find_records(paths):
+    for path in found:
         record = load_record(path)
         if record.run_id in origin:
             raise ReproError(f"{path}: run_id '{record.run_id}' is already used by {origin[record.run_id]}")
         origin[record.run_id] = path
         records.append(record)
     return records
-
-

@@ -1,6 +1,5 @@
-"""What every generated table shares: the :class:`Table`, its constants and number formats, the runs' order
-and row labels, the partial-run marks, the zero-shot columns, and rendering (:func:`render` as Markdown, CSV or
-LaTeX; :func:`write_tables`). The tables are in :mod:`repro.report.tables` and :mod:`repro.report.seed_tables`.
+"""What every generated table shares: the :class:`Table`, its constants and number formats, the zero-shot
+columns, the partial-run marks, and rendering (:func:`render` as Markdown, CSV or LaTeX; :func:`write_tables`).
 """
 
 from __future__ import annotations
@@ -14,9 +13,10 @@ from pathlib import Path
 from tabulate import tabulate
 
 from repro.errors import ReproError
+from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
 from repro.io_utils import atomic_path
-from repro.report.ledger import PublishedEntry, select
 from repro.report.record import PartialTask, RunRecord, lm_eval_metrics, partial_tasks
+from repro.report.stats import Interval
 
 #: The papers' zero-shot tasks (lm-eval names) and their column labels, in the papers' order.
 PAPER_TASKS: dict[str, str] = {
@@ -58,11 +58,6 @@ def _fmt(value: float | None, spec: str) -> str:
     return format(0.0, spec) if float(text) == 0 else text  # no "-0.00" from rounding
 
 
-def _fmt_tflops(value: float | None) -> str:
-    """Two decimals as the papers print them; three significant digits for the tiny CPU figures."""
-    return _fmt(value, ".2f" if value is None or value >= 1 else ".3g")
-
-
 def _fmt_pm(value: float | None, error: float | None, mark: str = "", spec: str = ".2f") -> str:
     """``value +- error`` (``value`` alone where there is no error), then ``mark``."""
     if value is None:
@@ -71,16 +66,15 @@ def _fmt_pm(value: float | None, error: float | None, mark: str = "", spec: str 
     return text + mark
 
 
+def fmt_interval(interval: Interval | None, spec: str, mark: str = "") -> str:
+    """``mean +- half-width`` of an interval over seeds, then ``mark`` (``--`` for none)."""
+    return MISSING if interval is None else _fmt_pm(interval.estimate, interval.half_width, mark, spec)
+
+
 def record_partial(record: RunRecord) -> dict[str, PartialTask]:
-    """The tasks a run scored on part of their documents: its ``partial`` field, and for records written
-    before that field, what lm-eval's own ``n-samples`` / ``config.limit`` say.
-
-    Args:
-        record: a run record.
-
-    Returns:
-        task -> :class:`~repro.report.record.PartialTask`.
-    """
+    """task -> :class:`~repro.report.record.PartialTask` of the tasks a run scored on part of their documents:
+    its ``partial`` field, and for records written before that field, what lm-eval's ``n-samples`` /
+    ``config.limit`` say."""
     found = {p.task: p for p in partial_tasks(record.lm_eval)}
     found.update({p.task: p for p in record.partial})
     return found
@@ -102,72 +96,37 @@ def _partial_note(partial: Mapping[str, Mapping[str, PartialTask]]) -> str:
     )
 
 
-def lm_eval_stderr(record: RunRecord, task: str, metric: str) -> float | None:
-    """lm-eval's standard error of a task's metric (``<metric>_stderr,none``) as a fraction.
-
-    Args:
-        record: a run record.
-        task: lm-eval task name.
-        metric: ``acc``, ``acc_norm``, ...
-
-    Returns:
-        The standard error, None where the run has none (not evaluated, or ``bootstrap_iters=0``: "N/A").
-    """
-    if record.lm_eval is None:
-        return None
-    value = record.lm_eval["results"].get(task, {}).get(f"{metric}_stderr,none")
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
-
-
-def _ordered(records: Sequence[RunRecord]) -> list[RunRecord]:
-    """The dense baseline first, then routers by name, then run_id: tables do not depend on file names or
-    argument order, and no router is placed by name."""
-    return sorted(records, key=lambda r: (r.experiment.router != "dense", r.experiment.router, r.run_id))
-
-
-def _labels(records: Sequence[RunRecord]) -> dict[str, str]:
-    """Row label per run: the router, or ``router (run_id)`` where a router has several runs (a run whose id is
-    the router's name keeps the plain name; a variant such as ``dirmoe+centered`` is named by its id)."""
-    routers = [r.experiment.router for r in records]
-
-    def label(r: RunRecord) -> str:
-        router = r.experiment.router
-        if routers.count(router) == 1 or r.run_id == router:
-            return router
-        return r.run_id if r.run_id.startswith(f"{router}+") else f"{router} ({r.run_id})"
-
-    return {r.run_id: label(r) for r in records}
-
-
-def _published_groups(
-    record: RunRecord, ledger: Sequence[PublishedEntry], prefix: str
-) -> dict[str, dict[str, PublishedEntry]]:
-    """Original published entries for this run's router and model, ``source -> metric -> entry``."""
-    groups: dict[str, dict[str, PublishedEntry]] = {}
-    for e in select(ledger, router=record.experiment.router, model_id=record.experiment.model, originals_only=True):
-        if e.metric.startswith(prefix):
-            groups.setdefault(e.source, {})[e.metric] = e
-    return groups
-
-
 # ------------------------------------------------------------------------------------------ zero-shot columns
 def choose_metric(task: str, records: Sequence[RunRecord], metric: str = "auto") -> str:
-    """The lm-eval metric shown for ``task``.
-
-    Args:
-        task: lm-eval task name.
-        records: the runs in the table.
-        metric: ``acc``, ``acc_norm`` or ``auto`` (acc_norm where every run reports it for the task, else acc).
-
-    Returns:
-        ``"acc"`` or ``"acc_norm"``.
-    """
+    """The lm-eval metric shown for ``task`` in a table of ``records``: ``metric``, ``acc`` or ``acc_norm``, or
+    for ``auto`` acc_norm where every run reports it for the task, else acc."""
     if metric not in ZERO_SHOT_METRICS:
         raise ReproError(f"unknown zero-shot metric '{metric}'; valid: {', '.join(ZERO_SHOT_METRICS)}")
     if metric != "auto":
         return metric
     reported = [m[task] for m in map(lm_eval_metrics, records) if task in m]
     return "acc_norm" if reported and all("acc_norm" in m for m in reported) else "acc"
+
+
+def zero_shot_columns(
+    records: Sequence[RunRecord], metric: str = "auto", published: Sequence[str] = ()
+) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
+    """The zero-shot tables' task columns: the papers' tasks that a run measured (or ``published`` numbers are
+    shown for), in the papers' order, then the other measured tasks by name.
+
+    Returns:
+        ``(scores, chosen)``: run_id -> :func:`~repro.report.record.lm_eval_metrics`, and task -> its metric
+        (:func:`choose_metric`), in column order.
+    """
+    scores = {r.run_id: lm_eval_metrics(r) for r in records}
+    measured = {t for s in scores.values() for t, m in s.items() if "acc" in m or "acc_norm" in m}
+    tasks = [t for t in PAPER_TASKS if t in measured or t in published] + sorted(measured - set(PAPER_TASKS))
+    return scores, {t: choose_metric(t, records, metric) for t in tasks}
+
+
+def task_label(task: str) -> str:
+    """A task's column label (``ARC-c``, ``Continuation (local)``; the lm-eval name where it has none)."""
+    return PAPER_TASKS.get(task) or LOCAL_TASK_LABELS.get(task, task)
 
 
 # ------------------------------------------------------------------------------------------ rendering

@@ -2,8 +2,7 @@
 efficiency (with a compute-parity verdict) and routing, per run; validation and routing over seeds, marked as
 :func:`~repro.report.seed_tables.seed_zero_shot_table` is. A zero-shot cell of a task scored on part of its
 documents carries a dagger. With a ledger (:mod:`repro.report.ledger`), each run is followed by the published
-rows of its router in the same model setting and a ``delta`` row. What the tables share is in
-:mod:`repro.report.table_core`.
+rows of its router in the same model setting and a ``delta`` row.
 """
 
 from __future__ import annotations
@@ -13,11 +12,10 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
 from repro.report.flops import formula_name
-from repro.report.ledger import PublishedEntry
+from repro.report.ledger import PublishedEntry, select
 from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
-from repro.report.record import RunRecord, lm_eval_metrics
+from repro.report.record import RunRecord
 from repro.report.seed_tables import compare_metrics_over_seeds, seed_metric_table
 from repro.report.table_core import (
     MISSING,
@@ -27,15 +25,57 @@ from repro.report.table_core import (
     Table,
     _fmt,
     _fmt_pm,
-    _fmt_tflops,
-    _labels,
-    _ordered,
     _partial_note,
-    _published_groups,
-    choose_metric,
-    lm_eval_stderr,
     record_partial,
+    task_label,
+    zero_shot_columns,
 )
+
+
+def _ordered(records: Sequence[RunRecord]) -> list[RunRecord]:
+    """The dense baseline first, then routers by name, then run_id: tables do not depend on file names or
+    argument order, and no router is placed by name."""
+    return sorted(records, key=lambda r: (r.experiment.router != "dense", r.experiment.router, r.run_id))
+
+
+def _labels(records: Sequence[RunRecord]) -> dict[str, str]:
+    """Row label per run: the router, or ``router (run_id)`` where a router has several runs (a run whose id is
+    the router's name keeps the plain name; a variant such as ``dirmoe+centered`` is named by its id)."""
+    routers = [r.experiment.router for r in records]
+
+    def label(r: RunRecord) -> str:
+        router = r.experiment.router
+        if routers.count(router) == 1 or r.run_id == router:
+            return router
+        return r.run_id if r.run_id.startswith(f"{router}+") else f"{router} ({r.run_id})"
+
+    return {r.run_id: label(r) for r in records}
+
+
+def _published_groups(
+    record: RunRecord, ledger: Sequence[PublishedEntry], prefix: str
+) -> dict[str, dict[str, PublishedEntry]]:
+    """Original published entries for this run's router and model, ``source -> metric -> entry``."""
+    groups: dict[str, dict[str, PublishedEntry]] = {}
+    for e in select(ledger, router=record.experiment.router, model_id=record.experiment.model, originals_only=True):
+        if e.metric.startswith(prefix):
+            groups.setdefault(e.source, {})[e.metric] = e
+    return groups
+
+
+def _value(entry: PublishedEntry | None) -> float | None:
+    return None if entry is None else entry.value
+
+
+def _percent(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def _stderr(record: RunRecord, task: str, metric: str) -> float | None:
+    """lm-eval's standard error of a task's metric (``<metric>_stderr,none``), None where the run has none
+    (``bootstrap_iters=0``: "N/A")."""
+    value = record.lm_eval["results"].get(task, {}).get(f"{metric}_stderr,none")
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 # ------------------------------------------------------------------------------------------ zero-shot
@@ -48,60 +88,38 @@ def zero_shot_table(
         records: runs with lm-eval results (runs without are left out).
         metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`choose_metric`); both are in every record.
         ledger: published numbers to show beside the runs (None: measured rows only).
-
-    Returns:
-        The :class:`Table`.
     """
     evaluated = [r for r in _ordered(records) if r.lm_eval is not None]
-    scores = {r.run_id: lm_eval_metrics(r) for r in evaluated}
     published = {r.run_id: _published_groups(r, ledger or (), "zero_shot.") for r in evaluated}
     has_published = {
         m.removeprefix("zero_shot.") for groups in published.values() for g in groups.values() for m in g
     }
-    measured_tasks = {t for s in scores.values() for t, m in s.items() if "acc" in m or "acc_norm" in m}
-    tasks = [t for t in PAPER_TASKS if t in measured_tasks or t in has_published]
-    tasks += sorted(measured_tasks - set(PAPER_TASKS))
-    chosen = {t: choose_metric(t, evaluated, metric) for t in tasks}
+    scores, chosen = zero_shot_columns(evaluated, metric, has_published)
+    tasks = list(chosen)
     paper_columns_only = tasks == list(PAPER_TASKS)
-
-    def avg(values: list[float | None]) -> float | None:
-        return statistics.fmean(values) if values and all(v is not None for v in values) else None
-
-    def percent(run_id: str, task: str) -> float | None:
-        value = scores[run_id].get(task, {}).get(chosen[task])
-        return None if value is None else 100 * value
-
-    def percent_stderr(record: RunRecord, task: str) -> float | None:
-        value = lm_eval_stderr(record, task, chosen[task])
-        return None if value is None else 100 * value
-
-    def published_value(entries: dict[str, PublishedEntry], metric_name: str) -> float | None:
-        entry = entries.get(metric_name)
-        return None if entry is None else entry.value
-
     rows: list[tuple[str, ...]] = []
     labels = _labels(evaluated)
     partial = {labels[r.run_id]: {t: p for t, p in record_partial(r).items() if t in tasks} for r in evaluated}
     for record in evaluated:
-        values = [percent(record.run_id, t) for t in tasks]
-        errors = [percent_stderr(record, t) for t in tasks]
-        mean = avg(values)
+        values = [_percent(scores[record.run_id].get(t, {}).get(chosen[t])) for t in tasks]
+        errors = [_percent(_stderr(record, t, chosen[t])) for t in tasks]
+        mean = statistics.fmean(values) if values and None not in values else None
         # The tasks' question sets are independent: the standard error of the mean of k scores adds in quadrature.
         mean_error = math.sqrt(sum(e**2 for e in errors)) / len(errors) if errors and None not in errors else None
         cut = partial[labels[record.run_id]]
         cells = [_fmt_pm(v, e, PARTIAL if t in cut else "") for t, v, e in zip(tasks, values, errors)]
         rows.append((labels[record.run_id], *cells, _fmt_pm(mean, mean_error, PARTIAL if cut else "")))
         for source, entries in published[record.run_id].items():
-            pub = [published_value(entries, f"zero_shot.{t}") for t in tasks]
+            pub = [_value(entries.get(f"zero_shot.{t}")) for t in tasks]
             # The published average is over the seven paper tasks: shown only when those are the columns.
-            pub_avg = published_value(entries, "zero_shot.avg") if paper_columns_only else None
+            pub_avg = _value(entries.get("zero_shot.avg")) if paper_columns_only else None
             rows.append((f"{record.experiment.router} [{source}]", *(_fmt(v, ".2f") for v in pub), _fmt(pub_avg, ".2f")))
             deltas = [None if m is None or p is None else m - p for m, p in zip(values, pub)]
             avg_delta = None if mean is None or pub_avg is None else mean - pub_avg
             rows.append((f"delta vs {source}", *(_fmt(d, "+.2f") for d in deltas), _fmt(avg_delta, "+.2f")))
 
-    headers = ("Router", *(PAPER_TASKS.get(t) or LOCAL_TASK_LABELS.get(t, t) for t in tasks), "Avg.")
-    metric_text = ", ".join(f"{PAPER_TASKS.get(t) or LOCAL_TASK_LABELS.get(t, t)} {chosen[t]}" for t in tasks)
+    headers = ("Router", *map(task_label, tasks), "Avg.")
+    metric_text = ", ".join(f"{task_label(t)} {chosen[t]}" for t in tasks)
     rule = " (acc_norm where every run reports it, acc otherwise)" if metric == "auto" else ""
     caption = (
         f"Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: {metric_text or 'none'}{rule}. "
@@ -121,17 +139,12 @@ def zero_shot_table(
 # ------------------------------------------------------------------------------------------ validation loss
 VALID_SPLIT = "valid_split"
 HELDOUT = "heldout"
+_VALIDATION_LABELS = {VALID_SPLIT: "valid split", HELDOUT: "held-out"}
 
 
 def heldout_loss(record: RunRecord) -> float | None:
-    """The held-out LM loss over all the tokens of the record's per-domain losses (token-weighted).
-
-    Args:
-        record: a run record.
-
-    Returns:
-        nats/token, None where the run has no per-domain losses.
-    """
+    """The held-out LM loss (nats/token) over all the tokens of the record's per-domain losses (token-weighted),
+    None where the run has none."""
     tokens = sum(d.tokens for d in record.domain_losses)
     return sum(d.loss * d.tokens for d in record.domain_losses) / tokens if tokens else None
 
@@ -149,56 +162,47 @@ def _validation_columns(records: Sequence[RunRecord]) -> dict[str, Callable[[Run
     return columns
 
 
-def _validation_text(records: Sequence[RunRecord]) -> tuple[str, dict[str, str]]:
-    """The validation tables' first caption sentences and column labels."""
+def _validation_text(records: Sequence[RunRecord]) -> str:
+    """The validation tables' first caption sentences."""
     tokens: dict[str, set[int]] = {}
     for record in records:
         for d in record.domain_losses:
             tokens.setdefault(d.domain, set()).add(d.tokens)
     counts = ", ".join(f"{d} {min(n)}" if len(n) == 1 else f"{d} {min(n)}-{max(n)}" for d, n in tokens.items())
-    text = (
+    return (
         "Validation LM loss at the end of training (nats/token; lower is better). 'valid split': the trainer's "
         "loss on the validation split of the training corpus (documents never trained on). 'held-out' and the "
         "domain columns: next-token loss on the held-out documents of each domain (never in the training data), "
         "over all their scored tokens and per domain"
         + (f" (tokens scored: {counts})." if counts else ".")
     )
-    labels = {VALID_SPLIT: "valid split", HELDOUT: "held-out"}
-    return text, labels
 
 
 def validation_table(records: Sequence[RunRecord]) -> Table:
-    """The validation loss of each run: the trainer's, the held-out loss and one column per domain.
-
-    Args:
-        records: runs (runs with neither number are left out).
-
-    Returns:
-        The :class:`Table` (name ``validation``).
-    """
+    """The validation loss of each run (runs with neither number are left out): the trainer's, the held-out loss
+    and one column per domain."""
     columns = _validation_columns(records)
     measured = [r for r in _ordered(records) if any(f(r) is not None for f in columns.values())]
     labels = _labels(measured)
-    text, names = _validation_text(measured)
     rows = tuple((labels[r.run_id], *(_fmt(f(r), ".3f") for f in columns.values())) for r in measured)
-    return Table("validation", text, ("Router", *(names.get(c, c) for c in columns)), rows)
+    headers = ("Router", *(_VALIDATION_LABELS.get(c, c) for c in columns))
+    return Table("validation", _validation_text(measured), headers, rows)
 
 
 def validation_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
-    """:func:`validation_table` over seeds: mean +- CI per router, ``*`` where it differs from the reference.
+    """:func:`validation_table` over seeds (``validation_seeds``): mean +- CI per router, ``*`` where it differs
+    from the reference.
 
     Args:
         records: runs of one model, one per router and seed.
         **options: :func:`compare_metrics_over_seeds`'s keyword arguments.
-
-    Returns:
-        The :class:`Table` (name ``validation_seeds``).
     """
     columns = _validation_columns(records)
     comparison = compare_metrics_over_seeds(records, columns, **options)
     measured = [r for r in records if any(f(r) is not None for f in columns.values())]
-    text, labels = _validation_text(measured)
-    return seed_metric_table(comparison, name="validation_seeds", what=text, labels=labels)
+    return seed_metric_table(
+        comparison, name="validation_seeds", what=_validation_text(measured), labels=_VALIDATION_LABELS
+    )
 
 
 #: The routing statistics shown over seeds: name -> (header, number format).
@@ -218,15 +222,8 @@ def _layer_mean(name: str) -> Callable[[RunRecord], float | None]:
 
 
 def routing_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
-    """The routing statistics (mean over layers) over seeds: mean +- CI per router, marked against the reference.
-
-    Args:
-        records: runs of one model, one per router and seed (dense runs, without routing, are left out).
-        **options: :func:`compare_metrics_over_seeds`'s keyword arguments.
-
-    Returns:
-        The :class:`Table` (name ``routing_seeds``).
-    """
+    """The routing statistics (mean over layers) over seeds (``routing_seeds``): mean +- CI per router, marked
+    against the reference; arguments as :func:`validation_seed_table` (dense runs, without routing, left out)."""
     columns = {name: _layer_mean(name) for name in SEED_ROUTING_METRICS}
     comparison = compare_metrics_over_seeds([r for r in records if r.routing], columns, **options)
     return seed_metric_table(
@@ -243,12 +240,14 @@ def routing_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
 
 
 # ------------------------------------------------------------------------------------------ efficiency
+def _fmt_tflops(value: float | None) -> str:
+    """Two decimals as the papers print them; three significant digits for the tiny CPU figures."""
+    return _fmt(value, ".2f" if value is None or value >= 1 else ".3g")
+
+
 def efficiency_table(
-    records: Sequence[RunRecord],
-    *,
-    ledger: Sequence[PublishedEntry] | None = None,
-    parity_tolerance: float = DEFAULT_PARITY_TOLERANCE,
-    reference_router: str = DEFAULT_REFERENCE_ROUTER,
+    records: Sequence[RunRecord], *, ledger: Sequence[PublishedEntry] | None = None,
+    parity_tolerance: float = DEFAULT_PARITY_TOLERANCE, reference_router: str = DEFAULT_REFERENCE_ROUTER,
 ) -> Table:
     """The training-efficiency table, with a compute-parity verdict per run.
 
@@ -258,9 +257,6 @@ def efficiency_table(
         parity_tolerance: relative tolerance on measured expert FLOPs per token (see
             :func:`repro.report.parity.compute_parity`).
         reference_router: the router of the parity reference run.
-
-    Returns:
-        The :class:`Table`.
     """
     measured = [r for r in _ordered(records) if r.efficiency is not None]
     parity = compute_parity(measured, tolerance=parity_tolerance, reference_router=reference_router)
@@ -277,12 +273,10 @@ def efficiency_table(
             str(e.num_devices), record.environment.device, e.backend or MISSING, parity[record.run_id].note,
         ))
         for source, entries in _published_groups(record, ledger or (), "efficiency.").items():
-            ms = entries.get("efficiency.iter_time_ms")
-            tf = entries.get("efficiency.tflops_per_device")
             setting = next(iter(entries.values())).setting
             rows.append((
-                f"{record.experiment.router} [{source}]", _fmt(ms.value if ms else None, ".1f"),
-                _fmt_tflops(tf.value if tf else None), *[MISSING] * 5,
+                f"{record.experiment.router} [{source}]", _fmt(_value(entries.get("efficiency.iter_time_ms")), ".1f"),
+                _fmt_tflops(_value(entries.get("efficiency.tflops_per_device"))), *[MISSING] * 5,
                 MISSING if setting.num_devices is None else str(setting.num_devices), setting.hardware or MISSING,
                 MISSING, f"published, {setting.model}",
             ))
@@ -324,24 +318,14 @@ def _flops_formulas(records: Sequence[RunRecord]) -> str:
 
 # ------------------------------------------------------------------------------------------ routing
 def routing_table(records: Sequence[RunRecord]) -> Table:
-    """Routing behaviour per run: the mean over layers, then each layer.
-
-    Args:
-        records: runs (dense runs, which have no routing metrics, are left out).
-
-    Returns:
-        The :class:`Table`.
-    """
+    """Routing behaviour per run (dense runs, which have none, left out): the mean over layers, then each layer."""
     routed = [r for r in _ordered(records) if r.routing]
     labels = _labels(routed)
     names = ("active_experts", "simpson", "load_imbalance", "dropped_mass", "fallback_share")
     specs = (".3f", ".3f", ".2f", ".4f", ".3f")
     rows: list[tuple[str, ...]] = []
     for record in routed:
-        means = []
-        for name in names:
-            values = [getattr(layer, name) for layer in record.routing if getattr(layer, name) is not None]
-            means.append(statistics.fmean(values) if values else None)
+        means = [_layer_mean(name)(record) for name in names]
         rows.append((labels[record.run_id], "mean", *(_fmt(v, s) for v, s in zip(means, specs))))
         for layer in record.routing:
             rows.append(

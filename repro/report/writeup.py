@@ -5,10 +5,8 @@ sentences, its tables included from the ``.md`` files beside it), and the reposi
 block per study between ``<!-- BEGIN generated: <study> -->`` and ``<!-- END generated: <study> -->``.
 
 Every number in them is read from a results file (``summary.json``, the tables' ``.csv``, a benchmark JSON) or
-computed from the per-seed values those files hold, and every word that qualifies a difference ("lower",
-"higher", "no significant difference", "significant after Holm") is chosen by a test result by
-:func:`repro.report.prose.verdict`, never written by hand. ``--check`` exits 1 where a committed file differs
-from what the files give (the tests run the same comparison).
+computed from the per-seed values those files hold, and every comparison word is chosen by a test result
+(:mod:`repro.report.prose`). ``--check`` exits 1 where a committed file differs from what the files give.
 
 Examples::
 
@@ -76,15 +74,8 @@ def targets(root: Path) -> dict[Path, str]:
 
 
 def main(argv: list[str], prog: str) -> int:
-    """Write (or with ``--check`` compare) the write-ups.
-
-    Args:
-        argv: command-line arguments.
-        prog: program name for usage messages.
-
-    Returns:
-        0, or 1 with ``--check`` when a file is out of date.
-    """
+    """Write (or with ``--check`` compare) the write-ups. Returns the exit status: 1 with ``--check`` when a file
+    is out of date."""
     parser = argparse.ArgumentParser(prog=prog, description="Write the result write-ups from the results files.")
     parser.add_argument("--root", default=".", help="repository root (default: the current directory)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file is out of date")
