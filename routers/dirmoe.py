@@ -35,6 +35,7 @@ Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -288,7 +289,7 @@ class DirMoERouter(Router):
         if available:
             return True
         if mode == "auto":
-            blocks.warn_eager_fallback(device, missing)
+            blocks.warn_eager_fallback(device.type, missing)
             return False
         raise ValueError(
             f"compile_elementwise='always' cannot compile on {device.type}: {missing} is missing; use 'auto' or 'never'"
@@ -578,17 +579,11 @@ class DirMoERouter(Router):
         return metrics
 
 
-def _route_core(router: DirMoERouter, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None):
-    """:meth:`DirMoERouter.route_core` as a function of the router, so one compiled function serves every layer's
-    router (dynamo guards on the routers' options, not their identity)."""
-    return router.route_core(hidden_TD, u_TE)
+# One compiled function for every layer's router (dynamo guards on the routers' options, not their identity).
+_route_core = DirMoERouter.route_core
 
 
-_COMPILED: list = []
-
-
+@functools.cache
 def _compiled_route_core():
-    """``torch.compile(_route_core)``, made on first use (importing dynamo costs seconds)."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(_route_core))
-    return _COMPILED[0]
+    """``torch.compile`` of :meth:`DirMoERouter.route_core`, made on first use (importing dynamo costs seconds)."""
+    return torch.compile(_route_core)

@@ -14,6 +14,7 @@ Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 
 from __future__ import annotations
 
+import functools
 import warnings
 
 import torch
@@ -85,19 +86,15 @@ def inductor_available(device: torch.device) -> tuple[bool, str]:
     return not missing, " and ".join(missing)
 
 
-_WARNED: set[str] = set()
-
-
-def warn_eager_fallback(device: torch.device, missing: str) -> None:
-    """Warn once per process and device type that ``compile_elementwise="auto"`` runs eager for lack of
-    ``missing``."""
-    if device.type not in _WARNED:
-        _WARNED.add(device.type)
-        warnings.warn(
-            f"DirMoE runs eager on {device.type}: torch.compile needs {missing}, which is missing "
-            "(compile_elementwise='auto'; 'never' silences this)",
-            stacklevel=3,
-        )
+@functools.cache
+def warn_eager_fallback(device_type: str, missing: str) -> None:
+    """Warn that ``compile_elementwise="auto"`` runs eager on ``device_type`` for lack of ``missing``: once per
+    process (the cache) for a device type and what it lacks."""
+    warnings.warn(
+        f"DirMoE runs eager on {device_type}: torch.compile needs {missing}, which is missing "
+        "(compile_elementwise='auto'; 'never' silences this)",
+        stacklevel=3,
+    )
 
 
 def routing_sample(
