@@ -1,5 +1,7 @@
 """The DirMoE paper's Dirichlet maths, public and tested on its own: the concentration ratio, the Lemma and
 its calibrators, the closed-form Dirichlet KL, and the reconstruction term (:mod:`routers.dirmoe` uses them).
+The public functions check their arguments against the ranges their Args give, and raise ``ValueError`` naming
+the argument.
 
 Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 """
@@ -11,19 +13,12 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = [
-    "RECON_REDUCTIONS",
-    "alpha_ratio",
-    "dirichlet_expected_simpson",
-    "dirichlet_kl",
-    "expected_simpson",
-    "is_finite_number",
-    "kl_terms",
-    "lambda_for_mass_variance",
-    "lambda_for_simpson",
-    "reconstruction_loss",
-]
+from routers.base import require
 
+__all__ = [
+    "RECON_REDUCTIONS", "alpha_ratio", "dirichlet_expected_simpson", "dirichlet_kl", "expected_simpson",
+    "is_finite_number", "kl_terms", "lambda_for_mass_variance", "lambda_for_simpson", "reconstruction_loss",
+]
 
 #: How the reconstruction's squared error is reduced over the D dimensions (see ``DirMoEConfig.recon_reduction``).
 RECON_REDUCTIONS = ("mean", "sum")
@@ -34,24 +29,21 @@ def is_finite_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _check_experts(num_experts: object) -> None:
-    if not (isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts >= 2):
-        raise ValueError(f"num_experts must be an integer >= 2, got {num_experts!r}")
-
-
-def _check_mass(m: object) -> None:
-    if not (is_finite_number(m) and 0.0 < m < 1.0):
-        raise ValueError(f"m (mean mass on the active experts) must be in (0, 1), got {m!r}")
-
-
-def _check_active_count(name: str, k: object, num_experts: int) -> None:
-    if not (isinstance(k, int) and not isinstance(k, bool) and 1 <= k < num_experts):
-        raise ValueError(f"{name} must be an integer in [1, num_experts - 1 = {num_experts - 1}], got {k!r}")
-
-
 def _check_positive(name: str, value: object) -> None:
-    if not (is_finite_number(value) and value > 0):
-        raise ValueError(f"{name} must be a positive finite number, got {value!r}")
+    require(is_finite_number(value) and value > 0, name, value, "a positive finite number")
+
+
+def _check_experts(num_experts: object) -> None:
+    is_count = isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts >= 2
+    require(is_count, "num_experts", num_experts, "an integer >= 2")
+
+
+def _check_mass_and_count(m: object, num_experts: object, name: str, k: object) -> None:
+    """m in (0, 1), E >= 2 and the active count ``name`` = k in [1, E-1], checked in that order."""
+    require(is_finite_number(m) and 0.0 < m < 1.0, "m (mean mass on the active experts)", m, "in (0, 1)")
+    _check_experts(num_experts)
+    is_count = isinstance(k, int) and not isinstance(k, bool) and 1 <= k < num_experts
+    require(is_count, name, k, f"an integer in [1, num_experts - 1 = {num_experts - 1}]")
 
 
 def alpha_ratio(m: float, num_experts: int, k: int) -> float:
@@ -68,13 +60,8 @@ def alpha_ratio(m: float, num_experts: int, k: int) -> float:
 
     Returns:
         r > 0 (> 1 exactly when m > k/E).
-
-    Raises:
-        ValueError: m outside (0, 1), E < 2, or k outside [1, E-1].
     """
-    _check_mass(m)
-    _check_experts(num_experts)
-    _check_active_count("k", k, num_experts)
+    _check_mass_and_count(m, num_experts, "k", k)
     return m / (1.0 - m) * (num_experts - k) / k
 
 
@@ -86,21 +73,17 @@ def expected_simpson(lam: float, beta: Sequence[float] | torch.Tensor) -> float:
 
     Args:
         lam: the concentration scale lambda > 0.
-        beta: the base ``[E]`` (sequence or tensor), every entry > 0.
+        beta: the base ``[E]`` (sequence or tensor), not empty, every entry > 0 and finite.
 
     Returns:
         The expected Simpson index (a float, computed in float64).
-
-    Raises:
-        ValueError: lam <= 0, an empty base, or a non-positive / non-finite base entry.
     """
     _check_positive("lam", lam)
     values = beta.detach().double().flatten().tolist() if isinstance(beta, torch.Tensor) else list(beta)
     if not values:
         raise ValueError("beta must have at least one entry")
     for value in values:
-        if not (is_finite_number(value) and value > 0):
-            raise ValueError(f"every beta entry must be a positive finite number, got {value!r}")
+        _check_positive("every beta entry", value)
     B = math.fsum(values)
     S2 = math.fsum(v * v for v in values)
     return (lam * S2 / B + 1.0) / (lam * B + 1.0)
@@ -118,13 +101,10 @@ def lambda_for_simpson(h: float, num_experts: int) -> float:
 
     Returns:
         lambda > 0.
-
-    Raises:
-        ValueError: E < 2 or h outside (1/E, 1).
     """
     _check_experts(num_experts)
-    if not (is_finite_number(h) and 1.0 / num_experts < h < 1.0):
-        raise ValueError(f"h (target Simpson index) must be in (1/E, 1) = ({1.0 / num_experts:g}, 1), got {h!r}")
+    ok = is_finite_number(h) and 1.0 / num_experts < h < 1.0
+    require(ok, "h (target Simpson index)", h, f"in (1/E, 1) = ({1.0 / num_experts:g}, 1)")
     return (1.0 - h) / (h * num_experts - 1.0)
 
 
@@ -149,17 +129,12 @@ def lambda_for_mass_variance(
 
     Returns:
         lambda > 0.
-
-    Raises:
-        ValueError: any argument outside its range, or m inconsistent with the bases.
     """
-    _check_mass(m)
-    _check_experts(num_experts)
-    _check_active_count("s", s, num_experts)
+    _check_mass_and_count(m, num_experts, "s", s)
     _check_positive("alpha_hi", alpha_hi)
     _check_positive("alpha_lo", alpha_lo)
-    if not (is_finite_number(v_tar) and 0.0 < v_tar < m * (1.0 - m)):
-        raise ValueError(f"v_tar must be in (0, m(1-m)) = (0, {m * (1.0 - m):g}), got {v_tar!r}")
+    ok = is_finite_number(v_tar) and 0.0 < v_tar < m * (1.0 - m)
+    require(ok, "v_tar", v_tar, f"in (0, m(1-m)) = (0, {m * (1.0 - m):g})")
     C = s * alpha_hi + (num_experts - s) * alpha_lo
     implied_m = s * alpha_hi / C
     if abs(implied_m - m) > 1e-3:
@@ -202,9 +177,7 @@ def dirichlet_kl(alpha_q: torch.Tensor, alpha_p: torch.Tensor, validate_args: bo
     return kl_terms(alpha_q, alpha_p, alpha_q.sum(-1, keepdim=True))[0].sum(-1)
 
 
-def kl_terms(
-    alpha_q: torch.Tensor, alpha_p: torch.Tensor, q0: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kl_terms(alpha_q: torch.Tensor, alpha_p: torch.Tensor, q0: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """:func:`dirichlet_kl`'s terms, unchecked: ``KL = F.sum(-1)``, with what its closed-form gradient reuses.
 
     ``F = lgG(X) - lgG(Y) + (Y - X) digamma(C)`` elementwise over ``E + 1`` columns, the totals
@@ -244,17 +217,13 @@ def dirichlet_expected_simpson(alpha: torch.Tensor) -> torch.Tensor:
 
 
 def reconstruction_loss(
-    target_TD: torch.Tensor,
-    recon_TD: torch.Tensor,
-    *,
-    sigma2: float = 1.0,
-    reduction: str = "mean",
+    target_TD: torch.Tensor, recon_TD: torch.Tensor, *, sigma2: float = 1.0, reduction: str = "mean",
     target: str = "raw",
 ) -> torch.Tensor:
     """The Gaussian decoder's negative log-likelihood up to a constant, averaged over tokens.
 
     ``mean_t ||y_t - recon_t||^2 / (2 sigma^2)`` with ``y_t = x_t`` (``target="raw"``, the paper) or
-    ``y_t = x_t - mean_s x_s`` (``"centered"``, the micro-batch mean removed; see the module docstring,
+    ``y_t = x_t - mean_s x_s`` (``"centered"``, the micro-batch mean removed; ``routers/dirmoe_config.py``,
     gap 9). ``reduction="mean"`` divides the squared norm by D (the paper's decoder with sigma^2 D, gap 5).
 
     Args:
@@ -266,14 +235,9 @@ def reconstruction_loss(
 
     Returns:
         A scalar, differentiable in both tensors.
-
-    Raises:
-        ValueError: an unknown ``reduction`` or ``target``, or shapes that differ.
     """
-    if reduction not in RECON_REDUCTIONS:
-        raise ValueError(f"reduction must be one of {', '.join(map(repr, RECON_REDUCTIONS))}, got {reduction!r}")
-    if target not in ("raw", "centered"):
-        raise ValueError(f"target must be 'raw' or 'centered', got {target!r}")
+    require(reduction in RECON_REDUCTIONS, "reduction", reduction, f"one of {', '.join(map(repr, RECON_REDUCTIONS))}")
+    require(target in ("raw", "centered"), "target", target, "'raw' or 'centered'")
     if target_TD.shape != recon_TD.shape or target_TD.dim() != 2:
         raise ValueError(f"target {tuple(target_TD.shape)} and recon {tuple(recon_TD.shape)} must both be [T, D]")
     if target == "centered":
@@ -282,5 +246,4 @@ def reconstruction_loss(
         # The mean over D then over tokens is the mean over all entries: one fused op (and one in the backward)
         # where the squared error and two means take three (and some ten).
         return torch.nn.functional.mse_loss(recon_TD, target_TD) / (2.0 * sigma2)
-    sq_err_TD = (target_TD - recon_TD).pow(2)
-    return sq_err_TD.sum(-1).mean() / (2.0 * sigma2)
+    return (target_TD - recon_TD).pow(2).sum(-1).mean() / (2.0 * sigma2)

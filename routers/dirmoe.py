@@ -7,34 +7,28 @@ Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE la
   R^E (softplus of linear heads).
 * Relaxed spike (binary concrete / Gumbel-sigmoid): ``z~ = sigmoid((l + g) / tau_z)``, ``g ~ Logistic(0,1)``.
 * Slab posterior ``Dir(alpha_q)``, ``alpha_q = lambda_q (z~ alpha_hi(x) + (1 - z~) alpha_lo(x))``, sampled
-  with ``torch.distributions.Dirichlet(...).rsample()`` (normalised Gamma, implicit reparameterisation).
+  as ``torch.distributions.Dirichlet(...).rsample()`` does (normalised Gamma, implicit reparameterisation).
 * Slab prior ``Dir(alpha_p)``, ``alpha_p = lambda_p^(t) (sg(z~) alpha_hi^(t) + (1 - sg(z~)) alpha_lo^(t))``
-  with scheduled constants ``alpha_hi^(t) = r alpha_lo^(t)``, ``r = m/(1-m) (E-k)/k`` (:func:`alpha_ratio`).
+  with scheduled constants ``alpha_hi^(t) = r alpha_lo^(t)``, ``r = m/(1-m) (E-k)/k``.
 * Routing weights ``r = normalize(z~ * theta + eps_w)``.
 * Loss (mean over tokens): ``||x - g_psi(r)||^2 / (2 sigma^2) + beta_theta KL(Dir(alpha_q) || Dir(alpha_p))
   + lambda_sparsity (sum_i z~_i - k)^2``, returned as the aux losses ``dirmoe_recon``, ``dirmoe_kl`` and
   ``dirmoe_sparsity`` (each already weighted).
 * Evaluation (``router.eval()``) is deterministic: no logistic noise, ``theta`` = the posterior mean.
 * All router maths (logits, gates, Dirichlet, KL, decoder) runs in float32 whatever the model dtype.
-* Everything the training computes is :meth:`DirMoERouter.route_core`, free of host syncs, run eagerly or as one
-  ``torch.compile`` region (option ``compile_elementwise``: compiled on CUDA by default, eager on CPU) with its
-  random draws inside (the gates' uniforms from inductor's generator, the Dirichlet draw an ATen fallback);
-  eager is the reference (equal at fixed noise up to float32 rounding, equal in distribution otherwise:
-  ``tests/test_dirmoe_compile.py``). The diagnostic metrics are computed after it, eagerly, only when the
-  router's ``collect_metrics`` is set (steps that log).
+* Everything the training computes is :meth:`DirMoERouter.route_core`, free of host syncs, eager or one
+  ``torch.compile`` region (option ``compile_elementwise``); the diagnostic metrics are computed after it,
+  eagerly, only when the router's ``collect_metrics`` is set (steps that log).
 
-The paper's calibration maths (:func:`~routers.dirichlet.expected_simpson` (Lemma),
-:func:`~routers.dirichlet.lambda_for_simpson`, :func:`~routers.dirichlet.lambda_for_mass_variance`,
-:func:`~routers.dirichlet.alpha_ratio`, :func:`~routers.dirichlet.dirichlet_kl`,
-:func:`~routers.dirichlet.dirichlet_expected_simpson`) and the reconstruction term
-(:func:`~routers.dirichlet.reconstruction_loss`) live in :mod:`routers.dirichlet`; the options, and the paper's
-gaps closed with switchable defaults (numbered, with the evidence), in :mod:`routers.dirmoe_config`.
-
+The Dirichlet maths (the ratio r, the Lemma and its calibrators, the KL, the reconstruction term) is in
+:mod:`routers.dirichlet`, the elementwise maths in :mod:`routers.dirmoe_blocks`, the options and the paper's
+gaps closed with switchable defaults (numbered, with the evidence) in :mod:`routers.dirmoe_config`.
 Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,103 +39,72 @@ from torch import nn
 
 from routers import dirmoe_blocks as blocks
 from routers.base import Router, RouterOutput, RoutingConstraint, RoutingKind
-from routers.dirichlet import (
-    alpha_ratio,
-    dirichlet_expected_simpson,
-    dirichlet_kl,
-    expected_simpson,
-    lambda_for_mass_variance,
-    lambda_for_simpson,
-    reconstruction_loss,
-)
-from routers.dirmoe_config import HPARAM_READINGS, DirMoEConfig, PriorConstants
+from routers.dirichlet import dirichlet_expected_simpson, reconstruction_loss
+from routers.dirmoe_config import DirMoEConfig
 from routers.metrics import routing_metrics, simpson_index
 from routers.registry import register_router
 
-__all__ = [
-    "DirMoEConfig",
-    "DirMoERouter",
-    "DirMoESample",
-    "PriorConstants",
-    "HPARAM_READINGS",
-    "alpha_ratio",
-    "dirichlet_expected_simpson",
-    "dirichlet_kl",
-    "expected_simpson",
-    "lambda_for_mass_variance",
-    "lambda_for_simpson",
-    "reconstruction_loss",
-]
+__all__ = ["DirMoEConfig", "DirMoERouter", "DirMoESample"]
 
 
-# ------------------------------------------------------------------------------------------- router
 def _softplus_inverse(y: float) -> float:
     """x with softplus(x) = y (y > 0), written to stay accurate for small y."""
     return y + math.log(-math.expm1(-y))
 
 
+def _anneal(t: torch.Tensor, start: float, end: float, kind: str, decay: float | None, horizon: int) -> torch.Tensor:
+    """``kind`` "cosine" from ``start`` to ``end`` over ``horizon`` steps, else ``max(end, start decay^t)``
+    (``decay`` None: the one that reaches ``end`` at ``horizon``; routers/dirmoe_config.py, gap 6)."""
+    if kind == "cosine":
+        frac = (t / horizon).clamp(0.0, 1.0)
+        return end + (start - end) * 0.5 * (1.0 + torch.cos(math.pi * frac))
+    decay = (end / start) ** (1 / horizon) if decay is None else decay
+    return (start * torch.pow(decay, t)).clamp_min(end)
+
+
 class _SimplexDecoder(nn.Module):
-    """g_psi: the simplex Delta^{E-1} -> R^D, run in float32 whatever the parameters' dtype."""
+    """g_psi: the simplex Delta^{E-1} -> R^D, ``Linear`` layers with SiLU between them, run in float32 whatever
+    the parameters' dtype."""
 
     def __init__(self, num_experts: int, hidden_size: int, decoder_hidden_size: int) -> None:
         super().__init__()
-        hidden = [decoder_hidden_size] if decoder_hidden_size > 0 else []
-        widths = [num_experts, *hidden, hidden_size]
+        widths = [num_experts, *([decoder_hidden_size] if decoder_hidden_size > 0 else []), hidden_size]
         self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(widths[:-1], widths[1:]))
 
-    def init_weights(self, std: float) -> None:
-        for layer in self.layers:
-            nn.init.normal_(layer.weight, std=std)
-            nn.init.zeros_(layer.bias)
-
-    def params(self) -> tuple[torch.Tensor, ...]:
-        """``(weight_0, bias_0, weight_1, bias_1, ...)``, the arguments of :func:`routers.dirmoe_blocks.simplex_decode`."""
-        return tuple(t for layer in self.layers for t in (layer.weight, layer.bias))
-
     def forward(self, weights_TE: torch.Tensor) -> torch.Tensor:
-        return blocks.simplex_decode(weights_TE, self.params())
+        h = weights_TE
+        for i, layer in enumerate(self.layers):
+            if i > 0:
+                h = F.silu(h)
+            h = F.linear(h, layer.weight.float(), layer.bias.float())
+        return h
 
 
 @dataclass
 class DirMoESample:
-    """One draw of DirMoE's latent variables for a micro-batch, and its sparsity and KL terms (all float32).
+    """One draw of DirMoE's latent variables for a micro-batch, and its sparsity and KL terms (all float32). All are
+    attached to the graph, except in eager training (the closed-form backward of
+    :func:`routers.dirmoe_blocks.routing_sample`), where only ``weights_TE`` and the two terms are."""
 
-    Attributes:
-        logits_TE: gate logits l(x) (centred x-dependent part plus bias).
-        gates_TE: relaxed gates z~ (``sigmoid(l / tau)`` in eval mode).
-        base_q_TE: the posterior's bases, ``alpha_q = lambda_q * base_q`` (``z~ alpha_hi(x) + (1 - z~)
-            alpha_lo(x)``, rescaled to the prior's base total under ``posterior_scale="normalized"``).
-        alpha_q_TE: posterior concentrations.
-        alpha_p_TE: prior concentrations (built on stop-gradient gates).
-        theta_TE: the Dirichlet draw (the posterior mean in eval mode).
-        weights_TE: routing weights r = normalize(z~ * theta + eps_w), over all E experts.
-        active_T1: ``sum_i z~_i`` per token.
-        sparsity: the sparsity term ``mean (sum_i z~_i - k)^2`` times ``sparsity_weight`` (1 when that is 0).
-        kl: the KL term ``mean KL(Dir(alpha_q) || Dir(alpha_p))`` times ``kl_weight`` (1 when that is 0).
-        lambda_q: the posterior scale in use (``config.lambda_q``, or lambda_p^(t) when tied), a scalar.
-        schedule: the schedule values used (``tau``, ``lambda_p``, ``lambda_q``, ``alpha_lo``, ``alpha_hi``).
-
-    All are attached to the graph, except in eager training (the closed-form backward of
-    :func:`routers.dirmoe_blocks.routing_sample`), where only ``weights_TE`` and the two terms are.
-    """
-
-    logits_TE: torch.Tensor
-    gates_TE: torch.Tensor
+    logits_TE: torch.Tensor  # gate logits l(x) (centred x-dependent part plus bias)
+    gates_TE: torch.Tensor  # relaxed gates z~ (sigmoid(l / tau) in eval mode)
+    # the posterior's bases, alpha_q = lambda_q * base_q: z~ alpha_hi(x) + (1 - z~) alpha_lo(x), rescaled to the
+    # prior's base total under posterior_scale="normalized"
     base_q_TE: torch.Tensor
-    alpha_q_TE: torch.Tensor
-    alpha_p_TE: torch.Tensor
-    theta_TE: torch.Tensor
-    weights_TE: torch.Tensor
-    active_T1: torch.Tensor
-    sparsity: torch.Tensor
-    kl: torch.Tensor
-    lambda_q: torch.Tensor
-    schedule: dict[str, torch.Tensor]
+    alpha_q_TE: torch.Tensor  # posterior concentrations
+    alpha_p_TE: torch.Tensor  # prior concentrations (built on stop-gradient gates)
+    theta_TE: torch.Tensor  # the Dirichlet draw (the posterior mean in eval mode)
+    weights_TE: torch.Tensor  # routing weights r = normalize(z~ * theta + eps_w), over all E experts
+    active_T1: torch.Tensor  # sum_i z~_i per token
+    sparsity: torch.Tensor  # the sparsity term mean (sum_i z~_i - k)^2 times sparsity_weight (1 when that is 0)
+    kl: torch.Tensor  # the KL term mean KL(Dir(alpha_q) || Dir(alpha_p)) times kl_weight (1 when that is 0)
+    lambda_q: torch.Tensor  # the posterior scale in use (config.lambda_q, or lambda_p^(t) when tied), a scalar
+    schedule: dict[str, torch.Tensor]  # the schedule values used (DirMoERouter.schedule_values)
 
 
 @register_router("dirmoe")
 class DirMoERouter(Router):
-    """The DirMoE router (see the module docstring for the method and the defaults).
+    """The DirMoE router (the method: the module docstring; the options: :class:`DirMoEConfig`).
 
     Parameters: ``weight`` ``[3E, D]`` and ``bias`` ``[3E]`` hold three linear heads on x, rows
     ``[0, E)`` the gate logits, ``[E, 2E)`` the ``alpha_hi`` base and ``[2E, 3E)`` the ``alpha_lo`` base
@@ -169,31 +132,14 @@ class DirMoERouter(Router):
             # Registered only when used, so checkpoints of the other targets keep their keys.
             self.register_buffer("recon_mean_D", torch.zeros(D))
             self.register_buffer("recon_mean_updates", torch.zeros((), dtype=torch.long))
-        # Derived constants (pure functions of the config; the step buffer is the only schedule state).
         self._prior = config.prior_constants()
-        T = config.schedule_steps
-        self._tau_decay = (
-            config.tau_decay
-            if config.tau_decay is not None
-            else (config.tau_end / config.tau_start) ** (1 / config.tau_horizon)
-        )
-        self._lambda_p_decay = (
-            config.lambda_p_decay
-            if config.lambda_p_decay is not None
-            else (config.lambda_p_end / config.lambda_p_start) ** (1 / T)
-        )
-        self._alpha_decay = (
-            config.alpha_decay
-            if config.alpha_decay is not None
-            else (self._prior.alpha_floor / self._prior.alpha_lo_init) ** (1 / T)
-        )
         self._inductor: dict[str, tuple[bool, str]] = {}  # device type -> (inductor can compile there, what lacks)
         # (step buffer, its version, inference mode, schedule_values()) for the eager path (_step_schedule)
         self._schedule_cache: tuple | None = None
         self.reset_parameters()
 
     def initial_gate_bias(self) -> float:
-        """The gate bias at init, per ``gate_bias_init`` (module docstring, gap 1).
+        """The gate bias at init, per ``gate_bias_init`` (``routers/dirmoe_config.py``, gap 1).
 
         Returns:
             ``tau_0 logit(k/E)`` ("tempered") or ``logit(k/E) + tau_0 logit(z_threshold)`` ("inclusion").
@@ -213,55 +159,40 @@ class DirMoERouter(Router):
             self.bias[:E].fill_(self.initial_gate_bias())
             self.bias[E : 2 * E].fill_(_softplus_inverse(self._prior.alpha_hi_init - c.posterior_alpha_min))
             self.bias[2 * E :].fill_(_softplus_inverse(self._prior.alpha_lo_init - c.posterior_alpha_min))
-        self.decoder.init_weights(c.init_std)
+            for layer in self.decoder.layers:
+                nn.init.normal_(layer.weight, std=c.init_std)
+                nn.init.zeros_(layer.bias)
 
     # ------------------------------------------------------------------ schedules
-    @staticmethod
-    def _anneal(
-        t: torch.Tensor, start: float, end: float, kind: str, decay: float, horizon: int
-    ) -> torch.Tensor:
-        if kind == "cosine":
-            frac = (t / horizon).clamp(0.0, 1.0)
-            return end + (start - end) * 0.5 * (1.0 + torch.cos(math.pi * frac))
-        return (start * torch.pow(decay, t)).clamp_min(end)
-
     def schedule_values(self) -> dict[str, torch.Tensor]:
-        """The step-dependent values, as float32 scalars on the step buffer's device.
-
-        Computed in float64 from the ``step`` buffer alone (no host sync), so a restored checkpoint gives
-        bit-identical values.
+        """The step-dependent values, as float32 scalars on the step buffer's device, computed in float64 from the
+        ``step`` buffer alone (no host sync), so a restored checkpoint gives bit-identical values.
 
         Returns:
             ``tau`` (gate temperature), ``lambda_p`` (prior scale), ``lambda_q`` (the posterior scale in use:
             ``lambda_p`` when tied, else the constant), ``alpha_lo`` and ``alpha_hi`` (prior bases,
             ``alpha_hi = r alpha_lo``).
         """
-        c = self.config
+        c, prior = self.config, self._prior
         t = self.step.to(torch.float64)
-        tau = self._anneal(t, c.tau_start, c.tau_end, c.tau_schedule, self._tau_decay, c.tau_horizon)
-        lambda_p = self._anneal(
-            t, c.lambda_p_start, c.lambda_p_end, c.lambda_p_schedule, self._lambda_p_decay, c.schedule_steps
-        )
-        alpha_lo = (self._prior.alpha_lo_init * torch.pow(self._alpha_decay, t)).clamp_min(self._prior.alpha_floor)
-        alpha_hi = self._prior.ratio * alpha_lo
+        tau = _anneal(t, c.tau_start, c.tau_end, c.tau_schedule, c.tau_decay, c.tau_horizon)
+        lambda_p = _anneal(t, c.lambda_p_start, c.lambda_p_end, c.lambda_p_schedule, c.lambda_p_decay, c.schedule_steps)
         lambda_p = lambda_p.float()
+        alpha_lo = _anneal(t, prior.alpha_lo_init, prior.alpha_floor, "exponential", c.alpha_decay, c.schedule_steps)
         return {
             "tau": tau.float(),
             "lambda_p": lambda_p,
             "lambda_q": lambda_p if c.posterior_scale == "tied" else torch.full_like(lambda_p, c.lambda_q),
             "alpha_lo": alpha_lo.float(),
-            "alpha_hi": alpha_hi.float(),
+            "alpha_hi": (prior.ratio * alpha_lo).float(),
         }
 
     def _step_schedule(self) -> dict[str, torch.Tensor]:
-        """:meth:`schedule_values`, computed once per state of the ``step`` buffer when eager (the same tensors for
-        every micro-batch of a step: ~25 scalar ops fewer per call); in the compiled region, fused into it.
-
-        The key is read on the host without a sync: the buffer itself (held, so a new buffer is never mistaken
-        for it; ``.to(device)`` makes a new one), its version counter (which every in-place write,
-        ``set_step``'s ``fill_`` or ``load_state_dict``'s ``copy_``, advances), and whether inference mode is
-        on (its tensors may not enter a training graph).
-        """
+        """:meth:`schedule_values`, once per state of the ``step`` buffer when eager (~25 scalar ops fewer per
+        micro-batch); in the compiled region, fused into it. The key is read on the host without a sync: the buffer
+        itself (held, so a new one, e.g. from ``.to(device)``, is never mistaken for it), its version counter (which
+        every in-place write, ``set_step``'s ``fill_`` or ``load_state_dict``'s ``copy_``, advances), and whether
+        inference mode is on (its tensors may not enter a training graph)."""
         if torch.compiler.is_compiling():
             return self.schedule_values()
         step, inference = self.step, torch.is_inference_mode_enabled()
@@ -273,8 +204,7 @@ class DirMoERouter(Router):
     # ------------------------------------------------------------------- forward
     def compiles_elementwise(self, device: torch.device) -> bool:
         """Whether the router's forward runs as one ``torch.compile`` region on ``device`` (option
-        ``compile_elementwise``: ``"always"``; ``"auto"`` on CUDA where inductor has all it needs, eager
-        elsewhere, with one warning when CUDA lacks it; ``"never"``).
+        ``compile_elementwise``).
 
         Raises:
             ValueError: ``"always"`` where inductor lacks what it needs for the device (one line naming it).
@@ -288,7 +218,7 @@ class DirMoERouter(Router):
         if available:
             return True
         if mode == "auto":
-            blocks.warn_eager_fallback(device, missing)
+            blocks.warn_eager_fallback(device.type, missing)
             return False
         raise ValueError(
             f"compile_elementwise='always' cannot compile on {device.type}: {missing} is missing; use 'auto' or 'never'"
@@ -299,17 +229,11 @@ class DirMoERouter(Router):
         c, E = self.config, self.num_experts
         if c.dispatch == "dense":
             return RoutingConstraint(RoutingKind.EXACT_K, E, E, top_k=c.top_k, probs_sum_to_one=True)
-        rule_min = c.top_k if c.dispatch == "topk" else 1
-        if c.dense_steps > 0:
-            # Both phases: dense (E per token, r sums to one) until dense_steps, then the rule.
-            return RoutingConstraint(RoutingKind.VARIABLE, rule_min, E, top_k=c.top_k, probs_sum_to_one=c.renormalize)
-        if c.dispatch == "topk":
-            return RoutingConstraint(
-                RoutingKind.EXACT_K, c.top_k, c.top_k, top_k=c.top_k, probs_sum_to_one=c.renormalize
-            )
-        return RoutingConstraint(
-            RoutingKind.VARIABLE, 1, c.dispatch_cap(), top_k=c.top_k, probs_sum_to_one=c.renormalize
-        )
+        least = c.top_k if c.dispatch == "topk" else 1
+        # With dense steps, both phases: dense (E per token, r sums to one) until dense_steps, then the rule.
+        most = E if c.dense_steps > 0 else c.dispatch_cap()
+        kind = RoutingKind.EXACT_K if c.dispatch == "topk" and c.dense_steps == 0 else RoutingKind.VARIABLE
+        return RoutingConstraint(kind, least, most, top_k=c.top_k, probs_sum_to_one=c.renormalize)
 
     def sample(self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None) -> DirMoESample:
         """Draw the gates and the Dirichlet weights for a micro-batch (deterministic in eval mode).
@@ -350,15 +274,13 @@ class DirMoERouter(Router):
     def dense_phase(self) -> torch.Tensor:
         """Whether this step dispatches every token to every expert (``dispatch="dense"`` or
         ``step < dense_steps``), as a bool scalar on the step buffer's device (no host sync)."""
-        c = self.config
-        if c.dispatch == "dense":
+        if self.config.dispatch == "dense":
             return torch.ones((), dtype=torch.bool, device=self.step.device)
-        return self.step < c.dense_steps
+        return self.step < self.config.dense_steps
 
     def posterior_bases(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """The posterior's bases ``beta(x)`` at evaluation (deterministic gates): the posterior is
-        ``Dir(scale * beta(x))`` with the scale :attr:`posterior_scale`, so sweeping the scale over these bases
-        shows the sparsity knob (``repro.analysis.sparsity_knob``).
+        """The posterior's bases ``beta(x)`` at evaluation: the posterior is ``Dir(scale * beta(x))`` with the scale
+        :attr:`posterior_scale`, so sweeping the scale over them shows the sparsity knob (``repro.analysis``).
 
         Args:
             hidden_TD: ``[T, D]`` router inputs.
@@ -382,7 +304,7 @@ class DirMoERouter(Router):
         return float(self.config.lambda_q)
 
     def dispatch(self, weights_TE: torch.Tensor, gates_TE: torch.Tensor) -> torch.Tensor:
-        """The routing map chosen by ``config.dispatch`` and ``config.dense_steps`` (module docstring, gap 2).
+        """The routing map chosen by ``config.dispatch`` and ``config.dense_steps`` (gap 2).
 
         Args:
             weights_TE: routing weights r.
@@ -417,10 +339,7 @@ class DirMoERouter(Router):
             return selected_TE
 
     def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
+        self, hidden_TD: torch.Tensor, token_ids_T: torch.Tensor | None = None, seq_shape: tuple[int, int] | None = None
     ) -> RouterOutput:
         """Route one micro-batch (see :meth:`Router.route`); token ids and sequence shape are unused."""
         # Router maths stays float32 even inside an autocast region (paper: "router logits/Dirichlet in fp32").
@@ -441,16 +360,13 @@ class DirMoERouter(Router):
         return self.recon_mean_D.float().clone()
 
     def decoder_directions(self) -> torch.Tensor:
-        """``g_psi(e_i) - g_psi(0)`` for every expert i, ``[E, D]`` float32 (the linear decoder's columns).
-
-        Returns:
-            The direction each expert's vertex of the simplex adds to the reconstruction (detached).
-        """
+        """Returns:
+            ``g_psi(e_i) - g_psi(0)`` for every expert i, ``[E, D]`` float32 (detached): the direction each expert's
+            vertex of the simplex adds to the reconstruction (the linear decoder's columns)."""
         with torch.no_grad():
             E = self.num_experts
             vertices_ED = self.decoder(torch.eye(E, device=self.bias.device))
-            origin_1D = self.decoder(torch.zeros(1, E, device=self.bias.device))
-            return vertices_ED - origin_1D
+            return vertices_ED - self.decoder(torch.zeros(1, E, device=self.bias.device))
 
     def _route_fp32(self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None) -> RouterOutput:
         """Route in float32: :meth:`route_core` (one compiled region where :meth:`compiles_elementwise` says so),
@@ -471,44 +387,39 @@ class DirMoERouter(Router):
             u_TE: the gates' uniforms, or None to draw them (see :meth:`sample`).
 
         Returns:
-            ``(probs_TE, routing_map_TE, aux_losses, parts)``; ``parts`` holds the sample's tensors and the
-            unweighted loss terms that :meth:`_metrics` reads.
+            ``(probs_TE, routing_map_TE, aux_losses, parts)``; ``parts``: what :meth:`_metrics` reads.
         """
         c, E, k = self.config, self.num_experts, self.top_k
-        T = hidden_TD.shape[0]
         s = self.sample(hidden_TD, u_TE)
         routing_map_TE = self.dispatch(s.weights_TE, s.gates_TE)
         x_TD = hidden_TD.float()
         offset_D = self._recon_offset(x_TD.detach().mean(0)) if c.recon_target == "data_mean" else None
-        probs_TE, recon = blocks.combine_and_recon(
-            s.weights_TE, routing_map_TE, x_TD.detach() if c.detach_recon_target else x_TD, offset_D,
-            self.decoder.params(), renormalize=c.renormalize, recon_grad=c.recon_weight > 0, sigma2=c.recon_sigma2,
-            reduction=c.recon_reduction, centered=c.recon_target == "centered",
-        )
+        # r times the map: r where dispatched, exactly 0 elsewhere (r is finite), one op forward and one backward.
+        probs_TE = s.weights_TE * routing_map_TE
+        if c.renormalize:
+            probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True)
+        # Reconstruction -log N(x; g_psi(r), sigma^2 I) up to a constant, per token (gaps 3, 5, 9).
+        with torch.set_grad_enabled(torch.is_grad_enabled() and c.recon_weight > 0):
+            recon_TD = self.decoder(s.weights_TE)
+            if offset_D is not None:
+                recon_TD = recon_TD + offset_D
+            recon = reconstruction_loss(
+                x_TD.detach() if c.detach_recon_target else x_TD, recon_TD, sigma2=c.recon_sigma2,
+                reduction=c.recon_reduction, target="centered" if c.recon_target == "centered" else "raw",
+            )
 
         # A term whose weight is 0 is left out: no backward through it (gap 11). The KL and sparsity terms come
         # weighted (sample). Eager, a weight of 1 multiplies nothing (one op forward and one backward fewer;
         # x * 1.0 is exact). The compiled region keeps the product: an output that is another output's alias costs
         # launches outside it.
         recon_term = recon if c.recon_weight == 1.0 and not torch.compiler.is_compiling() else c.recon_weight * recon
-        aux_losses = {
-            name: value
-            for name, weight, value in (
-                ("dirmoe_recon", c.recon_weight, recon_term),
-                ("dirmoe_kl", c.kl_weight, s.kl),
-                ("dirmoe_sparsity", c.sparsity_weight, s.sparsity),
-            )
-            if weight > 0
-        }
+        terms = (("dirmoe_recon", c.recon_weight, recon_term), ("dirmoe_kl", c.kl_weight, s.kl),
+                 ("dirmoe_sparsity", c.sparsity_weight, s.sparsity))
+        aux_losses = {name: value for name, weight, value in terms if weight > 0}
         if c.balance_loss_coeff > 0 and self.training and torch.is_grad_enabled():
             # Switch's loss exactly as megatron-core computes it, on r (all E) and DirMoE's map (gap 12).
             aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
-                probs=s.weights_TE,
-                tokens_per_expert=routing_map_TE.sum(0),
-                total_num_tokens=T,
-                topk=k,
-                num_experts=E,
-                moe_aux_loss_coeff=c.balance_loss_coeff,
+                s.weights_TE, routing_map_TE.sum(0), hidden_TD.shape[0], k, E, c.balance_loss_coeff
             )
         parts = {
             "gates_TE": s.gates_TE, "weights_TE": s.weights_TE, "theta_TE": s.theta_TE, "alpha_q_TE": s.alpha_q_TE,
@@ -539,32 +450,26 @@ class DirMoERouter(Router):
                 fallback_T = ~(p["gates_TE"] >= c.z_threshold).any(-1) & ~dense_T
             else:
                 fallback_T = torch.zeros_like(dense_T)
-            sq_norm_mean = x_TD.pow(2).sum(-1).mean()
             directions_ED = self.decoder_directions()
-            alignment = F.cosine_similarity(directions_ED, mean_D.detach().expand_as(directions_ED), dim=-1).mean()
-            # The calibrator's target: the Lemma with the scale in use and the prior's bases on an ideal
-            # active set (k experts at alpha_hi^(t), E - k at alpha_lo^(t)).
             a_hi, a_lo, lam = p["alpha_hi"], p["alpha_lo"], p["lambda_q"].detach()
             B = k * a_hi + (E - k) * a_lo
             S2 = k * a_hi * a_hi + (E - k) * a_lo * a_lo
-            gates_TE = p["gates_TE"].detach()
+            gates_TE, weights_TE, alpha_q_TE = (p[name].detach() for name in ("gates_TE", "weights_TE", "alpha_q_TE"))
             prior_bases_TE = gates_TE * a_hi + (1.0 - gates_TE) * a_lo
-            alpha_q_TE = p["alpha_q_TE"].detach()
+            alignment_E = F.cosine_similarity(directions_ED, mean_D.expand_as(directions_ED), dim=-1)
             metrics.update(
                 load_share=tokens_per_expert_E.float() / tokens_per_expert_E.sum().clamp_min(1).float(),
-                weight_share=p["weights_TE"].detach().mean(0),
+                weight_share=weights_TE.mean(0),
                 fallback_share=fallback_T.float().mean(),
                 dense_phase=self.dense_phase().float(),
                 expected_active=p["active_T1"].mean().detach(),
-                dropped_mass=(1.0 - (p["weights_TE"].detach() * routing_map_TE).sum(-1)).mean(),
+                dropped_mass=(1.0 - (weights_TE * routing_map_TE).sum(-1)).mean(),
                 kl=p["kl"].detach() / (c.kl_weight or 1.0),
                 recon=p["recon"].detach(),
                 sparsity=p["sparsity"].detach() / (c.sparsity_weight or 1.0),
-                balance_loss=switch_load_balancing_loss_func(
-                    p["weights_TE"].detach(), tokens_per_expert_E, T, k, E, 1.0
-                ),
-                input_mean_energy=mean_D.pow(2).sum() / sq_norm_mean.clamp_min(1e-30),
-                decoder_mean_alignment=alignment,
+                balance_loss=switch_load_balancing_loss_func(weights_TE, tokens_per_expert_E, T, k, E, 1.0),
+                input_mean_energy=mean_D.pow(2).sum() / x_TD.pow(2).sum(-1).mean().clamp_min(1e-30),
+                decoder_mean_alignment=alignment_E.mean(),
                 simpson_r=simpson_index(p["weights_TE"]),
                 simpson_theta=simpson_index(p["theta_TE"]),
                 simpson_theta_expected=dirichlet_expected_simpson(alpha_q_TE).mean(),
@@ -578,17 +483,11 @@ class DirMoERouter(Router):
         return metrics
 
 
-def _route_core(router: DirMoERouter, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None):
-    """:meth:`DirMoERouter.route_core` as a function of the router, so one compiled function serves every layer's
-    router (dynamo guards on the routers' options, not their identity)."""
-    return router.route_core(hidden_TD, u_TE)
+# One compiled function for every layer's router (dynamo guards on the routers' options, not their identity).
+_route_core = DirMoERouter.route_core
 
 
-_COMPILED: list = []
-
-
+@functools.cache
 def _compiled_route_core():
-    """``torch.compile(_route_core)``, made on first use (importing dynamo costs seconds)."""
-    if not _COMPILED:
-        _COMPILED.append(torch.compile(_route_core))
-    return _COMPILED[0]
+    """``torch.compile`` of :meth:`DirMoERouter.route_core`, made on first use (importing dynamo costs seconds)."""
+    return torch.compile(_route_core)

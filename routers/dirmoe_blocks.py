@@ -1,50 +1,25 @@
-"""DirMoE's elementwise maths as pure functions of tensors, called by :meth:`routers.dirmoe.DirMoERouter.route_core`
-(eager, or inside its one compiled region: option ``compile_elementwise``), and the checks of what inductor needs.
-
-- :func:`routing_sample`: gate logits, relaxed gates z~, posterior bases, the posterior / prior concentrations,
-  the Dirichlet draw and the routing weights, with the sparsity and KL terms (:class:`_RoutingSample` in eager
-  training: a closed-form backward);
-- :func:`combine_and_recon`: combine weights on the routing map and the reconstruction term;
-- :func:`simplex_decode`: the decoder g_psi in float32;
-- :func:`inductor_available`: whether inductor can generate code on a device, and what it lacks;
-  :func:`warn_eager_fallback`: the one warning of ``compile_elementwise="auto"`` falling back to eager.
+"""DirMoE's sample (gates, concentrations, Dirichlet draw, routing weights and the sparsity and KL terms) as a
+function of tensors with a closed-form backward for eager training, and the checks of what inductor needs (option
+``compile_elementwise``).
 
 Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 """
 
 from __future__ import annotations
 
+import functools
+import os
+import shutil
 import warnings
 
 import torch
 import torch.nn.functional as F
 
-from routers.dirichlet import kl_terms, reconstruction_loss
-
-
-def simplex_decode(weights_TE: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """g_psi(r) in float32: ``Linear`` layers with SiLU between them.
-
-    Args:
-        weights_TE: routing weights r.
-        params: ``(weight_0, bias_0, weight_1, bias_1, ...)`` of the decoder's layers.
-
-    Returns:
-        The reconstruction [T, D] in float32.
-    """
-    h = weights_TE
-    for i in range(0, len(params), 2):
-        if i > 0:
-            h = F.silu(h)
-        h = F.linear(h, params[i].float(), params[i + 1].float())
-    return h
+from routers.dirichlet import kl_terms
 
 
 def _c_compiler() -> str | None:
     """The host C compiler Triton would build its launchers with (``$CC``, else gcc, else clang), or None."""
-    import os
-    import shutil
-
     cc = os.environ.get("CC")
     if cc:
         return shutil.which(cc)
@@ -53,8 +28,6 @@ def _c_compiler() -> str | None:
 
 def _cxx_compiler() -> str | None:
     """The C++ compiler inductor's CPU backend would use (its own search list), or None."""
-    import shutil
-
     from torch._inductor import config as inductor_config
 
     cxx = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
@@ -85,45 +58,27 @@ def inductor_available(device: torch.device) -> tuple[bool, str]:
     return not missing, " and ".join(missing)
 
 
-_WARNED: set[str] = set()
-
-
-def warn_eager_fallback(device: torch.device, missing: str) -> None:
-    """Warn once per process and device type that ``compile_elementwise="auto"`` runs eager for lack of
-    ``missing``."""
-    if device.type not in _WARNED:
-        _WARNED.add(device.type)
-        warnings.warn(
-            f"DirMoE runs eager on {device.type}: torch.compile needs {missing}, which is missing "
-            "(compile_elementwise='auto'; 'never' silences this)",
-            stacklevel=3,
-        )
+@functools.cache
+def warn_eager_fallback(device_type: str, missing: str) -> None:
+    """Warn that ``compile_elementwise="auto"`` runs eager on ``device_type`` for lack of ``missing``: once per
+    process (the cache) for a device type and what it lacks."""
+    warnings.warn(
+        f"DirMoE runs eager on {device_type}: torch.compile needs {missing}, which is missing "
+        "(compile_elementwise='auto'; 'never' silences this)",
+        stacklevel=3,
+    )
 
 
 def routing_sample(
-    x_TD: torch.Tensor,
-    weight_3ED: torch.Tensor,
-    bias_3E: torch.Tensor,
-    u_TE: torch.Tensor | None,
-    tau: torch.Tensor,
-    prior_alpha_hi: torch.Tensor,
-    prior_alpha_lo: torch.Tensor,
-    lambda_q: torch.Tensor,
-    lambda_p: torch.Tensor,
-    *,
-    num_experts: int,
-    top_k: int,
-    center_logits: bool,
-    alpha_min: float,
-    normalized: bool,
-    weight_leak: float,
-    sparsity_weight: float,
-    kl_weight: float,
+    x_TD: torch.Tensor, weight_3ED: torch.Tensor, bias_3E: torch.Tensor, u_TE: torch.Tensor | None, tau: torch.Tensor,
+    prior_alpha_hi: torch.Tensor, prior_alpha_lo: torch.Tensor, lambda_q: torch.Tensor, lambda_p: torch.Tensor, *,
+    num_experts: int, top_k: int, center_logits: bool, alpha_min: float, normalized: bool, weight_leak: float,
+    sparsity_weight: float, kl_weight: float,
 ) -> tuple[torch.Tensor, ...]:
     """Gates, concentrations, the Dirichlet draw and the routing weights from x, with the sparsity and KL terms.
 
     Eager with noise and ``normalized`` off (training's default), :class:`_RoutingSample`: the same ops forward, a
-    closed-form backward. Otherwise the expression below, through autograd.
+    closed-form backward. Otherwise :func:`_forward` through autograd.
 
     Args:
         x_TD: the router's input, float32.
@@ -146,27 +101,35 @@ def routing_sample(
         kl_weight: multiplies the KL term (likewise).
 
     Returns:
-        ``(logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE, weights_TE, active_T1, sparsity,
-        kl)``, the fields of :class:`routers.dirmoe.DirMoESample` in order: ``active_T1`` is ``sum_i z~_i`` per
-        token, ``sparsity`` ``sparsity_weight mean (active - k)^2`` and ``kl`` ``kl_weight mean KL(Dir(alpha_q) ||
-        Dir(alpha_p))``. Through :class:`_RoutingSample` only ``weights_TE`` and the two terms carry gradients.
+        The first ten fields of :class:`routers.dirmoe.DirMoESample` in order, ``logits_TE`` to ``kl``. Through
+        :class:`_RoutingSample` only ``weights_TE`` and the two terms carry gradients.
     """
+    args = (x_TD, weight_3ED, bias_3E, u_TE, tau, prior_alpha_hi, prior_alpha_lo, lambda_q, lambda_p, num_experts,
+            top_k, center_logits, alpha_min, weight_leak, sparsity_weight, kl_weight)
     if u_TE is not None and not normalized and not torch.compiler.is_compiling():
-        return _RoutingSample.apply(x_TD, weight_3ED, bias_3E, u_TE, tau, prior_alpha_hi, prior_alpha_lo, lambda_q,
-                                    lambda_p, num_experts, top_k, center_logits, alpha_min, weight_leak,
-                                    sparsity_weight, kl_weight)
-    E = num_experts
+        return _RoutingSample.apply(*args)
+    return _forward(*args, normalized=normalized, draw=_rsample)[0]
+
+
+def _rsample(alpha_TE: torch.Tensor) -> torch.Tensor:
+    return torch.distributions.Dirichlet(alpha_TE, validate_args=False).rsample()
+
+
+def _forward(x_TD, weight_3ED, bias_3E, u_TE, tau, prior_hi, prior_lo, lambda_q, lambda_p, E, top_k, center,
+             alpha_min, weight_leak, sparsity_weight, kl_weight, *, normalized, draw):
+    """:func:`routing_sample`'s expression, ``draw`` drawing theta from alpha_q (training). Returns ``(outputs,
+    saved)``: :func:`routing_sample`'s outputs, and the intermediates :meth:`_RoutingSample.backward` reads."""
     heads_T3E = F.linear(x_TD, weight_3ED)
     # One add of the three heads' bias, then the split: three slices and adds cost three times the launches,
     # forward and backward.
     logits_TE, bases_T2E = (heads_T3E + bias_3E).split([E, 2 * E], dim=-1)
-    if center_logits:
+    if center:
         # Centre only the x-dependent part: centering the bias too would cancel its init (gap 1).
         logits_TE = logits_TE - heads_T3E[:, :E].mean(-1, keepdim=True)
     alpha_hi_TE, alpha_lo_TE = (F.softplus(bases_T2E) + alpha_min).split(E, dim=-1)
     if u_TE is not None:
-        # Logistic(0, 1) noise by inversion; the clamp keeps log finite (|g| <= ~13.8).
-        # logit(u) = log(u) - log(1 - u), clamped to [1e-6, 1 - 1e-6] first, in one op.
+        # Logistic(0, 1) noise by inversion: logit(u) = log(u) - log(1 - u), u clamped to [1e-6, 1 - 1e-6] first
+        # (|g| <= ~13.8, log finite), in one op.
         gates_TE = torch.sigmoid((logits_TE + torch.logit(u_TE, eps=1e-6)) / tau)
     else:
         gates_TE = torch.sigmoid(logits_TE / tau)
@@ -174,22 +137,25 @@ def routing_sample(
     base_q_TE = torch.lerp(alpha_lo_TE, alpha_hi_TE, gates_TE)
     if normalized:
         # The heads set the shape only; the total is the prior's base total at the same gates (gap 10).
-        base_p_T = (gates_TE * prior_alpha_hi + (1.0 - gates_TE) * prior_alpha_lo).sum(-1)
+        base_p_T = (gates_TE * prior_hi + (1.0 - gates_TE) * prior_lo).sum(-1)
         base_q_TE = base_q_TE * (base_p_T / base_q_TE.sum(-1)).unsqueeze(-1)
     alpha_q_TE = lambda_q * base_q_TE
     with torch.no_grad():  # the prior sees sg(z~)
-        alpha_p_TE = lambda_p * torch.lerp(prior_alpha_lo, prior_alpha_hi, gates_TE)
-    if u_TE is not None:
-        theta_TE = torch.distributions.Dirichlet(alpha_q_TE, validate_args=False).rsample()
-    else:
-        theta_TE = alpha_q_TE / alpha_q_TE.sum(-1, keepdim=True)
+        alpha_p_TE = lambda_p * torch.lerp(prior_lo, prior_hi, gates_TE)
+    theta_TE = draw(alpha_q_TE) if u_TE is not None else alpha_q_TE / alpha_q_TE.sum(-1, keepdim=True)
     unnormalised_TE = gates_TE * theta_TE + weight_leak
     active_T1 = gates_TE.sum(-1, keepdim=True)
     T = x_TD.shape[0]
-    return (logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE,
-            unnormalised_TE / unnormalised_TE.sum(-1, keepdim=True), active_T1,
-            (active_T1 - top_k).pow(2).sum() * (sparsity_weight / T),
-            kl_terms(alpha_q_TE, alpha_p_TE, alpha_q_TE.sum(-1, keepdim=True))[0].sum() * (kl_weight / T))
+    total_T1 = unnormalised_TE.sum(-1, keepdim=True)
+    weights_TE = unnormalised_TE / total_T1
+    excess_T1 = active_T1 - top_k
+    sparsity = excess_T1.pow(2).sum() * (sparsity_weight / T)
+    q0_T1 = alpha_q_TE.sum(-1, keepdim=True)
+    kl_TE1, C_TE1, delta_TE1 = kl_terms(alpha_q_TE, alpha_p_TE, q0_T1)
+    kl = kl_TE1.sum() * (kl_weight / T)
+    return ((logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE, weights_TE, active_T1, sparsity, kl),
+            (bases_T2E, alpha_hi_TE, alpha_lo_TE, gates_TE, alpha_q_TE, q0_T1, theta_TE, unnormalised_TE, total_T1,
+             excess_T1, C_TE1, delta_TE1))
 
 
 class _RoutingSample(torch.autograd.Function):
@@ -218,30 +184,15 @@ class _RoutingSample(torch.autograd.Function):
     def forward(ctx, x_TD, weight_3ED, bias_3E, u_TE, tau, prior_hi, prior_lo, lambda_q, lambda_p, E, top_k,
                 center, alpha_min, weight_leak, sparsity_weight, kl_weight):
         ctx.set_materialize_grads(False)
-        heads_T3E = x_TD.mm(weight_3ED.t())
-        logits_TE, bases_T2E = (heads_T3E + bias_3E).split([E, 2 * E], dim=-1)
-        if center:
-            logits_TE = logits_TE - heads_T3E[:, :E].mean(-1, keepdim=True)
-        alpha_hi_TE, alpha_lo_TE = (F.softplus(bases_T2E) + alpha_min).split(E, dim=-1)
-        gates_TE = torch.sigmoid((logits_TE + torch.logit(u_TE, eps=1e-6)) / tau)
-        base_q_TE = torch.lerp(alpha_lo_TE, alpha_hi_TE, gates_TE)
-        alpha_q_TE = lambda_q * base_q_TE
-        alpha_p_TE = lambda_p * torch.lerp(prior_lo, prior_hi, gates_TE)
-        theta_TE = torch._sample_dirichlet(alpha_q_TE)
-        unnormalised_TE = gates_TE * theta_TE + weight_leak
-        total_T1 = unnormalised_TE.sum(-1, keepdim=True)
-        active_T1 = gates_TE.sum(-1, keepdim=True)
-        excess_T1 = active_T1 - top_k
-        q0_T1 = alpha_q_TE.sum(-1, keepdim=True)
-        kl_TE1, C_TE1, delta_TE1 = kl_terms(alpha_q_TE, alpha_p_TE, q0_T1)
+        outputs, saved = _forward(x_TD, weight_3ED, bias_3E, u_TE, tau, prior_hi, prior_lo, lambda_q, lambda_p, E,
+                                  top_k, center, alpha_min, weight_leak, sparsity_weight, kl_weight,
+                                  normalized=False, draw=torch._sample_dirichlet)
+        ctx.save_for_backward(x_TD, weight_3ED, *saved)
         T = x_TD.shape[0]
-        ctx.save_for_backward(x_TD, weight_3ED, bases_T2E, alpha_hi_TE, alpha_lo_TE, gates_TE, alpha_q_TE, q0_T1,
-                              theta_TE, unnormalised_TE, total_T1, excess_T1, C_TE1, delta_TE1)
         ctx.tau, ctx.lambda_q, ctx.center = tau, lambda_q, center
         ctx.sparsity_scale, ctx.kl_scale = 2.0 * sparsity_weight / T, kl_weight / T
-        ctx.mark_non_differentiable(logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE, active_T1)
-        return (logits_TE, gates_TE, base_q_TE, alpha_q_TE, alpha_p_TE, theta_TE, unnormalised_TE / total_T1,
-                active_T1, excess_T1.pow(2).sum() * (sparsity_weight / T), kl_TE1.sum() * (kl_weight / T))
+        ctx.mark_non_differentiable(*outputs[:6], outputs[7])
+        return outputs
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -273,48 +224,3 @@ class _RoutingSample(torch.autograd.Function):
         g_heads_T3E = torch.cat([g_logits_TE, g_bases_T2E], -1)
         g_x_TD = g_heads_T3E.mm(weight_3ED) if ctx.needs_input_grad[0] else None
         return g_x_TD, g_heads_T3E.t().mm(x_TD), g_bias_3E, *(None,) * 13
-
-
-def combine_and_recon(
-    weights_TE: torch.Tensor,
-    routing_map_TE: torch.Tensor,
-    target_TD: torch.Tensor,
-    offset_D: torch.Tensor | None,
-    decoder_params: tuple[torch.Tensor, ...],
-    *,
-    renormalize: bool,
-    recon_grad: bool,
-    sigma2: float,
-    reduction: str,
-    centered: bool,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Combine weights on the routing map, and the reconstruction term (unweighted).
-
-    Args:
-        weights_TE: routing weights r.
-        routing_map_TE: the dispatch map.
-        target_TD: the reconstruction target (x, detached under ``detach_recon_target``).
-        offset_D: the ``"data_mean"`` offset added to the decoder's output, or None.
-        decoder_params: g_psi's parameters (:meth:`routers.dirmoe._SimplexDecoder.params`).
-        renormalize: rescale the dispatched weights to sum to one.
-        recon_grad: whether the reconstruction term takes part in the backward (``recon_weight > 0``).
-        sigma2: ``recon_sigma2``.
-        reduction: ``recon_reduction``.
-        centered: ``recon_target="centered"``.
-
-    Returns:
-        ``(probs_TE, recon)``: the combine weights and the reconstruction term.
-    """
-    # r times the map: r where dispatched, exactly 0 elsewhere (r is finite), one op forward and one backward.
-    probs_TE = weights_TE * routing_map_TE
-    if renormalize:
-        probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True)
-    # Reconstruction -log N(x; g_psi(r), sigma^2 I) up to a constant, per token (gaps 3, 5, 9).
-    with torch.set_grad_enabled(torch.is_grad_enabled() and recon_grad):
-        recon_TD = simplex_decode(weights_TE, decoder_params)
-        if offset_D is not None:
-            recon_TD = recon_TD + offset_D
-        recon = reconstruction_loss(
-            target_TD, recon_TD, sigma2=sigma2, reduction=reduction, target="centered" if centered else "raw"
-        )
-    return probs_TE, recon

@@ -10,14 +10,14 @@ import torch
 import routers
 import routers.dirmoe_blocks as blocks
 from routers.base import RoutingKind
-from routers.dirmoe import (
-    DirMoEConfig,
+from routers.dirichlet import (
     alpha_ratio,
     dirichlet_kl,
     expected_simpson,
     lambda_for_mass_variance,
     lambda_for_simpson,
 )
+from routers.dirmoe import DirMoEConfig
 
 HIDDEN, EXPERTS, TOP_K, TOKENS = 16, 8, 1, 64
 
@@ -643,7 +643,7 @@ def test_reconstruction_loss_value_and_gradients_against_the_formula(reduction, 
     g = torch.Generator().manual_seed(3)
     x_TD = (torch.randn(T, D, generator=g, dtype=torch.float64) + 2.0).requires_grad_(True)
     xhat_TD = torch.randn(T, D, generator=g, dtype=torch.float64).requires_grad_(True)
-    loss = routers.dirmoe.reconstruction_loss(x_TD, xhat_TD, sigma2=sigma2, reduction=reduction, target=target)
+    loss = routers.dirichlet.reconstruction_loss(x_TD, xhat_TD, sigma2=sigma2, reduction=reduction, target=target)
     grad_x, grad_xhat = torch.autograd.grad(loss, (x_TD, xhat_TD))
     y_TD = x_TD.detach() - (x_TD.detach().mean(0) if target == "centered" else 0.0)
     e_TD = y_TD - xhat_TD.detach()
@@ -655,7 +655,7 @@ def test_reconstruction_loss_value_and_gradients_against_the_formula(reduction, 
     torch.testing.assert_close(grad_x, expected_x)
     if target == "centered":
         # Invariant to a shift shared by all tokens; raw is not.
-        shifted = routers.dirmoe.reconstruction_loss(
+        shifted = routers.dirichlet.reconstruction_loss(
             x_TD + 3.0, xhat_TD, sigma2=sigma2, reduction=reduction, target=target
         )
         torch.testing.assert_close(shifted, loss)
@@ -864,7 +864,7 @@ def test_what_the_kl_does_to_the_posterior_under_each_scale_option():
 def test_dirichlet_expected_simpson_is_the_lemma_per_row():
     g = torch.Generator().manual_seed(5)
     alpha_RE = 0.01 + 3 * torch.rand(7, EXPERTS, generator=g, dtype=torch.float64)
-    got_R = routers.dirmoe.dirichlet_expected_simpson(alpha_RE)
+    got_R = routers.dirichlet.dirichlet_expected_simpson(alpha_RE)
     for row, value in zip(alpha_RE, got_R):
         assert value.item() == pytest.approx(expected_simpson(1.0, row), rel=1e-12)
         assert value.item() == pytest.approx(expected_simpson(2.5, row / 2.5), rel=1e-12)

@@ -121,7 +121,7 @@ def _probes(monkeypatch, triton=True, cc=True, cxx=True):
     monkeypatch.setattr(blocks, "_has_triton", lambda: triton)
     monkeypatch.setattr(blocks, "_c_compiler", lambda: "/usr/bin/gcc" if cc else None)
     monkeypatch.setattr(blocks, "_cxx_compiler", lambda: "/usr/bin/g++" if cxx else None)
-    monkeypatch.setattr(blocks, "_WARNED", set())
+    blocks.warn_eager_fallback.cache_clear()
 
 
 def test_compile_modes_choose_by_device(monkeypatch):
