@@ -59,14 +59,12 @@ def is_local_tasks_dir(path: str | Path) -> bool:
 
 @dataclass(frozen=True)
 class LocalTaskOptions:
-    """How the local tasks are cut from the held-out documents.
+    """How the local tasks are cut from the held-out documents (lengths in words).
 
     Args:
         max_docs: documents used from the held-out file (a seeded sample when it has more, in file order).
-        lastword_max_words: longest passage (words) before the final word.
-        lastword_min_words: shortest passage (words) before the final word.
-        context_words: passage length (words) of the continuation task.
-        continuation_words: length (words) of each continuation choice.
+        lastword_max_words / lastword_min_words: longest / shortest passage before the final word.
+        context_words / continuation_words: the continuation task's passage / each of its choices.
         num_choices: choices per question (one true, the rest distractors).
         ppl_words: words of each document scored by ``minipile_ppl``.
         windows_per_doc: questions cut from one document at most (consecutive windows; enough questions
@@ -142,10 +140,8 @@ def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> li
                 pieces.append(words)
                 owners.append(index)
     if len(eligible) < opts.num_choices:
-        raise ReproError(
-            f"the continuation task needs at least {opts.num_choices} held-out windows of {span} words, "
-            f"found {len(eligible)}"
-        )
+        raise ReproError(f"the continuation task needs at least {opts.num_choices} held-out windows of {span} "
+                         f"words, found {len(eligible)}")
     continuations = [" ".join(w[opts.context_words : span]) for w in pieces]
     # Distinct texts only: a distractor identical to the true continuation would make a question unanswerable.
     pool = sorted(set(continuations))
@@ -154,35 +150,30 @@ def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> li
     for text, owner in zip(continuations, owners):
         sources.setdefault(text, set()).add(owner)
     if len(pool) < opts.num_choices:
-        raise ReproError(
-            f"the continuation task needs at least {opts.num_choices} distinct continuations, found {len(pool)}"
-        )
+        raise ReproError(f"the continuation task needs at least {opts.num_choices} distinct continuations, "
+                         f"found {len(pool)}")
     rng = random.Random(opts.seed)
     out = []
     for doc, words, true, owner in zip(eligible, pieces, continuations, owners):
         candidates = [c for c in pool if c != true and owner not in sources[c]]
         if len(candidates) < opts.num_choices - 1:
-            raise ReproError(
-                f"the continuation task needs {opts.num_choices - 1} distractors from other held-out documents, "
-                f"found {len(candidates)}"
-            )
-        distractors = rng.sample(candidates, opts.num_choices - 1)
-        choices = [true] + distractors
+            raise ReproError(f"the continuation task needs {opts.num_choices - 1} distractors from other held-out "
+                             f"documents, found {len(candidates)}")
+        choices = [true] + rng.sample(candidates, opts.num_choices - 1)
         order = list(range(opts.num_choices))
         rng.shuffle(order)
-        out.append(
-            {
-                "context": " ".join(words[: opts.context_words]),
-                "choices": [choices[k] for k in order],
-                "label": order.index(0),
-                "domain": doc["domain"],
-            }
-        )
+        out.append({"context": " ".join(words[: opts.context_words]), "choices": [choices[k] for k in order],
+                    "label": order.index(0), "domain": doc["domain"]})
     return out
 
 
 def _ppl_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
     return [{"text": " ".join(d["text"].split(" ")[: opts.ppl_words]), "domain": d["domain"]} for d in docs if d["text"]]
+
+
+def _metrics(*specs: tuple[str, str, bool]) -> list[dict[str, Any]]:
+    """lm-eval's ``metric_list`` from ``(metric, aggregation, higher_is_better)`` triples."""
+    return [{"metric": m, "aggregation": a, "higher_is_better": h} for m, a, h in specs]
 
 
 def _task_yaml(name: str, data_file: Path, cache_dir: Path, body: dict[str, Any]) -> dict[str, Any]:
@@ -206,7 +197,6 @@ def build_local_tasks(
         heldout_jsonl: held-out documents in Pile format (``.jsonl`` or ``.jsonl.zst``).
         out_dir: the task directory; an existing one must be an earlier output of this function
             (:func:`is_local_tasks_dir`), replaced atomically; anything else is refused.
-        options: how to cut the tasks (default :class:`LocalTaskOptions`).
 
     Returns:
         ``out_dir`` as an absolute path: pass it to ``TaskManager(include_path=...)``.
@@ -221,44 +211,27 @@ def build_local_tasks(
     check_output_path(final, replace=is_local_tasks_dir)
     docs = _read_heldout(source, opts.max_docs, opts.seed)
     tasks = {
-        "minipile_lastword": (
-            _lastword_docs(docs, opts),
-            {
-                "output_type": "loglikelihood",
-                "doc_to_text": "{{context}}",
-                "doc_to_target": "{{target}}",
-                "metric_list": [
-                    {"metric": "perplexity", "aggregation": "perplexity", "higher_is_better": False},
-                    {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                ],
-            },
-        ),
-        "minipile_continuation": (
-            _continuation_docs(docs, opts),
-            {
-                "output_type": "multiple_choice",
-                "doc_to_text": "{{context}}",
-                "doc_to_choice": "choices",
-                "doc_to_target": "label",
-                "metric_list": [
-                    {"metric": "acc", "aggregation": "mean", "higher_is_better": True},
-                    {"metric": "acc_norm", "aggregation": "mean", "higher_is_better": True},
-                ],
-            },
-        ),
-        "minipile_ppl": (
-            _ppl_docs(docs, opts),
-            {
-                "output_type": "loglikelihood_rolling",
-                "doc_to_text": "",
-                "doc_to_target": "{{text}}",
-                "metric_list": [
-                    {"metric": "word_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
-                    {"metric": "byte_perplexity", "aggregation": "weighted_perplexity", "higher_is_better": False},
-                    {"metric": "bits_per_byte", "aggregation": "bits_per_byte", "higher_is_better": False},
-                ],
-            },
-        ),
+        "minipile_lastword": (_lastword_docs(docs, opts), {
+            "output_type": "loglikelihood",
+            "doc_to_text": "{{context}}",
+            "doc_to_target": "{{target}}",
+            "metric_list": _metrics(("perplexity", "perplexity", False), ("acc", "mean", True)),
+        }),
+        "minipile_continuation": (_continuation_docs(docs, opts), {
+            "output_type": "multiple_choice",
+            "doc_to_text": "{{context}}",
+            "doc_to_choice": "choices",
+            "doc_to_target": "label",
+            "metric_list": _metrics(("acc", "mean", True), ("acc_norm", "mean", True)),
+        }),
+        "minipile_ppl": (_ppl_docs(docs, opts), {
+            "output_type": "loglikelihood_rolling",
+            "doc_to_text": "",
+            "doc_to_target": "{{text}}",
+            "metric_list": _metrics(("word_perplexity", "weighted_perplexity", False),
+                                    ("byte_perplexity", "weighted_perplexity", False),
+                                    ("bits_per_byte", "bits_per_byte", False)),
+        }),
     }
     for name, (rows, _) in tasks.items():
         if not rows:

@@ -1,9 +1,6 @@
-"""Keep lm-eval and Hugging Face datasets off the network.
-
-The suite's machines reach no model or dataset hub, so every place that runs lm-eval calls
-:func:`ensure_offline` before ``datasets`` / ``lm_eval`` are imported (``datasets`` reads the variables once,
-at import). A variable the user set explicitly (for example ``HF_DATASETS_OFFLINE=0`` on a machine that may
-download) is left as it is.
+"""Keep lm-eval and Hugging Face datasets off the network: the suite's machines reach no hub, so every place
+that runs lm-eval calls :func:`ensure_offline` before ``datasets`` / ``lm_eval`` are imported (``datasets``
+reads the variables once, at import).
 """
 
 from __future__ import annotations
@@ -14,6 +11,6 @@ OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PA
 
 
 def ensure_offline() -> None:
-    """Set ``HF_DATASETS_OFFLINE=1`` and ``HF_HUB_OFFLINE=1`` unless already set."""
+    """Set :data:`OFFLINE_ENV` where unset (``HF_DATASETS_OFFLINE=0`` on a machine that may download stays)."""
     for name, value in OFFLINE_ENV.items():
         os.environ.setdefault(name, value)

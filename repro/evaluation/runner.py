@@ -24,7 +24,7 @@ from lm_eval.utils import handle_non_serializable  # noqa: E402
 
 from repro.errors import ReproError  # noqa: E402
 from repro.evaluation.local_tasks import LOCAL_TAG  # noqa: E402
-from repro.evaluation.task_data import PAPER_TASK_DIRS  # noqa: E402
+from repro.evaluation.task_data import PAPER_TASK_DIRS, local_task_manager, task_manager_for_data  # noqa: E402
 
 #: The papers' zero-shot tasks (need their Hugging Face datasets in a task-data folder or the local cache).
 FULL_SCALE_TASKS = tuple(PAPER_TASK_DIRS)
@@ -34,9 +34,7 @@ def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None) -> Ta
     """A TaskManager that knows ``tasks`` (names), with the ``local_tasks`` directory, scanning lm-eval's own
     task tree only when needed (it takes seconds)."""
     if local_tasks is not None:
-        if not Path(local_tasks).is_dir():
-            raise ReproError(f"{local_tasks}: no such local-task directory")
-        local = TaskManager(include_path=str(local_tasks), include_defaults=False)
+        local = local_task_manager(local_tasks)
         if set(tasks) <= set(local.all_tasks):
             return local
     return TaskManager(include_path=None if local_tasks is None else str(local_tasks))
@@ -57,7 +55,7 @@ def evaluate_lm(
         tasks_data: a task-data folder (:mod:`repro.evaluation.task_data`): the tasks not defined in
             ``local_tasks`` read their datasets from it, through lm-eval's own task YAMLs.
         task_manager: a TaskManager to reuse (default: :func:`task_manager_for`; not with ``tasks_data``).
-        limit: documents per task (for quick checks; lm-eval's ``limit``).
+        limit: documents per task (lm-eval's ``limit``).
         bootstrap_iters: switches lm-eval's standard errors on (> 0) or off (0); the count matters only for
             bootstrapped metrics such as perplexity (the accuracies' error is closed-form).
         seed: lm-eval's python / numpy / torch / few-shot seeds.
@@ -71,15 +69,10 @@ def evaluate_lm(
         ReproError: unknown task, task data that is not available offline, or a task that produced no result.
     """
     if tasks is None:
-        if tasks_data is not None:
-            tasks = list(FULL_SCALE_TASKS)
-        else:
-            tasks = [LOCAL_TAG] if local_tasks is not None else list(FULL_SCALE_TASKS)
+        tasks = [LOCAL_TAG] if local_tasks is not None and tasks_data is None else list(FULL_SCALE_TASKS)
     if tasks_data is not None:
         if task_manager is not None:
             raise ReproError("pass either tasks_data or task_manager, not both")
-        from repro.evaluation.task_data import task_manager_for_data
-
         with tempfile.TemporaryDirectory(prefix="repro-task-data-") as work:
             manager = task_manager_for_data(tasks, tasks_data, work, local_tasks=local_tasks)
             return _evaluate(lm, tasks, manager, limit, bootstrap_iters, seed, log_samples)

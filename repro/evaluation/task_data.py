@@ -1,16 +1,13 @@
 """The papers' zero-shot tasks from data on disk: lm-eval's own task definitions, local datasets.
 
-A *task-data folder* (docs/evaluation.md) holds the Hugging Face datasets that lm-eval's task YAMLs read, one
-dataset repository per hub dataset, named like it, with a dataset card listing each config's JSON-lines
-files (``DIR/allenai/ai2_arc/{README.md, ARC-Easy/test.jsonl, ...}``; ``default`` for a task naming no
-config): self-describing, shared by tasks (ARC-Easy and ARC-Challenge), and ``dataset_name`` keeps its
-meaning. :func:`fetch` fills it on a machine with network access; :func:`task_manager_for_data` evaluates on
-it offline. What each task reads comes from lm-eval's installed YAML (:func:`task_data_specs`), never from a
-copy here, and *every* split it names is required: ``ConfigurableTask`` builds its few-shot sampler from the
-training split even at 0 shots (``lm_eval/api/task.py``). ``datasets`` resolves a hub name to a local folder
-only relative to the working directory, so :func:`write_task_overrides` writes one YAML per task that
-``include:``\\ s the installed one and overrides only ``dataset_path`` (absolute) and the datasets cache
-(a throw-away directory: the folder may be read-only). Fetching never changes an existing dataset folder.
+A *task-data folder* (docs/evaluation.md) holds one local dataset repository per hub dataset, named like it,
+with a dataset card listing each config's JSON-lines files: :func:`fetch` fills it on a machine with network
+access, :func:`task_manager_for_data` evaluates on it offline. What each task reads comes from lm-eval's
+installed YAML (:func:`task_data_specs`), never from a copy here, and *every* split it names is required:
+``ConfigurableTask`` builds its few-shot sampler from the training split even at 0 shots
+(``lm_eval/api/task.py``). ``datasets`` resolves a hub name to a local folder only relative to the working
+directory, hence :func:`write_task_overrides`' YAMLs that ``include:`` the installed one and override only
+``dataset_path`` (absolute) and the datasets cache (a throw-away directory: the folder may be read-only).
 """
 
 from __future__ import annotations
@@ -46,17 +43,10 @@ _PACKAGED_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow", "pand
 
 @dataclass(frozen=True)
 class TaskData:
-    """What one lm-eval task reads from the Hugging Face hub, as its installed YAML says.
-
-    Args:
-        task: lm-eval task name.
-        yaml_path: the installed task YAML.
-        dataset_path: the hub dataset (``allenai/ai2_arc``).
-        dataset_name: the config (``ARC-Easy``), None where the YAML names none.
-        splits: every split the YAML names (training, validation, test, few-shot), in that order.
-        eval_split: the split lm-eval scores (test if the YAML has one, else validation).
-        dataset_kwargs: the YAML's own ``dataset_kwargs`` (kept in the override).
-    """
+    """What one lm-eval task reads from the Hugging Face hub, as its installed YAML (``yaml_path``) says: the
+    hub dataset (``allenai/ai2_arc``) and config (``ARC-Easy``, None where the YAML names none), every split
+    the YAML names (training, validation, test, few-shot, in that order), the split lm-eval scores (test if
+    the YAML has one, else validation) and the YAML's own ``dataset_kwargs`` (kept in the override)."""
 
     task: str
     yaml_path: Path
@@ -74,7 +64,6 @@ class TaskData:
 
     @property
     def config(self) -> str:
-        """The config folder name (``dataset_name``, or ``default``)."""
         return self.dataset_name or DEFAULT_CONFIG
 
     def folder(self, root: str | Path) -> Path:
@@ -82,17 +71,12 @@ class TaskData:
         return Path(root).resolve() / self.dataset_path
 
 
-def _lm_eval_tasks_root() -> Path:
-    import lm_eval.tasks
-
-    return Path(lm_eval.tasks.__file__).parent
-
-
 def _task_index(tasks: Sequence[str]) -> Mapping[str, Any]:
     """lm-eval's index entries (name -> Entry with ``kind``, ``yaml_path``, ``cfg``) covering ``tasks``."""
+    import lm_eval.tasks
     from lm_eval.tasks import TaskManager
 
-    root = _lm_eval_tasks_root()
+    root = Path(lm_eval.tasks.__file__).parent
     folders = sorted({root / PAPER_TASK_DIRS[t] for t in tasks if t in PAPER_TASK_DIRS})
     index: Mapping[str, Any] = {}
     if folders:
@@ -129,13 +113,7 @@ def _spec_from_entry(task: str, entry: Any) -> TaskData:
 
 
 def task_data_specs(tasks: Sequence[str]) -> list[TaskData]:
-    """What each task reads, from lm-eval's installed YAMLs.
-
-    Args:
-        tasks: lm-eval task names (tasks, not groups or tags).
-
-    Returns:
-        One :class:`TaskData` per task, in the order given.
+    """One :class:`TaskData` per lm-eval task of ``tasks`` (tasks, not groups or tags), in the order given.
 
     Raises:
         ReproError: an unknown name, a group or tag, or a task that does not read a hub dataset.
@@ -150,10 +128,8 @@ def task_data_specs(tasks: Sequence[str]) -> list[TaskData]:
 
 
 def _fetch_hint(root: Path, tasks: Iterable[str]) -> str:
-    return (
-        f"fill it on a machine with network access: python -m repro eval-data fetch --out {root} "
-        f"--tasks {','.join(tasks)}"
-    )
+    command = f"python -m repro eval-data fetch --out {root} --tasks {','.join(tasks)}"
+    return f"fill it on a machine with network access: {command}"
 
 
 def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
@@ -172,10 +148,8 @@ def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
     have = list((builder.config.data_files or {}).keys())
     lacking = [s for s in spec.splits if s not in have]
     if lacking:
-        return (
-            f"task '{spec.task}': {folder} config '{spec.config}' lacks split(s) {', '.join(lacking)} "
-            f"(has: {', '.join(have) or 'none'})"
-        )
+        return (f"task '{spec.task}': {folder} config '{spec.config}' lacks split(s) {', '.join(lacking)} "
+                f"(has: {', '.join(have) or 'none'})")
     return None
 
 
@@ -194,11 +168,8 @@ def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str 
 
 def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: str | Path) -> Path:
     """Write into ``out_dir`` one lm-eval YAML per task: ``include`` (the installed YAML), ``task``,
-    ``dataset_path`` (the absolute folder in ``root``) and ``dataset_kwargs.cache_dir``, nothing else.
-
-    Returns:
-        ``out_dir`` as an absolute path, for ``TaskManager(include_path=...)``.
-    """
+    ``dataset_path`` (the absolute folder in ``root``) and ``dataset_kwargs.cache_dir``, nothing else; return
+    ``out_dir`` as an absolute path, for ``TaskManager(include_path=...)``."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
@@ -215,25 +186,13 @@ def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: s
 def task_manager_for_data(
     tasks: Sequence[str], root: str | Path, work_dir: str | Path, *, local_tasks: str | Path | None = None
 ) -> Any:
-    """A TaskManager whose ``tasks`` read the task-data folder ``root`` (after checking it holds them).
-
-    Args:
-        tasks: lm-eval task names; those defined in ``local_tasks`` (a local-task directory, included as
-            well) are taken from there.
-        root: the task-data folder.
-        work_dir: an empty scratch directory for the generated YAMLs and the datasets cache (the caller
-            removes it).
-
-    Returns:
-        The ``lm_eval.tasks.TaskManager`` (ReproErrors as :func:`task_data_specs` and :func:`check_task_data`).
-    """
+    """A TaskManager whose ``tasks`` read the task-data folder ``root`` (after checking it holds them), those
+    defined in ``local_tasks`` (a local-task directory, included as well) excepted; ``work_dir``: an empty
+    scratch directory for the generated YAMLs and the datasets cache (the caller removes it). ReproErrors as
+    :func:`task_data_specs` and :func:`check_task_data`."""
     from lm_eval.tasks import TaskManager
 
-    local_names: set[str] = set()
-    if local_tasks is not None:
-        if not Path(local_tasks).is_dir():
-            raise ReproError(f"{local_tasks}: no such local-task directory")
-        local_names = set(TaskManager(include_path=str(local_tasks), include_defaults=False).all_tasks)
+    local_names = set(local_task_manager(local_tasks).all_tasks) if local_tasks is not None else set()
     wanted = [t for t in tasks if t not in local_names]
     paths: list[str] = []
     if wanted:
@@ -246,6 +205,15 @@ def task_manager_for_data(
     return TaskManager(include_path=paths, include_defaults=False)
 
 
+def local_task_manager(local_tasks: str | Path) -> Any:
+    """A TaskManager of the local-task directory ``local_tasks`` alone (ReproError when there is none)."""
+    from lm_eval.tasks import TaskManager
+
+    if not Path(local_tasks).is_dir():
+        raise ReproError(f"{local_tasks}: no such local-task directory")
+    return TaskManager(include_path=str(local_tasks), include_defaults=False)
+
+
 @dataclass(frozen=True)
 class DatasetPlan:
     """One hub dataset to fetch: ``(dataset_name, splits)`` per config the ``tasks`` read (None: default)."""
@@ -255,7 +223,6 @@ class DatasetPlan:
     tasks: tuple[str, ...]
 
     def describe(self, root: str | Path) -> str:
-        """One line: what is fetched and where it goes."""
         configs = ", ".join(f"{name or DEFAULT_CONFIG} [{', '.join(splits)}]" for name, splits in self.configs)
         return f"{self.dataset_path}: {configs} -> {Path(root) / self.dataset_path} (tasks: {', '.join(self.tasks)})"
 
@@ -291,12 +258,11 @@ Loader = Callable[[str, str | None], Mapping[str, Any]]
 
 
 def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None = None, log: Callable[[str], None] = print) -> list[Path]:
-    """Download each planned dataset (network access needed) into a local dataset folder under ``out``,
-    atomically; a folder that exists already is kept when complete and refused otherwise.
+    """Download each dataset of ``plan`` (network access needed) into a local dataset folder under the
+    task-data folder ``out``, atomically; a folder that exists already is kept when complete and refused
+    otherwise.
 
     Args:
-        plan: from :func:`fetch_plan`.
-        out: the task-data folder (created).
         load: ``(dataset_path, dataset_name) -> {split: datasets.Dataset}``; default ``datasets.load_dataset``.
         log: progress messages.
 
@@ -323,10 +289,8 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None =
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             if not complete:
-                raise ReproError(
-                    f"{dest} exists but lacks some of {item.describe(root)}; it is left as it is: remove it or "
-                    "fetch into another folder"
-                )
+                raise ReproError(f"{dest} exists but lacks some of {item.describe(root)}; it is left as it is: "
+                                 "remove it or fetch into another folder")
             log(f"kept {dest} (complete)")
             continue
         # atomic_path removes the parent folders it made when the download fails
@@ -337,21 +301,17 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None =
                 data = load(item.dataset_path, name)
                 missing = [s for s in splits if s not in data]
                 if missing:
-                    raise ReproError(
-                        f"{item.dataset_path} config '{name or DEFAULT_CONFIG}' has no split(s) "
-                        f"{', '.join(missing)} (has: {', '.join(data)})"
-                    )
+                    raise ReproError(f"{item.dataset_path} config '{name or DEFAULT_CONFIG}' has no split(s) "
+                                     f"{', '.join(missing)} (has: {', '.join(data)})")
                 for split in splits:
                     path = tmp / (name or DEFAULT_CONFIG) / f"{split}.jsonl"
                     path.parent.mkdir(parents=True, exist_ok=True)
                     data[split].to_json(str(path))
                     rows.setdefault(name or DEFAULT_CONFIG, {})[split] = len(data[split])
             counts = "; ".join(f"{c}: " + ", ".join(f"{s} {n}" for s, n in sp.items()) for c, sp in rows.items())
-            note = (
-                f"Local copy of the Hugging Face dataset `{item.dataset_path}` for lm-eval's tasks "
-                f"{', '.join(item.tasks)}, written by `python -m repro eval-data fetch` with datasets "
-                f"{datasets.__version__}. Rows: {counts}."
-            )
+            note = (f"Local copy of the Hugging Face dataset `{item.dataset_path}` for lm-eval's tasks "
+                    f"{', '.join(item.tasks)}, written by `python -m repro eval-data fetch` with datasets "
+                    f"{datasets.__version__}. Rows: {counts}.")
             (tmp / CARD).write_text(dataset_card(item, note))
         log(f"wrote {dest}")
         written.append(dest)

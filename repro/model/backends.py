@@ -55,24 +55,16 @@ def te_available() -> bool:
 
 
 def resolve_backend(backend: str | None = "auto") -> str:
-    """The concrete backend (``"te"``, ``"torch"`` or ``"local"``) for a request on this machine.
-
-    Args:
-        backend: one of :data:`BACKENDS`; None means ``"auto"``: TE when importable on a GPU, else
-            ``"torch"`` on a GPU, else ``"local"``.
-
-    Raises:
-        ValueError: an unknown backend, or ``"te"`` where TransformerEngine is not usable.
-    """
+    """The concrete backend (``"te"``, ``"torch"`` or ``"local"``) for ``backend`` (one of :data:`BACKENDS`;
+    None or ``"auto"``: TE when importable on a GPU, else ``"torch"`` on a GPU, else ``"local"``) on this
+    machine; ValueError for an unknown backend, or ``"te"`` where TransformerEngine is not usable."""
     requested = "auto" if backend is None else backend
     if requested not in BACKENDS:
         raise ValueError(f"unknown backend '{requested}'; valid: {', '.join(BACKENDS)}")
     if requested == "te":
         if not te_available():
-            raise ValueError(
-                "backend 'te' needs TransformerEngine on a GPU, which this machine lacks; "
-                f"valid here: {', '.join(b for b in BACKENDS if b != 'te')}"
-            )
+            raise ValueError("backend 'te' needs TransformerEngine on a GPU, which this machine lacks; "
+                             f"valid here: {', '.join(b for b in BACKENDS if b != 'te')}")
         return "te"
     if requested == "auto":
         if te_available():
@@ -161,12 +153,10 @@ def grouped_mm_unusable_reason(
     """Why torch's grouped kernel should not run ``x_MK @ w_e.t()`` here, or None if it should.
 
     Args:
-        x_MK: ``[M, K]`` tokens of all experts, grouped by expert (only its dtype, device and shape are read
-            when ``num_tokens`` and ``in_features`` are given).
+        x_MK: ``[M, K]`` tokens of all experts, grouped by expert.
         w_ENK: ``[E, N, K]`` one weight per expert.
-        num_tokens: M, if not ``x_MK.shape[0]`` (to ask about an input not computed yet).
-        in_features: K, if not ``x_MK.shape[1]``.
-
+        num_tokens, in_features: M and K, if not ``x_MK``'s (to ask about an input not computed yet: then only
+            ``x_MK``'s dtype and device are read).
     """
     if _grouped_mm_op() is None:
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
@@ -195,15 +185,8 @@ def grouped_mm_unusable_reason(
     return None
 
 
-def grouped_linear(
-    x_MK: torch.Tensor,
-    w_ENK: torch.Tensor,
-    counts: list[int],
-    *,
-    offs_E: torch.Tensor | None = None,
-    use_kernel: bool = True,
-    zero_empty_grads: bool = True,
-) -> torch.Tensor:
+def grouped_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, counts: list[int], *, offs_E: torch.Tensor | None = None,
+                   use_kernel: bool = True, zero_empty_grads: bool = True) -> torch.Tensor:
     """Per-expert linear map ``y_e = x_e @ w_e.t()`` over rows grouped by expert (autograd-aware).
 
     Args:

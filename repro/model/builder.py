@@ -9,13 +9,10 @@ Call :func:`repro.model.parallel.init_distributed` first (megatron needs its par
 
 Routers plug in through ``MoESubmodules.router`` (:mod:`routers.megatron_adapter`); a router class naming its
 own MoE layer (``Router.moe_layer_class()``, Lory's) gets that layer with ``SequentialMLP`` experts on every
-backend; one with a ``link_layers`` classmethod is given its routers of the built model (SparseMixer-v2's
-loss pooled over the layers); ``"megatron"`` keeps megatron-core's ``TopKRouter`` (softmax before top-k,
-options ``aux_loss_coeff`` (1e-2), ``z_loss_coeff``, ``capacity_factor``). Backends: docs/efficiency.md.
-
-On GPU the parameters are bf16 and the routers fp32 (the adapter feeds them fp32 hidden states; do not call
-``model.bfloat16()`` afterwards). ``model.config`` is the TransformerConfig (for FLOPs), ``model.flavour`` the
-:class:`ModelFlavour` used, ``model.backend`` the backend built.
+backend; one with a ``link_layers`` classmethod is given its routers of the built model; ``"megatron"`` keeps
+megatron-core's ``TopKRouter`` (softmax before top-k). Backends: docs/efficiency.md. On GPU the parameters are
+bf16 and the routers fp32 (do not call ``model.bfloat16()`` afterwards). ``model.config`` is the
+TransformerConfig (for FLOPs), ``model.flavour`` the :class:`ModelFlavour` used, ``model.backend`` the backend.
 """
 
 from __future__ import annotations
@@ -28,33 +25,24 @@ import torch.nn.functional as F
 
 from repro.model.backends import TorchBackendOptions, resolve_backend
 from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
-from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS, ModelFlavour, get_flavour
+from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS, ModelFlavour, get_flavour, refuse_unknown
 
 __all__ = ["MEGATRON_ROUTER", "build_model", "causal_attention_mask", "transformer_config"]
 
 
-def transformer_config(
-    flavour: str | ModelFlavour,
-    router_name: str | None = None,
-    router_options: dict[str, Any] | None = None,
-    *,
-    bf16: bool | None = None,
-    backend: str | None = None,
-    tp: int = 1,
-    ep: int = 1,
-):
+def transformer_config(flavour: str | ModelFlavour, router_name: str | None = None,
+                       router_options: dict[str, Any] | None = None, *, bf16: bool | None = None,
+                       backend: str | None = None, tp: int = 1, ep: int = 1):
     """The megatron-core TransformerConfig of a flavour (also what FLOPs are computed from).
 
     Args:
-        flavour: a flavour or its name.
-        router_name: the router (only ``"megatron"`` changes the config: it enables TopKRouter's aux loss).
-        router_options: for ``"megatron"``: ``aux_loss_coeff``, ``z_loss_coeff``, ``capacity_factor``.
+        router_name: only ``"megatron"`` changes the config: it enables TopKRouter's aux loss.
+        router_options: for ``"megatron"``: ``aux_loss_coeff`` (default 1e-2), ``z_loss_coeff``,
+            ``capacity_factor``.
         bf16: bf16 parameters; default: on GPU only.
-        backend: ``"auto"`` (default), ``"te"``, ``"torch"`` or ``"local"``; ``"te"`` and ``"torch"`` turn
-            megatron's compiled fusions on on a GPU (:func:`fusions_enabled`), ``"te"`` also its TE-only
-            fusions and the grouped GEMM of the TE experts.
-        tp: tensor-parallel size (must match megatron's parallel_state).
-        ep: expert-parallel size (megatron then marks expert parameters ``allreduce=False``).
+        backend: as :func:`build_model`'s; ``"te"`` and ``"torch"`` turn megatron's compiled fusions on on a GPU
+            (:func:`fusions_enabled`), ``"te"`` also its TE-only fusions and the TE experts' grouped GEMM.
+        tp, ep: tensor- and expert-parallel sizes (must match megatron's parallel_state).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -65,25 +53,14 @@ def transformer_config(
     use_te = resolved == "te"
     fused = fusions_enabled(resolved, on_gpu)
     kwargs: dict[str, Any] = dict(
-        num_layers=flavour.num_layers,
-        hidden_size=flavour.hidden_size,
-        num_attention_heads=flavour.num_attention_heads,
-        num_query_groups=flavour.num_query_groups,
-        kv_channels=flavour.kv_channels,
-        ffn_hidden_size=flavour.ffn_hidden_size,
-        normalization="RMSNorm",
-        layernorm_epsilon=flavour.layernorm_epsilon,
-        gated_linear_unit=True,  # SwiGLU
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        num_layers=flavour.num_layers, hidden_size=flavour.hidden_size, ffn_hidden_size=flavour.ffn_hidden_size,
+        num_attention_heads=flavour.num_attention_heads, num_query_groups=flavour.num_query_groups,
+        kv_channels=flavour.kv_channels, normalization="RMSNorm", layernorm_epsilon=flavour.layernorm_epsilon,
+        gated_linear_unit=True, activation_func=F.silu,  # SwiGLU
+        add_bias_linear=False, add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0,
         init_method_std=flavour.init_method_std,
-        tensor_model_parallel_size=tp,
-        expert_model_parallel_size=ep if flavour.is_moe else 1,
-        bf16=bf16,
-        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep if flavour.is_moe else 1,
+        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
         # Compiled fusions as the papers' Megatron-LM runs (docs/efficiency.md); the fused cross-entropy casts
         # its gradient to bf16 (bf16 models only); RoPE and masked-softmax fusions need TE; Apex's stay off.
         bias_activation_fusion=fused,
@@ -98,21 +75,12 @@ def transformer_config(
     if flavour.is_moe:
         megatron_router = router_name == MEGATRON_ROUTER
         options = dict(router_options or {}) if megatron_router else {}
-        unknown = sorted(set(options) - set(MEGATRON_ROUTER_OPTIONS))
-        if unknown:
-            raise ValueError(
-                f"unknown option(s) {', '.join(unknown)} for router 'megatron'; "
-                f"valid: {', '.join(sorted(MEGATRON_ROUTER_OPTIONS))}"
-            )
+        refuse_unknown(options, MEGATRON_ROUTER_OPTIONS, "option", " for router 'megatron'")
         kwargs.update(
-            num_moe_experts=flavour.num_experts,
-            moe_router_topk=flavour.top_k,
-            moe_ffn_hidden_size=flavour.ffn_hidden_size,
-            moe_token_dispatcher_type=flavour.token_dispatcher,
+            num_moe_experts=flavour.num_experts, moe_router_topk=flavour.top_k,
+            moe_ffn_hidden_size=flavour.ffn_hidden_size, moe_token_dispatcher_type=flavour.token_dispatcher,
             # Required for k=1 in megatron-core 0.16.1, and the dMoE/Switch convention (softmax, then top-k).
-            moe_router_pre_softmax=True,
-            moe_router_score_function="softmax",
-            moe_router_dtype="fp32",
+            moe_router_pre_softmax=True, moe_router_score_function="softmax", moe_router_dtype="fp32",
             # Our routers add their own aux losses through the adapter; only TopKRouter uses megatron's.
             moe_router_load_balancing_type="aux_loss" if megatron_router else "none",
             moe_aux_loss_coeff=options.get("aux_loss_coeff", 1e-2) if megatron_router else 0.0,
@@ -154,14 +122,13 @@ def _with_vocab_size(router_name: str, router_options: dict[str, Any] | None, pa
     return options
 
 
-def _layer_spec(
-    flavour: ModelFlavour,
-    config,
-    router_name: str | None,
-    router_options,
-    backend: str,
-    backend_options: TorchBackendOptions | None = None,
-):
+def _replace_submodules(spec, **submodules):
+    """A copy of a ModuleSpec with some submodules replaced (never mutated: specs may share sub-objects)."""
+    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **submodules))
+
+
+def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_options, backend: str,
+                backend_options: TorchBackendOptions):
     """The transformer-layer ModuleSpec of a resolved ``backend`` with our router (and its own MoE layer, if
     it has one) plugged in."""
     from megatron.core.models.backends import LocalSpecProvider
@@ -173,9 +140,7 @@ def _layer_spec(
 
     num_experts = flavour.num_experts
     if backend == "te":  # GPU machines with TransformerEngine only
-        spec = get_gpt_layer_with_transformer_engine_spec(
-            num_experts=num_experts, moe_grouped_gemm=config.moe_grouped_gemm
-        )
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts, moe_grouped_gemm=config.moe_grouped_gemm)
     else:
         spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
     if backend == "torch":
@@ -192,10 +157,8 @@ def _layer_spec(
     if router_name != MEGATRON_ROUTER:
         from routers.megatron_adapter import megatron_router_builder
 
-        builder = megatron_router_builder(router_name, router_options)
-        mlp_spec = dataclasses.replace(mlp_spec, submodules=dataclasses.replace(mlp_spec.submodules, router=builder))
-    # Replace rather than mutate: specs may share sub-objects.
-    return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, mlp=mlp_spec))
+        mlp_spec = _replace_submodules(mlp_spec, router=megatron_router_builder(router_name, router_options))
+    return _replace_submodules(spec, mlp=mlp_spec)
 
 
 def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> TorchBackendOptions:
@@ -205,59 +168,43 @@ def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> To
     options = {} if options is None else options
     if not isinstance(options, dict):
         raise ValueError(f"backend_options must be a TorchBackendOptions or a dict, got {type(options).__name__}")
-    valid = {f.name for f in dataclasses.fields(TorchBackendOptions)}
-    unknown = sorted(set(options) - valid)
-    if unknown:
-        raise ValueError(f"unknown backend option(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+    refuse_unknown(options, [f.name for f in dataclasses.fields(TorchBackendOptions)], "backend option")
     return TorchBackendOptions(**options)
 
 
-def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, options: TorchBackendOptions | None):
+def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, options: TorchBackendOptions):
     """The local layer spec with the torch backend's SDPA core attention and, for MoE flavours except routers
     with their own MoE layer (Lory's merges SequentialMLP parameters), its grouped-GEMM experts."""
     from repro.model.torch_backend import torch_core_attention_builder, torch_experts_spec
 
     attention = spec.submodules.self_attention
-    attention = dataclasses.replace(
-        attention,
-        submodules=dataclasses.replace(attention.submodules, core_attention=torch_core_attention_builder(options)),
+    spec = _replace_submodules(
+        spec, self_attention=_replace_submodules(attention, core_attention=torch_core_attention_builder(options))
     )
-    submodules = dataclasses.replace(spec.submodules, self_attention=attention)
     if flavour.is_moe and _moe_layer_class(router_name) is None:
-        mlp = submodules.mlp
-        mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, experts=torch_experts_spec(options)))
-        submodules = dataclasses.replace(submodules, mlp=mlp)
-    return dataclasses.replace(spec, submodules=submodules)
+        experts = torch_experts_spec(options)
+        spec = _replace_submodules(spec, mlp=_replace_submodules(spec.submodules.mlp, experts=experts))
+    return spec
 
 
-def build_model(
-    flavour: str | ModelFlavour,
-    router_name: str | None = None,
-    router_options: dict[str, Any] | None = None,
-    vocab_size: int | None = None,
-    *,
-    seq_length: int | None = None,
-    bf16: bool | None = None,
-    backend: str | None = None,
-    backend_options: TorchBackendOptions | dict[str, Any] | None = None,
-    seed: int | None = None,
-):
+def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
+                router_options: dict[str, Any] | None = None, vocab_size: int | None = None, *,
+                seq_length: int | None = None, bf16: bool | None = None, backend: str | None = None,
+                backend_options: TorchBackendOptions | dict[str, Any] | None = None, seed: int | None = None):
     """Build a LLaMA-style megatron-core ``GPTModel`` with ``router_name`` in every block's MoE layer.
 
     Args:
         flavour: a flavour or its name (``repro.model.flavours.available_flavours()``).
         router_name: a registered router, ``"megatron"`` (megatron-core's TopKRouter), or None for a dense
             flavour (an MoE flavour needs one).
-        router_options: options of the router (its config fields; for ``"megatron"`` see
-            :func:`transformer_config`). A router with a ``vocab_size`` option (Hash) gets the model's
-            padded vocabulary unless the options set it.
+        router_options: the router's config fields (for ``"megatron"`` see :func:`transformer_config`); a
+            router with a ``vocab_size`` option (Hash) gets the padded vocabulary unless they set it.
         vocab_size: the tokenizer's vocabulary size (padded to a multiple of 128 in the model); default
             the flavour's.
         seq_length: override of the flavour's sequence length (RoPE's maximum position).
         bf16: bf16 parameters (default: on GPU only).
         backend: ``"auto"`` (default), ``"te"``, ``"torch"`` or ``"local"`` (:func:`resolve_backend`).
-        backend_options: options of the ``"torch"`` backend (a
-            :class:`~repro.model.backends.TorchBackendOptions` or a dict of its fields).
+        backend_options: a :class:`~repro.model.backends.TorchBackendOptions` or a dict of its fields.
         seed: if given, re-seed torch and megatron's RNG tracker right before construction, so two builds
             with the same seed have identical initial weights.
 
@@ -278,13 +225,8 @@ def build_model(
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron's parallel state is not initialised: call repro.model.parallel.init_distributed()")
 
-    flavour = get_flavour(flavour)
-    overrides: dict[str, Any] = {}
-    if vocab_size is not None:
-        overrides["vocab_size"] = vocab_size
-    if seq_length is not None:
-        overrides["seq_length"] = seq_length
-    flavour = flavour.with_overrides(**overrides) if overrides else flavour
+    overrides = {k: v for k, v in (("vocab_size", vocab_size), ("seq_length", seq_length)) if v is not None}
+    flavour = get_flavour(flavour, **overrides)
     if flavour.vocab_size is None:
         raise ValueError(f"flavour '{flavour.name}' takes its vocabulary from the tokenizer: pass vocab_size")
 
@@ -293,9 +235,8 @@ def build_model(
 
         names = [MEGATRON_ROUTER, *available_routers()]
         if router_name is None:
-            raise ValueError(
-                f"flavour '{flavour.name}' is an MoE model and needs a router; available: {', '.join(names)}"
-            )
+            raise ValueError(f"flavour '{flavour.name}' is an MoE model and needs a router; "
+                             f"available: {', '.join(names)}")
         if router_name not in names:
             raise ValueError(f"unknown router '{router_name}'; available: {', '.join(names)}")
     elif router_name is not None:
@@ -316,14 +257,9 @@ def build_model(
         # torch's generator (CPU init, our routers) and megatron's tracker (GPU init of parallel layers).
         seed_model_parallel_rng(seed)
     model = GPTModel(
-        config=config,
-        transformer_layer_spec=spec,
-        vocab_size=padded_vocab,
-        max_sequence_length=flavour.seq_length,
-        position_embedding_type="rope",
-        rotary_base=flavour.rotary_base,
-        share_embeddings_and_output_weights=False,  # untied embeddings
-        parallel_output=True,
+        config=config, transformer_layer_spec=spec, vocab_size=padded_vocab, max_sequence_length=flavour.seq_length,
+        position_embedding_type="rope", rotary_base=flavour.rotary_base,
+        share_embeddings_and_output_weights=False, parallel_output=True,  # untied embeddings
     )
     if on_gpu:
         # megatron allocates its parameters on the GPU already; our routers are built on the CPU.

@@ -1,31 +1,24 @@
 """The few patches megatron-core 0.16.1 needs to build and train on a machine without CUDA.
 
 :func:`apply_cpu_shims` (called by ``build_model`` and ``init_distributed``) is idempotent and a no-op with
-CUDA. Each shim has a test in ``tests/test_cpu_shims.py`` that fails when megatron-core's behaviour changes.
+CUDA; each shim has a test in ``tests/test_cpu_shims.py`` that fails when megatron-core's behaviour changes
+(measured on megatron-core 0.16.1, torch 2.13.0 CPU):
 
-The shims (all measured on megatron-core 0.16.1, torch 2.13.0 CPU):
-
-1. ``torch.cuda.current_device`` returns ``torch.device("cpu")`` instead of raising. megatron-core asks it
-   for the device of buffers and parameters it allocates itself (the global matmul buffer of
-   ``DotProductAttention``, the rotary ``inv_freq``, ``TopKRouter.gating`` moving its weight, ...).
-2. The CUDA RNG tracker: megatron's ``CudaRNGStatesTracker.add`` reads and writes the CUDA generator's
-   state. Not a patch: :func:`seed_model_parallel_rng` seeds the *inference* tracker on CPU
-   (``model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)``), whose
-   ``fork()`` is a no-op, so dropout draws from torch's CPU generator (seeded with ``torch.manual_seed``).
-   Our models have no dropout, and tensor parallelism is 1 on CPU, so nothing is lost.
-3. The default causal mask: ``get_default_causal_mask`` (used when ``attention_mask`` is ``None``) allocates
-   on ``device="cuda"``. The primary fix is to pass an explicit mask (:func:`causal_attention_mask`);
-   the shim also rebinds the name inside ``megatron.core.fusions.fused_softmax`` (which imported it by
-   name) to a CPU version, so a forgotten mask gives the same result instead of a crash.
-4. ``moe_utils.te_general_gemm``: megatron imports it only when TransformerEngine is importable but reads it
-   unconditionally in ``RouterGatingLinearFunction`` (a megatron bug: ``NameError`` in TopKRouter's
-   gating without TE). The shim defines it as ``None`` so the plain ``torch.mm`` branch runs.
-5. The alltoall token dispatcher creates a ``torch.cuda.Stream`` in its constructor and copies the split
-   sizes to the host on it (``_maybe_dtoh_and_synchronize``). On CPU everything is on the host already:
-   the shim gives the class a placeholder stream and a stream-free ``_maybe_dtoh_and_synchronize`` that
-   makes the same conversions (split sizes to numpy) at the same point.
-6. ``get_megatron_optimizer`` hard-codes ``device='cuda'`` (``FP32Optimizer._scale``, grad clipping):
-   NOT patched: the training loop uses ``torch.optim.AdamW`` on CPU (:mod:`repro.training.optim`).
+1. ``torch.cuda.current_device`` returns ``torch.device("cpu")`` instead of raising: megatron-core asks it for
+   the device of what it allocates itself (``DotProductAttention``'s matmul buffer, the rotary ``inv_freq``, ...).
+2. The CUDA RNG tracker (``CudaRNGStatesTracker.add`` reads the CUDA generator's state): not a patch;
+   :func:`seed_model_parallel_rng` seeds the *inference* tracker on CPU, whose ``fork()`` is a no-op, so
+   dropout draws from torch's CPU generator. Our models have no dropout and TP is 1 on CPU: nothing is lost.
+3. ``get_default_causal_mask`` (used when ``attention_mask`` is ``None``) allocates on ``device="cuda"``. Pass
+   an explicit mask (:func:`causal_attention_mask`); the shim also rebinds the name inside
+   ``megatron.core.fusions.fused_softmax`` to a CPU version, so a forgotten mask gives the same result.
+4. ``moe_utils.te_general_gemm`` is imported only with TransformerEngine but read unconditionally in
+   ``RouterGatingLinearFunction`` (a megatron bug: ``NameError`` without TE); the shim defines it as ``None``.
+5. The alltoall token dispatcher creates a ``torch.cuda.Stream`` and copies the split sizes to the host on it
+   (``_maybe_dtoh_and_synchronize``); the shim gives the class a placeholder stream and a stream-free method
+   that makes the same conversions (split sizes to numpy) at the same point.
+6. ``get_megatron_optimizer`` hard-codes ``device='cuda'``: NOT patched, the training loop uses
+   ``torch.optim.AdamW`` on CPU (:mod:`repro.training.optim`).
 """
 
 from __future__ import annotations

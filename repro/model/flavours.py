@@ -1,17 +1,13 @@
-"""Model flavours: frozen configs of the LLaMA-style GPT models the suite trains.
-
-- ``tiny``: the CPU model that trains in seconds (2 layers, hidden 128, 4 heads, 2 query groups,
-  SwiGLU FFN 256 per expert, E=8, k=1, sequence 128, vocabulary from the tokenizer).
-- ``llama-185m``: the published setting of ReMoE and DirMoE (12 layers, hidden 768, 12 heads, GQA with 4
-  query groups, SwiGLU FFN 3072 per expert, RMSNorm, RoPE base 1e6, untied embeddings, no biases, init
-  std 0.01, no dropout, sequence 1024, E=8, k=1, GPT-2 BPE vocabulary).
-- ``tiny-dense`` / ``llama-185m-dense``: the same models with a dense SwiGLU FFN instead of the MoE layer
-  (FFN 256 and 3072: the dense baseline at the compute of k=1).
+"""Model flavours: frozen configs of the LLaMA-style GPT models the suite trains: ``tiny`` (the CPU model that
+trains in seconds), ``llama-185m`` (the published setting of ReMoE and DirMoE: RMSNorm, RoPE base 1e6, untied
+embeddings, no biases, init std 0.01, no dropout, GPT-2 BPE vocabulary), and their ``-dense`` twins with one
+SwiGLU FFN of the expert's width instead of the MoE layer (the dense baseline at the compute of k=1).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 #: Megatron-LM pads the vocabulary to a multiple of this (times the tensor-parallel size).
@@ -26,19 +22,20 @@ MEGATRON_ROUTER_OPTIONS: dict[str, str] = {
 }
 
 
+def refuse_unknown(given: Iterable[str], valid: Iterable[str], what: str, where: str = "") -> None:
+    """ValueError ``unknown <what>(s) <names><where>; valid: <names>`` for names of ``given`` not in ``valid``."""
+    valid = sorted(valid)
+    unknown = sorted(set(given) - set(valid))
+    if unknown:
+        raise ValueError(f"unknown {what}(s) {', '.join(unknown)}{where}; valid: {', '.join(valid)}")
+
+
 @dataclass(frozen=True)
 class ModelFlavour:
-    """One model configuration (architecture only; optimisation settings live with the training loop).
-
-    Args:
-        num_query_groups: GQA key/value heads.
-        ffn_hidden_size: the SwiGLU FFN width of one expert (or of the dense FFN).
-        num_experts: E; ``None`` for a dense model.
-        top_k: k, the nominal experts per token (compute-parity target; ignored when dense).
-        seq_length: the training sequence length (also RoPE's maximum position).
-        vocab_size: the tokenizer's vocabulary size before padding; ``None`` = given at build time.
-        token_dispatcher: megatron-core's MoE token dispatcher (``"alltoall"`` or ``"allgather"``).
-    """
+    """One model's architecture: ``num_query_groups`` GQA key/value heads, ``ffn_hidden_size`` the SwiGLU FFN
+    width of one expert (or of the dense FFN), ``num_experts`` E (None: dense), ``top_k`` the nominal experts
+    per token, ``seq_length`` also RoPE's maximum position, ``vocab_size`` before padding (None: given at
+    build time), ``token_dispatcher`` megatron-core's (``"alltoall"`` or ``"allgather"``)."""
 
     name: str
     num_layers: int
@@ -74,12 +71,10 @@ class ModelFlavour:
 
     @property
     def is_moe(self) -> bool:
-        """Whether the FFN of every block is an MoE layer."""
         return self.num_experts is not None
 
     @property
-    def kv_channels(self) -> int:
-        """d_head = h / a."""
+    def kv_channels(self) -> int:  # d_head = h / a
         return self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, vocab_size: int | None = None, tp: int = 1) -> int:
@@ -93,10 +88,7 @@ class ModelFlavour:
 
     def with_overrides(self, **overrides) -> ModelFlavour:
         """A copy with some fields changed (``ValueError`` naming valid fields for an unknown one)."""
-        valid = {f.name for f in dataclasses.fields(self)}
-        unknown = sorted(set(overrides) - valid)
-        if unknown:
-            raise ValueError(f"unknown flavour field(s) {', '.join(unknown)}; valid: {', '.join(sorted(valid))}")
+        refuse_unknown(overrides, [f.name for f in dataclasses.fields(self)], "flavour field")
         return dataclasses.replace(self, **overrides)
 
     def dense(self) -> ModelFlavour:
@@ -107,28 +99,12 @@ class ModelFlavour:
 
 
 _TINY = ModelFlavour(
-    name="tiny",
-    num_layers=2,
-    hidden_size=128,
-    num_attention_heads=4,
-    num_query_groups=2,
-    ffn_hidden_size=256,
-    num_experts=8,
-    top_k=1,
-    seq_length=128,
-    vocab_size=None,  # from the locally trained tokenizer
+    name="tiny", num_layers=2, hidden_size=128, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=256,
+    num_experts=8, top_k=1, seq_length=128, vocab_size=None,  # from the locally trained tokenizer
 )
-
 _LLAMA_185M = ModelFlavour(
-    name="llama-185m",
-    num_layers=12,
-    hidden_size=768,
-    num_attention_heads=12,
-    num_query_groups=4,
-    ffn_hidden_size=3072,
-    num_experts=8,
-    top_k=1,
-    seq_length=1024,
+    name="llama-185m", num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4,
+    ffn_hidden_size=3072, num_experts=8, top_k=1, seq_length=1024,
     vocab_size=50257,  # GPT-2 BPE (padded to 50304 in the model)
 )
 

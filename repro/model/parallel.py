@@ -1,10 +1,8 @@
 """torch.distributed + megatron-core ``parallel_state`` set-up, for one process or under ``torchrun``.
 
 Ranks come from torchrun's variables, or from SLURM's for tasks ``srun`` started directly
-(:func:`rank_environment`); a launch of several tasks whose rank a process cannot tell is refused rather than
-trained as a one-process world. One process gets a group on an in-process store (no port, so concurrent
-test runs cannot collide). On CPU the CPU shims are applied and megatron's RNG tracker is seeded in its CPU
-form; on GPU the local device is selected.
+(:func:`rank_environment`, docs/clusters.md); a launch of several tasks whose rank a process cannot tell is
+refused rather than trained as a one-process world.
 """
 
 from __future__ import annotations
@@ -55,7 +53,7 @@ def scontrol_hostnames(nodelist: str) -> list[str]:
 
 def _int_var(environ: Mapping[str, str], name: str) -> int | None:
     value = environ.get(name)
-    if value is None or value == "":
+    if not value:
         return None
     try:
         return int(value)
@@ -66,21 +64,12 @@ def _int_var(environ: Mapping[str, str], name: str) -> int | None:
 def rank_environment(
     environ: Mapping[str, str], hostnames: Callable[[str], list[str]] = scontrol_hostnames
 ) -> dict[str, str]:
-    """The torch.distributed variables to add to this process's environment before initialising.
-
-    * ``RANK`` and ``WORLD_SIZE`` set (torchrun, or ``srun torchrun``'s workers): nothing to add.
-    * A task of an ``srun`` step of N > 1 tasks (``SLURM_STEP_NUM_TASKS``: srun sets it, a batch script's
-      own environment does not; srun also sets ``SLURM_NTASKS`` to N): ``RANK=SLURM_PROCID``,
-      ``WORLD_SIZE=N``, ``LOCAL_RANK=SLURM_LOCALID``;
-      ``MASTER_ADDR`` (if unset) the first node of the step, where task 0 runs; ``MASTER_PORT`` (if unset)
-      15000 + the last four digits of the job id (Lightning's ``SLURMEnvironment.main_port``: every task
-      computes the same port, and two jobs sharing a head node rarely collide).
-    * Anything else that says several processes were started is refused (see Raises).
-    * Otherwise (one process): nothing to add.
-
-    Args:
-        environ: the environment (``os.environ``).
-        hostnames: expands a SLURM node list (:func:`scontrol_hostnames`; replaced in tests).
+    """The torch.distributed variables to add to this process's environment (``environ``) before initialising:
+    nothing with ``RANK`` and ``WORLD_SIZE`` set (torchrun) or in a one-process run. A task of an ``srun`` step
+    of N > 1 tasks (``SLURM_STEP_NUM_TASKS``: srun sets it, a batch script's own environment does not) gets
+    ``RANK=SLURM_PROCID``, ``WORLD_SIZE=N``, ``LOCAL_RANK=SLURM_LOCALID``, unless set ``MASTER_ADDR`` the
+    step's first node (expanded by ``hostnames``) and ``MASTER_PORT`` 15000 + the job id's last four digits
+    (Lightning's ``SLURMEnvironment.main_port``: every task computes the same port).
 
     Raises:
         ReproError: only one of ``RANK`` / ``WORLD_SIZE``; ``SLURM_NTASKS`` > 1 outside an srun step (a
@@ -96,10 +85,8 @@ def rank_environment(
     ntasks = _int_var(environ, "SLURM_NTASKS")
     step_tasks = _int_var(environ, "SLURM_STEP_NUM_TASKS")
     if step_tasks is None and (ntasks or 1) > 1:
-        raise ReproError(
-            f"SLURM_NTASKS={ntasks} but this process was not started by srun and has no RANK/WORLD_SIZE: "
-            "run it under srun (one task per GPU) or srun torchrun (python -m repro launch --slurm)"
-        )
+        raise ReproError(f"SLURM_NTASKS={ntasks} but this process was not started by srun and has no RANK/WORLD_SIZE: "
+                         "run it under srun (one task per GPU) or srun torchrun (python -m repro launch --slurm)")
     if step_tasks is not None and step_tasks > 1:
         rank, local = _int_var(environ, "SLURM_PROCID"), _int_var(environ, "SLURM_LOCALID")
         if rank is None or local is None or not 0 <= rank < step_tasks:
@@ -144,10 +131,12 @@ def is_initialized() -> bool:
 def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | None = None) -> ParallelInfo:
     """Initialise torch.distributed and megatron-core's parallel state; idempotent for the same sizes.
 
+    One process gets a group on an in-process store (no port, so concurrent test runs cannot collide). On CPU
+    the CPU shims are applied; on GPU the local device is selected.
+
     Args:
-        tp: tensor-model-parallel size (must divide the world size).
-        ep: expert-model-parallel size (``tp * ep`` must divide the world size; the number of experts
-            must be a multiple of it, which megatron checks when the model is built).
+        tp, ep: tensor- and expert-model-parallel sizes (``tp * ep`` must divide the world size; the number of
+            experts must be a multiple of ``ep``, which megatron checks when the model is built).
         seed: seeds torch and megatron's model-parallel RNG tracker.
         backend: ``"gloo"``/``"nccl"``; default gloo without CUDA, nccl with it.
 
@@ -188,28 +177,16 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
         have_tp = parallel_state.get_tensor_model_parallel_world_size()
         have_ep = parallel_state.get_expert_model_parallel_world_size()
         if (have_tp, have_ep) != (tp, ep):
-            raise ValueError(
-                f"megatron parallel state already initialised with tp={have_tp}, ep={have_ep}; "
-                f"call destroy_distributed() before asking for tp={tp}, ep={ep}"
-            )
+            raise ValueError(f"megatron parallel state already initialised with tp={have_tp}, ep={have_ep}; "
+                             f"call destroy_distributed() before asking for tp={tp}, ep={ep}")
     else:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp,
-            expert_model_parallel_size=ep,
-            create_gloo_process_groups=(backend == "gloo"),
+            tensor_model_parallel_size=tp, expert_model_parallel_size=ep, create_gloo_process_groups=(backend == "gloo")
         )
     seed_model_parallel_rng(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    return ParallelInfo(
-        rank=dist.get_rank(),
-        world_size=world_size,
-        local_rank=local_rank,
-        tp=tp,
-        ep=ep,
-        dp=world_size // tp,
-        backend=dist.get_backend(),
-        device=device,
-    )
+    return ParallelInfo(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank, tp=tp, ep=ep,
+                        dp=world_size // tp, backend=dist.get_backend(), device=device)
 
 
 def destroy_distributed() -> None:

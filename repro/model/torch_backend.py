@@ -1,11 +1,12 @@
 """The torch backend's megatron-core modules: :class:`TorchGroupedMLP` replaces ``SequentialMLP`` as the MoE
 layer's ``experts``, :class:`TorchSDPAttention` replaces ``DotProductAttention`` as ``core_attention``, each
-keeping the contract (constructor, forward, state-dict keys) of the module it replaces. The kernel facts and
-the switchable defaults (options 1-3) are in docs/efficiency.md, "Model backends".
+keeping the contract (constructor, forward, state-dict keys) of the module it replaces (docs/efficiency.md,
+"Model backends", has the kernel facts and options 1-3).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import weakref
@@ -35,10 +36,8 @@ class TorchGroupedMLP(MegatronModule):
 
     Args:
         num_local_experts: experts on this rank (``E / ep``).
-        config: megatron's TransformerConfig.
         submodules: accepted for the ``SequentialMLP`` contract (unused: no linear submodules).
         pg_collection: megatron's process groups (``ep``, ``expt_tp``, ``expt_dp``); default: megatron's.
-        options: :class:`TorchBackendOptions` (default: the defaults).
 
     Raises:
         ValueError: expert tensor parallelism > 1, biases, FP8/FP4, or megatron's latent MoE projection.
@@ -95,11 +94,8 @@ class TorchGroupedMLP(MegatronModule):
                         config.output_layer_init_method(self.fc2_weight[e])
 
     def use_grouped_kernel(self, hidden_MH: torch.Tensor) -> bool:
-        """Whether a forward on ``hidden_MH`` takes torch's grouped kernel (option 1).
-
-        Raises:
-            RuntimeError: ``expert_gemm="grouped_mm"`` and the kernel cannot take these inputs.
-        """
+        """Whether a forward on ``hidden_MH`` takes torch's grouped kernel (option 1); RuntimeError with
+        ``expert_gemm="grouped_mm"`` when the kernel cannot take these inputs."""
         mode = self.options.expert_gemm
         if mode == "loop":
             return False
@@ -121,9 +117,7 @@ class TorchGroupedMLP(MegatronModule):
         if config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu:
             if fc1_MG.shape[0] > 0:  # (no tokens: no compilation for an empty shape)
                 # One kernel each way instead of ~8 elementwise passes; the config refuses a clamp or offset here.
-                return weighted_bias_swiglu_impl(
-                    fc1_MG, None, probs_M.unsqueeze(-1), config.activation_func_fp8_input_store
-                )
+                return weighted_bias_swiglu_impl(fc1_MG, None, probs_M.unsqueeze(-1), config.activation_func_fp8_input_store)
         if config.gated_linear_unit:
             x_glu, x_linear = torch.chunk(fc1_MG, 2, dim=-1)
             if (val := config.activation_func_clamp_value) is not None:
@@ -134,12 +128,8 @@ class TorchGroupedMLP(MegatronModule):
             act_MF = config.activation_func(fc1_MG)
         return (act_MF * probs_M.unsqueeze(-1)).to(act_MF.dtype)
 
-    def forward(
-        self,
-        permuted_local_hidden_states: torch.Tensor,
-        tokens_per_expert: torch.Tensor,
-        permuted_probs: torch.Tensor,
-    ) -> tuple[torch.Tensor, None]:
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
+                permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
         """Run every local expert on its tokens: ``[M, H]`` tokens grouped by local expert, ``[E_local]`` token
         counts (zeros allowed), ``[M]`` routing weights -> ``(output [M, H], None)`` as ``SequentialMLP``."""
         hidden_MH, probs_M = permuted_local_hidden_states, permuted_probs
@@ -151,10 +141,8 @@ class TorchGroupedMLP(MegatronModule):
             probs_M = torch.ones_like(probs_M)
         counts = [int(c) for c in tokens_per_expert.tolist()]
         if len(counts) != self.num_local_experts or sum(counts) != hidden_MH.shape[0]:
-            raise ValueError(
-                f"tokens_per_expert {counts} does not fit {self.num_local_experts} local experts and "
-                f"{hidden_MH.shape[0]} tokens"
-            )
+            raise ValueError(f"tokens_per_expert {counts} does not fit {self.num_local_experts} local experts and "
+                             f"{hidden_MH.shape[0]} tokens")
         use_kernel = self.use_grouped_kernel(hidden_MH)
         offs_E = offsets(counts, hidden_MH.device) if use_kernel else None
         kwargs = dict(offs_E=offs_E, use_kernel=use_kernel, zero_empty_grads=self.options.zero_empty_expert_grads)
@@ -170,22 +158,18 @@ class TorchGroupedMLP(MegatronModule):
 
     def _save_to_state_dict(self, destination, prefix, keep_vars) -> None:
         """Write SequentialMLP's keys: one ``[2F, H]`` / ``[H, F]`` view per expert and ``_extra_state`` (None)."""
-        fc1 = self.fc1_weight if keep_vars else self.fc1_weight.detach()
-        fc2 = self.fc2_weight if keep_vars else self.fc2_weight.detach()
+        weights = [w if keep_vars else w.detach() for w in (self.fc1_weight, self.fc2_weight)]
         for e in range(self.num_local_experts):
-            k1, k2 = self._expert_keys(prefix, e)
-            destination[k1 + "weight"] = fc1[e]
-            destination[k1 + _EXTRA_STATE] = None
-            destination[k2 + "weight"] = fc2[e]
-            destination[k2 + _EXTRA_STATE] = None
+            for base, weight in zip(self._expert_keys(prefix, e), weights):
+                destination[base + "weight"] = weight[e]
+                destination[base + _EXTRA_STATE] = None
 
-    def _load_from_state_dict(
-        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-    ) -> None:
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
         """Read SequentialMLP's per-expert keys into the stacked weights (see :meth:`_save_to_state_dict`)."""
         expected = set()
         with torch.no_grad():
-            for weight, which in ((self.fc1_weight, 0), (self.fc2_weight, 1)):
+            for which, weight in enumerate((self.fc1_weight, self.fc2_weight)):
                 for e in range(self.num_local_experts):
                     base = self._expert_keys(prefix, e)[which]
                     expected.update((base + "weight", base + _EXTRA_STATE))
@@ -206,7 +190,6 @@ class TorchGroupedMLP(MegatronModule):
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        """Not implemented: the suite checkpoints with ``torch.save`` state dicts (SequentialMLP's layout)."""
         raise NotImplementedError(
             "TorchGroupedMLP has no megatron distributed-checkpoint layout; save model.state_dict() "
             "(SequentialMLP's keys) as repro.training.checkpoint does"
@@ -218,28 +201,18 @@ class TorchGroupedMLP(MegatronModule):
 
 
 class TorchSDPAttention(MegatronModule):
-    """megatron's ``core_attention`` on ``torch.nn.functional.scaled_dot_product_attention``.
-
-    The constructor's arguments are ``DotProductAttention``'s, plus ``options``. The softmax scale is
-    ``softmax_scale`` or ``1/sqrt(d)`` (megatron's query-key layer scaling divides it by the layer number and
-    multiplies the fp32 softmax input back, a no-op on the result). Masks: option 3.
+    """megatron's ``core_attention`` on ``torch.nn.functional.scaled_dot_product_attention``, with
+    ``DotProductAttention``'s constructor arguments plus ``options``. The softmax scale is ``softmax_scale`` or
+    ``1/sqrt(d)`` (megatron's query-key layer scaling divides it by the layer number and multiplies the fp32
+    softmax input back, a no-op on the result). Masks: option 3.
 
     Raises:
         ValueError: context parallelism, a non-vanilla softmax or sliding-window attention.
     """
 
-    def __init__(
-        self,
-        config,
-        layer_number: int,
-        attn_mask_type,
-        attention_type: str,
-        attention_dropout: float | None = None,
-        softmax_scale: float | None = None,
-        cp_comm_type: str | None = None,
-        pg_collection=None,
-        options: TorchBackendOptions | None = None,
-    ) -> None:
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str,
+                 attention_dropout: float | None = None, softmax_scale: float | None = None,
+                 cp_comm_type: str | None = None, pg_collection=None, options: TorchBackendOptions | None = None) -> None:
         super().__init__(config=config)
         self.options = options or TorchBackendOptions()
         if config.context_parallel_size != 1:
@@ -292,46 +265,29 @@ class TorchSDPAttention(MegatronModule):
             return True, None
         return False, ~mask  # SDPA's boolean mask is True where attention IS allowed
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: torch.Tensor | None,
-        attn_mask_type=None,
-        attention_bias: torch.Tensor | None = None,
-        packed_seq_params=None,
-    ) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
+                attn_mask_type=None, attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
         """``[sq, b, heads, d]`` query, ``[sk, b, groups, d]`` key and value, megatron's bool mask (True =
         masked) or None -> ``[sq, b, heads * d]``."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("TorchSDPAttention supports neither attention_bias nor packed sequences")
         sq, b, heads, d = query.shape
-        is_causal, mask = self._sdpa_mask(
-            attention_mask, attn_mask_type if attn_mask_type is not None else self.attn_mask_type, sq, key.shape[0]
-        )
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        is_causal, mask = self._sdpa_mask(attention_mask, mask_type, sq, key.shape[0])
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
-        kwargs = dict(
-            attn_mask=mask,
-            dropout_p=dropout_p,
-            is_causal=is_causal,
-            scale=self.softmax_scale,
-            enable_gqa=heads != key.shape[2],
-        )
-        if dropout_p > 0 and not self.config.sequence_parallel:
-            # As DotProductAttention: attention dropout draws from the model-parallel RNG stream.
-            with get_cuda_rng_tracker().fork():
-                context_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, **kwargs)
-        else:
-            context_BHSD = F.scaled_dot_product_attention(q_BHSD, k_BGSD, v_BGSD, **kwargs)
+        # As DotProductAttention: attention dropout draws from the model-parallel RNG stream.
+        forked = dropout_p > 0 and not self.config.sequence_parallel
+        with get_cuda_rng_tracker().fork() if forked else contextlib.nullcontext():
+            context_BHSD = F.scaled_dot_product_attention(
+                q_BHSD, k_BGSD, v_BGSD, attn_mask=mask, dropout_p=dropout_p, is_causal=is_causal,
+                scale=self.softmax_scale, enable_gqa=heads != key.shape[2],
+            )
         return context_BHSD.permute(2, 0, 1, 3).reshape(sq, b, heads * d)
 
     def extra_repr(self) -> str:
-        return (
-            f"heads={self.num_heads}, query_groups={self.num_query_groups}, head_dim={self.head_dim}, "
-            f"causal_mask={self.options.causal_mask!r}"
-        )
+        return (f"heads={self.num_heads}, query_groups={self.num_query_groups}, head_dim={self.head_dim}, "
+                f"causal_mask={self.options.causal_mask!r}")
 
 
 def torch_core_attention_builder(options: TorchBackendOptions | None = None):

@@ -1,12 +1,8 @@
-"""Training on megatron-core: the run config, named experiments, the trainer, checkpoints, ``train``.
-
-Public API::
+"""Training on megatron-core: the run config, named experiments, the trainer, checkpoints, ``train``::
 
     from repro.training import apply_overrides, get_experiment, train
     config = apply_overrides(get_experiment("dirmoe-tiny"), ["schedule.steps=50"])
     summary = train(config, "runs/dirmoe-tiny")         # or resume=True to continue a run
-
-The trainer (``trainer``) imports megatron-core, so ``train`` here imports it on first use.
 """
 
 from repro.training.config import RunConfig, apply_overrides

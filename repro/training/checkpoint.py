@@ -1,26 +1,20 @@
 """Checkpoints that hold everything a bit-identical resume needs, written atomically, one file per rank,
-loaded without running any code from them, and checked against what wrote them (docs/failures.md says what
-a user sees). Layout (``torch.save`` per rank: no sharded-tensor metadata needed to read it back)::
+loaded without running any code from them, and checked against what wrote them (docs/failures.md)::
 
     OUT/checkpoints/
         step_0000100/
             meta.json           format, step, consumed samples, layout, experiment config, the run's identity,
                                 the rank files and their sha256 digests
-            rank_00000.pt       this rank's model state (router buffers included), optimizer and LR scheduler
-            ...                 state, RNG states, step, consumed samples, the run's identity
+            rank_00000.pt       this rank's model (router buffers included), optimizer, LR scheduler and RNG
+            ...                 states, step, consumed samples, the run's identity (``torch.save``)
         latest                  the newest complete checkpoint's name (a convenience: the newest directory
                                 with a meta.json is the truth)
 
 Every rank writes its file into ``.step_0000100.tmp/``, all ranks agree that every write succeeded, then
-rank 0 writes ``meta.json`` and renames the directory: a checkpoint directory exists only when complete. A
-write that fails on any rank fails on every rank with one line, leaving no ``.tmp``. Rank files hold
-tensors and plain data only (format 2), loaded with ``torch.load(weights_only=True)``; their digests and
-the run's identity are checked before use. The ranks must share the file system.
-
-Model state keeps megatron's *local* expert numbering, so resuming needs the same layout;
-:func:`load_model_weights` reads a checkpoint of any DP/EP layout into a model of another by renumbering
-expert ``i`` of EP rank ``r`` to ``r * E_local + i`` and back. The plain data besides the weights is built
-by :mod:`repro.training.checkpoint_data`.
+rank 0 writes ``meta.json`` and renames the directory, so a checkpoint directory exists only when complete.
+The ranks must share the file system. Model state keeps megatron's *local* expert numbering, so resuming
+needs the same layout; :func:`load_model_weights` reads any DP/EP layout into another by renumbering expert
+``i`` of EP rank ``r`` to ``r * E_local + i`` and back.
 """
 
 from __future__ import annotations
@@ -64,15 +58,24 @@ def _rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
-def _all_ranks_ok(ok: bool) -> bool:
-    """Whether every rank reports success (a collective, also the barrier between the write phases: a plain
-    barrier would leave the other ranks waiting forever when one rank's write failed)."""
+def all_ranks_reduce(value: int, op: dist.ReduceOp, device: torch.device | None = None) -> int:
+    """``value`` all-reduced with ``op`` over every process (a collective; ``value`` itself in a one-process
+    run); ``device`` holds nccl's tensor (default: the current CUDA device)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-        return ok
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
+        return value
+    if dist.get_backend() != "nccl":
+        device = torch.device("cpu")
+    elif device is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    flag = torch.tensor([value], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=op)
+    return int(flag.item())
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    """Whether every rank reports success (also the barrier between the write phases: a plain barrier would
+    leave the other ranks waiting forever when one rank's write failed)."""
+    return bool(all_ranks_reduce(int(ok), dist.ReduceOp.MIN))
 
 
 def _is_own_dir(path: Path) -> bool:
@@ -87,10 +90,8 @@ def _remove_own_dir(path: Path) -> None:
     if not os.path.lexists(path):
         return
     if not _is_own_dir(path):
-        raise ReproError(
-            f"{path}: in the way of a checkpoint write but not a checkpoint directory (a link, a file, or "
-            "holding other files); refusing to remove it"
-        )
+        raise ReproError(f"{path}: in the way of a checkpoint write but not a checkpoint directory (a link, a file, or "
+                         "holding other files); refusing to remove it")
     shutil.rmtree(path)
 
 
@@ -112,11 +113,8 @@ def save_checkpoint(
         checkpoints_dir: ``OUT/checkpoints``.
         step: completed optimizer steps.
         consumed_samples: samples consumed by all ranks together.
-        parallel: the layout.
         experiment: the run config dict (stored in ``meta.json``, the run's identity read from it).
-        model: the local model (its ``state_dict`` includes the routers' buffers).
         optimizer_state: the optimizer's state (already gathered where the optimizer needs it).
-        scheduler_state: the LR scheduler's state.
         extra: more per-rank entries.
 
     Returns:
@@ -132,7 +130,7 @@ def save_checkpoint(
     tmp = root / f".{final.name}.tmp"
     aside = root / f".{final.name}.old.tmp"
     identity = run_identity(experiment)
-    rank_name = _rank_file_name(parallel.rank)
+    common = {"format": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples}
 
     # ---- phase 1 (rank 0): a clean temporary directory
     error = _attempt(lambda: _fresh_dir(root, tmp), final, tmp) if parallel.is_main else None
@@ -141,21 +139,10 @@ def save_checkpoint(
 
     # ---- phase 2 (every rank): its file and digest
     def write_rank_file() -> None:
-        payload = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "consumed_samples": consumed_samples,
-            "rank": parallel.rank,
-            "ep_rank": parallel.ep_rank,
-            "ep_size": parallel.ep_size,
-            "identity": identity,
-            "model": model.state_dict(),
-            "optimizer": optimizer_state,
-            "scheduler": scheduler_state,
-            "rng": capture_rng_state(),
-            "extra": extra or {},
-        }
-        _write_rank_file(tmp / rank_name, payload)
+        payload = {**common, "rank": parallel.rank, "ep_rank": parallel.ep_rank, "ep_size": parallel.ep_size,
+                   "identity": identity, "model": model.state_dict(), "optimizer": optimizer_state,
+                   "scheduler": scheduler_state, "rng": capture_rng_state(), "extra": extra or {}}
+        _write_rank_file(tmp / _rank_file_name(parallel.rank), payload)
 
     error = _attempt(write_rank_file, final, tmp)
     if not _all_ranks_ok(error is None):
@@ -165,14 +152,7 @@ def save_checkpoint(
 
     # ---- phase 3 (rank 0): meta.json, then the rename that makes the checkpoint exist
     if parallel.is_main:
-        meta = {
-            "format": FORMAT_VERSION,
-            "step": step,
-            "consumed_samples": consumed_samples,
-            "layout": parallel.layout(),
-            "identity": identity,
-            "experiment": experiment,
-        }
+        meta = {**common, "layout": parallel.layout(), "identity": identity, "experiment": experiment}
         error = _attempt(lambda: _publish(root, tmp, final, aside, meta, parallel.world_size), final, tmp)
         if error is not None:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -255,12 +235,8 @@ def _raise(error: BaseException | None, final: Path) -> None:
 
 
 def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
-    """Read and check ``meta.json`` of a checkpoint directory.
-
-    Raises:
-        ReproError: missing or unreadable ``meta.json``, another format, or a missing rank file or digest
-            (naming the path).
-    """
+    """Read and check ``meta.json`` of a checkpoint directory (ReproError naming the path: missing or
+    unreadable ``meta.json``, another format, or a missing rank file or digest)."""
     path = Path(path)
     meta_path = path / "meta.json"
     if not meta_path.is_file():
@@ -275,13 +251,9 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
                 "without trusting them to run code"
             )
         info = CheckpointInfo(
-            path=path,
-            step=int(meta["step"]),
-            consumed_samples=int(meta["consumed_samples"]),
-            layout={k: int(v) for k, v in meta["layout"].items()},
-            experiment=dict(meta["experiment"]),
-            files=tuple(meta["files"]),
-            sha256={str(k): str(v) for k, v in meta["sha256"].items()},
+            path=path, step=int(meta["step"]), consumed_samples=int(meta["consumed_samples"]),
+            layout={k: int(v) for k, v in meta["layout"].items()}, experiment=dict(meta["experiment"]),
+            files=tuple(meta["files"]), sha256={str(k): str(v) for k, v in meta["sha256"].items()},
             identity=dict(meta["identity"]),
         )
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
@@ -294,31 +266,29 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
     return info
 
 
-def find_latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint directory (one with its ``meta.json``) under ``checkpoints_dir``, or None."""
-    root = Path(checkpoints_dir)
-    if not root.is_dir():
-        return None
-    steps = []
-    for child in root.iterdir():
-        match = STEP_DIR.match(child.name)
-        if match and child.is_dir() and (child / "meta.json").is_file():
-            steps.append((int(match.group(1)), child))
-    return max(steps)[1] if steps else None
-
-
-def incomplete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
-    """The ``.step_XXXXXXX.tmp`` directories runs killed while writing a checkpoint left, oldest step first
-    (with none complete, the run was killed while writing its first checkpoint: nothing to resume)."""
+def _step_dirs(checkpoints_dir: str | os.PathLike, pattern: re.Pattern, keep: Callable[[Path], bool]) -> list[Path]:
+    """The directories in ``checkpoints_dir`` that ``pattern`` names and ``keep`` accepts, oldest step first."""
     root = Path(checkpoints_dir)
     if not root.is_dir():
         return []
     found = []
     for child in root.iterdir():
-        match = INCOMPLETE_DIR.match(child.name)
-        if match and child.is_dir() and not child.is_symlink():
+        match = pattern.match(child.name)
+        if match and child.is_dir() and keep(child):
             found.append((int(match.group(1)), child))
     return [p for _, p in sorted(found)]
+
+
+def find_latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
+    """The newest complete checkpoint directory (one with its ``meta.json``) under ``checkpoints_dir``, or None."""
+    complete = _step_dirs(checkpoints_dir, STEP_DIR, lambda p: (p / "meta.json").is_file())
+    return complete[-1] if complete else None
+
+
+def incomplete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
+    """The ``.step_XXXXXXX.tmp`` directories runs killed while writing a checkpoint left, oldest step first
+    (with none complete, the run was killed while writing its first checkpoint: nothing to resume)."""
+    return _step_dirs(checkpoints_dir, INCOMPLETE_DIR, lambda p: not p.is_symlink())
 
 
 def _load_plain(path: Path) -> Any:
@@ -328,9 +298,8 @@ def _load_plain(path: Path) -> Any:
     except pickle.UnpicklingError as exc:
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
         detail = next((line for line in lines if "GLOBAL" in line or "Unsupported" in line), lines[0] if lines else "")
-        raise ReproError(
-            f"{path}: refusing to load: it holds objects other than tensors and plain data ({detail})"
-        ) from None
+        raise ReproError(f"{path}: refusing to load: it holds objects other than tensors and plain data "
+                         f"({detail})") from None
     except OSError as exc:
         raise ReproError(os_error_message(exc, path)) from None
     except Exception as exc:  # noqa: BLE001 - any other reading failure is "corrupt" to the user
@@ -340,13 +309,8 @@ def _load_plain(path: Path) -> Any:
 
 def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
     """Load one rank's file of a checkpoint (the payload :func:`save_checkpoint` wrote), after checking its
-    digest; tensors and plain data only.
-
-    Raises:
-        ReproError: a file that changed since it was written (sha256), that belongs to another run
-            (naming both), that holds other objects than tensors and plain data (never unpickled), or that
-            is unreadable (naming the path).
-    """
+    digest (ReproError: a file that changed since it was written, that belongs to another run, that holds
+    other objects than tensors and plain data (never unpickled), or that is unreadable)."""
     name = info.files[rank]
     path = info.path / name
     try:
@@ -374,7 +338,6 @@ def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
 
 
 def check_same_layout(info: CheckpointInfo, parallel: Parallel) -> None:
-    """Raise :class:`ReproError` unless the checkpoint was written by the same process layout."""
     if info.layout != parallel.layout():
         raise ReproError(
             f"{info.path}: written by layout {info.layout}, this run is {parallel.layout()}; resume with the "
@@ -440,31 +403,24 @@ def find_router_checkpoint(candidates: list[Path], router: str) -> CheckpointInf
 
 def load_model_weights(path: str | os.PathLike, model: nn.Module, parallel: Parallel) -> CheckpointInfo:
     """Initialise ``model`` (weights and buffers) from a checkpoint written with any DP/EP layout, or from the
-    newest of a run's (:func:`resolve_checkpoint`); return the checkpoint read.
-
-    Raises:
-        ReproError: no checkpoint there, corrupt files, or weights that do not fit the model.
-    """
+    newest of a run's (:func:`resolve_checkpoint`); return the checkpoint read (ReproError: no checkpoint
+    there, corrupt files, or weights that do not fit the model)."""
     path = resolve_checkpoint(path)
     info = read_checkpoint_info(path)
     if info.layout == parallel.layout():
-        state = load_rank_payload(info, parallel.rank)["model"]
-        _load_strict(model, state, path)
+        _load_strict(model, load_rank_payload(info, parallel.rank)["model"], path)
     else:
         state_global = global_model_state([load_rank_payload(info, r) for r in range(len(info.files))])
         load_global_state(model, state_global, parallel, str(path))
     return info
 
 
-def load_global_state(
-    model: nn.Module, state_global: dict[str, torch.Tensor], parallel: Parallel, source: str
-) -> None:
+def load_global_state(model: nn.Module, state_global: dict[str, torch.Tensor], parallel: Parallel, source: str) -> None:
     """Load the part of a global-numbered model state (:func:`global_model_state`) this rank's experts hold;
     ReproError naming ``source`` when the state lacks weights of the model or does not fit it."""
     local_keys = list(model.state_dict().keys())
     num_local = _num_local_experts(local_keys)
-    state = {}
-    missing = []
+    state, missing = {}, []
     for key in local_keys:
         gkey = _to_global_key(key, parallel.ep_rank, num_local)
         if gkey in state_global:

@@ -93,10 +93,8 @@ def check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: 
     found = _json_plain(payload.get("identity"))
     if found != _json_plain(info.identity):
         theirs, ours = _describe_pair(found or {}, info.identity)
-        raise ReproError(
-            f"{path}: written by a run of {theirs}, but {info.path / 'meta.json'} is a run of {ours}; "
-            "refusing to load another run's weights"
-        )
+        raise ReproError(f"{path}: written by a run of {theirs}, but {info.path / 'meta.json'} is a run of {ours}; "
+                         "refusing to load another run's weights")
 
 
 def capture_rng_state() -> dict[str, Any]:

@@ -2,13 +2,9 @@
 
 Examples::
 
-    python -m repro train --list
-    python -m repro train --experiment dirmoe-tiny --out runs/dirmoe-tiny
     python -m repro train --experiment remoe-tiny --set schedule.steps=50 --set router.options.l1_coeff_multiplier=1.1 --out runs/r
-    python -m repro train --out runs/dirmoe-tiny --resume
-    python -m repro train --out runs/dirmoe-tiny --resume --set optimizer.lr=5e-4    # e.g. after a NaN loss
+    python -m repro train --out runs/r --resume --set optimizer.lr=5e-4    # e.g. after a NaN loss
     torchrun --nproc_per_node=2 -m repro train --experiment switch-tiny --set parallel.ep=2 --out runs/switch-ep2
-    python -m repro train --experiment auxfree-tiny --out runs/auxfree-tiny --tensorboard runs/tb/auxfree-tiny
 
 A finished run gets its run record (``record.json``, read by ``tables`` and ``check``); ``eval`` adds the
 zero-shot results to it.
@@ -25,16 +21,11 @@ from repro.errors import ReproError
 
 def _parser(prog: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog=prog,
-        description="Train one experiment on megatron-core (CPU/gloo or GPU; works under torchrun).",
+        prog=prog, description="Train one experiment on megatron-core (CPU/gloo or GPU; works under torchrun)."
     )
     parser.add_argument("--experiment", "-e", help="an experiment name (see --list)")
     parser.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
         help="override a config field as a dotted path (schedule.steps=100, optimizer.lr=1e-3, parallel.ep=2, "
         "router.options.NAME=VALUE); repeatable",
     )

@@ -1,7 +1,6 @@
 """The trainer's components: any object with ``after_step(trainer, row) -> row`` and ``close()``, run after
 every step in the order the trainer holds them (validation first, so the logged row carries the validation
-loss), each deciding its own cadence. What a component may read and set of the trainer is
-:class:`TrainerState`.
+loss), each deciding its own cadence; they see the trainer as :class:`TrainerState`.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ if TYPE_CHECKING:
 
 
 class TrainerState(Protocol):
-    """What the components read and set of the trainer (declared here so that the trainer imports its
-    components and not the other way round)."""
+    """What the components read and set of the trainer (declared here: the trainer imports its components)."""
 
     config: RunConfig
     paths: RunPaths
@@ -57,14 +55,8 @@ class Validator:
         self.iters = iters
         self.last_step = last_step
 
-    def due(self, step: int) -> bool:
-        """Whether ``step`` is evaluated."""
-        if self.dataset is None or not self.interval:
-            return False
-        return step % self.interval == 0 or step == self.last_step
-
     def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
-        if not self.due(row.step):
+        if self.dataset is None or not self.interval or (row.step % self.interval and row.step != self.last_step):
             return row
         return dataclasses.replace(row, val_loss=self.evaluate(trainer))
 
@@ -80,8 +72,7 @@ class Validator:
         parallel, device = trainer.parallel, trainer.device
         sampler = MicroBatchSampler(trainer.config.data.micro_batch_size, parallel.dp_rank, parallel.dp_size, self.iters)
         devices = [device.index or 0] if device.type == "cuda" else []
-        model = trainer.model
-        model.eval()
+        model = trainer.model.eval()
         total = torch.zeros((), dtype=torch.float64)
         try:
             with torch.random.fork_rng(devices=devices):
@@ -103,9 +94,8 @@ class StepLog:
     """``log.jsonl`` (appended by rank 0, one row per step) and the progress bar (its loss and throughput
     updated every ``interval`` steps)."""
 
-    def __init__(
-        self, path: Path, interval: int, total_steps: int, initial_step: int, is_main: bool, show: bool, desc: str
-    ) -> None:
+    def __init__(self, path: Path, interval: int, total_steps: int, initial_step: int, is_main: bool, show: bool,
+                 desc: str) -> None:
         from tqdm import tqdm
 
         self.interval = interval
@@ -146,12 +136,8 @@ class Checkpointer:
         self.log = log
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this run wrote last
 
-    def due(self, step: int) -> bool:
-        """Whether a checkpoint is written after ``step``."""
-        return step == self.last_step or bool(self.interval and step % self.interval == 0)
-
     def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
-        if self.due(row.step):
+        if row.step == self.last_step or (self.interval and row.step % self.interval == 0):
             self.save(trainer)
         return row
 

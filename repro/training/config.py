@@ -1,12 +1,10 @@
 """The run configuration: frozen dataclass sections (validated in ``__post_init__``) composed into one
 :class:`RunConfig` (docs/experiments.md, "Experiments").
 
-Overrides are dot-lists (``optimizer.lr=3e-4``, ``router.options.sparsity_weight=0.1``) merged by OmegaConf's
-structured configs (:func:`apply_overrides`), which check keys (with a "did you mean"), types and ``Literal``
-choices; router options are typed by the router's own config dataclass and validated by building it with
-the model's real sizes. OmegaConf rather than tyro: the suite merges data (a named experiment, a router's
-recipe overrides, ``--set``) and round-trips ``config.json``, OmegaConf's core operations. Non-finite floats
-are refused wherever a value must be finite.
+Overrides are dot-lists merged by OmegaConf's structured configs (:func:`apply_overrides`), which check keys,
+types and ``Literal`` choices; router options are typed by the router's config dataclass and validated by
+building it with the model's real sizes. OmegaConf rather than tyro: the suite merges data (an experiment, a
+router's recipe overrides, ``--set``) and round-trips ``config.json``, OmegaConf's core operations.
 """
 
 from __future__ import annotations
@@ -34,8 +32,11 @@ def _finite(section: str, name: str, value: float) -> None:
 
 
 def _at_least(section: str, obj: Any, names: Iterable[str], low: float) -> None:
+    """Refuse a field of ``names`` below ``low`` or not finite (None passes: an optional field left unset)."""
     for name in names:
         value = getattr(obj, name)
+        if value is None:
+            continue
         if isinstance(value, float):
             _finite(section, name, value)
         if value < low:
@@ -44,17 +45,9 @@ def _at_least(section: str, obj: Any, names: Iterable[str], low: float) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model.
-
-    Args:
-        flavour: a model flavour (``repro.model.flavours.available_flavours()``).
-        num_experts: E, overriding the flavour's (MoE flavours only).
-        top_k: k, overriding the flavour's (MoE flavours only).
-        seq_length: tokens per sequence, overriding the flavour's.
-        precision: ``auto`` (bf16 on GPU, fp32 on CPU), ``fp32`` or ``bf16`` (GPU only).
-        backend: ``auto``, ``te``, ``torch`` or ``local`` (docs/efficiency.md, "Model backends").
-        backend_options: ``TorchBackendOptions`` fields of the ``torch`` backend.
-    """
+    """The model: a flavour (``repro.model.flavours``) and the fields of it that a run may override
+    (``num_experts`` and ``top_k`` of MoE flavours only); ``precision`` ``auto`` is bf16 on GPU, fp32 on CPU;
+    ``backend`` and the torch backend's ``backend_options``: docs/efficiency.md, "Model backends"."""
 
     flavour: str = "tiny"
     num_experts: int | None = None
@@ -65,12 +58,8 @@ class ModelConfig:
     backend_options: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("num_experts", "top_k"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise ValueError(f"model.{name} must be >= 1, got {value}")
-        if self.seq_length is not None and self.seq_length < 2:
-            raise ValueError(f"model.seq_length must be >= 2, got {self.seq_length}")
+        _at_least("model", self, ("num_experts", "top_k"), 1)
+        _at_least("model", self, ("seq_length",), 2)
 
     def flavour_config(self):
         """The :class:`repro.model.flavours.ModelFlavour` with this section's overrides (ValueError if it
@@ -85,13 +74,9 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """The router in every MoE layer.
-
-    Args:
-        name: a registered router, ``"megatron"`` (megatron-core's TopKRouter) or None for a dense model.
-        options: fields of the router's config dataclass; unless set here, ``schedule_steps`` (the run's
-            steps) and ``vocab_size`` (the model's padded vocabulary) are filled in when the model is built.
-    """
+    """The router in every MoE layer: ``name`` a registered router, ``"megatron"`` (megatron-core's TopKRouter)
+    or None for a dense model; ``options`` fields of the router's config dataclass (unless set here,
+    ``schedule_steps`` and ``vocab_size`` are filled in from the run's steps and the padded vocabulary)."""
 
     name: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
@@ -102,7 +87,6 @@ class OptimizerConfig:
     """AdamW (torch's on CPU, megatron's on GPU) and gradient clipping.
 
     Args:
-        lr: peak learning rate.
         weight_decay: decoupled weight decay (not on biases and 1-D parameters, as megatron).
         clip_grad: global gradient-norm clip (0 disables).
         distributed: GPU only: megatron's distributed optimizer (state sharded over data-parallel ranks).
@@ -129,13 +113,8 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """The run's length and its learning-rate schedule (linear warmup, cosine decay to a floor).
-
-    Args:
-        steps: optimizer steps of the whole run.
-        warmup_fraction: warmup length as a fraction of ``steps`` (when ``warmup_steps`` is None).
-        min_lr: the floor the cosine decays to (at most ``optimizer.lr``).
-    """
+    """The run's optimizer ``steps`` and its learning-rate schedule: linear warmup over ``warmup_steps`` (None:
+    ``warmup_fraction`` of ``steps``), cosine decay to ``min_lr`` (at most ``optimizer.lr``)."""
 
     steps: int = 100
     warmup_fraction: float = 0.01
@@ -152,7 +131,6 @@ class ScheduleConfig:
 
     @property
     def num_warmup_steps(self) -> int:
-        """Warmup length in steps (``warmup_steps`` or ``round(warmup_fraction * steps)``)."""
         if self.warmup_steps is not None:
             return self.warmup_steps
         return int(round(self.warmup_fraction * self.steps))
@@ -163,18 +141,16 @@ class DataConfig:
     """Where the tokens come from and how many a step takes.
 
     Args:
-        source: ``synthetic`` (seeded token source, no files), ``mini-pile`` / ``mini-pile:<dir>`` (the embedded
-            corpus, built on first use, default dir ``data/mini-pile``), or ``pile:<prefix>`` / ``indexed:<prefix>``
-            (megatron indexed-dataset path prefixes, comma-separated for several).
-        tokenizer: directory with the GPT-2 BPE ``vocab.json`` and ``merges.txt`` of indexed data (default: the
-            first prefix's directory).
+        source: ``synthetic`` (seeded, no files), ``mini-pile`` / ``mini-pile:<dir>`` (the embedded corpus, built
+            on first use, default dir ``data/mini-pile``), or ``pile:<prefix>`` / ``indexed:<prefix>`` (megatron
+            indexed-dataset path prefixes, comma-separated for several).
+        tokenizer: directory with the GPT-2 BPE ``vocab.json`` and ``merges.txt`` (default: the first prefix's).
         vocab_size: vocabulary of the synthetic source (None: 512); real data takes the tokenizer's.
         synthetic_samples: distinct synthetic sequences before they repeat (0: never repeat).
-        micro_batch_size: sequences per forward pass on one data-parallel rank.
-        global_batch_size: sequences per optimizer step over all ranks (a multiple of ``micro_batch_size x``
-            data-parallel size).
-        similarity_batching: train on chains of similar documents (Lory's data batching,
-            :mod:`repro.data.similarity`); indexed data only (``config.json`` says so on synthetic tokens).
+        micro_batch_size / global_batch_size: sequences per forward pass on one data-parallel rank / per
+            optimizer step over all ranks.
+        similarity_batching: train on chains of similar documents (Lory's, :mod:`repro.data.similarity`);
+            indexed data only (``config.json`` says so on synthetic tokens).
     """
 
     source: str = "synthetic"
@@ -188,28 +164,21 @@ class DataConfig:
     def __post_init__(self) -> None:
         kind = self.source.partition(":")[0]
         if not (self.source in DATA_CHOICES or kind in ("pile", "indexed", "mini-pile")):
-            raise ValueError(
-                f"data.source must be one of {', '.join(DATA_CHOICES)}, 'mini-pile:<dir>', 'pile:<prefix>' or "
-                f"'indexed:<prefix>', got '{self.source}'"
-            )
-        if self.vocab_size is not None and self.vocab_size < 2:
-            raise ValueError(f"data.vocab_size must be >= 2, got {self.vocab_size}")
+            raise ValueError(f"data.source must be one of {', '.join(DATA_CHOICES)}, 'mini-pile:<dir>', "
+                             f"'pile:<prefix>' or 'indexed:<prefix>', got '{self.source}'")
+        _at_least("data", self, ("vocab_size",), 2)
         _at_least("data", self, ("synthetic_samples",), 0)
         _at_least("data", self, ("micro_batch_size", "global_batch_size"), 1)
         if self.global_batch_size % self.micro_batch_size:
-            raise ValueError(
-                f"data.global_batch_size {self.global_batch_size} is not a multiple of "
-                f"data.micro_batch_size {self.micro_batch_size}"
-            )
+            raise ValueError(f"data.global_batch_size {self.global_batch_size} is not a multiple of "
+                             f"data.micro_batch_size {self.micro_batch_size}")
 
     def num_microbatches(self, dp_size: int) -> int:
         """Gradient-accumulation count for ``dp_size`` data-parallel ranks (ReproError if it is not whole)."""
         per_step = self.micro_batch_size * dp_size
         if self.global_batch_size % per_step:
-            raise ReproError(
-                f"data.global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size x "
-                f"data-parallel size = {self.micro_batch_size} x {dp_size}"
-            )
+            raise ReproError(f"data.global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size x "
+                             f"data-parallel size = {self.micro_batch_size} x {dp_size}")
         return self.global_batch_size // per_step
 
 
@@ -230,8 +199,8 @@ class CheckpointConfig:
 
     Args:
         interval: steps between checkpoints (0: only the final one).
-        init_from: a checkpoint directory whose model weights initialise the run (any DP/EP layout); the
-            optimizer, data position and step start fresh.
+        init_from: a checkpoint whose model weights initialise the run (any DP/EP layout); the optimizer, data
+            position and step start fresh.
         init_router_step: with ``init_from``, the routers' step schedules go on from the checkpoint's step
             (``python -m repro efficiency --init-from``); the LR schedule and the run's step start at 0.
         layout_independent_init: with ``parallel.ep > 1``, build the full model once under EP=1 and keep this
@@ -257,8 +226,8 @@ class LoggingConfig:
             ``routing_per_expert``, ``router_stats``) on step 1, every ``metrics_interval`` steps and the last
             step only, forcing no host synchronisation on the others; 1 (default): every step, as the
             committed results were made. Training is identical whatever it is.
-        tensorboard: also write TensorBoard events (the optional extra ``tensorboard``).
-        tensorboard_dir: where the events go; ``None``: ``<run dir>/tensorboard``.
+        tensorboard / tensorboard_dir: also write TensorBoard events (the optional extra ``tensorboard``), into
+            ``tensorboard_dir`` (None: ``<run dir>/tensorboard``).
     """
 
     interval: int = 1
@@ -308,13 +277,7 @@ class RunConfig:
             raise ValueError(f"seed must be >= 0, got {self.seed}")
 
     @property
-    def is_moe(self) -> bool:
-        """Whether the model has routed experts."""
-        return self.router.name is not None
-
-    @property
     def seq_length(self) -> int:
-        """Tokens per sequence: ``model.seq_length`` or the flavour's."""
         return self.model.seq_length or self.model.flavour_config().seq_length
 
     def router_options(self) -> dict[str, Any]:
@@ -340,7 +303,6 @@ class RunConfig:
         )
 
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict."""
         return dataclasses.asdict(self)
 
     @classmethod

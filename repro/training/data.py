@@ -1,7 +1,6 @@
 """The training and validation samples of an experiment: the synthetic source or megatron indexed datasets,
-both indexable, so that a run's data position is one integer (the consumed-sample count,
-:class:`repro.training.synthetic.MicroBatchSampler`) and a resumed run reads the samples an uninterrupted one
-would.
+both indexable, so that a run's data position is one integer (the consumed-sample count) and a resumed run
+reads the samples an uninterrupted one would.
 """
 
 from __future__ import annotations
@@ -37,14 +36,6 @@ class RunData:
     similarity: dict[str, Any] | None = None
 
 
-def _indexed_prefixes(spec: str) -> list[str]:
-    _, _, rest = spec.partition(":")
-    prefixes = [p.strip() for p in rest.split(",") if p.strip()]
-    if not prefixes:
-        raise ReproError(f"data '{spec}': give at least one indexed-dataset prefix after the colon")
-    return prefixes
-
-
 def _mini_pile(spec: str) -> tuple[list[str], str]:
     """Build (or reuse) the embedded mini-pile of ``mini-pile[:<dir>]`` and return its training prefix and
     tokenizer directory (rank 0 builds first, the other ranks then find it built)."""
@@ -66,9 +57,12 @@ def data_sources(config: RunConfig) -> tuple[list[str], str]:
     data = config.data
     if data.source == "synthetic":
         raise ReproError(f"experiment '{config.name}' trains on synthetic tokens: it has no tokenizer")
-    if data.source.partition(":")[0] == "mini-pile":
+    kind, _, rest = data.source.partition(":")
+    if kind == "mini-pile":
         return _mini_pile(data.source)
-    prefixes = _indexed_prefixes(data.source)
+    prefixes = [p.strip() for p in rest.split(",") if p.strip()]
+    if not prefixes:
+        raise ReproError(f"data '{data.source}': give at least one indexed-dataset prefix after the colon")
     return prefixes, data.tokenizer or str(Path(prefixes[0]).parent)
 
 
@@ -76,12 +70,11 @@ def load_run_tokenizer(tokenizer_dir: str | os.PathLike):
     """Load the GPT-2-format tokenizer (``vocab.json`` + ``merges.txt``) in ``tokenizer_dir``."""
     from repro.data.tokenizer import load_tokenizer
 
-    vocab_path = Path(tokenizer_dir) / "vocab.json"
-    merges_path = Path(tokenizer_dir) / "merges.txt"
-    for p in (vocab_path, merges_path):
+    paths = [Path(tokenizer_dir) / name for name in ("vocab.json", "merges.txt")]
+    for p in paths:
         if not p.is_file():
             raise ReproError(f"{p}: tokenizer file missing (set data.tokenizer=<dir with vocab.json and merges.txt>)")
-    return load_tokenizer(vocab_path, merges_path)
+    return load_tokenizer(*paths)
 
 
 def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
@@ -94,12 +87,7 @@ def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
     return digest.hexdigest()
 
 
-def build_run_data(
-    config: RunConfig,
-    seq_length: int,
-    dp_size: int,
-    cache_dir: str | os.PathLike,
-) -> RunData:
+def build_run_data(config: RunConfig, seq_length: int, dp_size: int, cache_dir: str | os.PathLike) -> RunData:
     """Build the experiment's datasets (the validation set holds ``validation.iters`` micro-batches for each of
     ``dp_size`` ranks; megatron caches its sample indices in ``cache_dir``)."""
     data, validate = config.data, bool(config.validation.interval)
@@ -124,23 +112,9 @@ def build_run_data(
         prefixes, split = [sim.prefix], sim.split
         similarity = {"prefix": sim.prefix, "split": sim.split, "stats": sim.stats}
         origin = f"similarity-batched({origin})"
-    train_samples = config.schedule.steps * data.global_batch_size
-    splits = build_datasets(
-        prefixes,
-        seq_length,
-        (train_samples, valid_samples if validate else None, None),
-        config.seed,
-        cache_dir,
-        tokenizer,
-        split=split,
-    )
+    samples = (config.schedule.steps * data.global_batch_size, valid_samples if validate else None, None)
+    splits = build_datasets(prefixes, seq_length, samples, config.seed, cache_dir, tokenizer, split=split)
     if splits.train is None:
         raise ReproError(f"data.source '{data.source}': no training split was built")
-    return RunData(
-        splits.train,
-        splits.valid if validate else None,
-        tokenizer.vocab_size,
-        origin,
-        str(Path(tokenizer_dir).resolve()),
-        similarity,
-    )
+    valid = splits.valid if validate else None
+    return RunData(splits.train, valid, tokenizer.vocab_size, origin, str(Path(tokenizer_dir).resolve()), similarity)

@@ -24,10 +24,9 @@ LOG_FILE = "log.jsonl"
 
 @dataclass(frozen=True)
 class LogRow:
-    """One optimizer step.
+    """One optimizer step (``step``: 1-based).
 
     Args:
-        step: 1-based number of the step.
         loss: ``lm_loss`` plus the sum of the aux losses (the objective that was differentiated).
         lm_loss: mean next-token cross-entropy over the step's tokens (mean over micro-batches and DP ranks).
         aux_losses: ``{name: value summed over layers}``, as added to the objective (coefficients applied).
@@ -38,7 +37,6 @@ class LogRow:
             micro-batches and DP ranks); empty for a dense model.
         routing_per_expert: ``{metric: [[value per expert] per MoE layer]}`` (``tokens_per_expert``).
         router_stats: ``{router: statistic}`` of the step schedules (ReMoE's sparsity).
-        val_loss: validation LM loss, on evaluation steps only.
         metrics_collected: whether the routers computed their diagnostic metrics in this step (then
             ``iter_time_s`` includes computing them; otherwise the three fields above are empty).
     """
@@ -123,14 +121,8 @@ def truncate_rows(path: Path, last_step: int) -> None:
 
 
 def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """The run's summary from its log rows; throughput statistics leave out the first row (warm-up) and the
-    rows that computed routing metrics when some did not (:func:`timed_rows`).
-
-    Returns:
-        ``{experiment, router, flavour, steps, final_loss, final_lm_loss, final_loss_mean10, final_val_loss,
-        tokens, tokens_per_s_mean, tokens_per_s_median, iter_time_s_mean, active_experts_final, simpson_final,
-        **extra}``.
-    """
+    """The run's summary from its log rows, then ``extra``; throughput statistics leave out the first row
+    (warm-up) and the rows that computed routing metrics when some did not (:func:`timed_rows`)."""
     timed = timed_rows(rows[1:] if len(rows) > 1 else rows)
     last = rows[-1] if rows else None
     vals = [r.val_loss for r in rows if r.val_loss is not None]

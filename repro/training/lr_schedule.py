@@ -56,8 +56,7 @@ class LRScheduler:
         self.num_steps = 0
 
     def apply(self) -> float:
-        """Set the LR (and megatron groups' weight decay) for the next optimizer step (number
-        ``num_steps + 1``) and return the LR."""
+        """Set the LR (and megatron groups' weight decay) for the next optimizer step and return the LR."""
         lr = self.schedule.lr_at(self.num_steps + 1)
         for group in self.optimizer.param_groups:
             group["lr"] = lr * group.get("lr_mult", 1.0)
@@ -65,12 +64,10 @@ class LRScheduler:
                 group["weight_decay"] = self.weight_decay * group["wd_mult"]
         return lr
 
-    def step(self) -> None:
-        """Count one optimizer step (call after ``optimizer.step()``)."""
+    def step(self) -> None:  # after optimizer.step()
         self.num_steps += 1
 
     def state_dict(self) -> dict:
-        """``{"num_steps", "schedule"}`` (the schedule for checking on load)."""
         return {"num_steps": self.num_steps, "schedule": self.schedule.__dict__.copy()}
 
     def load_state_dict(self, state: dict) -> None:

@@ -1,13 +1,7 @@
-"""A cluster's time limit is not a crash: SIGTERM or SIGUSR1 ends the run after the current step, with a checkpoint.
-
-SLURM sends SIGTERM at the time limit (``--signal=...@SECONDS`` asks for one earlier, as the batch script of
-``python -m repro launch --slurm`` does). As Megatron-LM's exit-signal handler, the trainer then:
-
-1. records the signal (:class:`StopRequest`'s handler does nothing else, so the step in progress finishes);
-2. after each step, agrees with every rank on whether any of them got one (a MAX all-reduce of one scalar),
-   so all ranks stop after the same step even when only some were signalled;
-3. writes the checkpoint of that step, prints one line saying how to resume (rank 0), and ends the run:
-   ``train()`` raises :class:`RunStopped` and ``python -m repro train`` exits with :data:`EXIT_STOPPED`.
+"""A cluster's time limit is not a crash: SIGTERM or SIGUSR1 ends the run after the current step, with a
+checkpoint (docs/failures.md). As Megatron-LM's exit-signal handler, the trainer records the signal
+(:class:`StopRequest`), agrees with every rank after each step on whether any got one, so all stop after the
+same step, then writes that step's checkpoint, says how to resume and raises :class:`RunStopped`.
 """
 
 from __future__ import annotations
@@ -24,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from repro.errors import ReproError
+from repro.training.checkpoint import all_ranks_reduce
 from repro.training.components import Checkpointer
 from repro.training.distributed import barrier
 
@@ -55,7 +50,7 @@ class StopRequest:
     def __init__(self) -> None:
         self.signum = 0
 
-    def _record(self, signum: int, frame) -> None:
+    def _record(self, signum: int, frame) -> None:  # nothing else, so the step in progress finishes
         self.signum = self.signum or signum  # the first signal names the stop
 
     @contextlib.contextmanager
@@ -75,11 +70,7 @@ class StopRequest:
     def agreed(self, device: torch.device) -> int:
         """The signal any rank received so far (the largest number), 0 for none; collective over all processes
         (``device``: the model's, where nccl's tensor lives)."""
-        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
-            return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int32, device=device if dist.get_backend() == "nccl" else "cpu")
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
+        return all_ranks_reduce(self.signum, dist.ReduceOp.MAX, device)
 
 
 def stop_run(trainer: TrainerState, signum: int) -> str:

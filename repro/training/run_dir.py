@@ -1,14 +1,7 @@
-"""A run directory: its files, its lock, and what a command may do with it (docs/failures.md states the
-rules for users).
-
-* A fresh run needs a new or empty directory (hidden entries such as ``.lock`` aside); a directory that
-  holds a run is continued only with ``--resume``, one that holds other files is refused; nothing in an
-  existing directory is deleted.
-* The directory is locked for the life of a run: an exclusive ``flock`` on ``.lock``, taken by global
-  rank 0 before anything is written and released by the operating system on any exit, SIGKILL included.
-* ``--resume`` continues from the newest complete checkpoint, or from step 0 with the run's own
-  ``config.json`` when there is none yet; a finished run is left untouched. It may change the settings that
-  do not define the model or its data order (:data:`CHANGEABLE_ON_RESUME`), listed in ``resume_changes.json``.
+"""A run directory: its files, its lock, and what a command may do with it (the rules: docs/failures.md).
+A fresh run needs a new or empty directory (hidden entries such as ``.lock`` aside); ``--resume`` continues
+from the newest complete checkpoint, or from step 0 with the run's own ``config.json``, and may change only
+:data:`CHANGEABLE_ON_RESUME` (listed in ``resume_changes.json``); a finished run is left untouched.
 """
 
 from __future__ import annotations
@@ -42,31 +35,18 @@ class RunPaths:
 
     root: Path
 
-    @property
-    def config(self) -> Path:
-        return self.root / "config.json"
-
-    @property
-    def log(self) -> Path:
-        return self.root / LOG_FILE
-
-    @property
-    def checkpoints(self) -> Path:
-        return self.root / "checkpoints"
-
-    @property
-    def summary(self) -> Path:
-        return self.root / "summary.json"
-
-    @property
-    def data_cache(self) -> Path:  # megatron's dataset index cache (indexed data only)
-        return self.root / "data_cache"
+    config = property(lambda self: self.root / "config.json")
+    log = property(lambda self: self.root / LOG_FILE)
+    checkpoints = property(lambda self: self.root / "checkpoints")
+    summary = property(lambda self: self.root / "summary.json")
+    data_cache = property(lambda self: self.root / "data_cache")  # megatron's dataset index cache (indexed data)
 
 
 @contextlib.contextmanager
 def run_lock(paths: RunPaths) -> Iterator[None]:
-    """Hold the run directory's lock (global rank 0; other ranks belong to the same run); ReproError when the
-    directory cannot be created or another process holds the lock."""
+    """Hold the run directory's lock, an exclusive ``flock`` on ``.lock`` that the operating system releases on
+    any exit (global rank 0; other ranks belong to the same run); ReproError when the directory cannot be
+    created or another process holds the lock."""
     if int(os.environ.get("RANK", "0")) != 0:
         yield
         return
@@ -99,10 +79,6 @@ class StartState:
     config: RunConfig
     checkpoint: ckpt.CheckpointInfo | None
     finished: dict[str, Any] | None = None
-
-
-def _visible_entries(root: Path) -> list[str]:
-    return sorted(p.name for p in root.iterdir() if not p.name.startswith("."))
 
 
 def stored_config(paths: RunPaths) -> RunConfig:
@@ -139,8 +115,7 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> StartState:
-    """Decide how a run starts in ``paths.root`` (see the module docstring for the rules) with the config asked
-    for (None with ``resume``: the run's own).
+    """Decide how a run starts in ``paths.root`` with the config asked for (None with ``resume``: the run's own).
 
     Raises:
         ReproError: a directory that is not this run's, nothing to resume, or a changed config on resume that
@@ -149,17 +124,15 @@ def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> Star
     if not resume:
         if config is None:
             raise ReproError("no experiment given")
-        entries = _visible_entries(paths.root) if paths.root.is_dir() else []
+        children = paths.root.iterdir() if paths.root.is_dir() else []
+        entries = sorted(p.name for p in children if not p.name.startswith("."))
         if entries:
             if paths.config.is_file() or paths.log.is_file() or paths.checkpoints.is_dir():
-                raise ReproError(
-                    f"{paths.root}: already holds a run; pass --resume to continue it (from step 0 if it has no "
-                    "checkpoint yet) or choose another --out"
-                )
-            raise ReproError(
-                f"{paths.root}: is not empty ({', '.join(entries[:3])}{', ...' if len(entries) > 3 else ''}); a "
-                "fresh run needs a new or empty --out"
-            )
+                raise ReproError(f"{paths.root}: already holds a run; pass --resume to continue it (from step 0 if it "
+                                 "has no checkpoint yet) or choose another --out")
+            more = ", ..." if len(entries) > 3 else ""
+            raise ReproError(f"{paths.root}: is not empty ({', '.join(entries[:3])}{more}); a fresh run needs a new "
+                             "or empty --out")
         return StartState(config, None)
 
     stored = stored_config(paths)
@@ -171,11 +144,9 @@ def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> Star
         if not any(k == c or k.startswith(c + ".") for c in CHANGEABLE_ON_RESUME) or k == "checkpoint.init_from"
     ]
     if frozen:
-        raise ReproError(
-            f"{latest or paths.config}: --resume cannot change what defines the model or its data "
-            f"({'; '.join(f'{k}: {changes[k]}' for k in frozen)}); start a new run "
-            "(--set checkpoint.init_from=<this run> starts one from these weights)"
-        )
+        raise ReproError(f"{latest or paths.config}: --resume cannot change what defines the model or its data "
+                         f"({'; '.join(f'{k}: {changes[k]}' for k in frozen)}); start a new run "
+                         "(--set checkpoint.init_from=<this run> starts one from these weights)")
     config = stored if config is None else config
     if info is None:
         print(f"{paths.root}: no complete checkpoint yet; training again from step 0", file=sys.stderr)

@@ -1,13 +1,9 @@
 """A deterministic synthetic token source with learnable structure, and the micro-batch sampler.
 
 The synthetic source stands in for a tokenized corpus when no files are wanted (tests, smoke runs): indexable
-like megatron's ``GPTDataset``, every sample a pure function of ``(seed, split, i)``. Its text is a random
-sparse bigram chain (a few likely successors per token, fixed by the seed, and some uniform noise), so a
-falling loss is a meaningful check after a handful of steps.
-
-:class:`MicroBatchSampler` cuts the global sample order into micro-batches as megatron's
-``MegatronPretrainingSampler`` does, so a one-process run and a DP run of the same global batch see the same
-micro-batches, only spread over ranks.
+like megatron's ``GPTDataset``, every sample a pure function of ``(seed, split, i)``, its text a random sparse
+bigram chain (a few likely successors per token and some uniform noise), so a falling loss is a meaningful
+check after a handful of steps.
 """
 
 from __future__ import annotations
@@ -24,17 +20,10 @@ SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 @dataclass(frozen=True)
 class SyntheticTokens:
-    """Seeded sparse-bigram token sequences, indexable (``len`` is ``num_samples`` or "unbounded").
-
-    Args:
-        vocab_size: V.
-        seq_length: S, tokens per sample (the sample holds S+1 tokens: inputs and shifted labels).
-        seed: fixes the bigram table and every sample.
-        split: 0 for training, 1 for validation (independent samples, same table).
-        num_samples: distinct samples before the index wraps (0: never wraps).
-        successors: likely successors per token.
-        noise: probability of a uniformly random next token.
-    """
+    """Seeded sparse-bigram token sequences of ``seq_length`` tokens (plus one for the shifted labels): ``seed``
+    fixes the bigram table and every sample, ``split`` 0 (training) or 1 (validation) draws independent
+    samples of the same table, the index wraps after ``num_samples`` (0: never), each token has
+    ``successors`` likely successors and is uniformly random with probability ``noise``."""
 
     vocab_size: int
     seq_length: int
@@ -106,14 +95,15 @@ class SyntheticTokens:
         }
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        """Sample ``index``: ``tokens``/``labels``/``position_ids`` int64 ``[S]``, ``loss_mask`` float ``[S]``."""
         return {key: value[0] for key, value in self.batch([index]).items()}
 
 
 @dataclass(frozen=True)
 class MicroBatchSampler:
     """Which samples data-parallel rank ``dp_rank`` reads, as a function of the consumed-sample count: each
-    micro-step takes ``micro_batch_size x dp_size`` consecutive samples, and rank ``r`` takes slice ``r``."""
+    micro-step takes ``micro_batch_size x dp_size`` consecutive samples, and rank ``r`` takes slice ``r``
+    (megatron's ``MegatronPretrainingSampler``: a one-process run and a DP run of the same global batch see
+    the same micro-batches)."""
 
     micro_batch_size: int
     dp_rank: int

@@ -1,18 +1,11 @@
 """TensorBoard events from the training log's rows (the optional extra ``tensorboard``).
 
 With ``logging.tensorboard=true`` rank 0 writes the step's :class:`~repro.training.log.LogRow` on every
-logging step (``logging.interval``, and the last step) with ``torch.utils.tensorboard``'s ``SummaryWriter``:
-
-* scalars ``train/loss``, ``train/lm_loss``, ``train/lr``, ``train/grad_norm``, ``train/tokens_per_s``,
-  ``train/iter_time_s``, ``train/aux/<name>`` (summed over layers) and ``train/aux/<name>/layer<l>``;
-  ``val/loss`` on every step that has a validation loss (whatever the logging cadence);
-* ``routing/<metric>/layer<l>`` for every scalar routing metric, ``router/<name>`` for the step schedules'
-  statistics (ReMoE's sparsity);
-* per-expert metrics as histograms over the expert index, ``experts/<metric>/layer<l>``: bucket i holds
-  expert i's value (``tokens_per_expert``: its token load), so TensorBoard's histogram view shows the load of
-  every expert over the steps. A metric with negative entries (the aux-loss-free router's bias) is written as
-  the distribution of its values instead.
-
+logging step (``logging.interval``, and the last step): scalars ``train/<field>``, ``train/aux/<name>`` (summed
+over layers) and ``train/aux/<name>/layer<l>``, ``routing/<metric>/layer<l>``, ``router/<name>`` (the step
+schedules' statistics), ``val/loss`` on every step that has one (whatever the cadence), and per-expert
+metrics as histograms over the expert index, ``experts/<metric>/layer<l>``: bucket i holds expert i's value
+(``tokens_per_expert``: its load), so TensorBoard's histogram view shows every expert's load over the steps.
 Layers are numbered from 1. A resumed run passes ``purge_step`` so TensorBoard drops the events a killed run
 wrote after its checkpoint.
 """
@@ -30,8 +23,7 @@ if TYPE_CHECKING:
     from repro.training.components import TrainerState
 
 class TensorBoardLog:
-    """The trainer component writing TensorBoard events into ``log_dir`` on rank 0 (``is_main``) every
-    ``interval`` steps and at ``last_step``; a run resumed at ``initial_step`` purges the events after it."""
+    """The trainer component writing TensorBoard events into ``log_dir`` on rank 0 (``is_main``)."""
 
     def __init__(self, log_dir: Path, interval: int, last_step: int, initial_step: int, is_main: bool) -> None:
         if importlib.util.find_spec("tensorboard") is None:
@@ -46,13 +38,9 @@ class TensorBoardLog:
 
             self.writer = SummaryWriter(str(log_dir), purge_step=initial_step + 1 if initial_step else None)
 
-    def due(self, step: int) -> bool:
-        """Whether ``step`` is a logging step."""
-        return step % self.interval == 0 or step == self.last_step
-
     def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if self.writer is not None:
-            if self.due(row.step):
+            if row.step % self.interval == 0 or row.step == self.last_step:
                 self.write(row)
             elif row.val_loss is not None:
                 self.writer.add_scalar("val/loss", row.val_loss, row.step)
@@ -87,7 +75,8 @@ class TensorBoardLog:
 
 
 def _expert_histogram(writer, tag: str, values: list[float], step: int) -> None:
-    """Expert i's value as the count of bucket (i - 0.5, i + 0.5]; the values' distribution if any is negative."""
+    """Expert i's value as the count of bucket (i - 0.5, i + 0.5]; the values' distribution if any is negative
+    (the aux-loss-free router's bias)."""
     if any(v < 0 for v in values):
         import numpy as np
 
