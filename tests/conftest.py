@@ -1,5 +1,5 @@
-"""Shared test settings: offline, deterministic, one intra-op thread (the CI machine has 2 cores), and the
-fixtures several test files share (built once per test run).
+"""Shared test settings: offline, deterministic, one intra-op thread (the CI machine has 2 cores; in the processes
+the tests start too), and the fixtures several test files share (built once per test run).
 
 ``nox -s tests`` runs the files on every core with pytest-xdist (``--dist loadfile``: a file's tests, and its
 module-scoped fixtures, stay in one worker). Files with slow tests are handed out first, so the last file a
@@ -7,16 +7,48 @@ worker gets is a short one.
 """
 
 import os
+import warnings
+import weakref
 from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The commands the tests start (efficiency runs, training processes) inherit it: on 2 cores shared by two test
+# workers, a second intra-op thread only spins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+with warnings.catch_warnings():  # megatron-core's import-time notices (no TransformerEngine/Apex)
+    warnings.simplefilter("ignore")
+    from megatron.core.distributed import DistributedDataParallel  # noqa: E402
+
+#: megatron's DistributedDataParallel wrappers made in this process (by runs trained in it).
+_DDPS: weakref.WeakSet = weakref.WeakSet()
+_ddp_init = DistributedDataParallel.__init__
+
+
+def _tracked_ddp_init(self, *args, **kwargs):
+    _ddp_init(self, *args, **kwargs)
+    _DDPS.add(self)
+
+
+DistributedDataParallel.__init__ = _tracked_ddp_init
+
+
+@pytest.fixture(autouse=True)
+def _release_trained_models():
+    """After each test, empty the DDP wrappers of the runs it trained in this process. Such a model outlives its run:
+    megatron's alltoall dispatcher keeps the last step's routing probabilities, whose autograd graph reaches the DDP's
+    gradient hooks, a cycle through C++ that the garbage collector cannot see. Its gloo process groups live on with
+    it, each with a polling thread: a worker that had trained a few dozen runs spent half a core on them."""
+    yield
+    for ddp in list(_DDPS):
+        ddp.__dict__.clear()
 
 
 def pytest_collection_modifyitems(config, items):
