@@ -51,6 +51,26 @@ def _release_trained_models():
         ddp.__dict__.clear()
 
 
+#: What a study's CPU run imports (repro.study's workers: training, evaluation's bridge, the records), loaded once
+#: by the fork server the tests start them from. Not lm-eval's runner: it brings pyarrow's allocator thread, and
+#: the server forks.
+WORKER_PRELOAD = ["repro.study", "repro.mini", "repro.ablation", "repro.training.trainer", "repro.training.inference",
+                  "repro.evaluation.harness", "repro.report.store", "repro.analysis", "routers.dirmoe", "baselines",
+                  "megatron.core.models.gpt", "megatron.core.distributed"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _studies_fork_preloaded_workers():
+    """The studies' CPU runs (mini, ablation, sweeps) start as forks of a server that imported torch, megatron-core
+    and the suite once, not as fresh interpreters importing them each (~5 s a run); each is a process of its own."""
+    import multiprocessing
+
+    from repro import study
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
+    study.START_METHOD = "forkserver"
+
+
 def pytest_collection_modifyitems(config, items):
     """Files holding a ``slow`` test first (stable: the order inside a file, and among the fast files, is kept)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
