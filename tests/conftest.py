@@ -6,6 +6,7 @@ module-scoped fixtures, stay in one worker). Files with slow tests are handed ou
 worker gets is a short one.
 """
 
+import dataclasses
 import os
 import warnings
 import weakref
@@ -91,3 +92,21 @@ def mini_pile(tmp_path_factory) -> Path:
     path = base / "shared-mini-pile"
     build_mini_pile(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def quick_mini():
+    """``python -m repro mini`` (``repro.mini.main``) scoring the held-out text and analysing the routing on 512
+    tokens per domain instead of the comparison's thousands: the same code on less text. Module scope: a rerun
+    on the module's runs must see the settings they were made with to reuse them."""
+    from repro import mini
+
+    parse = mini.parse
+
+    def quick(argv, prog):
+        cfg, fresh = parse(argv, prog)
+        return dataclasses.replace(cfg, domain_tokens=512, spec_tokens=512), fresh
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mini, "parse", quick)
+        yield

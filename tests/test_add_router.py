@@ -139,7 +139,7 @@ def test_contract_suite_covers_the_installed_router(external_package):
 
 # Step 4: a first comparison run on the embedded default, beside Switch, with the tables.
 @pytest.mark.slow
-def test_mini_comparison_with_the_installed_router(external_package, tmp_path, mini_pile):
+def test_mini_comparison_with_the_installed_router(external_package, tmp_path, mini_pile, quick_mini):
     from repro import mini
 
     argv = ["--runs", f"switch,{NAME}", "--steps", "6", "--eval-limit", "6", "--data-dir", str(mini_pile),
