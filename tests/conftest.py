@@ -2,8 +2,8 @@
 the tests start too), and the fixtures several test files share (built once per test run).
 
 ``nox -s tests`` runs the files on every core with pytest-xdist (``--dist loadfile``: a file's tests, and its
-module-scoped fixtures, stay in one worker). Files with slow tests are handed out first, so the last file a
-worker gets is a short one.
+module-scoped fixtures, stay in one worker; ``--no-loadscope-reorder``: the files are handed out in the order
+below). The longest files go first, so the last file a worker gets is a short one.
 """
 
 import dataclasses
@@ -72,10 +72,17 @@ def _studies_fork_preloaded_workers():
     study.START_METHOD = "forkserver"
 
 
+#: The files that take longest (measured on 2 cores), longest first.
+LONGEST = ("test_mini.py", "test_ablation.py", "test_efficiency.py", "test_training.py", "test_add_router.py",
+           "test_golden.py", "test_preemption.py", "test_launch.py", "test_study.py")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Files holding a ``slow`` test first (stable: the order inside a file, and among the fast files, is kept)."""
+    """The files of :data:`LONGEST` first, in that order, then the other files holding a ``slow`` test, then the
+    rest (stable: the order inside a file, and among the others, is kept)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    rank = {name: i for i, name in enumerate(LONGEST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(LONGEST)), item.path not in slow_files))
 
 
 @pytest.fixture(scope="session")
