@@ -59,8 +59,11 @@ def tests(session: nox.Session) -> None:
     """Run the test suite (CPU, a few minutes) on every core (pytest-xdist, a test file per worker at a time)."""
     _install(session, "dev,eval,tensorboard")  # tensorboard: the events test reads them back with its own reader
     # --dist loadfile: a file's module-scoped fixtures (trained runs, a mini comparison) are built once, in one
-    # worker. Arguments after -- come last: `nox -s tests -- -n 0 tests/test_data.py` runs one file serially.
-    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", *(session.posargs or ["-q"]), env=OFFLINE_ENV)
+    # worker; --no-loadscope-reorder: the files go out longest first, as tests/conftest.py orders them (xdist
+    # would order them by their number of tests). Arguments after -- come last: `nox -s tests -- -n 0
+    # tests/test_data.py` runs one file serially.
+    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", "--no-loadscope-reorder",
+                *(session.posargs or ["-q"]), env=OFFLINE_ENV)
 
 
 def _test_workers() -> int:

@@ -26,6 +26,10 @@ from repro.errors import ReproError
 from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, read_json, write_json_atomic
 from repro.launch import Launch, torchrun_command
 
+#: multiprocessing's start method of the CPU workers. Each run is a fresh process with either; the tests use
+#: "forkserver" with modules preloaded (``set_forkserver_preload``), which spares each run their imports.
+START_METHOD = "spawn"
+
 
 @dataclass(frozen=True)
 class Run:
@@ -217,7 +221,7 @@ def _pool(study: Study, runs: list[Run]) -> tuple[dict[str, float], dict[str, st
     from tqdm import tqdm
 
     seconds, failed = {}, {}
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context(START_METHOD)
     with ProcessPoolExecutor(study.workers, mp_context=context, max_tasks_per_child=1) as pool, tqdm(
         total=len(runs), desc="runs", unit="run"
     ) as bar:

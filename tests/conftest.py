@@ -1,28 +1,88 @@
-"""Shared test settings: offline, deterministic, one intra-op thread (the CI machine has 2 cores), and the
-fixtures several test files share (built once per test run).
+"""Shared test settings: offline, deterministic, one intra-op thread (the CI machine has 2 cores; in the processes
+the tests start too), and the fixtures several test files share (built once per test run).
 
 ``nox -s tests`` runs the files on every core with pytest-xdist (``--dist loadfile``: a file's tests, and its
-module-scoped fixtures, stay in one worker). Files with slow tests are handed out first, so the last file a
-worker gets is a short one.
+module-scoped fixtures, stay in one worker; ``--no-loadscope-reorder``: the files are handed out in the order
+below). The longest files go first, so the last file a worker gets is a short one.
 """
 
+import dataclasses
 import os
+import warnings
+import weakref
 from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The commands the tests start (efficiency runs, training processes) inherit it: on 2 cores shared by two test
+# workers, a second intra-op thread only spins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
 
+with warnings.catch_warnings():  # megatron-core's import-time notices (no TransformerEngine/Apex)
+    warnings.simplefilter("ignore")
+    from megatron.core.distributed import DistributedDataParallel  # noqa: E402
+
+#: megatron's DistributedDataParallel wrappers made in this process (by runs trained in it).
+_DDPS: weakref.WeakSet = weakref.WeakSet()
+_ddp_init = DistributedDataParallel.__init__
+
+
+def _tracked_ddp_init(self, *args, **kwargs):
+    _ddp_init(self, *args, **kwargs)
+    _DDPS.add(self)
+
+
+DistributedDataParallel.__init__ = _tracked_ddp_init
+
+
+@pytest.fixture(autouse=True)
+def _release_trained_models():
+    """After each test, empty the DDP wrappers of the runs it trained in this process. Such a model outlives its run:
+    megatron's alltoall dispatcher keeps the last step's routing probabilities, whose autograd graph reaches the DDP's
+    gradient hooks, a cycle through C++ that the garbage collector cannot see. Its gloo process groups live on with
+    it, each with a polling thread: a worker that had trained a few dozen runs spent half a core on them."""
+    yield
+    for ddp in list(_DDPS):
+        ddp.__dict__.clear()
+
+
+#: What a study's CPU run imports (repro.study's workers: training, evaluation's bridge, the records), loaded once
+#: by the fork server the tests start them from. Not lm-eval's runner: it brings pyarrow's allocator thread, and
+#: the server forks.
+WORKER_PRELOAD = ["repro.study", "repro.mini", "repro.ablation", "repro.training.trainer", "repro.training.inference",
+                  "repro.evaluation.harness", "repro.report.store", "repro.analysis", "routers.dirmoe", "baselines",
+                  "megatron.core.models.gpt", "megatron.core.distributed"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _studies_fork_preloaded_workers():
+    """The studies' CPU runs (mini, ablation, sweeps) start as forks of a server that imported torch, megatron-core
+    and the suite once, not as fresh interpreters importing them each (~5 s a run); each is a process of its own."""
+    import multiprocessing
+
+    from repro import study
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
+    study.START_METHOD = "forkserver"
+
+
+#: The files that take longest (measured on 2 cores), longest first.
+LONGEST = ("test_mini.py", "test_ablation.py", "test_efficiency.py", "test_training.py", "test_add_router.py",
+           "test_golden.py", "test_preemption.py", "test_launch.py", "test_study.py")
+
 
 def pytest_collection_modifyitems(config, items):
-    """Files holding a ``slow`` test first (stable: the order inside a file, and among the fast files, is kept)."""
+    """The files of :data:`LONGEST` first, in that order, then the other files holding a ``slow`` test, then the
+    rest (stable: the order inside a file, and among the others, is kept)."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.path not in slow_files)
+    rank = {name: i for i, name in enumerate(LONGEST)}
+    items.sort(key=lambda item: (rank.get(item.path.name, len(LONGEST)), item.path not in slow_files))
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +99,21 @@ def mini_pile(tmp_path_factory) -> Path:
     path = base / "shared-mini-pile"
     build_mini_pile(path)
     return path
+
+
+@pytest.fixture(scope="module")
+def quick_mini():
+    """``python -m repro mini`` (``repro.mini.main``) scoring the held-out text and analysing the routing on 512
+    tokens per domain instead of the comparison's thousands: the same code on less text. Module scope: a rerun
+    on the module's runs must see the settings they were made with to reuse them."""
+    from repro import mini
+
+    parse = mini.parse
+
+    def quick(argv, prog):
+        cfg, fresh = parse(argv, prog)
+        return dataclasses.replace(cfg, domain_tokens=512, spec_tokens=512), fresh
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(mini, "parse", quick)
+        yield

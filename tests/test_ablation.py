@@ -224,7 +224,9 @@ def _argv(root, *extra: str, work: str = "runs", out: str = "out", cells: str = 
     # The data: the run's shared mini-pile (conftest), named in root/data-dir by the ``session`` fixture.
     argv = ["--cells", cells, "--seeds", seeds, "--steps", str(STEPS)]
     argv += ["--data-dir", (root / "data-dir").read_text(), "--work-dir", str(root / work), "--out", str(root / out)]
-    return [*argv, "--set", "validation.interval=3", "--set", "checkpoint.interval=3", *extra]
+    # One validation micro-batch, not the ablation's eight: the loss is there, on less text.
+    sets = ("validation.interval=3", "validation.iters=1", "checkpoint.interval=3")
+    return [*argv, *(a for item in sets for a in ("--set", item)), *extra]
 
 
 @pytest.fixture(scope="module")

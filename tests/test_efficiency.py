@@ -171,7 +171,7 @@ def test_outputs_it_did_not_write_are_refused_and_left_alone(capsys, tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
-    assert "was not written by python -m repro efficiency" in _error(capsys, ["--out", str(foreign)])
+    assert "was not written by python -m repro efficiency" in _error(capsys, ["--router", "switch", "--out", str(foreign)])
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
     ours = tmp_path / "ours"
@@ -183,7 +183,7 @@ def test_outputs_it_did_not_write_are_refused_and_left_alone(capsys, tmp_path):
 
     afile = tmp_path / "afile"
     afile.write_text("x")
-    assert "is not a directory" in _error(capsys, ["--out", str(afile)])
+    assert "is not a directory" in _error(capsys, ["--router", "switch", "--out", str(afile)])
 
 
 def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
@@ -205,8 +205,9 @@ def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
 def test_the_flops_count_is_causal_by_default_and_full_on_request(tmp_path):
     from repro.efficiency import parse
 
-    assert parse(["--out", str(tmp_path / "a")], "efficiency").flops_attention == "causal"
-    assert parse(["--flops-attention", "full", "--out", str(tmp_path / "b")], "efficiency").flops_attention == "full"
+    one = ["--router", "switch"]  # planning every router's run takes seconds
+    assert parse([*one, "--out", str(tmp_path / "a")], "efficiency").flops_attention == "causal"
+    assert parse([*one, "--flops-attention", "full", "--out", str(tmp_path / "b")], "efficiency").flops_attention == "full"
 
 
 def test_refused_under_an_outer_torchrun(capsys, monkeypatch, tmp_path):
@@ -221,13 +222,12 @@ DENSE_STEPS = ["--set", "router.options.dense_steps=3"]
 
 
 def _train_tiny(router: str, out: Path, steps: int = 3) -> None:
-    cmd = [sys.executable, "-m", "repro", "train", "--experiment", f"{router}-tiny", "--out", str(out), *DENSE_STEPS]
+    """The training command, in this process (the efficiency run that starts from it has a process of its own)."""
+    argv = ["train", "--experiment", f"{router}-tiny", "--out", str(out), "--no-progress", *DENSE_STEPS]
     for item in ("data.source=synthetic", "data.vocab_size=256", "data.synthetic_samples=0", f"schedule.steps={steps}",
                  "validation.interval=0"):
-        cmd += ["--set", item]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+        argv += ["--set", item]
+    assert cli_main(argv) == 0
 
 
 @pytest.mark.slow

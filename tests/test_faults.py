@@ -670,24 +670,24 @@ def test_evaluation_tells_a_run_killed_before_its_first_checkpoint_apart(tmp_pat
 
 # ------------------------------------------------------------- 3. two runs on one directory, SIGKILL
 @pytest.mark.slow
-def test_a_second_run_on_a_locked_directory_fails_at_once_and_the_lock_dies_with_its_process(tmp_path):
+def test_a_second_run_on_a_locked_directory_fails_at_once_and_the_lock_dies_with_its_process(tmp_path, capsys):
     import signal
     import time
 
     out = tmp_path / "run"
-    args = [sys.executable, "-m", "repro", "train", "--experiment", "dense-tiny", "--out", str(out), "--no-progress",
-            "--set", "data.source=synthetic", "--set", "schedule.steps=100000", "--set", "model.seq_length=32",
-            "--set", "checkpoint.interval=1"]
+    argv = ["train", "--experiment", "dense-tiny", "--out", str(out), "--no-progress", "--set", "data.source=synthetic",
+            "--set", "schedule.steps=100000", "--set", "model.seq_length=32", "--set", "checkpoint.interval=1"]
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    first = subprocess.Popen(args, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen([sys.executable, "-m", "repro", *argv], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 180
         while not any(out.glob("checkpoints/step_*/meta.json")):  # training, with a checkpoint behind it
             assert first.poll() is None and time.monotonic() < deadline, "the first run did not start training"
             time.sleep(0.5)
-        second = subprocess.run([*args[:-2], "--resume"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-        assert second.returncode == 2
-        assert _one_line(second.stderr.strip().splitlines()[-1]).startswith(
+        capsys.readouterr()
+        assert cli.main([*argv[:-2], "--resume"]) == 2  # the second run: this process
+        assert _one_line(capsys.readouterr().err.strip().splitlines()[-1]).startswith(
             f"error: {out}: another run is using this directory (process {first.pid})"
         )
         rows_before = len((out / "log.jsonl").read_text().splitlines())
@@ -697,8 +697,6 @@ def test_a_second_run_on_a_locked_directory_fails_at_once_and_the_lock_dies_with
         if first.poll() is None:
             first.kill()
     # the lock died with its process: the run resumes from its newest complete checkpoint
-    resumed = subprocess.run([*args, "--resume", "--stop-after", "0"], cwd=REPO, env=env, capture_output=True,
-                             text=True, timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert cli.main([*argv, "--resume", "--stop-after", "0"]) == 0, capsys.readouterr().err[-2000:]
     steps = [json.loads(line)["step"] for line in (out / "log.jsonl").read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and len(steps) <= rows_before  # no interleaved, no gaps

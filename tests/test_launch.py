@@ -458,17 +458,17 @@ def test_cuda_device_index():
         cuda_device_index(4, 2)
 
 
-@pytest.mark.slow
-def test_training_refuses_a_batch_script_of_several_tasks(tmp_path):
+def test_training_refuses_a_batch_script_of_several_tasks(tmp_path, monkeypatch, capsys):
     """A batch script with --ntasks=4 running the command directly (not under srun) must not train alone."""
+    env = _clean_env(SLURM_NTASKS="4", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_JOB_ID="77")
+    for key in set(os.environ) - set(env):
+        monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [sys.executable, "-m", "repro", "train", "--experiment", "dirmoe-tiny", "--out", str(out), "--no-progress",
-         "--set", "data.source=synthetic", "--set", "schedule.steps=1"],
-        cwd=REPO, env=_clean_env(SLURM_NTASKS="4", SLURM_PROCID="0", SLURM_LOCALID="0", SLURM_JOB_ID="77"),
-        capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 2, proc.stderr[-3000:]
-    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert repro_main(["train", "--experiment", "dirmoe-tiny", "--out", str(out), "--no-progress",
+                       "--set", "data.source=synthetic", "--set", "schedule.steps=1"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert errors == [errors[0]] and "SLURM_NTASKS=4 but this process was not started by srun" in errors[0]
     assert not out.exists()
 

@@ -13,16 +13,20 @@ from repro.errors import ReproError
 from repro.report.cli import check_main
 from repro.study import Run, longest_first, previous_cpu_seconds
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("quick_mini")]
+
+
+def _argv(runs: str, data, root, out: str, *extra: str) -> list[str]:
+    """The comparison of ``runs`` in ``root/runs``, its outputs in ``root/out``: four steps, four documents a task."""
+    argv = ["--runs", runs, "--steps", "4", "--eval-limit", "4", "--set", "validation.interval=2"]
+    argv += ["--set", "checkpoint.interval=4", "--data-dir", str(data), "--work-dir", str(root / "runs")]
+    return [*argv, "--out", str(root / out), *extra]
 
 
 @pytest.fixture(scope="module")
 def comparison(tmp_path_factory, mini_pile):
     root = tmp_path_factory.mktemp("mini")
-    argv = ["--runs", "switch,dirmoe,lory,expert_choice,dirmoe+centered", "--steps", "8", "--eval-limit", "8"]
-    argv += ["--data-dir", str(mini_pile), "--work-dir", str(root / "runs"), "--out", str(root / "out")]
-    argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
-    assert mini.main(argv) == 0
+    assert mini.main(_argv("switch,dirmoe,lory,expert_choice,dirmoe+centered", mini_pile, root, "out")) == 0
     return root
 
 
@@ -34,8 +38,8 @@ def test_tables_plots_and_records(comparison):
     assert not (out / "zero_shot_seeds.md").exists()  # one seed: the per-run tables only
     zero_shot = (out / "zero_shot.md").read_text()
     assert "switch" in zero_shot and "dirmoe" in zero_shot and "Last word" in zero_shot
-    # --eval-limit 8 cuts every local task: marked, with lm-eval's standard errors beside each cell
-    assert " ± " in zero_shot and "†" in zero_shot and "8 of 175 documents" in zero_shot
+    # --eval-limit 4 cuts every local task: marked, with lm-eval's standard errors beside each cell
+    assert " ± " in zero_shot and "†" in zero_shot and "4 of 175 documents" in zero_shot
     validation = (out / "validation.md").read_text()
     assert "valid split" in validation and "held-out" in validation
     for domain in ("c_headers", "licenses", "man_pages", "python_code", "python_docstrings", "python_reference"):
@@ -44,8 +48,8 @@ def test_tables_plots_and_records(comparison):
     assert {d["domain"] for d in record["domain_losses"]} >= {"licenses", "python_code"}
     assert all(0 < d["loss"] < 20 and d["tokens"] > 0 for d in record["domain_losses"])
     scores = record["per_question"]["minipile_continuation"]["acc_norm"]
-    assert len(scores) == 8 and set(scores) <= {0, 1}
-    assert sum(scores) / 8 == pytest.approx(record["lm_eval"]["results"]["minipile_continuation"]["acc_norm,none"])
+    assert len(scores) == 4 and set(scores) <= {0, 1}
+    assert sum(scores) / 4 == pytest.approx(record["lm_eval"]["results"]["minipile_continuation"]["acc_norm,none"])
     timing = json.loads((comparison / "runs" / "switch" / "timing.json").read_text())
     assert timing["cpu_seconds"] > 0 and timing["wall_seconds"] > 0
     for plot in ("loss_curves", "routing_over_training", "specialisation_dirmoe_vs_switch", "dirmoe_sparsity_knob"):
@@ -111,19 +115,13 @@ def test_an_output_directory_of_another_command_is_refused_before_any_work(tmp_p
 
 
 def test_reruns_reuse_finished_runs(comparison, mini_pile, capsys):
-    argv = ["--runs", "switch", "--steps", "8", "--eval-limit", "8", "--data-dir", str(mini_pile)]
-    argv += ["--work-dir", str(comparison / "runs"), "--out", str(comparison / "out2")]
-    argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
-    assert mini.main(argv) == 0
+    assert mini.main(_argv("switch", mini_pile, comparison, "out2")) == 0
     assert "reusing finished runs: switch" in capsys.readouterr().out
 
 
 def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, mini_pile, capsys):
     first = (comparison / "runs" / "switch" / "record.json").read_bytes()
-    argv = ["--runs", "switch,dirmoe", "--steps", "8", "--eval-limit", "8", "--seeds", "2"]
-    argv += ["--data-dir", str(mini_pile), "--work-dir", str(comparison / "runs"), "--out", str(comparison / "out3")]
-    argv += ["--set", "validation.interval=4", "--set", "checkpoint.interval=8"]
-    assert mini.main(argv) == 0
+    assert mini.main(_argv("switch,dirmoe", mini_pile, comparison, "out3", "--seeds", "2")) == 0
     printed = capsys.readouterr().out
     assert "reusing finished runs: switch, dirmoe" in printed and "training 2 runs" in printed
     assert (comparison / "runs" / "switch" / "record.json").read_bytes() == first  # seed 0 untouched

@@ -509,6 +509,8 @@ def test_lory_prompt_routing_routes_once_on_the_prompt():
 
 
 # ------------------------------------------------------------------ expert parallel (torchrun)
+# One torchrun for the model's expert parallelism and the torch backend's (tests/test_backends.py): starting the
+# two ranks costs more than all the checks.
 _EP2_WORKER = r"""
 import sys, warnings
 warnings.filterwarnings("ignore")
@@ -538,6 +540,33 @@ try:
     raise SystemExit("lory must refuse expert parallelism")
 except ValueError as exc:
     assert "expert parallel" in str(exc)
+
+# The torch backend (grouped GEMMs) against the local one through the all-to-all: two SGD steps.
+for name in ("switch", "remoe"):
+    traces = {}
+    for backend in ("local", "torch"):
+        model = build_model("tiny", name, vocab_size=100, seq_length=S, seed=0, backend=backend)
+        experts = model.decoder.layers[0].mlp.experts
+        assert (experts.num_local_experts, type(experts).__name__) == (4, {"local": "SequentialMLP", "torch": "TorchGroupedMLP"}[backend])
+        if backend == "torch":
+            assert experts.fc1_weight.allreduce is False  # expert gradients stay out of the DP all-reduce
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        trace = []
+        for step in range(2):
+            g = torch.Generator().manual_seed(100 * step + info.rank)  # different data per rank: uneven splits
+            ids = torch.randint(0, 100, (B, S), generator=g)
+            opt.zero_grad()
+            with token_ids_context(model, ids):
+                loss = model(ids, pos, mask, labels=ids).mean()
+            loss.backward()
+            opt.step()
+            trace.append(float(loss))
+        traces[backend] = (trace, {k: v.clone() for k, v in model.state_dict().items() if torch.is_tensor(v)})
+    (lt, ls), (tt, ts) = traces["local"], traces["torch"]
+    assert list(ls) == list(ts), name
+    torch.testing.assert_close(torch.tensor(tt), torch.tensor(lt), rtol=1e-5, atol=0)
+    for key in ls:  # after two SGD steps through the all-to-all, every weight agrees
+        torch.testing.assert_close(ts[key], ls[key], rtol=1e-4, atol=1e-6, msg=f"{name} {key}")
 destroy_distributed()
 print(f"EP2-OK rank {info.rank}")
 """
@@ -545,6 +574,8 @@ print(f"EP2-OK rank {info.rank}")
 
 @pytest.mark.distributed
 def test_expert_parallel_2_under_torchrun_alltoall(tmp_path):
+    """EP=2 on two gloo ranks: every router's model with 4 of the 8 experts per rank trains a step through the
+    all-to-all, Lory refuses, and the torch backend matches the local one over two SGD steps."""
     import os
     import subprocess
     import sys

@@ -183,6 +183,7 @@ def prediction_bounds(values_RN: np.ndarray, confidence: float = 0.95) -> tuple[
     return mean - half, mean + half
 
 
+@functools.lru_cache(maxsize=256)  # a third of a second of quadrature; a check asks the same for each number
 def minimum_detectable_shift(n: int, confidence: float, power: float = 0.8) -> float:
     """The smallest shift of one new value, in units of the seeds' standard deviation, that falls outside the
     ``confidence`` prediction interval of ``n`` seeds with probability ``power`` (decision 8).
