@@ -198,11 +198,15 @@ def _analyse(cfg: MiniConfig, run: str, scorer, docs: list[tuple[list[int], str]
     layer_routers = routers_in(scorer.model)
     if not layer_routers:
         return analysis
-    analysis["specialisation"] = expert_specialisation(scorer.logits, scorer.model, docs, scorer.max_length, cfg.spec_tokens)
+
+    def route(tokens_BS: torch.Tensor) -> None:  # a forward for the router traces alone: no logits
+        scorer.logits(tokens_BS, start=tokens_BS.shape[1])
+
+    analysis["specialisation"] = expert_specialisation(route, scorer.model, docs, scorer.max_length, cfg.spec_tokens)
     if has_sparsity_knob(layer_routers[0]):
         window = [t for ids, _ in docs[:8] for t in ids][: scorer.max_length]
         with trace_routers(scorer.model, keep_inputs=True) as trace:
-            scorer.logits(torch.tensor([window]))
+            route(torch.tensor([window]))
         # 0.3 .. 1000: below ~0.3 the smallest concentrations (~1e-3) underflow the Gamma draws to 0.
         lambdas = [10 ** (e / 4) for e in range(-2, 13)]
         analysis["sparsity_knob"] = sparsity_knob(layer_routers[0], trace.inputs[0][0], lambdas)
