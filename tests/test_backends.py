@@ -349,6 +349,18 @@ def test_sdpa_attention_honours_any_explicit_mask_like_dot_product_attention():
     _assert_all_close(_run_attention(ours, qkv, causal), _run_attention(reference, qkv, causal))
 
 
+def test_masks_made_under_inference_mode_are_verified_on_every_call():
+    """Scoring (lm-eval's bridge) runs under ``torch.inference_mode``: its masks have no version counter."""
+    _, reference, ours = _attention_pair()
+    qkv = _qkv(3)
+    with torch.inference_mode():
+        causal = causal_attention_mask(SEQ)
+        assert ours._sdpa_mask(causal, ours.attn_mask_type, SEQ, SEQ) == (True, None)
+        torch.testing.assert_close(ours(*qkv, causal), reference(*qkv, causal), rtol=1e-5, atol=1e-5)
+        causal[..., 3, 1] = True  # in place, under inference mode: seen at the next call all the same
+        assert ours._sdpa_mask(causal, ours.attn_mask_type, SEQ, SEQ)[0] is False
+
+
 def test_causal_mask_modes_trust_and_explicit():
     _, reference, trusting = _attention_pair(TorchBackendOptions(causal_mask="trust"))
     _, _, explicit = _attention_pair(TorchBackendOptions(causal_mask="explicit"))

@@ -234,3 +234,41 @@ def test_megatron_optimizer_still_needs_cuda_so_cpu_uses_torch_adamw():
     # get_megatron_optimizer builds FP32Optimizer for fp32 without the distributed optimizer.
     with pytest.raises((AssertionError, RuntimeError)):
         FP32Optimizer(adamw, OptimizerConfig(lr=1e-3), lambda _: None)
+
+
+# ------------------------------------------------------------------ shim 7: cross-entropy maximum (speed)
+def _megatron_logits_max(vocab_parallel_logits):
+    """megatron-core 0.16.1's ``calculate_logits_max``, as it reads unpatched."""
+    vocab_parallel_logits = vocab_parallel_logits.float()
+    return vocab_parallel_logits, torch.max(vocab_parallel_logits, dim=-1)[0]
+
+
+def test_cross_entropy_maximum_unpatched_also_computes_indices():
+    """megatron-core still takes max(x, dim) (values and indices): once it takes amax itself, drop the shim."""
+    import inspect
+
+    from megatron.core.tensor_parallel import cross_entropy
+
+    assert "logits_max = torch.max(vocab_parallel_logits, dim=-1)[0]" in inspect.getsource(cross_entropy)
+
+
+def test_cross_entropy_patched_is_bit_identical(monkeypatch):
+    from megatron.core import tensor_parallel
+    from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
+
+    assert getattr(VocabParallelCrossEntropy.calculate_logits_max, cpu_shims._SHIM_MARK, False)
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(16, 2, 256, generator=g) * 4
+    labels = torch.randint(0, 256, (16, 2), generator=g)
+    grad = torch.rand(16, 2, generator=g)
+
+    def loss_and_grad():
+        leaf = logits.clone().requires_grad_()
+        loss = tensor_parallel.vocab_parallel_cross_entropy(leaf, labels)
+        loss.backward(grad)
+        return loss, leaf.grad
+
+    patched = loss_and_grad()
+    monkeypatch.setattr(VocabParallelCrossEntropy, "calculate_logits_max", staticmethod(_megatron_logits_max))
+    for a, b in zip(patched, loss_and_grad()):
+        assert torch.equal(a, b)

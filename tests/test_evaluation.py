@@ -125,6 +125,26 @@ def test_loglikelihood_equals_a_direct_forward(model, tokenizer):
     assert wrapped.loglikelihood([Req(c, x) for c, x in pairs]) == results
 
 
+class StartLM(TinyLM):
+    """TinyLM computing the logits of positions ``start..`` alone (as the suite's checkpoints do)."""
+
+    def logits(self, tokens_BS: torch.Tensor, start: int = 0) -> torch.Tensor:
+        self.starts.append((start, tokens_BS.shape[1]))
+        return super().logits(tokens_BS)[:, start:]
+
+
+def test_models_taking_start_get_logits_of_the_scored_positions_alone(model, tokenizer):
+    partial = StartLM(tokenizer.get_vocab_size(), tokenizer.token_to_id(EOD)).eval()
+    partial.starts = []
+    pairs = [("the quick brown", " fox"), ("all that glitters is not gold and the early", " bird catches the worm")]
+    for batch_size in (1, 2):
+        lm = SuiteLM(model=partial, tokenizer=tokenizer, batch_size=batch_size)
+        assert lm.loglikelihood([Req(c, x) for c, x in pairs]) == SuiteLM(
+            model=model, tokenizer=tokenizer, batch_size=batch_size
+        ).loglikelihood([Req(c, x) for c, x in pairs])
+    assert all(0 < start < width for start, width in partial.starts)  # the context's positions were skipped
+
+
 def test_context_is_truncated_to_max_length(model, tokenizer):
     lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=2, max_length=8)
     context = " ".join(SENTENCES[:3])

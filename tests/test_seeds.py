@@ -362,7 +362,9 @@ def test_mini_seed_zero_is_the_single_seed_run_and_seed_k_adds_k():
     from repro.training.experiments import get_experiment
 
     cfg = MiniConfig(runs=("switch", "dense"), seeds=3, steps=5, data_dir="d", work_dir="w")
-    today = apply_overrides(get_experiment("switch-tiny"), ["schedule.steps=5", "data.source=mini-pile:d"])
+    today = apply_overrides(
+        get_experiment("switch-tiny"), ["schedule.steps=5", "data.source=mini-pile:d", "model.backend=torch"]
+    )
     assert cfg.experiment("switch") == today and cfg.experiment("switch", 0) == today
     assert cfg.experiment("switch", 2) == dataclasses.replace(today, seed=today.seed + 2)
     assert cfg.run_dir("switch") == Path("w/switch") and cfg.run_dir("switch", 2) == Path("w/switch-s2")

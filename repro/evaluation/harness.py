@@ -6,9 +6,11 @@ depend on how the model is built; checkpoint loading is wired in one place, :fun
 
 Scoring is batched and deterministic (eval mode, ``torch.inference_mode``). Batches are right-padded: in a
 causal model pads after a row's end cannot change its scores, and no attention mask or position offsets are
-needed. A model that couples the tokens of a batch says so with ``batch_coupled = True`` (Expert Choice,
-capacity dropping) and is scored one request at a time; Lory routes each row once on its prompt, given the
-prompt lengths. Context is truncated from the left to ``max_length`` tokens, as lm-eval's HF backend does.
+needed. Only the positions a request scores get log-probabilities (a model whose ``logits`` takes ``start``
+runs its output layer on those alone: most of a multiple-choice request is context). A model that couples the
+tokens of a batch says so with ``batch_coupled = True`` (Expert Choice, capacity dropping) and is scored one
+request at a time; Lory routes each row once on its prompt, given the prompt lengths. Context is truncated
+from the left to ``max_length`` tokens, as lm-eval's HF backend does.
 """
 
 from __future__ import annotations
@@ -45,7 +47,8 @@ class ScoringModel(Protocol):
     max_length: int
 
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Next-token logits ``[B, S, V]`` for token ids ``[B, S]`` (position s predicts token s+1)."""
+        """Next-token logits ``[B, S, V]`` for token ids ``[B, S]`` (position s predicts token s+1); optionally
+        with ``start``: those of positions ``start..S-1`` alone, ``[B, S - start, V]``."""
         ...
 
 
@@ -114,8 +117,11 @@ class SuiteLM(TemplateLM):
         if getattr(model, "batch_coupled", False):
             # Its routing of one request would depend on the others (and on padding) in the batch.
             self.batch_size = 1
-        # Models that route on the prompt (Lory) take the prompt length of every row.
-        self._takes_prompt_lengths = "prompt_lengths_B" in inspect.signature(model.logits).parameters
+        # Models that route on the prompt (Lory) take the prompt length of every row; models taking ``start``
+        # compute the logits of the scored positions alone.
+        parameters = inspect.signature(model.logits).parameters
+        self._takes_prompt_lengths = "prompt_lengths_B" in parameters
+        self._takes_start = "start" in parameters
         self._max_length = int(model.max_length) if max_length is None else min(int(max_length), int(model.max_length))
         self.max_gen_toks = int(max_gen_toks)
 
@@ -152,22 +158,29 @@ class SuiteLM(TemplateLM):
     # ------------------------------------------------------------------ scoring core
     @torch.inference_mode()
     def _log_probs(
-        self, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int] | None = None
+        self, sequences: Sequence[Sequence[int]], scored: Sequence[int], prompt_lengths: Sequence[int] | None = None
     ) -> list[torch.Tensor]:
-        """Per-sequence next-token log-probabilities ``[len, V]`` (float32) from one right-padded forward
-        (``prompt_lengths``: the context tokens of each row, for models that route on the prompt)."""
+        """Next-token log-probabilities ``[n, V]`` (float32) of the last ``n = scored[row]`` positions of each
+        sequence, from one right-padded forward (``prompt_lengths``: the context tokens of each row, for models
+        that route on the prompt)."""
         width = max(len(s) for s in sequences)
         tokens = torch.full((len(sequences), width), self.eot_token_id, dtype=torch.long)
         for row, seq in enumerate(sequences):
             tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        start = min(len(seq) - n for seq, n in zip(sequences, scored))  # the first position any row scores
+        kwargs: dict[str, Any] = {"start": start} if self._takes_start else {}
         if self._takes_prompt_lengths and prompt_lengths is not None:
-            logits = self.model.logits(tokens.to(self._device), prompt_lengths_B=list(prompt_lengths))
-        else:
-            logits = self.model.logits(tokens.to(self._device))
-        if logits.shape[:2] != tokens.shape:
-            raise ReproError(f"model returned logits {tuple(logits.shape)} for tokens {tuple(tokens.shape)}")
+            kwargs["prompt_lengths_B"] = list(prompt_lengths)
+        logits = self.model.logits(tokens.to(self._device), **kwargs)
+        if not self._takes_start:
+            logits = logits[:, start:]
+        if logits.shape[:2] != (len(sequences), width - start):
+            raise ReproError(
+                f"model returned logits {tuple(logits.shape)} for positions {start}.. of tokens {tuple(tokens.shape)}"
+            )
         log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
-        return [log_probs[row, : len(seq)] for row, seq in enumerate(sequences)]
+        ends = [len(seq) - start for seq in sequences]
+        return [log_probs[row, end - n : end] for row, (end, n) in enumerate(zip(ends, scored))]
 
     def _loglikelihood_tokens(
         self, requests: Sequence[tuple[tuple[str, str] | None, list[int], list[int]]], disable_tqdm: bool = False,
@@ -194,10 +207,10 @@ class SuiteLM(TemplateLM):
         for batch in _batches(order, override_bs or self.batch_size):
             # The context is what precedes the scored tokens (at least the first input token).
             prompts = [max(1, len(inputs[i]) + 1 - len(targets[i])) for i in batch]
-            log_probs = self._log_probs([inputs[i] for i in batch], prompts)
-            for i, lp in zip(batch, log_probs):
+            # The last positions predict the continuation tokens.
+            log_probs = self._log_probs([inputs[i] for i in batch], [len(targets[i]) for i in batch], prompts)
+            for i, scored in zip(batch, log_probs):
                 target = torch.tensor(targets[i], dtype=torch.long)
-                scored = lp[-len(target) :]  # the last positions predict the continuation tokens
                 total = float(scored.gather(-1, target[:, None]).sum())
                 greedy = bool((scored.argmax(-1) == target).all())
                 results[i] = (total, greedy)
@@ -266,7 +279,7 @@ class SuiteLM(TemplateLM):
             if not active:
                 break
             log_probs = self._log_probs(
-                [contexts[i] + generated[i] for i in active], [len(contexts[i]) for i in active]
+                [contexts[i] + generated[i] for i in active], [1] * len(active), [len(contexts[i]) for i in active]
             )
             still = []
             for i, lp in zip(active, log_probs):

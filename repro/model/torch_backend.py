@@ -239,15 +239,19 @@ class TorchSDPAttention(MegatronModule):
         self._mask_check: tuple[weakref.ref, int, tuple, bool] | None = None
 
     def _is_causal_mask(self, mask: torch.Tensor, sq: int, sk: int) -> bool:
-        """Whether ``mask`` (True = masked) is the causal pattern ``triu(ones(sq, sk), 1)`` broadcast."""
+        """Whether ``mask`` (True = masked) is the causal pattern ``triu(ones(sq, sk), 1)`` broadcast (checked
+        on every call for a mask made under ``torch.inference_mode``, which has no version counter)."""
+        inference = mask.is_inference()
         cached = self._mask_check
-        if cached is not None and cached[0]() is mask and cached[1] == mask._version and cached[2] == mask.shape:
+        if not inference and cached is not None and cached[0]() is mask and cached[1] == mask._version \
+                and cached[2] == mask.shape:
             return cached[3]
         causal = tuple(mask.shape[-2:]) == (sq, sk)
         if causal:
             expected = torch.ones(sq, sk, dtype=torch.bool, device=mask.device).triu_(1)
             causal = bool(torch.equal(mask, expected.expand_as(mask)))
-        self._mask_check = (weakref.ref(mask), mask._version, mask.shape, causal)
+        if not inference:
+            self._mask_check = (weakref.ref(mask), mask._version, mask.shape, causal)
         return causal
 
     def _sdpa_mask(self, mask, mask_type, sq: int, sk: int) -> tuple[bool, torch.Tensor | None]:

@@ -102,7 +102,9 @@ def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> flo
             sharded_tp = bool(getattr(p, "tensor_model_parallel", False))
             if parallel.tp_size > 1 and not sharded_tp and tp_rank != 0:
                 continue  # a TP duplicate: counted on TP rank 0 only
-            sq = p.grad.detach().double().pow(2).sum().cpu()
+            # Squared in place in a float64 copy: the same sum as ``.double().pow(2).sum()``, one allocation fewer.
+            sq = p.grad.detach().to(torch.float64, copy=True)
+            sq = sq.mul_(sq).sum().cpu()
             if is_expert:
                 expert_sq += sq
             else:

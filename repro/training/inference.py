@@ -42,13 +42,18 @@ class CheckpointScorer(nn.Module):
         return bool(kinds & {RoutingKind.EXPERT_CHOICE, RoutingKind.CAPACITY})
 
     @torch.no_grad()
-    def logits(self, tokens_BS: torch.Tensor, prompt_lengths_B: list[int] | None = None) -> torch.Tensor:
-        """Next-token logits ``[B, S, V]`` (float32, V the tokenizer's vocabulary) for token ids ``[B, S]``.
+    def logits(
+        self, tokens_BS: torch.Tensor, prompt_lengths_B: list[int] | None = None, start: int = 0
+    ) -> torch.Tensor:
+        """Next-token logits ``[B, S - start, V]`` (float32, V the tokenizer's vocabulary) of positions
+        ``start..S-1`` for token ids ``[B, S]``.
 
         Args:
             tokens_BS: token ids.
             prompt_lengths_B: context tokens of each row; layers with an inference rule of their own (Lory's)
                 then route each row once on its prompt, so neither the scored tokens nor padding steer them.
+            start: the first position to compute logits for; the output layer runs on positions ``start..``
+                alone (the transformer layers see the whole sequence, as without it).
         """
         from repro.model.cpu_shims import causal_attention_mask
         from routers.megatron_adapter import prompt_routing, token_ids_context
@@ -58,8 +63,13 @@ class CheckpointScorer(nn.Module):
         mask = causal_attention_mask(S, self.device)
         position_ids_BS = torch.arange(S, device=self.device).unsqueeze(0).expand(B, S)
         prompt = prompt_routing(self.model, prompt_lengths_B) if prompt_lengths_B is not None else contextlib.nullcontext()
-        with token_ids_context(self.model, tokens_BS), prompt:
-            logits_BSV = self.model(tokens_BS, position_ids_BS, mask)
+        # The output layer's input is megatron's [S, B, H]: keep the positions from ``start``.
+        keep = self.model.output_layer.register_forward_pre_hook(lambda _, args: (args[0][start:], *args[1:]))
+        try:
+            with token_ids_context(self.model, tokens_BS), prompt:
+                logits_BSV = self.model(tokens_BS, position_ids_BS, mask)
+        finally:
+            keep.remove()
         return logits_BSV[..., : self.vocab_size].float()
 
     def forward(self, tokens_BS: torch.Tensor) -> torch.Tensor:
@@ -127,7 +137,7 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
         device: ``"cpu"``/``"cuda"``; default CUDA when available.
 
     Returns:
-        ``(CheckpointScorer in eval mode, the run's tokenizer)``.
+        ``(CheckpointScorer in eval mode, the run's tokenizer)``; its routers skip their diagnostic metrics.
 
     Raises:
         ReproError: no checkpoint, a synthetic-data run (no tokenizer), or weights that do not fit.
@@ -137,6 +147,7 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
     from repro.model.cpu_shims import apply_cpu_shims
     from repro.training.data import load_run_tokenizer
     from repro.training.distributed import current_parallel
+    from routers import routers_in
 
     checkpoint_dir = resolve_checkpoint(path)
     info = ckpt.read_checkpoint_info(checkpoint_dir)
@@ -154,5 +165,7 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
         raise ReproError(f"{checkpoint_dir}: cannot rebuild the model: {exc}") from None
     ckpt.load_model_weights(checkpoint_dir, model, current_parallel())
     model.to(target).eval()
+    for router in routers_in(model):
+        router.set_collect_metrics(False)  # scoring reads the routing alone, not the training log's diagnostics
     scorer = CheckpointScorer(model, config, tokenizer.eod, tokenizer.vocab_size, seq_length, target)
     return scorer.eval(), tokenizer
