@@ -166,6 +166,6 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
     ckpt.load_model_weights(checkpoint_dir, model, current_parallel())
     model.to(target).eval()
     for router in routers_in(model):
-        router.set_collect_metrics(False)  # scoring reads the routing alone, not the training log's diagnostics
+        router.collect_metrics = False  # scoring reads the routing alone, not the training log's diagnostics
     scorer = CheckpointScorer(model, config, tokenizer.eod, tokenizer.vocab_size, seq_length, target)
     return scorer.eval(), tokenizer
