@@ -46,9 +46,9 @@ def golden_path(router: str, root: Path = GOLDEN_DIR) -> Path:
 
 def corpus_fingerprint(data_dir: str | Path) -> str:
     """sha256 over the mini-pile's training tokens (``.bin``/``.idx``) and its tokenizer files."""
-    from repro.data.minipile import build_mini_pile
+    from repro.data.minipile import open_mini_pile
 
-    mini = build_mini_pile(data_dir)
+    mini = open_mini_pile(data_dir)
     digest = hashlib.sha256()
     for path in (Path(mini.train_prefix + ".bin"), Path(mini.train_prefix + ".idx"), Path(mini.vocab_path),
                  Path(mini.merges_path)):

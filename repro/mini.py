@@ -227,7 +227,7 @@ def run_one(study: Study, run: Run) -> Path:
     Returns:
         The run's record path.
     """
-    from repro.data.minipile import build_mini_pile
+    from repro.data.minipile import open_mini_pile
     from repro.evaluation.harness import SuiteLM
     from repro.evaluation.runner import evaluate_lm
     from repro.report.store import write_run_record
@@ -244,7 +244,7 @@ def run_one(study: Study, run: Run) -> Path:
     # log_samples: the record keeps each question's correctness, for paired tests over the same questions.
     results = evaluate_lm(lm, local_tasks=Path(cfg.work_dir) / "tasks", limit=cfg.eval_limit,
                           bootstrap_iters=cfg.bootstrap_iters, log_samples=True)
-    docs = _heldout_documents(build_mini_pile(cfg.data_dir).heldout_path, tokenizer)
+    docs = _heldout_documents(open_mini_pile(cfg.data_dir).heldout_path, tokenizer)
     losses = heldout_domain_losses(scorer.logits, docs, scorer.max_length, cfg.domain_tokens)
     write_json_atomic(run_dir / "analysis.json", _analyse(cfg, run.run_id, scorer, docs))
     return write_run_record(run_dir, warmup=cfg.warmup_rows, lm_eval_results=results, run_id=run.run_id,
@@ -312,7 +312,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     single-seed comparison); with several seeds, the tables over seeds (``*_seeds``) follow. Each run's cost is
     its worker's CPU time (``run_cpu_seconds``; reused runs keep theirs).
     """
-    from repro.data.minipile import build_mini_pile
+    from repro.data.minipile import open_mini_pile
     from repro.report.plots import specialisation_score
     from repro.report.seed_tables import compare_over_seeds, record_seed, seed_zero_shot_table
     from repro.report.store import load_record
@@ -329,7 +329,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     from repro.training.log import read_rows
 
     cfg: MiniConfig = study.settings
-    elapsed, unigram = outcome["elapsed"], _unigram_loss(build_mini_pile(cfg.data_dir).train_prefix)
+    elapsed, unigram = outcome["elapsed"], _unigram_loss(open_mini_pile(cfg.data_dir).train_prefix)
     records = {job: load_record(cfg.run_dir(*job) / "record.json") for job in cfg.jobs()}
     first = [records[(run, 0)] for run in cfg.runs]
     tables = [zero_shot_table(first), efficiency_table(first), routing_table(first), validation_table(first)]

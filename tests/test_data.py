@@ -15,6 +15,7 @@ import zstandard
 from tokenizers.implementations import ByteLevelBPETokenizer
 
 from repro import cli
+from repro.data import minipile
 from repro.data.datasets import (
     PretrainingBatchSampler,
     build_datasets,
@@ -22,7 +23,7 @@ from repro.data.datasets import (
     sample_token_documents,
 )
 from repro.data.indexed import indexed_exists, load_domain_index, read_documents, tokenize_shards
-from repro.data.minipile import MiniPileConfig, build_mini_pile
+from repro.data.minipile import MiniPileConfig, build_mini_pile, open_mini_pile
 from repro.data.minipile_sources import ALL_DOMAINS, troff_to_text
 from repro.data.pile import PileRecord, iter_pile_documents, write_pile_shard
 from repro.data.tokenizer import EOD_TOKEN, load_tokenizer, train_bpe_tokenizer
@@ -267,6 +268,26 @@ def test_mini_pile_is_cached_and_rebuilt_when_inputs_change(mini):
     # and back: rebuilt with the original vocabulary
     back = build_mini_pile(mini.root, SMALL)
     assert not back.reused and back.tokenizer().vocab_size == 1024 and back.stats == mini.stats
+
+
+def test_a_built_mini_pile_opens_from_its_manifest_without_listing_the_sources(mini_pile, mini, tmp_path, monkeypatch):
+    built = build_mini_pile(mini_pile)
+    with monkeypatch.context() as patch:
+        patch.setattr(minipile, "_list_sources", lambda cfg: pytest.fail("open_mini_pile listed the sources"))
+        opened = open_mini_pile(mini_pile)
+    assert dataclasses.replace(opened, build_seconds=0.0) == dataclasses.replace(built, build_seconds=0.0)
+    # absent, built with another configuration, or incomplete: left to build_mini_pile
+    builds = []
+    monkeypatch.setattr(minipile, "build_mini_pile", lambda root: builds.append(Path(root)) or built)
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    for rel in json.loads(built.manifest_path.read_text())["stages"]["corpus"]["files"]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"x")
+    (tmp_path / "manifest.json").write_bytes(built.manifest_path.read_bytes())
+    for root in (tmp_path / "absent", mini.root, tmp_path):
+        assert open_mini_pile(root) is built
+    assert builds == [tmp_path / "absent", mini.root, tmp_path]
 
 
 def test_mini_pile_is_deterministic(mini, tmp_path):

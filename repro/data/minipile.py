@@ -266,6 +266,32 @@ def build_mini_pile(
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def open_mini_pile(out_dir: str | os.PathLike) -> MiniPile:
+    """The mini-pile already built under ``out_dir`` with the default :class:`MiniPileConfig`, as its manifest
+    records it (every stage present, every file of its recorded size), without listing the machine's sources
+    again: that listing stats thousands of files, seconds per call. For the processes that read a mini-pile
+    another step built or checked (a training run's data, a study's runs and reports); a build that is absent,
+    partial or of another configuration is left to :func:`build_mini_pile`, which it then calls.
+    """
+    t_start = time.perf_counter()
+    root = Path(out_dir)
+    if (root / "manifest.json").is_file():
+        with open_in_dir(root, ".build.lock", "a") as lock:  # not while another process is building
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            try:
+                manifest = _load_manifest(root / "manifest.json")
+            finally:
+                fcntl.flock(lock, fcntl.LOCK_UN)
+        cfg = MiniPileConfig()
+        stages = manifest.get("stages", {})
+        if manifest.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))) and all(
+            _files_ok(root, stages.get(name, {}).get("files", {})) for name in ("corpus", "tokenizer", "indexed")
+        ):
+            shard_rels = [f"shards/train-{i:02d}.jsonl.zst" for i in range(cfg.num_shards)]
+            return _mini_pile(root, stages, shard_rels, True, t_start)
+    return build_mini_pile(root)
+
+
 def _build_locked(root: Path, cfg: MiniPileConfig, num_workers: int | None, force: bool, progress: bool,
                   say: Callable[[str], None], t_start: float) -> MiniPile:
     """The body of :func:`build_mini_pile`, run while holding the output directory's lock."""

@@ -37,17 +37,18 @@ class RunData:
 
 
 def _mini_pile(spec: str) -> tuple[list[str], str]:
-    """Build (or reuse) the embedded mini-pile of ``mini-pile[:<dir>]`` and return its training prefix and
-    tokenizer directory (rank 0 builds first, the other ranks then find it built)."""
-    from repro.data.minipile import build_mini_pile
+    """Open (or build, when absent) the embedded mini-pile of ``mini-pile[:<dir>]`` and return its training
+    prefix and tokenizer directory (rank 0 first, the other ranks then find it built). A built mini-pile is
+    used as it is: ``python -m repro data`` and the studies rebuild it when the machine's sources changed."""
+    from repro.data.minipile import open_mini_pile
 
     root = spec.partition(":")[2].strip() or DEFAULT_MINI_PILE_DIR
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     if rank == 0:
-        mini = build_mini_pile(root)
+        mini = open_mini_pile(root)
     barrier()
     if rank != 0:
-        mini = build_mini_pile(root)
+        mini = open_mini_pile(root)
     return [str(mini.train_prefix)], str(Path(mini.vocab_path).parent)
 
 
