@@ -568,6 +568,9 @@ try:
     print("saved")
 except ReproError as exc:
     print(f"error: {exc}")
+finally:
+    # gloo's threads must stop before the interpreter does ("terminate called without an active exception").
+    dist.destroy_process_group()
 """
 
 
