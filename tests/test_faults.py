@@ -489,7 +489,7 @@ def test_kill_while_writing_the_first_checkpoint_is_told_apart_from_no_run(tmp_p
 
 # --------------------------------------------------- 6, 8. checkpoints: plain data, digests, identity
 class _Payload:
-    """Runs a shell command when unpickled (the attack on weights_only=False)."""
+    """Runs a shell command when unpickled: what a full unpickling load would let a checkpoint do."""
 
     def __init__(self, marker: Path) -> None:
         self.marker = marker

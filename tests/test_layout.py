@@ -7,6 +7,7 @@
   ``pkg``); the parent packages that Python imports on the way are not counted as edges.
 - No import from a lower layer to one above it (:data:`LOWER_LAYERS`).
 - No source file over ``MAX_FILE_LINES`` lines and no function over ``MAX_FUNCTION_LINES`` lines.
+- Every ``torch.load`` passes ``weights_only=True``: a checkpoint is data, never code to run.
 
 ``python tests/test_layout.py`` prints the cycles, the largest file and the longest function.
 """
@@ -209,3 +210,34 @@ if __name__ == "__main__":
     sizes = sorted((len(p.read_text().splitlines()), str(p.relative_to(ROOT))) for p in source_files())
     print("largest file:", *sizes[-1])
     print("longest function:", *max(item for p in source_files() for item in function_lengths(p)))
+
+
+def unsafe_loads(path: Path) -> list[int]:
+    """Returns:
+        The lines of ``path`` calling ``torch.load`` without ``weights_only=True``."""
+    lines = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if not (isinstance(func, ast.Attribute) and func.attr == "load" and isinstance(func.value, ast.Name)
+                and func.value.id == "torch"):
+            continue
+        safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                   for k in node.keywords)
+        if not safe:
+            lines.append(node.lineno)
+    return lines
+
+
+def test_unsafe_loads_are_found(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text("import torch\ntorch.load('a', weights_only=True)\ntorch.load('b')\n"
+                      "torch.load('c', weights_only=False)\n")
+    assert unsafe_loads(source) == [3, 4]
+
+
+def test_every_torch_load_reads_weights_only():
+    files = [*source_files(), *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    offenders = {str(p.relative_to(ROOT)): lines for p in files if (lines := unsafe_loads(p))}
+    assert offenders == {}
