@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
+from repro.schema import check_minimums
 from repro.studies import cpu_parser, pick
 from repro.study import Run, Study, run_cost, run_study
 from repro.training.config import MEGATRON_ROUTER
@@ -94,12 +95,8 @@ class MiniConfig:
     bootstrap_iters: int = 1000
 
     def __post_init__(self) -> None:
-        for name in ("steps", "workers", "eval_limit", "spec_tokens", "seeds", "domain_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup_rows", "bootstrap_iters"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        check_minimums(self, steps=1, workers=1, eval_limit=1, spec_tokens=1, seeds=1, domain_tokens=1,
+                       warmup_rows=0, bootstrap_iters=0)
 
     def _overrides(self, run: str, seed_index: int) -> tuple[str, ...]:
         common = (

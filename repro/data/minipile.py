@@ -266,6 +266,11 @@ def build_mini_pile(
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+def _shard_rels(cfg: MiniPileConfig) -> list[str]:
+    """The training shards' paths inside a mini-pile directory."""
+    return [f"shards/train-{i:02d}.jsonl.zst" for i in range(cfg.num_shards)]
+
+
 def open_mini_pile(out_dir: str | os.PathLike) -> MiniPile:
     """The mini-pile already built under ``out_dir`` with the default :class:`MiniPileConfig`, as its manifest
     records it (every stage present, every file of its recorded size), without listing the machine's sources
@@ -288,8 +293,7 @@ def open_mini_pile(out_dir: str | os.PathLike) -> MiniPile:
         if manifest.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))) and all(
             _files_ok(root, stages.get(name, {}).get("files", {})) for name in ("corpus", "tokenizer", "indexed")
         ):
-            shard_rels = [f"shards/train-{i:02d}.jsonl.zst" for i in range(cfg.num_shards)]
-            return _mini_pile(root, stages, shard_rels, True, t_start)
+            return _mini_pile(root, stages, _shard_rels(cfg), True, t_start)
     return build_mini_pile(root)
 
 
@@ -323,7 +327,7 @@ def _build_locked(root: Path, cfg: MiniPileConfig, num_workers: int | None, forc
         say(line)
         return False
 
-    shard_rels = [f"shards/train-{i:02d}.jsonl.zst" for i in range(cfg.num_shards)]
+    shard_rels = _shard_rels(cfg)
     # Each stage is reused only when every stage before it was.
     reused_all = stage("corpus", corpus_key, "shards", True,
                        lambda: _write_corpus(root, cfg, corpus_key, listed, skipped, shard_rels))

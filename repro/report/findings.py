@@ -350,7 +350,7 @@ def _contrast_findings(directory: Path, summary: dict[str, Any]) -> list[str]:
     results = results_from_json(summary)
     keys = [m.key for m in difference_metrics(results)]
     stats = compare_cell_pairs(results, pairs, keys, family=summary.get("family", "table"))
-    defined = sum(s.test is not None and s.test.defined for s in stats.values())
+    defined = sum(s.defined for s in stats.values())
     quoted = [(a, b) for a, b in pairs if FOCUS in (a, b)]
     cells = list(dict.fromkeys(c for pair in quoted for c in pair))
     values = summary["results"]

@@ -9,6 +9,7 @@ import io
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
@@ -16,7 +17,9 @@ from repro.errors import ReproError
 from repro.evaluation.local_tasks import LOCAL_TASK_LABELS
 from repro.io_utils import atomic_path
 from repro.report.record import PartialTask, RunRecord, lm_eval_metrics, partial_tasks
-from repro.report.stats import Interval
+
+if TYPE_CHECKING:  # scipy behind it: not for a type hint
+    from repro.report.stats import Interval
 
 #: The papers' zero-shot tasks (lm-eval names) and their column labels, in the papers' order.
 PAPER_TASKS: dict[str, str] = {
