@@ -228,17 +228,22 @@ class LoggingConfig:
             committed results were made. Training is identical whatever it is.
         tensorboard / tensorboard_dir: also write TensorBoard events (the optional extra ``tensorboard``), into
             ``tensorboard_dir`` (None: ``<run dir>/tensorboard``).
+        trace_step: record step ``trace_step`` (>= 2; 0: none) with the torch profiler into ``<run dir>/trace/``
+            (:mod:`repro.training.trace`): the Chrome trace, the top kernels and the routers' share of the step.
     """
 
     interval: int = 1
     metrics_interval: int = 1
     tensorboard: bool = False
     tensorboard_dir: str | None = None
+    trace_step: int = 0
 
     def __post_init__(self) -> None:
         _at_least("logging", self, ("interval", "metrics_interval"), 1)
         if self.tensorboard_dir is not None and not self.tensorboard_dir:
             raise ValueError("logging.tensorboard_dir must be None or a non-empty path")
+        if self.trace_step and self.trace_step < 2:
+            raise ValueError(f"logging.trace_step must be 0 (no trace) or >= 2, got {self.trace_step}")
 
 
 @dataclass(frozen=True)

@@ -267,6 +267,10 @@ class Trainer:
             self.log,
             Checkpointer(paths.checkpoints, config.checkpoint.interval, config.schedule.steps, self.log),
         ]
+        if config.logging.trace_step:
+            from repro.training.trace import StepTrace
+
+            self.components.append(StepTrace(paths.root / "trace", config.logging.trace_step, self.parallel.is_main))
         if config.logging.tensorboard:
             from repro.training.tensorboard import TensorBoardLog, tensorboard_dir
 

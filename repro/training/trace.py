@@ -1,0 +1,224 @@
+"""A torch profiler trace of one training step and where its device time goes (``logging.trace_step=N``).
+
+The trainer component :class:`StepTrace` starts ``torch.profiler`` after step ``N - 1`` and stops it after step
+``N`` (rank 0 only), so exactly step ``N`` is recorded: its micro-batches' forwards and backwards, the gradient
+reduction and the optimizer step. Every router call is wrapped in a ``repro::router`` range while it records.
+It writes into ``<run dir>/trace/``:
+
+- ``trace.json.gz``: the Chrome trace (``chrome://tracing`` or https://ui.perfetto.dev read it gzipped);
+- ``summary.json``: :func:`summarize`'s figures: the device time of every kernel together, the time the device
+  was busy against the step's span, the top kernels by time, and the routers' share: the kernels launched
+  inside the router ranges (forward) plus those of the backward nodes that autograd created there (matched by
+  the ops' sequence numbers). ``python -m repro.training.trace TRACE.json.gz`` computes it again from a trace.
+
+On a machine without CUDA the same figures are host time of the outermost ops (``"clock": "cpu"``), so the
+arithmetic can be checked anywhere. The profiler slows the step it records: time steps in other runs.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+from collections import defaultdict
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from repro.io_utils import write_json_atomic
+
+if TYPE_CHECKING:
+    from repro.training.components import TrainerState
+    from repro.training.log import LogRow
+
+ROUTER_RANGE = "repro::router"
+_BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
+TOP_KERNELS = 20
+
+
+class StepTrace:
+    """Trainer component: profile step ``step`` (>= 2) on the main rank into ``out_dir``."""
+
+    def __init__(self, out_dir: Path, step: int, is_main: bool) -> None:
+        self.out_dir, self.step, self.is_main = Path(out_dir), step, is_main
+        self.profiler: torch.profiler.profile | None = None
+        self._hooks: list[Any] = []
+        self._open: list[Any] = []
+
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
+        if not self.is_main:
+            return row
+        if row.step == self.step - 1:
+            self._start(trainer.model)
+        elif row.step == self.step and self.profiler is not None:
+            self._stop(row.iter_time_s)
+        return row
+
+    def _start(self, model: torch.nn.Module) -> None:
+        from routers.megatron_adapter import router_adapters
+
+        for adapter in router_adapters(model):
+            self._hooks.append(adapter.register_forward_pre_hook(self._enter))
+            self._hooks.append(adapter.register_forward_hook(self._exit))
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if torch.cuda.is_available():
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        self.profiler = torch.profiler.profile(activities=activities)
+        self.profiler.__enter__()
+
+    def _enter(self, module, args) -> None:
+        rf = torch.autograd.profiler.record_function(ROUTER_RANGE)
+        rf.__enter__()
+        self._open.append(rf)
+
+    def _exit(self, module, args, output) -> None:
+        self._open.pop().__exit__(None, None, None)
+
+    def _remove_hooks(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks.clear()
+
+    def _stop(self, step_time_s: float) -> None:
+        profiler, self.profiler = self.profiler, None
+        profiler.__exit__(None, None, None)
+        self._remove_hooks()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        raw = self.out_dir / "trace.json.tmp"
+        profiler.export_chrome_trace(str(raw))
+        with raw.open("rb") as src, gzip.open(self.out_dir / "trace.json.gz", "wb") as dst:
+            shutil.copyfileobj(src, dst)
+        trace = json.loads(raw.read_text())
+        raw.unlink()
+        summary = {"step": self.step, "step_time_s": step_time_s, **summarize(trace)}
+        write_json_atomic(self.out_dir / "summary.json", summary)
+
+    def close(self) -> None:
+        if self.profiler is not None:  # the run ended before the traced step: record nothing
+            self.profiler.__exit__(None, None, None)
+            self.profiler = None
+        self._remove_hooks()
+
+
+def _outermost(spans: list[tuple[float, float, dict]]) -> list[dict]:
+    """The events of one thread not inside another (spans: ``(start, end, event)``)."""
+    out, end = [], float("-inf")
+    for t0, t1, e in sorted(spans, key=lambda x: (x[0], -x[1])):
+        if t0 >= end:
+            out.append(e)
+            end = t1
+    return out
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    total, cur0, cur1 = 0.0, None, None
+    for t0, t1 in sorted(spans):
+        if cur1 is None or t0 > cur1:
+            total += (cur1 - cur0) if cur1 is not None else 0.0
+            cur0, cur1 = t0, t1
+        else:
+            cur1 = max(cur1, t1)
+    return total + ((cur1 - cur0) if cur1 is not None else 0.0)
+
+
+def summarize(trace: dict[str, Any]) -> dict[str, Any]:
+    """Where one recorded step's time goes, from its Chrome trace (``torch.profiler``'s export).
+
+    Device work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) is tied to the host thread that launched it
+    through the launch's ``correlation``. A kernel belongs to the routers' forward when its launch lies inside a
+    ``repro::router`` range, to their backward when it lies inside an ``autograd::engine::evaluate_function``
+    whose ``Sequence number`` is one of an op run inside such a range.
+
+    Args:
+        trace: the parsed Chrome trace of one step, router calls in ``repro::router`` ranges.
+
+    Returns:
+        ``clock`` ("cuda": device time; "cpu": host time of the outermost ops, for a trace without device work);
+        ``span_us`` (first host op to last event end), ``total_us`` (device: every kernel, memcpy and memset;
+        cpu: the outermost ops), ``busy_us`` (time the device had work, overlaps counted once), ``launches``;
+        ``top`` (name, calls, us, share of ``total_us``; the :data:`TOP_KERNELS` largest); ``router_calls``,
+        ``router_host_us`` (host time inside the router ranges), ``router_forward_us`` /
+        ``router_backward_us`` (device time, or host time on ``cpu``), ``router_launches`` (forward + backward)
+        and ``router_share`` (forward + backward over ``total_us``).
+    """
+    import bisect
+
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    ops = [e for e in events if e.get("cat") == "cpu_op"]
+    launch_events = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                     and "correlation" in e.get("args", {}) and "Launch" in e.get("name", "")]
+    ranges = [e for e in events if e.get("cat") == "user_annotation" and e["name"] == ROUTER_RANGE]
+
+    def intervals(evs) -> dict[Any, tuple[list[float], list[float]]]:
+        by_tid: dict[Any, list[tuple[float, float]]] = defaultdict(list)
+        for e in evs:
+            by_tid[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
+        return {tid: ([a for a, _ in sorted(v)], [b for _, b in sorted(v)]) for tid, v in by_tid.items()}
+
+    def inside(index, tid, ts) -> bool:
+        starts, ends = index.get(tid, ((), ()))
+        i = bisect.bisect_right(starts, ts) - 1
+        return i >= 0 and ts <= ends[i]
+
+    forward_index = intervals(ranges)
+    seqs = {e["args"]["Sequence number"] for e in ops
+            if "Sequence number" in e.get("args", {}) and inside(forward_index, e["tid"], e["ts"])}
+    backward = [e for e in ops if e["name"].startswith(_BACKWARD_PREFIX) and e.get("args", {}).get("Sequence number") in seqs]
+    backward = _outermost([(e["ts"], e["ts"] + e["dur"], e) for e in backward])
+    backward_index = intervals(backward)
+    start = min((e["ts"] for e in ops), default=0.0)
+    end = max((e["ts"] + e["dur"] for e in events), default=0.0)
+    summary: dict[str, Any] = {
+        "span_us": end - start, "router_calls": len(ranges), "router_host_us": sum(e["dur"] for e in ranges),
+    }
+    if device:
+        launched = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in launch_events}
+        fwd = bwd = 0.0
+        n_router = 0
+        for e in device:
+            tid_ts = launched.get(e.get("args", {}).get("correlation"))
+            if tid_ts is None:
+                continue
+            if inside(forward_index, *tid_ts):
+                fwd, n_router = fwd + e["dur"], n_router + 1
+            elif inside(backward_index, *tid_ts):
+                bwd, n_router = bwd + e["dur"], n_router + 1
+        timed = device
+        summary.update(clock="cuda", busy_us=_union_us([(e["ts"], e["ts"] + e["dur"]) for e in device]),
+                       launches=len(launch_events), router_launches=n_router)
+    else:
+        by_tid: dict[Any, list] = defaultdict(list)
+        for e in ops:
+            by_tid[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e))
+        timed = [e for spans in by_tid.values() for e in _outermost(spans)]
+        fwd, bwd = sum(e["dur"] for e in ranges), sum(e["dur"] for e in backward)
+        summary.update(clock="cpu")
+    by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    for e in timed:
+        by_name[e["name"]][0] += 1
+        by_name[e["name"]][1] += e["dur"]
+    total = sum(t for _, t in by_name.values())
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][1])[:TOP_KERNELS]
+    summary.update(
+        total_us=total,
+        top=[{"name": n, "calls": c, "us": t, "share": t / total if total else 0.0} for n, (c, t) in top],
+        router_forward_us=fwd, router_backward_us=bwd, router_share=(fwd + bwd) / total if total else 0.0,
+    )
+    return summary
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m repro.training.trace TRACE.json[.gz]...``: print each trace's :func:`summarize` as JSON."""
+    import sys
+
+    for path in argv if argv is not None else sys.argv[1:]:
+        opener = gzip.open if str(path).endswith(".gz") else open
+        with opener(path, "rt") as f:
+            print(json.dumps({"trace": str(path), **summarize(json.load(f))}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
