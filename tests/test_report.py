@@ -75,6 +75,18 @@ def _record(run_id, router, active=(1.0, 1.0), scores=None, model="tiny", device
                        log_rows=rows, efficiency=eff, lm_eval_results=results, environment=env, **kw)
 
 
+def test_a_routers_published_rows_follow_its_last_run_once():
+    """Variants of one router (here Switch on two backends) share its paper rows: shown once, after them."""
+    records = [_record("switch", "switch", model="llama-185m"), _record("switch-local", "switch", model="llama-185m"),
+               _record("dirmoe", "dirmoe", model="llama-185m")]
+    labels = [row[0] for row in efficiency_table(records, ledger=load_ledger()).rows]
+    published = [label for label in labels if label.startswith("switch [")]
+    assert published and len(published) == len(set(published))
+    assert labels.index(published[0]) == max(i for i, label in enumerate(labels) if label.startswith("switch")
+                                              and "[" not in label) + 1
+    assert any(label.startswith("dirmoe [") for label in labels)
+
+
 def test_efficiency_from_log_window_and_flops():
     rows = _log(active=(1.0, 2.0))
     eff = efficiency(rows, warmup=1, flops=TINY, global_batch_size=4, seq_length=256)

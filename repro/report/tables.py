@@ -262,6 +262,8 @@ def efficiency_table(
     parity = compute_parity(measured, tolerance=parity_tolerance, reference_router=reference_router)
     labels = _labels(measured)
     rows: list[tuple[str, ...]] = []
+    # A router's published rows once, after its last measured row (variants of a router share its paper rows).
+    last_of_router = {r.experiment.router: r.run_id for r in measured}
     for record in measured:
         e = record.efficiency
         memory = None if e.peak_memory_bytes is None else e.peak_memory_bytes / 2**30
@@ -272,6 +274,8 @@ def efficiency_table(
             _fmt(e.mean_active_experts, ".3f"), _fmt(statistics.fmean(groups) if groups else None, ".0f"),
             str(e.num_devices), record.environment.device, e.backend or MISSING, parity[record.run_id].note,
         ))
+        if last_of_router[record.experiment.router] != record.run_id:
+            continue
         for source, entries in _published_groups(record, ledger or (), "efficiency.").items():
             setting = next(iter(entries.values())).setting
             rows.append((
