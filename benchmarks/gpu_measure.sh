@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Everything issue-sized that needs a GPU, in one call on a bare GPU machine (one H100 here): the GPU tests, the
+# efficiency table of every router and dense at LLaMA-185M (torch backend; Switch and DirMoE also on megatron's
+# local backend; DirMoE eager beside compiled), and profiler traces of one Switch and one DirMoE step.
+#
+# From the repository root, with the wheels the machine lacks in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0,
+# zstandard; docs/efficiency.md says how to fetch them) and an output folder in OUT:
+#   OUT=/tmp/out bash benchmarks/gpu_measure.sh
+# PHASES (default "efficiency trace pytest"), EFF_ARGS, TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds) select and shape
+# the phases. Writes OUT/h100.tgz (logs, run records, tables, trace summaries: what results/h100/ holds) after every phase,
+# so a phase that runs out of time still leaves the others' results, and OUT/trace-<router>.json.gz.
+set -u
+W=${WORK:-/tmp/h100}
+mkdir -p "$W" "$OUT"
+: > "$W/phases.txt"
+pack() { tar czf "$OUT/h100.tgz" --exclude='*.json.gz' --exclude='*.pt' -C "$W" . 2>/dev/null; }
+PHASES=${PHASES:-efficiency trace pytest}
+phase() {  # phase NAME SECONDS COMMAND...: run with a time limit, log to $W/NAME.log, pack
+  local name=$1 limit=$2 start=$SECONDS rc; shift 2
+  [[ " $PHASES efficiency-table " == *" $name "* ]] || return 0
+  echo "== $name (limit ${limit} s) $(date +%T)"
+  timeout --signal=INT --kill-after=15 "$limit" "$@" > "$W/$name.log" 2>&1; rc=$?
+  echo "$name rc=$rc $((SECONDS - start)) s" | tee -a "$W/phases.txt"
+  tail -n "${TAIL:-4}" "$W/$name.log"
+  pack
+}
+export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+PY=${PYTHON:-python3}
+if ! $PY -c "import megatron.core, omegaconf, zstandard" 2>/dev/null; then  # a bare machine: install the wheels
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+{ date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv;
+  $PY - <<'PY'
+import shutil, sys, torch
+print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
+import megatron.core, triton
+print("megatron-core", megatron.core.__version__, "triton", triton.__version__, "cc", shutil.which("cc") or shutil.which("gcc"))
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    print("device", p.name, "sm", f"{p.major}{p.minor}", "SMs", p.multi_processor_count, "mem GiB", round(p.total_memory / 2**30, 1))
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16); b = torch.randn_like(a)
+    for _ in range(3): a @ b
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize(); s.record()
+    for _ in range(20): a @ b
+    e.record(); torch.cuda.synchronize()
+    print(f"bf16 matmul 8192^3: {2 * 8192**3 * 20 / (s.elapsed_time(e) / 1e3) / 1e12:.0f} TFLOP/s (mean of 20, random data)")
+PY
+} > "$W/environment.txt" 2>&1
+cat "$W/environment.txt"
+pack
+
+EFF=${EFF_ARGS:---published --iters 10}
+phase efficiency "${EFF_LIMIT:-330}" $PY -m repro efficiency $EFF \
+  --variant dirmoe-eager=dirmoe,router.options.compile_elementwise=never \
+  --variant switch-local=switch,model.backend=local --variant dirmoe-local=dirmoe,model.backend=local \
+  --out "$W/efficiency"
+TAIL=16 phase efficiency-table 5 cat "$W/efficiency/efficiency.md"
+phase trace "${TRACE_LIMIT:-120}" $PY -m repro efficiency --router switch,dirmoe --warmup 3 --iters 2 \
+  --set logging.trace_step=5 ${TRACE_ARGS:-} --out "$W/trace"
+for r in switch dirmoe; do cp "$W/trace/runs/$r/trace/trace.json.gz" "$OUT/trace-$r.json.gz" 2>/dev/null; done
+set -f  # PYTEST_ARGS may hold test ids with brackets
+TAIL=12 phase pytest "${PYTEST_LIMIT:-200}" $PY -m pytest -m gpu -q -p no:cacheprovider \
+  -n "${PYTEST_WORKERS:-3}" --dist load --durations=0 -rs ${PYTEST_ARGS:-tests/test_gpu.py}
+set +f
+cat "$W/phases.txt"
