@@ -26,6 +26,7 @@ from routers.megatron_adapter import (
     token_ids_context,
 )
 from routers.metrics import routing_metrics
+from routers.schedule import routers_in
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -189,6 +190,27 @@ def test_dense_forward_backward_finite():
     assert torch.isfinite(loss) and abs(float(loss) - torch.log(torch.tensor(128.0))) < 0.5
     loss.backward()
     _assert_finite_grads(model)
+
+
+@pytest.mark.parametrize("backend", ["torch", "local"])
+def test_a_bf16_model_has_bf16_norms_and_float32_routers(backend):
+    """As Megatron-LM's Float16Module: every parameter bf16 but the routers' (float32, DirMoE's heads too). Norm
+    weights left float32 send bf16 activations down torch.rms_norm's
+    composite path (its "Mismatch dtype" warning; on CUDA, no fused kernel)."""
+    import warnings
+
+    model = build_model("tiny", "dirmoe", vocab_size=VOCAB, seq_length=SEQ, bf16=True, backend=backend, seed=1)
+    in_routers = {id(p) for r in routers_in(model) for p in r.parameters()}
+    dtypes = {name: p.dtype for name, p in model.named_parameters() if id(p) not in in_routers}
+    assert any("layernorm" in name for name in dtypes) and set(dtypes.values()) == {torch.bfloat16}, dtypes
+    assert in_routers and all(p.dtype == torch.float32 for r in routers_in(model) for p in r.parameters())
+    ids_BS = torch.randint(0, VOCAB, (BATCH, SEQ))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="Mismatch dtype")
+        with token_ids_context(model, ids_BS):
+            loss = model(ids_BS, torch.arange(SEQ)[None].expand(BATCH, SEQ), causal_attention_mask(SEQ), labels=ids_BS)
+        loss.float().mean().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
 @pytest.mark.parametrize("name", [MEGATRON_ROUTER, *routers.available_routers()])
