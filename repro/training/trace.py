@@ -85,12 +85,16 @@ class StepTrace:
         profiler.__exit__(None, None, None)
         self._remove_hooks()
         self.out_dir.mkdir(parents=True, exist_ok=True)
-        raw = self.out_dir / "trace.json.tmp"
-        profiler.export_chrome_trace(str(raw))
-        with raw.open("rb") as src, gzip.open(self.out_dir / "trace.json.gz", "wb") as dst:
-            shutil.copyfileobj(src, dst)
-        trace = json.loads(raw.read_text())
-        raw.unlink()
+        raw, packed = self.out_dir / "trace.json.tmp", self.out_dir / "trace.json.gz.tmp"
+        try:
+            profiler.export_chrome_trace(str(raw))
+            with raw.open("rb") as src, gzip.open(packed, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            trace = json.loads(raw.read_text())
+            packed.replace(self.out_dir / "trace.json.gz")
+        finally:  # a full disk or a failed export leaves no partial file
+            raw.unlink(missing_ok=True)
+            packed.unlink(missing_ok=True)
         summary = {"step": self.step, "step_time_s": step_time_s, **summarize(trace)}
         write_json_atomic(self.out_dir / "summary.json", summary)
 
