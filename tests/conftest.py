@@ -8,8 +8,6 @@ below). The longest files go first, so the last file a worker gets is a short on
 
 import dataclasses
 import os
-import warnings
-import weakref
 from pathlib import Path
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -23,34 +21,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-
-with warnings.catch_warnings():  # megatron-core's import-time notices (no TransformerEngine/Apex)
-    warnings.simplefilter("ignore")
-    from megatron.core.distributed import DistributedDataParallel  # noqa: E402
-
-#: megatron's DistributedDataParallel wrappers made in this process (by runs trained in it).
-_DDPS: weakref.WeakSet = weakref.WeakSet()
-_ddp_init = DistributedDataParallel.__init__
-
-
-def _tracked_ddp_init(self, *args, **kwargs):
-    _ddp_init(self, *args, **kwargs)
-    _DDPS.add(self)
-
-
-DistributedDataParallel.__init__ = _tracked_ddp_init
-
-
-@pytest.fixture(autouse=True)
-def _release_trained_models():
-    """After each test, empty the DDP wrappers of the runs it trained in this process. Such a model outlives its run:
-    megatron's alltoall dispatcher keeps the last step's routing probabilities, whose autograd graph reaches the DDP's
-    gradient hooks, a cycle through C++ that the garbage collector cannot see. Its gloo process groups live on with
-    it, each with a polling thread: a worker that had trained a few dozen runs spent half a core on them."""
-    yield
-    for ddp in list(_DDPS):
-        ddp.__dict__.clear()
-
 
 #: What a study's CPU run imports (repro.study's workers: training, evaluation's bridge, the records), loaded once
 #: by the fork server the tests start them from. Not lm-eval's runner: it brings pyarrow's allocator thread, and

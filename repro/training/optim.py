@@ -57,6 +57,17 @@ class _Optimization:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    def release(self) -> None:
+        """Let the model go once its run is over (nothing may use this object afterwards).
+
+        megatron's DDP wrapper hooks the parameters' gradient accumulators with closures over itself, and the
+        model keeps the last step's routing probabilities (megatron's alltoall dispatcher), whose autograd graph
+        reaches those accumulators: a cycle through C++ that the garbage collector cannot see, which would keep
+        the model, its memory and its process groups' polling threads alive for the life of the process (a
+        notebook or a test session training many runs). Emptying the wrapper breaks the cycle.
+        """
+        self.ddp_model.__dict__.clear()
+
 
 class CpuOptimization(_Optimization):
     """megatron-core's DDP gradient reduction (on CPU under gloo with the CPU shims: backward hooks fill its fp32

@@ -533,6 +533,8 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
             f"{exc}; the run stopped and its log and checkpoints are kept in {paths.root}: resume from {where} "
             f"with other settings, e.g. python -m repro train --out {paths.root} --resume --set optimizer.lr=..."
         ) from None
+    finally:
+        trainer.optimization.release()  # the model goes with this function's frame (Optimization.release)
     if trainer.stopped_by:
         from repro.training.preemption import RunStopped
 
