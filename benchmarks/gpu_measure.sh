@@ -6,8 +6,8 @@
 # From the repository root, with the wheels the machine lacks in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0,
 # zstandard; docs/efficiency.md says how to fetch them) and an output folder in OUT:
 #   OUT=/tmp/out bash benchmarks/gpu_measure.sh
-# PHASES (default "efficiency trace pytest"), EFF_ARGS, TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds) select and shape
-# the phases. Writes OUT/h100.tgz (logs, run records, tables, trace summaries: what results/h100/ holds) after every phase,
+# PHASES (default "efficiency trace pytest"), EFF_ARGS, VARIANTS (space-separated --variant values; empty: none),
+# TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds) select and shape the phases. Writes OUT/h100.tgz (logs, run records, tables, trace summaries: what results/h100/ holds) after every phase,
 # so a phase that runs out of time still leaves the others' results, and OUT/trace-<router>.json.gz.
 set -u
 W=${WORK:-/tmp/h100}
@@ -54,10 +54,9 @@ cat "$W/environment.txt"
 pack
 
 EFF=${EFF_ARGS:---published --iters 10}
-phase efficiency "${EFF_LIMIT:-330}" $PY -m repro efficiency $EFF \
-  --variant dirmoe-eager=dirmoe,router.options.compile_elementwise=never \
-  --variant switch-local=switch,model.backend=local --variant dirmoe-local=dirmoe,model.backend=local \
-  --out "$W/efficiency"
+VARIANTS=${VARIANTS-dirmoe-eager=dirmoe,router.options.compile_elementwise=never switch-local=switch,model.backend=local dirmoe-local=dirmoe,model.backend=local}
+VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
+phase efficiency "${EFF_LIMIT:-330}" $PY -m repro efficiency $EFF "${VARIANT_ARGS[@]}" --out "$W/efficiency"
 TAIL=16 phase efficiency-table 5 cat "$W/efficiency/efficiency.md"
 phase trace "${TRACE_LIMIT:-120}" $PY -m repro efficiency --router switch,dirmoe --warmup 3 --iters 2 \
   --set logging.trace_step=5 ${TRACE_ARGS:-} --out "$W/trace"
