@@ -59,6 +59,10 @@ def main() -> int:
             for name in ("environment.txt", "phases.txt", "pytest.log"):
                 if (where / name).is_file():
                     shutil.copy(where / name, keep / name)
+            for log in sorted(where.glob("repeat*/runs/*/log.jsonl"), key=lambda q: (_repeat(q), q.parent.name)):
+                label = f"{log.parent.name} #{_repeat(log)}"
+                by_call.append((call, label, _timed_ms(log)))
+                shutil.copy(log, keep / f"repeat{_repeat(log)}-{log.parent.name}.log.jsonl")
             for log in sorted(where.glob("trace/runs/*/log.jsonl")):
                 shutil.copy(log, keep / f"trace-{log.parent.name}.log.jsonl")
             for trace in sorted(Path(archive).parent.glob("trace-*.json.gz")):  # gpu_measure.sh puts them beside
@@ -193,6 +197,15 @@ def _readme(out: Path, calls: int, summary: dict, by_call: list[tuple[int, str, 
         for c in same:
             targets.append(f"- {b} / {a}, call {c}: {medians[c, b] / medians[c, a]:.2f}x the time "
                            f"({medians[c, b]:.0f} against {medians[c, a]:.0f} ms).")
+    for call in sorted({c for c, _ in medians}):
+        names = sorted({label.split(" ")[0] for c, label in medians if c == call and " #" in label} - {"switch"})
+        for name in names:
+            ratios = [medians[call, label] / medians[call, _reference(label)] for c, label in sorted(medians)
+                      if c == call and label.startswith(name + " #") and (call, _reference(label)) in medians]
+            if len(ratios) >= 2:
+                targets.append(f"- {name} / Switch over {len(ratios)} repeats, call {call}: "
+                               + ", ".join(f"{r:.3f}" for r in ratios)
+                               + f"; mean {statistics.fmean(ratios):.3f}, sd {statistics.stdev(ratios):.3f}.")
     lines += ["Targets and the backends' gain:", "", *targets, ""]
     traces = sorted(p for p in out.glob("call*/trace-*.json"))
     if traces:
@@ -228,6 +241,17 @@ def _readme(out: Path, calls: int, summary: dict, by_call: list[tuple[int, str, 
     return "\n".join(lines) + "\n"
 
 
+def _repeat(log: Path) -> int:
+    """The index of the repeat a run's log belongs to (``repeat3/runs/<run>/log.jsonl`` -> 3)."""
+    return int(log.parent.parent.parent.name.removeprefix("repeat"))
+
+
+def _reference(label: str) -> str:
+    """The Switch run a run is compared with: of the same repeat (``dirmoe #2`` -> ``switch #2``)."""
+    name, _, repeat = label.partition(" ")
+    return f"switch {repeat}" if repeat else "switch"
+
+
 def _timed_ms(log: Path) -> list[float]:
     """The iteration times (ms) the efficiency table's median is taken over: after the warm-up, without the rows
     that computed routing metrics."""
@@ -236,21 +260,22 @@ def _timed_ms(log: Path) -> list[float]:
 
 
 def _by_call_table(by_call: list[tuple[int, str, list[float]]]) -> str:
-    """Markdown: every run each call logged (finished or not), its iteration times and its ratio to the Switch
-    run of the same call (the same machine), so ratios never mix machines."""
+    """Markdown: every run each call logged (finished or not; ``run #i``: repeat i), its iteration times and its
+    ratio to the Switch run of the same call (the same machine) and repeat, so ratios never mix machines."""
     import statistics
 
     from tabulate import tabulate
 
-    switch = {call: statistics.median(t) for call, label, t in by_call if label == "switch" and t}
+    medians = {(call, label): statistics.median(t) for call, label, t in by_call if t}
     rows = []
-    for call, label, times in by_call:
+    # each call's runs, then its repeats in order
+    for call, label, times in sorted(by_call, key=lambda r: (r[0], " #" in r[1], r[1].partition(" #")[2].zfill(4))):
         if not times:
             continue
-        median = statistics.median(times)
-        ratio = f"{median / switch[call]:.3f}" if call in switch else "--"
+        median, reference = medians[call, label], medians.get((call, _reference(label)))
+        ratio = f"{median / reference:.3f}" if reference else "--"
         rows.append((call, label, len(times), f"{min(times):.1f}", f"{median:.1f}", f"{max(times):.1f}", ratio))
-    head = ("call", "run", "iterations", "min ms", "median ms", "max ms", "median / Switch of the same call")
+    head = ("call", "run", "iterations", "min ms", "median ms", "max ms", "median / Switch of the same call (and repeat)")
     return ("Iteration times per call (one machine each), from each run's log.jsonl: the iterations after the "
             f"{WARMUP} warm-up ones, without the two that computed routing metrics; written by "
             "benchmarks/gpu_collect.py.\n\n" + tabulate(rows, head, tablefmt="github") + "\n")

@@ -6,8 +6,9 @@
 # From the repository root, with the wheels the machine lacks in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0,
 # zstandard; docs/efficiency.md says how to fetch them) and an output folder in OUT:
 #   OUT=/tmp/out bash benchmarks/gpu_measure.sh
-# PHASES (default "efficiency trace pytest"), EFF_ARGS, VARIANTS (space-separated --variant values; empty: none),
-# TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds) select and shape the phases. Writes OUT/h100.tgz (logs, run records, tables, trace summaries: what results/h100/ holds) after every phase,
+# PHASES (default "efficiency trace pytest"; also "repeat"), EFF_ARGS, VARIANTS (space-separated --variant values;
+# empty: none), REPEATS and REPEAT_ARGS (default 3 x "--router switch,dirmoe --iters 20"), TRACE_ARGS, PYTEST_ARGS
+# and *_LIMIT (seconds per phase) select and shape the phases. Writes OUT/h100.tgz (logs, run records, tables, trace summaries: what results/h100/ holds) after every phase,
 # so a phase that runs out of time still leaves the others' results, and OUT/trace-<router>.json.gz.
 set -u
 W=${WORK:-/tmp/h100}
@@ -17,7 +18,7 @@ pack() { tar czf "$OUT/h100.tgz" --exclude='*.json.gz' --exclude='*.pt' -C "$W" 
 PHASES=${PHASES:-efficiency trace pytest}
 phase() {  # phase NAME SECONDS COMMAND...: run with a time limit, log to $W/NAME.log, pack
   local name=$1 limit=$2 start=$SECONDS rc; shift 2
-  [[ " $PHASES efficiency-table " == *" $name "* ]] || return 0
+  [[ " $PHASES efficiency-table " == *" ${name%%[0-9]*} "* ]] || return 0  # repeat2 belongs to phase repeat
   echo "== $name (limit ${limit} s) $(date +%T)"
   timeout --signal=INT --kill-after=15 "$limit" "$@" > "$W/$name.log" 2>&1; rc=$?
   echo "$name rc=$rc $((SECONDS - start)) s" | tee -a "$W/phases.txt"
@@ -58,6 +59,12 @@ VARIANTS=${VARIANTS-dirmoe-eager=dirmoe,router.options.compile_elementwise=never
 VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
 phase efficiency "${EFF_LIMIT:-330}" $PY -m repro efficiency $EFF "${VARIANT_ARGS[@]}" --out "$W/efficiency"
 TAIL=16 phase efficiency-table 5 cat "$W/efficiency/efficiency.md"
+# Repeats (phase "repeat"): the same routers again and again, alternating within each command, so their ratio
+# comes with its spread over runs (REPEATS commands; gpu_collect.py pairs the runs of each).
+for i in $(seq 1 "${REPEATS:-3}"); do
+  phase "repeat$i" "${REPEAT_LIMIT:-150}" $PY -m repro efficiency ${REPEAT_ARGS:---router switch,dirmoe --iters 20} \
+    --out "$W/repeat$i"
+done
 phase trace "${TRACE_LIMIT:-120}" $PY -m repro efficiency --router switch,dirmoe --warmup 3 --iters 2 \
   --set logging.trace_step=5 ${TRACE_ARGS:-} --out "$W/trace"
 for r in switch dirmoe; do cp "$W/trace/runs/$r/trace/trace.json.gz" "$OUT/trace-$r.json.gz" 2>/dev/null; done
