@@ -6,11 +6,13 @@ Each archive is one call (one machine). For every efficiency run label the lates
 a run stopped by its phase's time limit keeps the iterations it logged (its record says how many) when no call
 finished it. The environment of a record made here is copied from a record of the same call (the GPU machine's,
 not this one's). The trace summaries are computed again from the Chrome traces (``trace-<router>.json.gz``
-beside each archive) by the current :func:`repro.training.trace.summarize`. Writes ``OUT/efficiency/`` (runs, ``efficiency.md|csv|tex``, ``summary.json`` with each run's
-call), ``OUT/call<N>/`` (each call's ``environment.txt``, ``phases.txt``, ``pytest.log``, and per traced router
-``trace-<router>.json``, the summary, and ``trace-<router>.log.jsonl``, that run's log),
-``OUT/by_call.md`` (iteration times and ratios within each call) and ``OUT/README.md`` (generated from all of
-these), and prints what came from where. ``OUT`` must not exist.
+beside each archive) by the current :func:`repro.training.trace.summarize`.
+
+Writes ``OUT/efficiency/`` (runs, ``efficiency.md|csv|tex``, ``summary.json`` with each run's call);
+``OUT/call<N>/``: each call's ``environment.txt``, ``phases.txt`` and ``pytest.log``, per traced router
+``trace-<router>.json`` (the summary) and ``trace-<router>.log.jsonl`` (that run's log), per repeated run
+``repeat<i>-<router>.log.jsonl``; ``OUT/by_call.md`` (iteration times and ratios within each call and repeat)
+and ``OUT/README.md`` (generated from all of these). Prints what came from where. ``OUT`` must not exist.
 """
 
 from __future__ import annotations
@@ -77,13 +79,11 @@ def main() -> int:
                 by_call.append((call, run_dir.name, _timed_ms(run_dir / "log.jsonl")))
                 finished = (run_dir / "record.json").is_file()
                 if finished or run_dir.name not in found or not found[run_dir.name][2]:
-                    dest = keep / "runs" / run_dir.name
-                    shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns(".lock"))
-                    found[run_dir.name] = (call, dest, finished)
+                    found[run_dir.name] = (call, run_dir, finished)  # in the temporary folder until copied below
         records, calls, wall = {}, {}, {}
         for label, (call, run_dir, finished) in sorted(found.items()):
             dest = eff / "runs" / label
-            shutil.copytree(run_dir, dest)
+            shutil.copytree(run_dir, dest, ignore=shutil.ignore_patterns(".lock"))
             if not finished:
                 sibling = next(c / "record.json" for (k, c, f) in found.values() if k == call and f)
                 environment = load_record(sibling).environment
@@ -95,9 +95,6 @@ def main() -> int:
             rows = [json.loads(line) for line in (dest / "log.jsonl").read_text().splitlines() if line.strip()]
             wall[label] = sum(r["iter_time_s"] for r in rows)
             print(f"{label:16s} call {call} {'finished' if finished else f'stopped after {len(rows)} iterations'}")
-        shutil.rmtree(out / "call1" / "runs", ignore_errors=True)
-        for call in range(2, len(args.archives) + 1):
-            shutil.rmtree(out / f"call{call}" / "runs", ignore_errors=True)
     runs = tuple(_spec(label) for label in [*ROUTERS, *(v.split("=")[0] for v in VARIANTS)] if label in records)
     plan = EfficiencyPlan(runs=runs, flavour="llama-185m", devices=1, accumulation=4, warmup=WARMUP, iters=ITERS,
                           vocab_size=50257, overrides=(), out_dir=str(eff), published=True)
