@@ -28,6 +28,7 @@ from pathlib import Path
 from repro.efficiency import EfficiencyPlan, RunSpec, _variant
 from repro.report.efficiency import write_command_outputs
 from repro.report.store import load_record, record_from_run_dir, write_record
+from repro.training.log import read_rows, timed_rows
 from repro.training.trace import summarize
 
 #: The command each call ran (benchmarks/gpu_measure.sh's efficiency phase; the router list was cut for calls
@@ -92,8 +93,8 @@ def main() -> int:
                                                  start_step=spec.start_step), dest / "record.json")
             records[label] = load_record(dest / "record.json")
             calls[label] = call
-            rows = [json.loads(line) for line in (dest / "log.jsonl").read_text().splitlines() if line.strip()]
-            wall[label] = sum(r["iter_time_s"] for r in rows)
+            rows = read_rows(dest)
+            wall[label] = sum(r.iter_time_s for r in rows)
             print(f"{label:16s} call {call} {'finished' if finished else f'stopped after {len(rows)} iterations'}")
     runs = tuple(_spec(label) for label in [*ROUTERS, *(v.split("=")[0] for v in VARIANTS)] if label in records)
     plan = EfficiencyPlan(runs=runs, flavour="llama-185m", devices=1, accumulation=4, warmup=WARMUP, iters=ITERS,
@@ -252,8 +253,7 @@ def _reference(label: str) -> str:
 def _timed_ms(log: Path) -> list[float]:
     """The iteration times (ms) the efficiency table's median is taken over: after the warm-up, without the rows
     that computed routing metrics."""
-    rows = [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-    return [r["iter_time_s"] * 1e3 for r in rows[WARMUP:] if not r.get("metrics_collected")]
+    return [r.iter_time_s * 1e3 for r in timed_rows(read_rows(log)[WARMUP:])]
 
 
 def _by_call_table(by_call: list[tuple[int, str, list[float]]]) -> str:

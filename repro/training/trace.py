@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from repro.io_utils import write_json_atomic
+from repro.io_utils import atomic_path, write_json_atomic
 
 if TYPE_CHECKING:
     from repro.training.components import TrainerState
@@ -84,17 +84,13 @@ class StepTrace:
         profiler, self.profiler = self.profiler, None
         profiler.__exit__(None, None, None)
         self._remove_hooks()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        raw, packed = self.out_dir / "trace.json.tmp", self.out_dir / "trace.json.gz.tmp"
-        try:
+        # atomic_path: the raw export sits in its temporary folder, so a full disk leaves no partial file
+        with atomic_path(self.out_dir / "trace.json.gz") as packed:
+            raw = packed.with_suffix("")
             profiler.export_chrome_trace(str(raw))
             with raw.open("rb") as src, gzip.open(packed, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             trace = json.loads(raw.read_text())
-            packed.replace(self.out_dir / "trace.json.gz")
-        finally:  # a full disk or a failed export leaves no partial file
-            raw.unlink(missing_ok=True)
-            packed.unlink(missing_ok=True)
         summary = {"step": self.step, "step_time_s": step_time_s, **summarize(trace)}
         write_json_atomic(self.out_dir / "summary.json", summary)
 
@@ -159,7 +155,7 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
         by_tid: dict[Any, list[tuple[float, float]]] = defaultdict(list)
         for e in evs:
             by_tid[e["tid"]].append((e["ts"], e["ts"] + e["dur"]))
-        return {tid: ([a for a, _ in sorted(v)], [b for _, b in sorted(v)]) for tid, v in by_tid.items()}
+        return {tid: tuple(map(list, zip(*sorted(v)))) for tid, v in by_tid.items()}
 
     def inside(index, tid, ts) -> bool:
         starts, ends = index.get(tid, ((), ()))
