@@ -1,21 +1,29 @@
 #!/usr/bin/env bash
-# Everything issue-sized that needs a GPU, in one call on a bare GPU machine (one H100 here): the GPU tests, the
-# efficiency table of every router and dense at LLaMA-185M (torch backend; Switch and DirMoE also on megatron's
+# Everything issue-sized that needs a GPU, in one call on a bare GPU machine (one H100 here): the GPU tests (first),
+# the efficiency table of every router and dense at LLaMA-185M (torch backend; Switch and DirMoE also on megatron's
 # local backend; DirMoE eager beside compiled), and profiler traces of one Switch and one DirMoE step.
 #
 # From the repository root, with the wheels the machine lacks in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0,
 # zstandard; docs/efficiency.md says how to fetch them) and an output folder in OUT:
 #   OUT=/tmp/out bash benchmarks/gpu_measure.sh
-# PHASES (default "efficiency trace pytest"; also "repeat"), EFF_ARGS, VARIANTS (space-separated --variant values;
+# PHASES (default "pytest efficiency trace"; also "repeat"; they run in the order pytest, efficiency, repeat, trace), EFF_ARGS, VARIANTS (space-separated --variant values;
 # empty: none), REPEATS and REPEAT_ARGS (default 3 x "--router switch,dirmoe --iters 20"), TRACE_ARGS, PYTEST_ARGS
-# and *_LIMIT (seconds per phase) select and shape the phases. Writes OUT/h100.tgz (logs, run records, tables, trace summaries: what results/h100/ holds) after every phase,
-# so a phase that runs out of time still leaves the others' results, and OUT/trace-<router>.json.gz.
+# and *_LIMIT (seconds per phase) select and shape the phases; PYTEST_WORKERS (default 3: each worker holds up to
+# ~25 GB of an H100's 80). Writes OUT/h100.tgz (logs, run records, tables, trace summaries: what results/h100/
+# holds) after every phase, so a phase that runs out of time still leaves the others' results, and
+# OUT/trace-<router>.json.gz. Works in a new folder (WORK, which must not exist, or a fresh temporary one), so an
+# archive holds this call's files only, also on a machine that an earlier call left warm.
 set -u
-W=${WORK:-/tmp/h100}
-mkdir -p "$W" "$OUT"
+if [[ -n "${WORK:-}" ]]; then
+  [[ -e "$WORK" ]] && { echo "gpu_measure.sh: WORK=$WORK exists: name a new folder" >&2; exit 2; }
+  W=$WORK; mkdir -p "$W"
+else
+  W=$(mktemp -d /tmp/h100.XXXXXX)
+fi
+mkdir -p "$OUT"
 : > "$W/phases.txt"
 pack() { tar czf "$OUT/h100.tgz" --exclude='*.json.gz' --exclude='*.pt' -C "$W" . 2>/dev/null; }
-PHASES=${PHASES:-efficiency trace pytest}
+PHASES=${PHASES:-pytest efficiency trace}
 phase() {  # phase NAME SECONDS COMMAND...: run with a time limit, log to $W/NAME.log, pack
   local name=$1 limit=$2 start=$SECONDS rc; shift 2
   [[ " $PHASES efficiency-table " == *" ${name%%[0-9]*} "* ]] || return 0  # repeat2 belongs to phase repeat
@@ -33,7 +41,7 @@ if ! $PY -c "import megatron.core, omegaconf, zstandard" 2>/dev/null; then  # a 
 else
   export PYTHONPATH=$PWD
 fi
-{ date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv;
+{ date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; echo "boot id $(cat /proc/sys/kernel/random/boot_id)"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv;
   $PY - <<'PY'
 import shutil, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
@@ -54,6 +62,12 @@ PY
 cat "$W/environment.txt"
 pack
 
+# The checks first: a timing of wrong results is worth nothing, and a call that runs out of time keeps them.
+set -f  # PYTEST_ARGS may hold test ids with brackets
+TAIL=12 phase pytest "${PYTEST_LIMIT:-200}" $PY -m pytest -m gpu -q -p no:cacheprovider \
+  -n "${PYTEST_WORKERS:-3}" --dist load --durations=0 -rs ${PYTEST_ARGS:-tests/test_gpu.py}
+set +f
+
 EFF=${EFF_ARGS:---published --iters 10}
 VARIANTS=${VARIANTS-dirmoe-eager=dirmoe,router.options.compile_elementwise=never switch-local=switch,model.backend=local dirmoe-local=dirmoe,model.backend=local}
 VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
@@ -68,8 +82,4 @@ done
 phase trace "${TRACE_LIMIT:-120}" $PY -m repro efficiency --router switch,dirmoe --warmup 3 --iters 2 \
   --set logging.trace_step=5 ${TRACE_ARGS:-} --out "$W/trace"
 for r in switch dirmoe; do cp "$W/trace/runs/$r/trace/trace.json.gz" "$OUT/trace-$r.json.gz" 2>/dev/null; done
-set -f  # PYTEST_ARGS may hold test ids with brackets
-TAIL=12 phase pytest "${PYTEST_LIMIT:-200}" $PY -m pytest -m gpu -q -p no:cacheprovider \
-  -n "${PYTEST_WORKERS:-3}" --dist load --durations=0 -rs ${PYTEST_ARGS:-tests/test_gpu.py}
-set +f
 cat "$W/phases.txt"

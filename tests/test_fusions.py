@@ -262,6 +262,13 @@ def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch)
     per_tensor, share, _ = gradient_errors(scaled, reference)
     assert share[name] < 1e-2
     assert [line.split(":")[0] for line in gradient_mismatches(scaled, reference, **bounds)] == [name]
+    # The routers' own bound applies to their tensors alone: 20% off passes 0.25, 50% off does not (the
+    # overall bound left out here: the tiny model's router weights are a large share of its gradient norm).
+    router = "decoder.layers.1.mlp.router.router.weight"
+    for factor, flagged in ((1.2, []), (1.5, [router])):
+        scaled = dict(model_gradients(bf16, loss(bf16)), **{router: reference[router] * factor})
+        lines = gradient_mismatches(scaled, reference, tensor_rtol=HARNESS_TENSOR_RTOL, overall_rtol=1.0, router_rtol=0.25)
+        assert [line.split(":")[0] for line in lines] == flagged
     with pytest.raises(ValueError, match="different parameters"):
         gradient_errors({}, reference)
 
