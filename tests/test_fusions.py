@@ -233,7 +233,7 @@ HARNESS_TENSOR_RTOL, HARNESS_OVERALL_RTOL = 0.1, 0.02
 
 
 def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch):
-    from gpu_harness import gradient_errors, gradient_mismatches, model_gradients
+    from gpu_harness import bf16_rounded, gradient_errors, gradient_mismatches, model_gradients
 
     from repro.model import torch_backend
 
@@ -251,7 +251,8 @@ def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch)
         return unfused(self, torch.cat([gate.detach(), up], dim=-1), probs_M)
 
     monkeypatch.setattr(torch_backend.TorchGroupedMLP, "_activation", gate_detached)
-    wrong = gradient_mismatches(model_gradients(bf16, loss(bf16)), reference, **bounds)
+    wrong_grads = model_gradients(bf16, loss(bf16))
+    wrong = gradient_mismatches(wrong_grads, reference, **bounds)
     monkeypatch.undo()
     assert any("experts.fc1_weight" in line for line in wrong), wrong
 
@@ -269,6 +270,16 @@ def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch)
         scaled = dict(model_gradients(bf16, loss(bf16)), **{router: reference[router] * factor})
         lines = gradient_mismatches(scaled, reference, tensor_rtol=HARNESS_TENSOR_RTOL, overall_rtol=1.0, router_rtol=0.25)
         assert [line.split(":")[0] for line in lines] == flagged
+    # Each tensor's noise floor (fp32 maths on weights rounded to bf16) widens only ill-conditioned tensors'
+    # bounds: bf16 still passes, and the wrong backward and the 20% scale are still caught.
+    fp32.load_state_dict(bf16_rounded(fp32.state_dict()))
+    floor, _, _ = gradient_errors(model_gradients(fp32, loss(fp32)), reference)
+    assert 0 < max(floor.values()) < 0.1, floor
+    assert gradient_mismatches(model_gradients(bf16, loss(bf16)), reference, **bounds, floor=floor) == []
+    assert any("experts.fc1_weight" in line for line in gradient_mismatches(
+        wrong_grads, reference, **bounds, floor=floor))
+    scaled = dict(model_gradients(bf16, loss(bf16)), **{name: reference[name] * 1.2})
+    assert [line.split(":")[0] for line in gradient_mismatches(scaled, reference, **bounds, floor=floor)] == [name]
     with pytest.raises(ValueError, match="different parameters"):
         gradient_errors({}, reference)
 
