@@ -11,9 +11,9 @@
 # 3 x "--router switch,dirmoe --iters 20"), TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds per phase) select and
 # shape the phases; PYTEST_WORKERS (default 3; a test holds up to two LLaMA-185M models with their optimizer
 # states at once: 3 workers fitted an H100's 80 GB in two calls and ran out of it in a third, while the tests
-# still kept every model they had trained). Writes OUT/h100.tgz (logs, run records, tables, trace summaries: what results/h100/
-# holds) after every phase, so a phase that runs out of time still leaves the others' results, and
-# OUT/trace-<router>.json.gz. Works in a new folder (WORK, which must not exist, or a fresh temporary one), so an
+# still kept every model they had trained). Writes OUT/h100.tgz (logs, run records, tables, trace summaries:
+# what results/h100/ holds) after every phase, so a phase that runs out of time still leaves the others'
+# results, and OUT/trace-<router>.json.gz. Works in a new folder (WORK, which must not exist, or a fresh temporary one), so an
 # archive holds this call's files only, also on a machine that an earlier call left warm.
 set -u
 if [[ -n "${WORK:-}" ]]; then
