@@ -11,11 +11,12 @@ beside each archive) by the current :func:`repro.training.trace.summarize`; wher
 (``trace-<router>.json`` beside the archive), it is copied, and so is any ``*.log`` beside the archive (what
 the call's command wrote besides the script's archive, a diagnostic's output say).
 
-Writes ``OUT/efficiency/`` where the calls ran the efficiency phase (runs, ``efficiency.md|csv|tex``, ``summary.json`` with each run's call);
-``OUT/call<N>/``: each call's ``environment.txt``, ``phases.txt`` and ``pytest.log``, per traced router
-``trace-<router>.json`` (the summary) and ``trace-<router>.log.jsonl`` (that run's log), per repeated run
-``repeat<i>-<router>.log.jsonl`` and each repeat's ``repeat<i>-summary.json``; ``OUT/by_call.md`` (iteration times and ratios within each call and repeat)
-and ``OUT/README.md`` (generated from all of these). Prints what came from where. ``OUT`` must not exist.
+Writes ``OUT/efficiency/`` where the calls ran the efficiency phase (runs, ``efficiency.md|csv|tex``,
+``summary.json`` with each run's call); ``OUT/call<N>/``: each call's ``environment.txt``, ``phases.txt`` and
+``pytest.log``, per traced router ``trace-<router>.json`` (the summary) and ``trace-<router>.log.jsonl`` (that
+run's log), per repeated run ``repeat<i>-<router>.log.jsonl`` and each repeat's ``repeat<i>-summary.json``;
+``OUT/by_call.md`` (iteration times and ratios within each call and repeat) and ``OUT/README.md`` (generated
+from all of these). Prints what came from where. ``OUT`` must not exist.
 """
 
 from __future__ import annotations
