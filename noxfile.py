@@ -55,9 +55,12 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
     if not _has_gpu():
         session.install("--no-compile", CPU_TORCH)
     session.install("--no-compile", "-e", spec)
-    site = session.run("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
-    # exit status 1: files that are not Python 3 (templates, some packages' tests), which pip skips as well
-    session.run("python", "-m", "compileall", "-qq", "-j", "0", site.strip(), success_codes=[0, 1], silent=True)
+    # run_install: part of the install (run by --install-only, skipped with the installs by --no-install)
+    site = session.run_install("python", "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])", silent=True)
+    if site:
+        # exit status 1: files that are not Python 3 (templates, some packages' tests), which pip skips as well
+        session.run_install("python", "-m", "compileall", "-qq", "-j", "0", site.strip(), success_codes=[0, 1],
+                            silent=True)
 
 
 @nox.session
