@@ -187,6 +187,8 @@ def train(model, steps=STEPS, data=None, lr=LR):
     """``steps`` optimizer steps on one batch (so the loss must fall); returns the losses and grad norms."""
     from megatron.core.distributed import finalize_model_grads
 
+    from repro.training.optim import release_ddp
+
     ddp, optimizer = megatron_optimization(model, lr=lr)
     data = data if data is not None else batch()
     losses, norms = [], []
@@ -202,9 +204,8 @@ def train(model, steps=STEPS, data=None, lr=LR):
         routers.end_step(model)
         losses.append(float(loss))
         norms.append(float(grad_norm))
-    # Break the DDP wrapper's cycle through C++ (repro.training.optim.Optimization.release says which), or each
-    # trained model stays on the GPU for the rest of the session: with 7 routers trained in one worker, ~36 GB.
-    ddp.__dict__.clear()
+    # Or each trained model stays on the GPU for the rest of the session: with 7 routers in one worker, ~36 GB.
+    release_ddp(ddp)
     return losses, norms
 
 

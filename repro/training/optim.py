@@ -58,15 +58,20 @@ class _Optimization:
         return self.optimizer.param_groups
 
     def release(self) -> None:
-        """Let the model go once its run is over (nothing may use this object afterwards).
+        """Let the model go once its run is over (nothing may use this object afterwards): :func:`release_ddp`."""
+        release_ddp(self.ddp_model)
 
-        megatron's DDP wrapper hooks the parameters' gradient accumulators with closures over itself, and the
-        model keeps the last step's routing probabilities (megatron's alltoall dispatcher), whose autograd graph
-        reaches those accumulators: a cycle through C++ that the garbage collector cannot see, which would keep
-        the model, its memory and its process groups' polling threads alive for the life of the process (a
-        notebook or a test session training many runs). Emptying the wrapper breaks the cycle.
-        """
-        self.ddp_model.__dict__.clear()
+
+def release_ddp(ddp_model: nn.Module) -> None:
+    """Let a model wrapped in megatron's DDP go once its training is over (nothing may use the wrapper after).
+
+    megatron's DDP wrapper hooks the parameters' gradient accumulators with closures over itself, and the
+    model keeps the last step's routing probabilities (megatron's alltoall dispatcher), whose autograd graph
+    reaches those accumulators: a cycle through C++ that the garbage collector cannot see, which would keep
+    the model, its memory and its process groups' polling threads alive for the life of the process (a
+    notebook or a test session training many runs). Emptying the wrapper breaks the cycle.
+    """
+    ddp_model.__dict__.clear()
 
 
 class CpuOptimization(_Optimization):
