@@ -26,9 +26,12 @@ from repro.errors import ReproError
 from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, read_json, write_json_atomic
 from repro.launch import Launch, torchrun_command
 
-#: multiprocessing's start method of the CPU workers. Each run is a fresh process with either; the tests use
-#: "forkserver" with modules preloaded (``set_forkserver_preload``), which spares each run their imports.
-START_METHOD = "spawn"
+#: What the CPU workers' fork server imports once (multiprocessing's "forkserver"): each run is still a fresh
+#: process, a fork of that server, spared the ~4 s of importing torch, megatron-core and the suite. Not lm-eval's
+#: runner: it brings pyarrow's allocator thread, and the server forks.
+WORKER_PRELOAD = ("repro.study", "repro.mini", "repro.ablation", "repro.training.trainer", "repro.training.inference",
+                  "repro.evaluation.harness", "repro.report.store", "repro.analysis", "routers.dirmoe", "baselines",
+                  "megatron.core.models.gpt", "megatron.core.distributed")
 
 
 @dataclass(frozen=True)
@@ -207,7 +210,7 @@ def _worker(study: Study, run: Run, log_path: Path) -> float:
             sys.stderr.flush()
             raise
     wall = time.perf_counter() - start
-    usage = resource.getrusage(resource.RUSAGE_SELF)  # a fresh process: the run's whole cost, imports included
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # this process since its fork: the run, not the preloaded imports
     before = run_cost(study.run_dir(run)) or {"cpu_seconds": 0.0, "wall_seconds": 0.0}
     write_json_atomic(study.run_dir(run) / "timing.json", {
         "cpu_seconds": before["cpu_seconds"] + usage.ru_utime + usage.ru_stime,
@@ -221,7 +224,8 @@ def _pool(study: Study, runs: list[Run]) -> tuple[dict[str, float], dict[str, st
     from tqdm import tqdm
 
     seconds, failed = {}, {}
-    context = multiprocessing.get_context(START_METHOD)
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(list(WORKER_PRELOAD))  # read when the server starts: once per command
     with ProcessPoolExecutor(study.workers, mp_context=context, max_tasks_per_child=1) as pool, tqdm(
         total=len(runs), desc="runs", unit="run"
     ) as bar:

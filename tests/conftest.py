@@ -3,7 +3,9 @@ the tests start too), and the fixtures several test files share (built once per 
 
 ``nox -s tests`` runs the files on every core with pytest-xdist (``--dist loadfile``: a file's tests, and its
 module-scoped fixtures, stay in one worker; ``--no-loadscope-reorder``: the files are handed out in the order
-below). The longest files go first, so the last file a worker gets is a short one.
+below). The longest files go first, so the last file a worker gets is a short one. Without arguments it runs the
+quick part, the tests not marked ``slow`` (end-to-end pipelines, long trainings) or ``distributed`` (torchrun);
+``nox -s tests -- --all`` runs everything, as CI does.
 """
 
 import dataclasses
@@ -21,26 +23,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
-
-#: What a study's CPU run imports (repro.study's workers: training, evaluation's bridge, the records), loaded once
-#: by the fork server the tests start them from. Not lm-eval's runner: it brings pyarrow's allocator thread, and
-#: the server forks.
-WORKER_PRELOAD = ["repro.study", "repro.mini", "repro.ablation", "repro.training.trainer", "repro.training.inference",
-                  "repro.evaluation.harness", "repro.report.store", "repro.analysis", "routers.dirmoe", "baselines",
-                  "megatron.core.models.gpt", "megatron.core.distributed"]
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _studies_fork_preloaded_workers():
-    """The studies' CPU runs (mini, ablation, sweeps) start as forks of a server that imported torch, megatron-core
-    and the suite once, not as fresh interpreters importing them each (~5 s a run); each is a process of its own."""
-    import multiprocessing
-
-    from repro import study
-
-    multiprocessing.get_context("forkserver").set_forkserver_preload(WORKER_PRELOAD)
-    study.START_METHOD = "forkserver"
-
 
 #: The files that take longest (measured on 2 cores), longest first.
 LONGEST = ("test_mini.py", "test_ablation.py", "test_efficiency.py", "test_training.py", "test_add_router.py",
