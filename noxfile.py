@@ -63,16 +63,27 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
                             silent=True)
 
 
+#: What ``nox -s tests`` leaves to ``--all``: the end-to-end pipelines and long trainings, and the torchrun tests.
+FULL_ONLY = "not slow and not distributed"
+
+
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the test suite (CPU, a few minutes) on every core (pytest-xdist, a test file per worker at a time)."""
+    """Run the test suite (CPU) on every core (pytest-xdist, a test file per worker at a time): without arguments
+    the quick part (every test not marked slow or distributed); ``-- --all`` everything (what CI runs); other
+    arguments go to pytest as given."""
     _install(session, "dev,eval,tensorboard")  # tensorboard: the events test reads them back with its own reader
+    args = list(session.posargs)
+    select = [] if args else ["-q", "-m", FULL_ONLY]
+    if "--all" in args:
+        args.remove("--all")
+        args = args or ["-q"]
     # --dist loadfile: a file's module-scoped fixtures (trained runs, a mini comparison) are built once, in one
     # worker; --no-loadscope-reorder: the files go out longest first, as tests/conftest.py orders them (xdist
     # would order them by their number of tests). Arguments after -- come last: `nox -s tests -- -n 0
     # tests/test_data.py` runs one file serially.
-    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", "--no-loadscope-reorder",
-                *(session.posargs or ["-q"]), env=OFFLINE_ENV)
+    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", "--no-loadscope-reorder", *select, *args,
+                env=OFFLINE_ENV)
 
 
 def _test_workers() -> int:

@@ -2,7 +2,8 @@
 default reproduces the committed curve in ``tests/assets/losses/`` step by step (within ``RTOL``/``ATOL``).
 
 When a change is meant to alter what training computes, regenerate the curves with
-``python -m repro golden --refresh``, look at the diff, and commit it with the change.
+``python -m repro golden --refresh``, look at the diff, and commit it with the change. Not marked slow: the quick
+default of ``nox -s tests`` runs it, so a change to what training computes never passes unnoticed there.
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ def test_the_comparison_flags_a_step_that_drifts(tmp_path):
         golden.read_golden("switch", tmp_path)
 
 
-@pytest.mark.slow
 def test_fresh_runs_reproduce_the_golden_curves(tmp_path, mini_pile):
     data = mini_pile
     fingerprint = golden.corpus_fingerprint(data)
