@@ -26,12 +26,8 @@ from repro.errors import ReproError
 from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, read_json, write_json_atomic
 from repro.launch import Launch, torchrun_command
 
-#: What the CPU workers' fork server imports once (multiprocessing's "forkserver"): each run is still a fresh
-#: process, a fork of that server, spared the ~4 s of importing torch, megatron-core and the suite. Not lm-eval's
-#: runner: it brings pyarrow's allocator thread, and the server forks.
-WORKER_PRELOAD = ("repro.study", "repro.mini", "repro.ablation", "repro.training.trainer", "repro.training.inference",
-                  "repro.evaluation.harness", "repro.report.store", "repro.analysis", "routers.dirmoe", "baselines",
-                  "megatron.core.models.gpt", "megatron.core.distributed")
+#: The module the CPU workers' fork server imports (multiprocessing's "forkserver"): it imports the rest once.
+WORKER_PRELOAD = "repro.worker_preload"
 
 
 @dataclass(frozen=True)
@@ -225,7 +221,7 @@ def _pool(study: Study, runs: list[Run]) -> tuple[dict[str, float], dict[str, st
 
     seconds, failed = {}, {}
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(list(WORKER_PRELOAD))  # read when the server starts: once per command
+    context.set_forkserver_preload([WORKER_PRELOAD])  # read when the server starts: once per command
     with ProcessPoolExecutor(study.workers, mp_context=context, max_tasks_per_child=1) as pool, tqdm(
         total=len(runs), desc="runs", unit="run"
     ) as bar:

@@ -1,0 +1,18 @@
+"""What the study workers' fork server imports once (``repro.study``: each CPU run is a fork of that server, spared
+the ~4 s of importing torch, megatron-core and the suite). Imported by the server alone: megatron-core's notices
+that TransformerEngine and Apex are absent (expected on CPU) are silenced while it imports, so they reach neither
+the terminal (the server's output) nor, through the filters, the runs forked from it (restored afterwards).
+Not lm-eval's runner: it brings pyarrow's allocator thread, and the server forks.
+"""
+
+import importlib
+import warnings
+
+MODULES = ("repro.study", "repro.mini", "repro.ablation", "repro.training.trainer", "repro.training.inference",
+           "repro.evaluation.harness", "repro.report.store", "repro.analysis", "routers.dirmoe", "baselines",
+           "megatron.core.models.gpt", "megatron.core.distributed")
+
+with warnings.catch_warnings():
+    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+    for _name in MODULES:
+        importlib.import_module(_name)
