@@ -10,8 +10,11 @@ trains it (at GPT-2's 50257 its output layer would be most of the iteration).
 * ``test_training_iteration[...]``: dense, Switch, DirMoE eager and DirMoE compiled (one region),
   one model at a time; ``python -m repro bench-table`` shows each over Switch ("x switch").
 * ``test_dirmoe_over_switch_interleaved``: Switch and DirMoE (default options) built side by side and stepped
-  alternately, so a change in the machine's load hits both alike; the median ratio is in the benchmark's
-  ``extra_info["dirmoe_over_switch"]`` (the DirMoE paper measured 437.3 / 431.5 = 1.013 on H100s).
+  in turn, so a change in the machine's load hits both alike; the median ratio is in the benchmark's
+  ``extra_info["dirmoe_over_switch"]`` (the DirMoE paper measured 437.3 / 431.5 = 1.013 on H100s). Two DirMoE
+  variants step in the same rounds, to say where its extra time goes (``extra_info["over_switch"]``): top-k
+  dispatch (exactly k experts per token: what the threshold rule's variable k costs) and the router compiled as
+  one region (what its eager launches cost; where inductor can compile here).
 
 Run with ``pytest benchmarks/test_iteration_bench.py --benchmark-only --benchmark-enable
 --benchmark-json=results/bench/iteration.json`` (``nox -s bench`` runs it with the others); on a shared CPU add
@@ -105,10 +108,15 @@ def test_dirmoe_over_switch_interleaved(benchmark, request, tmp_path):
     from pytest_benchmark.utils import load_timer
 
     from routers import routers_in
+    from routers.dirmoe_blocks import inductor_available
 
     timer = load_timer(request.config.getoption("benchmark_timer")).target  # the timer --benchmark-timer names
-    times: dict[str, list[float]] = {"switch": [], "dirmoe": []}
-    with _trainers({"switch": ("switch", ()), "dirmoe": ("dirmoe", ())}, tmp_path) as trainers:
+    device = torch.device("cuda" if ON_GPU else "cpu")
+    runs = {"switch": ("switch", ()), "dirmoe": ("dirmoe", ()), "dirmoe-topk": ("dirmoe", ("router.options.dispatch=topk",))}
+    if inductor_available(device)[0]:
+        runs["dirmoe-compiled"] = RUNS["dirmoe-compiled"]
+    times: dict[str, list[float]] = {label: [] for label in runs}
+    with _trainers(runs, tmp_path) as trainers:
 
         def one_step_each():
             for label, trainer in trainers.items():
@@ -116,7 +124,7 @@ def test_dirmoe_over_switch_interleaved(benchmark, request, tmp_path):
                 trainer.train_step()
                 times[label].append(timer() - start)
 
-        benchmark.group = _group(trainers["switch"]) + ", interleaved"
+        benchmark.group = _group(trainers["switch"]) + ", in turn"
         benchmark.pedantic(one_step_each, rounds=ROUNDS, warmup_rounds=WARMUP_ROUNDS, iterations=1)
         # whether the default ("auto") compiled DirMoE on this device
         compiled = routers_in(trainers["dirmoe"].model)[0].compiles_elementwise(trainers["dirmoe"].device)
@@ -126,4 +134,5 @@ def test_dirmoe_over_switch_interleaved(benchmark, request, tmp_path):
         switch_median_s=medians["switch"], dirmoe_median_s=medians["dirmoe"],
         dirmoe_min_over_switch_min=min(times["dirmoe"][WARMUP_ROUNDS:]) / min(times["switch"][WARMUP_ROUNDS:]),
         threads=torch.get_num_threads(), compiled=compiled,
+        over_switch={label: median / medians["switch"] for label, median in medians.items() if label != "switch"},
     )

@@ -210,9 +210,12 @@ def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
         ]
         findings.append(f"`{path.name}`, {group}, median: {', '.join(members)}.")
     alternating = [
-        f"`{path.name}`: DirMoE / Switch median training iteration, the two stepped alternately "
-        f"({b['stats']['rounds']} pairs): {num(extra['dirmoe_over_switch'], '.3f')} "
-        f"({_ms(extra['dirmoe_median_s'])} against {_ms(extra['switch_median_s'])} ms)."
+        f"`{path.name}`: DirMoE / Switch median training iteration, stepped in turn "
+        f"({b['stats']['rounds']} rounds): {num(extra['dirmoe_over_switch'], '.3f')} "
+        f"({_ms(extra['dirmoe_median_s'])} against {_ms(extra['switch_median_s'])} ms)"
+        + "".join(f"; {label} {num(ratio, '.3f')}" for label, ratio in (extra.get("over_switch") or {}).items()
+                  if label != "dirmoe")
+        + "."
         for b in data["benchmarks"] if "dirmoe_over_switch" in (extra := b.get("extra_info") or {})
     ]
     key = (findings[:1] if path.name == "routers.json" else []) + alternating
