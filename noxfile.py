@@ -63,8 +63,9 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
                             silent=True)
 
 
-#: What ``nox -s tests`` leaves to ``--all``: the end-to-end pipelines and long trainings, and the torchrun tests.
-FULL_ONLY = "not slow and not distributed"
+#: The quick part ``nox -s tests`` runs without arguments; ``-- --all`` adds the tests marked slow (end-to-end
+#: pipelines, long trainings) and distributed (torchrun).
+QUICK = "not slow and not distributed"
 
 
 @nox.session
@@ -74,7 +75,7 @@ def tests(session: nox.Session) -> None:
     arguments go to pytest as given."""
     _install(session, "dev,eval,tensorboard")  # tensorboard: the events test reads them back with its own reader
     args = list(session.posargs)
-    select = [] if args else ["-q", "-m", FULL_ONLY]
+    select = [] if args else ["-q", "-m", QUICK]
     if "--all" in args:
         args.remove("--all")
         args = args or ["-q"]

@@ -1,8 +1,8 @@
 """What the study workers' fork server imports once (``repro.study``: each CPU run is a fork of that server, spared
-the ~4 s of importing torch, megatron-core and the suite). Imported by the server alone: megatron-core's notices
-that TransformerEngine and Apex are absent (expected on CPU) are silenced while it imports, so they reach neither
-the terminal (the server's output) nor, through the filters, the runs forked from it (restored afterwards).
-Not lm-eval's runner: it brings pyarrow's allocator thread, and the server forks.
+the ~4 s of importing torch, megatron-core and the suite). Imported by the server alone. megatron-core's notices
+that TransformerEngine and Apex are absent (expected on CPU) are silenced while it imports, else they would reach
+the terminal, which the server writes to; the filters are restored afterwards, for the runs forked from it. Not
+lm-eval's runner: it brings pyarrow's allocator thread, and the server forks.
 """
 
 import importlib
