@@ -129,7 +129,7 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def mini(session: nox.Session) -> None:
-    """The main job on the embedded default: every router and dense on CPU, lm-eval, tables and plots (~10 min)."""
+    """The main job on the embedded default: every router and dense on CPU, lm-eval, tables and plots (~12 min on 2 cores)."""
     _install(session)
     session.run("python", "-m", "repro", "mini", *session.posargs, env=OFFLINE_ENV)
     session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
