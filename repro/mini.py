@@ -1,4 +1,4 @@
-"""``python -m repro mini``: the whole router comparison on the embedded default (CPU, a few minutes).
+"""``python -m repro mini``: the whole router comparison on the embedded default (CPU, about 12 minutes on 2 cores).
 
 A study (:mod:`repro.study`): for dense, every registered router and the routers' declared variants
 (``Router.variants``), and each of ``--seeds N`` seeds, a worker process trains ``<router>-tiny`` on the
