@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import warnings
 from collections.abc import Callable
 from importlib import metadata
 from typing import TypeVar
@@ -50,9 +51,12 @@ def register_router(name: str) -> Callable[[R], R]:
 
 @functools.cache
 def _load_builtins() -> None:
-    """Import the built-in routers and every entry point of :data:`ENTRY_POINT_GROUP` (once per process)."""
-    for module in _BUILTIN_MODULES:
-        importlib.import_module(module)
+    """Import the built-in routers and every entry point of :data:`ENTRY_POINT_GROUP` (once per process).
+    megatron-core's import-time notices that TransformerEngine and Apex are absent (expected on CPU) are silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed", category=UserWarning)
+        for module in _BUILTIN_MODULES:
+            importlib.import_module(module)
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
         try:
             entry.load()
