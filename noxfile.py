@@ -74,8 +74,7 @@ def tests(session: nox.Session) -> None:
     the quick part (every test not marked slow or distributed); ``-- --all`` everything (what CI runs); other
     arguments go to pytest as given."""
     _install(session, "dev,eval,tensorboard")  # tensorboard: the events test reads them back with its own reader
-    args = list(session.posargs)
-    select = [] if args else ["-q", "-m", QUICK]
+    args = list(session.posargs) or ["-q", "-m", QUICK]
     if "--all" in args:
         args.remove("--all")
         args = args or ["-q"]
@@ -83,7 +82,7 @@ def tests(session: nox.Session) -> None:
     # worker; --no-loadscope-reorder: the files go out longest first, as tests/conftest.py orders them (xdist
     # would order them by their number of tests). Arguments after -- come last: `nox -s tests -- -n 0
     # tests/test_data.py` runs one file serially.
-    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", "--no-loadscope-reorder", *select, *args,
+    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", "--no-loadscope-reorder", *args,
                 env=OFFLINE_ENV)
 
 

@@ -6,13 +6,13 @@ lm-eval's runner: it brings pyarrow's allocator thread, and the server forks.
 """
 
 import importlib
-import warnings
+
+from routers.registry import quiet_megatron_import
 
 MODULES = ("repro.study", "repro.mini", "repro.ablation", "repro.training.trainer", "repro.training.inference",
            "repro.evaluation.harness", "repro.report.store", "repro.analysis", "routers.dirmoe", "baselines",
            "megatron.core.models.gpt", "megatron.core.distributed")
 
-with warnings.catch_warnings():
-    warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\.")
+with quiet_megatron_import():
     for _name in MODULES:
         importlib.import_module(_name)

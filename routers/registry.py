@@ -12,11 +12,12 @@ editing this repository::
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from importlib import metadata
 from typing import TypeVar
 
@@ -49,12 +50,20 @@ def register_router(name: str) -> Callable[[R], R]:
     return decorate
 
 
-@functools.cache
-def _load_builtins() -> None:
-    """Import the built-in routers and every entry point of :data:`ENTRY_POINT_GROUP` (once per process).
-    megatron-core's import-time notices that TransformerEngine and Apex are absent (expected on CPU) are silenced."""
+@contextlib.contextmanager
+def quiet_megatron_import() -> Iterator[None]:
+    """Silence megatron-core's import-time notices that TransformerEngine and Apex are absent (expected on CPU)
+    while the block runs; the warning filters are restored after it."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed", category=UserWarning)
+        yield
+
+
+@functools.cache
+def _load_builtins() -> None:
+    """Import the built-in routers (megatron-core's notices quiet) and every entry point of
+    :data:`ENTRY_POINT_GROUP` (once per process)."""
+    with quiet_megatron_import():
         for module in _BUILTIN_MODULES:
             importlib.import_module(module)
     for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):

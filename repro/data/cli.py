@@ -13,8 +13,8 @@ import shutil
 import time
 from pathlib import Path
 
-from repro.data import quiet_megatron_import
 from repro.errors import ReproError
+from routers.registry import quiet_megatron_import
 
 
 def _mb(n: int) -> str:

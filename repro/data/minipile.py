@@ -27,7 +27,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from repro.data import quiet_megatron_import
 from repro.data.minipile_sources import ALL_DOMAINS, Candidate, Source, domain_sources
 from repro.data.pile import PileRecord, iter_pile_documents, write_pile_shard
 from repro.data.tokenizer import Gpt2BpeTokenizer, load_tokenizer, train_bpe_tokenizer
@@ -406,6 +405,8 @@ def _train_tokenizer(root: Path, cfg: MiniPileConfig, key: str, shard_rels: list
 
 def _tokenize(root: Path, key: str, shard_rels: list[str], num_workers: int | None, progress: bool) -> tuple[dict, str]:
     """Stage 3: the indexed datasets (same reader + tokeniser path as The Pile)."""
+    from routers.registry import quiet_megatron_import
+
     with quiet_megatron_import():
         from repro.data.indexed import tokenize_shards  # imports megatron-core: only when this stage runs
 
