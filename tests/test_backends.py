@@ -7,6 +7,7 @@ same weights and inputs; the local backend's models for state dicts and training
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 
 import pytest
@@ -248,6 +249,18 @@ def test_kernel_refusals_name_their_reason():
     _, _, ours = _expert_pair()
     with pytest.raises(ValueError, match=r"tokens_per_expert \[1, 1, 1, 1, 1, 1, 1, 1\] does not fit 8 local experts and 9 tokens"):
         ours(torch.randn(9, 128), torch.ones(8, dtype=torch.long), torch.rand(9))
+
+
+def test_kernel_self_check_first_asked_while_scoring_still_finds_the_kernel(monkeypatch):
+    """Scoring a checkpoint in a fresh process asks first under ``torch.inference_mode``; the cached answer must
+    not turn the kernel off for the process (nor make ``expert_gemm="grouped_mm"`` refuse to score)."""
+    from repro.model import backends
+
+    monkeypatch.setattr(backends, "_kernel_self_check", functools.cache(backends._kernel_self_check.__wrapped__))
+    w = torch.randn(2, 8, 16)
+    with torch.inference_mode():
+        assert grouped_mm_unusable_reason(torch.randn(3, 16), w) is None
+    assert grouped_mm_unusable_reason(torch.randn(3, 16), w) is None
 
 
 def test_empty_experts_get_zero_weight_gradient_even_from_a_faulty_kernel(monkeypatch):

@@ -125,9 +125,11 @@ def _loop_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, counts: list[int]) -> 
 @functools.cache
 def _kernel_self_check(device: str, dtype: torch.dtype) -> bool:
     """One-time check that the grouped kernel runs here and matches the loop, gradients and empty groups
-    included (a kernel missing from this torch build, or one returning garbage, must not be used)."""
+    included (a kernel missing from this torch build, or one returning garbage, must not be used). Runs with
+    autograd on whatever the caller's mode: the first call may come from scoring, under ``torch.inference_mode``,
+    where the check's gradients would fail and the cached answer would keep the kernel off for the process."""
     try:
-        with torch.enable_grad():
+        with torch.inference_mode(False), torch.enable_grad():
             g = torch.Generator().manual_seed(0)
             x = torch.randn(7, 16, generator=g).to(device=device, dtype=dtype).requires_grad_()
             w = torch.randn(3, 8, 16, generator=g).to(device=device, dtype=dtype).requires_grad_()
