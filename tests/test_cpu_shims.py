@@ -180,6 +180,20 @@ def test_default_causal_mask_patched_equals_explicit_mask():
     assert (with_explicit[..., 0, 1:] == 0).all(), "the first query must attend only to itself"
 
 
+def test_default_causal_mask_first_made_while_scoring_still_trains():
+    """The mask is cached: one first built under ``torch.inference_mode`` (scoring) must still serve training."""
+    from megatron.core.fusions import fused_softmax
+
+    sq = 13  # a length no other test builds, so this test makes the cached mask
+    with torch.inference_mode():
+        fused_softmax.get_default_causal_mask(sq)
+    mask = fused_softmax.get_default_causal_mask(sq)
+    assert not mask.is_inference()
+    scores = torch.randn(2, sq, sq, requires_grad=True)
+    scores.masked_fill(mask, float("-inf")).softmax(-1).sum().backward()  # saves the mask for backward
+    assert torch.isfinite(scores.grad).all()
+
+
 # ------------------------------------------------------------------- shim 4: te_general_gemm
 def test_te_general_gemm_unpatched_is_missing_and_router_gating_fails(unpatched):
     assert unpatched["has_te_general_gemm"] is False

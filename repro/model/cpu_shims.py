@@ -51,8 +51,10 @@ setattr(_cpu_current_device, _SHIM_MARK, True)
 @functools.lru_cache(maxsize=8)
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     # Shim 3: same mask as megatron's get_default_causal_mask (True above the diagonal = masked), on CPU.
-    # Cached like the explicit masks: it is rebuilt for every layer and micro-batch otherwise.
-    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+    # Cached like the explicit masks: it is rebuilt for every layer and micro-batch otherwise. Never an inference
+    # tensor, whatever mode the first call came from: training could not save it for backward.
+    with torch.inference_mode(False):
+        return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
 setattr(_cpu_default_causal_mask, _SHIM_MARK, True)
