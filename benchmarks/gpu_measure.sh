@@ -9,9 +9,11 @@
 # PHASES (default "pytest efficiency trace"; also "repeat"; they run in the order pytest, efficiency, repeat,
 # trace), EFF_ARGS, VARIANTS (space-separated --variant values; empty: none), REPEATS and REPEAT_ARGS (default
 # 3 x "--router switch,dirmoe --iters 20"), TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds per phase) select and
-# shape the phases; PYTEST_WORKERS (default 3; a test holds up to two LLaMA-185M models with their optimizer
-# states at once: 3 workers fitted an H100's 80 GB in two calls and ran out of it in a third, while the tests
-# still kept every model they had trained). Writes OUT/h100.tgz (logs, run records, tables, trace summaries:
+# shape the phases; BUDGET (default 560) is the seconds the whole call may take, install included: each phase's
+# limit is cut to what is left, and a phase with under 30 s left is skipped and named in phases.txt, so a call
+# fits the device tool's 600 s per command and still packs what it measured; PYTEST_WORKERS (default 3; a test
+# holds up to two LLaMA-185M models with their optimizer states at once: 3 workers fitted an H100's 80 GB in two
+# calls and ran out of it in a third, while the tests still kept every model they had trained). Writes OUT/h100.tgz (logs, run records, tables, trace summaries:
 # what results/h100/ holds) after every phase, so a phase that runs out of time still leaves the others'
 # results, and OUT/trace-<router>.json.gz. Works in a new folder (WORK, which must not exist, or a fresh temporary one), so an
 # archive holds this call's files only, also on a machine that an earlier call left warm.
@@ -26,9 +28,15 @@ mkdir -p "$OUT"
 : > "$W/phases.txt"
 pack() { tar czf "$OUT/h100.tgz" --exclude='*.json.gz' --exclude='*.pt' -C "$W" . 2>/dev/null; }
 PHASES=${PHASES:-pytest efficiency trace}
-phase() {  # phase NAME SECONDS COMMAND...: run with a time limit, log to $W/NAME.log, pack
-  local name=$1 limit=$2 start=$SECONDS rc; shift 2
+BUDGET=${BUDGET:-560}
+phase() {  # phase NAME SECONDS COMMAND...: run with a time limit (cut to what BUDGET leaves), log to $W/NAME.log, pack
+  local name=$1 limit=$2 start=$SECONDS rc left; shift 2
   [[ " $PHASES efficiency-table " == *" ${name%%[0-9]*} "* ]] || return 0  # repeat2 belongs to phase repeat
+  left=$((BUDGET - SECONDS))
+  if [[ $name != efficiency-table ]]; then  # (the table's cat takes no time)
+    if ((left < 30)); then echo "$name skipped: $left s of BUDGET=$BUDGET left" | tee -a "$W/phases.txt"; return 0; fi
+    ((limit > left)) && limit=$left
+  fi
   echo "== $name (limit ${limit} s) $(date +%T)"
   timeout --signal=INT --kill-after=15 "$limit" "$@" > "$W/$name.log" 2>&1; rc=$?
   echo "$name rc=$rc $((SECONDS - start)) s" | tee -a "$W/phases.txt"
