@@ -258,6 +258,7 @@ def test_init_from_refuses_a_run_without_a_checkpoint_of_its_router(capsys, tmp_
     (empty / "switch").mkdir(parents=True)
     message = _error(capsys, ["--router", "switch", "--init-from", str(empty), "--out", str(tmp_path / "o")])
     assert "no checkpoint of router 'switch' for run 'switch'" in message and str(empty / "switch") in message
+    assert message.count(str(empty / "switch")) == 1, "a folder searched is named once"
     message = _error(capsys, ["--router", "switch", "--init-from", "nope=/x", "--out", str(tmp_path / "o")])
     assert "no run labelled 'nope'" in message
     assert not (tmp_path / "o").exists()
