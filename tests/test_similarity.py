@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 
 import numpy as np
 import pytest
@@ -219,8 +220,10 @@ def test_failed_build_leaves_nothing(mini, monkeypatch):
 def test_bad_inputs_are_one_line_errors(mini, tmp_path, capsys):
     with pytest.raises(ReproError, match="no such indexed dataset"):
         build_similarity_dataset([str(tmp_path / "missing")], SPLIT, CFG)
-    with pytest.raises(ReproError, match="bad split"):
+    with warnings.catch_warnings(record=True) as caught, pytest.raises(ReproError, match="bad split"):
+        warnings.simplefilter("always")
         build_similarity_dataset([mini.train_prefix], "0,0,0", CFG)
+    assert [str(w.message) for w in caught] == [], "one line, no numpy warning before it"
     assert similarity.main([str(tmp_path / "missing")]) == 2
     assert "no such indexed dataset" in capsys.readouterr().err
 

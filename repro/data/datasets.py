@@ -71,7 +71,10 @@ def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]
     Returns:
         Three ``(beg, end)`` pairs, None for a split without a share.
     """
-    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
+    # An all-zero split divides by zero in numpy before megatron refuses it: the caller's one-line error, not a
+    # RuntimeWarning first.
+    with np.errstate(divide="ignore", invalid="ignore"):
+        matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     n = float(num_sequences)
     return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
 
