@@ -7,16 +7,17 @@
 # zstandard; docs/efficiency.md says how to fetch them) and an output folder in OUT:
 #   OUT=/tmp/out bash benchmarks/gpu_measure.sh
 # PHASES (default "pytest efficiency trace"; also "repeat"; they run in the order pytest, efficiency, repeat,
-# trace), EFF_ARGS, VARIANTS (space-separated --variant values; empty: none), REPEATS and REPEAT_ARGS (default
-# 3 x "--router switch,dirmoe --iters 20"), TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds per phase) select and
-# shape the phases; BUDGET (default 560) is the seconds the whole call may take, install included: each phase's
-# limit is cut to what is left, and a phase with under 30 s left is skipped and named in phases.txt, so a call
-# fits the device tool's 600 s per command and still packs what it measured; PYTEST_WORKERS (default 3; a test
-# holds up to two LLaMA-185M models with their optimizer states at once: 3 workers fitted an H100's 80 GB in two
-# calls and ran out of it in a third, while the tests still kept every model they had trained). Writes OUT/h100.tgz (logs, run records, tables, trace summaries:
-# what results/h100/ holds) after every phase, so a phase that runs out of time still leaves the others'
-# results, and OUT/trace-<router>.json.gz. Works in a new folder (WORK, which must not exist, or a fresh temporary one), so an
-# archive holds this call's files only, also on a machine that an earlier call left warm.
+# trace), EFF_ARGS, VARIANTS (space-separated --variant values; empty: none), REPEATS and REPEAT_ARGS (default 3 x
+# "--router switch,dirmoe --iters 20"), TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds per phase) select and shape the
+# phases; BUDGET (default 560) is the seconds the whole call may take, install included: each phase's limit is cut
+# to what is left, and a phase with under 30 s left is skipped and named in phases.txt, so a call fits the device
+# tool's 600 s per command and still packs what it measured; PYTEST_WORKERS (default 3; a test holds up to two
+# LLaMA-185M models with their optimizer states at once: 3 workers fitted an H100's 80 GB in two calls and ran out
+# of it in a third, while the tests still kept every model they had trained). Writes OUT/h100.tgz (logs, run
+# records, tables, trace summaries: what results/h100/ holds) after every phase, so a phase that runs out of time
+# still leaves the others' results, and OUT/trace-<router>.json.gz. Works in a new folder (WORK, which must not
+# exist, or a fresh temporary one), so an archive holds this call's files only, also on a machine that an earlier
+# call left warm.
 set -u
 if [[ -n "${WORK:-}" ]]; then
   [[ -e "$WORK" ]] && { echo "gpu_measure.sh: WORK=$WORK exists: name a new folder" >&2; exit 2; }
