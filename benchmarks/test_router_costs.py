@@ -2,7 +2,8 @@
 --profile`` counts them: :mod:`repro.report.costs`), as benchmarks: T=1024, D=128, E=8, k=1, forward + backward.
 
 - DirMoE compiled (one region) launches at most 1.5x Switch's per call, eager at most 2.5x (launches = ATen ops
-  outside compiled regions + compiled regions entered: the proxy for GPU kernel launches);
+  outside compiled regions + the kernels the regions run: the proxy for GPU kernel launches; a region compiled
+  by inductor's C++ backend has fewer kernels than on a GPU, docs/efficiency.md);
 - no router forces a host synchronisation on a non-logging step (``collect_metrics=False``).
 
 The counts do not depend on the machine; the benchmark's time is that of the counting itself.

@@ -13,7 +13,7 @@ import torch
 
 import routers
 import routers.dirmoe_blocks as blocks
-from repro.report.op_counts import OpCounter
+from repro.report.op_counts import OpCounter, generated_kernels
 from routers import dirmoe
 
 E = 8
@@ -114,6 +114,29 @@ def test_op_counter_counts_ops_views_syncs_and_bytes():
     assert c.syncs == 4 and c.sync_ops["tolist"] == 1 and c.sync_ops["nonzero"] == 1
     assert c.bytes_moved >= 48 + 24 + 4
     assert torch.Tensor.tolist.__name__ == "tolist"  # restored on exit
+
+
+def test_generated_kernels_are_the_kernel_calls_in_a_graphs_call_function():
+    cpu = ("cpp_fused_sin_0 = async_compile.cpp_pybinding(...)\n\ndef call(args):\n    buf0 = empty_strided_cpu((4,), (1,))\n"
+           "    cpp_fused_sin_0(arg0_1, buf0)\n    extern_kernels.mm(buf0, arg1_1, out=buf1)\n"
+           "    cpp_fused_relu_sum_1(buf1, buf2)\n    return (buf2, )\n")
+    triton = ("def call(args):\n    triton_poi_fused_sin_0.run(arg0_1, buf0, 4, stream=stream0)\n"
+              "    triton_per_fused_relu_sum_1.run(buf1, buf2, 4, 8, stream=stream0)\n")
+    assert generated_kernels(cpu) == 2 and generated_kernels(triton) == 2 and generated_kernels("x = 1\n") == 0
+
+
+def test_op_counter_counts_the_kernels_a_compiled_region_runs():
+    """A region launches inductor's generated kernels and the extern ops it calls, not one launch in all."""
+    if not blocks.inductor_available(torch.device("cpu"))[0]:
+        pytest.skip("no C++ compiler for inductor on this machine")
+    f = torch.compile(lambda x, w: (x.sin() @ w).relu().sum(0))
+    x, w = torch.randn(16, 8), torch.randn(8, 4)
+    f(x, w)  # compiles
+    with OpCounter() as counter:
+        f(x, w)
+    c = counter.counts
+    assert c.regions == 1 and c.outside == 0 and c.ops["mm"] == 1  # the matmul is an extern kernel
+    assert c.region_kernels >= 3 and c.launches == c.region_kernels  # sin, mm, then relu and sum (one or two)
 
 
 # ------------------------------------------------------------------------------ compile modes
@@ -255,7 +278,7 @@ def test_cost_report_command_writes_its_table(tmp_path, capsys):
     assert set(rows) == {(r, p) for r in ("switch", "dirmoe") for p in ("fwd", "bwd", "fwd+bwd")}
     assert rows["switch", "fwd+bwd"]["x_switch"] == 1.0
     total, fwd, bwd = (rows["dirmoe", p] for p in ("fwd+bwd", "fwd", "bwd"))
-    assert total["launches"] == fwd["launches"] + bwd["launches"] == total["outside"] + total["regions"]
+    assert total["launches"] == fwd["launches"] + bwd["launches"] == total["outside"] + total["region_kernels"]
     assert total["syncs"] == 0 and total["regions"] == 0 and fwd["bytes_moved"] > 1024 * 128 * 4  # reads x at least
     assert cli_main(["efficiency", "--profile", "--router", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown run(s) nope" in capsys.readouterr().err

@@ -2,8 +2,10 @@
 
 Every registered router (and DirMoE eager and compiled) routes T=1024 tokens of D=128 to E=8 experts, k=1, in
 training mode on a non-logging step, fp32 on the CPU; after two warm-up calls, one forward and one backward are
-counted by :class:`repro.report.op_counts.OpCounter` (ops, regions, launches, host syncs, bytes moved). The
-counts do not depend on the hardware. One table, as Markdown, CSV and JSON (``results/bench/router_costs.*``).
+counted by :class:`repro.report.op_counts.OpCounter` (ops, regions and their kernels, launches, host syncs, bytes
+moved). The counts do not depend on the machine, except a compiled region's kernels, which are those of inductor's
+backend for the device (C++ here, fusing more than Triton on a GPU). One table, as Markdown, CSV and JSON
+(``results/bench/router_costs.*``).
 """
 
 from __future__ import annotations
@@ -22,8 +24,8 @@ NAME = "router_costs"
 #: label -> (router, options).
 EXTRA_RUNS = {"dirmoe (compiled)": ("dirmoe", {"compile_elementwise": "always"})}
 COLUMNS = (
-    "router", "pass", "aten ops", "outside regions", "of which views", "regions", "launches", "x switch",
-    "host syncs", "MB moved",
+    "router", "pass", "aten ops", "outside regions", "of which views", "regions", "kernels in regions", "launches",
+    "x switch", "host syncs", "MB moved",
 )
 
 
@@ -89,10 +91,10 @@ def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tupl
     for label, (name, options) in selected.items():
         counts = profile_router(name, options)
         total = {key: getattr(counts["forward"], key) + getattr(counts["backward"], key)
-                 for key in ("dispatched", "outside", "views", "regions", "syncs", "bytes_moved")}
+                 for key in ("dispatched", "outside", "views", "regions", "region_kernels", "syncs", "bytes_moved")}
         for part, values in (("fwd", vars(counts["forward"])), ("bwd", vars(counts["backward"])), ("fwd+bwd", total)):
             row = {"router": label, "pass": part, **{k: v for k, v in values.items() if not k.endswith("_ops")}}
-            row["launches"] = row["outside"] + row["regions"]
+            row["launches"] = row["outside"] + row["region_kernels"]
             if part != "fwd+bwd":
                 row["sync_ops"] = dict(values["sync_ops"])
             rows.append(row)
@@ -101,7 +103,7 @@ def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tupl
         row["x_switch"] = row["launches"] / switch[row["pass"]] if switch.get(row["pass"]) else None
     cells = tuple(
         (r["router"], r["pass"], str(r["dispatched"]), str(r["outside"]), str(r["views"]), str(r["regions"]),
-         str(r["launches"]), "--" if r["x_switch"] is None else f"{r['x_switch']:.2f}", str(r["syncs"]),
+         str(r["region_kernels"]), str(r["launches"]), "--" if r["x_switch"] is None else f"{r['x_switch']:.2f}", str(r["syncs"]),
          f"{r['bytes_moved'] / 1e6:.2f}")
         for r in rows
     )
@@ -109,11 +111,14 @@ def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tupl
         "Every registered router at its defaults (DirMoE eager, its CPU default) and DirMoE compiled. "
         f"Per router call on a non-logging training step (collect_metrics=False), T={T}, D={D}, E={E}, k={K}, "
         "fp32: ATen ops dispatched, ops outside compiled regions (views among them: no kernel on a GPU), compiled "
-        "regions entered, launches = outside + regions (the proxy for GPU kernel launches), its ratio to "
-        "Switch's, host synchronisations, and estimated MB moved (inputs + outputs of each non-view op outside "
+        "regions entered, the kernels they ran (inductor's generated kernels and the extern ops they call), "
+        "launches = outside + kernels in regions (the proxy for GPU kernel launches), its ratio to Switch's, host "
+        "synchronisations, and estimated MB moved (inputs + outputs of each non-view op outside "
         "a region and of each region). After two warm-up calls at the same step: DirMoE's eager schedule values "
         "are computed once per step and layer, so its first micro-batch of a step costs more than these. "
-        "Counted by python -m repro efficiency --profile; hardware-independent."
+        "Counted by python -m repro efficiency --profile; hardware-independent, but a region compiled here has "
+        "inductor's C++ kernels, which fuse more than its GPU (Triton) kernels: on an H100 the compiled DirMoE "
+        "router launched 62 kernels per call and Switch's 41 (docs/efficiency.md)."
     )
     return rows, Table(name=NAME, caption=caption, headers=COLUMNS, rows=cells)
 

@@ -229,9 +229,13 @@ def _costs_file(path: Path) -> tuple[list[str], list[str], list[str]]:
     rows = [r for r in load_json(path)["rows"] if r["pass"] == "fwd+bwd"]
     launches = ", ".join(f"{r['router']} {r['launches']} ({num(r['x_switch'])} x {REFERENCE_ROUTER})" for r in rows)
     syncs = sum(r["syncs"] for r in rows)
+    compiled = [r["router"] for r in rows if r.get("regions")]
+    # A region's kernels are those of the backend that compiled it (C++ here), which fuses more than a GPU's.
+    caveat = (f"; {', '.join(compiled)} with its compiled regions' kernels as inductor's CPU backend generates "
+              "them, fewer than a GPU launches (docs/efficiency.md)") if compiled else ""
     finding = (
         f"`{path.name}` (`python -m repro efficiency --profile`), launches per router call, forward + backward on a "
-        f"non-logging step: {launches}; host synchronisations in all of them together: {syncs}."
+        f"non-logging step: {launches}{caveat}; host synchronisations in all of them together: {syncs}."
     )
     table = [f"### `{path.name}`", "", f"See [`{path.stem}.md`]({path.stem}.md).", ""]
     return [finding], [finding], table

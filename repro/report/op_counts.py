@@ -4,8 +4,11 @@ synchronisation (:func:`host_sync_reason`), and an estimate of the bytes it move
 
 :class:`OpCounter` is a ``TorchDispatchMode`` that also wraps inductor's compiled graphs
 (``CompiledFxGraph.__call__``): one call is one region entered, and the ops dispatched while it runs (extern
-kernels) count as inside it. On a GPU every op outside a region is at least one kernel launch and a region a
-few, so ``outside + regions`` is the proxy for launches. Bytes moved: per non-view op outside a region, its
+kernels) count as inside it. A region runs the kernels inductor generated for it (its code's calls of
+``cpp_fused_*`` on the CPU, ``triton_*`` on a GPU) and those extern kernels: ``region_kernels``. On a GPU every op
+outside a region is at least one kernel launch, so ``outside + region_kernels`` is the proxy for launches. It is
+exact only for the backend that compiled: inductor's C++ backend fuses more than its Triton one, so a region
+compiled on the CPU counts fewer kernels than the same region launches on a GPU. Bytes moved: per non-view op outside a region, its
 tensor inputs plus outputs (each once); per region, its inputs plus outputs (a lower bound for a region).
 Host synchronisations: value reads (``.item()``, ``is_nonzero``, ``equal``, ``allclose``), data-dependent
 output sizes (``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
@@ -16,6 +19,7 @@ output sizes (``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat
 from __future__ import annotations
 
 import collections
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,6 +82,7 @@ class OpCounts:
         outside: ops dispatched outside any compiled region.
         views: of ``outside``, view ops (metadata only, no kernel on a GPU).
         regions: compiled regions entered.
+        region_kernels: kernels those regions ran: inductor's generated kernels plus the extern ops they called.
         syncs: host synchronisations.
         bytes_moved: the estimate of the module docstring.
         sync_ops: :func:`host_sync_reason` -> count (to say which ops synchronised).
@@ -89,6 +94,7 @@ class OpCounts:
     outside: int = 0
     views: int = 0
     regions: int = 0
+    region_kernels: int = 0
     syncs: int = 0
     bytes_moved: int = 0
     sync_ops: collections.Counter = field(default_factory=collections.Counter)
@@ -97,8 +103,8 @@ class OpCounts:
 
     @property
     def launches(self) -> int:
-        """The launch proxy: ops outside compiled regions plus compiled regions entered."""
-        return self.outside + self.regions
+        """The launch proxy: ops outside compiled regions plus the kernels the regions ran."""
+        return self.outside + self.region_kernels
 
 
 def _tensor_bytes(values) -> int:
@@ -109,6 +115,17 @@ def _tensor_bytes(values) -> int:
             seen.add(id(value))
             total += value.numel() * value.element_size()
     return total
+
+
+#: A generated kernel's call in a compiled graph's ``call`` function: ``cpp_fused_*(...)`` (inductor's C++
+#: backend) or ``triton_*.run(...)`` (its Triton backend).
+_KERNEL_CALL = re.compile(r"^\s+(?:cpp_fused_\w+\(|triton_\w+\.run\()", re.MULTILINE)
+
+
+def generated_kernels(source_code: str) -> int:
+    """The kernels a compiled graph's code launches per call: its generated kernels' call sites in ``call``."""
+    start = source_code.find("def call(")
+    return len(_KERNEL_CALL.findall(source_code, start)) if start >= 0 else 0
 
 
 def _is_view(func) -> bool:
@@ -128,6 +145,7 @@ class OpCounter(TorchDispatchMode):
         self.counts = OpCounts()
         self._depth = 0
         self._restore: list = []
+        self._kernels: dict[int, int] = {}  # id of a compiled graph -> its generated kernels per call
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
@@ -145,7 +163,10 @@ class OpCounter(TorchDispatchMode):
         if reason is not None:
             c.syncs += 1
             c.sync_ops[reason] += 1
-        if self._depth == 0:
+        if self._depth > 0:
+            if not _is_view(func):
+                c.region_kernels += 1  # an extern kernel the region calls
+        else:
             c.outside += 1
             c.outside_ops[name] += 1
             if _is_view(func):
@@ -167,6 +188,9 @@ class OpCounter(TorchDispatchMode):
         def region(original):
             def call(graph, inputs):
                 counter.counts.regions += 1
+                if id(graph) not in counter._kernels:  # the graph's code, read once
+                    counter._kernels[id(graph)] = generated_kernels(getattr(graph, "source_code", "") or "")
+                counter.counts.region_kernels += counter._kernels[id(graph)]
                 counter.counts.bytes_moved += _tensor_bytes(inputs)
                 counter._depth += 1
                 try:
