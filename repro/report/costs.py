@@ -103,8 +103,8 @@ def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tupl
         row["x_switch"] = row["launches"] / switch[row["pass"]] if switch.get(row["pass"]) else None
     cells = tuple(
         (r["router"], r["pass"], str(r["dispatched"]), str(r["outside"]), str(r["views"]), str(r["regions"]),
-         str(r["region_kernels"]), str(r["launches"]), "--" if r["x_switch"] is None else f"{r['x_switch']:.2f}", str(r["syncs"]),
-         f"{r['bytes_moved'] / 1e6:.2f}")
+         str(r["region_kernels"]), str(r["launches"]), "--" if r["x_switch"] is None else f"{r['x_switch']:.2f}",
+         str(r["syncs"]), f"{r['bytes_moved'] / 1e6:.2f}")
         for r in rows
     )
     caption = (

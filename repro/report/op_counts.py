@@ -8,8 +8,9 @@ kernels) count as inside it. A region runs the kernels inductor generated for it
 ``cpp_fused_*`` on the CPU, ``triton_*`` on a GPU) and those extern kernels: ``region_kernels``. On a GPU every op
 outside a region is at least one kernel launch, so ``outside + region_kernels`` is the proxy for launches. It is
 exact only for the backend that compiled: inductor's C++ backend fuses more than its Triton one, so a region
-compiled on the CPU counts fewer kernels than the same region launches on a GPU. Bytes moved: per non-view op outside a region, its
-tensor inputs plus outputs (each once); per region, its inputs plus outputs (a lower bound for a region).
+compiled on the CPU counts fewer kernels than the same region launches on a GPU. Bytes moved: per non-view op
+outside a region, its tensor inputs plus outputs (each once); per region, its inputs plus outputs (a lower bound
+for a region).
 Host synchronisations: value reads (``.item()``, ``is_nonzero``, ``equal``, ``allclose``), data-dependent
 output sizes (``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
 ``output_size``, boolean-mask indexing), blocking host/device copies, and ``Tensor.tolist``/``numpy``.
