@@ -348,9 +348,10 @@ def resolve_init_from(values: list[str], runs: list[RunSpec]) -> list[RunSpec]:
     for run in runs:
         if run.label in per_run:
             candidates = [per_run[run.label]]
+        elif shared:  # (dict.fromkeys: a run labelled as its router names its folder once)
+            candidates = list(dict.fromkeys((shared[0] / run.label, shared[0] / run.router, shared[0])))
         else:
-            # (dict.fromkeys: a run labelled as its router names one folder once)
-            candidates = list(dict.fromkeys([shared[0] / run.label, shared[0] / run.router, shared[0]])) if shared else []
+            candidates = []
         info = ckpt.find_router_checkpoint(candidates, run.router)
         if info is None:
             where = ", ".join(str(c) for c in candidates) or "(no --init-from for it)"
