@@ -149,3 +149,22 @@ def test_check_fails_on_a_stale_block_and_writing_fixes_it(tmp_path, capsys):
     assert "hand-written" not in readme.read_text() and "unigram baseline" in readme.read_text()
     assert (root / "results" / "mini" / "README.md").is_file() and (root / "results" / "bench" / "README.md").is_file()
     assert repro_main(["writeup", "--root", str(root), "--check"]) == 0
+
+
+def test_the_iteration_ratio_carries_its_per_round_interval_where_the_run_recorded_one(tmp_path):
+    """The interleaved benchmark's line quotes each run's per-round mean and 95% interval from the JSON, and
+    leaves them out for a run that did not record them (benchmark files from before the intervals)."""
+    from repro.report.findings import _bench_file
+
+    data = json.loads((ROOT / "results" / "bench" / "iteration.json").read_text())
+    extra = next(b["extra_info"] for b in data["benchmarks"] if "dirmoe_over_switch" in b["extra_info"])
+    extra["over_switch_per_round"]["dirmoe"].update(estimate=1.5, low=1.25, high=1.75)
+    path = tmp_path / "iteration.json"
+    path.write_text(json.dumps(data))
+    line = next(f for f in _bench_file(path)[0] if "stepped in turn" in f)
+    assert "per round 1.500, 95% CI 1.250 to 1.750)" in line
+    assert line.count("95% CI") == len(extra["over_switch"])
+    del extra["over_switch_per_round"]
+    path.write_text(json.dumps(data))
+    line = next(f for f in _bench_file(path)[0] if "stepped in turn" in f)
+    assert "95% CI" not in line and f"{extra['dirmoe_over_switch']:.3f}" in line

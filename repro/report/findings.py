@@ -192,6 +192,16 @@ def _ms(seconds: float) -> str:
     return num(ms, ".0f" if ms >= 100 else ".1f" if ms >= 10 else ".2f")
 
 
+def _per_round(extra: dict[str, Any], label: str, brackets: bool = False) -> str:
+    """The mean of ``label``'s per-round ratios to Switch with its 95% interval (the interleaved benchmark's
+    ``over_switch_per_round``), as a clause; "" in runs that did not record them."""
+    ci = (extra.get("over_switch_per_round") or {}).get(label)
+    if not ci or ci.get("low") is None:
+        return ""
+    text = f"per round {num(ci['estimate'], '.3f')}, 95% CI {num(ci['low'], '.3f')} to {num(ci['high'], '.3f')}"
+    return f" ({text})" if brackets else f"; {text}"
+
+
 def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
     """One pytest-benchmark JSON: its findings (medians per group; DirMoE over Switch stepped alternately),
     the subset for the README block, and its table."""
@@ -212,9 +222,9 @@ def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
     alternating = [
         f"`{path.name}`: DirMoE / Switch median training iteration, stepped in turn "
         f"({b['stats']['rounds']} rounds): {num(extra['dirmoe_over_switch'], '.3f')} "
-        f"({_ms(extra['dirmoe_median_s'])} against {_ms(extra['switch_median_s'])} ms)"
-        + "".join(f"; {label} {num(ratio, '.3f')}" for label, ratio in (extra.get("over_switch") or {}).items()
-                  if label != "dirmoe")
+        f"({_ms(extra['dirmoe_median_s'])} against {_ms(extra['switch_median_s'])} ms{_per_round(extra, 'dirmoe')})"
+        + "".join(f"; {label} {num(ratio, '.3f')}{_per_round(extra, label, brackets=True)}"
+                  for label, ratio in (extra.get("over_switch") or {}).items() if label != "dirmoe")
         + "."
         for b in data["benchmarks"] if "dirmoe_over_switch" in (extra := b.get("extra_info") or {})
     ]
