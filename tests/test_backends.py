@@ -406,7 +406,7 @@ def test_state_dicts_move_between_backends(router_name):
     local = tiny(router_name, backend="local", seed=1)
     fast = tiny(router_name, backend="torch", seed=2)  # different initial weights
     assert not torch.allclose(_logits(local), _logits(fast))
-    # Through a file as the checkpoints go (torch.save, weights_only load).
+    # Through a file as the checkpoints go (torch.save, then torch.load with weights_only=True).
     buffer = io.BytesIO()
     torch.save(local.state_dict(), buffer)
     buffer.seek(0)

