@@ -55,7 +55,9 @@ def quiet_megatron_import() -> Iterator[None]:
     """Silence megatron-core's import-time notices that TransformerEngine and Apex are absent (expected on CPU)
     while the block runs; the warning filters are restored after it."""
     with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed", category=UserWarning)
+        warnings.filterwarnings(
+            "ignore", message="(Transformer Engine and Apex are|Apex is) not installed", category=UserWarning
+        )
         yield
 
 

@@ -319,7 +319,8 @@ def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
         raise ReproError(os_error_message(exc, path)) from None
     expected = info.sha256.get(name, "")
     if actual != expected:
-        # Safe to look inside (_load_plain reads with weights_only=True): a file of another run deserves a clearer message.
+        # Safe to look inside (_load_plain reads with weights_only=True): a file of another run deserves a clearer
+        # message.
         try:
             other = _load_plain(path)
         except ReproError:

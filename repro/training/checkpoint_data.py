@@ -144,7 +144,8 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
-# Exact types: a subclass (numpy's float64, a str enum) pickles as its own class, which torch.load(weights_only=True) refuses.
+# Exact types: a subclass (numpy's float64, a str enum) pickles as its own class, which
+# torch.load(weights_only=True) refuses.
 _PLAIN_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.device, torch.dtype)
 _PLAIN_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
 
