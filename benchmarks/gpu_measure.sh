@@ -1,58 +1,63 @@
 #!/usr/bin/env bash
-# Everything issue-sized that needs a GPU, in one call on a bare GPU machine (one H100 here): the GPU tests (first),
-# the efficiency table of every router and dense at LLaMA-185M (torch backend; Switch and DirMoE also on megatron's
-# local backend; DirMoE eager beside compiled), and profiler traces of one Switch and one DirMoE step.
+# Everything issue-sized that needs a GPU, in one call of at most 600 s on a bare GPU machine (one H100 or H200):
 #
-# From the repository root, with the wheels the machine lacks in .whl/ (megatron-core 0.16.1, omegaconf 2.4.0,
-# zstandard; docs/efficiency.md says how to fetch them) and an output folder in OUT:
+#   pytest     the GPU tests, first: a timing of wrong results is worth nothing, and a call cut short keeps them;
+#   interleave Switch and DirMoE at LLaMA-185M stepped in turn in one process (python -m repro efficiency's
+#              default on one device): the ratio with its 95% interval, each router's step traced once
+#              (device busy against the step's span, the routers' kernels and device time);
+#   levers     Switch with each lever of the device-bound step (micro-batch 32 x 2, foreach optimizer
+#              fallbacks, fused linear + cross-entropy) and with all of them, DirMoE with all of them, stepped in
+#              turn with plain Switch: each lever's gain with its interval;
+#   routers    (not by default) every router and dense, stepped in turn.
+#
+# From the repository root, with the wheels the machine lacks in .whl/ (docs/efficiency.md, "Measured on a GPU",
+# says which and how to fetch them) and an output folder in OUT:
 #   OUT=/tmp/out bash benchmarks/gpu_measure.sh
-# PHASES (default "pytest efficiency trace"; also "repeat"; they run in the order pytest, efficiency, repeat,
-# trace), EFF_ARGS, VARIANTS (space-separated --variant values; empty: none), REPEATS and REPEAT_ARGS (default 3 x
-# "--router switch,dirmoe --iters 20"), TRACE_ARGS, PYTEST_ARGS and *_LIMIT (seconds per phase) select and shape the
-# phases; BUDGET (default 560) is the seconds the whole call may take, install included: each phase's limit is cut
-# to what is left, and a phase with under 30 s left is skipped and named in phases.txt, so a call fits the device
-# tool's 600 s per command and still packs what it measured; PYTEST_WORKERS (default 3; a test holds up to two
-# LLaMA-185M models with their optimizer states at once: 3 workers fitted an H100's 80 GB in two calls and ran out
-# of it in a third, while the tests still kept every model they had trained). Writes OUT/h100.tgz (logs, run
-# records, tables, trace summaries: what results/h100/ holds) after every phase, so a phase that runs out of time
-# still leaves the others' results, and OUT/trace-<router>.json.gz. Works in a new folder (WORK, which must not
-# exist, or a fresh temporary one), so an archive holds this call's files only, also on a machine that an earlier
-# call left warm.
+# PHASES (default "pytest interleave levers") selects phases, which run in the order above; *_ARGS reshape them;
+# *_LIMIT are seconds per phase. BUDGET (default 560) is the seconds the whole call may take, install included:
+# each phase's limit is cut to what is left and a phase with under 30 s left is skipped and named in phases.txt.
+# PYTEST_WORKERS (default 2) runs the GPU tests in that many processes (each holds up to two LLaMA-185M models).
+# Writes OUT/gpu.tgz after every phase (logs, run directories without checkpoints, tables, summaries, trace
+# summaries; each phase's folder is its efficiency command's own output, summary.json with the ratios included),
+# so a phase cut short still leaves the others' results, and
+# the traced steps' Chrome traces as OUT/trace-<phase>-<run>.json.gz. Works in a new folder (WORK, which must not
+# exist, or a fresh temporary one), so an archive holds this call's files only.
 set -u
 if [[ -n "${WORK:-}" ]]; then
   [[ -e "$WORK" ]] && { echo "gpu_measure.sh: WORK=$WORK exists: name a new folder" >&2; exit 2; }
   W=$WORK; mkdir -p "$W"
 else
-  W=$(mktemp -d /tmp/h100.XXXXXX)
+  W=$(mktemp -d /tmp/gpu.XXXXXX)
 fi
 mkdir -p "$OUT"
 : > "$W/phases.txt"
-pack() { tar czf "$OUT/h100.tgz" --exclude='*.json.gz' --exclude='*.pt' -C "$W" . 2>/dev/null; }
-PHASES=${PHASES:-pytest efficiency trace}
+pack() { tar czf "$OUT/gpu.tgz" --exclude='*.json.gz' --exclude='*.pt' --exclude='checkpoints' -C "$W" . 2>/dev/null; }
+PHASES=${PHASES:-pytest interleave levers}
 BUDGET=${BUDGET:-560}
 phase() {  # phase NAME SECONDS COMMAND...: run with a time limit (cut to what BUDGET leaves), log to $W/NAME.log, pack
   local name=$1 limit=$2 start=$SECONDS rc left; shift 2
-  [[ " $PHASES efficiency-table " == *" ${name%%[0-9]*} "* ]] || return 0  # repeat2 belongs to phase repeat
+  [[ " $PHASES " == *" $name "* ]] || return 0
   left=$((BUDGET - SECONDS))
-  if [[ $name != efficiency-table ]]; then  # (the table's cat takes no time)
-    if ((left < 30)); then echo "$name skipped: $left s of BUDGET=$BUDGET left" | tee -a "$W/phases.txt"; return 0; fi
-    ((limit > left)) && limit=$left
-  fi
+  if ((left < 30)); then echo "$name skipped: $left s of BUDGET=$BUDGET left" | tee -a "$W/phases.txt"; return 0; fi
+  ((limit > left)) && limit=$left
   echo "== $name (limit ${limit} s) $(date +%T)"
+  # SIGINT first: an efficiency command stopped so keeps each run's log of the steps it finished
   timeout --signal=INT --kill-after=15 "$limit" "$@" > "$W/$name.log" 2>&1; rc=$?
   echo "$name rc=$rc $((SECONDS - start)) s" | tee -a "$W/phases.txt"
-  tail -n "${TAIL:-4}" "$W/$name.log"
+  tail -n "${TAIL:-6}" "$W/$name.log"
   pack
 }
 export PYTHONUNBUFFERED=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 PY=${PYTHON:-python3}
-if ! $PY -c "import megatron.core, omegaconf, zstandard" 2>/dev/null; then  # a bare machine: install the wheels
+if ! $PY -c "import megatron.core, omegaconf, zstandard" 2>/dev/null; then  # a bare machine (cut-cross-entropy with them)
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
   export PYTHONPATH=/tmp/site:$PWD
 else
   export PYTHONPATH=$PWD
 fi
-{ date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; echo "boot id $(cat /proc/sys/kernel/random/boot_id)"; nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv;
+{ date -u +%FT%TZ; git rev-parse HEAD 2>/dev/null; git status --porcelain 2>/dev/null | head -20;
+  echo "boot id $(cat /proc/sys/kernel/random/boot_id)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
   $PY - <<'PY'
 import shutil, sys, torch
 print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda)
@@ -73,24 +78,26 @@ PY
 cat "$W/environment.txt"
 pack
 
-# The checks first: a timing of wrong results is worth nothing, and a call that runs out of time keeps them.
 set -f  # PYTEST_ARGS may hold test ids with brackets
-TAIL=12 phase pytest "${PYTEST_LIMIT:-200}" $PY -m pytest -m gpu -q -p no:cacheprovider \
-  -n "${PYTEST_WORKERS:-3}" --dist load --durations=0 -rs ${PYTEST_ARGS:-tests/test_gpu.py}
+TAIL=14 phase pytest "${PYTEST_LIMIT:-170}" $PY -m pytest -m gpu -q -p no:cacheprovider \
+  -n "${PYTEST_WORKERS:-2}" --dist load --durations=15 -rs ${PYTEST_ARGS:-tests/test_gpu.py tests/test_gpu_levers.py}
 set +f
 
-EFF=${EFF_ARGS:---published --iters 10}
-VARIANTS=${VARIANTS-dirmoe-eager=dirmoe,router.options.compile_elementwise=never switch-local=switch,model.backend=local dirmoe-local=dirmoe,model.backend=local}
-VARIANT_ARGS=(); for v in $VARIANTS; do VARIANT_ARGS+=(--variant "$v"); done
-phase efficiency "${EFF_LIMIT:-330}" $PY -m repro efficiency $EFF "${VARIANT_ARGS[@]}" --out "$W/efficiency"
-TAIL=16 phase efficiency-table 5 cat "$W/efficiency/efficiency.md"
-# Repeats (phase "repeat"): the same routers again and again, alternating within each command, so their ratio
-# comes with its spread over runs (REPEATS commands; gpu_collect.py pairs the runs of each).
-for i in $(seq 1 "${REPEATS:-3}"); do
-  phase "repeat$i" "${REPEAT_LIMIT:-150}" $PY -m repro efficiency ${REPEAT_ARGS:---router switch,dirmoe --iters 20} \
-    --out "$W/repeat$i"
+# The last warm-up step is traced (its own step only: repro/training/interleave.py), so no measured step is slowed.
+EFF="$PY -m repro efficiency"
+phase interleave "${INTERLEAVE_LIMIT:-210}" $EFF ${INTERLEAVE_ARGS:---router switch,dirmoe --warmup 20 --iters 150 \
+  --set logging.trace_step=20} --out "$W/interleave"
+ALL="data.micro_batch_size=32,optimizer.foreach_fallbacks=true,model.fused_cross_entropy=cce"
+phase levers "${LEVERS_LIMIT:-200}" $EFF ${LEVERS_ARGS:---router switch --warmup 8 --iters 30 \
+  --set logging.trace_step=8 --variant switch-mb32=switch,data.micro_batch_size=32 \
+  --variant switch-foreach=switch,optimizer.foreach_fallbacks=true \
+  --variant switch-cce=switch,model.fused_cross_entropy=cce \
+  --variant switch-all=switch,$ALL --variant dirmoe-all=dirmoe,$ALL} --out "$W/levers"
+phase routers "${ROUTERS_LIMIT:-300}" $EFF ${ROUTERS_ARGS:---router all --warmup 5 --iters 20} --out "$W/routers"
+n=0
+for f in "$W"/*/runs/*/trace/trace.json.gz; do
+  [[ -e $f ]] || continue
+  run=$(basename "$(dirname "$(dirname "$f")")"); ph=$(basename "$(dirname "$(dirname "$(dirname "$(dirname "$f")")")")")
+  ((n < 7)) && cp "$f" "$OUT/trace-$ph-$run.json.gz" && n=$((n + 1))
 done
-phase trace "${TRACE_LIMIT:-120}" $PY -m repro efficiency --router switch,dirmoe --warmup 3 --iters 2 \
-  --set logging.trace_step=5 ${TRACE_ARGS:-} --out "$W/trace"
-for r in switch dirmoe; do cp "$W/trace/runs/$r/trace/trace.json.gz" "$OUT/trace-$r.json.gz" 2>/dev/null; done
 cat "$W/phases.txt"

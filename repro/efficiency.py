@@ -24,9 +24,13 @@ Defaults, each one option away (docs/efficiency.md has the measurements behind t
 4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA initialisation,
    allocator growth and torch.compile; min and max are in the summary. The two iterations whose routers
    compute their metrics are left out too (``LogRow.metrics_collected``).
-5. **A fresh process per run**, also for one device: in one process a finished run stays in memory
-   (megatron-core's DDP wrapper registers gradient hooks that close over it), and later runs would report the
-   earlier ones' memory in their peak.
+5. **On one device, every run in one process, stepped in turn** (:mod:`repro.training.interleave`): each run's
+   model, optimizer and data resident together, one step of each per round, the order reversed every other
+   round, Python's garbage collector run by hand between rounds; each ratio to Switch comes from the same
+   rounds, with a 95% interval by batch means (:func:`repro.report.stats.timing_ratio`). A ratio is only
+   formed within one process on one machine: with ``--separate`` (a fresh process per run, what ``--gpus N``
+   always does) the summary gives each run's times and no ratio. Every run is resident at once: at
+   LLaMA-185M a run holds ~10 GB besides one step's activations, so a GPU of 80 GB holds about five.
 
 ``--out`` must be new, empty, or an earlier output of this command (``.efficiency-out``); a run directory is
 replaced only when it holds ``.efficiency-run``. Earlier runs in ``--out`` not asked for again are kept
@@ -98,6 +102,8 @@ class EfficiencyPlan:
         published: show the published rows beside the runs.
         formats: table formats written.
         flops_attention: how the FLOPs count takes attention (:data:`repro.report.flops.ATTENTION_COUNTS`).
+        interleave: train every run in this process, one step of each in turn (module docstring, 5); else a
+            fresh process per run.
         flavour, devices, accumulation, vocab_size, overrides, micro_batch_size, global_batch_size: as
             :func:`efficiency_overrides` (``overrides``: of every run).
     """
@@ -116,6 +122,7 @@ class EfficiencyPlan:
     micro_batch_size: int | None = None
     global_batch_size: int | None = None
     flops_attention: str = "causal"
+    interleave: bool = False
 
     def __post_init__(self) -> None:  # the numbers and the flavour are checked by :func:`parse`, naming the flag
         if not self.runs:
@@ -127,6 +134,8 @@ class EfficiencyPlan:
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown:
             raise ValueError(f"unknown table format(s) {', '.join(unknown)}; valid: {', '.join(FORMATS)}")
+        if self.interleave and self.devices != 1:
+            raise ValueError(f"runs are interleaved in one process on one device, not {self.devices}: use --separate")
 
     @property
     def scale(self) -> str:
@@ -141,12 +150,17 @@ class EfficiencyPlan:
 
     def run(self, spec: RunSpec) -> Run:
         """The study's run of ``spec``: its experiment with :func:`efficiency_overrides` (ReproError on a bad
-        router or override)."""
+        router or override). Every run trains the plan's tokens per iteration: a run whose own overrides set
+        ``data.micro_batch_size`` takes fewer or more accumulation steps, not another batch."""
+        kwargs = dict(devices=self.devices, accumulation=self.accumulation, steps=self.steps_run,
+                      vocab_size=self.vocab_size, micro_batch_size=self.micro_batch_size, init_from=spec.init_from)
+        global_batch = self.global_batch_size
+        if global_batch is None and any(o.startswith("data.micro_batch_size=") for o in spec.overrides):
+            planned = efficiency_overrides(spec.router, self.flavour, overrides=self.overrides, **kwargs)
+            global_batch = int(planned[-1].partition("=")[2])  # (the list ends with data.global_batch_size=N)
         overrides = efficiency_overrides(
-            spec.router, self.flavour, devices=self.devices, accumulation=self.accumulation, steps=self.steps_run,
-            vocab_size=self.vocab_size, micro_batch_size=self.micro_batch_size,
-            global_batch_size=self.global_batch_size, overrides=(*self.overrides, *spec.overrides),
-            init_from=spec.init_from,
+            spec.router, self.flavour, global_batch_size=global_batch, overrides=(*self.overrides, *spec.overrides),
+            **kwargs,
         )
         return Run(spec.label, f"{spec.router}-{self.scale}", tuple(overrides))
 
@@ -405,6 +419,9 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     p.add_argument("--flops-attention", default="causal", choices=("causal", "full"),
                    help="FLOPs count of attention scores: causal (current Megatron-LM, half the s x s square; "
                    "the DirMoE paper's TFLOP/s) or full (the whole square, ReMoE's fork)")
+    p.add_argument("--separate", action="store_true",
+                   help="a fresh process per run, one after another (always with --gpus N > 1); no ratios are "
+                   "formed. Default on one device: every run in this process, one step of each in turn")
     p.add_argument("--init-from", action="append", default=[], metavar="DIR | LABEL=PATH",
                    help="time from trained checkpoints: DIR holds a run (or checkpoint) per router, DIR/<label> "
                    "or DIR/<router>; LABEL=PATH for one run (repeatable)")
@@ -444,6 +461,7 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
             overrides=tuple(args.set), out_dir=args.out or f"runs/efficiency-{flavour}-{args.gpus}dev",
             published=args.published, formats=formats, micro_batch_size=args.micro_batch,
             global_batch_size=args.global_batch, flops_attention=args.flops_attention,
+            interleave=args.gpus == 1 and not args.separate,
         )
     except ValueError as exc:
         raise ReproError(str(exc)) from None
@@ -483,8 +501,33 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
         f"{config.data.global_batch_size} x {config.seq_length} tokens per iteration -> {plan.out_dir}",
         flush=True,
     )
-    outcome = run_study(plan.study(), fresh=True)
+    outcome = _interleaved(plan) if plan.interleave else run_study(plan.study(), fresh=True)
     done = [r for r in plan.runs if r.label not in outcome["failed"]]
     records = {r.label: load_record(plan.run_dir(r) / "record.json") for r in done}
     write_command_outputs(plan, records, outcome["failed"], outcome["seconds"], argv)
     return 1 if outcome["failed"] else 0
+
+
+def _interleaved(plan: EfficiencyPlan) -> dict[str, Any]:
+    """Train every run of ``plan`` in this process, one step of each in turn
+    (:func:`repro.training.interleave.train_interleaved`), then write each run's record. Returns the outcome as
+    :func:`repro.study.run_study` does (``failed``: every run, when the interleaved training failed)."""
+    import time
+
+    from repro.training.interleave import train_interleaved
+
+    study = plan.study()
+    check_out_dir(study)
+    claim(study, fresh=True)
+    start, failed = time.perf_counter(), {}
+    runs = [(spec.label, plan.config(spec), plan.run_dir(spec)) for spec in plan.runs]
+    try:
+        train_interleaved(runs, steps=plan.steps_run, progress_every=max(1, plan.steps_run // 10))
+        for run in study.runs:
+            _write_record(study, run)
+    except ReproError as exc:
+        failed = {spec.label: str(exc) for spec in plan.runs}
+        print(f"interleaved training FAILED: {exc}", flush=True)
+    wall = time.perf_counter() - start
+    print(f"  {len(plan.runs)} run(s) interleaved in {wall:.0f} s", flush=True)
+    return {"failed": failed, "seconds": {spec.label: wall for spec in plan.runs}}

@@ -4,6 +4,8 @@ configuration against the papers' batch, its refusals (DirMoE compiled against e
 from __future__ import annotations
 
 import csv
+import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -17,6 +19,7 @@ import torch
 
 from repro.cli import main as cli_main
 from repro.efficiency import efficiency_config, efficiency_overrides
+from repro.errors import ReproError
 from repro.report.store import load_record
 from repro.training.config import RunConfig
 from repro.training.log import read_rows
@@ -41,8 +44,10 @@ def _times_ms(run_dir: Path) -> list[float]:
 @pytest.mark.slow
 def test_two_routers_and_dense_on_one_cpu_device(tmp_path, capsys):
     out = tmp_path / "eff"
-    assert cli_main(["efficiency", "--router", "switch,dirmoe,dense", *FAST, "--out", str(out)]) == 0
+    argv = ["efficiency", "--router", "switch,dirmoe,dense", "--vocab-size", "256", "--warmup", "1", "--iters", "4"]
+    assert cli_main([*argv, "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
+    switch_times = _times_ms(out / "runs" / "switch")[1:5]
 
     for label in ("switch", "dirmoe", "dense"):
         run_dir = out / "runs" / label
@@ -52,26 +57,31 @@ def test_two_routers_and_dense_on_one_cpu_device(tmp_path, capsys):
         assert env.num_processes == 1 and env.device.startswith("cpu")
         assert env.torch == torch.__version__ and env.megatron_core == metadata.version("megatron-core")
         assert eff.backend == "local" and eff.num_devices == 1
-        assert (eff.warmup_steps, eff.window_steps) == (1, 2)
+        assert (eff.warmup_steps, eff.window_steps) == (1, 4)
         # the tiny recipe's per-device work: micro-batch 4 x 2 accumulation steps of 128 tokens
         assert (eff.global_batch_size, eff.seq_length) == (8, 128)
         config = json.loads((run_dir / "config.json").read_text())
         assert config["experiment"]["data"]["source"] == "synthetic" and config["vocab_size"] == 256
         assert config["num_microbatches"] == 2
-        # the training process built exactly the configuration the command planned
-        assert RunConfig.from_dict(config["experiment"]) == efficiency_config(label, "tiny", steps=4, vocab_size=256)
+        # the training built exactly the configuration the command planned
+        assert RunConfig.from_dict(config["experiment"]) == efficiency_config(label, "tiny", steps=6, vocab_size=256)
         # stopped after warm-up + measured iterations + the one that collects routing metrics: no checkpoint
         times = _times_ms(run_dir)
-        assert len(times) == 4 and not (run_dir / "checkpoints").exists()
-        assert [r.metrics_collected for r in read_rows(run_dir)] == [True, False, False, True]
+        assert len(times) == 6 and not (run_dir / "checkpoints").exists()
+        assert [r.metrics_collected for r in read_rows(run_dir)] == [True, False, False, False, False, True]
         assert (run_dir / RUN_MARKER).is_file()
         # the median is over the measured iterations only, none of which computed routing metrics
         entry = summary["runs"][label]
-        assert entry["iter_time_ms"] == {"min": min(times[1:3]), "median": statistics.median(times[1:3]), "max": max(times[1:3])}
+        assert entry["iter_time_ms"] == {"min": min(times[1:5]), "median": statistics.median(times[1:5]), "max": max(times[1:5])}
         assert eff.iter_time_ms == pytest.approx(entry["iter_time_ms"]["median"])
-        assert entry["ratio_to_switch"] == pytest.approx(
-            entry["iter_time_ms"]["median"] / summary["runs"]["switch"]["iter_time_ms"]["median"]
-        )
+        # stepped in turn in one process: step s of every log is round s; the ratio is their geometric mean
+        if label != "switch":
+            ratio = entry["interleaved"]
+            expected = statistics.geometric_mean([t / r for t, r in zip(times[1:5], switch_times)])
+            assert entry["ratio_to_switch"] == ratio["ratio"] == pytest.approx(expected)
+            assert ratio["low"] <= ratio["ratio"] <= ratio["high"] and (ratio["rounds"], ratio["batches"]) == (4, 2)
+            assert ratio["device"] is None  # no CUDA events on CPU
+    assert summary["interleaved"] is True and summary["runs"]["switch"]["ratio_to_switch"] == 1.0
     assert summary["dirmoe_over_switch"] == summary["runs"]["dirmoe"]["ratio_to_switch"]
     assert summary["published_dirmoe_over_switch"] == pytest.approx(437.3 / 431.5)
     assert (summary["tokens_per_iteration"], summary["devices"], summary["failed"]) == (8 * 128, 1, [])
@@ -84,7 +94,51 @@ def test_two_routers_and_dense_on_one_cpu_device(tmp_path, capsys):
     assert all(r[8] == "1" and r[10] == "local" for r in rows[1:])
     assert "Tokens per iteration: 8 x 128 = 1,024" in (out / "efficiency.md").read_text()
     assert "\\begin{table}" in (out / "efficiency.tex").read_text()
-    assert "DirMoE / Switch (median iteration time)" in capsys.readouterr().out
+    assert "DirMoE / Switch, stepped in turn in one process" in capsys.readouterr().out
+
+    # --separate: a fresh process per run, and no ratio formed between processes
+    separate = tmp_path / "separate"
+    assert cli_main([*argv, "--separate", "--router", "switch,dirmoe", "--out", str(separate)]) == 0
+    summary = json.loads((separate / "summary.json").read_text())
+    assert summary["interleaved"] is False and summary["dirmoe_over_switch"] is None
+    assert all(e["ratio_to_switch"] is None and e["interleaved"] is None for e in summary["runs"].values())
+    assert "No ratios" in capsys.readouterr().out
+
+
+def test_interleaved_runs_step_in_turn_with_the_collector_off(tmp_path, monkeypatch):
+    from repro.training import trainer as trainer_module
+    from repro.training.interleave import round_order, train_interleaved
+
+    assert [round_order(["a", "b", "c"], r) for r in range(3)] == [["a", "b", "c"], ["c", "b", "a"], ["a", "b", "c"]]
+    seen = []
+    original = trainer_module.Trainer.train_step
+
+    def spy(self):
+        seen.append((self.config.name, gc.isenabled()))
+        return original(self)
+
+    monkeypatch.setattr(trainer_module.Trainer, "train_step", spy)
+    runs = [(r, efficiency_config(r, "tiny", steps=4, vocab_size=256), tmp_path / r) for r in ("switch", "dirmoe")]
+    runs = [(label, dataclasses.replace(config, name=label), d) for label, config, d in runs]
+    assert train_interleaved(runs, steps=4) == {"switch": 4, "dirmoe": 4}
+    # A B, B A, A B, B A; the collector never on inside a step, and back on afterwards
+    assert [name for name, _ in seen] == ["switch", "dirmoe", "dirmoe", "switch"] * 2
+    assert not any(enabled for _, enabled in seen) and gc.isenabled()
+    for label in ("switch", "dirmoe"):
+        assert [r.step for r in read_rows(tmp_path / label)] == [1, 2, 3, 4]
+        assert not (tmp_path / label / "checkpoints").exists()
+
+
+def test_interleaved_refuses_what_one_process_cannot_step_in_turn(tmp_path):
+    from repro.training.interleave import train_interleaved
+
+    config = efficiency_config("switch", "tiny", steps=4, vocab_size=256)
+    with pytest.raises(ReproError, match="parallel.tp = ep = 1"):
+        train_interleaved([("s", dataclasses.replace(config, parallel=dataclasses.replace(config.parallel, ep=2)),
+                            tmp_path / "s")], steps=4)
+    with pytest.raises(ReproError, match="schedule.steps"):
+        train_interleaved([("s", config, tmp_path / "s")], steps=config.schedule.steps)
+    assert not (tmp_path / "s").exists()
 
 
 @pytest.mark.slow
@@ -262,3 +316,17 @@ def test_init_from_refuses_a_run_without_a_checkpoint_of_its_router(capsys, tmp_
     message = _error(capsys, ["--router", "switch", "--init-from", "nope=/x", "--out", str(tmp_path / "o")])
     assert "no run labelled 'nope'" in message
     assert not (tmp_path / "o").exists()
+
+
+def test_a_variant_with_its_own_micro_batch_trains_the_same_tokens_per_iteration(tmp_path):
+    from repro.efficiency import parse
+
+    plan = parse(["--router", "switch", "--variant", "s8=switch,data.micro_batch_size=8", "--variant",
+                  "s1=switch,data.micro_batch_size=1", "--vocab-size", "256", "--out", str(tmp_path / "o")], "x")
+    data = {r.label: plan.config(r).data for r in plan.runs}
+    # the tiny recipe: 4 x 2 per iteration; a variant's micro-batch changes the accumulation, not the batch
+    assert {k: (d.micro_batch_size, d.global_batch_size, d.num_microbatches(1)) for k, d in data.items()} == {
+        "switch": (4, 8, 2), "s8": (8, 8, 1), "s1": (1, 8, 8)}
+    with pytest.raises(ReproError, match="not a multiple"):
+        parse(["--router", "switch", "--variant", "s3=switch,data.micro_batch_size=3", "--out", str(tmp_path / "p")],
+              "x")

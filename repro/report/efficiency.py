@@ -136,6 +136,93 @@ def _iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
     return [r.iter_time_s * 1e3 for r in timed_rows(rows[warmup:])]
 
 
+def _paired_times(logs: dict[str, list[LogRow]], label: str, reference: str, warmup: int, window: int,
+                  field: str, skip: set[int]) -> tuple[list[float], list[float]]:
+    """The two runs' ``field`` (``iter_time_s``, ``device_time_s``) over the steps both timed: after ``warmup``,
+    within ``window`` steps, neither collecting routing metrics nor in ``skip`` (profiled steps)."""
+    def timed(rows: list[LogRow]) -> dict[int, float]:
+        return {r.step: getattr(r, field) for r in rows[warmup:warmup + window]
+                if not r.metrics_collected and r.step not in skip and getattr(r, field) is not None}
+
+    ref, other = timed(logs[reference]), timed(logs[label])
+    steps = sorted(set(ref) & set(other))
+    return [ref[s] for s in steps], [other[s] for s in steps]
+
+
+def interleaved_ratios(
+    run_dirs: dict[str, Path], *, reference: str, warmup: int, window: int
+) -> dict[str, dict[str, Any]]:
+    """Each run's step time over ``reference``'s, from runs stepped in turn in one process
+    (:mod:`repro.training.interleave`: step ``s`` of every log is round ``s``), with the batch-means interval
+    of :func:`repro.report.stats.timing_ratio`: on wall time, and on the device's span (CUDA events) where the
+    logs have it.
+
+    Args:
+        run_dirs: run label -> run directory, ``reference`` among them.
+        reference: the label every ratio divides by.
+        warmup, window: the steps measured (as the records' efficiency window).
+
+    Returns:
+        label -> ``{"ratio", "low", "high", "half_width", "rounds", "batches", "lag1", "lag1_batch_means",
+        "detectable", "device"}`` (``device``: the same on device time, or None); the reference and runs with
+        fewer than four common steps are left out.
+    """
+    import json
+
+    from repro.report.stats import timing_ratio
+
+    if reference not in run_dirs:
+        return {}
+    logs = {label: list(read_rows(Path(d))) for label, d in run_dirs.items()}
+    skip = set()
+    for d in run_dirs.values():
+        try:
+            skip.add(int(json.loads((Path(d) / "config.json").read_text())["experiment"]["logging"]["trace_step"]))
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+    out: dict[str, dict[str, Any]] = {}
+    for label in run_dirs:
+        if label == reference:
+            continue
+        entry: dict[str, Any] | None = None
+        for field in ("iter_time_s", "device_time_s"):
+            ref, other = _paired_times(logs, label, reference, warmup, window, field, skip)
+            if len(ref) < 4:
+                if entry is not None:
+                    entry["device"] = None
+                continue
+            r = timing_ratio(ref, other)
+            figures = {"ratio": r.ratio, "low": r.low, "high": r.high, "half_width": r.half_width, "rounds": r.rounds,
+                       "batches": r.batches, "lag1": r.lag1, "lag1_batch_means": r.lag1_batch_means,
+                       "detectable": r.detectable}
+            if entry is None:
+                entry = {**figures, "device": None}
+            else:
+                entry["device"] = figures
+        if entry is not None:
+            out[label] = entry
+    return out
+
+
+def _trace_figures(run_dir: Path) -> dict[str, Any] | None:
+    """A run's profiled step (``trace/summary.json``): device busy against the step's span, launches, the routers'
+    device time; None without one."""
+    import json
+
+    try:
+        t = json.loads((run_dir / "trace" / "summary.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if t.get("clock") != "cuda":
+        return {"step": t.get("step"), "clock": t.get("clock")}
+    return {
+        "step": t["step"], "clock": "cuda", "span_ms": t["span_us"] / 1e3, "busy_ms": t["busy_us"] / 1e3,
+        "busy_share": t["busy_us"] / t["span_us"] if t["span_us"] else None, "launches": t["launches"],
+        "router_device_ms": (t["router_forward_us"] + t["router_backward_us"]) / 1e3,
+        "router_launches": t["router_launches"], "router_calls": t["router_calls"],
+    }
+
+
 def _command_summary(
     plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
 ) -> dict[str, Any]:
@@ -164,11 +251,21 @@ def _command_summary(
             "backend": eff.backend,
             "wall_s": round(wall_s[run.label], 1),
             "record": str(plan.run_dir(run) / "record.json"),
+            "trace": _trace_figures(plan.run_dir(run)),
         }
-    reference = runs.get(REFERENCE_ROUTER, {}).get("iter_time_ms", {}).get("median")
-    for entry in runs.values():
+        devices_ms = [r.device_time_s * 1e3 for r in timed_rows(read_rows(plan.run_dir(run))[plan.warmup:])
+                      if r.device_time_s is not None]
+        runs[run.label]["device_time_ms"] = {"median": statistics.median(devices_ms)} if devices_ms else None
+    # A ratio is formed only between runs stepped in turn in one process (repro.efficiency, default 5).
+    ratios = {}
+    if getattr(plan, "interleave", False):
+        done = {run.label: plan.run_dir(run) for run in plan.runs if run.label in runs and run.label not in errors}
+        ratios = interleaved_ratios(done, reference=REFERENCE_ROUTER, warmup=plan.warmup, window=plan.iters)
+    for label, entry in runs.items():
         if "iter_time_ms" in entry:
-            entry["ratio_to_switch"] = entry["iter_time_ms"]["median"] / reference if reference else None
+            entry["interleaved"] = ratios.get(label)
+            entry["ratio_to_switch"] = 1.0 if label == REFERENCE_ROUTER and ratios else (
+                ratios[label]["ratio"] if label in ratios else None)
     first = next((records[r.label] for r in plan.runs if r.label in records), None)
     config = plan.config(plan.runs[0])
     batch, seq = config.data.global_batch_size, config.seq_length
@@ -190,6 +287,7 @@ def _command_summary(
         "flops_attention": plan.flops_attention,
         "flops_count": formula_name(plan.flops_attention),
         "timed_from": "trained checkpoints" if any(r.init_from for r in plan.runs) else "initialisation",
+        "interleaved": bool(getattr(plan, "interleave", False)),
         "runs": runs,
         "dirmoe_over_switch": runs.get("dirmoe", {}).get("ratio_to_switch"),
         "published_dirmoe_over_switch": PUBLISHED_MS["dirmoe"] / PUBLISHED_MS["switch"],
@@ -230,15 +328,25 @@ def _summary_text(summary: dict[str, Any]) -> str:
             lines.append(f"  {label:<18} FAILED: {entry['error']}")
             continue
         t = entry["iter_time_ms"]
-        ratio = f"  x switch {entry['ratio_to_switch']:.3f}" if entry.get("ratio_to_switch") else ""
+        ratio = f"  x switch {_ratio_text(entry['interleaved'])}" if entry.get("interleaved") else ""
         start = f"  (from step {entry['start_step']})" if entry.get("start_step") else ""
         lines.append(f"  {label:<18} min {t['min']:9.1f}  median {t['median']:9.1f}  max {t['max']:9.1f}{ratio}{start}")
-    if summary["dirmoe_over_switch"] is not None:
+    dirmoe = summary["runs"].get("dirmoe", {}).get("interleaved")
+    if dirmoe:
         lines.append(
-            f"DirMoE / Switch (median iteration time): {summary['dirmoe_over_switch']:.3f} "
-            f"(DirMoE paper: {summary['published_dirmoe_over_switch']:.3f})"
+            f"DirMoE / Switch, stepped in turn in one process: {_ratio_text(dirmoe)} over {dirmoe['rounds']} rounds "
+            f"(a change of {dirmoe['detectable']:.1%} is detected with 80% power; DirMoE paper, separate runs on "
+            f"8 GPUs: {summary['published_dirmoe_over_switch']:.3f})"
         )
+    elif not summary.get("interleaved"):
+        lines.append("No ratios: runs in separate processes differ by the process as much as by the router "
+                     "(interleave them on one device: drop --separate).")
     return "\n".join(lines)
+
+
+def _ratio_text(figures: dict[str, Any]) -> str:
+    """``1.032 [1.021, 1.043]`` (geometric-mean ratio and its 95% interval)."""
+    return f"{figures['ratio']:.3f} [{figures['low']:.3f}, {figures['high']:.3f}]"
 
 
 def write_command_outputs(

@@ -52,6 +52,17 @@ Decisions (each with its source):
    from the seeds' mean gives ``(x - mean) / (s sqrt(1 + 1/n))`` a noncentral t distribution with ``n - 1``
    degrees of freedom and noncentrality ``delta / (sigma sqrt(1 + 1/n))``; the smallest ``delta / sigma``
    the band catches with the given power is solved from it.
+9. **A timing ratio is formed within one process, round by round, with a batch-means interval**
+   (:func:`timing_ratio`): two runs stepped in turn give per-round log-ratios ``d``; consecutive steps are
+   correlated, so the interval of ``mean d`` is Student's t over the means of about ``sqrt(rounds)``
+   consecutive batches (Law & Kelton's batch means), which absorb the correlation when the batches are longer
+   than it lasts; the ratio is ``exp(mean d)``, the geometric mean of the per-round ratios.
+10. **A number that moves in steps gets a band no narrower than its steps allow.** An accuracy on N questions
+    moves in steps of 1/N; with few seeds the seeds often tie, the sample standard deviation is then 0 and
+    decision 2's band has zero width: an honest run one question away fails, and the family-wise rate of
+    Bonferroni's rule is no longer what it states. The band's ``s`` is therefore at least the smallest non-zero
+    spread the grid can show, ``resolution / sqrt(n)`` (:func:`grid_sd_floor`): a tie is read as if one seed had
+    been a step away. :func:`repro.report.check.simulated_false_alarm` measures the rate each check keeps.
 """
 
 from __future__ import annotations
@@ -159,27 +170,42 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Interval:
     return Interval(mean, mean - half, mean + half, int(x.size), confidence)
 
 
-def prediction_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
+def prediction_interval(values: Sequence[float], confidence: float = 0.95, resolution: float = 0.0) -> Interval:
     """Where one further draw (one more seed) falls with probability ``confidence`` (decision 2): the
     :class:`Interval` ``mean +- t_{n-1} s sqrt(1 + 1/n)`` of ``values``, one per seed.
+
+    Args:
+        resolution: the step of a number that moves in steps (an accuracy on N questions: 1/N; 0: continuous):
+            ``s`` is then at least :func:`grid_sd_floor` (decision 10).
 
     Raises:
         ValueError: fewer than two values, values that are not finite, or a confidence outside (0, 1).
     """
     x = _array(values, "values")
-    low, high = prediction_bounds(x[None, :], confidence)
+    low, high = prediction_bounds(x[None, :], confidence, resolution)
     return Interval(float(x.mean()), float(low[0]), float(high[0]), int(x.size), confidence)
 
 
-def prediction_bounds(values_RN: np.ndarray, confidence: float = 0.95) -> tuple[np.ndarray, np.ndarray]:
+def grid_sd_floor(n: int, resolution: float) -> float:
+    """The smallest non-zero sample standard deviation ``n`` values on a grid of step ``resolution`` can have
+    (``n - 1`` equal, one a step away): ``resolution / sqrt(n)`` (decision 10)."""
+    return resolution / math.sqrt(n)
+
+
+def prediction_bounds(
+    values_RN: np.ndarray, confidence: float = 0.95, resolution: float = 0.0
+) -> tuple[np.ndarray, np.ndarray]:
     """:func:`prediction_interval` of each row of ``values_RN`` (R sets of N >= 2 values) at once, ``(low_R,
     high_R)``: the Monte Carlo checks of the regression band."""
     _check_confidence(confidence)
     x = np.asarray(values_RN, dtype=float)
     if x.ndim != 2 or x.shape[1] < 2:
         raise ValueError(f"a prediction interval needs at least two values, got {x.shape[-1] if x.ndim else 0}")
+    if not resolution >= 0:
+        raise ValueError(f"resolution must be >= 0, got {resolution}")
     mean = x.mean(axis=1)
-    half = _t_quantile(confidence, x.shape[1] - 1) * x.std(axis=1, ddof=1) * math.sqrt(1 + 1 / x.shape[1])
+    sd = np.maximum(x.std(axis=1, ddof=1), grid_sd_floor(x.shape[1], resolution))
+    half = _t_quantile(confidence, x.shape[1] - 1) * sd * math.sqrt(1 + 1 / x.shape[1])
     return mean - half, mean + half
 
 
@@ -220,6 +246,92 @@ def minimum_detectable_shift(n: int, confidence: float, power: float = 0.8) -> f
         if high > 1e6:
             return math.inf
     return float(brentq(caught, 0.0, high, xtol=1e-9))
+
+
+@dataclass(frozen=True)
+class TimingRatio:
+    """``other / reference`` of paired step times from one process (decision 9).
+
+    Args:
+        ratio: the geometric mean of the per-round ratios, ``exp(mean d)``.
+        low, high: its interval (``exp`` of the batch-means t interval of ``d``).
+        rounds: paired rounds used; batches: consecutive batches they were cut into (``rounds // batches``
+            rounds each, the oldest left over dropped).
+        lag1: lag-1 autocorrelation of the per-round log-ratios (what the batches absorb) and of the batch
+            means (near 0 when the batches are long enough).
+        detectable: the smallest relative change of the ratio (``0.01``: 1%) this many batches detect with 80%
+            power at the interval's confidence (two-sided), from the batch means' spread.
+        confidence: the interval's coverage.
+    """
+
+    ratio: float
+    low: float
+    high: float
+    rounds: int
+    batches: int
+    lag1: float
+    lag1_batch_means: float
+    detectable: float
+    confidence: float
+
+    @property
+    def half_width(self) -> float:
+        """Half the interval's width relative to the ratio, ``(high - low) / (2 ratio)`` (``0.01``: +-1%)."""
+        return (self.high - self.low) / (2 * self.ratio)
+
+
+def _lag1(x: np.ndarray) -> float:
+    if x.size < 3 or float(np.var(x)) == 0.0:
+        return 0.0
+    centred = x - x.mean()
+    return float(np.dot(centred[:-1], centred[1:]) / np.dot(centred, centred))
+
+
+def default_batches(rounds: int) -> int:
+    """Batches for :func:`timing_ratio` of ``rounds`` rounds: ``floor(sqrt(rounds))`` in [2, 30] (decision 9)."""
+    return max(2, min(30, math.isqrt(max(rounds, 0))))
+
+
+def timing_ratio(
+    reference_s: Sequence[float], other_s: Sequence[float], *, batches: int | None = None, confidence: float = 0.95
+) -> TimingRatio:
+    """The ratio ``other / reference`` of step times measured in turn, round by round, with a batch-means
+    interval that holds under autocorrelation (decision 9).
+
+    Args:
+        reference_s, other_s: each round's step time of the two runs, in round order (positive).
+        batches: consecutive batches (None: :func:`default_batches`); at least 2, at most the rounds.
+        confidence: the interval's coverage.
+
+    Returns:
+        The :class:`TimingRatio`.
+
+    Raises:
+        ValueError: fewer than four rounds, unequal lengths, times that are not positive and finite, or a
+            batch count out of range.
+    """
+    _check_confidence(confidence)
+    ref, oth = _pair(reference_s, other_s)
+    if ref.size < 4:
+        raise ValueError(f"a timing ratio needs at least 4 paired rounds, got {ref.size}")
+    if np.any(ref <= 0) or np.any(oth <= 0):
+        raise ValueError("step times must be positive")
+    b = default_batches(ref.size) if batches is None else int(batches)
+    if not 2 <= b <= ref.size // 2:
+        raise ValueError(f"batches must be in [2, {ref.size // 2}] for {ref.size} rounds, got {batches}")
+    d = np.log(oth) - np.log(ref)
+    per = d.size // b
+    means = d[d.size - per * b:].reshape(b, per).mean(axis=1)  # the oldest rounds left over: warm-up's tail
+    centre = float(means.mean())
+    se = float(means.std(ddof=1)) / math.sqrt(b)
+    half = _t_quantile(confidence, b - 1) * se
+    # 80% power, two-sided at this confidence: a shift of (t_{1-a/2} + t_{0.8}) standard errors.
+    detect = (_t_quantile(confidence, b - 1) + float(sps.t.ppf(0.8, b - 1))) * se
+    return TimingRatio(
+        ratio=math.exp(centre), low=math.exp(centre - half), high=math.exp(centre + half), rounds=int(per * b),
+        batches=b, lag1=_lag1(d), lag1_batch_means=_lag1(means), detectable=math.expm1(detect),
+        confidence=confidence,
+    )
 
 
 def mean_stderr(values: Sequence[float]) -> float:

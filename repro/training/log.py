@@ -39,6 +39,9 @@ class LogRow:
         router_stats: ``{router: statistic}`` of the step schedules (ReMoE's sparsity).
         metrics_collected: whether the routers computed their diagnostic metrics in this step (then
             ``iter_time_s`` includes computing them; otherwise the three fields above are empty).
+        device_time_s: on CUDA, the time between two CUDA events recorded on the current stream at the start
+            and the end of the timed part (the device's span of the step; ``iter_time_s`` adds the host's wait
+            before the first kernel and after the last); None elsewhere (and left out of the row).
     """
 
     step: int
@@ -57,6 +60,7 @@ class LogRow:
     router_stats: dict[str, Any] = field(default_factory=dict)
     val_loss: float | None = None
     metrics_collected: bool = True
+    device_time_s: float | None = None
 
     def layer_mean(self, metric: str) -> float | None:
         """Mean over MoE layers of a scalar routing metric (None when the row has none)."""
@@ -67,8 +71,9 @@ class LogRow:
 def write_row(file: IO[str], row: LogRow) -> None:
     """Append one row to an open ``log.jsonl`` and flush it."""
     data = to_json(row)
-    if row.val_loss is None:
-        del data["val_loss"]
+    for name in ("val_loss", "device_time_s"):  # absent rather than null: CPU logs stay as they were
+        if data[name] is None:
+            del data[name]
     file.write(json.dumps(data) + "\n")
     file.flush()
 

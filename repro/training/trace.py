@@ -50,12 +50,15 @@ class StepTrace:
         if not self.is_main:
             return row
         if row.step == self.step - 1:
-            self._start(trainer.model)
+            self.start(trainer.model)
         elif row.step == self.step and self.profiler is not None:
-            self._stop(row.iter_time_s)
+            self.stop(row.iter_time_s)
         return row
 
-    def _start(self, model: torch.nn.Module) -> None:
+    def start(self, model: torch.nn.Module) -> None:
+        """Start recording ``model``'s steps (its router calls in ranges); :meth:`stop` writes what was recorded.
+        ``after_step`` calls both; a caller that steps several models in turn calls them around one model's
+        step (:mod:`repro.training.interleave`)."""
         from routers.megatron_adapter import router_adapters
 
         for adapter in router_adapters(model):
@@ -80,7 +83,8 @@ class StepTrace:
             hook.remove()
         self._hooks.clear()
 
-    def _stop(self, step_time_s: float) -> None:
+    def stop(self, step_time_s: float) -> None:
+        """Stop recording; write the trace and its summary (``step_time_s``: the recorded step's time)."""
         profiler, self.profiler = self.profiler, None
         profiler.__exit__(None, None, None)
         self._remove_hooks()

@@ -307,7 +307,12 @@ class Trainer:
         )
         if self.device.type == "cuda":  # pragma: no cover - GPU machines only
             return MegatronOptimization(
-                self.model, self.parallel, bf16=self.bf16, distributed_optimizer=opt.distributed, **kwargs
+                self.model,
+                self.parallel,
+                bf16=self.bf16,
+                distributed_optimizer=opt.distributed,
+                foreach_fallbacks=opt.foreach_fallbacks,
+                **kwargs,
             )
         return CpuOptimization(self.model, self.parallel, **kwargs)
 
@@ -374,6 +379,10 @@ class Trainer:
             collate(self.data.train, self.sampler.indices(self.consumed, j)) for j in range(self.num_microbatches)
         ]
         t0 = time.perf_counter()
+        events = None
+        if self.device.type == "cuda":  # pragma: no cover - the device's own span of the step
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         lr = self.scheduler.apply()
         begin_step(self.model, self.router_step0 + self.step, collect_metrics=collect)
         MoEAuxLossAutoScaler.set_loss_scale(self.loss_scale)
@@ -389,9 +398,11 @@ class Trainer:
         grad_norm = self.optimization.step()
         self.scheduler.step()
         router_stats = end_step(self.model, group=self.parallel.dp_group if self.parallel.dp_size > 1 else None)
-        if self.device.type == "cuda":  # pragma: no cover
+        if events is not None:  # pragma: no cover
+            events[1].record()
             torch.cuda.synchronize()
         iter_time = time.perf_counter() - t0
+        device_time = events[0].elapsed_time(events[1]) / 1e3 if events is not None else None
         self.step += 1
         self.consumed += self.config.data.global_batch_size
 
@@ -425,6 +436,7 @@ class Trainer:
             # Read on the host only on the steps that log routing (after the timer stopped).
             router_stats={name: float(value) for name, value in router_stats.items()} if collect else {},
             metrics_collected=collect,
+            device_time_s=device_time,
         )
 
     def fit(self, stop_after: int | None = None) -> bool:
@@ -455,7 +467,7 @@ class Trainer:
 
 
 @contextlib.contextmanager
-def _aux_loss_scale_restored() -> Iterator[None]:
+def aux_loss_scale_restored() -> Iterator[None]:
     """Put megatron's process-wide ``MoEAuxLossAutoScaler`` scale back as it was after training (left at
     ``1 / num_microbatches`` it would silently scale the aux-loss gradients of any later backward)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
@@ -514,7 +526,7 @@ def train(
         except ValueError as exc:
             raise ReproError(f"experiment '{config.name}': {exc}") from None
         try:
-            with _aux_loss_scale_restored():
+            with aux_loss_scale_restored():
                 return _run(config, paths, state.checkpoint, info.device, stop_after, progress)
         finally:
             if owns_dist:
@@ -522,24 +534,37 @@ def train(
 
 
 def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, Any]:
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
     start = time.perf_counter()
     trainer = Trainer(config, paths, checkpoint, device, progress)
+    non_finite = None
     try:
         finished = trainer.fit(stop_after)
     except NonFiniteLoss as exc:
+        non_finite = str(exc)  # the message only: the exception's traceback holds the step's frames, the model
+    finally:
+        trainer.optimization.release()  # the model goes with this function's frame (Optimization.release)
+        # megatron's RotaryEmbedding.forward is an lru_cache on the method: up to 32 (module, embedding) pairs
+        # for the life of the process, one more per run; emptied so that runs in one process hold memory flat.
+        RotaryEmbedding.forward.cache_clear()
+    # The errors below keep this frame in their tracebacks (a caller, a notebook's last error): the trainer,
+    # and with it the model and its optimizer state, must not stay alive with them.
+    if non_finite is not None:
+        del trainer
         latest = ckpt.find_latest_checkpoint(paths.checkpoints)
         where = f"its checkpoint of step {ckpt.read_checkpoint_info(latest).step}" if latest else "step 0"
         raise ReproError(
-            f"{exc}; the run stopped and its log and checkpoints are kept in {paths.root}: resume from {where} "
+            f"{non_finite}; the run stopped and its log and checkpoints are kept in {paths.root}: resume from {where} "
             f"with other settings, e.g. python -m repro train --out {paths.root} --resume --set optimizer.lr=..."
-        ) from None
-    finally:
-        trainer.optimization.release()  # the model goes with this function's frame (Optimization.release)
+        )
     if trainer.stopped_by:
         from repro.training.preemption import RunStopped
 
-        raise RunStopped(f"experiment '{config.name}': stopped by {trainer.stopped_by} after step {trainer.step} "
-                         f"(checkpointed); resume with --resume", trainer.step, trainer.stopped_by)
+        step, stopped_by = trainer.step, trainer.stopped_by
+        del trainer
+        raise RunStopped(f"experiment '{config.name}': stopped by {stopped_by} after step {step} "
+                         f"(checkpointed); resume with --resume", step, stopped_by)
     if not finished:
         return {"experiment": config.name, "stopped_at": trainer.step}
     barrier()

@@ -1,0 +1,175 @@
+"""Several runs trained in one process, one step of each in turn: the timing that pins a ratio between routers.
+
+Timed in separate processes, two routers' step times differ by the processes as much as by the routers (on one
+H100 Switch's median moved ~6% from one process to the next, DESIGN.md 11). Here every run's model, optimizer
+and data are resident together and :func:`train_interleaved` steps them round by round, so a round's steps
+share the machine's state and their ratio carries the routers' difference alone:
+
+1. **Order**: round ``r`` steps the runs in the given order when ``r`` is even and in reverse when it is odd
+   (A B, B A, A B, ...: :func:`round_order`), so no run always comes first after the collection below.
+2. **Garbage collection by hand** (Megatron-LM's ``--manual-gc``): Python's automatic collector is off while
+   the runs step and a full collection runs before each round, outside every timed region; a collection that
+   fires inside one step would otherwise put its pause on one router at random.
+3. **Each step timed twice** by :meth:`~repro.training.trainer.Trainer.train_step`: wall (``iter_time_s``)
+   and, on CUDA, the device's span between two events (``device_time_s``).
+4. **Each run's own peak memory** on CUDA: the process's peak holds every resident run, so a row's
+   ``peak_memory_bytes`` is the run's own resident bytes (what its build and its first step left allocated)
+   plus the largest rise of allocated memory during one of its steps (:class:`_OwnMemory`).
+5. **A profiled step** (a run's ``logging.trace_step``): that step of the run alone is recorded by
+   :class:`~repro.training.trace.StepTrace` (device busy time against the step's span), started just before it
+   and stopped just after, so another run's step is never in it and two profilers never record at once.
+
+Each run writes its run directory as :func:`repro.training.trainer.train` does (``config.json``, ``log.jsonl``;
+no checkpoints); step ``s`` of every log belongs to round ``s``, which is how
+:func:`repro.report.efficiency.interleaved_ratios` pairs them. One process, one device: ``parallel.tp`` and
+``parallel.ep`` must be 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from repro.errors import ReproError
+from repro.training.config import RunConfig
+
+
+def round_order(labels: Sequence[str], round_index: int) -> list[str]:
+    """The order in which round ``round_index`` (0-based) steps the runs: as given in even rounds, reversed in
+    odd ones (module docstring, 1)."""
+    return list(labels) if round_index % 2 == 0 else list(reversed(labels))
+
+
+def train_interleaved(
+    runs: Sequence[tuple[str, RunConfig, Path]], *, steps: int, progress_every: int = 0
+) -> dict[str, int]:
+    """Train every run for ``steps`` steps, one step of each in turn (module docstring).
+
+    Args:
+        runs: ``(label, config, run directory)`` of each run; the directories new or empty.
+        steps: steps of each run (rounds); below each config's ``schedule.steps`` (no checkpoint is written).
+        progress_every: print a line every this many rounds (0: never).
+
+    Returns:
+        ``{label: steps completed}``.
+
+    Raises:
+        ReproError: a layout other than one process with tp = ep = 1, a config whose schedule ends within
+            ``steps``, a run directory in use or not empty, or a non-finite loss (naming the run).
+    """
+    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+    from repro.model import parallel as model_parallel
+    from repro.training.run_dir import RunPaths, run_lock, start_state
+    from repro.training.trace import StepTrace
+    from repro.training.trainer import NonFiniteLoss, Trainer, aux_loss_scale_restored
+
+    if not runs:
+        raise ReproError("no runs to interleave")
+    for label, config, _ in runs:
+        if config.parallel.tp != 1 or config.parallel.ep != 1:
+            raise ReproError(f"{label}: interleaved runs share one process and device; need parallel.tp = ep = 1")
+        if config.schedule.steps <= steps:
+            raise ReproError(f"{label}: schedule.steps={config.schedule.steps} must be above the {steps} steps run")
+    if model_parallel.is_initialized():
+        raise ReproError("train_interleaved starts its own process group: call it outside a training")
+    labels = [label for label, _, _ in runs]
+    with contextlib.ExitStack() as stack:
+        paths = {label: RunPaths(Path(run_dir)) for label, _, run_dir in runs}
+        configs = {}
+        for label, config, _ in runs:
+            stack.enter_context(run_lock(paths[label]))
+            configs[label] = start_state(paths[label], config, resume=False).config
+        first = configs[labels[0]]
+        info = model_parallel.init_distributed(tp=1, ep=1, seed=first.seed)
+        stack.callback(model_parallel.destroy_distributed)
+        stack.enter_context(aux_loss_scale_restored())
+        trainers: dict[str, Trainer] = {}
+        try:
+            memory = _OwnMemory(info.device)
+            for label in labels:
+                with memory.owned_by(label):
+                    trainer = Trainer(configs[label], paths[label], None, info.device, progress=False)
+                # The trace is taken around the step itself (module docstring, 5), not by the component.
+                trainer.components = [c for c in trainer.components if not isinstance(c, StepTrace)]
+                trainers[label] = trainer
+            _step_rounds(trainers, labels, steps, progress_every, StepTrace, memory)
+        except NonFiniteLoss as exc:
+            raise ReproError(f"{exc} (interleaved run; its log is kept in its run directory)") from None
+        finally:
+            for trainer in trainers.values():
+                for component in trainer.components:
+                    component.close()
+                trainer.optimization.release()
+            RotaryEmbedding.forward.cache_clear()  # as train(): the lru_cache would hold every run's model
+        return {label: trainer.step for label, trainer in trainers.items()}
+
+
+class _OwnMemory:
+    """Each run's own peak of allocated CUDA memory among several resident runs (module docstring, 4; on other
+    devices the rows keep the process's peak)."""
+
+    def __init__(self, device) -> None:
+        import torch
+
+        self.cuda = device.type == "cuda"
+        self.torch = torch
+        self.owned: dict[str, int] = {}
+        self.rise: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def owned_by(self, label: str):
+        """Count what is allocated inside the block as ``label``'s resident memory."""
+        before = self.torch.cuda.memory_allocated() if self.cuda else 0
+        yield
+        if self.cuda:
+            self.owned[label] = self.owned.get(label, 0) + self.torch.cuda.memory_allocated() - before
+
+    def step(self, label: str, first: bool, run_step):
+        """Run ``run_step()`` (a step of ``label``) and return its row with the run's own peak."""
+        if not self.cuda:
+            return run_step()
+        import dataclasses
+
+        self.torch.cuda.reset_peak_memory_stats()
+        base = self.torch.cuda.memory_allocated()
+        if first:  # the optimizer's state appears in the first step and stays: the run's own
+            with self.owned_by(label):
+                row = run_step()
+        else:
+            row = run_step()
+        self.rise[label] = max(self.rise.get(label, 0), self.torch.cuda.max_memory_allocated() - base)
+        own = self.owned.get(label, 0) + self.rise[label]
+        return dataclasses.replace(row, peak_memory_bytes=int(own))
+
+
+def _step_rounds(trainers, labels, steps, progress_every, step_trace, memory) -> None:
+    start, last_ms = time.perf_counter(), {}
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for round_index in range(steps):
+            gc.collect()  # between rounds, never inside a timed step (module docstring, 2)
+            for label in round_order(labels, round_index):
+                trainer = trainers[label]
+                tracer, trace_step = None, trainer.config.logging.trace_step
+                if trace_step and trainer.step + 1 == trace_step:
+                    tracer = step_trace(trainer.paths.root / "trace", trace_step, trainer.parallel.is_main)
+                    tracer.start(trainer.model)
+                row = memory.step(label, trainer.step == 0, trainer.train_step)
+                if tracer is not None:
+                    tracer.stop(row.iter_time_s)
+                for component in trainer.components:
+                    row = component.after_step(trainer, row)
+                last_ms[label] = row.iter_time_s * 1e3
+            if progress_every and (round_index + 1) % progress_every == 0:
+                times = "  ".join(f"{label} {last_ms[label]:.0f} ms" for label in labels)
+                print(f"  round {round_index + 1}/{steps} ({time.perf_counter() - start:.0f} s)  {times}", flush=True,
+                      file=sys.stderr)
+    finally:
+        if enabled:
+            gc.enable()
