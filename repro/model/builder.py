@@ -190,7 +190,8 @@ def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, op
 def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
                 router_options: dict[str, Any] | None = None, vocab_size: int | None = None, *,
                 seq_length: int | None = None, bf16: bool | None = None, backend: str | None = None,
-                backend_options: TorchBackendOptions | dict[str, Any] | None = None, seed: int | None = None):
+                backend_options: TorchBackendOptions | dict[str, Any] | None = None, seed: int | None = None,
+                fused_cross_entropy: str = "none"):
     """Build a LLaMA-style megatron-core ``GPTModel`` with ``router_name`` in every block's MoE layer.
 
     Args:
@@ -207,13 +208,16 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
         backend_options: a :class:`~repro.model.backends.TorchBackendOptions` or a dict of its fields.
         seed: if given, re-seed torch and megatron's RNG tracker right before construction, so two builds
             with the same seed have identical initial weights.
+        fused_cross_entropy: ``"none"`` (default: megatron's output layer and cross-entropy) or a fused
+            implementation of :data:`repro.model.fused_loss.FUSED_CROSS_ENTROPY` for the loss when labels are
+            given (a :class:`~repro.model.fused_loss.FusedLossGPTModel`, same parameters; TP 1 only).
 
     Returns:
         The ``GPTModel`` on this process's device (see the module docstring for its attributes).
 
     Raises:
-        ValueError: unknown flavour/router/option/backend, backend ``"te"`` without TransformerEngine, a
-            router for a dense flavour or none for an MoE one.
+        ValueError: unknown flavour/router/option/backend/fused_cross_entropy, backend ``"te"`` without
+            TransformerEngine, a router for a dense flavour or none for an MoE one, a fused cross-entropy with TP > 1.
         RuntimeError: megatron's parallel state is not initialised.
     """
     from megatron.core import parallel_state
@@ -256,10 +260,18 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
     if seed is not None:
         # torch's generator (CPU init, our routers) and megatron's tracker (GPU init of parallel layers).
         seed_model_parallel_rng(seed)
-    model = GPTModel(
+    model_class, fused_kwargs = GPTModel, {}
+    if fused_cross_entropy != "none":
+        # Imported only when asked for (it wraps its torch implementation in torch.compile, which loads dynamo).
+        from repro.model.fused_loss import FusedLossGPTModel, check_fused_cross_entropy
+
+        model_class = FusedLossGPTModel
+        fused_kwargs = dict(fused_cross_entropy=check_fused_cross_entropy(fused_cross_entropy))
+    model = model_class(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab, max_sequence_length=flavour.seq_length,
         position_embedding_type="rope", rotary_base=flavour.rotary_base,
         share_embeddings_and_output_weights=False, parallel_output=True,  # untied embeddings
+        **fused_kwargs,
     )
     if config.bf16:
         _norms_to_bf16(model)

@@ -24,6 +24,8 @@ DATA_CHOICES: tuple[str, ...] = ("synthetic", "mini-pile")
 
 Precision = Literal["auto", "fp32", "bf16"]
 Backend = Literal["auto", "te", "torch", "local"]
+#: How the output layer and the loss are computed when labels are given (repro.model.fused_loss).
+FusedCrossEntropy = Literal["none", "cce", "cce_filtered", "torch_compile"]
 
 
 def _finite(section: str, name: str, value: float) -> None:
@@ -47,7 +49,9 @@ def _at_least(section: str, obj: Any, names: Iterable[str], low: float) -> None:
 class ModelConfig:
     """The model: a flavour (``repro.model.flavours``) and the fields of it that a run may override
     (``num_experts`` and ``top_k`` of MoE flavours only); ``precision`` ``auto`` is bf16 on GPU, fp32 on CPU;
-    ``backend`` and the torch backend's ``backend_options``: docs/efficiency.md, "Model backends"."""
+    ``backend`` and the torch backend's ``backend_options``: docs/efficiency.md, "Model backends";
+    ``fused_cross_entropy``: the output layer and the loss in one op without the [tokens, vocab] fp32 logits
+    (:mod:`repro.model.fused_loss`; ``none``, the default, is megatron's own path)."""
 
     flavour: str = "tiny"
     num_experts: int | None = None
@@ -56,10 +60,15 @@ class ModelConfig:
     precision: Precision = "auto"
     backend: Backend = "auto"
     backend_options: dict[str, Any] = field(default_factory=dict)
+    fused_cross_entropy: FusedCrossEntropy = "none"
 
     def __post_init__(self) -> None:
         _at_least("model", self, ("num_experts", "top_k"), 1)
         _at_least("model", self, ("seq_length",), 2)
+        choices = typing.get_args(FusedCrossEntropy)
+        if self.fused_cross_entropy not in choices:
+            raise ValueError(f"model.fused_cross_entropy must be one of {', '.join(choices)}, "
+                             f"got '{self.fused_cross_entropy}'")
 
     def flavour_config(self):
         """The :class:`repro.model.flavours.ModelFlavour` with this section's overrides (ValueError if it
@@ -90,6 +99,10 @@ class OptimizerConfig:
         weight_decay: decoupled weight decay (not on biases and 1-D parameters, as megatron).
         clip_grad: global gradient-norm clip (0 disables).
         distributed: GPU only: megatron's distributed optimizer (state sharded over data-parallel ranks).
+        foreach_fallbacks: GPU only: megatron's TE-free gradient-norm and scale fallbacks (a host
+            synchronisation per parameter tensor) replaced by ``torch._foreach_*`` ops
+            (:func:`repro.training.optim.foreach_optimizer_fallbacks`); off by default: the norm differs from
+            the fallback's by fp32 reduction order, so recorded runs would not repeat bit for bit.
     """
 
     lr: float = 1e-3
@@ -99,6 +112,7 @@ class OptimizerConfig:
     eps: float = 1e-8
     clip_grad: float = 1.0
     distributed: bool = False
+    foreach_fallbacks: bool = False
 
     def __post_init__(self) -> None:
         _at_least("optimizer", self, ("weight_decay", "eps", "clip_grad"), 0.0)
@@ -304,6 +318,7 @@ class RunConfig:
             router_options=self.router_options() if self.router.name else None,
             backend=self.model.backend,
             backend_options=self.model.backend_options,
+            fused_cross_entropy=self.model.fused_cross_entropy,
             seed=self.seed,
         )
 

@@ -6,6 +6,8 @@ on biases and 1-D parameters (norm weights, router biases).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -44,6 +46,102 @@ def _wrap_ddp(model: nn.Module, parallel: Parallel, distributed_optimizer: bool)
         use_distributed_optimizer=distributed_optimizer,
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
+
+
+def foreach_multi_tensor_l2_norm(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]], per_tensor: bool,
+    *args: Any,
+) -> tuple[torch.Tensor, None]:
+    """Drop-in for megatron-core's ``local_multi_tensor_l2_norm`` (its fallback for ``amp_C.multi_tensor_l2norm``
+    without TransformerEngine or Apex) that stays on the device.
+
+    megatron's fallback builds ``torch.tensor([torch.norm(t) for t in ...])``: one device-to-host copy per
+    gradient tensor, then one more for ``float(total)`` and a host-to-device copy back, every step. Here
+    ``torch._foreach_norm`` (a few multi-tensor kernels) and one reduction, no synchronisation. Each tensor's
+    norm is accumulated in fp32, as ``amp_C``'s kernel does (megatron's fallback rounds a bf16 tensor's norm to
+    bf16 first); the fp32 results differ from the fallback's by reduction order only.
+
+    Args:
+        chunk_size, noop_flag: ``multi_tensor_applier``'s arguments, unused (as by megatron's fallback).
+        tensor_lists: lists of tensors on one device; the norm is over all of them together.
+        per_tensor: unused; megatron's fallback returns no per-tensor norms either.
+
+    Returns:
+        The global L2 norm as a float32 tensor of shape [1] on the tensors' device, and None.
+    """
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    if not tensors:
+        return torch.zeros(1, dtype=torch.float32, device=noop_flag.device), None
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def foreach_multi_tensor_scale(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]], scale: float
+) -> None:
+    """Drop-in for megatron-core's ``local_multi_tensor_scale`` (``dst.copy_(src * scale)`` tensor by tensor):
+    the same values bit for bit (the same elementwise product, the same cast on the copy) in a few multi-tensor
+    kernels instead of two launches per tensor.
+
+    Args:
+        chunk_size, noop_flag: ``multi_tensor_applier``'s arguments, unused (as by megatron's fallback).
+        tensor_lists: ``[sources, destinations]``, paired; the same list twice scales in place (gradient
+            clipping); scale 1.0 copies (main parameters to the bf16 model's and back).
+        scale: the factor.
+    """
+    src, dst = list(tensor_lists[0]), list(tensor_lists[1])
+    if not dst:
+        return
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        # x * 1.0 is x exactly: only the cast to the destination's dtype remains, which the copy makes.
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+@contextlib.contextmanager
+def foreach_optimizer_fallbacks(enabled: bool = True) -> Iterator[list[str]]:
+    """Within the block, megatron-core's optimizer uses :func:`foreach_multi_tensor_l2_norm` and
+    :func:`foreach_multi_tensor_scale` where it would use its local (TE- and Apex-free) fallbacks; the module
+    attributes are put back on exit, so nothing outlives the block (other runs in the process, tests).
+
+    Only names bound to megatron's own fallbacks are replaced: with TransformerEngine or Apex installed their
+    fused kernels stay. The names are read by megatron at call time (``get_grad_norm_fp32``,
+    ``clip_grad_by_total_norm_fp32``, ``_multi_tensor_copy_this_to_that``), so the block must span the
+    optimizer's ``step()``.
+
+    Args:
+        enabled: False leaves everything as it is (a no-op block).
+
+    Yields:
+        The ``module.name`` attributes replaced (empty when disabled or when none is a local fallback).
+    """
+    import importlib
+
+    mcore_utils = importlib.import_module("megatron.core.utils")
+    clip_grads = importlib.import_module("megatron.core.optimizer.clip_grads")
+    mcore_optimizer = importlib.import_module("megatron.core.optimizer.optimizer")
+
+    replacements = {
+        mcore_utils.local_multi_tensor_l2_norm: foreach_multi_tensor_l2_norm,
+        mcore_utils.local_multi_tensor_scale: foreach_multi_tensor_scale,
+    }
+    targets = [(clip_grads, "l2_norm_impl"), (clip_grads, "multi_tensor_scale_impl"),
+               (mcore_optimizer, "multi_tensor_scale_impl")]
+    saved = []
+    try:
+        if enabled:
+            for module, name in targets:
+                current = getattr(module, name, None)
+                if current in replacements:
+                    saved.append((module, name, current))
+                    setattr(module, name, replacements[current])
+        yield [f"{module.__name__}.{name}" for module, name, _ in saved]
+    finally:
+        for module, name, original in reversed(saved):
+            setattr(module, name, original)
 
 
 class _Optimization:
@@ -144,10 +242,14 @@ class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
         clip_grad: float,
         bf16: bool,
         distributed_optimizer: bool,
+        foreach_fallbacks: bool = False,
     ) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.parallel = parallel
+        # optimizer.foreach_fallbacks: megatron's TE-free norm / scale fallbacks replaced during step()
+        # (foreach_optimizer_fallbacks); off by default so that recorded runs keep their exact numbers.
+        self.foreach_fallbacks = foreach_fallbacks
         self.distributed_optimizer = distributed_optimizer
         self.ddp_model = _wrap_ddp(model, parallel, distributed_optimizer)
         self.ddp_model.broadcast_params()
@@ -177,7 +279,8 @@ class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
         from megatron.core.distributed import finalize_model_grads
 
         finalize_model_grads([self.ddp_model])
-        _, grad_norm, _ = self.optimizer.step()
+        with foreach_optimizer_fallbacks(self.foreach_fallbacks):
+            _, grad_norm, _ = self.optimizer.step()
         return float(grad_norm) if grad_norm is not None else float("nan")
 
     def _optimizers(self) -> list:

@@ -1,0 +1,132 @@
+"""The GPT model's output layer and cross-entropy in one op (``model.fused_cross_entropy``), without the
+[tokens, vocab] logits megatron materialises (and, in its native fused cross-entropy, copies to fp32: 18% of an
+H100 Switch step's device time, docs/DESIGN section 11).
+
+Implementations (:data:`FUSED_CROSS_ENTROPY`):
+
+- ``none``: megatron-core's output layer and ``compute_language_model_loss`` (a plain ``GPTModel``).
+- ``cce``: cut-cross-entropy's Triton kernels (Apple's CCE; ``pip install .[fused]``, GPU only), exact
+  gradients (``filter_eps=None``).
+- ``cce_filtered``: the same with the library's default gradient filter (``filter_eps="high"``: softmax
+  entries below bf16 eps / 32 skipped in the backward, and the vocabulary sorted for it), faster and
+  approximate.
+- ``torch_compile``: ``hidden @ weight.T`` and the fp32 cross-entropy compiled together by inductor, as
+  cut-cross-entropy's ``torch_compile`` implementation (reproduced here: the package imports its Triton kernels
+  at import on Linux, so it cannot load on a machine without Triton); runs on CPU as on GPU.
+
+Only the loss path changes: without labels the model returns megatron's logits. Tensor parallelism is refused
+(the output layer's weight would be a vocabulary shard). Every target is scored (no ``ignore_index``): the
+trainer masks the per-token losses itself, as with megatron's path; this also skips cut-cross-entropy's
+``nonzero()`` over the targets, a host synchronisation per micro-batch.
+"""
+
+from __future__ import annotations
+
+import typing
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+#: ``model.fused_cross_entropy``'s values (``none``: megatron's own path).
+FUSED_CROSS_ENTROPY: tuple[str, ...] = ("none", "cce", "cce_filtered", "torch_compile")
+
+__all__ = ["FUSED_CROSS_ENTROPY", "FusedLossGPTModel", "check_fused_cross_entropy", "fused_linear_cross_entropy"]
+
+
+def check_fused_cross_entropy(impl: str) -> str:
+    """``impl`` if it is one of :data:`FUSED_CROSS_ENTROPY`, else ValueError naming the valid ones."""
+    if impl not in FUSED_CROSS_ENTROPY:
+        raise ValueError(f"unknown fused_cross_entropy '{impl}'; valid: {', '.join(FUSED_CROSS_ENTROPY)}")
+    return impl
+
+
+@torch.compile(fullgraph=True, dynamic=True)
+def _compiled_linear_cross_entropy(e_NH: torch.Tensor, c_VH: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    # cut_cross_entropy.torch_compile.torch_compile_linear_cross_entropy_apply without softcap and ignore_index.
+    logits_NV = e_NH @ c_VH.T
+    return F.cross_entropy(logits_NV.float(), targets_N, reduction="none")
+
+
+def _cce(e_NH: torch.Tensor, c_VH: torch.Tensor, targets_N: torch.Tensor, filter_eps: str | None) -> torch.Tensor:
+    """cut-cross-entropy's autograd function on every target (``valids=None``, as its public
+    ``linear_cross_entropy`` passes when no target is ``ignore_index``, without the ``nonzero()`` that decides
+    it)."""
+    try:
+        from cut_cross_entropy.cce import CCEParams, linear_cross_entropy_apply
+        from cut_cross_entropy.utils import _handle_eps
+    except ImportError as exc:
+        raise RuntimeError(
+            f"model.fused_cross_entropy=cce needs cut-cross-entropy==25.1.1 and Triton ({exc}); install the "
+            "'fused' extra on a GPU machine, or use fused_cross_entropy=torch_compile"
+        ) from None
+    params = CCEParams(
+        targets=targets_N, valids=None, softcap=None, reduction="none", filter_eps=_handle_eps(filter_eps, e_NH.dtype),
+        shift=False, batch_shape=targets_N.shape,
+    )
+    return linear_cross_entropy_apply(e_NH, c_VH, params)
+
+
+def fused_linear_cross_entropy(hidden_SBH: torch.Tensor, weight_VH: torch.Tensor, labels_BS: torch.Tensor,
+                               impl: str) -> torch.Tensor:
+    """Per-token cross-entropy of ``hidden @ weight.T`` against ``labels``, without materialising the fp32 logits.
+
+    Args:
+        hidden_SBH: the final norm's output, sequence first as megatron keeps it.
+        weight_VH: the output layer's weight (the padded vocabulary, all of it: the padding rows are scored as
+            megatron's cross-entropy scores them).
+        labels_BS: target token ids, batch first (as ``GPTModel.forward`` takes them).
+        impl: one of :data:`FUSED_CROSS_ENTROPY` except ``none``.
+
+    Returns:
+        The fp32 per-token losses [B, S] (as ``compute_language_model_loss`` returns them).
+    """
+    check_fused_cross_entropy(impl)
+    S, B, H = hidden_SBH.shape
+    if labels_BS.shape != (B, S):
+        raise ValueError(f"labels of shape {tuple(labels_BS.shape)} for hidden states [S={S}, B={B}, H={H}]")
+    # Flatten sequence-first (the big tensor stays as it is); only the int labels are transposed.
+    e_NH = hidden_SBH.reshape(S * B, H).contiguous()
+    targets_N = labels_BS.transpose(0, 1).reshape(S * B).contiguous()
+    if impl == "torch_compile":
+        loss_N = _compiled_linear_cross_entropy(e_NH, weight_VH, targets_N)
+    elif impl in ("cce", "cce_filtered"):
+        loss_N = _cce(e_NH, weight_VH, targets_N, filter_eps=None if impl == "cce" else "high")
+    else:
+        raise ValueError(f"fused_linear_cross_entropy needs a fused implementation, got '{impl}'")
+    return loss_N.float().view(S, B).transpose(0, 1).contiguous()
+
+
+class FusedLossGPTModel(GPTModel):
+    """megatron-core's ``GPTModel`` whose loss (when labels are given) is :func:`fused_linear_cross_entropy` of
+    the final hidden states and the output layer's weight; everything else (logits without labels,
+    multi-token prediction, inference) is ``GPTModel``'s. Same parameters and state dict as ``GPTModel``.
+
+    Args:
+        fused_cross_entropy: one of :data:`FUSED_CROSS_ENTROPY` except ``none``.
+        *args, **kwargs: ``GPTModel``'s.
+    """
+
+    def __init__(self, *args: typing.Any, fused_cross_entropy: str, **kwargs: typing.Any) -> None:
+        if check_fused_cross_entropy(fused_cross_entropy) == "none":
+            raise ValueError("FusedLossGPTModel needs a fused implementation, got 'none' (build GPTModel)")
+        super().__init__(*args, **kwargs)
+        if self.config.tensor_model_parallel_size > 1:
+            raise ValueError(f"fused_cross_entropy='{fused_cross_entropy}' needs tensor-parallel size 1, "
+                             f"got {self.config.tensor_model_parallel_size}")
+        self.fused_cross_entropy = fused_cross_entropy
+
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
+        # megatron 0.16.1 passes everything by keyword; the fused path only replaces "output layer, then loss".
+        plain = (
+            labels is None or args or not self.post_process or self.config.mtp_num_layers is not None
+            or kwargs.get("mtp_in_postprocess") or kwargs.get("inference_context") is not None
+            or self.output_layer.bias is not None
+        )
+        if plain:
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+        weight_VH = (
+            self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+            else self.output_layer.weight
+        )
+        return fused_linear_cross_entropy(hidden_states, weight_VH, labels, self.fused_cross_entropy)
