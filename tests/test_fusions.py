@@ -233,7 +233,16 @@ HARNESS_TENSOR_RTOL, HARNESS_OVERALL_RTOL = 0.1, 0.02
 
 
 def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch):
-    from gpu_harness import bf16_rounded, gradient_errors, gradient_mismatches, model_gradients
+    from gpu_harness import (
+        MIN_CAPPED_SHARE,
+        SMALL_SHARE_CAP,
+        TENSOR_CAP,
+        bf16_rounded,
+        gradient_errors,
+        gradient_mismatches,
+        model_gradients,
+        tensor_bounds,
+    )
 
     from repro.model import torch_backend
 
@@ -280,6 +289,23 @@ def test_precision_harness_passes_bf16_and_catches_a_wrong_gradient(monkeypatch)
         wrong_grads, reference, **bounds, floor=floor))
     scaled = dict(model_gradients(bf16, loss(bf16)), **{name: reference[name] * 1.2})
     assert [line.split(":")[0] for line in gradient_mismatches(scaled, reference, **bounds, floor=floor)] == [name]
+    # The caps: with its gradient zeroed every tensor fails, and halved every tensor holding MIN_CAPPED_SHARE of
+    # the norm or more, even where the floor is large (0.3 everywhere: 4x that alone would pass both); the
+    # overall bound left out, so that each line is the per-tensor bound's.
+    honest = model_gradients(bf16, loss(bf16))
+    _, share, _ = gradient_errors(honest, reference)
+    capped = [n for n in reference if share[n] >= MIN_CAPPED_SHARE]
+    assert any(".mlp.router." in n for n in capped) and any("experts" in n for n in set(reference) - set(capped))
+    per_tensor = dict(tensor_rtol=HARNESS_TENSOR_RTOL, overall_rtol=1.0, router_rtol=0.25)
+    for floors in (floor, dict.fromkeys(floor, 0.3)):
+        assert gradient_mismatches(honest, reference, **per_tensor, floor=floors) == []
+        for n in reference:
+            for factor in (0.0, 0.5) if n in capped else (0.0,):
+                broken = dict(honest, **{n: honest[n] * factor})
+                lines = gradient_mismatches(broken, reference, **per_tensor, floor=floors)
+                assert [line.split(":")[0] for line in lines] == [n], (n, factor, lines)
+    assert set(tensor_bounds(reference, tensor_rtol=HARNESS_TENSOR_RTOL, floor=dict.fromkeys(floor, 0.3)).values()) == {
+        TENSOR_CAP, SMALL_SHARE_CAP}
     with pytest.raises(ValueError, match="different parameters"):
         gradient_errors({}, reference)
 
