@@ -6,12 +6,13 @@ import dataclasses
 import json
 import statistics
 
+import numpy as np
 import pytest
 
 from repro.cli import main as repro_main
 from repro.errors import ReproError
 from repro.report import bench_table
-from repro.report.check import check_against_published, check_against_run, record_value
+from repro.report.check import check_against_published, check_against_run, record_value, render_report
 from repro.report.efficiency import efficiency, routing
 from repro.report.flops import (
     FlopsConfig,
@@ -55,22 +56,25 @@ def _log(active=(1.0, 1.0), times=(0.5, 0.2, 0.21, 0.19, 0.2), losses=None):
     return [_row(i + 1, losses[i] if losses else 6.0 - 0.5 * i, t, routing_metrics) for i, t in enumerate(times)]
 
 
-def _lm_eval(scores, stderr=0.01):
-    """lm-eval's results layout for ``{task: (acc, acc_norm or None)}``."""
+def _lm_eval(scores, stderr=0.01, questions=None):
+    """lm-eval's results layout for ``{task: (acc, acc_norm or None)}``; with ``questions``, its ``n-samples``."""
     results = {}
     for task, (acc, acc_norm) in scores.items():
         results[task] = {"alias": task, "acc,none": acc, "acc_stderr,none": stderr}
         if acc_norm is not None:
             results[task].update({"acc_norm,none": acc_norm, "acc_norm_stderr,none": stderr})
-    return {"results": results, "versions": {t: 1.0 for t in scores}, "n-shot": {t: 0 for t in scores}}
+    out = {"results": results, "versions": {t: 1.0 for t in scores}, "n-shot": {t: 0 for t in scores}}
+    if questions is not None:
+        out["n-samples"] = {t: {"original": questions, "effective": questions} for t in scores}
+    return out
 
 
 def _record(run_id, router, active=(1.0, 1.0), scores=None, model="tiny", device=None, losses=None, seed=1,
-            stderr=0.01, **kw):
+            stderr=0.01, questions=None, **kw):
     rows = _log(active, losses=losses)
     eff = efficiency(rows, warmup=1, flops=TINY, global_batch_size=4, seq_length=256)
     env = ENV if device is None else Environment(**{**ENV.__dict__, "device": device})
-    results = None if scores is None else _lm_eval(scores, stderr)
+    results = None if scores is None else _lm_eval(scores, stderr, questions)
     return make_record(run_id=run_id, router=router, model=model, config={"router": router, "seed": seed},
                        log_rows=rows, efficiency=eff, lm_eval_results=results, environment=env, **kw)
 
@@ -584,7 +588,9 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
         "loss.final", "loss.validation", "minipile_continuation/acc", "minipile_continuation/acc_norm"
     }
     # four numbers at a family-wise 5%: each band at 1 - 0.05/4 = 98.75%, t_{0.99375,2} = 8.860
-    assert "family-wise false-alarm rate at most 5% over the 4 numbers" in report.header
+    assert "K = 4 numbers compared, 0 of them in whole questions" in report.header
+    assert "1 - 0.05/4 = 98.75% (Bonferroni, family-wise false-alarm rate 5%" in report.header
+    assert "simulated for these numbers at 3 seeds: 0.0" in report.header  # continuous normal: at most 5%
     wide = prediction_interval([final_loss(s) for s in seeds], 1 - 0.05 / 4)
     assert wide.half_width == pytest.approx(8.86 * 0.0152753 * (4 / 3) ** 0.5, rel=1e-3)
     assert check_against_seeds(_seed_record("new", 4, 0.09, 0.33, 4.30), seeds).passed  # 5.09: out of the 95% band only
@@ -604,10 +610,64 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
     write_record(outside, tmp_path / "outside" / "record.json")
     assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds")]) == 0
     out = capsys.readouterr().out
-    assert out.startswith("Against 3 seeds: family-wise false-alarm rate at most 5%") and "detectable (80%)" in out
+    assert out.startswith("Against 3 seeds: K = 4 numbers compared") and "detectable (80%)" in out
     assert repro_main(["check", str(tmp_path / "outside"), "--against", str(tmp_path / "seeds")]) == 1
     assert "| loss.final (mean of last 10 steps) |" in capsys.readouterr().out
     assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--alpha", "2"]) == 2
+
+
+def test_a_seed_band_of_tied_accuracies_still_passes_a_run_one_question_away():
+    """Three seeds on the same count of 200 questions: the band is as wide as one seed a question away would make
+    it (stats decision 10), not zero; a shift of several questions still fails; the report says which numbers
+    move in steps and its simulated rate."""
+    from repro.report.check import check_against_seeds
+    from repro.report.stats import grid_sd_floor, minimum_detectable_shift, prediction_interval
+
+    def seed(run_id, k, acc):
+        return _seed_record(run_id, k, 0.01 * k, acc, 4.2 + 0.01 * k, questions=200)
+
+    seeds = [seed("s1", 1, 0.31), seed("s2", 2, 0.31), seed("s3", 3, 0.31)]
+    assert prediction_interval([0.31] * 3, 0.99, 0.0).half_width == 0.0  # the old band: zero width
+    band = prediction_interval([0.31] * 3, 1 - 0.05 / 4, 1 / 200)
+    assert band.half_width == pytest.approx(8.860 * grid_sd_floor(3, 1 / 200) * (4 / 3) ** 0.5, rel=1e-3)
+    report = check_against_seeds(seed("new", 4, 0.315), seeds)  # one question more
+    assert report.passed, render_report(report)
+    rows = {r.metric: r for r in report.rows}
+    assert "steps of 0.005 (1/200 questions)" in rows["minipile_continuation/acc_norm"].note
+    assert rows["minipile_continuation/acc_norm"].detectable == pytest.approx(
+        minimum_detectable_shift(3, 1 - 0.05 / 4) * grid_sd_floor(3, 1 / 200))
+    assert "K = 4 numbers compared, 2 of them in whole questions" in report.header
+    far = check_against_seeds(seed("new", 4, 0.31 + 0.06), seeds)  # 12 questions more (acc and acc_norm)
+    assert [r.metric for r in far.rows if r.status == "FAIL"] == [
+        "minipile_continuation/acc", "minipile_continuation/acc_norm"]
+    # A run of other settings is checked all the same, but the report says first that it is.
+    longer = seed("new", 4, 0.315)
+    longer = dataclasses.replace(longer, experiment=dataclasses.replace(
+        longer.experiment, config={**longer.experiment.config, "schedule": {"steps": 200}}))
+    assert check_against_seeds(longer, seeds).header.startswith(
+        "Settings differ from the seeds' (schedule.steps: 200 here, None in s1, s2, s3): the bands describe other runs.")
+    assert "Settings differ" not in report.header
+
+
+def test_the_seed_check_keeps_its_rate_on_numbers_that_move_in_whole_questions():
+    """The simulated family-wise rate of a mini-shaped check (K = 9: 6 continuous, 3 accuracies on 178
+    questions) at 3 and 6 seeds stays at most 5% (+ 3 Monte Carlo standard errors) at seed spreads of 0.25 to 2
+    questions; the band without the grid's floor does not (the failure it replaces)."""
+    from repro.report.check import simulated_false_alarm
+    from repro.report.stats import prediction_bounds
+
+    step = 1 / 178
+    for n in (3, 6):
+        for questions in (0.25, 0.5, 1.0, 2.0):
+            rate = simulated_false_alarm([1.0] * 6 + [questions * step] * 3, [0.0] * 6 + [step] * 3, n, draws=20_000)
+            assert rate <= 0.05 + 3 * (0.05 * 0.95 / 20_000) ** 0.5, (n, questions, rate)
+    # The band without the floor, on the same rounded counts: three accuracies alone exceed the family's 5%.
+    rng = np.random.default_rng(1)
+    counts = np.round(rng.normal(rng.uniform(0, 1, (20_000, 1)), 0.5, (20_000, 4)))
+    low, high = prediction_bounds(counts[:, :3], 1 - 0.05 / 9)
+    assert ((counts[:, 3] < low) | (counts[:, 3] > high)).mean() > 0.05
+    with pytest.raises(ValueError, match="one spread and one resolution per number"):
+        simulated_false_alarm([1.0], [], 3)
 
 
 def test_efficiency_caption_names_the_flops_count_and_the_start_step(tmp_path):

@@ -5,7 +5,12 @@ at a tight relative tolerance: CPU runs are deterministic), or against earlier s
 Against seeds (:func:`check_against_seeds`, docs/evaluation.md), each of the K numbers must fall in the seeds'
 prediction interval at coverage ``1 - alpha/K`` (Bonferroni: a false-alarm rate of at most ``alpha`` whatever
 the dependence between the numbers; Holm would give the same pass/fail verdict; a joint criterion, Hotelling's
-T^2, needs more seeds than numbers). The price is power: each row states the smallest shift its band catches.
+T^2, needs more seeds than numbers). That rate is exact for continuous, normal numbers; an accuracy moves in
+whole questions, so its band's spread is at least what the question grid allows (:mod:`repro.report.stats`,
+decision 10), and every report states the rate :func:`simulated_false_alarm` measures for its own K numbers,
+seeds and steps. The price is power: each row states the smallest shift its band catches, in the number's units.
+The numbers compared are losses and accuracies; routing statistics are not (they can be bimodal or sit at a
+bound, where no normal band holds at a few seeds).
 """
 
 from __future__ import annotations
@@ -16,13 +21,15 @@ import re
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 from tabulate import tabulate
 
 from repro.errors import ReproError
 from repro.report.ledger import PublishedEntry, select
 from repro.report.record import RunRecord, lm_eval_metrics
-from repro.report.stats import minimum_detectable_shift, prediction_interval
+from repro.report.stats import grid_sd_floor, minimum_detectable_shift, prediction_bounds, prediction_interval
 from repro.report.table_core import PAPER_TASKS, choose_metric, record_partial
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
@@ -30,6 +37,13 @@ OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 FINAL_LOSS_STEPS = 10
 #: The power at which a seed check's detectable shift is stated.
 DETECTION_POWER = 0.8
+#: lm-eval metrics that are a mean of 0/1 scores over the questions: they move in steps of 1/questions.
+COUNTED_METRICS = ("acc", "acc_norm", "exact_match")
+#: Seed spreads, in steps (questions), at which :func:`simulated_false_alarm` tries a stepped number besides its
+#: seeds' own: a tie among few seeds says little about the true spread, so the report states the worst of them.
+STEP_SPREADS = (0.25, 0.5, 1.0, 2.0)
+#: Draws of :func:`simulated_false_alarm` in a report (Monte Carlo standard error <= 0.0016 at a rate of 0.05).
+VALIDATION_DRAWS = 20_000
 
 
 @dataclass(frozen=True)
@@ -227,6 +241,68 @@ def _seed_metrics(record: RunRecord) -> dict[str, float | None]:
     return values
 
 
+def _resolutions(record: RunRecord) -> dict[str, float]:
+    """The step of each of a run's numbers that moves in steps (``<task>/<metric>`` of :data:`COUNTED_METRICS`:
+    1 / the questions lm-eval scored), from its per-question results or, without them, lm-eval's ``n-samples``."""
+    out = {}
+    counts = (record.lm_eval or {}).get("n-samples") or {}
+    for task, metrics in lm_eval_metrics(record).items():
+        for name in metrics:
+            if name not in COUNTED_METRICS:
+                continue
+            scores = (record.per_question or {}).get(task, {}).get(name)
+            questions = len(scores) if scores else (counts.get(task) or {}).get("effective")
+            if questions:
+                out[f"{task}/{name}"] = 1.0 / questions
+    return out
+
+
+def simulated_false_alarm(
+    spreads: Sequence[float],
+    resolutions: Sequence[float],
+    seeds: int,
+    *,
+    alpha: float = 0.05,
+    draws: int = VALIDATION_DRAWS,
+    seed: int = 0,
+) -> float:
+    """The family-wise false-alarm rate of :func:`check_against_seeds`'s rule, simulated: the fraction of honest
+    new runs that fail at least one of K bands.
+
+    Each number is drawn independently (Bonferroni's rule holds under any dependence; independence is where it is
+    tightest): a continuous one (resolution 0) from a normal law, a stepped one as a normal count of steps with
+    its spread ``spreads[i]`` (in the number's units) rounded to whole steps around a centre placed uniformly
+    within a step; ``seeds`` earlier draws make the band, one more is checked.
+
+    Args:
+        spreads: each number's standard deviation over seeds (only a stepped number's matters: a continuous
+            number's rate does not depend on it).
+        resolutions: each number's step (0: continuous).
+        seeds: earlier runs the bands are made of (>= 2).
+        alpha: the family-wise rate the bands are set for.
+        draws: simulated checks.
+        seed: the generator's seed (the same answer every time).
+
+    Returns:
+        The fraction of draws in which some number fell outside its band.
+    """
+    if len(spreads) != len(resolutions) or not spreads:
+        raise ValueError("need one spread and one resolution per number, at least one number")
+    rng = np.random.default_rng(seed)
+    confidence = family_confidence(alpha, len(spreads))
+    failed = np.zeros(draws, dtype=bool)
+    for spread, step in zip(spreads, resolutions):
+        if step > 0:
+            centre = rng.uniform(0.0, 1.0, (draws, 1))
+            x = np.round(rng.normal(centre, spread / step, (draws, seeds + 1)))  # counts of steps
+        else:
+            x = rng.normal(0.0, 1.0, (draws, seeds + 1))
+        low, high = prediction_bounds(x[:, :seeds], confidence, 1.0 if step > 0 else 0.0)
+        new = x[:, seeds]
+        failed |= (new < low - 1e-9) | (new > high + 1e-9)
+    return float(failed.mean())
+
+
 def family_confidence(alpha: float, count: int) -> float:
     """The coverage of each of ``count`` (>= 1) bands that keeps the family-wise false-alarm rate at ``alpha``,
     in (0, 1) (Bonferroni: ``1 - alpha / count``)."""
@@ -244,12 +320,14 @@ def check_against_seeds(
         previous: earlier runs of the same experiment with different seeds (at least two).
         alpha: the family-wise false-alarm rate over every number compared (module docstring): each band's
             coverage is ``1 - alpha / K`` for the K numbers with a band.
-        atol: absolute slack added to both ends (for seeds that agree exactly).
+        atol: absolute slack added to both ends (for values that agree up to rounding).
 
     Returns:
         The report: one row per number (final training loss, validation loss, each lm-eval task and metric),
         with its detectable shift; a number the new run lacks fails, one fewer than two earlier runs measured
-        is skipped. Its header states the guaranteed rate.
+        is skipped. Its header states K, the rate the bands are set for and the rate
+        :func:`simulated_false_alarm` measures for these numbers, at their seeds' own spreads and, for the
+        stepped ones, the worst of :data:`STEP_SPREADS` steps.
 
     Raises:
         ReproError: fewer than two earlier runs, or alpha outside (0, 1).
@@ -260,6 +338,10 @@ def check_against_seeds(
         raise ReproError(f"alpha must be in (0, 1), got {alpha}")
     new = _seed_metrics(record)
     old = [_seed_metrics(p) for p in previous]
+    steps: dict[str, float] = {}
+    for p in previous:
+        for name, step in _resolutions(p).items():
+            steps[name] = max(step, steps.get(name, 0.0))  # the coarsest grid among the seeds
     names = list(new) + sorted({n for values in old for n in values} - set(new))
     earlier = {name: [values[name] for values in old if values.get(name) is not None] for name in names}
     banded = [name for name in names if len(earlier[name]) >= 2]
@@ -274,25 +356,74 @@ def check_against_seeds(
                 rows.append(CheckRow(**common, reference=earlier[name][0] if earlier[name] else None, tolerance="--",
                                      status=SKIPPED, note=f"measured in {len(earlier[name])} earlier run(s); a band needs 2"))
             continue
-        band = prediction_interval(earlier[name], confidence)
-        spread = statistics.stdev(earlier[name])
+        step = steps.get(name, 0.0)
+        band = prediction_interval(earlier[name], confidence, step)
+        spread = max(statistics.stdev(earlier[name]), grid_sd_floor(band.n, step))
         detectable = minimum_detectable_shift(band.n, confidence, DETECTION_POWER) * spread if spread > 0 else None
         tolerance = f"{confidence:.2%} PI [{band.low:.6g}, {band.high:.6g}] (n={band.n})"
+        note = f"steps of {step:.3g} (1/{round(1 / step)} questions)" if step else ""
         if measured is None:
             status, note = FAIL, "missing in this run"
         else:
-            status, note = (OK if band.contains(measured, atol) else FAIL), ""
+            status = OK if band.contains(measured, atol) else FAIL
         rows.append(CheckRow(**common, reference=band.estimate, tolerance=tolerance, status=status, note=note,
                              detectable=detectable))
     sizes = sorted({len(earlier[name]) for name in banded})
     header = (
-        f"Against {len(previous)} seeds: family-wise false-alarm rate at most {alpha:.0%} over the {len(banded)} "
-        f"numbers compared (Bonferroni: each number's prediction interval at 1 - {alpha:g}/{len(banded)} = "
-        f"{confidence:.2%}), for an honest new seed whose numbers vary as the seeds' do (normal). "
-        f"'detectable': the smallest shift of a number caught with {DETECTION_POWER:.0%} probability at "
-        f"{'/'.join(map(str, sizes)) or 'no'} seeds; smaller real changes pass unseen."
+        f"Against {len(previous)} seeds: K = {len(banded)} numbers compared, "
+        f"{sum(name in steps for name in banded)} of them in whole questions; each number's prediction interval "
+        f"at 1 - {alpha:g}/{len(banded)} = {confidence:.2%} (Bonferroni, family-wise false-alarm rate {alpha:.0%} "
+        f"for normal numbers; a stepped number's spread at least its grid's){_validated(banded, earlier, steps, alpha)}. "
+        f"'detectable': the smallest shift of a number, in its own units, caught with {DETECTION_POWER:.0%} "
+        f"probability at {'/'.join(map(str, sizes)) or 'no'} seeds; smaller real changes pass unseen."
     )
+    differ = _setting_differences(record, previous)
+    if differ:
+        header = f"Settings differ from the seeds' ({differ}): the bands describe other runs.\n{header}"
     return CheckReport(tuple(_noted(row, record, previous) for row in rows), header)
+
+
+def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
+    """A nested config as ``{"schedule.steps": 30, ...}``."""
+    if not isinstance(config, dict):
+        return {prefix: config}
+    out: dict[str, Any] = {}
+    for key, value in config.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
+
+
+def _setting_differences(record: RunRecord, previous: Sequence[RunRecord]) -> str:
+    """``schedule.steps: 200 here, 30 in s1, s2``: the experiment settings (seed and name aside) in which the run
+    differs from its seeds, '' when none does."""
+    def settings(r: RunRecord) -> dict[str, Any]:
+        flat = _flat(r.experiment.config.get("experiment", r.experiment.config))
+        return {k: v for k, v in flat.items() if k not in ("seed", "name")}
+
+    mine, parts = settings(record), []
+    theirs = [(p.run_id, settings(p)) for p in previous]
+    for key in sorted(set(mine).union(*(t for _, t in theirs))):
+        other = {}
+        for run_id, t in theirs:
+            if t.get(key) != mine.get(key):
+                other.setdefault(repr(t.get(key)), []).append(run_id)
+        if other:
+            parts.append(f"{key}: {mine.get(key)!r} here, " + "; ".join(f"{v} in {', '.join(ids)}" for v, ids in other.items()))
+    return "; ".join(parts)
+
+
+def _validated(banded: Sequence[str], earlier: dict[str, list[float]], steps: dict[str, float], alpha: float) -> str:
+    """``; simulated ...``: the rate :func:`simulated_false_alarm` gives these numbers (the seeds' own spreads,
+    and the worst of :data:`STEP_SPREADS` for the stepped ones), '' when nothing is banded."""
+    if not banded:
+        return ""
+    n = min(len(earlier[name]) for name in banded)
+    resolutions = [steps.get(name, 0.0) for name in banded]
+    own = [statistics.stdev(earlier[name][:n]) for name in banded]
+    trials = [own] + [[k * r if r else s for s, r in zip(own, resolutions)] for k in STEP_SPREADS if any(resolutions)]
+    worst = max(simulated_false_alarm(spreads, resolutions, n, alpha=alpha, seed=i) for i, spreads in enumerate(trials))
+    return (f"; simulated for these numbers at {n} seeds: {worst:.3f} (worst over {len(trials)} spread settings, "
+            f"{VALIDATION_DRAWS} draws each)")
 
 
 def _num(value: float | None, signed: bool = False) -> str:
