@@ -136,7 +136,7 @@ def mini(session: nox.Session) -> None:
 
 @nox.session(name="dirmoe-ablation")
 def dirmoe_ablation(session: nox.Session) -> None:
-    """Why DirMoE collapses on the embedded default: 16 cells (readings, remedies, controls) x 3 seeds x 600 steps on CPU,
+    """What drives DirMoE's uneven load on the embedded default: 16 cells (readings, remedies, controls) x 3 seeds x 600 steps on CPU,
     tables and plots in results/dirmoe-ablation/ (cost: results/dirmoe-ablation/README.md)."""
     _install(session)
     session.run("python", "-m", "repro", "ablation", *session.posargs, env=OFFLINE_ENV)

@@ -130,14 +130,17 @@ CELLS = types.MappingProxyType({cell.name: cell for cell in _CELL_LIST})
 
 _LEVER = "the centred target is the main lever on layer 1's collapse"
 #: The confirmatory study's hypotheses (``--confirm``), stated from the screen before its seeds are run:
-#: the README's claims about the centred target. One Holm family, two-sided paired t-tests.
+#: the README's claims about the centred target, each with the direction it predicts (as its words said). One
+#: Holm family, two-sided paired t-tests.
 HYPOTHESES = (
-    Hypothesis("recon-centered", REFERENCE, "load_imbalance[0]", "the centred target lowers layer 1's load imbalance"),
-    Hypothesis("recon-centered", REFERENCE, "load_imbalance[1]", "the centred target lowers layer 2's load imbalance"),
+    Hypothesis("recon-centered", REFERENCE, "load_imbalance[0]", "the centred target lowers layer 1's load imbalance",
+               "lower"),
+    Hypothesis("recon-centered", REFERENCE, "load_imbalance[1]", "the centred target lowers layer 2's load imbalance",
+               "lower"),
     Hypothesis("recon-centered", REFERENCE, "val_loss", "the centred target changes the validation loss"),
     Hypothesis("recon-centered", SWITCH, "val_loss", "the centred target's validation loss differs from Switch's"),
-    Hypothesis("recon-centered", "kl-off", "load_imbalance[0]", f"{_LEVER}: more than removing the KL"),
-    Hypothesis("recon-centered", "aux-off", "load_imbalance[0]", f"{_LEVER}: more than removing every aux term"),
+    Hypothesis("recon-centered", "kl-off", "load_imbalance[0]", f"{_LEVER}: more than removing the KL", "lower"),
+    Hypothesis("recon-centered", "aux-off", "load_imbalance[0]", f"{_LEVER}: more than removing every aux term", "lower"),
 )
 
 

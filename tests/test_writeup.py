@@ -41,12 +41,62 @@ def test_the_readme_has_a_block_for_every_study():
     [
         (0.001, 0.004, "lower, significant after Holm (p = 0.004)"),
         (0.026, 0.15, "lower before Holm's adjustment (raw p = 0.026) but not significantly after it (Holm p = 0.15)"),
-        (0.3, 0.6, "no significant difference (raw p = 0.3, Holm p = 0.6)"),
+        (0.3, 0.6, "not significant (raw p = 0.3, Holm p = 0.6); it would have found ±"),
         (None, None, "untested"),
     ],
 )
 def test_the_words_follow_the_test(p, p_holm, words):
     assert verdict(Paired(-0.5, -0.9, -0.1, p, p_holm, 6, 5)).startswith(words)
+
+
+def test_a_null_says_what_its_test_could_have_found():
+    """Not significant: the smallest difference its family's tests find with 80% power (stats decision 11), in
+    the difference's units; a family out of reach says 'underpowered' instead of reading as a null."""
+    from scipy import stats as sps
+
+    from repro.report.stats import paired_detectable_effect
+
+    p = Paired(-0.5, -0.9, -0.1, 0.3, 0.6, 6, 5, family=8)
+    sd = 0.4 * 6**0.5 / float(sps.t.ppf(0.975, 5))
+    assert p.sd == pytest.approx(sd)
+    detectable = paired_detectable_effect(6, 8) * sd
+    assert verdict(p) == (f"not significant (raw p = 0.3, Holm p = 0.6); it would have found ±{detectable:.2f} "
+                          "with 80% power at 6 seeds and 8 tests")
+    three = Paired(-0.5, -0.9, -0.1, 0.3, 0.6, 3, 2, family=8)
+    assert three.underpowered and not p.underpowered
+    assert verdict(three).endswith(f"underpowered: at 3 seeds and 8 tests, 80% power needs a difference of "
+                                   f"{paired_detectable_effect(3, 8):.2g} standard deviations of the paired differences, "
+                                   f"±{paired_detectable_effect(3, 8) * three.sd:.2f}")
+    # The same numbers significant: no power words.
+    assert "80% power" not in verdict(Paired(-0.5, -0.9, -0.1, 0.001, 0.004, 6, 6, family=8))
+
+
+def test_a_hypothesis_significant_the_other_way_is_refuted_and_a_sign_flip_disagreement_is_shown():
+    up = Paired(0.584, 0.278, 0.889, 0.004, 0.019, 6, 0, family=6, p_sign_flip_holm=0.19)
+    assert verdict(up, expect="lower").startswith("refuted: predicted lower, came out higher, significant after Holm")
+    assert not verdict(up, expect="higher").startswith("refuted") and not verdict(up).startswith("refuted")
+    assert ("the exact sign-flip test does not confirm it (Holm p = 0.19; at 6 seeds it cannot go below 0.031), so "
+            "this rests on the differences being normal") in verdict(up)
+    assert "sign-flip" not in verdict(Paired(0.584, 0.278, 0.889, 0.004, 0.019, 6, 0, p_sign_flip_holm=0.03))
+    page = next(w for w in writeup.generate(ROOT) if w.study == "dirmoe-ablation-confirm").readme
+    assert "more than removing every aux term" in page and "refuted: predicted lower, came out higher" in page
+
+
+def test_the_screen_of_three_seeds_reads_as_underpowered_not_as_a_list_of_nulls():
+    block = next(w for w in writeup.generate(ROOT) if w.study == "dirmoe-ablation").block
+    assert "in neither layer" not in block
+    assert "the others are not evidence of no effect (at 3 seeds and 140 tests" in block and "underpowered" in block
+    six = next(w for w in writeup.generate(ROOT) if w.study == "dirmoe-ablation-6seeds").block
+    assert "in neither layer: recon-off and kl-off (at 6 seeds and 55 tests" in six
+
+
+def test_a_loss_comparison_names_the_runs_of_unequal_compute(tmp_path):
+    root = _copy_results(tmp_path, ("mini", "mini-seeds"))
+    text = next(w for w in writeup.generate(root) if w.study == "mini-seeds").readme
+    assert re.search(r"Unequal compute \(expert FLOPs per token against switch's, [^)]*\): [^\n]*remoe \+\d", text)
+    efficiency = root / "results" / "mini" / "efficiency.csv"
+    efficiency.write_text(re.sub(r'"?NO \([^"]*"?', "yes (+0.0% vs switch)", efficiency.read_text()))
+    assert "Unequal compute" not in next(w for w in writeup.generate(root) if w.study == "mini-seeds").readme
 
 
 def test_the_direction_word_follows_the_sign():
@@ -66,7 +116,8 @@ def test_paired_tests_compare_each_pair_with_holm_over_the_family():
     assert family["shifted"].n_lower == 6 and family["shifted"].n == 6
     assert family["shifted"].mean == pytest.approx(-1.0 + 0.035)
     assert family["shifted"].low < family["shifted"].mean < family["shifted"].high
-    assert verdict(family["noise"]).startswith("no significant difference")
+    assert verdict(family["noise"]).startswith("not significant")
+    assert family["shifted"].family == 2 and family["shifted"].p_sign_flip_holm == pytest.approx(min(1.0, 2 * 2 / 64))
     assert family["constant"].p is None and verdict(family["constant"]).startswith("untested")  # t = inf: undefined
     # Holm over the two defined tests: the larger raw p is at least its own value, the smaller doubled
     assert family["shifted"].p_holm == pytest.approx(min(1.0, 2 * family["shifted"].p))

@@ -315,12 +315,19 @@ def pairs_table(
 @dataclass(frozen=True)
 class Hypothesis:
     """A comparison stated before the seeds that test it were run (a confirmatory study's family): the
-    difference ``cell - versus`` in the metric ``key``, and the claim it checks, in words."""
+    difference ``cell - versus`` in the metric ``key``, the claim it checks, in words, and the direction it
+    predicts for that difference (``lower``: below zero; None: any difference). The test is two-sided either way;
+    a prediction lets the write-up call a significant difference the other way a refutation."""
 
     cell: str
     versus: str
     key: str
     claim: str
+    expect: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.expect not in (None, "lower", "higher"):
+            raise ValueError(f"hypothesis expect must be 'lower', 'higher' or None, got {self.expect!r}")
 
 
 def confirm_table(

@@ -12,7 +12,9 @@ another is quoted only from the cell-against-cell table, ``ablation_pairs``, in 
 
 from __future__ import annotations
 
+import re
 import statistics
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from repro.ablation import REFERENCE, SWITCH
 from repro.report.ablation_tables import compare_cell_pairs, difference_metrics, results_from_json
 from repro.report.prose import (
     ALPHA,
+    UNDERPOWERED_EFFECT,
     Paired,
     Writeup,
     cell_half_width,
@@ -36,7 +39,9 @@ from repro.report.prose import (
     plots,
     read_rows,
     verdict,
+    with_sign_flip,
 )
+from repro.report.stats import paired_detectable_effect
 
 REFERENCE_ROUTER = "switch"
 
@@ -52,6 +57,34 @@ def _cpu(cpu: dict[str, float]) -> str:
         f"Each run took {num(min(cpu.values()), '.0f')} to {num(max(cpu.values()), '.0f')} CPU-seconds "
         f"({num(sum(cpu.values()), '.0f')} for the {len(cpu)} runs; `run_cpu_seconds`)."
     )
+
+
+def _expert_flops(efficiency_csv: Path) -> dict[str, float]:
+    """Router -> its expert FLOPs per token relative to the reference router's, for the routers the efficiency
+    table marks as off compute parity (its ``compute parity`` column: ``NO (+30.9% vs switch, ...)``); empty
+    where there is no such table."""
+    if not efficiency_csv.is_file():
+        return {}
+    out = {}
+    for row in read_rows(efficiency_csv):
+        match = re.match(r"NO \(([-+]\d+(?:\.\d+)?)%", row.get("compute parity", ""))
+        if match:
+            out[row["Router"].split(" (")[0]] = float(match.group(1)) / 100
+    return out
+
+
+def _compute_note(compute: dict[str, float], router: str) -> str:
+    """`` (+30.9% expert FLOPs)`` beside a router of unequal compute, '' otherwise."""
+    return f" ({100 * compute[router]:+.1f}% expert FLOPs)" if router in compute else ""
+
+
+def family_power(n: int, tests: int) -> str:
+    """``at 3 seeds and 8 tests, 80% power at Holm's first step needs a difference of 9.3 standard deviations of
+    the paired differences`` with ``: underpowered`` where it exceeds :data:`UNDERPOWERED_EFFECT`."""
+    effect = paired_detectable_effect(n, max(1, tests))
+    text = (f"at {n} seeds and {tests} tests, 80% power at Holm's first step needs a difference of {effect:.2g} "
+            "standard deviations of the paired differences")
+    return text + (": underpowered" if effect > UNDERPOWERED_EFFECT else "")
 
 
 # ------------------------------------------------------------------------------------------ mini
@@ -77,11 +110,12 @@ def mini(directory: Path) -> Writeup:
         if value is not None:
             by_layer.setdefault(row["Router"], []).append(value)
     uneven = {r: v for r, v in by_layer.items() if max(v) - min(v) > 0.5}
+    compute = _expert_flops(directory / "efficiency.csv")
     cpu = s.get("run_cpu_seconds", {})
     findings = [
         first,
         "Held-out loss, one seed (no test; [`results/mini-seeds`](../mini-seeds/README.md) tests over seeds): "
-        + ", ".join(f"{r} {num(heldout[r], '.3f')}" for r in order) + ".",
+        + ", ".join(f"{r} {num(heldout[r], '.3f')}{_compute_note(compute, r)}" for r in order) + ".",
         "Load imbalance (max / mean tokens per expert, mean over layers; 1 is even, "
         f"{num(max(v for v in imbalance.values() if v is not None))} the largest here): "
         + ", ".join(f"{r} {num(v)}" for r, v in sorted(imbalance.items(), key=lambda kv: -(kv[1] or 0))) + ".",
@@ -122,16 +156,44 @@ def _loss_family(per_seed: dict[str, dict[str, list]], key: str) -> dict[str, An
     return paired_tests({router: (by_seed(REFERENCE_ROUTER), values) for router, values in others.items()})
 
 
-def _loss_sentence(label: str, family: dict[str, Any]) -> str:
+def _loss_sentence(label: str, family: dict[str, Paired], compute: dict[str, float]) -> str:
     significant = [r for r, p in family.items() if p.p_holm is not None and p.p_holm < ALPHA]
     smallest = min((r for r in family if family[r].p is not None), key=lambda r: family[r].p, default=None)
-    text = (
-        f"{label}, paired by seed against {REFERENCE_ROUTER}, Holm over the {len(family)} routers: "
-        + (f"significantly different after Holm: {listing(significant)}." if significant else "no router differs significantly after Holm.")
-    )
+    n = max((p.n for p in family.values()), default=0)
+    text = f"{label}, paired by seed against {REFERENCE_ROUTER}, Holm over the {len(family)} routers: "
+    if significant:
+        text += f"significantly different after Holm: {listing(significant)}."
+    else:
+        text += f"none significant after Holm ({family_power(n, len(family))})."
     if smallest is not None:
-        text += f" Smallest raw p: {compared(smallest, family[smallest], REFERENCE_ROUTER, '.3f')}."
+        text += f" Smallest raw p: {compared(smallest + _compute_note(compute, smallest), family[smallest], REFERENCE_ROUTER, '.3f')}."
+    if compute:
+        text += (" Unequal compute (expert FLOPs per token against " + REFERENCE_ROUTER + "'s, the efficiency "
+                 "table of the first seed): " + ", ".join(f"{r} {100 * v:+.1f}%" for r, v in compute.items()) + ".")
     return text
+
+
+def _caption_tests(table: Path) -> int:
+    """The size of a seeded table's Holm family, from its caption (``Holm-adjusted over all N tests``; 0 when the
+    table is missing or its family is per column)."""
+    try:
+        match = re.search(r"Holm-adjusted over all (\d+) tests", table.read_text())
+    except OSError:
+        return 0
+    return int(match.group(1)) if match else 0
+
+
+def _first_seed_source(directory: Path, per_seed: dict[str, dict[str, list]]) -> str:
+    """Which runs the first seed is: those of ``results/mini`` when every router's held-out loss there is this
+    study's first seed's to the last digit (same settings, deterministic CPU training), else its own."""
+    mini_summary = directory.parent / "mini" / "summary.json"
+    theirs = load_json(mini_summary).get("heldout_loss", {}) if mini_summary.is_file() else {}
+    first = {r: v["heldout_loss"][0] for r, v in per_seed.items()}
+    if theirs and all(theirs.get(r) == v for r, v in first.items()):
+        return ("The first seed's runs are those of [`results/mini`](../mini/README.md) (same settings and seed; "
+                "every router's held-out loss agrees to the last digit), whose per-run tables are theirs.")
+    return ("The first seed's runs are this study's own: they do not match [`results/mini`](../mini/README.md)'s "
+            "held-out losses, so its per-run tables describe other runs.")
 
 
 def mini_seeds(directory: Path) -> Writeup:
@@ -148,11 +210,16 @@ def mini_seeds(directory: Path) -> Writeup:
     zero_shot = read_rows(directory / "zero_shot_seeds.csv")
     marked_zs = [f"{r['Router']} ({c})" for r in zero_shot for c, v in r.items() if c not in ("Router", "seeds") and cell_marked(v)]
     routing = _mean_rows(directory, "routing_seeds.csv")
+    # The first seed's efficiency table: this directory's, else results/mini's (the same runs when they match).
+    compute = _expert_flops(next((t for t in (directory / "efficiency.csv", directory.parent / "mini" / "efficiency.csv")
+                                  if t.is_file()), directory / "efficiency.csv"))
     marks = {r: [c for c, v in row.items() if c not in ("Router", "seeds") and cell_marked(v)] for r, row in routing.items()}
+    routing_tests = _caption_tests(directory / "routing_seeds.md") or len(routing) - 1  # else: a column's routers
 
     def imbalance(router: str) -> str:
         cell = routing[router]["load imbalance"]
-        word = "differs significantly (the table's mark)" if cell_marked(cell) else "no significant difference (no mark)"
+        word = ("differs significantly (the table's mark)" if cell_marked(cell) else
+                f"not marked ({family_power(len(seeds), routing_tests)})")
         return f"{router} {num(cell_value(cell))} ± {num(cell_half_width(cell))}: {word}"
 
     routing_text = (
@@ -160,8 +227,8 @@ def mini_seeds(directory: Path) -> Writeup:
         + "; ".join(imbalance(r) for r in ("dirmoe", "dirmoe+centered") if r in routing) + "."
     )
     findings = [
-        _loss_sentence("Held-out loss (the same held-out tokens for every run)", heldout),
-        _loss_sentence("Validation loss (`valid split`, drawn anew by each seed's data order)", valid),
+        _loss_sentence("Held-out loss (the same held-out tokens for every run)", heldout, compute),
+        _loss_sentence("Validation loss (`valid split`, drawn anew by each seed's data order)", valid, compute),
         f"Spread over seeds (median over routers of the standard deviation): valid split {num(spread['validation_loss'], '.3f')}, "
         f"held-out {num(spread['heldout_loss'], '.3f')} nats.",
         "Zero-shot cells marked as differing from the reference: " + listing(marked_zs) + ".",
@@ -173,7 +240,7 @@ def mini_seeds(directory: Path) -> Writeup:
     readme = page(
         f"The router comparison over {len(seeds)} seeds ({', '.join(map(str, seeds))})",
         s["command"], findings, [t for t in tables if t.is_file()],
-        ["The per-run tables of the first seed are those of [`results/mini`](../mini/README.md)."],
+        [_first_seed_source(directory, per_seed)],
     )
     block = [f"- {f}" for f in (*findings[:5], link(directory.name))]
     return Writeup(directory.name, readme, "\n".join(block))
@@ -264,7 +331,7 @@ def bench(directory: Path) -> Writeup:
 
 # ------------------------------------------------------------------------------------------ DirMoE ablation
 LAYERS = ("load_imbalance[0]", "load_imbalance[1]")
-#: How the summary's Holm family (``summary.json`` ``family``, fixed before the runs) reads in a sentence.
+#: How the summary's Holm family (``summary.json`` ``family``) reads in a sentence.
 _FAMILY_WORDS = {"column": "the cells of its column", "table": "every test of its table (all cells and columns)"}
 
 #: The cell whose rows of the cell-against-cell table the write-up quotes (the README's claims are about it).
@@ -298,8 +365,24 @@ def _per_seed(values: dict[str, float], spec: str = ".2f") -> str:
     return " / ".join(num(values[s], spec) for s in sorted(values, key=int))
 
 
+def _family(results: dict[str, Any], versus: str) -> dict[tuple[str, str], Paired]:
+    """Every test against ``versus`` the summary holds, ``(cell, metric) -> Paired``: one Holm family (the
+    table's, as ``ablation_tables`` adjusts it), each with the family's size and the exact sign-flip test."""
+    found: dict[tuple[str, str], Paired] = {}
+    pairs = {}
+    for cell, metrics in results.items():
+        for metric, entry in metrics.items():
+            if isinstance(entry, dict) and (entry.get(f"vs_{versus}") or {}).get("p") is not None:
+                reference = _values(results, versus, metric)
+                p = read_paired(entry, versus, reference)
+                if p is not None:
+                    found[(cell, metric)], pairs[(cell, metric)] = p, (reference, entry["values"])
+    return with_sign_flip({k: replace(p, family=len(found)) for k, p in found.items()}, pairs)
+
+
 def _versus(results: dict[str, Any], cell: str, metric: str, ref: str) -> Paired | None:
-    return read_paired(results[cell][metric], ref, _values(results, ref, metric))
+    tested = _family(results, ref).get((cell, metric))
+    return tested if tested is not None else read_paired(results[cell][metric], ref, _values(results, ref, metric))
 
 
 def _reference_findings(results: dict[str, Any]) -> list[str]:
@@ -434,7 +517,7 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
     findings += _cost(s)
     tables = [directory / f"{t}.md" for t in ("ablation", "ablation_differences", "ablation_vs_switch", PAIRS_TABLE)]
     readme = page(
-        f"Why DirMoE's routing collapses: {len(results)} cells x {len(seeds)} seeds, {s.get('steps')} steps",
+        f"The DirMoE ablation: {len(results)} cells x {len(seeds)} seeds, {s.get('steps')} steps",
         _command(s, directory), findings, [t for t in tables if t.is_file()], plots(directory),
     )
     return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief, contrasts)))
@@ -451,14 +534,16 @@ def confirm(directory: Path) -> Writeup:
     })
     findings = [
         f"Hypotheses stated from the screens (seeds 1-6) before these seeds ({', '.join(map(str, seeds))}) were run, "
-        f"tested on them alone: paired t-tests over the seeds, Holm-adjusted over the {len(family)} hypotheses."
+        f"tested on them alone: paired t-tests over the seeds, Holm-adjusted over the {len(family)} hypotheses; "
+        "a hypothesis that predicts a direction and is significant the other way is refuted; each also has the "
+        "exact sign-flip test over the same seeds and family, named where it does not confirm the t-test."
     ]
     for i, h in enumerate(hypotheses):
         if i in family:
             p = family[i]
             findings.append(
                 f"Hypothesis \"{h['claim']}\" ({h['key']}, {h['cell']} minus {h['versus']}): {num(p.mean, '.3f')} "
-                f"[{num(p.low, '.3f')}, {num(p.high, '.3f')}], {verdict(p)}."
+                f"[{num(p.low, '.3f')}, {num(p.high, '.3f')}], {verdict(p, spec='.3f', expect=h.get('expect'))}."
             )
     findings.append(
         f"This study's inference is the table `{CONFIRM_TABLE}` alone: one family per comparison, so a confirmatory "
@@ -481,9 +566,14 @@ def _block(results: dict[str, Any], study: str, brief: bool, contrasts: list[str
     }
     neither = [c for c in results if c != REFERENCE and c not in lowered[1] and c not in lowered[2]]
     seeds = len(results[REFERENCE]["seeds"])
+    tests = len(_family(results, REFERENCE))
+    if paired_detectable_effect(seeds, max(1, tests)) > UNDERPOWERED_EFFECT:
+        rest = f"the others are not evidence of no effect ({family_power(seeds, tests)})"
+    else:
+        rest = f"in neither layer: {listing(neither)} ({family_power(seeds, tests)})"
     lowered_text = (
         f"- {seeds} seeds: load imbalance significantly below `{REFERENCE}`'s after Holm: layer 1 "
-        f"{listing(lowered[1])}; layer 2 {listing(lowered[2])}; in neither layer: {listing(neither)}."
+        f"{listing(lowered[1])}; layer 2 {listing(lowered[2])}; {rest}."
     )
     if brief:
         return [lowered_text, f"- {link(study)}"]

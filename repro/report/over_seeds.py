@@ -32,12 +32,14 @@ class SeedStat:
         adjusted_p: the test's p-value after Holm's adjustment over its family (None: no test, or undefined).
         difference: mean and Student-t interval of the paired differences (row minus the other; None
             where the test is not over seeds).
+        family_size: the defined tests of its Holm family (0: not in one).
     """
 
     interval: Interval | None
     test: PairedTest | None = None
     adjusted_p: float | None = None
     difference: Interval | None = None
+    family_size: int = 0
 
     @property
     def defined(self) -> bool:
@@ -111,14 +113,16 @@ def compare(
         if result.defined:
             families.setdefault(key[2] if family == "column" else "", []).append(key)
     adjusted: dict[Key, float] = {}
+    size: dict[Key, int] = {}
     for keys in families.values():
         adjusted.update(zip(keys, holm([found[k][0].p_value for k in keys])))
+        size.update(dict.fromkeys(keys, len(keys)))
     out = {}
     for key in tests:
         a, _, column = key
         own = list(values.get(a, {}).get(column, {}).values())
         result, diff = found.get(key, (None, None))
-        out[key] = SeedStat(mean_ci(own, confidence) if own else None, result, adjusted.get(key), diff)
+        out[key] = SeedStat(mean_ci(own, confidence) if own else None, result, adjusted.get(key), diff, size.get(key, 0))
     return out
 
 
@@ -145,9 +149,9 @@ def family_sentence(family: str, count: int, rows: str = "rows") -> str:
     """The caption's words for a family (``Holm-adjusted over ...``), ``count`` the defined tests of the table,
     ``rows`` what its rows are (``routers``, ``cells``)."""
     if check_family(family) == "table":
-        return (f"Holm-adjusted over all {count} tests of this table (family: the table, fixed by its {rows} and "
-                "columns before the runs)")
-    return f"Holm-adjusted over the {rows} of each column (family: a column, fixed before the runs)"
+        return (f"Holm-adjusted over all {count} tests of this table (family: the table, every test its {rows} and "
+                "columns define, whatever the results)")
+    return f"Holm-adjusted over the {rows} of each column (family: a column, whatever the results)"
 
 
 def undefined_note(undefined: Sequence[tuple[str, str]]) -> str:
