@@ -312,7 +312,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     from repro.data.minipile import open_mini_pile
     from repro.report.plots import specialisation_score
     from repro.report.seed_tables import compare_over_seeds, record_seed, seed_zero_shot_table
-    from repro.report.store import load_record
+    from repro.report.store import load_record, write_record
     from repro.report.table_core import render, write_tables
     from repro.report.tables import (
         efficiency_table,
@@ -370,6 +370,10 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
             for run in cfg.runs
         }
     write_json_atomic(Path(cfg.out_dir) / "summary.json", summary)
+    if cfg.seeds > 1:  # the seed band `check RUN --against <out>` reads (docs/evaluation.md)
+        (Path(cfg.out_dir) / "records").mkdir(parents=True, exist_ok=True)
+        for (run, k), record in records.items():
+            write_record(record, Path(cfg.out_dir) / "records" / f"{cfg.run_id(run, k)}.record.json")
     lines = [render(t, "md") for t in tables]
     lines.append(f"Unigram baseline loss: {unigram:.3f} nats/token. Final training LM loss (mean of last 10 steps):")
     lines.append("  " + ", ".join(f"{r} {final[r]:.3f}" for r in cfg.runs))

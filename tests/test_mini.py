@@ -137,6 +137,10 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, m
     assert summary["seeds"] == 2 and summary["per_seed"]["dirmoe"]["seed"] == [seed_0, seed_0 + 1]
     assert set(summary["run_cpu_seconds"]) == {"switch", "dirmoe", "switch-s1", "dirmoe-s1"}
     assert sorted(summary["trained_runs"]) == ["dirmoe-s1", "switch-s1"]
+    # Every run's record beside the tables: the band `check RUN --against out3` reads.
+    from repro.report.store import load_records
+
+    assert sorted(r.run_id for r in load_records([out / "records"])) == ["dirmoe", "dirmoe-s1", "switch", "switch-s1"]
 
 
 def test_jobs_start_longest_first_seed_by_seed(tmp_path):

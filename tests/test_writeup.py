@@ -99,6 +99,17 @@ def test_a_loss_comparison_names_the_runs_of_unequal_compute(tmp_path):
     assert "Unequal compute" not in next(w for w in writeup.generate(root) if w.study == "mini-seeds").readme
 
 
+def test_the_seed_study_states_how_many_seeds_its_differences_need():
+    """From the committed seeds' paired held-out differences: what 3, 6 and 10 seeds detect (falling with the
+    seeds) and the 10-seed study's cost."""
+    page = next(w for w in writeup.generate(ROOT) if w.study == "mini-seeds").readme
+    match = re.search(r"reaches ±([\d.]+) at 3, ±([\d.]+) at 6, ±([\d.]+) at 10 seeds", page)
+    assert match is not None, page
+    at3, at6, at10 = map(float, match.groups())
+    assert at3 > at6 > at10 > 0
+    assert "`nox -s mini-power` trains 10 seeds" in page and "CPU-hours" in page
+
+
 def test_the_direction_word_follows_the_sign():
     assert verdict(Paired(0.5, 0.1, 0.9, 0.001, 0.002, 6, 0)).startswith("higher")
     assert verdict(Paired(0.5, 0.1, 0.9, 0.001, 0.002, 6, 0), higher="slower").startswith("slower")

@@ -196,6 +196,35 @@ def _first_seed_source(directory: Path, per_seed: dict[str, dict[str, list]]) ->
             "held-out losses, so its per-run tables describe other runs.")
 
 
+#: Seed counts at which the mini comparison's power is stated, and the one ``nox -s mini-power`` runs.
+POWER_SEEDS = (3, 6, 10)
+
+
+def _seeds_needed(per_seed: dict[str, dict[str, list]], cpu: dict[str, float]) -> str:
+    """How many seeds the held-out comparison needs: the pooled standard deviation of the routers' paired held-out
+    differences against the reference router, what Holm's first step over the routers detects with 80% power at
+    :data:`POWER_SEEDS` seeds, beside the differences the seeds show, and the cost of the largest count."""
+    ref = per_seed[REFERENCE_ROUTER]["heldout_loss"]
+    diffs = {r: [a - b for a, b in zip(v["heldout_loss"], ref)] for r, v in per_seed.items() if r != REFERENCE_ROUTER}
+    spread = [statistics.variance(d) for d in diffs.values() if len(d) > 1]
+    if not spread:
+        return ""
+    sd = statistics.fmean(spread) ** 0.5
+    tests = len(diffs)
+    reach = ", ".join(f"±{num(paired_detectable_effect(n, tests) * sd, '.3f')} at {n}" for n in POWER_SEEDS)
+    means = sorted(abs(statistics.fmean(d)) for d in diffs.values())
+    text = (f"Seeds needed: the routers' paired held-out differences against {REFERENCE_ROUTER} spread by a pooled "
+            f"standard deviation of {num(sd, '.3f')} nats over these seeds; with Holm over the {tests} routers, 80% "
+            f"power at Holm's first step reaches {reach} seeds, against observed differences of "
+            f"{num(means[0], '.3f')} to {num(means[-1], '.3f')} nats.")
+    if cpu:
+        runs = (tests + 1) * POWER_SEEDS[-1]
+        text += (f" `nox -s mini-power` trains {POWER_SEEDS[-1]} seeds ({runs} runs): about "
+                 f"{num(statistics.median(cpu.values()) * runs / 3600, '.1f')} CPU-hours at this study's median "
+                 "CPU-seconds per run, before evaluation.")
+    return text
+
+
 def mini_seeds(directory: Path) -> Writeup:
     """``results/mini-seeds``: the comparison over seeds, each router tested against Switch."""
     s = load_json(directory / "summary.json")
@@ -235,6 +264,7 @@ def mini_seeds(directory: Path) -> Writeup:
         routing_text,
         "Routing statistics marked: " + "; ".join(f"{r}: {', '.join(m)}" for r, m in marks.items() if m) + ".",
         *([_cpu(s["run_cpu_seconds"])] if s.get("run_cpu_seconds") else []),
+        *filter(None, [_seeds_needed(per_seed, s.get("run_cpu_seconds", {}))]),
     ]
     tables = [directory / f"{t}.md" for t in ("zero_shot_seeds", "validation_seeds", "routing_seeds")]
     readme = page(

@@ -34,6 +34,7 @@ def studies() -> dict[str, Callable[[Path], Writeup]]:
     return {
         "mini": findings.mini,
         "mini-seeds": findings.mini_seeds,
+        "mini-power": findings.mini_seeds,
         "dirmoe-ablation": findings.screen,
         "dirmoe-ablation-6seeds": findings.ablation,
         "dirmoe-ablation-confirm": findings.confirm,
