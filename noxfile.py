@@ -130,7 +130,9 @@ def lint(session: nox.Session) -> None:
 def mini(session: nox.Session) -> None:
     """The main job on the embedded default: every router and dense on CPU, lm-eval, tables and plots (~12 min on 2 cores)."""
     _install(session)
-    session.run("python", "-m", "repro", "mini", *session.posargs, env=OFFLINE_ENV)
+    # The committed tables: told explicitly (a command's own default output is under runs/).
+    out = [] if "--out" in session.posargs else ["--out", "results/mini"]
+    session.run("python", "-m", "repro", "mini", *out, *session.posargs, env=OFFLINE_ENV)
     session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
 
@@ -149,7 +151,8 @@ def dirmoe_ablation(session: nox.Session) -> None:
     """What drives DirMoE's uneven load on the embedded default: 16 cells (readings, remedies, controls) x 3 seeds x 600 steps on CPU,
     tables and plots in results/dirmoe-ablation/ (cost: results/dirmoe-ablation/README.md)."""
     _install(session)
-    session.run("python", "-m", "repro", "ablation", *session.posargs, env=OFFLINE_ENV)
+    out = [] if "--out" in session.posargs else ["--out", "results/dirmoe-ablation"]
+    session.run("python", "-m", "repro", "ablation", *out, *session.posargs, env=OFFLINE_ENV)
     session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
 

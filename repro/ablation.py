@@ -168,7 +168,7 @@ class AblationConfig:
     steps: int = 600
     data_dir: str = "data/mini-pile"
     work_dir: str = "runs/dirmoe-ablation"
-    out_dir: str = "results/dirmoe-ablation"
+    out_dir: str = "runs/dirmoe-ablation-results"
     workers: int = 2
     final_fraction: float = 0.1
     overrides: tuple[str, ...] = ()

@@ -5,7 +5,8 @@ A study (:mod:`repro.study`): for dense, every registered router and the routers
 mini-pile, evaluates it zero-shot on the local tasks through lm-eval (per-question results kept in the record),
 measures the LM loss per domain on the held-out documents, analyses its routing and writes its record
 (``runs/mini/<run>/record.json``). Then the zero-shot, efficiency, routing and validation-loss tables of the
-first seed's runs and the plots under ``results/mini/``; with several seeds also the tables over seeds.
+first seed's runs and the plots under ``--out`` (default ``runs/mini-results``; ``nox -s mini`` passes
+``results/mini``, the committed tables); with several seeds also the tables over seeds and every run's record.
 
 Seeds (decision 1): seed k of a run is the experiment's own seed plus k, in ``runs/mini/<run>`` for k = 0 and
 ``runs/mini/<run>-s<k>`` (run id ``<run>-s<k>``) for k >= 1. Seed 0 is exactly the single-seed run: its
@@ -83,7 +84,7 @@ class MiniConfig:
     backend: str = "torch"
     data_dir: str = "data/mini-pile"
     work_dir: str = "runs/mini"
-    out_dir: str = "results/mini"
+    out_dir: str = "runs/mini-results"
     workers: int = 2
     eval_limit: int = 300
     spec_tokens: int = 4096

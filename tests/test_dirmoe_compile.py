@@ -282,3 +282,14 @@ def test_cost_report_command_writes_its_table(tmp_path, capsys):
     assert total["syncs"] == 0 and total["regions"] == 0 and fwd["bytes_moved"] > 1024 * 128 * 4  # reads x at least
     assert cli_main(["efficiency", "--profile", "--router", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown run(s) nope" in capsys.readouterr().err
+
+
+def test_no_command_writes_into_results_by_default():
+    """The committed tables change only when a command is told to write there (--out): every default output
+    directory of a command that writes tables is under runs/."""
+    from repro.ablation import AblationConfig
+    from repro.mini import MiniConfig
+    from repro.report import costs
+
+    defaults = [costs.DEFAULT_OUT, MiniConfig(runs=("switch",)).out_dir, AblationConfig(cells=("paper",)).out_dir]
+    assert all(d.startswith("runs/") for d in defaults), defaults

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import math
 import os
 import subprocess
@@ -294,6 +295,38 @@ def test_resuming_a_finished_run_changes_nothing(tmp_path, capsys):
     after = {p.name: p.stat().st_mtime_ns for p in tmp_path.rglob("*") if p.is_file() and p.name != ".lock"}
     assert after == before
     assert json.loads((tmp_path / "record.json").read_text())["lm_eval"]["results"]["piqa"]["acc,none"] == 0.5
+
+
+def test_resume_keeps_the_runs_own_settings_and_reopens_a_finished_run_only_when_asked(tmp_path, capsys):
+    """The original command plus --resume resumes (the experiment's defaults are not applied again); a finished
+    run is not reopened by a --set, only by --extend, and then its summary and record are written anew."""
+    from repro.cli import main
+
+    run = tmp_path / "run"
+    args = ["train", "--experiment", "switch-tiny", "--out", str(run), "--no-progress"]
+    for item in TINY + ["schedule.steps=2"]:
+        args += ["--set", item]
+    assert main(args + ["--stop-after", "1"]) == 0  # stopped after step 1, before the end
+    capsys.readouterr()
+    # The original command with --resume: its --set repeat the run's own values, so nothing changes.
+    assert main(args + ["--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "resumed with" not in err and "cannot change" not in err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 2
+    # A finished run is left alone by --resume, and a --set does not reopen it.
+    assert main(["train", "--out", str(run), "--resume", "--set", "schedule.steps=4"]) == 2
+    assert re.search(r"finished at step 2; it is not reopened to change schedule.steps .*--extend", capsys.readouterr().err)
+    assert main(["train", "--experiment", "dense-tiny", "--out", str(run), "--resume"]) == 2
+    assert "holds a run of experiment 'switch-tiny', not 'dense-tiny'" in capsys.readouterr().err
+    old_record = json.loads((run / "record.json").read_text())
+    assert main(["train", "--out", str(run), "--resume", "--extend", "--set", "schedule.steps=4", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert f"{run}: resumed with schedule.steps: 2 -> 4" in err
+    assert json.loads((run / "summary.json").read_text())["steps"] == 4
+    record = json.loads((run / "record.json").read_text())
+    assert len(record["loss_curve"]) > len(old_record["loss_curve"])  # the record describes the longer run
+    assert main(["train", "--out", str(run), "--resume", "--extend"]) == 2
+    assert "--extend needs --set schedule.steps above the 4 steps done" in capsys.readouterr().err
 
 
 def test_resume_without_a_complete_checkpoint_starts_again_from_step_0(tmp_path, capsys):

@@ -18,7 +18,8 @@ from typing import Any
 T, D, E, K = 1024, 128, 8, 1
 SEQ_SHAPE = (1024, 1)  # one sequence of T tokens (megatron's [s, b])
 VOCAB = 50304
-DEFAULT_OUT = "results/bench"
+#: Where the report goes unless --out says otherwise: never results/ (the committed tables) by default.
+DEFAULT_OUT = "runs/bench"
 NAME = "router_costs"
 #: The extra runs beside every registered router at its defaults (DirMoE's default on the CPU is eager):
 #: label -> (router, options).

@@ -331,7 +331,7 @@ def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
 
 
 def _costs_file(path: Path) -> tuple[list[str], list[str], list[str]]:
-    """``router_costs.json`` (``python -m repro efficiency --profile``): launches and host syncs per router call,
+    """``router_costs.json`` (``python -m repro efficiency --profile --out results/bench``): launches and host syncs per router call,
     forward + backward on a non-logging step; counts, so exact, with no test."""
     rows = [r for r in load_json(path)["rows"] if r["pass"] == "fwd+bwd"]
     launches = ", ".join(f"{r['router']} {r['launches']} ({num(r['x_switch'])} x {REFERENCE_ROUTER})" for r in rows)
@@ -341,7 +341,7 @@ def _costs_file(path: Path) -> tuple[list[str], list[str], list[str]]:
     caveat = (f"; {', '.join(compiled)} with its compiled regions' kernels as inductor's CPU backend generates "
               "them, fewer than a GPU launches (docs/efficiency.md)") if compiled else ""
     finding = (
-        f"`{path.name}` (`python -m repro efficiency --profile`), launches per router call, forward + backward on a "
+        f"`{path.name}` (`python -m repro efficiency --profile --out results/bench`), launches per router call, forward + backward on a "
         f"non-logging step: {launches}{caveat}; host synchronisations in all of them together: {syncs}."
     )
     table = [f"### `{path.name}`", "", f"See [`{path.stem}.md`]({path.stem}.md).", ""]

@@ -30,7 +30,12 @@ def _parser(prog: str) -> argparse.ArgumentParser:
         "router.options.NAME=VALUE); repeatable",
     )
     parser.add_argument("--out", "-o", help="the run directory (new or empty; with --resume, the run's)")
-    parser.add_argument("--resume", action="store_true", help="continue the run in --out from its newest checkpoint")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run in --out from its newest checkpoint, with its own settings (config.json) "
+                        "and only the --set changes given, each printed")
+    parser.add_argument("--extend", action="store_true",
+                        help="with --resume: reopen a finished run to train on to a larger --set schedule.steps "
+                        "(its summary and record are written again)")
     parser.add_argument("--list", action="store_true", help="list the experiments and exit")
     parser.add_argument("--list-routers", action="store_true",
                         help="list the routers with experiments (not their variants) and exit")
@@ -71,12 +76,16 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
         return 0
 
     config = None
-    if args.experiment:
-        config = apply_overrides(get_experiment(args.experiment), args.overrides)
-    elif args.overrides and args.resume and args.out:
+    if args.resume and args.out and not args.show:
+        # The run's own settings, not the experiment's defaults: only what is set explicitly changes.
         from repro.training.run_dir import RunPaths, stored_config
 
-        config = apply_overrides(stored_config(RunPaths(Path(args.out))), args.overrides)
+        stored = stored_config(RunPaths(Path(args.out)))
+        if args.experiment and args.experiment != stored.name:
+            raise ReproError(f"{args.out}: holds a run of experiment '{stored.name}', not '{args.experiment}'")
+        config = apply_overrides(stored, args.overrides) if args.overrides else None
+    elif args.experiment:
+        config = apply_overrides(get_experiment(args.experiment), args.overrides)
     elif args.overrides:
         raise ReproError("--set needs --experiment (or --resume --out RUN_DIR to change a run's settings)")
     elif not args.resume and not args.show:
@@ -98,7 +107,8 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
     from repro.training.trainer import train  # imports megatron-core: only when training
 
     try:
-        summary = train(config, args.out, resume=args.resume, stop_after=args.stop_after, progress=args.progress)
+        summary = train(config, args.out, resume=args.resume, extend=args.extend, stop_after=args.stop_after,
+                        progress=args.progress)
     except RunStopped:
         return EXIT_STOPPED  # checkpointed after a signal (a time limit); rank 0 said how to resume
     if summary.get("stopped_at") is not None or summary.get("finished_before") or int(os.environ.get("RANK", "0")):

@@ -114,14 +114,23 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> StartState:
+def start_state(paths: RunPaths, config: RunConfig | None, resume: bool, extend: bool = False) -> StartState:
     """Decide how a run starts in ``paths.root`` with the config asked for (None with ``resume``: the run's own).
 
+    On resume the run keeps its own ``config.json``; ``config`` is that config with the caller's explicit changes,
+    each printed (rank 0) and kept in ``resume_changes.json``. A finished run (a checkpoint at its schedule's
+    last step and a summary) is left as it is unless ``extend``: then it continues to the changed
+    ``schedule.steps``, and its old ``summary.json`` and ``record.json`` are removed (the run writes both again
+    when it ends), so no record describes a shorter run beside the longer log.
+
     Raises:
-        ReproError: a directory that is not this run's, nothing to resume, or a changed config on resume that
-            would change the model (naming the fields).
+        ReproError: a directory that is not this run's, nothing to resume, a changed config on resume that
+            would change the model (naming the fields), changes to a finished run without ``extend``, or
+            ``extend`` without more steps.
     """
     if not resume:
+        if extend:
+            raise ReproError("--extend continues a finished run: it needs --resume")
         if config is None:
             raise ReproError("no experiment given")
         children = paths.root.iterdir() if paths.root.is_dir() else []
@@ -148,12 +157,29 @@ def start_state(paths: RunPaths, config: RunConfig | None, resume: bool) -> Star
                          f"({'; '.join(f'{k}: {changes[k]}' for k in frozen)}); start a new run "
                          "(--set checkpoint.init_from=<this run> starts one from these weights)")
     config = stored if config is None else config
-    if info is None:
-        print(f"{paths.root}: no complete checkpoint yet; training again from step 0", file=sys.stderr)
-    elif info.step >= config.schedule.steps and paths.summary.is_file():
+    finished = info is not None and info.step >= stored.schedule.steps and paths.summary.is_file()
+    rank0 = int(os.environ.get("RANK", "0")) == 0
+    if finished and not extend:
+        if changes:
+            raise ReproError(f"{paths.root}: the run finished at step {info.step}; it is not reopened to change "
+                             f"{', '.join(changes)} (--extend continues it, with --set schedule.steps above "
+                             f"{info.step})")
         print(f"{paths.root}: the run finished at step {info.step}; nothing to do", file=sys.stderr)
         return StartState(config, info, json.loads(paths.summary.read_text()))
-    if changes and int(os.environ.get("RANK", "0")) == 0:
+    if extend:
+        if not finished:
+            raise ReproError(f"{paths.root}: --extend reopens a finished run; this one is not finished "
+                             "(--resume alone continues it)")
+        if config.schedule.steps <= info.step:
+            raise ReproError(f"{paths.root}: --extend needs --set schedule.steps above the {info.step} steps done")
+        if rank0:
+            for derived in (paths.summary, paths.root / "record.json"):
+                derived.unlink(missing_ok=True)
+    if info is None:
+        print(f"{paths.root}: no complete checkpoint yet; training again from step 0", file=sys.stderr)
+    if changes and rank0:
+        for key, change in changes.items():
+            print(f"{paths.root}: resumed with {key}: {change}", file=sys.stderr)
         _note_changes(paths, info.step if info else 0, changes)
     return StartState(config, info)
 

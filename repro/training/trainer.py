@@ -485,6 +485,7 @@ def train(
     out_dir: str | os.PathLike,
     *,
     resume: bool = False,
+    extend: bool = False,
     stop_after: int | None = None,
     progress: bool | None = None,
 ) -> dict[str, Any]:
@@ -496,6 +497,7 @@ def train(
         out_dir: the run directory: new or empty for a fresh run.
         resume: continue the run in ``out_dir`` from its newest checkpoint (from step 0 when it has none yet);
             a finished run is left as it is.
+        extend: with ``resume``, continue a finished run to the config's larger ``schedule.steps``.
         stop_after: stop after this many completed steps as if killed: no final checkpoint, no summary.
         progress: show a tqdm bar on rank 0 (default: when stderr is a terminal).
 
@@ -516,7 +518,7 @@ def train(
         os.environ.update(model_parallel.rank_environment(os.environ))
     paths = RunPaths(Path(out_dir))
     with run_lock(paths):
-        state = start_state(paths, config, resume)
+        state = start_state(paths, config, resume, extend)
         if state.finished is not None:
             return {**state.finished, "finished_before": True}
         config = state.config
