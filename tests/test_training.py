@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -327,6 +327,26 @@ def test_resume_keeps_the_runs_own_settings_and_reopens_a_finished_run_only_when
     assert len(record["loss_curve"]) > len(old_record["loss_curve"])  # the record describes the longer run
     assert main(["train", "--out", str(run), "--resume", "--extend"]) == 2
     assert "--extend needs --set schedule.steps above the 4 steps done" in capsys.readouterr().err
+
+
+def test_seeds_of_one_experiment_trained_by_train_form_a_seed_band(tmp_path, capsys):
+    """Three seeds of one experiment through `train` get distinct run ids (the experiment's own seed keeps the
+    plain name), so `check` can read them together as a band."""
+    from repro.cli import main
+    from repro.report.store import load_records
+
+    base = ["train", "--experiment", "dense-tiny", "--no-progress"]
+    for item in TINY + ["schedule.steps=2"]:
+        base += ["--set", item]
+    own = get_experiment("dense-tiny").seed
+    for seed in (own, own + 1, own + 2):
+        assert main(base + ["--out", str(tmp_path / "seeds" / str(seed)), "--set", f"seed={seed}"]) == 0
+    ids = sorted(r.run_id for r in load_records([tmp_path / "seeds"]))
+    assert ids == ["dense-tiny", f"dense-tiny-seed{own + 1}", f"dense-tiny-seed{own + 2}"]
+    assert main(base + ["--out", str(tmp_path / "new"), "--set", f"seed={own + 3}"]) == 0
+    capsys.readouterr()
+    assert main(["check", str(tmp_path / "new"), "--against", str(tmp_path / "seeds")]) in (0, 1)
+    assert capsys.readouterr().out.startswith("Against 3 seeds: K = 1 number compared")  # the final loss
 
 
 def test_resume_without_a_complete_checkpoint_starts_again_from_step_0(tmp_path, capsys):

@@ -370,7 +370,7 @@ def check_against_seeds(
                              detectable=detectable))
     sizes = sorted({len(earlier[name]) for name in banded})
     header = (
-        f"Against {len(previous)} seeds: K = {len(banded)} numbers compared, "
+        f"Against {len(previous)} seeds: K = {len(banded)} number{'s' if len(banded) != 1 else ''} compared, "
         f"{sum(name in steps for name in banded)} of them in whole questions; each number's prediction interval "
         f"at 1 - {alpha:g}/{len(banded)} = {confidence:.2%} (Bonferroni, family-wise false-alarm rate {alpha:.0%} "
         f"for normal numbers; a stepped number's spread at least its grid's){_validated(banded, earlier, steps, alpha)}. "

@@ -156,6 +156,15 @@ def with_lm_eval(record: RunRecord, lm_eval_results: Mapping[str, Any], origin: 
     return from_json(RunRecord, data, origin or f"record '{record.run_id}'")
 
 
+def default_run_id(run) -> str:
+    """A run's id when none is given: its experiment's name, plus ``-seed<N>`` when its seed is not the one the
+    registered experiment has (another seed of it; an unregistered experiment always names its seed)."""
+    from repro.training.experiments import experiment_names, get_experiment
+
+    own = get_experiment(run.name).seed if run.name in experiment_names() else None
+    return run.name if run.seed == own else f"{run.name}-seed{run.seed}"
+
+
 def record_from_run_dir(
     run_dir: str | Path, *, warmup: int, window: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
     run_id: str | None = None, environment: Environment | None = None, domain_losses: Sequence[DomainLoss] = (),
@@ -168,7 +177,8 @@ def record_from_run_dir(
         run_dir: the run's output directory.
         warmup: log rows skipped before the efficiency window.
         window: log rows in the window (None: all after warm-up).
-        run_id: default: the experiment's name.
+        run_id: default: the experiment's name, with ``-seed<N>`` where the run's seed is not the experiment's
+            own (:func:`default_run_id`), so seeds of one experiment never share one.
         environment: default :func:`environment_info` with the run's world size.
         lm_eval_results, domain_losses: as in :func:`make_record`.
         flops_attention: how the FLOPs count takes attention (:data:`repro.report.flops.ATTENTION_COUNTS`).
@@ -206,7 +216,7 @@ def record_from_run_dir(
     )
     val_losses = [r.val_loss for r in rows if r.val_loss is not None]
     return make_record(
-        run_id=run_id or run.name, router=router, model=flavour.name, config=config, log_rows=rows,
+        run_id=run_id or default_run_id(run), router=router, model=flavour.name, config=config, log_rows=rows,
         efficiency=efficiency, lm_eval_results=lm_eval_results,
         validation_loss=float(val_losses[-1]) if val_losses else None,
         environment=environment or environment_info(num_processes=world_size), experiment_name=run.name,
