@@ -49,7 +49,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from repro.errors import ReproError
+from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
 from repro.study import Run, Study, check_out_dir, claim, run_study
 
@@ -450,7 +450,7 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     runs = [RunSpec(name, name) for name in names] + [_variant(v) for v in args.variant]
     for run in runs:
         if run.router not in experiment_routers():
-            raise ReproError(f"--variant {run.label}: unknown router '{run.router}'; valid: {', '.join(everyone)}")
+            raise ReproError(f"--variant {run.label}: {unknown_name('router', run.router, everyone)}")
     runs = resolve_init_from(args.init_from, runs)
     formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     try:

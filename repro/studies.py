@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.cli import COMMANDS
-from repro.errors import ReproError
+from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
 from repro.study import Run, Study, run_study
 
@@ -37,6 +37,8 @@ def pick(text: str, valid: Sequence[str], flag: str, what: str) -> tuple[str, ..
     """``all`` or a comma-separated list of names out of ``valid`` (ReproError naming the unknown ones)."""
     names = tuple(valid) if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
     unknown = [n for n in names if n not in valid]
+    if len(unknown) == 1:
+        raise ReproError(f"{flag}: {unknown_name(what, unknown[0], valid)}")
     if unknown or not names:
         raise ReproError(f"{flag}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
     return names
@@ -161,7 +163,7 @@ def main(argv: list[str], prog: str = "python -m repro study") -> int:
 
         return int(importlib.import_module(ALIASES[name][0]).main(rest, prog=f"{prog} {name}") or 0)
     if name not in SWEEPS:
-        raise ReproError(f"unknown study '{name}'; valid: {', '.join(every)}")
+        raise ReproError(unknown_name("study", name, every))
     sweep = SWEEPS[name]
     p = argparse.ArgumentParser(prog=f"{prog} {name}", description=sweep.help)
     p.add_argument("--router", default="", help=f"comma-separated routers, or all (default {','.join(sweep.routers)})")

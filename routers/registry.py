@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import importlib
 import warnings
@@ -90,7 +91,9 @@ def router_class(name: str) -> type[Router]:
     try:
         return _REGISTRY[name]
     except KeyError:
-        raise ValueError(f"unknown router '{name}'; available: {', '.join(sorted(_REGISTRY))}") from None
+        close = difflib.get_close_matches(name, list(_REGISTRY), n=1, cutoff=0.6)
+        hint = f"; did you mean '{close[0]}'?" if close else ";"
+        raise ValueError(f"unknown router '{name}'{hint} available: {', '.join(sorted(_REGISTRY))}") from None
 
 
 def build_router(name: str, *, hidden_size: int, num_experts: int, top_k: int = 1, **options) -> Router:

@@ -104,6 +104,22 @@ def test_sigterm_checkpoints_the_step_reached_and_the_resume_matches(uninterrupt
     _same_rows(_read_log(out), uninterrupted, exact=True)  # fp32 on CPU: bit for bit
 
 
+def test_ctrl_c_stops_like_sigterm_and_exits_130(tmp_path):
+    """SIGINT (Ctrl-C) checkpoints the step reached and says how to resume, with no traceback; exit 130."""
+    from repro.training.preemption import EXIT_INTERRUPTED
+
+    out = tmp_path / "run"
+    proc = _start(out, torchrun=False)
+    _wait_for_first_step(proc, out)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_INTERRUPTED, stderr[-3000:]
+    reached = [r["step"] for r in _read_log(out)][-1]
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_{reached:07d}"]
+    assert f"stopped by SIGINT after step {reached}" in stderr and "--resume" in stderr
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
+
+
 def _worker_of_rank(launcher_pid: int, rank: int) -> int:
     children = Path(f"/proc/{launcher_pid}/task/{launcher_pid}/children").read_text().split()
     for pid in map(int, children):

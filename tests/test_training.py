@@ -307,7 +307,8 @@ def test_resume_keeps_the_runs_own_settings_and_reopens_a_finished_run_only_when
     for item in TINY + ["schedule.steps=2"]:
         args += ["--set", item]
     assert main(args + ["--stop-after", "1"]) == 0  # stopped after step 1, before the end
-    capsys.readouterr()
+    assert f"switch-tiny: stopped after step 1 (--stop-after), without a final checkpoint; resume with: python -m " \
+        f"repro train --out {run} --resume" in capsys.readouterr().err
     # The original command with --resume: its --set repeat the run's own values, so nothing changes.
     assert main(args + ["--resume"]) == 0
     err = capsys.readouterr().err
@@ -557,6 +558,13 @@ def test_cli_errors_and_list(tmp_path, capsys):
     assert main(["train", "--experiment", "nope", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: unknown experiment 'nope'; valid:") and "\n" not in err
+    # A near miss names the likely name, for experiments, routers and studies alike.
+    assert main(["train", "--experiment", "dirmoe-tinny", "--out", str(tmp_path)]) == 2
+    assert "unknown experiment 'dirmoe-tinny'; did you mean 'dirmoe-tiny'? valid:" in capsys.readouterr().err
+    assert main(["train", "--experiment", "switch-tiny", "--set", "router.name=dirmo", "--show"]) == 2
+    assert "unknown router 'dirmo'; did you mean 'dirmoe'?" in capsys.readouterr().err
+    assert main(["study", "minii"]) == 2
+    assert "unknown study 'minii'; did you mean 'mini'? valid:" in capsys.readouterr().err
     assert main(["train", "--experiment", "switch-tiny", "--set", "bogus=1", "--out", str(tmp_path)]) == 2
     assert "Key 'bogus' not in 'RunConfig'" in capsys.readouterr().err
     assert main(["train", "--experiment", "switch-tiny", "--show"]) == 0

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from repro.errors import unknown_name
 from repro.model.backends import TorchBackendOptions, resolve_backend
 from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
 from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS, ModelFlavour, get_flavour, refuse_unknown
@@ -242,7 +243,7 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
             raise ValueError(f"flavour '{flavour.name}' is an MoE model and needs a router; "
                              f"available: {', '.join(names)}")
         if router_name not in names:
-            raise ValueError(f"unknown router '{router_name}'; available: {', '.join(names)}")
+            raise ValueError(unknown_name("router", router_name, names))
     elif router_name is not None:
         raise ValueError(f"flavour '{flavour.name}' is dense and takes no router (got '{router_name}')")
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 
 from repro.errors import ReproError
@@ -55,7 +56,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str], prog: str = "python -m repro train") -> int:
     """Run the ``train`` command on ``argv`` (the arguments after ``train``); return the exit status: 0, or 75
-    (``repro.training.preemption.EXIT_STOPPED``) when a signal stopped the run after its checkpoint."""
+    (``repro.training.preemption.EXIT_STOPPED``) when a signal stopped the run after its checkpoint, 130 after
+    Ctrl-C did."""
     from pathlib import Path
 
     from repro.training.config import apply_overrides
@@ -103,15 +105,23 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
     if args.stop_after is not None and args.stop_after < 0:
         raise ReproError(f"--stop-after must be >= 0, got {args.stop_after}")
 
-    from repro.training.preemption import EXIT_STOPPED, RunStopped
+    from repro.training.preemption import EXIT_INTERRUPTED, EXIT_STOPPED, RunStopped
     from repro.training.trainer import train  # imports megatron-core: only when training
 
     try:
         summary = train(config, args.out, resume=args.resume, extend=args.extend, stop_after=args.stop_after,
                         progress=args.progress)
-    except RunStopped:
-        return EXIT_STOPPED  # checkpointed after a signal (a time limit); rank 0 said how to resume
-    if summary.get("stopped_at") is not None or summary.get("finished_before") or int(os.environ.get("RANK", "0")):
+    except RunStopped as stopped:
+        # Checkpointed after a signal (a time limit, Ctrl-C); rank 0 said how to resume.
+        return EXIT_INTERRUPTED if stopped.signal == "SIGINT" else EXIT_STOPPED
+    if int(os.environ.get("RANK", "0")):
+        return 0
+    if summary.get("stopped_at") is not None:
+        print(f"{summary['experiment']}: stopped after step {summary['stopped_at']} (--stop-after), without a final "
+              f"checkpoint; resume with: python -m repro train --out {shlex.quote(str(args.out))} --resume",
+              file=sys.stderr)
+        return 0
+    if summary.get("finished_before"):
         return 0
     from repro.report.store import write_run_record
 

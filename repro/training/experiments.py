@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from repro.errors import ReproError
+from repro.errors import ReproError, unknown_name
 from repro.training.config import (
     MEGATRON_ROUTER,
     CheckpointConfig,
@@ -121,7 +121,7 @@ def get_experiment(name: str) -> RunConfig:
     """The experiment called ``name`` (ReproError listing the valid names for an unknown one)."""
     router, _, scale = name.rpartition("-")
     if scale not in RECIPES or router not in experiment_routers(variants=True):
-        raise ReproError(f"unknown experiment '{name}'; valid: {', '.join(experiment_names())}")
+        raise ReproError(unknown_name("experiment", name, experiment_names()))
     return build_experiment(router, scale)
 
 

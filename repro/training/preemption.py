@@ -1,5 +1,5 @@
 """A cluster's time limit is not a crash: SIGTERM or SIGUSR1 ends the run after the current step, with a
-checkpoint (docs/failures.md). As Megatron-LM's exit-signal handler, the trainer records the signal
+checkpoint (docs/failures.md); so does Ctrl-C (SIGINT; a second Ctrl-C stops at once, without one). As Megatron-LM's exit-signal handler, the trainer records the signal
 (:class:`StopRequest`), agrees with every rank after each step on whether any got one, so all stop after the
 same step, then writes that step's checkpoint, says how to resume and raises :class:`RunStopped`.
 """
@@ -28,6 +28,8 @@ if TYPE_CHECKING:
 #: Exit status of ``python -m repro train`` when a signal stopped the run after writing its checkpoint:
 #: sysexits.h's EX_TEMPFAIL (a process killed by the signal, without a checkpoint, exits 143 = 128 + SIGTERM).
 EXIT_STOPPED = 75
+#: Exit status after Ctrl-C stopped the run with its checkpoint: the shell's 128 + SIGINT, as for any program.
+EXIT_INTERRUPTED = 130
 
 
 class RunStopped(ReproError):
@@ -40,8 +42,8 @@ class RunStopped(ReproError):
         self.signal = signal
 
 
-#: The signals that stop a run cleanly: SLURM's at the time limit, and the usual ``--signal=USR1@...``.
-STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1)
+#: The signals that stop a run cleanly: SLURM's at the time limit, the usual ``--signal=USR1@...``, and Ctrl-C.
+STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
 
 class StopRequest:
@@ -51,7 +53,12 @@ class StopRequest:
         self.signum = 0
 
     def _record(self, signum: int, frame) -> None:  # nothing else, so the step in progress finishes
+        if signum == signal.SIGINT and self.signum == signal.SIGINT:
+            raise KeyboardInterrupt  # Ctrl-C twice: the user will not wait for the step and its checkpoint
         self.signum = self.signum or signum  # the first signal names the stop
+        if signum == signal.SIGINT:
+            print("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once, without one)",
+                  file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
