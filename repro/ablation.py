@@ -47,7 +47,7 @@ import argparse
 import dataclasses
 import json
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +57,7 @@ from repro.report import ablation_tables
 from repro.report.ablation_tables import Hypothesis
 from repro.schema import check_minimums
 from repro.studies import cpu_parser, pick
-from repro.study import Run, Study, run_cost, run_study
+from repro.study import Run, Study, run_cost, run_study, usable_cores
 
 COMMAND = "python -m repro ablation"
 #: The cell every other cell is tested against: DirMoE with the paper's options.
@@ -155,7 +155,8 @@ class AblationConfig:
         data_dir: where the mini-pile is built (or found).
         work_dir: run directories (checkpoints, logs, records).
         out_dir: tables, plots and ``summary.json``.
-        workers: runs trained at once (each one process with one thread).
+        workers: runs trained at once, each one process with one thread (default: the usable cores,
+            :func:`repro.study.usable_cores`).
         final_fraction: the share of the steps at the end of a run whose rows the end-of-run metrics average.
         overrides: extra dot-list overrides applied to every run (after the cell's).
         family: the Holm family of the tables against a reference cell (``table`` or ``column``,
@@ -169,7 +170,7 @@ class AblationConfig:
     data_dir: str = "data/mini-pile"
     work_dir: str = "runs/dirmoe-ablation"
     out_dir: str = "runs/dirmoe-ablation-results"
-    workers: int = 2
+    workers: int = field(default_factory=usable_cores)
     final_fraction: float = 0.1
     overrides: tuple[str, ...] = ()
     family: str = "table"

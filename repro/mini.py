@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,7 @@ from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.schema import check_minimums
 from repro.studies import cpu_parser, pick
-from repro.study import Run, Study, run_cost, run_study
+from repro.study import Run, Study, run_cost, run_study, usable_cores
 from repro.training.config import MEGATRON_ROUTER
 
 if TYPE_CHECKING:
@@ -66,7 +66,8 @@ class MiniConfig:
         data_dir: where the mini-pile is built (or found).
         work_dir: run directories (checkpoints, logs, records).
         out_dir: tables and plots.
-        workers: runs trained at once (each one process with one thread).
+        workers: runs trained at once, each one process with one thread (default: the usable cores,
+            :func:`repro.study.usable_cores`).
         eval_limit: documents per local task (lm-eval's ``limit``; above every local task's size, so nothing is
             cut).
         spec_tokens: held-out tokens per domain for the specialisation analysis.
@@ -85,7 +86,7 @@ class MiniConfig:
     data_dir: str = "data/mini-pile"
     work_dir: str = "runs/mini"
     out_dir: str = "runs/mini-results"
-    workers: int = 2
+    workers: int = field(default_factory=usable_cores)
     eval_limit: int = 300
     spec_tokens: int = 4096
     warmup_rows: int = 2

@@ -24,7 +24,8 @@ def cpu_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentP
     """The options every CPU study shares, their defaults from ``defaults`` (a study's settings)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
-    p.add_argument("--workers", type=int, default=defaults.workers, help="runs trained at once")
+    p.add_argument("--workers", type=int, default=defaults.workers,
+                   help=f"runs trained at once, one thread each (default {defaults.workers}: the usable cores)")
     p.add_argument("--data-dir", default=defaults.data_dir)
     p.add_argument("--work-dir", default=defaults.work_dir)
     p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")

@@ -26,6 +26,15 @@ from repro.errors import ReproError
 from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, read_json, write_json_atomic
 from repro.launch import Launch, torchrun_command
 
+def usable_cores() -> int:
+    """The CPU cores this process may run on (its affinity set: a container's or ``taskset``'s share, not the
+    machine's count); the default lanes of a CPU study, one single-threaded run each."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # no affinity on this platform
+        return max(1, os.cpu_count() or 1)
+
+
 #: The module the CPU workers' fork server imports (multiprocessing's "forkserver"): it imports the rest once.
 WORKER_PRELOAD = "repro.worker_preload"
 

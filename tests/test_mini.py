@@ -143,6 +143,25 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, m
     assert sorted(r.run_id for r in load_records([out / "records"])) == ["dirmoe", "dirmoe-s1", "switch", "switch-s1"]
 
 
+def test_the_tables_do_not_depend_on_the_number_of_workers(comparison, mini_pile):
+    """The same runs trained one at a time give the same zero-shot, validation and routing tables (each run is
+    its own single-threaded process; only timings differ)."""
+    assert mini.main(_argv("switch,dirmoe", mini_pile, comparison, "one-lane", "--workers", "1",
+                           "--work-dir", str(comparison / "one-lane-runs"))) == 0
+    assert mini.main(_argv("switch,dirmoe", mini_pile, comparison, "two-lanes", "--workers", "2")) == 0  # reused
+    for table in ("zero_shot.csv", "validation.csv", "routing.csv"):
+        one, two = (comparison / d / table for d in ("one-lane", "two-lanes"))
+        assert one.read_text() == two.read_text(), table
+
+
+def test_the_default_lanes_are_the_usable_cores(monkeypatch):
+    from repro import study
+
+    monkeypatch.setattr(study.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
+    assert study.usable_cores() == 3
+    assert mini.MiniConfig(runs=("switch",)).workers == 3 and mini.parse(["--runs", "switch"], "mini")[0].workers == 3
+
+
 def test_jobs_start_longest_first_seed_by_seed(tmp_path):
     jobs = [("dense", 0), ("hash", 0), ("dirmoe", 0), ("new", 0), ("dense", 1), ("hash", 1), ("dirmoe", 1)]
     runs = [Run(f"{name}-s{k}", f"{name}-tiny", label=name, wave=k) for name, k in jobs]
