@@ -26,6 +26,7 @@ from repro.errors import ReproError
 from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, read_json, write_json_atomic
 from repro.launch import Launch, torchrun_command
 
+
 def usable_cores() -> int:
     """The CPU cores this process may run on (its affinity set: a container's or ``taskset``'s share, not the
     machine's count); the default lanes of a CPU study, one single-threaded run each."""
