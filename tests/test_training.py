@@ -549,6 +549,20 @@ def test_bad_overrides_are_one_line_errors(assignment, message):
     assert "\n" not in str(info.value)
 
 
+def test_a_run_prints_its_own_lines_only(tmp_path):
+    """megatron-core's notices that do not apply here (Apex absent, the deprecated 'full' CUDA-graph scope, Lory's
+    MoE layer an MLP type megatron does not know) stay off a run's output, in a fresh process as a user runs it."""
+    cmd = [sys.executable, "-m", "repro", "train", "--experiment", "lory-tiny", "--out", str(tmp_path / "run"),
+           "--no-progress"]
+    for item in TINY + ["schedule.steps=2"]:
+        cmd += ["--set", item]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout == ""
+    assert done.stderr.splitlines() == [l for l in done.stderr.splitlines() if l.startswith("lory-tiny: 2 steps")]
+
+
 def test_cli_errors_and_list(tmp_path, capsys):
     from repro.cli import main
 

@@ -18,6 +18,9 @@ TransformerConfig (for FLOPs), ``model.flavour`` the :class:`ModelFlavour` used,
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
+import warnings
 from typing import Any
 
 import torch
@@ -90,7 +93,8 @@ def transformer_config(flavour: str | ModelFlavour, router_name: str | None = No
             moe_grouped_gemm=bool(use_te and _moe_layer_class(router_name) is None),
             moe_permute_fusion=False,
         )
-    return TransformerConfig(**kwargs)
+    # cuda_graph_scope: megatron's default ("full") is its deprecated spelling of [] and warns on every build.
+    return TransformerConfig(**kwargs, cuda_graph_scope=[])
 
 
 def fusions_enabled(backend: str, on_gpu: bool) -> bool:
@@ -188,6 +192,39 @@ def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, op
     return spec
 
 
+class _DropRecords(logging.Filter):
+    """A logging filter that drops the records whose message starts with one of ``prefixes``."""
+
+    def __init__(self, *prefixes: str) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def _quiet_megatron_notices(build):
+    """Build without megatron-core's notices that do not apply to this suite's models: Apex is absent on purpose
+    (torch's norms), and a router's own MoE layer (Lory's) is an MLP type megatron's layer does not know, which it
+    reports on every layer. Warnings and records of any other kind pass."""
+
+    @functools.wraps(build)
+    def quiet(*args, **kwargs):
+        logger = logging.getLogger("megatron.core.transformer.transformer_layer")
+        drop = _DropRecords("Unknown MLP type")
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed",
+                                    category=UserWarning)
+            logger.addFilter(drop)
+            try:
+                return build(*args, **kwargs)
+            finally:
+                logger.removeFilter(drop)
+
+    return quiet
+
+
+@_quiet_megatron_notices
 def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
                 router_options: dict[str, Any] | None = None, vocab_size: int | None = None, *,
                 seq_length: int | None = None, bf16: bool | None = None, backend: str | None = None,
