@@ -561,6 +561,9 @@ def test_a_run_prints_its_own_lines_only(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout == ""
     assert done.stderr.splitlines() == [l for l in done.stderr.splitlines() if l.startswith("lory-tiny: 2 steps")]
+    # The run records every router option's value, its defaults included (Lory's 5% dense start).
+    resolved = json.loads((tmp_path / "run" / "config.json").read_text())["router_options_resolved"]
+    assert resolved["dense_fraction"] == 0.05 and resolved["segment_len"] == 32 and resolved["schedule_steps"] == 2
 
 
 def test_cli_errors_and_list(tmp_path, capsys):
@@ -577,6 +580,12 @@ def test_cli_errors_and_list(tmp_path, capsys):
     assert "unknown experiment 'dirmoe-tinny'; did you mean 'dirmoe-tiny'? valid:" in capsys.readouterr().err
     assert main(["train", "--experiment", "switch-tiny", "--set", "router.name=dirmo", "--show"]) == 2
     assert "unknown router 'dirmo'; did you mean 'dirmoe'?" in capsys.readouterr().err
+    # Every router option's value, defaults included, is shown (and recorded in config.json).
+    assert main(["train", "--experiment", "auxfree-tiny", "--show"]) == 0
+    assert "# router options in effect (router.options over auxfree's defaults):\n#   bias_update_rate: 0.001" in \
+        capsys.readouterr().out
+    assert main(["train", "--experiment", "lory-tiny", "--set", "router.options.segment_len=512", "--show"]) == 2
+    assert "segment_len=512 is above the sequence length 128" in capsys.readouterr().err
     assert main(["study", "minii"]) == 2
     assert "unknown study 'minii'; did you mean 'mini'? valid:" in capsys.readouterr().err
     assert main(["train", "--experiment", "switch-tiny", "--set", "bogus=1", "--out", str(tmp_path)]) == 2

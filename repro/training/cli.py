@@ -99,6 +99,10 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
         from omegaconf import OmegaConf
 
         print(OmegaConf.to_yaml(OmegaConf.structured(config)), end="")
+        effective = config.router_options_in_effect()
+        if effective:
+            print(f"# router options in effect (router.options over {config.router.name}'s defaults):")
+            print("\n".join(f"#   {key}: {value!r}" for key, value in effective.items()))
         return 0
     if not args.out:
         raise ReproError("give --out DIR")

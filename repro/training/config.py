@@ -309,6 +309,28 @@ class RunConfig:
                 options["schedule_steps"] = self.schedule.steps
         return options
 
+    def router_options_in_effect(self) -> dict[str, Any]:
+        """Every option of the run's router with the value it runs with: :meth:`router_options` over the
+        router's own defaults (``{}`` for a dense run; megatron's TopKRouter: its options as given). What
+        ``--show`` prints and ``config.json`` records, so no default is invisible."""
+        name = self.router.name
+        if not name:
+            return {}
+        given = self.router_options()
+        if name == MEGATRON_ROUTER:
+            return given
+        import routers
+
+        defaults = {}
+        for f in dataclasses.fields(routers.router_class(name).Config):
+            if f.name in ("hidden_size", "num_experts", "top_k"):
+                continue
+            if f.default is not dataclasses.MISSING:
+                defaults[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                defaults[f.name] = f.default_factory()
+        return {**defaults, **given}
+
     def model_kwargs(self) -> dict[str, Any]:
         """What training and evaluation hand :func:`repro.model.builder.build_model` besides the vocabulary,
         the sequence length and the precision."""
@@ -433,6 +455,10 @@ def check_router_options(config: RunConfig) -> None:
         cls.Config(hidden_size=flavour.hidden_size, num_experts=flavour.num_experts, top_k=flavour.top_k, **options)
     except (ValueError, TypeError) as exc:
         raise ReproError(f"router '{name}' options {dict(config.router.options)}: {exc}") from None
+    segment = config.router_options_in_effect().get("segment_len")
+    if isinstance(segment, int) and segment > config.seq_length:  # Lory: segments cut each sequence
+        raise ReproError(f"router.options.segment_len={segment} is above the sequence length {config.seq_length}: "
+                         "a segment lies within one sequence (at most the sequence length)")
 
 
 def apply_overrides(config: RunConfig, assignments: Iterable[str]) -> RunConfig:

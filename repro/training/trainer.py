@@ -321,7 +321,8 @@ class Trainer:
         data = self.data
         record = {
             "experiment": self.config.to_dict(),
-            "router_options_resolved": self.config.router_options() if self.config.router.name else {},
+            # Every option's value, the router's defaults included (None where the build fills it: Hash's vocabulary).
+            "router_options_resolved": _plain(self.config.router_options_in_effect()),
             "layout": self.parallel.layout(),
             "num_microbatches": self.num_microbatches,
             "seq_length": self.seq_length,
@@ -478,6 +479,15 @@ def aux_loss_scale_restored() -> Iterator[None]:
         yield
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with tuples as lists and other non-JSON leaves (enums aside, which are str) as their ``str``."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def train(
