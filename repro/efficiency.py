@@ -387,16 +387,9 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     Raises:
         ReproError: a bad argument (one line naming it).
     """
-    import torch
-
-    from repro.training.config import MEGATRON_ROUTER
-    from repro.training.experiments import experiment_routers
-
-    on_gpu = torch.cuda.is_available()
-    everyone = [r for r in experiment_routers() if r != MEGATRON_ROUTER]
     p = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--router", default="all",
-                   help=f"comma-separated routers and dense, or all ({', '.join(everyone)})")
+                   help="comma-separated routers and dense, or all (python -m repro train --list-routers)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ROUTER[,KEY=VALUE...]",
                    help="an extra run of ROUTER with its own overrides, e.g. "
                    "dirmoe-eager=dirmoe,router.options.compile_elementwise=never (repeatable)")
@@ -426,7 +419,14 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
                    help="time from trained checkpoints: DIR holds a run (or checkpoint) per router, DIR/<label> "
                    "or DIR/<router>; LABEL=PATH for one run (repeatable)")
     args = p.parse_args(argv)
+    # torch and the routers only now: --help answers at once.
+    import torch
 
+    from repro.training.config import MEGATRON_ROUTER
+    from repro.training.experiments import experiment_routers
+
+    on_gpu = torch.cuda.is_available()
+    everyone = [r for r in experiment_routers() if r != MEGATRON_ROUTER]
     if "WORLD_SIZE" in os.environ:
         raise ReproError("run python -m repro efficiency without torchrun: it starts torchrun itself for --gpus N > 1")
     for name in ("gpus", "warmup", "iters", "accumulation", "global_batch", "micro_batch", "vocab_size"):

@@ -390,18 +390,19 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
 # ------------------------------------------------------------------------------------------------- main
 def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     """The comparison's settings from the command line, checked before any work; and ``--fresh``."""
-    from repro.training.experiments import experiment_routers
-
-    # Dense, every router, and the routers' declared variants (DirMoE's centred target), labelled as such.
-    every = tuple(r for r in experiment_routers(variants=True) if r not in (DENSE, MEGATRON_ROUTER))
-    every = (DENSE, *every)
-    defaults = MiniConfig(runs=every)
+    defaults = MiniConfig(runs=())
     p = cpu_parser(prog, __doc__.split("\n\n")[0], defaults)
-    p.add_argument("--runs", default="all", help=f"comma-separated dense and router names, or all ({', '.join(every)})")
+    p.add_argument("--runs", default="all", help="comma-separated dense and router names (a router's declared "
+                   "variants too, e.g. dirmoe+centered), or all: dense, every router and every variant")
     p.add_argument("--eval-limit", type=int, default=defaults.eval_limit, help="documents per local task")
     p.add_argument("--seeds", type=int, default=defaults.seeds, help="runs per router with seeds seed, seed+1, ...: "
                    "adds tables over seeds (mean +- 95%% CI, paired tests against switch)")
     args = p.parse_args(argv)
+    # The routers (and so megatron-core) only now: --help answers at once.
+    from repro.training.experiments import experiment_routers
+
+    # Dense, every router, and the routers' declared variants (DirMoE's centred target), labelled as such.
+    every = (DENSE, *(r for r in experiment_routers(variants=True) if r not in (DENSE, MEGATRON_ROUTER)))
     runs = pick(args.runs, every, "--runs", "run")
     for name, value in (
         ("--steps", args.steps), ("--workers", args.workers), ("--eval-limit", args.eval_limit), ("--seeds", args.seeds)

@@ -566,6 +566,21 @@ def test_a_run_prints_its_own_lines_only(tmp_path):
     assert resolved["dense_fraction"] == 0.05 and resolved["segment_len"] == 32 and resolved["schedule_steps"] == 2
 
 
+@pytest.mark.parametrize("command", ["train", "mini", "ablation", "efficiency", "study", "check"])
+def test_help_answers_without_loading_torch(command):
+    """``--help`` parses before any heavy import: no torch, no megatron-core (seconds on a loaded machine)."""
+    code = (
+        "import runpy, sys\n"
+        f"sys.argv = ['repro', {command!r}, '--help']\n"
+        "try:\n    runpy.run_module('repro', run_name='__main__')\nexcept SystemExit:\n    pass\n"
+        "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(REPO)))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "usage:" in done.stdout and done.stdout.strip().endswith("[]"), done.stdout[-500:]
+
+
 def test_cli_errors_and_list(tmp_path, capsys):
     from repro.cli import main
 
