@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import importlib
 import sys
+from pathlib import Path
 
-from repro.errors import ReproError
+from repro.errors import ReproError, unknown_name
 
 # name -> (module, function, one-line help)
 COMMANDS: dict[str, tuple[str, str, str]] = {
@@ -36,9 +37,15 @@ def comma_list(text: str) -> list[str]:
     return [item.strip() for item in text.split(",") if item.strip()]
 
 
+def _program() -> str:
+    """How the user called us: ``dirmoe-bench`` (the console script ``pip install`` puts on the PATH) or
+    ``python -m repro``."""
+    return "dirmoe-bench" if Path(sys.argv[0]).name == "dirmoe-bench" else "python -m repro"
+
+
 def _usage() -> str:
     width = max(map(len, COMMANDS))
-    lines = ["usage: python -m repro <command> [options]", "", "commands:"]
+    lines = [f"usage: {_program()} <command> [options]", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
     return "\n".join(lines)
 
@@ -51,12 +58,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:
-        print(f"error: unknown command '{name}'; valid: {', '.join(COMMANDS)}", file=sys.stderr)
+        print(f"error: {unknown_name('command', name, list(COMMANDS))}", file=sys.stderr)
         return 2
     module_name, func_name, _ = COMMANDS[name]
     func = getattr(importlib.import_module(module_name), func_name)
     try:
-        return int(func(rest, prog=f"python -m repro {name}") or 0)
+        return int(func(rest, prog=f"{_program()} {name}") or 0)
     except ReproError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -581,6 +581,16 @@ def test_help_answers_without_loading_torch(command):
     assert "usage:" in done.stdout and done.stdout.strip().endswith("[]"), done.stdout[-500:]
 
 
+def test_the_installed_console_script_names_itself(capsys):
+    """``pip install`` puts ``dirmoe-bench`` on the PATH: the same CLI, its usage and errors under that name."""
+    script = Path(sys.executable).with_name("dirmoe-bench")
+    assert script.is_file(), "the project's console script (pyproject [project.scripts]) is not installed"
+    done = subprocess.run([str(script), "trian"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "unknown command 'trian'; did you mean 'train'?" in done.stderr
+    usage = subprocess.run([str(script)], capture_output=True, text=True, timeout=120).stdout
+    assert usage.startswith("usage: dirmoe-bench <command> [options]")
+
+
 def test_cli_errors_and_list(tmp_path, capsys):
     from repro.cli import main
 
