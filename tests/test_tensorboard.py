@@ -91,3 +91,31 @@ def test_missing_extra_is_one_clear_line(tmp_path, monkeypatch):
     monkeypatch.setattr(tensorboard.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(ReproError, match=r"pip install 'dirmoe-bench\[tensorboard\]'"):
         tensorboard.TensorBoardLog(tmp_path, 1, 2, 0, True)
+
+
+def test_an_unwritable_events_directory_is_one_line_before_the_run_exists(tmp_path, monkeypatch, capsys):
+    """A TensorBoard directory that is a file, lies below a file or under an unwritable directory, or a missing
+    TensorBoard, is refused in one line before the run directory is made: the same command can then be rerun."""
+    from repro.cli import main
+    from repro.training import tensorboard
+
+    base = ["train", "--experiment", "dense-tiny", "--no-progress"]
+    for item in TINY + ["schedule.steps=1"]:
+        base += ["--set", item]
+    (tmp_path / "file").write_text("x")
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    cases = [(tmp_path / "file", "the TensorBoard directory is a file"),
+             (tmp_path / "file" / "tb", f"{tmp_path / 'file'} is a file")]
+    if os.geteuid() != 0:  # root writes anywhere
+        cases.append((locked / "tb", f"{locked} is not writable"))
+    for target, message in cases:
+        run = tmp_path / "run"
+        assert main(base + ["--out", str(run), "--tensorboard", str(target)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and message in err, err
+        assert not run.exists()
+    monkeypatch.setattr(tensorboard.importlib.util, "find_spec", lambda name: None)
+    assert main(base + ["--out", str(tmp_path / "run"), "--tensorboard", str(tmp_path / "tb")]) == 2
+    assert "pip install 'dirmoe-bench[tensorboard]'" in capsys.readouterr().err and not (tmp_path / "run").exists()

@@ -13,6 +13,7 @@ wrote after its checkpoint.
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -99,3 +100,27 @@ def _expert_histogram(writer, tag: str, values: list[float], step: int) -> None:
 def tensorboard_dir(run_root: Path, configured: str | None) -> Path:
     """Where a run writes its events: ``logging.tensorboard_dir`` or ``<run dir>/tensorboard``."""
     return Path(configured) if configured else run_root / "tensorboard"
+
+
+def check_tensorboard(run_root: Path, configured: str | None) -> None:
+    """Refuse, before anything is made, a TensorBoard log that cannot be written: TensorBoard not installed, or
+    an events directory that is a file, lies below a file, or under a directory this user cannot write.
+
+    Raises:
+        ReproError: one line naming the package or the path.
+    """
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ReproError(
+            "logging.tensorboard needs TensorBoard, which is not installed: pip install 'dirmoe-bench[tensorboard]'"
+        )
+    target = tensorboard_dir(run_root, configured)
+    if target.exists() and not target.is_dir():
+        raise ReproError(f"{target}: the TensorBoard directory is a file")
+    ancestor = target
+    while not ancestor.exists():
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ReproError(f"{target}: cannot make the TensorBoard directory: {ancestor} is a file")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ReproError(f"{target}: cannot make the TensorBoard directory: {ancestor} is not writable")
+

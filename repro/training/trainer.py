@@ -527,6 +527,10 @@ def train(
     if not model_parallel.is_initialized():
         os.environ.update(model_parallel.rank_environment(os.environ))
     paths = RunPaths(Path(out_dir))
+    if config is not None and config.logging.tensorboard:  # before the run directory exists (a resume: below)
+        from repro.training.tensorboard import check_tensorboard
+
+        check_tensorboard(paths.root, config.logging.tensorboard_dir)
     with run_lock(paths):
         state = start_state(paths, config, resume, extend)
         if state.finished is not None:
