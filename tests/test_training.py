@@ -350,6 +350,20 @@ def test_seeds_of_one_experiment_trained_by_train_form_a_seed_band(tmp_path, cap
     assert capsys.readouterr().out.startswith("Against 3 seeds: K = 1 number compared")  # the final loss
 
 
+def test_init_from_a_checkpoint_of_another_vocabulary_says_so(tmp_path):
+    from repro.training.trainer import train
+
+    source = tmp_path / "source"
+    train(_experiment("switch", ["schedule.steps=1", "checkpoint.interval=1", "data.vocab_size=300"]), source,
+          progress=False)
+    other = _experiment("switch", ["schedule.steps=1", "data.vocab_size=500", f"checkpoint.init_from={source}"])
+    with pytest.raises(ReproError, match=r"a checkpoint of another vocabulary \(384 embedding rows, padded; this "
+                                         r"model has 512\)"):
+        train(other, tmp_path / "new", progress=False)
+    same = _experiment("switch", ["schedule.steps=1", "data.vocab_size=300", f"checkpoint.init_from={source}"])
+    train(same, tmp_path / "same", progress=False)  # the same vocabulary starts from it
+
+
 def test_resume_without_a_complete_checkpoint_starts_again_from_step_0(tmp_path, capsys):
     from repro.training.trainer import train
 

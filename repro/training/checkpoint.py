@@ -434,6 +434,14 @@ def load_global_state(model: nn.Module, state_global: dict[str, torch.Tensor], p
 
 
 def _load_strict(model: nn.Module, state: dict[str, torch.Tensor], source) -> None:
+    own = model.state_dict()
+    for key in (k for k in state if k.endswith("embedding.word_embeddings.weight") and k in own):
+        if state[key].shape[0] != own[key].shape[0]:  # the likeliest misfit, named as such
+            raise ReproError(
+                f"{source}: a checkpoint of another vocabulary ({state[key].shape[0]} embedding rows, padded; this "
+                f"model has {own[key].shape[0]}): start from a run on the same data and tokenizer (its meta.json's "
+                "experiment.data)"
+            )
     try:
         model.load_state_dict(state, strict=True)
     except RuntimeError as exc:
