@@ -670,6 +670,34 @@ def test_the_seed_check_keeps_its_rate_on_numbers_that_move_in_whole_questions()
         simulated_false_alarm([1.0], [], 3)
 
 
+def test_checks_of_the_committed_seeds_keep_their_rate():
+    """From the committed seed study's own records: a check of each router against its seeds (K = 9 numbers, the
+    three accuracies counted in questions) keeps the stated 5% at 3 and 6 seeds, at the seeds' own spreads and at
+    0.25-2 questions for the accuracies (the rate every such report states)."""
+    from pathlib import Path
+
+    from repro.report.check import STEP_SPREADS, _resolutions, _seed_metrics, simulated_false_alarm
+    from repro.report.store import load_records
+
+    records = load_records([Path(__file__).resolve().parents[1] / "results" / "mini-seeds" / "records"])
+    by_experiment: dict[str, list] = {}
+    for record in records:
+        by_experiment.setdefault(record.experiment.name, []).append(record)
+    assert len(by_experiment) == 10 and all(len(seeds) == 3 for seeds in by_experiment.values())
+    limit = 0.05 + 3 * (0.05 * 0.95 / 20_000) ** 0.5
+    for name, seeds in by_experiment.items():
+        values = [_seed_metrics(r) for r in seeds]
+        steps = _resolutions(seeds[0])
+        names = list(values[0])
+        spreads = [statistics.stdev(v[k] for v in values) for k in names]
+        resolutions = [steps.get(k, 0.0) for k in names]
+        assert len(names) == 9 and sum(r > 0 for r in resolutions) == 3, name
+        for n in (3, 6):
+            for q in (None, *STEP_SPREADS):
+                trial = spreads if q is None else [q * r if r else sd for sd, r in zip(spreads, resolutions)]
+                assert simulated_false_alarm(trial, resolutions, n, draws=20_000) <= limit, (name, n, q)
+
+
 def test_efficiency_caption_names_the_flops_count_and_the_start_step(tmp_path):
     switch, dirmoe = _record("t-switch", "switch"), _record("t-dirmoe", "dirmoe", active=(1.25, 1.25))
     assert switch.efficiency.flops_attention == "causal"

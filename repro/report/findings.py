@@ -192,8 +192,10 @@ def _first_seed_source(directory: Path, per_seed: dict[str, dict[str, list]]) ->
     if theirs and all(theirs.get(r) == v for r, v in first.items()):
         return ("The first seed's runs are those of [`results/mini`](../mini/README.md) (same settings and seed; "
                 "every router's held-out loss agrees to the last digit), whose per-run tables are theirs.")
-    return ("The first seed's runs are this study's own: they do not match [`results/mini`](../mini/README.md)'s "
-            "held-out losses, so its per-run tables describe other runs.")
+    differ = ", ".join(f"{r} {num(v, '.4f')} against {num(theirs[r], '.4f')}" for r, v in first.items() if r in theirs)
+    return ("The first seed's runs are this study's own, trained with the same settings and seeds as "
+            "[`results/mini`](../mini/README.md)'s but not equal to them (held-out loss here against there: "
+            f"{differ or 'no runs in common'}); this directory's per-run tables are its first seed's.")
 
 
 #: Seed counts at which the mini comparison's power is stated, and the one ``nox -s mini-power`` runs.
