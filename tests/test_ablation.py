@@ -363,12 +363,14 @@ def test_an_output_directory_of_another_command_is_refused_before_any_work(sessi
 def test_bad_arguments_are_one_line_errors(capsys):
     from repro.cli import main as cli_main
 
-    with pytest.raises(ReproError, match=r"--cells: unknown cell\(s\) nope; valid: paper, recon-centered, ") as exc:
+    with pytest.raises(ReproError, match=r"--cells: unknown cell 'nope'; valid: paper, recon-centered, ") as exc:
         ablation.main(["--cells", "paper,nope"])
     assert "\n" not in str(exc.value) and "switch-no-balance" in str(exc.value)
     assert cli_main(["ablation", "--cells", "nope"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: --cells: unknown cell(s) nope; valid: paper,") and "\n" not in err
+    assert err.startswith("error: --cells: unknown cell 'nope'; valid: paper,") and "\n" not in err
+    assert cli_main(["ablation", "--cells", "papr"]) == 2
+    assert "unknown cell 'papr'; did you mean 'paper'?" in capsys.readouterr().err
     with pytest.raises(ReproError, match="--seeds: expected comma-separated integers"):
         ablation.main(["--seeds", "1,x"])
     with pytest.raises(ReproError, match="seeds must be distinct"):

@@ -170,7 +170,7 @@ def test_builder_argument_errors():
         tiny(None)
     with pytest.raises(ValueError, match="dense"):
         tiny("switch", flavour="tiny-dense")
-    with pytest.raises(ValueError, match="available: megatron, .*switch"):
+    with pytest.raises(ValueError, match="unknown router 'nope'; valid: megatron, .*switch"):
         tiny("nope")
     with pytest.raises(ValueError, match="pass vocab_size"):
         build_model("tiny", "switch")
