@@ -1,7 +1,7 @@
 """Several runs trained in one process, one step of each in turn: the timing that pins a ratio between routers.
 
-Timed in separate processes, two routers' step times differ by the processes as much as by the routers (on one
-H100 Switch's median moved ~6% from one process to the next, docs/efficiency.md). Here every run's model, optimizer
+Timed in separate processes, two routers' step times differ by the processes as much as by the routers (what one
+H100 showed: docs/efficiency.md). Here every run's model, optimizer
 and data are resident together and :func:`train_interleaved` steps them round by round, so a round's steps
 share the machine's state and their ratio carries the routers' difference alone:
 
