@@ -1,11 +1,7 @@
 """DirMoE's options (:class:`DirMoEConfig`): the paper's routing table, and the gaps and inconsistencies of the
 paper closed with documented, switchable defaults (the numbered list below, with the evidence for each).
 
-Evidence cited as "measured" comes from 600-step runs of the ``tiny`` flavour on the embedded mini-pile,
-``python -m repro train --experiment dirmoe-tiny --set schedule.steps=600 --set router.options.NAME=VALUE``
-(single seed unless noted). "Imbalance a/b" is the load imbalance (max / mean tokens per expert) of layer 1 /
-layer 2 at the end of the run; Switch's is 2.7 in the same comparison, the default DirMoE's 6.5 (layer 2
-sends ~100% of its tokens to one expert).
+The measurements behind the numbered defaults are in docs/routers.md, "DirMoE's gaps: what was measured".
 
 Gaps and inconsistencies in the paper, and the switchable defaults chosen here
 ---------------------------------------------------------------------------------
@@ -29,7 +25,7 @@ Gaps and inconsistencies in the paper, and the switchable defaults chosen here
      expectation and a fallback share of ``(1 - k/E)^E`` (0.34 for E = 8, k = 1). At z_threshold = 1/2 it is
      ``logit(k/E)``, the hard spike's prior inclusion rate pi = k/E.
 
-   Measured: the gate-bias init is not what makes the default collapse (gap 9).
+   Evidence: docs/routers.md, "DirMoE's gaps: what was measured".
 
 2. **Dispatch rule** (``dispatch``, ``dense_steps``, ``z_threshold``, ``max_experts_per_token``,
    ``renormalize``). The paper mixes all E experts (``y = sum_i r_i E_i(x)``) but trains with dropless
@@ -63,9 +59,7 @@ Gaps and inconsistencies in the paper, and the switchable defaults chosen here
    routing-weight mass the rule drops, ``mean_t (1 - sum_{i dispatched} r_ti)``, is the metric
    ``dropped_mass``.
 
-   Measured: the dispatch rule does not cause the collapse: ``dispatch=topk`` imbalance 5.3/6.3,
-   ``z_threshold=0.125`` 4.4/6.3 (~1.5 experts per token), all experts mixed densely
-   (``y = sum_i r_i E_i(x)``) collapses onto the same expert, ``renormalize=True`` 6.2/7.4.
+   Evidence: docs/routers.md, "DirMoE's gaps: what was measured".
 
 3. **Reconstruction target detached** (``detach_recon_target``, default True). The paper's ``p(x | r)``
    treats x as data, as in an ordinary VAE. Here x is a learned representation: with the target attached,
@@ -90,8 +84,8 @@ Gaps and inconsistencies in the paper, and the switchable defaults chosen here
    ~384 per token per layer at init (~4600 over 12 layers) against an LM loss ~10: it dominates the total
    loss and, under the global grad clip of 1.0, shrinks the LM's updates. ``"mean"`` (per-dimension) is the
    paper's Gaussian decoder with sigma^2 = D, still within the paper's model, and keeps the term O(1).
-   ``"sum"`` restores the paper's literal scale. Measured: ``recon_reduction=sum`` ends at LM loss 6.84
-   against 5.4.
+   ``"sum"`` restores the paper's literal scale (evidence: docs/routers.md, "DirMoE's gaps: what was
+   measured").
 
 6. **Schedule horizons** (``schedule_steps``, default 10 000; ``tau_schedule_steps``). The paper gives end
    points (tau 2.0 -> 0.3 "short", lambda_p 0.5 -> 0.3 "slow exp/cosine") but no horizon or decay rates.
@@ -104,8 +98,8 @@ Gaps and inconsistencies in the paper, and the switchable defaults chosen here
    the temperature schedule "short" (Sec. "Temperature schedule") without a length; the **"short" preset**
    is ``tau_schedule_steps = schedule_steps // 10`` (tau at its end value after the first tenth of the run;
    the tenth is a choice, the paper gives no number), the "full" one ``tau_schedule_steps = None``.
-   Measured: the schedule is not what makes the default collapse: tau held at 2.0 (``tau_end=2.0``) gives
-   imbalance 5.0/7.3. Every schedule value is a pure function of the ``step`` buffer, so a checkpoint
+   Evidence: docs/routers.md, "DirMoE's gaps: what was measured". Every schedule value is a pure function of
+   the ``step`` buffer, so a checkpoint
    restores it exactly.
 
 7. **Small posterior concentrations** (``posterior_alpha_min``, default 1e-3): added to the softplus bases
@@ -118,15 +112,11 @@ Gaps and inconsistencies in the paper, and the switchable defaults chosen here
    ``alpha_lo^(0)``).
 
 9. **Reconstruction target: raw or centred** (``recon_target``, ``recon_mean_momentum``, ``recon_weight``).
-   The paper reconstructs x itself. Measured, the reconstruction term is what collapses the routing:
-   without it (``recon_sigma2=1e9``) imbalance 2.9/2.6 (second seed 2.5/2.5); with all three aux terms off
-   2.7/3.5; KL off (``kl_weight=0``) 3.2/5.5; sparsity off (``sparsity_weight=0``) 4.2/4.1. The mechanism:
-   the router input becomes dominated by a component shared by all tokens (82-85% of its energy by step 100,
-   metric ``input_mean_energy``); every decoder column aligns with that shared mean (metric
-   ``decoder_mean_alignment``), and since r sums to one, reconstructing the mean pulls every token's r
-   towards the best-fitting column, which is also what picks the expert: a codebook collapse. Subtracting
-   the batch mean from the target removed the collapse in two seeds (2.8/2.7 and 3.1/2.2, Switch's level)
-   with no balancing loss and the same LM loss. Options:
+   The paper reconstructs x itself. The reading behind the options: reconstructing a
+   router input dominated by a component all tokens share pulls every token's r towards the decoder column
+   that best fits that mean, which is also what picks the expert (a codebook collapse; metrics
+   ``input_mean_energy`` and ``decoder_mean_alignment``); centring the target removes the shared part.
+   Evidence: docs/routers.md, "DirMoE's gaps: what was measured". Options:
 
    * ``"raw"`` (default, the paper): ``||x_t - g_psi(r_t)||^2``.
    * ``"centered"``: the micro-batch mean removed from the target, ``||(x_t - mean_s x_s) - g_psi(r_t)||^2``
@@ -149,9 +139,8 @@ Gaps and inconsistencies in the paper, and the switchable defaults chosen here
     learned functions (Eq. alpha-q). But only the products ``lambda_q alpha_hi(x)``, ``lambda_q alpha_lo(x)``
     enter the posterior, and ``KL(Dir(alpha_q) || Dir(alpha_p))`` is minimised at ``alpha_q = alpha_p``: the
     heads can and do shrink by lambda_p / lambda_q, undoing the calibration (the Lemma's E[H] depends on the
-    bases' total through ``lambda B``). Measured: within ~50 steps the heads absorb the 40x gap between
-    lambda_q = 20 and lambda_p = 0.5, the Simpson index of theta rises from 0.18 to 0.92, and the sparsity
-    knob no longer sets sparsity during training. The remedy that follows from the equations: make the KL's
+    bases' total through ``lambda B``; evidence: docs/routers.md, "DirMoE's gaps: what was measured"). The
+    remedy that follows from the equations: make the KL's
     optimum the calibrated posterior, i.e. one scale for both. Options:
 
     * ``"free"`` (default, the paper).
@@ -203,14 +192,11 @@ CUDA where inductor has all it needs (Triton, and the host C compiler Triton bui
 gcc or clang) and otherwise runs eager with one warning; on CPU it runs eager; ``"always"`` compiles wherever
 inductor can (a C++ compiler on CPU) and otherwise fails naming what is missing; ``"never"`` is eager everywhere.
 What one call costs in launches and host syncs, compiled and eager, against the other routers: ``python -m repro
-efficiency --profile`` (``results/bench/router_costs.md``). Eager on CPU because compiling did not pay there
-(measured with the two elementwise blocks this region replaced; commands in docs/efficiency.md, runs in
-``results/bench/README.md``): the router alone, forward + backward at T=4096, D=768, went from 83 / 65 ms to
-42 / 50 ms (Switch: 10.7 / 10.3 ms), but at the tiny model's per-layer shape (T=512, D=128) only from 5.0 / 5.3
-to 4.3 / 4.8 ms, and a tiny-model iteration not at all (210 ms eager, 222 ms compiled, Switch 200 ms), while
-compiling costs one to two minutes per process. On a GPU, where the eager maths is a string of small kernels, the
-fusion is expected to pay; ``python -m repro efficiency`` measures it there (docs/efficiency.md, "Efficiency on
-any number of GPUs").
+efficiency --profile`` (``results/bench/router_costs.md``). Eager on CPU because compiling did not pay there:
+at the tiny model's shape a training iteration gained nothing, while compiling costs minutes per process (the
+runs: ``results/bench/README.md``; their commands: docs/efficiency.md, "Router micro-benchmarks"). On a GPU,
+where the eager maths is a string of small kernels, the fusion is expected to pay; ``python -m repro
+efficiency`` measures it there (docs/efficiency.md, "Efficiency on any number of GPUs").
 
 Metrics (all detached; ``[E]`` marks per-expert vectors)
 --------------------------------------------------------
