@@ -67,12 +67,21 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
     return proc.communicate(timeout=60)
 
 
-def _checkpoint_at_the_step_reached(out: Path, stderr: str) -> int:
+def _signalled(out: Path, signum: signal.Signals) -> tuple[int, str]:
+    """A one-process run sent ``signum`` after its first step: its exit status and stderr."""
+    proc = _start(out, torchrun=False)
+    _wait_for_first_step(proc, out)
+    proc.send_signal(signum)
+    _, stderr = proc.communicate(timeout=300)
+    return proc.returncode, stderr
+
+
+def _checkpoint_at_the_step_reached(out: Path, stderr: str, name: str = "SIGTERM") -> int:
     steps = [r["step"] for r in _read_log(out)]
     reached = steps[-1]
     assert steps == list(range(1, reached + 1)) and 1 <= reached < STEPS
     assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_{reached:07d}"]
-    assert f"stopped by SIGTERM after step {reached}" in stderr
+    assert f"stopped by {name} after step {reached}" in stderr
     assert f"resume with: python -m repro train --out {out} --resume" in stderr
     return reached
 
@@ -89,11 +98,8 @@ def _same_rows(resumed: list[dict], full: list[dict], exact: bool) -> None:
 
 def test_sigterm_checkpoints_the_step_reached_and_the_resume_matches(uninterrupted, tmp_path):
     out = tmp_path / "run"
-    proc = _start(out, torchrun=False)
-    _wait_for_first_step(proc, out)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == EXIT_STOPPED, stderr[-3000:]
+    returncode, stderr = _signalled(out, signal.SIGTERM)
+    assert returncode == EXIT_STOPPED, stderr[-3000:]
     _checkpoint_at_the_step_reached(out, stderr)
     assert not (out / "summary.json").exists()
 
@@ -109,14 +115,9 @@ def test_ctrl_c_stops_like_sigterm_and_exits_130(tmp_path):
     from repro.training.preemption import EXIT_INTERRUPTED
 
     out = tmp_path / "run"
-    proc = _start(out, torchrun=False)
-    _wait_for_first_step(proc, out)
-    proc.send_signal(signal.SIGINT)
-    _, stderr = proc.communicate(timeout=300)
-    assert proc.returncode == EXIT_INTERRUPTED, stderr[-3000:]
-    reached = [r["step"] for r in _read_log(out)][-1]
-    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == [f"step_{reached:07d}"]
-    assert f"stopped by SIGINT after step {reached}" in stderr and "--resume" in stderr
+    returncode, stderr = _signalled(out, signal.SIGINT)
+    assert returncode == EXIT_INTERRUPTED, stderr[-3000:]
+    _checkpoint_at_the_step_reached(out, stderr, "SIGINT")
     assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr
 
 
