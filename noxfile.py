@@ -27,6 +27,7 @@ import nox
 # The command builders live in the package (stdlib + packaging only, so nox's own interpreter can import them).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from repro import wheelhouse as wh  # noqa: E402
+from repro.studies import registry as studies  # noqa: E402
 
 nox.options.reuse_existing_virtualenvs = True
 nox.options.default_venv_backend = "venv"
@@ -49,8 +50,8 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
     if wheelhouse:
         session.install(*wh.install_args(wheelhouse, spec))
         return
-    # pip byte-compiles what it installs one file at a time (~60 of ~100 s on 2 cores); compileall on every core
-    # does the same in ~25 s. Compiled ahead, not on import: where PYTHONDONTWRITEBYTECODE is set, every process
+    # pip byte-compiles what it installs one file at a time, most of the install; compileall on every core does the
+    # same in a fraction of that. Compiled ahead, not on import: where PYTHONDONTWRITEBYTECODE is set, every process
     # would compile what it imports again.
     if not _has_gpu():
         session.install("--no-compile", CPU_TORCH)
@@ -115,8 +116,8 @@ def bench(session: nox.Session) -> None:
         *session.posargs,
         env=OFFLINE_ENV,
     )
-    session.run("python", "-m", "repro", "bench-table", "results/bench/routers.json", env=OFFLINE_ENV)
-    session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
+    session.run("python", "-m", "repro", "report", "bench", "results/bench/routers.json", env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
 
 @nox.session
@@ -128,12 +129,12 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def mini(session: nox.Session) -> None:
-    """The main job on the embedded default: every router and dense on CPU, lm-eval, tables and plots (~12 min on 2 cores)."""
+    """The main job on the embedded default: every router and dense on CPU, lm-eval, tables and plots."""
     _install(session)
     # The committed tables: told explicitly (a command's own default output is under runs/).
     out = [] if "--out" in session.posargs else ["--out", "results/mini"]
-    session.run("python", "-m", "repro", "mini", *out, *session.posargs, env=OFFLINE_ENV)
-    session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
+    session.run("python", "-m", "repro", "study", "mini", *out, *session.posargs, env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
 
 @nox.session(name="mini-power")
@@ -141,9 +142,9 @@ def mini_power(session: nox.Session) -> None:
     """The main job over 10 seeds, for 80% power at the held-out differences the 3-seed study shows (its cost and
     the power at 3, 6 and 10 seeds: results/mini-seeds/README.md); tables in results/mini-power/."""
     _install(session)
-    session.run("python", "-m", "repro", "mini", "--seeds", "10", "--out", "results/mini-power", *session.posargs,
+    session.run("python", "-m", "repro", "study", "mini", "--seeds", "10", "--out", "results/mini-power", *session.posargs,
                 env=OFFLINE_ENV)
-    session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)
 
 
 @nox.session(name="dirmoe-ablation")
@@ -152,8 +153,8 @@ def dirmoe_ablation(session: nox.Session) -> None:
     tables and plots in results/dirmoe-ablation/ (cost: results/dirmoe-ablation/README.md)."""
     _install(session)
     out = [] if "--out" in session.posargs else ["--out", "results/dirmoe-ablation"]
-    session.run("python", "-m", "repro", "ablation", *out, *session.posargs, env=OFFLINE_ENV)
-    session.run("python", "-m", "repro", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
+    session.run("python", "-m", "repro", "study", "ablation", *out, *session.posargs, env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
 
 @nox.session(name="mini-pile")
@@ -174,7 +175,7 @@ def train(session: nox.Session) -> None:
 def check(session: nox.Session) -> None:
     """Regression check: nox -s check -- RUN_OR_DIR --against published|PREVIOUS_RUN."""
     _install(session)
-    session.run("python", "-m", "repro", "check", *session.posargs, env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "report", "check", *session.posargs, env=OFFLINE_ENV)
 
 
 # ------------------------------------------------------------------------------------ offline installs
@@ -286,51 +287,27 @@ def _study(session: nox.Session, name: str, *args: str, extras: str = "") -> Non
     session.run("python", "-m", "repro", "study", name, *args, *rest, env=OFFLINE_ENV)
 
 
-@nox.session(name="pile-185m")
-def pile_185m(session: nox.Session) -> None:
-    """LLaMA-185M, E=8, k=1 on The Pile with the papers' settings (60k steps, 30B tokens), then zero-shot lm-eval:
-    nox -s pile-185m -- --router dirmoe --data PREFIX --gpus 8 (--router all: every router and dense)."""
-    _study(session, "pile-185m", extras="eval")
-
-
 @nox.session(name="efficiency-185m")
 def efficiency_185m(session: nox.Session) -> None:
     """Iteration time and TFLOP/s of every router and dense, LLaMA-185M on synthetic tokens at the papers' per-GPU
     batch, with the published rows, on one node: nox -s efficiency-185m -- [--wheelhouse DIR] [--extras gpu]
-    [--gpus 8] [--router dirmoe,switch] [--out DIR] (the other options: python -m repro efficiency --help)."""
+    [--gpus 8] [--router dirmoe,switch] [--out DIR] (the other options: python -m repro study efficiency --help)."""
     _study(session, "efficiency", "--flavour", "llama-185m", "--published")
 
 
-@nox.session(name="sweep-k")
-@nox.parametrize("k", [1, 2, 4])
-def sweep_k(session: nox.Session, k: int) -> None:
-    """Active experts k in {1, 2, 4}, E=8 (the DirMoE paper's scalability figure: --router dirmoe,switch by default), 10k steps."""
-    _study(session, "sweep-k", "--values", str(k))
+def _sweep_session(sweep: studies.Sweep):
+    """The nox session of a registered sweep: one session per value of its key (``nox -s NAME-<value>``)."""
+
+    def run(session: nox.Session, value: object = None) -> None:
+        _study(session, sweep.name, *([] if value is None else ["--values", str(value)]),
+               extras="eval" if sweep.evaluate else "")
+
+    run.__doc__ = f"{sweep.help} (python -m repro study {sweep.name} --help: its options)"
+    if sweep.key:
+        run = nox.parametrize("value", list(sweep.values), ids=[str(v) for v in sweep.values])(run)
+    return nox.session(name=sweep.name)(run)
 
 
-@nox.session(name="sweep-E")
-@nox.parametrize("experts", [8, 16, 32])
-def sweep_experts(session: nox.Session, experts: int) -> None:
-    """Number of experts E in {8, 16, 32} at k=1 (the paper's scalability figure: --router dirmoe,switch by default), 10k steps."""
-    _study(session, "sweep-E", "--values", str(experts))
-
-
-@nox.session(name="sweep-dirmoe-sparsity")
-@nox.parametrize("sparsity_weight", [0.0, 0.001, 0.01, 0.1])
-def sweep_dirmoe_sparsity(session: nox.Session, sparsity_weight: float) -> None:
-    """DirMoE's expected-k penalty lambda_sparsity (option sparsity_weight) in {0, 1e-3, 1e-2, 1e-1}, 10k steps."""
-    _study(session, "sweep-dirmoe-sparsity", "--values", str(sparsity_weight))
-
-
-@nox.session(name="sweep-dirmoe-m")
-@nox.parametrize("m", [0.7, 0.8, 0.85, 0.9, 0.95])
-def sweep_dirmoe_m(session: nox.Session, m: float) -> None:
-    """DirMoE's prior mean mass m (option prior_mass) on the active experts (paper's m x lambda_sparsity heatmap), 10k steps."""
-    _study(session, "sweep-dirmoe-m", "--values", str(m))
-
-
-@nox.session(name="sweep-dirmoe-recon")
-@nox.parametrize("recon_target", ["raw", "centered"])
-def sweep_dirmoe_recon(session: nox.Session, recon_target: str) -> None:
-    """DirMoE's reconstruction target (option recon_target) raw (the paper) or centered (the ablation's remedy), 10k steps."""
-    _study(session, "sweep-dirmoe-recon", "--values", recon_target)
+# One session per registered sweep (pile-185m and the sweeps), from the registry itself.
+for _sweep in studies.SWEEPS.values():
+    globals()[_sweep.name.replace("-", "_")] = _sweep_session(_sweep)

@@ -29,10 +29,10 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from repro.efficiency import EfficiencyPlan, RunSpec, _variant
-from repro.report.efficiency import write_command_outputs
-from repro.report.store import load_record, record_from_run_dir, write_record
-from repro.training.log import read_rows, timed_rows
+from repro.records.step_log import read_rows, timed_rows
+from repro.records.store import load_record, record_from_run_dir, write_record
+from repro.studies.efficiency import EfficiencyPlan, RunSpec, _variant
+from repro.studies.efficiency_report import write_command_outputs
 from repro.training.trace import summarize
 
 #: The command each call ran (benchmarks/gpu_measure.sh's efficiency phase; the router list was cut for calls
@@ -193,7 +193,7 @@ def _readme(out: Path, calls: int, summary: dict | None, by_call: list[tuple[int
     where = (f"`efficiency/` holds the table ([efficiency.md](efficiency/efficiency.md)), the run records and "
              f"`summary.json` (each run's `call`): {setting}, {ITERS} iterations measured. A run of a call that hit "
              "its time limit keeps the iterations it logged." if summary else
-             f"{setting}; each repeat (`call<N>/repeat<i>-*`) is one `python -m repro efficiency --router "
+             f"{setting}; each repeat (`call<N>/repeat<i>-*`) is one `python -m repro study efficiency --router "
              "switch,dirmoe --iters 20`.")
     lines += [
         "",
@@ -247,7 +247,7 @@ def _readme(out: Path, calls: int, summary: dict | None, by_call: list[tuple[int
         lines += [
             "## Where a step's time goes (torch profiler, one step each)",
             "",
-            "`python -m repro efficiency --router switch,dirmoe --warmup 3 --iters 2 --set logging.trace_step=5`: "
+            "`python -m repro study efficiency --router switch,dirmoe --warmup 3 --iters 2 --set logging.trace_step=5`: "
             "step 5 (no routing metrics) recorded by `repro/training/trace.py`; figures recomputed from the "
             "Chrome traces by its `summarize`. The profiler slows the host side of the step it records.",
             "",

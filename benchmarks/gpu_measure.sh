@@ -2,7 +2,7 @@
 # Everything issue-sized that needs a GPU, in one call of at most 600 s on a bare GPU machine (one H100 or H200):
 #
 #   pytest     the GPU tests, first: a timing of wrong results is worth nothing, and a call cut short keeps them;
-#   interleave Switch and DirMoE at LLaMA-185M stepped in turn in one process (python -m repro efficiency's
+#   interleave Switch and DirMoE at LLaMA-185M stepped in turn in one process (python -m repro study efficiency's
 #              default on one device): the ratio with its 95% interval, each router's step traced once
 #              (device busy against the step's span, the routers' kernels and device time);
 #   levers     Switch with each lever of the device-bound step (micro-batch 32 x 2, foreach optimizer
@@ -84,7 +84,7 @@ TAIL=14 phase pytest "${PYTEST_LIMIT:-170}" $PY -m pytest -m gpu -q -p no:cachep
 set +f
 
 # The last warm-up step is traced (its own step only: repro/training/interleave.py), so no measured step is slowed.
-EFF="$PY -m repro efficiency"
+EFF="$PY -m repro study efficiency"
 phase interleave "${INTERLEAVE_LIMIT:-210}" $EFF ${INTERLEAVE_ARGS:---router switch,dirmoe --warmup 20 --iters 150 \
   --set logging.trace_step=20} --out "$W/interleave"
 ALL="data.micro_batch_size=32,optimizer.foreach_fallbacks=true,model.fused_cross_entropy=cce"

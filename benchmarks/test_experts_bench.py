@@ -33,9 +33,9 @@ def _experts(impl: str):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 
+    from repro.flavours import get_flavour
     from repro.model.backends import TorchBackendOptions
     from repro.model.builder import transformer_config
-    from repro.model.flavours import get_flavour
     from repro.model.torch_backend import TorchGroupedMLP
 
     flavour = get_flavour("tiny", hidden_size=H, ffn_hidden_size=F, num_experts=E, num_attention_heads=8, num_query_groups=4)

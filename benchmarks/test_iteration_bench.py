@@ -2,13 +2,13 @@
 
 One optimizer step of the trainer (``Trainer.train_step``: every micro-batch's forward and backward, gradient
 clipping, the optimizer step and the step's metrics) on the efficiency command's configuration
-(``repro.efficiency.efficiency_config``: synthetic tokens, the recipe's micro-batch, no checkpoints): LLaMA-185M
+(``repro.studies.efficiency.efficiency_config``: synthetic tokens, the recipe's micro-batch, no checkpoints): LLaMA-185M
 with micro-batch 16 x 4 accumulation steps of 1024 tokens at GPT-2's vocabulary where CUDA is available; on CPU
 the ``tiny`` flavour (micro-batch 4 x 2 of 128) at the mini-pile tokenizer's vocabulary, 8192, as the suite
 trains it (at GPT-2's 50257 its output layer would be most of the iteration).
 
 * ``test_training_iteration[...]``: dense, Switch, DirMoE eager and DirMoE compiled (one region),
-  one model at a time; ``python -m repro bench-table`` shows each over Switch ("x switch").
+  one model at a time; ``python -m repro report bench`` shows each over Switch ("x switch").
 * ``test_dirmoe_over_switch_interleaved``: Switch and DirMoE (default options) built side by side and stepped
   in turn, so a change in the machine's load hits both alike; the median ratio is in the benchmark's
   ``extra_info["dirmoe_over_switch"]`` (the DirMoE paper measured 437.3 / 431.5 = 1.013 on H100s). Two DirMoE
@@ -67,8 +67,8 @@ def _trainers(runs: dict[str, tuple[str, tuple[str, ...]]], tmp_path, rounds: in
     one megatron parallel state."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
-    from repro.efficiency import efficiency_config
     from repro.model.parallel import destroy_distributed, init_distributed
+    from repro.studies.efficiency import efficiency_config
     from repro.training.run_dir import RunPaths
     from repro.training.trainer import Trainer
 
@@ -151,7 +151,7 @@ def _aside_hook(label: str, switch) -> Callable:
 def test_dirmoe_over_switch_interleaved(benchmark, request, tmp_path):
     from pytest_benchmark.utils import load_timer
 
-    from repro.report.stats import mean_ci
+    from repro.stats import mean_ci
     from routers import routers_in
     from routers.dirmoe_blocks import inductor_available
 

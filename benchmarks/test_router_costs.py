@@ -1,5 +1,5 @@
-"""Launch and sync targets of one router call on a step that does not log (``python -m repro efficiency
---profile`` counts them: :mod:`repro.report.costs`), as benchmarks: T=1024, D=128, E=8, k=1, forward + backward.
+"""Launch and sync targets of one router call on a step that does not log (``python -m repro study efficiency
+--profile`` counts them: :mod:`repro.studies.router_costs`), as benchmarks: T=1024, D=128, E=8, k=1, forward + backward.
 
 - DirMoE compiled (one region) launches at most 1.5x Switch's per call, eager at most 2.5x (launches = ATen ops
   outside compiled regions + the kernels the regions run: the proxy for GPU kernel launches; a region compiled
@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 
 import routers
-from repro.report.costs import profile_router
+from repro.studies.router_costs import profile_router
 
 #: DirMoE's run -> (options, most launches per call as a multiple of Switch's).
 DIRMOE_TARGETS = {"compiled": ({"compile_elementwise": "always"}, 1.5), "eager": ({"compile_elementwise": "never"}, 2.5)}

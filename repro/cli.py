@@ -1,7 +1,7 @@
-"""``python -m repro <command> ...``: one entry point, each command in its own module.
+"""``python -m repro <command> [<subcommand>] ...``: seven commands, each in its own module.
 
-Commands are imported only when chosen, so ``python -m repro tables`` does not import megatron-core.
-Each command module exposes ``main(argv: list[str], prog: str) -> int``. A :class:`ReproError`
+Commands are imported only when chosen, so ``python -m repro report tables`` does not import megatron-core.
+Each command module exposes a function ``(argv: list[str], prog: str) -> int``. A :class:`ReproError`
 (bad input) is printed as one line, ``error: ...``, with exit status 2.
 """
 
@@ -13,28 +13,33 @@ from pathlib import Path
 
 from repro.errors import ReproError, unknown_name
 
-# name -> (module, function, one-line help)
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "train": ("repro.training.cli", "main", "train one experiment on megatron-core"),
-    "data": ("repro.data.cli", "main", "build the mini-pile / tokenize Pile shards into indexed datasets"),
-    "eval": ("repro.evaluation.cli", "main", "zero-shot evaluation of a checkpoint through lm-eval"),
-    "eval-data": ("repro.evaluation.data_cli", "main", "fetch (online) or check the datasets of lm-eval's tasks for eval --tasks-data"),
-    "tables": ("repro.report.cli", "tables_main", "build the zero-shot and efficiency tables from run records"),
-    "check": ("repro.report.cli", "check_main", "regression-check a run against published numbers or a run"),
-    "writeup": ("repro.report.writeup", "main", "write results/<study>/README.md and the README's result blocks from the results files"),
-    "study": ("repro.studies", "main", "run a study by name (--list: mini, ablation, efficiency, the sweeps)"),
-    "mini": ("repro.mini", "main", "the whole comparison on the embedded default (CPU)"),
-    "ablation": ("repro.ablation", "main", "why DirMoE's routing collapses: its readings and remedies over seeds (CPU)"),
-    "bench-table": ("repro.report.bench_table", "main", "summarise a pytest-benchmark JSON as a table"),
-    "golden": ("repro.golden", "main", "compare fresh runs with the golden loss curves (or --refresh them)"),
-    "launch": ("repro.launch", "main", "print the torchrun command or SLURM script for N nodes x G GPUs"),
-    "efficiency": ("repro.efficiency", "main", "iteration time and TFLOP/s of every router and dense on 1..N GPUs"),
+#: ``module:function`` and one line of help
+Entry = tuple[str, str]
+
+#: name -> an entry, or for a command with subcommands, subcommand -> entry
+COMMANDS: dict[str, Entry | dict[str, Entry]] = {
+    "train": ("repro.training.cli:main", "train one experiment on megatron-core"),
+    "data": ("repro.data.cli:main", "build the mini-pile / tokenize Pile shards into indexed datasets"),
+    "eval": {
+        "run": ("repro.evaluation.cli:main", "zero-shot evaluation of a checkpoint through lm-eval"),
+        "fetch": ("repro.evaluation.data_cli:fetch_main", "download lm-eval tasks' datasets for --tasks-data (online)"),
+        "check": ("repro.evaluation.data_cli:check_main", "check offline that a task-data folder is complete"),
+    },
+    "study": ("repro.studies.registry:main", "run a study by name: mini, ablation, efficiency, the sweeps (--list)"),
+    "report": {
+        "tables": ("repro.report.cli:tables_main", "build the zero-shot and efficiency tables from run records"),
+        "check": ("repro.report.cli:check_main", "regression-check a run against published numbers or runs"),
+        "bench": ("repro.report.bench_table:main", "summarise a pytest-benchmark JSON as a table"),
+        "writeup": ("repro.report.writeup:main", "write results/<study>/README.md and the README's result blocks"),
+    },
+    "launch": ("repro.launch:main", "print the torchrun command or SLURM script for N nodes x G GPUs"),
+    "golden": ("repro.golden:main", "compare fresh runs with the golden loss curves (or --refresh them)"),
 }
 
-
-def comma_list(text: str) -> list[str]:
-    """An argparse type: ``"a, b,,c"`` -> ``["a", "b", "c"]`` (for task, format and router lists)."""
-    return [item.strip() for item in text.split(",") if item.strip()]
+#: The commands of earlier versions, and what they are now (one line on use, never run silently).
+MOVED = {"mini": "study mini", "ablation": "study ablation", "efficiency": "study efficiency",
+         "tables": "report tables", "check": "report check", "writeup": "report writeup",
+         "bench-table": "report bench", "eval-data": "eval fetch | eval check"}
 
 
 def _program() -> str:
@@ -43,27 +48,51 @@ def _program() -> str:
     return "dirmoe-bench" if Path(sys.argv[0]).name == "dirmoe-bench" else "python -m repro"
 
 
-def _usage() -> str:
-    width = max(map(len, COMMANDS))
-    lines = [f"usage: {_program()} <command> [options]", "", "commands:"]
-    lines += [f"  {name:<{width}}  {help_}" for name, (_, _, help_) in COMMANDS.items()]
-    return "\n".join(lines)
+def _usage(table: dict, prog: str) -> str:
+    rows = [(f"{name} {sub}" if sub else name, help_) for name, entry in table.items()
+            for sub, (_, help_) in (entry.items() if isinstance(entry, dict) else [("", entry)])]
+    width = max(len(r[0]) for r in rows)
+    return "\n".join([f"usage: {prog} <command> [options]", "", "commands:",
+                      *(f"  {name:<{width}}  {help_}" for name, help_ in rows)])
+
+
+def resolve(argv: list[str]) -> tuple[Entry, str, list[str]]:
+    """The entry ``argv`` names, the words that named it, and the arguments left for it.
+
+    Raises:
+        ReproError: an unknown command or subcommand (with the valid ones), or a command of an earlier version.
+    """
+    name = argv[0]
+    if name in MOVED:
+        raise ReproError(f"'{name}' is now '{MOVED[name]}'")
+    if name not in COMMANDS:
+        raise ReproError(unknown_name("command", name, list(COMMANDS)))
+    entry = COMMANDS[name]
+    if not isinstance(entry, dict):
+        return entry, name, argv[1:]
+    if name == "eval" and len(argv) > 1 and argv[1].startswith("-"):
+        return entry["run"], "eval run", argv[1:]  # `eval --checkpoint ...`: the evaluation itself
+    if len(argv) == 1 or argv[1] not in entry:
+        raise ReproError(unknown_name(f"'{name}' subcommand", argv[1] if len(argv) > 1 else "", list(entry)))
+    return entry[argv[1]], f"{name} {argv[1]}", argv[2:]
 
 
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to a command. Returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    prog = _program()
     if not argv or argv[0] in ("-h", "--help"):
-        print(_usage())
+        print(_usage(COMMANDS, prog))
         return 0
-    name, rest = argv[0], argv[1:]
-    if name not in COMMANDS:
-        print(f"error: {unknown_name('command', name, list(COMMANDS))}", file=sys.stderr)
-        return 2
-    module_name, func_name, _ = COMMANDS[name]
-    func = getattr(importlib.import_module(module_name), func_name)
+    group = COMMANDS.get(argv[0])
+    if isinstance(group, dict) and (len(argv) == 1 or argv[1] in ("-h", "--help")):
+        print(_usage({argv[0]: group}, prog))
+        return 0
     try:
-        return int(func(rest, prog=f"{_program()} {name}") or 0)
+        (target, _), words, rest = resolve(argv)
+        module_name, func_name = target.split(":")
+        func = getattr(importlib.import_module(module_name), func_name)
+        return int(func(rest, prog=f"{prog} {words}") or 0)
     except ReproError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -60,9 +60,9 @@ def run_curve(router: str, data_dir: str | Path, work_dir: str | Path) -> Golden
     """Train ``<router>-tiny`` for :data:`STEPS` steps on the mini-pile in ``work_dir/<router>`` (new or empty)."""
     import torch
 
-    from repro.training.config import apply_overrides
-    from repro.training.experiments import get_experiment
-    from repro.training.log import read_rows
+    from repro.config import apply_overrides
+    from repro.experiments import get_experiment
+    from repro.records.step_log import read_rows
     from repro.training.trainer import train
 
     torch.set_num_threads(1)

@@ -288,7 +288,7 @@ def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep:
         run_dir: the run directory.
         marker: the file a run directory created by the command holds.
         owner: the command in words, for the error (``the mini comparison``).
-        command: the command line written into the marker (``python -m repro mini``).
+        command: the command line written into the marker (``python -m repro study mini``).
         keep: keep an existing directory of this command as it is (to resume in it), else empty it.
     """
     if run_dir.is_symlink():  # never replaced, nor followed: what it points at is not this command's
@@ -331,3 +331,8 @@ def open_in_dir(root: str | os.PathLike, name: str | os.PathLike, mode: str = "r
             raise ReproError(f"{path}: became a symbolic link while being opened; refusing to follow it") from None
         raise ReproError(os_error_message(exc, path)) from None
     return os.fdopen(fd, mode, **kwargs)
+
+
+def comma_list(text: str) -> list[str]:
+    """An argparse type: ``"a, b,,c"`` -> ``["a", "b", "c"]`` (for task, format and router lists)."""
+    return [item.strip() for item in text.split(",") if item.strip()]

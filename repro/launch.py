@@ -249,7 +249,7 @@ def main(argv: list[str], prog: str = "python -m repro launch") -> int:
     args = _parser(prog).parse_args(argv)
     if not program:
         raise ReproError("give the repro command after '--', e.g. -- train --experiment dirmoe-185m --out runs/x")
-    if program[0] in ("launch", "mini"):
+    if program[0] in ("launch", "study"):
         raise ReproError(f"'{program[0]}' cannot be launched under torchrun; give train (or another per-rank command)")
     try:
         if args.slurm:

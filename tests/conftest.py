@@ -55,10 +55,10 @@ def mini_pile(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def quick_mini():
-    """``python -m repro mini`` (``repro.mini.main``) scoring the held-out text and analysing the routing on 512
+    """``python -m repro study mini`` (``repro.studies.mini.main``) scoring the held-out text and analysing the routing on 512
     tokens per domain instead of the comparison's thousands: the same code on less text. Module scope: a rerun
     on the module's runs must see the settings they were made with to reuse them."""
-    from repro import mini
+    from repro.studies import mini
 
     parse = mini.parse
 

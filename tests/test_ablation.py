@@ -1,5 +1,5 @@
 """The DirMoE ablation: its cells, the end-of-run metrics and their statistics against the reference formulas,
-and ``python -m repro ablation`` end to end at a few steps (2 cells x 2 seeds): tables, plots and summary from
+and ``python -m repro study ablation`` end to end at a few steps (2 cells x 2 seeds): tables, plots and summary from
 the runs, reuse of finished runs, resume of a killed run, one-line errors, foreign directories left alone."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from repro import ablation
 from repro.errors import ReproError
+from repro.records.step_log import LogRow, read_rows
 from repro.report.ablation_tables import (
     Hypothesis,
     ablation_difference_table,
@@ -25,7 +25,7 @@ from repro.report.ablation_tables import (
     run_metrics,
 )
 from repro.report.table_core import PLUS_MINUS, render
-from repro.training.log import LogRow, read_rows
+from repro.studies import ablation
 
 CELLS = "paper,recon-centered"
 STEPS = 6
@@ -314,7 +314,7 @@ def test_a_killed_run_resumes_where_it_stopped(session, capsys):
     import torch
 
     from repro.io_utils import claim_run_dir
-    from repro.study import run_state
+    from repro.studies.engine import run_state
     from repro.training.trainer import train
 
     cfg, _ = ablation.parse(_argv(session, work="killed", cells="paper", seeds="1"), "test")
@@ -355,7 +355,7 @@ def test_an_output_directory_of_another_command_is_refused_before_any_work(sessi
     other = session / "other-results"
     other.mkdir()
     (other / "summary.json").write_text('{"another": "command"}')
-    with pytest.raises(ReproError, match="other-results: exists and was not written by python -m repro ablation"):
+    with pytest.raises(ReproError, match="other-results: exists and was not written by python -m repro study ablation"):
         ablation.main(_argv(session, work="never-made", out="other-results"))
     assert (other / "summary.json").read_text() == '{"another": "command"}' and not (session / "never-made").exists()
 
@@ -366,10 +366,10 @@ def test_bad_arguments_are_one_line_errors(capsys):
     with pytest.raises(ReproError, match=r"--cells: unknown cell 'nope'; valid: paper, recon-centered, ") as exc:
         ablation.main(["--cells", "paper,nope"])
     assert "\n" not in str(exc.value) and "switch-no-balance" in str(exc.value)
-    assert cli_main(["ablation", "--cells", "nope"]) == 2
+    assert cli_main(["study", "ablation", "--cells", "nope"]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --cells: unknown cell 'nope'; valid: paper,") and "\n" not in err
-    assert cli_main(["ablation", "--cells", "papr"]) == 2
+    assert cli_main(["study", "ablation", "--cells", "papr"]) == 2
     assert "unknown cell 'papr'; did you mean 'paper'?" in capsys.readouterr().err
     with pytest.raises(ReproError, match="--seeds: expected comma-separated integers"):
         ablation.main(["--seeds", "1,x"])

@@ -108,7 +108,7 @@ def test_the_entry_point_registers_the_router(external_package):
     assert type(router).__module__ == "my_moe_routers.plain_topk" and router.config.init_std == 0.02
     with pytest.raises(ValueError, match="valid: init_std"):
         routers.build_router(NAME, hidden_size=16, num_experts=4, init_sd=0.02)
-    from repro.training.experiments import experiment_names, get_experiment
+    from repro.experiments import experiment_names, get_experiment
 
     assert {f"{NAME}-tiny", f"{NAME}-185m"} <= set(experiment_names())
     assert get_experiment(f"{NAME}-tiny").router.name == NAME
@@ -145,7 +145,7 @@ def test_contract_suite_covers_the_installed_router(external_package):
 # Step 4: a first comparison run on the embedded default, beside Switch, with the tables.
 @pytest.mark.slow
 def test_mini_comparison_with_the_installed_router(external_package, tmp_path, mini_pile, quick_mini):
-    from repro import mini
+    from repro.studies import mini
 
     argv = ["--runs", f"switch,{NAME}", "--steps", "6", "--eval-limit", "6", "--data-dir", str(mini_pile),
             "--work-dir", str(tmp_path / "runs"), "--out", str(tmp_path / "out"),

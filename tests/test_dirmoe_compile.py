@@ -1,7 +1,7 @@
 """DirMoE's cost on a step that does not log, and its compiled region against the eager reference: metrics gated
 by ``collect_metrics`` (bit-identical training, no host sync), the region traced as one graph, the compile modes'
 checks and fallback, compiled == eager at fixed noise and in distribution with inductor's RNG; and the op
-counter of the cost report (repro/report/op_counts.py) on cases whose counts are known."""
+counter of the cost report (repro/records/op_counts.py) on cases whose counts are known."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 import routers
 import routers.dirmoe_blocks as blocks
-from repro.report.op_counts import OpCounter, generated_kernels
+from repro.records.op_counts import OpCounter, generated_kernels
 from routers import dirmoe
 
 E = 8
@@ -267,12 +267,12 @@ def test_auto_is_eager_on_the_cpu_without_a_warning():
 
 
 def test_cost_report_command_writes_its_table(tmp_path, capsys):
-    """``python -m repro efficiency --profile`` on two routers: the three files, a row per pass, Switch the unit."""
+    """``python -m repro study router-costs`` on two routers: the three files, a row per pass, Switch the unit."""
     import json
 
     from repro.cli import main as cli_main
 
-    assert cli_main(["efficiency", "--profile", "--router", "switch,dirmoe", "--out", str(tmp_path)]) == 0
+    assert cli_main(["study", "router-costs", "--router", "switch,dirmoe", "--out", str(tmp_path)]) == 0
     assert {p.name for p in tmp_path.iterdir()} == {"router_costs.md", "router_costs.csv", "router_costs.json"}
     rows = {(r["router"], r["pass"]): r for r in json.loads((tmp_path / "router_costs.json").read_text())["rows"]}
     assert set(rows) == {(r, p) for r in ("switch", "dirmoe") for p in ("fwd", "bwd", "fwd+bwd")}
@@ -280,16 +280,16 @@ def test_cost_report_command_writes_its_table(tmp_path, capsys):
     total, fwd, bwd = (rows["dirmoe", p] for p in ("fwd+bwd", "fwd", "bwd"))
     assert total["launches"] == fwd["launches"] + bwd["launches"] == total["outside"] + total["region_kernels"]
     assert total["syncs"] == 0 and total["regions"] == 0 and fwd["bytes_moved"] > 1024 * 128 * 4  # reads x at least
-    assert cli_main(["efficiency", "--profile", "--router", "nope", "--out", str(tmp_path)]) == 2
+    assert cli_main(["study", "router-costs", "--router", "nope", "--out", str(tmp_path)]) == 2
     assert "unknown run(s) nope" in capsys.readouterr().err
 
 
 def test_no_command_writes_into_results_by_default():
     """The committed tables change only when a command is told to write there (--out): every default output
     directory of a command that writes tables is under runs/."""
-    from repro.ablation import AblationConfig
-    from repro.mini import MiniConfig
-    from repro.report import costs
+    from repro.studies import router_costs as costs
+    from repro.studies.ablation import AblationConfig
+    from repro.studies.mini import MiniConfig
 
     defaults = [costs.DEFAULT_OUT, MiniConfig(runs=("switch",)).out_dir, AblationConfig(cells=("paper",)).out_dir]
     assert all(d.startswith("runs/") for d in defaults), defaults

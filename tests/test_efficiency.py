@@ -1,4 +1,4 @@
-"""``python -m repro efficiency`` on CPU (one process per run, and two under torchrun): its records, table and summary, its
+"""``python -m repro study efficiency`` on CPU (one process per run, and two under torchrun): its records, table and summary, its
 configuration against the papers' batch, its refusals (DirMoE compiled against eager: tests/test_dirmoe_compile.py)."""
 
 from __future__ import annotations
@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from repro.cli import main as cli_main
-from repro.efficiency import efficiency_config, efficiency_overrides
+from repro.config import RunConfig
 from repro.errors import ReproError
-from repro.report.store import load_record
-from repro.training.config import RunConfig
-from repro.training.log import read_rows
+from repro.records.step_log import read_rows
+from repro.records.store import load_record
+from repro.studies.efficiency import efficiency_config, efficiency_overrides
 
-#: The markers of the efficiency study's run and output directories (repro.study's scheme).
+#: The markers of the efficiency study's run and output directories (repro.studies.engine's scheme).
 RUN_MARKER, OUT_MARKER = ".efficiency-run", ".efficiency-out"
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +85,7 @@ def test_two_routers_and_dense_on_one_cpu_device(tmp_path, capsys):
     assert summary["dirmoe_over_switch"] == summary["runs"]["dirmoe"]["ratio_to_switch"]
     assert summary["published_dirmoe_over_switch"] == pytest.approx(437.3 / 431.5)
     assert (summary["tokens_per_iteration"], summary["devices"], summary["failed"]) == (8 * 128, 1, [])
-    assert summary["command"].startswith("python -m repro efficiency --router switch,dirmoe,dense")
+    assert summary["command"].startswith("python -m repro study efficiency --router switch,dirmoe,dense")
 
     with open(out / "efficiency.csv") as f:
         rows = list(csv.reader(f))
@@ -146,7 +146,7 @@ def test_interleaved_refuses_what_one_process_cannot_step_in_turn(tmp_path):
 def test_two_gloo_processes_through_torchrun(tmp_path):
     out = tmp_path / "eff2"
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    cmd = [sys.executable, "-m", "repro", "efficiency", "--router", "dirmoe", "--gpus", "2", *FAST, "--out", str(out)]
+    cmd = [sys.executable, "-m", "repro", "study", "efficiency", "--router", "dirmoe", "--gpus", "2", *FAST, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     record = load_record(out / "runs" / "dirmoe" / "record.json")
@@ -186,7 +186,7 @@ def test_the_papers_batch_on_eight_gpus_and_its_per_gpu_work_on_one():
 
 
 def _error(capsys, argv: list[str]) -> str:
-    assert cli_main(["efficiency", *argv]) == 2
+    assert cli_main(["study", "efficiency", *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: "), err
     return err
@@ -225,7 +225,7 @@ def test_outputs_it_did_not_write_are_refused_and_left_alone(capsys, tmp_path):
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep")
-    assert "was not written by python -m repro efficiency" in _error(capsys, ["--router", "switch", "--out", str(foreign)])
+    assert "was not written by python -m repro study efficiency" in _error(capsys, ["--router", "switch", "--out", str(foreign)])
     assert [p.name for p in foreign.iterdir()] == ["notes.txt"]
 
     ours = tmp_path / "ours"
@@ -241,8 +241,8 @@ def test_outputs_it_did_not_write_are_refused_and_left_alone(capsys, tmp_path):
 
 
 def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
-    from repro.efficiency import parse
-    from repro.study import claim
+    from repro.studies.efficiency import parse
+    from repro.studies.engine import claim
 
     out = tmp_path / "eff"
     for run in ("switch", "dense"):
@@ -257,7 +257,7 @@ def test_an_earlier_output_keeps_the_runs_not_asked_for_again(tmp_path):
 
 
 def test_the_flops_count_is_causal_by_default_and_full_on_request(tmp_path):
-    from repro.efficiency import parse
+    from repro.studies.efficiency import parse
 
     one = ["--router", "switch"]  # planning every router's run takes seconds
     assert parse([*one, "--out", str(tmp_path / "a")], "efficiency").flops_attention == "causal"
@@ -319,7 +319,7 @@ def test_init_from_refuses_a_run_without_a_checkpoint_of_its_router(capsys, tmp_
 
 
 def test_a_variant_with_its_own_micro_batch_trains_the_same_tokens_per_iteration(tmp_path):
-    from repro.efficiency import parse
+    from repro.studies.efficiency import parse
 
     plan = parse(["--router", "switch", "--variant", "s8=switch,data.micro_batch_size=8", "--variant",
                   "s1=switch,data.micro_batch_size=1", "--vocab-size", "256", "--out", str(tmp_path / "o")], "x")

@@ -20,8 +20,8 @@ from repro.evaluation import harness
 from repro.evaluation.harness import MODEL_NAME, SuiteLM
 from repro.evaluation.local_tasks import LocalTaskOptions, build_local_tasks
 from repro.evaluation.runner import evaluate_lm, task_manager_for
-from repro.report.record import lm_eval_metrics
-from repro.report.store import make_record
+from repro.records.run_record import lm_eval_metrics
+from repro.records.store import make_record
 from repro.report.table_core import render
 from repro.report.tables import zero_shot_table
 
@@ -322,7 +322,7 @@ FIXTURE_DOCS = {"arc_challenge": 6, "arc_easy": 6, "boolq": 6, "hellaswag": 6, "
 
 def test_the_seven_tasks_run_offline_from_a_task_data_folder(model, tokenizer, tmp_path, no_network):
     from repro.evaluation.runner import FULL_SCALE_TASKS
-    from repro.report.stats import compact_per_question, mean_stderr, per_question_scores
+    from repro.stats import compact_per_question, mean_stderr, per_question_scores
 
     lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=4)
     results = evaluate_lm(lm, tasks_data=TASKS_DATA, log_samples=True)

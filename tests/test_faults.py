@@ -319,7 +319,7 @@ def test_a_run_directory_claim_never_follows_or_replaces_a_link(tmp_path):
     (target / ".mini-run").write_text("looks like ours")
     (tmp_path / "run").symlink_to(target)
     with pytest.raises(ReproError, match="run: is a symbolic link"):
-        claim_run_dir(tmp_path / "run", marker=".mini-run", owner="the mini comparison", command="python -m repro mini")
+        claim_run_dir(tmp_path / "run", marker=".mini-run", owner="the mini comparison", command="python -m repro study mini")
     assert (target / ".mini-run").read_text() == "looks like ours"
 
 
@@ -426,7 +426,7 @@ def _save(root: Path, model: nn.Module, step: int = 1, experiment: dict | None =
 
 
 def _experiment(router: str) -> dict:
-    from repro.training.experiments import get_experiment
+    from repro.experiments import get_experiment
 
     return get_experiment(f"{router}-tiny").to_dict()
 
@@ -618,8 +618,8 @@ def test_rank_file_of_another_run_is_refused_naming_both(tmp_path):
 
 
 def test_identity_is_what_defines_the_model():
-    from repro.training.config import apply_overrides
-    from repro.training.experiments import get_experiment
+    from repro.config import apply_overrides
+    from repro.experiments import get_experiment
 
     base = apply_overrides(get_experiment("dirmoe-tiny"), ["router.options.sparsity_weight=0.01"])
     identity = ckpt.run_identity(base.to_dict())

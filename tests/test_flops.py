@@ -1,4 +1,4 @@
-"""Megatron-LM's model-FLOPs count (repro/report/flops.py): a hand count of every GEMM, the causal and the
+"""Megatron-LM's model-FLOPs count (repro/records/flops.py): a hand count of every GEMM, the causal and the
 full-square attention counts, and the DirMoE paper's TFLOP/s from its own iteration times."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from repro.report.flops import (
+from repro.records.flops import (
     LLAMA_185M,
     FlopsConfig,
     analytic_flops_per_iteration,
@@ -88,7 +88,7 @@ def test_the_flops_count_refuses_an_unknown_attention_count():
 
 
 def test_flops_config_from_the_model_flavours():
-    flavours = pytest.importorskip("repro.model.flavours")
+    flavours = pytest.importorskip("repro.flavours")
     assert flops_config_from_flavour(flavours.get_flavour("llama-185m"), vocab_size=50257) == LLAMA_185M
     dense = flops_config_from_flavour(flavours.get_flavour("llama-185m").dense(), vocab_size=50257)
     assert dense.top_k == 1 and dense.ffn_hidden_size == 3072

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import routers
+from repro.flavours import get_flavour
 from repro.model.backends import TorchBackendOptions
 from repro.model.builder import build_model, causal_attention_mask, transformer_config
-from repro.model.flavours import get_flavour
 from repro.model.parallel import destroy_distributed, init_distributed
 from routers.megatron_adapter import token_ids_context
 

@@ -35,7 +35,7 @@ Tolerances (bf16 rounds every GEMM output to 8 mantissa bits, ~0.4%):
   terms and gradients within 1e-3 of each tensor's scale (:data:`COMPILE_REL`); training (noise): mean
   experts per token within :data:`NOISE_SE` standard errors of each other over 4096 tokens, the standard error
   measured in the test from two eager draws (on CPU 0.0026 experts per token, so ~0.01 where 0.3 was allowed);
-- ``python -m repro efficiency`` (Switch, DirMoE; 16 x 1024 x 4 tokens per iteration, as committed): each run's
+- ``python -m repro study efficiency`` (Switch, DirMoE; 16 x 1024 x 4 tokens per iteration, as committed): each run's
   TFLOP/s at least its best committed H100 figure over :data:`SMOKE_SLOWDOWN` (so a 1.5x slowdown fails) and at
   most :data:`SMOKE_TFLOPS_CEILING`.
 
@@ -123,8 +123,8 @@ def no_tf32():
 
 
 def build(router_name="switch", *, backend="torch", bf16=True, seed=0, **overrides):
+    from repro.flavours import get_flavour
     from repro.model.builder import build_model
-    from repro.model.flavours import get_flavour
 
     flavour = get_flavour(FLAVOUR, **overrides) if overrides else FLAVOUR
     return build_model(flavour, router_name, vocab_size=VOCAB, seq_length=SEQ, bf16=bf16, seed=seed, backend=backend)
@@ -617,14 +617,14 @@ def committed_h100_tflops(label: str) -> float:
 
 @pytest.mark.slow
 def test_efficiency_smoke_run_holds_the_committed_h100_throughput(tmp_path):
-    """``python -m repro efficiency`` on LLaMA-185M at the committed runs' 16 x 1024 x 4 tokens per iteration: each
+    """``python -m repro study efficiency`` on LLaMA-185M at the committed runs' 16 x 1024 x 4 tokens per iteration: each
     run's TFLOP/s at least its best committed H100 figure over :data:`SMOKE_SLOWDOWN` and at most
     :data:`SMOKE_TFLOPS_CEILING`, its peak memory reported and below the GPU's."""
     from repro.cli import main as cli_main
 
     floors = {label: committed_h100_tflops(label) / SMOKE_SLOWDOWN for label in ("switch", "dirmoe")}
     out = tmp_path / "eff"
-    argv = ["efficiency", "--router", ",".join(floors), "--flavour", FLAVOUR, "--accumulation", "4",
+    argv = ["study", "efficiency", "--router", ",".join(floors), "--flavour", FLAVOUR, "--accumulation", "4",
             "--warmup", "3", "--iters", "5", "--out", str(out)]
     assert cli_main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
@@ -647,7 +647,7 @@ def test_a_loop_of_trainings_holds_gpu_memory_flat(tmp_path):
     device memory allocated than the same router's run of the first, and peaks
     (``torch.cuda.max_memory_allocated``) no higher. A run whose model outlived it would add its weights, fp32
     main weights, Adam moments and gradient buffers (several GiB) to every later run."""
-    from repro.efficiency import efficiency_config
+    from repro.studies.efficiency import efficiency_config
     from repro.training.trainer import train as train_run
 
     rounds = []

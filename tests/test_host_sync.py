@@ -1,6 +1,6 @@
 """Nothing but training on a step that does not log: with ``collect_metrics`` off, every router computes no
 diagnostic metrics and forces no host synchronisation in its forward and backward (counted with
-:class:`repro.report.op_counts.OpCounter`), the step schedules read no device value, and what the
+:class:`repro.records.op_counts.OpCounter`), the step schedules read no device value, and what the
 router trains with (probs, map, aux losses, gradients, random draws) is identical to a step that logs."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import torch
 from test_router_contract import ALL, build, make_inputs
 
 import routers
-from repro.report.op_counts import OpCounter
+from repro.records.op_counts import OpCounter
 from routers.megatron_adapter import RoutingStats
 
 

@@ -2,7 +2,9 @@
 
 - No import cycle among the project's modules (``routers``, ``baselines``, ``repro``). Every import
   statement counts as an edge: those at module level, those inside functions (deferred imports), and
-  those under ``if TYPE_CHECKING:``, since each of them says one module needs the other. An edge goes to
+  those under ``if TYPE_CHECKING:``, since each of them says one module needs the other. So does a string
+  that names a project module (``"repro.studies.mini"``, ``"repro.training.cli:main"``): what
+  ``importlib.import_module`` or a dispatch table imports by name. An edge goes to
   the module a statement names (``from pkg import mod`` counts ``pkg.mod`` when it is a module, else
   ``pkg``); the parent packages that Python imports on the way are not counted as edges.
 - No import from a lower layer to one above it (:data:`LOWER_LAYERS`).
@@ -64,6 +66,15 @@ def _imported(node: ast.AST, importer: str, is_package: bool, modules: set[str])
     return found
 
 
+def _named(node: ast.AST, importer: str, modules: set[str]) -> set[str]:
+    """The project module a string constant names (``"pkg.mod"`` or ``"pkg.mod:function"``), if any."""
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        name = node.value.split(":")[0]
+        if name in modules and name != importer:
+            return {name}
+    return set()
+
+
 def import_graph() -> dict[str, set[str]]:
     """Returns:
         Each project module mapped to the project modules it imports (every import statement in the file)."""
@@ -73,7 +84,8 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in paths.items():
         tree = ast.parse(path.read_text(), str(path))
         is_package = path.name == "__init__.py"
-        graph[name] = set().union(*(_imported(n, name, is_package, modules) for n in ast.walk(tree)))
+        graph[name] = set().union(*(_imported(n, name, is_package, modules) | _named(n, name, modules)
+                                    for n in ast.walk(tree)))
     return graph
 
 
@@ -160,19 +172,37 @@ def test_the_graph_resolves_relative_deferred_and_type_checking_imports(tmp_path
     assert found == {"repro.training.trainer", "repro.training.config"}
 
 
+#: The one loop by design: the router registry imports the built-in routers by name on first lookup, and they
+#: import it to register themselves (the plug-in pattern; other packages' routers come through entry points).
+ROUTER_PLUGINS = {"routers.registry": {"routers.dirmoe", "baselines"}}
+
+
 def test_no_import_cycles_between_modules():
     graph = import_graph()
     assert "repro.training.trainer" in graph and graph["repro.training.trainer"], "the graph read nothing"
+    assert ROUTER_PLUGINS["routers.registry"] <= graph["routers.registry"], "the plug-in edges are seen"
+    graph = {m: targets - ROUTER_PLUGINS.get(m, set()) for m, targets in graph.items()}
     assert cycles(graph) == []
 
 
-#: Packages -> the project packages they must not import: the routers stand alone, and the model and the
-#: data sit below training, evaluation and the reports.
+#: The packages above the base modules (errors, io_utils, schema, stats, config, experiments, launch), lowest first.
+_ABOVE_BASE = ("repro.model", "repro.records", "repro.training", "repro.evaluation", "repro.report", "repro.studies",
+               "repro.golden", "repro.cli", "repro.__main__")
+#: Packages -> the project packages they must not import: the routers stand alone; the data and the model sit
+#: below the records; the records (what a run leaves) below training and evaluation, which write them; the
+#: reports only present records; the studies run all of it; the command line is on top.
 LOWER_LAYERS = {
     "routers": ("repro",),
     "baselines": ("repro",),
-    "repro.model": ("repro.training", "repro.evaluation", "repro.report"),
-    "repro.data": ("repro.model", "repro.training", "repro.evaluation", "repro.report"),
+    **{base: _ABOVE_BASE for base in ("repro.errors", "repro.io_utils", "repro.schema", "repro.stats", "repro.config",
+                                      "repro.experiments", "repro.flavours", "repro.launch", "repro.wheelhouse")},
+    "repro.data": _ABOVE_BASE,
+    "repro.model": _ABOVE_BASE[1:],
+    "repro.records": _ABOVE_BASE[2:],
+    "repro.training": _ABOVE_BASE[4:],
+    "repro.evaluation": _ABOVE_BASE[4:],
+    "repro.report": _ABOVE_BASE[5:],
+    "repro.studies": _ABOVE_BASE[6:],
 }
 
 
@@ -187,6 +217,7 @@ def test_lower_layers_import_nothing_above_them():
         if any(target == a or target.startswith(a + ".") for a in above)
     )
     assert upward == []
+    assert "repro.report.study_writeups" in graph and "repro.cli" in graph["repro.__main__"]
 
 
 def test_no_file_over_the_line_bound():
@@ -243,3 +274,10 @@ def test_every_torch_load_reads_weights_only():
     files = [*source_files(), *sorted((ROOT / "tests").glob("*.py")), *sorted((ROOT / "benchmarks").glob("*.py"))]
     offenders = {str(p.relative_to(ROOT)): lines for p in files if (lines := unsafe_loads(p))}
     assert offenders == {}
+
+
+def test_a_module_named_in_a_string_is_an_edge():
+    """``importlib.import_module("repro.x")`` and a dispatch table's ``"repro.x:main"`` count as imports."""
+    modules = {"repro.cli", "repro.x"}
+    tree = ast.parse('COMMANDS = {"x": ("repro.x:main", "help")}\nimportlib.import_module("repro.x")\nDOC = "repro.x is"')
+    assert set().union(*(_named(n, "repro.cli", modules) for n in ast.walk(tree))) == {"repro.x"}

@@ -1,4 +1,4 @@
-"""CPU parity of two device-efficiency options (``python -m repro efficiency --variant LABEL=switch,KEY=VALUE``):
+"""CPU parity of two device-efficiency options (``python -m repro study efficiency --variant LABEL=switch,KEY=VALUE``):
 
 - ``optimizer.foreach_fallbacks``: :func:`repro.training.optim.foreach_multi_tensor_l2_norm` /
   :func:`~repro.training.optim.foreach_multi_tensor_scale` against megatron-core's ``local_multi_tensor_l2_norm``
@@ -7,7 +7,7 @@
   8 significant bits, up to 2^-8 relative each, 5.4e-3 measured here) and within 1e-6 of an fp64 reference
   (ours accumulates in fp32, as ``amp_C``'s kernel); inf and NaN propagate
   alike. The scale: bit for bit. Host synchronisations (``aten._local_scalar_dense`` and every read
-  :class:`~repro.report.op_counts.OpCounter` sees): none in ours, one per tensor and more in megatron's.
+  :class:`~repro.records.op_counts.OpCounter` sees): none in ours, one per tensor and more in megatron's.
 - ``model.fused_cross_entropy=torch_compile``: the tiny fp32 model's per-token losses, and the gradients of the
   hidden states, the output weight and every parameter, against megatron's output layer + cross-entropy, within
   relative 1e-5 / absolute 1e-6 (:data:`FP32_RTOL`, :data:`FP32_ATOL`: fp32 reduction order; a wrong term is
@@ -25,11 +25,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from repro.config import ModelConfig, OptimizerConfig, RunConfig, apply_overrides
 from repro.errors import ReproError
 from repro.model.builder import build_model, causal_attention_mask
 from repro.model.parallel import destroy_distributed, init_distributed
-from repro.report.op_counts import OpCounter
-from repro.training.config import ModelConfig, OptimizerConfig, RunConfig, apply_overrides
+from repro.records.op_counts import OpCounter
 from repro.training.optim import (
     foreach_multi_tensor_l2_norm,
     foreach_multi_tensor_scale,

@@ -1,4 +1,4 @@
-"""End to end on the embedded default: ``python -m repro mini`` for a few routers at a few steps, then the
+"""End to end on the embedded default: ``python -m repro study mini`` for a few routers at a few steps, then the
 tables, the plots and the regression check (passing against itself, failing against a nudged copy); a second
 seed added to finished runs, and the tables over seeds."""
 
@@ -8,10 +8,10 @@ import json
 
 import pytest
 
-from repro import mini
 from repro.errors import ReproError
 from repro.report.cli import check_main
-from repro.study import Run, longest_first, previous_cpu_seconds
+from repro.studies import mini
+from repro.studies.engine import Run, longest_first, previous_cpu_seconds
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("quick_mini")]
 
@@ -92,7 +92,7 @@ def test_every_run_directory_is_checked_before_any_is_replaced(tmp_path, mini_pi
     """A stale run directory of this command is replaced only once no other one is foreign."""
     runs = tmp_path / "runs"
     (runs / "dirmoe").mkdir(parents=True)
-    (runs / "dirmoe" / ".mini-run").write_text("created by python -m repro mini\n")
+    (runs / "dirmoe" / ".mini-run").write_text("created by python -m repro study mini\n")
     (runs / "dirmoe" / "stale.txt").write_text("an unfinished run")
     (runs / "switch").mkdir()
     (runs / "switch" / "precious.txt").write_text("keep me")
@@ -109,7 +109,7 @@ def test_an_output_directory_of_another_command_is_refused_before_any_work(tmp_p
     (other / "summary.json").write_text('{"another": "command"}')
     argv = ["--runs", "switch", "--data-dir", str(tmp_path / "data"), "--work-dir", str(tmp_path / "runs"),
             "--out", str(other)]
-    with pytest.raises(ReproError, match="other-results: exists and was not written by python -m repro mini"):
+    with pytest.raises(ReproError, match="other-results: exists and was not written by python -m repro study mini"):
         mini.main(argv)
     assert (other / "summary.json").read_text() == '{"another": "command"}' and not (tmp_path / "data").exists()
 
@@ -138,7 +138,7 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, m
     assert set(summary["run_cpu_seconds"]) == {"switch", "dirmoe", "switch-s1", "dirmoe-s1"}
     assert sorted(summary["trained_runs"]) == ["dirmoe-s1", "switch-s1"]
     # Every run's record beside the tables: the band `check RUN --against out3` reads.
-    from repro.report.store import load_records
+    from repro.records.store import load_records
 
     assert sorted(r.run_id for r in load_records([out / "records"])) == ["dirmoe", "dirmoe-s1", "switch", "switch-s1"]
 
@@ -155,7 +155,7 @@ def test_the_tables_do_not_depend_on_the_number_of_workers(comparison, mini_pile
 
 
 def test_the_default_lanes_are_the_usable_cores(monkeypatch):
-    from repro import study
+    from repro.studies import engine as study
 
     monkeypatch.setattr(study.os, "sched_getaffinity", lambda pid: {0, 3, 5}, raising=False)
     assert study.usable_cores() == 3

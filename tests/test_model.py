@@ -12,8 +12,8 @@ from torch.func import functional_call
 
 import routers
 from baselines.lory_layer import LoryMoELayer, lory_merged_ffn
+from repro.flavours import available_flavours, get_flavour
 from repro.model.builder import MEGATRON_ROUTER, build_model, causal_attention_mask, transformer_config
-from repro.model.flavours import available_flavours, get_flavour
 from repro.model.parallel import destroy_distributed, init_distributed
 from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind
 from routers.megatron_adapter import (

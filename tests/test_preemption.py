@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from test_training import TINY, _read_log
 
-from repro.training.config import apply_overrides
-from repro.training.experiments import get_experiment
+from repro.config import apply_overrides
+from repro.experiments import get_experiment
 from repro.training.preemption import EXIT_STOPPED
 
 REPO = Path(__file__).resolve().parents[1]

@@ -17,9 +17,9 @@ import weakref
 import pytest
 import torch
 
+from repro.config import RunConfig, apply_overrides
 from repro.errors import ReproError
-from repro.training.config import RunConfig, apply_overrides
-from repro.training.experiments import get_experiment
+from repro.experiments import get_experiment
 
 TINY = [
     "data.source=synthetic",

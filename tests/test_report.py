@@ -11,19 +11,16 @@ import pytest
 
 from repro.cli import main as repro_main
 from repro.errors import ReproError
-from repro.report import bench_table
-from repro.report.check import check_against_published, check_against_run, record_value, render_report
-from repro.report.efficiency import efficiency, routing
-from repro.report.flops import (
+from repro.records.flops import (
     FlopsConfig,
     analytic_flops_per_iteration,
     flops_config_from_flavour,
     measured_flops_per_iteration,
 )
-from repro.report.ledger import DEFAULT_LEDGER_DIR, load_ledger, load_ledger_file, select
-from repro.report.parity import compute_parity, require_parity
-from repro.report.record import Environment
-from repro.report.store import (
+from repro.records.log_figures import efficiency, routing
+from repro.records.run_record import Environment
+from repro.records.step_log import LogRow, timed_rows
+from repro.records.store import (
     environment_info,
     load_record,
     load_records,
@@ -31,9 +28,12 @@ from repro.report.store import (
     record_from_run_dir,
     write_record,
 )
+from repro.report import bench_table
+from repro.report.check import check_against_published, check_against_run, record_value, render_report
+from repro.report.compute_parity import compute_parity, require_parity
+from repro.report.published import DEFAULT_LEDGER_DIR, load_ledger, load_ledger_file, select
 from repro.report.table_core import render
 from repro.report.tables import efficiency_table, routing_table, zero_shot_table
-from repro.training.log import LogRow, timed_rows
 
 # ---------------------------------------------------------------------------------------------- records
 
@@ -145,9 +145,9 @@ def test_record_round_trip_and_environment(tmp_path):
 
 
 def test_record_from_a_training_run_directory(tmp_path):
-    from repro.model import flavours
-    from repro.training.experiments import get_experiment
-    from repro.training.log import write_row
+    from repro import flavours
+    from repro.experiments import get_experiment
+    from repro.records.step_log import write_row
 
     run = tmp_path / "switch-tiny"
     run.mkdir()
@@ -198,7 +198,7 @@ def test_invalid_records_are_refused_naming_file_and_field(tmp_path, mutate, mes
         load_record(path)
     text = str(info.value)
     assert str(path) in text and message in text and "\n" not in text
-    assert repro_main(["tables", str(path)]) == 2  # the CLI reports it as one line, exit 2
+    assert repro_main(["report", "tables", str(path)]) == 2  # the CLI reports it as one line, exit 2
 
 
 # ---------------------------------------------------------------------------------------------- parity
@@ -250,11 +250,11 @@ EXPECTED_ROUTING_MD_ROWS = """\
 | Router   | Layer   |   active experts |   Simpson index |   load imbalance |   dropped mass |   fallback share |
 |----------|---------|------------------|-----------------|------------------|----------------|------------------|
 | dirmoe   | mean    |            1.250 |           0.500 |             1.25 |         0.0000 |               -- |
-| dirmoe   | 0       |            1.250 |           0.500 |             1.25 |         0.0000 |               -- |
 | dirmoe   | 1       |            1.250 |           0.500 |             1.25 |         0.0000 |               -- |
+| dirmoe   | 2       |            1.250 |           0.500 |             1.25 |         0.0000 |               -- |
 | switch   | mean    |            1.000 |           0.500 |             1.25 |         0.0000 |               -- |
-| switch   | 0       |            1.000 |           0.500 |             1.25 |         0.0000 |               -- |
 | switch   | 1       |            1.000 |           0.500 |             1.25 |         0.0000 |               -- |
+| switch   | 2       |            1.000 |           0.500 |             1.25 |         0.0000 |               -- |
 """
 
 
@@ -313,11 +313,11 @@ def test_tables_command_writes_every_format(tmp_path, capsys):
     for record in _table_records():
         write_record(record, tmp_path / "runs" / record.run_id / "record.json")
     out = tmp_path / "tables"
-    assert repro_main(["tables", str(tmp_path / "runs"), "--out", str(out), "--format", "md,csv,tex"]) == 0
+    assert repro_main(["report", "tables", str(tmp_path / "runs"), "--out", str(out), "--format", "md,csv,tex"]) == 0
     names = sorted(p.name for p in out.iterdir())
     assert names == sorted(f"{t}.{f}" for t in ("zero_shot", "efficiency", "routing") for f in ("md", "csv", "tex"))
     assert (out / "routing.md").read_text().endswith(EXPECTED_ROUTING_MD_ROWS)
-    assert repro_main(["tables", str(tmp_path / "runs"), "--published"]) == 0
+    assert repro_main(["report", "tables", str(tmp_path / "runs"), "--published"]) == 0
     out = capsys.readouterr().out
     assert "Training efficiency." in out and "dirmoe [DirMoE Table 1]" not in out  # tiny runs: no published rows
 
@@ -332,18 +332,18 @@ def test_check_against_published_passes_then_fails_when_nudged(tmp_path, capsys)
         "efficiency.iter_time_ms", "efficiency.tflops_per_device"
     }
     write_record(good, tmp_path / "good" / "record.json")
-    assert repro_main(["check", str(tmp_path / "good"), "--against", "published"]) == 0
+    assert repro_main(["report", "check", str(tmp_path / "good"), "--against", "published"]) == 0
     assert "PASS: 8 compared, 0 outside tolerance" in capsys.readouterr().out
 
     nudged = dict(PAPER_SCORES, boolq=(0.6152 + 0.0151, None))  # 1.51 points, tolerance 1.5
     write_record(_record("full-dirmoe", "dirmoe", scores=nudged, model="llama-185m"), tmp_path / "bad" / "record.json")
-    assert repro_main(["check", str(tmp_path / "bad"), "--against", "published"]) == 1
+    assert repro_main(["report", "check", str(tmp_path / "bad"), "--against", "published"]) == 1
     out = capsys.readouterr().out
     assert "| zero_shot.boolq" in out and "FAIL" in out
 
     # a tiny run has no published counterpart: refused, not silently passed
     write_record(_record("mini", "dirmoe", scores=PAPER_SCORES), tmp_path / "mini" / "record.json")
-    assert repro_main(["check", str(tmp_path / "mini"), "--against", "published"]) == 2
+    assert repro_main(["report", "check", str(tmp_path / "mini"), "--against", "published"]) == 2
 
 
 def test_check_efficiency_on_matching_hardware():
@@ -364,14 +364,14 @@ def test_check_against_previous_run(tmp_path, capsys):
     assert check_against_run(same, first).passed
     write_record(first, tmp_path / "before" / "record.json")
     write_record(same, tmp_path / "after" / "record.json")
-    assert repro_main(["check", str(tmp_path / "after"), "--against", str(tmp_path / "before")]) == 0
+    assert repro_main(["report", "check", str(tmp_path / "after"), "--against", str(tmp_path / "before")]) == 0
 
     drifted = _record("mini-switch", "switch", scores=scores, validation_loss=4.2,
                       losses=[6.0, 5.5, 5.0 * (1 + 1e-5), 4.5, 4.0])
     report = check_against_run(drifted, first)
     assert not report.passed and report.rows[0].metric == "loss curve (5 steps), worst step 3"
     write_record(drifted, tmp_path / "drift" / "record.json")
-    assert repro_main(["check", str(tmp_path / "drift"), "--against", str(tmp_path / "before")]) == 1
+    assert repro_main(["report", "check", str(tmp_path / "drift"), "--against", str(tmp_path / "before")]) == 1
     other_eval = _record("mini-switch", "switch", scores={"minipile_continuation": (0.25, 0.31)}, losses=losses,
                          validation_loss=4.2)
     failed = [r.metric for r in check_against_run(other_eval, first).rows if r.status == "FAIL"]
@@ -439,14 +439,14 @@ def test_bench_table_medians_and_ratio_to_switch(tmp_path, capsys):
     assert [(r.router, r.ratio_to_baseline) for r in rows] == [("hash", 0.5), ("switch", 1.0), ("dirmoe", 1.5)]
     path = tmp_path / "bench.json"
     path.write_text(json.dumps(data))
-    assert repro_main(["bench-table", str(path)]) == 0
+    assert repro_main(["report", "bench", str(path)]) == 0
     assert "| router fwd+bwd | dirmoe   | 3.000         | 1.50       |" in capsys.readouterr().out
     out = tmp_path / "bench.md"
-    assert repro_main(["bench-table", str(path), "--out", str(out)]) == 0
-    assert repro_main(["bench-table", str(path), "--out", str(out)]) == 0  # its own earlier table: replaced
+    assert repro_main(["report", "bench", str(path), "--out", str(out)]) == 0
+    assert repro_main(["report", "bench", str(path), "--out", str(out)]) == 0  # its own earlier table: replaced
     readme = tmp_path / "README.md"
     readme.write_text("# my notes\n")
-    assert repro_main(["bench-table", str(path), "--out", str(readme)]) == 2  # anything else: refused
+    assert repro_main(["report", "bench", str(path), "--out", str(readme)]) == 2  # anything else: refused
     assert readme.read_text() == "# my notes\n"
 
 
@@ -470,7 +470,7 @@ def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
     from scipy import stats as sps
 
     from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
-    from repro.report.stats import holm
+    from repro.stats import holm
 
     records, table = _seed_runs()
     comparison = compare_over_seeds(records, family="column")
@@ -513,7 +513,7 @@ def test_seed_table_cells_are_student_t_intervals_with_paired_t_marks():
 
 def test_seed_table_per_question_tests_and_refusals():
     from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
-    from repro.report.stats import mcnemar_exact
+    from repro.stats import mcnemar_exact
 
     ref = [1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     better = [1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 1, 0, 0, 0, 0, 0]
@@ -558,11 +558,11 @@ def test_tables_command_over_seeds(tmp_path, capsys):
     records, _ = _seed_runs()
     for record in records:
         write_record(record, tmp_path / "runs" / record.run_id / "record.json")
-    assert repro_main(["tables", str(tmp_path / "runs"), "--over-seeds"]) == 0
+    assert repro_main(["report", "tables", str(tmp_path / "runs"), "--over-seeds"]) == 0
     out = capsys.readouterr().out
     assert "Zero-shot accuracy (%) over seeds" in out and "| switch (reference) |" in out and "*" in out
     assert "family: the table" in out
-    assert repro_main(["tables", str(tmp_path / "runs"), "--over-seeds", "--family", "column"]) == 0
+    assert repro_main(["report", "tables", str(tmp_path / "runs"), "--over-seeds", "--family", "column"]) == 0
     assert "family: a column" in capsys.readouterr().out
 
 
@@ -574,7 +574,7 @@ def _seed_record(run_id, seed, shift, cont=0.31, val=4.2, **kw):
 
 def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
     from repro.report.check import check_against_seeds, final_loss
-    from repro.report.stats import prediction_interval
+    from repro.stats import prediction_interval
 
     seeds = [_seed_record("s1", 1, 0.0, 0.30, 4.20), _seed_record("s2", 2, 0.02, 0.32, 4.25),
              _seed_record("s3", 3, -0.01, 0.31, 4.22)]
@@ -608,12 +608,12 @@ def test_check_against_seeds_uses_their_prediction_interval(tmp_path, capsys):
         write_record(record, tmp_path / "seeds" / record.run_id / "record.json")
     write_record(inside, tmp_path / "inside" / "record.json")
     write_record(outside, tmp_path / "outside" / "record.json")
-    assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds")]) == 0
+    assert repro_main(["report", "check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds")]) == 0
     out = capsys.readouterr().out
     assert out.startswith("Against 3 seeds: K = 4 numbers compared") and "detectable (80%)" in out
-    assert repro_main(["check", str(tmp_path / "outside"), "--against", str(tmp_path / "seeds")]) == 1
+    assert repro_main(["report", "check", str(tmp_path / "outside"), "--against", str(tmp_path / "seeds")]) == 1
     assert "| loss.final (mean of last 10 steps) |" in capsys.readouterr().out
-    assert repro_main(["check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--alpha", "2"]) == 2
+    assert repro_main(["report", "check", str(tmp_path / "inside"), "--against", str(tmp_path / "seeds"), "--alpha", "2"]) == 2
 
 
 def test_a_seed_band_of_tied_accuracies_still_passes_a_run_one_question_away():
@@ -621,7 +621,7 @@ def test_a_seed_band_of_tied_accuracies_still_passes_a_run_one_question_away():
     it (stats decision 10), not zero; a shift of several questions still fails; the report says which numbers
     move in steps and its simulated rate."""
     from repro.report.check import check_against_seeds
-    from repro.report.stats import grid_sd_floor, minimum_detectable_shift, prediction_interval
+    from repro.stats import grid_sd_floor, minimum_detectable_shift, prediction_interval
 
     def seed(run_id, k, acc):
         return _seed_record(run_id, k, 0.01 * k, acc, 4.2 + 0.01 * k, questions=200)
@@ -654,7 +654,7 @@ def test_the_seed_check_keeps_its_rate_on_numbers_that_move_in_whole_questions()
     questions) at 3 and 6 seeds stays at most 5% (+ 3 Monte Carlo standard errors) at seed spreads of 0.25 to 2
     questions; the band without the grid's floor does not (the failure it replaces)."""
     from repro.report.check import simulated_false_alarm
-    from repro.report.stats import prediction_bounds
+    from repro.stats import prediction_bounds
 
     step = 1 / 178
     for n in (3, 6):
@@ -676,8 +676,8 @@ def test_checks_of_the_committed_seeds_keep_their_rate():
     0.25-2 questions for the accuracies (the rate every such report states)."""
     from pathlib import Path
 
+    from repro.records.store import load_records
     from repro.report.check import STEP_SPREADS, _resolutions, _seed_metrics, simulated_false_alarm
-    from repro.report.store import load_records
 
     records = load_records([Path(__file__).resolve().parents[1] / "results" / "mini-seeds" / "records"])
     by_experiment: dict[str, list] = {}

@@ -18,10 +18,9 @@ from test_report import ENV, _lm_eval, _record
 
 from repro.cli import main as repro_main
 from repro.errors import ReproError
-from repro.report.record import DomainLoss, PartialTask, partial_tasks
+from repro.records.run_record import DomainLoss, PartialTask, partial_tasks
+from repro.records.store import load_record, make_record, with_lm_eval, write_record
 from repro.report.seed_tables import compare_over_seeds, comparison_label, seed_zero_shot_table
-from repro.report.stats import compact_per_question, holm, mcnemar_exact
-from repro.report.store import load_record, make_record, with_lm_eval, write_record
 from repro.report.table_core import PARTIAL, render
 from repro.report.tables import (
     heldout_loss,
@@ -30,6 +29,7 @@ from repro.report.tables import (
     validation_table,
     zero_shot_table,
 )
+from repro.stats import compact_per_question, holm, mcnemar_exact
 
 # ---------------------------------------------------------------------------------------------- range checks
 
@@ -89,7 +89,7 @@ def test_out_of_range_values_are_refused_naming_file_and_field(tmp_path, mutate,
         load_record(path)
     text = str(info.value)
     assert text.startswith(f"{path}: ") and message in text and "\n" not in text
-    assert repro_main(["tables", str(path)]) == 2  # the CLI: one line, exit 2
+    assert repro_main(["report", "tables", str(path)]) == 2  # the CLI: one line, exit 2
 
 
 def test_records_in_range_load_and_records_without_the_new_fields_still_load(tmp_path):
@@ -357,9 +357,9 @@ def test_a_variant_is_compared_beside_its_router_not_as_its_seeds():
 
 
 def test_mini_seed_zero_is_the_single_seed_run_and_seed_k_adds_k():
-    from repro.mini import MiniConfig, parse
-    from repro.training.config import apply_overrides
-    from repro.training.experiments import get_experiment
+    from repro.config import apply_overrides
+    from repro.experiments import get_experiment
+    from repro.studies.mini import MiniConfig, parse
 
     cfg = MiniConfig(runs=("switch", "dense"), seeds=3, steps=5, data_dir="d", work_dir="w")
     today = apply_overrides(
@@ -390,7 +390,7 @@ class _BigramLM:
 
 
 def test_heldout_domain_losses_against_a_direct_sum():
-    from repro.mini import heldout_domain_losses
+    from repro.studies.mini import heldout_domain_losses
 
     lm = _BigramLM(11)
     docs = [(list(range(10)), "a"), ([3, 4], "b"), ([5], "b"), ([1, 2, 3, 4, 5, 6, 7], "a"), ([9, 8, 7], "b")]

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from scipy import stats as sps
 
-from repro.report.stats import (
+from repro.stats import (
     compact_per_question,
     holm,
     mcnemar_exact,

@@ -8,12 +8,12 @@ import sys
 
 import pytest
 
-from repro import studies
-from repro import study as engine
 from repro.errors import ReproError
 from repro.launch import Launch
-from repro.studies import Sweep, register
-from repro.study import Run, Study, run_state, train_command
+from repro.studies import engine
+from repro.studies import registry as studies
+from repro.studies.engine import Run, Study, run_state, train_command
+from repro.studies.registry import Sweep, register
 
 
 @pytest.fixture
@@ -92,7 +92,7 @@ def test_a_launched_run_is_one_train_command(tmp_path):
 
 
 def test_a_runs_cost_is_its_timing_or_an_earlier_ablations_invocations(tmp_path):
-    from repro.study import run_cost
+    from repro.studies.engine import run_cost
 
     assert run_cost(tmp_path) is None
     (tmp_path / "ablation_cost.json").write_text(json.dumps([{"cpu_seconds": 10.04, "wall_seconds": 20},
@@ -100,3 +100,74 @@ def test_a_runs_cost_is_its_timing_or_an_earlier_ablations_invocations(tmp_path)
     assert run_cost(tmp_path) == {"cpu_seconds": 11.0, "wall_seconds": 22.0}  # summed, as the ablation did
     (tmp_path / "timing.json").write_text(json.dumps({"cpu_seconds": 3, "wall_seconds": 4}))
     assert run_cost(tmp_path) == {"cpu_seconds": 3.0, "wall_seconds": 4.0}
+
+
+def test_a_run_builds_its_config_once_and_carries_it_to_its_worker():
+    """The config is built on the first call and kept, also across pickling (the worker's copy); equality and
+    hashing stay the fields'."""
+    import pickle
+
+    from repro.studies.engine import Run
+
+    run = Run("r", "switch-tiny", ("schedule.steps=7",))
+    first = run.config()
+    assert run.config() is first and first.schedule.steps == 7
+    copy = pickle.loads(pickle.dumps(run))
+    assert copy.__dict__["_config"] == first and copy == run and hash(copy) == hash(run)
+    assert Run("r", "switch-tiny", ("schedule.steps=7",)) == run
+
+
+OUTSIDE_STUDY = '''\
+"""Switch at two learning rates: a study defined outside the suite, with its own table and write-up."""
+from pathlib import Path
+
+from repro.records.store import load_record
+from repro.report.table_core import Table, render, write_tables
+from repro.studies.engine import Run, Study, run_study
+
+
+def report(study, outcome):
+    rows = []
+    for run in study.runs:
+        record = load_record(study.run_dir(run) / "record.json")
+        rows.append((run.run_id, f"{record.loss_curve[-1].loss:.4f}"))
+    table = Table("lr_probe", "Final training loss per learning rate.", ("run", "final loss"), tuple(rows))
+    write_tables([table], study.out_dir)
+    lowest = min(rows, key=lambda r: float(r[1]))[0]
+    Path(study.out_dir, "README.md").write_text(f"# LR probe\\n\\nLowest final loss: {lowest}.\\n\\n{render(table, 'md')}")
+    return render(table, "md")
+
+
+def main(argv, prog):
+    out, work = argv
+    runs = tuple(Run(f"lr{lr}", "switch-tiny", (f"optimizer.lr={lr}", "schedule.steps=3", "data.source=synthetic",
+                                               "validation.interval=0", "checkpoint.interval=0"))
+                 for lr in ("0.001", "0.01"))
+    study = Study("lr-probe", runs, work, out, report=report, workers=1, owner=prog)
+    return 1 if run_study(study)["failed"] else 0
+'''
+
+
+@pytest.mark.slow
+def test_a_study_from_outside_the_package_runs_with_its_own_table_and_write_up(tmp_path, monkeypatch, capsys):
+    """A package of a user's registers a study (runs, table, write-up) and ``python -m repro study NAME`` runs it:
+    no file of the suite is touched."""
+    from repro.cli import main as cli_main
+
+    (tmp_path / "my_studies").mkdir()
+    (tmp_path / "my_studies" / "__init__.py").write_text("")
+    (tmp_path / "my_studies" / "lr_probe.py").write_text(OUTSIDE_STUDY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(studies, "ALIASES", dict(studies.ALIASES))
+    studies.register_study("lr-probe", "my_studies.lr_probe", "Switch at two learning rates")
+    with pytest.raises(ValueError, match="exists already"):
+        studies.register_study("lr-probe", "my_studies.lr_probe", "again")
+    assert cli_main(["study", "--list"]) == 0 and "lr-probe" in capsys.readouterr().out
+    out, work = tmp_path / "out", tmp_path / "work"
+    assert cli_main(["study", "lr-probe", str(out), str(work)]) == 0
+    rows = (out / "lr_probe.csv").read_text().splitlines()
+    assert rows[0] == "run,final loss" and [r.split(",")[0] for r in rows[1:]] == ["lr0.001", "lr0.01"]
+    losses = {r.split(",")[0]: float(r.split(",")[1]) for r in rows[1:]}
+    assert all(0 < v < 20 for v in losses.values())
+    assert f"Lowest final loss: {min(losses, key=losses.get)}." in (out / "README.md").read_text()
+    assert json.loads((work / "lr0.01" / "config.json").read_text())["experiment"]["optimizer"]["lr"] == 0.01

@@ -120,7 +120,7 @@ def test_missing_or_incomplete_data_is_one_line_naming_task_and_folder(specs, tm
     text = str(info.value)
     assert "\n" not in text
     assert f"task 'race': no EleutherAI/race in {partial / 'EleutherAI' / 'race'}" in text
-    assert "eval-data fetch" in text and "--tasks race" in text and "piqa" not in text
+    assert "eval fetch" in text and "--tasks race" in text and "piqa" not in text
     (partial / "baber" / "piqa" / "default" / "train.jsonl").unlink()
     card = partial / "baber" / "piqa" / CARD
     card.write_text(card.read_text().replace("  - split: train\n    path: default/train.jsonl\n", ""))
@@ -197,15 +197,15 @@ def test_fetch_of_a_dataset_without_a_needed_split_leaves_nothing(specs, tmp_pat
 
 def test_eval_data_command(tmp_path, capsys):
     # dry run: the plan, nothing downloaded or written
-    assert repro_main(["eval-data", "fetch", "--out", str(tmp_path / "d"), "--tasks", "piqa,race", "--dry-run"]) == 0
+    assert repro_main(["eval", "fetch", "--out", str(tmp_path / "d"), "--tasks", "piqa,race", "--dry-run"]) == 0
     out = capsys.readouterr().out
     assert "baber/piqa: default [train, validation]" in out and "EleutherAI/race: high [test]" in out
     assert not (tmp_path / "d").exists()
     # the tests run offline: fetching for real is refused with one line
-    assert repro_main(["eval-data", "fetch", "--out", str(tmp_path / "d"), "--tasks", "piqa"]) == 2
+    assert repro_main(["eval", "fetch", "--out", str(tmp_path / "d"), "--tasks", "piqa"]) == 2
     assert "HF_DATASETS_OFFLINE" in capsys.readouterr().err and not (tmp_path / "d").exists()
-    assert repro_main(["eval-data", "check", str(FIXTURES)]) == 0
+    assert repro_main(["eval", "check", str(FIXTURES)]) == 0
     assert "complete" in capsys.readouterr().out
-    assert repro_main(["eval-data", "check", str(tmp_path), "--tasks", "boolq"]) == 2
+    assert repro_main(["eval", "check", str(tmp_path), "--tasks", "boolq"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: task 'boolq': no aps/super_glue in") and err.count("\n") == 1

@@ -8,7 +8,7 @@ import os
 import pytest
 
 from repro.errors import ReproError
-from repro.training.log import read_rows
+from repro.records.step_log import read_rows
 
 if importlib.util.find_spec("tensorboard") is None:
     if os.environ.get("CI"):
@@ -71,8 +71,8 @@ def test_events_equal_the_log_rows_on_logging_steps(tmp_path):
 def test_default_folder_and_negative_per_expert_values(tmp_path):
     """``logging.tensorboard=true`` writes to <run>/tensorboard; the aux-loss-free bias (negative entries) is
     written as the distribution of its values."""
-    from repro.training.config import apply_overrides
-    from repro.training.experiments import get_experiment
+    from repro.config import apply_overrides
+    from repro.experiments import get_experiment
     from repro.training.trainer import train
 
     exp = apply_overrides(get_experiment("auxfree-tiny"), [*TINY, "schedule.steps=2", "logging.tensorboard=true"])

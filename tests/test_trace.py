@@ -9,8 +9,8 @@ import json
 import pytest
 from test_training import TINY
 
-from repro.training.config import apply_overrides
-from repro.training.experiments import get_experiment
+from repro.config import apply_overrides
+from repro.experiments import get_experiment
 from repro.training.trace import ROUTER_RANGE, summarize
 
 

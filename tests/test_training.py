@@ -22,10 +22,10 @@ import pytest
 import torch
 
 import routers
+from repro.config import MEGATRON_ROUTER, RunConfig, apply_overrides
 from repro.errors import ReproError
-from repro.training.config import MEGATRON_ROUTER, RunConfig, apply_overrides
-from repro.training.experiments import experiment_names, experiment_routers, get_experiment
-from repro.training.log import read_rows
+from repro.experiments import experiment_names, experiment_routers, get_experiment
+from repro.records.step_log import read_rows
 from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
 from repro.training.synthetic import MicroBatchSampler, SyntheticTokens, collate
 
@@ -334,7 +334,7 @@ def test_seeds_of_one_experiment_trained_by_train_form_a_seed_band(tmp_path, cap
     """Three seeds of one experiment through `train` get distinct run ids (the experiment's own seed keeps the
     plain name), so `check` can read them together as a band."""
     from repro.cli import main
-    from repro.report.store import load_records
+    from repro.records.store import load_records
 
     base = ["train", "--experiment", "dense-tiny", "--no-progress"]
     for item in TINY + ["schedule.steps=2"]:
@@ -346,7 +346,7 @@ def test_seeds_of_one_experiment_trained_by_train_form_a_seed_band(tmp_path, cap
     assert ids == ["dense-tiny", f"dense-tiny-seed{own + 1}", f"dense-tiny-seed{own + 2}"]
     assert main(base + ["--out", str(tmp_path / "new"), "--set", f"seed={own + 3}"]) == 0
     capsys.readouterr()
-    assert main(["check", str(tmp_path / "new"), "--against", str(tmp_path / "seeds")]) in (0, 1)
+    assert main(["report", "check", str(tmp_path / "new"), "--against", str(tmp_path / "seeds")]) in (0, 1)
     assert capsys.readouterr().out.startswith("Against 3 seeds: K = 1 number compared")  # the final loss
 
 
@@ -580,12 +580,12 @@ def test_a_run_prints_its_own_lines_only(tmp_path):
     assert resolved["dense_fraction"] == 0.05 and resolved["segment_len"] == 32 and resolved["schedule_steps"] == 2
 
 
-@pytest.mark.parametrize("command", ["train", "mini", "ablation", "efficiency", "study", "check"])
+@pytest.mark.parametrize("command", ["train", "study mini", "study ablation", "study efficiency", "study", "report check", "eval"])
 def test_help_answers_without_loading_torch(command):
     """``--help`` parses before any heavy import: no torch, no megatron-core (seconds on a loaded machine)."""
     code = (
         "import runpy, sys\n"
-        f"sys.argv = ['repro', {command!r}, '--help']\n"
+        f"sys.argv = ['repro', *{command.split()!r}, '--help']\n"
         "try:\n    runpy.run_module('repro', run_name='__main__')\nexcept SystemExit:\n    pass\n"
         "print(sorted(m for m in ('torch', 'megatron.core') if m in sys.modules))\n"
     )
@@ -603,6 +603,22 @@ def test_the_installed_console_script_names_itself(capsys):
     assert done.returncode == 2 and "unknown command 'trian'; did you mean 'train'?" in done.stderr
     usage = subprocess.run([str(script)], capture_output=True, text=True, timeout=120).stdout
     assert usage.startswith("usage: dirmoe-bench <command> [options]")
+
+
+def test_seven_commands_and_one_line_for_a_moved_or_mistyped_one(capsys):
+    """At most seven top-level commands; an earlier command name says what it is now, a mistyped subcommand
+    gets a 'did you mean', and `eval` with options is the evaluation itself."""
+    from repro import cli
+
+    assert len(cli.COMMANDS) <= 7
+    assert cli.main(["mini"]) == 2 and "error: 'mini' is now 'study mini'" in capsys.readouterr().err
+    assert cli.main(["report", "tabels"]) == 2
+    assert "unknown 'report' subcommand 'tabels'; did you mean 'tables'?" in capsys.readouterr().err
+    assert cli.resolve(["eval", "--checkpoint", "x"])[1:] == ("eval run", ["--checkpoint", "x"])
+    assert cli.resolve(["report", "check", "a"])[1:] == ("report check", ["a"])
+    assert cli.main(["study", "efficiency", "--profile"]) == 2
+    assert "python -m repro study router-costs" in capsys.readouterr().err
+    assert cli.main(["report"]) == 0 and "report writeup" in capsys.readouterr().out
 
 
 def test_cli_errors_and_list(tmp_path, capsys):

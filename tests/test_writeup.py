@@ -14,7 +14,7 @@ import pytest
 from repro.__main__ import main as repro_main
 from repro.errors import ReproError
 from repro.report import writeup
-from repro.report.prose import Paired, Writeup, paired_tests, verdict
+from repro.report.verdicts import Paired, Writeup, paired_tests, verdict
 from repro.report.writeup import fill_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +25,7 @@ def test_committed_writeups_agree_with_the_results_files():
     expected = writeup.targets(ROOT)
     assert ROOT / "README.md" in expected and len(expected) >= 5
     stale = [str(p.relative_to(ROOT)) for p, text in expected.items() if not p.is_file() or p.read_text() != text]
-    assert not stale, f"out of date (run python -m repro writeup): {stale}"
+    assert not stale, f"out of date (run python -m repro report writeup): {stale}"
 
 
 def test_the_readme_has_a_block_for_every_study():
@@ -54,7 +54,7 @@ def test_a_null_says_what_its_test_could_have_found():
     the difference's units; a family out of reach says 'underpowered' instead of reading as a null."""
     from scipy import stats as sps
 
-    from repro.report.stats import paired_detectable_effect
+    from repro.stats import paired_detectable_effect
 
     p = Paired(-0.5, -0.9, -0.1, 0.3, 0.6, 6, 5, family=8)
     sd = 0.4 * 6**0.5 / float(sps.t.ppf(0.975, 5))
@@ -207,18 +207,18 @@ def test_check_fails_on_a_stale_block_and_writing_fixes_it(tmp_path, capsys):
     root = _copy_results(tmp_path, ("mini", "bench"))
     readme = root / "README.md"
     readme.write_text("# x\n\n<!-- BEGIN generated: mini -->\n- hand-written: dirmoe is the same as switch\n<!-- END generated: mini -->\n")
-    assert repro_main(["writeup", "--root", str(root), "--check"]) == 1
+    assert repro_main(["report", "writeup", "--root", str(root), "--check"]) == 1
     assert "out of date" in capsys.readouterr().out
-    assert repro_main(["writeup", "--root", str(root)]) == 0
+    assert repro_main(["report", "writeup", "--root", str(root)]) == 0
     assert "hand-written" not in readme.read_text() and "unigram baseline" in readme.read_text()
     assert (root / "results" / "mini" / "README.md").is_file() and (root / "results" / "bench" / "README.md").is_file()
-    assert repro_main(["writeup", "--root", str(root), "--check"]) == 0
+    assert repro_main(["report", "writeup", "--root", str(root), "--check"]) == 0
 
 
 def test_the_iteration_ratio_carries_its_per_round_interval_where_the_run_recorded_one(tmp_path):
     """The interleaved benchmark's line quotes each run's per-round mean and 95% interval from the JSON, and
     leaves them out for a run that did not record them (benchmark files from before the intervals)."""
-    from repro.report.findings import _bench_file
+    from repro.report.study_writeups import _bench_file
 
     data = json.loads((ROOT / "results" / "bench" / "iteration.json").read_text())
     extra = next(b["extra_info"] for b in data["benchmarks"] if "dirmoe_over_switch" in b["extra_info"])

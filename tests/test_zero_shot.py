@@ -60,7 +60,7 @@ def test_checkpoint_on_the_seven_tasks_and_the_zero_shot_table(run_dir, tmp_path
 
     tables = tmp_path / "tables"
     for metric in ("auto", "acc"):
-        assert repro_main(["tables", str(run_dir / "record.json"), "--metric", metric,
+        assert repro_main(["report", "tables", str(run_dir / "record.json"), "--metric", metric,
                            "--out", str(tables / metric), "--format", "md,csv"]) == 0
     auto = list(csv.reader((tables / "auto" / "zero_shot.csv").open()))
     assert auto[0] == ["Router", *LABELS, "Avg."] and auto[1][0] == "switch"

@@ -273,8 +273,7 @@ def _shard_rels(cfg: MiniPileConfig) -> list[str]:
 def open_mini_pile(out_dir: str | os.PathLike) -> MiniPile:
     """The mini-pile already built under ``out_dir`` with the default :class:`MiniPileConfig`, as its manifest
     records it (every stage present, every file of its recorded size), without listing the machine's sources
-    again: that listing reads thousands of files (0.6 s per call with a warm file cache, seconds with a cold
-    one). For the processes that read a mini-pile another step built or checked (a training run's data, a
+    again: that listing reads thousands of files. For the processes that read a mini-pile another step built or checked (a training run's data, a
     study's runs and reports); a build that is absent, partial or of another configuration is left to
     :func:`build_mini_pile`, which it then calls.
     """

@@ -11,8 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from repro.cli import comma_list
 from repro.evaluation.offline import ensure_offline
+from repro.io_utils import comma_list
 
 
 def main(argv: list[str], prog: str) -> int:
@@ -25,7 +25,7 @@ def main(argv: list[str], prog: str) -> int:
     parser.add_argument("--local-tasks", default=None, help="directory of local task YAMLs (build_local_tasks)")
     parser.add_argument("--tasks-data", default=None,
                         help="task-data folder: the tasks (default: the seven) read their datasets from it with "
-                        "lm-eval's own task YAMLs (fill it with `python -m repro eval-data fetch --out DIR` on a "
+                        "lm-eval's own task YAMLs (fill it with `python -m repro eval fetch --out DIR` on a "
                         "machine with network access)")
     parser.add_argument("--local-tasks-from", default=None,
                         help="build the local tasks into --local-tasks from this held-out jsonl first")
@@ -86,7 +86,7 @@ def _add_to_run_record(run_dir: Path, results: dict, out: str | Path) -> None:
     """Put the results into the ``record.json`` of the checkpoint's run (if it has one); a partial (``--limit``)
     evaluation never replaces complete results there."""
     from repro.errors import ReproError
-    from repro.report.store import load_record, with_lm_eval, write_record
+    from repro.records.store import load_record, with_lm_eval, write_record
     from repro.training.inference import resolve_checkpoint, run_dir_of
 
     try:

@@ -1,4 +1,4 @@
-"""``python -m repro eval-data fetch|check``: fill (with network access) or check a task-data folder for
+"""``python -m repro eval fetch|check``: fill (with network access) or check a task-data folder for
 ``python -m repro eval --tasks-data`` (:mod:`repro.evaluation.task_data`, docs/evaluation.md).
 """
 
@@ -8,39 +8,48 @@ import argparse
 import os
 import tempfile
 
-from repro.cli import comma_list
 from repro.errors import ReproError
+from repro.io_utils import comma_list
 
 _ON = ("1", "on", "yes", "true")
 
 
-def main(argv: list[str], prog: str) -> int:
-    """Run ``fetch`` or ``check``; returns the exit status."""
+def _parser(prog: str, action: str) -> argparse.ArgumentParser:
     # Not from runner.py: importing it switches the process to offline mode, and fetch downloads.
     from repro.evaluation.task_data import PAPER_TASK_DIRS
 
     paper_tasks = list(PAPER_TASK_DIRS)
-    parser = argparse.ArgumentParser(prog=prog, description="Fill or check a task-data folder for `eval --tasks-data`.")
-    sub = parser.add_subparsers(dest="action", required=True)
-    fetch_p = sub.add_parser("fetch", help="download the tasks' hub datasets into a task-data folder (needs network)")
-    fetch_p.add_argument("--out", required=True, help="the task-data folder to fill")
-    fetch_p.add_argument("--dry-run", action="store_true", help="print what would be downloaded, download nothing")
-    check_p = sub.add_parser("check", help="check offline that a task-data folder holds every task's data")
-    check_p.add_argument("folder", help="the task-data folder")
-    for p in (fetch_p, check_p):
-        p.add_argument("--tasks", type=comma_list, default=paper_tasks,
-                       help=f"comma-separated lm-eval tasks (default: {','.join(paper_tasks)})")
-    args = parser.parse_args(argv)
+    what = ("Download lm-eval tasks' hub datasets into a task-data folder for `eval --tasks-data` (needs network)."
+            if action == "fetch" else "Check offline that a task-data folder holds every task's data.")
+    p = argparse.ArgumentParser(prog=prog, description=what)
+    if action == "fetch":
+        p.add_argument("--out", required=True, help="the task-data folder to fill")
+        p.add_argument("--dry-run", action="store_true", help="print what would be downloaded, download nothing")
+    else:
+        p.add_argument("folder", help="the task-data folder")
+    p.add_argument("--tasks", type=comma_list, default=paper_tasks,
+                   help=f"comma-separated lm-eval tasks (default: {','.join(paper_tasks)})")
+    return p
 
-    from repro.evaluation.task_data import check_task_data, fetch, fetch_plan, task_data_specs
+
+def check_main(argv: list[str], prog: str) -> int:
+    """``eval check FOLDER``: exit status 0 when the folder holds every task's data (else a ReproError)."""
+    args = _parser(prog, "check").parse_args(argv)
+    from repro.evaluation.task_data import check_task_data, task_data_specs
 
     specs = task_data_specs(args.tasks)
-    if args.action == "check":
-        with tempfile.TemporaryDirectory(prefix="repro-task-data-") as scratch:
-            check_task_data(specs, args.folder, scratch)
-        print(f"{args.folder}: data for {', '.join(args.tasks)} is complete")
-        return 0
-    plan = fetch_plan(specs)
+    with tempfile.TemporaryDirectory(prefix="repro-task-data-") as scratch:
+        check_task_data(specs, args.folder, scratch)
+    print(f"{args.folder}: data for {', '.join(args.tasks)} is complete")
+    return 0
+
+
+def fetch_main(argv: list[str], prog: str) -> int:
+    """``eval fetch --out FOLDER``: download the tasks' datasets (or, with ``--dry-run``, list them)."""
+    args = _parser(prog, "fetch").parse_args(argv)
+    from repro.evaluation.task_data import fetch, fetch_plan, task_data_specs
+
+    plan = fetch_plan(task_data_specs(args.tasks))
     for item in plan:
         print(item.describe(args.out))
     if args.dry_run:

@@ -60,7 +60,7 @@ def evaluate_lm(
             bootstrapped metrics such as perplexity (the accuracies' error is closed-form).
         seed: lm-eval's python / numpy / torch / few-shot seeds.
         log_samples: keep lm-eval's per-document records under ``samples`` (per-question correctness:
-            :func:`repro.report.stats.per_question_scores`).
+            :func:`repro.stats.per_question_scores`).
 
     Returns:
         lm-eval's results dict as JSON-ready plain values (``results``, ``configs``, ``versions``, ...).
@@ -103,7 +103,7 @@ def _evaluate(lm: LM, tasks: Sequence[str], manager: TaskManager, limit: int | f
     except ConnectionError as exc:
         raise ReproError(
             f"task data is not available offline ({exc}). The full-scale tasks need their Hugging Face datasets "
-            "in a task-data folder (--tasks-data DIR; fill it with `python -m repro eval-data fetch --out DIR` on "
+            "in a task-data folder (--tasks-data DIR; fill it with `python -m repro eval fetch --out DIR` on "
             "a machine with network access) or in the local datasets cache; on the embedded default use "
             "--local-tasks"
         ) from None

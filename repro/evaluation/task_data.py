@@ -128,7 +128,7 @@ def task_data_specs(tasks: Sequence[str]) -> list[TaskData]:
 
 
 def _fetch_hint(root: Path, tasks: Iterable[str]) -> str:
-    command = f"python -m repro eval-data fetch --out {root} --tasks {','.join(tasks)}"
+    command = f"python -m repro eval fetch --out {root} --tasks {','.join(tasks)}"
     return f"fill it on a machine with network access: {command}"
 
 
@@ -310,7 +310,7 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None =
                     rows.setdefault(name or DEFAULT_CONFIG, {})[split] = len(data[split])
             counts = "; ".join(f"{c}: " + ", ".join(f"{s} {n}" for s, n in sp.items()) for c, sp in rows.items())
             note = (f"Local copy of the Hugging Face dataset `{item.dataset_path}` for lm-eval's tasks "
-                    f"{', '.join(item.tasks)}, written by `python -m repro eval-data fetch` with datasets "
+                    f"{', '.join(item.tasks)}, written by `python -m repro eval fetch` with datasets "
                     f"{datasets.__version__}. Rows: {counts}.")
             (tmp / CARD).write_text(dataset_card(item, note))
         log(f"wrote {dest}")

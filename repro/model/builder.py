@@ -27,9 +27,9 @@ import torch
 import torch.nn.functional as F
 
 from repro.errors import unknown_name
+from repro.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS, ModelFlavour, get_flavour, refuse_unknown
 from repro.model.backends import TorchBackendOptions, resolve_backend
 from repro.model.cpu_shims import apply_cpu_shims, causal_attention_mask, cuda_available, seed_model_parallel_rng
-from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS, ModelFlavour, get_flavour, refuse_unknown
 
 __all__ = ["MEGATRON_ROUTER", "build_model", "causal_attention_mask", "transformer_config"]
 
@@ -233,7 +233,7 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
     """Build a LLaMA-style megatron-core ``GPTModel`` with ``router_name`` in every block's MoE layer.
 
     Args:
-        flavour: a flavour or its name (``repro.model.flavours.available_flavours()``).
+        flavour: a flavour or its name (``repro.flavours.available_flavours()``).
         router_name: a registered router, ``"megatron"`` (megatron-core's TopKRouter), or None for a dense
             flavour (an MoE flavour needs one).
         router_options: the router's config fields (for ``"megatron"`` see :func:`transformer_config`); a

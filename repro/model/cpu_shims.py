@@ -20,8 +20,7 @@ CUDA; each shim has a test in ``tests/test_cpu_shims.py`` that fails when megatr
 6. ``get_megatron_optimizer`` hard-codes ``device='cuda'``: NOT patched, the training loop uses
    ``torch.optim.AdamW`` on CPU (:mod:`repro.training.optim`).
 7. Speed, not a failure: the vocab-parallel cross-entropy takes the logits' maximum with ``torch.max(x, dim)``,
-   which also computes the indices it throws away; on CPU that is 7x slower than ``amax`` (3.6 ms against
-   0.5 ms on a tiny micro-batch's 512 x 8192 logits). The shim makes
+   which also computes the indices it throws away; on CPU that is several times slower than ``amax``. The shim makes
    ``VocabParallelCrossEntropy.calculate_logits_max`` take ``amax``: the same values, bit for bit.
 """
 

@@ -1,4 +1,5 @@
-"""Measurement and reporting: run records (``record``, ``store``), FLOPs and compute parity (``flops``,
-``parity``), published numbers (``ledger``), tables (``tables``, ``seed_tables``, ``ablation_tables``, shared in
-``table_core``), plots, regression checks (``check``) and the result write-ups (``writeup``).
+"""Presentation of the records: tables (``tables`` per run, ``seed_tables`` over seeds, ``ablation_tables``,
+shared in ``table_core``), compute parity (``compute_parity``), published numbers (``published``), plots,
+regression checks (``check``), the router cost profile (``costs``) and the result write-ups (``writeup``: each
+study's in ``study_writeups``, worded by ``verdicts``).
 """

@@ -1,5 +1,5 @@
 """The DirMoE ablation's tables: per cell, the end-of-run routing and losses over seeds, tested against a
-reference cell (:mod:`repro.ablation` runs the cells).
+reference cell (:mod:`repro.studies.ablation` runs the cells).
 
 Per run (:func:`run_metrics`), over the last ``final_window`` log rows: load imbalance per layer (max / mean
 tokens per expert), weight imbalance per layer (max / mean over experts of the mean routing weight, which alone
@@ -17,10 +17,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from repro.records.step_log import LogRow
 from repro.report.over_seeds import SeedStat, against_reference, compare, count_defined, family_sentence, undefined_note
-from repro.report.stats import Interval, mean_ci
 from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table, fmt_interval
-from repro.training.log import LogRow
+from repro.stats import Interval, mean_ci
+
+#: The cell every other cell is tested against: DirMoE with the paper's options.
+REFERENCE = "paper"
+#: The reference level of a router that balances its load.
+SWITCH = "switch"
 
 
 @dataclass(frozen=True)

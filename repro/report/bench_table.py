@@ -1,4 +1,4 @@
-"""``python -m repro bench-table BENCH.json``: summarise a pytest-benchmark JSON.
+"""``python -m repro report bench BENCH.json``: summarise a pytest-benchmark JSON.
 
 One row per benchmark: its group, the router it measures, the median time, and the ratio of that median to
 the ``switch`` router's median in the same group (the baseline every router is compared with).

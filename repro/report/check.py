@@ -6,7 +6,7 @@ Against seeds (:func:`check_against_seeds`, docs/evaluation.md), each of the K n
 prediction interval at coverage ``1 - alpha/K`` (Bonferroni: a false-alarm rate of at most ``alpha`` whatever
 the dependence between the numbers; Holm would give the same pass/fail verdict; a joint criterion, Hotelling's
 T^2, needs more seeds than numbers). That rate is exact for continuous, normal numbers; an accuracy moves in
-whole questions, so its band's spread is at least what the question grid allows (:mod:`repro.report.stats`,
+whole questions, so its band's spread is at least what the question grid allows (:mod:`repro.stats`,
 decision 10), and every report states the rate :func:`simulated_false_alarm` measures for its own K numbers,
 seeds and steps. The price is power: each row states the smallest shift its band catches, in the number's units.
 The numbers compared are losses and accuracies; routing statistics are not (they can be bimodal or sit at a
@@ -27,10 +27,10 @@ import numpy as np
 from tabulate import tabulate
 
 from repro.errors import ReproError
-from repro.report.ledger import PublishedEntry, select
-from repro.report.record import RunRecord, lm_eval_metrics
-from repro.report.stats import grid_sd_floor, minimum_detectable_shift, prediction_bounds, prediction_interval
+from repro.records.run_record import RunRecord, lm_eval_metrics
+from repro.report.published import PublishedEntry, select
 from repro.report.table_core import PAPER_TASKS, choose_metric, record_partial
+from repro.stats import grid_sd_floor, minimum_detectable_shift, prediction_bounds, prediction_interval
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
 #: The final training loss of a run is the mean of its last this many logged losses (single steps are noisy).
@@ -92,7 +92,7 @@ class CheckReport:
 
 
 def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto") -> float | None:
-    """A run's value of a shared metric name (see :mod:`repro.report.ledger`).
+    """A run's value of a shared metric name (see :mod:`repro.report.published`).
 
     Args:
         metric: ``zero_shot.<task>``, ``zero_shot.avg``, ``efficiency.iter_time_ms``,

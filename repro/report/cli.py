@@ -1,13 +1,13 @@
-"""``python -m repro tables`` and ``python -m repro check``.
+"""``python -m repro report tables`` and ``python -m repro report check``.
 
 Examples::
 
-    python -m repro tables runs/mini                          # Markdown tables on stdout
-    python -m repro tables runs/pile --published --out results/pile --format md,csv,tex
-    python -m repro check runs/pile/dirmoe-185m --against published
-    python -m repro check runs/mini/switch --against runs/mini-before/switch   # exit 1 on a drift
-    python -m repro check runs/new/switch --against runs/seeds/switch   # several seeds: 5% false alarms in all
-    python -m repro tables runs/seeds --over-seeds            # mean +- 95% CI over seeds, * vs --reference-router
+    python -m repro report tables runs/mini                          # Markdown tables on stdout
+    python -m repro report tables runs/pile --published --out results/pile --format md,csv,tex
+    python -m repro report check runs/pile/dirmoe-185m --against published
+    python -m repro report check runs/mini/switch --against runs/mini-before/switch   # exit 1 on a drift
+    python -m repro report check runs/new/switch --against runs/seeds/switch   # several seeds: 5% false alarms in all
+    python -m repro report tables runs/seeds --over-seeds            # mean +- 95% CI over seeds, * vs --reference-router
 """
 
 from __future__ import annotations
@@ -16,16 +16,16 @@ import argparse
 import sys
 from pathlib import Path
 
-from repro.cli import comma_list
 from repro.errors import ReproError
+from repro.io_utils import comma_list
 
 
 def tables_main(argv: list[str], prog: str) -> int:
     """Build the zero-shot, efficiency and routing tables from run records. Returns the exit status (0)."""
-    from repro.report.ledger import load_ledger
-    from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER
+    from repro.records.store import load_records
+    from repro.report.compute_parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER
+    from repro.report.published import load_ledger
     from repro.report.seed_tables import compare_over_seeds, seed_zero_shot_table
-    from repro.report.store import load_records
     from repro.report.table_core import FORMATS, ZERO_SHOT_METRICS, render, write_tables
     from repro.report.tables import efficiency_table, routing_table, zero_shot_table
 
@@ -79,6 +79,7 @@ def tables_main(argv: list[str], prog: str) -> int:
 def check_main(argv: list[str], prog: str) -> int:
     """Regression-check runs against the published numbers or earlier runs. Returns the exit status: 0 when every
     number is within tolerance, 1 when one is not."""
+    from repro.records.store import load_records
     from repro.report.check import (
         CheckReport,
         check_against_published,
@@ -86,8 +87,7 @@ def check_main(argv: list[str], prog: str) -> int:
         check_against_seeds,
         render_report,
     )
-    from repro.report.ledger import load_ledger
-    from repro.report.store import load_records
+    from repro.report.published import load_ledger
 
     parser = argparse.ArgumentParser(
         prog=prog, description="Compare a run with the published numbers or an earlier run; exit 1 on a deviation."

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from repro.report.stats import Interval, PairedTest, holm, mean_ci, paired_t_test
+from repro.stats import Interval, PairedTest, holm, mean_ci, paired_t_test
 
 #: The families a table's tests can be adjusted in (module docstring).
 FAMILIES = ("table", "column")

@@ -1,6 +1,6 @@
 """Plots of a comparison (matplotlib, PNG): loss curves, routing over training, DirMoE's sparsity knob,
 expert specialisation by domain, and the DirMoE ablation's. Every function takes plain data (training-log rows,
-:class:`repro.training.log.LogRow`; analysis dicts) and ``path``, the PNG to write; ``smooth`` is a
+:class:`repro.records.step_log.LogRow`; analysis dicts) and ``path``, the PNG to write; ``smooth`` is a
 moving-average window in steps.
 """
 
@@ -17,7 +17,7 @@ matplotlib.use("Agg")  # headless: no display on CI or GPU nodes
 import matplotlib.pyplot as plt  # noqa: E402
 
 from repro.io_utils import atomic_path  # noqa: E402
-from repro.training.log import LogRow  # noqa: E402
+from repro.records.step_log import LogRow  # noqa: E402
 
 
 def _save(fig, path: str | os.PathLike) -> None:

@@ -17,10 +17,9 @@ from typing import Any
 import numpy as np
 
 from repro.errors import ReproError
+from repro.records.run_record import PartialTask, RunRecord
+from repro.report.compute_parity import DEFAULT_REFERENCE_ROUTER
 from repro.report.over_seeds import SeedStat, against_reference, count_defined, family_sentence, undefined_note
-from repro.report.parity import DEFAULT_REFERENCE_ROUTER
-from repro.report.record import PartialTask, RunRecord
-from repro.report.stats import PairedTest, mcnemar_exact, paired_permutation_test, question_scores
 from repro.report.table_core import (
     DENSE_SUFFIX,
     PARTIAL,
@@ -33,6 +32,7 @@ from repro.report.table_core import (
     task_label,
     zero_shot_columns,
 )
+from repro.stats import PairedTest, mcnemar_exact, paired_permutation_test, question_scores
 
 SEED_TESTS = ("auto", "seeds", "questions", "none")
 AVG = "avg"
@@ -174,7 +174,7 @@ def compare_over_seeds(
         reference_router: the router the others are tested against.
         metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`choose_metric`).
         per_question: run_id -> the run's per-question results
-            (:func:`repro.report.stats.compact_per_question`); needed for ``test="questions"``. Default: the
+            (:func:`repro.stats.compact_per_question`); needed for ``test="questions"``. Default: the
             records' own ``per_question`` fields, where every evaluated record has one.
         test: ``seeds`` (paired t over the seeds both routers ran), ``questions`` (McNemar's exact test with
             one seed per router, else a sign-flip permutation test over questions of the correctness averaged

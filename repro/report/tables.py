@@ -1,7 +1,7 @@
 """The paper's tables, generated from run records (never edited by hand): zero-shot accuracy, validation loss,
 efficiency (with a compute-parity verdict) and routing, per run; validation and routing over seeds, marked as
 :func:`~repro.report.seed_tables.seed_zero_shot_table` is. A zero-shot cell of a task scored on part of its
-documents carries a dagger. With a ledger (:mod:`repro.report.ledger`), each run is followed by the published
+documents carries a dagger. With a ledger (:mod:`repro.report.published`), each run is followed by the published
 rows of its router in the same model setting and a ``delta`` row.
 """
 
@@ -12,10 +12,10 @@ import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from repro.report.flops import formula_name
-from repro.report.ledger import PublishedEntry, select
-from repro.report.parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
-from repro.report.record import RunRecord
+from repro.records.flops import formula_name
+from repro.records.run_record import RunRecord
+from repro.report.compute_parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
+from repro.report.published import PublishedEntry, select
 from repro.report.seed_tables import compare_metrics_over_seeds, seed_metric_table
 from repro.report.table_core import (
     MISSING,
@@ -255,7 +255,7 @@ def efficiency_table(
         records: runs with efficiency figures (runs without are left out).
         ledger: published numbers to show beside the runs (None: measured rows only).
         parity_tolerance: relative tolerance on measured expert FLOPs per token (see
-            :func:`repro.report.parity.compute_parity`).
+            :func:`repro.report.compute_parity.compute_parity`).
         reference_router: the router of the parity reference run.
     """
     measured = [r for r in _ordered(records) if r.efficiency is not None]
@@ -310,7 +310,7 @@ def efficiency_table(
 
 
 def _flops_formulas(records: Sequence[RunRecord]) -> str:
-    """The FLOPs count(s) the records' TFLOP/s come from, named (:func:`repro.report.flops.formula_name`)."""
+    """The FLOPs count(s) the records' TFLOP/s come from, named (:func:`repro.records.flops.formula_name`)."""
     counts = sorted({r.efficiency.flops_attention or "" for r in records})
     if len(counts) == 1:
         return formula_name(counts[0] or None)
@@ -333,11 +333,12 @@ def routing_table(records: Sequence[RunRecord]) -> Table:
         rows.append((labels[record.run_id], "mean", *(_fmt(v, s) for v, s in zip(means, specs))))
         for layer in record.routing:
             rows.append(
-                (labels[record.run_id], str(layer.layer), *(_fmt(getattr(layer, n), s) for n, s in zip(names, specs)))
+                (labels[record.run_id], str(layer.layer + 1), *(_fmt(getattr(layer, n), s) for n, s in zip(names, specs)))
             )
     headers = ("Router", "Layer", "active experts", "Simpson index", "load imbalance", "dropped mass", "fallback share")
     caption = (
-        "Routing behaviour, averaged over the measured steps: experts per token, Simpson index sum_i p_i^2 of "
+        "Routing behaviour, averaged over the measured steps, per MoE layer (counted from 1, as in TensorBoard, the "
+        "plots and the write-ups) and their mean: experts per token, Simpson index sum_i p_i^2 of "
         "the combine weights (1/E uniform, 1 one expert), load imbalance (max / mean tokens per expert), "
         "the routing-weight mass the dispatch rule dropped, and the share of tokens dispatched only by a "
         "fallback rule (DirMoE: no gate above its threshold, the arg-max of r taken)."

@@ -1,4 +1,4 @@
-"""``python -m repro writeup``: the result write-ups, generated from the results files alone.
+"""``python -m repro report writeup``: the result write-ups, generated from the results files alone.
 
 Each study directory under ``results/`` gets a ``README.md`` (the command that produced it, its findings as
 sentences, its tables included from the ``.md`` files beside it), and the repository's README gets a short
@@ -6,12 +6,12 @@ block per study between ``<!-- BEGIN generated: <study> -->`` and ``<!-- END gen
 
 Every number in them is read from a results file (``summary.json``, the tables' ``.csv``, a benchmark JSON) or
 computed from the per-seed values those files hold, and every comparison word is chosen by a test result
-(:mod:`repro.report.prose`). ``--check`` exits 1 where a committed file differs from what the files give.
+(:mod:`repro.report.verdicts`). ``--check`` exits 1 where a committed file differs from what the files give.
 
 Examples::
 
-    python -m repro writeup                # rewrite results/*/README.md and the README's result blocks
-    python -m repro writeup --check        # exit 1 when one of them is out of date
+    python -m repro report writeup                # rewrite results/*/README.md and the README's result blocks
+    python -m repro report writeup --check        # exit 1 when one of them is out of date
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from repro.errors import ReproError
-from repro.report import findings
-from repro.report.prose import Writeup
+from repro.report import study_writeups as findings
+from repro.report.verdicts import Writeup
 
 _BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w.+-]+) -->\n)(?P<body>.*?)(<!-- END generated: (?P=name) -->)", re.S)
 
@@ -92,6 +92,6 @@ def main(argv: list[str], prog: str) -> int:
             print(f"wrote {path}")
     if args.check:
         for path in stale:
-            print(f"out of date: {path} (run python -m repro writeup)")
+            print(f"out of date: {path} (run python -m repro report writeup)")
         return 1 if stale else 0
     return 0

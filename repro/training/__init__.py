@@ -5,8 +5,8 @@
     summary = train(config, "runs/dirmoe-tiny")         # or resume=True to continue a run
 """
 
-from repro.training.config import RunConfig, apply_overrides
-from repro.training.experiments import experiment_names, get_experiment
+from repro.config import RunConfig, apply_overrides
+from repro.experiments import experiment_names, get_experiment
 
 
 def train(*args, **kwargs):

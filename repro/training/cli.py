@@ -60,8 +60,8 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
     Ctrl-C did."""
     from pathlib import Path
 
-    from repro.training.config import apply_overrides
-    from repro.training.experiments import describe, experiment_names, experiment_routers, get_experiment
+    from repro.config import apply_overrides
+    from repro.experiments import describe, experiment_names, experiment_routers, get_experiment
 
     args = _parser(prog).parse_args(argv)
     if args.tensorboard is not None:
@@ -127,7 +127,7 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
         return 0
     if summary.get("finished_before"):
         return 0
-    from repro.report.store import write_run_record
+    from repro.records.store import write_run_record
 
     write_run_record(args.out)
     print(

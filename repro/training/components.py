@@ -13,14 +13,14 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from repro.io_utils import open_in_dir
+from repro.records.step_log import LogRow, write_row
 from repro.training import checkpoint as ckpt
 from repro.training.checkpoint_data import restore_rng_state
 from repro.training.distributed import all_reduce_mean
-from repro.training.log import LogRow, write_row
 from repro.training.synthetic import MicroBatchSampler, collate
 
 if TYPE_CHECKING:
-    from repro.training.config import RunConfig
+    from repro.config import RunConfig
     from repro.training.distributed import Parallel
     from repro.training.lr_schedule import LRScheduler
     from repro.training.run_dir import RunPaths

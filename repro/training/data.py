@@ -12,8 +12,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from repro.config import RunConfig
 from repro.errors import ReproError
-from repro.training.config import RunConfig
 from repro.training.distributed import barrier
 from repro.training.synthetic import SyntheticTokens
 

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from repro.config import RunConfig
 from repro.errors import ReproError
 from repro.training import checkpoint as ckpt
-from repro.training.config import RunConfig
 
 
 class CheckpointScorer(nn.Module):

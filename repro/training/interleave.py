@@ -21,7 +21,7 @@ share the machine's state and their ratio carries the routers' difference alone:
 
 Each run writes its run directory as :func:`repro.training.trainer.train` does (``config.json``, ``log.jsonl``;
 no checkpoints); step ``s`` of every log belongs to round ``s``, which is how
-:func:`repro.report.efficiency.interleaved_ratios` pairs them. One process, one device: ``parallel.tp`` and
+:func:`repro.records.log_figures.interleaved_ratios` pairs them. One process, one device: ``parallel.tp`` and
 ``parallel.ep`` must be 1.
 """
 
@@ -34,8 +34,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from repro.config import RunConfig
 from repro.errors import ReproError
-from repro.training.config import RunConfig
 
 
 def round_order(labels: Sequence[str], round_index: int) -> list[str]:

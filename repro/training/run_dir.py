@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from repro.config import RunConfig
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
+from repro.records.step_log import LOG_FILE
 from repro.training import checkpoint as ckpt
-from repro.training.config import RunConfig
-from repro.training.log import LOG_FILE
 
 LOCK_FILE = ".lock"
 #: What a resumed run may change (the trainer checks that the backend resolves to the run's own).

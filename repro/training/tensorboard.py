@@ -1,6 +1,6 @@
 """TensorBoard events from the training log's rows (the optional extra ``tensorboard``).
 
-With ``logging.tensorboard=true`` rank 0 writes the step's :class:`~repro.training.log.LogRow` on every
+With ``logging.tensorboard=true`` rank 0 writes the step's :class:`~repro.records.step_log.LogRow` on every
 logging step (``logging.interval``, and the last step): scalars ``train/<field>``, ``train/aux/<name>`` (summed
 over layers) and ``train/aux/<name>/layer<l>``, ``routing/<metric>/layer<l>``, ``router/<name>`` (the step
 schedules' statistics), ``val/loss`` on every step that has one (whatever the cadence), and per-expert
@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from repro.errors import ReproError
-from repro.training.log import LogRow
+from repro.records.step_log import LogRow
 
 if TYPE_CHECKING:
     from repro.training.components import TrainerState

@@ -29,8 +29,8 @@ import torch
 from repro.io_utils import atomic_path, write_json_atomic
 
 if TYPE_CHECKING:
+    from repro.records.step_log import LogRow
     from repro.training.components import TrainerState
-    from repro.training.log import LogRow
 
 ROUTER_RANGE = "repro::router"
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function:"

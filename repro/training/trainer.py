@@ -38,15 +38,15 @@ import numpy as np
 import torch
 from torch import nn
 
+from repro.config import RunConfig
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
+from repro.records.step_log import LOG_FILE, LogRow, read_rows, summarize, truncate_rows
 from repro.training import checkpoint as ckpt
 from repro.training.checkpoint_data import check_identity
 from repro.training.components import Checkpointer, StepLog, Validator
-from repro.training.config import RunConfig
 from repro.training.data import build_run_data, tokenizer_fingerprint
 from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel
-from repro.training.log import LOG_FILE, LogRow, read_rows, summarize, truncate_rows
 from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
 from repro.training.optim import CpuOptimization, MegatronOptimization
 from repro.training.run_dir import RunPaths, run_lock, start_state

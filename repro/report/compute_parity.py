@@ -3,7 +3,7 @@
 Routers that pick a variable number of experts per token (ReMoE, DirMoE, Expert Choice per token) can spend
 more or less FFN compute than their nominal k. A quality comparison is fair only when the measured expert
 FLOPs per token agree; this module compares each run's measured figure
-(``efficiency.expert_flops_per_token_measured``, see :func:`repro.report.flops.expert_flops_per_token`) with a
+(``efficiency.expert_flops_per_token_measured``, see :func:`repro.records.flops.expert_flops_per_token`) with a
 reference run's and refuses to call them at parity beyond a stated relative tolerance.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from repro.errors import ReproError
-from repro.report.record import RunRecord
+from repro.records.run_record import RunRecord
 
 DEFAULT_PARITY_TOLERANCE = 0.05
 DEFAULT_REFERENCE_ROUTER = "switch"

@@ -1,6 +1,6 @@
-"""``python -m repro mini``: the whole router comparison on the embedded default (CPU, about 12 minutes on 2 cores).
+"""``python -m repro study mini``: the whole router comparison on the embedded default (CPU).
 
-A study (:mod:`repro.study`): for dense, every registered router and the routers' declared variants
+A study (:mod:`repro.studies.engine`): for dense, every registered router and the routers' declared variants
 (``Router.variants``), and each of ``--seeds N`` seeds, a worker process trains ``<router>-tiny`` on the
 mini-pile, evaluates it zero-shot on the local tasks through lm-eval (per-question results kept in the record),
 measures the LM loss per domain on the held-out documents, analyses its routing and writes its record
@@ -35,21 +35,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from repro.config import MEGATRON_ROUTER
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.schema import check_minimums
-from repro.studies import cpu_parser, pick
-from repro.study import Run, Study, run_cost, run_study, usable_cores
-from repro.training.config import MEGATRON_ROUTER
+from repro.studies.engine import Run, Study, cpu_parser, pick, run_cost, run_study, usable_cores
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
 
     import torch
 
-    from repro.report.record import DomainLoss
+    from repro.records.run_record import DomainLoss
 
-COMMAND = "python -m repro mini"
+COMMAND = "python -m repro study mini"
 DENSE = "dense"
 
 
@@ -67,7 +66,7 @@ class MiniConfig:
         work_dir: run directories (checkpoints, logs, records).
         out_dir: tables and plots.
         workers: runs trained at once, each one process with one thread (default: the usable cores,
-            :func:`repro.study.usable_cores`).
+            :func:`repro.studies.engine.usable_cores`).
         eval_limit: documents per local task (lm-eval's ``limit``; above every local task's size, so nothing is
             cut).
         spec_tokens: held-out tokens per domain for the specialisation analysis.
@@ -125,7 +124,7 @@ class MiniConfig:
         return [(run, k) for k in range(self.seeds) for run in self.runs]
 
     def study(self) -> Study:
-        """The comparison as a :class:`~repro.study.Study`."""
+        """The comparison as a :class:`~repro.studies.engine.Study`."""
         runs = tuple(Run(self.run_id(r, k), f"{r}-tiny", self._overrides(r, k), label=r, wave=k) for r, k in self.jobs())
         return Study("mini", runs, self.work_dir, self.out_dir, task=run_one, report=report, workers=self.workers,
                      finished=("record.json", "analysis.json"), current=_current, settings=self,
@@ -169,12 +168,12 @@ def heldout_domain_losses(
         tokens_per_domain: scored tokens per domain to stop at.
 
     Returns:
-        One :class:`~repro.report.record.DomainLoss` per domain with a window of two tokens or more, sorted by
+        One :class:`~repro.records.run_record.DomainLoss` per domain with a window of two tokens or more, sorted by
         domain.
     """
     import torch
 
-    from repro.report.record import DomainLoss
+    from repro.records.run_record import DomainLoss
 
     total: dict[str, float] = {}
     scored: dict[str, int] = {}
@@ -229,7 +228,7 @@ def run_one(study: Study, run: Run) -> Path:
     from repro.data.minipile import open_mini_pile
     from repro.evaluation.harness import SuiteLM
     from repro.evaluation.runner import evaluate_lm
-    from repro.report.store import write_run_record
+    from repro.records.store import write_run_record
     from repro.training.inference import load_for_evaluation
     from repro.training.trainer import train
 
@@ -312,9 +311,10 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     its worker's CPU time (``run_cpu_seconds``; reused runs keep theirs).
     """
     from repro.data.minipile import open_mini_pile
+    from repro.records.step_log import read_rows
+    from repro.records.store import load_record, write_record
     from repro.report.plots import specialisation_score
     from repro.report.seed_tables import compare_over_seeds, record_seed, seed_zero_shot_table
-    from repro.report.store import load_record, write_record
     from repro.report.table_core import render, write_tables
     from repro.report.tables import (
         efficiency_table,
@@ -325,7 +325,6 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         validation_table,
         zero_shot_table,
     )
-    from repro.training.log import read_rows
 
     cfg: MiniConfig = study.settings
     elapsed, unigram = outcome["elapsed"], _unigram_loss(open_mini_pile(cfg.data_dir).train_prefix)
@@ -359,7 +358,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         "heldout_loss_by_domain": {run: {d.domain: d.loss for d in records[(run, 0)].domain_losses} for run in cfg.runs},
         "specialisation_score": {r: specialisation_score(s) for r, s in specs.items()},
         "run_cpu_seconds": {r.run_id: round(c["cpu_seconds"], 1) for r in study.runs if (c := run_cost(study.run_dir(r)))},
-        "command": "nox -s mini  (python -m repro mini)" + (f" --seeds {cfg.seeds}" if cfg.seeds > 1 else ""),
+        "command": "nox -s mini  (python -m repro study mini)" + (f" --seeds {cfg.seeds}" if cfg.seeds > 1 else ""),
     }
     if cfg.seeds > 1:
         summary["per_seed"] = {
@@ -399,7 +398,7 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
                    "adds tables over seeds (mean +- 95%% CI, paired tests against switch)")
     args = p.parse_args(argv)
     # The routers (and so megatron-core) only now: --help answers at once.
-    from repro.training.experiments import experiment_routers
+    from repro.experiments import experiment_routers
 
     # Dense, every router, and the routers' declared variants (DirMoE's centred target), labelled as such.
     every = (DENSE, *(r for r in experiment_routers(variants=True) if r not in (DENSE, MEGATRON_ROUTER)))
@@ -418,7 +417,7 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     return cfg, args.fresh
 
 
-def main(argv: list[str], prog: str = "python -m repro mini") -> int:
+def main(argv: list[str], prog: str = "python -m repro study mini") -> int:
     """Run the comparison. Returns the exit status."""
     cfg, fresh = parse(argv, prog)
     from repro.data.minipile import build_mini_pile

@@ -1,8 +1,8 @@
-"""``python -m repro efficiency --profile``: what one router call asks of the device, counted on any machine.
+"""``python -m repro study router-costs``: what one router call asks of the device, counted on any machine.
 
 Every registered router (and DirMoE eager and compiled) routes T=1024 tokens of D=128 to E=8 experts, k=1, in
 training mode on a non-logging step, fp32 on the CPU; after two warm-up calls, one forward and one backward are
-counted by :class:`repro.report.op_counts.OpCounter` (ops, regions and their kernels, launches, host syncs, bytes
+counted by :class:`repro.records.op_counts.OpCounter` (ops, regions and their kernels, launches, host syncs, bytes
 moved). The counts do not depend on the machine, except a compiled region's kernels, which are those of inductor's
 backend for the device (C++ here, fusing more than Triton on a GPU). One table, as Markdown, CSV and JSON
 (``results/bench/router_costs.*``).
@@ -51,7 +51,7 @@ def profile_router(name: str, options: dict[str, Any], seed: int = 0) -> dict[st
     import torch
 
     import routers
-    from repro.report.op_counts import OpCounter
+    from repro.records.op_counts import OpCounter
 
     torch.manual_seed(seed)
     router = routers.build_router(name, hidden_size=D, num_experts=E, top_k=K, **options).train()
@@ -117,14 +117,14 @@ def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tupl
         "synchronisations, and estimated MB moved (inputs + outputs of each non-view op outside "
         "a region and of each region). After two warm-up calls at the same step: DirMoE's eager schedule values "
         "are computed once per step and layer, so its first micro-batch of a step costs more than these. "
-        "Counted by python -m repro efficiency --profile; hardware-independent, but a region compiled here has "
+        "Counted by python -m repro study router-costs; hardware-independent, but a region compiled here has "
         "inductor's C++ kernels, which fuse more than its GPU (Triton) kernels, so a compiled row counts fewer "
         "launches than a GPU makes (measured against an H100 trace: docs/efficiency.md)."
     )
     return rows, Table(name=NAME, caption=caption, headers=COLUMNS, rows=cells)
 
 
-def main(argv: list[str], prog: str = "python -m repro efficiency --profile") -> int:
+def main(argv: list[str], prog: str = "python -m repro study router-costs") -> int:
     """Profile every router and write ``router_costs.{md,csv,json}``. Returns the exit status."""
     from repro.errors import ReproError
     from repro.io_utils import atomic_path, write_json_atomic
@@ -135,7 +135,6 @@ def main(argv: list[str], prog: str = "python -m repro efficiency --profile") ->
             raise ReproError(message)  # one line, as every command's bad argument
 
     p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
-    p.add_argument("--profile", action="store_true", help="this report (the flag that selects it)")
     p.add_argument("--router", default=None, help="comma-separated run labels (default: all)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     args = p.parse_args(argv)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from repro.errors import ReproError
-from repro.model.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
+from repro.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
 
 #: Data sources besides ``pile:<prefix>`` / ``indexed:<prefix>`` / ``mini-pile:<dir>``.
 DATA_CHOICES: tuple[str, ...] = ("synthetic", "mini-pile")
@@ -47,7 +47,7 @@ def _at_least(section: str, obj: Any, names: Iterable[str], low: float) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model: a flavour (``repro.model.flavours``) and the fields of it that a run may override
+    """The model: a flavour (``repro.flavours``) and the fields of it that a run may override
     (``num_experts`` and ``top_k`` of MoE flavours only); ``precision`` ``auto`` is bf16 on GPU, fp32 on CPU;
     ``backend`` and the torch backend's ``backend_options``: docs/efficiency.md, "Model backends";
     ``fused_cross_entropy``: the output layer and the loss in one op without the [tokens, vocab] fp32 logits
@@ -71,9 +71,9 @@ class ModelConfig:
                              f"got '{self.fused_cross_entropy}'")
 
     def flavour_config(self):
-        """The :class:`repro.model.flavours.ModelFlavour` with this section's overrides (ValueError if it
+        """The :class:`repro.flavours.ModelFlavour` with this section's overrides (ValueError if it
         cannot take them)."""
-        from repro.model.flavours import get_flavour
+        from repro.flavours import get_flavour
 
         overrides = {k: getattr(self, k) for k in ("num_experts", "top_k") if getattr(self, k) is not None}
         if overrides and get_flavour(self.flavour).num_experts is None:
@@ -216,7 +216,7 @@ class CheckpointConfig:
         init_from: a checkpoint whose model weights initialise the run (any DP/EP layout); the optimizer, data
             position and step start fresh.
         init_router_step: with ``init_from``, the routers' step schedules go on from the checkpoint's step
-            (``python -m repro efficiency --init-from``); the LR schedule and the run's step start at 0.
+            (``python -m repro study efficiency --init-from``); the LR schedule and the run's step start at 0.
         layout_independent_init: with ``parallel.ep > 1``, build the full model once under EP=1 and keep this
             rank's experts from it, so the initial weights equal a one-process run's.
     """

@@ -1,4 +1,4 @@
-"""Building, writing, finding and loading run records (:class:`repro.report.record.RunRecord`).
+"""Building, writing, finding and loading run records (:class:`repro.records.run_record.RunRecord`).
 
 ``write_run_record(run_dir)`` builds a finished run's record from ``config.json`` and ``log.jsonl`` and writes
 ``record.json`` beside it. :func:`load_record` refuses a file with a missing, unknown, mistyped or out-of-range
@@ -19,10 +19,10 @@ from typing import Any
 
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
-from repro.report import efficiency as eff
-from repro.report.record import DomainLoss, Efficiency, Environment, LayerRouting, RunRecord, partial_tasks
+from repro.records import log_figures as eff
+from repro.records.run_record import DomainLoss, Efficiency, Environment, LayerRouting, RunRecord, partial_tasks
+from repro.records.step_log import LogRow, read_rows
 from repro.schema import from_json, to_json
-from repro.training.log import LogRow, read_rows
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -87,8 +87,8 @@ def make_record(
         model: model config name (``"llama-185m"``, ``"tiny"``).
         config: the experiment config (JSON-able).
         log_rows: training-log rows: the loss curve, and the routing metrics when ``routing`` is None.
-        efficiency: from :func:`repro.report.efficiency.efficiency`.
-        routing: per-layer routing metrics; default: :func:`repro.report.efficiency.routing` over the same window as
+        efficiency: from :func:`repro.records.log_figures.efficiency`.
+        routing: per-layer routing metrics; default: :func:`repro.records.log_figures.routing` over the same window as
             ``efficiency`` (all rows if there is none).
         lm_eval_results: lm-eval's results dict (``simple_evaluate``'s return value or its JSON file); its
             per-document ``samples``, when logged, are kept only as the compact ``per_question`` results.
@@ -123,7 +123,7 @@ def make_record(
 
 def _lm_eval_fields(lm_eval_results: Mapping[str, Any] | None) -> dict[str, Any]:
     """The record fields that come from lm-eval's results: ``lm_eval``, ``per_question`` and ``partial``."""
-    from repro.report.stats import compact_per_question
+    from repro.stats import compact_per_question
 
     if lm_eval_results is None:
         return {"lm_eval": None, "per_question": None, "partial": []}
@@ -159,7 +159,7 @@ def with_lm_eval(record: RunRecord, lm_eval_results: Mapping[str, Any], origin: 
 def default_run_id(run) -> str:
     """A run's id when none is given: its experiment's name, plus ``-seed<N>`` when its seed is not the one the
     registered experiment has (another seed of it; an unregistered experiment always names its seed)."""
-    from repro.training.experiments import experiment_names, get_experiment
+    from repro.experiments import experiment_names, get_experiment
 
     own = get_experiment(run.name).seed if run.name in experiment_names() else None
     return run.name if run.seed == own else f"{run.name}-seed{run.seed}"
@@ -181,7 +181,7 @@ def record_from_run_dir(
             own (:func:`default_run_id`), so seeds of one experiment never share one.
         environment: default :func:`environment_info` with the run's world size.
         lm_eval_results, domain_losses: as in :func:`make_record`.
-        flops_attention: how the FLOPs count takes attention (:data:`repro.report.flops.ATTENTION_COUNTS`).
+        flops_attention: how the FLOPs count takes attention (:data:`repro.records.flops.ATTENTION_COUNTS`).
         start_step: the step the run's weights come from (0: initialisation, a checkpoint's step), recorded
             with the efficiency figures (None: not recorded).
 
@@ -191,8 +191,8 @@ def record_from_run_dir(
     Raises:
         ReproError: missing files or config fields.
     """
-    from repro.report.flops import flops_config_from_flavour
-    from repro.training.config import RunConfig
+    from repro.config import RunConfig
+    from repro.records.flops import flops_config_from_flavour
 
     run_dir = Path(run_dir)
     origin = run_dir / "config.json"

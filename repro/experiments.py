@@ -15,8 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from repro.errors import ReproError, unknown_name
-from repro.training.config import (
+from repro.config import (
     MEGATRON_ROUTER,
     CheckpointConfig,
     DataConfig,
@@ -29,6 +28,7 @@ from repro.training.config import (
     ValidationConfig,
     apply_overrides,
 )
+from repro.errors import ReproError, unknown_name
 
 DENSE = "dense"
 

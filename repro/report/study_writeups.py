@@ -18,9 +18,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from repro.ablation import REFERENCE, SWITCH
-from repro.report.ablation_tables import compare_cell_pairs, difference_metrics, results_from_json
-from repro.report.prose import (
+from repro.report.ablation_tables import REFERENCE, SWITCH, compare_cell_pairs, difference_metrics, results_from_json
+from repro.report.verdicts import (
     ALPHA,
     UNDERPOWERED_EFFECT,
     Paired,
@@ -41,7 +40,7 @@ from repro.report.prose import (
     verdict,
     with_sign_flip,
 )
-from repro.report.stats import paired_detectable_effect
+from repro.stats import paired_detectable_effect
 
 REFERENCE_ROUTER = "switch"
 
@@ -333,7 +332,7 @@ def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
 
 
 def _costs_file(path: Path) -> tuple[list[str], list[str], list[str]]:
-    """``router_costs.json`` (``python -m repro efficiency --profile --out results/bench``): launches and host syncs per router call,
+    """``router_costs.json`` (``python -m repro study router-costs --out results/bench``): launches and host syncs per router call,
     forward + backward on a non-logging step; counts, so exact, with no test."""
     rows = [r for r in load_json(path)["rows"] if r["pass"] == "fwd+bwd"]
     launches = ", ".join(f"{r['router']} {r['launches']} ({num(r['x_switch'])} x {REFERENCE_ROUTER})" for r in rows)
@@ -343,7 +342,7 @@ def _costs_file(path: Path) -> tuple[list[str], list[str], list[str]]:
     caveat = (f"; {', '.join(compiled)} with its compiled regions' kernels as inductor's CPU backend generates "
               "them, fewer than a GPU launches (docs/efficiency.md)") if compiled else ""
     finding = (
-        f"`{path.name}` (`python -m repro efficiency --profile --out results/bench`), launches per router call, forward + backward on a "
+        f"`{path.name}` (`python -m repro study router-costs --out results/bench`), launches per router call, forward + backward on a "
         f"non-logging step: {launches}{caveat}; host synchronisations in all of them together: {syncs}."
     )
     table = [f"### `{path.name}`", "", f"See [`{path.stem}.md`]({path.stem}.md).", ""]
@@ -512,7 +511,7 @@ def _command(summary: dict[str, Any], directory: Path) -> str:
     """The command that wrote an ablation's directory (the summary's ``command`` names the entry point alone; the
     selection it ran is in the summary too)."""
     return (
-        f"python -m repro ablation{' --confirm' if summary.get('confirm') else ''} --cells "
+        f"python -m repro study ablation{' --confirm' if summary.get('confirm') else ''} --cells "
         f"{','.join(summary['results'])} --seeds {','.join(map(str, summary.get('seeds', [])))} "
         f"--steps {summary.get('steps')} --out results/{directory.name}"
         + "".join(f" --set {o}" for o in summary.get("overrides", []))

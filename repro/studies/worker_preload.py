@@ -1,4 +1,4 @@
-"""What the study workers' fork server imports once (``repro.study``: each CPU run is a fork of that server, spared
+"""What the study workers' fork server imports once (``repro.studies.engine``: each CPU run is a fork of that server, spared
 the ~4 s of importing torch, megatron-core and the suite). Imported by the server alone. megatron-core's notices
 that TransformerEngine and Apex are absent (expected on CPU) are silenced while it imports, else they would reach
 the terminal, which the server writes to; the filters are restored afterwards, for the runs forked from it. Not
@@ -9,9 +9,10 @@ import importlib
 
 from routers.registry import quiet_megatron_import
 
-MODULES = ("repro.study", "repro.mini", "repro.ablation", "repro.training.trainer", "repro.training.inference",
-           "repro.evaluation.harness", "repro.report.store", "repro.analysis", "routers.dirmoe", "baselines",
-           "megatron.core.models.gpt", "megatron.core.distributed")
+#: What every run needs (not the studies themselves, which are light and import these: a worker imports its
+#: study's module when it unpickles its task).
+MODULES = ("repro.training.trainer", "repro.training.inference", "repro.evaluation.harness", "repro.records.store",
+           "repro.analysis", "routers.dirmoe", "baselines", "megatron.core.models.gpt", "megatron.core.distributed")
 
 with quiet_megatron_import():
     for _name in MODULES:

@@ -1,6 +1,6 @@
 """The run record (``record.json``): everything the tables and checks read about one run, a frozen dataclass
 tree. Each dataclass checks its ranges in ``__post_init__`` (listed in docs/evaluation.md), so a record built in
-code is checked as one read from a file (:mod:`repro.report.store`).
+code is checked as one read from a file (:mod:`repro.records.store`).
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ class ExperimentInfo:
 
 @dataclass(frozen=True)
 class Environment:
-    """Where it was run (:func:`repro.report.store.environment_info`): the suite's ``git rev-parse HEAD`` (None
+    """Where it was run (:func:`repro.records.store.environment_info`): the suite's ``git rev-parse HEAD`` (None
     outside a checkout) and whether tracked files had uncommitted changes; versions (None: not installed); the
     accelerator (``NVIDIA H100 80GB HBM3``, or ``cpu (...)``), machine, world size, and OS and architecture.
     """
@@ -131,7 +131,7 @@ class LayerRouting:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Training efficiency over a window of steps after warm-up (see :func:`repro.report.efficiency.efficiency`):
+    """Training efficiency over a window of steps after warm-up (see :func:`repro.records.log_figures.efficiency`):
     median iteration time and tokens per second (all devices), Megatron-LM model FLOPs per iteration and TFLOP/s
     per device at the nominal k (analytic) and the measured mean experts per token (measured).
 
@@ -142,7 +142,7 @@ class Efficiency:
         expert_flops_per_token_measured: expert (FFN) FLOPs per token at the measured k: compute parity.
         backend: the modules the model was built with (``te``, ``torch``, ``local``; None where not recorded).
         flops_attention: how the FLOPs count took attention scores (``causal``, ``full``:
-            :data:`repro.report.flops.ATTENTION_COUNTS`; None: not recorded, when the suite counted the full square).
+            :data:`repro.records.flops.ATTENTION_COUNTS`; None: not recorded, when the suite counted the full square).
         start_step: the step the timed run started from (0: initialisation; a trained checkpoint's step when
             the run was initialised from one; None where not recorded).
     """
@@ -237,7 +237,7 @@ class RunRecord:
         lm_eval: lm-eval's results dict as lm-eval returns it (``results``, ``configs``, ``n-samples``,
             ``config.limit``, ...) without the per-document ``samples``, None if the run was not evaluated.
         per_question: per-question results of the evaluation,
-            :func:`repro.report.stats.compact_per_question` of lm-eval's samples: ``{task: {"docs_sha256": ...,
+            :func:`repro.stats.compact_per_question` of lm-eval's samples: ``{task: {"docs_sha256": ...,
             "acc": [0, 1, ...], "acc_norm": [...]}}`` (None: not logged; records written before it load).
         partial: the tasks scored on fewer documents than they have (empty: every task complete); tables mark
             their cells.

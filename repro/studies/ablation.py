@@ -1,9 +1,9 @@
-"""``python -m repro ablation``: why DirMoE's routing collapses on the embedded default, cell by cell, over seeds.
+"""``python -m repro study ablation``: why DirMoE's routing collapses on the embedded default, cell by cell, over seeds.
 
 On the embedded default (``tiny`` flavour, mini-pile, 600 steps) DirMoE as specified sends almost every token
 of one layer to one expert; what this command runs and writes: docs/experiments.md, "The DirMoE ablation".
 Each *cell* is one reading of the paper or one remedy (a few router options, :data:`CELLS`), run for several
-seeds (``--set seed=N`` per run) as one study (:mod:`repro.study`). From the training logs: per run, the
+seeds (``--set seed=N`` per run) as one study (:mod:`repro.studies.engine`). From the training logs: per run, the
 end-of-run routing and losses (the mean over the last ``final_fraction`` of the steps); per cell, the mean +-
 95% interval over the seeds and paired tests against the paper's DirMoE and against Switch, Holm-adjusted over
 ``--family``; with at most :data:`MAX_PAIRED_CELLS` DirMoE cells besides ``paper``, cell against cell
@@ -15,7 +15,7 @@ picked from them, so their p-values are exploratory. ``--confirm`` runs a confir
 screen seeds, and adds ``ablation_confirm``, which tests only the hypotheses of :data:`HYPOTHESES` (stated
 before those seeds were run) as one Holm family::
 
-    python -m repro ablation --confirm --cells paper,recon-centered,kl-off,aux-off,switch --seeds 7,8,9,10,11,12 \
+    python -m repro study ablation --confirm --cells paper,recon-centered,kl-off,aux-off,switch --seeds 7,8,9,10,11,12 \
         --out results/dirmoe-ablation-confirm
 
 ``--tables-only``: :func:`rebuild_tables`. Finished runs are reused, killed ones resumed, ``--fresh`` retrains
@@ -54,16 +54,11 @@ from typing import Any
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.report import ablation_tables
-from repro.report.ablation_tables import Hypothesis
+from repro.report.ablation_tables import REFERENCE, SWITCH, Hypothesis
 from repro.schema import check_minimums
-from repro.studies import cpu_parser, pick
-from repro.study import Run, Study, run_cost, run_study, usable_cores
+from repro.studies.engine import Run, Study, cpu_parser, pick, run_cost, run_study, usable_cores
 
-COMMAND = "python -m repro ablation"
-#: The cell every other cell is tested against: DirMoE with the paper's options.
-REFERENCE = "paper"
-#: The reference level of a router that balances its load.
-SWITCH = "switch"
+COMMAND = "python -m repro study ablation"
 #: The seeds of the screens (results/dirmoe-ablation, -6seeds): a confirmatory study must use others.
 SCREEN_SEEDS = (1, 2, 3, 4, 5, 6)
 #: The pairs table compares every two DirMoE cells besides the reference up to this many cells (a 16-cell
@@ -156,7 +151,7 @@ class AblationConfig:
         work_dir: run directories (checkpoints, logs, records).
         out_dir: tables, plots and ``summary.json``.
         workers: runs trained at once, each one process with one thread (default: the usable cores,
-            :func:`repro.study.usable_cores`).
+            :func:`repro.studies.engine.usable_cores`).
         final_fraction: the share of the steps at the end of a run whose rows the end-of-run metrics average.
         overrides: extra dot-list overrides applied to every run (after the cell's).
         family: the Holm family of the tables against a reference cell (``table`` or ``column``,
@@ -222,7 +217,7 @@ class AblationConfig:
         return self.run(cell, seed).config()
 
     def study(self) -> Study:
-        """The ablation as a :class:`~repro.study.Study`: killed runs resume."""
+        """The ablation as a :class:`~repro.studies.engine.Study`: killed runs resume."""
         return Study("ablation", tuple(self.run(c, s) for c, s in self.runs()), self.work_dir, self.out_dir,
                      report=report, workers=self.workers, resume=True, finished=("summary.json", "record.json"),
                      settings=self, owner="the DirMoE ablation", command=COMMAND)
@@ -270,9 +265,9 @@ def build_tables(results, cells: tuple[str, ...], *, family: str = "table", conf
 
 def report(study: Study, outcome: dict[str, Any]) -> str:
     """Write the tables, plots and ``summary.json``; return the text to print."""
+    from repro.records.step_log import read_rows
     from repro.report.plots import plot_ablation_summary, plot_expert_load, plot_shared_mean, plot_simpson_theta
     from repro.report.table_core import render, write_tables
-    from repro.training.log import read_rows
 
     cfg: AblationConfig = study.settings
     out, elapsed = Path(cfg.out_dir), outcome["elapsed"]
@@ -303,7 +298,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     )
 
     summary = {
-        "command": "nox -s dirmoe-ablation  (python -m repro ablation)",
+        "command": "nox -s dirmoe-ablation  (python -m repro study ablation)",
         "cells": {c: {"router": CELLS[c].router, "options": list(CELLS[c].router_options(cfg.steps)),
                       "reading": CELLS[c].reading} for c in cfg.cells},
         "seeds": list(cfg.seeds),
@@ -346,7 +341,7 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
         ReproError: not this command's output directory, or no readable ``summary.json`` there.
     """
     from repro.report.table_core import render, write_tables
-    from repro.study import check_out_dir
+    from repro.studies.engine import check_out_dir
 
     check_out_dir(Study("ablation", (), "", out_dir, command=COMMAND))
     path = Path(out_dir) / "summary.json"

@@ -81,7 +81,7 @@ class FlopsConfig:
 def flops_config_from_flavour(
     flavour: Any, vocab_size: int | None = None, tp: int = 1, attention: str = DEFAULT_ATTENTION
 ) -> FlopsConfig:
-    """The FLOPs dimensions of a model flavour (``repro.model.flavours.ModelFlavour``, read by attribute).
+    """The FLOPs dimensions of a model flavour (``repro.flavours.ModelFlavour``, read by attribute).
 
     Args:
         flavour: has ``num_layers``, ``hidden_size``, ``num_attention_heads``, ``num_query_groups``,

@@ -1,9 +1,9 @@
-"""``python -m repro efficiency``: iteration time and TFLOP/s per device of every router and dense, on 1..N GPUs.
+"""``python -m repro study efficiency``: iteration time and TFLOP/s per device of every router and dense, on 1..N GPUs.
 
 For each requested run (default: every router with experiments but megatron's own TopKRouter, then dense) it
 trains the first iterations of the ``<router>-<scale>`` experiment on synthetic tokens, one run after another
-(:func:`repro.study.train_command`, torchrun for ``--gpus N``), and reports the median iteration time, tokens/s
-and TFLOP/s per device (:mod:`repro.report.flops`). ``--out`` gets ``runs/<run>/`` (config, log, record), the
+(:func:`repro.studies.engine.train_command`, torchrun for ``--gpus N``), and reports the median iteration time, tokens/s
+and TFLOP/s per device (:mod:`repro.records.flops`). ``--out`` gets ``runs/<run>/`` (config, log, record), the
 efficiency table (``efficiency.md|csv|tex``) and ``summary.json``; what is timed, commands and examples:
 docs/efficiency.md.
 
@@ -27,14 +27,14 @@ Defaults, each one option away (docs/efficiency.md has the measurements behind t
 5. **On one device, every run in one process, stepped in turn** (:mod:`repro.training.interleave`): each run's
    model, optimizer and data resident together, one step of each per round, the order reversed every other
    round, Python's garbage collector run by hand between rounds; each ratio to Switch comes from the same
-   rounds, with a 95% interval by batch means (:func:`repro.report.stats.timing_ratio`). A ratio is only
+   rounds, with a 95% interval by batch means (:func:`repro.stats.timing_ratio`). A ratio is only
    formed within one process on one machine: with ``--separate`` (a fresh process per run, what ``--gpus N``
    always does) the summary gives each run's times and no ratio. Every run is resident at once: at
    LLaMA-185M a run holds ~10 GB besides one step's activations, so a GPU of 80 GB holds about five.
 
 ``--out`` must be new, empty, or an earlier output of this command (``.efficiency-out``); a run directory is
 replaced only when it holds ``.efficiency-run``. Earlier runs in ``--out`` not asked for again are kept
-(``python -m repro tables OUT/runs`` tabulates them all).
+(``python -m repro report tables OUT/runs`` tabulates them all).
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from typing import Any
 
 from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
-from repro.study import Run, Study, check_out_dir, claim, run_study
+from repro.studies.engine import Run, Study, check_out_dir, claim, run_study
 
-#: Flavours this command measures -> the experiment scale (``repro.training.experiments.RECIPES``) they come from.
+#: Flavours this command measures -> the experiment scale (``repro.experiments.RECIPES``) they come from.
 FLAVOUR_SCALES: dict[str, str] = {"llama-185m": "185m", "tiny": "tiny"}
 #: Devices the recipe's global batch is spread over in its source: the papers' ~8 GPUs for 185m (default 2),
 #: the mini comparison's one CPU process for tiny.
@@ -62,7 +62,7 @@ REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
 GPT2_VOCAB = 50257
 DEFAULT_WARMUP = 3
 DEFAULT_ITERS: dict[str, int] = {"185m": 20, "tiny": 10}
-COMMAND = "python -m repro efficiency"
+COMMAND = "python -m repro study efficiency"
 FORMATS = ("md", "csv", "tex")
 _LABEL = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]*$")
 
@@ -101,7 +101,7 @@ class EfficiencyPlan:
         out_dir: the output directory.
         published: show the published rows beside the runs.
         formats: table formats written.
-        flops_attention: how the FLOPs count takes attention (:data:`repro.report.flops.ATTENTION_COUNTS`).
+        flops_attention: how the FLOPs count takes attention (:data:`repro.records.flops.ATTENTION_COUNTS`).
         interleave: train every run in this process, one step of each in turn (module docstring, 5); else a
             fresh process per run.
         flavour, devices, accumulation, vocab_size, overrides, micro_batch_size, global_batch_size: as
@@ -165,7 +165,7 @@ class EfficiencyPlan:
         return Run(spec.label, f"{spec.router}-{self.scale}", tuple(overrides))
 
     def config(self, spec: RunSpec):
-        """The run's :class:`~repro.training.config.RunConfig` (:meth:`run`)."""
+        """The run's :class:`~repro.config.RunConfig` (:meth:`run`)."""
         return self.run(spec).config()
 
     def run_dir(self, spec: RunSpec) -> Path:
@@ -173,7 +173,7 @@ class EfficiencyPlan:
         return Path(self.out_dir) / "runs" / spec.label
 
     def study(self) -> Study:
-        """The measurement as a :class:`~repro.study.Study`: each run launched on its own, then its record."""
+        """The measurement as a :class:`~repro.studies.engine.Study`: each run launched on its own, then its record."""
         runs = tuple(self.run(spec) for spec in self.runs)
         return Study("efficiency", runs, str(Path(self.out_dir) / "runs"), self.out_dir, task=_write_record,
                      launch=Launch(1, self.devices), train_args=("--stop-after", str(self.steps_run)), settings=self,
@@ -183,7 +183,7 @@ class EfficiencyPlan:
 # ------------------------------------------------------------------------------------------ configs
 def default_accumulation(flavour: str) -> int:
     """Micro-batches per device that keep the recipe's per-device work (module docstring, default 2)."""
-    from repro.training.experiments import build_experiment
+    from repro.experiments import build_experiment
 
     recipe = build_experiment("switch", FLAVOUR_SCALES[flavour]).data
     per_device = recipe.global_batch_size // REFERENCE_DEVICES[FLAVOUR_SCALES[flavour]]
@@ -202,7 +202,7 @@ def efficiency_overrides(
     as :func:`efficiency_config` (that is how each run is started).
 
     Args:
-        router: a router with experiments (``repro.training.experiments.experiment_routers()``) or ``dense``.
+        router: a router with experiments (``repro.experiments.experiment_routers()``) or ``dense``.
         flavour: ``llama-185m`` or ``tiny``.
         devices: processes sharing an iteration (data-parallel size times ``parallel.tp``).
         accumulation: micro-batches per device and iteration (None: :func:`default_accumulation`).
@@ -219,8 +219,8 @@ def efficiency_overrides(
     Raises:
         ReproError: an unknown router or flavour, a bad override, or a batch that does not divide.
     """
-    from repro.training.config import apply_overrides
-    from repro.training.experiments import build_experiment
+    from repro.config import apply_overrides
+    from repro.experiments import build_experiment
 
     if flavour not in FLAVOUR_SCALES:
         raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(FLAVOUR_SCALES)}")
@@ -268,7 +268,7 @@ def efficiency_overrides(
 
 
 def _has_dense_start(router: str | None) -> bool:
-    from repro.training.config import MEGATRON_ROUTER, _router_option_fields
+    from repro.config import MEGATRON_ROUTER, _router_option_fields
 
     return router not in (None, MEGATRON_ROUTER) and "dense_fraction" in _router_option_fields(router)
 
@@ -276,8 +276,8 @@ def _has_dense_start(router: str | None) -> bool:
 def efficiency_config(router: str, flavour: str, **kwargs: Any):
     """The efficiency run of ``router`` at ``flavour`` (a RunConfig): the experiment with
     :func:`efficiency_overrides` (same arguments) applied; ReproError as there."""
-    from repro.training.config import apply_overrides
-    from repro.training.experiments import build_experiment
+    from repro.config import apply_overrides
+    from repro.experiments import build_experiment
 
     overrides = efficiency_overrides(router, flavour, **kwargs)
     return apply_overrides(build_experiment(router, FLAVOUR_SCALES[flavour]), overrides)
@@ -303,7 +303,7 @@ def _write_record(study: Study, run: Run) -> Path:
     """The study's task after each run's training: its record, with this machine's device."""
     import torch
 
-    from repro.report.store import environment_info, record_from_run_dir, write_record
+    from repro.records.store import environment_info, record_from_run_dir, write_record
 
     plan: EfficiencyPlan = study.settings
     spec = next(r for r in plan.runs if r.label == run.run_id)
@@ -407,8 +407,6 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     p.add_argument("--out", default=None, help="output directory (default runs/efficiency-<flavour>-<N>dev)")
     p.add_argument("--published", action="store_true", help="show the published rows beside the runs")
     p.add_argument("--format", default=",".join(FORMATS), help="table formats: any of md,csv,tex")
-    p.add_argument("--profile", action="store_true", help="instead: launches and host syncs per router call, "
-                   "counted on any machine (repro/report/costs.py; --profile --help for its options)")
     p.add_argument("--flops-attention", default="causal", choices=("causal", "full"),
                    help="FLOPs count of attention scores: causal (current Megatron-LM, half the s x s square; "
                    "the DirMoE paper's TFLOP/s) or full (the whole square, ReMoE's fork)")
@@ -422,13 +420,13 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     # torch and the routers only now: --help answers at once.
     import torch
 
-    from repro.training.config import MEGATRON_ROUTER
-    from repro.training.experiments import experiment_routers
+    from repro.config import MEGATRON_ROUTER
+    from repro.experiments import experiment_routers
 
     on_gpu = torch.cuda.is_available()
     everyone = [r for r in experiment_routers() if r != MEGATRON_ROUTER]
     if "WORLD_SIZE" in os.environ:
-        raise ReproError("run python -m repro efficiency without torchrun: it starts torchrun itself for --gpus N > 1")
+        raise ReproError("run python -m repro study efficiency without torchrun: it starts torchrun itself for --gpus N > 1")
     for name in ("gpus", "warmup", "iters", "accumulation", "global_batch", "micro_batch", "vocab_size"):
         value, low = getattr(args, name), {"warmup": 0, "vocab_size": 2}.get(name, 1)
         if value is not None and value < low:
@@ -477,22 +475,19 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     return plan
 
 
-def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
+def main(argv: list[str], prog: str = "python -m repro study efficiency") -> int:
     """Measure every run of the plan, write records, tables and the summary. Returns the exit status (1 when
-    a run failed; the others are still measured and reported). ``--profile``: the cost report instead
-    (:mod:`repro.report.costs`)."""
+    a run failed; the others are still measured and reported)."""
     if "--profile" in argv:
-        from repro.report.costs import main as profile_main
-
-        return profile_main(argv, f"{prog} --profile")
+        raise ReproError("--profile is now its own study: python -m repro study router-costs")
     from repro.wheelhouse import check_requirements
 
     check_requirements()
     plan = parse(argv, prog)
     import torch
 
-    from repro.report.efficiency import write_command_outputs
-    from repro.report.store import load_record
+    from repro.records.store import load_record
+    from repro.studies.efficiency_report import write_command_outputs
 
     config = plan.config(plan.runs[0])
     print(
@@ -511,7 +506,7 @@ def main(argv: list[str], prog: str = "python -m repro efficiency") -> int:
 def _interleaved(plan: EfficiencyPlan) -> dict[str, Any]:
     """Train every run of ``plan`` in this process, one step of each in turn
     (:func:`repro.training.interleave.train_interleaved`), then write each run's record. Returns the outcome as
-    :func:`repro.study.run_study` does (``failed``: every run, when the interleaved training failed)."""
+    :func:`repro.studies.engine.run_study` does (``failed``: every run, when the interleaved training failed)."""
     import time
 
     from repro.training.interleave import train_interleaved

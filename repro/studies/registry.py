@@ -1,7 +1,7 @@
 """The registered studies and ``python -m repro study NAME [options]`` (``--list``): ``mini``, ``ablation`` and
-``efficiency`` (studies with options of their own, :mod:`repro.mini`, :mod:`repro.ablation`,
-:mod:`repro.efficiency`) and the grids of full-scale runs (:class:`Sweep`: ``pile-185m`` and the sweeps), which the
-engine (:mod:`repro.study`) runs. A user's grid is one :func:`register` call (docs/experiments.md, "Studies").
+``efficiency`` (studies with options of their own, :mod:`repro.studies.mini`, :mod:`repro.studies.ablation`,
+:mod:`repro.studies.efficiency`) and the grids of full-scale runs (:class:`Sweep`: ``pile-185m`` and the sweeps), which the
+engine (:mod:`repro.studies.engine`) runs. A user's grid is one :func:`register` call (docs/experiments.md, "Studies").
 """
 
 from __future__ import annotations
@@ -9,40 +9,13 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from repro.cli import COMMANDS
 from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
-from repro.study import Run, Study, run_study
-
-
-def cpu_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
-    """The options every CPU study shares, their defaults from ``defaults`` (a study's settings)."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
-    p.add_argument("--workers", type=int, default=defaults.workers,
-                   help=f"runs trained at once, one thread each (default {defaults.workers}: the usable cores)")
-    p.add_argument("--data-dir", default=defaults.data_dir)
-    p.add_argument("--work-dir", default=defaults.work_dir)
-    p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
-    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
-    return p
-
-
-def pick(text: str, valid: Sequence[str], flag: str, what: str) -> tuple[str, ...]:
-    """``all`` or a comma-separated list of names out of ``valid`` (ReproError naming the unknown ones)."""
-    names = tuple(valid) if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
-    unknown = [n for n in names if n not in valid]
-    if len(unknown) == 1:
-        raise ReproError(f"{flag}: {unknown_name(what, unknown[0], valid)}")
-    if unknown or not names:
-        raise ReproError(f"{flag}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
-    return names
+from repro.studies.engine import Run, Study, run_study
 
 
 @dataclass(frozen=True)
@@ -75,10 +48,19 @@ class Sweep:
     folder: str = ""
 
 
-#: Studies with options and commands of their own (``python -m repro mini`` is ``python -m repro study mini``):
-#: name -> (module whose ``main(argv, prog)`` runs it, help).
-ALIASES = {name: (COMMANDS[name][0], COMMANDS[name][2]) for name in ("mini", "ablation", "efficiency")}
+#: Studies with options of their own: name -> (module whose ``main(argv, prog)`` runs it, help).
+ALIASES = {
+    "mini": ("repro.studies.mini", "the whole comparison on the embedded default (CPU)"),
+    "ablation": ("repro.studies.ablation", "why DirMoE's routing collapses: its readings and remedies over seeds (CPU)"),
+    "efficiency": ("repro.studies.efficiency", "iteration time and TFLOP/s of every router and dense on 1..N GPUs"),
+    "router-costs": ("repro.studies.router_costs", "kernel launches and host syncs per router call (torch profiler)"),
+}
 SWEEPS: dict[str, Sweep] = {}
+
+
+#: Entry-point group through which other packages add studies: ``NAME = "package.module"``, the module's
+#: ``main(argv, prog)`` runs it (its tables and write-up are its own).
+ENTRY_POINT_GROUP = "dirmoe_bench.studies"
 
 
 def register(sweep: Sweep) -> Sweep:
@@ -87,6 +69,24 @@ def register(sweep: Sweep) -> Sweep:
         raise ValueError(f"a study named '{sweep.name}' exists already")
     SWEEPS[sweep.name] = sweep
     return sweep
+
+
+def register_study(name: str, module: str, help_: str) -> None:
+    """Make the study whose ``module`` has ``main(argv, prog)`` runnable as ``python -m repro study NAME``: a
+    study with options, runs, tables and write-up of its own, defined outside this package (or through
+    :data:`ENTRY_POINT_GROUP`)."""
+    if name in SWEEPS or name in ALIASES:
+        raise ValueError(f"a study named '{name}' exists already")
+    ALIASES[name] = (module, help_)
+
+
+def _plugins() -> None:
+    """Register the studies other packages declare through :data:`ENTRY_POINT_GROUP` (once)."""
+    from importlib import metadata
+
+    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
+        if entry.name not in ALIASES and entry.name not in SWEEPS:
+            register_study(entry.name, entry.value, f"(from {entry.value})")
 
 
 for _sweep in (
@@ -122,8 +122,8 @@ def _evaluate(study: Study, run: Run) -> None:
 
 def sweep_study(sweep: Sweep, args: argparse.Namespace) -> Study:
     """The :class:`Study` of ``sweep`` with the command line's options."""
-    from repro.training.config import MEGATRON_ROUTER
-    from repro.training.experiments import experiment_routers
+    from repro.config import MEGATRON_ROUTER
+    from repro.experiments import experiment_routers
 
     routers = args.router.split(",") if args.router else list(sweep.routers)
     if routers == ["all"]:
@@ -152,6 +152,7 @@ def sweep_study(sweep: Sweep, args: argparse.Namespace) -> Study:
 
 def main(argv: list[str], prog: str = "python -m repro study") -> int:
     """Run the study ``argv[0]`` (``--list``: list them). Returns the exit status."""
+    _plugins()
     every = [*ALIASES, *SWEEPS]
     if not argv or argv[0] in ("--list", "-h", "--help"):
         width = max(map(len, every))
@@ -179,7 +180,7 @@ def main(argv: list[str], prog: str = "python -m repro study") -> int:
     p.add_argument("--nodes", type=int, default=1, help="nodes; run the same command on each (shared filesystem)")
     p.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="c10d rendezvous endpoint (--nodes > 1)")
     p.add_argument("--rdzv-id", default=None, help="rendezvous id, the same on every node (default: from the run directory)")
-    p.add_argument("--tasks-data", default=None, metavar="DIR", help="the zero-shot tasks' datasets on disk (eval-data fetch)")
+    p.add_argument("--tasks-data", default=None, metavar="DIR", help="the zero-shot tasks' datasets on disk (eval fetch)")
     p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
     args = p.parse_args(rest)
     study = sweep_study(sweep, args)

@@ -17,7 +17,7 @@ from repro.io_utils import atomic_path
 from repro.schema import from_json, to_json
 
 if TYPE_CHECKING:
-    from repro.training.config import RunConfig
+    from repro.config import RunConfig
 
 LOG_FILE = "log.jsonl"
 

@@ -1,11 +1,12 @@
 """One engine for the suite's studies: a study is data (:class:`Study`: its runs, how they execute, where they
-write, what it reports) and :func:`run_study` runs it; :mod:`repro.studies` holds the registered ones and
+write, what it reports) and :func:`run_study` runs it; :mod:`repro.studies.registry` holds the registered ones and
 ``python -m repro study NAME``. How studies execute, reuse and resume runs, and adding one: docs/experiments.md,
 "Studies".
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import math
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from repro.errors import ReproError
+from repro.errors import ReproError, unknown_name
 from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, read_json, write_json_atomic
 from repro.launch import Launch, torchrun_command
 
@@ -37,7 +38,32 @@ def usable_cores() -> int:
 
 
 #: The module the CPU workers' fork server imports (multiprocessing's "forkserver"): it imports the rest once.
-WORKER_PRELOAD = "repro.worker_preload"
+WORKER_PRELOAD = "repro.studies.worker_preload"
+
+
+def cpu_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
+    """The options every CPU study shares, their defaults from ``defaults`` (a study's settings)."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
+    p.add_argument("--workers", type=int, default=defaults.workers,
+                   help=f"runs trained at once, one thread each (default {defaults.workers}: the usable cores)")
+    p.add_argument("--data-dir", default=defaults.data_dir)
+    p.add_argument("--work-dir", default=defaults.work_dir)
+    p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
+    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
+    return p
+
+
+def pick(text: str, valid: Sequence[str], flag: str, what: str) -> tuple[str, ...]:
+    """``all`` or a comma-separated list of names out of ``valid`` (ReproError naming the unknown ones)."""
+    names = tuple(valid) if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
+    unknown = [n for n in names if n not in valid]
+    if len(unknown) == 1:
+        raise ReproError(f"{flag}: {unknown_name(what, unknown[0], valid)}")
+    if unknown or not names:
+        raise ReproError(f"{flag}: unknown {what}(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(valid)}")
+    return names
 
 
 @dataclass(frozen=True)
@@ -61,12 +87,18 @@ class Run:
     name: str = ""
 
     def config(self):
-        """The run's :class:`~repro.training.config.RunConfig` (ReproError on a bad experiment or override)."""
-        from repro.training.config import apply_overrides
-        from repro.training.experiments import get_experiment
+        """The run's :class:`~repro.config.RunConfig` (ReproError on a bad experiment or override), built on
+        the first call and kept: the checks, the worker (it travels pickled with the run) and the trainer
+        share the one object."""
+        config = self.__dict__.get("_config")
+        if config is None:
+            from repro.config import apply_overrides
+            from repro.experiments import get_experiment
 
-        config = apply_overrides(get_experiment(self.experiment), list(self.overrides))
-        return dataclasses.replace(config, name=self.name) if self.name else config
+            config = apply_overrides(get_experiment(self.experiment), list(self.overrides))
+            config = dataclasses.replace(config, name=self.name) if self.name else config
+            object.__setattr__(self, "_config", config)  # frozen: a cache, not a field (eq and hash ignore it)
+        return config
 
 
 @dataclass(frozen=True)
@@ -131,7 +163,7 @@ class Study:
 def run_state(study: Study, run: Run) -> str:
     """``done`` (finished and current), ``resume`` (this study's, same config, unfinished, resumable), ``new``
     (nothing there, or this study's run with other settings) or ``foreign`` (not this study's)."""
-    from repro.training.config import RunConfig
+    from repro.config import RunConfig
 
     run_dir = study.run_dir(run)
     if not run_dir.exists() and not run_dir.is_symlink():
@@ -185,7 +217,7 @@ def run_cost(run_dir: Path) -> dict[str, float] | None:
 # ------------------------------------------------------------------------------------------ CPU lanes
 def train_and_record(study: Study, run: Run) -> None:
     """The default CPU task: train (or resume) the run, then write its record."""
-    from repro.report.store import write_run_record
+    from repro.records.store import write_run_record
     from repro.training.trainer import train
 
     run_dir = study.run_dir(run)
