@@ -133,7 +133,7 @@ class Router(nn.Module):
     #: megatron's ``_maintain_float32_expert_bias``: schedules and statistics whose small steps bf16 would lose.
     fp32_buffers: ClassVar[tuple[str, ...]] = ()
     #: Settings this router's experiments take beyond a scale's shared recipe, as dot-list overrides of the
-    #: run config per scale (``"tiny"``, ``"185m"``; see ``repro.training.experiments``), e.g.
+    #: run config per scale (``"tiny"``, ``"185m"``; see ``repro.experiments``), e.g.
     #: ``{"185m": ("optimizer.beta2=0.995",)}``. Declared here so no central code names a router.
     recipe_overrides: ClassVar[Mapping[str, tuple[str, ...]]] = {}
     #: Named variants of this router that the suite itself adds (not the paper's method), as dot-list overrides
