@@ -10,7 +10,7 @@
 #              turn with plain Switch: each lever's gain with its interval;
 #   routers    (not by default) every router and dense, stepped in turn.
 #
-# From the repository root, with the wheels the machine lacks in .whl/ (docs/efficiency.md, "Measured on a GPU",
+# From the repository root, with the wheels the machine lacks in .whl/ (docs/efficiency.md, "Efficiency on any number of GPUs",
 # says which and how to fetch them) and an output folder in OUT:
 #   OUT=/tmp/out bash benchmarks/gpu_measure.sh
 # PHASES (default "pytest interleave levers") selects phases, which run in the order above; *_ARGS reshape them;
