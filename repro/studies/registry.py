@@ -1,7 +1,8 @@
-"""The registered studies and ``python -m repro study NAME [options]`` (``--list``): ``mini``, ``ablation`` and
-``efficiency`` (studies with options of their own, :mod:`repro.studies.mini`, :mod:`repro.studies.ablation`,
-:mod:`repro.studies.efficiency`) and the grids of full-scale runs (:class:`Sweep`: ``pile-185m`` and the sweeps), which the
-engine (:mod:`repro.studies.engine`) runs. A user's grid is one :func:`register` call (docs/experiments.md, "Studies").
+"""The registered studies and ``python -m repro study NAME [options]`` (``--list``): ``mini``, ``ablation``,
+``efficiency`` and ``router-costs`` (studies with options of their own: a module whose ``main(argv, prog)`` runs
+it) and the grids of full-scale runs (:class:`Sweep`: ``pile-185m`` and the sweeps), which the engine
+(:mod:`repro.studies.engine`) runs. A user's grid is one :func:`register` call, a user's study with its own runs,
+tables and write-up one :func:`register_study` call or entry point (docs/experiments.md, "Studies").
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ ALIASES = {
     "mini": ("repro.studies.mini", "the whole comparison on the embedded default (CPU)"),
     "ablation": ("repro.studies.ablation", "why DirMoE's routing collapses: its readings and remedies over seeds (CPU)"),
     "efficiency": ("repro.studies.efficiency", "iteration time and TFLOP/s of every router and dense on 1..N GPUs"),
-    "router-costs": ("repro.studies.router_costs", "kernel launches and host syncs per router call (torch profiler)"),
+    "router-costs": ("repro.studies.router_costs", "kernel launches and host syncs per router call, counted on any machine"),
 }
 SWEEPS: dict[str, Sweep] = {}
 
