@@ -47,7 +47,7 @@ import argparse
 import dataclasses
 import json
 import types
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -55,8 +55,7 @@ from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.report import ablation_tables
 from repro.report.ablation_tables import REFERENCE, SWITCH, Hypothesis
-from repro.schema import check_minimums
-from repro.studies.engine import Run, Study, cpu_parser, pick, run_cost, run_study, usable_cores
+from repro.studies.engine import CpuStudySettings, Run, Study, pick, run_cost, run_study
 
 COMMAND = "python -m repro study ablation"
 #: The seeds of the screens (results/dirmoe-ablation, -6seeds): a confirmatory study must use others.
@@ -139,21 +138,15 @@ HYPOTHESES = (
 )
 
 
-@dataclass(frozen=True)
-class AblationConfig:
-    """Settings of the ablation.
+@dataclass(frozen=True, kw_only=True)
+class AblationConfig(CpuStudySettings):
+    """Settings of the ablation, besides the shared ones (:class:`~repro.studies.engine.CpuStudySettings`; its
+    ``overrides`` come after the cell's).
 
     Args:
         cells: the cells run (names of :data:`CELLS`), in table order.
         seeds: the seeds each cell runs with (``seed=N``); the same seeds for every cell, so cells pair by seed.
-        steps: training steps per run.
-        data_dir: where the mini-pile is built (or found).
-        work_dir: run directories (checkpoints, logs, records).
-        out_dir: tables, plots and ``summary.json``.
-        workers: runs trained at once, each one process with one thread (default: the usable cores,
-            :func:`repro.studies.engine.usable_cores`).
         final_fraction: the share of the steps at the end of a run whose rows the end-of-run metrics average.
-        overrides: extra dot-list overrides applied to every run (after the cell's).
         family: the Holm family of the tables against a reference cell (``table`` or ``column``,
             :mod:`repro.report.over_seeds`).
         confirm: a confirmatory study: seeds outside :data:`SCREEN_SEEDS`, and the ``ablation_confirm`` table.
@@ -161,17 +154,14 @@ class AblationConfig:
 
     cells: tuple[str, ...]
     seeds: tuple[int, ...] = (1, 2, 3)
-    steps: int = 600
-    data_dir: str = "data/mini-pile"
     work_dir: str = "runs/dirmoe-ablation"
     out_dir: str = "runs/dirmoe-ablation-results"
-    workers: int = field(default_factory=usable_cores)
     final_fraction: float = 0.1
-    overrides: tuple[str, ...] = ()
     family: str = "table"
     confirm: bool = False
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         unknown = [c for c in self.cells if c not in CELLS]
         if unknown or not self.cells:
             raise ValueError(f"unknown cell(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(CELLS)}")
@@ -179,7 +169,6 @@ class AblationConfig:
             raise ValueError(f"cells must be distinct, got {', '.join(self.cells)}")
         if not self.seeds or len(set(self.seeds)) != len(self.seeds) or min(self.seeds) < 0:
             raise ValueError(f"seeds must be distinct integers >= 0, got {list(self.seeds)}")
-        check_minimums(self, steps=1, workers=1)
         if not 0 < self.final_fraction <= 1:
             raise ValueError(f"final_fraction must be in (0, 1], got {self.final_fraction}")
         if self.family not in ("table", "column"):
@@ -205,7 +194,7 @@ class AblationConfig:
     def run(self, cell: str, seed: int) -> Run:
         """The run ``<cell>-s<seed>``: ``<router>-tiny`` with this ablation's settings and the cell's options."""
         overrides = (
-            f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}", f"seed={seed}",
+            *self.run_overrides(), f"seed={seed}",
             "validation.iters=8",  # choice 3
             "checkpoint.interval=200",  # choice 4
             *CELLS[cell].overrides(self.steps), *self.overrides,
@@ -379,7 +368,7 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespa
     """The ablation's settings from the command line, checked before any work; and ``--fresh``. With
     ``--tables-only``: the parsed arguments and None (nothing is trained)."""
     defaults = AblationConfig(cells=tuple(CELLS))
-    p = cpu_parser(prog, __doc__.split("\n\n")[0], defaults)
+    p = defaults.parser(prog, __doc__.split("\n\n")[0])
     p.add_argument("--cells", default="all", help=f"comma-separated cells, or all ({', '.join(CELLS)})")
     p.add_argument("--seeds", default=",".join(map(str, defaults.seeds)), help="comma-separated seeds (set as seed=N)")
     p.add_argument("--family", choices=("table", "column"), default=defaults.family,
@@ -395,11 +384,8 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespa
     cells = pick(args.cells, tuple(CELLS), "--cells", "cell")
     seeds = _int_list(args.seeds, "--seeds")
     try:
-        cfg = AblationConfig(
-            cells=cells, seeds=seeds, steps=args.steps, data_dir=args.data_dir, work_dir=args.work_dir,
-            out_dir=args.out, workers=args.workers, overrides=tuple(args.set), family=args.family,
-            confirm=args.confirm,
-        )
+        cfg = AblationConfig(cells=cells, seeds=seeds, family=args.family, confirm=args.confirm,
+                             **CpuStudySettings.shared(args))
     except ValueError as exc:
         raise ReproError(str(exc)) from None
     for cell, seed in cfg.runs():

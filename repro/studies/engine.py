@@ -41,18 +41,54 @@ def usable_cores() -> int:
 WORKER_PRELOAD = "repro.studies.worker_preload"
 
 
-def cpu_parser(prog: str, description: str, defaults: Any) -> argparse.ArgumentParser:
-    """The options every CPU study shares, their defaults from ``defaults`` (a study's settings)."""
-    p = argparse.ArgumentParser(prog=prog, description=description)
-    p.add_argument("--steps", type=int, default=defaults.steps, help="training steps per run")
-    p.add_argument("--workers", type=int, default=defaults.workers,
-                   help=f"runs trained at once, one thread each (default {defaults.workers}: the usable cores)")
-    p.add_argument("--data-dir", default=defaults.data_dir)
-    p.add_argument("--work-dir", default=defaults.work_dir)
-    p.add_argument("--out", default=defaults.out_dir, help="tables, plots and summary.json")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
-    p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
-    return p
+@dataclass(frozen=True, kw_only=True)
+class CpuStudySettings:
+    """The settings every CPU study shares, the base of each one's own (:class:`~repro.studies.mini.MiniConfig`,
+    :class:`~repro.studies.ablation.AblationConfig`); their command line is :meth:`parser`.
+
+    Args:
+        steps: training steps per run.
+        data_dir: where the mini-pile is built (or found).
+        work_dir: run directories (checkpoints, logs, records).
+        out_dir: tables, plots and ``summary.json``.
+        workers: runs trained at once, each one process with one thread (default: :func:`usable_cores`).
+        overrides: extra dot-list overrides applied to every run.
+    """
+
+    steps: int = 600
+    data_dir: str = "data/mini-pile"
+    work_dir: str
+    out_dir: str
+    workers: int = dataclasses.field(default_factory=usable_cores)
+    overrides: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "workers"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def run_overrides(self) -> tuple[str, str]:
+        """The overrides that put a run on this study's data for its steps (before the study's own)."""
+        return f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}"
+
+    def parser(self, prog: str, description: str) -> argparse.ArgumentParser:
+        """The options every CPU study shares, their defaults from these settings (:meth:`shared`)."""
+        p = argparse.ArgumentParser(prog=prog, description=description)
+        p.add_argument("--steps", type=int, default=self.steps, help="training steps per run")
+        p.add_argument("--workers", type=int, default=self.workers,
+                       help=f"runs trained at once, one thread each (default {self.workers}: the usable cores)")
+        p.add_argument("--data-dir", default=self.data_dir)
+        p.add_argument("--work-dir", default=self.work_dir)
+        p.add_argument("--out", default=self.out_dir, help="tables, plots and summary.json")
+        p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override for every run")
+        p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
+        return p
+
+    @staticmethod
+    def shared(args: argparse.Namespace) -> dict[str, Any]:
+        """The shared fields from :meth:`parser`'s parsed arguments, as keyword arguments."""
+        return dict(steps=args.steps, data_dir=args.data_dir, work_dir=args.work_dir, out_dir=args.out,
+                    workers=args.workers, overrides=tuple(args.set))
 
 
 def pick(text: str, valid: Sequence[str], flag: str, what: str) -> tuple[str, ...]:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,7 +39,7 @@ from repro.config import MEGATRON_ROUTER
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.schema import check_minimums
-from repro.studies.engine import Run, Study, cpu_parser, pick, run_cost, run_study, usable_cores
+from repro.studies.engine import CpuStudySettings, Run, Study, pick, run_cost, run_study
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -52,26 +52,20 @@ COMMAND = "python -m repro study mini"
 DENSE = "dense"
 
 
-@dataclass(frozen=True)
-class MiniConfig:
-    """Settings of the embedded comparison.
+@dataclass(frozen=True, kw_only=True)
+class MiniConfig(CpuStudySettings):
+    """Settings of the embedded comparison, besides the shared ones (:class:`~repro.studies.engine.CpuStudySettings`;
+    its ``steps`` are the same for every run: compute parity at the nominal k).
 
     Args:
         runs: which runs (``dense`` or router names), each the ``<run>-tiny`` experiment.
-        steps: training steps per run (the same for all: compute parity at the nominal k).
         backend: the model backend of every run (docs/efficiency.md, "Model backends"): ``torch``, whose SDPA
             attention trains the tiny model 5-10% faster on CPU than megatron's local attention (``--set
             model.backend=local`` for the local spec).
-        data_dir: where the mini-pile is built (or found).
-        work_dir: run directories (checkpoints, logs, records).
-        out_dir: tables and plots.
-        workers: runs trained at once, each one process with one thread (default: the usable cores,
-            :func:`repro.studies.engine.usable_cores`).
         eval_limit: documents per local task (lm-eval's ``limit``; above every local task's size, so nothing is
             cut).
         spec_tokens: held-out tokens per domain for the specialisation analysis.
         warmup_rows: log rows skipped before the efficiency window.
-        overrides: extra dot-list overrides applied to every run.
         pair: the two routers of the side-by-side specialisation plot (the DirMoE paper's figure).
         seeds: runs per router, seeds ``seed + k`` for k < seeds (module docstring, decision 1).
         domain_tokens: held-out tokens scored per domain for the per-domain loss (decision 2).
@@ -80,30 +74,23 @@ class MiniConfig:
     """
 
     runs: tuple[str, ...]
-    steps: int = 600
-    backend: str = "torch"
-    data_dir: str = "data/mini-pile"
     work_dir: str = "runs/mini"
     out_dir: str = "runs/mini-results"
-    workers: int = field(default_factory=usable_cores)
+    backend: str = "torch"
     eval_limit: int = 300
     spec_tokens: int = 4096
     warmup_rows: int = 2
-    overrides: tuple[str, ...] = ()
     pair: tuple[str, str] = ("dirmoe", "switch")
     seeds: int = 1
     domain_tokens: int = 8192
     bootstrap_iters: int = 1000
 
     def __post_init__(self) -> None:
-        check_minimums(self, steps=1, workers=1, eval_limit=1, spec_tokens=1, seeds=1, domain_tokens=1,
-                       warmup_rows=0, bootstrap_iters=0)
+        super().__post_init__()
+        check_minimums(self, eval_limit=1, spec_tokens=1, seeds=1, domain_tokens=1, warmup_rows=0, bootstrap_iters=0)
 
     def _overrides(self, run: str, seed_index: int) -> tuple[str, ...]:
-        common = (
-            f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}", f"model.backend={self.backend}",
-            *self.overrides,
-        )
+        common = (*self.run_overrides(), f"model.backend={self.backend}", *self.overrides)
         if not seed_index:  # seed 0 is left exactly as it was (no override at all): the single-seed run, reused as is
             return common
         return (*common, f"seed={Run('', f'{run}-tiny', common).config().seed + seed_index}")
@@ -390,7 +377,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
 def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     """The comparison's settings from the command line, checked before any work; and ``--fresh``."""
     defaults = MiniConfig(runs=())
-    p = cpu_parser(prog, __doc__.split("\n\n")[0], defaults)
+    p = defaults.parser(prog, __doc__.split("\n\n")[0])
     p.add_argument("--runs", default="all", help="comma-separated dense and router names (a router's declared "
                    "variants too, e.g. dirmoe+centered), or all: dense, every router and every variant")
     p.add_argument("--eval-limit", type=int, default=defaults.eval_limit, help="documents per local task")
@@ -408,10 +395,7 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     ):
         if value < 1:
             raise ReproError(f"{name} must be >= 1, got {value}")
-    cfg = MiniConfig(
-        runs=runs, steps=args.steps, data_dir=args.data_dir, work_dir=args.work_dir, out_dir=args.out,
-        workers=args.workers, eval_limit=args.eval_limit, overrides=tuple(args.set), seeds=args.seeds,
-    )
+    cfg = MiniConfig(runs=runs, eval_limit=args.eval_limit, seeds=args.seeds, **CpuStudySettings.shared(args))
     for run, k in cfg.jobs():
         cfg.experiment(run, k)  # unknown keys / bad values: one-line error before any work
     return cfg, args.fresh
