@@ -101,6 +101,16 @@ def test_a_loss_comparison_names_the_runs_of_unequal_compute(tmp_path):
     assert "Unequal compute" not in next(w for w in writeup.generate(root) if w.study == "mini-seeds").readme
 
 
+def test_the_layers_the_prose_names_are_the_routing_tables():
+    """Layers are counted from 1 in the routing table, the logs and TensorBoard; the prose names them alike."""
+    rows = list(csv.DictReader((ROOT / "results" / "mini" / "routing.csv").open()))
+    layers = sorted({r["Layer"] for r in rows if r["Layer"] != "mean"})
+    assert layers[0] == "1"
+    page = next(w for w in writeup.generate(ROOT) if w.study == "mini").readme
+    for named in re.findall(r"in layers ([\d, ]+)\)", page):
+        assert named.split(", ") == layers, page
+
+
 def test_the_seed_study_states_how_many_seeds_its_differences_need():
     """From the committed seeds' paired held-out differences: what 3, 6 and 10 seeds detect (falling with the
     seeds) and the 10-seed study's cost."""

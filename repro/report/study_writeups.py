@@ -58,6 +58,16 @@ def _cpu(cpu: dict[str, float]) -> str:
     )
 
 
+def _wall(summary: dict[str, Any], runs: int) -> str:
+    """What the invocation that wrote the summary of ``runs`` runs cost in wall time ('' where it does not say)."""
+    wall, trained = summary.get("wall_seconds"), summary.get("trained_runs")
+    if wall is None or trained is None:
+        return ""
+    reused = f", reusing the other {runs - len(trained)}" if len(trained) < runs else ""
+    return (f"The invocation that wrote these files took {num(wall / 60, '.1f')} min of wall time and trained "
+            f"{len(trained)} of the {runs} runs{reused} (`wall_seconds`, `trained_runs`).")
+
+
 def _expert_flops(efficiency_csv: Path) -> dict[str, float]:
     """Router -> its expert FLOPs per token relative to the reference router's, for the routers the efficiency
     table marks as off compute parity (its ``compute parity`` column: ``NO (+30.9% vs switch, ...)``); empty
@@ -103,12 +113,12 @@ def mini(directory: Path) -> Writeup:
     )
     order = sorted(heldout, key=heldout.get)
     imbalance = {r: cell_value(row.get("load imbalance", "")) for r, row in routing.items()}
-    by_layer: dict[str, list[float]] = {}
+    by_layer: dict[str, dict[str, float]] = {}  # router -> the table's layer (counted from 1) -> experts per token
     for row in layers:
         value = cell_value(row.get("active experts", ""))
         if value is not None:
-            by_layer.setdefault(row["Router"], []).append(value)
-    uneven = {r: v for r, v in by_layer.items() if max(v) - min(v) > 0.5}
+            by_layer.setdefault(row["Router"], {})[row["Layer"]] = value
+    uneven = {r: v for r, v in by_layer.items() if max(v.values()) - min(v.values()) > 0.5}
     compute = _expert_flops(directory / "efficiency.csv")
     cpu = s.get("run_cpu_seconds", {})
     findings = [
@@ -124,11 +134,13 @@ def mini(directory: Path) -> Writeup:
     if uneven:
         findings.append(
             "Experts per token differ between layers for "
-            + "; ".join(f"{r} ({' / '.join(num(v) for v in vals)} in layers {', '.join(map(str, range(len(vals))))})" for r, vals in uneven.items())
+            + "; ".join(f"{r} ({' / '.join(map(num, vals.values()))} in layers {', '.join(vals)})" for r, vals in uneven.items())
             + "."
         )
     if cpu:
         findings.append(_cpu(cpu))
+    if _wall(s, len(final) * s["seeds"]):
+        findings.append(_wall(s, len(final) * s["seeds"]))
     tables = [directory / f"{t}.md" for t in ("zero_shot", "validation", "efficiency", "routing")]
     readme = page(
         f"The router comparison on the embedded default, {s['steps']} steps, {s['seeds']} seed",
