@@ -296,7 +296,7 @@ def efficiency_185m(session: nox.Session) -> None:
 
 
 def _sweep_session(sweep: studies.Sweep):
-    """The nox session of a registered sweep: one session per value of its key (``nox -s NAME-<value>``)."""
+    """The nox session of a registered sweep: one session per value of its key (``nox -s 'NAME(<value>)'``, e.g. ``nox -s 'sweep-k(1)'``)."""
 
     def run(session: nox.Session, value: object = None) -> None:
         _study(session, sweep.name, *([] if value is None else ["--values", str(value)]),

@@ -1,5 +1,5 @@
-"""Launch and sync targets of one router call on a step that does not log (``python -m repro study efficiency
---profile`` counts them: :mod:`repro.studies.router_costs`), as benchmarks: T=1024, D=128, E=8, k=1, forward + backward.
+"""Launch and sync targets of one router call on a step that does not log (``python -m repro study
+router-costs`` counts them: :mod:`repro.studies.router_costs`), as benchmarks: T=1024, D=128, E=8, k=1, forward + backward.
 
 - DirMoE compiled (one region) launches at most 1.5x Switch's per call, eager at most 2.5x (launches = ATen ops
   outside compiled regions + the kernels the regions run: the proxy for GPU kernel launches; a region compiled

@@ -437,7 +437,7 @@ class DirMoERouter(Router):
     def _metrics(
         self, hidden_TD: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, p: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """The diagnostic metrics (``routers/dirmoe_config.py``, "Metrics") from :meth:`route_core`'s outputs."""
+        """The diagnostic metrics (docs/routers.md, "Metrics") from :meth:`route_core`'s outputs."""
         c, E, k = self.config, self.num_experts, self.top_k
         T = hidden_TD.shape[0]
         metrics = routing_metrics(probs_TE, routing_map_TE)

@@ -133,3 +133,19 @@ def test_the_development_layout_names_every_module():
     assert len(files) > 80
     missing = sorted(str(p.relative_to(ROOT)) for p in files if p.name not in block and p.stem not in block)
     assert missing == [], f"modules the layout does not name: {missing}"
+
+
+def test_no_page_or_generated_file_names_a_command_of_an_earlier_version():
+    """Commands renamed in the seven-command tree (``mini`` -> ``study mini``) answer with one line, but a page that
+    shows the old name sends a reader there: the README, docs and results (but the H100 archives, which keep the
+    command lines of the commits they ran, as results/h100/findings.md says) name the current ones."""
+    from repro.cli import MOVED
+
+    old = re.compile(r"(?:python -m repro|dirmoe-bench) (" + "|".join(map(re.escape, MOVED)) + r")\b")
+    pages = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("benchmarks/*")]
+    pages += [p for p in ROOT.glob("results/**/*") if p.is_file() and p.suffix in (".md", ".tex", ".json", "")
+              and "h100" not in p.relative_to(ROOT).parts]
+    stale = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in pages if p.is_file()
+             for m in old.finditer(p.read_text(errors="replace"))]
+    assert not stale, stale
+    assert old.search("see `python -m repro mini --seeds 3`") and not old.search("python -m repro study mini")

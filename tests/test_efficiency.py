@@ -44,7 +44,7 @@ def _times_ms(run_dir: Path) -> list[float]:
 @pytest.mark.slow
 def test_two_routers_and_dense_on_one_cpu_device(tmp_path, capsys):
     out = tmp_path / "eff"
-    argv = ["efficiency", "--router", "switch,dirmoe,dense", "--vocab-size", "256", "--warmup", "1", "--iters", "4"]
+    argv = ["study", "efficiency", "--router", "switch,dirmoe,dense", "--vocab-size", "256", "--warmup", "1", "--iters", "4"]
     assert cli_main([*argv, "--out", str(out)]) == 0
     summary = json.loads((out / "summary.json").read_text())
     switch_times = _times_ms(out / "runs" / "switch")[1:5]
@@ -289,7 +289,7 @@ def test_steady_state_is_timed_from_each_routers_trained_checkpoint(tmp_path):
     trained = tmp_path / "trained"
     _train_tiny("dirmoe", trained / "dirmoe")
     out = tmp_path / "eff"
-    argv = ["efficiency", "--router", "dirmoe", *FAST, *DENSE_STEPS, "--init-from", str(trained), "--out", str(out)]
+    argv = ["study", "efficiency", "--router", "dirmoe", *FAST, *DENSE_STEPS, "--init-from", str(trained), "--out", str(out)]
     assert cli_main(argv) == 0
     record = load_record(out / "runs" / "dirmoe" / "record.json")
     assert record.efficiency.start_step == 3 and record.efficiency.flops_attention == "causal"

@@ -137,7 +137,7 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, m
     assert summary["seeds"] == 2 and summary["per_seed"]["dirmoe"]["seed"] == [seed_0, seed_0 + 1]
     assert set(summary["run_cpu_seconds"]) == {"switch", "dirmoe", "switch-s1", "dirmoe-s1"}
     assert sorted(summary["trained_runs"]) == ["dirmoe-s1", "switch-s1"]
-    # Every run's record beside the tables: the band `check RUN --against out3` reads.
+    # Every run's record beside the tables: the band `report check RUN --against out3` reads.
     from repro.records.store import load_records
 
     assert sorted(r.run_id for r in load_records([out / "records"])) == ["dirmoe", "dirmoe-s1", "switch", "switch-s1"]

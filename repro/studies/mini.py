@@ -358,7 +358,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
             for run in cfg.runs
         }
     write_json_atomic(Path(cfg.out_dir) / "summary.json", summary)
-    if cfg.seeds > 1:  # the seed band `check RUN --against <out>` reads (docs/evaluation.md)
+    if cfg.seeds > 1:  # the seed band `report check RUN --against <out>` reads (docs/evaluation.md)
         (Path(cfg.out_dir) / "records").mkdir(parents=True, exist_ok=True)
         for (run, k), record in records.items():
             write_record(record, Path(cfg.out_dir) / "records" / f"{cfg.run_id(run, k)}.record.json")

@@ -6,7 +6,7 @@ Examples::
     python -m repro train --out runs/r --resume --set optimizer.lr=5e-4    # e.g. after a NaN loss
     torchrun --nproc_per_node=2 -m repro train --experiment switch-tiny --set parallel.ep=2 --out runs/switch-ep2
 
-A finished run gets its run record (``record.json``, read by ``tables`` and ``check``); ``eval`` adds the
+A finished run gets its run record (``record.json``, read by ``report tables`` and ``report check``); ``eval run`` adds the
 zero-shot results to it.
 """
 
