@@ -90,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         (target, _), words, rest = resolve(argv)
+        program = rest[rest.index("--") + 1:] if words == "launch" and "--" in rest else []
+        if program:  # the command torchrun is to run: a moved or unknown one is refused here, not on every rank
+            resolve(program)
         module_name, func_name = target.split(":")
         func = getattr(importlib.import_module(module_name), func_name)
         return int(func(rest, prog=f"{prog} {words}") or 0)

@@ -619,6 +619,9 @@ def test_seven_commands_and_one_line_for_a_moved_or_mistyped_one(capsys):
     assert cli.main(["study", "efficiency", "--profile"]) == 2
     assert "python -m repro study router-costs" in capsys.readouterr().err
     assert cli.main(["report"]) == 0 and "report writeup" in capsys.readouterr().out
+    # the command launch prints for torchrun is checked before it is printed
+    assert cli.main(["launch", "--", "mini", "--seeds", "2"]) == 2
+    assert "error: 'mini' is now 'study mini'" in capsys.readouterr().err
 
 
 def test_cli_errors_and_list(tmp_path, capsys):
