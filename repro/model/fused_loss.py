@@ -1,6 +1,6 @@
 """The GPT model's output layer and cross-entropy in one op (``model.fused_cross_entropy``), without the
 [tokens, vocab] logits megatron materialises (and, in its native fused cross-entropy, copies to fp32; its share of
-a step's device time: docs/efficiency.md, "Measured on an H100").
+a step's device time is in the H100 records, results/h100/findings.md).
 
 Implementations (:data:`FUSED_CROSS_ENTROPY`):
 

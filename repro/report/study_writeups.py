@@ -139,8 +139,9 @@ def mini(directory: Path) -> Writeup:
         )
     if cpu:
         findings.append(_cpu(cpu))
-    if _wall(s, len(final) * s["seeds"]):
-        findings.append(_wall(s, len(final) * s["seeds"]))
+    wall = _wall(s, len(final) * s["seeds"])
+    if wall:
+        findings.append(wall)
     tables = [directory / f"{t}.md" for t in ("zero_shot", "validation", "efficiency", "routing")]
     readme = page(
         f"The router comparison on the embedded default, {s['steps']} steps, {s['seeds']} seed",

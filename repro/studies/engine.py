@@ -26,6 +26,7 @@ from typing import Any
 from repro.errors import ReproError, unknown_name
 from repro.io_utils import check_output_dir, claim_output_dir, claim_run_dir, open_in_dir, read_json, write_json_atomic
 from repro.launch import Launch, torchrun_command
+from repro.schema import check_minimums
 
 
 def usable_cores() -> int:
@@ -63,9 +64,7 @@ class CpuStudySettings:
     overrides: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        for name in ("steps", "workers"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_minimums(self, steps=1, workers=1)
 
     def run_overrides(self) -> tuple[str, str]:
         """The overrides that put a run on this study's data for its steps (before the study's own)."""
