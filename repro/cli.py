@@ -30,7 +30,7 @@ COMMANDS: dict[str, Entry | dict[str, Entry]] = {
         "tables": ("repro.report.cli:tables_main", "build the zero-shot and efficiency tables from run records"),
         "check": ("repro.report.cli:check_main", "regression-check a run against published numbers or runs"),
         "bench": ("repro.report.bench_table:main", "summarise a pytest-benchmark JSON as a table"),
-        "writeup": ("repro.report.writeup:main", "write results/<study>/README.md and the README's result blocks"),
+        "writeup": ("repro.studies.writeup:main", "write results/<study>/README.md and the README's result blocks"),
     },
     "launch": ("repro.launch:main", "print the torchrun command or SLURM script for N nodes x G GPUs"),
     "golden": ("repro.golden:main", "compare fresh runs with the golden loss curves (or --refresh them)"),

@@ -217,7 +217,7 @@ def test_lower_layers_import_nothing_above_them():
         if any(target == a or target.startswith(a + ".") for a in above)
     )
     assert upward == []
-    assert "repro.report.study_writeups" in graph and "repro.cli" in graph["repro.__main__"]
+    assert "repro.studies.mini_writeup" in graph and "repro.cli" in graph["repro.__main__"]
 
 
 def test_no_file_over_the_line_bound():

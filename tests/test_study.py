@@ -119,11 +119,16 @@ def test_a_run_builds_its_config_once_and_carries_it_to_its_worker():
 
 OUTSIDE_STUDY = '''\
 """Switch at two learning rates: a study defined outside the suite, with its own table and write-up."""
+import json
 from pathlib import Path
 
 from repro.records.store import load_record
 from repro.report.table_core import Table, render, write_tables
+from repro.report.verdicts import Writeup, page
 from repro.studies.engine import Run, Study, run_study
+
+#: report writeup keeps results/lr-probe/README.md in step with its summary.json.
+WRITEUPS = {"lr-probe": "my_studies.lr_probe:writeup"}
 
 
 def report(study, outcome):
@@ -133,9 +138,15 @@ def report(study, outcome):
         rows.append((run.run_id, f"{record.loss_curve[-1].loss:.4f}"))
     table = Table("lr_probe", "Final training loss per learning rate.", ("run", "final loss"), tuple(rows))
     write_tables([table], study.out_dir)
-    lowest = min(rows, key=lambda r: float(r[1]))[0]
-    Path(study.out_dir, "README.md").write_text(f"# LR probe\\n\\nLowest final loss: {lowest}.\\n\\n{render(table, 'md')}")
+    Path(study.out_dir, "summary.json").write_text(json.dumps({"final_loss": {r: float(v) for r, v in rows}}))
     return render(table, "md")
+
+
+def writeup(directory):
+    losses = json.loads((directory / "summary.json").read_text())["final_loss"]
+    findings = [f"Lowest final loss: {min(losses, key=losses.get)}."]
+    readme = page("LR probe", "python -m repro study lr-probe", findings, [directory / "lr_probe.md"])
+    return Writeup(directory.name, readme, findings[0])
 
 
 def main(argv, prog):
@@ -163,11 +174,13 @@ def test_a_study_from_outside_the_package_runs_with_its_own_table_and_write_up(t
     with pytest.raises(ValueError, match="exists already"):
         studies.register_study("lr-probe", "my_studies.lr_probe", "again")
     assert cli_main(["study", "--list"]) == 0 and "lr-probe" in capsys.readouterr().out
-    out, work = tmp_path / "out", tmp_path / "work"
+    out, work = tmp_path / "repo" / "results" / "lr-probe", tmp_path / "work"
     assert cli_main(["study", "lr-probe", str(out), str(work)]) == 0
     rows = (out / "lr_probe.csv").read_text().splitlines()
     assert rows[0] == "run,final loss" and [r.split(",")[0] for r in rows[1:]] == ["lr0.001", "lr0.01"]
     losses = {r.split(",")[0]: float(r.split(",")[1]) for r in rows[1:]}
     assert all(0 < v < 20 for v in losses.values())
+    assert cli_main(["report", "writeup", "--root", str(tmp_path / "repo")]) == 0  # the study's own write-up
     assert f"Lowest final loss: {min(losses, key=losses.get)}." in (out / "README.md").read_text()
+    assert cli_main(["report", "writeup", "--root", str(tmp_path / "repo"), "--check"]) == 0
     assert json.loads((work / "lr0.01" / "config.json").read_text())["experiment"]["optimizer"]["lr"] == 0.01

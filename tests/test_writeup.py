@@ -13,9 +13,9 @@ import pytest
 
 from repro.__main__ import main as repro_main
 from repro.errors import ReproError
-from repro.report import writeup
 from repro.report.verdicts import Paired, Writeup, paired_tests, verdict
-from repro.report.writeup import fill_blocks
+from repro.studies import writeup
+from repro.studies.writeup import fill_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -228,7 +228,7 @@ def test_check_fails_on_a_stale_block_and_writing_fixes_it(tmp_path, capsys):
 def test_the_iteration_ratio_carries_its_per_round_interval_where_the_run_recorded_one(tmp_path):
     """The interleaved benchmark's line quotes each run's per-round mean and 95% interval from the JSON, and
     leaves them out for a run that did not record them (benchmark files from before the intervals)."""
-    from repro.report.study_writeups import _bench_file
+    from repro.studies.bench_writeup import _bench_file
 
     data = json.loads((ROOT / "results" / "bench" / "iteration.json").read_text())
     extra = next(b["extra_info"] for b in data["benchmarks"] if "dirmoe_over_switch" in b["extra_info"])

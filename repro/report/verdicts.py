@@ -1,4 +1,4 @@
-"""The words and numbers of the result write-ups (:mod:`repro.report.writeup`): how a paired difference is
+"""The words and numbers of the result write-ups (:mod:`repro.studies.writeup`): how a paired difference is
 worded, how the results files are read, how a study's page is laid out.
 
 :func:`verdict` is the only source of comparison words ("lower", "higher", "not significant", "underpowered",
@@ -284,3 +284,12 @@ def page(title: str, command: str, findings: Sequence[str], tables: Sequence[Pat
     if extra:
         lines += ["", *extra]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def family_power(n: int, tests: int) -> str:
+    """``at 3 seeds and 8 tests, 80% power at Holm's first step needs a difference of 9.3 standard deviations of
+    the paired differences`` with ``: underpowered`` where it exceeds :data:`UNDERPOWERED_EFFECT`."""
+    effect = paired_detectable_effect(n, max(1, tests))
+    text = (f"at {n} seeds and {tests} tests, 80% power at Holm's first step needs a difference of {effect:.2g} "
+            "standard deviations of the paired differences")
+    return text + (": underpowered" if effect > UNDERPOWERED_EFFECT else "")

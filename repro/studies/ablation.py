@@ -63,6 +63,10 @@ SCREEN_SEEDS = (1, 2, 3, 4, 5, 6)
 #: The pairs table compares every two DirMoE cells besides the reference up to this many cells (a 16-cell
 #: screen would give 91 pairs: a screen's pairs are for the confirmatory study to state, not to scan).
 MAX_PAIRED_CELLS = 6
+#: Results directory -> its write-up (``python -m repro report writeup``; :mod:`repro.studies.ablation_writeup`).
+WRITEUPS = {"dirmoe-ablation": "repro.studies.ablation_writeup:screen",
+            "dirmoe-ablation-6seeds": "repro.studies.ablation_writeup:ablation",
+            "dirmoe-ablation-confirm": "repro.studies.ablation_writeup:confirm"}
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,9 @@ if TYPE_CHECKING:
 
 COMMAND = "python -m repro study mini"
 DENSE = "dense"
+#: Results directory -> its write-up (``python -m repro report writeup``; :mod:`repro.studies.mini_writeup`).
+WRITEUPS = {"mini": "repro.studies.mini_writeup:mini", "mini-seeds": "repro.studies.mini_writeup:mini_seeds",
+            "mini-power": "repro.studies.mini_writeup:mini_seeds"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -284,6 +288,13 @@ def _plots(cfg: MiniConfig, logs: dict[str, list], analyses: dict[str, dict], un
     return specs
 
 
+def _routing(record) -> dict[str, Any]:
+    """A run's load imbalance (mean over its MoE layers) and experts per token of each layer (counted from 1)."""
+    loads = [layer.load_imbalance for layer in record.routing if layer.load_imbalance is not None]
+    return {"load_imbalance": statistics.fmean(loads) if loads else None,
+            "active_experts": {str(layer.layer + 1): layer.active_experts for layer in record.routing}}
+
+
 def _final_loss(rows: list) -> float:
     """Mean training LM loss of the last 10 logged steps."""
     tail = rows[-10:]
@@ -344,6 +355,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         "heldout_loss": {run: heldout_loss(records[(run, 0)]) for run in cfg.runs},
         "heldout_loss_by_domain": {run: {d.domain: d.loss for d in records[(run, 0)].domain_losses} for run in cfg.runs},
         "specialisation_score": {r: specialisation_score(s) for r, s in specs.items()},
+        "routing": {run: _routing(records[(run, 0)]) for run in cfg.runs if records[(run, 0)].routing},
         "run_cpu_seconds": {r.run_id: round(c["cpu_seconds"], 1) for r in study.runs if (c := run_cost(study.run_dir(r)))},
         "command": "nox -s mini  (python -m repro study mini)" + (f" --seeds {cfg.seeds}" if cfg.seeds > 1 else ""),
     }

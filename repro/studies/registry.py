@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,6 +80,20 @@ def register_study(name: str, module: str, help_: str) -> None:
     if name in SWEEPS or name in ALIASES:
         raise ValueError(f"a study named '{name}' exists already")
     ALIASES[name] = (module, help_)
+
+
+def writeups() -> dict[str, Callable[[Path], Any]]:
+    """Results directory name -> the write-up function of the study that fills it: each registered study's module
+    declares its own as ``WRITEUPS = {"<directory>": "module:function"}`` (imported only here)."""
+    import importlib
+
+    _plugins()
+    found: dict[str, Callable[[Path], Any]] = {}
+    for module, _ in ALIASES.values():
+        for directory, target in getattr(importlib.import_module(module), "WRITEUPS", {}).items():
+            name, _, function = target.partition(":")
+            found[directory] = getattr(importlib.import_module(name), function)
+    return found
 
 
 def _plugins() -> None:

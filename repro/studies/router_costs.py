@@ -21,6 +21,8 @@ VOCAB = 50304
 #: Where the report goes unless --out says otherwise: never results/ (the committed tables) by default.
 DEFAULT_OUT = "runs/bench"
 NAME = "router_costs"
+#: The write-up of the directory the benchmarks and this study fill (:mod:`repro.studies.bench_writeup`).
+WRITEUPS = {"bench": "repro.studies.bench_writeup:bench"}
 #: The extra runs beside every registered router at its defaults (DirMoE's default on the CPU is eager):
 #: label -> (router, options).
 EXTRA_RUNS = {"dirmoe (compiled)": ("dirmoe", {"compile_elementwise": "always"})}

@@ -1,6 +1,7 @@
 """``python -m repro report writeup``: the result write-ups, generated from the results files alone.
 
-Each study directory under ``results/`` gets a ``README.md`` (the command that produced it, its findings as
+Each study declares its write-ups (its module's ``WRITEUPS``: results directory -> function, collected by
+:func:`repro.studies.registry.writeups`). Each study directory under ``results/`` gets a ``README.md`` (the command that produced it, its findings as
 sentences, its tables included from the ``.md`` files beside it), and the repository's README gets a short
 block per study between ``<!-- BEGIN generated: <study> -->`` and ``<!-- END generated: <study> -->``.
 
@@ -22,8 +23,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from repro.errors import ReproError
-from repro.report import study_writeups as findings
 from repro.report.verdicts import Writeup
+from repro.studies.registry import writeups
 
 _BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w.+-]+) -->\n)(?P<body>.*?)(<!-- END generated: (?P=name) -->)", re.S)
 
@@ -31,15 +32,7 @@ _BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w.+-]+) -->\n)(?P<body>.
 # ------------------------------------------------------------------------------------------ writing
 def studies() -> dict[str, Callable[[Path], Writeup]]:
     """Study directory name -> its write-up function (``results/<name>`` in, :class:`Writeup` out)."""
-    return {
-        "mini": findings.mini,
-        "mini-seeds": findings.mini_seeds,
-        "mini-power": findings.mini_seeds,
-        "dirmoe-ablation": findings.screen,
-        "dirmoe-ablation-6seeds": findings.ablation,
-        "dirmoe-ablation-confirm": findings.confirm,
-        "bench": findings.bench,
-    }
+    return writeups()
 
 
 def generate(root: Path) -> list[Writeup]:
