@@ -292,7 +292,7 @@ def efficiency_185m(session: nox.Session) -> None:
     """Iteration time and TFLOP/s of every router and dense, LLaMA-185M on synthetic tokens at the papers' per-GPU
     batch, with the published rows, on one node: nox -s efficiency-185m -- [--wheelhouse DIR] [--extras gpu]
     [--gpus 8] [--router dirmoe,switch] [--out DIR] (the other options: python -m repro study efficiency --help)."""
-    _study(session, "efficiency", "--flavour", "llama-185m", "--published")
+    _study(session, "efficiency", "--flavour", "185m", "--published")
 
 
 def _sweep_session(sweep: studies.Sweep):

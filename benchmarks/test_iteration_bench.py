@@ -51,7 +51,7 @@ ASIDE = {
                         "at the concentrations of a DirMoE router at initialisation",
 }
 ON_GPU = torch.cuda.is_available()
-FLAVOUR = "llama-185m" if ON_GPU else "tiny"
+FLAVOUR = "185m" if ON_GPU else "tiny"
 VOCAB = 50257 if ON_GPU else 8192
 WARMUP_ROUNDS = 3
 ROUNDS = 10 if ON_GPU else 20

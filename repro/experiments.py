@@ -1,8 +1,8 @@
 """Named experiments, derived from the router registry: ``<router>-tiny`` and ``<router>-185m`` for every
 registered router (entry-point routers included), ``dense-*``, ``megatron-*`` (megatron-core's TopKRouter)
-and ``<router>+<variant>-*`` for the variants a router declares (``Router.variants``). Each is a scale's
-recipe (:data:`RECIPES`) with the router set, then the router's declared overrides for that scale
-(``Router.recipe_overrides``) as dot-lists. No router is special-cased here.
+and ``<router>+<variant>-*`` for the variants a router declares (``Router.variants``), where ``*`` is a model
+flavour (``repro.flavours``). Each is the flavour's recipe (:data:`RECIPES`) with the router set, then the router's
+declared overrides for that flavour (``Router.recipe_overrides``) as dot-lists. No router is special-cased here.
 
 Settings of the 185M recipe and where they come from: ReMoE's published launch script (thu-ml/ReMoE,
 ``train_llama_*_remoe.sh``): micro batch 16, global batch 512 x 1024 tokens, 60k iterations, LR 5e-4 cosine to
@@ -52,7 +52,7 @@ def _tiny(router: str | None) -> RunConfig:
 def _paper_185m(router: str | None) -> RunConfig:
     return RunConfig(
         name=f"{router or DENSE}-185m",
-        model=ModelConfig(flavour="llama-185m" if router else "llama-185m-dense", seq_length=1024, precision="bf16"),
+        model=ModelConfig(flavour="185m" if router else "185m-dense", seq_length=1024, precision="bf16"),
         router=RouterSpec(name=router),
         optimizer=OptimizerConfig(lr=5e-4, weight_decay=0.01, beta1=0.9, beta2=0.999, eps=1e-8, clip_grad=1.0),
         schedule=ScheduleConfig(steps=60_000, warmup_fraction=0.01, min_lr=5e-5),
@@ -63,7 +63,7 @@ def _paper_185m(router: str | None) -> RunConfig:
     )
 
 
-#: scale -> recipe(router or None).
+#: flavour -> recipe(router or None): the run settings of that model's experiments.
 RECIPES: dict[str, Callable[[str | None], RunConfig]] = {"tiny": _tiny, "185m": _paper_185m}
 
 
@@ -77,7 +77,7 @@ def experiment_routers(variants: bool = False) -> list[str]:
     return [*names, *declared, MEGATRON_ROUTER, DENSE]
 
 
-def _declared_overrides(router: str | None, variant: str | None, scale: str) -> tuple[str, ...]:
+def _declared_overrides(router: str | None, variant: str | None, flavour: str) -> tuple[str, ...]:
     if router in (None, MEGATRON_ROUTER):
         return ()
     import routers
@@ -87,18 +87,18 @@ def _declared_overrides(router: str | None, variant: str | None, scale: str) -> 
         raise ReproError(
             f"router '{router}' has no variant '{variant}'; valid: {', '.join(cls.variants) or '(none)'}"
         )
-    return (*cls.recipe_overrides.get(scale, ()), *(cls.variants[variant] if variant else ()))
+    return (*cls.recipe_overrides.get(flavour, ()), *(cls.variants[variant] if variant else ()))
 
 
-def build_experiment(router: str, scale: str) -> RunConfig:
-    """The experiment of ``router`` (a router name, ``<router>+<variant>``, or ``dense``) at ``scale`` (a key of
+def build_experiment(router: str, flavour: str) -> RunConfig:
+    """The experiment of ``router`` (a router name, ``<router>+<variant>``, or ``dense``) at ``flavour`` (a key of
     :data:`RECIPES`).
 
     Raises:
-        ReproError: an unknown scale, router or variant, or declared overrides that do not fit the recipe.
+        ReproError: an unknown flavour, router or variant, or declared overrides that do not fit the recipe.
     """
-    if scale not in RECIPES:
-        raise ReproError(f"unknown scale '{scale}'; valid: {', '.join(RECIPES)}")
+    if flavour not in RECIPES:
+        raise ReproError(f"unknown flavour '{flavour}'; valid: {', '.join(RECIPES)}")
     base, _, variant = router.partition("+")
     name = None if base == DENSE else base
     if name is not None and name != MEGATRON_ROUTER:
@@ -108,21 +108,21 @@ def build_experiment(router: str, scale: str) -> RunConfig:
             routers.router_class(name)
         except ValueError as exc:
             raise ReproError(str(exc)) from None
-    config = apply_overrides(RECIPES[scale](name), _declared_overrides(name, variant or None, scale))
-    return dataclasses.replace(config, name=f"{router}-{scale}") if variant else config
+    config = apply_overrides(RECIPES[flavour](name), _declared_overrides(name, variant or None, flavour))
+    return dataclasses.replace(config, name=f"{router}-{flavour}") if variant else config
 
 
 def experiment_names() -> list[str]:
-    """All experiment names (``<router>-<scale>``, variants included), sorted."""
-    return sorted(f"{router}-{scale}" for router in experiment_routers(variants=True) for scale in RECIPES)
+    """All experiment names (``<router>-<flavour>``, variants included), sorted."""
+    return sorted(f"{router}-{flavour}" for router in experiment_routers(variants=True) for flavour in RECIPES)
 
 
 def get_experiment(name: str) -> RunConfig:
     """The experiment called ``name`` (ReproError listing the valid names for an unknown one)."""
-    router, _, scale = name.rpartition("-")
-    if scale not in RECIPES or router not in experiment_routers(variants=True):
+    router, _, flavour = name.rpartition("-")
+    if flavour not in RECIPES or router not in experiment_routers(variants=True):
         raise ReproError(unknown_name("experiment", name, experiment_names()))
-    return build_experiment(router, scale)
+    return build_experiment(router, flavour)
 
 
 def describe(config: RunConfig) -> str:

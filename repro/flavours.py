@@ -1,7 +1,8 @@
 """Model flavours: frozen configs of the LLaMA-style GPT models the suite trains: ``tiny`` (the CPU model that
-trains in seconds), ``llama-185m`` (the published setting of ReMoE and DirMoE: RMSNorm, RoPE base 1e6, untied
+trains in seconds), ``185m`` (LLaMA-185M, the published setting of ReMoE and DirMoE: RMSNorm, RoPE base 1e6, untied
 embeddings, no biases, init std 0.01, no dropout, GPT-2 BPE vocabulary), and their ``-dense`` twins with one
 SwiGLU FFN of the expert's width instead of the MoE layer (the dense baseline at the compute of k=1).
+A flavour's name is also its experiments' suffix (``dirmoe-185m``) and its recipe's key (``repro.experiments``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ _TINY = ModelFlavour(
     num_experts=8, top_k=1, seq_length=128, vocab_size=None,  # from the locally trained tokenizer
 )
 _LLAMA_185M = ModelFlavour(
-    name="llama-185m", num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4,
+    name="185m", num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4,
     ffn_hidden_size=3072, num_experts=8, top_k=1, seq_length=1024,
     vocab_size=50257,  # GPT-2 BPE (padded to 50304 in the model)
 )
@@ -111,6 +112,10 @@ _LLAMA_185M = ModelFlavour(
 _FLAVOURS: dict[str, ModelFlavour] = {
     f.name: f for f in (_TINY, _TINY.dense(), _LLAMA_185M, _LLAMA_185M.dense())
 }
+
+
+#: Names of earlier versions -> the flavour now: a run directory or record written under the old name still loads.
+RENAMED: dict[str, str] = {"llama-185m": "185m", "llama-185m-dense": "185m-dense"}
 
 
 def available_flavours() -> list[str]:
@@ -125,7 +130,7 @@ def get_flavour(name: str | ModelFlavour, **overrides) -> ModelFlavour:
         flavour = name
     else:
         try:
-            flavour = _FLAVOURS[name]
+            flavour = _FLAVOURS[RENAMED.get(name, name)]
         except KeyError:
             raise ValueError(f"unknown model flavour '{name}'; available: {', '.join(available_flavours())}") from None
     return flavour.with_overrides(**overrides) if overrides else flavour

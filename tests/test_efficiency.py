@@ -165,8 +165,8 @@ def test_two_gloo_processes_through_torchrun(tmp_path):
 
 def test_the_papers_batch_on_eight_gpus_and_its_per_gpu_work_on_one():
     """The default keeps the papers' per-GPU work: 16 x 4 sequences of 1024 per GPU, 512 on 8 GPUs."""
-    eight = efficiency_config("switch", "llama-185m", devices=8, steps=23)
-    one = efficiency_config("dirmoe", "llama-185m", devices=1, steps=23)
+    eight = efficiency_config("switch", "185m", devices=8, steps=23)
+    one = efficiency_config("dirmoe", "185m", devices=1, steps=23)
     assert eight.data.global_batch_size == 512 and eight.data.micro_batch_size == 16 and eight.seq_length == 1024
     assert eight.data.num_microbatches(8) == 4 and one.data.num_microbatches(1) == 4
     assert one.data.global_batch_size == 64
@@ -176,10 +176,10 @@ def test_the_papers_batch_on_eight_gpus_and_its_per_gpu_work_on_one():
         assert config.schedule.steps == 60_000 and config.model.precision == "bf16"  # the recipe's run, stopped early
     assert one.optimizer.beta2 == 0.995  # DirMoE's declared recipe overrides are kept
     # overrides after the command's own; the global batch follows the micro-batch they set
-    custom = efficiency_overrides("switch", "llama-185m", devices=2, steps=5, overrides=["data.micro_batch_size=8"])
+    custom = efficiency_overrides("switch", "185m", devices=2, steps=5, overrides=["data.micro_batch_size=8"])
     assert custom[-1] == "data.global_batch_size=64"  # 8 x 4 x 2
     # Lory's dense start (its first 5% of steps) is off: the iterations measured are the routed model's.
-    lory = efficiency_config("lory", "llama-185m", devices=1, steps=23)
+    lory = efficiency_config("lory", "185m", devices=1, steps=23)
     assert lory.router.options["dense_fraction"] == 0 and "dense_fraction" not in one.router.options
     kept = efficiency_config("lory", "tiny", steps=5, overrides=["router.options.dense_fraction=0.1"])
     assert kept.router.options["dense_fraction"] == 0.1  # an explicit --set still wins
@@ -199,8 +199,8 @@ def _error(capsys, argv: list[str]) -> str:
         (["--gpus", "0"], "--gpus must be >= 1"),
         (["--gpus", "two"], "argument --gpus: invalid int value"),
         (["--iters", "0"], "--iters must be >= 1"),
-        (["--flavour", "huge"], "unknown flavour 'huge'; valid: llama-185m, tiny"),
-        (["--flavour", "llama-185m"], "trains in bf16, which needs a GPU"),
+        (["--flavour", "huge"], "unknown flavour 'huge'; valid: 185m, tiny"),
+        (["--flavour", "185m"], "trains in bf16, which needs a GPU"),
         (["--variant", "dirmoe"], "--variant expects LABEL=ROUTER"),
         (["--variant", "x=nope"], "unknown router 'nope'"),
         (["--variant", "switch=dirmoe", "--router", "switch"], "run label(s) given twice: switch"),
@@ -214,7 +214,7 @@ def _error(capsys, argv: list[str]) -> str:
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys, tmp_path):
-    if torch.cuda.is_available() and "llama-185m" in argv:
+    if torch.cuda.is_available() and "185m" in argv:
         pytest.skip("bf16 is available on a GPU")
     out = tmp_path / "out"
     assert message in _error(capsys, [*argv, "--out", str(out)])

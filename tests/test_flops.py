@@ -89,8 +89,8 @@ def test_the_flops_count_refuses_an_unknown_attention_count():
 
 def test_flops_config_from_the_model_flavours():
     flavours = pytest.importorskip("repro.flavours")
-    assert flops_config_from_flavour(flavours.get_flavour("llama-185m"), vocab_size=50257) == LLAMA_185M
-    dense = flops_config_from_flavour(flavours.get_flavour("llama-185m").dense(), vocab_size=50257)
+    assert flops_config_from_flavour(flavours.get_flavour("185m"), vocab_size=50257) == LLAMA_185M
+    dense = flops_config_from_flavour(flavours.get_flavour("185m").dense(), vocab_size=50257)
     assert dense.top_k == 1 and dense.ffn_hidden_size == 3072
-    full = flops_config_from_flavour(flavours.get_flavour("llama-185m"), vocab_size=50257, attention="full")
+    full = flops_config_from_flavour(flavours.get_flavour("185m"), vocab_size=50257, attention="full")
     assert full == dataclasses.replace(LLAMA_185M, attention="full")

@@ -70,7 +70,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore::FutureWarning"),
 ]
 
-FLAVOUR = "llama-185m"
+FLAVOUR = "185m"
 SEQ, BATCH = 1024, 2
 VOCAB = 50257  # GPT-2 BPE, padded to 50304 in the model
 #: Training checks: optimizer steps on one repeated batch, at a learning rate below the recipe's 1e-3 peak

@@ -148,7 +148,7 @@ def test_llama_185m_with_cce_matches_megatrons_loss(monkeypatch):
     mask = causal_attention_mask(SEQ, "cuda")
     losses = {}
     for impl in ("none", "cce"):
-        model = build_model("llama-185m", "switch", vocab_size=VOCAB, seed=3, fused_cross_entropy=impl)
+        model = build_model("185m", "switch", vocab_size=VOCAB, seed=3, fused_cross_entropy=impl)
         assert isinstance(model, FusedLossGPTModel) == (impl == "cce")
         with token_ids_context(model, ids):
             loss = model(ids, pos, mask, labels=labels)

@@ -107,19 +107,21 @@ def spy_router():
 
 # --------------------------------------------------------------------------------- flavours
 def test_flavour_table_and_lookup():
-    assert {"tiny", "tiny-dense", "llama-185m", "llama-185m-dense"} <= set(available_flavours())
+    assert {"tiny", "tiny-dense", "185m", "185m-dense"} <= set(available_flavours())
     t = get_flavour("tiny")
     assert (t.num_layers, t.hidden_size, t.num_attention_heads, t.num_query_groups) == (2, 128, 4, 2)
     assert (t.ffn_hidden_size, t.num_experts, t.top_k, t.seq_length, t.vocab_size) == (256, 8, 1, 128, None)
-    m = get_flavour("llama-185m")
+    m = get_flavour("185m")
     assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels) == (12, 768, 12, 4, 64)
     assert (m.ffn_hidden_size, m.num_experts, m.top_k, m.seq_length) == (3072, 8, 1, 1024)
     assert (m.rotary_base, m.init_method_std, m.padded_vocab_size()) == (1_000_000, 0.01, 50304)
-    d = get_flavour("llama-185m-dense")
+    d = get_flavour("185m-dense")
     assert not d.is_moe and d.ffn_hidden_size == 3072 and d.num_layers == 12
     assert not get_flavour("tiny-dense").is_moe
-    with pytest.raises(ValueError, match="available: .*llama-185m"):
+    with pytest.raises(ValueError, match="available: .*185m"):
         get_flavour("llama-7b")
+    # A flavour's experiments carry its name (dirmoe-185m); a run written under the earlier name still loads.
+    assert get_flavour("llama-185m") == m and get_flavour("llama-185m-dense") == d
     over = get_flavour("tiny", num_experts=16, top_k=2, seq_length=64, vocab_size=300)
     assert (over.num_experts, over.top_k, over.seq_length, over.padded_vocab_size()) == (16, 2, 64, 384)
     assert dataclasses.replace(t, top_k=2).top_k == 2
@@ -130,17 +132,17 @@ def test_flavour_table_and_lookup():
 
 
 def test_llama_185m_transformer_config():
-    cfg = transformer_config("llama-185m", "switch", bf16=False, backend="local")
+    cfg = transformer_config("185m", "switch", bf16=False, backend="local")
     assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.num_query_groups) == (12, 768, 12, 4)
     assert (cfg.ffn_hidden_size, cfg.moe_ffn_hidden_size, cfg.num_moe_experts, cfg.moe_router_topk) == (3072, 3072, 8, 1)
     assert cfg.normalization == "RMSNorm" and cfg.gated_linear_unit and cfg.activation_func is F.silu
     assert not cfg.add_bias_linear and not cfg.add_qkv_bias
     assert cfg.hidden_dropout == 0.0 and cfg.attention_dropout == 0.0 and cfg.init_method_std == 0.01
     assert cfg.moe_router_dtype == "fp32" and cfg.moe_aux_loss_coeff == 0.0  # our routers bring their own
-    mega = transformer_config("llama-185m", MEGATRON_ROUTER, {"aux_loss_coeff": 1e-3})
+    mega = transformer_config("185m", MEGATRON_ROUTER, {"aux_loss_coeff": 1e-3})
     assert mega.moe_router_load_balancing_type == "aux_loss" and mega.moe_aux_loss_coeff == 1e-3
     with pytest.raises(ValueError, match="valid: aux_loss_coeff"):
-        transformer_config("llama-185m", MEGATRON_ROUTER, {"alpha": 1})
+        transformer_config("185m", MEGATRON_ROUTER, {"alpha": 1})
 
 
 def test_tiny_parameter_count_matches_the_architecture():

@@ -81,8 +81,8 @@ def _record(run_id, router, active=(1.0, 1.0), scores=None, model="tiny", device
 
 def test_a_routers_published_rows_follow_its_last_run_once():
     """Variants of one router (here Switch on two backends) share its paper rows: shown once, after them."""
-    records = [_record("switch", "switch", model="llama-185m"), _record("switch-local", "switch", model="llama-185m"),
-               _record("dirmoe", "dirmoe", model="llama-185m")]
+    records = [_record("switch", "switch", model="185m"), _record("switch-local", "switch", model="185m"),
+               _record("dirmoe", "dirmoe", model="185m")]
     labels = [row[0] for row in efficiency_table(records, ledger=load_ledger()).rows]
     published = [label for label in labels if label.startswith("switch [")]
     assert published and len(published) == len(set(published))
@@ -298,7 +298,7 @@ PAPER_SCORES = {  # DirMoE row of the DirMoE paper's Table 2, as fractions (acc_
 
 
 def test_zero_shot_table_with_published_rows_and_deltas():
-    record = _record("full-dirmoe", "dirmoe", scores=PAPER_SCORES, model="llama-185m")
+    record = _record("full-dirmoe", "dirmoe", scores=PAPER_SCORES, model="185m")
     table = zero_shot_table([record], ledger=load_ledger())
     assert table.headers == ("Router", "ARC-c", "ARC-e", "BoolQ", "HellaSwag", "LAMBADA", "PIQA", "RACE", "Avg.")
     assert table.rows == (
@@ -325,7 +325,7 @@ def test_tables_command_writes_every_format(tmp_path, capsys):
 # ---------------------------------------------------------------------------------------------- checks
 
 def test_check_against_published_passes_then_fails_when_nudged(tmp_path, capsys):
-    good = _record("full-dirmoe", "dirmoe", scores=PAPER_SCORES, model="llama-185m")
+    good = _record("full-dirmoe", "dirmoe", scores=PAPER_SCORES, model="185m")
     report = check_against_published(good, load_ledger())
     assert report.passed and report.compared == 8  # 7 tasks + avg; the H100 efficiency rows are skipped on CPU
     assert {r.metric for r in report.rows if r.status == "skipped"} == {
@@ -336,7 +336,7 @@ def test_check_against_published_passes_then_fails_when_nudged(tmp_path, capsys)
     assert "PASS: 8 compared, 0 outside tolerance" in capsys.readouterr().out
 
     nudged = dict(PAPER_SCORES, boolq=(0.6152 + 0.0151, None))  # 1.51 points, tolerance 1.5
-    write_record(_record("full-dirmoe", "dirmoe", scores=nudged, model="llama-185m"), tmp_path / "bad" / "record.json")
+    write_record(_record("full-dirmoe", "dirmoe", scores=nudged, model="185m"), tmp_path / "bad" / "record.json")
     assert repro_main(["report", "check", str(tmp_path / "bad"), "--against", "published"]) == 1
     out = capsys.readouterr().out
     assert "| zero_shot.boolq" in out and "FAIL" in out
@@ -347,7 +347,7 @@ def test_check_against_published_passes_then_fails_when_nudged(tmp_path, capsys)
 
 
 def test_check_efficiency_on_matching_hardware():
-    record = _record("h100-switch", "switch", model="llama-185m", device="NVIDIA H100 80GB HBM3")
+    record = _record("h100-switch", "switch", model="185m", device="NVIDIA H100 80GB HBM3")
     report = check_against_published(record, load_ledger(), paper="DirMoE")
     rows = {r.metric: r for r in report.rows}
     # the fixture's CPU-sized numbers are far from the paper's: compared (same accelerator) and failed
@@ -404,11 +404,11 @@ def test_ledger_loads_with_provenance():
         ("Table 2", False, 38.79), ("Table 2 (tab:zero_shot)", True, 38.79)
     ]
     spot = {(e.router, e.metric, e.source, e.setting.model_id): e.value for e in entries}
-    assert spot[("dirmoe", "efficiency.iter_time_ms", "DirMoE Table 1", "llama-185m")] == 437.3
-    assert spot[("remoe", "efficiency.tflops_per_device", "ReMoE Table 7", "llama-185m")] == 105.38
+    assert spot[("dirmoe", "efficiency.iter_time_ms", "DirMoE Table 1", "185m")] == 437.3
+    assert spot[("remoe", "efficiency.tflops_per_device", "ReMoE Table 7", "185m")] == 105.38
     assert spot[("switch", "efficiency.tflops_per_device", "ReMoE Table 7", "llama-978m")] == 160.46
-    assert spot[("switch", "loss.validation", "ReMoE Table 2", "llama-185m")] == 1.936
-    assert spot[("switch", "zero_shot.avg", "DirMoE Table 2", "llama-185m")] == 39.47
+    assert spot[("switch", "loss.validation", "ReMoE Table 2", "185m")] == 1.936
+    assert spot[("switch", "zero_shot.avg", "DirMoE Table 2", "185m")] == 39.47
 
 
 def test_invalid_ledger_entry_is_refused(tmp_path):
@@ -551,7 +551,7 @@ def test_seed_table_per_question_tests_and_refusals():
     with pytest.raises(ReproError, match="have the same seed 1"):
         compare_over_seeds(records + [_record("q-switch-again", "switch", scores={"minipile_continuation": (0.2, 0.2)})])
     with pytest.raises(ReproError, match="several models"):
-        compare_over_seeds(records + [_record("big", "switch", seed=2, model="llama-185m", scores={"piqa": (0.5, 0.5)})])
+        compare_over_seeds(records + [_record("big", "switch", seed=2, model="185m", scores={"piqa": (0.5, 0.5)})])
 
 
 def test_tables_command_over_seeds(tmp_path, capsys):

@@ -22,7 +22,7 @@ def tiny_sweep(monkeypatch):
     monkeypatch.setattr(studies, "SWEEPS", dict(studies.SWEEPS))
     return register(Sweep("tiny-k", "Switch at k = 1, 2 (four steps)", "model.top_k", (1, 2), "k", ("switch",),
                           overrides=("schedule.steps=4", "validation.interval=0", "checkpoint.interval=0"),
-                          scale="tiny", gpus=0))
+                          flavour="tiny", gpus=0))
 
 
 def test_a_registered_study_is_listed_and_a_name_is_taken_once(tiny_sweep, capsys):

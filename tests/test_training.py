@@ -487,8 +487,10 @@ def test_experiments_derive_from_the_router_registry():
     for router in experiment_routers():
         assert {f"{router}-tiny", f"{router}-185m"} <= names
     for name in names:
-        assert get_experiment(name).name == name
-    # a router's declared recipe overrides, applied at their scale only
+        config = get_experiment(name)
+        # one word for a model size: an experiment's suffix is its model's flavour (dense: the flavour's twin)
+        assert config.name == name and config.model.flavour.removesuffix("-dense") == name.rpartition("-")[2]
+    # a router's declared recipe overrides, applied at their flavour only
     lory = get_experiment("lory-tiny")
     assert lory.router.options == {"segment_len": 32} and lory.data.similarity_batching
     assert get_experiment("lory-185m").router.options == {} and get_experiment("lory-185m").data.similarity_batching

@@ -58,8 +58,8 @@ class Setting:
     """The experimental setting a published number was measured in (fields: results/published/README.md).
 
     Args:
-        model_id: this suite's model flavour for the same architecture (``"llama-185m"``,
-            ``"llama-185m-dense"``); a run is compared with an entry only when its ``experiment.model`` equals it.
+        model_id: this suite's model flavour for the same architecture (``"185m"``,
+            ``"185m-dense"``); a run is compared with an entry only when its ``experiment.model`` equals it.
         hardware: accelerator (None when the paper does not tie the number to one); efficiency entries are
             compared only with runs on a device whose name contains this string's model (e.g. ``H100``).
     """

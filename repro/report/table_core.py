@@ -33,7 +33,7 @@ PLUS_MINUS = "±"
 SIGNIFICANT = "*"
 #: Marks a zero-shot cell scored on part of the task's documents (lm-eval's ``limit``).
 PARTIAL = "†"
-#: The suffix of a model's dense counterpart (``tiny-dense``, ``llama-185m-dense``: repro.flavours).
+#: The suffix of a model's dense counterpart (``tiny-dense``, ``185m-dense``: repro.flavours).
 DENSE_SUFFIX = "-dense"
 
 

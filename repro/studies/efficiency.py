@@ -1,7 +1,7 @@
 """``python -m repro study efficiency``: iteration time and TFLOP/s per device of every router and dense, on 1..N GPUs.
 
 For each requested run (default: every router with experiments but megatron's own TopKRouter, then dense) it
-trains the first iterations of the ``<router>-<scale>`` experiment on synthetic tokens, one run after another
+trains the first iterations of the ``<router>-<flavour>`` experiment on synthetic tokens, one run after another
 (:func:`repro.studies.engine.train_command`, torchrun for ``--gpus N``), and reports the median iteration time, tokens/s
 and TFLOP/s per device (:mod:`repro.records.flops`). ``--out`` gets ``runs/<run>/`` (config, log, record), the
 efficiency table (``efficiency.md|csv|tex``) and ``summary.json``; what is timed, commands and examples:
@@ -53,10 +53,8 @@ from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
 from repro.studies.engine import Run, Study, check_out_dir, claim, run_study
 
-#: Flavours this command measures -> the experiment scale (``repro.experiments.RECIPES``) they come from.
-FLAVOUR_SCALES: dict[str, str] = {"llama-185m": "185m", "tiny": "tiny"}
-#: Devices the recipe's global batch is spread over in its source: the papers' ~8 GPUs for 185m (default 2),
-#: the mini comparison's one CPU process for tiny.
+#: The flavours this command measures -> the devices their recipe's global batch is spread over in its source:
+#: the papers' ~8 GPUs for 185m (default 2), the mini comparison's one CPU process for tiny.
 REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
 #: GPT-2 BPE's vocabulary (the papers' tokenizer).
 GPT2_VOCAB = 50257
@@ -138,11 +136,6 @@ class EfficiencyPlan:
             raise ValueError(f"runs are interleaved in one process on one device, not {self.devices}: use --separate")
 
     @property
-    def scale(self) -> str:
-        """The experiment scale of the flavour."""
-        return FLAVOUR_SCALES[self.flavour]
-
-    @property
     def steps_run(self) -> int:
         """Iterations each run trains: warm-up, measured, and one more whose routers compute their metrics
         (the routing figures; it is not timed, like the first)."""
@@ -162,7 +155,7 @@ class EfficiencyPlan:
             spec.router, self.flavour, global_batch_size=global_batch, overrides=(*self.overrides, *spec.overrides),
             **kwargs,
         )
-        return Run(spec.label, f"{spec.router}-{self.scale}", tuple(overrides))
+        return Run(spec.label, f"{spec.router}-{self.flavour}", tuple(overrides))
 
     def config(self, spec: RunSpec):
         """The run's :class:`~repro.config.RunConfig` (:meth:`run`)."""
@@ -185,8 +178,8 @@ def default_accumulation(flavour: str) -> int:
     """Micro-batches per device that keep the recipe's per-device work (module docstring, default 2)."""
     from repro.experiments import build_experiment
 
-    recipe = build_experiment("switch", FLAVOUR_SCALES[flavour]).data
-    per_device = recipe.global_batch_size // REFERENCE_DEVICES[FLAVOUR_SCALES[flavour]]
+    recipe = build_experiment("switch", flavour).data
+    per_device = recipe.global_batch_size // REFERENCE_DEVICES[flavour]
     return max(1, per_device // recipe.micro_batch_size)
 
 
@@ -195,15 +188,15 @@ def efficiency_overrides(
     vocab_size: int = GPT2_VOCAB, micro_batch_size: int | None = None, global_batch_size: int | None = None,
     overrides: tuple[str, ...] | list[str] = (), init_from: str = "",
 ) -> list[str]:
-    """The dot-list that turns the ``<router>-<scale>`` experiment into its efficiency run: synthetic tokens,
+    """The dot-list that turns the ``<router>-<flavour>`` experiment into its efficiency run: synthetic tokens,
     the per-device batch of the module docstring, no checkpoints, no validation, then ``overrides``.
 
-    ``python -m repro train --experiment <router>-<scale> --set ...`` with this list builds the same config
+    ``python -m repro train --experiment <router>-<flavour> --set ...`` with this list builds the same config
     as :func:`efficiency_config` (that is how each run is started).
 
     Args:
         router: a router with experiments (``repro.experiments.experiment_routers()``) or ``dense``.
-        flavour: ``llama-185m`` or ``tiny``.
+        flavour: ``185m`` or ``tiny``.
         devices: processes sharing an iteration (data-parallel size times ``parallel.tp``).
         accumulation: micro-batches per device and iteration (None: :func:`default_accumulation`).
         steps: iterations the run will be stopped after (the schedule keeps the recipe's length when longer).
@@ -222,9 +215,9 @@ def efficiency_overrides(
     from repro.config import apply_overrides
     from repro.experiments import build_experiment
 
-    if flavour not in FLAVOUR_SCALES:
-        raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(FLAVOUR_SCALES)}")
-    base = build_experiment(router, FLAVOUR_SCALES[flavour])
+    if flavour not in REFERENCE_DEVICES:
+        raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(REFERENCE_DEVICES)}")
+    base = build_experiment(router, flavour)
     own = [
         "data.source=synthetic", f"data.vocab_size={vocab_size}", "data.synthetic_samples=0",
         f"data.micro_batch_size={micro_batch_size or base.data.micro_batch_size}",
@@ -280,7 +273,7 @@ def efficiency_config(router: str, flavour: str, **kwargs: Any):
     from repro.experiments import build_experiment
 
     overrides = efficiency_overrides(router, flavour, **kwargs)
-    return apply_overrides(build_experiment(router, FLAVOUR_SCALES[flavour]), overrides)
+    return apply_overrides(build_experiment(router, flavour), overrides)
 
 
 # ------------------------------------------------------------------------------------------ records
@@ -393,13 +386,13 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ROUTER[,KEY=VALUE...]",
                    help="an extra run of ROUTER with its own overrides, e.g. "
                    "dirmoe-eager=dirmoe,router.options.compile_elementwise=never (repeatable)")
-    p.add_argument("--flavour", default=None, help="llama-185m or tiny (default: llama-185m with a GPU, tiny without)")
+    p.add_argument("--flavour", default=None, help="185m or tiny (default: 185m with a GPU, tiny without)")
     p.add_argument("--gpus", type=int, default=1,
                    help="processes per iteration, one per GPU (gloo processes on CPU); N > 1 runs torchrun")
     p.add_argument("--warmup", type=int, default=DEFAULT_WARMUP, help="iterations left out of the statistics")
-    p.add_argument("--iters", type=int, default=None, help="iterations measured (default 20 for llama-185m, 10 for tiny)")
+    p.add_argument("--iters", type=int, default=None, help="iterations measured (default 20 for 185m, 10 for tiny)")
     p.add_argument("--accumulation", type=int, default=None,
-                   help="micro-batches per device and iteration (default: the papers' per-GPU work, 4 for llama-185m)")
+                   help="micro-batches per device and iteration (default: the papers' per-GPU work, 4 for 185m)")
     p.add_argument("--global-batch", type=int, default=None, help="sequences per iteration instead of --accumulation")
     p.add_argument("--micro-batch", type=int, default=None, help="sequences per micro-batch (default: the recipe's)")
     p.add_argument("--vocab-size", type=int, default=GPT2_VOCAB, help="vocabulary of the synthetic tokens")
@@ -433,9 +426,9 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
             raise ReproError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
     if on_gpu and args.gpus > torch.cuda.device_count():
         raise ReproError(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
-    flavour = args.flavour or ("llama-185m" if on_gpu else "tiny")
-    if flavour not in FLAVOUR_SCALES:
-        raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(FLAVOUR_SCALES)}")
+    flavour = args.flavour or ("185m" if on_gpu else "tiny")
+    if flavour not in REFERENCE_DEVICES:
+        raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(REFERENCE_DEVICES)}")
     if args.accumulation is not None and args.global_batch is not None:
         raise ReproError("give --accumulation or --global-batch, not both")
     if args.router.strip() == "all":
@@ -455,7 +448,7 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
         plan = EfficiencyPlan(
             runs=tuple(runs), flavour=flavour, devices=args.gpus,
             accumulation=args.accumulation or default_accumulation(flavour),
-            warmup=args.warmup, iters=args.iters or DEFAULT_ITERS[FLAVOUR_SCALES[flavour]], vocab_size=args.vocab_size,
+            warmup=args.warmup, iters=args.iters or DEFAULT_ITERS[flavour], vocab_size=args.vocab_size,
             overrides=tuple(args.set), out_dir=args.out or f"runs/efficiency-{flavour}-{args.gpus}dev",
             published=args.published, formats=formats, micro_batch_size=args.micro_batch,
             global_batch_size=args.global_batch, flops_attention=args.flops_attention,

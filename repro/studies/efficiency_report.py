@@ -108,7 +108,7 @@ def _command_table(plan: Any, records: list, summary: dict[str, Any], ledger=Non
     if not any(r.init_from for r in plan.runs):
         extra += ", from initialisation (the recipe's first iterations)"
     extra += "."
-    if ledger is not None and plan.flavour == "llama-185m":
+    if ledger is not None and plan.flavour == "185m":
         extra += " The papers' rows: 512 x 1024 tokens per iteration on 8 GPUs (64 sequences per GPU)."
     return dataclasses.replace(table, caption=table.caption + extra)
 

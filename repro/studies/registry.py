@@ -22,17 +22,17 @@ from repro.studies.engine import Run, Study, run_study
 
 @dataclass(frozen=True)
 class Sweep:
-    """A study given as a grid: each router's experiment at ``scale`` for each value of one setting.
+    """A study given as a grid: each router's experiment of ``flavour`` for each value of one setting.
 
     Args:
         name: ``python -m repro study NAME``.
         help: one line for ``--list``.
         key: the dot-list key swept (``model.top_k``; "": none, one run per router); values: its values.
-        tag: run ids are ``<router>-<tag><value>`` (``<router>-<scale>`` without a key) under
+        tag: run ids are ``<router>-<tag><value>`` (``<router>-<flavour>`` without a key) under
             ``<--out>/<folder>`` (folder: default the name).
         routers: the routers run by default (``--router``).
         overrides: set on every run (before ``--set``).
-        scale: the experiments' scale (``185m``, ``tiny``).
+        flavour: the experiments' model flavour (``185m``, ``tiny``).
         gpus: default processes per run (0: CPU lanes).
         evaluate: zero-shot lm-eval on The Pile's seven tasks after each run.
     """
@@ -44,7 +44,7 @@ class Sweep:
     tag: str
     routers: tuple[str, ...] = ("dirmoe",)
     overrides: tuple[str, ...] = ("schedule.steps=10000",)
-    scale: str = "185m"
+    flavour: str = "185m"
     gpus: int = 8
     evaluate: bool = False
     folder: str = ""
@@ -154,9 +154,9 @@ def sweep_study(sweep: Sweep, args: argparse.Namespace) -> Study:
     for value in values:
         for router in routers:
             text = format(value, "g") if isinstance(value, float) else str(value)
-            run_id = f"{router}-{sweep.tag}{text}" if sweep.key else f"{router}-{sweep.scale}"
+            run_id = f"{router}-{sweep.tag}{text}" if sweep.key else f"{router}-{sweep.flavour}"
             sets = [*data, *([f"{sweep.key}={value}"] if sweep.key else []), *sweep.overrides, *args.set]
-            runs.append(Run(run_id, f"{router}-{sweep.scale}", tuple(sets)))
+            runs.append(Run(run_id, f"{router}-{sweep.flavour}", tuple(sets)))
     gpus = sweep.gpus if args.gpus is None else args.gpus
     try:
         launch = Launch(args.nodes, gpus, args.rdzv_endpoint, args.rdzv_id or "dirmoe-bench") if gpus else None
@@ -186,7 +186,7 @@ def main(argv: list[str], prog: str = "python -m repro study") -> int:
     p = argparse.ArgumentParser(prog=f"{prog} {name}", description=sweep.help)
     p.add_argument("--router", default="", help=f"comma-separated routers, or all (default {','.join(sweep.routers)})")
     p.add_argument("--values", default="", help=f"comma-separated values of {sweep.key or 'the sweep'} (default all)")
-    p.add_argument("--data", default="", required=sweep.scale != "tiny",
+    p.add_argument("--data", default="", required=sweep.flavour != "tiny",
                    help="indexed-dataset prefix(es) of tokenized Pile shards, comma-separated")
     p.add_argument("--tokenizer", default="", help="directory with GPT-2 vocab.json and merges.txt (default: beside the data)")
     p.add_argument("--gpus", type=int, default=None, help=f"processes per node per run (0: CPU lanes; default {sweep.gpus})")
