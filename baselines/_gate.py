@@ -14,13 +14,9 @@ from routers.base import Router, RouterConfig
 
 
 class GatedRouter(Router):
-    """A router with a linear gate: ``weight`` ``[E, D]``, bias-free, float32, drawn from N(0, init_std^2) with
-    its config's ``init_std`` option.
-
-    ``[E, D]`` is megatron-core's ``Router.weight`` layout, so a state dict (or a test) copies weights between
-    this gate and megatron-core's TopKRouter unchanged. The baselines' default std, 0.01, is the reproduction
-    models' ``init_method_std`` (ReMoE's scripts).
-    """
+    """A router with a bias-free float32 linear gate ``weight`` ``[E, D]`` ~ N(0, init_std^2), megatron-core's
+    ``Router.weight`` layout (weights copy to and from TopKRouter unchanged). Default std 0.01: the models'
+    ``init_method_std`` (ReMoE's scripts)."""
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)
@@ -28,12 +24,7 @@ class GatedRouter(Router):
         nn.init.normal_(self.weight, mean=0.0, std=config.init_std)
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """``[T, E]`` logits ``hidden @ weight^T`` in float32.
-
-        Both operands are cast to float32 and autocast is off around the product, so the router maths stays in
-        float32 under bf16 training (megatron-core's ``moe_router_dtype='fp32'`` computes the same
-        ``torch.mm(inp.float(), weight.float().t())``).
-        """
+        """``[T, E]`` ``hidden @ weight^T`` in float32, even under autocast (megatron's ``moe_router_dtype='fp32'``)."""
         with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
             return torch.mm(hidden_TD.float(), self.weight.float().t())
 

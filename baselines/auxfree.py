@@ -2,16 +2,13 @@
 
 References:
     Wang, Gao, Zhao, Sun, Dai, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"
-    (arXiv:2408.15664, 2024): a bias b_i added to the gating scores for the top-k choice only, updated after
-    every step by ``b_i <- b_i + u * sign(mean_j c_j - c_i)`` (c_i: tokens routed to expert i in the step),
-    u = 1e-3, no auxiliary loss.
-    DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437), section 2.1.2: the same bias with sigmoid
-    affinities, the top-k affinities normalised to sum to one, and a complementary sequence-wise balance
-    loss with a tiny coefficient (alpha = 1e-4).
-    Code: megatron-core 0.16.1 ``TopKRouter`` with ``moe_router_score_function="sigmoid"``,
-    ``moe_router_enable_expert_bias=True``, ``moe_router_bias_update_rate``,
-    ``moe_router_topk_scaling_factor`` (``router.py``; ``get_updated_expert_bias`` in ``moe_utils.py``, called
-    from ``distributed/finalize_model_grads.py``), whose routing function this router calls.
+    (arXiv:2408.15664, 2024): a bias b_i on the gating scores for the top-k choice only, after every step
+    ``b_i <- b_i + u * sign(mean_j c_j - c_i)`` (c_i: the step's tokens to expert i), u = 1e-3, no aux loss.
+    DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437), Sec. 2.1.2: the same bias with sigmoid
+    affinities, the top-k normalised to sum to one, and a sequence-wise balance loss (alpha = 1e-4).
+    Code: megatron-core 0.16.1 ``TopKRouter`` (``router.py``) with ``moe_router_score_function="sigmoid"``,
+    ``moe_router_enable_expert_bias``, ``moe_router_bias_update_rate``, ``moe_router_topk_scaling_factor``;
+    ``get_updated_expert_bias`` (``moe_utils.py``, called from ``finalize_model_grads.py``).
 
 Shape legend: T tokens, D hidden size, E experts, S sequence length, B sequences (see :mod:`routers.base`).
 """
@@ -38,12 +35,10 @@ class AuxFreeConfig(RouterConfig):
     """Options of the aux-loss-free router; each maps to one megatron-core ``TransformerConfig`` field."""
 
     bias_update_rate: float = 1e-3  # u of the bias update (moe_router_bias_update_rate; both papers: 1e-3)
-    # A constant multiplying the combine weights (moe_router_topk_scaling_factor; DeepSeek-V3's 2.5 goes with
-    # its 8 of 256 experts). None: no scaling, as Wang et al.
+    # moe_router_topk_scaling_factor (DeepSeek-V3's 2.5 suits 8 of 256 experts); None: unscaled, as Wang et al.
     topk_scaling_factor: float | None = None
-    # alpha of DeepSeek-V3's complementary sequence-wise balance loss (megatron's seq_aux_loss with
-    # moe_aux_loss_coeff). Default 0: the method as Wang et al. define it, without any balance gradient, so the
-    # comparison isolates what the bias does; DeepSeek-V3 sets 1e-4.
+    # alpha of DeepSeek-V3's sequence-wise balance loss (megatron's seq_aux_loss); 0: Wang et al.'s method, no
+    # balance gradient, so the comparison isolates the bias; DeepSeek-V3 sets 1e-4.
     seq_aux_loss_coeff: float = 0.0
     init_std: float = 0.01
 
@@ -60,20 +55,11 @@ class AuxFreeConfig(RouterConfig):
 class AuxFreeRouter(GatedRouter):
     """Sigmoid top-k routing balanced by a per-expert bias outside the gradient (DeepSeek-V3; Wang et al. 2024).
 
-    ``s = sigmoid(W h)``; the k experts with the largest ``s + b`` receive the token, with combine weights from
-    ``s`` alone: normalised over the k chosen for k > 1, ``s`` itself for k = 1 (a normalised single weight
-    would be 1 and pass no gradient to the gate), times ``topk_scaling_factor`` when set. This is
-    megatron-core's ``topk_routing_with_score_function`` with ``score_function="sigmoid"`` and
-    ``expert_bias=b``, called here.
-
-    The bias ``b`` (persistent float32 buffer ``expert_bias``, so checkpoints carry it) moves once per
-    optimizer step by ``b <- b + u * sign(mean(c) - c)`` (megatron's ``get_updated_expert_bias``), c the
-    step's routing counts of the training forwards with grad, summed over the data-parallel ranks
-    (``routers.end_step``). megatron-core applies the update in ``finalize_model_grads``, before the optimizer
-    step; the bias plays no part in the gradients, so updating after it gives the same values.
-
-    Aux loss: ``seq_load_balancing_loss`` (when its coefficient is > 0; ``seq_shape`` gives the sequences,
-    ``None`` one sequence of T tokens). Metric: ``expert_bias`` ``[E]``.
+    ``s = sigmoid(W h)``; the k largest ``s + b`` get the token, weighted by ``s`` normalised over the k (raw at
+    k = 1: a normalised single weight is 1, no gradient), times ``topk_scaling_factor`` if set. The bias
+    (float32 buffer ``expert_bias``) moves after each optimizer step (:meth:`end_step`); megatron-core updates it
+    before the step, which gives the same values since b is outside the gradients. Aux loss:
+    ``seq_load_balancing_loss`` (coefficient > 0). Metric: ``expert_bias`` ``[E]``.
     """
 
     Config = AuxFreeConfig
@@ -83,7 +69,7 @@ class AuxFreeRouter(GatedRouter):
     def __init__(self, config: AuxFreeConfig) -> None:
         super().__init__(config)
         self.register_buffer("expert_bias", torch.zeros(config.num_experts, dtype=torch.float32))
-        # The step's routing counts: reset by end_step, so a checkpoint taken between steps needs none.
+        # The step's counts: reset by end_step, so checkpoints between steps need none.
         self.register_buffer("tokens_per_expert", torch.zeros(config.num_experts, dtype=torch.float32), persistent=False)
 
     @property
@@ -107,7 +93,7 @@ class AuxFreeRouter(GatedRouter):
         if with_grad and cfg.seq_aux_loss_coeff > 0:
             aux_losses["seq_load_balancing_loss"] = self._seq_aux_loss(logits_TE, seq_shape or (T, 1))
         if with_grad:
-            # Only training forwards with grad count (megatron: not evaluation, not a recomputation's first pass).
+            # Training forwards with grad only (megatron: not evaluation, not a recomputation's first pass).
             with torch.no_grad():
                 self.tokens_per_expert += routing_map_TE.sum(0)
 
@@ -118,8 +104,8 @@ class AuxFreeRouter(GatedRouter):
         return RouterOutput(probs_TE.float(), routing_map_TE, aux_losses, metrics)
 
     def _seq_aux_loss(self, logits_TE: torch.Tensor, seq_shape: tuple[int, int]) -> torch.Tensor:
-        """DeepSeek-V3's sequence-wise balance loss, megatron-core's ``seq_aux_loss``: the Switch loss of each
-        sequence on the normalised (unbiased) sigmoid scores, averaged over the B sequences."""
+        """DeepSeek-V3's sequence-wise loss (megatron's ``seq_aux_loss``): each sequence's Switch loss on the
+        normalised unbiased sigmoid scores, averaged over sequences."""
         cfg = self.config
         S, B = seq_shape
         aux_map_TE, scores_TE = compute_routing_scores_for_aux_loss(logits_TE, cfg.top_k, "sigmoid")
@@ -130,16 +116,12 @@ class AuxFreeRouter(GatedRouter):
         )
         return loss / B
 
-    # ------------------------------------------------------------ step schedule
     def step_statistic(self) -> torch.Tensor | None:
-        """The ``[E]`` tokens routed to each expert by this layer's training forwards since the last step (per
-        expert: ``routers.end_step`` sums it over the data-parallel ranks for this layer alone)."""
+        """``[E]`` tokens per expert of this layer's training forwards this step (summed over ranks, per layer)."""
         return self.tokens_per_expert
 
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
-        """``b <- b + u * sign(mean(c) - c)`` with the step's ``[E]`` counts c summed over micro-batches and
-        data-parallel ranks, then reset the counts. All zero (no training forward) leaves the bias unchanged,
-        as in megatron-core."""
+        """``b <- b + u * sign(mean(c) - c)`` with this step's ``[E]`` counts c, then reset them (all zero: no-op)."""
         if global_statistic is not None:
             with torch.no_grad():
                 tokens_E = global_statistic.to(self.expert_bias.device, torch.float32)

@@ -1,47 +1,26 @@
 """Expert Choice routing: every expert picks its top-C tokens of each token group.
 
 Reference:
-    Zhou, Lei, Liu, Du, Huang, Zhao, Dai, Chen, Le, Laudon, "Mixture-of-Experts with Expert Choice
-    Routing", NeurIPS 2022 (arXiv:2202.09368). The authors' code is Google's flaxformer
-    (``flaxformer/architectures/moe/routing.py``, ``ExpertsChooseMaskedRouter``, which warns that the
-    routing is not causal; ``moe_layers.py``, ``MoeLayer``, which cuts the tokens into groups, sets the
-    capacity per group and has separate train and eval capacity factors; the router z-loss is
-    ``routing.py``'s ``_router_z_loss``, the ST-MoE loss ``mean_t logsumexp(logits_t)^2``).
+    Zhou, Lei, Liu, Du, Huang, Zhao, Dai, Chen, Le, Laudon, "Mixture-of-Experts with Expert Choice Routing",
+    NeurIPS 2022 (arXiv:2202.09368). Authors' code: flaxformer ``routing.py`` (``ExpertsChooseMaskedRouter``,
+    which warns it is not causal; ``_router_z_loss``) and ``moe_layers.py`` (``MoeLayer``: token groups,
+    per-group capacity, train and eval capacity factors).
 
-Options and how they relate to the reference. The group and capacity rules follow one of two references
-(``reference``):
+The group and capacity rules follow one of two references (``reference``):
 
-==================  =======================================  ==========================================
-``reference``       ``"megatron"`` (default)                  ``"flaxformer"``
-capacity per group  ``C = min(g, ceil((g * k / E) * (c / k)))`` ``C = max(round(c * g / E), 4)``, capped
-                    (megatron-core's ``get_capacity``         at g (flaxformer ``moe_layers.MoeLayer``:
-                    expression and operation order, as        ``int(round(capacity_factor *
-                    everywhere in the suite)                  tokens_per_group / num_experts))``, then
-                                                              ``max(., min_expert_capacity=4)``; Python's
-                                                              round, half to even)
-number of groups    the smallest n >= T / G that divides T    flaxformer's ``_num_groups`` (one replica):
-                                                              the smallest n >= max(T // G, E) that
-                                                              divides T and is a multiple of E (or T)
-==================  =======================================  ==========================================
+* ``"megatron"`` (default): ``C = min(g, ceil((g * k / E) * (c / k)))`` (megatron-core's ``get_capacity``, same
+  operation order); groups: the smallest n >= T / G that divides T.
+* ``"flaxformer"``: ``C = max(round(c * g / E), 4)`` capped at g (``MoeLayer``; round half to even); groups:
+  ``_num_groups`` (one replica), the smallest n >= max(T // G, E) dividing T and a multiple of E (or T).
 
-Why megatron's stays the default: the suite's other capacity routers use megatron-core's expression, and
-the two agree wherever the comparisons run (one group per micro-batch, E divides g * c: the 185M runs,
-g = 16384, E = 8, c = 1; the tiny runs, g = 512); flaxformer's group count always cuts a micro-batch
-into at least E groups (its SPMD sharding puts groups on the expert axis), a different routing that the
-papers' numbers were not measured with on this suite's hardware layout. ``reference=flaxformer`` runs
-the authors' code's rules as they are.
+Why megatron's is the default: the suite's other capacity routers use it, and the capacities agree where the
+comparisons run (E divides g * c); flaxformer always cuts a micro-batch into at least E groups (its SPMD
+sharding puts groups on the expert axis), a different routing.
 
-1. ``group_size``: the experts choose among the tokens of a group. flaxformer reshapes the batch
-   (batch-major, so consecutive tokens of a sequence) into groups of at most ``max_group_size`` tokens
-   (its ``_num_groups``). Here ``None`` (default) is one group per micro-batch under ``megatron`` (the
-   suite's earlier behaviour and what a plain port of the paper's formula does) and a ``max_group_size``
-   of the whole micro-batch under ``flaxformer`` (which still makes E groups); ``"sequence"`` makes every
-   sequence its own group (``megatron``), or sets ``max_group_size`` to the sequence length
-   (``flaxformer``), so a token's routing no longer depends on the micro-batch size; an integer G is the
-   largest group, the number of groups then chosen by the reference's rule (table above). The group size
-   used is reported as the metric ``group_size`` (and ``num_groups``), for the efficiency table.
-2. ``eval_capacity_factor`` and ``z_loss_coeff`` are flaxformer's ``eval_capacity_factor`` and
-   ``router_z_loss``.
+1. ``group_size``: experts choose among a group's tokens, taken batch-major (as flaxformer reshapes). ``None``
+   (default): the micro-batch (``flaxformer``: as ``max_group_size``, still E groups); ``"sequence"``: each
+   sequence, so routing no longer depends on the micro-batch size; an integer G: the largest group.
+2. ``eval_capacity_factor`` and ``z_loss_coeff`` are flaxformer's ``eval_capacity_factor`` and ``router_z_loss``.
 
 Shape legend: T tokens, D hidden size, E experts, N groups, G tokens per group (see :mod:`routers.base`).
 """
@@ -61,7 +40,6 @@ from routers.registry import register_router
 
 #: ``group_size`` value that makes every sequence of the micro-batch its own group.
 SEQUENCE_GROUPS = "sequence"
-#: ``reference`` values: whose capacity and group-count rules (see the module docstring).
 EC_REFERENCES = ("megatron", "flaxformer")
 #: flaxformer ``MoeLayer.min_expert_capacity``'s default.
 FLAXFORMER_MIN_CAPACITY = 4
@@ -71,14 +49,11 @@ FLAXFORMER_MIN_CAPACITY = 4
 class ExpertChoiceConfig(RouterConfig):
     """Options of the Expert Choice router (the module docstring gives each option's reference)."""
 
-    # The paper's c, the mean number of experts per token: each expert takes C tokens of every group of g
-    # tokens, C = ceil(g * c / E) under reference="megatron". None means c = k, the compute of top-k routing,
-    # as in the paper's comparisons.
+    # c, mean experts per token; None: c = k (top-k's compute, as the paper's comparisons)
     capacity_factor: float | None = None
     eval_capacity_factor: float | None = None  # c in eval mode; None uses capacity_factor
-    # None (the whole micro-batch is one group), "sequence" (one group per sequence) or tokens per group.
-    group_size: int | str | None = None
-    z_loss_coeff: float = 0.0  # coefficient of the router z-loss coeff * mean_t logsumexp(logits_t)^2; 0: off
+    group_size: int | str | None = None  # None (the micro-batch), "sequence" or tokens per group
+    z_loss_coeff: float = 0.0  # coeff of the router z-loss coeff * mean_t logsumexp(logits_t)^2; 0: off
     init_std: float = 0.01
     reference: str = "megatron"  # whose capacity and group-count rules: "megatron" or "flaxformer"
 
@@ -109,9 +84,8 @@ class ExpertChoiceConfig(RouterConfig):
 
 
 def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", num_experts: int = 1) -> int:
-    """n, the number of groups of ``T / n`` tokens (each at most ``group_size``) the T ``num_tokens`` are cut
-    into, by the ``reference``'s rule (the module docstring's table; flaxformer's with one expert replica).
-    ``ValueError`` when flaxformer's finds none (T < E), as flaxformer raises."""
+    """n, the number of groups (of ``T / n <= group_size`` tokens) by the ``reference``'s rule (module
+    docstring); ``ValueError`` when flaxformer's finds none (T < E), as flaxformer does."""
     if reference == "flaxformer":
         n = max(num_tokens // group_size, num_experts)
         while n < num_tokens and not (num_tokens % n == 0 and n % num_experts == 0):
@@ -128,9 +102,8 @@ def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", nu
 
 
 def group_capacity(group_size: int, capacity_factor: float, num_experts: int, top_k: int, reference: str) -> int:
-    """C, the tokens every expert takes from a group of g ``group_size`` tokens at capacity factor c, by the
-    ``reference``'s rule (the module docstring's table; under megatron's, c / k * k cancels up to float
-    rounding). The cap at g, which flaxformer lacks, keeps the top-C defined."""
+    """C, the tokens every expert takes from a group of g, by the ``reference``'s rule (module docstring). The
+    cap at g, which flaxformer lacks, keeps the top-C defined."""
     if reference == "flaxformer":
         return min(group_size, max(int(round(capacity_factor * group_size / num_experts)), FLAXFORMER_MIN_CAPACITY))
     return RoutingConstraint(
@@ -142,12 +115,11 @@ def group_tokens(
     seq_shape: tuple[int, int], group_size: int | str | None, reference: str = "megatron", num_experts: int = 1,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """``[N, G]`` long: row n holds the (megatron-order, ``t = s * B + b``) indices of the tokens of group n,
-    batch-major (consecutive positions of one sequence together), grouped by the reference's rule
-    (:func:`num_groups`). Built on ``device`` directly: a host-to-device copy would synchronise."""
+    """``[N, G]`` long: row n holds group n's token indices (megatron order ``t = s * B + b``), batch-major, by
+    :func:`num_groups`. Built on ``device`` directly: a host-to-device copy would synchronise."""
     S, B = seq_shape
     T = S * B
-    # Batch-major order: sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
+    # Batch-major: sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
     batch_major_T = torch.arange(T, device=device).view(S, B).t().reshape(-1)
     if group_size is None and reference == "megatron":
         return batch_major_T[None, :]
@@ -157,13 +129,8 @@ def group_tokens(
 
 @dataclass(frozen=True)
 class ExpertChoiceConstraint(RoutingConstraint):
-    """EXPERT_CHOICE with the capacity of the router's group and capacity rules.
-
-    ``capacity(T, E)`` is the tokens each expert takes from a micro-batch of T tokens: N groups times the
-    per-group C of the reference (:func:`group_capacity`), with the groups of ``group_size``
-    (``"sequence"`` is taken as one sequence of T tokens: the constraint does not see the sequence length).
-    ``expert_capacity_factor`` is c itself (``capacity_factor`` holds c / k, megatron's form).
-    """
+    """EXPERT_CHOICE with the router's rules: ``capacity(T, E)`` is N groups times C, ``"sequence"`` taken as one
+    sequence of T tokens (no sequence length here); ``expert_capacity_factor`` is c (``capacity_factor``: c / k)."""
 
     group_size: int | str | None = None
     reference: str = "megatron"
@@ -176,23 +143,15 @@ class ExpertChoiceConstraint(RoutingConstraint):
 
 @register_router("expert_choice")
 class ExpertChoiceRouter(GatedRouter):
-    """Expert Choice routing (Zhou et al. 2022), implemented as published, per token group.
+    """Expert Choice routing (Zhou et al. 2022), as published, per token group.
 
-    ``scores = softmax(W h)`` over the experts; within every group of g tokens each expert takes the C tokens
-    with the highest score for it (:func:`group_capacity`, c the training or eval capacity factor); ``probs``
-    are the scores on that map (not renormalised, as in the paper's gating matrix). A token may be taken by 0
-    to E experts. Every expert is exactly full in every group, so there is no load-balancing loss (a z-loss is
-    optional).
+    ``scores = softmax(W h)``; in every group each expert takes its C highest-scoring tokens; ``probs`` are the
+    scores on that map, not renormalised (the paper's gating matrix). A token gets 0 to E experts; every expert
+    is exactly full, so no balancing loss. Aux loss: ``z_loss`` (optional). Metrics: ``capacity`` (C),
+    ``group_size``, ``num_groups``, ``z_loss``.
 
-    Causal leakage, stated plainly: the experts choose among all tokens of a group, so in a causal decoder
-    a token's routing depends on the other tokens of its group, later tokens of its own sequence included
-    (the reference code warns of exactly this). With the default group (the micro-batch) it also depends
-    on the other sequences of the batch and on the micro-batch size; ``group_size="sequence"`` confines it
-    to the token's own sequence. It is implemented as published and its results are measured and reported
-    as such, not corrected.
-
-    The declared constraint is an :class:`ExpertChoiceConstraint`. Aux loss: ``z_loss`` (when enabled).
-    Metrics: ``capacity`` (C per group), ``group_size`` (g), ``num_groups`` (N) and ``z_loss`` (unscaled).
+    Causal leakage, as published, not corrected: a token's routing depends on its group's other tokens, its
+    sequence's later ones included (the reference warns of it); ``group_size="sequence"`` confines it.
     """
 
     Config = ExpertChoiceConfig
@@ -207,8 +166,7 @@ class ExpertChoiceRouter(GatedRouter):
         )
 
     def capacity(self, num_tokens: int, training: bool | None = None) -> int:
-        """C, the tokens each expert takes from a group of ``num_tokens`` tokens, with the capacity factor of
-        ``training`` (default: the module's mode)."""
+        """C for a group of ``num_tokens`` tokens, at the capacity factor of ``training`` (default: the mode)."""
         cfg = self.config
         training = self.training if training is None else training
         c = cfg.effective_capacity_factor if training else cfg.effective_eval_capacity_factor
@@ -223,8 +181,7 @@ class ExpertChoiceRouter(GatedRouter):
         groups_NG = group_tokens(seq, cfg.group_size, cfg.reference, cfg.num_experts, hidden_TD.device)
         N, G = groups_NG.shape
         capacity = self.capacity(G)
-        # Top-C along each group's token axis: expert e's column keeps its C best tokens of the group
-        # (topk breaks ties, so every expert takes exactly C per group).
+        # Top-C along each group's token axis (topk breaks ties: every expert takes exactly C per group).
         chosen_NCE = torch.topk(scores_TE.detach()[groups_NG], k=capacity, dim=1).indices
         token_NCE = torch.gather(groups_NG[:, :, None].expand(N, G, cfg.num_experts), 1, chosen_NCE)
         routing_map_TE = torch.zeros_like(scores_TE, dtype=torch.bool)

@@ -1,53 +1,31 @@
 """Hash routing: a fixed map from token id to experts, no learned gate.
 
 References:
-    Roller, Sukhbaatar, Szlam, Weston, "Hash Layers For Large Sparse Models", NeurIPS 2021
-    (arXiv:2106.04426): a token id is routed by a fixed hash, either a uniformly random bucket or an
-    assignment built so that the load is balanced over the training corpus's token frequencies.
-    Reference code: facebookresearch/ParlAI ``projects/params_vs_compute/hash_ladder/hash_ladder.py``
-    (``HashLayerFFN.hash``: a uniformly random bin per token id drawn with ``random.seed(42)``, for the one
-    hash layer the model has); the project README there: "each word in the dictionary is simply assigned
-    to a fixed expert, which is either chosen at random or assigned such that the distribution is
-    balanced".
+    Roller, Sukhbaatar, Szlam, Weston, "Hash Layers For Large Sparse Models", NeurIPS 2021 (arXiv:2106.04426):
+    a fixed hash per token id, random or balanced over token frequencies. Code: ParlAI ``hash_ladder.py``
+    (``HashLayerFFN.hash``: a random bin per id, ``random.seed(42)``, one hash layer).
     Wang, Zhu, Chen, "ReMoE", ICLR 2025 (arXiv:2412.14711), Sec. 4.2: "For the Hash method, we use mod E
-    hashing function" (the ``mod`` table below), the Hash row of the table the ledger compares against.
+    hashing function" (``mod``), the ledger's Hash row.
 
 The three tables (``hash_type``):
 
-* ``random`` (default): every id gets the first k entries of a uniformly random permutation of the
-  experts (k = 1: a uniformly random expert), from a generator seeded with ``seed``.
-* ``mod``: ``(id + j) mod E`` for j < k (k = 1: ``id mod E``), ReMoE's Hash baseline. It does not depend
-  on the data, the seed or the layer.
-* ``balanced``: built from the token counts of the training corpus (``counts_path``, a ``.npy`` of counts
-  per id written by :func:`repro.data.token_counts.write_token_counts`). Ids are visited from the most to
-  the least frequent; ``balance_rule`` says where each goes:
+* ``random`` (default): per id, the first k of a random permutation of the experts (seeded with ``seed``).
+* ``mod``: ``(id + j) mod E`` for j < k, ReMoE's baseline; independent of data, seed and layer.
+* ``balanced``: from the training corpus's token counts (``counts_path``, written by
+  :func:`repro.data.token_counts.write_token_counts`), most frequent id first, by ``balance_rule``:
+  ``"greedy"`` (default; the paper's Sec. 3 "Balanced assignment") to the k least loaded experts (ties to the
+  lower index); ``"random-greedy"`` to k drawn (seeded) among those staying within ``ceil(k * total / E)``, else
+  the k least loaded. Every expert ends within one token's count of an equal share; unseen ids go round-robin.
 
-  - ``"greedy"`` (default), the Hash Layers paper's rule (Roller et al. 2021, Sec. 3, its hashing
-    functions, "Balanced assignment": tokens sorted by frequency, each to the currently emptiest bucket): the id
-    goes to the k least loaded experts (summed counts so far; ties to the lower expert index). It draws
-    nothing, so the seed does not matter.
-  - ``"random-greedy"``, the suite's earlier rule: k distinct experts drawn uniformly (seeded) among those
-    whose load stays within ``ceil(k * total / E)`` after taking the id, or the k least loaded when fewer
-    have room.
+Paper gaps and deviations, each switchable:
 
-  Either way the most frequent ids are spread first and every expert ends within one token's count of an
-  equal share of the corpus's tokens. Ids never seen in the corpus (count 0) are spread round-robin over
-  the experts so that unseen ids do not pile on one expert.
+1. Balanced construction at k > 1 (the paper's k is 1): the k emptiest buckets, distinct (``balance_rule``).
+2. One table for all layers (``per_layer=False``, default: what ReMoE's ``mod`` does; ParlAI's single hash layer
+   does not settle it) or one per layer (seed ``seed + layer_number``); refused for ``mod``.
+3. k > 1: each routed expert gets weight 1/k; the papers use k = 1.
 
-Paper gaps and deviations, each a switchable option:
-
-1. The balanced construction at k > 1 (the paper's k is 1): the k emptiest buckets, distinct. The
-   ``random-greedy`` rule is kept as an alternative (``balance_rule``); both are checked in
-   ``tests/test_baselines.py``.
-2. One table for every layer (``per_layer=False``, default) or one per layer (``per_layer=True``, the
-   ``random`` and ``balanced`` tables are then drawn with seed ``seed + layer_number``, the number megatron
-   gives the layer, 1-based). ParlAI's reference has a single hash layer, so it does not settle the
-   question; the default keeps what ReMoE's ``mod`` hash does by construction (the same map in every
-   layer). ``per_layer`` has no meaning for ``mod`` and is refused there.
-3. k > 1: each routed expert gets weight 1/k (a mean of the k experts); the papers use k = 1.
-
-Whatever the options, the table is the persistent buffer ``table``, so a checkpoint carries it (the
-``balanced`` table with it: the run routes the same at evaluation even without the counts file).
+The table is the persistent buffer ``table``, so a checkpoint carries it (``balanced`` routes the same at
+evaluation without the counts file).
 
 Shape legend: T tokens, D hidden size, E experts, V vocabulary (see :mod:`routers.base`).
 """
@@ -65,7 +43,6 @@ from routers.metrics import routing_metrics
 from routers.registry import register_router
 
 HASH_TYPES = ("random", "mod", "balanced")
-#: ``balance_rule`` values of the ``balanced`` table (see the module docstring).
 BALANCE_RULES = ("greedy", "random-greedy")
 
 
@@ -75,14 +52,10 @@ class HashConfig(RouterConfig):
 
     hash_type: str = "random"  # "random", "mod" or "balanced" (built from counts_path)
     seed: int = 42  # seed of the "random" and "balanced" tables (seed + layer_number with per_layer)
-    # V, the number of token ids the table covers (default 50304: GPT-2's 50257 padded to a multiple of 128,
-    # as megatron-core pads it). Larger ids are an error.
-    vocab_size: int = 50304
-    # A .npy file of per-id token counts of the training corpus (length at most V; missing trailing ids count
-    # 0), required by and only used with "balanced".
-    counts_path: str | None = None
-    per_layer: bool = False  # draw a separate table per layer instead of one table shared by every layer
-    balance_rule: str = "greedy"  # how the "balanced" table places each id: "greedy" or "random-greedy"
+    vocab_size: int = 50304  # V: GPT-2's 50257 padded to a multiple of 128 (as megatron-core); larger ids fail
+    counts_path: str | None = None  # .npy of per-id corpus token counts (length <= V); "balanced" only
+    per_layer: bool = False  # one table per layer instead of one shared by every layer
+    balance_rule: str = "greedy"  # "balanced" placement: "greedy" or "random-greedy"
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -100,9 +73,8 @@ class HashConfig(RouterConfig):
 
 
 def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
-    """``[V]`` int64 counts read from a ``.npy`` file of one non-negative count per token id, which may cover
-    fewer ids than V (the rest count 0), never more. ``ValueError`` for an unreadable file, a wrong shape or
-    dtype, negative counts or more ids than V."""
+    """``[V]`` int64 token counts from a ``.npy`` of non-negative counts per id (at most V ids; the rest 0).
+    ``ValueError`` for an unreadable file, wrong shape or dtype, negative counts or more than V ids."""
     try:
         counts = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -119,8 +91,7 @@ def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
 
 
 def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int, rule: str = "greedy") -> torch.Tensor:
-    """The ``[V, k]`` ``balanced`` table of the ``[V]`` token counts: k distinct experts per id, loads within
-    one count of ``k * total / E``, by ``rule`` (the module docstring; ``seed`` seeds "random-greedy")."""
+    """The ``[V, k]`` ``balanced`` table of ``[V]`` counts by ``rule`` (module docstring; ``seed``: "random-greedy")."""
     V, E, k = counts_V.shape[0], num_experts, top_k
     rng = np.random.default_rng(seed)
     table = np.empty((V, k), dtype=np.int64)
@@ -145,8 +116,7 @@ def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int
 
 
 def build_hash_table(config: HashConfig, layer_number: int | None = None) -> torch.Tensor:
-    """The ``[V, k]`` long table of expert ids (k distinct experts per token id) of ``config.hash_type``;
-    ``layer_number`` (1-based) seeds ``per_layer`` tables and is ignored otherwise."""
+    """The ``[V, k]`` long table (k distinct experts per id); ``layer_number`` seeds ``per_layer`` tables."""
     V, E, k = config.vocab_size, config.num_experts, config.top_k
     if config.hash_type == "mod":
         ids_V1 = torch.arange(V, dtype=torch.long)[:, None]
@@ -155,23 +125,19 @@ def build_hash_table(config: HashConfig, layer_number: int | None = None) -> tor
     if config.hash_type == "balanced":
         return balanced_table(load_token_counts(config.counts_path, V), E, k, seed, config.balance_rule)
     generator = torch.Generator().manual_seed(seed)
-    # argsort of i.i.d. uniforms is a uniform random permutation per row: k distinct experts per id.
+    # argsort of i.i.d. uniforms: a uniform random permutation per row.
     return torch.rand(V, E, generator=generator).argsort(dim=-1)[:, :k].contiguous()
 
 
 @register_router("hash")
 class HashRouter(Router):
-    """Hash routing (Roller et al. 2021): token id -> k fixed experts of the persistent buffer ``table``
-    ``[V, k]``, each with weight 1/k; no learned gate, no parameters, no aux loss. The output depends on the
-    token ids only; the hidden states are read for their number and device alone.
-
-    Token ids outside ``[0, vocab_size)`` raise ``ValueError`` when :attr:`collect_metrics` is set (the range
-    is read on the host); otherwise they fail a device-side assert, a ``RuntimeError``, so the forward forces
-    no host synchronisation.
-    """
+    """Hash routing (Roller et al. 2021): token id -> k fixed experts of ``table`` ``[V, k]``, weight 1/k each;
+    no parameters, no aux loss; the hidden states give only the token count and device. Ids outside
+    ``[0, vocab_size)`` raise ``ValueError`` when :attr:`collect_metrics` is set (read on the host), else fail a
+    device-side assert (``RuntimeError``), so the forward forces no host sync."""
 
     Config = HashConfig
-    # ReMoE's Hash baseline, the row the ledger compares the 185M runs with, hashes id mod E (Sec. 4.2).
+    # ReMoE's Hash baseline (the ledger's 185M row) hashes id mod E (Sec. 4.2).
     recipe_overrides = {"185m": ("router.options.hash_type=mod",)}
     requires_token_ids = True
 
@@ -201,7 +167,7 @@ class HashRouter(Router):
                 bad = hi if hi >= V else lo
                 raise ValueError(f"token id {bad} is outside [0, vocab_size={V}); set the router's vocab_size")
         elif token_ids_T.numel():
-            # The same check without reading the ids on the host: a device-side assert (RuntimeError).
+            # The same check without a host read: a device-side assert.
             in_range = ((token_ids_T >= 0) & (token_ids_T < V)).all()
             torch._assert_async(in_range, f"a token id is outside [0, vocab_size={V}); set the router's vocab_size")
         experts_Tk = self.table[token_ids_T.to(self.table.device).long()]

@@ -1,42 +1,22 @@
 """Lory: causal segment routing for merging experts in parameter space.
 
 Reference:
-    Zhong, Xia, Chen, Lewis, "Lory: Fully Differentiable Mixture-of-Experts for Autoregressive Language
-    Model Pre-training", COLM 2024 (arXiv:2405.03133). No public code; written from the paper
-    (Sec. 3.1 and Appendix A, Algorithm 1).
+    Zhong, Xia, Chen, Lewis, "Lory: Fully Differentiable Mixture-of-Experts for Autoregressive Language Model
+    Pre-training", COLM 2024 (arXiv:2405.03133). No public code; from Sec. 3.1 and Appendix A (Algorithm 1).
 
-Only the router and the segment logic live here: the layer that merges the experts' parameters per
-segment with these weights (and runs the merged FFN on the segment) is :mod:`baselines.lory_layer`, which the
-model builder takes from :meth:`LoryRouter.moe_layer_class`. The paper's second technique, similarity-based
-data batching (Sec. 3.2, Appendix C), is a data-pipeline option (:mod:`repro.data.similarity`) that Lory's
-experiments turn on (``recipe_overrides``).
+Only the router and the segment logic live here; the layer that merges the experts' parameters per segment is
+:mod:`baselines.lory_layer` (:meth:`LoryRouter.moe_layer_class`). The paper's similarity-based data batching
+(Sec. 3.2, Appendix C) is :mod:`repro.data.similarity`, which Lory's experiments turn on (``recipe_overrides``).
 
-The first segment (a switchable default, ``first_segment_grad``):
-    Segment 0 has no previous segment, so it is routed on the mean of its own hidden states. The paper
-    (Sec. 3.1: "to prevent information leakage, we implement a stop-gradient operation on R(h_1)";
-    Algorithm 1: ``e[:, 0] = stop_grad(e_first)``) stops the gradient of the whole routing output of the
-    first segment: neither the segment's hidden states nor the router weight W_r learn from it.
-    ``"none"`` (default) follows the paper. ``"router"`` stops the gradient only at the segment mean, so
-    W_r is still trained on segment 0, whose weights see the segment's own later tokens in the forward
-    (the suite's earlier behaviour, kept for comparison). Either way the forward of segment 0 uses its
-    own tokens, as published.
+The first segment (``first_segment_grad``), routed on its own mean: ``"none"`` (default; Sec. 3.1, Algorithm 1
+``e[:, 0] = stop_grad(e_first)``) stops the gradient of its whole routing output; ``"router"`` detaches only the
+mean, so W_r trains on segment 0, whose weights see its own later tokens.
 
-The dense start (a switchable default, ``dense_fraction``):
-    The paper trains the model dense for the first 5% of the steps and then copies the FFN into every
-    expert (Sec. 4.1 and Appendix G.3, "crucial" for the experts to be used). Here the router carries the
-    schedule: ``dense_steps = round(dense_fraction * schedule_steps)`` (``schedule_steps`` is filled with
-    the run's ``schedule.steps`` by the run config; without it, e.g. a router built outside a training
-    run, there is no dense phase). While ``step < dense_steps`` the merge layer
-    (:class:`baselines.lory_layer.LoryMoELayer`) runs one dense FFN on every token and the router is not
-    used (its weight W_r gets no gradient: ``requires_grad`` is off, so the CPU path's AdamW, which reads
-    ``.grad``, neither updates it nor counts the step, as if the router were created at the switch;
-    megatron's GPU optimizer copies every parameter's zero ``main_grad`` instead, so there W_r takes
-    zero-gradient steps: weight decay only, and Adam's bias correction counts them, which makes its first
-    updates after the switch larger than a fresh optimizer's). The dense FFN is held as E tied,
-    bit-identical copies in the experts' parameters (:mod:`baselines.lory_layer`), so at the switch step
-    every expert *is* the dense FFN, with the same optimizer state: the paper's copy, with nothing to do at
-    the switch and nothing outside the state dict (the phase is derived from the ``step`` buffer, so a
-    resume before, at or after the switch is exact). ``dense_fraction=0`` turns the dense start off.
+The dense start (``dense_fraction``; Sec. 4.1, Appendix G.3: "crucial"): the first ``config.dense_steps`` steps
+train one dense FFN, E tied experts in the merge layer, so at the switch every expert *is* it, optimizer state
+included, with nothing outside the state dict (the phase follows ``step``: any resume is exact). W_r has
+``requires_grad`` off meanwhile: the CPU AdamW skips it; megatron's GPU optimizer takes zero-gradient steps (weight
+decay only; Adam's bias correction counts them).
 
 Shape legend: T tokens (t = s * B + b), S sequence length, B sequences, D hidden size, E experts,
 G segments per sequence (see :mod:`routers.base`).
@@ -54,7 +34,6 @@ from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingK
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
-#: ``first_segment_grad`` values (see the module docstring).
 FIRST_SEGMENT_GRADS = ("none", "router")
 
 
@@ -62,16 +41,11 @@ FIRST_SEGMENT_GRADS = ("none", "router")
 class LoryConfig(RouterConfig):
     """Options of the Lory router (the module docstring gives the first segment's and the dense start's)."""
 
-    # Tokens per segment along each sequence (paper: 256); the last segment of a sequence is shorter when the
-    # sequence length is not a multiple.
-    segment_len: int = 256
-    # What learns from the first segment's routing: "none" (the paper's) or "router" (only the mean is
-    # detached; W_r learns).
-    first_segment_grad: str = "none"
+    segment_len: int = 256  # tokens per segment (paper: 256); a sequence's last segment may be shorter
+    first_segment_grad: str = "none"  # "none" (paper) | "router" (only the mean detached; W_r learns)
     init_std: float = 0.01
-    dense_fraction: float = 0.05  # share of the run's steps trained dense (paper: 0.05; 0 turns it off)
-    # The run's total steps (filled with schedule.steps by the run config); None means no dense phase.
-    schedule_steps: int | None = None
+    dense_fraction: float = 0.05  # share of the run's steps trained dense (paper: 0.05; 0: off)
+    schedule_steps: int | None = None  # the run's schedule.steps (set by the run config); None: no dense phase
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -95,15 +69,14 @@ def num_segments(seq_len: int, segment_len: int) -> int:
 
 
 def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, segment_len: int) -> torch.Tensor:
-    """``[B, G, D]`` float32: the mean hidden state of every segment of every sequence (``seq_shape`` ``(S, B)``,
-    ``None`` one sequence); the last segment of a sequence may be shorter, averaged over the tokens it has."""
+    """``[B, G, D]`` float32 mean hidden state per segment (``seq_shape`` ``(S, B)``; None: one sequence)."""
     T, D = hidden_TD.shape
     S, B = (T, 1) if seq_shape is None else seq_shape
     G = num_segments(S, segment_len)
     hidden_SBD = hidden_TD.float().reshape(S, B, D)
     pad = G * segment_len - S
     if pad:
-        # Zero-pad the last segment; its mean divides by its true length below.
+        # Zero-pad the last segment; its mean divides by its true length.
         hidden_SBD = torch.cat([hidden_SBD, hidden_SBD.new_zeros(pad, B, D)], dim=0)
     sums_GBD = hidden_SBD.view(G, segment_len, B, D).sum(dim=1)
     counts_G = torch.full((G,), float(segment_len), device=hidden_TD.device)
@@ -118,25 +91,13 @@ def _sync_phase_after_load(module: LoryRouter, _incompatible_keys) -> None:
 
 @register_router("lory")
 class LoryRouter(GatedRouter):
-    """Lory's causal segment routing (Zhong et al. 2024).
-
-    Every sequence is cut into segments of ``segment_len`` tokens along its length. Segment g >= 1 of a
-    sequence is routed by ``softmax(W_r mean(h of segment g-1))``, so its weights use only earlier tokens;
-    the first segment is routed on the mean of its own hidden states with a stop-gradient (the module
-    docstring). Every token of a segment gets that segment's weights as ``probs [T, E]``; ``routing_map`` is
-    all True (kind MERGE: the merge layer mixes all E experts' parameters). The whole path is differentiable
-    and there is no aux loss. Metric: ``num_segments`` (G).
-
-    The paper's inference rule, routing once on the prompt, is the merge layer's
-    (``routers.megatron_adapter.prompt_routing``); for the first ``config.dense_steps`` steps
-    (:attr:`dense_phase`) that layer trains one dense FFN and does not call the router.
-    """
+    """Lory's causal segment routing (Zhong et al. 2024): :meth:`segment_weights` as ``probs [T, E]`` for every
+    token of a segment; ``routing_map`` all True (MERGE). Fully differentiable, no aux loss. Metric:
+    ``num_segments`` (G). Prompt routing at inference and the dense phase are the merge layer's."""
 
     Config = LoryConfig
     merges_experts = True
-    # Lory trains on chains of similar documents (its paper's data batching, Sec. 3.2). The tiny flavour's
-    # 128-token sequences would be one 256-token segment each (routed on itself): 32 keeps several segments
-    # per sequence, so the cross-segment routing runs.
+    # Similarity batching (Sec. 3.2); tiny's 128-token sequences need 32-token segments to have several each.
     recipe_overrides = {
         "tiny": ("router.options.segment_len=32", "data.similarity_batching=true"),
         "185m": ("data.similarity_batching=true",),
@@ -150,7 +111,7 @@ class LoryRouter(GatedRouter):
 
     def __init__(self, config: LoryConfig) -> None:
         super().__init__(config)
-        # The phase follows the step buffer: set by set_step, recomputed when a state dict is loaded.
+        # Follows the step buffer: set by set_step, recomputed on load_state_dict.
         self._dense_phase = config.dense_steps > 0
         self.register_load_state_dict_post_hook(_sync_phase_after_load)
 
@@ -160,7 +121,7 @@ class LoryRouter(GatedRouter):
         return self._dense_phase
 
     def set_step(self, step: int) -> None:
-        """Set the step; in the dense phase W_r takes no gradient (no AdamW step, no decay), after it it does."""
+        """Set the step and the dense phase, during which W_r takes no gradient (module docstring)."""
         super().set_step(step)
         self._dense_phase = int(step) < self.config.dense_steps
         if self.config.dense_steps > 0:
@@ -172,10 +133,9 @@ class LoryRouter(GatedRouter):
         return RoutingConstraint(RoutingKind.MERGE, E, E, top_k=self.top_k, probs_sum_to_one=True)
 
     def segment_weights(self, hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None = None) -> torch.Tensor:
-        """``[B, G, E]`` float32, the expert weights of every segment (what the merge layer mixes the experts'
-        parameters with), each row on the simplex: row g is ``softmax(W_r mean(segment g-1))`` for g >= 1, and
-        for g = 0 ``stopgrad(softmax(W_r mean(segment 0)))`` (paper, default) or
-        ``softmax(W_r stopgrad(mean(segment 0)))`` (``first_segment_grad="router"``)."""
+        """``[B, G, E]`` float32 expert weights per segment: ``softmax(W_r mean(segment g-1))`` for g >= 1; for
+        g = 0 ``stopgrad(softmax(W_r mean(segment 0)))`` (default) or ``softmax(W_r stopgrad(mean(segment 0)))``
+        (``"router"``)."""
         means_BGD = segment_means(hidden_TD, seq_shape, self.config.segment_len)
         # Segment g reads segment g-1 (causal); the first reads itself, detached.
         route_on_BGD = torch.cat([means_BGD[:, :1].detach(), means_BGD[:, :-1]], dim=1)

@@ -1,45 +1,28 @@
 """Lory's parameter-merging MoE layer (Zhong et al. 2024), in place of megatron's dispatch for ``lory``.
 
-Lory sends no token to an expert. For every segment of ``segment_length`` tokens along the sequence (256
-by default) it merges the experts' FFN *parameters* with the segment's routing weights and runs the one
-merged SwiGLU FFN on the segment's tokens:
+Lory sends no token to an expert. Per segment of ``segment_length`` tokens (default 256) it merges the experts'
+FFN *parameters* with the segment's routing weights and runs the merged SwiGLU FFN on the segment's tokens:
 
     W1(g, b) = sum_e w_e(g, b) W1_e      W2(g, b) = sum_e w_e(g, b) W2_e
     y = W2(g, b) (silu(W1_gate(g, b) x) * W1_up(g, b) x)      for x in segment g of sequence b
 
-The weights come from the Lory router (``baselines/lory.py``) through the usual router interface: every
-token of a segment carries its segment's weights in ``probs [T, E]``. This layer reads one weight vector
-per (segment, sequence) from ``probs`` (the mean over the segment's tokens, which are equal; the layer
-checks it) and does the merge. The router's gradients flow through the merged parameters.
+The Lory router gives every token of a segment its segment's weights in ``probs [T, E]``; this layer reads one
+vector per (segment, sequence) (the segment mean, checked equal). Merging a SwiGLU FFN's parameters is NOT mixing
+the experts' outputs; exact are: the first projection's pre-activations are the weighted sums of the experts',
+and a one-hot weight gives that expert (``tests/test_model.py``).
 
-Note what is and is not the same: merging the parameters of a SwiGLU FFN is NOT mixing the experts'
-outputs (``sum_e w_e FFN_e(x)``) — the FFN is not linear in its parameters. What holds exactly is that the
-merged FFN is the FFN whose parameters are the weighted sums (the first projection's pre-activations are
-the weighted sums of the experts' pre-activations), and with a one-hot weight it is that expert.
-``tests/test_model.py`` checks those identities.
+Inference routes once on the prompt (the paper): inside ``routers.megatron_adapter.prompt_routing`` each sequence
+is routed on the mean hidden state of its first ``prompt_length`` tokens (a one-token segment 0), for all its
+tokens; the lm-eval bridge passes the context length. Elsewhere the layer routes per segment.
 
-Inference routes once on the prompt (the Lory paper): inside ``routers.megatron_adapter.prompt_routing``
-(which calls :meth:`LoryMoELayer.set_prompt_lengths`) every Lory layer of the model routes each sequence
-once, on the mean hidden state of its first ``prompt_length`` tokens (the router called on that mean as a
-one-token segment 0), and uses those weights for every token of the sequence, prompt and continuation
-alike. The lm-eval bridge scores ``context + continuation`` in one forward with the context length as the
-prompt length. Outside the context (training, validation loss) the layer routes per segment as in training.
+The dense start (:attr:`~baselines.lory.LoryRouter.dense_phase`): one dense SwiGLU FFN, the router not called.
+The experts, built as copies of expert 0, are tied: the forward uses ``W_0 + sum_e (W_e - stopgrad(W_e)) / sqrt(E)``
+(exactly W_0), so each expert gets the dense gradient / sqrt(E): together the dense gradient norm (clipping acts
+as on the dense model), and AdamW is scale-free (up to eps). They stay bit-identical.
 
-The dense start (``LoryConfig.dense_fraction``, the paper's Sec. 4.1 / Appendix G.3): while the router
-reports :attr:`~baselines.lory.LoryRouter.dense_phase`, the layer runs one dense SwiGLU FFN on every
-token without calling the router. That FFN is the experts' parameters tied: the layer makes every expert a
-copy of expert 0 when it is built with a dense phase, the forward uses expert 0's values
-(``W_0 + sum_e (W_e - stopgrad(W_e)) / sqrt(E)``, exactly W_0) and every expert receives the dense gradient
-divided by sqrt(E): the E copies together have the dense FFN's gradient norm, so global-norm clipping acts
-as on the dense model, and AdamW's update does not depend on the scale (up to its eps). The experts thus stay
-bit-identical, and at the switch each is the trained dense FFN.
-
-Constraints: all experts must be local (expert parallel 1) with expert tensor parallel 1, no biases,
-SwiGLU experts (``gated_linear_unit`` with SiLU). The experts are megatron's ``SequentialMLP`` (the local
-spec), so parameter names and initialisation are those of every other MoE model of the suite.
-
-Memory: the merged weights of every (segment, sequence) are kept for the backward (``G * B * 3 * F * H``
-values per layer), Lory's inherent cost.
+Constraints: expert parallel 1, expert tensor parallel 1, bias-free SwiGLU ``SequentialMLP`` experts (local
+spec). Memory: the merged weights of every (segment, sequence) are kept for the backward
+(``G * B * 3 * F * H`` values per layer), Lory's inherent cost.
 """
 
 from __future__ import annotations
@@ -55,10 +38,8 @@ DEFAULT_SEGMENT_LENGTH = 256
 def lory_merged_ffn(
     x_BLH: torch.Tensor, weights_BE: torch.Tensor, fc1_EGH: torch.Tensor, fc2_EHF: torch.Tensor
 ) -> torch.Tensor:
-    """``[B, L, H]``: for each sequence b, the SwiGLU FFN whose parameters are the ``weights_BE[b]``-weighted
-    sums run on ``x_BLH[b]`` (one segment of each sequence). ``fc1_EGH`` ``[E, 2F, H]`` are the experts' first
-    projections, gate rows first then up rows (megatron's ``linear_fc1.weight`` layout for
-    ``gated_linear_unit``; G = 2F), ``fc2_EHF`` ``[E, H, F]`` their second projections."""
+    """``[B, L, H]``: per sequence b, the SwiGLU FFN with ``weights_BE[b]``-weighted parameters on ``x_BLH[b]``.
+    ``fc1_EGH`` ``[E, 2F, H]``: gate rows then up rows (megatron's ``gated_linear_unit`` layout; G = 2F)."""
     w_BE = weights_BE.to(fc1_EGH.dtype)
     fc1_BGH = torch.einsum("be,egh->bgh", w_BE, fc1_EGH)
     fc2_BHF = torch.einsum("be,ehf->bhf", w_BE, fc2_EHF)
@@ -68,11 +49,8 @@ def lory_merged_ffn(
 
 
 class LoryMoELayer(MoELayer):
-    """megatron's MoELayer with the dispatch replaced by Lory's per-segment parameter merge.
-
-    Built from the same spec as an MoE layer (``MoESubmodules`` with SequentialMLP experts and the Lory
-    router's adapter); the token dispatcher megatron constructs is never used.
-    """
+    """megatron's MoELayer with the dispatch replaced by Lory's per-segment parameter merge (built from an MoE
+    layer's spec; megatron's token dispatcher is never used)."""
 
     def __init__(self, config, submodules=None, layer_number=None, pg_collection=None) -> None:
         super().__init__(config=config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
@@ -85,7 +63,7 @@ class LoryMoELayer(MoELayer):
         if not config.gated_linear_unit or config.activation_func is not F.silu or config.add_bias_linear:
             raise ValueError("Lory's merge is implemented for bias-free SwiGLU experts")
         if self._dense_steps() > 0:
-            # The dense start trains the experts as tied copies of one FFN: they start equal.
+            # The dense start trains tied copies of one FFN: they start equal.
             with torch.no_grad():
                 first = self.experts.local_experts[0]
                 for expert in self.experts.local_experts[1:]:
@@ -94,7 +72,6 @@ class LoryMoELayer(MoELayer):
         # Per-sequence prompt lengths, set only inside prompt_routing (never outlives that block).
         self._prompt_lengths_B: torch.Tensor | None = None
 
-    # ---------------------------------------------------------------- helpers
     @property
     def _inner_router(self):
         """The project router (megatron's adapter holds it as ``router``)."""
@@ -109,11 +86,8 @@ class LoryMoELayer(MoELayer):
         return bool(getattr(self._inner_router, "dense_phase", False))
 
     def dense_ffn_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fc1 [2F, H], fc2 [H, F])`` of the dense FFN: expert 0's values, each expert's gradient / sqrt(E).
-
-        ``W_e - stopgrad(W_e)`` is exactly zero, so the value is W_0 to the bit; its gradient with respect
-        to every ``W_e`` is the dense FFN's gradient times ``1 / sqrt(E)``.
-        """
+        """``(fc1 [2F, H], fc2 [H, F])`` of the dense FFN: W_0 to the bit (``W_e - stopgrad(W_e)`` is exactly 0),
+        with the dense gradient / sqrt(E) to every ``W_e``."""
         fc1_EGH, fc2_EHF = self.expert_weights()
         scale = fc1_EGH.shape[0] ** -0.5
         fc1_GH = fc1_EGH[0].detach() + ((fc1_EGH - fc1_EGH.detach()) * scale).sum(0)
@@ -133,7 +107,7 @@ class LoryMoELayer(MoELayer):
         return fc1_EGH, fc2_EHF
 
     def set_prompt_lengths(self, prompt_lengths_B: torch.Tensor | None) -> None:
-        """Set (or clear) per-sequence prompt lengths; use :func:`routers.megatron_adapter.prompt_routing` instead."""
+        """Set (or clear) prompt lengths; use :func:`routers.megatron_adapter.prompt_routing` instead."""
         self._prompt_lengths_B = prompt_lengths_B
 
     def _segment_weights(self, probs_TE: torch.Tensor, S: int, B: int) -> torch.Tensor:
@@ -142,10 +116,8 @@ class LoryMoELayer(MoELayer):
         E = probs_TE.shape[-1]
         probs_SBE = probs_TE.reshape(S, B, E)
         weights_GBE = torch.stack([probs_SBE[start : start + L].mean(0) for start in range(0, S, L)])
-        # The router must give every token of a segment the same weights; a mismatch means the router and
-        # this layer disagree on the segment length. One comparison (and one host sync) per forward, on the
-        # forwards that collect metrics only: the segment lengths are settings, fixed for the run, and the
-        # steps that do not log must force no host synchronisation.
+        # Unequal weights within a segment: router and layer disagree on its length. Checked (one host sync) only
+        # on forwards that collect metrics: the lengths are fixed settings, and other steps must not sync.
         if not getattr(self._inner_router, "collect_metrics", True):
             return weights_GBE
         spread = (probs_SBE.detach() - weights_GBE.detach().repeat_interleave(L, dim=0)[:S]).abs().max()
@@ -167,11 +139,9 @@ class LoryMoELayer(MoELayer):
         probs_TE, _ = self.router(mean_BH[None], None)
         return probs_TE.reshape(B, -1)
 
-    # ---------------------------------------------------------------- forward
     def forward(self, hidden_states: torch.Tensor, intermediate_tensors=None, padding_mask=None):
-        """Merge-and-run per segment of ``hidden_states`` ``[S, B, H]``: ``(output [S, B, H], None)`` like
-        megatron's MoELayer. Neither megatron's ``intermediate_tensors`` (partial CUDA graphs) nor
-        ``padding_mask`` is supported (both must be None)."""
+        """Merge-and-run per segment of ``[S, B, H]`` hidden states: ``(output [S, B, H], None)``, as megatron's
+        MoELayer; ``intermediate_tensors`` (partial CUDA graphs) and ``padding_mask`` must be None."""
         if intermediate_tensors is not None or padding_mask is not None:
             raise NotImplementedError("LoryMoELayer supports neither intermediate_tensors nor padding_mask")
         S, B, H = hidden_states.shape

@@ -27,9 +27,7 @@ class ReMoEConfig(RouterConfig):
 
     l1_coeff_init: float = 1e-8  # lambda_0, the initial L1 coefficient
     l1_coeff_multiplier: float = 1.2  # alpha > 1 of the update lambda <- lambda * alpha^sign(target - S)
-    # The share of zero router outputs the update steers to; None means the paper's 1 - k/E (the compute of
-    # top-k routing).
-    target_sparsity: float | None = None
+    target_sparsity: float | None = None  # share of zero outputs to steer to; None: the paper's 1 - k/E
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
@@ -50,22 +48,14 @@ class ReMoEConfig(RouterConfig):
 class ReMoERouter(GatedRouter):
     """ReLU routing (ReMoE, Wang et al. ICLR 2025).
 
-    ``R = relu(W h)`` is used unnormalised as the combine weights, as in the reference ``ReLURouter``;
-    ``routing_map = R > 0``, so a token may go to any number of experts, none included (it then keeps only
-    the residual path).
+    ``R = relu(W h)``, unnormalised, are the combine weights; ``routing_map = R > 0`` (any number of experts,
+    none included). Aux loss ``l1_reg_loss`` (training), the load-balanced L1 penalty
+    ``lambda * E / (T^2 k) * sum_e (sum_t R_te) (sum_t 1[R_te > 0])``: as the reference, megatron's
+    ``switch_load_balancing_loss_func`` on R with coefficient lambda.
 
-    Aux loss ``l1_reg_loss`` (training with grad enabled), the paper's load-balanced L1 penalty:
-    ``lambda * E / (T^2 k) * sum_e (sum_t R_te) (sum_t 1[R_te > 0])``. Like the reference it is
-    megatron-core's ``switch_load_balancing_loss_func`` applied to R with coefficient lambda; the
-    counts are not differentiated through. Metrics: ``sparsity`` (this micro-batch), ``l1_coeff`` and
-    ``l1_reg`` (the penalty without lambda).
-
-    Adaptive coefficient (the paper's adaptive L1 regularisation): after every optimizer step
-    ``lambda <- lambda * alpha^sign(target - S)``, S being the share of zero entries of R averaged over
-    the step's training micro-batches, over the layers and over the data-parallel ranks (the reference
-    sums S per forward and averages at the step; here ``routers.schedule.end_step`` averages
-    :meth:`step_statistic`). lambda is the persistent float32 buffer ``l1_coeff``, so checkpoints carry it;
-    every layer holds an identical copy (the reference holds one shared value).
+    After every optimizer step ``lambda <- lambda * alpha^sign(target - S)``, S the share of zeros in R averaged
+    over the step's micro-batches, layers and ranks; lambda (float32 buffer ``l1_coeff``) is identical in every
+    layer (the reference holds one shared value). Metrics: ``sparsity``, ``l1_coeff``, ``l1_reg`` (without lambda).
     """
 
     Config = ReMoEConfig
@@ -75,10 +65,9 @@ class ReMoERouter(GatedRouter):
     def __init__(self, config: ReMoEConfig) -> None:
         super().__init__(config)
         self.register_buffer("l1_coeff", torch.tensor(config.l1_coeff_init, dtype=torch.float32))
-        # Per-step accumulators: reset by end_step, so a checkpoint taken between steps needs none.
+        # Per-step accumulators: reset by end_step, so checkpoints between steps need none.
         self.register_buffer("sparsity_sum", torch.zeros((), dtype=torch.float32), persistent=False)
-        # The count is a host integer (how many forwards, known without reading the device), so deciding
-        # whether the step has a statistic forces no host synchronisation.
+        # A host integer, so deciding whether the step has a statistic needs no host sync.
         self.sparsity_count = 0
 
     @property
@@ -99,8 +88,7 @@ class ReMoERouter(GatedRouter):
             aux_losses["l1_reg_loss"] = switch_load_balancing_loss_func(
                 probs_TE, tokens_per_expert_E, T, cfg.top_k, cfg.num_experts, self.l1_coeff.clone()
             )
-            # Only training forwards with grad feed the schedule (as the reference): evaluation and the
-            # no-grad first pass of activation checkpointing are not counted.
+            # Training forwards with grad only (as the reference): not evaluation or a recomputation's first pass.
             with torch.no_grad():
                 self.sparsity_sum += sparsity.detach()
                 self.sparsity_count += 1
@@ -113,23 +101,17 @@ class ReMoERouter(GatedRouter):
             metrics["l1_reg"] = balance_metric(probs_TE, tokens_per_expert_E, cfg)
         return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)
 
-    # ------------------------------------------------------------ step schedule
     def step_statistic(self) -> torch.Tensor | None:
-        """Mean sparsity S of this router's training forwards since the last :meth:`end_step` (``None`` when
-        there was none, decided on the host count)."""
+        """Mean sparsity S of the training forwards since the last :meth:`end_step` (None if none)."""
         if self.sparsity_count == 0:
             return None
         return self.sparsity_sum / self.sparsity_count
 
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
-        """Apply ``lambda <- lambda * alpha^sign(target - S)`` with S averaged over layers, micro-batches and
-        data-parallel ranks (``None``, no training forward this step, leaves lambda unchanged); then reset the
-        accumulators."""
+        """Apply ``lambda <- lambda * alpha^sign(target - S)`` (None: unchanged), then reset the accumulators."""
         if global_statistic is not None:
-            # Too dense (S < target): raise lambda; too sparse: lower it; exactly on target: keep it. Chosen on
-            # the device (no host synchronisation): S is compared in float64 with the float64 target (as a
-            # Python comparison of the two would), and lambda * alpha, lambda / alpha are the same float32
-            # operations as an in-place mul_/div_.
+            # Chosen on the device (no sync): S compared in float64 with the float64 target (as Python would);
+            # lambda * alpha and lambda / alpha are the same float32 ops as in-place mul_/div_.
             s = global_statistic.detach().to(device=self.l1_coeff.device, dtype=torch.float64)
             target = self.config.effective_target_sparsity
             alpha = self.config.l1_coeff_multiplier

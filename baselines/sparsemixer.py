@@ -1,56 +1,33 @@
 """SparseMixer-v2: sampled top-1/top-2 routing with a midpoint-corrected gradient estimator.
 
 References:
-    Liu et al., "GRIN: GRadient-INformed MoE", 2024 (arXiv:2409.12136), which
-    introduces SparseMixer-v2 (building on Liu et al., "Sparse Backpropagation for MoE Training",
-    arXiv:2310.00811, SparseMixer). Reference code: microsoft/SparseMixer ``sparsemixer/sparsemixer_v2.py``
-    (``sparsemixerv2_routing`` and the autograd function ``v2core``), read for the details below.
+    Liu et al., "GRIN: GRadient-INformed MoE", 2024 (arXiv:2409.12136), which introduces SparseMixer-v2 (after
+    Liu et al., "Sparse Backpropagation for MoE Training", arXiv:2310.00811). Reference code: microsoft/SparseMixer
+    ``sparsemixer/sparsemixer_v2.py`` (``sparsemixerv2_routing``, autograd function ``v2core``).
 
-Two published settings, one flag apart (``reference``):
+Two published settings, one flag apart (``reference``); each field still overrides its preset:
 
-==================  ==================================  ==========================================
-``reference``       ``"grin"`` (default)                 ``"sparsemixer-repo"``
-jitter eps          0.01                                 0.1
-balancing loss      alpha = 1e-3, f from the top-k of    alpha = 1e-2, f from the sampled experts
-                    the plain softmax of the logits
-loss scope          one loss over all layers' logits     one loss per layer (each weighted by alpha)
-                    pooled (``balance_scope="pooled"``)   (``balance_scope="per-layer"``)
-source              GRIN / Phi-3.5-MoE configuration     microsoft/SparseMixer ``SparseMixerV2``
-                    (``router_jitter_noise: 0.01``) and   (``jitter_eps=0.1`` default; its optional
-                    GRIN's model code (aux loss 1e-3      ``compute_balance_loss`` counts the sampled
-                    over the softmax's top-k)             expert); the suite's earlier default
-==================  ==================================  ==========================================
+* ``"grin"`` (default; GRIN's Phi-3.5-MoE config ``router_jitter_noise`` and model code): jitter eps 0.01,
+  alpha = 1e-3 with f from the plain softmax's top-k, one loss over all layers' logits (``balance_scope="pooled"``).
+* ``"sparsemixer-repo"`` (microsoft/SparseMixer ``SparseMixerV2`` defaults, ``compute_balance_loss``): eps 0.1,
+  alpha = 1e-2 with f from the sampled experts, one loss per layer (``"per-layer"``).
 
-Why GRIN's is the default: the comparisons the suite reproduces (ReMoE Table 2, copied by the DirMoE
-paper) cite GRIN (Liu et al. 2024) for SparseMixer-v2 and state no hyper-parameter of their own (ReMoE,
-Sec. 4.2 fixes only Hash's and Lory's), so the published language-model pretraining setting of the method's
-authors, GRIN's, is the one to follow; the repository's 0.1 is the default of its module, whose example is
-the fairseq translation setup. Each field can still be set on its own (``jitter_eps``, ``aux_loss_coeff``,
-``balance_map``), overriding the preset.
+Why GRIN's is the default: the comparisons reproduced (ReMoE Table 2, copied by DirMoE) cite GRIN for
+SparseMixer-v2 and set none of its hyper-parameters, so the method authors' LM-pretraining setting applies; the
+repository's 0.1 is its module default, whose example is fairseq translation.
 
-The balancing loss is megatron-core's ``switch_load_balancing_loss_func``,
-``alpha * E * sum_i f_i P_i`` with ``f_i`` the share of the ``k T`` assignments of expert i and ``P_i`` the
-mean softmax probability. Deviation (documented, not switchable): GRIN's model code (the Mixtral-style
-``load_balancing_loss_func``) normalises ``f`` by T instead of ``k T``, so at k = 2 its loss is twice
-megatron's for the same alpha; the suite keeps megatron's normalisation, shared with Switch.
+Balancing loss: megatron-core's ``alpha * E * sum_i f_i P_i`` (``f_i`` expert i's share of the ``k T``
+assignments, ``P_i`` its mean softmax probability), shared with Switch. Deviation (not switchable): GRIN's
+Mixtral-style code divides ``f`` by T, not ``k T`` (twice the loss at k = 2).
 
-The pooled loss (``balance_scope="pooled"``, GRIN's): GRIN's model code (Phi-3.5-MoE's
-``load_balancing_loss_func``, Mixtral-style) concatenates the router logits of all L layers into one
-``[L T, E]`` tensor and computes one loss on it, weighted once by alpha; megatron (and the
-``"per-layer"`` scope) adds one loss per layer, each weighted by alpha. With the layers' assignment shares
-``f_l`` and mean probabilities ``P_l``, the pooled loss is ``alpha E sum_e fbar_e Pbar_e`` with
-``fbar = mean_l f_l``, ``Pbar = mean_l P_l``: bilinear, with cross-layer terms ``f_l . P_m``, so it is *not* a
-sum of per-layer terms, and its gradient with respect to layer m's logits, ``(alpha E / L) sum_e fbar_e
-dP_me``, needs every layer's counts, later layers' included. It is ``1/L`` of the per-layer loss's gradient
-when the layers' counts agree (so the per-layer scope balances about L times as hard: 12x at 185M, k = 1).
-The design: the routers of one model share a :class:`BalancePool` (the model builder calls
-:meth:`SparseMixerRouter.link_layers` with them); in a training forward each layer adds its softmax scores
-(with their graph) and counts, and the layer that completes the set (the last) returns the pooled loss,
-``switch_load_balancing_loss_func`` on the concatenated scores, as its ``load_balancing_loss``: exact in
-value and gradient (autograd carries it back to every layer's logits), and the per-layer aux losses the
-trainer sums add up to it. A router used alone (no pool) pools its one layer, the per-layer loss. Not
-supported with activation recomputation or pipeline stages (a layer's scores must be in the pool once per
-forward), which the suite does not use.
+Pooled loss: GRIN's code computes one loss, weighted once by alpha, on all L layers' logits concatenated
+(``[L T, E]``); megatron adds one per layer. ``alpha E sum_e fbar_e Pbar_e`` (``fbar``, ``Pbar``: layer means of
+``f_l``, ``P_l``) is bilinear, *not* a sum over layers; its gradient for layer m,
+``(alpha E / L) sum_e fbar_e dP_me``, needs every layer's counts (``1/L`` of the per-layer one when they agree).
+So one model's routers share a :class:`BalancePool` (:meth:`SparseMixerRouter.link_layers`): each training
+forward adds its scores (with graph) and counts, and the last layer returns the switch loss of all of them as
+its ``load_balancing_loss``, exact in value and gradient. Unsupported with activation recomputation or pipeline
+stages (a layer must enter the pool once per forward); the suite uses neither.
 
 Shape legend: T tokens, D hidden size, E experts, k experts per token (see :mod:`routers.base`).
 """
@@ -67,12 +44,11 @@ from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingK
 from routers.metrics import routing_metrics
 from routers.registry import register_router
 
-#: Heun's third-order rule f(x) - f(0) = 1/4 f'(x) + 3/4 f'(x/3): a sampled expert that is not the
-#: arg-max keeps its full weight with probability 1/4 and a third of it otherwise.
+#: Heun's third-order rule f(x) - f(0) = 1/4 f'(x) + 3/4 f'(x/3): a sampled non-arg-max expert keeps its full
+#: weight with probability 1/4, a third of it otherwise.
 HEUN_FULL_PROBABILITY = 0.25
 HEUN_MIDPOINT_SCALE = 1.0 / 3.0
 
-#: ``reference`` presets of the options left at None (see the module docstring).
 REFERENCE_SETTINGS: dict[str, dict[str, float | str]] = {
     "grin": {"jitter_eps": 0.01, "aux_loss_coeff": 1e-3, "balance_map": "topk", "balance_scope": "pooled"},
     "sparsemixer-repo": {
@@ -87,13 +63,11 @@ BALANCE_SCOPES = ("pooled", "per-layer")
 class SparseMixerConfig(RouterConfig):
     """Options of the SparseMixer-v2 router (``top_k`` must be 1 or 2, the cases the reference supports)."""
 
-    # "grin" or "sparsemixer-repo": fills the options left at None with its preset (the module docstring's table).
-    reference: str = "grin"
-    # eps of the jitter mask: an expert i is excluded when (max_j l_j - l_i) / max(|l_i|, max_j l_j) > 2 * eps.
+    reference: str = "grin"  # "grin" | "sparsemixer-repo": preset for the options left at None
+    # jitter mask: expert i is excluded when (max_j l_j - l_i) / max(|l_i|, max_j l_j) > 2 * eps
     jitter_eps: float | None = None
     aux_loss_coeff: float | None = None  # alpha of the switch load-balancing loss; 0 turns it off
-    # Which experts f_i counts: "topk" (the k largest of the plain softmax) or "sampled" (the ones selected).
-    balance_map: str | None = None
+    balance_map: str | None = None  # f_i counts "topk" (k largest of the plain softmax) or "sampled" experts
     balance_scope: str | None = None  # "pooled" (one loss over all layers' logits) or "per-layer"
     init_std: float = 0.01
 
@@ -133,13 +107,8 @@ class SparseMixerConfig(RouterConfig):
 
 
 class BalancePool:
-    """The layers' softmax scores and assignment counts of one training forward, pooled into one loss.
-
-    Shared by the SparseMixer routers of one model (:meth:`SparseMixerRouter.link_layers`), ``num_layers`` L of
-    them. Each layer adds its entry once per forward; the entry that completes the set returns everything
-    concatenated, and the pool empties for the next forward. A layer that finds its own entry already there
-    (a forward that stopped midway) starts the pool again.
-    """
+    """The L layers' softmax scores and counts of one training forward, pooled into one loss. A layer finding
+    its own entry already there (a forward that stopped midway) restarts the pool."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
@@ -148,9 +117,7 @@ class BalancePool:
     def add(
         self, layer: int | None, scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Add one layer's ``scores_TE`` (with their graph) and ``tokens_per_expert_E``; return
-        ``(scores [L T, E], tokens_per_expert [E])`` over all layers, in layer order, when this entry completes
-        the set, otherwise None."""
+        """Add one layer's entry; once all L are in, return ``(scores [L T, E], counts [E])`` in layer order."""
         if layer in self._entries:
             self._entries.clear()
         self._entries[layer] = (scores_TE, tokens_per_expert_E)
@@ -162,13 +129,8 @@ class BalancePool:
 
 
 class SparseMixerV2Estimator(torch.autograd.Function):
-    """Forward: the weight ``pi_i * scale``. Backward: SparseMixer-v2's estimate ``g * pi_i * (e_i - pi)``.
-
-    ``pi`` is the softmax of the jitter-masked logits and i the selected expert. The backward is the
-    gradient of ``pi_i`` itself with respect to the logits, used as the estimate of the gradient of the
-    sampled routing (the ``scale`` of the forward is deliberately left out, as in the reference
-    ``v2core``). It is a gradient *estimator*, not the derivative of the forward: gradcheck does not apply.
-    """
+    """Forward: ``pi_i * scale``. Backward: SparseMixer-v2's estimate ``g * pi_i * (e_i - pi)``, d(pi_i)/d(logits)
+    without ``scale`` (as ``v2core``): an *estimator*, so gradcheck does not apply."""
 
     @staticmethod
     def forward(ctx, logits_TE, pi_TE, selected_T, scale_T):  # type: ignore[override]
@@ -188,10 +150,8 @@ class SparseMixerV2Estimator(torch.autograd.Function):
 def sparsemixer_v2_select(
     logits_TE: torch.Tensor, jitter_eps: float, training: bool, exclude_TE: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One SparseMixer-v2 selection (the first expert, or with ``exclude_TE``, ``[T, E]`` bool experts already
-    selected and masked out, the second) from the ``[T, E]`` float32 logits, which the gradient estimate flows
-    back to. In ``training`` it samples with Gumbel-max and applies the Heun mixing, otherwise it takes the
-    arg-max.
+    """One SparseMixer-v2 selection from ``[T, E]`` float32 logits (the second when ``exclude_TE`` masks the
+    first): Gumbel-max sampling and Heun mixing in ``training``, else the arg-max.
 
     Returns:
         ``weight_T`` (differentiable through :class:`SparseMixerV2Estimator`), ``selected_T`` (long),
@@ -201,9 +161,7 @@ def sparsemixer_v2_select(
         logits = logits_TE.detach()
         candidates_TE = logits if exclude_TE is None else logits.masked_fill(exclude_TE, float("-inf"))
         top_T1, top_index_T1 = candidates_TE.max(dim=-1, keepdim=True)
-        # Relative gap to the best candidate; as in the reference the denominator is |l_i| floored at
-        # the best logit, and the unmasked logits are compared (already-selected experts are removed by
-        # exclude_TE instead).
+        # Relative gap to the best candidate, |l_i| floored at the best logit, on unmasked logits (as the reference).
         factor_TE = logits.abs().clamp(min=top_T1)
         masked_TE = (top_T1 - logits) / factor_TE > 2 * jitter_eps
         if exclude_TE is not None:
@@ -228,19 +186,11 @@ def sparsemixer_v2_select(
 class SparseMixerRouter(GatedRouter):
     """SparseMixer-v2 (GRIN, Liu et al. 2024), top-1 or top-2.
 
-    logits = W h. For each of the k selections: experts far below the best remaining logit are masked
-    (jitter mask, eps = ``jitter_eps``); in training the expert is sampled by Gumbel-max from
-    ``pi = softmax(masked logits)``, at evaluation it is the arg-max; the second selection masks out the first
-    expert. The combine weight is ``pi_i`` times the Heun third-order mixing factor: 1 when the sampled expert
-    is the arg-max of pi, otherwise 1 with probability 1/4 and 1/3 with probability 3/4 (training only; the
-    reference writes 1/3 as 0.3333). The backward replaces the derivative of that sampled forward with
-    SparseMixer-v2's estimator ``dL/dlogits = g * pi_i * (e_i - pi)`` (g the incoming gradient of the weight),
-    summed over the k selections.
-
-    Aux loss: ``load_balancing_loss``, the module docstring's balancing loss, in training when alpha > 0
-    (pooled: only from the forward's last layer, which carries all layers' loss). Metrics:
-    ``sampled_not_argmax`` (share of selections that were not the arg-max), ``mean_scale`` (mean Heun factor)
-    and ``balance_loss`` (unscaled).
+    Per selection (:func:`sparsemixer_v2_select`; the second masks out the first): weight ``pi_i`` times the Heun
+    factor (1 for the arg-max of pi, else 1 w.p. 1/4 and 1/3 w.p. 3/4, training only; the reference writes 1/3
+    as 0.3333); backward ``dL/dlogits = g * pi_i * (e_i - pi)``, summed over the k selections. Aux loss:
+    ``load_balancing_loss`` (module docstring; training, alpha > 0). Metrics: ``sampled_not_argmax``,
+    ``mean_scale`` (mean Heun factor), ``balance_loss`` (unscaled).
     """
 
     Config = SparseMixerConfig
@@ -252,8 +202,7 @@ class SparseMixerRouter(GatedRouter):
 
     @classmethod
     def link_layers(cls, routers: list[SparseMixerRouter]) -> None:
-        """Give the SparseMixer routers of one model a shared :class:`BalancePool` (the pooled loss). Called by
-        the model builder (``repro.model.builder.build_model``) with all of them, once the model is built."""
+        """Give one model's SparseMixer routers a shared :class:`BalancePool` (``repro.model.builder`` calls it)."""
         pool = BalancePool(len(routers))
         for router in routers:
             router._pool = pool
@@ -263,9 +212,8 @@ class SparseMixerRouter(GatedRouter):
         self._layer_number = layer_number
 
     def balance_loss(self, scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor) -> torch.Tensor | None:
-        """The training balancing loss this layer returns (alpha applied), or None. Per layer (or alone, without
-        a pool): megatron's switch loss on this layer's scores. Pooled: None until the last layer of the
-        forward, which returns the switch loss of all layers' concatenated scores and summed counts."""
+        """This layer's training balancing loss (alpha applied): per layer (or without a pool) the switch loss on
+        its scores; pooled, None until the forward's last layer, which returns the loss over all layers."""
         cfg = self.config
         alpha, k, E = cfg.effective_aux_loss_coeff, cfg.top_k, cfg.num_experts
         if cfg.effective_balance_scope == "per-layer" or self._pool is None:
@@ -291,7 +239,7 @@ class SparseMixerRouter(GatedRouter):
             weight_T, selected_T, pi_TE, scale_T = sparsemixer_v2_select(
                 logits_TE, cfg.effective_jitter_eps, self.training, exclude_TE
             )
-            # A scatter, not F.one_hot: one_hot checks the class range with .item() on CPU (a host sync).
+            # Not F.one_hot: it checks the class range with .item() (a host sync).
             chosen_TE = torch.zeros_like(logits_TE, dtype=torch.bool).scatter_(1, selected_T[:, None], True)
             exclude_TE = chosen_TE if exclude_TE is None else exclude_TE | chosen_TE
             weights.append(weight_T)

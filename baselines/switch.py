@@ -1,14 +1,14 @@
 """Switch / dMoE: token-choice top-k routing with the load-balancing loss (megatron-core's TopKRouter).
 
 References:
-    Fedus, Zoph, Shazeer, "Switch Transformers: Scaling to Trillion Parameter Models with Simple and
-    Efficient Sparsity", JMLR 2022 (arXiv:2101.03961): top-1 routing, the load-balancing loss
-    ``alpha * E * sum_i f_i P_i``, expert capacity with token dropping.
-    Gale, Narayanan, Young, Zaharia, "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts",
-    MLSys 2023 (arXiv:2211.15841): dMoE, the same router made dropless.
+    Fedus, Zoph, Shazeer, "Switch Transformers: Scaling to Trillion Parameter Models with Simple and Efficient
+    Sparsity", JMLR 2022 (arXiv:2101.03961): top-1 routing, load-balancing loss ``alpha * E * sum_i f_i P_i``,
+    expert capacity with token dropping.
+    Gale, Narayanan, Young, Zaharia, "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", MLSys 2023
+    (arXiv:2211.15841): dMoE, the same router dropless.
     Zoph et al., "ST-MoE" (arXiv:2202.08906): the router z-loss.
-    Code: megatron-core 0.16.1 ``megatron/core/transformer/moe/router.py`` (``TopKRouter``) and
-    ``moe_utils.py``, whose functions this router calls so the maths is megatron-core's own.
+    Code: megatron-core 0.16.1 ``moe/router.py`` (``TopKRouter``) and ``moe_utils.py``, whose functions this
+    router calls.
 
 Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
 """
@@ -40,18 +40,13 @@ class SwitchConfig(RouterConfig):
 
     aux_loss_coeff: float = 1e-2  # alpha of the load-balancing loss (moe_aux_loss_coeff); 0 turns it off
     z_loss_coeff: float = 0.0  # coefficient of the router z-loss (moe_z_loss_coeff); 0 turns it off
-    # Softmax before the top-k (moe_router_pre_softmax): the k weights are the full softmax's values, not
-    # renormalised. None follows megatron-core: True for k = 1 (0.16.1 requires it: a softmax over one selected
-    # logit has zero gradient), its default False for k > 1 (softmax over the k selected logits, so the weights
-    # sum to one). ReMoE's dMoE launch scripts pass --moe-router-pre-softmax whatever k
-    # (scripts/train_llama_182m_moe.sh), so runs compared with ReMoE's numbers at k > 1 (the k sweeps) set True.
+    # Softmax before the top-k (moe_router_pre_softmax). None: megatron-core's True for k = 1 (a softmax over one
+    # logit has zero gradient), False for k > 1. ReMoE's dMoE scripts pass it at every k
+    # (scripts/train_llama_182m_moe.sh), so runs compared with ReMoE at k > 1 set True.
     pre_softmax: bool | None = None
-    # None is dropless (dMoE); a value c > 0 caps every expert at ceil((T * k / E) * c) tokens and drops the
-    # rest (moe_expert_capacity_factor).
+    # None: dropless (dMoE); c > 0 caps each expert at ceil((T * k / E) * c) tokens (moe_expert_capacity_factor)
     capacity_factor: float | None = None
-    # Which tokens an over-full expert keeps: "probs" (highest weight) or "position" (earliest)
-    # (moe_token_drop_policy).
-    drop_policy: str = "probs"
+    drop_policy: str = "probs"  # an over-full expert keeps "probs" (highest) or "position" (earliest) tokens
     init_std: float = 0.01
 
     def __post_init__(self) -> None:
@@ -78,32 +73,25 @@ class SwitchConfig(RouterConfig):
 class SwitchRouter(GatedRouter):
     """Token-choice top-k routing: Switch Transformer (k = 1) and dMoE, exactly megatron-core's TopKRouter.
 
-    logits = W h; probs and routing_map from megatron-core's ``topk_routing_with_score_function`` (softmax
-    score function); optional capacity dropping with ``apply_router_token_dropping``; in training with grad
-    enabled, the load-balancing loss ``alpha * E * sum_i f_i P_i`` (f_i: share of the k*T assignments going
-    to expert i before dropping, P_i: mean softmax probability of expert i) from
-    ``switch_load_balancing_loss_func`` and, when enabled, the z-loss ``coeff * mean_t logsumexp(logits_t)^2``
-    from ``z_loss_func``. The per-sequence aux loss variant is not offered.
+    Optional capacity dropping; in training, the load-balancing loss ``alpha * E * sum_i f_i P_i`` (f_i: expert
+    i's share of the k*T assignments before dropping, P_i: its mean softmax probability) and optionally the
+    z-loss ``coeff * mean_t logsumexp(logits_t)^2``. No per-sequence aux loss. Aux losses: ``load_balancing_loss``,
+    ``z_loss``. Metrics: ``balance_loss``, ``z_loss`` (unscaled), ``dropped_fraction``.
 
-    Differences from megatron-core's router, by design of the shared interface: the losses are returned
-    as named scalars (the megatron adapter attaches them with ``MoEAuxLossAutoScaler`` and logs them)
-    instead of being attached to ``probs``/``logits`` here, and the token counts are those of the local
-    micro-batch (megatron-core all-reduces them over the tensor/context-parallel group, a no-op when that
-    group has one rank; its z-loss coefficient is likewise divided by that group's size).
-
-    Aux losses: ``load_balancing_loss``, ``z_loss``. Metrics: ``balance_loss`` and ``z_loss`` (unscaled),
-    ``dropped_fraction``.
+    Unlike megatron-core, the losses are returned as named scalars (the adapter attaches them) and the counts are
+    the local micro-batch's (megatron all-reduces them over the tensor/context-parallel group, a no-op at one
+    rank, and divides its z-loss coefficient by its size).
     """
 
     Config = SwitchConfig
-    # The 185M runs and the k sweeps derived from them follow ReMoE's dMoE scripts (see ``pre_softmax``).
+    # The 185M runs and their k sweeps follow ReMoE's dMoE scripts (see ``pre_softmax``).
     recipe_overrides = {"185m": ("router.options.pre_softmax=true",)}
 
     @property
     def constraint(self) -> RoutingConstraint:
         cfg = self.config
         if cfg.capacity_factor is None:
-            # Dropless: exactly k experts; the post-top-k softmax makes the k weights sum to one.
+            # Dropless: exactly k; a post-top-k softmax makes the weights sum to one.
             return RoutingConstraint(
                 RoutingKind.EXACT_K, cfg.top_k, cfg.top_k, top_k=cfg.top_k, probs_sum_to_one=not cfg.use_pre_softmax
             )
@@ -126,13 +114,13 @@ class SwitchRouter(GatedRouter):
         )
         assigned_before_drop = routing_map_TE.sum() if self.collect_metrics else None
         if cfg.capacity_factor is not None:
-            # No padding to capacity: that is a dispatcher concern; the map stays "k at most".
+            # No padding to capacity (a dispatcher concern): the map stays "k at most".
             probs_TE, routing_map_TE = apply_router_token_dropping(
                 probs_TE, routing_map_TE, router_topk=cfg.top_k, capacity_factor=cfg.capacity_factor,
                 drop_policy=cfg.drop_policy, pad_to_capacity=False,
             )
 
-        # megatron-core computes the balance statistics from the full softmax and the undropped top-k.
+        # As megatron-core: balance statistics from the full softmax and the undropped top-k.
         aux_map_TE, scores_TE = compute_routing_scores_for_aux_loss(logits_TE, cfg.top_k, "softmax")
         if with_losses and cfg.aux_loss_coeff > 0:
             aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(

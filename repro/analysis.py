@@ -17,8 +17,7 @@ from routers.base import Router, RouterOutput
 
 @dataclass
 class RouterTrace:
-    """Per layer index, the routers' inputs (``hidden_TD``, float32) and outputs during a block of forwards
-    (detached, on the CPU)."""
+    """Per layer, the routers' inputs (``hidden_TD``, float32) and outputs, detached on the CPU."""
 
     inputs: dict[int, list[torch.Tensor]] = field(default_factory=dict)
     outputs: dict[int, list[RouterOutput]] = field(default_factory=dict)
@@ -26,8 +25,7 @@ class RouterTrace:
 
 @contextlib.contextmanager
 def trace_routers(model: nn.Module, keep_inputs: bool = False) -> Iterator[RouterTrace]:
-    """Record every router call of ``model`` (layers numbered in module order) inside the block, in the yielded
-    :class:`RouterTrace` (forward hooks, removed on exit); ``keep_inputs`` also keeps the T x D inputs."""
+    """Record ``model``'s router calls in the block into the yielded :class:`RouterTrace` (with inputs if asked)."""
     trace = RouterTrace()
     handles = []
     for layer, router in enumerate(m for m in model.modules() if isinstance(m, Router)):
@@ -55,17 +53,13 @@ def expert_specialisation(
 ) -> dict[str, object]:
     """Share of each domain's tokens routed to each expert, per layer (the paper's specialisation figure).
 
-    Documents run through ``forward`` in windows of ``seq_length`` tokens, one at a time (batch-coupled
-    routers see no other domain); a token counts once for every expert that receives it (a merge router such
-    as Lory: by its combine weights), normalised per (layer, domain). Expert Choice fills every expert to the
-    same capacity within a window, so its shares are uniform by construction.
+    Windows run one at a time (batch-coupled routers see no other domain); a token counts once per expert
+    receiving it (Lory: by combine weights). Expert Choice's shares are uniform by construction.
 
     Args:
-        forward: runs the model on ``[1, S]`` token ids (in eval mode, without gradients).
-        model: the model whose routers are traced (the one ``forward`` runs).
+        forward, model: runs the model on ``[1, S]`` ids (eval mode, no gradients); the model whose routers are traced.
         documents: ``(token_ids, domain)`` pairs.
-        seq_length: window length.
-        max_tokens_per_domain: stop reading a domain after this many tokens.
+        seq_length, max_tokens_per_domain: window length; tokens read per domain at most.
 
     Returns:
         ``{"domains": [...], "num_experts": E, "tokens": {domain: n}, "share": [[[float]*E]*domains]*L}``.
@@ -94,7 +88,7 @@ def expert_specialisation(
 
 
 def _routed(output: RouterOutput) -> torch.Tensor:
-    """``[E]`` tokens routed to each expert; the combine weights where every token goes everywhere (Lory)."""
+    """``[E]`` tokens routed per expert (combine weights if every token goes everywhere, as in Lory)."""
     if bool(output.routing_map.all()):
         return output.probs.sum(0)
     return output.routing_map.float().sum(0)
@@ -108,16 +102,14 @@ def has_sparsity_knob(router: Router) -> bool:
 def sparsity_knob(
     router: Router, hidden_TD: torch.Tensor, lambdas: Iterable[float], samples: int = 64, seed: int = 0
 ) -> dict[str, list[float]]:
-    """The sparsity knob of a router with a Dirichlet posterior ``Dir(lambda * beta(x))`` (DirMoE): expected
-    Simpson index of theta against lambda, in theory (the paper's Lemma per token, averaged over tokens) and
-    measured (Monte Carlo draws of theta from the same posterior).
+    """Expected Simpson index of theta ~ ``Dir(lambda * beta(x))`` (DirMoE) against lambda: by the paper's Lemma,
+    ``(lambda S2/B + 1) / (lambda B + 1)`` (B = sum beta, S2 = sum beta^2, token mean), and by Monte Carlo.
 
     Args:
-        router: a router with ``posterior_bases(hidden_TD)`` and ``posterior_scale`` (see :func:`has_sparsity_knob`).
-        hidden_TD: router inputs (e.g. captured with :func:`trace_routers`).
+        router: has ``posterior_bases(hidden_TD)`` and ``posterior_scale`` (:func:`has_sparsity_knob`).
+        hidden_TD: router inputs (e.g. from :func:`trace_routers`).
         lambdas: the scales to sweep.
-        samples: Dirichlet draws per token and lambda.
-        seed: RNG seed of the draws.
+        samples, seed: Dirichlet draws per token and lambda; their seed.
 
     Returns:
         ``{"lambda": [...], "theory": [...], "measured": [...], "trained_lambda": [the router's scale]}``.
@@ -126,7 +118,7 @@ def sparsity_knob(
     B_T = base_TE.sum(-1)
     S2_T = (base_TE * base_TE).sum(-1)
     out: dict[str, list[float]] = {"lambda": [], "theory": [], "measured": []}
-    # fork_rng: the draws are seeded without disturbing the caller's RNG stream.
+    # Seeded draws without disturbing the caller's RNG.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         for lam in lambdas:

@@ -36,15 +36,14 @@ COMMANDS: dict[str, Entry | dict[str, Entry]] = {
     "golden": ("repro.golden:main", "compare fresh runs with the golden loss curves (or --refresh them)"),
 }
 
-#: The commands of earlier versions, and what they are now (one line on use, never run silently).
+#: Retired commands -> their replacement (a one-line error on use, never run silently).
 MOVED = {"mini": "study mini", "ablation": "study ablation", "efficiency": "study efficiency",
          "tables": "report tables", "check": "report check", "writeup": "report writeup",
          "bench-table": "report bench", "eval-data": "eval fetch | eval check"}
 
 
 def _program() -> str:
-    """How the user called us: ``dirmoe-bench`` (the console script ``pip install`` puts on the PATH) or
-    ``python -m repro``."""
+    """How the user called us: ``dirmoe-bench`` (console script) or ``python -m repro``."""
     return "dirmoe-bench" if Path(sys.argv[0]).name == "dirmoe-bench" else "python -m repro"
 
 
@@ -60,7 +59,7 @@ def resolve(argv: list[str]) -> tuple[Entry, str, list[str]]:
     """The entry ``argv`` names, the words that named it, and the arguments left for it.
 
     Raises:
-        ReproError: an unknown command or subcommand (with the valid ones), or a command of an earlier version.
+        ReproError: an unknown command or subcommand (with the valid ones), or a retired command.
     """
     name = argv[0]
     if name in MOVED:

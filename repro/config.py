@@ -1,10 +1,8 @@
 """The run configuration: frozen dataclass sections (validated in ``__post_init__``) composed into one
 :class:`RunConfig` (docs/experiments.md, "Experiments").
 
-Overrides are dot-lists merged by OmegaConf's structured configs (:func:`apply_overrides`), which check keys,
-types and ``Literal`` choices; router options are typed by the router's config dataclass and validated by
-building it with the model's real sizes. OmegaConf rather than tyro: the suite merges data (an experiment, a
-router's recipe overrides, ``--set``) and round-trips ``config.json``, OmegaConf's core operations.
+Overrides are dot-lists merged by OmegaConf structured configs (:func:`apply_overrides`). OmegaConf rather than
+tyro: the suite merges data (experiment, recipe, ``--set``) and round-trips ``config.json``.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ def _finite(section: str, name: str, value: float) -> None:
 
 
 def _at_least(section: str, obj: Any, names: Iterable[str], low: float) -> None:
-    """Refuse a field of ``names`` below ``low`` or not finite (None passes: an optional field left unset)."""
+    """Refuse a field of ``names`` below ``low`` or not finite (None passes)."""
     for name in names:
         value = getattr(obj, name)
         if value is None:
@@ -47,11 +45,10 @@ def _at_least(section: str, obj: Any, names: Iterable[str], low: float) -> None:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The model: a flavour (``repro.flavours``) and the fields of it that a run may override
-    (``num_experts`` and ``top_k`` of MoE flavours only); ``precision`` ``auto`` is bf16 on GPU, fp32 on CPU;
-    ``backend`` and the torch backend's ``backend_options``: docs/efficiency.md, "Model backends";
-    ``fused_cross_entropy``: the output layer and the loss in one op without the [tokens, vocab] fp32 logits
-    (:mod:`repro.model.fused_loss`; ``none``, the default, is megatron's own path)."""
+    """A flavour (``repro.flavours``) and its overridable fields (``num_experts``/``top_k``: MoE only).
+    ``precision`` ``auto``: bf16 on GPU, fp32 on CPU; ``backend``/``backend_options``: docs/efficiency.md;
+    ``fused_cross_entropy``: output layer and loss in one op, no fp32 logits (:mod:`repro.model.fused_loss`;
+    ``none``: megatron's path)."""
 
     flavour: str = "tiny"
     num_experts: int | None = None
@@ -71,8 +68,7 @@ class ModelConfig:
                              f"got '{self.fused_cross_entropy}'")
 
     def flavour_config(self):
-        """The :class:`repro.flavours.ModelFlavour` with this section's overrides (ValueError if it
-        cannot take them)."""
+        """The :class:`repro.flavours.ModelFlavour` with these overrides (ValueError if it cannot take them)."""
         from repro.flavours import get_flavour
 
         overrides = {k: getattr(self, k) for k in ("num_experts", "top_k") if getattr(self, k) is not None}
@@ -83,9 +79,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RouterSpec:
-    """The router in every MoE layer: ``name`` a registered router, ``"megatron"`` (megatron-core's TopKRouter)
-    or None for a dense model; ``options`` fields of the router's config dataclass (unless set here,
-    ``schedule_steps`` and ``vocab_size`` are filled in from the run's steps and the padded vocabulary)."""
+    """The router of every MoE layer: a registered ``name``, ``"megatron"`` (TopKRouter) or None (dense);
+    ``options``: its config fields (``schedule_steps``, ``vocab_size`` default to the run's steps and vocabulary)."""
 
     name: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
@@ -96,13 +91,12 @@ class OptimizerConfig:
     """AdamW (torch's on CPU, megatron's on GPU) and gradient clipping.
 
     Args:
-        weight_decay: decoupled weight decay (not on biases and 1-D parameters, as megatron).
+        weight_decay: decoupled, not on biases and 1-D parameters (as megatron).
         clip_grad: global gradient-norm clip (0 disables).
         distributed: GPU only: megatron's distributed optimizer (state sharded over data-parallel ranks).
-        foreach_fallbacks: GPU only: megatron's TE-free gradient-norm and scale fallbacks (a host
-            synchronisation per parameter tensor) replaced by ``torch._foreach_*`` ops
-            (:func:`repro.training.optim.foreach_optimizer_fallbacks`); off by default: the norm differs from
-            the fallback's by fp32 reduction order, so recorded runs would not repeat bit for bit.
+        foreach_fallbacks: GPU only: ``torch._foreach_*`` for megatron's per-tensor-sync TE-free fallbacks
+            (:func:`repro.training.optim.foreach_optimizer_fallbacks`); off: its fp32 reduction order would
+            break bit-exact reruns.
     """
 
     lr: float = 1e-3
@@ -127,8 +121,8 @@ class OptimizerConfig:
 
 @dataclass(frozen=True)
 class ScheduleConfig:
-    """The run's optimizer ``steps`` and its learning-rate schedule: linear warmup over ``warmup_steps`` (None:
-    ``warmup_fraction`` of ``steps``), cosine decay to ``min_lr`` (at most ``optimizer.lr``)."""
+    """Optimizer ``steps``; linear warmup over ``warmup_steps`` (None: ``warmup_fraction`` of ``steps``), then
+    cosine decay to ``min_lr`` (<= ``optimizer.lr``)."""
 
     steps: int = 100
     warmup_fraction: float = 0.01
@@ -155,16 +149,13 @@ class DataConfig:
     """Where the tokens come from and how many a step takes.
 
     Args:
-        source: ``synthetic`` (seeded, no files), ``mini-pile`` / ``mini-pile:<dir>`` (the embedded corpus, built
-            on first use, default dir ``data/mini-pile``), or ``pile:<prefix>`` / ``indexed:<prefix>`` (megatron
-            indexed-dataset path prefixes, comma-separated for several).
-        tokenizer: directory with the GPT-2 BPE ``vocab.json`` and ``merges.txt`` (default: the first prefix's).
-        vocab_size: vocabulary of the synthetic source (None: 512); real data takes the tokenizer's.
-        synthetic_samples: distinct synthetic sequences before they repeat (0: never repeat).
-        micro_batch_size / global_batch_size: sequences per forward pass on one data-parallel rank / per
-            optimizer step over all ranks.
-        similarity_batching: train on chains of similar documents (Lory's, :mod:`repro.data.similarity`);
-            indexed data only (``config.json`` says so on synthetic tokens).
+        source: ``synthetic`` (seeded), ``mini-pile[:<dir>]`` (embedded corpus, built on first use), or
+            comma-separated megatron indexed prefixes ``pile:<prefix>`` / ``indexed:<prefix>``.
+        tokenizer: directory with GPT-2 BPE ``vocab.json`` and ``merges.txt`` (default: the first prefix's).
+        vocab_size, synthetic_samples: synthetic vocabulary (None: 512; real data: the tokenizer's); distinct
+            synthetic sequences before they repeat (0: never).
+        micro_batch_size / global_batch_size: sequences per forward pass per rank / per optimizer step, all ranks.
+        similarity_batching: chains of similar documents (Lory, :mod:`repro.data.similarity`); indexed data only.
     """
 
     source: str = "synthetic"
@@ -188,7 +179,7 @@ class DataConfig:
                              f"data.micro_batch_size {self.micro_batch_size}")
 
     def num_microbatches(self, dp_size: int) -> int:
-        """Gradient-accumulation count for ``dp_size`` data-parallel ranks (ReproError if it is not whole)."""
+        """Gradient-accumulation steps for ``dp_size`` ranks (ReproError if not whole)."""
         per_step = self.micro_batch_size * dp_size
         if self.global_batch_size % per_step:
             raise ReproError(f"data.global_batch_size {self.global_batch_size} is not a multiple of micro_batch_size x "
@@ -198,7 +189,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor- and expert-parallel sizes (data parallelism is what ``torchrun`` adds on top)."""
+    """Tensor- and expert-parallel sizes (``torchrun`` adds data parallelism)."""
 
     tp: int = 1
     ep: int = 1
@@ -213,12 +204,9 @@ class CheckpointConfig:
 
     Args:
         interval: steps between checkpoints (0: only the final one).
-        init_from: a checkpoint whose model weights initialise the run (any DP/EP layout); the optimizer, data
-            position and step start fresh.
-        init_router_step: with ``init_from``, the routers' step schedules go on from the checkpoint's step
-            (``python -m repro study efficiency --init-from``); the LR schedule and the run's step start at 0.
-        layout_independent_init: with ``parallel.ep > 1``, build the full model once under EP=1 and keep this
-            rank's experts from it, so the initial weights equal a one-process run's.
+        init_from: checkpoint whose model weights start the run (any DP/EP layout); optimizer, data and step fresh.
+        init_router_step: with ``init_from``, router step schedules continue from its step (LR schedule restarts).
+        layout_independent_init: with EP > 1, initial weights equal a one-process run's (built under EP=1).
     """
 
     interval: int = 0
@@ -232,18 +220,14 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Progress reporting and routing diagnostics (``log.jsonl`` has a row for every step whatever this says).
+    """Progress reporting and routing diagnostics (``log.jsonl`` gets a row every step regardless).
 
     Args:
-        interval: steps between progress-bar updates of the loss and throughput, and between TensorBoard rows.
-        metrics_interval: the routers compute their diagnostic metrics (the rows' ``routing``,
-            ``routing_per_expert``, ``router_stats``) on step 1, every ``metrics_interval`` steps and the last
-            step only, forcing no host synchronisation on the others; 1 (default): every step, as the
-            committed results were made. Training is identical whatever it is.
-        tensorboard / tensorboard_dir: also write TensorBoard events (the optional extra ``tensorboard``), into
-            ``tensorboard_dir`` (None: ``<run dir>/tensorboard``).
-        trace_step: record step ``trace_step`` (>= 2; 0: none) with the torch profiler into ``<run dir>/trace/``
-            (:mod:`repro.training.trace`): the Chrome trace, the top kernels and the routers' share of the step.
+        interval: steps between progress-bar and TensorBoard updates.
+        metrics_interval: routers compute diagnostics (which sync the host) on step 1, every this many steps and
+            the last; training is unaffected. 1 (default) matches the committed results.
+        tensorboard / tensorboard_dir: also write TensorBoard events (default dir ``<run dir>/tensorboard``).
+        trace_step: profile this step (>= 2; 0: none) into ``<run dir>/trace/`` (:mod:`repro.training.trace`).
     """
 
     interval: int = 1
@@ -262,8 +246,7 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class ValidationConfig:
-    """Validation loss on the held-out split every ``interval`` steps (0: none) and at the last step, over
-    ``iters`` micro-batches per data-parallel rank."""
+    """Held-out loss every ``interval`` steps (0: none) and at the last, over ``iters`` micro-batches per rank."""
 
     interval: int = 0
     iters: int = 2
@@ -274,8 +257,7 @@ class ValidationConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything a training run needs except where it writes (``--out``) and how many processes run it:
-    the experiment's ``name``, the ``seed`` (model init, router noise, synthetic data) and the sections."""
+    """A run minus output dir and process count: ``name``, ``seed`` (init, router noise, data) and sections."""
 
     name: str
     seed: int = 1234
@@ -300,8 +282,7 @@ class RunConfig:
         return self.model.seq_length or self.model.flavour_config().seq_length
 
     def router_options(self) -> dict[str, Any]:
-        """``router.options`` plus ``schedule_steps=schedule.steps`` when the router has that option unset, so
-        step-dependent schedules (DirMoE's temperature and prior scale) span the whole run."""
+        """``router.options``; ``schedule_steps`` defaults to ``schedule.steps`` so step schedules span the run."""
         options = dict(self.router.options)
         name = self.router.name
         if name and name != MEGATRON_ROUTER and "schedule_steps" not in options:
@@ -310,9 +291,8 @@ class RunConfig:
         return options
 
     def router_options_in_effect(self) -> dict[str, Any]:
-        """Every option of the run's router with the value it runs with: :meth:`router_options` over the
-        router's own defaults (``{}`` for a dense run; megatron's TopKRouter: its options as given). What
-        ``--show`` prints and ``config.json`` records, so no default is invisible."""
+        """Every router option with its effective value (:meth:`router_options` over the router's defaults;
+        ``{}`` if dense), as ``--show`` prints and ``config.json`` records."""
         name = self.router.name
         if not name:
             return {}
@@ -332,8 +312,7 @@ class RunConfig:
         return {**defaults, **given}
 
     def model_kwargs(self) -> dict[str, Any]:
-        """What training and evaluation hand :func:`repro.model.builder.build_model` besides the vocabulary,
-        the sequence length and the precision."""
+        """Arguments for :func:`repro.model.builder.build_model` besides vocabulary, sequence length, precision."""
         return dict(
             flavour=self.model.flavour_config(),
             router_name=self.router.name,
@@ -349,9 +328,8 @@ class RunConfig:
 
     @classmethod
     def stored_dict(cls, data: Any) -> dict[str, Any] | None:
-        """A stored config (``config.json``'s ``experiment``) as :meth:`to_dict` writes it today: fields added
-        since it was written take their defaults, so an earlier run compares equal to the same run now.
-        None when it is not a valid config."""
+        """A stored ``config.json`` ``experiment`` normalised by :meth:`to_dict` (missing fields take defaults,
+        so older runs compare equal); None if invalid."""
         try:
             return cls.from_dict(data).to_dict()
         except (ReproError, TypeError, ValueError):
@@ -408,8 +386,7 @@ def _router_option_fields(router: str) -> dict[str, Any]:
 
 
 def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, Any]:
-    """``options`` with values converted to the types of the router's config fields (ReproError on an unknown
-    option, listing the valid ones, or a value of the wrong type)."""
+    """``options`` converted to the router's config field types (ReproError on unknown options or bad types)."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
@@ -421,7 +398,6 @@ def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, A
         )
     if not options:
         return {}
-    # A structured schema of just the given options (no defaults: every field is given).
     schema = dataclasses.make_dataclass(f"{router}_options", [(name, fields[name]) for name in options])
     try:
         typed = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), dict(options)))
@@ -431,8 +407,7 @@ def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, A
 
 
 def check_router_options(config: RunConfig) -> None:
-    """Build the router's config dataclass with the model's real sizes, so a bad value fails now (ReproError
-    with the router's own message, or for options on a dense model)."""
+    """Build the router's config with the model's real sizes so a bad value fails now (ReproError)."""
     name = config.router.name
     if name is None:
         if config.router.options:
@@ -464,14 +439,11 @@ def check_router_options(config: RunConfig) -> None:
 def apply_overrides(config: RunConfig, assignments: Iterable[str]) -> RunConfig:
     """Apply dot-list overrides (the ``--set`` options) to a config.
 
-    Keys are dotted field paths (``schedule.steps=100``, ``optimizer.lr=3e-4``, ``model.precision=fp32``);
-    router options are ``router.options.NAME=VALUE``, typed by the router's config field ``NAME``;
-    ``router.name=NAME`` changes the router and drops the previous router's options; ``null`` sets an
-    optional field to None. Later assignments win.
+    Keys are dotted paths (``schedule.steps=100``); ``router.options.NAME=VALUE`` is typed by the router's field;
+    ``router.name=NAME`` drops the previous router's options; ``null`` sets None. Later assignments win.
 
     Raises:
-        ReproError: a malformed assignment, an unknown key (with the valid keys), a value of the wrong type
-            or out of range: one line naming the key.
+        ReproError: malformed assignment, unknown key (listing valid keys), bad type or range; one line.
     """
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException

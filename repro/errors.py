@@ -10,8 +10,7 @@ class ReproError(Exception):
 
 
 def unknown_name(kind: str, name: str, valid: Sequence[str]) -> str:
-    """The one-line message for a mistyped name: ``unknown router 'dirmo'; did you mean 'dirmoe'? valid: ...``
-    (the suggestion only where a valid name is close, by :func:`difflib.get_close_matches`)."""
+    """``unknown router 'dirmo'; did you mean 'dirmoe'? valid: ...`` (a suggestion only if one is close)."""
     import difflib
 
     close = difflib.get_close_matches(name, list(valid), n=1, cutoff=0.6)

@@ -4,10 +4,9 @@ and ``<router>+<variant>-*`` for the variants a router declares (``Router.varian
 flavour (``repro.flavours``). Each is the flavour's recipe (:data:`RECIPES`) with the router set, then the router's
 declared overrides for that flavour (``Router.recipe_overrides``) as dot-lists. No router is special-cased here.
 
-Settings of the 185M recipe and where they come from: ReMoE's published launch script (thu-ml/ReMoE,
-``train_llama_*_remoe.sh``): micro batch 16, global batch 512 x 1024 tokens, 60k iterations, LR 5e-4 cosine to
-5e-5, warmup fraction 0.01, clip 1.0, bf16, Megatron's default AdamW (betas (0.9, 0.999), eps 1e-8, weight
-decay 0.01), eval every 1000 iterations over 100 batches, checkpoint every 2500.
+The 185M recipe follows ReMoE's published launch script (thu-ml/ReMoE, ``train_llama_*_remoe.sh``): micro batch
+16, global batch 512 x 1024 tokens, 60k iterations, LR 5e-4 cosine to 5e-5, warmup 0.01, clip 1.0, bf16,
+Megatron's default AdamW, eval every 1000 iterations over 100 batches, checkpoint every 2500.
 """
 
 from __future__ import annotations
@@ -34,8 +33,7 @@ DENSE = "dense"
 
 
 def _tiny(router: str | None) -> RunConfig:
-    # CPU-sized: a few hundred steps of the tiny flavour on the embedded mini-pile (the suite's CPU default,
-    # the same pipeline as The Pile) take minutes on 2 cores. Tests switch to data.source=synthetic.
+    # CPU-sized: the tiny flavour on the embedded mini-pile (same pipeline as The Pile). Tests use synthetic data.
     return RunConfig(
         name=f"{router or DENSE}-tiny",
         model=ModelConfig(flavour="tiny" if router else "tiny-dense"),
@@ -68,8 +66,7 @@ RECIPES: dict[str, Callable[[str | None], RunConfig]] = {"tiny": _tiny, "185m": 
 
 
 def experiment_routers(variants: bool = False) -> list[str]:
-    """Every router with experiments: the registered routers (with ``variants``, also their declared variants
-    as ``<router>+<variant>``), megatron-core's TopKRouter, and dense."""
+    """Registered routers (and ``<router>+<variant>`` with ``variants``), megatron's TopKRouter, and dense."""
     import routers
 
     names = routers.available_routers()
@@ -91,11 +88,10 @@ def _declared_overrides(router: str | None, variant: str | None, flavour: str) -
 
 
 def build_experiment(router: str, flavour: str) -> RunConfig:
-    """The experiment of ``router`` (a router name, ``<router>+<variant>``, or ``dense``) at ``flavour`` (a key of
-    :data:`RECIPES`).
+    """The experiment of ``router`` (a name, ``<router>+<variant>``, or ``dense``) at ``flavour`` (:data:`RECIPES`).
 
     Raises:
-        ReproError: an unknown flavour, router or variant, or declared overrides that do not fit the recipe.
+        ReproError: an unknown flavour, router or variant, or declared overrides not fitting the recipe.
     """
     if flavour not in RECIPES:
         raise ReproError(f"unknown flavour '{flavour}'; valid: {', '.join(RECIPES)}")

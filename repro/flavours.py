@@ -33,10 +33,9 @@ def refuse_unknown(given: Iterable[str], valid: Iterable[str], what: str, where:
 
 @dataclass(frozen=True)
 class ModelFlavour:
-    """One model's architecture: ``num_query_groups`` GQA key/value heads, ``ffn_hidden_size`` the SwiGLU FFN
-    width of one expert (or of the dense FFN), ``num_experts`` E (None: dense), ``top_k`` the nominal experts
-    per token, ``seq_length`` also RoPE's maximum position, ``vocab_size`` before padding (None: given at
-    build time), ``token_dispatcher`` megatron-core's (``"alltoall"`` or ``"allgather"``)."""
+    """One model's architecture: ``num_query_groups`` GQA heads, ``ffn_hidden_size`` one expert's (or the dense)
+    SwiGLU width, ``num_experts`` E (None: dense), ``top_k`` nominal, ``seq_length`` also RoPE's max position,
+    ``vocab_size`` before padding (None: at build time), ``token_dispatcher`` ``"alltoall"``/``"allgather"``."""
 
     name: str
     num_layers: int
@@ -79,8 +78,7 @@ class ModelFlavour:
         return self.hidden_size // self.num_attention_heads
 
     def padded_vocab_size(self, vocab_size: int | None = None, tp: int = 1) -> int:
-        """The embedding/output size V: ``vocab_size`` (default this flavour's) padded to a multiple of
-        ``128 * tp`` (Megatron-LM's rule)."""
+        """Embedding/output size V: ``vocab_size`` (default this flavour's) padded to ``128 * tp`` (Megatron-LM)."""
         size = vocab_size if vocab_size is not None else self.vocab_size
         if size is None:
             raise ValueError(f"flavour '{self.name}' has no vocab_size; pass the tokenizer's size")
@@ -114,7 +112,7 @@ _FLAVOURS: dict[str, ModelFlavour] = {
 }
 
 
-#: Names of earlier versions -> the flavour now: a run directory or record written under the old name still loads.
+#: Legacy names -> current flavour, so runs and records written under an old name still load.
 RENAMED: dict[str, str] = {"llama-185m": "185m", "llama-185m-dense": "185m-dense"}
 
 
@@ -124,8 +122,7 @@ def available_flavours() -> list[str]:
 
 
 def get_flavour(name: str | ModelFlavour, **overrides) -> ModelFlavour:
-    """Look a flavour up by name (a :class:`ModelFlavour` is passed through), optionally overriding fields
-    (ValueError naming the valid ones for an unknown name or field)."""
+    """A flavour by name (or passed through), fields optionally overridden (ValueError naming valid ones)."""
     if isinstance(name, ModelFlavour):
         flavour = name
     else:

@@ -18,20 +18,18 @@ from pathlib import Path
 from repro.errors import ReproError
 
 GOLDEN_DIR = Path(__file__).resolve().parents[1] / "tests" / "assets" / "losses"
-#: A few routers of different kinds: softmax top-k, DirMoE's sampled Dirichlet routing, a fixed map that
-#: reads token ids, and parameter merging on similarity-batched data.
+#: Routers of different kinds: softmax top-k, sampled Dirichlet, fixed token-id map, parameter merging.
 ROUTERS: tuple[str, ...] = ("switch", "dirmoe", "hash", "lory")
 STEPS = 30
-#: Per-step tolerance: |new - golden| <= ATOL + RTOL * |golden|. The runs are deterministic on one machine
-#: (identical to the last bit); the tolerance absorbs float32 differences between CPU instruction sets.
+#: Per-step tolerance |new - golden| <= ATOL + RTOL * |golden|: runs are bit-exact on one machine; this absorbs
+#: float32 differences between CPU instruction sets.
 RTOL, ATOL = 1e-4, 1e-5
 REFRESH = "python -m repro golden --refresh"
 
 
 @dataclass(frozen=True)
 class GoldenCurve:
-    """One router's curve: the training loss (LM plus aux losses) of steps 1..N of its ``<router>-tiny``
-    experiment, the corpus fingerprint (:func:`corpus_fingerprint`) and the torch version."""
+    """Training loss (LM plus aux) of steps 1..N of ``<router>-tiny``, corpus fingerprint and torch version."""
 
     router: str
     losses: tuple[float, ...]
@@ -89,7 +87,7 @@ def write_golden(curve: GoldenCurve, root: Path = GOLDEN_DIR) -> Path:
 
 
 def read_golden(router: str, root: Path = GOLDEN_DIR) -> GoldenCurve:
-    """Read a curve file (a ReproError naming the file and line when it is missing or malformed)."""
+    """Read a curve file (ReproError naming file and line if missing or malformed)."""
     path = golden_path(router, root)
     meta: dict[str, str] = {}
     losses: list[float] = []

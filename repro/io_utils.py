@@ -1,12 +1,9 @@
 """Safe writes: readers never see a partial file, failures leave nothing behind, nothing the writer did not
 make is removed or written through.
 
-The rules every command's output goes through (docs/failures.md): a regular file at the final path is
-replaced atomically unless the caller's ``replace`` predicate (recognising the command's own earlier output,
-for user-typed paths such as ``eval --out``) says no; a directory only when ``replace`` recognises it, never
-on the strength of its path alone; a symbolic link or special file never. Any ``OSError`` while writing
-becomes one :class:`ReproError` line, ``"<cause>: <path>"``, after the temporary files and the parent
-directories the write created are removed.
+Rules (docs/failures.md): a file is replaced atomically unless ``replace`` (recognising the command's own
+output) says no; a directory only if ``replace`` recognises it; a symlink or special file never. An ``OSError``
+becomes one :class:`ReproError` line, ``"<cause>: <path>"``, after the write's temporaries are removed.
 """
 
 from __future__ import annotations
@@ -32,9 +29,8 @@ def os_error_message(exc: BaseException, path: str | os.PathLike) -> str:
     """One line for a failed write: ``"<cause>: <path>"`` (``no space left on device: runs/x``).
 
     Args:
-        exc: the ``OSError``, or an exception whose ``__context__``/``__cause__`` chain holds one (torch's
-            zip writer raises ``RuntimeError: ... unexpected pos`` with the ``OSError`` as its context).
-        path: the path to name (the user's output path, not a temporary name).
+        exc: the ``OSError``, or an exception chaining one (torch's zip writer raises ``RuntimeError``).
+        path: the user's output path, not a temporary name.
     """
     os_exc = find_os_error(exc)
     if os_exc is not None and os_exc.errno:
@@ -45,7 +41,7 @@ def os_error_message(exc: BaseException, path: str | os.PathLike) -> str:
 
 
 def find_os_error(exc: BaseException | None) -> OSError | None:
-    """The first ``OSError`` in ``exc``'s chain (itself, then its ``__cause__``/``__context__``), or None."""
+    """The first ``OSError`` in ``exc``'s cause/context chain (itself first), or None."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         if isinstance(exc, OSError):
@@ -58,12 +54,12 @@ def find_os_error(exc: BaseException | None) -> OSError | None:
 def error_from_os_error(
     exc: BaseException, path: str | os.PathLike, temp_dir: str | os.PathLike | None = None
 ) -> ReproError | None:
-    """The one-line :class:`ReproError` to raise for an ``OSError`` in ``exc``'s chain (None if there is none).
+    """The one-line :class:`ReproError` for an ``OSError`` in ``exc``'s chain (None if there is none).
 
     Args:
         exc: the exception caught while writing.
-        path: the output the user named (reported unless the error names another file).
-        temp_dir: the writer's temporary directory: an error on a file in it is an error writing ``path``.
+        path: the user's output (reported unless the error names another file).
+        temp_dir: the writer's temporary directory; errors inside it are reported as ``path``.
     """
     os_exc = find_os_error(exc)
     if os_exc is None:
@@ -87,15 +83,12 @@ def _kind(path: Path) -> str | None:
 
 
 def check_output_path(path: str | os.PathLike, replace: Recognise | None = None, *, probe: bool = False) -> None:
-    """Refuse, before any work, an output path whose content the write may not replace (the module's rules,
-    which :func:`atomic_path` applies again when it commits): a bad ``--out`` fails in a second.
+    """Refuse, before any work, an output path the module's rules forbid replacing (re-checked on commit).
 
     Args:
         path: the output path.
-        replace: recognises the command's own earlier output (None: a regular file may be replaced, a
-            directory may not).
-        probe: also create (and remove) a temporary file beside ``path``, so that a read-only or full file
-            system, or a parent that is a regular file, is reported now.
+        replace: recognises the command's own earlier output (None: files may be replaced, directories not).
+        probe: also create and remove a temporary file beside ``path``, to report unwritable parents now.
     """
     final = Path(path)
     kind = _kind(final)
@@ -123,8 +116,7 @@ def check_output_path(path: str | os.PathLike, replace: Recognise | None = None,
 
 
 def make_parents(directory: str | os.PathLike, where: str | os.PathLike | None = None) -> list[Path]:
-    """``mkdir -p directory`` with one-line errors naming ``where`` (default ``directory``); returns the
-    directories it created, outermost first, for :func:`remove_empty_dirs` after a failed write."""
+    """``mkdir -p directory``, errors naming ``where``; returns the directories created, outermost first."""
     directory = Path(directory)
     where = directory if where is None else Path(where)
     missing = []
@@ -149,11 +141,10 @@ def make_parents(directory: str | os.PathLike, where: str | os.PathLike | None =
 
 
 def make_temp_dir(final: str | os.PathLike) -> tuple[Path, list[Path]]:
-    """A new temporary directory beside ``final`` (``.<name>.<random>.tmp``), its missing parents made first.
+    """A new temporary directory ``.<name>.<random>.tmp`` beside ``final``, missing parents made first.
 
     Returns:
-        ``(the directory, the parents made for it)``, for :func:`remove_empty_dirs` after a failed write
-        (one-line errors name ``final``).
+        ``(directory, parents made)`` (for :func:`remove_empty_dirs`).
     """
     final = Path(final)
     created = make_parents(final.parent, final)
@@ -175,10 +166,8 @@ def remove_empty_dirs(created: list[Path]) -> None:
 def atomic_path(path: str | os.PathLike, *, replace: Recognise | None = None) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success rename it onto ``path``, on error delete it.
 
-    For a file or a directory written at the yielded (not yet existing) path. What is at ``path`` follows the
-    module's rules, checked before the body and again before the rename (``replace``: as
-    :func:`check_output_path`). A replaced directory is first moved into the temporary directory, so a
-    failure of the final rename puts it back.
+    The module's rules are checked before the body and again before the rename (``replace``: as
+    :func:`check_output_path`). A replaced directory is moved aside first, so a failed rename puts it back.
     """
     final = Path(path)
     check_output_path(final, replace)
@@ -204,7 +193,7 @@ def atomic_path(path: str | os.PathLike, *, replace: Recognise | None = None) ->
 
 
 def _commit(tmp: Path, final: Path, tmp_dir: Path, replace: Recognise | None) -> None:
-    """Rename ``tmp`` onto ``final`` under the module's rules (checked again: the body may have run long)."""
+    """Rename ``tmp`` onto ``final``, re-checking the module's rules (the body may have run long)."""
     check_output_path(final, replace)
     kind, new_is_dir = _kind(final), tmp.is_dir() and not tmp.is_symlink()
     try:
@@ -257,11 +246,7 @@ def read_json(path: str | os.PathLike, default: Any = None) -> Any:
 
 
 def check_output_dir(path: str | os.PathLike, marker: str, command: str) -> None:
-    """Refuse ``--out`` unless it is new, empty, or an earlier output of ``command`` (it holds ``marker``).
-
-    For commands that write several files into one directory: another command's directory is refused before
-    any work, never overwritten file by file (``command``: in words, for the error).
-    """
+    """Refuse an ``--out`` directory unless new, empty, or ``command``'s earlier output (holds ``marker``)."""
     out = Path(path)
     if out.is_symlink() or (out.exists() and not out.is_dir()):
         raise ReproError(f"{out}: exists and is not a directory; choose a new --out")
@@ -285,11 +270,10 @@ def claim_run_dir(run_dir: Path, *, marker: str, owner: str, command: str, keep:
     """Make ``run_dir`` a run directory of this command (it holds ``marker``); refuse one it did not create.
 
     Args:
-        run_dir: the run directory.
-        marker: the file a run directory created by the command holds.
+        run_dir, marker: the run directory; the file marking one this command created.
         owner: the command in words, for the error (``the mini comparison``).
-        command: the command line written into the marker (``python -m repro study mini``).
-        keep: keep an existing directory of this command as it is (to resume in it), else empty it.
+        command: the command line written into the marker.
+        keep: keep an existing directory of this command (to resume), else empty it.
     """
     if run_dir.is_symlink():  # never replaced, nor followed: what it points at is not this command's
         raise ReproError(f"{run_dir}: is a symbolic link; move it away or choose another --work-dir")
@@ -311,10 +295,8 @@ _OPEN_FLAGS = {"r": os.O_RDONLY, "w": os.O_WRONLY | os.O_CREAT | os.O_TRUNC,
 def open_in_dir(root: str | os.PathLike, name: str | os.PathLike, mode: str = "r", **kwargs: Any) -> IO:
     """``open(root / name, mode)``, refusing a path that leaves ``root`` (``..``, or a symlink pointing out).
 
-    For files a command keeps open in its own output directory (a run's ``log.jsonl``): one planted as a
-    symlink to a file elsewhere must not get the run's records appended. Symlinks that stay inside ``root``
-    are followed; the resolved path is opened with ``O_NOFOLLOW``, so a link swapped in after the check is
-    refused too. ``mode``: ``r``, ``w`` or ``a`` (with ``b`` or ``t``); ``kwargs`` go to :func:`os.fdopen`.
+    So a planted symlink cannot redirect a run's writes; ``O_NOFOLLOW`` also refuses a link swapped in after the
+    check. ``mode``: ``r``, ``w`` or ``a`` (with ``b``/``t``); ``kwargs`` go to :func:`os.fdopen`.
     """
     root_path = Path(root)
     path = root_path / name

@@ -1,14 +1,11 @@
 """Multi-node launch: torchrun with c10d rendezvous, SLURM batch scripts, ``python -m repro launch``.
 
-Pure functions that build commands and files (only the standard library: ``noxfile.py`` imports it without
-torch); their use: docs/clusters.md. Following torchtitan and Megatron-LM (DESIGN.md 9): one ``torchrun`` per
-node with an elastic c10d rendezvous (no node rank to hand out, any node may start first). Processes started
-by ``srun`` directly get their ranks from :func:`repro.model.parallel.rank_environment`.
+Pure stdlib functions (``noxfile.py`` imports it without torch; docs/clusters.md). As torchtitan and Megatron-LM
+(DESIGN.md 9): one ``torchrun`` per node, elastic c10d rendezvous (no node ranks, any start order).
 
-Defaults the references leave open (docs/clusters.md): (1) rendezvous port 29500 in the SLURM script;
-(2) ``srun --kill-on-bad-exit=1``, so a failed node ends the step instead of leaving the others waiting
-until the NCCL timeout; (3) ``--max_restarts=0``: resuming is an explicit ``--resume``, not an elastic
-restart; (4) a ``train`` command checkpoints, stops and requeues itself 300 s ahead of the time limit.
+Defaults the references leave open: (1) rendezvous port 29500; (2) ``srun --kill-on-bad-exit=1``, so a failed
+node ends the step rather than others waiting for the NCCL timeout; (3) ``--max_restarts=0``: resuming is an
+explicit ``--resume``; (4) ``train`` checkpoints, stops and requeues 300 s before the time limit.
 """
 
 from __future__ import annotations
@@ -35,11 +32,9 @@ class Launch:
     """How many processes, where, and how they meet.
 
     Args:
-        nodes: machines taking part (torchrun ``--nnodes``).
-        gpus_per_node: processes per machine (``--nproc_per_node``).
-        endpoint: ``HOST:PORT`` of the c10d rendezvous, one of the nodes that every node reaches; required for
-            more than one node (one node without it runs ``--standalone``).
-        rdzv_id: the rendezvous id, the same on every node and different between concurrent jobs.
+        nodes, gpus_per_node: torchrun ``--nnodes``, ``--nproc_per_node``.
+        endpoint: c10d rendezvous ``HOST:PORT`` all nodes reach; required above one node (else ``--standalone``).
+        rdzv_id: rendezvous id, the same on every node, unique per concurrent job.
     """
 
     nodes: int = 1
@@ -69,8 +64,7 @@ def torchrun_args(launch: Launch) -> list[str]:
 
 
 def torchrun_command(launch: Launch, program: Sequence[str], launcher: Sequence[str] = ("torchrun",)) -> list[str]:
-    """The command each node runs: ``launcher`` (``torchrun``, or ``python -m torch.distributed.run`` where
-    scripts are not on PATH), its options for ``launch``, then ``program`` (e.g. ``-m repro train ...``)."""
+    """The command each node runs: ``launcher``, its options for ``launch``, then ``program``."""
     return [*launcher, *torchrun_args(launch), *program]
 
 
@@ -79,15 +73,11 @@ class SlurmJob:
     """A SLURM batch job running one torchrun per node.
 
     Args:
-        nodes: nodes to allocate.
-        gpus_per_node: GPUs per node, one process each.
+        nodes, gpus_per_node: nodes to allocate; GPUs per node, one process each.
         job_name, time, partition, account, output: the ``#SBATCH`` options (None: SLURM's default).
-        port: the rendezvous port on the head node.
-        python: the interpreter on the nodes (the environment holding torch and the project).
-        setup: shell lines run on the batch host before the step (``source venv/bin/activate``); srun passes
-            the resulting environment to every node.
-        stop_lead_s: for a ``train`` command, seconds before the time limit at which the run checkpoints,
-            stops and requeues the job (:func:`sbatch_script`); ``None``: neither.
+        port, python: rendezvous port on the head node; interpreter on the nodes.
+        setup: shell lines run on the batch host before the step; srun passes the environment to every node.
+        stop_lead_s: ``train`` only: seconds before the time limit to checkpoint, stop and requeue (None: never).
     """
 
     nodes: int
@@ -120,18 +110,14 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
 
     Args:
         job: the allocation and environment.
-        program: the ``python -m repro`` command torchrun starts, e.g. ``["train", "--experiment", ...]``.
-        after: further ``python -m repro`` commands run once, each as a one-task step, when the training
-            step succeeded (e.g. ``["eval", "--checkpoint", RUN, ...]``: one process, one GPU).
+        program: the ``python -m repro`` arguments torchrun starts (``["train", ...]``).
+        after: ``python -m repro`` commands run once each as one-task steps after training succeeds.
 
     Returns:
-        The script text (``#!/bin/bash``, ``#SBATCH`` lines, ``set -eo pipefail``; no ``-u``: the setup
-        lines may source activation scripts that read unset variables).
+        The script text (``set -eo pipefail``; no ``-u``: activation scripts may read unset variables).
 
-    A ``train`` command with ``job.stop_lead_s`` survives the time limit (``--signal=B:USR1@LEAD --requeue``):
-    on USR1 the batch shell sends SIGTERM through ``srun`` and torchrun to every rank, which finishes its
-    step, checkpoints and exits with 75 (:mod:`repro.training.preemption`); the shell requeues the job and
-    skips the ``after`` commands, and the requeued job trains with ``--resume``.
+    With ``job.stop_lead_s``, ``train`` survives the time limit: on USR1 the shell SIGTERMs every rank, which
+    checkpoints and exits 75 (:mod:`repro.training.preemption`); the job requeues, skipping ``after``, and resumes.
     """
     q = shlex.quote
     stoppable = job.stop_lead_s is not None and program[:1] == ["train"]
@@ -152,11 +138,10 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
         "set -eo pipefail",
         "export HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false",
         *job.setup,
-        # sed reads the whole list: `head -n1` would close the pipe early, and under pipefail a scontrol killed
-        # by SIGPIPE ends the script (exit 141).
+        # sed, not `head -n1`: an early-closed pipe SIGPIPEs scontrol and pipefail ends the script.
         'head_node=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | sed -n 1p)',
     ]
-    # torchrun's options come from torchrun_args; the endpoint and id are shell variables, filled in on the node.
+    # Endpoint and id become shell variables, filled in on the node.
     launch = Launch(nodes=job.nodes, gpus_per_node=job.gpus_per_node, endpoint=f"head:{job.port}", rdzv_id="job")
     options = []
     for arg in torchrun_args(launch):
@@ -169,14 +154,13 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
     srun = (f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {q(job.python)} -m torch.distributed.run "
             + " ".join(options) + " -m repro " + " ".join(map(q, program)))
     lines = header + (_stoppable_step(srun, job.stop_lead_s) if stoppable else [srun])
-    # A step of one task: the batch script's own environment says SLURM_NTASKS=nodes, which
-    # init_distributed rightly refuses for a process that was not started by srun.
+    # One-task steps: the batch environment's SLURM_NTASKS=nodes would make init_distributed refuse.
     lines += [f"srun --nodes=1 --ntasks=1 {q(job.python)} -m repro " + " ".join(map(q, cmd)) for cmd in after]
     return "\n".join(lines) + "\n"
 
 
 def _stoppable_step(srun: str, lead_s: int) -> list[str]:
-    """The training step of :func:`sbatch_script` that stops on USR1, requeues and resumes when requeued."""
+    """:func:`sbatch_script`'s training step: stop on USR1, requeue, resume when requeued."""
     return [
         f"# USR1 {lead_s} s before the time limit: every rank finishes its step, checkpoints and exits (75);",
         "# the job is requeued and, requeued, resumes from that checkpoint.",
@@ -233,7 +217,7 @@ def _parser(prog: str):
 
 
 def main(argv: list[str], prog: str = "python -m repro launch") -> int:
-    """``python -m repro launch [options] -- COMMAND ...``: print (or ``--run``) the launch of a repro command.
+    """``python -m repro launch [options] -- COMMAND ...``: print (or ``--run``) a repro command's launch.
 
     Returns:
         0, or torchrun's exit status with ``--run``.

@@ -1,13 +1,11 @@
 """Typed loading of JSON into frozen dataclasses, with one-line errors that name the file and the field.
 
-The run records, the training log and the published ledger are plain JSON described by frozen dataclasses;
-:func:`from_json` walks a dataclass's type hints and refuses a missing field, an unknown field or a value of
-the wrong type with a :class:`~repro.errors.ReproError` such as::
+:func:`from_json` refuses a missing or unknown field or a mistyped value with a :class:`~repro.errors.ReproError`::
 
     results/runs/a/record.json: field 'efficiency.iter_time_ms' must be a number, got str ('fast')
 
-Supported field types: ``str``, ``int``, ``float`` (an int is accepted, a bool is not), ``bool``, ``Any``,
-``dict[str, Any]`` (kept as is), ``tuple[X, ...]`` (from a JSON list), ``X | None`` and nested dataclasses.
+Field types: ``str``, ``int``, ``float`` (ints accepted, bools not), ``bool``, ``Any``, ``dict[str, Any]`` (as
+is), ``tuple[X, ...]`` (from a list), ``X | None``, nested dataclasses.
 """
 
 from __future__ import annotations
@@ -33,7 +31,7 @@ def _describe(value: Any) -> str:
 
 
 def _convert(value: Any, tp: Any, where: str, origin: str) -> Any:
-    """Check ``value`` against the type ``tp`` and return it converted (dataclasses built, lists to tuples)."""
+    """``value`` checked against ``tp`` and converted (dataclasses built, lists to tuples)."""
     if tp is Any:
         return value
     args = typing.get_args(tp)
@@ -61,7 +59,7 @@ def _convert(value: Any, tp: Any, where: str, origin: str) -> Any:
             raise ReproError(f"{origin}: field '{where}' must be an object, got {_describe(value)}")
         return value
     if tp in (str, int, float, bool):
-        # an int is a number; a bool (an int to Python) is neither
+        # an int is a number; a bool is neither
         valid = isinstance(value, (int, float) if tp is float else tp)
         if not valid or (tp in (int, float) and isinstance(value, bool)):
             raise ReproError(f"{origin}: field '{where}' must be {_TYPE_WORDS[tp]}, got {_describe(value)}")
@@ -99,9 +97,9 @@ def from_json(cls: type[D], data: Any, origin: str) -> D:
     """Build the frozen dataclass ``cls`` from parsed JSON, checking every field.
 
     Args:
-        cls: a dataclass whose fields use the supported types (module docstring).
+        cls: a dataclass with the supported field types (module docstring).
         data: the parsed JSON object.
-        origin: what to name in errors, usually the file path (and entry).
+        origin: name used in errors, usually the file path.
 
     Returns:
         The dataclass instance.
@@ -113,14 +111,14 @@ def from_json(cls: type[D], data: Any, origin: str) -> D:
 
 
 def check_minimums(obj: Any, **minimums: float) -> None:
-    """Raise a ValueError (``name must be >= low, got value``) for the first attribute of ``obj`` below it."""
+    """ValueError for the first attribute of ``obj`` below its minimum."""
     for name, low in minimums.items():
         if getattr(obj, name) < low:
             raise ValueError(f"{name} must be >= {low}, got {getattr(obj, name)}")
 
 
 def to_json(obj: Any) -> Any:
-    """The JSON form (plain dicts, lists and scalars) of a dataclass built by :func:`from_json`, or of any JSON-able value."""
+    """The plain JSON form of a :func:`from_json` dataclass or any JSON-able value."""
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
         return {f.name: to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
     if isinstance(obj, (list, tuple)):

@@ -1,74 +1,44 @@
 """Statistics for comparing routers: intervals over seeds, paired tests over seeds and over questions.
 
-At the embedded scale the differences between routers are small against the noise; these functions say how
-large the noise is. There are two sources of noise, and each has its own pairing:
+Two sources of noise, each with its own pairing:
 
-- **Seeds** (training randomness: initialisation, data order, router noise). One router's runs with different
-  seeds are independent draws; two routers' runs with the same seed share the data order, so they are
-  paired. :func:`mean_ci` (interval of the mean), :func:`prediction_interval` (where one more seed's value
-  should fall: the regression check's band), :func:`paired_t_test`.
-- **Questions** (the finite benchmark). Two models answer the same questions, so their per-question results
-  are paired. :func:`mcnemar_exact` for 0/1 outcomes (one seed per router), :func:`paired_permutation_test`
-  for per-question scores (correctness averaged over seeds). :func:`per_question_scores` reads them from
-  lm-eval's per-document samples (``simple_evaluate(log_samples=True)``).
+- **Seeds** (init, data order, router noise): one router's seeds are independent; two routers' runs with the
+  same seed share the data order and are paired. :func:`mean_ci`, :func:`prediction_interval`, :func:`paired_t_test`.
+- **Questions** (the finite benchmark): two models' per-question results are paired. :func:`mcnemar_exact` (0/1),
+  :func:`paired_permutation_test` (scores); :func:`per_question_scores` reads lm-eval's ``log_samples`` output.
 
-Decisions (each with its source):
+Decisions:
 
-1. **Student t** for the interval of a mean over seeds, ``mean +- t_{n-1,(1+c)/2} s / sqrt(n)`` with the
-   sample standard deviation ``s`` (n - 1 in the denominator): the textbook small-sample interval for a
-   normal mean (``scipy.stats.t``).
-2. **The regression band is a prediction interval**, ``mean +- t_{n-1,(1+c)/2} s sqrt(1 + 1/n)``: the range that
-   one further seed falls in with probability ``c`` under the same normal model. The interval of the mean would
-   shrink as seeds are added and flag honest runs.
-3. **McNemar's exact test** for 0/1 outcomes on the same questions: conditional on the ``b + c`` discordant
-   questions, ``c ~ Binomial(b + c, 1/2)`` under no difference; two-sided p-value from
-   ``scipy.stats.binomtest``. It is the test recommended for two classifiers scored on one test set
-   (Dietterich 1998, *Neural Computation* 10(7)); exact rather than the chi-square form because at the
-   embedded scale (a few hundred questions) the discordant counts are small.
-4. **A paired sign-flip permutation test** for per-question scores that are not 0/1 (correctness averaged
-   over seeds, or a task-weighted average over several tasks): under no difference each per-question
-   difference is as likely positive as negative. Exact enumeration of the ``2^m`` sign patterns of the ``m``
-   non-zero differences when that is at most ``n_resamples``, else a seeded Monte Carlo sample with
-   ``p = (1 + #{|T*| >= |T|}) / (1 + R)`` (Phipson & Smyth 2010, never zero). Where the non-zero terms
-   are integer multiples of the smallest one (0/1 outcomes always are; correctness averaged over seeds often
-   is), the null distribution of ``T`` is computed exactly at any ``m`` by convolving the terms' two-point
-   distributions on that lattice, so on 0/1 outcomes the test is McNemar's exact test whatever ``m`` is
-   (tested). Otherwise, above ``2^m > n_resamples``, the p-value is a Monte Carlo estimate and the test's
-   name says so. A paired bootstrap was not chosen: its p-values are approximate under the null for small
-   samples, the permutation test's are exact.
-5. **Holm's step-down adjustment** (Holm 1979) of the p-values of a family of tests fixed before the data
-   (:mod:`repro.report.over_seeds` says which): controls the family-wise error rate with no assumption on how
-   the tests depend on one another.
-6. **A test with no spread is undefined, not significant.** When every paired difference over seeds is the
-   same (common for accuracies on a few hundred questions with two or three seeds), the t statistic divides
-   by a zero standard deviation: :func:`paired_t_test` returns ``p = nan`` (:attr:`PairedTest.defined` is
-   False), the tables leave such cells unmarked and say why in a footnote, and Holm's family leaves them
-   out (a test that cannot be run cannot raise a false alarm).
-7. **lm-eval's standard error** (``acc_stderr``) is ``s / sqrt(n)`` over the questions' 0/1 scores, ``s``
-   with n - 1 (``lm_eval/api/metrics.py``, ``mean_stderr``), closed-form whatever ``bootstrap_iters`` is as
-   long as it is > 0 (0 switches standard errors off: ``stderr_for_metric``). :func:`mean_stderr` here is the
-   same formula, to check the two agree.
-8. **Power of the regression band** (:func:`minimum_detectable_shift`): a new value shifted by ``delta``
-   from the seeds' mean gives ``(x - mean) / (s sqrt(1 + 1/n))`` a noncentral t distribution with ``n - 1``
-   degrees of freedom and noncentrality ``delta / (sigma sqrt(1 + 1/n))``; the smallest ``delta / sigma``
-   the band catches with the given power is solved from it.
-9. **A timing ratio is formed within one process, round by round, with a batch-means interval**
-   (:func:`timing_ratio`): two runs stepped in turn give per-round log-ratios ``d``; consecutive steps are
-   correlated, so the interval of ``mean d`` is Student's t over the means of about ``sqrt(rounds)``
-   consecutive batches (Law & Kelton's batch means), which absorb the correlation when the batches are longer
-   than it lasts; the ratio is ``exp(mean d)``, the geometric mean of the per-round ratios.
-10. **A number that moves in steps gets a band no narrower than its steps allow.** An accuracy on N questions
-    moves in steps of 1/N; with few seeds the seeds often tie, the sample standard deviation is then 0 and
-    decision 2's band has zero width: an honest run one question away fails, and the family-wise rate of
-    Bonferroni's rule is no longer what it states. The band's ``s`` is therefore at least the smallest non-zero
-    spread the grid can show, ``resolution / sqrt(n)`` (:func:`grid_sd_floor`): a tie is read as if one seed had
-    been a step away. :func:`repro.report.check.simulated_false_alarm` measures the rate each check keeps.
-11. **A test that finds nothing says what it could have found.** :func:`paired_detectable_effect` is the
-    smallest paired difference (in standard deviations of the differences) a family's paired t-tests detect
-    with 80% power at Holm's first step: at 3 seeds about 9 for a family of 8 tests and 39 for 140 (at 6
-    seeds 2.3 and 4.3), so a family's nulls at 3 seeds are no evidence of equality. :func:`sign_flip_p` is the exact distribution-free test
-    of the same mean; it cannot go below ``2^(1 - n)``, and where it and the t-test disagree on significance the
-    t-test's verdict rests on normality.
+1. **Student t** interval of a mean over seeds: ``mean +- t_{n-1,(1+c)/2} s / sqrt(n)``, ``s`` with n - 1.
+2. **The regression band is a prediction interval**, ``mean +- t_{n-1,(1+c)/2} s sqrt(1 + 1/n)``: where one more
+   seed falls with probability ``c`` under the same normal model (the mean's interval shrinks with more seeds).
+3. **McNemar's exact test** for 0/1 outcomes (Dietterich 1998, *Neural Computation* 10(7)): given the ``b + c``
+   discordant questions, ``c ~ Binomial(b + c, 1/2)`` under no difference; two-sided ``scipy.stats.binomtest``.
+   Exact, not chi-square, because discordant counts are small.
+4. **Paired sign-flip permutation test** for non-0/1 scores: under no difference each difference is as likely
+   positive as negative. Exact by enumerating the ``2^m`` sign patterns of the ``m`` non-zero differences when
+   ``2^m <= n_resamples``, or at any ``m`` by convolution when all terms are integer multiples of the smallest
+   (0/1 always: then it equals McNemar's exact test); else a seeded Monte Carlo
+   ``p = (1 + #{|T*| >= |T|}) / (1 + R)`` (Phipson & Smyth 2010), named as such. Not a bootstrap: its
+   small-sample p-values are only approximate.
+5. **Holm's step-down adjustment** (Holm 1979) over a family fixed before the data (:mod:`repro.report.over_seeds`):
+   controls the family-wise error rate under any dependence.
+6. **A test with no spread is undefined, not significant**: :func:`paired_t_test` returns ``p = nan`` when all
+   differences are equal; tables footnote such cells and Holm's family leaves them out.
+7. **lm-eval's standard error** (``acc_stderr``, ``lm_eval/api/metrics.py:mean_stderr``, when
+   ``bootstrap_iters > 0``) is ``s / sqrt(n)`` over 0/1 scores, ``s`` with n - 1; :func:`mean_stderr` matches it.
+8. **Power of the regression band** (:func:`minimum_detectable_shift`): a value shifted by ``delta`` makes
+   ``(x - mean) / (s sqrt(1 + 1/n))`` noncentral t (``n - 1`` df, noncentrality ``delta / (sigma sqrt(1 + 1/n))``);
+   solved for the smallest ``delta / sigma`` caught with the given power.
+9. **Timing ratios: paired rounds in one process, batch-means interval** (:func:`timing_ratio`): per-round
+   log-ratios ``d`` are autocorrelated, so ``mean d`` gets Student's t over ~``sqrt(rounds)`` consecutive batch
+   means (Law & Kelton); the ratio is ``exp(mean d)``, the geometric mean of the per-round ratios.
+10. **A stepped number's band is no narrower than its steps**: an accuracy on N questions moves by 1/N, and tied
+    seeds (``s = 0``) would fail an honest run one question away. The band's ``s`` is at least
+    :func:`grid_sd_floor` (as if one seed were a step away); see :func:`repro.report.check.simulated_false_alarm`.
+11. **A null result says what it could have found**: :func:`paired_detectable_effect` (80% power at Holm's first
+    step; several SDs at 3 seeds, so nulls are no evidence of equality). :func:`sign_flip_p` is the exact
+    distribution-free test of the same mean; where they disagree, the t-test's verdict rests on normality.
 """
 
 from __future__ import annotations
@@ -88,8 +58,7 @@ from scipy.optimize import brentq
 
 @dataclass(frozen=True)
 class Interval:
-    """The mean of ``n`` values with an interval of coverage ``confidence`` around it (``low`` and ``high`` None
-    where it is undefined: fewer than two values)."""
+    """The mean of ``n`` values and an interval of coverage ``confidence`` (``low``/``high`` None below two values)."""
 
     estimate: float
     low: float | None
@@ -109,13 +78,12 @@ class Interval:
 
 @dataclass(frozen=True)
 class PairedTest:
-    """A paired comparison of ``other`` with ``reference`` over ``n`` pairs by ``test`` (``paired t``, ``McNemar
-    exact``, ``sign-flip permutation``).
+    """A paired comparison of ``other`` with ``reference`` over ``n`` pairs by ``test`` (t, McNemar, sign-flip).
 
     Args:
-        difference: other minus reference (mean of the paired differences, or their weighted sum with weights).
-        statistic: t; the smaller discordant count for McNemar; the difference for the permutation test.
-        p_value: two-sided (nan where the test is undefined: paired differences with no spread).
+        difference: other minus reference (mean paired difference, or the weighted sum).
+        statistic: t; McNemar: the smaller discordant count; permutation: the difference.
+        p_value: two-sided (nan where undefined: no spread, decision 6).
     """
 
     test: str
@@ -126,7 +94,7 @@ class PairedTest:
 
     @property
     def defined(self) -> bool:
-        """Whether the test has a p-value (False: every paired difference the same, decision 6)."""
+        """Whether the test has a p-value (decision 6)."""
         return math.isfinite(self.p_value)
 
 
@@ -157,13 +125,13 @@ def _t_quantile(confidence: float, df: int) -> float:
 
 
 def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Interval:
-    """The mean of ``values`` (one per seed) and its Student-t confidence interval (decision 1).
+    """The mean of ``values`` (one per seed) and its Student-t interval (decision 1).
 
     Returns:
-        The :class:`Interval`; ``low``/``high`` are None for a single value.
+        The :class:`Interval` (``low``/``high`` None for a single value).
 
     Raises:
-        ValueError: no values, values that are not finite, or a confidence outside (0, 1).
+        ValueError: no values, non-finite values, or a confidence outside (0, 1).
     """
     _check_confidence(confidence)
     x = _array(values, "values")
@@ -177,15 +145,14 @@ def mean_ci(values: Sequence[float], confidence: float = 0.95) -> Interval:
 
 
 def prediction_interval(values: Sequence[float], confidence: float = 0.95, resolution: float = 0.0) -> Interval:
-    """Where one further draw (one more seed) falls with probability ``confidence`` (decision 2): the
-    :class:`Interval` ``mean +- t_{n-1} s sqrt(1 + 1/n)`` of ``values``, one per seed.
+    """Where one more seed falls with probability ``confidence``: ``mean +- t_{n-1} s sqrt(1 + 1/n)`` (decision 2).
 
     Args:
-        resolution: the step of a number that moves in steps (an accuracy on N questions: 1/N; 0: continuous):
-            ``s`` is then at least :func:`grid_sd_floor` (decision 10).
+        resolution: grid step of the values (accuracy on N questions: 1/N; 0: continuous); ``s`` is at least
+            :func:`grid_sd_floor` (decision 10).
 
     Raises:
-        ValueError: fewer than two values, values that are not finite, or a confidence outside (0, 1).
+        ValueError: fewer than two values, non-finite values, or a confidence outside (0, 1).
     """
     x = _array(values, "values")
     low, high = prediction_bounds(x[None, :], confidence, resolution)
@@ -193,16 +160,14 @@ def prediction_interval(values: Sequence[float], confidence: float = 0.95, resol
 
 
 def grid_sd_floor(n: int, resolution: float) -> float:
-    """The smallest non-zero sample standard deviation ``n`` values on a grid of step ``resolution`` can have
-    (``n - 1`` equal, one a step away): ``resolution / sqrt(n)`` (decision 10)."""
+    """Smallest non-zero sample SD of ``n`` values on a grid of step ``resolution``: ``resolution / sqrt(n)``."""
     return resolution / math.sqrt(n)
 
 
 def prediction_bounds(
     values_RN: np.ndarray, confidence: float = 0.95, resolution: float = 0.0
 ) -> tuple[np.ndarray, np.ndarray]:
-    """:func:`prediction_interval` of each row of ``values_RN`` (R sets of N >= 2 values) at once, ``(low_R,
-    high_R)``: the Monte Carlo checks of the regression band."""
+    """:func:`prediction_interval` of each row of ``values_RN`` (N >= 2) at once: ``(low_R, high_R)``."""
     _check_confidence(confidence)
     x = np.asarray(values_RN, dtype=float)
     if x.ndim != 2 or x.shape[1] < 2:
@@ -220,8 +185,7 @@ def _noncentrality_for_power(df: int, q: float, power: float) -> float:
     ``V ~ chi2(df)`` (``inf`` where none reaches it below 1e6)."""
 
     def caught(nc: float) -> float:
-        # Integrated over V (scipy's nct loses precision at the large noncentralities that few seeds and a strict
-        # level need).
+        # Integrated over V: scipy's nct loses precision at the large noncentralities few seeds need.
         def given(v: float) -> float:
             cut = q * math.sqrt(v / df)
             return (sps.norm.sf(cut - nc) + sps.norm.cdf(-cut - nc)) * sps.chi2.pdf(v, df)
@@ -238,15 +202,13 @@ def _noncentrality_for_power(df: int, q: float, power: float) -> float:
     return float(brentq(caught, 0.0, high, xtol=1e-9))
 
 
-@functools.lru_cache(maxsize=256)  # a third of a second of quadrature; a check asks the same for each number
+@functools.lru_cache(maxsize=256)  # quadrature is slow; a check asks the same for each number
 def minimum_detectable_shift(n: int, confidence: float, power: float = 0.8) -> float:
-    """The smallest shift of one new value, in units of the seeds' standard deviation, that falls outside the
-    ``confidence`` prediction interval of ``n`` seeds with probability ``power`` (decision 8).
+    """Smallest shift of one new value, in seed SDs, that leaves the prediction interval w.p. ``power`` (decision 8).
 
     Args:
-        n: seeds the band is made of (at least two).
-        confidence: the band's coverage.
-        power: the probability of catching the shift.
+        n, confidence: seeds in the band (at least two); its coverage.
+        power: probability of catching the shift.
 
     Returns:
         ``delta / sigma`` (``inf`` where no shift reaches that power).
@@ -254,18 +216,15 @@ def minimum_detectable_shift(n: int, confidence: float, power: float = 0.8) -> f
     _check_confidence(confidence)
     if n < 2 or not 0 < power < 1:
         raise ValueError(f"need n >= 2 and power in (0, 1), got n={n}, power={power}")
-    # (x - mean) / (s sqrt(1 + 1/n)): noncentrality shift / (sigma sqrt(1 + 1/n)).
+    # noncentrality = delta / (sigma sqrt(1 + 1/n)).
     return _noncentrality_for_power(n - 1, _t_quantile(confidence, n - 1), power) * math.sqrt(1 + 1 / n)
 
 
 @functools.lru_cache(maxsize=256)
 def paired_detectable_effect(n: int, tests: int = 1, alpha: float = 0.05, power: float = 0.8) -> float:
-    """The smallest mean paired difference, in units of the differences' standard deviation, that a two-sided
-    paired t-test over ``n`` pairs finds at level ``alpha / tests`` with probability ``power`` (decision 11).
-
-    ``alpha / tests`` is what Holm's first step asks of the smallest p-value in a family of ``tests``: the
-    family's most lenient bar for its strongest result, so below this effect no test of the family is likely
-    to come out significant.
+    """The smallest mean paired difference, in SDs of the differences, that a two-sided paired t-test over ``n``
+    pairs finds with probability ``power`` at level ``alpha / tests`` (decision 11): Holm's first and most
+    lenient bar, so below this effect no test of the family is likely to be significant.
 
     Returns:
         ``|mean difference| / sd`` (``inf`` where nothing reaches that power).
@@ -277,8 +236,8 @@ def paired_detectable_effect(n: int, tests: int = 1, alpha: float = 0.05, power:
 
 
 def sign_flip_p(differences: Sequence[float]) -> float:
-    """The exact two-sided sign-flip p-value of the mean of ``differences`` (one per seed) over its ``2^n`` sign
-    patterns (decision 11): distribution-free, and never below ``2^(1 - n)`` (0.25 at 3 seeds, 0.031 at 6).
+    """Exact two-sided sign-flip p-value of the mean of ``differences`` (one per seed) over all ``2^n`` sign
+    patterns (decision 11); never below ``2^(1 - n)``.
 
     Raises:
         ValueError: no differences, or more than 20 (use :func:`paired_permutation_test`).
@@ -296,14 +255,10 @@ class TimingRatio:
     """``other / reference`` of paired step times from one process (decision 9).
 
     Args:
-        ratio: the geometric mean of the per-round ratios, ``exp(mean d)``.
-        low, high: its interval (``exp`` of the batch-means t interval of ``d``).
-        rounds: paired rounds used; batches: consecutive batches they were cut into (``rounds // batches``
-            rounds each, the oldest left over dropped).
-        lag1: lag-1 autocorrelation of the per-round log-ratios (what the batches absorb) and of the batch
-            means (near 0 when the batches are long enough).
-        detectable: the smallest relative change of the ratio (``0.01``: 1%) this many batches detect with 80%
-            power at the interval's confidence (two-sided), from the batch means' spread.
+        ratio, low, high: ``exp(mean d)`` (geometric mean of per-round ratios); ``exp`` of d's batch-means interval.
+        rounds: paired rounds used; batches: consecutive batches of ``rounds // batches`` (oldest remainder dropped).
+        lag1: lag-1 autocorrelation of the per-round log-ratios, and of the batch means (near 0 if batches suffice).
+        detectable: smallest relative change (``0.01``: 1%) detected with 80% power, two-sided, at ``confidence``.
         confidence: the interval's coverage.
     """
 
@@ -319,7 +274,7 @@ class TimingRatio:
 
     @property
     def half_width(self) -> float:
-        """Half the interval's width relative to the ratio, ``(high - low) / (2 ratio)`` (``0.01``: +-1%)."""
+        """Relative half-width ``(high - low) / (2 ratio)`` (``0.01``: +-1%)."""
         return (self.high - self.low) / (2 * self.ratio)
 
 
@@ -338,20 +293,17 @@ def default_batches(rounds: int) -> int:
 def timing_ratio(
     reference_s: Sequence[float], other_s: Sequence[float], *, batches: int | None = None, confidence: float = 0.95
 ) -> TimingRatio:
-    """The ratio ``other / reference`` of step times measured in turn, round by round, with a batch-means
-    interval that holds under autocorrelation (decision 9).
+    """``other / reference`` of step times measured in turn, with a batch-means interval (decision 9).
 
     Args:
         reference_s, other_s: each round's step time of the two runs, in round order (positive).
-        batches: consecutive batches (None: :func:`default_batches`); at least 2, at most the rounds.
-        confidence: the interval's coverage.
+        batches, confidence: consecutive batches in [2, rounds // 2] (None: :func:`default_batches`); coverage.
 
     Returns:
         The :class:`TimingRatio`.
 
     Raises:
-        ValueError: fewer than four rounds, unequal lengths, times that are not positive and finite, or a
-            batch count out of range.
+        ValueError: fewer than four rounds, unequal lengths, non-positive or non-finite times, or bad ``batches``.
     """
     _check_confidence(confidence)
     ref, oth = _pair(reference_s, other_s)
@@ -378,8 +330,7 @@ def timing_ratio(
 
 
 def mean_stderr(values: Sequence[float]) -> float:
-    """``s / sqrt(n)`` of per-question scores (at least two), ``s`` with n - 1: lm-eval's standard error of a mean
-    metric (decision 7)."""
+    """lm-eval's standard error ``s / sqrt(n)`` of per-question scores (at least two), ``s`` with n - 1 (decision 7)."""
     x = _array(values, "values")
     if x.size < 2:
         raise ValueError("a standard error needs at least two values")
@@ -387,13 +338,11 @@ def mean_stderr(values: Sequence[float]) -> float:
 
 
 def paired_t_test(reference: Sequence[float], other: Sequence[float]) -> PairedTest:
-    """Student's paired t-test of ``other - reference``, values per seed in the same seed order (same seed = same
-    data order).
+    """Student's paired t-test of ``other - reference``, one value per seed in the same seed order.
 
     Returns:
-        The :class:`PairedTest`. When every difference is the same (to a relative 1e-9: rounding) the t
-        statistic is 0/0 or d/0: the test is undefined, ``statistic`` and ``p_value`` are nan (decision 6),
-        never t = inf and p = 0.
+        The :class:`PairedTest`; ``statistic`` and ``p_value`` are nan when every difference is the same to a
+        relative 1e-9 (decision 6), never t = inf and p = 0.
 
     Raises:
         ValueError: fewer than two pairs, or samples of different lengths.
@@ -403,7 +352,7 @@ def paired_t_test(reference: Sequence[float], other: Sequence[float]) -> PairedT
         raise ValueError(f"a paired t-test needs at least two pairs, got {ref.size}")
     diff = oth - ref
     mean = float(diff.mean())
-    # Equal up to rounding (accuracies averaged in floating point differ in the last bits): no spread either.
+    # Equal up to floating-point rounding counts as no spread.
     if np.ptp(diff) <= 1e-9 * float(np.max(np.abs(diff))):
         return PairedTest("paired t", mean, math.nan, math.nan, int(ref.size))
     result = sps.ttest_rel(oth, ref)
@@ -415,12 +364,11 @@ def _binary(x: np.ndarray) -> bool:
 
 
 def mcnemar_exact(reference: Sequence[float], other: Sequence[float]) -> PairedTest:
-    """McNemar's exact test on per-question 0/1 outcomes of two models, the same questions in the same order
-    (decision 3).
+    """McNemar's exact test on two models' 0/1 outcomes on the same questions in the same order (decision 3).
 
     Returns:
         The :class:`PairedTest`: ``difference`` = accuracy(other) - accuracy(reference), ``statistic`` =
-        min(b, c) with b = questions only the reference got right and c = only the other.
+        min(b, c), b = questions only the reference got right, c = only the other.
 
     Raises:
         ValueError: outcomes that are not 0/1, or samples of different lengths.
@@ -441,16 +389,13 @@ def paired_permutation_test(
     """Paired sign-flip permutation test of ``sum_i w_i (other_i - reference_i)`` (decision 4).
 
     Args:
-        reference, other: the two models' scores per question, same questions, same order.
-        weights: per-question weights of the statistic (default ``1/n``: the mean difference). A
-            task-weighted average over several tasks uses ``1 / (tasks * questions of the task)``.
-        n_resamples: the most sign patterns drawn; all ``2^m`` are enumerated when that is no more.
-        seed: seeds the Monte Carlo draw.
+        reference, other: the two models' per-question scores, same questions, same order.
+        weights: per-question weights (default ``1/n``: the mean; task-weighted: ``1 / (tasks * task's questions)``).
+        n_resamples, seed: most sign patterns drawn (all ``2^m`` if no more); the Monte Carlo seed.
 
     Returns:
-        The :class:`PairedTest` (``statistic`` = ``difference`` = the weighted difference); its ``test`` is
-        ``sign-flip permutation`` where the p-value is exact (enumerated, or on a lattice: decision 4) and
-        ``sign-flip permutation (Monte Carlo, R resamples)`` where it is estimated.
+        The :class:`PairedTest` (``statistic`` = ``difference``); ``test`` is ``sign-flip permutation`` where
+        p is exact, ``sign-flip permutation (Monte Carlo, R resamples)`` where estimated.
 
     Raises:
         ValueError: samples or weights of different lengths, non-finite values, ``n_resamples < 1``.
@@ -495,9 +440,8 @@ _LATTICE_LIMIT = 200_000
 
 
 def _lattice_p(active: np.ndarray, threshold: float) -> float | None:
-    """The exact sign-flip p-value where every term is an integer multiple of the smallest (decision 4), by
-    convolving the distributions of the terms' sums on that lattice; None where they are not, or the lattice
-    is too large."""
+    """Exact sign-flip p-value by convolution on the lattice of the smallest term (decision 4); None where the
+    terms are not integer multiples of it or the lattice is too large."""
     unit = float(np.min(np.abs(active)))
     k = np.abs(active) / unit
     steps = np.round(k)
@@ -515,8 +459,7 @@ def _lattice_p(active: np.ndarray, threshold: float) -> float | None:
 
 
 def holm(p_values: Sequence[float]) -> list[float]:
-    """Holm's step-down adjusted p-values (decision 5) of one family of tests, in the order given (monotone in the
-    raw ones, at most 1)."""
+    """Holm's step-down adjusted p-values of one family (decision 5), in the order given."""
     p = _array(p_values, "p_values")
     order = np.argsort(p, kind="stable")
     m = p.size
@@ -531,12 +474,10 @@ def holm(p_values: Sequence[float]) -> list[float]:
 # ------------------------------------------------------------------------------------------ per question
 @dataclass(frozen=True)
 class QuestionScores:
-    """One model's per-question scores on one task and metric (``acc``, ``acc_norm``: any per-document metric
-    lm-eval logs), in lm-eval's document order (``doc_id``): 0/1 for accuracies.
+    """One model's per-question scores on one task and per-document metric, in ``doc_id`` order.
 
     Args:
-        docs_sha256: digest of the questions' ``doc_hash`` values in that order: two models are paired per
-            question only when they scored the same questions, that is when the digests agree.
+        docs_sha256: digest of the questions' ``doc_hash`` values in order; models pair only when these agree.
     """
 
     task: str
@@ -554,11 +495,11 @@ def _docs_digest(hashes: Sequence[str]) -> str:
 
 
 def per_question_scores(samples: Mapping[str, Sequence[Mapping[str, Any]]], metric: str = "acc") -> dict[str, QuestionScores]:
-    """Per-question scores from lm-eval's ``samples`` (``simple_evaluate(..., log_samples=True)["samples"]``).
+    """Per-question scores from lm-eval's ``simple_evaluate(..., log_samples=True)["samples"]``.
 
     Args:
-        samples: task -> lm-eval's per-document records (``doc_id``, ``doc_hash`` and one field per metric).
-        metric: the per-document metric to read (``acc``, ``acc_norm``).
+        samples: task -> per-document records (``doc_id``, ``doc_hash``, one field per metric).
+        metric: per-document metric to read (``acc``, ``acc_norm``).
 
     Returns:
         task -> :class:`QuestionScores`, in ``doc_id`` order, for the tasks whose records carry ``metric``.
@@ -587,15 +528,13 @@ def per_question_scores(samples: Mapping[str, Sequence[Mapping[str, Any]]], metr
 def compact_per_question(
     samples: Mapping[str, Sequence[Mapping[str, Any]]], metrics: Sequence[str] = ("acc", "acc_norm")
 ) -> dict[str, dict[str, Any]]:
-    """The per-question results of a run, compact enough for its record (the ``per_question`` field).
+    """A run's per-question results, compact, for its record's ``per_question`` field.
 
     Args:
-        samples: lm-eval's ``samples``.
-        metrics: per-document metrics to keep.
+        samples, metrics: lm-eval's ``samples``; per-document metrics to keep.
 
     Returns:
-        ``{task: {"docs_sha256": str, "acc": [0, 1, ...], "acc_norm": [...]}}``, scores in ``doc_id`` order
-        (integers where they are 0/1).
+        ``{task: {"docs_sha256": str, "acc": [0, 1, ...], ...}}``, scores in ``doc_id`` order (0/1 as integers).
     """
     out: dict[str, dict[str, Any]] = {}
     for metric in metrics:
@@ -606,8 +545,7 @@ def compact_per_question(
 
 
 def question_scores(compact: Mapping[str, Mapping[str, Any]], task: str, metric: str) -> QuestionScores | None:
-    """One task's scores (``acc`` or ``acc_norm``) from a ``per_question`` field (:func:`compact_per_question`),
-    None when the field has no such task or metric."""
+    """One task's scores from a ``per_question`` field (:func:`compact_per_question`); None if absent."""
     entry = compact.get(task)
     if not isinstance(entry, Mapping) or metric not in entry:
         return None

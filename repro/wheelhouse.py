@@ -1,13 +1,9 @@
 """Offline installs: a wheelhouse (a folder of wheels) for a target interpreter and platform.
 
-Pure functions that build commands and files for ``noxfile.py``'s ``wheelhouse`` session (only the
-standard library and ``packaging``: nox imports it without torch). The steps, described in
-docs/clusters.md: the roots (:func:`project_requirements`) are pinned for the target by ``uv pip compile``
-with the packages the target provides excluded from the resolution (:func:`uv_compile_command`), fetched by
-``pip download --no-deps`` (:func:`download_command`; sdist-only packages built into pure wheels,
-:func:`build_command`), and checked by an offline resolve from the folder alone with empty stand-ins for
-the provided packages (:func:`placeholder_wheel`, :func:`verify_command`) before :func:`manifest` is
-written. On the target, :func:`install_command` leaves an installed torch alone (pip's ``only-if-needed``).
+Pure functions for ``noxfile.py``'s ``wheelhouse`` session (stdlib and ``packaging``: no torch). Steps
+(docs/clusters.md): pin the roots with ``uv pip compile`` excluding what the target provides, ``pip download
+--no-deps`` (sdists built into wheels), resolve offline from the folder with stand-ins for provided packages
+(:func:`verify_command`), write :func:`manifest`. :func:`install_command` leaves an installed torch alone.
 """
 
 from __future__ import annotations
@@ -26,26 +22,24 @@ from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name, parse_sdist_filename, parse_wheel_filename
 from packaging.version import Version
 
-#: Never carried: the machine's CUDA build of torch and what comes with it, and TransformerEngine (whose
-#: PyTorch binding is source-only and cannot be installed offline, DESIGN.md 9).
+#: Never carried: the machine's CUDA torch and its companions, and TransformerEngine (source-only binding, DESIGN.md 9).
 ALWAYS_EXCLUDED = ("torch", "triton", "transformer-engine", "transformer-engine-torch", "transformer-engine-cu12",
                    "transformer-engine-cu13")
 #: Name prefixes never carried: the CUDA libraries torch and TransformerEngine pull in.
 EXCLUDED_PREFIXES = ("nvidia-",)
 #: Extras that cannot go in a wheelhouse, with the reason.
 UNCARRIABLE_EXTRAS = {"gpu": "TransformerEngine's PyTorch binding is source-only and builds against CUDA"}
-#: The torch the borrowed GPU machine has (DESIGN.md 9): the default version the offline check assumes.
+#: The GPU machine's torch (DESIGN.md 9), assumed by the offline check.
 DEFAULT_PRESENT = {"torch": "2.11.0"}
 
-# uv's --python-platform accepts these manylinux glibc minors (uv 0.13).
+# The manylinux glibc minors uv's --python-platform accepts.
 _UV_MANYLINUX_MINORS = (17, 28, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40)
 # PEP 599 / 571 / 513 legacy names and the glibc they stand for.
 _LEGACY_MANYLINUX = {"manylinux2014": 17, "manylinux2010": 12, "manylinux1": 5}
 _MANYLINUX_RE = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
 _LEGACY_RE = re.compile(r"^(manylinux2014|manylinux2010|manylinux1)_(\w+)$")
 _SDIST_SUFFIXES = (".tar.gz", ".zip")
-#: Modules a run imports beyond torch and the suite: what a GPU machine with only torch installs from the
-#: wheelhouse (:func:`check_requirements` refuses a machine without them).
+#: Modules a run imports beyond torch and the suite (:func:`check_requirements`).
 REQUIRED_MODULES: dict[str, str] = {
     "megatron.core": "megatron-core==0.16.1", "omegaconf": "omegaconf==2.4.0", "zstandard": "zstandard",
     "scipy": "scipy", "numpy": "numpy", "tabulate": "tabulate", "tqdm": "tqdm", "yaml": "pyyaml",
@@ -53,8 +47,7 @@ REQUIRED_MODULES: dict[str, str] = {
 
 
 def is_excluded(name: str, present: Iterable[str] = ()) -> bool:
-    """Whether a distribution (any spelling) stays out of the wheelhouse: torch, triton, TransformerEngine,
-    the ``nvidia-*`` CUDA libraries, and the names in ``present`` (what the target provides)."""
+    """Whether a distribution (any spelling) stays out: :data:`ALWAYS_EXCLUDED`, ``nvidia-*``, or in ``present``."""
     canon = canonicalize_name(name)
     if canon in ALWAYS_EXCLUDED or canon.startswith(EXCLUDED_PREFIXES):
         return True
@@ -62,8 +55,7 @@ def is_excluded(name: str, present: Iterable[str] = ()) -> bool:
 
 
 def manylinux_glibc(platform: str) -> tuple[int, str]:
-    """``(28, "x86_64")`` for ``manylinux_2_28_x86_64`` (PEP 600) or a legacy tag (``manylinux2014_x86_64``);
-    a ValueError naming the valid forms for anything else."""
+    """``(28, "x86_64")`` for ``manylinux_2_28_x86_64`` (PEP 600) or a legacy tag; ValueError otherwise."""
     if m := _MANYLINUX_RE.match(platform):
         if int(m.group(1)) != 2:
             raise ValueError(f"platform '{platform}': only glibc 2.x manylinux tags exist")
@@ -77,11 +69,7 @@ def manylinux_glibc(platform: str) -> tuple[int, str]:
 
 
 def manylinux_platforms(platform: str) -> list[str]:
-    """Every platform tag a machine of ``platform``'s glibc runs, newest first, as ``packaging.tags`` lists them.
-
-    pip's ``--platform`` matches tags exactly, while a ``manylinux_2_x`` wheel runs on any glibc >= 2.x
-    (PEP 600), so all of them are listed, with the legacy aliases of 2.17, 2.12 and 2.5.
-    """
+    """Every tag a machine of ``platform``'s glibc runs, newest first (pip's ``--platform`` matches exactly)."""
     minor, arch = manylinux_glibc(platform)
     alias = {m: legacy for legacy, m in _LEGACY_MANYLINUX.items()}
     tags = []
@@ -94,8 +82,7 @@ def manylinux_platforms(platform: str) -> list[str]:
 
 @dataclass(frozen=True)
 class WheelhouseTarget:
-    """The interpreter (``MAJOR.MINOR``, CPython) and manylinux platform tag (glibc floor;
-    ``manylinux_2_28_x86_64`` covers the usual GPU images) the wheelhouse is for."""
+    """The target interpreter (CPython ``MAJOR.MINOR``) and manylinux tag (glibc floor)."""
 
     python: str = "3.12"
     platform: str = "manylinux_2_28_x86_64"
@@ -123,7 +110,7 @@ class WheelhouseTarget:
 
     @property
     def uv_platform(self) -> str:
-        """uv's ``--python-platform`` triple: the newest glibc uv knows that is not newer than the target's."""
+        """uv's ``--python-platform``: the newest glibc uv knows, not newer than the target's."""
         minor, arch = manylinux_glibc(self.platform)
         usable = max(m for m in _UV_MANYLINUX_MINORS if m <= minor)
         return f"{arch}-manylinux2014" if usable == 17 else f"{arch}-manylinux_2_{usable}"
@@ -135,11 +122,7 @@ class WheelhouseTarget:
 
 
 def parse_present(lines: Iterable[str]) -> dict[str, str]:
-    """Packages a target machine provides (canonical name -> version), from ``pip freeze`` lines.
-
-    Blank lines, comments, editable (``-e``) and direct-URL (``NAME @ URL``) entries are skipped; any other
-    entry that is not ``NAME==VERSION`` is a ValueError naming it.
-    """
+    """``{name: version}`` from ``pip freeze`` lines (``-e``, ``@ URL`` skipped; other non-pins: ValueError)."""
     present: dict[str, str] = {}
     for raw in lines:
         line = raw.split("#", 1)[0].strip()
@@ -160,16 +143,13 @@ def project_requirements(
     pyproject: Mapping, extras: Sequence[str] = (), present: Iterable[str] = (), with_nox: bool = False,
     drop_excluded: bool = True,
 ) -> list[str]:
-    """The roots of the wheelhouse: the project's dependencies, ``extras`` and build requirements
-    (an editable install builds the project).
+    """The wheelhouse roots: dependencies, ``extras`` and build requirements (an editable install builds).
 
     Args:
         pyproject: the parsed ``pyproject.toml``.
         extras: optional-dependency groups to add (``eval``, ``dev``).
-        present: names the target provides; left out like the :data:`ALWAYS_EXCLUDED` ones.
-        with_nox: add nox (with the ``dev`` extra's pin), to run the nox sessions on the target.
-        drop_excluded: leave out the excluded and present packages (False: keep them, for the offline
-            check that resolves them against the target's versions).
+        present: names the target provides; left out like :data:`ALWAYS_EXCLUDED`.
+        with_nox, drop_excluded: add nox (``dev``'s pin); drop excluded and present packages (False: offline check).
 
     Returns:
         Requirement strings, in pyproject order, without duplicates.
@@ -201,8 +181,7 @@ def project_requirements(
 def uv_compile_command(
     requirements_in: str | Path, excludes: str | Path, output: str | Path, target: WheelhouseTarget, uv: str = "uv"
 ) -> list[str]:
-    """``uv pip compile`` pinning the roots (a file) for ``target``, the names in ``excludes`` (a file)
-    excluded from the resolution: uv then ignores their own dependencies too (torch's CUDA libraries)."""
+    """``uv pip compile`` of the roots for ``target``, ``excludes`` (and their dependencies) left out."""
     return [uv, "pip", "compile", str(requirements_in), "--python-version", target.python,
             "--python-platform", target.uv_platform, "--excludes", str(excludes), "--no-header",
             "--no-annotate", "--output-file", str(output)]
@@ -224,13 +203,12 @@ def parse_pins(text: str) -> list[tuple[str, str]]:
 
 
 def download_command(requirements: str | Path, dest: str | Path, target: WheelhouseTarget, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """``pip download`` of the pinned requirements for ``target``; ``--no-deps`` (the list is complete) also
-    lets pip take an sdist for a package without a wheel, which it refuses under ``--platform`` otherwise."""
+    """``pip download`` of the pins for ``target``; ``--no-deps`` lets pip take sdists under ``--platform``."""
     return [*pip, "download", "--no-deps", *target.pip_target_args(), "--dest", str(dest), "-r", str(requirements)]
 
 
 def build_command(sdists: Sequence[str | Path], dest: str | Path, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """``pip wheel`` building the sdist-only packages into wheels (pure Python ones give ``py3-none-any``)."""
+    """``pip wheel`` building the sdist-only packages into wheels."""
     return [*pip, "wheel", "--no-deps", "--wheel-dir", str(dest), *map(str, sdists)]
 
 
@@ -255,8 +233,7 @@ def distribution_name(filename: str) -> tuple[str, str]:
 
 
 def placeholder_wheel(name: str, version: str, dest: str | Path, requires: Sequence[str] = ()) -> Path:
-    """An empty ``py3-none-any`` wheel in ``dest`` standing for a package the target already has, for the
-    offline check (:func:`verify_command`); returns its path."""
+    """An empty wheel in ``dest`` standing in for a package the target has (:func:`verify_command`); its path."""
     dist = re.sub(r"[-_.]+", "_", name)
     info = f"{dist}-{version}.dist-info"
     metadata = f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
@@ -279,8 +256,7 @@ def placeholder_wheel(name: str, version: str, dest: str | Path, requires: Seque
 
 def verify_command(requirements_in: str | Path, find_links: Sequence[str | Path], scratch: str | Path,
                    target: WheelhouseTarget, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """An offline resolve of the roots from ``find_links`` alone, for ``target`` (nothing is installed);
-    ``--isolated``: an index set in pip's configuration would make the check pass on files not in the folder."""
+    """Offline dry-run resolve of the roots from ``find_links`` only (``--isolated``: no configured index)."""
     links = [arg for d in find_links for arg in ("--find-links", str(d))]
     return [*pip, "--isolated", "install", "--dry-run", "--ignore-installed", "--no-index", *links,
             "--only-binary=:all:", *target.pip_target_args(), "--target", str(scratch), "-r", str(requirements_in)]
@@ -300,9 +276,7 @@ def manifest(
     wheel_dir: str | Path, target: WheelhouseTarget, extras: Sequence[str], roots: Sequence[str],
     present: Mapping[str, str], built: Iterable[str] = (), left_out: Iterable[str] = (),
 ) -> dict:
-    """The ``manifest.json`` of a wheelhouse folder: its target, extras, roots, the packages left to the
-    target (``present``, never carried; ``left_out`` after the resolution), one entry per wheel (name,
-    version, file, bytes, sha256, whether ``built`` from an sdist) and the total size."""
+    """A wheelhouse's ``manifest.json``: target, extras, roots, packages left out, each wheel, total size."""
     built = set(built)
     wheels = []
     for path in sorted(Path(wheel_dir).glob("*.whl")):
@@ -328,7 +302,7 @@ def write_json(path: str | Path, data: Mapping) -> None:
 
 
 def check_requirements() -> None:
-    """Raise a one-line ReproError on a machine that lacks a module a run imports (naming the packages)."""
+    """One-line ReproError naming the packages of :data:`REQUIRED_MODULES` this machine lacks."""
     missing = []
     for module, package in REQUIRED_MODULES.items():
         try:

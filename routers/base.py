@@ -7,9 +7,8 @@ Shape suffixes used throughout the project:
     D  hidden size              E  number of experts
     G  segments (Lory)          L  layers
 
-A router maps the hidden states of one MoE layer ``hidden_TD`` (and, for routers that need them, the
-token ids ``token_ids_T``) to a :class:`RouterOutput`. The vocabulary follows megatron-core
-(logits -> scores -> probs, routing_map) so the adapter to megatron-core is thin.
+A router maps one MoE layer's ``hidden_TD`` (and, if it needs them, ``token_ids_T``) to a :class:`RouterOutput`,
+in megatron-core's vocabulary (logits -> scores -> probs, routing_map), so the adapter to it is thin.
 """
 
 from __future__ import annotations
@@ -73,8 +72,7 @@ class RoutingConstraint:
     probs_sum_to_one: bool = False  # whether each routed token's probs sum to one
 
     def capacity(self, num_tokens: int, num_experts: int) -> int:
-        """Tokens an expert may take: megatron-core's ``get_capacity`` expression, ceil((T*k/E) * c), in
-        megatron's operation order, so the float rounding (and the capacity) is identical."""
+        """megatron-core's ``get_capacity``, ceil((T*k/E) * c), in its operation order (identical rounding)."""
         if self.capacity_factor is None:
             return num_tokens
         return min(num_tokens, math.ceil((num_tokens * self.top_k / num_experts) * self.capacity_factor))
@@ -102,10 +100,8 @@ class RouterOutput:
 
     probs: torch.Tensor  # [T, E] float32 combine weights, exactly zero where routing_map is False
     routing_map: torch.Tensor  # [T, E] bool, which experts receive each token
-    # Named scalar losses, already multiplied by their coefficients, attached to the graph.
-    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)
-    # Named detached tensors (scalars or [E]) describing the routing.
-    metrics: dict[str, torch.Tensor] = field(default_factory=dict)
+    aux_losses: dict[str, torch.Tensor] = field(default_factory=dict)  # named scalars, weighted, attached
+    metrics: dict[str, torch.Tensor] = field(default_factory=dict)  # named, detached (scalars or [E])
 
     def total_aux_loss(self) -> torch.Tensor:
         """Sum of the aux losses (a zero scalar on ``probs``' device when there are none)."""
@@ -115,43 +111,31 @@ class RouterOutput:
 class Router(nn.Module):
     """Base class of every router.
 
-    Subclasses set ``Config`` (a frozen :class:`RouterConfig` subclass), implement :meth:`route`
-    and :attr:`constraint`, and are registered with :func:`routers.register_router`.
-
-    The training step is held in the ``step`` buffer, so schedules that depend on it are restored with
-    the ``state_dict`` and a resumed run continues bit-identically.
+    Subclasses set ``Config`` (a frozen :class:`RouterConfig` subclass), implement :meth:`route` and
+    :attr:`constraint`, and register with :func:`routers.register_router`. The training step lives in the
+    ``step`` buffer, so step-dependent schedules restore with the ``state_dict`` and resume bit-identically.
     """
 
     Config: ClassVar[type[RouterConfig]] = RouterConfig
     name: ClassVar[str] = ""
-    #: Hash routing needs the token ids; megatron-core does not pass them, the adapter plumbs them.
+    #: Needs token ids (Hash): megatron-core does not pass them, the adapter does.
     requires_token_ids: ClassVar[bool] = False
-    #: The router merges the experts' parameters instead of dispatching tokens (Lory): one merged FFN per
-    #: token, so its compute is one expert's whatever its map says. Must agree with ``constraint.kind``.
+    #: Merges expert parameters instead of dispatching (Lory: one expert's compute); must match ``constraint.kind``.
     merges_experts: ClassVar[bool] = False
-    #: Buffers kept in float32 when the module is cast (``.bfloat16()``, megatron-core's Float16Module), as
-    #: megatron's ``_maintain_float32_expert_bias``: schedules and statistics whose small steps bf16 would lose.
+    #: Buffers kept float32 on casts (as megatron's ``_maintain_float32_expert_bias``): bf16 would lose small steps.
     fp32_buffers: ClassVar[tuple[str, ...]] = ()
-    #: Settings this router's experiments take beyond a scale's shared recipe, as dot-list overrides of the
-    #: run config per scale (``"tiny"``, ``"185m"``; see ``repro.experiments``), e.g.
-    #: ``{"185m": ("optimizer.beta2=0.995",)}``. Declared here so no central code names a router.
+    #: Per-flavour dot-list overrides of the recipe (``repro.experiments``); here so no central code names a router.
     recipe_overrides: ClassVar[Mapping[str, tuple[str, ...]]] = {}
-    #: Named variants of this router that the suite itself adds (not the paper's method), as dot-list overrides
-    #: applied at every scale on top of the recipe: experiments ``<router>+<variant>-<scale>``, e.g. DirMoE's
-    #: ``centered`` reconstruction target. The comparison runs them beside the router; tables label them.
+    #: Suite-added variants (not the paper's), dot-list overrides at every flavour: ``<router>+<variant>-<flavour>``.
     variants: ClassVar[Mapping[str, tuple[str, ...]]] = {}
-    #: Whether :meth:`route` computes its diagnostic ``metrics``. The training loop sets it per step
-    #: (``routers.schedule.begin_step``): True on the steps it logs, False on the others, where ``route``
-    #: returns ``metrics={}`` and forces no host synchronisation (no ``.item()``, ``int(t)``, ``bool(t)``,
-    #: ``nonzero``, boolean-mask indexing, data-dependent shapes) unless its routing itself needs one (then
-    #: its docstring says which). Probs, routing map, aux losses, schedules and random draws are identical
-    #: whatever it is. The class default (True) is for direct calls; setting it makes it an instance attribute.
+    #: Whether :meth:`route` computes ``metrics`` (``routers.schedule.begin_step``: True on logging steps). When
+    #: False it returns ``{}`` and forces no host sync (no ``.item()``, ``int(t)``, ``bool(t)``, ``nonzero``, mask
+    #: indexing, data-dependent shapes) unless its routing needs one (documented); all else is identical.
     collect_metrics: bool = True
 
     @classmethod
     def moe_layer_class(cls) -> type | None:
-        """The megatron-core MoE layer class this router needs instead of megatron's ``MoELayer`` (None: the
-        standard layer). Lory returns its parameter-merging layer; the builder then uses local experts."""
+        """The MoE layer class to use instead of megatron's ``MoELayer`` (None: the standard one; Lory: merging)."""
         return None
 
     def __init__(self, config: RouterConfig) -> None:
@@ -171,7 +155,6 @@ class Router(nn.Module):
                 setattr(self, name, before.to(device=after.device, dtype=torch.float32))
         return result
 
-    # ----------------------------------------------------------------- interface
     @property
     def constraint(self) -> RoutingConstraint:
         """The routing constraint this router guarantees."""
@@ -183,14 +166,13 @@ class Router(nn.Module):
         token_ids_T: torch.Tensor | None = None,
         seq_shape: tuple[int, int] | None = None,
     ) -> RouterOutput:
-        """Route one micro-batch. Subclasses implement it; their class docstrings name their aux losses and metrics.
+        """Route one micro-batch; subclass docstrings name their aux losses and metrics.
 
         Args:
             hidden_TD: ``[T, D]`` hidden states at the MoE layer's input.
             token_ids_T: ``[T]`` token ids, in the same order, for routers that need them.
-            seq_shape: ``(S, B)`` with ``T == S * B`` and token order ``t = s * B + b`` (megatron-core's
-                ``[s, b, h]`` flattened), for routers that need sequence structure (Lory). ``None``
-                means one sequence of length T.
+            seq_shape: ``(S, B)``, ``T == S * B``, order ``t = s * B + b`` (megatron's ``[s, b, h]`` flattened),
+                for routers that need sequences (Lory); None: one sequence of length T.
         """
         raise NotImplementedError
 
@@ -216,24 +198,20 @@ class Router(nn.Module):
             raise ValueError(f"{self.name}: seq_shape {seq_shape} does not cover {hidden_TD.shape[0]} tokens")
         return self.route(hidden_TD, token_ids_T, seq_shape)
 
-    # ------------------------------------------------------------ step schedules
     def set_step(self, step: int) -> None:
         """Tell the router the global training step (before the step's forward passes)."""
         self.step.fill_(int(step))
 
     def step_statistic(self) -> torch.Tensor | None:
-        """A statistic accumulated over this step's micro-batches that the router's schedule needs
-        averaged over layers and data-parallel ranks (ReMoE's sparsity). ``None`` if it needs none.
-        Deciding between a tensor and ``None`` must not read a device value (no host synchronisation)."""
+        """This step's statistic for the schedule, to be averaged over layers and ranks (ReMoE's sparsity), or
+        None; choosing between the two must not read a device value (no host sync)."""
         return None
 
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
-        """Called once after each optimizer step with the averaged :meth:`step_statistic` (a device tensor:
-        an update that depends on it stays on the device, with no host synchronisation)."""
+        """Called after each optimizer step with the averaged :meth:`step_statistic` (a device tensor: no sync)."""
 
     def set_layer_number(self, layer_number: int) -> None:
-        """Told the router's (1-based) layer once the model is built (megatron-core tells the router it builds,
-        the adapter passes it on); routers whose routing depends on the layer (Hash's per-layer tables) use it."""
+        """The router's 1-based layer, once the model is built (via the adapter); Hash's per-layer tables use it."""
 
     @property
     def num_experts(self) -> int:

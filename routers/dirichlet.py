@@ -47,14 +47,11 @@ def _check_mass_and_count(m: object, num_experts: object, name: str, k: object) 
 
 
 def alpha_ratio(m: float, num_experts: int, k: int) -> float:
-    """The concentration ratio ``r = alpha_hi / alpha_lo`` that puts mean mass ``m`` on k active experts.
-
-    Under ``Dir(alpha)`` with ``alpha_hi`` on k experts and ``alpha_lo`` on the other E - k, the mass on
-    the active group is ``Beta(k alpha_hi, (E-k) alpha_lo)`` with mean ``m``; solving gives
-    ``r = m/(1-m) (E-k)/k`` (paper Eq. "ratio_r").
+    """The ratio ``r = alpha_hi / alpha_lo`` putting mean mass ``m`` on k active experts: their mass is
+    ``Beta(k alpha_hi, (E-k) alpha_lo)``, so ``r = m/(1-m) (E-k)/k`` (paper Eq. "ratio_r").
 
     Args:
-        m: target mean mass on the active group, in (0, 1).
+        m: mean mass on the active group, in (0, 1).
         num_experts: E >= 2.
         k: active experts, in [1, E-1].
 
@@ -66,17 +63,16 @@ def alpha_ratio(m: float, num_experts: int, k: int) -> float:
 
 
 def expected_simpson(lam: float, beta: Sequence[float] | torch.Tensor) -> float:
-    """Expected Simpson index ``E[sum_i p_i^2]`` for ``p ~ Dir(lam * beta)`` (paper Lemma 1).
-
-    ``E[H] = (lam S2 / B + 1) / (lam B + 1)`` with ``B = sum beta``, ``S2 = sum beta^2``. For E >= 2 it
-    decreases strictly in ``lam`` from 1 (``lam -> 0``) to ``sum_i m_i^2``, ``m = beta / B`` (Theorem 1).
+    """Paper Lemma 1: ``E[sum_i p_i^2] = (lam S2 / B + 1) / (lam B + 1)`` for ``p ~ Dir(lam * beta)``,
+    ``B = sum beta``, ``S2 = sum beta^2``; for E >= 2 strictly decreasing in ``lam`` from 1 (``lam -> 0``) to
+    ``sum_i m_i^2``, ``m = beta / B`` (Theorem 1).
 
     Args:
-        lam: the concentration scale lambda > 0.
-        beta: the base ``[E]`` (sequence or tensor), not empty, every entry > 0 and finite.
+        lam: concentration scale lambda > 0.
+        beta: ``[E]`` base (sequence or tensor), non-empty, entries > 0 and finite.
 
     Returns:
-        The expected Simpson index (a float, computed in float64).
+        A float (computed in float64).
     """
     _check_positive("lam", lam)
     values = beta.detach().double().flatten().tolist() if isinstance(beta, torch.Tensor) else list(beta)
@@ -90,10 +86,8 @@ def expected_simpson(lam: float, beta: Sequence[float] | torch.Tensor) -> float:
 
 
 def lambda_for_simpson(h: float, num_experts: int) -> float:
-    """Symmetric calibrator: the lambda for which ``Dir(lambda * 1)`` has expected Simpson index ``h``.
-
-    With ``beta = 1`` the Lemma gives ``E[H] = (lambda + 1)/(lambda E + 1)``, hence
-    ``lambda = (1 - h)/(h E - 1)`` (paper Eq. "lambda_from_h").
+    """Symmetric calibrator: lambda with ``E[H] = h`` under ``Dir(lambda * 1)``. The Lemma's
+    ``(lambda + 1)/(lambda E + 1)`` gives ``lambda = (1 - h)/(h E - 1)`` (paper Eq. "lambda_from_h").
 
     Args:
         h: target Simpson index, in (1/E, 1).
@@ -111,21 +105,18 @@ def lambda_for_simpson(h: float, num_experts: int) -> float:
 def lambda_for_mass_variance(
     m: float, v_tar: float, s: int, num_experts: int, alpha_hi: float, alpha_lo: float
 ) -> float:
-    """Two-group (Beta) calibrator: the lambda that gives the active-group mass a target variance.
-
-    Under ``Dir(lambda beta)`` with ``beta_i = alpha_hi`` on s experts and ``alpha_lo`` on E - s, the mass
-    T on the s experts is ``Beta(lambda s alpha_hi, lambda (E-s) alpha_lo)``, with mean m and variance
-    ``m(1-m)/(lambda C + 1)``, ``C = s alpha_hi + (E-s) alpha_lo``. Solving for ``Var(T) = v_tar`` gives
-    ``lambda = (m(1-m)/v_tar - 1)/C`` (paper Eq. "lambda_from_beta").
+    """Two-group (Beta) calibrator: lambda giving the active mass variance ``v_tar``. With ``alpha_hi`` on s
+    experts, ``alpha_lo`` on E - s, that mass is ``Beta(lambda s alpha_hi, lambda (E-s) alpha_lo)``, variance
+    ``m(1-m)/(lambda C + 1)``, ``C = s alpha_hi + (E-s) alpha_lo``: ``lambda = (m(1-m)/v_tar - 1)/C`` (paper Eq.
+    "lambda_from_beta").
 
     Args:
-        m: the mean active mass, in (0, 1). It must be the mean the bases imply,
-            ``s alpha_hi / C`` (within 1e-3): with any other m the returned lambda misses ``v_tar``.
-        v_tar: target variance of the active mass, in (0, m(1-m)).
-        s: size of the active group, in [1, E-1].
+        m: mean active mass in (0, 1); must be ``s alpha_hi / C`` (within 1e-3), else lambda misses ``v_tar``.
+        v_tar: target variance, in (0, m(1-m)).
+        s: active group size, in [1, E-1].
         num_experts: E >= 2.
-        alpha_hi: base of the active experts, > 0.
-        alpha_lo: base of the inactive experts, > 0.
+        alpha_hi: active base, > 0.
+        alpha_lo: inactive base, > 0.
 
     Returns:
         lambda > 0.
@@ -146,22 +137,19 @@ def lambda_for_mass_variance(
 
 
 def dirichlet_kl(alpha_q: torch.Tensor, alpha_p: torch.Tensor, validate_args: bool = True) -> torch.Tensor:
-    """Closed-form ``KL(Dir(alpha_q) || Dir(alpha_p))``, batched over all but the last dimension.
-
-    ``KL = lgG(sum q) - sum lgG(q) - lgG(sum p) + sum lgG(p) + sum (q - p)(digamma(q) - digamma(sum q))``.
-    Differentiable in both arguments.
+    """Closed-form ``KL(Dir(alpha_q) || Dir(alpha_p))`` over the last dimension, differentiable in both:
+    ``lgG(sum q) - sum lgG(q) - lgG(sum p) + sum lgG(p) + sum (q - p)(digamma(q) - digamma(sum q))``.
 
     Args:
         alpha_q: ``[..., E]`` posterior concentrations, > 0.
         alpha_p: ``[..., E]`` prior concentrations, > 0 (broadcast against ``alpha_q``).
-        validate_args: check positivity (a device sync on GPU; the router passes False in its hot path).
+        validate_args: check positivity (a device sync on GPU; the router's hot path passes False).
 
     Returns:
-        ``[...]`` KL divergences, in the dtype of the inputs.
+        ``[...]`` KL divergences, in the inputs' dtype.
 
     Raises:
-        ValueError: shapes that do not broadcast, an empty last dimension, or (with ``validate_args``)
-            non-positive / non-finite concentrations.
+        ValueError: non-broadcasting shapes, an empty last dimension, or (``validate_args``) invalid values.
     """
     try:
         shape = torch.broadcast_shapes(alpha_q.shape, alpha_p.shape)
@@ -178,17 +166,14 @@ def dirichlet_kl(alpha_q: torch.Tensor, alpha_p: torch.Tensor, validate_args: bo
 
 
 def kl_terms(alpha_q: torch.Tensor, alpha_p: torch.Tensor, q0: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """:func:`dirichlet_kl`'s terms, unchecked: ``KL = F.sum(-1)``, with what its closed-form gradient reuses.
-
-    ``F = lgG(X) - lgG(Y) + (Y - X) digamma(C)`` elementwise over ``E + 1`` columns, the totals
-    (``q0 = sum q``, ``p0 = sum p``) appended: ``X = [p, q0]``, ``Y = [q, p0]``, ``C = [q, q0]``. Its sum is
-    :func:`dirichlet_kl`'s expression (``sum_i (q_i - p_i) digamma(q_i) - (q0 - p0) digamma(q0)`` for the last
-    term): one lgamma per argument, one digamma, and no sign to apply per column.
+    """:func:`dirichlet_kl`'s terms, unchecked (``KL = F.sum(-1)``), plus what its closed-form gradient reuses:
+    ``F = lgG(X) - lgG(Y) + (Y - X) digamma(C)`` over ``E + 1`` columns, ``X = [p, q0]``, ``Y = [q, p0]``,
+    ``C = [q, q0]`` (``q0``, ``p0`` the totals): one lgamma per argument, one digamma, no per-column sign.
 
     Args:
         alpha_q: ``[..., E]`` posterior concentrations (q), > 0.
-        alpha_p: ``[..., E]`` prior concentrations (p) of the same shape, > 0.
-        q0: ``[..., 1]`` the posterior's totals, ``alpha_q.sum(-1, keepdim=True)``.
+        alpha_p: ``[..., E]`` prior concentrations (p), same shape, > 0.
+        q0: ``[..., 1]`` ``alpha_q.sum(-1, keepdim=True)``.
 
     Returns:
         ``(F, C, Y - X)``, each ``[..., E + 1]``.
@@ -201,13 +186,11 @@ def kl_terms(alpha_q: torch.Tensor, alpha_p: torch.Tensor, q0: torch.Tensor) -> 
 
 
 def dirichlet_expected_simpson(alpha: torch.Tensor) -> torch.Tensor:
-    """The paper's Lemma per row: ``E[sum_i p_i^2]`` for ``p ~ Dir(alpha)``, batched over leading dimensions.
-
-    ``E[H] = sum_i alpha_i (alpha_i + 1) / (alpha_0 (alpha_0 + 1))``, ``alpha_0 = sum_i alpha_i``: the Lemma's
-    ``(lam S2 / B + 1) / (lam B + 1)`` with ``alpha = lam beta`` (any split of alpha into lam and beta).
+    """The paper's Lemma per row: ``E[sum_i p_i^2] = sum_i alpha_i (alpha_i + 1) / (alpha_0 (alpha_0 + 1))``
+    for ``p ~ Dir(alpha)``, ``alpha_0 = sum_i alpha_i`` (:func:`expected_simpson` with any ``alpha = lam beta``).
 
     Args:
-        alpha: ``[..., E]`` concentrations, > 0 (not checked: this runs in the router's hot path).
+        alpha: ``[..., E]`` concentrations, > 0 (unchecked: the router's hot path).
 
     Returns:
         ``[...]`` expected Simpson indices, in alpha's dtype.
@@ -220,16 +203,14 @@ def reconstruction_loss(
     target_TD: torch.Tensor, recon_TD: torch.Tensor, *, sigma2: float = 1.0, reduction: str = "mean",
     target: str = "raw",
 ) -> torch.Tensor:
-    """The Gaussian decoder's negative log-likelihood up to a constant, averaged over tokens.
-
-    ``mean_t ||y_t - recon_t||^2 / (2 sigma^2)`` with ``y_t = x_t`` (``target="raw"``, the paper) or
-    ``y_t = x_t - mean_s x_s`` (``"centered"``, the micro-batch mean removed; ``routers/dirmoe_config.py``,
-    gap 9). ``reduction="mean"`` divides the squared norm by D (the paper's decoder with sigma^2 D, gap 5).
+    """The Gaussian decoder's NLL up to a constant, ``mean_t ||y_t - recon_t||^2 / (2 sigma^2)``, ``y_t = x_t``
+    (``"raw"``, the paper) or ``x_t - mean_s x_s`` (``"centered"``, gap 9); ``reduction="mean"`` divides by D
+    (the paper's decoder with sigma^2 D, gap 5).
 
     Args:
-        target_TD: ``[T, D]`` the reconstruction target x (detach it beforehand to treat it as data).
-        recon_TD: ``[T, D]`` the decoder's output.
-        sigma2: the decoder variance sigma^2 > 0.
+        target_TD: ``[T, D]`` target x (detach it to treat it as data).
+        recon_TD: ``[T, D]`` decoder output.
+        sigma2: decoder variance sigma^2 > 0.
         reduction: ``"mean"`` or ``"sum"`` over D.
         target: ``"raw"`` or ``"centered"``.
 
@@ -243,7 +224,6 @@ def reconstruction_loss(
     if target == "centered":
         target_TD = target_TD - target_TD.mean(0, keepdim=True)
     if reduction == "mean":
-        # The mean over D then over tokens is the mean over all entries: one fused op (and one in the backward)
-        # where the squared error and two means take three (and some ten).
+        # Mean over D then tokens = mean over all entries: one fused op (one backward) instead of three (~ten).
         return torch.nn.functional.mse_loss(recon_TD, target_TD) / (2.0 * sigma2)
     return (target_TD - recon_TD).pow(2).sum(-1).mean() / (2.0 * sigma2)

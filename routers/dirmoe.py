@@ -3,8 +3,7 @@ of Experts", ICLR 2026 submission). No public code exists; this module is writte
 
 Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE layer's input):
 
-* Heads on x: gate logits ``l(x)`` in R^E and positive posterior bases ``alpha_hi(x)``, ``alpha_lo(x)`` in
-  R^E (softplus of linear heads).
+* Heads on x: gate logits ``l(x)`` and positive posterior bases ``alpha_hi(x)``, ``alpha_lo(x)`` (softplus), in R^E.
 * Relaxed spike (binary concrete / Gumbel-sigmoid): ``z~ = sigmoid((l + g) / tau_z)``, ``g ~ Logistic(0,1)``.
 * Slab posterior ``Dir(alpha_q)``, ``alpha_q = lambda_q (z~ alpha_hi(x) + (1 - z~) alpha_lo(x))``, sampled
   as ``torch.distributions.Dirichlet(...).rsample()`` does (normalised Gamma, implicit reparameterisation).
@@ -16,13 +15,11 @@ Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE la
   ``dirmoe_sparsity`` (each already weighted).
 * Evaluation (``router.eval()``) is deterministic: no logistic noise, ``theta`` = the posterior mean.
 * All router maths (logits, gates, Dirichlet, KL, decoder) runs in float32 whatever the model dtype.
-* Everything the training computes is :meth:`DirMoERouter.route_core`, free of host syncs, eager or one
-  ``torch.compile`` region (option ``compile_elementwise``); the diagnostic metrics are computed after it,
-  eagerly, only when the router's ``collect_metrics`` is set (steps that log).
+* Training computes only :meth:`DirMoERouter.route_core` (no host syncs; eager or one ``torch.compile`` region,
+  ``compile_elementwise``); diagnostic metrics follow, eagerly, only when ``collect_metrics`` is set.
 
-The Dirichlet maths (the ratio r, the Lemma and its calibrators, the KL, the reconstruction term) is in
-:mod:`routers.dirichlet`, the elementwise maths in :mod:`routers.dirmoe_blocks`, the options and the paper's
-gaps closed with switchable defaults (numbered, with the evidence) in :mod:`routers.dirmoe_config`.
+Dirichlet maths (ratio r, Lemma, calibrators, KL, reconstruction): :mod:`routers.dirichlet`; elementwise maths:
+:mod:`routers.dirmoe_blocks`; options and the paper's numbered gaps: :mod:`routers.dirmoe_config`.
 Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
 """
 
@@ -53,8 +50,8 @@ def _softplus_inverse(y: float) -> float:
 
 
 def _anneal(t: torch.Tensor, start: float, end: float, kind: str, decay: float | None, horizon: int) -> torch.Tensor:
-    """``kind`` "cosine" from ``start`` to ``end`` over ``horizon`` steps, else ``max(end, start decay^t)``
-    (``decay`` None: the one that reaches ``end`` at ``horizon``; routers/dirmoe_config.py, gap 6)."""
+    """Cosine from ``start`` to ``end`` over ``horizon``, else ``max(end, start decay^t)``; ``decay`` None: the one
+    reaching ``end`` at ``horizon`` (gap 6)."""
     if kind == "cosine":
         frac = (t / horizon).clamp(0.0, 1.0)
         return end + (start - end) * 0.5 * (1.0 + torch.cos(math.pi * frac))
@@ -63,8 +60,7 @@ def _anneal(t: torch.Tensor, start: float, end: float, kind: str, decay: float |
 
 
 class _SimplexDecoder(nn.Module):
-    """g_psi: the simplex Delta^{E-1} -> R^D, ``Linear`` layers with SiLU between them, run in float32 whatever
-    the parameters' dtype."""
+    """g_psi: the simplex Delta^{E-1} -> R^D, ``Linear`` layers with SiLU between, in float32."""
 
     def __init__(self, num_experts: int, hidden_size: int, decoder_hidden_size: int) -> None:
         super().__init__()
@@ -82,15 +78,12 @@ class _SimplexDecoder(nn.Module):
 
 @dataclass
 class DirMoESample:
-    """One draw of DirMoE's latent variables for a micro-batch, and its sparsity and KL terms (all float32). All are
-    attached to the graph, except in eager training (the closed-form backward of
-    :func:`routers.dirmoe_blocks.routing_sample`), where only ``weights_TE`` and the two terms are."""
+    """One draw of DirMoE's latents for a micro-batch, with the sparsity and KL terms (float32, attached; in eager
+    training only ``weights_TE`` and the two terms: :func:`routers.dirmoe_blocks.routing_sample`)."""
 
     logits_TE: torch.Tensor  # gate logits l(x) (centred x-dependent part plus bias)
     gates_TE: torch.Tensor  # relaxed gates z~ (sigmoid(l / tau) in eval mode)
-    # the posterior's bases, alpha_q = lambda_q * base_q: z~ alpha_hi(x) + (1 - z~) alpha_lo(x), rescaled to the
-    # prior's base total under posterior_scale="normalized"
-    base_q_TE: torch.Tensor
+    base_q_TE: torch.Tensor  # alpha_q / lambda_q = z~ alpha_hi(x) + (1 - z~) alpha_lo(x) (rescaled if "normalized")
     alpha_q_TE: torch.Tensor  # posterior concentrations
     alpha_p_TE: torch.Tensor  # prior concentrations (built on stop-gradient gates)
     theta_TE: torch.Tensor  # the Dirichlet draw (the posterior mean in eval mode)
@@ -104,22 +97,17 @@ class DirMoESample:
 
 @register_router("dirmoe")
 class DirMoERouter(Router):
-    """The DirMoE router (the method: the module docstring; the options: :class:`DirMoEConfig`).
+    """The DirMoE router (method: module docstring; options: :class:`DirMoEConfig`).
 
-    Parameters: ``weight`` ``[3E, D]`` and ``bias`` ``[3E]`` hold three linear heads on x, rows
-    ``[0, E)`` the gate logits, ``[E, 2E)`` the ``alpha_hi`` base and ``[2E, 3E)`` the ``alpha_lo`` base
-    (fused so x is read once); ``decoder`` is g_psi. With ``recon_target="data_mean"`` the buffers
-    ``recon_mean_D`` (the data mean added to the decoder's output) and ``recon_mean_updates`` (how many
-    micro-batches it has seen) hold the running statistic.
+    ``weight`` ``[3E, D]``, ``bias`` ``[3E]``: three fused heads (x read once), rows ``[0, E)`` gate logits,
+    ``[E, 2E)`` / ``[2E, 3E)`` the ``alpha_hi`` / ``alpha_lo`` bases; ``decoder``: g_psi. ``"data_mean"`` adds
+    buffers ``recon_mean_D`` (running data mean) and ``recon_mean_updates`` (micro-batches seen).
     """
 
     Config = DirMoEConfig
-    # The paper's hyper-parameter table (Appendix "Hyperparameters") for the 185M runs: learning rate 1e-4,
-    # cosine to min lr = 0.1 x base, Adam betas (0.9, 0.995). The baselines keep ReMoE's settings, which is how
-    # both papers report them.
+    # The paper's Appendix "Hyperparameters" (baselines keep ReMoE's settings, as both papers report them).
     recipe_overrides = {"185m": ("optimizer.lr=1e-4", "schedule.min_lr=1e-5", "optimizer.beta2=0.995")}
-    # This suite's remedy for the small-scale collapse (routers/dirmoe_config.py, gap 9): the reconstruction
-    # target centred on the micro-batch mean. Not the paper's method: run beside it, labelled as a variant.
+    # The suite's remedy for the small-scale collapse (gap 9), not the paper's method: run beside it as a variant.
     variants = {"centered": ("router.options.recon_target=centered",)}
 
     def __init__(self, config: DirMoEConfig) -> None:
@@ -129,17 +117,16 @@ class DirMoERouter(Router):
         self.bias = nn.Parameter(torch.empty(3 * E))
         self.decoder = _SimplexDecoder(E, D, config.decoder_hidden_size)
         if config.recon_target == "data_mean":
-            # Registered only when used, so checkpoints of the other targets keep their keys.
+            # Only when used, so the other targets' checkpoints keep their keys.
             self.register_buffer("recon_mean_D", torch.zeros(D))
             self.register_buffer("recon_mean_updates", torch.zeros((), dtype=torch.long))
         self._prior = config.prior_constants()
         self._inductor: dict[str, tuple[bool, str]] = {}  # device type -> (inductor can compile there, what lacks)
-        # (step buffer, its version, inference mode, schedule_values()) for the eager path (_step_schedule)
-        self._schedule_cache: tuple | None = None
+        self._schedule_cache: tuple | None = None  # (step, its _version, inference mode, values): _step_schedule
         self.reset_parameters()
 
     def initial_gate_bias(self) -> float:
-        """The gate bias at init, per ``gate_bias_init`` (``routers/dirmoe_config.py``, gap 1).
+        """The gate bias at init, per ``gate_bias_init`` (gap 1).
 
         Returns:
             ``tau_0 logit(k/E)`` ("tempered") or ``logit(k/E) + tau_0 logit(z_threshold)`` ("inclusion").
@@ -163,15 +150,13 @@ class DirMoERouter(Router):
                 nn.init.normal_(layer.weight, std=c.init_std)
                 nn.init.zeros_(layer.bias)
 
-    # ------------------------------------------------------------------ schedules
     def schedule_values(self) -> dict[str, torch.Tensor]:
-        """The step-dependent values, as float32 scalars on the step buffer's device, computed in float64 from the
-        ``step`` buffer alone (no host sync), so a restored checkpoint gives bit-identical values.
+        """The step-dependent values, computed in float64 from the ``step`` buffer alone (no host sync), so a
+        restored checkpoint gives bit-identical values.
 
         Returns:
-            ``tau`` (gate temperature), ``lambda_p`` (prior scale), ``lambda_q`` (the posterior scale in use:
-            ``lambda_p`` when tied, else the constant), ``alpha_lo`` and ``alpha_hi`` (prior bases,
-            ``alpha_hi = r alpha_lo``).
+            float32 scalars: ``tau``, ``lambda_p``, ``lambda_q`` (``lambda_p`` when tied, else the constant),
+            ``alpha_lo`` and ``alpha_hi = r alpha_lo`` (prior bases).
         """
         c, prior = self.config, self._prior
         t = self.step.to(torch.float64)
@@ -188,11 +173,9 @@ class DirMoERouter(Router):
         }
 
     def _step_schedule(self) -> dict[str, torch.Tensor]:
-        """:meth:`schedule_values`, once per state of the ``step`` buffer when eager (~25 scalar ops fewer per
-        micro-batch); in the compiled region, fused into it. The key is read on the host without a sync: the buffer
-        itself (held, so a new one, e.g. from ``.to(device)``, is never mistaken for it), its version counter (which
-        every in-place write, ``set_step``'s ``fill_`` or ``load_state_dict``'s ``copy_``, advances), and whether
-        inference mode is on (its tensors may not enter a training graph)."""
+        """:meth:`schedule_values`, cached per ``step`` state when eager. Sync-free key: the buffer (a new one from
+        ``.to(device)`` never matches), its version (bumped by ``set_step``, ``load_state_dict``) and inference
+        mode (its tensors may not enter a training graph)."""
         if torch.compiler.is_compiling():
             return self.schedule_values()
         step, inference = self.step, torch.is_inference_mode_enabled()
@@ -201,13 +184,11 @@ class DirMoERouter(Router):
             cache = self._schedule_cache = (step, step._version, inference, self.schedule_values())
         return cache[3]
 
-    # ------------------------------------------------------------------- forward
     def compiles_elementwise(self, device: torch.device) -> bool:
-        """Whether the router's forward runs as one ``torch.compile`` region on ``device`` (option
-        ``compile_elementwise``).
+        """Whether the forward runs as one ``torch.compile`` region on ``device`` (``compile_elementwise``).
 
         Raises:
-            ValueError: ``"always"`` where inductor lacks what it needs for the device (one line naming it).
+            ValueError: ``"always"`` where inductor lacks what the device needs (named).
         """
         mode = self.config.compile_elementwise
         if mode == "never" or (mode == "auto" and device.type != "cuda"):
@@ -230,7 +211,7 @@ class DirMoERouter(Router):
         if c.dispatch == "dense":
             return RoutingConstraint(RoutingKind.EXACT_K, E, E, top_k=c.top_k, probs_sum_to_one=True)
         least = c.top_k if c.dispatch == "topk" else 1
-        # With dense steps, both phases: dense (E per token, r sums to one) until dense_steps, then the rule.
+        # With dense steps the constraint spans both phases: dense (E per token), then the rule.
         most = E if c.dense_steps > 0 else c.dispatch_cap()
         kind = RoutingKind.EXACT_K if c.dispatch == "topk" and c.dense_steps == 0 else RoutingKind.VARIABLE
         return RoutingConstraint(kind, least, most, top_k=c.top_k, probs_sum_to_one=c.renormalize)
@@ -239,10 +220,8 @@ class DirMoERouter(Router):
         """Draw the gates and the Dirichlet weights for a micro-batch (deterministic in eval mode).
 
         Args:
-            hidden_TD: ``[T, D]`` layer input (any float dtype; the maths runs in float32).
-            u_TE: ``[T, E]`` uniforms of the gates' Logistic noise (training only); None draws them here (with
-                inductor's generator when compiled). Passing them fixes the noise, e.g. to compare the compiled
-                region with eager.
+            hidden_TD: ``[T, D]`` layer input (any float dtype).
+            u_TE: ``[T, E]`` gate-noise uniforms (training); None: drawn here (by inductor when compiled).
 
         Returns:
             A :class:`DirMoESample`.
@@ -256,7 +235,7 @@ class DirMoERouter(Router):
             u_TE = torch.rand(x_TD.shape[0], E, dtype=x_TD.dtype, device=x_TD.device)
         lambda_p = sched["lambda_p"]
         if c.posterior_scale == "prior_matched":
-            # The prior at the calibrated scale, keeping lambda_p's schedule as a relative decay (gap 10).
+            # The prior at the calibrated scale; lambda_p's schedule kept as a relative decay (gap 10).
             lambda_p = lambda_p * (c.lambda_q / c.lambda_p_start)
         return DirMoESample(
             *blocks.routing_sample(
@@ -272,15 +251,14 @@ class DirMoERouter(Router):
         )
 
     def dense_phase(self) -> torch.Tensor:
-        """Whether this step dispatches every token to every expert (``dispatch="dense"`` or
-        ``step < dense_steps``), as a bool scalar on the step buffer's device (no host sync)."""
+        """Whether this step dispatches densely (``dispatch="dense"`` or ``step < dense_steps``): a device bool."""
         if self.config.dispatch == "dense":
             return torch.ones((), dtype=torch.bool, device=self.step.device)
         return self.step < self.config.dense_steps
 
     def posterior_bases(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """The posterior's bases ``beta(x)`` at evaluation: the posterior is ``Dir(scale * beta(x))`` with the scale
-        :attr:`posterior_scale`, so sweeping the scale over them shows the sparsity knob (``repro.analysis``).
+        """The posterior's bases ``beta(x)`` at evaluation (posterior ``Dir(posterior_scale * beta(x))``), for
+        sweeping the scale (``repro.analysis``).
 
         Args:
             hidden_TD: ``[T, D]`` router inputs.
@@ -298,7 +276,7 @@ class DirMoERouter(Router):
 
     @property
     def posterior_scale(self) -> float:
-        """The posterior's concentration scale at the current step: ``lambda_q``, or lambda_p^(t) when tied."""
+        """The posterior's scale now: ``lambda_q``, or lambda_p^(t) when tied."""
         if self.config.posterior_scale == "tied":
             return float(self.schedule_values()["lambda_p"])
         return float(self.config.lambda_q)
@@ -321,20 +299,19 @@ class DirMoERouter(Router):
                 top_TK = weights_TE.topk(c.top_k, dim=-1).indices
                 selected_TE = torch.zeros_like(weights_TE, dtype=torch.bool).scatter_(-1, top_TK, True)
             else:
-                # Every token reaches at least its highest-weighted expert (the fallback).
+                # The fallback: every token reaches at least its highest-weighted expert.
                 best = weights_TE.max(-1, keepdim=True)
                 cap = c.dispatch_cap()
                 if cap >= self.num_experts:
                     selected_TE = (gates_TE >= c.z_threshold).scatter_(-1, best.indices, True)
                 else:
-                    # r on the selected experts (the fallback's included), -1 elsewhere: r > 0 (eps_w leak), so -1
-                    # ranks the unselected below every selected one, and the cap keeps the top ones that are selected.
+                    # -1 off the selection: r > 0 (eps_w), so the cap's top-k keeps only selected experts.
                     ranked_TE = weights_TE.masked_fill(gates_TE < c.z_threshold, -1.0)
                     top = ranked_TE.scatter_(-1, best.indices, best.values).topk(cap, dim=-1)
                     selected_TE = torch.zeros_like(gates_TE, dtype=torch.bool)
                     selected_TE.scatter_(-1, top.indices, top.values >= 0)
             if c.dense_steps > 0:
-                # A device-side select rather than a branch on the step: no host sync per forward.
+                # A device-side select, not a branch on the step: no host sync.
                 selected_TE = selected_TE | self.dense_phase()
             return selected_TE
 
@@ -342,7 +319,7 @@ class DirMoERouter(Router):
         self, hidden_TD: torch.Tensor, token_ids_T: torch.Tensor | None = None, seq_shape: tuple[int, int] | None = None
     ) -> RouterOutput:
         """Route one micro-batch (see :meth:`Router.route`); token ids and sequence shape are unused."""
-        # Router maths stays float32 even inside an autocast region (paper: "router logits/Dirichlet in fp32").
+        # float32 even under autocast (paper: "router logits/Dirichlet in fp32").
         with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
             return self._route_fp32(hidden_TD)
 
@@ -350,8 +327,7 @@ class DirMoERouter(Router):
         """``recon_target="data_mean"``: update the running data mean (training forwards only) and return it."""
         if self.training:
             with torch.no_grad():
-                # The first micro-batch sets the mean; later ones move it by the momentum. torch.where keeps
-                # this free of host syncs (the update count lives on the device).
+                # The first micro-batch sets the mean, later ones move it by the momentum (torch.where: no sync).
                 first = self.recon_mean_updates == 0
                 momentum = torch.where(first, 1.0, self.config.recon_mean_momentum).to(mean_D.dtype)
                 self.recon_mean_D.lerp_(mean_D.detach().to(self.recon_mean_D.dtype), momentum)
@@ -361,17 +337,16 @@ class DirMoERouter(Router):
 
     def decoder_directions(self) -> torch.Tensor:
         """Returns:
-            ``g_psi(e_i) - g_psi(0)`` for every expert i, ``[E, D]`` float32 (detached): the direction each expert's
-            vertex of the simplex adds to the reconstruction (the linear decoder's columns)."""
+            ``[E, D]`` float32 ``g_psi(e_i) - g_psi(0)`` (detached): what each vertex adds to the reconstruction
+            (the linear decoder's columns)."""
         with torch.no_grad():
             E = self.num_experts
             vertices_ED = self.decoder(torch.eye(E, device=self.bias.device))
             return vertices_ED - self.decoder(torch.zeros(1, E, device=self.bias.device))
 
     def _route_fp32(self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None) -> RouterOutput:
-        """Route in float32: :meth:`route_core` (one compiled region where :meth:`compiles_elementwise` says so),
-        then the diagnostic metrics, only when ``collect_metrics`` (eager, from the region's outputs: they
-        force host syncs, and leaving them out changes nothing the training computes)."""
+        """:meth:`route_core` (compiled where :meth:`compiles_elementwise`), then, only when ``collect_metrics``,
+        the metrics, eagerly (they sync; leaving them out changes nothing the training computes)."""
         core = _compiled_route_core() if self.compiles_elementwise(hidden_TD.device) else _route_core
         probs_TE, routing_map_TE, aux_losses, parts = core(self, hidden_TD, u_TE)
         metrics = self._metrics(hidden_TD, probs_TE, routing_map_TE, parts) if self.collect_metrics else {}
@@ -380,7 +355,7 @@ class DirMoERouter(Router):
     def route_core(
         self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Everything the training computes, free of host syncs: the compiled region when compiling.
+        """Everything the training computes, without host syncs (the compiled region).
 
         Args:
             hidden_TD: ``[T, D]`` layer input.
@@ -394,7 +369,7 @@ class DirMoERouter(Router):
         routing_map_TE = self.dispatch(s.weights_TE, s.gates_TE)
         x_TD = hidden_TD.float()
         offset_D = self._recon_offset(x_TD.detach().mean(0)) if c.recon_target == "data_mean" else None
-        # r times the map: r where dispatched, exactly 0 elsewhere (r is finite), one op forward and one backward.
+        # r where dispatched, exactly 0 elsewhere (r is finite): one op each way.
         probs_TE = s.weights_TE * routing_map_TE
         if c.renormalize:
             probs_TE = probs_TE / probs_TE.sum(-1, keepdim=True)
@@ -408,16 +383,14 @@ class DirMoERouter(Router):
                 reduction=c.recon_reduction, target="centered" if c.recon_target == "centered" else "raw",
             )
 
-        # A term whose weight is 0 is left out: no backward through it (gap 11). The KL and sparsity terms come
-        # weighted (sample). Eager, a weight of 1 multiplies nothing (one op forward and one backward fewer;
-        # x * 1.0 is exact). The compiled region keeps the product: an output that is another output's alias costs
-        # launches outside it.
+        # Weight 0 leaves a term out (gap 11); KL, sparsity come weighted. Eager skips x * 1.0 (exact); compiled
+        # keeps it, as an output aliasing another costs launches outside the region.
         recon_term = recon if c.recon_weight == 1.0 and not torch.compiler.is_compiling() else c.recon_weight * recon
         terms = (("dirmoe_recon", c.recon_weight, recon_term), ("dirmoe_kl", c.kl_weight, s.kl),
                  ("dirmoe_sparsity", c.sparsity_weight, s.sparsity))
         aux_losses = {name: value for name, weight, value in terms if weight > 0}
         if c.balance_loss_coeff > 0 and self.training and torch.is_grad_enabled():
-            # Switch's loss exactly as megatron-core computes it, on r (all E) and DirMoE's map (gap 12).
+            # megatron-core's Switch loss on r (all E) and DirMoE's map (gap 12).
             aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
                 s.weights_TE, routing_map_TE.sum(0), hidden_TD.shape[0], k, E, c.balance_loss_coeff
             )
@@ -427,9 +400,7 @@ class DirMoERouter(Router):
             **s.schedule,
         }
         if torch.compiler.is_compiling():
-            # A compiled region's output that requires grad gets a zero gradient filled in its backward (one
-            # launch each); the metrics read these detached anyway. The two terms are copies: an output that
-            # aliases another (the aux losses return them too) costs launches outside the region.
+            # Detached (an output requiring grad costs a zero-gradient launch); terms copied (aliases cost launches).
             parts = {name: value.detach().clone() if name in ("kl", "sparsity") else value.detach()
                      for name, value in parts.items()}
         return probs_TE, routing_map_TE, aux_losses, parts
@@ -483,11 +454,11 @@ class DirMoERouter(Router):
         return metrics
 
 
-# One compiled function for every layer's router (dynamo guards on the routers' options, not their identity).
+# One compiled function for every layer (dynamo guards on the options, not the router's identity).
 _route_core = DirMoERouter.route_core
 
 
 @functools.cache
 def _compiled_route_core():
-    """``torch.compile`` of :meth:`DirMoERouter.route_core`, made on first use (importing dynamo costs seconds)."""
+    """``torch.compile`` of :meth:`DirMoERouter.route_core`, on first use (importing dynamo is slow)."""
     return torch.compile(_route_core)

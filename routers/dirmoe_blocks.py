@@ -31,7 +31,7 @@ def _cxx_compiler() -> str | None:
     from torch._inductor import config as inductor_config
 
     cxx = inductor_config.cpp.cxx if isinstance(inductor_config.cpp.cxx, (list, tuple)) else (inductor_config.cpp.cxx,)
-    # None in the list stands for a conda install that inductor does not do by default.
+    # None in the list stands for a conda install, which inductor skips by default.
     return next((path for path in (shutil.which(c) for c in cxx if c) if path), None)
 
 
@@ -45,8 +45,8 @@ def inductor_available(device: torch.device) -> tuple[bool, str]:
     """Whether torch.compile's inductor can generate code for ``device``.
 
     Returns:
-        ``(available, missing)``: ``missing`` names what is lacking ("" when available): on CUDA Triton and
-        the host C compiler Triton builds with; on CPU a C++ compiler.
+        ``(available, missing)``, ``missing`` naming what lacks ("" if none): CUDA needs Triton and a host C
+        compiler, CPU a C++ compiler.
     """
     if device.type == "cuda":
         missing = [name for name, ok in (("Triton", _has_triton()), ("a C compiler ($CC, gcc or clang)", _c_compiler()))
@@ -60,8 +60,7 @@ def inductor_available(device: torch.device) -> tuple[bool, str]:
 
 @functools.cache
 def warn_eager_fallback(device_type: str, missing: str) -> None:
-    """Warn that ``compile_elementwise="auto"`` runs eager on ``device_type`` for lack of ``missing``: once per
-    process (the cache) for a device type and what it lacks."""
+    """Warn (once per process and cause) that ``compile_elementwise="auto"`` runs eager for lack of ``missing``."""
     warnings.warn(
         f"DirMoE runs eager on {device_type}: torch.compile needs {missing}, which is missing "
         "(compile_elementwise='auto'; 'never' silences this)",
@@ -75,34 +74,30 @@ def routing_sample(
     num_experts: int, top_k: int, center_logits: bool, alpha_min: float, normalized: bool, weight_leak: float,
     sparsity_weight: float, kl_weight: float,
 ) -> tuple[torch.Tensor, ...]:
-    """Gates, concentrations, the Dirichlet draw and the routing weights from x, with the sparsity and KL terms.
-
-    Eager with noise and ``normalized`` off (training's default), :class:`_RoutingSample`: the same ops forward, a
-    closed-form backward. Otherwise :func:`_forward` through autograd.
+    """Gates, concentrations, Dirichlet draw, routing weights, sparsity and KL terms from x. Eager training
+    (``normalized`` off) uses :class:`_RoutingSample`'s closed-form backward, else autograd.
 
     Args:
-        x_TD: the router's input, float32.
+        x_TD: router input, float32.
         weight_3ED: the three heads' weight (gate, alpha_hi, alpha_lo), float32.
         bias_3E: the heads' bias.
-        u_TE: uniforms for the Logistic(0, 1) noise and a Dirichlet draw (training), or None (evaluation:
-            noise-free gates and the posterior mean).
-        tau: the gate temperature.
-        prior_alpha_hi: alpha_hi^(t) of the prior.
-        prior_alpha_lo: alpha_lo^(t) of the prior.
-        lambda_q: the posterior scale in use.
-        lambda_p: the prior scale in use.
+        u_TE: uniforms of the Logistic noise (training); None: noise-free gates, posterior mean (evaluation).
+        tau: gate temperature.
+        prior_alpha_hi: the prior's alpha_hi^(t).
+        prior_alpha_lo: the prior's alpha_lo^(t).
+        lambda_q: posterior scale in use.
+        lambda_p: prior scale in use.
         num_experts: E.
         top_k: k, the sparsity term's target.
         center_logits: centre the x-dependent logits per token (gap 1).
         alpha_min: ``posterior_alpha_min`` (gap 7).
         normalized: ``posterior_scale="normalized"`` (gap 10).
         weight_leak: eps_w.
-        sparsity_weight: multiplies the sparsity term (in its last op: no product of its own, forward or backward).
-        kl_weight: multiplies the KL term (likewise).
+        sparsity_weight: folded into the sparsity term's last op (no product of its own, either way).
+        kl_weight: likewise for the KL term.
 
     Returns:
-        The first ten fields of :class:`routers.dirmoe.DirMoESample` in order, ``logits_TE`` to ``kl``. Through
-        :class:`_RoutingSample` only ``weights_TE`` and the two terms carry gradients.
+        :class:`routers.dirmoe.DirMoESample`'s first ten fields, ``logits_TE`` to ``kl`` (gradients: see there).
     """
     args = (x_TD, weight_3ED, bias_3E, u_TE, tau, prior_alpha_hi, prior_alpha_lo, lambda_q, lambda_p, num_experts,
             top_k, center_logits, alpha_min, weight_leak, sparsity_weight, kl_weight)
@@ -117,23 +112,21 @@ def _rsample(alpha_TE: torch.Tensor) -> torch.Tensor:
 
 def _forward(x_TD, weight_3ED, bias_3E, u_TE, tau, prior_hi, prior_lo, lambda_q, lambda_p, E, top_k, center,
              alpha_min, weight_leak, sparsity_weight, kl_weight, *, normalized, draw):
-    """:func:`routing_sample`'s expression, ``draw`` drawing theta from alpha_q (training). Returns ``(outputs,
-    saved)``: :func:`routing_sample`'s outputs, and the intermediates :meth:`_RoutingSample.backward` reads."""
+    """:func:`routing_sample`'s expression (``draw``: theta from alpha_q in training); returns ``(outputs, saved)``,
+    ``saved`` the intermediates :meth:`_RoutingSample.backward` reads."""
     heads_T3E = F.linear(x_TD, weight_3ED)
-    # One add of the three heads' bias, then the split: three slices and adds cost three times the launches,
-    # forward and backward.
+    # One bias add, then the split (three slices and adds would triple the launches, both ways).
     logits_TE, bases_T2E = (heads_T3E + bias_3E).split([E, 2 * E], dim=-1)
     if center:
         # Centre only the x-dependent part: centering the bias too would cancel its init (gap 1).
         logits_TE = logits_TE - heads_T3E[:, :E].mean(-1, keepdim=True)
     alpha_hi_TE, alpha_lo_TE = (F.softplus(bases_T2E) + alpha_min).split(E, dim=-1)
     if u_TE is not None:
-        # Logistic(0, 1) noise by inversion: logit(u) = log(u) - log(1 - u), u clamped to [1e-6, 1 - 1e-6] first
-        # (|g| <= ~13.8, log finite), in one op.
+        # Logistic(0, 1) noise by inversion, logit(u) with u clamped to [1e-6, 1 - 1e-6] (|g| <= ~13.8), one op.
         gates_TE = torch.sigmoid((logits_TE + torch.logit(u_TE, eps=1e-6)) / tau)
     else:
         gates_TE = torch.sigmoid(logits_TE / tau)
-    # z alpha_hi + (1 - z) alpha_lo as one lerp (one op forward where the sum of products takes four).
+    # z alpha_hi + (1 - z) alpha_lo as one lerp (one op, not four).
     base_q_TE = torch.lerp(alpha_lo_TE, alpha_hi_TE, gates_TE)
     if normalized:
         # The heads set the shape only; the total is the prior's base total at the same gates (gap 10).
@@ -159,16 +152,14 @@ def _forward(x_TD, weight_3ED, bias_3E, u_TE, tau, prior_hi, prior_lo, lambda_q,
 
 
 class _RoutingSample(torch.autograd.Function):
-    """:func:`routing_sample` in eager training (noise given, ``normalized`` off) with a closed-form backward: a
-    few ops per term where autograd records the expression's backward op by op.
+    """:func:`routing_sample` in eager training (noise given, ``normalized`` off) with a closed-form backward (a
+    few ops per term instead of autograd's op-by-op backward).
 
     Forward (``h = x W^T + b = [h_l, h_hi, h_lo]``): ``l = h_l - mean_i (x W_l^T)_i`` (centred, else ``h_l``),
     ``[a_hi, a_lo] = softplus([h_hi, h_lo]) + alpha_min``, ``z = sigmoid((l + logit(u)) / tau)``,
-    ``alpha_q = lambda_q (z a_hi + (1 - z) a_lo)``, ``alpha_p = lambda_p (z p_hi + (1 - z) p_lo)`` (no gradient),
-    ``theta = torch._sample_dirichlet(alpha_q)`` (what ``Dirichlet.rsample`` runs: the same draws),
-    ``r = v / S`` with ``v = z theta + eps`` and ``S = sum_i v_i``, ``s = w_s mean_t (sum_i z_i - k)^2`` and
-    ``kl = w_kl mean_t KL_t`` (:func:`~routers.dirichlet.kl_terms`), ``w_s``, ``w_kl`` their weights. Backward,
-    from ``g_r``, ``g_s`` and ``g_kl``:
+    ``alpha_q = lambda_q (z a_hi + (1 - z) a_lo)``, ``alpha_p`` (no gradient), ``r = v / S``, ``v = z theta + eps``,
+    ``theta = torch._sample_dirichlet(alpha_q)`` (``Dirichlet.rsample``'s draws), ``S = sum_i v_i``,
+    ``s = w_s mean_t (sum_i z_i - k)^2``, ``kl = w_kl mean_t KL_t`` (:func:`~routers.dirichlet.kl_terms`). Backward:
 
     * ``g_v = (g_r - <g_r, v> / S) / S``; ``g_theta = g_v z``;
     * ``g_alpha_q = dtheta/dalpha_q (g_theta - <g_theta, theta>)`` (the implicit reparameterisation gradient,

@@ -15,8 +15,8 @@ each gap, the reading chosen, the alternatives; "DirMoE's gaps: what was measure
 11. Loss terms switchable (``recon_weight``, ``kl_weight``, ``sparsity_weight``): 0 leaves a term out.
 12. Switch's load-balancing loss as a control (``balance_loss_coeff``).
 
-``compile_elementwise`` is an implementation option, not the maths: eager (the reference) or one
-``torch.compile`` region, equal in distribution. The metrics a DirMoE router reports are listed in the same page.
+``compile_elementwise`` is implementation, not maths: eager (the reference) or one ``torch.compile`` region,
+equal in distribution. The same page lists DirMoE's metrics.
 """
 
 from __future__ import annotations
@@ -67,10 +67,7 @@ class PriorConstants:
 
 @dataclass(frozen=True)
 class DirMoEConfig(RouterConfig):
-    """DirMoE's options (defaults: the paper's routing table, its gaps closed as the module docstring lists).
-
-    Every field is an option of ``build_router("dirmoe", ...)``.
-    """
+    """DirMoE's options, each a ``build_router("dirmoe", ...)`` keyword (defaults: module docstring)."""
 
     # ---- gates (spike)
     center_logits: bool = True  # per-token centering of the x-dependent logits; bias added after (gap 1)
@@ -79,8 +76,7 @@ class DirMoEConfig(RouterConfig):
     tau_end: float = 0.3  # tau_z from the tau horizon on (paper: 0.3)
     tau_schedule: str = "cosine"  # "cosine" (paper table) | "exponential" (paper Eq.: max(tau_min, tau_0 rho^t))
     tau_decay: float | None = None  # rho for "exponential"; None: reach tau_end at tau_schedule_steps
-    # horizon of tau alone; None: schedule_steps ("full"); the "short" preset is schedule_steps // 10 (gap 6)
-    tau_schedule_steps: int | None = None
+    tau_schedule_steps: int | None = None  # tau's horizon; None: schedule_steps; "short": // 10 (gap 6)
     # ---- slab (Dirichlet)
     lambda_q: float = 20.0  # posterior scale lambda^(q) (paper: 20)
     posterior_scale: str = "free"  # "free" (paper) | "tied" | "prior_matched" | "normalized" (gap 10)
@@ -88,8 +84,7 @@ class DirMoEConfig(RouterConfig):
     prior_mass: float | None = None  # m; None: from hparam_reading (0.85 ratio / 0.9 literal)
     alpha_lo_init: float | None = None  # alpha_lo^(0); None: from hparam_reading (0.05 / 0.005)
     alpha_floor: float | None = None  # floor of alpha_lo^(t); None: from hparam_reading (0.005 / 0.005)
-    # gamma in alpha_lo^(t) = max(floor, alpha_lo^(0) gamma^t); None: reach the floor at schedule_steps
-    alpha_decay: float | None = None
+    alpha_decay: float | None = None  # gamma in max(floor, alpha_lo^(0) gamma^t); None: floor at schedule_steps
     lambda_p_start: float = 0.5  # prior scale lambda^(p) at step 0 (paper: 0.5)
     lambda_p_end: float = 0.3  # prior scale from schedule_steps on (paper: 0.3)
     lambda_p_schedule: str = "cosine"  # "cosine" | "exponential" (paper: "slow exp/cosine")
@@ -174,8 +169,7 @@ class DirMoEConfig(RouterConfig):
 
     def prior_constants(self) -> PriorConstants:
         """Returns:
-            m, r, alpha_lo^(0), alpha_hi^(0) and the floor from the reading and the overrides, as a
-            :class:`PriorConstants`."""
+            :class:`PriorConstants` from ``hparam_reading`` and the overrides."""
         m0, lo0, floor0 = HPARAM_READINGS[self.hparam_reading]
         m = m0 if self.prior_mass is None else self.prior_mass
         lo = lo0 if self.alpha_lo_init is None else self.alpha_lo_init
@@ -184,8 +178,7 @@ class DirMoEConfig(RouterConfig):
         return PriorConstants(mass=m, ratio=r, alpha_lo_init=lo, alpha_hi_init=r * lo, alpha_floor=floor)
 
     def dispatch_cap(self) -> int:
-        """Most experts the rule ``dispatch`` sends a token to: k for ``"topk"``, E for ``"dense"``, else the
-        (resolved) cap of ``"threshold"`` (the dense steps of ``dense_steps`` aside)."""
+        """Most experts ``dispatch`` sends a token to (``dense_steps`` aside): k, E, or the threshold rule's cap."""
         if self.dispatch == "threshold":
             cap = self.max_experts_per_token
             return min(self.num_experts, 2 * self.top_k) if cap is None else cap

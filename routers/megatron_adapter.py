@@ -1,42 +1,26 @@
 """The thin adapter from the project's :class:`routers.base.Router` to megatron-core's router protocol.
 
-megatron-core 0.16.1's ``MoESubmodules.router`` is a *builder* called as
-``router(config=TransformerConfig, pg_collection=ProcessGroupCollection)``; the object it returns has
-``forward(hidden [s, b, h], padding_mask) -> (probs [T, E], routing_map [T, E] bool)`` and
-``set_layer_number(n)``. :func:`megatron_router_builder` makes such a builder for any registered router:
+megatron-core 0.16.1's ``MoESubmodules.router`` is a *builder*, called as ``router(config=TransformerConfig,
+pg_collection=ProcessGroupCollection)``, returning an object with ``set_layer_number(n)`` and
+``forward(hidden [s, b, h], padding_mask) -> (probs [T, E], routing_map [T, E] bool)``.
+:func:`megatron_router_builder` makes one for any registered router:
 
     MoESubmodules(..., router=megatron_router_builder("switch", {"aux_loss_coeff": 1e-2}))
 
-What the adapter does in each forward:
+Each forward flattens ``[S, B, D]`` to float32 ``hidden_TD`` (``t = s * B + b``; fp32 router maths under bf16)
+and routes it with ``seq_shape=(S, B)`` (and token ids where required); attaches each weighted aux loss to
+``probs`` with ``MoEAuxLossAutoScaler`` as ``TopKRouter`` does (gradient injected in the backward, not added to
+the LM loss); in training, logs each per layer to megatron's tracker, *weighted* (no single coefficient to divide
+by) and rank-local; and sums metrics and aux losses per layer in ``self.stats`` until reset (reset around an
+evaluation), read by :func:`collect_routing_metrics` and :func:`collect_aux_losses`.
 
-1. flattens ``[S, B, D]`` to ``hidden_TD`` (megatron's token order ``t = s * B + b``) in float32 (router
-   maths stay in fp32 under bf16 training) and calls the router with ``seq_shape=(S, B)`` and, for routers
-   with ``requires_token_ids``, the token ids (see below);
-2. attaches every aux loss (already weighted by the router) to ``probs`` with megatron-core's
-   ``MoEAuxLossAutoScaler``, exactly as ``TopKRouter`` does with its load-balancing loss: the loss is not
-   added to the LM loss, its gradient (scaled by ``MoEAuxLossAutoScaler.set_loss_scale``, 1 by default)
-   is injected in the backward of ``probs``;
-3. in training forwards, logs each aux loss to megatron's aux-loss tracker (``save_to_aux_losses_tracker``)
-   under the router's own name, per layer, *weighted* (megatron logs its own losses divided by their
-   coefficient; ours have no single coefficient). Values are rank-local (no reduce group): average over
-   data-parallel ranks in the training loop if wanted;
-4. accumulates the detached metrics and aux losses in ``self.stats`` (per layer, summed over every forward,
-   training or evaluation, until reset: reset around an evaluation to keep the two apart; a forward whose
-   router did not collect metrics adds its aux losses only) and keeps the last forward's in
-   ``self.last_metrics``; :func:`collect_routing_metrics` and :func:`collect_aux_losses` return their means
-   per layer.
-
-Token ids (Hash): megatron-core does not pass token ids to the router. Wrap the forward in
-:func:`token_ids_context`::
+Token ids (Hash): megatron-core does not pass them to the router. Wrap the forward in :func:`token_ids_context`::
 
     with token_ids_context(model, input_ids_BS):
         loss_BS = model(input_ids_BS, position_ids_BS, attention_mask, labels=labels_BS)
 
-It gives the ids (``input_ids`` ``[B, S]`` transposed to megatron's ``[S, B]`` order and flattened) to the
-adapters of *that* model only, and clears them when the block exits (even on error), so they neither leak
-to another model nor outlive the forward. A router with ``requires_token_ids`` raises a clear error when
-called without them. (Backward needs no ids; activation recomputation inside the block is not supported
-for id-dependent routers, which the suite does not use.)
+The ids reach *that* model's adapters only and are cleared on exit (even on error); a router that needs them
+raises without them. Activation recomputation inside the block is unsupported for id-dependent routers.
 """
 
 from __future__ import annotations
@@ -56,9 +40,8 @@ from routers.registry import build_router
 
 
 class RoutingStats:
-    """Per-layer running sums of a router's metrics and aux losses (scalars and per-expert vectors alike), read
-    and reset by the training loop. Lives on each adapter (never module-global), so two models never mix them.
-    """
+    """Per-layer running sums of a router's metrics and aux losses (scalars or ``[E]``), read and reset by the
+    training loop; one per adapter, so two models never mix them."""
 
     def __init__(self) -> None:
         self.reset()
@@ -68,8 +51,7 @@ class RoutingStats:
         self.metric_sums: dict[str, torch.Tensor] = {}
         self.aux_loss_sums: dict[str, torch.Tensor] = {}
         self.count = 0
-        # Forwards that returned metrics: a router computes them only on the steps that log
-        # (``Router.collect_metrics``), so the metric means divide by these forwards alone.
+        # Forwards that returned metrics (only logging steps do: Router.collect_metrics); the metric means' divisor.
         self.metric_count = 0
 
     def add(self, metrics: dict[str, torch.Tensor], aux_losses: dict[str, torch.Tensor]) -> None:
@@ -83,8 +65,7 @@ class RoutingStats:
         self.count += 1
 
     def means(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """``(metrics, aux_losses)`` averaged over the forwards since the last reset (empty if none; metrics
-        over the forwards that returned them)."""
+        """``(metrics, aux_losses)`` averaged over the forwards since the last reset (empty if none)."""
         if self.count == 0:
             return {}, {}
         return (
@@ -94,11 +75,10 @@ class RoutingStats:
 
 
 class MegatronRouterAdapter(MegatronModule):
-    """A project :class:`Router` behind megatron-core's router protocol (see the module docstring).
+    """A project :class:`Router` behind megatron-core's router protocol (module docstring).
 
-    Built from megatron's TransformerConfig (hidden_size, num_moe_experts, moe_router_topk, num_layers) and
-    process groups (unused: our routers see only local tokens), with a registered ``router_name`` and its
-    ``router_options``.
+    Built from megatron's TransformerConfig, process groups (unused: routers see only local tokens), a
+    registered ``router_name`` and its ``router_options``.
 
     Attributes:
         router: the wrapped :class:`Router`.
@@ -121,30 +101,26 @@ class MegatronRouterAdapter(MegatronModule):
         self.last_metrics: dict[str, torch.Tensor] = {}
         self.last_aux_losses: dict[str, torch.Tensor] = {}
         self.stats = RoutingStats()
-        # Set only inside token_ids_context (megatron's [s, b] order, flattened): never outlives a forward.
+        # Set only inside token_ids_context: never outlives a forward.
         self.token_ids: torch.Tensor | None = None
 
-    # ------------------------------------------------------------------ protocol
     def set_layer_number(self, layer_number: int) -> None:
-        """Called by megatron's TransformerLayer at construction (1-based); passed on to the router."""
+        """Called by megatron's TransformerLayer (1-based); passed on to the router."""
         self.layer_number = layer_number
         self.router.set_layer_number(layer_number)
 
     def forward(
         self, hidden_SBD: torch.Tensor, padding_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route the ``[S, B, D]`` hidden states of one micro-batch of one layer: ``(probs [T, E] float32,
-        routing_map [T, E] bool)`` with ``T = S * B``, aux losses attached. megatron's ``padding_mask`` is not
-        supported (pretraining uses packed sequences without padding). ``RuntimeError`` if the router needs
-        token ids and no :func:`token_ids_context` is active."""
+        """Route one layer's ``[S, B, D]`` micro-batch: ``(probs [T, E] float32, routing_map [T, E] bool)``, aux
+        losses attached. No ``padding_mask`` (packed sequences). ``RuntimeError`` if needed token ids are unset."""
         if padding_mask is not None:
             raise NotImplementedError(
                 "the suite's routers do not take megatron's padding_mask (pretraining uses packed sequences)"
             )
         S, B, D = hidden_SBD.shape
         hidden_TD = hidden_SBD.reshape(S * B, D).float()
-        # Only routers that declare the need get the ids (Lory's prompt routing calls the router on B
-        # prompt means inside a forward whose ids cover S * B tokens).
+        # Only routers that declare the need get ids (Lory's prompt routing routes B means inside an S * B forward).
         token_ids_T = self.token_ids if self.router.requires_token_ids else None
         if self.router.requires_token_ids and token_ids_T is None:
             raise RuntimeError(
@@ -166,12 +142,11 @@ class MegatronRouterAdapter(MegatronModule):
         num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
         for name, loss in out.aux_losses.items():
             if attach and loss.requires_grad:
-                # As TopKRouter.attach_and_log_load_balancing_loss: with per-token loss the final gradient
-                # scaling divides by the token count, so the aux loss is multiplied by it here.
+                # As TopKRouter: with per-token loss the final gradient scaling divides by the token count.
                 scaled = loss * probs_TE.shape[0] if self.config.calculate_per_token_loss else loss
                 probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, scaled)
             if attach:
-                # Logged only in training forwards, like TopKRouter (evaluation must not pollute the log).
+                # Training forwards only, like TopKRouter.
                 save_to_aux_losses_tracker(name, loss.detach().float(), self.layer_number, num_layers)
 
         self.last_metrics = {k: v.detach() for k, v in out.metrics.items()}
@@ -184,8 +159,7 @@ class MegatronRouterAdapter(MegatronModule):
 
 
 def megatron_router_builder(router_name: str, router_options: dict[str, Any] | None = None):
-    """A builder for ``MoESubmodules.router`` of a :class:`MegatronRouterAdapter` wrapping the registered router
-    ``router_name`` with ``router_options``: megatron calls it as ``builder(config=..., pg_collection=...)``."""
+    """A ``MoESubmodules.router`` builder of a :class:`MegatronRouterAdapter` around ``router_name``."""
     return functools.partial(MegatronRouterAdapter, router_name=router_name, router_options=dict(router_options or {}))
 
 
@@ -196,9 +170,8 @@ def router_adapters(model: nn.Module) -> list[MegatronRouterAdapter]:
 
 @contextlib.contextmanager
 def token_ids_context(model: nn.Module, input_ids_BS: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Give ``model``'s own adapters the ``[B, S]`` token ids of the batch (as passed to ``GPTModel.forward``)
-    for the duration of the block; yields them flattened, ``[T]`` in megatron's token order ``t = s * B + b``.
-    ``RuntimeError`` if the model is already inside a token_ids_context (nesting would be ambiguous)."""
+    """Give ``model``'s adapters the batch's ``[B, S]`` token ids for the block; yields them as ``[T]``
+    (``t = s * B + b``). ``RuntimeError`` when nested (ambiguous)."""
     if input_ids_BS.dim() != 2:
         raise ValueError(f"input_ids must be [B, S], got {tuple(input_ids_BS.shape)}")
     adapters = router_adapters(model)
@@ -216,14 +189,8 @@ def token_ids_context(model: nn.Module, input_ids_BS: torch.Tensor) -> Iterator[
 
 @contextlib.contextmanager
 def prompt_routing(model: nn.Module, prompt_lengths_B: torch.Tensor | list[int]) -> Iterator[None]:
-    """Route every sequence once on its prompt, for the duration of the block, in the layers that support it.
-
-    Some routers route differently at inference: Lory routes each sequence once on the mean of its prompt
-    and uses those weights for every token (its paper's inference rule). Their layers implement
-    ``set_prompt_lengths(lengths or None)``; this context sets it on every such module of ``model`` and clears
-    it on exit (even on error). Other models are not touched. ``prompt_lengths_B``: ``[B]`` number of prompt
-    tokens of each sequence of the batch (>= 1).
-    """
+    """For the block, route every sequence once on its prompt (``[B]`` lengths >= 1) in the layers that support it
+    (``set_prompt_lengths``: Lory's inference rule); cleared on exit (even on error)."""
     lengths_B = torch.as_tensor(prompt_lengths_B, dtype=torch.long)
     if lengths_B.dim() != 1 or bool((lengths_B < 1).any()):
         raise ValueError(f"prompt_lengths must be a [B] vector of positive lengths, got {prompt_lengths_B}")
@@ -250,14 +217,12 @@ def _collect(model: nn.Module, which: int, reset: bool) -> dict[int, dict[str, t
 
 
 def collect_routing_metrics(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-    """``{layer_number: {metric: detached tensor (scalar or [E])}}`` averaged over the forwards since the last
-    reset, layers with no forward left out; ``reset`` clears the statistics (metrics and aux losses) after."""
+    """``{layer_number: {metric: mean since the last reset}}``; ``reset`` clears all statistics after."""
     return _collect(model, 0, reset)
 
 
 def collect_aux_losses(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-    """``{layer_number: {loss name: scalar}}``, the aux losses (weighted, detached) as
-    :func:`collect_routing_metrics` the metrics; layers with no aux loss are left out too."""
+    """``{layer_number: {loss name: mean}}`` (weighted, detached), as :func:`collect_routing_metrics`."""
     return _collect(model, 1, reset)
 
 

@@ -9,8 +9,7 @@ import torch
 
 
 def simpson_index(weights_TE: torch.Tensor) -> torch.Tensor:
-    """Mean over tokens of the Simpson index sum_i p_i^2 of each token's normalised non-negative weights: a
-    float32 scalar in [1/E, 1]. Tokens whose weights sum to zero (routed nowhere) are left out; if all are, 0."""
+    """Mean Simpson index sum_i p_i^2 of the tokens' normalised weights (unrouted tokens skipped; all: 0)."""
     w = weights_TE.detach().float()
     total_T = w.sum(-1)
     keep_T = total_T > 0
@@ -21,10 +20,9 @@ def simpson_index(weights_TE: torch.Tensor) -> torch.Tensor:
 
 
 def routing_metrics(probs_TE: torch.Tensor, routing_map_TE: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The metrics every router reports, from its ``[T, E]`` combine weights and bool dispatch map:
-    ``active_experts`` (mean experts per token), ``max_active_experts``, ``unrouted_tokens`` (share of tokens
-    sent to no expert), ``simpson`` (Simpson index of the combine weights), ``tokens_per_expert`` ``[E]`` and
-    ``load_imbalance`` (max / mean tokens per expert; 1 is perfectly balanced)."""
+    """The metrics every router reports: ``active_experts`` (mean per token), ``max_active_experts``,
+    ``unrouted_tokens`` (share), ``simpson`` (of the combine weights), ``tokens_per_expert`` ``[E]`` and
+    ``load_imbalance`` (max / mean tokens per expert)."""
     with torch.no_grad():
         per_token_T = routing_map_TE.sum(-1).float()
         tokens_per_expert_E = routing_map_TE.sum(0).float()

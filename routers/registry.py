@@ -1,13 +1,8 @@
 """Name -> router class registry, and the public builder.
 
-Routers register with :func:`register_router`. The built-in ones (``routers.dirmoe`` and the ``baselines``
-package) and every router another installed package declares under the entry-point group
-``dirmoe_bench.routers`` are imported on the first lookup, so a user's own package adds a router without
-editing this repository::
-
-    # the user's pyproject.toml
-    [project.entry-points."dirmoe_bench.routers"]
-    my_router = "my_package.my_router"      # a module whose import registers the router
+Routers register with :func:`register_router`. The built-in ones and those of any installed package's
+entry-point group ``dirmoe_bench.routers`` are imported on the first lookup, so a package adds a router
+without editing this repository (docs/routers.md, "Adding a router").
 """
 
 from __future__ import annotations
@@ -27,16 +22,13 @@ from routers.base import Router
 R = TypeVar("R", bound=type[Router])
 
 _REGISTRY: dict[str, type[Router]] = {}
-# Modules whose import registers the built-in routers; imported lazily to avoid an import cycle
-# (baselines import routers.base).
+# Imported lazily: baselines import routers.base (a cycle otherwise).
 _BUILTIN_MODULES = ("routers.dirmoe", "baselines")
-#: Entry-point group through which other packages register routers.
 ENTRY_POINT_GROUP = "dirmoe_bench.routers"
 
 
 def register_router(name: str) -> Callable[[R], R]:
-    """Class decorator: register a :class:`Router` subclass under ``name`` (the key experiment configs and the
-    command line use) and set ``cls.name``; the class is returned unchanged otherwise."""
+    """Class decorator: register a :class:`Router` subclass under ``name`` and set ``cls.name``."""
 
     def decorate(cls: R) -> R:
         if not (isinstance(cls, type) and issubclass(cls, Router)):
@@ -53,8 +45,7 @@ def register_router(name: str) -> Callable[[R], R]:
 
 @contextlib.contextmanager
 def quiet_megatron_import() -> Iterator[None]:
-    """Silence megatron-core's import-time notices that TransformerEngine and Apex are absent (expected on CPU)
-    while the block runs; the warning filters are restored after it."""
+    """Silence megatron-core's import-time notices that TransformerEngine and Apex are absent (expected on CPU)."""
     with warnings.catch_warnings():
         warnings.filterwarnings(
             "ignore", message="(Transformer Engine and Apex are|Apex is) not installed", category=UserWarning
@@ -64,8 +55,7 @@ def quiet_megatron_import() -> Iterator[None]:
 
 @functools.cache
 def _load_builtins() -> None:
-    """Import the built-in routers (megatron-core's notices quiet) and every entry point of
-    :data:`ENTRY_POINT_GROUP` (once per process)."""
+    """Import the built-in routers and every :data:`ENTRY_POINT_GROUP` entry point, once per process."""
     with quiet_megatron_import():
         for module in _BUILTIN_MODULES:
             importlib.import_module(module)
@@ -97,9 +87,8 @@ def router_class(name: str) -> type[Router]:
 
 
 def build_router(name: str, *, hidden_size: int, num_experts: int, top_k: int = 1, **options) -> Router:
-    """Build the router registered as ``name`` with the given D, E, k and ``options`` (fields of its config
-    dataclass, ``router_class(name).Config``). ``ValueError`` for an unknown name, an unknown option (the
-    message lists the valid ones) or an invalid value."""
+    """Build router ``name`` with D, E, k and ``options`` (fields of its ``Config``). ``ValueError`` for an
+    unknown name or option (listing the valid ones) or an invalid value."""
     cls = router_class(name)
     valid = cls.Config.option_names()
     unknown = sorted(set(options) - set(valid))

@@ -1,11 +1,9 @@
 """Driving the routers' step schedules from a training loop.
 
-The loop calls :func:`begin_step` before a step's forward passes (with whether the routers compute their
-diagnostic metrics in this step) and :func:`end_step` after the optimizer step. ``end_step`` averages each
-router class's :meth:`Router.step_statistic` over its layers and over the data-parallel ranks, then hands the
-average to every router of that class, so layer replicas of a global schedule (ReMoE's L1 coefficient) stay
-identical on every rank. A statistic with one value per expert (the aux-loss-free router's token counts) is
-per layer instead: summed over the ranks and handed back to its own layer's router.
+The loop calls :func:`begin_step` before a step's forwards and :func:`end_step` after the optimizer step, which
+averages each router class's :meth:`Router.step_statistic` over layers and data-parallel ranks and hands it to
+every router of the class, so a global schedule (ReMoE's L1 coefficient) stays identical everywhere. A
+per-expert statistic (aux-free token counts) stays per layer: summed over ranks, back to its own router.
 """
 
 from __future__ import annotations
@@ -25,9 +23,7 @@ def routers_in(model: nn.Module) -> list[Router]:
 
 
 def begin_step(model: nn.Module, step: int, collect_metrics: bool = True) -> None:
-    """Set the global ``step`` (completed optimizer steps) on every router of ``model`` (schedules read it in
-    the forward), and whether they compute their diagnostic metrics in this step's forwards
-    (:attr:`routers.base.Router.collect_metrics`; training is identical either way)."""
+    """Set ``step`` (completed optimizer steps) and :attr:`~routers.base.Router.collect_metrics` on every router."""
     for router in routers_in(model):
         router.set_step(step)
         router.collect_metrics = bool(collect_metrics)
@@ -42,15 +38,11 @@ def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
 
 
 def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Average the routers' step statistics over layers and the data-parallel ``group`` (``None``: no
-    averaging over ranks) and apply their schedule updates.
-
-    Nothing here reads a device value: the averages stay tensors (an all-reduce, no ``.item()``), so a step
-    that does not log forces no host synchronisation; the caller converts them when it logs.
+    """Average the routers' step statistics over layers and the data-parallel ``group`` (None: this rank only)
+    and apply their schedule updates. Reads no device value (no host sync); the caller converts when it logs.
 
     Returns:
-        ``{router_name: averaged statistic}`` (float32 scalar tensors on the routers' device) for the router
-        classes that report one (for logging).
+        ``{router_name: averaged statistic}`` (float32 device scalars) for the classes that report one.
     """
     by_class: dict[type, list[Router]] = defaultdict(list)
     for router in routers_in(model):
@@ -75,8 +67,7 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[s
 
 
 def _end_step_per_layer(routers: list[Router], stats: list[torch.Tensor | None], group: dist.ProcessGroup | None) -> None:
-    """A per-expert statistic (``[E]``, the aux-loss-free router's token counts) belongs to its own layer: it is
-    summed over the data-parallel ranks, all layers in one all-reduce, and handed back to its router."""
+    """Per-expert ``[E]`` statistics: summed over ranks (all layers in one all-reduce), each back to its router."""
     ref = next(s for s in stats if s is not None)
     stacked_LE = torch.stack([(s if s is not None else torch.zeros_like(ref)).detach().float() for s in stats])
     _all_reduce(stacked_LE, group)

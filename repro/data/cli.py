@@ -54,9 +54,8 @@ def _mini_pile(args: argparse.Namespace) -> int:
 
 
 def _tokenizer_copies(out_dir: Path, vocab: Path, merges: Path) -> list[tuple[Path, Path]]:
-    """The ``(source, destination)`` tokenizer files ``data tokenize`` must still copy beside its output
-    (where training and evaluation find them), checked before any work: a file there with the same bytes
-    needs nothing, anything else there is a ReproError naming it (nothing is written through a link)."""
+    """``(source, destination)`` tokenizer files still to copy beside the output, checked before any work:
+    identical files are skipped, anything else there is a ReproError (never written through a link)."""
     copies = []
     for src, name in ((vocab, "vocab.json"), (merges, "merges.txt")):
         dst = out_dir / name

@@ -1,19 +1,17 @@
 """Training datasets on megatron-core: ``GPTDataset`` through ``BlendedMegatronDatasetBuilder``, and a loader.
 
-:func:`build_datasets` gives megatron's train/valid/test datasets (split by document, ``"969,30,1"`` as in
-the papers); :func:`make_loader` a ``DataLoader`` of the batches megatron's training step expects::
+:func:`build_datasets`: train/valid/test split by document (``"969,30,1"`` as in the papers);
+:func:`make_loader`: a ``DataLoader`` of the batches megatron's training step expects::
 
     tokens        int64   [b, s]  input ids
     labels        int64   [b, s]  next-token ids (tokens shifted by one)
     loss_mask     float32 [b, s]  1.0 where the label counts in the loss
     position_ids  int64   [b, s]
-    attention_mask bool   [b, 1, s, s]  only when built with ``create_attention_mask=True`` (True = masked)
-    domain_ids    int64   [b, s]  only with ``with_domains=True``: index into ``loader.domain_names`` of the
-                                  document each token comes from; -1 for padding
+    attention_mask bool   [b, 1, s, s]  only with ``create_attention_mask=True`` (True = masked)
+    domain_ids    int64   [b, s]  only with ``with_domains=True``: index into ``loader.domain_names``; -1 = pad
 
-Batches follow megatron's pretraining sampler (rank ``r`` takes the ``r``-th slice of each global step, so
-resuming from ``consumed_samples`` continues the same stream). With ``torch.distributed`` initialised,
-:func:`build_datasets` must be called on every rank (rank 0 builds first; ``cache_dir`` must be shared).
+Batches follow megatron's pretraining sampler, so resuming from ``consumed_samples`` continues the same stream.
+Under ``torch.distributed`` call :func:`build_datasets` on every rank (``cache_dir`` shared).
 """
 
 from __future__ import annotations
@@ -59,20 +57,17 @@ def _num_tokens(prefix: str) -> int:
 
 
 def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]:
-    """megatron-core's train/valid/test sequence ranges of one indexed dataset.
-
-    The same expressions as ``BlendedMegatronDatasetBuilder._build_megatron_dataset_splits``:
+    """megatron's train/valid/test ranges of one dataset, as ``_build_megatron_dataset_splits``:
     ``beg = int(round(split[i][0] * n))``, ``end = int(round(split[i][1] * n))``.
 
     Args:
-        num_sequences: n, the sequences (documents) of the dataset.
+        num_sequences: n, documents in the dataset.
         split: megatron's split string, e.g. ``"969,30,1"``.
 
     Returns:
         Three ``(beg, end)`` pairs, None for a split without a share.
     """
-    # An all-zero split divides by zero in numpy before megatron refuses it: the caller's one-line error, not a
-    # RuntimeWarning first.
+    # An all-zero split divides by zero before megatron refuses it: no RuntimeWarning before the caller's error.
     with np.errstate(divide="ignore", invalid="ignore"):
         matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))
     n = float(num_sequences)
@@ -80,8 +75,8 @@ def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]
 
 
 def _check_splits(prefixes: Sequence[str], split: str) -> list[tuple[int, int] | None]:
-    """Refuse a split that gets no document of some prefix (megatron would loop forever building it); returns
-    the last prefix's :func:`split_ranges` (which splits have a share is the same for every prefix)."""
+    """Refuse a split leaving some prefix's part empty (megatron would loop forever); returns the last
+    prefix's :func:`split_ranges` (which parts have a share is the same for every prefix)."""
     for prefix in prefixes:
         n = len(IndexedDataset(prefix))
         ranges = split_ranges(n, split)
@@ -104,25 +99,22 @@ def build_datasets(
     """Build megatron-core's GPT train/valid/test datasets over a blend of indexed datasets.
 
     Args:
-        prefixes: indexed-dataset prefixes (``.bin``/``.idx`` written by :mod:`repro.data.indexed`).
-        seq_length: tokens per sample (the model's sequence length).
-        num_samples: samples per split ``(train, valid, test)``; ``None`` = one epoch of that split (more
-            samples than an epoch repeat the data in further shuffled epochs).
-        seed: the seed of megatron's document and sample shuffles.
-        cache_dir: where megatron caches its shuffle/sample indices (shared by all ranks).
-        tokenizer: the tokenizer (megatron reads ``eod`` and ``vocab_size``; its identity keys the cache).
-        weights: blend weights, one per prefix; default: proportional to the prefixes' token counts when
-            every split with a share has a sample count, else megatron's one-epoch blend.
-        split: the train/valid/test weighting of each prefix's documents (megatron's ``split``).
+        prefixes: indexed-dataset prefixes (from :mod:`repro.data.indexed`).
+        seq_length: tokens per sample.
+        num_samples: ``(train, valid, test)`` samples; ``None`` = one epoch (more repeats in reshuffled epochs).
+        seed: megatron's document and sample shuffle seed.
+        cache_dir: megatron's shuffle/sample index cache (shared by all ranks).
+        tokenizer: megatron reads ``eod`` and ``vocab_size``; its identity keys the cache.
+        weights: one per prefix; default: token counts if every shared split has a count, else one epoch each.
+        split: megatron's ``split`` of each prefix's documents.
         eod_mask_loss: mask the loss on EOD tokens.
         reset_position_ids: restart position ids after each EOD.
         reset_attention_mask: block attention across documents (implies a per-sample attention mask).
         create_attention_mask: return megatron's causal ``attention_mask`` with each sample.
-        is_built_on_rank: megatron's per-rank switch, with ``torch.distributed`` only (default: every rank).
+        is_built_on_rank: megatron's per-rank switch, under ``torch.distributed`` only (default: every rank).
 
     Returns:
-        :class:`DatasetSplits`: ``GPTDataset`` for one prefix, ``BlendedDataset`` for several; a ReproError
-        for a missing prefix or a split that leaves some prefix's split without documents.
+        :class:`DatasetSplits`; ReproError for a missing prefix or a split leaving some prefix's part empty.
     """
     prefixes = existing_prefixes(prefixes)
     if weights is not None and len(weights) != len(prefixes):
@@ -150,12 +142,8 @@ def build_datasets(
 
 @contextlib.contextmanager
 def _rank_zero_outside_distributed() -> Iterator[None]:
-    """Let ``torch.distributed.get_rank()`` answer 0 while no process group exists, for this block only.
-
-    megatron-core 0.16.1's ``BlendedDataset._build_indices`` calls ``torch.distributed.get_rank()`` on a
-    cache miss without checking ``is_initialized()`` (``GPTDataset`` does check), so a multi-prefix blend
-    with a cache directory fails in a single process without torch.distributed. The only process is rank 0.
-    """
+    """``torch.distributed.get_rank()`` returns 0 in the block when no group exists: megatron-core 0.16.1's
+    ``BlendedDataset._build_indices`` calls it on a cache miss without checking ``is_initialized()``."""
     dist = torch.distributed
     if not dist.is_available() or dist.is_initialized():
         yield
@@ -169,13 +157,10 @@ def _rank_zero_outside_distributed() -> Iterator[None]:
 
 
 def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tuple[str, np.ndarray, np.ndarray]:
-    """Where every input token of sample ``idx`` comes from, as ``GPTDataset`` assembles it (shuffle index ->
-    sample index -> document index).
+    """Source of every input token of sample ``idx`` (shuffle index -> sample index -> document index).
 
     Returns:
-        ``(prefix, doc, offset)``: the indexed dataset, and per token position ``[seq_length]`` the document
-        id in it and the position inside it (-1 for padding):
-        ``IndexedDataset(prefix)[doc[i]][offset[i]] == dataset[idx]["tokens"][i]``.
+        ``(prefix, doc [S], offset [S])`` (-1: padding), ``IndexedDataset(prefix)[doc[i]][offset[i]] == tokens[i]``.
     """
     if isinstance(dataset, BlendedDataset):
         sub = dataset.datasets[int(dataset.dataset_index[idx])]
@@ -246,9 +231,9 @@ class PretrainingBatchSampler(torch.utils.data.Sampler):
     Args:
         total_samples: samples in the dataset.
         micro_batch_size: samples per batch on this rank.
-        consumed_samples: samples already consumed by all ranks together (to resume).
-        data_parallel_rank: this rank's index among the data-parallel ranks.
-        data_parallel_size: the number of data-parallel ranks.
+        consumed_samples: samples all ranks already consumed (to resume).
+        data_parallel_rank: this rank's DP index.
+        data_parallel_size: DP ranks.
         drop_last: drop a last step smaller than a full global batch.
     """
 
@@ -291,17 +276,14 @@ def make_loader(
     data_parallel_rank: int = 0, data_parallel_size: int = 1, with_domains: bool = False, drop_last: bool = True,
     num_workers: int = 0, max_samples: int | None = None,
 ) -> torch.utils.data.DataLoader:
-    """A DataLoader of megatron-style batches (keys and shapes: the module docstring), with a ``domain_names``
-    attribute (empty unless ``with_domains``); one pass covers the samples from ``consumed_samples`` on.
+    """DataLoader of megatron-style batches (module docstring) with ``domain_names`` (empty without domains).
 
     Args:
-        dataset: a dataset from :func:`build_datasets`.
-        micro_batch_size, consumed_samples, data_parallel_rank, data_parallel_size, drop_last: as
-            :class:`PretrainingBatchSampler`.
-        with_domains: add ``domain_ids`` ``[b, s]`` (per-token domain, for routing-by-domain analysis).
-        num_workers: DataLoader worker processes (0: load in the calling process).
-        max_samples: stop after this many samples of the global stream (default: the whole dataset, which
-            megatron may have built slightly larger than asked for).
+        dataset: from :func:`build_datasets`.
+        micro_batch_size, consumed_samples, data_parallel_rank, data_parallel_size, drop_last: see the sampler.
+        with_domains: add per-token ``domain_ids`` ``[b, s]``.
+        num_workers: DataLoader workers (0: in-process).
+        max_samples: cap on the global stream (default: the whole dataset, which megatron may build larger).
     """
     tagged = DomainTaggedDataset(dataset, with_domains=with_domains)
     total = len(tagged) if max_samples is None else min(len(tagged), max_samples)

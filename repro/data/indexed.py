@@ -1,11 +1,9 @@
 """Tokenise Pile-format shards into megatron-core's indexed dataset (``PREFIX.bin`` / ``PREFIX.idx``).
 
-One indexed *sequence* per document (its tokens then the EOD id). Every document's domain goes into a
-sidecar: ``PREFIX.domains.json`` (``{"domains": [names...], "num_documents": N}`` and per-domain counts) and
-``PREFIX.domains.npy`` (per document, the index of its domain). The four files are written under temporary
-names and renamed into place only when everything succeeded; files already at the prefix are replaced only
-when its ``.domains.json`` shows they are an earlier output of this writer (renamed first, it marks even a
-set whose renames were interrupted), and anything else there is refused before any work.
+One *sequence* per document (tokens then EOD); domain sidecar ``PREFIX.domains.json`` (``{"domains": [...],
+"num_documents": N}`` + counts) and ``PREFIX.domains.npy`` (domain index per document). All four are renamed into
+place only after everything succeeded; existing files are replaced only if their ``.domains.json`` (renamed
+first) marks them as this writer's, else refused before any work.
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ DOMAINS_NPY = ".domains.npy"
 
 @dataclass(frozen=True)
 class TokenizeStats:
-    """What a tokenisation run wrote to ``prefix``: documents and tokens (EOD included) in all and per domain,
-    UTF-8 bytes of text per domain, and the wall time of reading, tokenising and writing."""
+    """Documents, tokens (with EOD) and UTF-8 bytes written, in total and per domain, and the wall time."""
 
     prefix: str
     num_documents: int
@@ -55,9 +52,7 @@ def domain_dtype(num_domains: int) -> type:
 
 
 def _prefix_files(prefix: str) -> list[str]:
-    # In rename order. .domains.json first: it marks the files at a prefix as this writer's (see
-    # :func:`check_indexed_output`). .idx last: megatron (and :func:`indexed_exists`) treat a prefix as
-    # present once its .idx exists.
+    # Rename order: .domains.json first (marks the set as ours); .idx last (it makes a prefix "exist").
     return [prefix + DOMAINS_JSON, prefix + DOMAINS_NPY, prefix + ".bin", prefix + ".idx"]
 
 
@@ -87,11 +82,11 @@ def write_indexed(
 
     Args:
         records: ``(text, domain)`` documents.
-        tokenizer: the tokenizer; the token dtype is megatron's ``DType.optimal_dtype(vocab_size)``.
-        out_prefix: the output prefix.
+        tokenizer: token dtype is megatron's ``DType.optimal_dtype(vocab_size)``.
+        out_prefix: output prefix.
         num_workers: tokeniser threads (default: all cores).
         progress: show a tqdm bar over documents.
-        source: how to name the input in the empty-corpus error.
+        source: the input's name in the empty-corpus error.
 
     Returns:
         :class:`TokenizeStats`; a ReproError (nothing written) for an input without documents.
@@ -111,7 +106,7 @@ def write_indexed(
         nbytes: dict[str, int] = {}
 
         def texts() -> Iterator[str]:
-            # Domains are recorded as documents are handed to the tokenizer; output order equals input order.
+            # Recorded as handed to the tokenizer (output order = input order).
             for text, domain in records:
                 if domain not in domains:
                     domains[domain] = len(names)
@@ -162,11 +157,8 @@ def tokenize_shards(
     inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
     num_workers: int | None = None, default_domain: str | None = None, progress: bool = False,
 ) -> TokenizeStats:
-    """Tokenise Pile-format shards (``*.jsonl.zst`` / ``*.jsonl``) into one indexed dataset.
-
-    ``default_domain``: for records without ``meta.pile_set_name`` (default: such a record is an error); the
-    other arguments and the result as :func:`write_indexed`.
-    """
+    """Tokenise Pile-format shards into one indexed dataset; ``default_domain`` for records without
+    ``meta.pile_set_name`` (None: an error); the rest as :func:`write_indexed`."""
     if not inputs:
         raise ReproError("no input shards given")
     for p in inputs:  # fail before hours of tokenising, not when the reader reaches the missing shard

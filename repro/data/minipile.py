@@ -1,18 +1,14 @@
 """The embedded "mini-pile": a small multi-domain corpus built from text already on any machine.
 
-The CPU default trains on it with exactly the full-scale pipeline: Pile shards, a GPT-2-format byte-level
-BPE trained on the training part, megatron-core indexed datasets written by the code that tokenises The Pile.
-Domains (:mod:`repro.data.minipile_sources`; one whose source is missing is skipped, at least ``min_domains``
-must remain): ``python_code`` (half of the stdlib modules), ``python_docstrings`` (the other half's
-docstrings, pydoc-like), ``python_reference`` (``pydoc_data.topics``), ``licenses`` (the stdlib's, common
-licences, package copyrights), ``man_pages`` (English, troff stripped), ``c_headers`` (/usr/include).
+The CPU default trains on it with the full-scale pipeline (Pile shards, GPT-2-format BPE trained on the training
+part, indexed datasets). Domains (:mod:`repro.data.minipile_sources`; missing ones skipped, >= ``min_domains``):
+``python_code`` (half the stdlib), ``python_docstrings`` (the other half's, pydoc-like), ``python_reference``
+(``pydoc_data.topics``), ``licenses``, ``man_pages`` (English, troff stripped), ``c_headers`` (/usr/include).
 
-Selection is deterministic for a given machine image and seed: sorted file lists visited in a seeded hash
-order, each domain filled up to ``max_bytes_per_domain``, exact duplicates dropped. A held-out part (chosen
-by a hash of the text, at least one document per domain) goes to ``heldout.jsonl`` for evaluation and never
-enters the training shards or the tokenizer. ``manifest.json`` records a key per stage (corpus: config and
-the source files' fingerprint; tokenizer: corpus key and vocabulary settings; indexed: tokenizer key), and a
-stage whose key and files match is reused.
+Deterministic per machine image and seed (seeded hash order over sorted files, per-domain byte budget, exact
+duplicates dropped). The held-out part (by text hash, >= 1 per domain) never enters training or the tokenizer.
+``manifest.json`` keys each stage (corpus: config + source fingerprint; tokenizer: + vocab settings; indexed);
+a stage whose key and files match is reused.
 """
 
 from __future__ import annotations
@@ -42,17 +38,17 @@ class MiniPileConfig:
     """What the mini-pile is built from (every field is part of the cache key).
 
     Attributes:
-        max_bytes_per_domain: text (UTF-8 bytes) taken per domain, held-out part included.
-        max_doc_bytes: longer documents are skipped (keeps one huge file from filling a domain).
-        min_doc_chars: shorter documents are skipped.
+        max_bytes_per_domain: UTF-8 bytes per domain, held-out part included.
+        max_doc_bytes: longer documents skipped (one huge file must not fill a domain).
+        min_doc_chars: shorter documents skipped.
         heldout_fraction: share of documents held out for evaluation.
-        vocab_size: BPE vocabulary size, ``<|endoftext|>`` included.
+        vocab_size: BPE vocabulary, ``<|endoftext|>`` included.
         min_frequency: least pair count for a BPE merge.
-        max_docs_per_family: most documents from one family of a source (man pages named ``gcloud-*``, ...).
-        num_shards: training shards to write.
-        seed: seeds the file visiting order, the held-out choice and the document order.
-        domains: the domains to use (default: all of :data:`ALL_DOMAINS` whose sources exist).
-        min_domains: fewer domains found than this is an error.
+        max_docs_per_family: cap per source family (man pages named ``gcloud-*``, ...).
+        num_shards: training shards.
+        seed: seeds the visiting order, held-out choice and document order.
+        domains: default: every :data:`ALL_DOMAINS` entry whose source exists.
+        min_domains: fewer found is an error.
     """
 
     max_bytes_per_domain: int = 2_000_000
@@ -95,10 +91,7 @@ class DomainStats:
 
 @dataclass(frozen=True)
 class MiniPile:
-    """A built mini-pile (:func:`build_mini_pile`'s layout): its files, the indexed datasets of the training
-    and held-out parts, the domains present (and why others were skipped on this machine), per-domain
-    :class:`DomainStats`, the wall time of the call, the tokenisation throughput when it was built, and
-    whether every stage was reused from the cache."""
+    """A built mini-pile (layout: :func:`build_mini_pile`), its domains, stats, timings and cache reuse."""
 
     root: Path
     train_shards: tuple[Path, ...]
@@ -215,8 +208,7 @@ _MINI_PILE_ENTRIES = frozenset({".build.lock", "manifest.json", "shards", "heldo
 
 
 def _check_mini_pile_dir(root: Path) -> None:
-    """Refuse an existing directory that holds anything but a (possibly partial) mini-pile: the stages rewrite
-    ``shards/``, ``tokenizer/``, ``indexed/`` and delete stale shards, which would destroy someone's files."""
+    """Refuse a directory holding anything but a (partial) mini-pile: the stages rewrite and delete files there."""
     if not root.is_dir():
         return
     foreign = sorted(
@@ -234,16 +226,13 @@ def build_mini_pile(
     out_dir: str | os.PathLike, config: MiniPileConfig | None = None, *, num_workers: int | None = None,
     force: bool = False, progress: bool = False, log: Callable[[str], None] | None = None,
 ) -> MiniPile:
-    """Build the mini-pile under ``out_dir`` (or reuse what is there when its inputs are unchanged).
-
-    Layout: ``shards/train-NN.jsonl.zst``, ``heldout.jsonl``, ``tokenizer/{vocab.json,merges.txt}``,
-    ``indexed/{train,heldout}.*`` (``.bin``/``.idx`` + domain sidecar), ``manifest.json``.
+    """Build (or reuse) the mini-pile: ``shards/train-NN.jsonl.zst``, ``heldout.jsonl``,
+    ``tokenizer/{vocab.json,merges.txt}``, ``indexed/{train,heldout}.*`` (+ domain sidecar), ``manifest.json``.
 
     Args:
-        out_dir: the output directory.
-        config: what to build (default :class:`MiniPileConfig()`); a ReproError for a bad one, or when fewer
-            than ``config.min_domains`` domains are available on this machine.
-        num_workers: tokeniser threads (default: all cores); does not change the output.
+        out_dir: output directory.
+        config: default :class:`MiniPileConfig()` (ReproError: invalid, or < ``min_domains`` domains here).
+        num_workers: tokeniser threads (default: all cores); output unaffected.
         force: rebuild every stage even if cached.
         progress: show progress bars while tokenising.
         log: called with one line per stage (e.g. ``print``); default silent.
@@ -254,9 +243,7 @@ def build_mini_pile(
     root = Path(out_dir)
     _check_mini_pile_dir(root)
     make_parents(root)
-    # Several processes (e.g. the ranks of one torchrun) may call this at once: one builds, the others wait
-    # and then reuse what it built.
-    # Append mode, inside the directory only: a planted symlink cannot make the lock truncate a file elsewhere.
+    # One caller builds, concurrent ones wait and reuse; append mode in the directory: no truncation via symlink.
     with open_in_dir(root, ".build.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
@@ -271,12 +258,8 @@ def _shard_rels(cfg: MiniPileConfig) -> list[str]:
 
 
 def open_mini_pile(out_dir: str | os.PathLike) -> MiniPile:
-    """The mini-pile already built under ``out_dir`` with the default :class:`MiniPileConfig`, as its manifest
-    records it (every stage present, every file of its recorded size), without listing the machine's sources
-    again: that listing reads thousands of files. For the processes that read a mini-pile another step built or checked (a training run's data, a
-    study's runs and reports); a build that is absent, partial or of another configuration is left to
-    :func:`build_mini_pile`, which it then calls.
-    """
+    """The default-config mini-pile as its manifest records it, without re-listing sources (thousands of files);
+    if absent, partial or different, :func:`build_mini_pile`."""
     t_start = time.perf_counter()
     root = Path(out_dir)
     if (root / "manifest.json").is_file():
@@ -310,15 +293,13 @@ def _build_locked(root: Path, cfg: MiniPileConfig, num_workers: int | None, forc
     manifest: dict = {"format": MANIFEST_FORMAT, "config": dataclasses.asdict(cfg), "stages": stages}
 
     def stage(name: str, key: str, out_dir: str, reusable: bool, build: Callable[[], tuple[dict, str]]) -> bool:
-        """Reuse stage ``name`` when its key and files match the manifest on disk (unless an earlier stage was
-        rebuilt: ``reusable`` False), else ``build`` it (its manifest entry and log line); whether reused."""
+        """Reuse stage ``name`` if ``reusable`` and key and files match, else ``build`` it; whether reused."""
         prev = old_stages.get(name, {})
         if reusable and prev.get("key") == key and _files_ok(root, prev.get("files", {})):
             stages[name] = prev
             say(f"{name}: reused ({root / out_dir})")
             return True
-        # Forget this stage and the later ones on disk first: a crash half-way must not leave a manifest
-        # whose keys vouch for files that are being rewritten.
+        # Forget this and later stages on disk first: after a crash no key may vouch for half-rewritten files.
         write_json_atomic(manifest_path, manifest)
         stages[name], line = build()
         write_json_atomic(manifest_path, manifest)
@@ -326,7 +307,6 @@ def _build_locked(root: Path, cfg: MiniPileConfig, num_workers: int | None, forc
         return False
 
     shard_rels = _shard_rels(cfg)
-    # Each stage is reused only when every stage before it was.
     reused_all = stage("corpus", corpus_key, "shards", True,
                        lambda: _write_corpus(root, cfg, corpus_key, listed, skipped, shard_rels))
     reused_all = stage("tokenizer", tokenizer_key, "tokenizer", reused_all,
@@ -358,8 +338,7 @@ def _list_sources(cfg: MiniPileConfig) -> tuple[dict[str, tuple[Source, list[Can
 
 def _write_corpus(root: Path, cfg: MiniPileConfig, key: str, listed: dict[str, tuple[Source, list[Candidate]]],
                   skipped: dict[str, str], shard_rels: list[str]) -> tuple[dict, str]:
-    """Stage 1: select the documents, write the training shards and the held-out file (each stage returns
-    its manifest entry and log line); a ReproError when fewer than ``cfg.min_domains`` domains remain."""
+    """Stage 1: select documents, write training shards and held-out file; returns (manifest entry, log line)."""
     t0 = time.perf_counter()
     seen: set[str] = set()
     docs: list[_Doc] = []
@@ -430,7 +409,6 @@ def _mini_pile(root: Path, stages: dict, shard_rels: list[str], reused_all: bool
     """The :class:`MiniPile` of a build whose stages are all recorded in ``stages``."""
     ix = stages["indexed"]
     domains = tuple(stages["corpus"]["domains"])
-    # DomainStats' fields in order: documents, bytes and tokens of the training part, then of the held-out one
     stats = {d: DomainStats(*(ix[part][key].get(d, 0) for part in ("train", "heldout")
                               for key in ("documents", "bytes", "tokens"))) for d in domains}
     return MiniPile(

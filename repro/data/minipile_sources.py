@@ -20,8 +20,7 @@ ALL_DOMAINS = ("python_code", "python_docstrings", "python_reference", "licenses
 
 @dataclass(frozen=True)
 class Candidate:
-    """One file (or entry) a source may read: ``key`` is stable across machines with the same image (a path
-    relative to the source root), ``path`` is where it is read from."""
+    """One file (or entry) of a source: ``key`` (path under the source root, stable per image) and ``path``."""
 
     key: str
     path: Path
@@ -32,16 +31,15 @@ class Source:
     """One domain's source.
 
     Attributes:
-        name: the domain (one of :data:`ALL_DOMAINS`).
-        list: its candidates, in a fixed order (an ``OSError`` when its directory is unreadable).
-        read: one candidate's document text, or None to skip it.
-        family: a candidate's family, for ``MiniPileConfig.max_docs_per_family`` (None: no families).
+        name: one of :data:`ALL_DOMAINS`.
+        list: candidates in a fixed order (``OSError`` for an unreadable directory).
+        read: a candidate's document text, or None to skip it.
+        family: a candidate's family, capped by ``MiniPileConfig.max_docs_per_family`` (e.g. ``gcloud-*`` man pages).
     """
 
     name: str
     list: Callable[[], list[Candidate]]
     read: Callable[[Candidate], str | None]
-    # Capped so one family (e.g. the ~16k ``gcloud-*`` man pages) cannot fill a domain.
     family: Callable[[Candidate], str] | None = None
 
 

@@ -1,8 +1,7 @@
 """Reading and writing shards in The Pile's format: one JSON object a line, ``*.jsonl.zst`` or plain ``*.jsonl``.
 
-Each line is ``{"text": "...", "meta": {"pile_set_name": "Github"}}``. Reading streams (a 14 GB shard never
-sits in memory), and every problem with an input is a one-line :class:`~repro.errors.ReproError` naming the
-file, and the line where there is one.
+Each line is ``{"text": "...", "meta": {"pile_set_name": "Github"}}``. Reading streams (never a whole shard in
+memory); every input problem is a one-line :class:`~repro.errors.ReproError` naming the file (and line).
 """
 
 from __future__ import annotations
@@ -36,12 +35,8 @@ class PileRecord(NamedTuple):
 
 
 class _ZstdRawReader(io.RawIOBase):
-    """A streaming zstd decompressor as a raw binary stream, for :class:`io.TextIOWrapper`.
-
-    zstandard's ``stream_reader`` silently stops at the end of the compressed bytes (a truncated shard would
-    look like a shorter valid one); this reader decompresses frame by frame, raises when the input ends
-    inside a frame, and reads concatenated frames one after the other, as the ``zstd`` tool does.
-    """
+    """Streaming zstd as a raw stream: unlike ``stream_reader`` (silent on truncation) it raises when the input
+    ends inside a frame, and reads concatenated frames as the ``zstd`` tool does."""
 
     def __init__(self, fileobj: io.BufferedIOBase, path: Path) -> None:
         super().__init__()
@@ -112,13 +107,12 @@ def iter_pile_documents(
     """Stream the documents of Pile-format shards, in order, one shard after the other.
 
     Args:
-        paths: shards, ``*.jsonl.zst`` (zstd, possibly several concatenated frames) or plain ``*.jsonl``.
-        default_domain: the domain given to records without ``meta.pile_set_name``; ``None`` makes such a
-            record an error.
-        progress: show a tqdm progress bar over the (compressed) bytes read, per shard.
+        paths: ``*.jsonl.zst`` (zstd, possibly several frames) or plain ``*.jsonl`` shards.
+        default_domain: for records without ``meta.pile_set_name``; ``None``: an error.
+        progress: tqdm bar over the (compressed) bytes read, per shard.
 
     Yields:
-        :class:`PileRecord` ``(text, domain)`` for every non-blank line (a bad input: the module's errors).
+        :class:`PileRecord` ``(text, domain)`` for every non-blank line.
     """
     for p in paths:
         path = Path(p)
@@ -155,12 +149,11 @@ def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord]) -> 
     """Write records as a Pile-format shard, atomically (nothing is left at ``path`` on failure).
 
     Args:
-        path: the destination; ``*.zst`` is zstd-compressed (level 10, one frame with a content checksum),
-            anything else plain JSON lines.
+        path: ``*.zst``: zstd (level 10, one frame, content checksum); else plain JSON lines.
         records: ``(text, domain)`` pairs.
 
     Returns:
-        The number of records written.
+        Records written.
     """
     path = Path(path)
     count = 0

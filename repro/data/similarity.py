@@ -1,23 +1,17 @@
 """Similarity-based data batching (Lory, Sec. 3.2 and Appendix C): similar documents in the same sequences.
 
-The method and its use: docs/routers.md, "Lory's similarity batching" (after In-Context Pretraining, Shi et
-al., ICLR 2024, arXiv:2310.10638, Algorithm 1). megatron-core's ``GPTDataset`` shuffles *sequences*, so
-:func:`build_similarity_dataset` writes a derived indexed dataset in which every sequence is a **chain**: a
-run of the greedy walk whose consecutive documents are graph neighbours, each still ending with its EOD token.
-Chains are cut at the walk's jumps and at ``max_chain_tokens`` (an int32 in megatron's index) and written in
-a seeded random order. Only the sources' training documents (megatron's split) are chained, across all the
-prefixes; their validation and test documents follow unchanged, and :attr:`SimilarityBatched.split` cuts the
-derived dataset back into exactly those ranges, so the validation samples are those of a run without it.
+See docs/routers.md, "Lory's similarity batching" (after In-Context Pretraining, Shi et al., ICLR 2024,
+arXiv:2310.10638, Alg. 1). megatron's ``GPTDataset`` shuffles *sequences*, so :func:`build_similarity_dataset`
+writes a derived dataset of **chains**: runs of the greedy walk (documents keep their EOD), cut at jumps and at
+``max_chain_tokens``, in seeded order. Only training documents are chained; valid/test follow unchanged, so
+:attr:`SimilarityBatched.split` yields exactly a plain run's validation samples.
 
-Deviations from the paper (documented defaults; docs/routers.md): (1) TF-IDF over token ids (sublinear tf, EOD
-excluded) reduced by truncated SVD and L2-normalised, instead of Contriever (not downloadable here; lexical
-rather than semantic similarity); (2) FAISS exact inner product up to ``exact_search_max_documents``, IVF
-(``4 sqrt(N)`` lists, ``nprobe`` 32) above; (3) no semantic deduplication; (4) an undirected edge joins two
-documents when either is among the other's k nearest neighbours, weighted by cosine similarity;
-minimum-degree ties are broken by a seeded permutation.
+Deviations (docs/routers.md): (1) TF-IDF over token ids (sublinear, no EOD) + truncated SVD, L2-normalised, not
+Contriever (not downloadable; lexical similarity); (2) FAISS exact inner product up to
+``exact_search_max_documents``, else IVF (``4 sqrt(N)`` lists, ``nprobe`` 32); (3) no semantic dedup;
+(4) undirected edge if either is in the other's kNN, cosine-weighted; min-degree ties seeded-random.
 
-The result is cached beside the first source as ``<prefix>.simbatch-<key>`` (a hash of the inputs), reused
-when complete; files of that name this module did not write are never overwritten.
+Cached as ``<first prefix>.simbatch-<input hash>``; foreign files of that name are never overwritten.
 """
 
 from __future__ import annotations
@@ -58,13 +52,12 @@ class SimilarityBatchingConfig:
     """Options of similarity batching (every field is part of the cache key).
 
     Args:
-        num_neighbors: k, the nearest neighbours retrieved per document.
-        embedding_dim: dimensions of the TF-IDF + truncated-SVD document vectors.
-        max_chain_tokens: a chain ends before it would exceed this many tokens; a single longer document
-            stays a chain of its own.
-        svd_fit_documents: documents (a seeded sample) the TF-IDF weights and the SVD are fitted on.
+        num_neighbors: k nearest neighbours per document.
+        embedding_dim: dimensions of the TF-IDF + SVD vectors.
+        max_chain_tokens: chain token cap (a longer single document is a chain of its own).
+        svd_fit_documents: size of the seeded sample TF-IDF and SVD are fitted on.
         exact_search_max_documents: exact FAISS search up to this many documents, IVF above.
-        seed: seeds the SVD, the fitting sample, the minimum-degree tie-breaks and the chain order.
+        seed: seeds the SVD, the fitting sample, the min-degree tie-breaks and the chain order.
     """
 
     num_neighbors: int = 10
@@ -88,13 +81,13 @@ class SimilarityBatched:
     """A derived, similarity-batched indexed dataset (what :func:`build_similarity_dataset` returns).
 
     Attributes:
-        prefix: the derived indexed-dataset prefix, for :func:`repro.data.datasets.build_datasets`.
-        split: the split string to build it with (the chains train; the sources' valid/test documents).
-        sources: the source prefixes.
-        source_split: the split of the sources the chains were built from.
-        num_chains: derived sequences of the training part.
-        stats: how similar the chained documents are (see :func:`build_similarity_dataset`).
-        reused: whether the cached dataset was reused.
+        prefix: derived prefix, for :func:`repro.data.datasets.build_datasets`.
+        split: its split (chains train; the sources' valid/test documents).
+        sources: source prefixes.
+        source_split: the sources' split.
+        num_chains: training sequences.
+        stats: see :func:`build_similarity_dataset`.
+        reused: whether the cache was reused.
     """
 
     prefix: str
@@ -118,8 +111,7 @@ class SimilarityBatched:
             offset: token positions inside those sequences (-1 for padding).
 
         Returns:
-            ``[n, 2]`` int64 ``(source index, document id)`` per position (-1 for padding); for a
-            validation or test sequence, the source document it copies.
+            ``[n, 2]`` int64 ``(source index, document id)`` per position (-1 for padding).
         """
         offsets, members, lengths = _load_chains(self.prefix)
         out = np.full((len(sequence), 2), -1, dtype=np.int64)
@@ -158,16 +150,15 @@ def document_embeddings(
     """L2-normalised TF-IDF + truncated-SVD vectors of documents (deviation 1).
 
     Args:
-        datasets: the source indexed datasets.
+        datasets: source indexed datasets.
         documents: ``[N, 2]`` ``(source index, document id)`` rows.
-        vocab_size: columns of the count matrix (every token id must be below it).
-        eod: the end-of-document id, left out of the counts; None keeps all ids.
+        vocab_size: count-matrix columns (> every token id).
+        eod: end-of-document id left out of the counts; None keeps all ids.
         config: ``embedding_dim``, ``svd_fit_documents`` and ``seed``.
-        chunk: documents transformed at a time (bounds the sparse matrices' memory).
+        chunk: documents transformed at a time (bounds sparse memory).
 
     Returns:
-        ``[N, d]`` float32 with unit rows (rows of documents without any token are zero),
-        ``d = min(embedding_dim, ids present in the fitting sample - 1, fit documents - 1)``.
+        ``[N, d]`` float32 unit rows (empty documents: 0), ``d = min(embedding_dim, fit ids - 1, fit docs - 1)``.
     """
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfTransformer
@@ -180,8 +171,7 @@ def document_embeddings(
     def counts(rows: np.ndarray):
         return _count_matrix(datasets, documents[rows], vocab_size, eod)
 
-    # Only the ids present in the fitting sample: the SVD's components are zero on the others, and the
-    # TF-IDF row norm they would change cancels in the final normalisation (the projection is linear).
+    # Fit-sample ids only: SVD components are zero elsewhere and the row norm cancels in the final normalisation.
     fit_counts = counts(fit_rows)
     used = np.flatnonzero(fit_counts.getnnz(axis=0))
     fit_counts = fit_counts[:, used]
@@ -202,12 +192,11 @@ def nearest_neighbors(
 
     Args:
         embeddings: ``[N, d]`` float32 unit rows.
-        k: neighbours per document (at most N - 1 are returned).
-        config: ``exact_search_max_documents`` and ``seed`` (the IVF training sample).
+        k: neighbours per document.
+        config: ``exact_search_max_documents`` and ``seed`` (IVF training sample).
 
     Returns:
-        ``(ids [N, k'], sims [N, k'])``, most similar first, ``k' = min(k, N - 1)``; -1 ids where the
-        approximate search found fewer.
+        ``(ids [N, k'], sims [N, k'])``, most similar first, ``k' = min(k, N - 1)``; -1 ids where IVF found fewer.
     """
     import faiss
 
@@ -236,19 +225,16 @@ def nearest_neighbors(
 
 
 def greedy_path(ids: np.ndarray, sims: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """ICLM's greedy maximum-travelling-salesman path over the kNN graph (Shi et al. 2024, Algorithm 1).
-
-    Start at an unvisited document of minimum degree in the undirected graph (deviation 4), move to the
-    unvisited neighbour of highest weight while there is one, otherwise jump to the next such start.
+    """ICLM's greedy max-TSP path over the kNN graph (Shi et al. 2024, Alg. 1): from an unvisited min-degree
+    document (deviation 4) to the heaviest unvisited neighbour while there is one, else jump.
 
     Args:
         ids: ``[N, k]`` neighbour ids (-1 for none).
         sims: ``[N, k]`` their similarities.
-        seed: seeds the tie-break among documents of equal degree.
+        seed: seeds the tie-break among equal degrees.
 
     Returns:
-        ``(order [N], linked [N])``: every document once, in path order, and whether each was reached
-        from its predecessor along an edge (False for the first and after every jump).
+        ``(order [N], linked [N])``: path order, and whether each step followed an edge (False after a jump).
     """
     N = ids.shape[0]
     src = np.repeat(np.arange(N, dtype=np.int64), ids.shape[1])
@@ -305,11 +291,11 @@ def chains_from_path(
     Args:
         path: ``[N]`` document indices in path order.
         linked: ``[N]`` whether each step followed an edge.
-        lengths: ``[N]`` tokens of each document (indexed like ``path``'s values).
-        max_chain_tokens: the largest chain (a longer single document is a chain of its own).
+        lengths: ``[N]`` tokens per document (indexed by ``path``'s values).
+        max_chain_tokens: chain token cap (a longer single document is a chain of its own).
 
     Returns:
-        The chains, each an array of document indices in path order.
+        The chains, arrays of document indices in path order.
     """
     chains: list[np.ndarray] = []
     start, tokens = 0, 0
@@ -361,25 +347,19 @@ def build_similarity_dataset(
     """Build (or reuse) the similarity-batched derived dataset of ``prefixes``.
 
     Args:
-        prefixes: source indexed-dataset prefixes (written by :mod:`repro.data.indexed`, domain sidecar
-            included); the derived dataset is written beside the first.
-        split: the split the run uses for the sources (megatron's ``split``); the chains come from the
-            training part only.
-        config: the options (default :class:`SimilarityBatchingConfig()`).
-        vocab_size: token-id bound of the count matrix; default: the range of a 16-bit token dtype, or the
-            largest id + 1 for wider dtypes.
-        eod: the end-of-document id left out of the representation; default: the first document's last token.
+        prefixes: source prefixes (from :mod:`repro.data.indexed`, with domain sidecar); output goes beside the first.
+        split: the run's megatron ``split`` of the sources; chains come from the training part only.
+        config: options (default :class:`SimilarityBatchingConfig()`).
+        vocab_size: count-matrix id bound; default: a 16-bit dtype's range, else the largest id + 1.
+        eod: end-of-document id left out of the representation; default: the first document's last token.
         log: called with one line per stage (e.g. ``print``); default silent.
 
     Returns:
-        :class:`SimilarityBatched`; its ``stats``: ``documents``, ``chains``, ``mean_chain_tokens``,
-        ``linked_fraction`` (path steps along an edge), the mean cosine similarity and same-domain share of
-        chain neighbours against random pairs (``adjacent_similarity``, ``random_similarity``,
-        ``same_domain_adjacent``, ``same_domain_random``) and ``seconds``.
+        :class:`SimilarityBatched`; ``stats``: ``documents``, ``chains``, ``mean_chain_tokens``, ``linked_fraction``,
+        ``{adjacent,random}_similarity`` and ``same_domain_{adjacent,random}`` (chain neighbours vs random pairs).
 
     Raises:
-        ReproError: a missing source, a split leaving the training part empty, or existing files of the
-            derived name that this module did not write.
+        ReproError: missing source, empty training split, or foreign files at the derived name.
     """
     cfg = config or SimilarityBatchingConfig()
     say = log or (lambda _msg: None)
@@ -445,7 +425,6 @@ def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) 
     tmp_dir, _ = make_temp_dir(out_prefix)  # beside the sources: no parent to make
     tmp = str(tmp_dir / Path(out_prefix).name)
     try:
-        # the chains, then each validation and test document alone
         sequences = [train[chain] for chain in chains] + [row[None] for row in np.concatenate([valid, test])]
         names, seq_domain = _write_sequences(tmp, datasets, domains, sequences)
         np.save(tmp + DOMAINS_NPY, np.asarray(seq_domain, dtype=domain_dtype(len(names))))
@@ -512,8 +491,7 @@ def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Ge
 
 
 def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list[int]]:
-    """Write the derived sequences (``tmp.bin``/``.idx``), each the documents of its ``[n, 2]`` ``(source,
-    document)`` rows one after the other, and their members (:data:`CHAINS_NPZ`).
+    """Write each sequence's ``(source, document)`` rows concatenated (``tmp.bin``/``.idx``) and :data:`CHAINS_NPZ`.
 
     Returns:
         ``(domain names, domain id of each sequence)`` for the domain sidecar.
@@ -528,8 +506,7 @@ def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list
             docs = [np.asarray(datasets[s][int(d)]) for s, d in rows]
             tokens = np.concatenate(docs)
             builder.add_document(tokens, [tokens.size])
-            # The sequence's domain for the sidecar: the one with most tokens (per-document domains are in
-            # the chains file).
+            # Sidecar domain: the one with most tokens (per-document domains are in the chains file).
             by_domain: dict[str, int] = {}
             for (s, d), doc in zip(rows, docs):
                 name = domains[s].domain_of(int(d))

@@ -1,10 +1,7 @@
 """Token counts of a corpus's training documents: what Hash's ``balanced`` table is built from.
 
-Hash Layers (Roller et al. 2021) balance a hash table with the training corpus's unigram frequencies.
-Only the *training* documents (megatron-core's split of each prefix) are counted, so validation and test
-documents do not shape the table; :func:`token_counts_file` writes the counts once beside the data as
-``<first prefix>.tokcounts-<key>.npy`` (keyed by the sources' fingerprints and the split), for the router
-option ``counts_path``.
+Hash Layers (Roller et al. 2021) balance by unigram frequency; only the *training* split counts (valid/test
+must not shape the table). Cached as ``<first prefix>.tokcounts-<key>.npy`` for option ``counts_path``.
 """
 
 from __future__ import annotations
@@ -29,8 +26,8 @@ def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPL
 
     Args:
         prefixes: indexed-dataset prefixes.
-        split: megatron's split string; only the training range of each prefix is counted.
-        vocab_size: length of the result (a ReproError for an id at or above it); default: largest id + 1.
+        split: megatron's split; only each prefix's training range is counted.
+        vocab_size: result length (ReproError for a larger id); default: largest id + 1.
 
     Returns:
         ``[V]`` int64 counts.
@@ -65,8 +62,7 @@ def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPL
 def token_counts_file(
     prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, vocab_size: int | None = None
 ) -> str:
-    """Write (or reuse) :func:`count_tokens`'s result beside the first prefix; returns the ``.npy`` file's path
-    (a ReproError when a file of that name is not a counts array: it is not overwritten)."""
+    """Write (or reuse) :func:`count_tokens`'s ``.npy`` beside the first prefix; never overwrites other files."""
     sources = existing_prefixes(prefixes, "token counts: ")
     key = hashlib.sha256(
         json.dumps({"sources": [dataset_fingerprint(p) for p in sources], "split": split, "vocab_size": vocab_size}).encode()

@@ -1,9 +1,6 @@
 """GPT-2 byte-level BPE from ``vocab.json`` + ``merges.txt``, through HF ``tokenizers``.
 
-One loading path serves OpenAI's GPT-2 files (The Pile) and the tokenizer trained on the mini-pile
-(:func:`train_bpe_tokenizer` writes the same two files). :class:`Gpt2BpeTokenizer` carries what megatron-core's
-datasets read from a tokenizer, so it is passed as ``GPTDatasetConfig.tokenizer`` directly; it is duck-typed
-so that importing it does not import megatron-core.
+For GPT-2's files and the mini-pile's; duck-types megatron's dataset tokenizer (importing it skips megatron).
 """
 
 from __future__ import annotations
@@ -28,15 +25,10 @@ from repro.io_utils import atomic_path, check_output_path
 #: GPT-2's end-of-document token, appended to every document.
 EOD_TOKEN = "<|endoftext|>"
 
-#: Longest piece of text handed to the BPE encoder in one call (characters). HF ``tokenizers`` holds about
-#: 155 bytes per character while it encodes one string (``ru_maxrss``), so a 50 M-character document took
-#: 9.09 GB to tokenise (1.51 GB in pieces, byte-identical output: ``/usr/bin/time -v python -m repro data
-#: tokenize --workers 1``); about 160 MB per encoding thread in pieces (:func:`split_for_encoding`).
+#: Most characters per encoder call (HF ``tokenizers`` holds ~155 bytes per character): bounds memory.
 MAX_CHUNK_CHARS = 1 << 20
 
-# A non-whitespace character followed by a space or newline: GPT-2's pre-tokenizer never puts the two into
-# one pre-token (no alternative of its regex matches non-space then space), and BPE never merges across
-# pre-tokens, so cutting between them leaves every token as it was.
+# Non-space then space/newline: GPT-2's pre-tokenizer always splits there, so a cut changes no token.
 _SAFE_CUT = re.compile(r"[^\s](?=[ \n])")
 _CUT_SEARCH = 1 << 16  # characters searched per step, from the end of the window backwards
 
@@ -85,25 +77,21 @@ def _check_merges(path: Path, vocab: dict[str, int]) -> None:
             raise ReproError(f"{path}:{lineno}: merge result '{parts[0] + parts[1]}' is not in the vocabulary")
         merges += 1
     if merges == 0:
-        # Without merges BPE falls back to single bytes: a corpus would tokenise (about one token per byte)
-        # and train, silently, on the wrong vocabulary. An empty file is a copy or download gone wrong.
+        # Without merges BPE silently falls back to one token per byte: an empty file is a broken copy.
         raise ReproError(f"{path}: no merges (the file is empty or holds only its header); expected GPT-2's "
                          "merges.txt, one 'left right' pair a line")
 
 
 class Gpt2BpeTokenizer:
-    """GPT-2 byte-level BPE with the end-of-document token; usable as megatron-core's dataset tokenizer.
-
-    ``<|endoftext|>`` is looked up in the vocabulary but not registered as a special token: text containing
-    that string is encoded as ordinary bytes, so the only EOD ids in a corpus are the ones appended at
-    document ends (what megatron's ``eod_mask_loss``/``reset_*`` options rely on).
+    """GPT-2 byte-level BPE; ``<|endoftext|>`` is not special (in text it encodes as bytes), so the only EOD ids
+    are appended ones, as megatron's ``eod_mask_loss``/``reset_*`` assume.
 
     Args:
         vocab_path: ``vocab.json`` (token -> id).
         merges_path: ``merges.txt``.
 
     Raises:
-        ReproError: either file is missing or does not parse, or the vocabulary has no ``<|endoftext|>``.
+        ReproError: a file missing or unparsable, or no ``<|endoftext|>`` in the vocabulary.
     """
 
     def __init__(self, vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> None:
@@ -143,8 +131,7 @@ class Gpt2BpeTokenizer:
         return [ids.tolist() for ids in self.encode_arrays(texts)]
 
     def encode_arrays(self, texts: Sequence[str], dtype=np.int64) -> list[np.ndarray]:
-        """Encode several texts (no EOD appended) into one id array each, with bounded memory: pieces of
-        :func:`split_for_encoding` go to the encoder in calls of at most :data:`MAX_CHUNK_CHARS` in all."""
+        """Encode texts (no EOD) to id arrays in bounded memory: calls of <= :data:`MAX_CHUNK_CHARS` in all."""
         encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch  # fast: no offsets
         limit = MAX_CHUNK_CHARS
         parts: list[list[np.ndarray]] = [[] for _ in texts]
@@ -176,13 +163,8 @@ class Gpt2BpeTokenizer:
 
 
 def split_for_encoding(text: str, max_chars: int | None = None) -> list[str]:
-    """Cut ``text`` into pieces of at most ``max_chars`` (default :data:`MAX_CHUNK_CHARS`) characters whose
-    encodings, concatenated, equal its own (``"".join(pieces) == text``).
-
-    Each cut falls as late as possible just before a space or newline that follows a non-whitespace
-    character, where GPT-2's pre-tokenizer splits anyway. A longer stretch without such a place (a base64
-    blob) is cut at ``max_chars``: the only case where the ids can differ, the price of bounded memory.
-    """
+    """Cut ``text`` into pieces of <= ``max_chars`` whose encodings concatenate to its own: as late as possible at
+    a :data:`_SAFE_CUT`, else hard (a base64 blob: the only case where ids can differ)."""
     limit = MAX_CHUNK_CHARS if max_chars is None else max_chars
     if limit < 2:
         raise ValueError(f"max_chars must be >= 2, got {limit}")
@@ -217,8 +199,7 @@ TOKENIZER_FILES = ("vocab.json", "merges.txt")
 
 
 def is_tokenizer_dir(path: str | os.PathLike) -> bool:
-    """Whether ``path`` is a directory holding a tokenizer's ``vocab.json``/``merges.txt`` and nothing else
-    (what :func:`train_bpe_tokenizer` writes, so it may replace it)."""
+    """Whether ``path`` holds only ``vocab.json``/``merges.txt`` (so :func:`train_bpe_tokenizer` may replace it)."""
     try:
         names = {p.name for p in Path(path).iterdir()}
     except OSError:
@@ -229,15 +210,13 @@ def is_tokenizer_dir(path: str | os.PathLike) -> bool:
 def train_bpe_tokenizer(
     texts: Iterable[str], out_dir: str | os.PathLike, *, vocab_size: int = 8192, min_frequency: int = 2
 ) -> tuple[Path, Path]:
-    """Train a GPT-2-style byte-level BPE on ``texts`` and save it as ``vocab.json`` + ``merges.txt``, atomically;
-    the vocabulary holds ``<|endoftext|>`` (id 0) and the 256 byte symbols, so any text can be encoded.
+    """Train a byte-level BPE (``<|endoftext|>`` id 0, all 256 bytes); save ``vocab.json``/``merges.txt`` atomically.
 
     Args:
-        texts: the training texts.
-        out_dir: the directory to write; an existing one is replaced only when it is a tokenizer directory
-            (:func:`is_tokenizer_dir`).
-        vocab_size: the vocabulary size, ``<|endoftext|>`` included.
-        min_frequency: the least count for a pair to be merged.
+        texts: training texts.
+        out_dir: replaced only if :func:`is_tokenizer_dir`.
+        vocab_size: ``<|endoftext|>`` included.
+        min_frequency: least pair count to merge.
 
     Returns:
         ``(vocab_path, merges_path)``.
@@ -259,14 +238,11 @@ def train_bpe_tokenizer(
 def encode_documents(
     tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *, num_workers: int | None = None, batch_size: int = 256
 ) -> Iterator[np.ndarray]:
-    """Encode a stream of documents on several cores, in order, with bounded memory.
-
-    HF ``tokenizers`` releases the GIL while encoding, so a thread pool runs in parallel whatever
-    ``TOKENIZERS_PARALLELISM`` says; at most ``2 * num_workers`` batches are in flight.
+    """Encode documents in order on ``num_workers`` threads (HF ``tokenizers`` releases the GIL), at most
+    ``2 * num_workers`` batches in flight.
 
     Yields:
-        One int64 array of token ids per document of ``texts``, in order, the EOD id appended; encoded in
-        batches of ``batch_size`` by ``num_workers`` threads (default: all cores).
+        One int64 id array per document, in order, EOD appended.
     """
     workers = max(1, num_workers or os.cpu_count() or 1)
     eod = np.asarray([tokenizer.eod], dtype=np.int64)

@@ -1,8 +1,7 @@
 """``python -m repro eval``: zero-shot evaluation of a checkpoint through lm-eval, offline (docs/evaluation.md).
 
-The checkpoint may be a run directory (its newest checkpoint), its ``checkpoints`` directory or one
-checkpoint; the run's ``record.json`` gets the results, the per-question results behind them (the ``--out``
-file holds lm-eval's results without them) and, with ``--limit``, the tasks scored on part of their documents.
+The checkpoint may be a run directory (newest checkpoint), its ``checkpoints`` directory or one checkpoint; the
+run's ``record.json`` gets the results, per-question results (not in ``--out``) and any partial tasks.
 """
 
 from __future__ import annotations
@@ -48,8 +47,7 @@ def main(argv: list[str], prog: str) -> int:
     from repro.evaluation.runner import evaluate_lm
     from repro.io_utils import check_output_path, write_json_atomic
 
-    # Output paths first, before minutes of evaluation: an existing path is replaced only when it holds this
-    # command's own earlier output (never a run directory), and a read-only or full disk shows now.
+    # Check output paths before minutes of evaluation (only this command's own output may be replaced).
     check_output_path(args.out, replace=is_lm_eval_results, probe=True)
     if args.local_tasks_from is not None:
         if args.local_tasks is None:
@@ -62,7 +60,7 @@ def main(argv: list[str], prog: str) -> int:
     )
     results = evaluate_lm(lm, args.tasks, local_tasks=args.local_tasks, tasks_data=args.tasks_data, limit=limit,
                           bootstrap_iters=args.bootstrap_iters, seed=args.seed, log_samples=True)
-    # The samples (every prompt and answer) go into the record only as per-question scores.
+    # Samples go into the record only as per-question scores.
     write_json_atomic(args.out, {k: v for k, v in results.items() if k != "samples"}, replace=is_lm_eval_results)
     print(make_table(results))
     print(f"wrote {args.out}")
@@ -71,10 +69,9 @@ def main(argv: list[str], prog: str) -> int:
 
 
 def is_lm_eval_results(path: Path) -> bool:
-    """Whether ``path`` is a results file this command wrote (lm-eval's JSON object with ``results`` and
-    ``versions``): the only existing file ``--out`` may replace."""
+    """Whether ``path`` is a results file this command wrote, the only file ``--out`` may replace."""
     try:
-        if Path(path).stat().st_size > 256 << 20:  # no results file is this large (a checkpoint may be)
+        if Path(path).stat().st_size > 256 << 20:  # too large for results (a checkpoint may be)
             return False
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -83,8 +80,7 @@ def is_lm_eval_results(path: Path) -> bool:
 
 
 def _add_to_run_record(run_dir: Path, results: dict, out: str | Path) -> None:
-    """Put the results into the ``record.json`` of the checkpoint's run (if it has one); a partial (``--limit``)
-    evaluation never replaces complete results there."""
+    """Put the results into the run's ``record.json`` if any; partial results never replace complete ones."""
     from repro.errors import ReproError
     from repro.records.store import load_record, with_lm_eval, write_record
     from repro.training.inference import resolve_checkpoint, run_dir_of
@@ -92,7 +88,7 @@ def _add_to_run_record(run_dir: Path, results: dict, out: str | Path) -> None:
     try:
         path = run_dir_of(resolve_checkpoint(run_dir)) / "record.json"
     except ReproError:
-        return  # not a training run's checkpoint layout: nothing to update
+        return  # not a training run's checkpoint layout
     if path.is_file():
         before = load_record(path)
         record = with_lm_eval(before, results, origin=str(path))

@@ -15,7 +15,7 @@ _ON = ("1", "on", "yes", "true")
 
 
 def _parser(prog: str, action: str) -> argparse.ArgumentParser:
-    # Not from runner.py: importing it switches the process to offline mode, and fetch downloads.
+    # Not from runner.py: importing it switches to offline mode, and fetch downloads.
     from repro.evaluation.task_data import PAPER_TASK_DIRS
 
     paper_tasks = list(PAPER_TASK_DIRS)

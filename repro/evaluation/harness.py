@@ -1,16 +1,10 @@
 """The lm-eval bridge: this suite's checkpoints (any router) as an lm-eval ``LM`` registered as ``dirmoe-bench``.
 
-The bridge talks to the model through :class:`ScoringModel` (token ids in, next-token logits out) and a
-tokenizer (a Hugging Face ``tokenizers.Tokenizer`` or one with ``tokenize``/``detokenize``), so it does not
-depend on how the model is built; checkpoint loading is wired in one place, :func:`load_scoring_model`.
-
-Scoring is batched and deterministic (eval mode, ``torch.inference_mode``). Batches are right-padded: in a
-causal model pads after a row's end cannot change its scores, and no attention mask or position offsets are
-needed. Only the positions a request scores get log-probabilities (a model whose ``logits`` takes ``start``
-runs its output layer on those alone: most of a multiple-choice request is context). A model that couples the
-tokens of a batch says so with ``batch_coupled = True`` (Expert Choice, capacity dropping) and is scored one
-request at a time; Lory routes each row once on its prompt, given the prompt lengths. Context is truncated
-from the left to ``max_length`` tokens, as lm-eval's HF backend does.
+It needs only a :class:`ScoringModel` and a tokenizer; checkpoint loading is in :func:`load_scoring_model`.
+Scoring is batched and deterministic (eval mode, ``torch.inference_mode``), right-padded (in a causal model
+trailing pads cannot change a row's scores, so no mask is needed), and only scored positions get
+log-probabilities. ``batch_coupled`` models (Expert Choice, capacity dropping) are scored one request at a time;
+Lory gets prompt lengths. Context is truncated from the left to ``max_length``, as lm-eval's HF backend does.
 """
 
 from __future__ import annotations
@@ -39,25 +33,23 @@ T = TypeVar("T")
 
 @runtime_checkable
 class ScoringModel(Protocol):
-    """What the bridge needs from a trained model: ``eod_id`` (the prefix of an empty context, the stop
-    token), ``max_length`` (its training sequence length) and :meth:`logits`; optionally ``device`` (where
-    input ids go; default CPU) and ``eval()`` (called once, so routers run deterministically)."""
+    """What the bridge needs: ``eod_id`` (empty-context prefix, stop token), ``max_length`` (training sequence
+    length), :meth:`logits`; optionally ``device`` (default CPU) and ``eval()`` (called once)."""
 
     eod_id: int
     max_length: int
 
     def logits(self, tokens_BS: torch.Tensor) -> torch.Tensor:
-        """Next-token logits ``[B, S, V]`` for token ids ``[B, S]`` (position s predicts token s+1); optionally
-        with ``start``: those of positions ``start..S-1`` alone, ``[B, S - start, V]``."""
+        """Next-token logits ``[B, S, V]`` for ids ``[B, S]``; with optional ``start``: ``[B, S - start, V]``."""
         ...
 
 
 def load_scoring_model(checkpoint_dir: str | Path, device: str | None = None) -> tuple[ScoringModel, Any]:
-    """Load a checkpoint of this suite for evaluation (the one place where checkpoint loading is wired).
+    """Load a checkpoint of this suite for evaluation.
 
     Args:
         checkpoint_dir: a checkpoint directory written by the training loop.
-        device: where to put the model (None: the loader's default).
+        device: target device (None: the loader's default).
 
     Returns:
         ``(model, tokenizer)`` from ``repro.training.inference.load_for_evaluation``.
@@ -77,19 +69,15 @@ def _batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
 
 @register_model(MODEL_NAME)
 class SuiteLM(TemplateLM):
-    """The suite's lm-eval ``LM`` (``dirmoe-bench``): any checkpoint of the suite, whatever its router, from a
-    checkpoint (``lm_eval --model dirmoe-bench --model_args checkpoint=DIR``, :meth:`from_checkpoint`) or from
-    objects (``SuiteLM(model=..., tokenizer=...)``).
+    """The suite's lm-eval ``LM`` (``--model dirmoe-bench --model_args checkpoint=DIR``), or from objects.
 
     Args:
-        checkpoint: a checkpoint directory (loaded by :func:`load_scoring_model`).
-        model: a :class:`ScoringModel` (instead of ``checkpoint``).
-        tokenizer: a ``tokenizers.Tokenizer`` or a tokenizer with ``tokenize`` / ``detokenize`` (with ``model``).
-        batch_size: sequences per forward pass (lm-eval passes it, possibly as a string; ``auto`` means 8).
-        max_length: override of the model's ``max_length`` (never longer than it).
+        checkpoint, model, tokenizer: a checkpoint directory (:func:`load_scoring_model`), or a
+            :class:`ScoringModel` and its tokenizer.
+        batch_size: sequences per forward pass (may be a string; ``auto``: 8).
+        max_length: cap on the model's ``max_length``.
         max_gen_toks: default cap of generated tokens for ``generate_until``.
-        device: passed to the checkpoint loader.
-        max_batch_size: accepted for lm-eval's interface, unused.
+        device, max_batch_size: passed to the checkpoint loader; unused (lm-eval interface).
     """
 
     def __init__(
@@ -115,10 +103,9 @@ class SuiteLM(TemplateLM):
         if self.batch_size < 1:
             raise ReproError(f"batch_size must be >= 1, got {self.batch_size}")
         if getattr(model, "batch_coupled", False):
-            # Its routing of one request would depend on the others (and on padding) in the batch.
+            # Its routing of one request would depend on the rest of the batch.
             self.batch_size = 1
-        # Models that route on the prompt (Lory) take the prompt length of every row; models taking ``start``
-        # compute the logits of the scored positions alone.
+        # Optional logits() arguments: prompt lengths (Lory routes on the prompt) and ``start``.
         parameters = inspect.signature(model.logits).parameters
         self._takes_prompt_lengths = "prompt_lengths_B" in parameters
         self._takes_start = "start" in parameters
@@ -127,7 +114,7 @@ class SuiteLM(TemplateLM):
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, **kwargs: Any) -> SuiteLM:
-        """Build the LM from a checkpoint directory (``kwargs``: the other constructor arguments)."""
+        """Build the LM from a checkpoint directory (``kwargs``: other constructor arguments)."""
         return cls(checkpoint=str(checkpoint_dir), **kwargs)
 
     # ------------------------------------------------------------------ tokenisation
@@ -144,7 +131,7 @@ class SuiteLM(TemplateLM):
         return MODEL_NAME
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
-        """Token ids of ``string`` (the GPT-2-format tokenizer adds no special tokens)."""
+        """Token ids of ``string`` (no special tokens)."""
         if hasattr(self.tokenizer, "tokenize"):  # megatron-style wrapper (repro.data.tokenizer)
             return list(self.tokenizer.tokenize(string))
         return list(self.tokenizer.encode(string, add_special_tokens=False).ids)
@@ -160,9 +147,7 @@ class SuiteLM(TemplateLM):
     def _log_probs(
         self, sequences: Sequence[Sequence[int]], scored: Sequence[int], prompt_lengths: Sequence[int] | None = None
     ) -> list[torch.Tensor]:
-        """Next-token log-probabilities ``[n, V]`` (float32) of the last ``n = scored[row]`` positions of each
-        sequence, from one right-padded forward (``prompt_lengths``: the context tokens of each row, for models
-        that route on the prompt)."""
+        """Float32 log-probabilities ``[n, V]`` of each row's last ``n = scored[row]`` positions, one forward."""
         width = max(len(s) for s in sequences)
         tokens = torch.full((len(sequences), width), self.eot_token_id, dtype=torch.long)
         for row, seq in enumerate(sequences):
@@ -195,8 +180,7 @@ class SuiteLM(TemplateLM):
         for pair, context, continuation in requests:
             if not continuation:
                 raise ReproError(f"empty continuation to score (request {pair!r})")
-            # A continuation longer than the model's window is scored on its last max_length tokens, the
-            # context cut from the left, as lm-eval's own HF model does (the first tokens get no score).
+            # Beyond the window: keep the last max_length tokens (context cut first), as lm-eval's HF model does.
             context = list(context) or [self.prefix_token_id]  # something must predict the first token
             whole = (context + list(continuation))[-(self.max_length + 1) :]
             inputs.append(whole[:-1])
@@ -205,9 +189,8 @@ class SuiteLM(TemplateLM):
         order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i]), inputs[i]))
         results: list[tuple[float, bool] | None] = [None] * len(inputs)
         for batch in _batches(order, override_bs or self.batch_size):
-            # The context is what precedes the scored tokens (at least the first input token).
+            # Prompt length: the tokens before the scored ones (at least one).
             prompts = [max(1, len(inputs[i]) + 1 - len(targets[i])) for i in batch]
-            # The last positions predict the continuation tokens.
             log_probs = self._log_probs([inputs[i] for i in batch], [len(targets[i]) for i in batch], prompts)
             for i, scored in zip(batch, log_probs):
                 target = torch.tensor(targets[i], dtype=torch.long)
@@ -220,8 +203,7 @@ class SuiteLM(TemplateLM):
 
     # ------------------------------------------------------------------ lm-eval request types
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
-        """Summed log-likelihood of each request's string (``args == (string,)``) in windows of ``max_length``
-        tokens, each token predicted once."""
+        """Summed log-likelihood of each string in disjoint ``max_length`` windows (each token scored once)."""
         windows: list[tuple[None, list[int], list[int]]] = []
         owners: list[int] = []
         for index, request in enumerate(requests):
@@ -246,8 +228,7 @@ class SuiteLM(TemplateLM):
 
     @torch.inference_mode()
     def generate_until(self, requests: list[Any], disable_tqdm: bool = False) -> list[str]:
-        """Greedy generation (``args == (context, gen_kwargs)``) until a stop string, the end-of-document token
-        or ``max_gen_toks``, cut before the first stop string; sampling is refused (greedy only)."""
+        """Greedy generation until a stop string, EOD or ``max_gen_toks``, cut before the stop; no sampling."""
         groups: dict[str, list[int]] = {}
         for index, request in enumerate(requests):
             groups.setdefault(json.dumps(request.args[1], sort_keys=True, default=str), []).append(index)
@@ -270,7 +251,7 @@ class SuiteLM(TemplateLM):
         return outputs
 
     def _greedy(self, contexts: list[list[int]], until: list[str], max_new: int) -> list[str]:
-        """Greedy-decode a batch: re-run the (right-padded) sequences, read each row's last position."""
+        """Greedy-decode a batch by re-running the right-padded sequences each step."""
         if any(not c for c in contexts):
             contexts = [c or [self.prefix_token_id] for c in contexts]
         generated: list[list[int]] = [[] for _ in contexts]

@@ -1,17 +1,13 @@
 """Local lm-eval tasks over the mini-pile's held-out documents, for the embedded default (no Hub access).
 
-:func:`build_local_tasks` turns a held-out Pile-format file into three lm-eval YAML tasks with their data,
-under one directory for ``TaskManager(include_path=...)`` (or ``python -m repro eval --local-tasks DIR``):
+:func:`build_local_tasks` makes three tasks from a held-out Pile file (``python -m repro eval --local-tasks DIR``):
 
-- ``minipile_lastword`` (LAMBADA-style): the log-likelihood of a passage's final word given the passage
-  before it; metrics ``acc`` (the word is the greedy continuation) and ``perplexity``.
-- ``minipile_continuation`` (HellaSwag-style): a passage's true continuation against distractor
-  continuations taken at the same offset from other held-out documents (distinct texts, seeded); metrics ``acc`` and
-  ``acc_norm`` (log-likelihood per character).
+- ``minipile_lastword`` (LAMBADA-style): log-likelihood of a passage's final word; ``acc`` (greedy) and ``perplexity``.
+- ``minipile_continuation`` (HellaSwag-style): the true continuation against distractors from other documents
+  at the same offset (distinct, seeded); ``acc`` and ``acc_norm`` (per character).
 - ``minipile_ppl``: rolling log-likelihood of each document's start; word/byte perplexity, bits per byte.
 
-All three carry the tag ``minipile`` and read ``dataset_path: json`` with absolute ``data_files`` and a datasets
-cache inside the task directory (never the Hub or the user's cache). Documents are whitespace-normalised.
+All are tagged ``minipile``; data and datasets cache stay inside the directory. Whitespace is normalised.
 """
 
 from __future__ import annotations
@@ -41,13 +37,12 @@ _MANIFEST = "manifest.json"
 _HF_CACHE = ".hf_cache"
 
 
-# What a local-task directory holds: anything else makes it someone else's directory.
+# Anything else in a local-task directory makes it someone else's.
 _TASK_DIR_ENTRIES = {_MANIFEST, _HF_CACHE, *(f"{t}.{ext}" for t in LOCAL_TASK_LABELS for ext in ("yaml", "jsonl"))}
 
 
 def is_local_tasks_dir(path: str | Path) -> bool:
-    """Whether ``path`` is a directory :func:`build_local_tasks` wrote: its manifest and nothing but the
-    task files (a rebuild may replace it; any other directory, a run directory say, is refused)."""
+    """Whether ``path`` is a directory :func:`build_local_tasks` wrote (manifest and task files only)."""
     path = Path(path)
     try:
         entries = {p.name for p in path.iterdir()}
@@ -62,14 +57,11 @@ class LocalTaskOptions:
     """How the local tasks are cut from the held-out documents (lengths in words).
 
     Args:
-        max_docs: documents used from the held-out file (a seeded sample when it has more, in file order).
+        max_docs: held-out documents used (a seeded sample, in file order, if there are more).
         lastword_max_words / lastword_min_words: longest / shortest passage before the final word.
-        context_words / continuation_words: the continuation task's passage / each of its choices.
-        num_choices: choices per question (one true, the rest distractors).
-        ppl_words: words of each document scored by ``minipile_ppl``.
-        windows_per_doc: questions cut from one document at most (consecutive windows; enough questions
-            from a small held-out part to separate models).
-        seed: seeds the distractor draw and the choice order.
+        context_words / continuation_words: the continuation task's passage / each choice.
+        num_choices, ppl_words: choices per question (one true); words per document scored by ``minipile_ppl``.
+        windows_per_doc, seed: most questions (consecutive windows) per document; seeds distractors and order.
     """
 
     max_docs: int = 500
@@ -92,7 +84,7 @@ class LocalTaskOptions:
 
 
 def _read_heldout(path: Path, max_docs: int, seed: int) -> list[dict[str, str]]:
-    """``[{"text", "domain"}]`` from a held-out Pile-format file (the Pile reader's one-line errors)."""
+    """``[{"text", "domain"}]`` from a held-out Pile-format file."""
     from repro.data.pile import iter_pile_documents
 
     docs = [
@@ -100,20 +92,20 @@ def _read_heldout(path: Path, max_docs: int, seed: int) -> list[dict[str, str]]:
         for text, domain in iter_pile_documents([path], default_domain="unknown")
     ]
     if len(docs) > max_docs:
-        # A seeded sample of the whole file (kept in file order): the file may be grouped by domain.
+        # Sample the whole file: it may be grouped by domain.
         keep = sorted(random.Random(seed).sample(range(len(docs)), max_docs))
         docs = [docs[i] for i in keep]
     return docs
 
 
 def _final_word(word: str) -> str | None:
-    """The word without trailing punctuation, if what is left is alphabetic (a LAMBADA-like target)."""
+    """The word without trailing punctuation if alphabetic (a LAMBADA-like target), else None."""
     core = word.rstrip(_TRAILING_PUNCT)
     return core if len(core) >= 2 and core.isalpha() else None
 
 
 def _windows(words: list[str], size: int, count: int) -> list[list[str]]:
-    """Up to ``count`` consecutive, non-overlapping windows of ``size`` words (the last may be shorter)."""
+    """Up to ``count`` consecutive windows of ``size`` words (the last may be shorter)."""
     return [words[i : i + size] for i in range(0, len(words), size)][:count]
 
 
@@ -121,7 +113,7 @@ def _lastword_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[d
     out = []
     for doc in docs:
         for words in _windows(doc["text"].split(" "), opts.lastword_max_words + 1, opts.windows_per_doc):
-            # Walk back from the longest allowed passage to the last word that is a clean target.
+            # The longest allowed passage ending before a clean target.
             for end in range(min(len(words) - 1, opts.lastword_max_words), opts.lastword_min_words - 1, -1):
                 target = _final_word(words[end])
                 if target is not None:
@@ -143,9 +135,8 @@ def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> li
         raise ReproError(f"the continuation task needs at least {opts.num_choices} held-out windows of {span} "
                          f"words, found {len(eligible)}")
     continuations = [" ".join(w[opts.context_words : span]) for w in pieces]
-    # Distinct texts only: a distractor identical to the true continuation would make a question unanswerable.
+    # Distinct texts (a distractor equal to the truth is unanswerable), drawn from other documents only.
     pool = sorted(set(continuations))
-    # Which documents each text comes from: distractors are drawn from other documents only.
     sources: dict[str, set[int]] = {}
     for text, owner in zip(continuations, owners):
         sources.setdefault(text, set()).add(owner)
@@ -195,18 +186,17 @@ def build_local_tasks(
 
     Args:
         heldout_jsonl: held-out documents in Pile format (``.jsonl`` or ``.jsonl.zst``).
-        out_dir: the task directory; an existing one must be an earlier output of this function
-            (:func:`is_local_tasks_dir`), replaced atomically; anything else is refused.
+        out_dir: the task directory; replaced atomically only if :func:`is_local_tasks_dir`.
 
     Returns:
-        ``out_dir`` as an absolute path: pass it to ``TaskManager(include_path=...)``.
+        ``out_dir`` absolute, for ``TaskManager(include_path=...)``.
 
     Raises:
-        ReproError: a bad held-out file, too few documents for a task, or ``out_dir`` holding something else.
+        ReproError: a bad held-out file, too few documents for a task, or a foreign ``out_dir``.
     """
     opts = options or LocalTaskOptions()
     source = Path(heldout_jsonl).resolve()
-    # Absolute but not resolved: a symlink at ``out_dir`` is refused, never followed to its target.
+    # Not resolved: a symlink at ``out_dir`` is refused, never followed.
     final = Path(os.path.abspath(out_dir))
     check_output_path(final, replace=is_local_tasks_dir)
     docs = _read_heldout(source, opts.max_docs, opts.seed)
@@ -241,7 +231,7 @@ def build_local_tasks(
         for name, (rows, body) in tasks.items():
             data_name = f"{name}.jsonl"
             (tmp / data_name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-            # Paths name the final directory: the temporary one is renamed onto it.
+            # Final paths: the temporary directory is renamed onto it.
             config = _task_yaml(name, final / data_name, final / _HF_CACHE, body)
             (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         manifest = {

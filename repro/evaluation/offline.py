@@ -11,6 +11,6 @@ OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PA
 
 
 def ensure_offline() -> None:
-    """Set :data:`OFFLINE_ENV` where unset (``HF_DATASETS_OFFLINE=0`` on a machine that may download stays)."""
+    """Set :data:`OFFLINE_ENV` where unset (an explicit ``HF_DATASETS_OFFLINE=0`` stays)."""
     for name, value in OFFLINE_ENV.items():
         os.environ.setdefault(name, value)

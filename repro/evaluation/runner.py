@@ -1,8 +1,7 @@
 """Run lm-eval's ``simple_evaluate`` on an LM, offline, on full-scale and/or local tasks.
 
-The full-scale tasks read their Hugging Face datasets from the local datasets cache, or from a task-data
-folder (``tasks_data``, see :mod:`repro.evaluation.task_data`). Results are returned only when every requested
-task was scored, so a caller never writes partial results as if complete.
+Full-scale tasks read their datasets from the local cache or a task-data folder
+(:mod:`repro.evaluation.task_data`). Results are returned only when every task was scored, never partial.
 """
 
 from __future__ import annotations
@@ -31,8 +30,7 @@ FULL_SCALE_TASKS = tuple(PAPER_TASK_DIRS)
 
 
 def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None) -> TaskManager:
-    """A TaskManager that knows ``tasks`` (names), with the ``local_tasks`` directory, scanning lm-eval's own
-    task tree only when needed (it takes seconds)."""
+    """A TaskManager knowing ``tasks`` and ``local_tasks``, scanning lm-eval's slow task tree only if needed."""
     if local_tasks is not None:
         local = local_task_manager(local_tasks)
         if set(tasks) <= set(local.all_tasks):
@@ -49,24 +47,18 @@ def evaluate_lm(
 
     Args:
         lm: the model (e.g. :class:`repro.evaluation.harness.SuiteLM`).
-        tasks: task names; default: :data:`FULL_SCALE_TASKS` with ``tasks_data``, else the local tasks (tag
-            ``minipile``) with ``local_tasks``, else :data:`FULL_SCALE_TASKS`.
-        local_tasks: a local-task directory.
-        tasks_data: a task-data folder (:mod:`repro.evaluation.task_data`): the tasks not defined in
-            ``local_tasks`` read their datasets from it, through lm-eval's own task YAMLs.
+        tasks: default tag ``minipile`` given ``local_tasks`` and no ``tasks_data``, else :data:`FULL_SCALE_TASKS`.
+        local_tasks, tasks_data: a local-task directory; a task-data folder for the other tasks.
         task_manager: a TaskManager to reuse (default: :func:`task_manager_for`; not with ``tasks_data``).
-        limit: documents per task (lm-eval's ``limit``).
-        bootstrap_iters: switches lm-eval's standard errors on (> 0) or off (0); the count matters only for
-            bootstrapped metrics such as perplexity (the accuracies' error is closed-form).
-        seed: lm-eval's python / numpy / torch / few-shot seeds.
-        log_samples: keep lm-eval's per-document records under ``samples`` (per-question correctness:
-            :func:`repro.stats.per_question_scores`).
+        limit, seed: documents per task (lm-eval's ``limit``); lm-eval's python / numpy / torch / few-shot seeds.
+        bootstrap_iters: standard errors on (> 0) or off (0); the count matters only for bootstrapped metrics.
+        log_samples: keep per-document records under ``samples`` (:func:`repro.stats.per_question_scores`).
 
     Returns:
-        lm-eval's results dict as JSON-ready plain values (``results``, ``configs``, ``versions``, ...).
+        lm-eval's results dict as plain JSON values.
 
     Raises:
-        ReproError: unknown task, task data that is not available offline, or a task that produced no result.
+        ReproError: unknown task, task data unavailable offline, or a task without a result.
     """
     if tasks is None:
         tasks = [LOCAL_TAG] if local_tasks is not None and tasks_data is None else list(FULL_SCALE_TASKS)
@@ -81,7 +73,7 @@ def evaluate_lm(
 
 
 def _leaf_tasks(manager: TaskManager, names: Sequence[str]) -> set[str]:
-    """The tasks ``names`` stand for (a tag stands for its tasks; a group is checked by its name only)."""
+    """The tasks ``names`` stand for (a tag: its tasks; a group: its name only)."""
     leaves: set[str] = set()
     for name in names:
         entry = manager.task_index.get(name)
@@ -112,5 +104,5 @@ def _evaluate(lm: LM, tasks: Sequence[str], manager: TaskManager, limit: int | f
     missing = sorted(_leaf_tasks(manager, tasks) - set(results.get("results", {})))
     if missing:
         raise ReproError(f"lm-eval returned no result for task(s) {', '.join(missing)}: nothing is reported")
-    # lm-eval's dict holds numpy scalars and other objects; lm-eval serialises them this way too.
+    # Plain JSON values, as lm-eval serialises them.
     return json.loads(json.dumps(results, default=handle_non_serializable))

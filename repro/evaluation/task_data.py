@@ -1,13 +1,9 @@
 """The papers' zero-shot tasks from data on disk: lm-eval's own task definitions, local datasets.
 
-A *task-data folder* (docs/evaluation.md) holds one local dataset repository per hub dataset, named like it,
-with a dataset card listing each config's JSON-lines files: :func:`fetch` fills it on a machine with network
-access, :func:`task_manager_for_data` evaluates on it offline. What each task reads comes from lm-eval's
-installed YAML (:func:`task_data_specs`), never from a copy here, and *every* split it names is required:
-``ConfigurableTask`` builds its few-shot sampler from the training split even at 0 shots
-(``lm_eval/api/task.py``). ``datasets`` resolves a hub name to a local folder only relative to the working
-directory, hence :func:`write_task_overrides`' YAMLs that ``include:`` the installed one and override only
-``dataset_path`` (absolute) and the datasets cache (a throw-away directory: the folder may be read-only).
+A *task-data folder* (docs/evaluation.md) holds one local dataset repository per hub dataset: :func:`fetch`
+fills it online, :func:`task_manager_for_data` evaluates on it offline. Tasks read what lm-eval's installed YAML
+names, *every* split required (the few-shot sampler needs the training split even at 0 shots). ``datasets``
+resolves local folders only relative to the working directory, hence :func:`write_task_overrides`.
 """
 
 from __future__ import annotations
@@ -23,8 +19,7 @@ import yaml
 from repro.errors import ReproError
 from repro.io_utils import atomic_path
 
-#: The papers' seven tasks and the folder of lm-eval 0.4.13's task tree that holds each one's YAML (indexing
-#: these takes a fraction of a second, the whole tree about ten; other tasks fall back to it).
+#: The papers' tasks and their lm-eval task folders (indexing these is much faster than the whole tree).
 PAPER_TASK_DIRS: dict[str, str] = {
     "arc_challenge": "arc",
     "arc_easy": "arc",
@@ -43,10 +38,7 @@ _PACKAGED_BUILDERS = frozenset({"json", "csv", "parquet", "text", "arrow", "pand
 
 @dataclass(frozen=True)
 class TaskData:
-    """What one lm-eval task reads from the Hugging Face hub, as its installed YAML (``yaml_path``) says: the
-    hub dataset (``allenai/ai2_arc``) and config (``ARC-Easy``, None where the YAML names none), every split
-    the YAML names (training, validation, test, few-shot, in that order), the split lm-eval scores (test if
-    the YAML has one, else validation) and the YAML's own ``dataset_kwargs`` (kept in the override)."""
+    """What one lm-eval task's YAML reads from the hub: dataset, config, all splits, scored split, kwargs."""
 
     task: str
     yaml_path: Path
@@ -113,7 +105,7 @@ def _spec_from_entry(task: str, entry: Any) -> TaskData:
 
 
 def task_data_specs(tasks: Sequence[str]) -> list[TaskData]:
-    """One :class:`TaskData` per lm-eval task of ``tasks`` (tasks, not groups or tags), in the order given.
+    """One :class:`TaskData` per lm-eval task (not group or tag), in order.
 
     Raises:
         ReproError: an unknown name, a group or tag, or a task that does not read a hub dataset.
@@ -133,14 +125,14 @@ def _fetch_hint(root: Path, tasks: Iterable[str]) -> str:
 
 
 def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
-    """Why ``spec``'s data is not usable in ``root`` (None: it is), in a few words naming the folder."""
+    """Why ``spec``'s data is not usable in ``root``, naming the folder (None: usable)."""
     import datasets
 
     folder = spec.folder(root)
     if not (folder / CARD).is_file():
         return f"task '{spec.task}': no {spec.dataset_path} in {folder}"
     try:
-        # datasets' own resolution of a local dataset repository: configs and data files from the card.
+        # datasets' own resolution: configs and data files from the card.
         builder = datasets.load_dataset_builder(str(folder), spec.dataset_name, cache_dir=str(cache_dir))
     except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -154,9 +146,7 @@ def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
 
 
 def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str | Path) -> None:
-    """Check that ``root`` holds every config and split each task of ``specs`` reads, before anything is
-    evaluated (``cache_dir``: scratch for ``datasets``' lock files); a ReproError names each task lacking data
-    and the folder looked in."""
+    """Check ``root`` holds every config and split ``specs`` read (ReproError naming each task lacking data)."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise ReproError(f"{root}: no such task-data folder ({_fetch_hint(root, [s.task for s in specs])})")
@@ -167,9 +157,7 @@ def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str 
 
 
 def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: str | Path) -> Path:
-    """Write into ``out_dir`` one lm-eval YAML per task: ``include`` (the installed YAML), ``task``,
-    ``dataset_path`` (the absolute folder in ``root``) and ``dataset_kwargs.cache_dir``, nothing else; return
-    ``out_dir`` as an absolute path, for ``TaskManager(include_path=...)``."""
+    """One YAML per task in ``out_dir``, overriding only ``dataset_path`` and cache; returns ``out_dir`` absolute."""
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
@@ -186,10 +174,7 @@ def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: s
 def task_manager_for_data(
     tasks: Sequence[str], root: str | Path, work_dir: str | Path, *, local_tasks: str | Path | None = None
 ) -> Any:
-    """A TaskManager whose ``tasks`` read the task-data folder ``root`` (after checking it holds them), those
-    defined in ``local_tasks`` (a local-task directory, included as well) excepted; ``work_dir``: an empty
-    scratch directory for the generated YAMLs and the datasets cache (the caller removes it). ReproErrors as
-    :func:`task_data_specs` and :func:`check_task_data`."""
+    """A TaskManager reading ``tasks`` from ``root`` (except those in ``local_tasks``); ``work_dir``: scratch."""
     from lm_eval.tasks import TaskManager
 
     local_names = set(local_task_manager(local_tasks).all_tasks) if local_tasks is not None else set()
@@ -206,7 +191,7 @@ def task_manager_for_data(
 
 
 def local_task_manager(local_tasks: str | Path) -> Any:
-    """A TaskManager of the local-task directory ``local_tasks`` alone (ReproError when there is none)."""
+    """A TaskManager of the local-task directory ``local_tasks`` alone (ReproError if missing)."""
     from lm_eval.tasks import TaskManager
 
     if not Path(local_tasks).is_dir():
@@ -258,9 +243,7 @@ Loader = Callable[[str, str | None], Mapping[str, Any]]
 
 
 def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None = None, log: Callable[[str], None] = print) -> list[Path]:
-    """Download each dataset of ``plan`` (network access needed) into a local dataset folder under the
-    task-data folder ``out``, atomically; a folder that exists already is kept when complete and refused
-    otherwise.
+    """Download ``plan`` atomically into ``out``; an existing folder is kept if complete, refused otherwise.
 
     Args:
         load: ``(dataset_path, dataset_name) -> {split: datasets.Dataset}``; default ``datasets.load_dataset``.
@@ -293,7 +276,6 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None =
                                  "remove it or fetch into another folder")
             log(f"kept {dest} (complete)")
             continue
-        # atomic_path removes the parent folders it made when the download fails
         with atomic_path(dest) as tmp:
             rows: dict[str, dict[str, int]] = {}
             for name, splits in item.configs:

@@ -1,8 +1,7 @@
 """Backend choice for megatron-core 0.16.1 models, and the kernel plumbing of the TransformerEngine-free
 ``"torch"`` backend (grouped-GEMM experts and SDPA attention, modules in :mod:`repro.model.torch_backend`).
 
-Why it exists, the kernel facts it rests on and its switchable defaults (:class:`TorchBackendOptions`,
-numbered 1-3) are in docs/efficiency.md, "Model backends".
+Rationale and defaults 1-3 (:class:`TorchBackendOptions`): docs/efficiency.md, "Model backends".
 """
 
 from __future__ import annotations
@@ -23,11 +22,9 @@ class TorchBackendOptions:
     """The torch backend's switchable defaults (numbered 1-3 in docs/efficiency.md).
 
     Args:
-        expert_gemm: ``"auto"`` (grouped kernel where it applies, else the exact loop), ``"grouped_mm"``
-            (the kernel or an error) or ``"loop"``.
-        zero_empty_expert_grads: set the grouped kernel's weight gradient of token-less experts to zero.
-        causal_mask: ``"verify"`` (check an explicit mask once, then ``is_causal``), ``"trust"`` (TE's
-            rule: a causal ``attn_mask_type`` ignores the mask) or ``"explicit"`` (always pass the mask).
+        expert_gemm: ``"auto"`` (grouped kernel where usable, else exact loop), ``"grouped_mm"`` (or error), ``"loop"``.
+        zero_empty_expert_grads: zero the grouped kernel's weight gradient of token-less experts.
+        causal_mask: ``"verify"`` (check a mask once), ``"trust"`` (TE: causal type ignores it), ``"explicit"``.
     """
 
     expert_gemm: str = "auto"
@@ -55,9 +52,7 @@ def te_available() -> bool:
 
 
 def resolve_backend(backend: str | None = "auto") -> str:
-    """The concrete backend (``"te"``, ``"torch"`` or ``"local"``) for ``backend`` (one of :data:`BACKENDS`;
-    None or ``"auto"``: TE when importable on a GPU, else ``"torch"`` on a GPU, else ``"local"``) on this
-    machine; ValueError for an unknown backend, or ``"te"`` where TransformerEngine is not usable."""
+    """Concrete backend; ``"auto"``/None: ``"te"`` if usable, ``"torch"`` on GPU, else ``"local"`` (ValueError)."""
     requested = "auto" if backend is None else backend
     if requested not in BACKENDS:
         raise ValueError(f"unknown backend '{requested}'; valid: {', '.join(BACKENDS)}")
@@ -88,11 +83,8 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 class _GroupedLinear(torch.autograd.Function):
-    """``y[rows of expert e] = x[rows of expert e] @ w[e].t()`` with torch's grouped GEMM, both directions.
-
-    ``w_ENK`` is megatron's ``[out, in]`` layout stacked over experts, ``offs_E`` the int32 cumulative row
-    ends, ``empty_experts`` the experts whose weight gradient is zeroed (option 2).
-    """
+    """``y[rows of e] = x[rows of e] @ w[e].t()`` by grouped GEMM both ways; ``offs_E``: int32 cumulative row
+    ends; ``empty_experts``: weight gradients zeroed (option 2)."""
 
     @staticmethod
     def forward(ctx, x_MK, w_ENK, offs_E, empty_experts):
@@ -124,10 +116,8 @@ def _loop_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, counts: list[int]) -> 
 
 @functools.cache
 def _kernel_self_check(device: str, dtype: torch.dtype) -> bool:
-    """One-time check that the grouped kernel runs here and matches the loop, gradients and empty groups
-    included (a kernel missing from this torch build, or one returning garbage, must not be used). Runs with
-    autograd on whatever the caller's mode: the first call may come from scoring, under ``torch.inference_mode``,
-    where the check's gradients would fail and the cached answer would keep the kernel off for the process."""
+    """Cached check that the grouped kernel matches the loop (gradients, empty groups); autograd forced on, else a
+    first call under ``inference_mode`` would fail and keep the kernel off for the process."""
     try:
         with torch.inference_mode(False), torch.enable_grad():
             g = torch.Generator().manual_seed(0)
@@ -157,8 +147,7 @@ def grouped_mm_unusable_reason(
     Args:
         x_MK: ``[M, K]`` tokens of all experts, grouped by expert.
         w_ENK: ``[E, N, K]`` one weight per expert.
-        num_tokens, in_features: M and K, if not ``x_MK``'s (to ask about an input not computed yet: then only
-            ``x_MK``'s dtype and device are read).
+        num_tokens, in_features: M and K for an input not computed yet (then only ``x_MK``'s dtype/device count).
     """
     if _grouped_mm_op() is None:
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
@@ -193,11 +182,10 @@ def grouped_linear(x_MK: torch.Tensor, w_ENK: torch.Tensor, counts: list[int], *
 
     Args:
         x_MK: ``[M, K]`` rows grouped by expert (``counts[e]`` rows of expert e, in order).
-        w_ENK: ``[E, N, K]`` the experts' weights (megatron's ``[out, in]`` layout, stacked).
+        w_ENK: ``[E, N, K]`` megatron's ``[out, in]`` weights, stacked.
         counts: ``E`` row counts summing to M (zeros allowed).
         offs_E: int32 cumulative ends of ``counts`` on x's device (computed when None).
-        use_kernel: torch's grouped kernel (the caller checked :func:`grouped_mm_unusable_reason`);
-            False runs the exact loop.
+        use_kernel: grouped kernel (caller checked :func:`grouped_mm_unusable_reason`); False: exact loop.
         zero_empty_grads: zero the kernel's weight gradient of experts with no rows.
     """
     if not use_kernel:

@@ -7,12 +7,9 @@ Call :func:`repro.model.parallel.init_distributed` first (megatron needs its par
         loss_BS = model(input_ids_BS, position_ids_BS, mask, labels=labels_BS)   # per-token CE, fp32
     logits_BSV = model(input_ids_BS, position_ids_BS, mask)                        # without labels
 
-Routers plug in through ``MoESubmodules.router`` (:mod:`routers.megatron_adapter`); a router class naming its
-own MoE layer (``Router.moe_layer_class()``, Lory's) gets that layer with ``SequentialMLP`` experts on every
-backend; one with a ``link_layers`` classmethod is given its routers of the built model; ``"megatron"`` keeps
-megatron-core's ``TopKRouter`` (softmax before top-k). Backends: docs/efficiency.md. On GPU the parameters are
-bf16 and the routers fp32 (do not call ``model.bfloat16()`` afterwards). ``model.config`` is the
-TransformerConfig (for FLOPs), ``model.flavour`` the :class:`ModelFlavour` used, ``model.backend`` the backend.
+Routers plug in via ``MoESubmodules.router`` (:mod:`routers.megatron_adapter`); ``"megatron"`` keeps
+``TopKRouter``. Backends: docs/efficiency.md. GPU: bf16 parameters, fp32 routers (never ``model.bfloat16()``).
+Attributes: ``model.config`` (TransformerConfig, for FLOPs), ``model.flavour``, ``model.backend``.
 """
 
 from __future__ import annotations
@@ -40,13 +37,11 @@ def transformer_config(flavour: str | ModelFlavour, router_name: str | None = No
     """The megatron-core TransformerConfig of a flavour (also what FLOPs are computed from).
 
     Args:
-        router_name: only ``"megatron"`` changes the config: it enables TopKRouter's aux loss.
-        router_options: for ``"megatron"``: ``aux_loss_coeff`` (default 1e-2), ``z_loss_coeff``,
-            ``capacity_factor``.
+        router_name: only ``"megatron"`` changes the config (enables TopKRouter's aux loss).
+        router_options: for ``"megatron"``: ``aux_loss_coeff`` (default 1e-2), ``z_loss_coeff``, ``capacity_factor``.
         bf16: bf16 parameters; default: on GPU only.
-        backend: as :func:`build_model`'s; ``"te"`` and ``"torch"`` turn megatron's compiled fusions on on a GPU
-            (:func:`fusions_enabled`), ``"te"`` also its TE-only fusions and the TE experts' grouped GEMM.
-        tp, ep: tensor- and expert-parallel sizes (must match megatron's parallel_state).
+        backend: as :func:`build_model`'s; decides fusions (:func:`fusions_enabled`; ``"te"``: also grouped GEMM).
+        tp, ep: tensor/expert-parallel sizes (must match megatron's parallel_state).
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -65,8 +60,8 @@ def transformer_config(flavour: str | ModelFlavour, router_name: str | None = No
         init_method_std=flavour.init_method_std,
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep if flavour.is_moe else 1,
         bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        # Compiled fusions as the papers' Megatron-LM runs (docs/efficiency.md); the fused cross-entropy casts
-        # its gradient to bf16 (bf16 models only); RoPE and masked-softmax fusions need TE; Apex's stay off.
+        # Compiled fusions as the papers' Megatron-LM runs (docs/efficiency.md); fused CE casts its gradient to
+        # bf16 (bf16 models only); RoPE and masked-softmax fusions need TE; Apex's stay off.
         bias_activation_fusion=fused,
         cross_entropy_loss_fusion=fused and bf16,
         cross_entropy_fusion_impl="native",
@@ -98,8 +93,7 @@ def transformer_config(flavour: str | ModelFlavour, router_name: str | None = No
 
 
 def fusions_enabled(backend: str, on_gpu: bool) -> bool:
-    """Whether megatron's torch.compile'd fusions (SwiGLU; cross-entropy in bf16) are on: the ``te`` and
-    ``torch`` backends on a GPU where inductor can generate code (else off, with the unfused maths)."""
+    """Whether megatron's compiled fusions (SwiGLU, bf16 CE) are on: ``te``/``torch`` on a GPU with inductor."""
     if not on_gpu or backend not in ("te", "torch"):
         return False
     from routers.dirmoe_blocks import inductor_available
@@ -134,8 +128,7 @@ def _replace_submodules(spec, **submodules):
 
 def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_options, backend: str,
                 backend_options: TorchBackendOptions):
-    """The transformer-layer ModuleSpec of a resolved ``backend`` with our router (and its own MoE layer, if
-    it has one) plugged in."""
+    """The layer ModuleSpec of a resolved ``backend`` with our router (and its own MoE layer) plugged in."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -178,8 +171,7 @@ def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> To
 
 
 def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, options: TorchBackendOptions):
-    """The local layer spec with the torch backend's SDPA core attention and, for MoE flavours except routers
-    with their own MoE layer (Lory's merges SequentialMLP parameters), its grouped-GEMM experts."""
+    """The local spec with SDPA attention and (unless the router has its own MoE layer) grouped-GEMM experts."""
     from repro.model.torch_backend import torch_core_attention_builder, torch_experts_spec
 
     attention = spec.submodules.self_attention
@@ -204,9 +196,7 @@ class _DropRecords(logging.Filter):
 
 
 def _quiet_megatron_notices(build):
-    """Build without megatron-core's notices that do not apply to this suite's models: Apex is absent on purpose
-    (torch's norms), and a router's own MoE layer (Lory's) is an MLP type megatron's layer does not know, which it
-    reports on every layer. Warnings and records of any other kind pass."""
+    """Silence megatron notices that do not apply: Apex absent (on purpose), "Unknown MLP type" (Lory's layer)."""
 
     @functools.wraps(build)
     def quiet(*args, **kwargs):
@@ -233,29 +223,23 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
     """Build a LLaMA-style megatron-core ``GPTModel`` with ``router_name`` in every block's MoE layer.
 
     Args:
-        flavour: a flavour or its name (``repro.flavours.available_flavours()``).
-        router_name: a registered router, ``"megatron"`` (megatron-core's TopKRouter), or None for a dense
-            flavour (an MoE flavour needs one).
-        router_options: the router's config fields (for ``"megatron"`` see :func:`transformer_config`); a
-            router with a ``vocab_size`` option (Hash) gets the padded vocabulary unless they set it.
-        vocab_size: the tokenizer's vocabulary size (padded to a multiple of 128 in the model); default
-            the flavour's.
-        seq_length: override of the flavour's sequence length (RoPE's maximum position).
+        flavour: flavour or its name (``repro.flavours.available_flavours()``).
+        router_name: a registered router, ``"megatron"`` (TopKRouter), or None (dense flavours only).
+        router_options: config fields (``"megatron"``: :func:`transformer_config`); Hash's ``vocab_size``: padded.
+        vocab_size: tokenizer vocabulary (padded to a multiple of 128 in the model); default the flavour's.
+        seq_length: overrides the flavour's (RoPE's maximum position).
         bf16: bf16 parameters (default: on GPU only).
         backend: ``"auto"`` (default), ``"te"``, ``"torch"`` or ``"local"`` (:func:`resolve_backend`).
-        backend_options: a :class:`~repro.model.backends.TorchBackendOptions` or a dict of its fields.
-        seed: if given, re-seed torch and megatron's RNG tracker right before construction, so two builds
-            with the same seed have identical initial weights.
-        fused_cross_entropy: ``"none"`` (default: megatron's output layer and cross-entropy) or a fused
-            implementation of :data:`repro.model.fused_loss.FUSED_CROSS_ENTROPY` for the loss when labels are
-            given (a :class:`~repro.model.fused_loss.FusedLossGPTModel`, same parameters; TP 1 only).
+        backend_options: :class:`~repro.model.backends.TorchBackendOptions` or a dict of its fields.
+        seed: re-seed torch and megatron's RNG tracker just before construction (same seed, same weights).
+        fused_cross_entropy: :data:`~repro.model.fused_loss.FUSED_CROSS_ENTROPY`; not ``"none"``: a
+            :class:`~repro.model.fused_loss.FusedLossGPTModel` (same parameters; TP 1 only).
 
     Returns:
-        The ``GPTModel`` on this process's device (see the module docstring for its attributes).
+        The ``GPTModel`` on this process's device (attributes: module docstring).
 
     Raises:
-        ValueError: unknown flavour/router/option/backend/fused_cross_entropy, backend ``"te"`` without
-            TransformerEngine, a router for a dense flavour or none for an MoE one, a fused cross-entropy with TP > 1.
+        ValueError: unknown name or option, ``"te"`` without TE, router/flavour mismatch, fused CE with TP > 1.
         RuntimeError: megatron's parallel state is not initialised.
     """
     from megatron.core import parallel_state
@@ -300,7 +284,7 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
         seed_model_parallel_rng(seed)
     model_class, fused_kwargs = GPTModel, {}
     if fused_cross_entropy != "none":
-        # Imported only when asked for (it wraps its torch implementation in torch.compile, which loads dynamo).
+        # Imported only when asked for (its torch.compile loads dynamo).
         from repro.model.fused_loss import FusedLossGPTModel, check_fused_cross_entropy
 
         model_class = FusedLossGPTModel
@@ -323,14 +307,8 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
 
 
 def _norms_to_bf16(model: torch.nn.Module) -> None:
-    """bf16 weights for the norms outside the routers, as Megatron-LM's ``Float16Module`` casts them.
-
-    Without TransformerEngine or Apex megatron-core builds ``torch.nn.RMSNorm`` in float32 whatever
-    ``params_dtype`` says; fed bf16 activations, ``torch.rms_norm`` then cannot take its fused CUDA kernel
-    ("Mismatch dtype between input and weight") and runs its composite form: in a Switch iteration on one H100,
-    800 launches in the norms' forwards and at least 700 in their backward nodes, of 10,461 (results/h100).
-    The optimizer keeps float32 main copies of bf16 parameters, as for every other weight.
-    """
+    """bf16 norms outside the routers, as Megatron-LM's ``Float16Module``: without TE/Apex megatron builds fp32
+    ``torch.nn.RMSNorm``, and with bf16 input ``torch.rms_norm`` misses its fused kernel (results/h100/bf16-norms)."""
     from routers.schedule import routers_in
 
     inside_routers = {id(m) for router in routers_in(model) for m in router.modules()}
@@ -340,8 +318,7 @@ def _norms_to_bf16(model: torch.nn.Module) -> None:
 
 
 def _link_router_layers(model: torch.nn.Module) -> None:
-    """Hand every router class that defines ``link_layers`` its routers in ``model``, in layer order (for
-    losses that span the layers of one forward: SparseMixer-v2's pooled balancing loss)."""
+    """Give each router class with ``link_layers`` its routers in layer order (cross-layer losses: SparseMixer-v2)."""
     from routers.schedule import routers_in
 
     by_class: dict[type, list] = {}

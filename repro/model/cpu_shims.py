@@ -1,27 +1,16 @@
 """The few patches megatron-core 0.16.1 needs to build and train on a machine without CUDA.
 
-:func:`apply_cpu_shims` (called by ``build_model`` and ``init_distributed``) is idempotent and a no-op with
-CUDA; each shim has a test in ``tests/test_cpu_shims.py`` that fails when megatron-core's behaviour changes
-(measured on megatron-core 0.16.1, torch 2.13.0 CPU):
+:func:`apply_cpu_shims` (called by ``build_model``, ``init_distributed``) is idempotent, a no-op with CUDA;
+``tests/test_cpu_shims.py`` fails when megatron-core's behaviour changes:
 
-1. ``torch.cuda.current_device`` returns ``torch.device("cpu")`` instead of raising: megatron-core asks it for
-   the device of what it allocates itself (``DotProductAttention``'s matmul buffer, the rotary ``inv_freq``, ...).
-2. The CUDA RNG tracker (``CudaRNGStatesTracker.add`` reads the CUDA generator's state): not a patch;
-   :func:`seed_model_parallel_rng` seeds the *inference* tracker on CPU, whose ``fork()`` is a no-op, so
-   dropout draws from torch's CPU generator. Our models have no dropout and TP is 1 on CPU: nothing is lost.
-3. ``get_default_causal_mask`` (used when ``attention_mask`` is ``None``) allocates on ``device="cuda"``. Pass
-   an explicit mask (:func:`causal_attention_mask`); the shim also rebinds the name inside
-   ``megatron.core.fusions.fused_softmax`` to a CPU version, so a forgotten mask gives the same result.
-4. ``moe_utils.te_general_gemm`` is imported only with TransformerEngine but read unconditionally in
-   ``RouterGatingLinearFunction`` (a megatron bug: ``NameError`` without TE); the shim defines it as ``None``.
-5. The alltoall token dispatcher creates a ``torch.cuda.Stream`` and copies the split sizes to the host on it
-   (``_maybe_dtoh_and_synchronize``); the shim gives the class a placeholder stream and a stream-free method
-   that makes the same conversions (split sizes to numpy) at the same point.
-6. ``get_megatron_optimizer`` hard-codes ``device='cuda'``: NOT patched, the training loop uses
-   ``torch.optim.AdamW`` on CPU (:mod:`repro.training.optim`).
-7. Speed, not a failure: the vocab-parallel cross-entropy takes the logits' maximum with ``torch.max(x, dim)``,
-   which also computes the indices it throws away; on CPU that is several times slower than ``amax``. The shim makes
-   ``VocabParallelCrossEntropy.calculate_logits_max`` take ``amax``: the same values, bit for bit.
+1. ``torch.cuda.current_device`` returns ``torch.device("cpu")``: megatron allocates on it (matmul buffer, ...).
+2. CUDA RNG tracker: not patched; :func:`seed_model_parallel_rng` seeds the *inference* tracker (no-op
+   ``fork``: harmless without dropout, TP 1 on CPU).
+3. ``get_default_causal_mask`` allocates on CUDA: pass :func:`causal_attention_mask`; also rebound to a CPU one.
+4. ``RouterGatingLinearFunction`` reads ``moe_utils.te_general_gemm``, defined only with TE: set to ``None``.
+5. The alltoall dispatcher's ``torch.cuda.Stream``: placeholder stream, stream-free ``_maybe_dtoh_and_synchronize``.
+6. ``get_megatron_optimizer`` hard-codes CUDA: NOT patched; CPU uses torch's AdamW (:mod:`repro.training.optim`).
+7. Speed only: CE's ``torch.max(x, dim)`` computes unused indices; ``amax`` instead (bit-identical).
 """
 
 from __future__ import annotations
@@ -49,9 +38,7 @@ setattr(_cpu_current_device, _SHIM_MARK, True)
 
 @functools.lru_cache(maxsize=8)
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
-    # Shim 3: same mask as megatron's get_default_causal_mask (True above the diagonal = masked), on CPU.
-    # Cached like the explicit masks: it is rebuilt for every layer and micro-batch otherwise. Never an inference
-    # tensor, whatever mode the first call came from: training could not save it for backward.
+    # Shim 3, cached; never an inference tensor (whatever the first caller's mode): backward must save it.
     with torch.inference_mode(False):
         return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
@@ -60,8 +47,7 @@ setattr(_cpu_default_causal_mask, _SHIM_MARK, True)
 
 
 def _cpu_maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
-    """Stream-free ``MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize`` (shim 5): the splits become
-    numpy at ``cuda_dtoh_point``, as on GPU, without the side stream and the event."""
+    """Stream-free ``_maybe_dtoh_and_synchronize`` (shim 5): splits become numpy at ``cuda_dtoh_point``."""
 
     def as_numpy(value):
         return value.numpy() if torch.is_tensor(value) else value
@@ -86,18 +72,17 @@ setattr(_amax_logits_max, _SHIM_MARK, True)
 
 
 class _NoStream:
-    """Placeholder for the alltoall dispatcher's class-level ``cuda_dtoh_stream`` (shim 5): its presence
-    stops the constructor from creating a ``torch.cuda.Stream``; the stream-free method never uses it."""
+    """Placeholder ``cuda_dtoh_stream`` (shim 5): stops the dispatcher creating a ``torch.cuda.Stream``."""
 
     def __repr__(self) -> str:
         return "<no CUDA stream (CPU shim)>"
 
 
 def apply_cpu_shims() -> bool:
-    """Patch megatron-core (and ``torch.cuda.current_device``) so it runs without CUDA; idempotent.
+    """Patch megatron-core (and ``torch.cuda.current_device``) to run without CUDA; idempotent.
 
     Returns:
-        True if the shims are in place (CPU machine), False if CUDA is available and nothing was done.
+        True if the shims are in place, False with CUDA.
     """
     if cuda_available():
         return False
@@ -143,8 +128,7 @@ def shims_applied() -> bool:
 
 
 def seed_model_parallel_rng(seed: int) -> None:
-    """Seed torch and megatron-core's model-parallel RNG tracker for this machine (shim 2; needs megatron's
-    ``parallel_state``: the tracker derives the tensor- and expert-parallel seeds from ``seed``)."""
+    """Seed torch and megatron's model-parallel RNG tracker (shim 2; needs ``parallel_state`` for TP/EP seeds)."""
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
     torch.manual_seed(seed)
@@ -156,6 +140,5 @@ def seed_model_parallel_rng(seed: int) -> None:
 
 
 def causal_attention_mask(seq_length: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """The explicit causal attention mask to pass to ``GPTModel.forward``: ``[1, 1, S, S]`` bool on ``device``,
-    True where attention is NOT allowed (above the diagonal), megatron's convention."""
+    """Explicit causal mask for ``GPTModel.forward``: ``[1, 1, S, S]`` bool, True = masked (megatron's convention)."""
     return torch.triu(torch.ones(seq_length, seq_length, dtype=torch.bool, device=device), diagonal=1)[None, None]

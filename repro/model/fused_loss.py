@@ -4,20 +4,13 @@ a step's device time is in the H100 records, results/h100/findings.md).
 
 Implementations (:data:`FUSED_CROSS_ENTROPY`):
 
-- ``none``: megatron-core's output layer and ``compute_language_model_loss`` (a plain ``GPTModel``).
-- ``cce``: cut-cross-entropy's Triton kernels (Apple's CCE; ``pip install .[fused]``, GPU only), exact
-  gradients (``filter_eps=None``).
-- ``cce_filtered``: the same with the library's default gradient filter (``filter_eps="high"``: softmax
-  entries below bf16 eps / 32 skipped in the backward, and the vocabulary sorted for it), faster and
-  approximate.
-- ``torch_compile``: ``hidden @ weight.T`` and the fp32 cross-entropy compiled together by inductor, as
-  cut-cross-entropy's ``torch_compile`` implementation (reproduced here: the package imports its Triton kernels
-  at import on Linux, so it cannot load on a machine without Triton); runs on CPU as on GPU.
+- ``none``: megatron's output layer and ``compute_language_model_loss`` (a plain ``GPTModel``).
+- ``cce``: cut-cross-entropy's Triton kernels (``pip install .[fused]``, GPU only), exact (``filter_eps=None``).
+- ``cce_filtered``: with its default gradient filter (``filter_eps="high"``); faster, approximate.
+- ``torch_compile``: matmul + fp32 CE by inductor, CCE's ``torch_compile`` reproduced (the package needs Triton).
 
-Only the loss path changes: without labels the model returns megatron's logits. Tensor parallelism is refused
-(the output layer's weight would be a vocabulary shard). Every target is scored (no ``ignore_index``): the
-trainer masks the per-token losses itself, as with megatron's path; this also skips cut-cross-entropy's
-``nonzero()`` over the targets, a host synchronisation per micro-batch.
+Only the loss path changes; TP is refused (vocabulary-sharded weight). Every target is scored (the trainer
+masks per-token losses), which also skips CCE's ``nonzero()`` host sync.
 """
 
 from __future__ import annotations
@@ -49,9 +42,7 @@ def _compiled_linear_cross_entropy(e_NH: torch.Tensor, c_VH: torch.Tensor, targe
 
 
 def _cce(e_NH: torch.Tensor, c_VH: torch.Tensor, targets_N: torch.Tensor, filter_eps: str | None) -> torch.Tensor:
-    """cut-cross-entropy's autograd function on every target (``valids=None``, as its public
-    ``linear_cross_entropy`` passes when no target is ``ignore_index``, without the ``nonzero()`` that decides
-    it)."""
+    """cut-cross-entropy's autograd function on every target (``valids=None``, skipping its ``nonzero()``)."""
     try:
         from cut_cross_entropy.cce import CCEParams, linear_cross_entropy_apply
         from cut_cross_entropy.utils import _handle_eps
@@ -72,14 +63,13 @@ def fused_linear_cross_entropy(hidden_SBH: torch.Tensor, weight_VH: torch.Tensor
     """Per-token cross-entropy of ``hidden @ weight.T`` against ``labels``, without materialising the fp32 logits.
 
     Args:
-        hidden_SBH: the final norm's output, sequence first as megatron keeps it.
-        weight_VH: the output layer's weight (the padded vocabulary, all of it: the padding rows are scored as
-            megatron's cross-entropy scores them).
-        labels_BS: target token ids, batch first (as ``GPTModel.forward`` takes them).
+        hidden_SBH: the final norm's output.
+        weight_VH: output-layer weight, whole padded vocabulary (padding rows scored, as megatron does).
+        labels_BS: target ids.
         impl: one of :data:`FUSED_CROSS_ENTROPY` except ``none``.
 
     Returns:
-        The fp32 per-token losses [B, S] (as ``compute_language_model_loss`` returns them).
+        fp32 per-token losses [B, S] (as ``compute_language_model_loss``).
     """
     check_fused_cross_entropy(impl)
     S, B, H = hidden_SBH.shape
@@ -98,9 +88,8 @@ def fused_linear_cross_entropy(hidden_SBH: torch.Tensor, weight_VH: torch.Tensor
 
 
 class FusedLossGPTModel(GPTModel):
-    """megatron-core's ``GPTModel`` whose loss (when labels are given) is :func:`fused_linear_cross_entropy` of
-    the final hidden states and the output layer's weight; everything else (logits without labels,
-    multi-token prediction, inference) is ``GPTModel``'s. Same parameters and state dict as ``GPTModel``.
+    """``GPTModel`` whose loss with labels is :func:`fused_linear_cross_entropy`; everything else (logits, MTP,
+    inference), parameters and state dict are ``GPTModel``'s.
 
     Args:
         fused_cross_entropy: one of :data:`FUSED_CROSS_ENTROPY` except ``none``.

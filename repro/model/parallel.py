@@ -1,8 +1,7 @@
 """torch.distributed + megatron-core ``parallel_state`` set-up, for one process or under ``torchrun``.
 
-Ranks come from torchrun's variables, or from SLURM's for tasks ``srun`` started directly
-(:func:`rank_environment`, docs/clusters.md); a launch of several tasks whose rank a process cannot tell is
-refused rather than trained as a one-process world.
+Ranks come from torchrun's or SLURM's variables (:func:`rank_environment`, docs/clusters.md); a multi-task
+launch whose rank a process cannot tell is refused rather than trained as a one-process world.
 """
 
 from __future__ import annotations
@@ -64,18 +63,14 @@ def _int_var(environ: Mapping[str, str], name: str) -> int | None:
 def rank_environment(
     environ: Mapping[str, str], hostnames: Callable[[str], list[str]] = scontrol_hostnames
 ) -> dict[str, str]:
-    """The torch.distributed variables to add to this process's environment (``environ``) before initialising:
-    nothing with ``RANK`` and ``WORLD_SIZE`` set (torchrun) or in a one-process run. A task of an ``srun`` step
-    of N > 1 tasks (``SLURM_STEP_NUM_TASKS``: srun sets it, a batch script's own environment does not) gets
-    ``RANK=SLURM_PROCID``, ``WORLD_SIZE=N``, ``LOCAL_RANK=SLURM_LOCALID``, unless set ``MASTER_ADDR`` the
-    step's first node (expanded by ``hostnames``) and ``MASTER_PORT`` 15000 + the job id's last four digits
-    (Lightning's ``SLURMEnvironment.main_port``: every task computes the same port).
+    """torch.distributed variables to add to ``environ`` (none under torchrun or alone). A task of an srun step of
+    N > 1 (``SLURM_STEP_NUM_TASKS``) gets ``RANK``/``LOCAL_RANK`` from ``SLURM_PROCID``/``SLURM_LOCALID``,
+    ``WORLD_SIZE=N``, and unless set ``MASTER_ADDR`` (first node) and ``MASTER_PORT`` (15000 + last four job-id
+    digits, as Lightning's ``SLURMEnvironment.main_port``).
 
     Raises:
-        ReproError: only one of ``RANK`` / ``WORLD_SIZE``; ``SLURM_NTASKS`` > 1 outside an srun step (a
-            batch script running the command directly); an srun step without a usable ``SLURM_PROCID`` /
-            ``SLURM_LOCALID``; an MPI launcher's size > 1; a node list that cannot be expanded while
-            ``MASTER_ADDR`` is unset.
+        ReproError: only one of ``RANK``/``WORLD_SIZE``; ``SLURM_NTASKS`` > 1 outside an srun step; no usable
+            ``SLURM_PROCID``/``SLURM_LOCALID``; MPI size > 1; node list not expandable without ``MASTER_ADDR``.
     """
     if ("RANK" in environ) != ("WORLD_SIZE" in environ):
         have, missing = ("RANK", "WORLD_SIZE") if "RANK" in environ else ("WORLD_SIZE", "RANK")
@@ -112,8 +107,7 @@ def rank_environment(
 
 
 def cuda_device_index(local_rank: int, device_count: int) -> int:
-    """The GPU a process uses: its local rank, or the only visible GPU when the launcher bound one per task
-    (ReproError: more processes than GPUs on the node)."""
+    """The local rank's GPU, or the only visible one (ReproError: more processes than GPUs on the node)."""
     if device_count == 1:
         return 0
     if not 0 <= local_rank < device_count:
@@ -129,22 +123,16 @@ def is_initialized() -> bool:
 
 
 def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | None = None) -> ParallelInfo:
-    """Initialise torch.distributed and megatron-core's parallel state; idempotent for the same sizes.
-
-    One process gets a group on an in-process store (no port, so concurrent test runs cannot collide). On CPU
-    the CPU shims are applied; on GPU the local device is selected.
+    """Initialise torch.distributed and megatron's parallel state (idempotent; CPU shims or local GPU selected).
 
     Args:
-        tp, ep: tensor- and expert-model-parallel sizes (``tp * ep`` must divide the world size; the number of
-            experts must be a multiple of ``ep``, which megatron checks when the model is built).
+        tp, ep: TP/EP sizes (``tp * ep`` must divide the world size; megatron checks ``E % ep`` at build).
         seed: seeds torch and megatron's model-parallel RNG tracker.
         backend: ``"gloo"``/``"nccl"``; default gloo without CUDA, nccl with it.
 
     Raises:
-        ValueError: sizes that do not divide the world size, or a different TP/EP than an existing
-            initialisation (call :func:`destroy_distributed` first).
-        ReproError: a launch of several processes whose rank this process cannot tell
-            (:func:`rank_environment`).
+        ValueError: sizes not dividing the world, or TP/EP differing from an existing initialisation.
+        ReproError: a multi-process launch whose rank cannot be told (:func:`rank_environment`).
     """
     global _OWNS_PROCESS_GROUP
     from megatron.core import parallel_state
@@ -154,8 +142,7 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
         apply_cpu_shims()
     backend = backend or ("nccl" if on_gpu else "gloo")
     if not dist.is_initialized():
-        # srun-started tasks: export the ranks so the rest of the process (megatron's rank helpers, the
-        # command line's rank-0 checks) sees what it would under torchrun.
+        # srun-started tasks: export the ranks so the rest of the process sees what it would under torchrun.
         os.environ.update(rank_environment(os.environ))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
 
@@ -165,7 +152,7 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, init_method="env://")
         else:
-            # One process: an in-process store, so no port is needed and parallel runs cannot clash.
+            # One process: an in-process store (no port, so concurrent runs cannot clash).
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         _OWNS_PROCESS_GROUP = True
     world_size = dist.get_world_size()

@@ -28,16 +28,13 @@ _EXTRA_STATE = "_extra_state"
 
 
 class TorchGroupedMLP(MegatronModule):
-    """megatron's MoE ``experts`` submodule running all local experts as one grouped GEMM per projection.
-
-    The weights are stored stacked, ``fc1_weight [E_local, 2F, H]`` (gate rows then up rows, as megatron's
-    ``linear_fc1.weight``) and ``fc2_weight [E_local, H, F]``, and written to / read from the state dict as
-    the per-expert ``local_experts.<i>.linear_fc{1,2}.weight`` of ``SequentialMLP``.
+    """MoE ``experts`` as one grouped GEMM per projection; stacked ``fc1_weight [E_local, 2F, H]`` (gate then up
+    rows) and ``fc2_weight [E_local, H, F]``, saved under ``SequentialMLP``'s per-expert keys.
 
     Args:
         num_local_experts: experts on this rank (``E / ep``).
-        submodules: accepted for the ``SequentialMLP`` contract (unused: no linear submodules).
-        pg_collection: megatron's process groups (``ep``, ``expt_tp``, ``expt_dp``); default: megatron's.
+        submodules: unused (``SequentialMLP`` contract).
+        pg_collection: process groups (``ep``, ``expt_tp``, ``expt_dp``); default: megatron's.
 
     Raises:
         ValueError: expert tensor parallelism > 1, biases, FP8/FP4, or megatron's latent MoE projection.
@@ -67,8 +64,7 @@ class TorchGroupedMLP(MegatronModule):
         self.fc2_weight = torch.nn.Parameter(torch.empty(E, H, F_, device=device, dtype=config.params_dtype))
         if config.perform_initialization:
             self._initialize()
-        # As megatron's linear layers: tensor-parallel attributes (size 1 here), and expert parameters
-        # excluded from the data-parallel all-reduce when the experts are sharded over EP ranks.
+        # As megatron's linear layers: TP attributes (size 1), no DP all-reduce for EP-sharded experts.
         expert_parallel = config.expert_model_parallel_size > 1
         set_tensor_model_parallel_attributes(self.fc1_weight, True, 1, 2 if config.gated_linear_unit else 1)
         set_tensor_model_parallel_attributes(self.fc2_weight, True, 2, 1)
@@ -76,9 +72,7 @@ class TorchGroupedMLP(MegatronModule):
             weight.allreduce = not expert_parallel
 
     def _initialize(self) -> None:
-        """megatron's initialisation of SequentialMLP's experts, draw for draw: for each expert, fc1 with
-        ``init_method`` then fc2 with ``output_layer_init_method``, under the expert-parallel RNG tracker
-        (GPU initialisation) or from an fp32 master weight cast to ``params_dtype`` (CPU initialisation)."""
+        """SequentialMLP's initialisation draw for draw (per expert fc1 then fc2; EP tracker or fp32 master)."""
         config = self.config
         with torch.no_grad():
             if config.use_cpu_initialization:
@@ -94,8 +88,7 @@ class TorchGroupedMLP(MegatronModule):
                         config.output_layer_init_method(self.fc2_weight[e])
 
     def use_grouped_kernel(self, hidden_MH: torch.Tensor) -> bool:
-        """Whether a forward on ``hidden_MH`` takes torch's grouped kernel (option 1); RuntimeError with
-        ``expert_gemm="grouped_mm"`` when the kernel cannot take these inputs."""
+        """Whether ``hidden_MH`` takes torch's grouped kernel (option 1); RuntimeError if forced and impossible."""
         mode = self.options.expert_gemm
         if mode == "loop":
             return False
@@ -110,13 +103,11 @@ class TorchGroupedMLP(MegatronModule):
         return False
 
     def _activation(self, fc1_MG: torch.Tensor, probs_M: torch.Tensor) -> torch.Tensor:
-        """megatron MLP's activation (GLU with its clamp and offset), then the probs, in fp32 and rounded back
-        (as ``MLP.forward`` with ``per_token_scale``): fused with ``config.bias_activation_fusion`` (SwiGLU),
-        else unfused."""
+        """``MLP.forward``'s activation times the probs (``per_token_scale``); fused with ``bias_activation_fusion``."""
         config = self.config
         if config.bias_activation_fusion and config.gated_linear_unit and config.activation_func is F.silu:
             if fc1_MG.shape[0] > 0:  # (no tokens: no compilation for an empty shape)
-                # One kernel each way instead of ~8 elementwise passes; the config refuses a clamp or offset here.
+                # One kernel each way; the config refuses a clamp or offset here.
                 return weighted_bias_swiglu_impl(fc1_MG, None, probs_M.unsqueeze(-1), config.activation_func_fp8_input_store)
         if config.gated_linear_unit:
             x_glu, x_linear = torch.chunk(fc1_MG, 2, dim=-1)
@@ -130,8 +121,7 @@ class TorchGroupedMLP(MegatronModule):
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
                 permuted_probs: torch.Tensor) -> tuple[torch.Tensor, None]:
-        """Run every local expert on its tokens: ``[M, H]`` tokens grouped by local expert, ``[E_local]`` token
-        counts (zeros allowed), ``[M]`` routing weights -> ``(output [M, H], None)`` as ``SequentialMLP``."""
+        """As ``SequentialMLP``: ``[M, H]`` tokens, ``[E_local]`` counts, ``[M]`` probs -> ``([M, H], None)``."""
         hidden_MH, probs_M = permuted_local_hidden_states, permuted_probs
         if self.config.moe_apply_probs_on_input:
             # As SequentialMLP: scale the inputs instead (top-1 only), then unit probs.
@@ -201,10 +191,8 @@ class TorchGroupedMLP(MegatronModule):
 
 
 class TorchSDPAttention(MegatronModule):
-    """megatron's ``core_attention`` on ``torch.nn.functional.scaled_dot_product_attention``, with
-    ``DotProductAttention``'s constructor arguments plus ``options``. The softmax scale is ``softmax_scale`` or
-    ``1/sqrt(d)`` (megatron's query-key layer scaling divides it by the layer number and multiplies the fp32
-    softmax input back, a no-op on the result). Masks: option 3.
+    """megatron's ``core_attention`` on torch's SDPA (``DotProductAttention``'s arguments plus ``options``); scale
+    ``softmax_scale`` or ``1/sqrt(d)`` (QK layer scaling cancels out); masks: option 3.
 
     Raises:
         ValueError: context parallelism, a non-vanilla softmax or sliding-window attention.
@@ -234,13 +222,11 @@ class TorchSDPAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
-        # (weakref to the last explicit mask, its version counter, whether it was causal): option 3's
-        # once-per-mask check. Per module, never shared.
+        # Option 3's once-per-mask check: (weakref to last mask, its version, shape, causal). Per module.
         self._mask_check: tuple[weakref.ref, int, tuple, bool] | None = None
 
     def _is_causal_mask(self, mask: torch.Tensor, sq: int, sk: int) -> bool:
-        """Whether ``mask`` (True = masked) is the causal pattern ``triu(ones(sq, sk), 1)`` broadcast (checked
-        on every call for a mask made under ``torch.inference_mode``, which has no version counter)."""
+        """Whether ``mask`` is ``triu(ones(sq, sk), 1)`` broadcast (inference masks, lacking versions: every call)."""
         inference = mask.is_inference()
         cached = self._mask_check
         if not inference and cached is not None and cached[0]() is mask and cached[1] == mask._version \
@@ -271,8 +257,7 @@ class TorchSDPAttention(MegatronModule):
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None,
                 attn_mask_type=None, attention_bias: torch.Tensor | None = None, packed_seq_params=None) -> torch.Tensor:
-        """``[sq, b, heads, d]`` query, ``[sk, b, groups, d]`` key and value, megatron's bool mask (True =
-        masked) or None -> ``[sq, b, heads * d]``."""
+        """``[sq, b, heads, d]`` query, ``[sk, b, groups, d]`` key/value, bool mask -> ``[sq, b, heads * d]``."""
         if attention_bias is not None or packed_seq_params is not None:
             raise ValueError("TorchSDPAttention supports neither attention_bias nor packed sequences")
         sq, b, heads, d = query.shape

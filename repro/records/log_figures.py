@@ -1,11 +1,8 @@
 """From a training log to a record's figures: the loss curve, per-layer routing, efficiency, the ratios of runs
 stepped in turn, and a profiled step's figures.
 
-Every figure function reads :class:`repro.records.step_log.LogRow` rows (``repro.records.step_log.read_rows``). Efficiency
-figures are medians over a window of steps after warm-up (the first steps carry allocator growth and
-compilation; the median resists the odd slow step better than the mean), over the window's steps that did
-not compute routing metrics when it has any (:func:`timed_rows`); the routing figures average the window's
-steps that did.
+Efficiency figures are medians (robust to the odd slow step) over a window after warm-up, on the steps without
+routing metrics (:func:`timed_rows`); routing figures average the steps with them.
 """
 
 from __future__ import annotations
@@ -33,7 +30,7 @@ def loss_curve(rows: Sequence[LogRow]) -> tuple[LossPoint, ...]:
 
 
 def _window(rows: Sequence[LogRow], warmup: int, length: int | None) -> Sequence[LogRow]:
-    """The rows measured: ``length`` rows (None: all) after skipping ``warmup``; ReproError where none is left."""
+    """``length`` rows (None: all) after ``warmup``; ReproError if none is left."""
     if warmup < 0 or (length is not None and length < 1):
         raise ReproError(f"need warmup >= 0 and window >= 1, got warmup={warmup}, window={length}")
     selected = rows[warmup:] if length is None else rows[warmup : warmup + length]
@@ -70,20 +67,15 @@ def efficiency(
     """Efficiency figures from a training log.
 
     Args:
-        rows: the log (``iter_time_s`` and ``tokens_per_s`` count all devices together).
-        warmup: rows skipped at the start.
-        flops: model dimensions for the FLOPs count (``flops.top_k`` is the nominal k).
-        global_batch_size: sequences per iteration.
-        seq_length: tokens per sequence.
+        rows, warmup: the log (``iter_time_s``, ``tokens_per_s``: all devices together); rows skipped first.
+        flops: model dimensions (``flops.top_k``: the nominal k).
+        global_batch_size, seq_length: sequences per iteration, tokens per sequence.
         num_devices: devices sharing an iteration (TFLOP/s are per device).
-        length: rows measured after the warm-up (None: all the rest); the times are those of
-            :func:`timed_rows` among them.
-        peak_memory_bytes: peak memory per device; default: the largest ``peak_memory_bytes`` of the rows.
-        mean_active_experts: measured experts per token; default: the mean over layers and window rows of
-            ``active_experts``. Pass 1 for a dense model or a router that merges experts. None and no
-            routing metrics in the log: the measured figures are None.
-        backend: the model's backend, recorded with the figures.
-        start_step: the step the run started from (0: initialisation; a checkpoint's step), recorded.
+        length: rows measured after warm-up (None: the rest); times from their :func:`timed_rows`.
+        peak_memory_bytes: peak per device (default: the rows' largest).
+        mean_active_experts: measured experts per token (default: the window's mean ``active_experts``; 1 for
+            dense or expert-merging routers; None without routing metrics: measured figures None).
+        backend, start_step: recorded as given (:class:`Efficiency`).
 
     Raises:
         ReproError: no rows left after warm-up, or a median iteration time that is not positive.
@@ -120,8 +112,7 @@ def efficiency(
 
 # ------------------------------------------------------------------------------------------ the command's summary
 def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
-    """Iteration times (ms) of a run's log after ``warmup`` rows, of the steps that did not collect routing
-    metrics (:func:`repro.records.step_log.timed_rows`); ReproError where no row is left."""
+    """Iteration times (ms) of a run's timed rows (:func:`timed_rows`) after ``warmup``; ReproError if none."""
     rows = read_rows(Path(run_dir))
     if len(rows) <= warmup:
         raise ReproError(f"{run_dir}: the log has {len(rows)} iterations, none after a warm-up of {warmup}")
@@ -130,8 +121,7 @@ def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
 
 def _paired_times(logs: dict[str, list[LogRow]], label: str, reference: str, warmup: int, window: int,
                   field: str, skip: set[int]) -> tuple[list[float], list[float]]:
-    """The two runs' ``field`` (``iter_time_s``, ``device_time_s``) over the steps both timed: after ``warmup``,
-    within ``window`` steps, neither collecting routing metrics nor in ``skip`` (profiled steps)."""
+    """Both runs' ``field`` over the steps both timed within the window (no routing metrics, not in ``skip``)."""
     def timed(rows: list[LogRow]) -> dict[int, float]:
         return {r.step: getattr(r, field) for r in rows[warmup:warmup + window]
                 if not r.metrics_collected and r.step not in skip and getattr(r, field) is not None}
@@ -144,20 +134,15 @@ def _paired_times(logs: dict[str, list[LogRow]], label: str, reference: str, war
 def interleaved_ratios(
     run_dirs: dict[str, Path], *, reference: str, warmup: int, window: int
 ) -> dict[str, dict[str, Any]]:
-    """Each run's step time over ``reference``'s, from runs stepped in turn in one process
-    (:mod:`repro.training.interleave`: step ``s`` of every log is round ``s``), with the batch-means interval
-    of :func:`repro.stats.timing_ratio`: on wall time, and on the device's span (CUDA events) where the
-    logs have it.
+    """Step-time ratios to ``reference`` of runs stepped in turn (:func:`repro.stats.timing_ratio`), wall and device.
 
     Args:
-        run_dirs: run label -> run directory, ``reference`` among them.
-        reference: the label every ratio divides by.
-        warmup, window: the steps measured (as the records' efficiency window).
+        run_dirs, reference: run label -> run directory; the label every ratio divides by (among them).
+        warmup, window: the steps measured.
 
     Returns:
-        label -> ``{"ratio", "low", "high", "half_width", "rounds", "batches", "lag1", "lag1_batch_means",
-        "detectable", "device"}`` (``device``: the same on device time, or None); the reference and runs with
-        fewer than four common steps are left out.
+        label -> :class:`repro.stats.TimingRatio` fields plus ``device`` (same on device time, or None); runs
+        with fewer than four common steps left out.
     """
     import json
 
@@ -197,8 +182,7 @@ def interleaved_ratios(
 
 
 def trace_figures(run_dir: Path) -> dict[str, Any] | None:
-    """A run's profiled step (``trace/summary.json``): device busy against the step's span, launches, the routers'
-    device time; None without one."""
+    """A run's profiled step (``trace/summary.json``): busy vs span, launches, router device time; None if absent."""
     import json
 
     try:

@@ -2,19 +2,12 @@
 dispatches, which run outside compiled regions, how many compiled regions it enters, which force a host
 synchronisation (:func:`host_sync_reason`), and an estimate of the bytes it moves.
 
-:class:`OpCounter` is a ``TorchDispatchMode`` that also wraps inductor's compiled graphs
-(``CompiledFxGraph.__call__``): one call is one region entered, and the ops dispatched while it runs (extern
-kernels) count as inside it. A region runs the kernels inductor generated for it (its code's calls of
-``cpp_fused_*`` on the CPU, ``triton_*`` on a GPU) and those extern kernels: ``region_kernels``. On a GPU every op
-outside a region is at least one kernel launch, so ``outside + region_kernels`` is the proxy for launches. It is
-exact only for the backend that compiled: inductor's C++ backend fuses more than its Triton one, so a region
-compiled on the CPU counts fewer kernels than the same region launches on a GPU. Bytes moved: per non-view op
-outside a region, its tensor inputs plus outputs (each once); per region, its inputs plus outputs (a lower bound
-for a region).
-Host synchronisations: value reads (``.item()``, ``is_nonzero``, ``equal``, ``allclose``), data-dependent
-output sizes (``nonzero``, ``masked_select``, ``unique``, ``bincount``, ``repeat_interleave`` without
-``output_size``, boolean-mask indexing), blocking host/device copies, and ``Tensor.tolist``/``numpy``.
-``nonzero_static`` and ``_assert_async`` do not synchronise; ``torch.tensor(data, device=...)`` is not seen.
+:class:`OpCounter` also wraps inductor's ``CompiledFxGraph.__call__``: one call is one region, whose ops (extern
+kernels) count as inside. ``outside + region_kernels`` (generated plus extern) proxies GPU launches, exactly only
+for the compiling backend (C++ fuses more than Triton). Bytes moved: inputs plus outputs of each non-view op
+outside a region and of each region (a lower bound). Host syncs: value reads, data-dependent sizes (incl.
+boolean-mask indexing, ``repeat_interleave`` without ``output_size``), blocking host/device copies,
+``Tensor.tolist``/``numpy``; ``torch.tensor(data, device=...)`` is not seen.
 """
 
 from __future__ import annotations
@@ -32,7 +25,7 @@ __all__ = ["OpCounter", "OpCounts", "host_sync_reason"]
 
 #: Operators that read a device value on the host, whatever their arguments.
 VALUE_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose"})
-#: Operators whose output size depends on the data (the host waits for it before it can allocate).
+#: Operators whose output size depends on the data (the host must wait to allocate).
 DATA_DEPENDENT_SHAPES = frozenset(
     {"nonzero", "masked_select", "_unique", "_unique2", "unique_dim", "unique_consecutive", "unique_dim_consecutive",
      "bincount"}
@@ -50,9 +43,8 @@ def _devices(values: Any) -> set[str]:
 
 
 def host_sync_reason(func, args: tuple, kwargs: dict[str, Any]) -> str | None:
-    """Why a call of the ATen operator overload ``func`` (``torch.ops.aten.<name>.<overload>``) forces a host
-    synchronisation: the operator's name (a value read or data-dependent size), ``"<name>(bool mask)"``,
-    ``"repeat_interleave(no output_size)"``, ``"<name>(cross-device copy)"``; None if it does not."""
+    """Why a call of the ATen overload ``func`` syncs the host: the op's name, ``"<name>(bool mask)"``,
+    ``"repeat_interleave(no output_size)"`` or ``"<name>(cross-device copy)"``; None if it does not."""
     name = func.overloadpacket.__name__
     if name in VALUE_READS or name in DATA_DEPENDENT_SHAPES:
         return name
@@ -60,7 +52,7 @@ def host_sync_reason(func, args: tuple, kwargs: dict[str, Any]) -> str | None:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
         return f"{name}(bool mask)" if any(_is_mask(i) for i in indices or ()) else None
     if name == "repeat_interleave":
-        # Repeats given as a tensor: the output size is their sum, read on the host unless given.
+        # Tensor repeats: the output size is their sum, read on the host unless given.
         by_tensor = func._overloadname in ("Tensor", "self_Tensor")
         return "repeat_interleave(no output_size)" if by_tensor and kwargs.get("output_size") is None else None
     if name in ("_to_copy", "copy_") and not kwargs.get("non_blocking", False):
@@ -79,16 +71,11 @@ class OpCounts:
     """What one :class:`OpCounter` saw.
 
     Attributes:
-        dispatched: ATen ops dispatched (inside and outside compiled regions).
-        outside: ops dispatched outside any compiled region.
-        views: of ``outside``, view ops (metadata only, no kernel on a GPU).
-        regions: compiled regions entered.
-        region_kernels: kernels those regions ran: inductor's generated kernels plus the extern ops they called.
-        syncs: host synchronisations.
-        bytes_moved: the estimate of the module docstring.
-        sync_ops: :func:`host_sync_reason` -> count (to say which ops synchronised).
-        ops: name -> count of every op dispatched.
-        outside_ops: name -> count of the ops outside compiled regions.
+        dispatched, outside, views: ATen ops dispatched; those outside compiled regions; view ops among them.
+        regions, region_kernels: compiled regions entered; generated plus extern kernels they ran.
+        syncs, sync_ops: host synchronisations; their :func:`host_sync_reason` -> count.
+        bytes_moved: the module docstring's estimate.
+        ops, outside_ops: name -> count, all and outside compiled regions.
     """
 
     dispatched: int = 0
@@ -104,7 +91,7 @@ class OpCounts:
 
     @property
     def launches(self) -> int:
-        """The launch proxy: ops outside compiled regions plus the kernels the regions ran."""
+        """The launch proxy: ``outside + region_kernels``."""
         return self.outside + self.region_kernels
 
 
@@ -118,13 +105,12 @@ def _tensor_bytes(values) -> int:
     return total
 
 
-#: A generated kernel's call in a compiled graph's ``call`` function: ``cpp_fused_*(...)`` (inductor's C++
-#: backend) or ``triton_*.run(...)`` (its Triton backend).
+#: A generated kernel's call in a compiled graph's ``call``: ``cpp_fused_*(...)`` or ``triton_*.run(...)``.
 _KERNEL_CALL = re.compile(r"^\s+(?:cpp_fused_\w+\(|triton_\w+\.run\()", re.MULTILINE)
 
 
 def generated_kernels(source_code: str) -> int:
-    """The kernels a compiled graph's code launches per call: its generated kernels' call sites in ``call``."""
+    """Generated-kernel call sites in a compiled graph's ``call`` (kernels launched per call)."""
     start = source_code.find("def call(")
     return len(_KERNEL_CALL.findall(source_code, start)) if start >= 0 else 0
 
@@ -137,8 +123,7 @@ def _is_view(func) -> bool:
 class OpCounter(TorchDispatchMode):
     """``with OpCounter() as counter: ...``, then read ``counter.counts`` (an :class:`OpCounts`).
 
-    Compiled code runs compiled under it (``ignore_compile_internals``): a function compiled with
-    ``torch.compile`` must have been compiled (called once) before, or its compilation runs inside the counter.
+    Compiled code stays compiled; call a ``torch.compile`` function once before, or its compilation is counted.
     """
 
     def __init__(self) -> None:
@@ -150,7 +135,7 @@ class OpCounter(TorchDispatchMode):
 
     @classmethod
     def ignore_compile_internals(cls) -> bool:
-        # Let torch.compile'd code run compiled under this mode (otherwise dynamo runs it eagerly).
+        # Otherwise dynamo runs compiled code eagerly under this mode.
         return True
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):

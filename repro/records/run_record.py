@@ -14,20 +14,20 @@ SCHEMA = "dirmoe-bench/run-record"
 SCHEMA_VERSION = 1
 #: The per-layer routing metrics a record keeps (names of the routers' metrics).
 ROUTING_METRICS = ("active_experts", "simpson", "load_imbalance", "dropped_mass", "group_size", "fallback_share")
-#: lm-eval metrics that are fractions besides the ``acc`` family (``acc``, ``acc_norm``, ``acc_mutual_info``).
+#: lm-eval metrics that are fractions besides the ``acc*`` family.
 UNIT_METRICS = ("exact_match", "f1")
 #: lm-eval metrics that are perplexities (exp of a mean negative log-likelihood: at least 1).
 PERPLEXITY_METRICS = ("perplexity", "word_perplexity", "byte_perplexity")
 
 
-#: Slack on the ends of [0, 1] for routing shares computed in float32 (a mass of 1 - sum(r) may round to -1e-7).
+#: Slack on the ends of [0, 1] for float32 routing shares (1 - sum(r) may round to -1e-7).
 FLOAT32_SLACK = 1e-6
 
 
 def _check(name: str, value: float | int | None, low: float | None = None, high: float | None = None,
            *, low_open: bool = False, slack: float = 0.0) -> None:
-    """Refuse (ValueError naming the field, value and range) ``value`` outside ``[low, high]`` (``(low, high]``
-    with ``low_open``), widened by ``slack`` at both ends, or not finite; None passes."""
+    """ValueError unless ``value`` is finite and in ``[low, high]`` (``(low, high]`` with ``low_open``) +- ``slack``;
+    None passes."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -51,10 +51,9 @@ class ExperimentInfo:
     """What was run.
 
     Args:
-        name: the experiment's name (e.g. the nox session or config name).
         router: registered router name, or ``"dense"``.
-        model: model flavour (``"llama-185m"``, ``"tiny"``); published numbers are matched on it.
-        config: the full experiment config as the training code wrote it (``config.json``).
+        model: model flavour (``"tiny"``); published numbers are matched on it.
+        config: the full experiment config (``config.json``).
     """
 
     name: str
@@ -65,10 +64,8 @@ class ExperimentInfo:
 
 @dataclass(frozen=True)
 class Environment:
-    """Where it was run (:func:`repro.records.store.environment_info`): the suite's ``git rev-parse HEAD`` (None
-    outside a checkout) and whether tracked files had uncommitted changes; versions (None: not installed); the
-    accelerator (``NVIDIA H100 80GB HBM3``, or ``cpu (...)``), machine, world size, and OS and architecture.
-    """
+    """Where it was run (:func:`repro.records.store.environment_info`): git commit (None outside a checkout) and
+    dirtiness, package versions (None: not installed), accelerator, host, world size, OS and architecture."""
 
     git_commit: str | None
     git_dirty: bool | None
@@ -94,20 +91,17 @@ class LossPoint:
 
     def __post_init__(self) -> None:
         _check("step", self.step, 0)
-        _check("loss", self.loss)  # LM loss plus the aux losses: no bound beyond finite
+        _check("loss", self.loss)  # includes aux losses: no bound beyond finite
 
 
 @dataclass(frozen=True)
 class LayerRouting:
-    """Routing metrics of one MoE layer (index from 0), averaged over the measurement window (None: not reported):
-    mean experts per token, Simpson index sum_i p_i^2 of the combine weights, max / mean tokens per expert, and
-    the routing-weight mass the dispatch rule dropped.
+    """One MoE layer's routing metrics averaged over the window (None: not reported): mean experts per token,
+    Simpson index sum_i p_i^2 of combine weights, max/mean tokens per expert, routing mass dropped by dispatch.
 
     Args:
-        group_size: tokens per routing group, for routers whose choice couples a group of tokens (Expert
-            Choice); None for the others.
-        fallback_share: share of tokens dispatched only by a fallback rule (DirMoE's arg-max of r when no gate
-            passes its threshold); None for routers without one.
+        group_size: tokens per routing group where the choice couples tokens (Expert Choice), else None.
+        fallback_share: share of tokens dispatched only by a fallback rule (DirMoE's arg-max), else None.
     """
 
     layer: int
@@ -122,7 +116,7 @@ class LayerRouting:
         _check("layer", self.layer, 0)
         _check("active_experts", self.active_experts, 0)
         _check("simpson", self.simpson, 0, 1, slack=FLOAT32_SLACK)
-        # max / mean tokens per expert: >= 1 when any token is routed, 0 when none is.
+        # >= 1 when any token is routed, 0 when none is.
         _check("load_imbalance", self.load_imbalance, 0)
         _check("dropped_mass", self.dropped_mass, 0, 1, slack=FLOAT32_SLACK)
         _check("group_size", self.group_size, 0, low_open=True)
@@ -131,20 +125,14 @@ class LayerRouting:
 
 @dataclass(frozen=True)
 class Efficiency:
-    """Training efficiency over a window of steps after warm-up (see :func:`repro.records.log_figures.efficiency`):
-    median iteration time and tokens per second (all devices), Megatron-LM model FLOPs per iteration and TFLOP/s
-    per device at the nominal k (analytic) and the measured mean experts per token (measured).
+    """Efficiency after warm-up (:func:`repro.records.log_figures.efficiency`): median iteration time, tokens/s
+    (all devices), Megatron-LM FLOPs and TFLOP/s per device at nominal (analytic) and measured k. None: unknown.
 
     Args:
-        peak_memory_bytes: peak memory per device (allocated CUDA memory on GPU, process peak RSS on CPU),
-            None where not logged.
-        mean_active_experts: measured mean experts per token over layers (None where unknown).
+        peak_memory_bytes: peak per device (allocated CUDA memory on GPU, peak RSS on CPU).
         expert_flops_per_token_measured: expert (FFN) FLOPs per token at the measured k: compute parity.
-        backend: the modules the model was built with (``te``, ``torch``, ``local``; None where not recorded).
-        flops_attention: how the FLOPs count took attention scores (``causal``, ``full``:
-            :data:`repro.records.flops.ATTENTION_COUNTS`; None: not recorded, when the suite counted the full square).
-        start_step: the step the timed run started from (0: initialisation; a trained checkpoint's step when
-            the run was initialised from one; None where not recorded).
+        backend, flops_attention: ``te``/``torch``/``local``; :data:`repro.records.flops.ATTENTION_COUNTS` (None: full).
+        start_step: step the timed run started from (0: initialisation, else the checkpoint's step).
     """
 
     warmup_steps: int
@@ -181,8 +169,7 @@ class Efficiency:
 
 @dataclass(frozen=True)
 class DomainLoss:
-    """Next-token LM loss (mean cross-entropy, nats/token) over the scored tokens of one domain's held-out
-    documents (``meta.pile_set_name``)."""
+    """Mean next-token cross-entropy (nats/token) on one domain's held-out documents (``meta.pile_set_name``)."""
 
     domain: str
     loss: float
@@ -201,9 +188,8 @@ class PartialTask:
 
     Args:
         task: lm-eval task name.
-        limit: the limit lm-eval ran with (documents, or a fraction below 1), None where not recorded.
-        evaluated: documents scored (lm-eval's ``n-samples.effective``), None where lm-eval did not say.
-        available: documents the task has (``n-samples.original``), None where lm-eval did not say.
+        limit: lm-eval's limit (documents, or a fraction below 1); None: not recorded.
+        evaluated, available: documents scored / in the task (``n-samples.effective`` / ``original``; None: unknown).
     """
 
     task: str
@@ -229,20 +215,14 @@ class PartialTask:
 
 @dataclass(frozen=True)
 class RunRecord:
-    """One run, as written to ``record.json``: its unique name, what was run and where, the training loss per
-    logged step, per-layer routing metrics (empty for a dense model), efficiency and the held-out LM loss at the
-    end (None: not measured).
+    """One run's ``record.json``: what ran where, loss curve, per-layer routing, efficiency, final held-out loss.
 
     Args:
-        lm_eval: lm-eval's results dict as lm-eval returns it (``results``, ``configs``, ``n-samples``,
-            ``config.limit``, ...) without the per-document ``samples``, None if the run was not evaluated.
-        per_question: per-question results of the evaluation,
-            :func:`repro.stats.compact_per_question` of lm-eval's samples: ``{task: {"docs_sha256": ...,
-            "acc": [0, 1, ...], "acc_norm": [...]}}`` (None: not logged; records written before it load).
-        partial: the tasks scored on fewer documents than they have (empty: every task complete); tables mark
-            their cells.
-        domain_losses: held-out LM loss per domain at the end of training (empty: not measured).
-        schema, schema_version: ``dirmoe-bench/run-record`` and the record layout version.
+        lm_eval: lm-eval's results dict without ``samples``; None if not evaluated.
+        per_question: :func:`repro.stats.compact_per_question` of lm-eval's samples (None: not logged).
+        partial: tasks scored on fewer documents than they have; tables mark their cells.
+        domain_losses: final held-out LM loss per domain (empty: not measured).
+        schema, schema_version: ``dirmoe-bench/run-record`` and the layout version.
     """
 
     run_id: str
@@ -288,7 +268,7 @@ class RunRecord:
 
 
 def _check_lm_eval_value(where: str, key: str, value: Any) -> None:
-    """Range of one lm-eval number by its metric name (``acc,none``: a fraction; ``*_stderr``: >= 0; ...)."""
+    """Check one lm-eval number's range by metric name (``acc``: a fraction; ``*_stderr``: >= 0; ...)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return  # aliases, "N/A" standard errors, sample counts kept as text
     name = key.partition(",")[0]
@@ -347,12 +327,8 @@ def _check_per_question(per_question: Mapping[str, Any], n_samples: Any) -> None
 
 
 def partial_tasks(lm_eval_results: Mapping[str, Any] | None) -> tuple[PartialTask, ...]:
-    """The tasks lm-eval scored on part of their documents.
-
-    lm-eval 0.4.13 writes the ``limit`` it ran with under ``config.limit`` and, per task, ``n-samples: {task:
-    {"original": N, "effective": M}}``; a task with M < N is partial (a limit above a task's size cuts
-    nothing). Results with a limit but without ``n-samples`` (another lm-eval version) cannot say which tasks
-    were cut: every task is then partial, with unknown counts.
+    """Tasks scored on part of their documents (``n-samples`` effective < original; with a ``config.limit`` but
+    no ``n-samples``: every task, counts unknown).
 
     Args:
         lm_eval_results: lm-eval's results dict (None: not evaluated).
@@ -382,16 +358,13 @@ def partial_tasks(lm_eval_results: Mapping[str, Any] | None) -> tuple[PartialTas
 
 
 def lm_eval_metrics(record: RunRecord) -> dict[str, dict[str, float]]:
-    """lm-eval's per-task numbers, keyed by task then metric without the filter suffix.
-
-    lm-eval writes ``"acc,none": 0.25``; this returns ``{"hellaswag": {"acc": 0.25, ...}}`` (only numbers,
-    only the ``none`` filter, standard errors left out).
+    """lm-eval's numbers as ``{task: {"acc": 0.25, ...}}``: ``none`` filter only, no standard errors.
 
     Args:
         record: a run record.
 
     Returns:
-        Per-task metrics (empty when the run was not evaluated).
+        Per-task metrics (empty if not evaluated).
     """
     if record.lm_eval is None:
         return {}

@@ -27,21 +27,14 @@ class LogRow:
     """One optimizer step (``step``: 1-based).
 
     Args:
-        loss: ``lm_loss`` plus the sum of the aux losses (the objective that was differentiated).
-        lm_loss: mean next-token cross-entropy over the step's tokens (mean over micro-batches and DP ranks).
-        aux_losses: ``{name: value summed over layers}``, as added to the objective (coefficients applied).
-        iter_time_s: wall time of the timed part of the step (:mod:`repro.training.trainer`).
-        consumed_samples: training samples consumed by all ranks after this step.
-        peak_memory_bytes: peak allocated CUDA memory on GPU; the process's peak RSS on CPU.
-        routing: ``{metric: [value per MoE layer]}`` of the scalar routing metrics (mean over the step's
-            micro-batches and DP ranks); empty for a dense model.
-        routing_per_expert: ``{metric: [[value per expert] per MoE layer]}`` (``tokens_per_expert``).
-        router_stats: ``{router: statistic}`` of the step schedules (ReMoE's sparsity).
-        metrics_collected: whether the routers computed their diagnostic metrics in this step (then
-            ``iter_time_s`` includes computing them; otherwise the three fields above are empty).
-        device_time_s: on CUDA, the time between two CUDA events recorded on the current stream at the start
-            and the end of the timed part (the device's span of the step; ``iter_time_s`` adds the host's wait
-            before the first kernel and after the last); None elsewhere (and left out of the row).
+        loss, lm_loss: ``lm_loss`` plus aux losses (the objective); mean next-token cross-entropy (all ranks).
+        aux_losses: ``{name: value summed over layers}``, coefficients applied.
+        iter_time_s: wall time of the step's timed part (:mod:`repro.training.trainer`).
+        consumed_samples, peak_memory_bytes: samples consumed by all ranks so far; peak CUDA memory (CPU: RSS).
+        routing: ``{metric: [value per MoE layer]}`` (mean over micro-batches and DP ranks); empty if dense.
+        routing_per_expert, router_stats: ``{metric: [[per expert] per layer]}``; schedule statistics.
+        metrics_collected: whether routers computed diagnostics (in ``iter_time_s``; else the above are empty).
+        device_time_s: CUDA only: the timed part's device span between CUDA events (no host waits); else None.
     """
 
     step: int
@@ -63,7 +56,7 @@ class LogRow:
     device_time_s: float | None = None
 
     def layer_mean(self, metric: str) -> float | None:
-        """Mean over MoE layers of a scalar routing metric (None when the row has none)."""
+        """Mean of a routing metric over MoE layers (None if absent)."""
         values = self.routing.get(metric) or []
         return sum(values) / len(values) if values else None
 
@@ -71,7 +64,7 @@ class LogRow:
 def write_row(file: IO[str], row: LogRow) -> None:
     """Append one row to an open ``log.jsonl`` and flush it."""
     data = to_json(row)
-    for name in ("val_loss", "device_time_s"):  # absent rather than null: CPU logs stay as they were
+    for name in ("val_loss", "device_time_s"):  # absent rather than null
         if data[name] is None:
             del data[name]
     file.write(json.dumps(data) + "\n")
@@ -79,14 +72,13 @@ def write_row(file: IO[str], row: LogRow) -> None:
 
 
 def timed_rows(rows: Sequence[LogRow]) -> Sequence[LogRow]:
-    """The rows whose iteration time is training alone (those that did not collect routing metrics), or all
-    rows when every step collected them (``logging.metrics_interval=1``, the training runs' default)."""
+    """Rows that did not collect routing metrics (pure training time), or all rows if every step did."""
     clean = [r for r in rows if not r.metrics_collected]
     return clean if clean else rows
 
 
 def read_rows(path: str | os.PathLike) -> list[LogRow]:
-    """The rows of a ``log.jsonl`` (or of the one in a run directory), in file order."""
+    """The rows of a ``log.jsonl`` (or a run directory's), in file order."""
     path = Path(path)
     if path.is_dir():
         path = path / LOG_FILE
@@ -107,8 +99,7 @@ def read_rows(path: str | os.PathLike) -> list[LogRow]:
 
 
 def truncate_rows(path: Path, last_step: int) -> None:
-    """Keep the rows of steps <= ``last_step`` (a killed run may have logged past its checkpoint); a line
-    cut short by the kill ends the kept part."""
+    """Keep rows of steps <= ``last_step`` (a killed run may have logged past its checkpoint), up to a cut line."""
     if not path.exists():
         return
     kept = []
@@ -126,8 +117,7 @@ def truncate_rows(path: Path, last_step: int) -> None:
 
 
 def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> dict[str, Any]:
-    """The run's summary from its log rows, then ``extra``; throughput statistics leave out the first row
-    (warm-up) and the rows that computed routing metrics when some did not (:func:`timed_rows`)."""
+    """The run's summary from its rows, then ``extra``; throughput uses :func:`timed_rows` after the first."""
     timed = timed_rows(rows[1:] if len(rows) > 1 else rows)
     last = rows[-1] if rows else None
     vals = [r.val_loss for r in rows if r.val_loss is not None]

@@ -1,8 +1,7 @@
 """Building, writing, finding and loading run records (:class:`repro.records.run_record.RunRecord`).
 
-``write_run_record(run_dir)`` builds a finished run's record from ``config.json`` and ``log.jsonl`` and writes
-``record.json`` beside it. :func:`load_record` refuses a file with a missing, unknown, mistyped or out-of-range
-field in one line naming the file and the field.
+``write_run_record(run_dir)`` builds a finished run's record from ``config.json`` and ``log.jsonl`` into
+``record.json``; :func:`load_record` refuses a bad field in one line naming file and field.
 """
 
 from __future__ import annotations
@@ -43,11 +42,11 @@ def _version(dist: str) -> str | None:
 
 
 def environment_info(num_processes: int | None = None, device: str | None = None) -> Environment:
-    """Describe this process's environment for a run record.
+    """This process's environment for a run record.
 
     Args:
-        num_processes: world size; default: torch.distributed's if initialised, else ``$WORLD_SIZE`` or 1.
-        device: accelerator name; default: CUDA device 0's name, else ``cpu (<processor>)``.
+        num_processes: world size (default: torch.distributed's, else ``$WORLD_SIZE`` or 1).
+        device: accelerator name (default: CUDA device 0's, else ``cpu (<processor>)``).
     """
     import torch
 
@@ -62,7 +61,7 @@ def environment_info(num_processes: int | None = None, device: str | None = None
         else:
             device = f"cpu ({platform.processor() or platform.machine()})"
     commit = _git("rev-parse", "HEAD")
-    # --no-optional-locks: read-only, never refreshes the index of the checkout being measured
+    # --no-optional-locks: never refresh the index of the checkout being measured
     status = _git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no") if commit else None
     return Environment(
         git_commit=commit, git_dirty=None if status is None else bool(status), python=platform.python_version(),
@@ -79,26 +78,18 @@ def make_record(
     environment: Environment | None = None, experiment_name: str | None = None,
     domain_losses: Sequence[DomainLoss] = (),
 ) -> RunRecord:
-    """Assemble a run record (validated exactly as :func:`load_record` would validate its file).
+    """Assemble a run record, validated as :func:`load_record` validates a file.
 
     Args:
-        run_id: unique name of the run.
-        router: router name, or ``"dense"``.
-        model: model config name (``"llama-185m"``, ``"tiny"``).
-        config: the experiment config (JSON-able).
-        log_rows: training-log rows: the loss curve, and the routing metrics when ``routing`` is None.
-        efficiency: from :func:`repro.records.log_figures.efficiency`.
-        routing: per-layer routing metrics; default: :func:`repro.records.log_figures.routing` over the same window as
-            ``efficiency`` (all rows if there is none).
-        lm_eval_results: lm-eval's results dict (``simple_evaluate``'s return value or its JSON file); its
-            per-document ``samples``, when logged, are kept only as the compact ``per_question`` results.
-        validation_loss: held-out LM loss.
-        environment: default :func:`environment_info`.
-        experiment_name: default ``run_id``.
-        domain_losses: held-out LM loss per domain.
+        run_id, router, model, config: unique run name; router name or ``"dense"``; flavour; JSON-able config.
+        log_rows: training-log rows: loss curve, and routing metrics when ``routing`` is None.
+        efficiency, routing: from :mod:`repro.records.log_figures` (``routing`` default: same window).
+        lm_eval_results: lm-eval's results dict; ``samples``, if logged, are kept only as ``per_question``.
+        validation_loss, domain_losses: held-out LM loss, overall and per domain.
+        environment, experiment_name: default :func:`environment_info`, ``run_id``.
 
     Raises:
-        ReproError: a value of the wrong type (e.g. a config that is not a JSON object).
+        ReproError: a value of the wrong type.
     """
     if routing is None:
         routing = ()
@@ -117,18 +108,18 @@ def make_record(
         **_lm_eval_fields(lm_eval_results),
         "domain_losses": to_json(tuple(domain_losses)),
     }
-    # Built through the same path a reader takes, so a record that is made is a record that loads.
+    # Built through the reader's path, so a record that is made is a record that loads.
     return from_json(RunRecord, data, f"record '{run_id}'")
 
 
 def _lm_eval_fields(lm_eval_results: Mapping[str, Any] | None) -> dict[str, Any]:
-    """The record fields that come from lm-eval's results: ``lm_eval``, ``per_question`` and ``partial``."""
+    """The record's ``lm_eval``, ``per_question`` and ``partial`` fields from lm-eval's results."""
     from repro.stats import compact_per_question
 
     if lm_eval_results is None:
         return {"lm_eval": None, "per_question": None, "partial": []}
     samples = lm_eval_results.get("samples")
-    # lm-eval's dict holds numpy scalars; the record stores what lm-eval writes to its JSON file.
+    # As lm-eval writes its JSON file (no numpy scalars).
     lm_eval = _plain({k: v for k, v in lm_eval_results.items() if k != "samples"})
     try:
         per_question = compact_per_question(samples) if isinstance(samples, Mapping) else None
@@ -139,12 +130,11 @@ def _lm_eval_fields(lm_eval_results: Mapping[str, Any] | None) -> dict[str, Any]
 
 
 def with_lm_eval(record: RunRecord, lm_eval_results: Mapping[str, Any], origin: str | None = None) -> RunRecord:
-    """``record`` with new zero-shot results (and their per-question results and partial tasks).
+    """``record`` with new zero-shot results, per-question results and partial tasks.
 
     Args:
-        record: the run's record.
-        lm_eval_results: lm-eval's results dict, with ``samples`` when they were logged.
-        origin: what to name in an error (default: the run id).
+        lm_eval_results: lm-eval's results dict, with ``samples`` if logged.
+        origin: name used in errors (default: the run id).
 
     Returns:
         The new record, checked like a loaded one.
@@ -157,8 +147,7 @@ def with_lm_eval(record: RunRecord, lm_eval_results: Mapping[str, Any], origin: 
 
 
 def default_run_id(run) -> str:
-    """A run's id when none is given: its experiment's name, plus ``-seed<N>`` when its seed is not the one the
-    registered experiment has (another seed of it; an unregistered experiment always names its seed)."""
+    """Default run id: the experiment's name, plus ``-seed<N>`` unless the seed is the registered experiment's."""
     from repro.experiments import experiment_names, get_experiment
 
     own = get_experiment(run.name).seed if run.name in experiment_names() else None
@@ -170,20 +159,15 @@ def record_from_run_dir(
     run_id: str | None = None, environment: Environment | None = None, domain_losses: Sequence[DomainLoss] = (),
     flops_attention: str = "causal", start_step: int | None = None,
 ) -> RunRecord:
-    """Build the record of a finished training run from its ``config.json`` and ``log.jsonl`` (the FLOPs count's
-    dimensions from the config's flavour; the validation loss is the log's last ``val_loss``).
+    """A finished run's record from its ``config.json`` and ``log.jsonl`` (validation loss: the last ``val_loss``).
 
     Args:
         run_dir: the run's output directory.
-        warmup: log rows skipped before the efficiency window.
-        window: log rows in the window (None: all after warm-up).
-        run_id: default: the experiment's name, with ``-seed<N>`` where the run's seed is not the experiment's
-            own (:func:`default_run_id`), so seeds of one experiment never share one.
-        environment: default :func:`environment_info` with the run's world size.
+        warmup, window: log rows skipped before the efficiency window; rows in it (None: all the rest).
+        run_id, environment: default :func:`default_run_id`, :func:`environment_info` (run's world size).
         lm_eval_results, domain_losses: as in :func:`make_record`.
-        flops_attention: how the FLOPs count takes attention (:data:`repro.records.flops.ATTENTION_COUNTS`).
-        start_step: the step the run's weights come from (0: initialisation, a checkpoint's step), recorded
-            with the efficiency figures (None: not recorded).
+        flops_attention: attention FLOPs convention (:data:`repro.records.flops.ATTENTION_COUNTS`).
+        start_step: step the weights come from (0: initialisation), recorded with the efficiency figures.
 
     Returns:
         The :class:`RunRecord` (write it with :func:`write_record`).
@@ -231,9 +215,8 @@ def write_run_record(
     """Write ``record.json`` of a finished run (:func:`record_from_run_dir`).
 
     Args:
-        run_dir: the run directory.
-        warmup: log rows skipped before the efficiency window; default a tenth of the steps (at least one).
-        lm_eval_results, run_id, domain_losses: as in :func:`record_from_run_dir`.
+        warmup: log rows skipped before the efficiency window (default: a tenth of the steps, at least one).
+        run_dir, lm_eval_results, run_id, domain_losses: as in :func:`record_from_run_dir`.
     """
     run_dir = Path(run_dir)
     if warmup is None:
@@ -246,8 +229,7 @@ def write_run_record(
 
 
 def _merges_experts(router: str) -> bool:
-    """Whether the router merges expert parameters (Lory: one merged FFN per token, whatever its map says);
-    False for names not registered here (a record read on another machine)."""
+    """Whether the router merges expert parameters (Lory); False for names not registered here."""
     import routers
 
     try:
@@ -257,7 +239,7 @@ def _merges_experts(router: str) -> bool:
 
 
 def _plain(obj: Any) -> Any:
-    """``obj`` as plain JSON values (numpy/torch scalars to numbers, paths and other objects to strings)."""
+    """``obj`` as plain JSON values (scalars to numbers, other objects to strings)."""
     if not isinstance(obj, Mapping):
         return obj  # left for the schema check to refuse
     return json.loads(json.dumps(obj, default=_json_default))
@@ -272,7 +254,7 @@ def _json_default(obj: Any) -> Any:
 
 
 def write_record(record: RunRecord, path: str | Path) -> Path:
-    """Write ``record`` atomically to ``path`` (conventionally ``<run dir>/record.json``) and return the path."""
+    """Write ``record`` atomically to ``path`` (usually ``<run dir>/record.json``); return the path."""
     write_json_atomic(path, to_json(record))
     return Path(path)
 
@@ -297,18 +279,16 @@ def load_record(path: str | Path) -> RunRecord:
 
 
 def load_records(paths: Iterable[str | Path]) -> list[RunRecord]:
-    """Load every record named by ``paths``: files as given, directories searched recursively for
-    ``record.json`` and ``*.record.json``.
+    """Load record files, and ``record.json`` / ``*.record.json`` found recursively in directories.
 
     Args:
         paths: record files and/or directories.
 
     Returns:
-        The records, in argument order, each directory's sorted by path.
+        The records in argument order, each directory's sorted by path.
 
     Raises:
-        ReproError: a path that does not exist, a directory without records, a record :func:`load_record`
-            refuses, or two records with the same run_id.
+        ReproError: a missing path, a directory without records, a bad record, or a duplicate run_id.
     """
     found: list[Path] = []
     for raw in paths:

@@ -1,13 +1,11 @@
 """The DirMoE ablation's tables: per cell, the end-of-run routing and losses over seeds, tested against a
 reference cell (:mod:`repro.studies.ablation` runs the cells).
 
-Per run (:func:`run_metrics`), over the last ``final_window`` log rows: load imbalance per layer (max / mean
-tokens per expert), weight imbalance per layer (max / mean over experts of the mean routing weight, which alone
-shows a collapse under dense dispatch), and means over layers of active experts, Simpson index of r and of
-theta, fallback share; the last validation loss and the window's LM loss. Per cell over its seeds: the mean
-and its 95% Student-t interval, and a paired t-test against the reference cell over the shared seeds,
-Holm-adjusted over a family fixed before the data (:mod:`repro.report.over_seeds`). Metrics a router does not
-report are missing, not zero.
+Per run (:func:`run_metrics`), over the last ``final_window`` log rows: load and weight imbalance per layer
+(max / mean over experts; weight imbalance alone shows a collapse under dense dispatch), layer means of active
+experts, Simpson index of r and theta, fallback share; last validation loss and the window's LM loss. Per cell:
+mean, 95% Student-t interval, and a paired t-test against the reference cell over shared seeds, Holm-adjusted over
+a family fixed before the data (:mod:`repro.report.over_seeds`). Unreported metrics are missing, not zero.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ SWITCH = "switch"
 
 @dataclass(frozen=True)
 class Metric:
-    """One column of the ablation table: the value's key in :func:`run_metrics` (``load_imbalance[0]``), the
-    column label and the format spec of its numbers."""
+    """One ablation-table column: :func:`run_metrics` key (``load_imbalance[0]``), label, format spec."""
 
     key: str
     label: str
@@ -47,7 +44,7 @@ _LAYER_MEAN = (
 
 
 def _metrics_for(num_layers: int) -> tuple[Metric, ...]:
-    """The table's columns for a model with ``num_layers`` MoE layers (layers numbered from 1 in labels)."""
+    """The columns for ``num_layers`` MoE layers (labels number layers from 1)."""
     layers = range(num_layers)
     return (
         *(Metric(f"load_imbalance[{i}]", f"load imb. L{i + 1}", ".2f") for i in layers),
@@ -67,7 +64,7 @@ def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | 
 
     Args:
         rows: the run's log rows.
-        final_window: rows at the end averaged (the last ``final_window``).
+        final_window: trailing rows averaged.
 
     Returns:
         ``{metric key: value}``; None where the run does not report the metric.
@@ -102,8 +99,8 @@ def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | 
 
 @dataclass(frozen=True)
 class AblationResults:
-    """Every run's end-of-run values, by cell (in table order) and seed: cell -> seed -> metric key -> value
-    (None: not reported); the columns, the rows the values average, and what each cell tests (for captions)."""
+    """End-of-run values: cell (table order) -> seed -> metric key -> value (None: not reported); the columns,
+    the rows averaged, and what each cell tests (for captions)."""
 
     cells: tuple[str, ...]
     values: Mapping[str, Mapping[int, Mapping[str, float | None]]]
@@ -116,7 +113,7 @@ class AblationResults:
         return tuple(sorted(self.values[cell]))
 
     def per_seed(self, cell: str, key: str) -> dict[int, float]:
-        """``{seed: value}`` of one metric, the seeds that report it."""
+        """``{seed: value}`` of one metric, over seeds reporting it."""
         return {s: v[key] for s, v in sorted(self.values[cell].items()) if v.get(key) is not None}
 
     @property
@@ -132,7 +129,7 @@ def collect_results(
 
     Args:
         logs: cell -> seed -> the run's log rows (cells in table order).
-        final_window: rows at the end of each run that the routing metrics and the LM loss average.
+        final_window: trailing rows of each run averaged.
         readings: cell -> what it tests.
 
     Raises:
@@ -156,11 +153,10 @@ def _values(results: AblationResults) -> dict[str, dict[str, dict[int, float]]]:
 def compare_cells(
     results: AblationResults, reference: str, confidence: float = 0.95, *, family: str = "table"
 ) -> dict[str, dict[str, SeedStat]]:
-    """Every cell against ``reference`` (no tests when it is not among the cells), in every column.
+    """Every cell against ``reference`` (no tests when it is not a cell), in every column.
 
     Args:
-        family: the Holm family: ``table`` (every cell and column of the comparison with ``reference``) or
-            ``column`` (:mod:`repro.report.over_seeds`).
+        family: the Holm family: ``table`` (every cell and column) or ``column`` (:mod:`repro.report.over_seeds`).
 
     Returns:
         cell -> metric key -> :class:`SeedStat`.
@@ -174,11 +170,11 @@ def compare_cell_pairs(
     results: AblationResults, pairs: Sequence[tuple[str, str]], keys: Sequence[str], *, family: str = "table",
     confidence: float = 0.95,
 ) -> dict[tuple[str, str, str], SeedStat]:
-    """Cell against cell, paired over their shared seeds (what a claim like "X is the main lever" needs).
+    """Cell against cell, paired over shared seeds (for claims like "X is the main lever").
 
     Args:
-        pairs: ``(a, b)``: ``a`` is compared with ``b`` (differences ``a - b``).
-        keys: the metric keys compared.
+        pairs: ``(a, b)``: differences ``a - b``.
+        keys: metric keys compared.
         family: ``table`` (every pair and key one family) or ``column`` (one family per key).
 
     Returns:
@@ -189,7 +185,7 @@ def compare_cell_pairs(
 
 
 def _diff_cell(stat: SeedStat, spec: str, alpha: float) -> str:
-    """``difference +- half-width (p=adjusted)``, marked; undefined tests and missing ones as such."""
+    """``difference +- half-width (p=adjusted)``, marked; undefined or missing tests as such."""
     if stat.difference is None:
         return MISSING
     if stat.undefined:
@@ -207,14 +203,14 @@ def ablation_table(
     results: AblationResults, reference: str = "paper", *, name: str = "ablation", confidence: float = 0.95,
     alpha: float = 0.05, family: str = "table",
 ) -> Table:
-    """Per cell and column: ``mean +- CI half-width`` over the seeds, marked where it differs from ``reference``.
+    """Per cell and column: ``mean +- CI half-width`` over seeds, marked where it differs from ``reference``.
 
     Args:
         results: the runs' values.
         reference: the cell the others are tested against.
-        name: the table's file stem.
-        confidence: coverage of the intervals.
-        alpha: significance level of the marks (after Holm's adjustment over ``family``).
+        name: file stem.
+        confidence: interval coverage.
+        alpha: significance level of the marks (Holm-adjusted over ``family``).
         family: ``table`` (every cell and column against ``reference``) or ``column``.
     """
     stats = compare_cells(results, reference, confidence, family=family)
@@ -261,11 +257,8 @@ def ablation_difference_table(
     confidence: float = 0.95, alpha: float = 0.05, family: str = "table",
 ) -> Table:
     """Paired differences to ``reference``: ``mean difference +- CI half-width (Holm-adjusted p)`` per cell, in
-    the columns of :func:`difference_metrics`; arguments as :func:`ablation_table` (``confidence``: of the
-    intervals of the paired differences).
-
-    Its tests are those of :func:`ablation_table` against the same reference, in the same family (the whole
-    ablation table's comparisons with ``family="table"``), so both tables mark the same cells.
+    the columns of :func:`difference_metrics`; arguments as :func:`ablation_table`. Same tests and Holm family
+    as :func:`ablation_table`, so both tables mark the same cells.
     """
     stats = compare_cells(results, reference, confidence, family=family)
     metrics = difference_metrics(results)
@@ -296,7 +289,7 @@ def pairs_table(
         pairs: ``(a, b)`` pairs of cells, a row each.
         keys: metric keys (default: the difference table's columns).
         family: ``table`` (every pair and column) or ``column``.
-        what: the caption's first sentence (default: what the table compares).
+        what: the caption's first sentence.
         results, name, confidence, alpha: as in :func:`ablation_difference_table`.
     """
     metrics = [m for m in results.metrics if m.key in keys] if keys is not None else difference_metrics(results)
@@ -319,10 +312,9 @@ def pairs_table(
 
 @dataclass(frozen=True)
 class Hypothesis:
-    """A comparison stated before the seeds that test it were run (a confirmatory study's family): the
-    difference ``cell - versus`` in the metric ``key``, the claim it checks, in words, and the direction it
-    predicts for that difference (``lower``: below zero; None: any difference). The test is two-sided either way;
-    a prediction lets the write-up call a significant difference the other way a refutation."""
+    """A pre-registered comparison (a confirmatory family member): ``cell - versus`` in metric ``key``, the
+    claim in words, and the predicted direction (``lower``: below zero; None: any). The test is two-sided; a
+    prediction lets the write-up call a significant difference the other way a refutation."""
 
     cell: str
     versus: str
@@ -339,13 +331,12 @@ def confirm_table(
     results: AblationResults, hypotheses: Sequence[Hypothesis], *, name: str = "ablation_confirm",
     confidence: float = 0.95, alpha: float = 0.05,
 ) -> Table:
-    """The pre-registered hypotheses on seeds that were not part of the screen: one family, Holm over them only;
-    one row per hypothesis, ``cell - versus`` with its interval and adjusted p-value.
+    """Pre-registered hypotheses on seeds outside the screen: one Holm family over them only; a row per
+    hypothesis, ``cell - versus`` with its interval and adjusted p-value.
 
     Args:
         results: the confirmatory runs' values.
-        hypotheses: the hypotheses, fixed in advance (those whose cells are not all run are left out, and the
-            caption says so).
+        hypotheses: fixed in advance (those with unrun cells are left out; the caption says so).
         alpha: the family-wise significance level.
         name, confidence: as in :func:`ablation_difference_table`.
     """
@@ -402,8 +393,8 @@ def results_to_json(
     results: AblationResults, *, reference: str, switch: str | None = None, alpha: float = 0.05,
     family: str = "table",
 ) -> dict[str, Any]:
-    """The results as JSON: per cell and metric, the per-seed values, the mean and interval, and the paired
-    comparisons with ``reference`` and with ``switch`` (Switch's level; where they are cells).
+    """The results as JSON: per cell and metric, per-seed values, mean, interval, and paired comparisons with
+    ``reference`` and ``switch`` (where they are cells).
 
     Args:
         alpha: significance level of the ``significant`` flags.
@@ -431,9 +422,7 @@ def results_to_json(
 
 
 def results_from_json(summary: Mapping[str, Any]) -> AblationResults:
-    """The :class:`AblationResults` stored in an ablation's parsed ``summary.json`` (``results``, ``cells``,
-    ``final_window_steps``), to rebuild the tables without the run directories: every value the tables use is a
-    per-seed value stored there."""
+    """The :class:`AblationResults` in a parsed ``summary.json`` (tables rebuilt without run directories)."""
     stored = summary["results"]
     values: dict[str, dict[int, dict[str, float | None]]] = {}
     keys: set[str] = set()
@@ -454,8 +443,7 @@ def results_from_json(summary: Mapping[str, Any]) -> AblationResults:
 def summary_intervals(
     results: AblationResults, keys: Sequence[str], confidence: float = 0.95
 ) -> dict[str, dict[str, tuple[float, float | None, float | None]]]:
-    """``{cell: {column label: (mean, low, high)}}`` of the columns of ``keys``, for the summary plot (cells
-    without a value left out of that column)."""
+    """``{cell: {column label: (mean, low, high)}}`` for ``keys``, for the summary plot (missing values left out)."""
     labels = results.labels
     out: dict[str, dict[str, tuple[float, float | None, float | None]]] = {}
     for cell in results.cells:

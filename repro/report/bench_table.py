@@ -1,9 +1,7 @@
 """``python -m repro report bench BENCH.json``: summarise a pytest-benchmark JSON.
 
-One row per benchmark: its group, the router it measures, the median time, and the ratio of that median to
-the ``switch`` router's median in the same group (the baseline every router is compared with).
-The router is read from the benchmark's ``extra_info["router"]``, else its ``name`` parameter, else the
-``[...]`` part of its name.
+One row per benchmark: group, router, median time, and its ratio to ``switch``'s median in the same group. The
+router comes from ``extra_info["router"]``, else the ``name`` parameter, else the ``[...]`` part of the name.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ BASELINE = "switch"
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One benchmark's summary: its pytest-benchmark group, full name, the router it measures, the median time
-    per round, and that median over the baseline router's in the group (None without a baseline)."""
+    """One benchmark: group, name, router, median time per round, ratio to the group's baseline (None: none)."""
 
     group: str
     name: str
@@ -49,7 +46,7 @@ def summarise(data: dict, baseline: str = BASELINE, origin: str = "benchmark JSO
 
     Args:
         data: parsed pytest-benchmark JSON (``{"benchmarks": [{"name", "group", "stats": {"median"}}, ...]}``).
-        baseline: the router every other is divided by.
+        baseline: the router others are divided by.
         origin: what to name in errors.
 
     Returns:
@@ -76,8 +73,7 @@ def summarise(data: dict, baseline: str = BASELINE, origin: str = "benchmark JSO
 
 
 def render_bench(rows: list[BenchRow], baseline: str = BASELINE) -> str:
-    """GitHub-Markdown table (text ending in a newline) of :func:`summarise`'s rows; ``baseline`` names the
-    baseline router in the ratio's header."""
+    """GitHub-Markdown table of :func:`summarise`'s rows; ``baseline`` names the ratio's header."""
     cells = [
         (r.group, r.router, f"{r.median_s * 1e3:.3f}", "--" if r.ratio_to_baseline is None else f"{r.ratio_to_baseline:.2f}")
         for r in rows
@@ -101,8 +97,7 @@ def main(argv: list[str], prog: str) -> int:
     text = render_bench(summarise(data, args.baseline, str(path)), args.baseline)
     print(text, end="")
     if args.out:
-        # Replaces only an earlier table of this command (it starts with the table's header row), never
-        # another file given by mistake (--out README.md).
+        # Replace only an earlier table of this command (recognised by its header row), never another file.
         header = text.splitlines()[0]
         with atomic_path(args.out, replace=lambda p: p.is_file() and p.read_text().startswith(header)) as tmp:
             tmp.write_text(text)

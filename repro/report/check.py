@@ -2,15 +2,13 @@
 within the entry's tolerance; efficiency only on the same accelerator), against an earlier run (point by point
 at a tight relative tolerance: CPU runs are deterministic), or against earlier seeds of its experiment.
 
-Against seeds (:func:`check_against_seeds`, docs/evaluation.md), each of the K numbers must fall in the seeds'
-prediction interval at coverage ``1 - alpha/K`` (Bonferroni: a false-alarm rate of at most ``alpha`` whatever
-the dependence between the numbers; Holm would give the same pass/fail verdict; a joint criterion, Hotelling's
-T^2, needs more seeds than numbers). That rate is exact for continuous, normal numbers; an accuracy moves in
-whole questions, so its band's spread is at least what the question grid allows (:mod:`repro.stats`,
-decision 10), and every report states the rate :func:`simulated_false_alarm` measures for its own K numbers,
-seeds and steps. The price is power: each row states the smallest shift its band catches, in the number's units.
-The numbers compared are losses and accuracies; routing statistics are not (they can be bimodal or sit at a
-bound, where no normal band holds at a few seeds).
+Against seeds (:func:`check_against_seeds`, docs/evaluation.md), each of K numbers must fall in the seeds'
+prediction interval at coverage ``1 - alpha/K`` (Bonferroni: false-alarm rate <= ``alpha`` under any dependence;
+Holm gives the same verdict; Hotelling's T^2 needs more seeds than numbers). The rate is exact for continuous
+normal numbers; accuracies move in whole questions, so their band's spread is floored by the question grid
+(:mod:`repro.stats`, decision 10) and each report states the rate :func:`simulated_false_alarm` gives. Each row
+states the smallest shift its band catches. Only losses and accuracies are compared: routing statistics can be
+bimodal or sit at a bound, where no normal band holds at few seeds.
 """
 
 from __future__ import annotations
@@ -33,27 +31,25 @@ from repro.report.table_core import PAPER_TASKS, choose_metric, record_partial
 from repro.stats import grid_sd_floor, minimum_detectable_shift, prediction_bounds, prediction_interval
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
-#: The final training loss of a run is the mean of its last this many logged losses (single steps are noisy).
+#: A run's final training loss averages this many last logged losses (single steps are noisy).
 FINAL_LOSS_STEPS = 10
 #: The power at which a seed check's detectable shift is stated.
 DETECTION_POWER = 0.8
 #: lm-eval metrics that are a mean of 0/1 scores over the questions: they move in steps of 1/questions.
 COUNTED_METRICS = ("acc", "acc_norm", "exact_match")
-#: Seed spreads, in steps (questions), at which :func:`simulated_false_alarm` tries a stepped number besides its
-#: seeds' own: a tie among few seeds says little about the true spread, so the report states the worst of them.
+#: Extra seed spreads (in steps) tried for stepped numbers; few tied seeds say little, so the worst is reported.
 STEP_SPREADS = (0.25, 0.5, 1.0, 2.0)
-#: Draws of :func:`simulated_false_alarm` in a report (Monte Carlo standard error <= 0.0016 at a rate of 0.05).
+#: Draws of :func:`simulated_false_alarm` in a report (Monte Carlo error <= 0.0016 at rate 0.05).
 VALIDATION_DRAWS = 20_000
 
 
 @dataclass(frozen=True)
 class CheckRow:
-    """One comparison: the run's value (None: not measured) against the published or earlier value, within a
-    tolerance (as text), its status (``ok``, ``FAIL`` or ``skipped``) and why, if not obvious.
+    """One comparison: the run's value (None: not measured) against a reference within a tolerance (text), its
+    status (``ok``, ``FAIL``, ``skipped``) and why, if not obvious.
 
     Args:
-        detectable: against seeds, the smallest shift of this number caught with :data:`DETECTION_POWER`
-            (None: not a seed check, or no spread to scale it by).
+        detectable: seed checks: smallest shift caught with :data:`DETECTION_POWER` (None: not applicable).
     """
 
     run_id: str
@@ -74,8 +70,7 @@ class CheckRow:
 
 @dataclass(frozen=True)
 class CheckReport:
-    """The rows of one check, and what it guarantees (the family-wise false-alarm rate of a seed check), printed
-    first."""
+    """The rows of one check and what it guarantees (a seed check's family-wise false-alarm rate)."""
 
     rows: tuple[CheckRow, ...]
     header: str = ""
@@ -87,7 +82,7 @@ class CheckReport:
 
     @property
     def compared(self) -> int:
-        """Rows that were actually compared (not skipped)."""
+        """Rows not skipped."""
         return sum(r.status != SKIPPED for r in self.rows)
 
 
@@ -96,11 +91,11 @@ def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto")
 
     Args:
         metric: ``zero_shot.<task>``, ``zero_shot.avg``, ``efficiency.iter_time_ms``,
-            ``efficiency.tflops_per_device`` (analytic FLOPs: what the papers report) or ``loss.validation``.
-        zero_shot_metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`repro.report.table_core.choose_metric`).
+            ``efficiency.tflops_per_device`` (analytic FLOPs, as the papers) or ``loss.validation``.
+        zero_shot_metric: ``auto``, ``acc`` or ``acc_norm`` (:func:`repro.report.table_core.choose_metric`).
 
     Returns:
-        The value (zero-shot in percent), or None if the run did not measure it.
+        The value (zero-shot in percent), or None if not measured.
     """
     if metric.startswith("zero_shot."):
         task = metric.removeprefix("zero_shot.")
@@ -122,8 +117,7 @@ def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto")
 
 
 def _partial(record: RunRecord, metric: str) -> str:
-    """The note for a zero-shot number (``zero_shot.<task>`` or ``<task>/<metric>``) of a task the run scored on
-    part of its documents ('' otherwise)."""
+    """The note for a zero-shot number of a task scored on part of its documents ('' otherwise)."""
     task = metric.removeprefix("zero_shot.") if metric.startswith("zero_shot.") else metric.partition("/")[0]
     partial = record_partial(record)
     cut = [partial[task]] if task in partial else list(partial.values()) if task == "avg" else []
@@ -131,8 +125,7 @@ def _partial(record: RunRecord, metric: str) -> str:
 
 
 def _noted(row: CheckRow, record: RunRecord, references: Sequence[RunRecord] = ()) -> CheckRow:
-    """``row`` with a note where the checked run, or a run it is compared with, scored the task on part of its
-    documents (a full evaluation against a partial one is no like-for-like comparison)."""
+    """``row`` with a note where either run scored the task on part of its documents (not like-for-like)."""
     notes = [_partial(record, row.metric)]
     notes += [f"reference {ref.run_id}: {n}" for ref in references if (n := _partial(ref, row.metric))]
     note = "; ".join(n for n in (row.note, *notes) if n)
@@ -151,11 +144,11 @@ def check_against_published(
     """Compare a run with every original published number for its router and model.
 
     Args:
-        zero_shot_metric: which lm-eval metric to compare with the papers' accuracies (as in :func:`record_value`).
-        paper: keep only entries whose ``paper`` contains this text (case-insensitive), e.g. ``ReMoE``.
+        zero_shot_metric: lm-eval metric compared with the papers' accuracies (:func:`record_value`).
+        paper: keep only entries whose ``paper`` contains this text (case-insensitive).
 
     Returns:
-        The report (no rows when nothing in the ledger matches the run's router and model).
+        The report (no rows when no ledger entry matches).
     """
     entries = select(ledger, router=record.experiment.router, model_id=record.experiment.model, originals_only=True)
     if paper is not None:
@@ -182,13 +175,12 @@ def check_against_run(
     """Compare a run with an earlier run of the same experiment.
 
     Args:
-        loss_rtol: relative tolerance on every loss-curve point and the validation loss.
-        eval_rtol: relative tolerance on every lm-eval metric (accuracies, perplexities).
+        loss_rtol: relative tolerance on loss-curve points and the validation loss.
+        eval_rtol: relative tolerance on lm-eval metrics.
         atol: absolute tolerance added to both (for values at zero).
 
     Returns:
-        The report: one row for the whole loss curve (its largest deviation), one for the validation loss,
-        one per lm-eval task and metric.
+        The report: a row for the loss curve (largest deviation), the validation loss, each lm-eval metric.
     """
     rows = []
     source = f"run {previous.run_id}"
@@ -225,7 +217,7 @@ def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rto
 
 
 def final_loss(record: RunRecord, steps: int = FINAL_LOSS_STEPS) -> float | None:
-    """The final training loss: the mean of a run's last ``steps`` logged training losses (None: no loss curve)."""
+    """Mean of the last ``steps`` logged training losses (None: no loss curve)."""
     tail = [p.loss for p in sorted(record.loss_curve, key=lambda p: p.step)[-steps:]]
     return statistics.fmean(tail) if tail else None
 
@@ -242,8 +234,7 @@ def _seed_metrics(record: RunRecord) -> dict[str, float | None]:
 
 
 def _resolutions(record: RunRecord) -> dict[str, float]:
-    """The step of each of a run's numbers that moves in steps (``<task>/<metric>`` of :data:`COUNTED_METRICS`:
-    1 / the questions lm-eval scored), from its per-question results or, without them, lm-eval's ``n-samples``."""
+    """The step (1 / questions scored) of each :data:`COUNTED_METRICS` number."""
     out = {}
     counts = (record.lm_eval or {}).get("n-samples") or {}
     for task, metrics in lm_eval_metrics(record).items():
@@ -266,25 +257,23 @@ def simulated_false_alarm(
     draws: int = VALIDATION_DRAWS,
     seed: int = 0,
 ) -> float:
-    """The family-wise false-alarm rate of :func:`check_against_seeds`'s rule, simulated: the fraction of honest
-    new runs that fail at least one of K bands.
+    """Simulated family-wise false-alarm rate of :func:`check_against_seeds`: the fraction of honest new runs
+    failing at least one of K bands.
 
-    Each number is drawn independently (Bonferroni's rule holds under any dependence; independence is where it is
-    tightest): a continuous one (resolution 0) from a normal law, a stepped one as a normal count of steps with
-    its spread ``spreads[i]`` (in the number's units) rounded to whole steps around a centre placed uniformly
-    within a step; ``seeds`` earlier draws make the band, one more is checked.
+    Numbers are drawn independently (where Bonferroni is tightest): continuous ones from a normal law, stepped
+    ones as a normal count of steps (spread ``spreads[i]``) rounded around a centre uniform within a step;
+    ``seeds`` draws make the band, one more is checked.
 
     Args:
-        spreads: each number's standard deviation over seeds (only a stepped number's matters: a continuous
-            number's rate does not depend on it).
+        spreads: each number's standard deviation over seeds (matters only for stepped numbers).
         resolutions: each number's step (0: continuous).
-        seeds: earlier runs the bands are made of (>= 2).
+        seeds: earlier runs per band (>= 2).
         alpha: the family-wise rate the bands are set for.
         draws: simulated checks.
-        seed: the generator's seed (the same answer every time).
+        seed: generator seed (deterministic answer).
 
     Returns:
-        The fraction of draws in which some number fell outside its band.
+        The fraction of draws with some number outside its band.
     """
     if len(spreads) != len(resolutions) or not spreads:
         raise ValueError("need one spread and one resolution per number, at least one number")
@@ -304,8 +293,7 @@ def simulated_false_alarm(
 
 
 def family_confidence(alpha: float, count: int) -> float:
-    """The coverage of each of ``count`` (>= 1) bands that keeps the family-wise false-alarm rate at ``alpha``,
-    in (0, 1) (Bonferroni: ``1 - alpha / count``)."""
+    """Per-band coverage keeping the family-wise rate at ``alpha`` over ``count`` bands: ``1 - alpha / count``."""
     if not 0 < alpha < 1 or count < 1:
         raise ValueError(f"need alpha in (0, 1) and count >= 1, got alpha={alpha}, count={count}")
     return 1 - alpha / count
@@ -317,17 +305,15 @@ def check_against_seeds(
     """Compare a run with earlier runs of the same experiment, one per seed, at a family-wise false-alarm rate.
 
     Args:
-        previous: earlier runs of the same experiment with different seeds (at least two).
-        alpha: the family-wise false-alarm rate over every number compared (module docstring): each band's
-            coverage is ``1 - alpha / K`` for the K numbers with a band.
-        atol: absolute slack added to both ends (for values that agree up to rounding).
+        previous: earlier runs with other seeds (at least two).
+        alpha: family-wise false-alarm rate (module docstring): each of K bands has coverage ``1 - alpha / K``.
+        atol: absolute slack added to both ends (for values equal up to rounding).
 
     Returns:
-        The report: one row per number (final training loss, validation loss, each lm-eval task and metric),
-        with its detectable shift; a number the new run lacks fails, one fewer than two earlier runs measured
-        is skipped. Its header states K, the rate the bands are set for and the rate
-        :func:`simulated_false_alarm` measures for these numbers, at their seeds' own spreads and, for the
-        stepped ones, the worst of :data:`STEP_SPREADS` steps.
+        The report: a row per number (final training and validation loss, each lm-eval metric) with its
+        detectable shift; a number the new run lacks fails, one measured by fewer than two earlier runs is
+        skipped. The header states K, the nominal rate and :func:`simulated_false_alarm`'s rate (seeds' own
+        spreads; for stepped numbers the worst of :data:`STEP_SPREADS`).
 
     Raises:
         ReproError: fewer than two earlier runs, or alpha outside (0, 1).
@@ -394,8 +380,7 @@ def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def _setting_differences(record: RunRecord, previous: Sequence[RunRecord]) -> str:
-    """``schedule.steps: 200 here, 30 in s1, s2``: the experiment settings (seed and name aside) in which the run
-    differs from its seeds, '' when none does."""
+    """``schedule.steps: 200 here, 30 in s1, s2``: settings (seed and name aside) differing from the seeds', or ''."""
     def settings(r: RunRecord) -> dict[str, Any]:
         flat = _flat(r.experiment.config.get("experiment", r.experiment.config))
         return {k: v for k, v in flat.items() if k not in ("seed", "name")}
@@ -413,8 +398,7 @@ def _setting_differences(record: RunRecord, previous: Sequence[RunRecord]) -> st
 
 
 def _validated(banded: Sequence[str], earlier: dict[str, list[float]], steps: dict[str, float], alpha: float) -> str:
-    """``; simulated ...``: the rate :func:`simulated_false_alarm` gives these numbers (the seeds' own spreads,
-    and the worst of :data:`STEP_SPREADS` for the stepped ones), '' when nothing is banded."""
+    """``; simulated ...``: the :func:`simulated_false_alarm` rate for these numbers, '' when nothing is banded."""
     if not banded:
         return ""
     n = min(len(earlier[name]) for name in banded)

@@ -77,8 +77,7 @@ def tables_main(argv: list[str], prog: str) -> int:
 
 
 def check_main(argv: list[str], prog: str) -> int:
-    """Regression-check runs against the published numbers or earlier runs. Returns the exit status: 0 when every
-    number is within tolerance, 1 when one is not."""
+    """Regression-check runs against published numbers or earlier runs. Returns 1 if out of tolerance, else 0."""
     from repro.records.store import load_records
     from repro.report.check import (
         CheckReport,
@@ -148,7 +147,7 @@ def check_main(argv: list[str], prog: str) -> int:
 
 
 def _same_experiment(a, b) -> bool:
-    """Whether two run records are runs of one experiment (seeds of it): same experiment name, router, model."""
+    """Whether two records are seeds of one experiment (same experiment name, router, model)."""
     return (a.experiment.name, a.experiment.router, a.experiment.model) == (
         b.experiment.name, b.experiment.router, b.experiment.model
     )

@@ -1,10 +1,8 @@
 """Compute parity: whether routers were compared at the same active-expert compute.
 
-Routers that pick a variable number of experts per token (ReMoE, DirMoE, Expert Choice per token) can spend
-more or less FFN compute than their nominal k. A quality comparison is fair only when the measured expert
-FLOPs per token agree; this module compares each run's measured figure
-(``efficiency.expert_flops_per_token_measured``, see :func:`repro.records.flops.expert_flops_per_token`) with a
-reference run's and refuses to call them at parity beyond a stated relative tolerance.
+Routers picking a variable number of experts per token (ReMoE, DirMoE, Expert Choice) can spend more or less
+FFN compute than their nominal k; a quality comparison is fair only when measured expert FLOPs per token
+(:func:`repro.records.flops.expert_flops_per_token`) agree with a reference run's within a stated tolerance.
 """
 
 from __future__ import annotations
@@ -21,9 +19,8 @@ DEFAULT_REFERENCE_ROUTER = "switch"
 
 @dataclass(frozen=True)
 class ParityVerdict:
-    """One run's compute-parity verdict against a reference run (None: nothing to compare): the relative
-    difference (run - reference) / reference of their measured expert FLOPs per token; ``at_parity`` None when
-    unknown (no measured figure); ``note``: the text the efficiency table shows."""
+    """One run's parity verdict: relative difference (run - reference) / reference of measured expert FLOPs per
+    token (None: nothing to compare); ``at_parity`` None when unknown; ``note``: the efficiency table's text."""
 
     run_id: str
     reference_run_id: str | None
@@ -42,13 +39,12 @@ def compute_parity(
 ) -> dict[str, ParityVerdict]:
     """Judge every run's compute parity against a reference run.
 
-    The reference is the first run of ``reference_router`` that has a measured figure, else the first run
-    that has one.
+    The reference is the first run of ``reference_router`` with a measured figure, else the first with one.
 
     Args:
         records: the runs compared in one table.
-        tolerance: the largest relative difference of measured expert FLOPs per token still called parity.
-        reference_router: the router whose run is the reference.
+        tolerance: largest relative difference still called parity.
+        reference_router: the reference run's router.
 
     Returns:
         ``run_id -> ParityVerdict``.

@@ -3,10 +3,9 @@
 both ran (same seed: same data order and initial backbone) with the Student-t interval of the differences, or a
 test the caller supplies; the p-values of one *family* are Holm-adjusted together.
 
-Families are fixed by the table's definition, before the data: ``family="table"`` (the default: a reader scans
-the whole table for marks) puts every test of the table in one family, ``family="column"`` adjusts each column
-alone. A test with no spread (every paired difference the same) is undefined: no mark, left out of its family,
-and named in the caption's footnote.
+Families are fixed by the table's definition, before the data: ``table`` (default: a reader scans the whole
+table for marks) or ``column`` (each column alone). A test with no spread is undefined: no mark, left out of its
+family, named in the caption's footnote.
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ class SeedStat:
     """One row's value in one column over its seeds, and its comparison with another row.
 
     Args:
-        interval: mean and Student-t interval over the row's seeds (None: no seed has the value).
+        interval: mean and Student-t interval over the row's seeds (None: no value).
         test: the paired test (None: not compared, or fewer than two shared seeds).
-        adjusted_p: the test's p-value after Holm's adjustment over its family (None: no test, or undefined).
-        difference: mean and Student-t interval of the paired differences (row minus the other; None
-            where the test is not over seeds).
+        adjusted_p: Holm-adjusted p-value over its family (None: no test, or undefined).
+        difference: mean and Student-t interval of row minus the other (None: test not over seeds).
         family_size: the defined tests of its Holm family (0: not in one).
     """
 
@@ -66,8 +64,7 @@ def check_family(family: str) -> str:
 def _paired_over_seeds(
     a: Mapping[int, float], b: Mapping[int, float], confidence: float
 ) -> tuple[PairedTest, Interval] | None:
-    """Paired t-test of ``a - b`` (seed -> value) over the seeds both have, and the interval of the differences;
-    None with fewer than two shared seeds."""
+    """Paired t-test of ``a - b`` over shared seeds, and the differences' interval; None below two shared seeds."""
     shared = sorted(set(a) & set(b))
     if len(shared) < 2:
         return None
@@ -87,10 +84,9 @@ def compare(
     Args:
         values: row -> column -> seed -> value.
         tests: the comparisons, ``(a, b, column)``.
-        family: ``table`` (every comparison given is one family) or ``column`` (one family per column).
-        confidence: coverage of the intervals.
-        test: ``(a, b, column) -> PairedTest`` instead of the paired t over shared seeds (no difference
-            interval then).
+        family: ``table`` (all comparisons one family) or ``column`` (one per column).
+        confidence: interval coverage.
+        test: ``(a, b, column) -> PairedTest`` replacing the paired t (no difference interval then).
 
     Returns:
         ``(a, b, column)`` -> :class:`SeedStat` (``interval`` is ``a``'s over its seeds).
@@ -107,7 +103,7 @@ def compare(
         paired = _paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}), confidence)
         if paired is not None:
             found[key] = paired
-    # Holm over each family of the defined tests (an undefined one cannot raise a false alarm: left out).
+    # Holm per family over defined tests (an undefined one cannot raise a false alarm).
     families: dict[str, list[Key]] = {}
     for key, (result, _) in found.items():
         if result.defined:
@@ -130,9 +126,8 @@ def against_reference(
     values: Values, columns: Sequence[str], reference: str | None, *, family: str = "table", confidence: float = 0.95,
     tested: bool = True, test: Callable[[str, str, str], PairedTest | None] | None = None,
 ) -> dict[str, dict[str, SeedStat]]:
-    """Every row's interval per column and, where ``tested`` and there is a ``reference`` row, its comparison
-    with it (:func:`compare`'s other arguments): row -> column -> :class:`SeedStat`, for every row (in the order
-    of ``values``) and column (``interval`` None where there is no value)."""
+    """row -> column -> :class:`SeedStat` for every row and column: the interval and, where ``tested`` and a
+    ``reference`` row exists, the comparison with it (other arguments: :func:`compare`)."""
     others = [r for r in values if r != reference] if tested and reference is not None else []
     stats = compare(values, [(r, reference, c) for c in columns for r in others], family=family,
                     confidence=confidence, test=test)
@@ -146,8 +141,7 @@ def against_reference(
 
 
 def family_sentence(family: str, count: int, rows: str = "rows") -> str:
-    """The caption's words for a family (``Holm-adjusted over ...``), ``count`` the defined tests of the table,
-    ``rows`` what its rows are (``routers``, ``cells``)."""
+    """The caption's family words (``Holm-adjusted over ...``) for ``count`` defined tests over ``rows``."""
     if check_family(family) == "table":
         return (f"Holm-adjusted over all {count} tests of this table (family: the table, every test its {rows} and "
                 "columns define, whatever the results)")
@@ -155,8 +149,7 @@ def family_sentence(family: str, count: int, rows: str = "rows") -> str:
 
 
 def undefined_note(undefined: Sequence[tuple[str, str]]) -> str:
-    """The caption's footnote (with a leading space; '' when there is none) for the cells whose test is undefined,
-    ``undefined``: ``(row, column label)`` of each."""
+    """The caption's footnote (leading space; '' when none) naming ``(row, column label)`` with undefined tests."""
     if not undefined:
         return ""
     listed = "; ".join(f"{row} in {column}" for row, column in undefined)

@@ -27,7 +27,7 @@ def _save(fig, path: str | os.PathLike) -> None:
 
 
 def _grid(panels: int, ncols: int, size: tuple[float, float], **options: Any):
-    """A figure of ``panels`` panels, ``ncols`` to a row, each ``size`` inches; the panels past the last hidden."""
+    """A figure of ``panels`` panels, ``ncols`` a row, each ``size`` inches; spare panels hidden."""
     nrows = math.ceil(panels / ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(size[0] * ncols, size[1] * nrows), squeeze=False, **options)
     for ax in axes.flat[panels:]:
@@ -49,8 +49,7 @@ def plot_loss_curves(
     logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike, unigram_loss: float | None = None,
     smooth: int = 10,
 ) -> None:
-    """LM loss against step for every run (``logs``: run label -> its rows), and ``unigram_loss`` (the loss of
-    predicting token frequencies) as a reference line."""
+    """LM loss against step per run (``logs``: label -> rows), with ``unigram_loss`` as a reference line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, rows in logs.items():
         steps = [r.step for r in rows]
@@ -68,8 +67,7 @@ def plot_loss_curves(
 def plot_routing_over_training(
     logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike, smooth: int = 10
 ) -> None:
-    """Active experts per token and Simpson index of the combine weights (mean over layers) against step, per
-    run (``logs``: run label -> its rows)."""
+    """Active experts per token and Simpson index of combine weights (layer mean) against step, per run."""
     fig, (ax_a, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, rows in logs.items():
         rows = [r for r in rows if r.routing.get("active_experts")]
@@ -90,8 +88,7 @@ def plot_routing_over_training(
 
 
 def plot_sparsity_knob(knob: Mapping[str, Sequence[float]], path: str | os.PathLike, num_experts: int) -> None:
-    """Expected Simpson index of DirMoE's posterior draws against lambda_q: the Lemma and Monte Carlo
-    (``knob``: :func:`repro.analysis.sparsity_knob` output), above the 1/E floor of ``num_experts``."""
+    """Expected Simpson index of DirMoE's draws against lambda_q (Lemma, Monte Carlo), above the 1/E floor."""
     fig, ax = plt.subplots(figsize=(6, 4.2))
     ax.plot(knob["lambda"], knob["theory"], "-", lw=2, label="theory (Lemma, per-token bases)")
     ax.plot(knob["lambda"], knob["measured"], "o", ms=5, label="measured (Dirichlet draws)")
@@ -109,8 +106,7 @@ def plot_sparsity_knob(knob: Mapping[str, Sequence[float]], path: str | os.PathL
 
 
 def plot_specialisation(per_router: Mapping[str, Mapping[str, Any]], path: str | os.PathLike) -> None:
-    """Share of each domain's tokens routed to each expert, per layer, one row of panels per router
-    (``per_router``: router label -> :func:`repro.analysis.expert_specialisation` output)."""
+    """Share of each domain's tokens per expert and layer, a row of panels per router."""
     labels = [k for k, v in per_router.items() if v.get("share")]
     if not labels:
         return
@@ -140,7 +136,7 @@ def plot_specialisation(per_router: Mapping[str, Mapping[str, Any]], path: str |
 
 def specialisation_score(spec: Mapping[str, Any]) -> float:
     """Mean over layers and domains of the total-variation distance between a domain's expert shares and
-    the average over domains: 0 when every domain is routed alike, up to 1 when domains use disjoint experts.
+    their average: 0 when domains route alike, up to 1 for disjoint experts.
     """
     scores = []
     for share_XE in spec.get("share", []):
@@ -154,7 +150,7 @@ def specialisation_score(spec: Mapping[str, Any]) -> float:
 
 # ------------------------------------------------------------------------------------- DirMoE ablation
 def _per_step_mean(runs: Sequence[Sequence[LogRow]], metric: str, layer: int | None) -> tuple[list[int], list[float]]:
-    """Steps and the mean over runs (seeds) of a scalar routing metric: one layer's, or the mean over layers."""
+    """Steps and the seed mean of a scalar routing metric (one layer's, or the layer mean)."""
     by_step: dict[int, list[float]] = {}
     for rows in runs:
         for r in rows:
@@ -181,10 +177,9 @@ def plot_expert_load(
     """Each expert's share over training, stacked, per run and layer (two runs per row of panels).
 
     Args:
-        logs: run label -> its rows, with a per-expert metric in ``routing_per_expert``.
-        metric: the per-expert metric (``tokens_per_expert``: the load; ``weight_share``: the mean routing
-            weight), or one per label.
-        title: the figure's title (what the runs are).
+        logs: run label -> rows with ``routing_per_expert``.
+        metric: ``tokens_per_expert`` (load) or ``weight_share`` (mean routing weight), or one per label.
+        title: the figure's title.
     """
     labels = list(logs)
     which = {label: metric if isinstance(metric, str) else metric.get(label, "tokens_per_expert") for label in labels}
@@ -217,7 +212,7 @@ def plot_expert_load(
 
 
 def _label_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Distinct colour and line style per label (tab20 runs out of distinct colours beyond ten lines)."""
+    """Distinct colour and line style per label (tab20 alone runs out beyond ten lines)."""
     cmap = plt.get_cmap("tab10")
     styles = ("-", "--", ":", "-.")
     return {label: {"color": cmap(i % 10), "ls": styles[(i // 10) % len(styles)]} for i, label in enumerate(labels)}
@@ -226,8 +221,8 @@ def _label_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
 def plot_shared_mean(
     logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike, smooth: int = 10
 ) -> None:
-    """DirMoE's shared-mean energy of the router input and the decoder columns' alignment with that mean, per
-    layer, over training (mean over a cell's seeds; ``logs``: cell label -> the rows of each seed)."""
+    """DirMoE's shared-mean energy of the router input and the decoder columns' alignment with it, per layer,
+    over training (seed means; ``logs``: cell label -> each seed's rows)."""
     metrics = (
         ("input_mean_energy", "shared-mean energy ||mean x||^2 / mean ||x||^2"),
         ("decoder_mean_alignment", "decoder columns: mean cos(column, mean x)"),
@@ -258,12 +253,11 @@ def plot_shared_mean(
 def plot_simpson_theta(
     logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike, smooth: int = 10
 ) -> None:
-    """Simpson index of DirMoE's Dirichlet draws against the calibrator's target over training, one panel per
-    cell (means over layers and seeds): the draws, the Lemma under the actual posterior, and the target with
-    the posterior scale in use on an ideal active set and at the actual gates (what the heads would give had
-    they kept the prior's bases).
+    """Simpson index of DirMoE's Dirichlet draws against the calibrator's target over training, a panel per
+    cell (layer and seed means): the draws, the Lemma under the actual posterior, and the target at the posterior
+    scale in use on an ideal active set and at the actual gates (had the heads kept the prior's bases).
 
-    ``logs``: cell label -> the rows of each seed.
+    ``logs``: cell label -> each seed's rows.
     """
     labels = [k for k, runs in logs.items() if _num_layers(runs, "simpson_theta")]
     if not labels:
@@ -299,8 +293,8 @@ def plot_ablation_summary(
 
     Args:
         intervals: ``{cell: {column label: (mean, low, high)}}`` (low/high None with one seed).
-        path: the PNG to write.
-        references: up to two cells whose intervals are drawn across each panel (the paper's DirMoE, Switch).
+        path: the PNG.
+        references: up to two cells whose intervals are shaded across each panel.
     """
     cells = list(intervals)
     columns = list(dict.fromkeys(c for cell in cells for c in intervals[cell]))

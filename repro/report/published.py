@@ -24,8 +24,7 @@ class Tolerance:
     """How far a measurement may be from a published number and still agree with it.
 
     Args:
-        kind: ``"abs"`` (|measured - published| <= value, in the entry's unit) or ``"rel"``
-            (|measured - published| <= value * |published|).
+        kind: ``"abs"`` (|measured - published| <= value) or ``"rel"`` (<= value * |published|).
         value: the bound, >= 0.
         rationale: why this bound (one or two sentences).
     """
@@ -58,10 +57,10 @@ class Setting:
     """The experimental setting a published number was measured in (fields: results/published/README.md).
 
     Args:
-        model_id: this suite's model flavour for the same architecture (``"185m"``,
-            ``"185m-dense"``); a run is compared with an entry only when its ``experiment.model`` equals it.
-        hardware: accelerator (None when the paper does not tie the number to one); efficiency entries are
-            compared only with runs on a device whose name contains this string's model (e.g. ``H100``).
+        model_id: this suite's flavour for the architecture (``"185m"``); runs compare only when their
+            ``experiment.model`` equals it.
+        hardware: accelerator (None: not tied to one); efficiency entries compare only with runs on a device
+            whose name contains its model (e.g. ``H100``).
     """
 
     model: str
@@ -80,8 +79,8 @@ class PublishedEntry:
     """One published number as printed in ``paper``'s ``table`` (fields: results/published/README.md).
 
     Args:
-        measured_in: the paper table whose authors measured it (equals this table unless copied).
-        copied: whether this paper reprints another paper's measurement (checks compare only with originals).
+        measured_in: the paper table that measured it (this table unless copied).
+        copied: a reprint of another paper's measurement (checks use originals only).
         metric: the shared metric name (module docstring).
     """
 
@@ -100,7 +99,7 @@ class PublishedEntry:
 
     @property
     def source(self) -> str:
-        """Short provenance label, e.g. ``ReMoE Table 2`` (the table that measured the number)."""
+        """Provenance label of the measuring table, e.g. ``ReMoE Table 2``."""
         return self.measured_in
 
 
@@ -108,7 +107,7 @@ def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
     """The entries of one ledger file, ``{"description": str, "entries": [...]}``, validated.
 
     Raises:
-        ReproError: unreadable JSON, or an entry with a missing field or a wrong type (named by index and id).
+        ReproError: unreadable JSON, or an entry with a missing or mistyped field (named by index and id).
     """
     path = Path(path)
     try:
@@ -128,8 +127,7 @@ def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
 
 
 def load_ledger(ledger_dir: str | Path | None = None) -> list[PublishedEntry]:
-    """The entries of every ``*.json`` ledger file of ``ledger_dir`` (default: this checkout's
-    ``results/published``), file by file in name order.
+    """The entries of every ``*.json`` in ``ledger_dir`` (default ``results/published``), files in name order.
 
     Raises:
         ReproError: no ledger files, an invalid entry, or a duplicated entry id.
@@ -153,8 +151,7 @@ def select(
     entries: list[PublishedEntry], *, router: str | None = None, metric: str | None = None,
     model_id: str | None = None, originals_only: bool = False,
 ) -> list[PublishedEntry]:
-    """The entries matching every given criterion, in ledger order: ``router``, ``metric`` (exact name),
-    ``setting.model_id``; ``originals_only`` drops copies (entries whose number another paper measured)."""
+    """Entries matching every given criterion, in ledger order; ``originals_only`` drops copies."""
     return [
         e for e in entries
         if (router is None or e.router == router) and (metric is None or e.metric == metric)

@@ -39,8 +39,7 @@ AVG = "avg"
 
 
 def record_seed(record: RunRecord) -> int:
-    """A run's training seed, from its config (``seed`` at the top level or under ``experiment``); ReproError where
-    the config records no integer seed."""
+    """A run's training seed from its config (top level or under ``experiment``); ReproError if none."""
     config = record.experiment.config
     for holder in (config, config.get("experiment")):
         if isinstance(holder, Mapping):
@@ -52,16 +51,16 @@ def record_seed(record: RunRecord) -> int:
 
 @dataclass(frozen=True)
 class SeedComparison:
-    """Routers over seeds against a reference router (see :func:`compare_over_seeds`, which says what ``test``,
-    ``confidence``, ``alpha`` and ``family`` are).
+    """Routers over seeds against a reference router (``test``, ``confidence``, ``alpha``, ``family``:
+    :func:`compare_over_seeds`).
 
     Args:
         columns: task names, then ``avg``.
         metrics: the lm-eval metric of each task column.
         seeds: router -> its seeds, sorted.
         cells: router -> column -> :class:`SeedStat` (routers in table order).
-        reference: the reference router (None when it is not among the records).
-        partial: router -> its runs' tasks scored on part of their documents (``run_id -> task -> entry``).
+        reference: the reference router (None when absent).
+        partial: router -> tasks scored on part of their documents (``run_id -> task -> entry``).
     """
 
     columns: tuple[str, ...]
@@ -86,7 +85,7 @@ class SeedComparison:
         return cell is not None and cell.significant(self.alpha)
 
     def undefined(self, labels: Mapping[str, str]) -> list[tuple[str, str]]:
-        """``(router, column label)`` of the cells whose test is undefined (no spread), in table order."""
+        """``(router, column label)`` of cells whose test is undefined (no spread), in table order."""
         return [(router, labels.get(column, column)) for router, cells in self.cells.items()
                 for column, cell in cells.items() if cell.undefined]
 
@@ -96,10 +95,8 @@ class SeedComparison:
 
 
 def comparison_label(record: RunRecord) -> str:
-    """The name a run is compared under over seeds (``switch``, ``dense``, ``dirmoe+centered``, ...): its
-    experiment's name without the model (``dirmoe+centered-tiny`` -> ``dirmoe+centered``), so a router's variants
-    are compared beside the router instead of being taken for more seeds of it; the router's name where the
-    experiment is named otherwise."""
+    """The name a run is compared under: its experiment's name without the model (``dirmoe+centered-tiny`` ->
+    ``dirmoe+centered``), so variants are not taken for more seeds of their router; else the router's name."""
     name, router = record.experiment.name, record.experiment.router
     for model in (record.experiment.model, record.experiment.model.removesuffix(DENSE_SUFFIX)):
         label = name.removesuffix(f"-{model}")
@@ -111,8 +108,8 @@ def comparison_label(record: RunRecord) -> str:
 def _group_by_router(
     records: Sequence[RunRecord], seed_of: Callable[[RunRecord], int], reference_router: str
 ) -> tuple[dict[str, dict[int, RunRecord]], str | None, bool]:
-    """``{comparison label: {seed: record}}`` (see :func:`comparison_label`), labels in table order; the reference
-    (None where no run is of ``reference_router``); whether every other router shares two seeds with it."""
+    """``{comparison label: {seed: record}}`` in table order; the reference (None if absent); whether every other
+    router shares two seeds with it."""
     # A dense baseline runs the model's dense counterpart (flavour ``<model>-dense``): the same model.
     models = sorted({r.experiment.model.removesuffix(DENSE_SUFFIX) for r in records})
     if len(models) > 1:
@@ -169,26 +166,22 @@ def compare_over_seeds(
     """Each router's zero-shot scores over its seeds, tested against a reference router.
 
     Args:
-        records: runs of one model with lm-eval results, one per router and seed (runs without results are
-            left out).
+        records: runs of one model, one per router and seed (runs without lm-eval results left out).
         reference_router: the router the others are tested against.
-        metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`choose_metric`).
-        per_question: run_id -> the run's per-question results
-            (:func:`repro.stats.compact_per_question`); needed for ``test="questions"``. Default: the
-            records' own ``per_question`` fields, where every evaluated record has one.
-        test: ``seeds`` (paired t over the seeds both routers ran), ``questions`` (McNemar's exact test with
-            one seed per router, else a sign-flip permutation test over questions of the correctness averaged
-            over seeds), ``none``, or ``auto``: ``seeds`` when every router shares at least two seeds with the
-            reference, else ``questions`` when every run has per-question results, else ``none``.
-        confidence: coverage of the Student-t intervals.
-        alpha: significance level of the marks (after Holm's adjustment over ``family``).
+        metric: ``auto``, ``acc`` or ``acc_norm`` (:func:`choose_metric`).
+        per_question: run_id -> per-question results (:func:`repro.stats.compact_per_question`), for
+            ``test="questions"``; default: the records' ``per_question`` fields, where all have one.
+        test: ``seeds`` (paired t over shared seeds), ``questions`` (McNemar's exact test with one seed per
+            router, else a sign-flip permutation test over questions of seed-averaged correctness), ``none``, or
+            ``auto``: ``seeds`` when every router shares >= 2 seeds with the reference, else ``questions`` when
+            every run has per-question results, else ``none``.
+        confidence: Student-t interval coverage.
+        alpha: significance level of the marks (Holm-adjusted over ``family``).
         seed_of: a run's seed (default :func:`record_seed`).
-        family: the Holm family, ``table`` (every test of the table) or ``column``
-            (:mod:`repro.report.over_seeds`).
+        family: Holm family, ``table`` or ``column`` (:mod:`repro.report.over_seeds`).
 
     Raises:
-        ReproError: runs of several models, two runs of one router with the same seed, an unknown test, or a
-            test the records cannot support.
+        ReproError: several models, one router's seed twice, an unknown test, or a test the records cannot support.
     """
     if test not in SEED_TESTS:
         raise ReproError(f"unknown test '{test}'; valid: {', '.join(SEED_TESTS)}")
@@ -263,8 +256,7 @@ _TEST_TEXT = {
 def _rows_over_seeds(
     comparison: SeedComparison, specs: Mapping[str, str] | None = None, default: str = ".2f"
 ) -> tuple[tuple[str, ...], ...]:
-    """One row per router, the reference first, then the tables' order (dense first, then by name): its label,
-    its number of seeds and ``mean +- half-width`` per column, marked significant (and partial) where so."""
+    """A row per router (reference, dense, then by name): label, seeds, marked ``mean +- half-width`` per column."""
     rows = []
     ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
     for router, cells in ordered:
@@ -280,8 +272,7 @@ def _rows_over_seeds(
 
 
 def _caption(comparison: SeedComparison, what: str, labels: Mapping[str, str], untested: str) -> str:
-    """A table over seeds' caption: ``what``, what a cell is, and the test behind the marks (``untested``: why
-    there is none, where there is none)."""
+    """Caption: ``what``, what a cell is, and the test behind the marks (``untested``: why there is none)."""
     caption = (
         f"{what} Each cell: the mean over the router's seeds {PLUS_MINUS} the half-width of the "
         f"{comparison.confidence:.0%} Student-t confidence interval of that mean (no {PLUS_MINUS} with one seed); "
@@ -297,8 +288,7 @@ def _caption(comparison: SeedComparison, what: str, labels: Mapping[str, str], u
 
 
 def seed_zero_shot_table(comparison: SeedComparison) -> Table:
-    """The zero-shot table (``zero_shot_seeds``) of a :func:`compare_over_seeds` comparison: ``mean +- CI
-    half-width`` per router, marked where it differs."""
+    """The ``zero_shot_seeds`` table of a :func:`compare_over_seeds` comparison."""
     tasks = [c for c in comparison.columns if c != AVG]
     labels = [task_label(t) for t in tasks]
     metric_text = ", ".join(f"{label} {comparison.metrics[t]}" for label, t in zip(labels, tasks))
@@ -319,12 +309,11 @@ def compare_metrics_over_seeds(
     seed_of: Callable[[RunRecord], int] = record_seed, family: str = "table",
 ) -> SeedComparison:
     """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router by a paired
-    t-test over the shared seeds where every other router shares at least two with it.
+    t-test over shared seeds where every other router shares at least two.
 
-    ``columns``: column name -> the run's number (None where it has none; a run with none of them is left out);
-    the other arguments as :func:`compare_over_seeds`. In the comparison, ``metrics`` maps each column to itself
-    and ``test`` is ``seeds`` or ``none``. ReproError: runs of several models, or two runs of one router with the
-    same seed.
+    ``columns``: column name -> the run's number (None: none; runs with none left out); other arguments as
+    :func:`compare_over_seeds`; ``test`` is ``seeds`` or ``none``. ReproError: several models, or one router's
+    seed twice.
     """
     measured = [r for r in records if any(f(r) is not None for f in columns.values())]
     groups, reference, seeds_ok = _group_by_router(measured, seed_of, reference_router)
@@ -345,8 +334,8 @@ def seed_metric_table(
 ) -> Table:
     """A table over seeds of per-run numbers (:func:`compare_metrics_over_seeds`), marked like the zero-shot one.
 
-    ``what`` is the caption's first sentence (what the numbers are); ``labels`` and ``specs`` give a column's
-    header (default: its name) and number format (default ``.3f``).
+    ``what``: the caption's first sentence; ``labels``/``specs``: column headers (default: name) and formats
+    (default ``.3f``).
     """
     caption = _caption(comparison, what, labels, "fewer than two seeds shared with it")
     headers = ("Router", "seeds", *(labels.get(c, c) for c in comparison.columns))

@@ -75,17 +75,15 @@ def fmt_interval(interval: Interval | None, spec: str, mark: str = "") -> str:
 
 
 def record_partial(record: RunRecord) -> dict[str, PartialTask]:
-    """task -> :class:`~repro.records.run_record.PartialTask` of the tasks a run scored on part of their documents:
-    its ``partial`` field, and for records written before that field, what lm-eval's ``n-samples`` /
-    ``config.limit`` say."""
+    """task -> :class:`~repro.records.run_record.PartialTask` for tasks scored on part of their documents: the
+    ``partial`` field, else lm-eval's ``n-samples`` / ``config.limit`` (records without that field)."""
     found = {p.task: p for p in partial_tasks(record.lm_eval)}
     found.update({p.task: p for p in record.partial})
     return found
 
 
 def _partial_note(partial: Mapping[str, Mapping[str, PartialTask]]) -> str:
-    """The caption sentence for the dagger: each partial run and task, runs cut alike named together ('' when
-    there is none)."""
+    """The dagger's caption sentence, runs cut alike named together ('' when none)."""
     runs_by_cut: dict[str, list[str]] = {}
     for label, tasks in partial.items():
         if tasks:
@@ -101,8 +99,7 @@ def _partial_note(partial: Mapping[str, Mapping[str, PartialTask]]) -> str:
 
 # ------------------------------------------------------------------------------------------ zero-shot columns
 def choose_metric(task: str, records: Sequence[RunRecord], metric: str = "auto") -> str:
-    """The lm-eval metric shown for ``task`` in a table of ``records``: ``metric``, ``acc`` or ``acc_norm``, or
-    for ``auto`` acc_norm where every run reports it for the task, else acc."""
+    """The lm-eval metric shown for ``task``: ``metric``; ``auto``: acc_norm if every run has it, else acc."""
     if metric not in ZERO_SHOT_METRICS:
         raise ReproError(f"unknown zero-shot metric '{metric}'; valid: {', '.join(ZERO_SHOT_METRICS)}")
     if metric != "auto":
@@ -114,8 +111,8 @@ def choose_metric(task: str, records: Sequence[RunRecord], metric: str = "auto")
 def zero_shot_columns(
     records: Sequence[RunRecord], metric: str = "auto", published: Sequence[str] = ()
 ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
-    """The zero-shot tables' task columns: the papers' tasks that a run measured (or ``published`` numbers are
-    shown for), in the papers' order, then the other measured tasks by name.
+    """The zero-shot task columns: the papers' tasks measured (or published), in the papers' order, then other
+    measured tasks by name.
 
     Returns:
         ``(scores, chosen)``: run_id -> :func:`~repro.records.run_record.lm_eval_metrics`, and task -> its metric
@@ -165,8 +162,7 @@ def render(table: Table, fmt: str) -> str:
 
     Args:
         table: the table.
-        fmt: ``md`` (caption, then a GitHub table), ``csv`` (header and rows only) or ``tex`` (a ``table``
-            float with caption and label, booktabs rules).
+        fmt: ``md`` (caption, GitHub table), ``csv`` (header and rows) or ``tex`` (booktabs ``table`` float).
 
     Returns:
         The text, ending in a newline.

@@ -33,14 +33,13 @@ from repro.report.table_core import (
 
 
 def _ordered(records: Sequence[RunRecord]) -> list[RunRecord]:
-    """The dense baseline first, then routers by name, then run_id: tables do not depend on file names or
-    argument order, and no router is placed by name."""
+    """Dense first, then by router name and run_id: independent of file names and argument order."""
     return sorted(records, key=lambda r: (r.experiment.router != "dense", r.experiment.router, r.run_id))
 
 
 def _labels(records: Sequence[RunRecord]) -> dict[str, str]:
-    """Row label per run: the router, or ``router (run_id)`` where a router has several runs (a run whose id is
-    the router's name keeps the plain name; a variant such as ``dirmoe+centered`` is named by its id)."""
+    """Row label per run: the router, or ``router (run_id)`` where a router has several runs (a run id equal to
+    the router's name stays plain; variants are named by id)."""
     routers = [r.experiment.router for r in records]
 
     def label(r: RunRecord) -> str:
@@ -72,8 +71,7 @@ def _percent(value: float | None) -> float | None:
 
 
 def _stderr(record: RunRecord, task: str, metric: str) -> float | None:
-    """lm-eval's standard error of a task's metric (``<metric>_stderr,none``), None where the run has none
-    (``bootstrap_iters=0``: "N/A")."""
+    """lm-eval's standard error of a task's metric, None where absent (``bootstrap_iters=0``)."""
     value = record.lm_eval["results"].get(task, {}).get(f"{metric}_stderr,none")
     return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
@@ -86,7 +84,7 @@ def zero_shot_table(
 
     Args:
         records: runs with lm-eval results (runs without are left out).
-        metric: ``auto``, ``acc`` or ``acc_norm`` (see :func:`choose_metric`); both are in every record.
+        metric: ``auto``, ``acc`` or ``acc_norm`` (:func:`choose_metric`).
         ledger: published numbers to show beside the runs (None: measured rows only).
     """
     evaluated = [r for r in _ordered(records) if r.lm_eval is not None]
@@ -104,14 +102,14 @@ def zero_shot_table(
         values = [_percent(scores[record.run_id].get(t, {}).get(chosen[t])) for t in tasks]
         errors = [_percent(_stderr(record, t, chosen[t])) for t in tasks]
         mean = statistics.fmean(values) if values and None not in values else None
-        # The tasks' question sets are independent: the standard error of the mean of k scores adds in quadrature.
+        # Independent question sets: the mean's standard error adds in quadrature.
         mean_error = math.sqrt(sum(e**2 for e in errors)) / len(errors) if errors and None not in errors else None
         cut = partial[labels[record.run_id]]
         cells = [_fmt_pm(v, e, PARTIAL if t in cut else "") for t, v, e in zip(tasks, values, errors)]
         rows.append((labels[record.run_id], *cells, _fmt_pm(mean, mean_error, PARTIAL if cut else "")))
         for source, entries in published[record.run_id].items():
             pub = [_value(entries.get(f"zero_shot.{t}")) for t in tasks]
-            # The published average is over the seven paper tasks: shown only when those are the columns.
+            # The published average covers the seven paper tasks: shown only when those are the columns.
             pub_avg = _value(entries.get("zero_shot.avg")) if paper_columns_only else None
             rows.append((f"{record.experiment.router} [{source}]", *(_fmt(v, ".2f") for v in pub), _fmt(pub_avg, ".2f")))
             deltas = [None if m is None or p is None else m - p for m, p in zip(values, pub)]
@@ -143,8 +141,7 @@ _VALIDATION_LABELS = {VALID_SPLIT: "valid split", HELDOUT: "held-out"}
 
 
 def heldout_loss(record: RunRecord) -> float | None:
-    """The held-out LM loss (nats/token) over all the tokens of the record's per-domain losses (token-weighted),
-    None where the run has none."""
+    """Token-weighted held-out LM loss (nats/token) over the per-domain losses, None where absent."""
     tokens = sum(d.tokens for d in record.domain_losses)
     return sum(d.loss * d.tokens for d in record.domain_losses) / tokens if tokens else None
 
@@ -179,8 +176,7 @@ def _validation_text(records: Sequence[RunRecord]) -> str:
 
 
 def validation_table(records: Sequence[RunRecord]) -> Table:
-    """The validation loss of each run (runs with neither number are left out): the trainer's, the held-out loss
-    and one column per domain."""
+    """Each run's validation loss: the trainer's, held-out, and per domain (runs with neither left out)."""
     columns = _validation_columns(records)
     measured = [r for r in _ordered(records) if any(f(r) is not None for f in columns.values())]
     labels = _labels(measured)
@@ -190,8 +186,7 @@ def validation_table(records: Sequence[RunRecord]) -> Table:
 
 
 def validation_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
-    """:func:`validation_table` over seeds (``validation_seeds``): mean +- CI per router, ``*`` where it differs
-    from the reference.
+    """:func:`validation_table` over seeds (``validation_seeds``), marked against the reference.
 
     Args:
         records: runs of one model, one per router and seed.
@@ -222,8 +217,7 @@ def _layer_mean(name: str) -> Callable[[RunRecord], float | None]:
 
 
 def routing_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
-    """The routing statistics (mean over layers) over seeds (``routing_seeds``): mean +- CI per router, marked
-    against the reference; arguments as :func:`validation_seed_table` (dense runs, without routing, left out)."""
+    """Layer-mean routing statistics over seeds (``routing_seeds``); as :func:`validation_seed_table`, no dense."""
     columns = {name: _layer_mean(name) for name in SEED_ROUTING_METRICS}
     comparison = compare_metrics_over_seeds([r for r in records if r.routing], columns, **options)
     return seed_metric_table(
@@ -254,15 +248,15 @@ def efficiency_table(
     Args:
         records: runs with efficiency figures (runs without are left out).
         ledger: published numbers to show beside the runs (None: measured rows only).
-        parity_tolerance: relative tolerance on measured expert FLOPs per token (see
-            :func:`repro.report.compute_parity.compute_parity`).
+        parity_tolerance: relative tolerance on expert FLOPs per token
+            (:func:`~repro.report.compute_parity.compute_parity`).
         reference_router: the router of the parity reference run.
     """
     measured = [r for r in _ordered(records) if r.efficiency is not None]
     parity = compute_parity(measured, tolerance=parity_tolerance, reference_router=reference_router)
     labels = _labels(measured)
     rows: list[tuple[str, ...]] = []
-    # A router's published rows once, after its last measured row (variants of a router share its paper rows).
+    # Published rows once per router, after its last measured row (variants share them).
     last_of_router = {r.experiment.router: r.run_id for r in measured}
     for record in measured:
         e = record.efficiency
@@ -310,7 +304,7 @@ def efficiency_table(
 
 
 def _flops_formulas(records: Sequence[RunRecord]) -> str:
-    """The FLOPs count(s) the records' TFLOP/s come from, named (:func:`repro.records.flops.formula_name`)."""
+    """The named FLOPs count(s) behind the records' TFLOP/s (:func:`repro.records.flops.formula_name`)."""
     counts = sorted({r.efficiency.flops_attention or "" for r in records})
     if len(counts) == 1:
         return formula_name(counts[0] or None)
@@ -322,7 +316,7 @@ def _flops_formulas(records: Sequence[RunRecord]) -> str:
 
 # ------------------------------------------------------------------------------------------ routing
 def routing_table(records: Sequence[RunRecord]) -> Table:
-    """Routing behaviour per run (dense runs, which have none, left out): the mean over layers, then each layer."""
+    """Routing per run (dense left out): mean over layers, then each layer."""
     routed = [r for r in _ordered(records) if r.routing]
     labels = _labels(routed)
     names = ("active_experts", "simpson", "load_imbalance", "dropped_mass", "fallback_share")

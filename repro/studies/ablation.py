@@ -1,44 +1,37 @@
 """``python -m repro study ablation``: why DirMoE's routing collapses on the embedded default, cell by cell, over seeds.
 
-On the embedded default (``tiny`` flavour, mini-pile, 600 steps) DirMoE as specified sends almost every token
-of one layer to one expert; what this command runs and writes: docs/experiments.md, "The DirMoE ablation".
-Each *cell* is one reading of the paper or one remedy (a few router options, :data:`CELLS`), run for several
-seeds (``--set seed=N`` per run) as one study (:mod:`repro.studies.engine`). From the training logs: per run, the
-end-of-run routing and losses (the mean over the last ``final_fraction`` of the steps); per cell, the mean +-
-95% interval over the seeds and paired tests against the paper's DirMoE and against Switch, Holm-adjusted over
-``--family``; with at most :data:`MAX_PAIRED_CELLS` DirMoE cells besides ``paper``, cell against cell
-(:mod:`repro.report.ablation_tables`). No zero-shot evaluation: the question is the routing, and at this scale
-the zero-shot differences are within noise (results/mini/README.md).
+On the embedded default (``tiny``, mini-pile, 600 steps) DirMoE as specified sends almost every token of one
+layer to one expert (docs/experiments.md, "The DirMoE ablation"). Each *cell* is one reading of the paper or one
+remedy (router options, :data:`CELLS`), run over several seeds as one study (:mod:`repro.studies.engine`). Per
+run: end-of-run routing and losses (mean over the last ``final_fraction`` of steps); per cell: mean +- 95%
+interval over seeds and paired tests against the paper's DirMoE and Switch, Holm-adjusted over ``--family``;
+with at most :data:`MAX_PAIRED_CELLS` DirMoE cells, cell against cell (:mod:`repro.report.ablation_tables`).
+No zero-shot evaluation: the question is routing, and zero-shot differences are within noise at this scale.
 
-**Screen and confirmation.** The runs on seeds 1-6 (:data:`SCREEN_SEEDS`) are a screen: cells and claims were
-picked from them, so their p-values are exploratory. ``--confirm`` runs a confirmatory study: it refuses
-screen seeds, and adds ``ablation_confirm``, which tests only the hypotheses of :data:`HYPOTHESES` (stated
-before those seeds were run) as one Holm family::
+**Screen and confirmation.** Seeds 1-6 (:data:`SCREEN_SEEDS`) are a screen that picked cells and claims, so
+their p-values are exploratory. ``--confirm`` refuses screen seeds and adds ``ablation_confirm``, testing only
+the pre-stated :data:`HYPOTHESES` as one Holm family::
 
     python -m repro study ablation --confirm --cells paper,recon-centered,kl-off,aux-off,switch --seeds 7,8,9,10,11,12 \
         --out results/dirmoe-ablation-confirm
 
 ``--tables-only``: :func:`rebuild_tables`. Finished runs are reused, killed ones resumed, ``--fresh`` retrains
-every run. The cost in ``summary.json`` is each run's own worker CPU time (kept in its run directory), not the
-invocations' wall time, which a shared machine distorts.
+all. The cost in ``summary.json`` is each run's worker CPU time, not wall time (distorted on a shared machine).
 
 Choices (each with its reason):
 
-1. **Run length 600 steps**, the length of the users' findings and of ``nox -s mini``: a shorter run would
-   compress every DirMoE schedule (they span the run) and change the question. Cost: measured, results/dirmoe-ablation/README.md.
-2. **End-of-run window**: the routing metrics are averaged over the last tenth of the steps (60 rows at 600
-   steps): per-step load imbalance is noisy (one micro-batch of 512 tokens), the end state is what the
-   findings are about, and the same window is used for every cell. The LM loss uses the same window.
-3. **Validation** on 8 micro-batches (``validation.iters=8``, 4096 tokens) instead of the recipe's 2: the
-   validation loss is compared across cells, and 2 micro-batches are noisier than the differences looked for.
-4. **Checkpoints every 200 steps**: a killed run loses at most 200 steps; each checkpoint of the tiny model
-   with its optimizer state is ~44 MB, so the recipe's 100 would keep ~12 GB for 48 runs.
-5. **dense-first** dispatches densely for the first sixth of the run (100 of 600 steps): the users saw the
-   shared component take over the router input by step 100. **tau-short** is the "short" temperature preset
-   of ``routers/dirmoe_config.py`` (gap 6): tau at its end value after the first tenth of the run.
-6. **Weight imbalance** (``max_i mean_t r_ti / (1/E)``, from the per-expert ``weight_share``) beside the load
-   imbalance: with dense dispatch every expert receives every token, so the load is flat by construction and
-   only the weights show a collapse.
+1. **600 steps**, as the users' findings and ``nox -s mini``: a shorter run compresses every DirMoE schedule
+   (they span the run) and changes the question. Cost: results/dirmoe-ablation/README.md.
+2. **End-of-run window** (last tenth of the steps) for routing metrics and LM loss, the same for every cell:
+   per-step load imbalance is noisy, and the findings are about the end state.
+3. **Validation on 8 micro-batches** (recipe: 2): validation loss is compared across cells, and 2 micro-batches
+   are noisier than the differences looked for.
+4. **Checkpoints every 200 steps**: bounds the loss from a killed run while keeping disk use modest over all runs.
+5. **dense-first** dispatches densely for the first sixth of the run: the users saw the shared component take
+   over the router input by step 100. **tau-short** is the "short" temperature preset of
+   ``routers/dirmoe_config.py``: tau at its end value after the first tenth of the run.
+6. **Weight imbalance** (``max_i mean_t r_ti / (1/E)``) beside load imbalance: under dense dispatch the load is
+   flat by construction and only the weights show a collapse.
 """
 
 from __future__ import annotations
@@ -60,8 +53,7 @@ from repro.studies.engine import CpuStudySettings, Run, Study, pick, run_cost, r
 COMMAND = "python -m repro study ablation"
 #: The seeds of the screens (results/dirmoe-ablation, -6seeds): a confirmatory study must use others.
 SCREEN_SEEDS = (1, 2, 3, 4, 5, 6)
-#: The pairs table compares every two DirMoE cells besides the reference up to this many cells (a 16-cell
-#: screen would give 91 pairs: a screen's pairs are for the confirmatory study to state, not to scan).
+#: Max DirMoE cells for the all-pairs table (a screen's pairs are for the confirmatory study to state, not scan).
 MAX_PAIRED_CELLS = 6
 #: Results directory -> its write-up (``python -m repro report writeup``; :mod:`repro.studies.ablation_writeup`).
 WRITEUPS = {"dirmoe-ablation": "repro.studies.ablation_writeup:screen",
@@ -74,9 +66,9 @@ class Cell:
     """One variant of the ablation.
 
     Args:
-        name: the cell's name (``--cells``).
-        router: the registered router (``dirmoe`` or ``switch``).
-        reading: what the cell tests, in one line (tables, README).
+        name: ``--cells`` name.
+        router: ``dirmoe`` or ``switch``.
+        reading: what the cell tests, one line (tables, README).
         options: router options, ``NAME=VALUE``.
         per_run: options set from the run's length, ``(NAME, divisor)``: ``NAME = max(1, steps // divisor)``.
     """
@@ -96,7 +88,7 @@ class Cell:
                 raise ValueError(f"cell '{self.name}': divisor must be >= 1, got {divisor}")
 
     def router_options(self, steps: int) -> tuple[str, ...]:
-        """The cell's router options for a run of ``steps`` steps, ``NAME=VALUE``."""
+        """Router options (``NAME=VALUE``) for a run of ``steps`` steps."""
         return (*self.options, *(f"{name}={max(1, steps // divisor)}" for name, divisor in self.per_run))
 
     def overrides(self, steps: int) -> tuple[str, ...]:
@@ -127,9 +119,7 @@ CELLS = types.MappingProxyType({cell.name: cell for cell in _CELL_LIST})
 
 
 _LEVER = "the centred target is the main lever on layer 1's collapse"
-#: The confirmatory study's hypotheses (``--confirm``), stated from the screen before its seeds are run:
-#: the README's claims about the centred target, each with the direction it predicts (as its words said). One
-#: Holm family, two-sided paired t-tests.
+#: ``--confirm``'s pre-stated hypotheses (centred-target claims); one Holm family, two-sided paired t-tests.
 HYPOTHESES = (
     Hypothesis("recon-centered", REFERENCE, "load_imbalance[0]", "the centred target lowers layer 1's load imbalance",
                "lower"),
@@ -144,16 +134,14 @@ HYPOTHESES = (
 
 @dataclass(frozen=True, kw_only=True)
 class AblationConfig(CpuStudySettings):
-    """Settings of the ablation, besides the shared ones (:class:`~repro.studies.engine.CpuStudySettings`; its
-    ``overrides`` come after the cell's).
+    """Ablation settings beyond :class:`~repro.studies.engine.CpuStudySettings` (whose ``overrides`` follow the cell's).
 
     Args:
-        cells: the cells run (names of :data:`CELLS`), in table order.
-        seeds: the seeds each cell runs with (``seed=N``); the same seeds for every cell, so cells pair by seed.
-        final_fraction: the share of the steps at the end of a run whose rows the end-of-run metrics average.
-        family: the Holm family of the tables against a reference cell (``table`` or ``column``,
-            :mod:`repro.report.over_seeds`).
-        confirm: a confirmatory study: seeds outside :data:`SCREEN_SEEDS`, and the ``ablation_confirm`` table.
+        cells: :data:`CELLS` names, in table order.
+        seeds: the same for every cell, so cells pair by seed.
+        final_fraction: trailing share of steps the end-of-run metrics average.
+        family: Holm family against a reference cell (``table`` or ``column``, :mod:`repro.report.over_seeds`).
+        confirm: confirmatory study: seeds outside :data:`SCREEN_SEEDS`, plus the ``ablation_confirm`` table.
     """
 
     cells: tuple[str, ...]
@@ -183,20 +171,19 @@ class AblationConfig(CpuStudySettings):
 
     @property
     def final_window(self) -> int:
-        """Rows at the end of a run that the end-of-run metrics average (at least one)."""
+        """Trailing rows the end-of-run metrics average (at least one)."""
         return max(1, round(self.steps * self.final_fraction))
 
     def run_dir(self, cell: str, seed: int) -> Path:
         return Path(self.work_dir) / self.run(cell, seed).run_id
 
     def runs(self) -> list[tuple[str, int]]:
-        """Every (cell, seed), cells inside seeds: the runs of the first seed are trained first, so a
-        session cut short leaves every cell with the same seeds, and slow and fast hours of a shared machine
-        fall on every cell alike."""
+        """Every (cell, seed), cells inside seeds: a session cut short leaves every cell with the same seeds,
+        and a shared machine's slow hours fall on every cell alike."""
         return [(cell, seed) for seed in self.seeds for cell in self.cells]
 
     def run(self, cell: str, seed: int) -> Run:
-        """The run ``<cell>-s<seed>``: ``<router>-tiny`` with this ablation's settings and the cell's options."""
+        """The run ``<cell>-s<seed>``: ``<router>-tiny`` with the ablation's settings and the cell's options."""
         overrides = (
             *self.run_overrides(), f"seed={seed}",
             "validation.iters=8",  # choice 3
@@ -218,7 +205,7 @@ class AblationConfig(CpuStudySettings):
 
 # ------------------------------------------------------------------------------------------- reporting
 def _cost(cfg: AblationConfig) -> dict[str, Any]:
-    """CPU seconds of the runs (worker processes, one thread each): in total, and per run of each cell."""
+    """Worker CPU seconds: total, and per run of each cell."""
     costs = {(c, s): run_cost(cfg.run_dir(c, s)) for c, s in cfg.runs()}
     known = {k: v for k, v in costs.items() if v is not None}
     per_cell = {}
@@ -235,9 +222,8 @@ def _cost(cfg: AblationConfig) -> dict[str, Any]:
 
 
 def build_tables(results, cells: tuple[str, ...], *, family: str = "table", confirm: bool = False) -> list:
-    """The ablation's tables of ``results`` (cells in table order): against ``paper``, against Switch, the
-    differences to ``paper`` and cell against cell (up to :data:`MAX_PAIRED_CELLS`); for a confirmatory study, the
-    pre-registered hypotheses alone."""
+    """The tables: against ``paper``, against Switch, differences to ``paper``, cell against cell (up to
+    :data:`MAX_PAIRED_CELLS`); for a confirmatory study, the pre-registered hypotheses alone."""
     if confirm:  # one family per comparison: the screen's tables would test the same cells again in other families
         return [ablation_tables.confirm_table(results, HYPOTHESES)]
     tables = [ablation_tables.ablation_table(results, reference=REFERENCE, family=family)]
@@ -313,17 +299,16 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
 
 
 def _hypotheses_json(confirm: bool) -> dict[str, Any]:
-    """A confirmatory study's summary records the hypotheses it tested (its write-up reads them from there)."""
+    """The hypotheses a confirmatory study tested, for its summary (the write-up reads them there)."""
     return {"hypotheses": [dataclasses.asdict(h) for h in HYPOTHESES]} if confirm else {}
 
 
 def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None = None) -> str:
-    """``--tables-only``: the tables and the statistics of ``summary.json`` again, from the per-seed values it
-    stores (every number the tables show is computed from those); the run directories are not needed and the
-    plots are left as they are.
+    """``--tables-only``: tables and statistics recomputed from the per-seed values in ``summary.json``; no run
+    directories needed, plots untouched.
 
     Args:
-        out_dir: an output directory of this command (holding ``summary.json``).
+        out_dir: this command's output directory (with ``summary.json``).
         family: the Holm family.
         confirm: add the confirmatory table (default: what the summary records).
 
@@ -369,8 +354,7 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 
 def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespace, bool | None]:
-    """The ablation's settings from the command line, checked before any work; and ``--fresh``. With
-    ``--tables-only``: the parsed arguments and None (nothing is trained)."""
+    """The checked settings and ``--fresh``; with ``--tables-only``, the parsed arguments and None."""
     defaults = AblationConfig(cells=tuple(CELLS))
     p = defaults.parser(prog, __doc__.split("\n\n")[0])
     p.add_argument("--cells", default="all", help=f"comma-separated cells, or all ({', '.join(CELLS)})")

@@ -36,7 +36,7 @@ LAYERS = ("load_imbalance[0]", "load_imbalance[1]")
 #: How the summary's Holm family (``summary.json`` ``family``) reads in a sentence.
 _FAMILY_WORDS = {"column": "the cells of its column", "table": "every test of its table (all cells and columns)"}
 
-#: The cell whose rows of the cell-against-cell table the write-up quotes (the README's claims are about it).
+#: The cell whose cell-against-cell rows the write-up quotes (the README's claims are about it).
 FOCUS = "recon-centered"
 #: The cell-against-cell table's file stem (``ablation_tables.pairs_table``).
 PAIRS_TABLE = "ablation_pairs"
@@ -45,9 +45,8 @@ CONFIRM_TABLE = "ablation_confirm"
 
 
 def read_paired(entry: dict[str, Any], versus: str, reference_values: dict[str, float]) -> Paired | None:
-    """The comparison with ``versus`` that the summary holds in one cell's entry for one metric (its
-    ``vs_<versus>``, written by ``ablation_tables.results_to_json``), None where there is no test;
-    ``reference_values``: the per-seed values of ``versus`` (to count the seeds where this cell is lower)."""
+    """The summary's ``vs_<versus>`` comparison in one cell's metric entry (None: no test);
+    ``reference_values``: ``versus``'s per-seed values (to count seeds where this cell is lower)."""
     test = entry.get(f"vs_{versus}")
     if not test:
         return None
@@ -68,8 +67,8 @@ def _per_seed(values: dict[str, float], spec: str = ".2f") -> str:
 
 
 def _family(results: dict[str, Any], versus: str) -> dict[tuple[str, str], Paired]:
-    """Every test against ``versus`` the summary holds, ``(cell, metric) -> Paired``: one Holm family (the
-    table's, as ``ablation_tables`` adjusts it), each with the family's size and the exact sign-flip test."""
+    """Every summary test against ``versus``, ``(cell, metric) -> Paired``: one Holm family (the table's), each
+    with the family's size and the exact sign-flip test."""
     found: dict[tuple[str, str], Paired] = {}
     pairs = {}
     for cell, metrics in results.items():
@@ -110,8 +109,7 @@ def _reference_findings(results: dict[str, Any]) -> list[str]:
 
 
 def _cell_finding(results: dict[str, Any], cells: dict[str, Any], cell: str) -> str:
-    """One cell against the paper's DirMoE: load (or, where the load is flat by construction, weight) imbalance
-    per layer and the validation loss."""
+    """One cell against the paper's DirMoE: load (or weight) imbalance per layer, and validation loss."""
     flat = all(v == 1.0 for m in LAYERS for v in _values(results, cell, m).values())
     metrics = [m.replace("load_", "weight_") for m in LAYERS] if flat else list(LAYERS)
     what = "weight imbalance (every expert gets every token)" if flat else "load imbalance"
@@ -143,8 +141,7 @@ def _theta_finding(results: dict[str, Any], window: int | None) -> str | None:
 
 
 def _contrast_findings(directory: Path, summary: dict[str, Any]) -> list[str]:
-    """The rows of the cell-against-cell table with :data:`FOCUS`, per layer, with that table's tests (its pairs,
-    columns and family; empty where the study has no such table)."""
+    """The cell-against-cell rows with :data:`FOCUS`, per layer, with that table's tests (empty without it)."""
     path = directory / f"{PAIRS_TABLE}.csv"
     if not path.is_file():
         return []
@@ -179,8 +176,7 @@ def _cost(summary: dict[str, Any]) -> list[str]:
 
 
 def _command(summary: dict[str, Any], directory: Path) -> str:
-    """The command that wrote an ablation's directory (the summary's ``command`` names the entry point alone; the
-    selection it ran is in the summary too)."""
+    """The full command that wrote an ablation's directory (entry point plus the summary's selection)."""
     return (
         f"python -m repro study ablation{' --confirm' if summary.get('confirm') else ''} --cells "
         f"{','.join(summary['results'])} --seeds {','.join(map(str, summary.get('seeds', [])))} "
@@ -190,8 +186,8 @@ def _command(summary: dict[str, Any], directory: Path) -> str:
 
 
 def screen(directory: Path) -> Writeup:
-    """``results/dirmoe-ablation``, the screen over every cell: its README block names the cells whose load
-    imbalance is below the paper's (the confirmatory study's block has the rest)."""
+    """``results/dirmoe-ablation``, the screen: its README block names the cells with lower load imbalance than
+    the paper's (the confirmatory block has the rest)."""
     return ablation(directory, brief=True)
 
 
@@ -226,8 +222,7 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
 
 
 def confirm(directory: Path) -> Writeup:
-    """``results/dirmoe-ablation-confirm``: the hypotheses its summary records, stated before its seeds were run,
-    tested on those seeds alone (one Holm family: the hypotheses)."""
+    """``results/dirmoe-ablation-confirm``: pre-registered hypotheses on its own seeds (one Holm family)."""
     s = load_json(directory / "summary.json")
     results, seeds = s["results"], s.get("seeds", [])
     hypotheses = [h for h in s.get("hypotheses", []) if h["cell"] in results and h["versus"] in results]

@@ -25,8 +25,7 @@ def _ms(seconds: float) -> str:
 
 
 def _per_round(extra: dict[str, Any], label: str, brackets: bool = False) -> str:
-    """The mean of ``label``'s per-round ratios to Switch with its 95% interval (the interleaved benchmark's
-    ``over_switch_per_round``), as a clause; "" in runs that did not record them."""
+    """``label``'s mean per-round ratio to Switch with its 95% interval, as a clause ("" if not recorded)."""
     ci = (extra.get("over_switch_per_round") or {}).get(label)
     if not ci or ci.get("low") is None:
         return ""
@@ -35,8 +34,7 @@ def _per_round(extra: dict[str, Any], label: str, brackets: bool = False) -> str
 
 
 def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
-    """One pytest-benchmark JSON: its findings (medians per group; DirMoE over Switch stepped alternately),
-    the subset for the README block, and its table."""
+    """One pytest-benchmark JSON: its findings, the subset for the README block, and its table."""
     from repro.report.bench_table import render_bench, summarise
 
     data = load_json(path)
@@ -66,13 +64,12 @@ def _bench_file(path: Path) -> tuple[list[str], list[str], list[str]]:
 
 
 def _costs_file(path: Path) -> tuple[list[str], list[str], list[str]]:
-    """``router_costs.json`` (``python -m repro study router-costs --out results/bench``): launches and host syncs per router call,
-    forward + backward on a non-logging step; counts, so exact, with no test."""
+    """``router_costs.json``: launches and host syncs per router call (exact counts, no test)."""
     rows = [r for r in load_json(path)["rows"] if r["pass"] == "fwd+bwd"]
     launches = ", ".join(f"{r['router']} {r['launches']} ({num(r['x_switch'])} x {REFERENCE_ROUTER})" for r in rows)
     syncs = sum(r["syncs"] for r in rows)
     compiled = [r["router"] for r in rows if r.get("regions")]
-    # A region's kernels are those of the backend that compiled it (C++ here), which fuses more than a GPU's.
+    # A region's kernels are its compiling backend's (C++ here), which fuses differently from a GPU's.
     caveat = (f"; {', '.join(compiled)} with its compiled regions' kernels as inductor's CPU backend generates "
               "them, fewer than a GPU launches (docs/efficiency.md)") if compiled else ""
     finding = (
@@ -84,8 +81,7 @@ def _costs_file(path: Path) -> tuple[list[str], list[str], list[str]]:
 
 
 def bench(directory: Path) -> Writeup:
-    """``results/bench``: every pytest-benchmark JSON there (medians of one run each: no test, no comparison word),
-    and the router cost counts."""
+    """``results/bench``: pytest-benchmark JSONs (single-run medians: no tests) and router cost counts."""
     findings, key, tables = [], [], ["## Tables", ""]
     for path in sorted(directory.glob("*.json"), key=lambda p: (p.name != "routers.json", p.name)):
         f, k, table = (_costs_file if path.name == "router_costs.json" else _bench_file)(path)

@@ -1,40 +1,24 @@
 """``python -m repro study efficiency``: iteration time and TFLOP/s per device of every router and dense, on 1..N GPUs.
 
-For each requested run (default: every router with experiments but megatron's own TopKRouter, then dense) it
-trains the first iterations of the ``<router>-<flavour>`` experiment on synthetic tokens, one run after another
-(:func:`repro.studies.engine.train_command`, torchrun for ``--gpus N``), and reports the median iteration time, tokens/s
-and TFLOP/s per device (:mod:`repro.records.flops`). ``--out`` gets ``runs/<run>/`` (config, log, record), the
-efficiency table (``efficiency.md|csv|tex``) and ``summary.json``; what is timed, commands and examples:
-docs/efficiency.md.
+Each run (default: every router with experiments but megatron's, then dense) trains the first iterations of
+``<router>-<flavour>`` on synthetic tokens; reports median iteration time, tokens/s, TFLOP/s per device
+(:mod:`repro.records.flops`) to ``--out`` (docs/efficiency.md).
 
-Defaults, each one option away (docs/efficiency.md has the measurements behind them):
+Defaults, each one option away:
 
-1. **Synthetic tokens at GPT-2's vocabulary** (``--vocab-size 50257``): no data set is needed, and the model
-   has the papers' embedding and output sizes. Dense compute does not depend on the token ids; Hash routes by
-   id, so its load follows the synthetic chain's ids. ``--set data.source=pile:PREFIX`` measures real tokens.
-2. **The papers' per-device work** (``--accumulation``, ``--global-batch``): they train 512 x 1024 tokens per
-   iteration on ~8 GPUs (Megatron's FLOPs count with the DirMoE paper's 437.3 ms and 137.2 TFLOP/s per GPU
-   gives 8.0), i.e. micro-batches of 16 (ReMoE's launch scripts) x 4 accumulation steps per GPU; every device
-   here does the same, so ms/iter and TFLOP/s per GPU compare with the papers' directly. ``tiny`` keeps its
-   recipe's 8 sequences of 128 per device.
-3. **The first iterations of the recipe's run** (``--warmup``, ``--iters``), stopped after ``warmup + iters +
-   1``, so no checkpoint is written and validation is off; a dense start (Lory's) is turned off so that the
-   routed model is timed. Routing is measured near initialisation; ``--init-from DIR`` times the steady state
-   from a trained checkpoint of each router (:func:`resolve_init_from`) with the routers' schedules at its step.
-4. **Warm-up excluded, median reported** (``--warmup 3``): the first iterations carry CUDA initialisation,
-   allocator growth and torch.compile; min and max are in the summary. The two iterations whose routers
-   compute their metrics are left out too (``LogRow.metrics_collected``).
-5. **On one device, every run in one process, stepped in turn** (:mod:`repro.training.interleave`): each run's
-   model, optimizer and data resident together, one step of each per round, the order reversed every other
-   round, Python's garbage collector run by hand between rounds; each ratio to Switch comes from the same
-   rounds, with a 95% interval by batch means (:func:`repro.stats.timing_ratio`). A ratio is only
-   formed within one process on one machine: with ``--separate`` (a fresh process per run, what ``--gpus N``
-   always does) the summary gives each run's times and no ratio. Every run is resident at once: at
-   LLaMA-185M a run holds ~10 GB besides one step's activations, so a GPU of 80 GB holds about five.
+1. **Synthetic tokens at GPT-2's vocabulary**: no data set needed, the papers' embedding sizes (Hash's load
+   follows the synthetic ids; ``--set data.source=pile:PREFIX`` for real tokens).
+2. **The papers' per-device work** (micro-batches of 16 x 4 per GPU), so per-GPU figures compare with theirs.
+3. **The recipe's first iterations**: no checkpoint, validation or dense start, so the routed model is timed near
+   initialisation; ``--init-from DIR`` times the steady state (:func:`resolve_init_from`).
+4. **Warm-up and metrics iterations excluded, median reported**: warm-up carries CUDA init, allocator growth and
+   torch.compile.
+5. **On one device, all runs resident in one process, stepped in turn** (:mod:`repro.training.interleave`, order
+   reversed every other round, GC by hand): ratios to Switch come from the same rounds, 95% interval by batch means
+   (:func:`repro.stats.timing_ratio`); ``--separate`` (always with ``--gpus N``) reports times, no ratios.
 
-``--out`` must be new, empty, or an earlier output of this command (``.efficiency-out``); a run directory is
-replaced only when it holds ``.efficiency-run``. Earlier runs in ``--out`` not asked for again are kept
-(``python -m repro report tables OUT/runs`` tabulates them all).
+``--out`` must be new, empty, or this command's (``.efficiency-out``); only run directories holding
+``.efficiency-run`` are replaced; runs not asked for again are kept.
 """
 
 from __future__ import annotations
@@ -53,8 +37,7 @@ from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
 from repro.studies.engine import Run, Study, check_out_dir, claim, run_study
 
-#: The flavours this command measures -> the devices their recipe's global batch is spread over in its source:
-#: the papers' ~8 GPUs for 185m (default 2), the mini comparison's one CPU process for tiny.
+#: Flavour -> devices its recipe's global batch is spread over in its source (papers: ~8 GPUs; mini: 1 CPU).
 REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
 #: GPT-2 BPE's vocabulary (the papers' tokenizer).
 GPT2_VOCAB = 50257
@@ -70,11 +53,11 @@ class RunSpec:
     """One measured run.
 
     Args:
-        label: the run's name (its directory under ``runs/``, its record's ``run_id``).
+        label: directory under ``runs/`` and record ``run_id``.
         router: a router with experiments, or ``dense``.
-        overrides: dot-list overrides of this run only (``router.options.compile_elementwise=never``).
-        init_from: the trained checkpoint the run starts from ("": initialisation).
-        start_step: that checkpoint's step (0 from initialisation).
+        overrides: this run's own dot-list overrides.
+        init_from: trained checkpoint to start from ("": initialisation).
+        start_step: that checkpoint's step.
     """
 
     label: str
@@ -100,8 +83,7 @@ class EfficiencyPlan:
         published: show the published rows beside the runs.
         formats: table formats written.
         flops_attention: how the FLOPs count takes attention (:data:`repro.records.flops.ATTENTION_COUNTS`).
-        interleave: train every run in this process, one step of each in turn (module docstring, 5); else a
-            fresh process per run.
+        interleave: step every run in this process in turn (module docstring, 5); else a process per run.
         flavour, devices, accumulation, vocab_size, overrides, micro_batch_size, global_batch_size: as
             :func:`efficiency_overrides` (``overrides``: of every run).
     """
@@ -137,14 +119,12 @@ class EfficiencyPlan:
 
     @property
     def steps_run(self) -> int:
-        """Iterations each run trains: warm-up, measured, and one more whose routers compute their metrics
-        (the routing figures; it is not timed, like the first)."""
+        """Iterations each run trains: warm-up, measured, and one untimed metrics iteration."""
         return self.warmup + self.iters + 1
 
     def run(self, spec: RunSpec) -> Run:
-        """The study's run of ``spec``: its experiment with :func:`efficiency_overrides` (ReproError on a bad
-        router or override). Every run trains the plan's tokens per iteration: a run whose own overrides set
-        ``data.micro_batch_size`` takes fewer or more accumulation steps, not another batch."""
+        """The study's run of ``spec`` (:func:`efficiency_overrides`; ReproError on a bad router or override).
+        A run overriding ``data.micro_batch_size`` keeps the plan's global batch (other accumulation steps)."""
         kwargs = dict(devices=self.devices, accumulation=self.accumulation, steps=self.steps_run,
                       vocab_size=self.vocab_size, micro_batch_size=self.micro_batch_size, init_from=spec.init_from)
         global_batch = self.global_batch_size
@@ -188,23 +168,20 @@ def efficiency_overrides(
     vocab_size: int = GPT2_VOCAB, micro_batch_size: int | None = None, global_batch_size: int | None = None,
     overrides: tuple[str, ...] | list[str] = (), init_from: str = "",
 ) -> list[str]:
-    """The dot-list that turns the ``<router>-<flavour>`` experiment into its efficiency run: synthetic tokens,
-    the per-device batch of the module docstring, no checkpoints, no validation, then ``overrides``.
-
-    ``python -m repro train --experiment <router>-<flavour> --set ...`` with this list builds the same config
-    as :func:`efficiency_config` (that is how each run is started).
+    """The dot-list turning ``<router>-<flavour>`` into its efficiency run (module docstring), then ``overrides``;
+    ``python -m repro train --experiment <router>-<flavour> --set ...`` with it starts each run.
 
     Args:
-        router: a router with experiments (``repro.experiments.experiment_routers()``) or ``dense``.
+        router: a router with experiments or ``dense``.
         flavour: ``185m`` or ``tiny``.
-        devices: processes sharing an iteration (data-parallel size times ``parallel.tp``).
+        devices: processes sharing an iteration (data-parallel size x ``parallel.tp``).
         accumulation: micro-batches per device and iteration (None: :func:`default_accumulation`).
-        steps: iterations the run will be stopped after (the schedule keeps the recipe's length when longer).
-        vocab_size: vocabulary of the synthetic tokens.
+        steps: iterations before the run stops (the schedule keeps the recipe's length when longer).
+        vocab_size: synthetic tokens' vocabulary.
         micro_batch_size: sequences per micro-batch (None: the recipe's).
         global_batch_size: sequences per iteration, instead of micro x accumulation x data-parallel size.
-        overrides: further dot-list overrides (``--set``), applied after this command's own.
-        init_from: a trained checkpoint to start from, the routers' schedules at its step ("": none).
+        overrides: further overrides (``--set``), applied last.
+        init_from: a trained checkpoint to start from, routers' schedules at its step ("": none).
 
     Returns:
         The ``key=value`` assignments, in order.
@@ -221,25 +198,23 @@ def efficiency_overrides(
     own = [
         "data.source=synthetic", f"data.vocab_size={vocab_size}", "data.synthetic_samples=0",
         f"data.micro_batch_size={micro_batch_size or base.data.micro_batch_size}",
-        # The trainer checkpoints at the schedule's last step: keep the recipe's schedule (or one step more
-        # than is run) and stop before it (default 3).
+        # The trainer checkpoints at the schedule's last step: keep it beyond the steps run.
         f"schedule.steps={max(base.schedule.steps, steps + 1)}", "checkpoint.interval=0", "validation.interval=0",
-        # A dense start (Lory's first 5% of steps) would have the first iterations time the dense FFN.
+        # A dense start (Lory's) would time the dense FFN.
         *(["router.options.dense_fraction=0"] if _has_dense_start(base.router.name) else []),
-        # Routing metrics on the first and the last iteration only (the last is not timed, see steps_run).
+        # Routing metrics on the first and last (untimed) iterations only.
         f"logging.metrics_interval={steps}",
         *([f"checkpoint.init_from={init_from}", "checkpoint.init_router_step=true"] if init_from else []),
         *overrides,
     ]
-    # The global batch follows the micro-batch and tensor-parallel size the overrides leave; read them as
-    # OmegaConf reads the dot-list, then check the whole list with a global batch of one micro-batch.
+    # Read the micro-batch and tp the overrides leave, check the list with a one-micro-batch global batch.
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     try:
         given = OmegaConf.from_dotlist([item for item in own if not item.startswith("router.options.")])
         if OmegaConf.select(given, "data.global_batch_size") is not None:
-            # The batch is this command's to set (it would be overridden below, silently).
+            # The batch is this command's to set (it would be silently overridden below).
             raise ReproError("--set data.global_batch_size: use --global-batch or --accumulation instead")
         micro = int(OmegaConf.select(given, "data.micro_batch_size", default=base.data.micro_batch_size))
         tp = int(OmegaConf.select(given, "parallel.tp", default=base.parallel.tp))
@@ -267,8 +242,7 @@ def _has_dense_start(router: str | None) -> bool:
 
 
 def efficiency_config(router: str, flavour: str, **kwargs: Any):
-    """The efficiency run of ``router`` at ``flavour`` (a RunConfig): the experiment with
-    :func:`efficiency_overrides` (same arguments) applied; ReproError as there."""
+    """The efficiency RunConfig of ``router`` at ``flavour`` (arguments and errors: :func:`efficiency_overrides`)."""
     from repro.config import apply_overrides
     from repro.experiments import build_experiment
 
@@ -278,8 +252,7 @@ def efficiency_config(router: str, flavour: str, **kwargs: Any):
 
 # ------------------------------------------------------------------------------------------ records
 def _device_name(on_gpu: bool) -> str | None:
-    """The GPU's name without creating a CUDA context in this process (nvidia-smi), else None (the record's
-    own default: torch's name for CUDA device 0, or the CPU)."""
+    """The GPU's name via nvidia-smi (no CUDA context in this process), else None (the record's default)."""
     if not on_gpu or shutil.which("nvidia-smi") is None:
         return None
     try:
@@ -293,7 +266,7 @@ def _device_name(on_gpu: bool) -> str | None:
 
 
 def _write_record(study: Study, run: Run) -> Path:
-    """The study's task after each run's training: its record, with this machine's device."""
+    """The study's task after each run: its record, with this machine's device."""
     import torch
 
     from repro.records.store import environment_info, record_from_run_dir, write_record
@@ -326,11 +299,11 @@ def resolve_init_from(values: list[str], runs: list[RunSpec]) -> list[RunSpec]:
 
     Args:
         values: at most one ``DIR`` (each run from the first of ``DIR/<label>``, ``DIR/<router>``, ``DIR``
-            holding a checkpoint of its router), and ``LABEL=PATH`` for single runs (a run or a checkpoint).
+            holding a checkpoint of its router), and ``LABEL=PATH`` for single runs.
         runs: the runs.
 
     Returns:
-        The runs, each with ``init_from`` (the checkpoint's absolute path) and ``start_step`` (its step).
+        The runs with ``init_from`` (absolute checkpoint path) and ``start_step`` set.
 
     Raises:
         ReproError: two ``DIR``, an unknown label, or a run without a checkpoint of its router.
@@ -368,7 +341,7 @@ def resolve_init_from(values: list[str], runs: list[RunSpec]) -> list[RunSpec]:
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse with its errors as one :class:`ReproError` line (``error: argument --gpus: invalid int value``)."""
+    """argparse with its errors as one :class:`ReproError` line."""
 
     def error(self, message: str):  # type: ignore[override]
         raise ReproError(message)
@@ -469,8 +442,7 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
 
 
 def main(argv: list[str], prog: str = "python -m repro study efficiency") -> int:
-    """Measure every run of the plan, write records, tables and the summary. Returns the exit status (1 when
-    a run failed; the others are still measured and reported)."""
+    """Measure every run, write records, tables and summary. Returns 1 when a run failed (others still reported)."""
     if "--profile" in argv:
         raise ReproError("--profile is now its own study: python -m repro study router-costs")
     from repro.wheelhouse import check_requirements
@@ -497,9 +469,8 @@ def main(argv: list[str], prog: str = "python -m repro study efficiency") -> int
 
 
 def _interleaved(plan: EfficiencyPlan) -> dict[str, Any]:
-    """Train every run of ``plan`` in this process, one step of each in turn
-    (:func:`repro.training.interleave.train_interleaved`), then write each run's record. Returns the outcome as
-    :func:`repro.studies.engine.run_study` does (``failed``: every run, when the interleaved training failed)."""
+    """Train every run in this process, stepped in turn, then write the records. Returns the outcome as
+    :func:`repro.studies.engine.run_study` (``failed``: every run, when the training failed)."""
     import time
 
     from repro.training.interleave import train_interleaved

@@ -23,10 +23,8 @@ REFERENCE_ROUTER = "switch"
 def _command_summary(
     plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
 ) -> dict[str, Any]:
-    """The summary JSON of ``python -m repro study efficiency``: the command and its settings, the FLOPs count,
-    where each run started (initialisation or a trained checkpoint's step), per-run iteration times
-    (min/median/max) and figures, ratios to Switch's median iteration time, and the runs that failed.
-    Arguments as :func:`write_command_outputs`."""
+    """The summary JSON: command, settings, FLOPs count, each run's start step, per-run iteration times
+    (min/median/max) and figures, ratios to Switch, failed runs. Arguments as :func:`write_command_outputs`."""
     runs: dict[str, Any] = {}
     for run in plan.runs:
         if run.label in errors:
@@ -53,7 +51,7 @@ def _command_summary(
         devices_ms = [r.device_time_s * 1e3 for r in timed_rows(read_rows(plan.run_dir(run))[plan.warmup:])
                       if r.device_time_s is not None]
         runs[run.label]["device_time_ms"] = {"median": statistics.median(devices_ms)} if devices_ms else None
-    # A ratio is formed only between runs stepped in turn in one process (repro.studies.efficiency, default 5).
+    # Ratios only between runs stepped in turn in one process (repro.studies.efficiency, default 5).
     ratios = {}
     if getattr(plan, "interleave", False):
         done = {run.label: plan.run_dir(run) for run in plan.runs if run.label in runs and run.label not in errors}
@@ -93,9 +91,8 @@ def _command_summary(
 
 
 def _command_table(plan: Any, records: list, summary: dict[str, Any], ledger=None):
-    """The efficiency table of the command's finished runs (:func:`repro.report.tables.efficiency_table`, with
-    the published numbers of ``ledger`` where given), its caption saying the tokens per iteration and where the
-    runs started."""
+    """The finished runs' :func:`~repro.report.tables.efficiency_table` (with ``ledger``'s rows), its caption
+    giving tokens per iteration and start steps."""
     from repro.report.tables import efficiency_table
 
     table = efficiency_table(records, ledger=ledger, reference_router=REFERENCE_ROUTER)
@@ -149,8 +146,7 @@ def _ratio_text(figures: dict[str, Any]) -> str:
 def write_command_outputs(
     plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
 ) -> None:
-    """Write and print what ``python -m repro study efficiency`` leaves in ``plan.out_dir``: the table of the finished
-    runs in every format of ``plan.formats`` and ``summary.json``.
+    """Write and print the command's outputs in ``plan.out_dir``: the table in ``plan.formats`` and ``summary.json``.
 
     Args:
         plan: the command's :class:`repro.studies.efficiency.EfficiencyPlan`.

@@ -30,30 +30,29 @@ from repro.schema import check_minimums
 
 
 def usable_cores() -> int:
-    """The CPU cores this process may run on (its affinity set: a container's or ``taskset``'s share, not the
-    machine's count); the default lanes of a CPU study, one single-threaded run each."""
+    """CPU cores this process may use (its affinity set, not the machine's count): a CPU study's default lanes."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except AttributeError:  # no affinity on this platform
         return max(1, os.cpu_count() or 1)
 
 
-#: The module the CPU workers' fork server imports (multiprocessing's "forkserver"): it imports the rest once.
+#: The module the CPU workers' fork server preloads (it imports the rest once).
 WORKER_PRELOAD = "repro.studies.worker_preload"
 
 
 @dataclass(frozen=True, kw_only=True)
 class CpuStudySettings:
-    """The settings every CPU study shares, the base of each one's own (:class:`~repro.studies.mini.MiniConfig`,
-    :class:`~repro.studies.ablation.AblationConfig`); their command line is :meth:`parser`.
+    """Settings shared by CPU studies (base of :class:`~repro.studies.mini.MiniConfig`,
+    :class:`~repro.studies.ablation.AblationConfig`); command line: :meth:`parser`.
 
     Args:
         steps: training steps per run.
         data_dir: where the mini-pile is built (or found).
         work_dir: run directories (checkpoints, logs, records).
         out_dir: tables, plots and ``summary.json``.
-        workers: runs trained at once, each one process with one thread (default: :func:`usable_cores`).
-        overrides: extra dot-list overrides applied to every run.
+        workers: runs trained at once, one single-threaded process each (default: :func:`usable_cores`).
+        overrides: extra dot-list overrides for every run.
     """
 
     steps: int = 600
@@ -67,11 +66,11 @@ class CpuStudySettings:
         check_minimums(self, steps=1, workers=1)
 
     def run_overrides(self) -> tuple[str, str]:
-        """The overrides that put a run on this study's data for its steps (before the study's own)."""
+        """Overrides putting a run on this study's data and steps (before the study's own)."""
         return f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}"
 
     def parser(self, prog: str, description: str) -> argparse.ArgumentParser:
-        """The options every CPU study shares, their defaults from these settings (:meth:`shared`)."""
+        """The shared options, defaulting to these settings (:meth:`shared`)."""
         p = argparse.ArgumentParser(prog=prog, description=description)
         p.add_argument("--steps", type=int, default=self.steps, help="training steps per run")
         p.add_argument("--workers", type=int, default=self.workers,
@@ -85,7 +84,7 @@ class CpuStudySettings:
 
     @staticmethod
     def shared(args: argparse.Namespace) -> dict[str, Any]:
-        """The shared fields from :meth:`parser`'s parsed arguments, as keyword arguments."""
+        """The shared fields from :meth:`parser`'s arguments, as keyword arguments."""
         return dict(steps=args.steps, data_dir=args.data_dir, work_dir=args.work_dir, out_dir=args.out,
                     workers=args.workers, overrides=tuple(args.set))
 
@@ -106,12 +105,12 @@ class Run:
     """One run of a study.
 
     Args:
-        run_id: its directory under the study's ``work_dir`` and its record's run id.
-        experiment: the named experiment it starts from (``switch-tiny``).
-        overrides: dot-list overrides applied to the experiment, in order.
-        label: the row it belongs to where several seeds share one (a router, a cell); default the run id.
-        wave: runs of a lower wave start first (a study cut short has whole seeds done).
-        name: the config's name, where it is not the experiment's.
+        run_id: directory under ``work_dir`` and record run id.
+        experiment: the named experiment (``switch-tiny``).
+        overrides: dot-list overrides, in order.
+        label: the row it belongs to when seeds share one (a router, a cell); default the run id.
+        wave: lower waves start first (a study cut short has whole seeds done).
+        name: the config's name, if not the experiment's.
     """
 
     run_id: str
@@ -122,9 +121,8 @@ class Run:
     name: str = ""
 
     def config(self):
-        """The run's :class:`~repro.config.RunConfig` (ReproError on a bad experiment or override), built on
-        the first call and kept: the checks, the worker (it travels pickled with the run) and the trainer
-        share the one object."""
+        """The run's :class:`~repro.config.RunConfig` (ReproError on a bad experiment or override), cached so
+        checks, worker (pickled with the run) and trainer share one object."""
         config = self.__dict__.get("_config")
         if config is None:
             from repro.config import apply_overrides
@@ -141,20 +139,20 @@ class Study:
     """A study as data.
 
     Args:
-        name: the study's name; its markers are ``.<name>-run`` and ``.<name>-out``.
-        runs: the runs, in order.
+        name: markers are ``.<name>-run`` and ``.<name>-out``.
+        runs: in order.
         work_dir: the run directories' parent.
         out_dir: tables, plots and ``summary.json`` ("": none).
-        task: trains one run, ``task(study, run)``, a module-level function: in a worker process on CPU
-            (default :func:`train_and_record`); with ``launch``, in this process after the run's training.
-        report: ``report(study, outcome)``: writes the outputs from the finished runs, returns the text to print.
+        task: module-level ``task(study, run)``: trains a run in a CPU worker (default :func:`train_and_record`);
+            with ``launch``, runs in this process after the run's training.
+        report: ``report(study, outcome)``: writes outputs from finished runs, returns the text to print.
         workers: CPU lanes.
-        launch: train each run in its own ``python -m repro train`` (torchrun for more than one process).
+        launch: train each run in its own ``python -m repro train`` (torchrun for several processes).
         train_args: further arguments of that command (``--stop-after N``).
-        resume: continue a run that did not finish (same config) instead of replacing it.
+        resume: continue an unfinished run (same config) instead of replacing it.
         finished: files a finished run holds.
-        current: ``current(study, run)``: whether a finished run's other outputs match the current settings.
-        settings: what the task and the report need besides the runs (an alias's frozen settings).
+        current: ``current(study, run)``: whether a finished run's other outputs match the settings.
+        settings: what task and report need besides the runs.
         owner: the study in words, for errors; command: the command line, for markers.
     """
 
@@ -196,8 +194,8 @@ class Study:
 
 # ------------------------------------------------------------------------------------------ run states
 def run_state(study: Study, run: Run) -> str:
-    """``done`` (finished and current), ``resume`` (this study's, same config, unfinished, resumable), ``new``
-    (nothing there, or this study's run with other settings) or ``foreign`` (not this study's)."""
+    """``done`` (finished, current), ``resume`` (ours, same config, unfinished), ``new`` (nothing there, or ours
+    with other settings) or ``foreign`` (not ours)."""
     from repro.config import RunConfig
 
     run_dir = study.run_dir(run)
@@ -219,10 +217,8 @@ def run_state(study: Study, run: Run) -> str:
 
 
 def longest_first(runs: Sequence[Run], cpu_seconds: Mapping[str, float]) -> list[Run]:
-    """The runs of each wave (waves in order) longest first, by a previous run's CPU seconds (keyed by label).
-
-    The pool starts runs in this order on its free workers, so the last to start is a short one and the
-    workers finish close together. A run without a figure counts as the longest; ties keep the given order.
+    """Runs of each wave (in wave order) longest first by previous CPU seconds (by label), so workers finish
+    close together. A run without a figure counts as longest; ties keep the given order.
     """
     return sorted(runs, key=lambda run: (run.wave, -cpu_seconds.get(run.label or run.run_id, math.inf)))
 
@@ -237,7 +233,7 @@ def previous_cpu_seconds(out_dir: str) -> dict[str, float]:
 
 
 def run_cost(run_dir: Path) -> dict[str, float] | None:
-    """A CPU run's CPU and wall seconds over the invocations that trained it (None: not recorded)."""
+    """A CPU run's CPU and wall seconds over all its invocations (None: not recorded)."""
     keys, run_dir = ("cpu_seconds", "wall_seconds"), Path(run_dir)
     try:
         if not (run_dir / "timing.json").exists():  # an ablation run trained before timing.json: its invocations
@@ -261,8 +257,7 @@ def train_and_record(study: Study, run: Run) -> None:
 
 
 def _worker(study: Study, run: Run, log_path: Path) -> float:
-    """One run in a fresh worker: one thread, offline (lm-eval bootstraps in-process), its output in
-    ``log_path``; its cost added to the run's ``timing.json``. Returns the wall seconds."""
+    """One run in a fresh single-threaded offline worker, logging to ``log_path``. Returns the wall seconds."""
     import resource
 
     import torch
@@ -293,7 +288,7 @@ def _worker(study: Study, run: Run, log_path: Path) -> float:
 
 
 def _pool(study: Study, runs: list[Run]) -> tuple[dict[str, float], dict[str, str]]:
-    """The runs in ``study.workers`` lanes, a fresh process each. Returns wall seconds and failures by run id."""
+    """The runs in ``study.workers`` lanes, a process each. Returns wall seconds and failures by run id."""
     from tqdm import tqdm
 
     seconds, failed = {}, {}
@@ -357,9 +352,8 @@ def _launched(study: Study, runs: list[Run], states: Mapping[str, str]) -> tuple
 
 # ------------------------------------------------------------------------------------------ the engine
 def claim(study: Study, *, fresh: bool = False, check_only: bool = False) -> dict[str, str]:
-    """Every run's state (:func:`run_state`; all ``new`` with ``fresh`` but a foreign one), and, unless
-    ``check_only``, the output directory and each run directory to train made this study's (a run directory
-    is emptied unless it resumes).
+    """Every run's state (:func:`run_state`; ``new`` with ``fresh``, foreign ones aside); unless ``check_only``,
+    claim the output directory and each run directory to train (emptied unless it resumes).
 
     Raises:
         ReproError: a run directory this study did not create, before any is touched.
@@ -390,11 +384,11 @@ def execute(study: Study, *, fresh: bool = False) -> dict[str, Any]:
     """Train what is not done yet (every run with ``fresh``) and log the invocation.
 
     Returns:
-        ``trained``, ``resumed``, ``reused`` (run ids), ``seconds`` (wall, per run trained) and ``failed``
+        ``trained``, ``resumed``, ``reused`` (run ids), ``seconds`` (wall, per run trained), ``failed``
         (run id -> what failed; on CPU the run's log).
 
     Raises:
-        ReproError: a run directory this study did not create (nothing is touched), or, on CPU, failed runs.
+        ReproError: a run directory this study did not create (nothing touched), or failed CPU runs.
     """
     states = claim(study, fresh=fresh)
     names = {s: [r.run_id for r in study.runs if states[r.run_id] == s] for s in ("new", "resume", "done")}

@@ -1,27 +1,21 @@
 """``python -m repro study mini``: the whole router comparison on the embedded default (CPU).
 
-A study (:mod:`repro.studies.engine`): for dense, every registered router and the routers' declared variants
-(``Router.variants``), and each of ``--seeds N`` seeds, a worker process trains ``<router>-tiny`` on the
-mini-pile, evaluates it zero-shot on the local tasks through lm-eval (per-question results kept in the record),
-measures the LM loss per domain on the held-out documents, analyses its routing and writes its record
-(``runs/mini/<run>/record.json``). Then the zero-shot, efficiency, routing and validation-loss tables of the
-first seed's runs and the plots under ``--out`` (default ``runs/mini-results``; ``nox -s mini`` passes
-``results/mini``, the committed tables); with several seeds also the tables over seeds and every run's record.
+A study (:mod:`repro.studies.engine`): for dense, every registered router and its declared variants, and each
+of ``--seeds N`` seeds, a worker trains ``<router>-tiny`` on the mini-pile, evaluates it zero-shot on the local
+tasks via lm-eval (per-question results kept), measures held-out LM loss per domain, analyses its routing and
+writes ``runs/mini/<run>/record.json``. Then the first seed's zero-shot, efficiency, routing and validation-loss
+tables and plots go under ``--out`` (``nox -s mini``: ``results/mini``); with several seeds, tables over seeds too.
 
-Seeds (decision 1): seed k of a run is the experiment's own seed plus k, in ``runs/mini/<run>`` for k = 0 and
-``runs/mini/<run>-s<k>`` (run id ``<run>-s<k>``) for k >= 1. Seed 0 is exactly the single-seed run: its
-config, directory and record are unchanged by ``--seeds``, so ``--seeds 1`` reproduces the committed
-results, and adding seeds reuses the runs already done. The seed drives the initialisation, the routers' noise
-and megatron's dataset shuffles (the data order); torch and numpy seed Mersenne Twister generators, whose
-initialisation spreads the seed over the whole state, so consecutive seeds give unrelated streams.
+Seeds (decision 1): seed k is the experiment's seed plus k, in ``runs/mini/<run>`` (k = 0) or
+``runs/mini/<run>-s<k>``. Seed 0 is exactly the single-seed run, so ``--seeds 1`` reproduces the committed
+results and adding seeds reuses finished runs. The seed drives initialisation, router noise and megatron's data
+order; Mersenne Twister seeding makes consecutive seeds unrelated streams.
 
-Held-out loss per domain (decision 2): after training, the checkpoint scores the first ``domain_tokens``
-tokens of each domain's held-out documents (``heldout.jsonl`` of the mini-pile: never in the training shards,
-the tokenizer or megatron's splits), each document cut into windows of the model's sequence length, one window
-per forward (batch 1, so routers that couple a batch's tokens see one window, as in lm-eval). The same tokens
-for every router and seed, so differences are paired; chosen over a per-domain breakdown of the trainer's
-validation loss, whose ``validation.iters`` micro-batches (2 x 4 x 128 tokens on the tiny flavour) leave a few
-hundred tokens per domain and a different mix for every seed.
+Held-out loss per domain (decision 2): the checkpoint scores the first ``domain_tokens`` tokens of each domain's
+held-out documents (``heldout.jsonl``: never in training shards, tokenizer or splits), in windows of the
+sequence length, batch 1 (routers coupling a batch's tokens see one window, as in lm-eval). Same tokens for every
+router and seed, so differences are paired; a per-domain breakdown of the trainer's validation loss would leave
+few tokens per domain and a different mix per seed.
 
 Finished runs with the current settings are reused; ``--fresh`` retrains everything.
 """
@@ -58,23 +52,20 @@ WRITEUPS = {"mini": "repro.studies.mini_writeup:mini", "mini-seeds": "repro.stud
 
 @dataclass(frozen=True, kw_only=True)
 class MiniConfig(CpuStudySettings):
-    """Settings of the embedded comparison, besides the shared ones (:class:`~repro.studies.engine.CpuStudySettings`;
-    its ``steps`` are the same for every run: compute parity at the nominal k).
+    """Comparison settings beyond :class:`~repro.studies.engine.CpuStudySettings` (same ``steps`` for every
+    run: compute parity at the nominal k).
 
     Args:
-        runs: which runs (``dense`` or router names), each the ``<run>-tiny`` experiment.
-        backend: the model backend of every run (docs/efficiency.md, "Model backends"): ``torch``, whose SDPA
-            attention trains the tiny model 5-10% faster on CPU than megatron's local attention (``--set
-            model.backend=local`` for the local spec).
-        eval_limit: documents per local task (lm-eval's ``limit``; above every local task's size, so nothing is
-            cut).
+        runs: ``dense`` or router names, each the ``<run>-tiny`` experiment.
+        backend: every run's model backend (docs/efficiency.md, "Model backends"); ``torch`` (SDPA) is faster
+            on CPU than megatron's local spec.
+        eval_limit: documents per local task (lm-eval's ``limit``; above every task's size).
         spec_tokens: held-out tokens per domain for the specialisation analysis.
         warmup_rows: log rows skipped before the efficiency window.
         pair: the two routers of the side-by-side specialisation plot (the DirMoE paper's figure).
-        seeds: runs per router, seeds ``seed + k`` for k < seeds (module docstring, decision 1).
-        domain_tokens: held-out tokens scored per domain for the per-domain loss (decision 2).
-        bootstrap_iters: lm-eval's ``bootstrap_iters``: > 0 switches its standard errors on (closed-form for
-            the accuracies; resamples for the last-word perplexity).
+        seeds: runs per router (decision 1).
+        domain_tokens: held-out tokens scored per domain (decision 2).
+        bootstrap_iters: lm-eval's ``bootstrap_iters``; > 0 turns its standard errors on.
     """
 
     runs: tuple[str, ...]
@@ -95,12 +86,12 @@ class MiniConfig(CpuStudySettings):
 
     def _overrides(self, run: str, seed_index: int) -> tuple[str, ...]:
         common = (*self.run_overrides(), f"model.backend={self.backend}", *self.overrides)
-        if not seed_index:  # seed 0 is left exactly as it was (no override at all): the single-seed run, reused as is
+        if not seed_index:  # seed 0 gets no override: the single-seed run, reused as is
             return common
         return (*common, f"seed={Run('', f'{run}-tiny', common).config().seed + seed_index}")
 
     def experiment(self, run: str, seed_index: int = 0):
-        """The run's config with this comparison's settings applied; seed ``seed + seed_index``."""
+        """The run's config with this comparison's settings; seed ``seed + seed_index``."""
         return Run("", f"{run}-tiny", self._overrides(run, seed_index)).config()
 
     def run_id(self, run: str, seed_index: int = 0) -> str:
@@ -111,7 +102,7 @@ class MiniConfig(CpuStudySettings):
         return Path(self.work_dir) / self.run_id(run, seed_index)
 
     def jobs(self) -> list[tuple[str, int]]:
-        """Every ``(run, seed_index)``, seed by seed: an interrupted comparison has whole seeds done first."""
+        """Every ``(run, seed_index)``, seed by seed (an interrupted comparison has whole seeds done)."""
         return [(run, k) for k in range(self.seeds) for run in self.runs]
 
     def study(self) -> Study:
@@ -122,7 +113,7 @@ class MiniConfig(CpuStudySettings):
                      owner="the mini comparison", command=COMMAND)
 
     def analysis_settings(self) -> dict[str, Any]:
-        """The settings besides the experiment that a finished run's record and analysis depend on."""
+        """Non-experiment settings a finished run's record and analysis depend on."""
         return {
             "eval_limit": self.eval_limit,
             "spec_tokens": self.spec_tokens,
@@ -148,19 +139,17 @@ def heldout_domain_losses(
 ) -> tuple[DomainLoss, ...]:
     """Next-token LM loss per domain on held-out documents (module docstring, decision 2).
 
-    Each document is cut into windows of ``seq_length`` tokens, one forward per window (batch 1); a window of n
-    tokens scores its n - 1 next tokens. A domain's documents are read in order until ``tokens_per_domain``
-    tokens are scored (the last window is kept whole).
+    Windows of ``seq_length`` tokens, one forward each (batch 1); a window of n tokens scores n - 1. Documents are
+    read in order until ``tokens_per_domain`` tokens are scored (the last window kept whole).
 
     Args:
-        logits: next-token logits ``[1, S, V]`` for token ids ``[1, S]`` (the model in eval mode).
+        logits: next-token logits ``[1, S, V]`` for token ids ``[1, S]`` (model in eval mode).
         documents: ``(token_ids, domain)`` pairs.
         seq_length: window length.
         tokens_per_domain: scored tokens per domain to stop at.
 
     Returns:
-        One :class:`~repro.records.run_record.DomainLoss` per domain with a window of two tokens or more, sorted by
-        domain.
+        A :class:`~repro.records.run_record.DomainLoss` per domain with a window of >= 2 tokens, sorted by domain.
     """
     import torch
 
@@ -211,10 +200,10 @@ def _analyse(cfg: MiniConfig, run: str, scorer, docs: list[tuple[list[int], str]
 
 
 def run_one(study: Study, run: Run) -> Path:
-    """Train, evaluate, analyse and record one run (the study's task, in a worker process).
+    """Train, evaluate, analyse and record one run (the study's task, in a worker).
 
     Returns:
-        The run's record path.
+        The record path.
     """
     from repro.data.minipile import open_mini_pile
     from repro.evaluation.harness import SuiteLM
@@ -227,10 +216,9 @@ def run_one(study: Study, run: Run) -> Path:
     run_dir = study.run_dir(run)
     train(run.config(), run_dir, progress=False)
     scorer, tokenizer = load_for_evaluation(run_dir, device="cpu")
-    # Batch 1: Expert Choice (and capacity dropping) couple the tokens of a batch; scoring each request
-    # alone keeps every router's numbers independent of how lm-eval groups requests.
+    # Batch 1: Expert Choice and capacity dropping couple a batch's tokens, so score requests alone.
     lm = SuiteLM(model=scorer, tokenizer=tokenizer, batch_size=1)
-    # log_samples: the record keeps each question's correctness, for paired tests over the same questions.
+    # log_samples: per-question correctness, for paired tests.
     results = evaluate_lm(lm, local_tasks=Path(cfg.work_dir) / "tasks", limit=cfg.eval_limit,
                           bootstrap_iters=cfg.bootstrap_iters, log_samples=True)
     docs = _heldout_documents(open_mini_pile(cfg.data_dir).heldout_path, tokenizer)
@@ -289,7 +277,7 @@ def _plots(cfg: MiniConfig, logs: dict[str, list], analyses: dict[str, dict], un
 
 
 def _routing(record) -> dict[str, Any]:
-    """A run's load imbalance (mean over its MoE layers) and experts per token of each layer (counted from 1)."""
+    """Load imbalance (mean over MoE layers) and experts per token per layer (numbered from 1)."""
     loads = [layer.load_imbalance for layer in record.routing if layer.load_imbalance is not None]
     return {"load_imbalance": statistics.fmean(loads) if loads else None,
             "active_experts": {str(layer.layer + 1): layer.active_experts for layer in record.routing}}
@@ -302,11 +290,10 @@ def _final_loss(rows: list) -> float:
 
 
 def report(study: Study, outcome: dict[str, Any]) -> str:
-    """Write the tables, plots and ``summary.json`` of the comparison; return the text to print.
+    """Write the tables, plots and ``summary.json``; return the text to print.
 
-    The zero-shot, efficiency, routing and validation tables show the first seed's runs (exactly the
-    single-seed comparison); with several seeds, the tables over seeds (``*_seeds``) follow. Each run's cost is
-    its worker's CPU time (``run_cpu_seconds``; reused runs keep theirs).
+    The main tables show the first seed (the single-seed comparison); with several seeds, ``*_seeds`` tables
+    follow. Each run's cost is its worker's CPU time (reused runs keep theirs).
     """
     from repro.data.minipile import open_mini_pile
     from repro.records.step_log import read_rows
@@ -351,7 +338,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         "unigram_loss": unigram,
         "final_train_lm_loss_last10": final,
         "validation_loss": val,
-        # Keyed by run name, like the fields above: a router's variant is a run of the same router.
+        # Keyed by run name: a router's variant is a run of the same router.
         "heldout_loss": {run: heldout_loss(records[(run, 0)]) for run in cfg.runs},
         "heldout_loss_by_domain": {run: {d.domain: d.loss for d in records[(run, 0)].domain_losses} for run in cfg.runs},
         "specialisation_score": {r: specialisation_score(s) for r, s in specs.items()},
@@ -387,7 +374,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
 
 # ------------------------------------------------------------------------------------------------- main
 def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
-    """The comparison's settings from the command line, checked before any work; and ``--fresh``."""
+    """The checked settings from the command line, and ``--fresh``."""
     defaults = MiniConfig(runs=())
     p = defaults.parser(prog, __doc__.split("\n\n")[0])
     p.add_argument("--runs", default="all", help="comma-separated dense and router names (a router's declared "

@@ -48,7 +48,7 @@ def _cpu(cpu: dict[str, float]) -> str:
 
 
 def _wall(summary: dict[str, Any], runs: int) -> str:
-    """What the invocation that wrote the summary of ``runs`` runs cost in wall time ('' where it does not say)."""
+    """The wall time of the invocation that wrote the summary ('' where it does not say)."""
     wall, trained = summary.get("wall_seconds"), summary.get("trained_runs")
     if wall is None or trained is None:
         return ""
@@ -58,9 +58,7 @@ def _wall(summary: dict[str, Any], runs: int) -> str:
 
 
 def _expert_flops(efficiency_csv: Path) -> dict[str, float]:
-    """Router -> its expert FLOPs per token relative to the reference router's, for the routers the efficiency
-    table marks as off compute parity (its ``compute parity`` column: ``NO (+30.9% vs switch, ...)``); empty
-    where there is no such table."""
+    """Router -> relative expert FLOPs per token, for routers off compute parity (empty without the table)."""
     if not efficiency_csv.is_file():
         return {}
     out = {}
@@ -72,7 +70,7 @@ def _expert_flops(efficiency_csv: Path) -> dict[str, float]:
 
 
 def _compute_note(compute: dict[str, float], router: str) -> str:
-    """`` (+30.9% expert FLOPs)`` beside a router of unequal compute, '' otherwise."""
+    """`` (+x% expert FLOPs)`` beside a router of unequal compute, '' otherwise."""
     return f" ({100 * compute[router]:+.1f}% expert FLOPs)" if router in compute else ""
 
 
@@ -160,8 +158,7 @@ def _loss_sentence(label: str, family: dict[str, Paired], compute: dict[str, flo
 
 
 def _caption_tests(table: Path) -> int:
-    """The size of a seeded table's Holm family, from its caption (``Holm-adjusted over all N tests``; 0 when the
-    table is missing or its family is per column)."""
+    """A seeded table's Holm family size, from its caption (0: table missing or family per column)."""
     try:
         match = re.search(r"Holm-adjusted over all (\d+) tests", table.read_text())
     except OSError:
@@ -170,8 +167,8 @@ def _caption_tests(table: Path) -> int:
 
 
 def _first_seed_source(directory: Path, per_seed: dict[str, dict[str, list]]) -> str:
-    """Which runs the first seed is: those of ``results/mini`` when every router's held-out loss there is this
-    study's first seed's to the last digit (same settings, deterministic CPU training), else its own."""
+    """Which runs the first seed is: ``results/mini``'s when every held-out loss matches to the last digit
+    (deterministic CPU training), else its own."""
     mini_summary = directory.parent / "mini" / "summary.json"
     theirs = load_json(mini_summary).get("heldout_loss", {}) if mini_summary.is_file() else {}
     first = {r: v["heldout_loss"][0] for r, v in per_seed.items()}
@@ -189,9 +186,8 @@ POWER_SEEDS = (3, 6, 10)
 
 
 def _seeds_needed(per_seed: dict[str, dict[str, list]], cpu: dict[str, float]) -> str:
-    """How many seeds the held-out comparison needs: the pooled standard deviation of the routers' paired held-out
-    differences against the reference router, what Holm's first step over the routers detects with 80% power at
-    :data:`POWER_SEEDS` seeds, beside the differences the seeds show, and the cost of the largest count."""
+    """Seeds the held-out comparison needs: pooled SD of paired held-out differences to the reference, what
+    Holm's first step detects with 80% power at :data:`POWER_SEEDS` seeds vs the observed differences, and the cost."""
     ref = per_seed[REFERENCE_ROUTER]["heldout_loss"]
     diffs = {r: [a - b for a, b in zip(v["heldout_loss"], ref)] for r, v in per_seed.items() if r != REFERENCE_ROUTER}
     spread = [statistics.variance(d) for d in diffs.values() if len(d) > 1]
@@ -227,7 +223,7 @@ def mini_seeds(directory: Path) -> Writeup:
     zero_shot = read_rows(directory / "zero_shot_seeds.csv")
     marked_zs = [f"{r['Router']} ({c})" for r in zero_shot for c, v in r.items() if c not in ("Router", "seeds") and cell_marked(v)]
     routing = _mean_rows(directory, "routing_seeds.csv")
-    # The first seed's efficiency table: this directory's, else results/mini's (the same runs when they match).
+    # The first seed's efficiency table: this directory's, else results/mini's (same runs when they match).
     compute = _expert_flops(next((t for t in (directory / "efficiency.csv", directory.parent / "mini" / "efficiency.csv")
                                   if t.is_file()), directory / "efficiency.csv"))
     marks = {r: [c for c, v in row.items() if c not in ("Router", "seeds") and cell_marked(v)] for r, row in routing.items()}

@@ -27,14 +27,14 @@ class Sweep:
     Args:
         name: ``python -m repro study NAME``.
         help: one line for ``--list``.
-        key: the dot-list key swept (``model.top_k``; "": none, one run per router); values: its values.
+        key: the dot-list key swept (``model.top_k``; "": one run per router); values: its values.
         tag: run ids are ``<router>-<tag><value>`` (``<router>-<flavour>`` without a key) under
-            ``<--out>/<folder>`` (folder: default the name).
-        routers: the routers run by default (``--router``).
+            ``<--out>/<folder>`` (default folder: the name).
+        routers: default routers (``--router``).
         overrides: set on every run (before ``--set``).
         flavour: the experiments' model flavour (``185m``, ``tiny``).
         gpus: default processes per run (0: CPU lanes).
-        evaluate: zero-shot lm-eval on The Pile's seven tasks after each run.
+        evaluate: zero-shot lm-eval on the seven tasks after each run.
     """
 
     name: str
@@ -60,8 +60,7 @@ ALIASES = {
 SWEEPS: dict[str, Sweep] = {}
 
 
-#: Entry-point group through which other packages add studies: ``NAME = "package.module"``, the module's
-#: ``main(argv, prog)`` runs it (its tables and write-up are its own).
+#: Entry-point group for other packages' studies: ``NAME = "package.module"`` with ``main(argv, prog)``.
 ENTRY_POINT_GROUP = "dirmoe_bench.studies"
 
 
@@ -74,17 +73,15 @@ def register(sweep: Sweep) -> Sweep:
 
 
 def register_study(name: str, module: str, help_: str) -> None:
-    """Make the study whose ``module`` has ``main(argv, prog)`` runnable as ``python -m repro study NAME``: a
-    study with options, runs, tables and write-up of its own, defined outside this package (or through
-    :data:`ENTRY_POINT_GROUP`)."""
+    """Make ``module``'s ``main(argv, prog)`` runnable as ``python -m repro study NAME`` (external studies)."""
     if name in SWEEPS or name in ALIASES:
         raise ValueError(f"a study named '{name}' exists already")
     ALIASES[name] = (module, help_)
 
 
 def writeups() -> dict[str, Callable[[Path], Any]]:
-    """Results directory name -> the write-up function of the study that fills it: each registered study's module
-    declares its own as ``WRITEUPS = {"<directory>": "module:function"}`` (imported only here)."""
+    """Results directory name -> its study's write-up function, from each study module's ``WRITEUPS =
+    {"<directory>": "module:function"}`` (imported only here)."""
     import importlib
 
     _plugins()
@@ -126,7 +123,7 @@ PILE_TASKS = "arc_challenge,arc_easy,boolq,hellaswag,lambada_openai,piqa,race"
 
 
 def _evaluate(study: Study, run: Run) -> None:
-    """After a run of a sweep that evaluates: zero-shot lm-eval on The Pile's tasks, in a process of its own."""
+    """After a sweep's run: zero-shot lm-eval in a process of its own."""
     out = str(study.run_dir(run))
     cmd = ["-m", "repro", "eval", "--checkpoint", out, "--tasks", PILE_TASKS, "--out", f"{out}/lm_eval.json"]
     cmd += ["--tasks-data", study.settings] if study.settings else []

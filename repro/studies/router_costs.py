@@ -1,11 +1,10 @@
 """``python -m repro study router-costs``: what one router call asks of the device, counted on any machine.
 
-Every registered router (and DirMoE eager and compiled) routes T=1024 tokens of D=128 to E=8 experts, k=1, in
-training mode on a non-logging step, fp32 on the CPU; after two warm-up calls, one forward and one backward are
-counted by :class:`repro.records.op_counts.OpCounter` (ops, regions and their kernels, launches, host syncs, bytes
-moved). The counts do not depend on the machine, except a compiled region's kernels, which are those of inductor's
-backend for the device (C++ here, fusing more than Triton on a GPU). One table, as Markdown, CSV and JSON
-(``results/bench/router_costs.*``).
+Every registered router (and DirMoE eager and compiled) routes T tokens of D to E experts in training mode on a
+non-logging step, fp32 on CPU; after two warm-up calls, one forward and backward are counted by
+:class:`repro.records.op_counts.OpCounter` (ops, regions, kernels, launches, host syncs, bytes moved). Counts are
+machine-independent except compiled kernels (inductor's CPU backend fuses differently from Triton). One table,
+as Markdown, CSV and JSON (``results/bench/router_costs.*``).
 """
 
 from __future__ import annotations
@@ -23,8 +22,7 @@ DEFAULT_OUT = "runs/bench"
 NAME = "router_costs"
 #: The write-up of the directory the benchmarks and this study fill (:mod:`repro.studies.bench_writeup`).
 WRITEUPS = {"bench": "repro.studies.bench_writeup:bench"}
-#: The extra runs beside every registered router at its defaults (DirMoE's default on the CPU is eager):
-#: label -> (router, options).
+#: Runs beside every router at its defaults (DirMoE's CPU default is eager): label -> (router, options).
 EXTRA_RUNS = {"dirmoe (compiled)": ("dirmoe", {"compile_elementwise": "always"})}
 COLUMNS = (
     "router", "pass", "aten ops", "outside regions", "of which views", "regions", "kernels in regions", "launches",
@@ -45,7 +43,7 @@ def profile_router(name: str, options: dict[str, Any], seed: int = 0) -> dict[st
     Args:
         name: a registered router.
         options: its options (``compile_elementwise`` for DirMoE).
-        seed: the seed of the weights and inputs.
+        seed: weights' and inputs' seed.
 
     Returns:
         ``{"forward": OpCounts, "backward": OpCounts}``.
@@ -85,7 +83,7 @@ def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tupl
         selected: label -> (router, options); default :func:`runs`.
 
     Returns:
-        ``(rows, table)``: one JSON-ready dict per (run, pass) and the :class:`~repro.report.table_core.Table`.
+        ``(rows, table)``: a JSON-ready dict per (run, pass), and the table.
     """
     from repro.report.table_core import Table
 

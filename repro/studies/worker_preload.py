@@ -9,8 +9,7 @@ import importlib
 
 from routers.registry import quiet_megatron_import
 
-#: What every run needs (not the studies themselves, which are light and import these: a worker imports its
-#: study's module when it unpickles its task).
+#: What every run needs (not the light study modules: a worker imports those when unpickling its task).
 MODULES = ("repro.training.trainer", "repro.training.inference", "repro.evaluation.harness", "repro.records.store",
            "repro.analysis", "routers.dirmoe", "baselines", "megatron.core.models.gpt", "megatron.core.distributed")
 

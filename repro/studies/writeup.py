@@ -1,13 +1,11 @@
 """``python -m repro report writeup``: the result write-ups, generated from the results files alone.
 
-Each study declares its write-ups (its module's ``WRITEUPS``: results directory -> function, collected by
-:func:`repro.studies.registry.writeups`). Each study directory under ``results/`` gets a ``README.md`` (the command that produced it, its findings as
-sentences, its tables included from the ``.md`` files beside it), and the repository's README gets a short
-block per study between ``<!-- BEGIN generated: <study> -->`` and ``<!-- END generated: <study> -->``.
+Each study declares its write-ups (module ``WRITEUPS``, collected by :func:`repro.studies.registry.writeups`).
+Each ``results/<study>/`` gets a ``README.md`` (command, findings, its ``.md`` tables), and the repository's
+README a block per study between ``<!-- BEGIN generated: <study> -->`` and ``<!-- END generated: <study> -->``.
 
-Every number in them is read from a results file (``summary.json``, the tables' ``.csv``, a benchmark JSON) or
-computed from the per-seed values those files hold, and every comparison word is chosen by a test result
-(:mod:`repro.report.verdicts`). ``--check`` exits 1 where a committed file differs from what the files give.
+Every number is read from a results file or computed from the per-seed values they hold; every comparison word
+is chosen by a test result (:mod:`repro.report.verdicts`). ``--check`` exits 1 where a committed file is stale.
 
 Examples::
 
@@ -36,7 +34,7 @@ def studies() -> dict[str, Callable[[Path], Writeup]]:
 
 
 def generate(root: Path) -> list[Writeup]:
-    """Every study's write-up from the results under ``root/results`` (a study without a directory is left out)."""
+    """Every study's write-up from ``root/results`` (studies without a directory left out)."""
     return [make(root / "results" / name) for name, make in studies().items() if (root / "results" / name).is_dir()]
 
 
@@ -68,8 +66,7 @@ def targets(root: Path) -> dict[Path, str]:
 
 
 def main(argv: list[str], prog: str) -> int:
-    """Write (or with ``--check`` compare) the write-ups. Returns the exit status: 1 with ``--check`` when a file
-    is out of date."""
+    """Write (or ``--check``) the write-ups. Returns the exit status (1: ``--check`` found a stale file)."""
     parser = argparse.ArgumentParser(prog=prog, description="Write the result write-ups from the results files.")
     parser.add_argument("--root", default=".", help="repository root (default: the current directory)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file is out of date")

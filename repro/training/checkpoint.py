@@ -3,18 +3,14 @@ loaded without running any code from them, and checked against what wrote them (
 
     OUT/checkpoints/
         step_0000100/
-            meta.json           format, step, consumed samples, layout, experiment config, the run's identity,
-                                the rank files and their sha256 digests
-            rank_00000.pt       this rank's model (router buffers included), optimizer, LR scheduler and RNG
-            ...                 states, step, consumed samples, the run's identity (``torch.save``)
-        latest                  the newest complete checkpoint's name (a convenience: the newest directory
-                                with a meta.json is the truth)
+            meta.json           format, step, consumed samples, layout, config, run identity, rank files + sha256
+            rank_00000.pt       model (router buffers too), optimizer, scheduler, RNG, step, run identity
+        latest                  newest complete checkpoint's name (convenience; the newest with meta.json rules)
 
-Every rank writes its file into ``.step_0000100.tmp/``, all ranks agree that every write succeeded, then
-rank 0 writes ``meta.json`` and renames the directory, so a checkpoint directory exists only when complete.
-The ranks must share the file system. Model state keeps megatron's *local* expert numbering, so resuming
-needs the same layout; :func:`load_model_weights` reads any DP/EP layout into another by renumbering expert
-``i`` of EP rank ``r`` to ``r * E_local + i`` and back.
+Ranks write into ``.step_0000100.tmp/``, agree all succeeded, then rank 0 writes ``meta.json`` and renames:
+a checkpoint directory exists only when complete (shared file system required). Model state keeps *local*
+expert numbering, so resuming needs the same layout; :func:`load_model_weights` maps across DP/EP layouts
+(expert ``i`` of EP rank ``r`` <-> ``r * E_local + i``).
 """
 
 from __future__ import annotations
@@ -59,8 +55,7 @@ def _rank_file_name(rank: int) -> str:
 
 
 def all_ranks_reduce(value: int, op: dist.ReduceOp, device: torch.device | None = None) -> int:
-    """``value`` all-reduced with ``op`` over every process (a collective; ``value`` itself in a one-process
-    run); ``device`` holds nccl's tensor (default: the current CUDA device)."""
+    """``value`` all-reduced with ``op`` over all processes (collective); ``device``: nccl's (default: current CUDA)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return value
     if dist.get_backend() != "nccl":
@@ -73,8 +68,7 @@ def all_ranks_reduce(value: int, op: dist.ReduceOp, device: torch.device | None 
 
 
 def _all_ranks_ok(ok: bool) -> bool:
-    """Whether every rank reports success (also the barrier between the write phases: a plain barrier would
-    leave the other ranks waiting forever when one rank's write failed)."""
+    """Whether every rank succeeded; the barrier between write phases (a plain one would hang on a failure)."""
     return bool(all_ranks_reduce(int(ok), dist.ReduceOp.MIN))
 
 
@@ -113,17 +107,16 @@ def save_checkpoint(
         checkpoints_dir: ``OUT/checkpoints``.
         step: completed optimizer steps.
         consumed_samples: samples consumed by all ranks together.
-        experiment: the run config dict (stored in ``meta.json``, the run's identity read from it).
-        optimizer_state: the optimizer's state (already gathered where the optimizer needs it).
+        experiment: run config dict (in ``meta.json``; the run identity comes from it).
+        optimizer_state: already gathered where the optimizer needs it.
         extra: more per-rank entries.
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        ReproError: the write failed on some rank (one line naming the checkpoint and the cause), or
-            something that is not a checkpoint directory is in the way.
-        ValueError: a state holds a value that is not a tensor or plain data (naming its key).
+        ReproError: the write failed on some rank, or a non-checkpoint directory is in the way.
+        ValueError: a state holds something other than tensors or plain data (names the key).
     """
     root = Path(checkpoints_dir)
     final = root / f"step_{step:07d}"
@@ -164,8 +157,7 @@ def save_checkpoint(
 
 
 def _attempt(action: Callable[[], None], final: Path, tmp: Path) -> BaseException | None:
-    """Run one rank's part of a write phase and return its error, not raised (every rank must hear of it
-    first): a file system error as a one-line :class:`ReproError` naming ``final``, any other as raised."""
+    """Run this rank's part of a phase; return (not raise: all ranks must hear first) its error, OS errors named."""
     try:
         action()
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
@@ -185,8 +177,7 @@ def _write_rank_file(target: Path, payload: dict[str, Any]) -> None:
     """Phase 2 (every rank): write this rank's file, then its digest beside it (``<name>.sha256``)."""
     check_plain_data(payload)
     with open(target, "wb") as f:
-        # A Python file object: torch reports a failed write as RuntimeError("unexpected pos") with the
-        # OSError (ENOSPC, EROFS) as its context, which is what names the cause for the user.
+        # A file object keeps a failed write's OSError as context of torch's RuntimeError (names the cause).
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
@@ -198,9 +189,8 @@ def _write_rank_file(target: Path, payload: dict[str, Any]) -> None:
 
 
 def _publish(root: Path, tmp: Path, final: Path, aside: Path, meta: dict[str, Any], world_size: int) -> None:
-    """Phase 3 (rank 0): ``meta.json`` with every rank file's digest, then ``tmp`` renamed to ``final``, and
-    ``latest`` updated. A ``final`` already there (a re-run of the same step after a resume from an earlier
-    one) waits in ``aside`` (the caller moves it back on a failure) until ``tmp`` took its place."""
+    """Phase 3 (rank 0): ``meta.json``, rename to ``final``, update ``latest``; an existing ``final`` (step re-run
+    after an earlier resume) waits in ``aside`` until replaced (the caller restores it on failure)."""
     files = [_rank_file_name(r) for r in range(world_size)]
     digests = {}
     for name in files:
@@ -215,7 +205,6 @@ def _publish(root: Path, tmp: Path, final: Path, aside: Path, meta: dict[str, An
         os.fsync(f.fileno())
     _remove_own_dir(aside)
     if os.path.lexists(final):
-        # A re-run of the same step after a resume from an earlier one: moved aside, then removed.
         if not _is_own_dir(final):
             _remove_own_dir(final)  # raises: not a checkpoint directory
         os.replace(final, aside)
@@ -235,8 +224,7 @@ def _raise(error: BaseException | None, final: Path) -> None:
 
 
 def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
-    """Read and check ``meta.json`` of a checkpoint directory (ReproError naming the path: missing or
-    unreadable ``meta.json``, another format, or a missing rank file or digest)."""
+    """Read and check a checkpoint's ``meta.json`` (ReproError: missing/corrupt, other format, missing file/digest)."""
     path = Path(path)
     meta_path = path / "meta.json"
     if not meta_path.is_file():
@@ -286,8 +274,7 @@ def find_latest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
 
 
 def incomplete_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
-    """The ``.step_XXXXXXX.tmp`` directories runs killed while writing a checkpoint left, oldest step first
-    (with none complete, the run was killed while writing its first checkpoint: nothing to resume)."""
+    """``.step_XXXXXXX.tmp`` directories left by runs killed mid-write, oldest step first."""
     return _step_dirs(checkpoints_dir, INCOMPLETE_DIR, lambda p: not p.is_symlink())
 
 
@@ -308,9 +295,7 @@ def _load_plain(path: Path) -> Any:
 
 
 def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
-    """Load one rank's file of a checkpoint (the payload :func:`save_checkpoint` wrote), after checking its
-    digest (ReproError: a file that changed since it was written, that belongs to another run, that holds
-    other objects than tensors and plain data (never unpickled), or that is unreadable)."""
+    """One rank's payload, digest checked (ReproError: changed, another run's, non-plain objects, unreadable)."""
     name = info.files[rank]
     path = info.path / name
     try:
@@ -319,8 +304,7 @@ def load_rank_payload(info: CheckpointInfo, rank: int) -> dict[str, Any]:
         raise ReproError(os_error_message(exc, path)) from None
     expected = info.sha256.get(name, "")
     if actual != expected:
-        # Safe to look inside (_load_plain reads with weights_only=True): a file of another run deserves a clearer
-        # message.
+        # Safe to look inside (weights_only): another run's file gets a clearer message.
         try:
             other = _load_plain(path)
         except ReproError:
@@ -367,8 +351,7 @@ def _num_local_experts(keys) -> int:
 
 
 def global_model_state(payloads: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    """Merge the rank payloads of one checkpoint (any subset covering every EP rank) into one model state,
-    keyed as a single process holding every expert would name it."""
+    """Merge rank payloads (covering every EP rank) into one state with global expert numbering."""
     merged: dict[str, torch.Tensor] = {}
     for payload in payloads:
         state = payload["model"]
@@ -379,8 +362,7 @@ def global_model_state(payloads: list[dict[str, Any]]) -> dict[str, torch.Tensor
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """The checkpoint ``path`` names: itself when it holds ``meta.json``, else the newest checkpoint in it or
-    in its ``checkpoints`` directory (a run's output directory), else ``path`` unchanged (reading it fails)."""
+    """``path`` if it holds ``meta.json``, else the newest checkpoint in it or its ``checkpoints/``, else ``path``."""
     path = Path(path)
     if not (path / "meta.json").is_file():
         for candidate in (path, path / "checkpoints"):
@@ -391,8 +373,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def find_router_checkpoint(candidates: list[Path], router: str) -> CheckpointInfo | None:
-    """The first of ``candidates`` (checkpoints, ``checkpoints`` directories or run directories, as
-    :func:`resolve_checkpoint` reads them) that holds a checkpoint of ``router`` (``dense``: no router), or None."""
+    """The first of ``candidates`` (:func:`resolve_checkpoint`) holding a ``router`` checkpoint (``dense``: none)."""
     for candidate in candidates:
         path = resolve_checkpoint(candidate)
         if (path / "meta.json").is_file():
@@ -403,9 +384,7 @@ def find_router_checkpoint(candidates: list[Path], router: str) -> CheckpointInf
 
 
 def load_model_weights(path: str | os.PathLike, model: nn.Module, parallel: Parallel) -> CheckpointInfo:
-    """Initialise ``model`` (weights and buffers) from a checkpoint written with any DP/EP layout, or from the
-    newest of a run's (:func:`resolve_checkpoint`); return the checkpoint read (ReproError: no checkpoint
-    there, corrupt files, or weights that do not fit the model)."""
+    """Initialise ``model`` from a checkpoint of any DP/EP layout (:func:`resolve_checkpoint`); returns its info."""
     path = resolve_checkpoint(path)
     info = read_checkpoint_info(path)
     if info.layout == parallel.layout():
@@ -417,8 +396,7 @@ def load_model_weights(path: str | os.PathLike, model: nn.Module, parallel: Para
 
 
 def load_global_state(model: nn.Module, state_global: dict[str, torch.Tensor], parallel: Parallel, source: str) -> None:
-    """Load the part of a global-numbered model state (:func:`global_model_state`) this rank's experts hold;
-    ReproError naming ``source`` when the state lacks weights of the model or does not fit it."""
+    """Load this rank's part of a global-numbered state (:func:`global_model_state`); ReproError if it does not fit."""
     local_keys = list(model.state_dict().keys())
     num_local = _num_local_experts(local_keys)
     state, missing = {}, []

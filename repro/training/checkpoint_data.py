@@ -24,9 +24,8 @@ from repro.errors import ReproError
 
 @dataclass(frozen=True)
 class CheckpointInfo:
-    """What ``meta.json`` of the checkpoint directory ``path`` says (``layout``: ``{"world_size", "dp", "tp",
-    "ep"}``; ``experiment``: the run config dict; ``files``: rank file names by global rank; ``sha256``: their
-    digests; ``identity``: :func:`run_identity`)."""
+    """``path``'s ``meta.json``: ``layout`` ``{"world_size", "dp", "tp", "ep"}``, ``experiment`` (config dict),
+    ``files`` (rank files by global rank), ``sha256``, ``identity`` (:func:`run_identity`)."""
 
     path: Path
     step: int
@@ -56,8 +55,7 @@ def _json_plain(value: Any) -> Any:
 
 
 def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
-    """What defines a run's model, from its config dict (``RunConfig.to_dict()``): :data:`IDENTITY_FIELDS`,
-    JSON-plain, router options sorted by name, missing fields None."""
+    """:data:`IDENTITY_FIELDS` of a ``RunConfig.to_dict()``, JSON-plain, router options sorted, missing None."""
     identity: dict[str, Any] = {}
     for key, path in IDENTITY_FIELDS.items():
         value: Any = config
@@ -79,8 +77,7 @@ def _describe_pair(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[
 
 
 def check_identity(info: CheckpointInfo, config: Mapping[str, Any], what: str = "this run") -> None:
-    """Refuse (ReproError naming both) a checkpoint whose model is not the one the run config dict ``config``
-    defines (e.g. resuming another router's run); ``what`` names that run in the message."""
+    """ReproError if the checkpoint's model is not ``config``'s (e.g. another router's); ``what`` names the run."""
     expected = run_identity(config)
     if _json_plain(info.identity) != expected:
         stored, wanted = _describe_pair(info.identity, expected)
@@ -88,8 +85,7 @@ def check_identity(info: CheckpointInfo, config: Mapping[str, Any], what: str = 
 
 
 def check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: Path) -> None:
-    """Refuse (ReproError naming both) a rank file ``path`` whose payload was written by another run than the
-    one its checkpoint's ``meta.json`` describes."""
+    """ReproError if rank file ``path`` was written by another run than its ``meta.json`` describes."""
     found = _json_plain(payload.get("identity"))
     if found != _json_plain(info.identity):
         theirs, ours = _describe_pair(found or {}, info.identity)
@@ -98,8 +94,7 @@ def check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: 
 
 
 def capture_rng_state() -> dict[str, Any]:
-    """Every RNG state a training step may draw from (python, numpy, torch CPU, CUDA, megatron tracker), as
-    tensors and plain numbers so that ``torch.load(weights_only=True)`` reads it back."""
+    """Every RNG state a step may draw from, as tensors and plain numbers (``weights_only`` loadable)."""
     py_version, py_internal, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
@@ -144,15 +139,13 @@ def restore_rng_state(state: dict[str, Any]) -> None:
             get_cuda_rng_tracker().set_states(state["megatron_tracker"])
 
 
-# Exact types: a subclass (numpy's float64, a str enum) pickles as its own class, which
-# torch.load(weights_only=True) refuses.
+# Exact types: a subclass (numpy float64, str enum) pickles as its own class, refused by weights_only.
 _PLAIN_LEAVES = (str, bytes, int, float, complex, bool, type(None), torch.Size, torch.device, torch.dtype)
 _PLAIN_CONTAINERS = (dict, OrderedDict, Counter, list, tuple, set)
 
 
 def check_plain_data(obj: Any, where: str = "payload") -> None:
-    """Raise ``ValueError`` naming (by its key path from ``where``) the first value of ``obj`` that
-    ``torch.load(weights_only=True)`` could not read back: only tensors, plain leaves and containers pass."""
+    """``ValueError`` naming the key path of the first value ``weights_only`` loading could not read back."""
     if type(obj) in (torch.Tensor, nn.Parameter) or type(obj) in _PLAIN_LEAVES:
         return
     if type(obj) in _PLAIN_CONTAINERS:

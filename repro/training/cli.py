@@ -6,8 +6,7 @@ Examples::
     python -m repro train --out runs/r --resume --set optimizer.lr=5e-4    # e.g. after a NaN loss
     torchrun --nproc_per_node=2 -m repro train --experiment switch-tiny --set parallel.ep=2 --out runs/switch-ep2
 
-A finished run gets its run record (``record.json``, read by ``report tables`` and ``report check``); ``eval run`` adds the
-zero-shot results to it.
+A finished run gets ``record.json`` (read by ``report tables``/``check``; ``eval run`` adds zero-shot results).
 """
 
 from __future__ import annotations
@@ -55,9 +54,8 @@ def _parser(prog: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str], prog: str = "python -m repro train") -> int:
-    """Run the ``train`` command on ``argv`` (the arguments after ``train``); return the exit status: 0, or 75
-    (``repro.training.preemption.EXIT_STOPPED``) when a signal stopped the run after its checkpoint, 130 after
-    Ctrl-C did."""
+    """Run ``train`` on ``argv``; exit status 0, :data:`~repro.training.preemption.EXIT_STOPPED` (75) after a stop
+    signal, 130 after Ctrl-C."""
     from pathlib import Path
 
     from repro.config import apply_overrides

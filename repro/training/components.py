@@ -46,8 +46,7 @@ class TrainerState(Protocol):
 
 
 class Validator:
-    """Mean validation LM loss over ``iters`` micro-batches per rank of ``dataset`` (None: no validation), the
-    same samples every time, every ``interval`` steps (0: never) and at ``last_step``."""
+    """Mean validation loss over the same ``iters`` micro-batches per rank, every ``interval`` steps and last."""
 
     def __init__(self, dataset, interval: int, iters: int, last_step: int) -> None:
         self.dataset = dataset
@@ -62,9 +61,8 @@ class Validator:
 
     @torch.no_grad()
     def evaluate(self, trainer: TrainerState) -> float:
-        """The validation loss, in eval mode (routers deterministic), leaving the training RNG streams as they
-        were and clearing the routers' statistics and megatron's aux-loss tracker afterwards, so evaluation
-        forwards never mix into the next training step's row."""
+        """Validation loss in eval mode; training RNG streams untouched, router stats and aux-loss tracker cleared
+        so evaluation never leaks into the next step's row."""
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
         from routers.megatron_adapter import reset_routing_stats
@@ -91,8 +89,7 @@ class Validator:
 
 
 class StepLog:
-    """``log.jsonl`` (appended by rank 0, one row per step) and the progress bar (its loss and throughput
-    updated every ``interval`` steps)."""
+    """``log.jsonl`` (rank 0, a row per step) and the progress bar (updated every ``interval`` steps)."""
 
     def __init__(self, path: Path, interval: int, total_steps: int, initial_step: int, is_main: bool, show: bool,
                  desc: str) -> None:
@@ -126,8 +123,7 @@ class StepLog:
 
 
 class Checkpointer:
-    """Saves everything a bit-identical resume needs into ``root`` every ``interval`` steps (0: never) and at
-    ``last_step``, syncing ``log`` first so that a checkpoint never refers to unwritten rows."""
+    """Checkpoints every ``interval`` steps and last, syncing ``log`` first (no reference to unwritten rows)."""
 
     def __init__(self, root: Path, interval: int, last_step: int, log: StepLog | None = None) -> None:
         self.root = root
@@ -142,8 +138,7 @@ class Checkpointer:
         return row
 
     def ensure_saved(self, trainer: TrainerState) -> Path:
-        """The checkpoint of the trainer's current step: written now unless :meth:`after_step` just wrote it
-        (a run stopped by a signal; collective)."""
+        """The current step's checkpoint, written unless :meth:`after_step` just did (collective)."""
         if self.saved is not None and self.saved[0] == trainer.step:
             return self.saved[1]
         return self.save(trainer)
@@ -167,8 +162,7 @@ class Checkpointer:
 
     @staticmethod
     def restore(trainer: TrainerState, payload: dict[str, Any]) -> None:
-        """Restore optimizer, LR schedule, data position and, last, the RNG from a rank payload (the model's
-        weights are loaded before the optimizer is built)."""
+        """Restore optimizer, schedule, data position and, last, RNG (weights load before the optimizer is built)."""
         trainer.optimization.load_state_dict(payload["optimizer"])
         trainer.scheduler.load_state_dict(payload["scheduler"])
         trainer.step, trainer.consumed = int(payload["step"]), int(payload["consumed_samples"])

@@ -24,9 +24,8 @@ DEFAULT_MINI_PILE_DIR = "data/mini-pile"
 
 @dataclass(frozen=True)
 class RunData:
-    """The datasets of one run (``valid`` None: no validation), the tokenizer's vocabulary size and absolute
-    directory (None: synthetic), a short origin for ``config.json`` and, with similarity batching, the
-    derived dataset's prefix, split and statistics."""
+    """A run's datasets (``valid`` None: none), vocabulary size, tokenizer dir (None: synthetic), origin for
+    ``config.json`` and similarity-batching info."""
 
     train: Any
     valid: Any
@@ -37,9 +36,8 @@ class RunData:
 
 
 def _mini_pile(spec: str) -> tuple[list[str], str]:
-    """Open (or build, when absent) the embedded mini-pile of ``mini-pile[:<dir>]`` and return its training
-    prefix and tokenizer directory (rank 0 first, the other ranks then find it built). A built mini-pile is
-    used as it is: ``python -m repro data`` and the studies rebuild it when the machine's sources changed."""
+    """Open (or build) ``mini-pile[:<dir>]`` on rank 0 first; ``(training prefixes, tokenizer dir)``. A built one
+    is used as is (``python -m repro data`` rebuilds on source changes)."""
     from repro.data.minipile import open_mini_pile
 
     root = spec.partition(":")[2].strip() or DEFAULT_MINI_PILE_DIR
@@ -53,8 +51,7 @@ def _mini_pile(spec: str) -> tuple[list[str], str]:
 
 
 def data_sources(config: RunConfig) -> tuple[list[str], str]:
-    """``(indexed-dataset prefixes, tokenizer directory)`` of a non-synthetic run, the mini-pile built (or
-    reused) on the way (ReproError for synthetic data or no prefix)."""
+    """``(prefixes, tokenizer dir)`` of a non-synthetic run (ReproError: synthetic, or no prefix)."""
     data = config.data
     if data.source == "synthetic":
         raise ReproError(f"experiment '{config.name}' trains on synthetic tokens: it has no tokenizer")
@@ -89,8 +86,7 @@ def tokenizer_fingerprint(tokenizer_dir: str | os.PathLike) -> str:
 
 
 def build_run_data(config: RunConfig, seq_length: int, dp_size: int, cache_dir: str | os.PathLike) -> RunData:
-    """Build the experiment's datasets (the validation set holds ``validation.iters`` micro-batches for each of
-    ``dp_size`` ranks; megatron caches its sample indices in ``cache_dir``)."""
+    """Build the run's datasets (validation: ``validation.iters`` micro-batches per rank; cache in ``cache_dir``)."""
     data, validate = config.data, bool(config.validation.interval)
     valid_samples = max(1, config.validation.iters) * data.micro_batch_size * dp_size
     if data.source == "synthetic":

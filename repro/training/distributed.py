@@ -1,10 +1,9 @@
 """Process layout, the expert/non-expert parameter split and the global gradient-norm clipping of the CPU
 path (megatron's optimizer, which clips on GPU, allocates on CUDA).
 
-megatron's ``DistributedDataParallel`` reduces the gradients (:mod:`repro.training.optim`): non-expert
-parameters over the data-parallel (DP) group, expert parameters (``allreduce=False``) over the
-expert-data-parallel group only (the ranks holding the same experts), both scaled by ``1 / dp_size``: an
-expert's gradient on its owning rank already sums every EP rank's tokens through the all-to-all's backward.
+megatron's DDP reduces gradients (:mod:`repro.training.optim`): non-expert parameters over DP, expert ones
+(``allreduce=False``) over expert-DP only, both scaled by ``1 / dp_size``: an expert's gradient already sums
+every EP rank's tokens through the all-to-all's backward.
 """
 
 from __future__ import annotations
@@ -19,8 +18,7 @@ from torch import nn
 
 @dataclass(frozen=True)
 class Parallel:
-    """This process's place in the run and the process groups the loop needs (groups None: one process;
-    ``dp_size`` includes the EP ranks: megatron carves EP out of DP)."""
+    """This process's ranks and groups (None: one process); ``dp_size`` includes EP (megatron carves EP out of DP)."""
 
     rank: int = 0
     world_size: int = 1
@@ -68,8 +66,7 @@ def current_parallel() -> Parallel:
 
 
 def is_expert_param(name: str, param: torch.Tensor) -> bool:
-    """Whether a parameter belongs to one expert: marked ``allreduce=False`` (megatron does only when its
-    config has ``expert_model_parallel_size > 1``) or named ``...experts...``."""
+    """``allreduce=False`` (set by megatron only with EP > 1) or named ``...experts...``."""
     return (not getattr(param, "allreduce", True)) or ".experts." in f".{name}"
 
 
@@ -83,14 +80,8 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 
 
 def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> float:
-    """Clip the global gradient norm to ``max_norm`` (0 or less: measure only) with torch's rule (scale by
-    ``max_norm / (norm + 1e-6)`` when that is below 1) and return the norm before clipping (``nan``/``inf``
-    passed through).
-
-    The norm is the whole model's, as one process holding it would see it: non-expert parameters (replicated
-    over DP after the reduction) counted once, expert parameters' squares summed over the EP group,
-    tensor-parallel shards summed over the TP group and TP duplicates counted once; float64 accumulation.
-    """
+    """Clip to ``max_norm`` (<= 0: measure only) by torch's rule, ``* max_norm / (norm + 1e-6)`` if below 1; return
+    the pre-clip norm (nan/inf too): the whole model's (experts over EP, TP shards over TP, duplicates once; fp64)."""
     dense_sq = torch.zeros((), dtype=torch.float64)
     expert_sq = torch.zeros((), dtype=torch.float64)
     tp_rank = dist.get_rank(parallel.tp_group) if parallel.tp_size > 1 else 0
@@ -102,7 +93,7 @@ def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> flo
             sharded_tp = bool(getattr(p, "tensor_model_parallel", False))
             if parallel.tp_size > 1 and not sharded_tp and tp_rank != 0:
                 continue  # a TP duplicate: counted on TP rank 0 only
-            # Squared in place in a float64 copy: the same sum as ``.double().pow(2).sum()``, one allocation fewer.
+            # In-place square of a float64 copy: ``.double().pow(2).sum()`` with one allocation fewer.
             sq = p.grad.detach().to(torch.float64, copy=True)
             sq = sq.mul_(sq).sum().cpu()
             if is_expert:

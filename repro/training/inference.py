@@ -17,9 +17,8 @@ from repro.training import checkpoint as ckpt
 
 
 class CheckpointScorer(nn.Module):
-    """A megatron-core GPTModel (weights loaded) behind the bridge's ``ScoringModel`` protocol; ``vocab_size``
-    is the tokenizer's (the model's padded extra logits are cut off), ``max_length`` the training sequence
-    length."""
+    """A loaded GPTModel behind the bridge's ``ScoringModel`` protocol; ``vocab_size`` is the tokenizer's (padded
+    logits cut off), ``max_length`` the training sequence length."""
 
     def __init__(
         self, model: nn.Module, config: RunConfig, eod_id: int, vocab_size: int, max_length: int, device: torch.device
@@ -34,8 +33,7 @@ class CheckpointScorer(nn.Module):
 
     @property
     def batch_coupled(self) -> bool:
-        """Whether a token's routing depends on the other tokens of the batch (Expert Choice, capacity
-        dropping): such a model must be scored one request at a time."""
+        """Whether routing depends on the batch (Expert Choice, capacity): then score one request at a time."""
         from routers import RoutingKind, routers_in
 
         kinds = {r.constraint.kind for r in routers_in(self.model)}
@@ -45,15 +43,12 @@ class CheckpointScorer(nn.Module):
     def logits(
         self, tokens_BS: torch.Tensor, prompt_lengths_B: list[int] | None = None, start: int = 0
     ) -> torch.Tensor:
-        """Next-token logits ``[B, S - start, V]`` (float32, V the tokenizer's vocabulary) of positions
-        ``start..S-1`` for token ids ``[B, S]``.
+        """Float32 next-token logits ``[B, S - start, V]`` (tokenizer vocabulary) of positions ``start..S-1``.
 
         Args:
             tokens_BS: token ids.
-            prompt_lengths_B: context tokens of each row; layers with an inference rule of their own (Lory's)
-                then route each row once on its prompt, so neither the scored tokens nor padding steer them.
-            start: the first position to compute logits for; the output layer runs on positions ``start..``
-                alone (the transformer layers see the whole sequence, as without it).
+            prompt_lengths_B: context tokens per row (Lory's layers then route each row on its prompt alone).
+            start: first position scored; only the output layer skips earlier positions.
         """
         from repro.model.cpu_shims import causal_attention_mask
         from routers.megatron_adapter import prompt_routing, token_ids_context
@@ -80,8 +75,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """A checkpoint directory from a checkpoint, a run's ``checkpoints`` directory or a run directory.
 
     Raises:
-        ReproError: nothing to load there (naming the path; a run killed while writing its first checkpoint
-            is told apart from a directory that holds no run).
+        ReproError: nothing to load (a run killed during its first checkpoint is told apart).
     """
     path = Path(path)
     resolved = ckpt.resolve_checkpoint(path)
@@ -103,8 +97,7 @@ def run_dir_of(checkpoint_dir: Path) -> Path:
 
 
 def _run_tokenizer_dir(checkpoint_dir: Path, config: RunConfig) -> str:
-    """The tokenizer the run trained with, as its ``config.json`` records it (ReproError when it is gone or its
-    files changed); runs that recorded none (a bare checkpoint directory) take the experiment's data sources."""
+    """The run's tokenizer as ``config.json`` records it (ReproError: gone or changed); else the data sources'."""
     from repro.training.data import data_sources, tokenizer_fingerprint
 
     config_path = run_dir_of(checkpoint_dir) / "config.json"
@@ -133,11 +126,11 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
     """Rebuild a run's model in one process from its checkpoint (any DP/EP layout) for scoring.
 
     Args:
-        path: a run directory (its newest checkpoint), a ``checkpoints`` directory or one checkpoint.
+        path: run directory (newest checkpoint), ``checkpoints`` directory or one checkpoint.
         device: ``"cpu"``/``"cuda"``; default CUDA when available.
 
     Returns:
-        ``(CheckpointScorer in eval mode, the run's tokenizer)``; its routers skip their diagnostic metrics.
+        ``(CheckpointScorer in eval mode, tokenizer)``; routers skip their diagnostic metrics.
 
     Raises:
         ReproError: no checkpoint, a synthetic-data run (no tokenizer), or weights that do not fit.

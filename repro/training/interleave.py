@@ -1,28 +1,17 @@
 """Several runs trained in one process, one step of each in turn: the timing that pins a ratio between routers.
 
-Timed in separate processes, two routers' step times differ by the processes as much as by the routers (what one
-H100 showed: docs/efficiency.md). Here every run's model, optimizer
-and data are resident together and :func:`train_interleaved` steps them round by round, so a round's steps
-share the machine's state and their ratio carries the routers' difference alone:
+Separate processes differ as much as routers do (docs/efficiency.md); here all runs stay resident and
+:func:`train_interleaved` steps them round by round, so a round's step-time ratio isolates the routers:
 
-1. **Order**: round ``r`` steps the runs in the given order when ``r`` is even and in reverse when it is odd
-   (A B, B A, A B, ...: :func:`round_order`), so no run always comes first after the collection below.
-2. **Garbage collection by hand** (Megatron-LM's ``--manual-gc``): Python's automatic collector is off while
-   the runs step and a full collection runs before each round, outside every timed region; a collection that
-   fires inside one step would otherwise put its pause on one router at random.
-3. **Each step timed twice** by :meth:`~repro.training.trainer.Trainer.train_step`: wall (``iter_time_s``)
-   and, on CUDA, the device's span between two events (``device_time_s``).
-4. **Each run's own peak memory** on CUDA: the process's peak holds every resident run, so a row's
-   ``peak_memory_bytes`` is the run's own resident bytes (what its build and its first step left allocated)
-   plus the largest rise of allocated memory during one of its steps (:class:`_OwnMemory`).
-5. **A profiled step** (a run's ``logging.trace_step``): that step of the run alone is recorded by
-   :class:`~repro.training.trace.StepTrace` (device busy time against the step's span), started just before it
-   and stopped just after, so another run's step is never in it and two profilers never record at once.
+1. **Order**: odd rounds reversed (A B, B A, ...: :func:`round_order`), so no run always follows the GC.
+2. **Manual GC** (Megatron-LM's ``--manual-gc``): collect before each round, never in a step (would hit one
+   router at random).
+3. **Timing**: wall ``iter_time_s`` and, on CUDA, ``device_time_s`` (``Trainer.train_step``).
+4. **Per-run peak memory** on CUDA: resident bytes + largest rise in one step (:class:`_OwnMemory`).
+5. **Profiled step** (``logging.trace_step``): only that run's step, one profiler at a time.
 
-Each run writes its run directory as :func:`repro.training.trainer.train` does (``config.json``, ``log.jsonl``;
-no checkpoints); step ``s`` of every log belongs to round ``s``, which is how
-:func:`repro.records.log_figures.interleaved_ratios` pairs them. One process, one device: ``parallel.tp`` and
-``parallel.ep`` must be 1.
+Run directories as :func:`repro.training.trainer.train` writes them, no checkpoints; step ``s`` is round ``s``
+(:func:`repro.records.log_figures.interleaved_ratios`). One process and device: tp = ep = 1.
 """
 
 from __future__ import annotations
@@ -39,8 +28,7 @@ from repro.errors import ReproError
 
 
 def round_order(labels: Sequence[str], round_index: int) -> list[str]:
-    """The order in which round ``round_index`` (0-based) steps the runs: as given in even rounds, reversed in
-    odd ones (module docstring, 1)."""
+    """Run order of 0-based round ``round_index`` (module docstring, 1)."""
     return list(labels) if round_index % 2 == 0 else list(reversed(labels))
 
 
@@ -50,16 +38,15 @@ def train_interleaved(
     """Train every run for ``steps`` steps, one step of each in turn (module docstring).
 
     Args:
-        runs: ``(label, config, run directory)`` of each run; the directories new or empty.
-        steps: steps of each run (rounds); below each config's ``schedule.steps`` (no checkpoint is written).
+        runs: ``(label, config, run directory)``; directories new or empty.
+        steps: rounds; below each ``schedule.steps`` (no checkpoint is written).
         progress_every: print a line every this many rounds (0: never).
 
     Returns:
         ``{label: steps completed}``.
 
     Raises:
-        ReproError: a layout other than one process with tp = ep = 1, a config whose schedule ends within
-            ``steps``, a run directory in use or not empty, or a non-finite loss (naming the run).
+        ReproError: tp/ep > 1, a schedule ending within ``steps``, a busy run directory, a non-finite loss.
     """
     from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
@@ -110,8 +97,7 @@ def train_interleaved(
 
 
 class _OwnMemory:
-    """Each run's own peak of allocated CUDA memory among several resident runs (module docstring, 4; on other
-    devices the rows keep the process's peak)."""
+    """Each run's own CUDA memory peak (module docstring, 4; elsewhere rows keep the process peak)."""
 
     def __init__(self, device) -> None:
         import torch

@@ -1,9 +1,8 @@
 """Linear warmup then cosine decay to a floor: the schedule of both papers (megatron's ``cosine`` style).
 
-Step numbering: the optimizer step that follows ``step`` completed steps (``step = 0, 1, ...``) uses
-``lr_at(step + 1)``. So the first step trains at ``lr / warmup_steps`` (not at 0, which would waste it),
-the last warmup step reaches the peak, and the last step of the run reaches ``min_lr`` exactly. Megatron
-counts the same way (``OptimizerParamScheduler.step`` increments before computing the LR).
+After ``step`` completed steps the next uses ``lr_at(step + 1)``: the first trains at ``lr / warmup_steps``
+(not a wasted 0), the last warmup step at the peak, the last step at ``min_lr``, as megatron counts
+(``OptimizerParamScheduler.step`` increments first).
 """
 
 from __future__ import annotations
@@ -14,8 +13,7 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WarmupCosineSchedule:
-    """The learning rate as a pure function of the step: linear warmup over ``warmup_steps`` (0: start at the
-    peak) to ``peak_lr``, then cosine to ``min_lr`` at ``total_steps``, and ``min_lr`` after it."""
+    """LR as a pure function of the step: linear warmup to ``peak_lr``, cosine to ``min_lr`` at ``total_steps``."""
 
     peak_lr: float
     min_lr: float
@@ -31,8 +29,7 @@ class WarmupCosineSchedule:
             raise ValueError(f"need 0 <= min_lr <= peak_lr, got {self.min_lr}, {self.peak_lr}")
 
     def lr_at(self, step: int) -> float:
-        """The learning rate of optimizer step number ``step`` (1-based; 0 gives 0 during warmup):
-        ``peak * step / warmup`` during warmup, then ``min + (peak - min) * (1 + cos(pi * p)) / 2`` with
+        """LR of 1-based ``step``: ``peak * step / warmup``, then ``min + (peak - min) * (1 + cos(pi * p)) / 2``,
         ``p = (step - warmup) / (total - warmup)`` clamped to [0, 1]."""
         if self.warmup_steps > 0 and step <= self.warmup_steps:
             return self.peak_lr * step / self.warmup_steps
@@ -44,10 +41,8 @@ class WarmupCosineSchedule:
 
 
 class LRScheduler:
-    """Applies a :class:`WarmupCosineSchedule` to an optimizer's ``param_groups`` (torch's or megatron's); its
-    state is the number of steps taken. megatron's groups carry ``lr_mult`` and ``wd_mult`` and leave it to
-    the scheduler to set ``lr`` and ``weight_decay`` (the base ``weight_decay`` times ``wd_mult``), as its
-    ``OptimizerParamScheduler`` does; torch's groups keep their own weight decay."""
+    """Applies a :class:`WarmupCosineSchedule` to ``param_groups``; state: steps taken. megatron's groups get
+    ``lr * lr_mult`` and ``weight_decay * wd_mult`` (as ``OptimizerParamScheduler``); torch's keep their decay."""
 
     def __init__(self, optimizer, schedule: WarmupCosineSchedule, weight_decay: float = 0.0) -> None:
         self.optimizer = optimizer
@@ -71,6 +66,6 @@ class LRScheduler:
         return {"num_steps": self.num_steps, "schedule": self.schedule.__dict__.copy()}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the step count. A different saved schedule is allowed (it is the config's to decide)."""
+        """Restore the step count (the saved schedule may differ: the config decides)."""
         self.num_steps = int(state["num_steps"])
 

@@ -17,8 +17,7 @@ from repro.training.distributed import Parallel, clip_gradients, is_expert_param
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """AdamW parameter groups, decayed (>= 2-D weights) then not decayed (biases, 1-D parameters), empty ones
-    dropped (a fixed order, so that optimizer state loads back)."""
+    """AdamW groups: decayed (>= 2-D) then not (biases, 1-D), empty ones dropped (fixed order: state loads back)."""
     decay, no_decay = [], []
     for name, p in model.named_parameters():
         if p.requires_grad:
@@ -31,9 +30,8 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
 
 
 def _wrap_ddp(model: nn.Module, parallel: Parallel, distributed_optimizer: bool) -> nn.Module:
-    """megatron-core's ``DistributedDataParallel`` around ``model`` (fp32 grad buffers, no overlap), expert
-    parameters marked ``allreduce=False`` first when EP > 1 (megatron's DDP splits them by that attribute,
-    which its layers set only when their config has ``expert_model_parallel_size > 1``)."""
+    """megatron-core's DDP around ``model`` (fp32 grad buffers, no overlap). With EP > 1 expert parameters get
+    ``allreduce=False`` first: DDP splits by it, but megatron's layers set it only when their config has EP > 1."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     if parallel.ep_size > 1:
@@ -52,22 +50,16 @@ def foreach_multi_tensor_l2_norm(
     chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]], per_tensor: bool,
     *args: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Drop-in for megatron-core's ``local_multi_tensor_l2_norm`` (its fallback for ``amp_C.multi_tensor_l2norm``
-    without TransformerEngine or Apex) that stays on the device.
-
-    megatron's fallback builds ``torch.tensor([torch.norm(t) for t in ...])``: one device-to-host copy per
-    gradient tensor, then one more for ``float(total)`` and a host-to-device copy back, every step. Here
-    ``torch._foreach_norm`` (a few multi-tensor kernels) and one reduction, no synchronisation. Each tensor's
-    norm is accumulated in fp32, as ``amp_C``'s kernel does (megatron's fallback rounds a bf16 tensor's norm to
-    bf16 first); the fp32 results differ from the fallback's by reduction order only.
+    """Sync-free drop-in for megatron's TE/Apex-free ``local_multi_tensor_l2_norm`` (a host sync per tensor):
+    ``torch._foreach_norm`` accumulating in fp32 as ``amp_C`` does; differs from it by reduction order only.
 
     Args:
-        chunk_size, noop_flag: ``multi_tensor_applier``'s arguments, unused (as by megatron's fallback).
-        tensor_lists: lists of tensors on one device; the norm is over all of them together.
-        per_tensor: unused; megatron's fallback returns no per-tensor norms either.
+        chunk_size, noop_flag: ``multi_tensor_applier``'s arguments, unused (as by the fallback).
+        tensor_lists: tensors on one device; the norm is over all of them.
+        per_tensor: unused (the fallback returns no per-tensor norms either).
 
     Returns:
-        The global L2 norm as a float32 tensor of shape [1] on the tensors' device, and None.
+        ``(global L2 norm as float32 [1] on the tensors' device, None)``.
     """
     tensors = [t for tensor_list in tensor_lists for t in tensor_list]
     if not tensors:
@@ -79,14 +71,11 @@ def foreach_multi_tensor_l2_norm(
 def foreach_multi_tensor_scale(
     chunk_size: int, noop_flag: torch.Tensor, tensor_lists: Sequence[Sequence[torch.Tensor]], scale: float
 ) -> None:
-    """Drop-in for megatron-core's ``local_multi_tensor_scale`` (``dst.copy_(src * scale)`` tensor by tensor):
-    the same values bit for bit (the same elementwise product, the same cast on the copy) in a few multi-tensor
-    kernels instead of two launches per tensor.
+    """Bit-identical multi-tensor drop-in for megatron's ``local_multi_tensor_scale`` (two launches per tensor).
 
     Args:
-        chunk_size, noop_flag: ``multi_tensor_applier``'s arguments, unused (as by megatron's fallback).
-        tensor_lists: ``[sources, destinations]``, paired; the same list twice scales in place (gradient
-            clipping); scale 1.0 copies (main parameters to the bf16 model's and back).
+        chunk_size, noop_flag: ``multi_tensor_applier``'s arguments, unused (as by the fallback).
+        tensor_lists: ``[sources, destinations]``; same list twice: in place (clipping); scale 1.0: a copy.
         scale: the factor.
     """
     src, dst = list(tensor_lists[0]), list(tensor_lists[1])
@@ -103,20 +92,14 @@ def foreach_multi_tensor_scale(
 
 @contextlib.contextmanager
 def foreach_optimizer_fallbacks(enabled: bool = True) -> Iterator[list[str]]:
-    """Within the block, megatron-core's optimizer uses :func:`foreach_multi_tensor_l2_norm` and
-    :func:`foreach_multi_tensor_scale` where it would use its local (TE- and Apex-free) fallbacks; the module
-    attributes are put back on exit, so nothing outlives the block (other runs in the process, tests).
-
-    Only names bound to megatron's own fallbacks are replaced: with TransformerEngine or Apex installed their
-    fused kernels stay. The names are read by megatron at call time (``get_grad_norm_fp32``,
-    ``clip_grad_by_total_norm_fp32``, ``_multi_tensor_copy_this_to_that``), so the block must span the
-    optimizer's ``step()``.
+    """In the block megatron's optimizer uses the ``foreach_*`` drop-ins above instead of its TE/Apex-free
+    fallbacks (TE/Apex kernels stay). Names are read at call time, so the block must span ``step()``.
 
     Args:
-        enabled: False leaves everything as it is (a no-op block).
+        enabled: False makes the block a no-op.
 
     Yields:
-        The ``module.name`` attributes replaced (empty when disabled or when none is a local fallback).
+        The ``module.name`` attributes replaced.
     """
     import importlib
 
@@ -145,8 +128,7 @@ def foreach_optimizer_fallbacks(enabled: bool = True) -> Iterator[list[str]]:
 
 
 class _Optimization:
-    """What both paths share: ``ddp_model`` (the wrapped model to run forward/backward through) and the
-    optimizer's ``param_groups`` (the LR scheduler writes ``lr`` into them)."""
+    """Shared by both paths: ``ddp_model`` (run forward/backward through it) and ``param_groups`` (LR written there)."""
 
     ddp_model: nn.Module
     optimizer: Any
@@ -156,27 +138,18 @@ class _Optimization:
         return self.optimizer.param_groups
 
     def release(self) -> None:
-        """Let the model go once its run is over (nothing may use this object afterwards): :func:`release_ddp`."""
+        """Free the model after the run (:func:`release_ddp`)."""
         release_ddp(self.ddp_model)
 
 
 def release_ddp(ddp_model: nn.Module) -> None:
-    """Let a model wrapped in megatron's DDP go once its training is over (nothing may use the wrapper after).
-
-    megatron's DDP wrapper hooks the parameters' gradient accumulators with closures over itself, and the
-    model keeps the last step's routing probabilities (megatron's alltoall dispatcher), whose autograd graph
-    reaches those accumulators: a cycle through C++ that the garbage collector cannot see, which would keep
-    the model, its memory and its process groups' polling threads alive for the life of the process (a
-    notebook or a test session training many runs). Emptying the wrapper breaks the cycle.
-    """
+    """Free a DDP-wrapped model after training: DDP's accumulator hooks close over it and the alltoall dispatcher's
+    kept probs reach them, a C++ cycle the GC cannot see. Emptying the wrapper (then unusable) breaks it."""
     ddp_model.__dict__.clear()
 
 
 class CpuOptimization(_Optimization):
-    """megatron-core's DDP gradient reduction (on CPU under gloo with the CPU shims: backward hooks fill its fp32
-    ``main_grad`` buffers, ``finalize_model_grads`` reduces them), then global-norm clipping
-    (:func:`~repro.training.distributed.clip_gradients`) and torch's AdamW; ``clip_grad`` 0 does not clip.
-    """
+    """megatron DDP reduction (gloo, fp32 ``main_grad``), :func:`clip_gradients`, torch's AdamW."""
 
     def __init__(
         self,
@@ -193,8 +166,7 @@ class CpuOptimization(_Optimization):
         self.parallel = parallel
         self.clip_grad = clip_grad
         self.ddp_model = _wrap_ddp(model, parallel, distributed_optimizer=False)
-        # fused: torch's CPU kernel, one pass over each parameter and its state (a third of the single-tensor
-        # loop's time on the tiny model); elementwise, so deterministic and identical whatever the layout.
+        # fused: one pass per parameter; elementwise, so deterministic and identical whatever the layout.
         self.optimizer = torch.optim.AdamW(
             param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=True
         )
@@ -227,8 +199,7 @@ class CpuOptimization(_Optimization):
 
 
 class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
-    """megatron-core's DDP wrapper and optimizer (GPU only; fp32 main parameters for a bf16 model, the state
-    sharded over data-parallel ranks with ``distributed_optimizer``)."""
+    """megatron-core's DDP and optimizer (GPU only; fp32 main params; ``distributed_optimizer`` shards state)."""
 
     def __init__(
         self,
@@ -247,8 +218,7 @@ class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         self.parallel = parallel
-        # optimizer.foreach_fallbacks: megatron's TE-free norm / scale fallbacks replaced during step()
-        # (foreach_optimizer_fallbacks); off by default so that recorded runs keep their exact numbers.
+        # foreach_optimizer_fallbacks during step(); off by default so recorded runs keep their exact numbers.
         self.foreach_fallbacks = foreach_fallbacks
         self.distributed_optimizer = distributed_optimizer
         self.ddp_model = _wrap_ddp(model, parallel, distributed_optimizer)
@@ -265,8 +235,7 @@ class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
             params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=distributed_optimizer,
         )
-        # No gloo groups: init_distributed creates none on GPU (NCCL), and megatron's default (True) asserts
-        # on the missing intra-partial-data-parallel gloo group as soon as it builds the optimizer.
+        # No gloo groups on GPU: megatron's default (True) asserts on the missing intra-partial-DP gloo group.
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp_model], use_gloo_process_groups=False)
 
     def zero_grad(self) -> None:
@@ -287,8 +256,7 @@ class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
         return list(getattr(self.optimizer, "chained_optimizers", [self.optimizer]))
 
     def state_dict(self) -> dict[str, Any]:
-        """Each (chained) optimizer's state; with the distributed optimizer, its parameter state gathered
-        to data-parallel rank 0 (a collective)."""
+        """Each (chained) optimizer's state; distributed optimizer state gathered to DP rank 0 (a collective)."""
         states = []
         for opt in self._optimizers():
             entry = {"state": opt.state_dict()}

@@ -25,16 +25,14 @@ from repro.training.distributed import barrier
 if TYPE_CHECKING:
     from repro.training.components import TrainerState
 
-#: Exit status of ``python -m repro train`` when a signal stopped the run after writing its checkpoint:
-#: sysexits.h's EX_TEMPFAIL (a process killed by the signal, without a checkpoint, exits 143 = 128 + SIGTERM).
+#: Exit status after a signal stopped the run with its checkpoint: EX_TEMPFAIL (a killed one exits 143).
 EXIT_STOPPED = 75
 #: Exit status after Ctrl-C stopped the run with its checkpoint: the shell's 128 + SIGINT, as for any program.
 EXIT_INTERRUPTED = 130
 
 
 class RunStopped(ReproError):
-    """A signal (its name in ``signal``) stopped the run after ``step``, whose checkpoint is written: an error
-    to callers that expect a finished run, so nothing evaluates or records the unfinished run."""
+    """A signal stopped the run after ``step`` (checkpointed); an error so nothing records the unfinished run."""
 
     def __init__(self, message: str, step: int, signal: str) -> None:
         super().__init__(message)
@@ -62,8 +60,7 @@ class StopRequest:
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
-        """Handle :data:`STOP_SIGNALS` inside the block (main thread only: Python lets no other thread install
-        handlers), restoring the previous handlers after it."""
+        """Handle :data:`STOP_SIGNALS` in the block (main thread only, as Python requires), then restore."""
         if threading.current_thread() is not threading.main_thread():
             yield self
             return
@@ -75,15 +72,12 @@ class StopRequest:
                 signal.signal(s, handler)
 
     def agreed(self, device: torch.device) -> int:
-        """The signal any rank received so far (the largest number), 0 for none; collective over all processes
-        (``device``: the model's, where nccl's tensor lives)."""
+        """Largest signal any rank got so far, 0 for none (collective; ``device`` for nccl's tensor)."""
         return all_ranks_reduce(self.signum, dist.ReduceOp.MAX, device)
 
 
 def stop_run(trainer: TrainerState, signum: int) -> str:
-    """End a run on a signal (collective): the checkpoint of the step just completed (unless the interval just
-    wrote it), the resume line on rank 0, and a barrier so no rank leaves before rank 0 has said it; return
-    the signal's name."""
+    """End a run on a signal (collective): checkpoint, resume line on rank 0, barrier; returns the signal name."""
     name = {s.value: s.name for s in signal.Signals}.get(signum, f"signal {signum}")
     checkpointer = next(c for c in trainer.components if isinstance(c, Checkpointer))
     path = checkpointer.ensure_saved(trainer)

@@ -44,9 +44,8 @@ class RunPaths:
 
 @contextlib.contextmanager
 def run_lock(paths: RunPaths) -> Iterator[None]:
-    """Hold the run directory's lock, an exclusive ``flock`` on ``.lock`` that the operating system releases on
-    any exit (global rank 0; other ranks belong to the same run); ReproError when the directory cannot be
-    created or another process holds the lock."""
+    """Hold the run's exclusive ``flock`` on ``.lock`` (rank 0 only; the OS releases it on any exit); ReproError
+    if the directory cannot be created or another process holds it."""
     if int(os.environ.get("RANK", "0")) != 0:
         yield
         return
@@ -73,8 +72,7 @@ def run_lock(paths: RunPaths) -> Iterator[None]:
 
 @dataclass(frozen=True)
 class StartState:
-    """How a run starts: its config, the checkpoint to resume from (None: step 0) and, for a run that had
-    already finished, its summary."""
+    """How a run starts: config, checkpoint (None: step 0), and the summary if it had already finished."""
 
     config: RunConfig
     checkpoint: ckpt.CheckpointInfo | None
@@ -82,8 +80,7 @@ class StartState:
 
 
 def stored_config(paths: RunPaths) -> RunConfig:
-    """The config of the run in ``paths.root``: its newest checkpoint's, else its ``config.json``'s (ReproError
-    when there is no run or the config is unreadable)."""
+    """The run's config: newest checkpoint's, else ``config.json``'s (ReproError: no run, unreadable)."""
     latest = ckpt.find_latest_checkpoint(paths.checkpoints)
     if latest is not None:
         info = ckpt.read_checkpoint_info(latest)
@@ -115,18 +112,12 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 def start_state(paths: RunPaths, config: RunConfig | None, resume: bool, extend: bool = False) -> StartState:
-    """Decide how a run starts in ``paths.root`` with the config asked for (None with ``resume``: the run's own).
-
-    On resume the run keeps its own ``config.json``; ``config`` is that config with the caller's explicit changes,
-    each printed (rank 0) and kept in ``resume_changes.json``. A finished run (a checkpoint at its schedule's
-    last step and a summary) is left as it is unless ``extend``: then it continues to the changed
-    ``schedule.steps``, and its old ``summary.json`` and ``record.json`` are removed (the run writes both again
-    when it ends), so no record describes a shorter run beside the longer log.
+    """How a run starts in ``paths.root``. On resume explicit changes are printed and kept in
+    ``resume_changes.json``; a finished run is left as it is unless ``extend``, which continues it and removes its
+    ``summary.json``/``record.json`` (rewritten at the end) so no record describes a shorter run.
 
     Raises:
-        ReproError: a directory that is not this run's, nothing to resume, a changed config on resume that
-            would change the model (naming the fields), changes to a finished run without ``extend``, or
-            ``extend`` without more steps.
+        ReproError: foreign directory, nothing to resume, model-changing resume, or a bad ``extend``.
     """
     if not resume:
         if extend:

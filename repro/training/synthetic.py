@@ -1,9 +1,7 @@
 """A deterministic synthetic token source with learnable structure, and the micro-batch sampler.
 
-The synthetic source stands in for a tokenized corpus when no files are wanted (tests, smoke runs): indexable
-like megatron's ``GPTDataset``, every sample a pure function of ``(seed, split, i)``, its text a random sparse
-bigram chain (a few likely successors per token and some uniform noise), so a falling loss is a meaningful
-check after a handful of steps.
+Stands in for a corpus in tests and smoke runs: indexable like ``GPTDataset``, each sample a pure function of
+``(seed, split, i)``, its text a sparse bigram chain with noise, so the loss falls within a few steps.
 """
 
 from __future__ import annotations
@@ -20,10 +18,8 @@ SAMPLE_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 @dataclass(frozen=True)
 class SyntheticTokens:
-    """Seeded sparse-bigram token sequences of ``seq_length`` tokens (plus one for the shifted labels): ``seed``
-    fixes the bigram table and every sample, ``split`` 0 (training) or 1 (validation) draws independent
-    samples of the same table, the index wraps after ``num_samples`` (0: never), each token has
-    ``successors`` likely successors and is uniformly random with probability ``noise``."""
+    """Sparse-bigram sequences (+1 token for labels); ``split`` 0/1: independent samples of the seed's table;
+    indices wrap at ``num_samples`` (0: never); ``successors`` per token, else uniform with probability ``noise``."""
 
     vocab_size: int
     seq_length: int
@@ -47,14 +43,8 @@ class SyntheticTokens:
         return self.num_samples if self.num_samples else 2**62
 
     def _text(self, indices: list[int]) -> np.ndarray:
-        """``[b, S + 1]`` int64 token sequences of the samples ``indices`` (already checked and wrapped).
-
-        Sample i draws, from its own generator seeded ``(seed, split + 1, i)``, the successor choice, the noise
-        flags and the uniform tokens of its ``S + 1`` positions, in that order. Position 0 and every noisy
-        position take their uniform token and start a run; every other position is its predecessor's chosen
-        successor ``table[previous, pick]``. All runs of all samples advance together: at round r every
-        position that is r tokens into its run is filled, from positions filled at round r - 1.
-        """
+        """``[b, S + 1]`` int64 texts: sample i's generator ``(seed, split + 1, i)`` draws picks, noise flags, uniform
+        tokens; position 0 and noisy ones start a run, others are ``table[previous, pick]`` (filled by depth)."""
         n = self.seq_length + 1
         picks, noisy, uniform = [], [], []
         for index in indices:
@@ -100,10 +90,8 @@ class SyntheticTokens:
 
 @dataclass(frozen=True)
 class MicroBatchSampler:
-    """Which samples data-parallel rank ``dp_rank`` reads, as a function of the consumed-sample count: each
-    micro-step takes ``micro_batch_size x dp_size`` consecutive samples, and rank ``r`` takes slice ``r``
-    (megatron's ``MegatronPretrainingSampler``: a one-process run and a DP run of the same global batch see
-    the same micro-batches)."""
+    """Samples DP rank ``dp_rank`` reads: each micro-step takes ``micro_batch_size x dp_size`` consecutive samples,
+    rank ``r`` slice ``r`` (``MegatronPretrainingSampler``: same micro-batches whatever the DP size)."""
 
     micro_batch_size: int
     dp_rank: int
@@ -111,15 +99,13 @@ class MicroBatchSampler:
     num_microbatches: int
 
     def indices(self, consumed_samples: int, microbatch: int) -> range:
-        """This rank's sample indices of micro-batch ``microbatch`` (0-based) of the step that starts after
-        ``consumed_samples`` samples of all ranks."""
+        """This rank's indices of 0-based ``microbatch`` of the step starting at ``consumed_samples``."""
         start = consumed_samples + (microbatch * self.dp_size + self.dp_rank) * self.micro_batch_size
         return range(start, start + self.micro_batch_size)
 
 
 def collate(dataset, indices) -> dict[str, torch.Tensor]:
-    """Stack samples ``indices`` (wrapped modulo ``len(dataset)``) of an indexable dataset whose items hold
-    :data:`SAMPLE_KEYS` into ``[b, s]`` tensors (int64, float32 for ``loss_mask``)."""
+    """Stack samples ``indices`` (mod ``len(dataset)``) into :data:`SAMPLE_KEYS` ``[b, s]`` tensors."""
     n = len(dataset)
     if isinstance(dataset, SyntheticTokens):
         return dataset.batch(int(i) % n for i in indices)  # all samples generated at once

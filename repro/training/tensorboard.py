@@ -1,13 +1,9 @@
 """TensorBoard events from the training log's rows (the optional extra ``tensorboard``).
 
-With ``logging.tensorboard=true`` rank 0 writes the step's :class:`~repro.records.step_log.LogRow` on every
-logging step (``logging.interval``, and the last step): scalars ``train/<field>``, ``train/aux/<name>`` (summed
-over layers) and ``train/aux/<name>/layer<l>``, ``routing/<metric>/layer<l>``, ``router/<name>`` (the step
-schedules' statistics), ``val/loss`` on every step that has one (whatever the cadence), and per-expert
-metrics as histograms over the expert index, ``experts/<metric>/layer<l>``: bucket i holds expert i's value
-(``tokens_per_expert``: its load), so TensorBoard's histogram view shows every expert's load over the steps.
-Layers are numbered from 1. A resumed run passes ``purge_step`` so TensorBoard drops the events a killed run
-wrote after its checkpoint.
+Rank 0 writes each logging step's row: ``train/<field>``, ``train/aux/<name>[/layer<l>]``,
+``routing/<metric>/layer<l>``, ``router/<name>``, ``val/loss``, and per-expert histograms
+``experts/<metric>/layer<l>`` (bucket i = expert i's value). Layers count from 1. A resume passes
+``purge_step`` to drop events written after the checkpoint.
 """
 
 from __future__ import annotations
@@ -76,8 +72,7 @@ class TensorBoardLog:
 
 
 def _expert_histogram(writer, tag: str, values: list[float], step: int) -> None:
-    """Expert i's value as the count of bucket (i - 0.5, i + 0.5]; the values' distribution if any is negative
-    (the aux-loss-free router's bias)."""
+    """Expert i's value as bucket (i - 0.5, i + 0.5]'s count; a plain histogram if any is negative (biases)."""
     if any(v < 0 for v in values):
         import numpy as np
 
@@ -103,8 +98,7 @@ def tensorboard_dir(run_root: Path, configured: str | None) -> Path:
 
 
 def check_tensorboard(run_root: Path, configured: str | None) -> None:
-    """Refuse, before anything is made, a TensorBoard log that cannot be written: TensorBoard not installed, or
-    an events directory that is a file, lies below a file, or under a directory this user cannot write.
+    """Refuse up front an unwritable TensorBoard log (package missing, directory a file or not writable).
 
     Raises:
         ReproError: one line naming the package or the path.

@@ -1,18 +1,10 @@
 """A torch profiler trace of one training step and where its device time goes (``logging.trace_step=N``).
 
-The trainer component :class:`StepTrace` starts ``torch.profiler`` after step ``N - 1`` and stops it after step
-``N`` (rank 0 only), so exactly step ``N`` is recorded: its micro-batches' forwards and backwards, the gradient
-reduction and the optimizer step. Every router call is wrapped in a ``repro::router`` range while it records.
-It writes into ``<run dir>/trace/``:
-
-- ``trace.json.gz``: the Chrome trace (``chrome://tracing`` or https://ui.perfetto.dev read it gzipped);
-- ``summary.json``: :func:`summarize`'s figures: the device time of every kernel together, the time the device
-  was busy against the step's span, the top kernels by time, and the routers' share: the kernels launched
-  inside the router ranges (forward) plus those of the backward nodes that autograd created there (matched by
-  the ops' sequence numbers). ``python -m repro.training.trace TRACE.json.gz`` computes it again from a trace.
-
-On a machine without CUDA the same figures are host time of the outermost ops (``"clock": "cpu"``), so the
-arithmetic can be checked anywhere. The profiler slows the step it records: time steps in other runs.
+:class:`StepTrace` profiles exactly step ``N`` on rank 0, router calls in ``repro::router`` ranges, into
+``<run dir>/trace/``: ``trace.json.gz`` (Chrome trace; ``chrome://tracing`` or ui.perfetto.dev) and
+``summary.json`` (:func:`summarize`; ``python -m repro.training.trace TRACE.json.gz`` recomputes it).
+Without CUDA the figures are host time of outermost ops (``"clock": "cpu"``). Profiling slows the step:
+take timings from other runs.
 """
 
 from __future__ import annotations
@@ -56,9 +48,7 @@ class StepTrace:
         return row
 
     def start(self, model: torch.nn.Module) -> None:
-        """Start recording ``model``'s steps (its router calls in ranges); :meth:`stop` writes what was recorded.
-        ``after_step`` calls both; a caller that steps several models in turn calls them around one model's
-        step (:mod:`repro.training.interleave`)."""
+        """Record ``model`` until :meth:`stop` (called by ``after_step`` or :mod:`repro.training.interleave`)."""
         from routers.megatron_adapter import router_adapters
 
         for adapter in router_adapters(model):
@@ -127,24 +117,17 @@ def _union_us(spans: list[tuple[float, float]]) -> float:
 
 
 def summarize(trace: dict[str, Any]) -> dict[str, Any]:
-    """Where one recorded step's time goes, from its Chrome trace (``torch.profiler``'s export).
-
-    Device work (``kernel``, ``gpu_memcpy``, ``gpu_memset`` events) is tied to the host thread that launched it
-    through the launch's ``correlation``. A kernel belongs to the routers' forward when its launch lies inside a
-    ``repro::router`` range, to their backward when it lies inside an ``autograd::engine::evaluate_function``
-    whose ``Sequence number`` is one of an op run inside such a range.
+    """Where a step's time goes, from its Chrome trace. Device work is tied to its launch by ``correlation``: router
+    forward if launched in a ``repro::router`` range, backward if in an ``autograd::engine::evaluate_function``
+    whose ``Sequence number`` matches an op in such a range.
 
     Args:
-        trace: the parsed Chrome trace of one step, router calls in ``repro::router`` ranges.
+        trace: parsed Chrome trace of one step, router calls in ``repro::router`` ranges.
 
     Returns:
-        ``clock`` ("cuda": device time; "cpu": host time of the outermost ops, for a trace without device work);
-        ``span_us`` (first host op to last event end), ``total_us`` (device: every kernel, memcpy and memset;
-        cpu: the outermost ops), ``busy_us`` (time the device had work, overlaps counted once), ``launches``;
-        ``top`` (name, calls, us, share of ``total_us``; the :data:`TOP_KERNELS` largest); ``router_calls``,
-        ``router_host_us`` (host time inside the router ranges), ``router_forward_us`` /
-        ``router_backward_us`` (device time, or host time on ``cpu``), ``router_launches`` (forward + backward)
-        and ``router_share`` (forward + backward over ``total_us``).
+        ``clock`` ("cuda" or "cpu"), ``span_us``, ``total_us`` (all device work, or outermost ops on cpu),
+        ``busy_us`` (overlaps once), ``launches``, ``top`` (:data:`TOP_KERNELS` by time), ``router_calls``,
+        ``router_host_us``, ``router_{forward,backward}_us``, ``router_launches``, ``router_share`` (of ``total_us``).
     """
     import bisect
 

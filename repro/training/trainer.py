@@ -1,25 +1,16 @@
 """The trainer: megatron-core GPT models with any router, on CPU (gloo) or GPU, one process or torchrun.
 
-``train(config, out_dir)`` (every rank calls it under torchrun) builds a :class:`Trainer` (data, model,
-optimizer, schedule; restored from a checkpoint on resume) whose :meth:`Trainer.fit` runs
-:meth:`Trainer.train_step` to the last step, handing every step's row to the components
-(:mod:`repro.training.components`). One optimizer step (``step`` counts completed steps, from 0):
+``train`` builds a :class:`Trainer` whose :meth:`~Trainer.fit` runs :meth:`~Trainer.train_step` to the last
+step, handing each row to the components (:mod:`repro.training.components`). One optimizer step:
 
-1. the LR schedule sets the step's learning rate; ``routers.begin_step`` tells every router the step and
-   whether to compute its diagnostic metrics (:meth:`Trainer.collects_metrics`);
-2. megatron's ``MoEAuxLossAutoScaler`` gets the loss scale ``1 / num_microbatches``, as megatron's training
-   sets it (the routers' aux losses reach the graph through it and must be scaled as the LM loss is);
-3. for each micro-batch: forward (inside ``token_ids_context`` so Hash sees the ids), mean token loss under
-   the loss mask, backward of ``loss / num_microbatches``;
-4. gradients reduced by megatron's ``DistributedDataParallel``, clipped to the global norm, AdamW step;
-5. ``routers.end_step``: ReMoE's sparsity statistic updates its L1 coefficient on every rank alike;
-6. the row: losses, aux losses and routing metrics per layer, averaged over DP ranks in one all-reduce.
+1. set the LR; ``routers.begin_step`` passes the step and whether to collect metrics;
+2. ``MoEAuxLossAutoScaler`` scale = ``1 / num_microbatches`` (as megatron: aux losses scale like the LM loss);
+3. per micro-batch: forward in ``token_ids_context`` (Hash), masked mean loss, backward of loss / microbatches;
+4. megatron DDP reduction, global-norm clipping, AdamW;
+5. ``routers.end_step`` (ReMoE's L1 coefficient, identical on every rank);
+6. the row: losses, aux losses, per-layer routing metrics, DP-averaged in one all-reduce.
 
-Steps 1-5 are timed (the row's ``iter_time_s``; what that holds and leaves out: docs/efficiency.md, "What is
-timed"). Outputs in ``out_dir``: ``config.json`` (the config, the process layout, the model's size, the
-data's origin), ``log.jsonl``, ``checkpoints/`` and ``summary.json`` when the run reaches its last step;
-``record.json`` is the caller's. The run directory is locked for the life of a run; a resume restores
-everything a step depends on and continues bit-identically (fp32 on CPU; tested).
+Steps 1-5 are timed (docs/efficiency.md). Resume is bit-identical (fp32 CPU; tested).
 """
 
 from __future__ import annotations
@@ -91,12 +82,8 @@ def build_model_for(config: RunConfig, vocab_size: int, bf16: bool) -> nn.Module
 
 
 def _build_layout_independent(config: RunConfig, vocab_size: int, bf16: bool, parallel: Parallel) -> nn.Module:
-    """Build the model so that its initial weights do not depend on the expert-parallel layout.
-
-    megatron initialises parameters from torch's generator in construction order, so an EP rank that
-    builds only its ``E / ep`` experts draws other values than a process building all ``E``. With ``ep > 1``
-    the full model is built once under EP=1 (same seed), and each rank keeps its experts' weights from it.
-    """
+    """Build with EP-layout-independent initial weights: megatron draws in construction order, so with ``ep > 1``
+    the full model is built once under EP=1 and each rank keeps its experts' weights."""
     if parallel.ep_size == 1:
         return build_model_for(config, vocab_size, bf16)
     from megatron.core import parallel_state
@@ -124,8 +111,7 @@ def _count_params(model: nn.Module, parallel: Parallel) -> dict[str, int]:
 
 
 def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory of this process so far: allocated device memory on CUDA, resident set size on CPU (the
-    whole process's peak: model, optimizer, data and the Python heap)."""
+    """Peak memory so far: allocated device memory on CUDA, the process's peak RSS on CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
     import resource
@@ -152,9 +138,7 @@ def _megatron_aux_losses(model: nn.Module, skip: set[str]) -> dict[str, torch.Te
 def _step_measurements(
     model: nn.Module, lm_sum: torch.Tensor, num_microbatches: int, with_metrics: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Everything of one step to average over DP ranks, as named CPU tensors:
-    ``{"lm_loss": [1], "aux/<name>": [L], "metric/<name>": [L], "expert/<name>": [L, E]}`` (metrics only
-    ``with_metrics``)."""
+    """Values to DP-average: ``lm_loss [1]``, ``aux/* [L]``, ``metric/* [L]``, ``expert/* [L, E]`` (CPU)."""
     from routers.megatron_adapter import collect_aux_losses, collect_routing_metrics
 
     metrics_by_layer = collect_routing_metrics(model) if with_metrics else {}
@@ -199,14 +183,13 @@ def _by_prefix(values: dict[str, torch.Tensor], prefix: str) -> dict[str, list]:
 
 
 class Trainer:
-    """One run's model, data, optimizer and schedule, and the step that trains them (built with megatron's
-    parallel state initialised; :func:`train` does both).
+    """One run's model, data, optimizer, schedule and step (needs megatron's parallel state; see :func:`train`).
 
     Args:
         config: the run's config.
         paths: where the run writes.
-        resume: the checkpoint to continue from (None: a fresh run).
-        device: the device :func:`repro.model.parallel.init_distributed` chose.
+        resume: checkpoint to continue from (None: fresh run).
+        device: from :func:`repro.model.parallel.init_distributed`.
         progress: show the progress bar (rank 0; default when stderr is a terminal).
     """
 
@@ -232,8 +215,7 @@ class Trainer:
             self.model.load_state_dict(payload["model"], strict=True)
         elif config.checkpoint.init_from:
             ckpt.load_model_weights(config.checkpoint.init_from, self.model, self.parallel)
-        # The routers' schedules run at router_step0 + step: the initial checkpoint's step with
-        # checkpoint.init_router_step (on a resume too), else 0.
+        # Router schedules run at router_step0 + step: init checkpoint's step with init_router_step, else 0.
         self.router_step0 = 0
         if config.checkpoint.init_from and config.checkpoint.init_router_step:
             self.router_step0 = ckpt.read_checkpoint_info(ckpt.resolve_checkpoint(config.checkpoint.init_from)).step
@@ -288,8 +270,7 @@ class Trainer:
         return build_model_for(config, self.data.vocab_size, self.bf16)
 
     def _check_backend_unchanged(self) -> None:
-        """The optimizer state follows the parameter layout, which the backend decides (and ``auto`` resolves
-        by machine): a resume must build the backend the run started with."""
+        """Refuse a resume on another backend (it decides the parameter layout the optimizer state follows)."""
         if not self.paths.config.is_file():
             return
         before = json.loads(self.paths.config.read_text()).get("backend")
@@ -360,22 +341,19 @@ class Trainer:
         return (per_token_BS.float() * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
 
     def collects_metrics(self, step: int) -> bool:
-        """Whether the routers compute their diagnostic metrics in step ``step`` (1-based): step 1, every
-        ``logging.metrics_interval`` steps and the last step."""
+        """Whether routers collect metrics in 1-based ``step``: first, every ``metrics_interval``, last."""
         interval = self.config.logging.metrics_interval
         return step == 1 or step % interval == 0 or step == self.config.schedule.steps
 
     def train_step(self) -> LogRow:
-        """Run one optimizer step (see the module docstring) and return its row (NonFiniteLoss when the loss
-        or the gradient norm is not finite)."""
+        """One optimizer step (module docstring); returns its row, raises NonFiniteLoss."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
 
         from routers import begin_step, end_step
         from routers.megatron_adapter import reset_routing_stats
 
         collect = self.collects_metrics(self.step + 1)
-        # The step's micro-batches, read and collated on the host before the timer starts (the timed region
-        # holds training only); the copies to the device stay inside it.
+        # Collated on the host before the timer (it times training only); device copies stay inside it.
         host_batches = [
             collate(self.data.train, self.sampler.indices(self.consumed, j)) for j in range(self.num_microbatches)
         ]
@@ -441,10 +419,8 @@ class Trainer:
         )
 
     def fit(self, stop_after: int | None = None) -> bool:
-        """Train to the last step, letting every component act after each step; True when the run reached its
-        last step. ``stop_after`` stops once this many steps are completed, as if killed (no final checkpoint);
-        SIGTERM or SIGUSR1 ends the run after the step in progress (:mod:`repro.training.preemption`; then
-        ``stopped_by`` names the signal)."""
+        """Train to the last step (True if reached); ``stop_after`` stops as if killed; stop signals end the run
+        after the current step (``stopped_by``; :mod:`repro.training.preemption`)."""
         from repro.training.preemption import StopRequest, stop_run
 
         last = self.config.schedule.steps
@@ -469,8 +445,7 @@ class Trainer:
 
 @contextlib.contextmanager
 def aux_loss_scale_restored() -> Iterator[None]:
-    """Put megatron's process-wide ``MoEAuxLossAutoScaler`` scale back as it was after training (left at
-    ``1 / num_microbatches`` it would silently scale the aux-loss gradients of any later backward)."""
+    """Restore megatron's process-wide ``MoEAuxLossAutoScaler`` scale (else it scales any later aux-loss backward)."""
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     before = MoEAuxLossAutoScaler.main_loss_backward_scale
@@ -502,28 +477,23 @@ def train(
     """Train one run (every rank calls this under torchrun; a single process works without it).
 
     Args:
-        config: the run's config; with ``resume`` it may be None (the run's own config is used) and otherwise
-            may change only settings that do not define the model (see :func:`repro.training.run_dir.start_state`).
-        out_dir: the run directory: new or empty for a fresh run.
-        resume: continue the run in ``out_dir`` from its newest checkpoint (from step 0 when it has none yet);
-            a finished run is left as it is.
-        extend: with ``resume``, continue a finished run to the config's larger ``schedule.steps``.
-        stop_after: stop after this many completed steps as if killed: no final checkpoint, no summary.
-        progress: show a tqdm bar on rank 0 (default: when stderr is a terminal).
+        config: None with ``resume`` (the run's own); else non-model changes only (:func:`start_state`).
+        out_dir: run directory (new or empty for a fresh run).
+        resume: continue from the newest checkpoint (or step 0); a finished run is left as it is.
+        extend: with ``resume``, continue a finished run to a larger ``schedule.steps``.
+        stop_after: stop after this many steps as if killed (no final checkpoint, no summary).
+        progress: tqdm bar on rank 0 (default: when stderr is a terminal).
 
     Returns:
-        The summary (also in ``summary.json``), with ``"finished_before": True`` when a resumed run had
-        already finished; with ``stop_after``, ``{"experiment", "stopped_at"}``.
+        The summary (``"finished_before": True`` if already done); with ``stop_after``, ``{experiment, stopped_at}``.
 
     Raises:
-        ReproError: a bad config, a run directory that is not this run's or is locked by another run, a
-            corrupt checkpoint, a layout change on resume, a non-finite loss;
-            :class:`~repro.training.preemption.RunStopped` when a signal stopped the run after a step.
+        ReproError: bad config or run directory, corrupt checkpoint, layout change, non-finite loss, or
+            :class:`~repro.training.preemption.RunStopped` after a stop signal.
     """
     from repro.model import parallel as model_parallel
 
-    # The rank variables first (srun-native ranks from SLURM's, or a one-line refusal of a multi-task launch
-    # without them): the lock below is rank 0's, and a refused launch must leave nothing behind.
+    # Rank variables first: the lock is rank 0's, and a refused launch must leave nothing behind.
     if not model_parallel.is_initialized():
         os.environ.update(model_parallel.rank_environment(os.environ))
     paths = RunPaths(Path(out_dir))
@@ -561,11 +531,9 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
         non_finite = str(exc)  # the message only: the exception's traceback holds the step's frames, the model
     finally:
         trainer.optimization.release()  # the model goes with this function's frame (Optimization.release)
-        # megatron's RotaryEmbedding.forward is an lru_cache on the method: up to 32 (module, embedding) pairs
-        # for the life of the process, one more per run; emptied so that runs in one process hold memory flat.
+        # RotaryEmbedding.forward is an lru_cache holding each run's module: clear it to keep memory flat.
         RotaryEmbedding.forward.cache_clear()
-    # The errors below keep this frame in their tracebacks (a caller, a notebook's last error): the trainer,
-    # and with it the model and its optimizer state, must not stay alive with them.
+    # The errors below keep this frame in their tracebacks: drop the trainer (model, optimizer state) first.
     if non_finite is not None:
         del trainer
         latest = ckpt.find_latest_checkpoint(paths.checkpoints)
