@@ -356,6 +356,17 @@ def test_check_efficiency_on_matching_hardware():
     assert record_value(record, "efficiency.tflops_per_device") == record.efficiency.tflops_per_device_analytic
 
 
+def test_a_record_written_under_a_flavours_earlier_name_is_checked_against_the_published_numbers():
+    """The committed H100 records say model 'llama-185m' (the 185m flavour's earlier name): they load as 185m and
+    meet the DirMoE paper's H100 rows."""
+    path = DEFAULT_LEDGER_DIR.parent / "h100" / "efficiency" / "runs" / "switch" / "record.json"
+    assert json.loads(path.read_text())["experiment"]["model"] == "llama-185m"
+    record = load_record(path)
+    assert record.experiment.model == "185m"
+    rows = {r.metric: r for r in check_against_published(record, load_ledger(), paper="DirMoE").rows}
+    assert rows["efficiency.iter_time_ms"].reference == 431.5
+
+
 def test_check_against_previous_run(tmp_path, capsys):
     losses = [6.0, 5.5, 5.0, 4.5, 4.0]
     scores = {"minipile_continuation": (0.25, 0.3)}

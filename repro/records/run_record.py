@@ -10,6 +10,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from repro.flavours import RENAMED
+
 SCHEMA = "dirmoe-bench/run-record"
 SCHEMA_VERSION = 1
 #: The per-layer routing metrics a record keeps (names of the routers' metrics).
@@ -60,6 +62,9 @@ class ExperimentInfo:
     router: str
     model: str
     config: dict[str, Any]
+
+    def __post_init__(self) -> None:  # a record written under a flavour's earlier name matches the published entries
+        object.__setattr__(self, "model", RENAMED.get(self.model, self.model))
 
 
 @dataclass(frozen=True)
