@@ -159,6 +159,25 @@ def main(argv, prog):
 '''
 
 
+def test_a_write_up_that_cannot_load_or_claims_a_taken_directory_is_one_line(tmp_path, monkeypatch, capsys):
+    from repro.cli import main as cli_main
+
+    (tmp_path / "bad_studies").mkdir()
+    (tmp_path / "bad_studies" / "__init__.py").write_text("")
+    (tmp_path / "bad_studies" / "typo.py").write_text('WRITEUPS = {"typo": "bad_studies.typo:nope"}\n')
+    (tmp_path / "bad_studies" / "twin.py").write_text('WRITEUPS = {"mini": "repro.studies.mini_writeup:mini"}\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(studies, "ALIASES", dict(studies.ALIASES))
+    studies.register_study("typo", "bad_studies.typo", "a write-up that is not there")
+    assert cli_main(["report", "writeup", "--root", str(tmp_path), "--check"]) == 2
+    assert capsys.readouterr().err.startswith(
+        "error: study 'typo': its write-up of results/typo, 'bad_studies.typo:nope', cannot be loaded")
+    del studies.ALIASES["typo"]
+    studies.register_study("twin", "bad_studies.twin", "a second write-up of results/mini")
+    assert cli_main(["report", "writeup", "--root", str(tmp_path), "--check"]) == 2
+    assert "error: results/mini has two write-ups; the second is study 'twin''s" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_a_study_from_outside_the_package_runs_with_its_own_table_and_write_up(tmp_path, monkeypatch, capsys):
     """A package of a user's registers a study (runs, table, write-up) and ``python -m repro study NAME`` runs it:

@@ -86,10 +86,17 @@ def writeups() -> dict[str, Callable[[Path], Any]]:
 
     _plugins()
     found: dict[str, Callable[[Path], Any]] = {}
-    for module, _ in ALIASES.values():
+    for study, (module, _) in ALIASES.items():
         for directory, target in getattr(importlib.import_module(module), "WRITEUPS", {}).items():
             name, _, function = target.partition(":")
-            found[directory] = getattr(importlib.import_module(name), function)
+            try:
+                make = getattr(importlib.import_module(name), function)
+            except (ImportError, AttributeError) as exc:
+                raise ReproError(f"study '{study}': its write-up of results/{directory}, '{target}', cannot be "
+                                 f"loaded ({exc})") from None
+            if directory in found:
+                raise ReproError(f"results/{directory} has two write-ups; the second is study '{study}''s '{target}'")
+            found[directory] = make
     return found
 
 
