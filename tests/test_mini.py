@@ -4,6 +4,7 @@ seed added to finished runs, and the tables over seeds."""
 
 from __future__ import annotations
 
+import csv
 import json
 
 import pytest
@@ -137,6 +138,13 @@ def test_a_second_seed_reuses_the_first_and_adds_tables_over_seeds(comparison, m
     assert summary["seeds"] == 2 and summary["per_seed"]["dirmoe"]["seed"] == [seed_0, seed_0 + 1]
     assert set(summary["run_cpu_seconds"]) == {"switch", "dirmoe", "switch-s1", "dirmoe-s1"}
     assert sorted(summary["trained_runs"]) == ["dirmoe-s1", "switch-s1"]
+    # The tests behind the seed tables, as the write-up reads them: the routing table's cells, number for number.
+    rows = {r["Router"].split(" (")[0]: r for r in csv.DictReader((out / "routing_seeds.csv").open())}
+    cells = summary["over_seeds"]["routing"]["cells"]
+    assert set(cells) == set(rows) == {"switch", "dirmoe"}
+    for router, row in rows.items():
+        assert row["load imbalance"].startswith(format(cells[router]["load imbalance"]["mean"], ".2f"))
+        assert row["load imbalance"].endswith("*") == cells[router]["load imbalance"]["marked"]
     # Every run's record beside the tables: the band `report check RUN --against out3` reads.
     from repro.records.store import load_records
 

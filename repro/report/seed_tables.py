@@ -287,6 +287,26 @@ def _caption(comparison: SeedComparison, what: str, labels: Mapping[str, str], u
     return caption + undefined_note(comparison.undefined(labels))
 
 
+def zero_shot_headers(comparison: SeedComparison) -> dict[str, str]:
+    """Column -> its header in the ``zero_shot_seeds`` table (a task's label, ``Avg.``)."""
+    return {c: "Avg." if c == AVG else task_label(c) for c in comparison.columns}
+
+
+def comparison_json(comparison: SeedComparison, headers: Mapping[str, str]) -> dict[str, Any]:
+    """A comparison over seeds as ``summary.json`` holds it (the write-ups read it there): the reference, the Holm
+    family and its defined tests, and per router and column header the mean, the interval's half-width, the
+    Holm-adjusted p-value and whether the table marks the cell."""
+    def cell(router: str, column: str, stat: SeedStat) -> dict[str, Any]:
+        interval = stat.interval
+        return {"mean": None if interval is None else interval.estimate,
+                "half_width": None if interval is None else interval.half_width,
+                "p_holm": stat.adjusted_p, "marked": comparison.significant(router, column)}
+
+    return {"reference": comparison.reference, "family": comparison.family, "tests": count_defined(comparison.cells),
+            "cells": {router: {headers.get(c, c): cell(router, c, s) for c, s in cells.items()}
+                      for router, cells in comparison.cells.items()}}
+
+
 def seed_zero_shot_table(comparison: SeedComparison) -> Table:
     """The ``zero_shot_seeds`` table of a :func:`compare_over_seeds` comparison."""
     tasks = [c for c in comparison.columns if c != AVG]

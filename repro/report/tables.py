@@ -16,7 +16,7 @@ from repro.records.flops import formula_name
 from repro.records.run_record import RunRecord
 from repro.report.compute_parity import DEFAULT_PARITY_TOLERANCE, DEFAULT_REFERENCE_ROUTER, compute_parity
 from repro.report.published import PublishedEntry, select
-from repro.report.seed_tables import compare_metrics_over_seeds, seed_metric_table
+from repro.report.seed_tables import SeedComparison, compare_metrics_over_seeds, seed_metric_table
 from repro.report.table_core import (
     MISSING,
     PAPER_TASKS,
@@ -216,19 +216,27 @@ def _layer_mean(name: str) -> Callable[[RunRecord], float | None]:
     return mean
 
 
+#: The routing statistics' headers over seeds (``routing_seeds``).
+ROUTING_HEADERS = {name: header for name, (header, _) in SEED_ROUTING_METRICS.items()}
+
+
+def routing_seed_comparison(records: Sequence[RunRecord], **options: Any) -> SeedComparison:
+    """The layer-mean routing statistics of the routed runs over seeds, tested against the reference."""
+    columns = {name: _layer_mean(name) for name in SEED_ROUTING_METRICS}
+    return compare_metrics_over_seeds([r for r in records if r.routing], columns, **options)
+
+
 def routing_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
     """Layer-mean routing statistics over seeds (``routing_seeds``); as :func:`validation_seed_table`, no dense."""
-    columns = {name: _layer_mean(name) for name in SEED_ROUTING_METRICS}
-    comparison = compare_metrics_over_seeds([r for r in records if r.routing], columns, **options)
     return seed_metric_table(
-        comparison,
+        routing_seed_comparison(records, **options),
         name="routing_seeds",
         what=(
             "Routing behaviour over seeds, the mean over layers of each run's averages over its measured steps: "
             "experts per token, Simpson index sum_i p_i^2 of the combine weights (1/E uniform, 1 one expert), "
             "load imbalance (max / mean tokens per expert)."
         ),
-        labels={name: header for name, (header, _) in SEED_ROUTING_METRICS.items()},
+        labels=ROUTING_HEADERS,
         specs={name: spec for name, (_, spec) in SEED_ROUTING_METRICS.items()},
     )
 

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 
     import torch
 
-    from repro.records.run_record import DomainLoss
+    from repro.records.run_record import DomainLoss, RunRecord
 
 COMMAND = "python -m repro study mini"
 DENSE = "dense"
@@ -283,6 +283,24 @@ def _routing(record) -> dict[str, Any]:
             "active_experts": {str(layer.layer + 1): layer.active_experts for layer in record.routing}}
 
 
+def tested(first: Sequence[RunRecord], every: Sequence[RunRecord] | None) -> dict[str, Any]:
+    """The tables' verdicts as ``summary.json`` holds them for the write-ups: each first-seed run off compute parity
+    -> its expert FLOPs per token relative to the reference run's (the efficiency table's ``NO``); with the runs of
+    every seed, the zero-shot and routing comparisons over seeds (:func:`repro.report.seed_tables.comparison_json`)."""
+    from repro.report.compute_parity import compute_parity
+    from repro.report.seed_tables import compare_over_seeds, comparison_json, zero_shot_headers
+    from repro.report.tables import ROUTING_HEADERS, routing_seed_comparison
+
+    parity = compute_parity(first)
+    out: dict[str, Any] = {"expert_flops_off_parity": {run: v.relative_difference for run, v in parity.items()
+                                                        if v.at_parity is False}}
+    if every:
+        zero_shot = compare_over_seeds(every)  # the records carry their per-question results
+        out["over_seeds"] = {"zero_shot": comparison_json(zero_shot, zero_shot_headers(zero_shot)),
+                             "routing": comparison_json(routing_seed_comparison(every), ROUTING_HEADERS)}
+    return out
+
+
 def _final_loss(rows: list) -> float:
     """Mean training LM loss of the last 10 logged steps."""
     tail = rows[-10:]
@@ -343,6 +361,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         "heldout_loss_by_domain": {run: {d.domain: d.loss for d in records[(run, 0)].domain_losses} for run in cfg.runs},
         "specialisation_score": {r: specialisation_score(s) for r, s in specs.items()},
         "routing": {run: _routing(records[(run, 0)]) for run in cfg.runs if records[(run, 0)].routing},
+        **tested(first, list(records.values()) if cfg.seeds > 1 else None),
         "run_cpu_seconds": {r.run_id: round(c["cpu_seconds"], 1) for r in study.runs if (c := run_cost(study.run_dir(r)))},
         "command": "nox -s mini  (python -m repro study mini)" + (f" --seeds {cfg.seeds}" if cfg.seeds > 1 else ""),
     }

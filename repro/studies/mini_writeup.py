@@ -1,12 +1,11 @@
-"""The mini comparison's write-ups (``python -m repro report writeup``): ``results/mini`` from its
-``summary.json``, and the comparison over seeds (``results/mini-seeds``, ``mini-power``) from its summary and the
-marks its tables' tests set. Numbers are formatted from the files; comparison words come from
-:func:`repro.report.verdicts.verdict`.
+"""The mini comparison's write-ups (``python -m repro report writeup``): ``results/mini`` and the comparison over
+seeds (``results/mini-seeds``, ``mini-power``), each from its ``summary.json`` alone (the study writes there the tests
+behind its tables' marks: :func:`repro.studies.mini.tested`). Comparison words come from
+:func:`repro.report.verdicts.verdict` or a table's own mark.
 """
 
 from __future__ import annotations
 
-import re
 import statistics
 from pathlib import Path
 from typing import Any
@@ -15,9 +14,6 @@ from repro.report.verdicts import (
     ALPHA,
     Paired,
     Writeup,
-    cell_half_width,
-    cell_marked,
-    cell_value,
     compared,
     family_power,
     link,
@@ -27,17 +23,10 @@ from repro.report.verdicts import (
     page,
     paired_tests,
     plots,
-    read_rows,
 )
 from repro.stats import paired_detectable_effect
 
 REFERENCE_ROUTER = "switch"
-
-
-def _mean_rows(directory: Path, name: str) -> dict[str, dict[str, str]]:
-    """Router -> row of a per-router table (the ``mean`` layer row where the table has layers)."""
-    rows = read_rows(directory / name)
-    return {r["Router"].split(" (")[0]: r for r in rows if r.get("Layer", "mean") == "mean"}
 
 
 def _cpu(cpu: dict[str, float]) -> str:
@@ -55,18 +44,6 @@ def _wall(summary: dict[str, Any], runs: int) -> str:
     reused = f", reusing the other {runs - len(trained)}" if len(trained) < runs else ""
     return (f"The invocation that wrote these files took {num(wall / 60, '.1f')} min of wall time and trained "
             f"{len(trained)} of the {runs} runs{reused} (`wall_seconds`, `trained_runs`).")
-
-
-def _expert_flops(efficiency_csv: Path) -> dict[str, float]:
-    """Router -> relative expert FLOPs per token, for routers off compute parity (empty without the table)."""
-    if not efficiency_csv.is_file():
-        return {}
-    out = {}
-    for row in read_rows(efficiency_csv):
-        match = re.match(r"NO \(([-+]\d+(?:\.\d+)?)%", row.get("compute parity", ""))
-        if match:
-            out[row["Router"].split(" (")[0]] = float(match.group(1)) / 100
-    return out
 
 
 def _compute_note(compute: dict[str, float], router: str) -> str:
@@ -91,7 +68,7 @@ def mini(directory: Path) -> Writeup:
     imbalance = {r: v["load_imbalance"] for r, v in routing.items()}
     by_layer = {r: {k: x for k, x in v["active_experts"].items() if x is not None} for r, v in routing.items()}
     uneven = {r: v for r, v in by_layer.items() if v and max(v.values()) - min(v.values()) > 0.5}
-    compute = _expert_flops(directory / "efficiency.csv")
+    compute = s.get("expert_flops_off_parity", {})
     cpu = s.get("run_cpu_seconds", {})
     findings = [
         first,
@@ -153,17 +130,8 @@ def _loss_sentence(label: str, family: dict[str, Paired], compute: dict[str, flo
         text += f" Smallest raw p: {compared(smallest + _compute_note(compute, smallest), family[smallest], REFERENCE_ROUTER, '.3f')}."
     if compute:
         text += (" Unequal compute (expert FLOPs per token against " + REFERENCE_ROUTER + "'s, the efficiency "
-                 "table of the first seed): " + ", ".join(f"{r} {100 * v:+.1f}%" for r, v in compute.items()) + ".")
+                 "table of the first seed): " + ", ".join(f"{r} {100 * v:+.1f}%" for r, v in sorted(compute.items())) + ".")
     return text
-
-
-def _caption_tests(table: Path) -> int:
-    """A seeded table's Holm family size, from its caption (0: table missing or family per column)."""
-    try:
-        match = re.search(r"Holm-adjusted over all (\d+) tests", table.read_text())
-    except OSError:
-        return 0
-    return int(match.group(1)) if match else 0
 
 
 def _first_seed_source(directory: Path, per_seed: dict[str, dict[str, list]]) -> str:
@@ -220,23 +188,22 @@ def mini_seeds(directory: Path) -> Writeup:
         key: statistics.median(statistics.stdev(v[key]) for v in per_seed.values() if len(v[key]) > 1)
         for key in ("validation_loss", "heldout_loss")
     }
-    zero_shot = read_rows(directory / "zero_shot_seeds.csv")
-    marked_zs = [f"{r['Router']} ({c})" for r in zero_shot for c, v in r.items() if c not in ("Router", "seeds") and cell_marked(v)]
-    routing = _mean_rows(directory, "routing_seeds.csv")
-    # The first seed's efficiency table: this directory's, else results/mini's (same runs when they match).
-    compute = _expert_flops(next((t for t in (directory / "efficiency.csv", directory.parent / "mini" / "efficiency.csv")
-                                  if t.is_file()), directory / "efficiency.csv"))
-    marks = {r: [c for c, v in row.items() if c not in ("Router", "seeds") and cell_marked(v)] for r, row in routing.items()}
-    routing_tests = _caption_tests(directory / "routing_seeds.md") or len(routing) - 1  # else: a column's routers
+    over_seeds, compute = s["over_seeds"], s.get("expert_flops_off_parity", {})
+    marked_zs = [f"{r} ({c})" for r, cells in over_seeds["zero_shot"]["cells"].items() for c, v in cells.items()
+                 if v["marked"]]
+    routing = over_seeds["routing"]["cells"]
+    marks = {r: [c for c, v in cells.items() if v["marked"]] for r, cells in routing.items()}
+    # The Holm family of the load-imbalance marks: the whole table's tests, or (per column) the column's routers.
+    routing_tests = over_seeds["routing"]["tests"] if over_seeds["routing"]["family"] == "table" else len(routing) - 1
 
     def imbalance(router: str) -> str:
         cell = routing[router]["load imbalance"]
-        word = ("differs significantly (the table's mark)" if cell_marked(cell) else
+        word = ("differs significantly (the table's mark)" if cell["marked"] else
                 f"not marked ({family_power(len(seeds), routing_tests)})")
-        return f"{router} {num(cell_value(cell))} ± {num(cell_half_width(cell))}: {word}"
+        return f"{router} {num(cell['mean'])} ± {num(cell['half_width'])}: {word}"
 
     routing_text = (
-        f"Load imbalance against {REFERENCE_ROUTER}'s {num(cell_value(routing[REFERENCE_ROUTER]['load imbalance']))}: "
+        f"Load imbalance against {REFERENCE_ROUTER}'s {num(routing[REFERENCE_ROUTER]['load imbalance']['mean'])}: "
         + "; ".join(imbalance(r) for r in ("dirmoe", "dirmoe+centered") if r in routing) + "."
     )
     findings = [
