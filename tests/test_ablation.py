@@ -220,6 +220,15 @@ def test_unpaired_seeds_are_not_tested():
 
 
 # ------------------------------------------------------------------------------------------ end to end
+def test_the_pairs_table_rows_are_every_two_dirmoe_cells_besides_paper_up_to_its_bound():
+    cells = ("paper", "recon-centered", "kl-off", "aux-off", "switch")
+    assert ablation.cell_pairs(cells) == [("recon-centered", "kl-off"), ("recon-centered", "aux-off"), ("kl-off", "aux-off")]
+    assert ablation.cell_pairs(cells, confirm=True) == []  # a confirmatory study tests its hypotheses alone
+    assert ablation.cell_pairs(("paper", "recon-centered", "switch")) == []
+    many = tuple(c for c, cell in ablation.CELLS.items() if cell.router == "dirmoe")
+    assert len(many) - 1 > ablation.MAX_PAIRED_CELLS and ablation.cell_pairs(many) == []
+
+
 def _argv(root, *extra: str, work: str = "runs", out: str = "out", cells: str = CELLS, seeds: str = "1,2"):
     # The data: the run's shared mini-pile (conftest), named in root/data-dir by the ``session`` fixture.
     argv = ["--cells", cells, "--seeds", seeds, "--steps", str(STEPS)]
@@ -250,6 +259,7 @@ def test_tables_plots_and_summary_come_from_the_runs(session):
     assert summary["seeds"] == [1, 2] and summary["steps"] == STEPS and summary["final_window_steps"] == 1
     assert summary["cells"]["recon-centered"]["options"] == ["recon_target=centered"]
     assert summary["cost"]["runs_measured"] == summary["cost"]["runs"] > 0 and "training" not in summary
+    assert summary["pairs"] == [] and not (out / "ablation_pairs.md").exists()  # one DirMoE cell besides paper
     # The interval and the paired test, recomputed from the logs.
     key = "load_imbalance[1]"
     per_cell = {}

@@ -216,8 +216,14 @@ def test_the_confirmatory_page_shows_only_its_pre_registered_family():
 
 
 def test_no_cell_against_cell_test_without_its_table(tmp_path):
+    """The pairs the summary records are the pairs table's rows; a study without that table records none."""
     root = _copy_results(tmp_path, ("dirmoe-ablation-6seeds",))
-    (root / "results" / "dirmoe-ablation-6seeds" / "ablation_pairs.csv").unlink()
+    study = root / "results" / "dirmoe-ablation-6seeds"
+    summary = json.loads((study / "summary.json").read_text())
+    rows = [tuple(r["Cells"].split(" - ")) for r in csv.DictReader((study / "ablation_pairs.csv").open())]
+    assert [tuple(pair) for pair in summary["pairs"]] == rows and len(rows) == 10
+    summary["pairs"] = []
+    (study / "summary.json").write_text(json.dumps(summary))
     assert "Cell against cell" not in writeup.generate(root)[0].readme
 
 

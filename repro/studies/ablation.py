@@ -40,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import types
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -221,6 +222,15 @@ def _cost(cfg: AblationConfig) -> dict[str, Any]:
     }
 
 
+def cell_pairs(cells: Sequence[str], confirm: bool = False) -> list[tuple[str, str]]:
+    """The rows of the cell-against-cell table: every two DirMoE cells besides ``paper`` when there are 2 to
+    :data:`MAX_PAIRED_CELLS` of them (else, and in a confirmatory study, none: no such table)."""
+    paired = [c for c in cells if c != REFERENCE and CELLS[c].router == "dirmoe"]
+    if confirm or not 2 <= len(paired) <= MAX_PAIRED_CELLS:
+        return []
+    return [(a, b) for i, a in enumerate(paired) for b in paired[i + 1:]]
+
+
 def build_tables(results, cells: tuple[str, ...], *, family: str = "table", confirm: bool = False) -> list:
     """The tables: against ``paper``, against Switch, differences to ``paper``, cell against cell (up to
     :data:`MAX_PAIRED_CELLS`); for a confirmatory study, the pre-registered hypotheses alone."""
@@ -232,9 +242,8 @@ def build_tables(results, cells: tuple[str, ...], *, family: str = "table", conf
                                                      family=family))
     if REFERENCE in cells and len(cells) > 1:
         tables.append(ablation_tables.ablation_difference_table(results, reference=REFERENCE, family=family))
-    paired = [c for c in cells if c != REFERENCE and CELLS[c].router == "dirmoe"]
-    if 2 <= len(paired) <= MAX_PAIRED_CELLS:
-        pairs = [(a, b) for i, a in enumerate(paired) for b in paired[i + 1:]]
+    pairs = cell_pairs(cells)
+    if pairs:
         tables.append(ablation_tables.pairs_table(results, pairs, family=family))
     note = (" Screen: cells and claims were chosen from runs on these seeds, so these p-values are exploratory; "
             f"`{COMMAND} --confirm` tests the claims stated in advance on seeds outside {min(SCREEN_SEEDS)}-"
@@ -290,6 +299,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         "wall_seconds_this_invocation": round(elapsed, 1),
         "this_invocation": {k: len(outcome[k]) for k in ("trained", "resumed", "reused")},
         "cost": _cost(cfg),
+        "pairs": cell_pairs(cfg.cells, cfg.confirm),
         "results": ablation_tables.results_to_json(results, reference=REFERENCE, switch=SWITCH, family=cfg.family),
     }
     write_json_atomic(out / "summary.json", summary)
@@ -340,6 +350,7 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
     summary.update(family=family, confirm=confirm, **_hypotheses_json(confirm),
                    tables_rebuilt_by=f"{COMMAND} --tables-only --out {out_dir} --family {family}"
                    + (" --confirm" if confirm else ""),
+                   pairs=cell_pairs(results.cells, confirm),
                    results=ablation_tables.results_to_json(results, reference=REFERENCE, switch=SWITCH, family=family))
     write_json_atomic(path, summary)
     return "\n".join(render(t, "md") for t in tables)

@@ -26,7 +26,6 @@ from repro.report.verdicts import (
     paired,
     paired_tests,
     plots,
-    read_rows,
     verdict,
     with_sign_flip,
 )
@@ -142,10 +141,9 @@ def _theta_finding(results: dict[str, Any], window: int | None) -> str | None:
 
 def _contrast_findings(directory: Path, summary: dict[str, Any]) -> list[str]:
     """The cell-against-cell rows with :data:`FOCUS`, per layer, with that table's tests (empty without it)."""
-    path = directory / f"{PAIRS_TABLE}.csv"
-    if not path.is_file():
+    pairs = [tuple(pair) for pair in summary.get("pairs", [])]
+    if not pairs:
         return []
-    pairs = [tuple(row["Cells"].split(" - ")) for row in read_rows(path)]
     results = results_from_json(summary)
     keys = [m.key for m in difference_metrics(results)]
     stats = compare_cell_pairs(results, pairs, keys, family=summary.get("family", "table"))
