@@ -7,10 +7,8 @@ words a test result, never a hand-written judgement. Tests use only the tables' 
 
 from __future__ import annotations
 
-import csv
 import json
 import math
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -227,32 +225,6 @@ def plots(directory: Path) -> list[str]:
     """A write-up's list of the plots in its directory."""
     pngs = sorted(p.name for p in directory.glob("*.png"))
     return ["## Plots", "", *(f"- [`{name}`]({name})" for name in pngs)] if pngs else []
-
-
-def read_rows(path: Path) -> list[dict[str, str]]:
-    """A table's ``.csv`` as rows of header -> cell text."""
-    try:
-        with path.open(newline="") as f:
-            return list(csv.DictReader(f))
-    except OSError as exc:
-        raise ReproError(f"{path}: cannot read: {exc}") from None
-
-
-def cell_value(text: str) -> float | None:
-    """The leading number of a table cell (``5.57 ± 2.30*`` -> 5.57; ``--`` -> None)."""
-    match = re.match(r"\s*([-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?)", text or "")
-    return float(match.group(1)) if match else None
-
-
-def cell_half_width(text: str) -> float | None:
-    """The ``±`` part of a table cell (``5.57 ± 2.30*`` -> 2.30), None without one."""
-    match = re.search(r"±\s*(\d+(?:\.\d+)?)", text or "")
-    return float(match.group(1)) if match else None
-
-
-def cell_marked(text: str) -> bool:
-    """Whether a table cell carries the significance mark ``*``."""
-    return (text or "").rstrip().endswith("*")
 
 
 def page(title: str, command: str, findings: Sequence[str], tables: Sequence[Path], extra: Sequence[str] = ()) -> str:
