@@ -24,6 +24,7 @@ from repro.report.seed_tables import compare_over_seeds, comparison_label, seed_
 from repro.report.table_core import PARTIAL, render
 from repro.report.tables import (
     heldout_loss,
+    routing_seed_comparison,
     routing_seed_table,
     validation_seed_table,
     validation_table,
@@ -297,7 +298,7 @@ def test_validation_and_routing_over_seeds_are_t_intervals_with_paired_marks():
     assert rows["dirmoe"][3] == rows["dirmoe"][4] == cell(lic["dirmoe"])  # one domain: held-out = that domain
     assert "paired t-test over the seeds" in table.caption and "Holm" in table.caption
 
-    routing = routing_seed_table(records)
+    routing = routing_seed_table(routing_seed_comparison(records))
     assert routing.headers == ("Router", "seeds", "active experts", "Simpson index", "load imbalance")
     rows = {row[0]: row for row in routing.rows}
     mean = statistics.fmean(imbalance["dirmoe"])

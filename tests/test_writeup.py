@@ -105,14 +105,14 @@ def test_the_seed_summary_holds_what_its_records_give():
     """results/mini-seeds/summary.json's tests (the write-up's only source) are those the study computes from the
     records it keeps beside them: the zero-shot and routing comparisons over seeds and the first seed's parity."""
     from repro.records.store import load_record
-    from repro.studies.mini import tested
+    from repro.studies.mini import seed_comparisons, tested
 
     directory = ROOT / "results" / "mini-seeds"
     summary = json.loads((directory / "summary.json").read_text())
     runs, seeds = list(summary["per_seed"]), summary["seeds"]
     records = {(run, k): load_record(directory / "records" / f"{f'{run}-s{k}' if k else run}.record.json")
                for k in range(seeds) for run in runs}
-    expected = json.loads(json.dumps(tested([records[(run, 0)] for run in runs], list(records.values()))))
+    expected = json.loads(json.dumps(tested([records[(run, 0)] for run in runs], seed_comparisons(list(records.values())))))
     assert {key: summary[key] for key in expected} == expected
     assert summary["over_seeds"]["routing"]["cells"]["dirmoe"]["load imbalance"]["mean"] > 1
 

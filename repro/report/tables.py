@@ -208,7 +208,8 @@ SEED_ROUTING_METRICS = {
 }
 
 
-def _layer_mean(name: str) -> Callable[[RunRecord], float | None]:
+def layer_mean(name: str) -> Callable[[RunRecord], float | None]:
+    """A run's routing statistic ``name`` averaged over its MoE layers (None where no layer has it)."""
     def mean(record: RunRecord) -> float | None:
         values = [getattr(layer, name) for layer in record.routing if getattr(layer, name) is not None]
         return statistics.fmean(values) if values else None
@@ -222,14 +223,14 @@ ROUTING_HEADERS = {name: header for name, (header, _) in SEED_ROUTING_METRICS.it
 
 def routing_seed_comparison(records: Sequence[RunRecord], **options: Any) -> SeedComparison:
     """The layer-mean routing statistics of the routed runs over seeds, tested against the reference."""
-    columns = {name: _layer_mean(name) for name in SEED_ROUTING_METRICS}
+    columns = {name: layer_mean(name) for name in SEED_ROUTING_METRICS}
     return compare_metrics_over_seeds([r for r in records if r.routing], columns, **options)
 
 
-def routing_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
-    """Layer-mean routing statistics over seeds (``routing_seeds``); as :func:`validation_seed_table`, no dense."""
+def routing_seed_table(comparison: SeedComparison) -> Table:
+    """The ``routing_seeds`` table of a :func:`routing_seed_comparison`."""
     return seed_metric_table(
-        routing_seed_comparison(records, **options),
+        comparison,
         name="routing_seeds",
         what=(
             "Routing behaviour over seeds, the mean over layers of each run's averages over its measured steps: "
@@ -331,7 +332,7 @@ def routing_table(records: Sequence[RunRecord]) -> Table:
     specs = (".3f", ".3f", ".2f", ".4f", ".3f")
     rows: list[tuple[str, ...]] = []
     for record in routed:
-        means = [_layer_mean(name)(record) for name in names]
+        means = [layer_mean(name)(record) for name in names]
         rows.append((labels[record.run_id], "mean", *(_fmt(v, s) for v, s in zip(means, specs))))
         for layer in record.routing:
             rows.append(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +41,7 @@ if TYPE_CHECKING:
     import torch
 
     from repro.records.run_record import DomainLoss, RunRecord
+    from repro.report.seed_tables import SeedComparison
 
 COMMAND = "python -m repro study mini"
 DENSE = "dense"
@@ -278,26 +278,36 @@ def _plots(cfg: MiniConfig, logs: dict[str, list], analyses: dict[str, dict], un
 
 def _routing(record) -> dict[str, Any]:
     """Load imbalance (mean over MoE layers) and experts per token per layer (numbered from 1)."""
-    loads = [layer.load_imbalance for layer in record.routing if layer.load_imbalance is not None]
-    return {"load_imbalance": statistics.fmean(loads) if loads else None,
+    from repro.report.tables import layer_mean
+
+    return {"load_imbalance": layer_mean("load_imbalance")(record),
             "active_experts": {str(layer.layer + 1): layer.active_experts for layer in record.routing}}
 
 
-def tested(first: Sequence[RunRecord], every: Sequence[RunRecord] | None) -> dict[str, Any]:
+def seed_comparisons(every: Sequence[RunRecord]) -> tuple[SeedComparison, SeedComparison]:
+    """The zero-shot and routing comparisons over seeds of the runs of every seed (their tables and the summary's
+    ``over_seeds`` both come from these)."""
+    from repro.report.seed_tables import compare_over_seeds
+    from repro.report.tables import routing_seed_comparison
+
+    return compare_over_seeds(every), routing_seed_comparison(every)  # the records carry their per-question results
+
+
+def tested(first: Sequence[RunRecord], comparisons: tuple[SeedComparison, SeedComparison] | None) -> dict[str, Any]:
     """The tables' verdicts as ``summary.json`` holds them for the write-ups: each first-seed run off compute parity
-    -> its expert FLOPs per token relative to the reference run's (the efficiency table's ``NO``); with the runs of
-    every seed, the zero-shot and routing comparisons over seeds (:func:`repro.report.seed_tables.comparison_json`)."""
+    -> its expert FLOPs per token relative to the reference run's (the efficiency table's ``NO``); with several seeds,
+    the :func:`seed_comparisons` (:func:`repro.report.seed_tables.comparison_json`)."""
     from repro.report.compute_parity import compute_parity
-    from repro.report.seed_tables import compare_over_seeds, comparison_json, zero_shot_headers
-    from repro.report.tables import ROUTING_HEADERS, routing_seed_comparison
+    from repro.report.seed_tables import comparison_json, zero_shot_headers
+    from repro.report.tables import ROUTING_HEADERS
 
     parity = compute_parity(first)
     out: dict[str, Any] = {"expert_flops_off_parity": {run: v.relative_difference for run, v in parity.items()
                                                         if v.at_parity is False}}
-    if every:
-        zero_shot = compare_over_seeds(every)  # the records carry their per-question results
+    if comparisons:
+        zero_shot, routing = comparisons
         out["over_seeds"] = {"zero_shot": comparison_json(zero_shot, zero_shot_headers(zero_shot)),
-                             "routing": comparison_json(routing_seed_comparison(every), ROUTING_HEADERS)}
+                             "routing": comparison_json(routing, ROUTING_HEADERS)}
     return out
 
 
@@ -317,7 +327,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     from repro.records.step_log import read_rows
     from repro.records.store import load_record, write_record
     from repro.report.plots import specialisation_score
-    from repro.report.seed_tables import compare_over_seeds, record_seed, seed_zero_shot_table
+    from repro.report.seed_tables import record_seed, seed_zero_shot_table
     from repro.report.table_core import render, write_tables
     from repro.report.tables import (
         efficiency_table,
@@ -334,13 +344,10 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     records = {job: load_record(cfg.run_dir(*job) / "record.json") for job in cfg.jobs()}
     first = [records[(run, 0)] for run in cfg.runs]
     tables = [zero_shot_table(first), efficiency_table(first), routing_table(first), validation_table(first)]
-    if cfg.seeds > 1:
-        every = list(records.values())
-        tables += [
-            seed_zero_shot_table(compare_over_seeds(every)),  # records carry their per-question results
-            validation_seed_table(every),
-            routing_seed_table(every),
-        ]
+    comparisons = seed_comparisons(list(records.values())) if cfg.seeds > 1 else None
+    if comparisons:
+        tables += [seed_zero_shot_table(comparisons[0]), validation_seed_table(list(records.values())),
+                   routing_seed_table(comparisons[1])]
     write_tables(tables, cfg.out_dir)
     logs = {run: read_rows(cfg.run_dir(run)) for run in cfg.runs}
     analyses = {run: json.loads((cfg.run_dir(run) / "analysis.json").read_text()) for run in cfg.runs}
@@ -361,7 +368,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         "heldout_loss_by_domain": {run: {d.domain: d.loss for d in records[(run, 0)].domain_losses} for run in cfg.runs},
         "specialisation_score": {r: specialisation_score(s) for r, s in specs.items()},
         "routing": {run: _routing(records[(run, 0)]) for run in cfg.runs if records[(run, 0)].routing},
-        **tested(first, list(records.values()) if cfg.seeds > 1 else None),
+        **tested(first, comparisons),
         "run_cpu_seconds": {r.run_id: round(c["cpu_seconds"], 1) for r in study.runs if (c := run_cost(study.run_dir(r)))},
         "command": "nox -s mini  (python -m repro study mini)" + (f" --seeds {cfg.seeds}" if cfg.seeds > 1 else ""),
     }
