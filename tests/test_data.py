@@ -1,4 +1,4 @@
-"""Data pipeline: Pile reader, GPT-2 BPE files, indexed datasets with domains, mini-pile, GPTDataset loader."""
+"""Data pipeline: Pile reader, GPT-2 BPE files, indexed datasets with domains, mini-pile, GPTDatasets."""
 
 from __future__ import annotations
 
@@ -16,13 +16,8 @@ from tokenizers.implementations import ByteLevelBPETokenizer
 
 from repro import cli
 from repro.data import minipile
-from repro.data.datasets import (
-    PretrainingBatchSampler,
-    build_datasets,
-    make_loader,
-    sample_token_documents,
-)
-from repro.data.indexed import indexed_exists, load_domain_index, read_documents, tokenize_shards
+from repro.data.datasets import build_datasets, sample_token_documents
+from repro.data.indexed import load_domain_index, read_documents, tokenize_shards
 from repro.data.minipile import MiniPileConfig, build_mini_pile, open_mini_pile
 from repro.data.minipile_sources import ALL_DOMAINS, troff_to_text
 from repro.data.pile import PileRecord, iter_pile_documents, write_pile_shard
@@ -114,7 +109,6 @@ def test_documents_round_trip_through_indexed_dataset(tmp_path, tokenizer):
     write_pile_shard(shards[1], DOCS[3:])
     stats = tokenize_shards(shards, tokenizer, tmp_path / "out" / "corpus", num_workers=2)
     prefix = str(tmp_path / "out" / "corpus")
-    assert indexed_exists(prefix)
     docs = list(read_documents(prefix))
     assert len(docs) == stats.num_documents == len(DOCS)
     assert sum(len(d) for d in docs) == stats.num_tokens
@@ -329,38 +323,30 @@ def test_cli_mini_pile_prints_sizes_and_throughput(mini, capsys):
         assert name in out
 
 
-# ---- GPTDataset and loader -------------------------------------------------------------------------------
+# ---- GPTDataset -------------------------------------------------------------------------------------------
 
 
-def test_gpt_dataset_loader_yields_corpus_batches(mini, tokenizer, tmp_path):
+def test_gpt_dataset_yields_corpus_samples(mini, tokenizer, tmp_path):
     seq, split = 64, "90,8,2"  # the small mini-pile has too few documents for the papers' 969,30,1
     train, valid, test = build_datasets(
         [mini.train_prefix], seq, (40, 8, 2), 1234, tmp_path / "cache", tokenizer, split=split
     )
     assert len(train) >= 40 and len(valid) >= 8 and len(test) >= 2
-    loader = make_loader(train, 4, with_domains=True, max_samples=40)
-    batches = list(loader)
-    assert len(batches) == 10
-    b = batches[0]
-    assert set(b) == {"tokens", "labels", "loss_mask", "position_ids", "domain_ids"}
-    for key in ("tokens", "labels", "loss_mask", "position_ids", "domain_ids"):
-        assert b[key].shape == (4, seq)
+    b = train[0]
+    assert set(b) == {"tokens", "labels", "loss_mask", "position_ids"}
+    for key in ("tokens", "labels", "loss_mask", "position_ids"):
+        assert b[key].shape == (seq,)
     assert b["tokens"].dtype == torch.int64 and b["loss_mask"].dtype == torch.float32
-    assert torch.equal(b["tokens"][:, 1:], b["labels"][:, :-1])
-    assert torch.equal(b["position_ids"][0], torch.arange(seq))
+    assert torch.equal(b["tokens"][1:], b["labels"][:-1])
+    assert torch.equal(b["position_ids"], torch.arange(seq))
     assert int(b["tokens"].max()) < tokenizer.vocab_size
-    assert set(loader.domain_names) == set(mini.domains)
 
-    # every token maps back to a position of a document of the corpus, with that document's domain
+    # every token maps back to a position of a document of the corpus
     docs = list(read_documents(mini.train_prefix))
-    index = load_domain_index(mini.train_prefix)
     for i in range(8):
         prefix, doc, off = sample_token_documents(train, i)
         assert prefix == mini.train_prefix and (doc >= 0).all()
         assert np.array_equal(np.array([docs[d][o] for d, o in zip(doc, off)]), train[i]["tokens"].numpy())
-        sample = loader.dataset[i]
-        names = [loader.domain_names[k] for k in sample["domain_ids"].tolist()]
-        assert names == [index.domain_of(d) for d in doc]
 
     # a fresh build with the same seed hits megatron's cache and gives the same samples
     again, _, _ = build_datasets([mini.train_prefix], seq, (40, 8, 2), 1234, tmp_path / "cache", tokenizer, split=split)
@@ -371,8 +357,7 @@ def test_blend_of_two_prefixes(mini, tokenizer, tmp_path):
     prefixes = [mini.train_prefix, mini.heldout_prefix]
     train, valid, test = build_datasets(prefixes, 32, (30, None, None), 7, tmp_path / "cache", tokenizer, split="1,0,0")
     assert valid is None and test is None and len(train) >= 30
-    batch = next(iter(make_loader(train, 3, with_domains=True)))
-    assert batch["tokens"].shape == (3, 32) and (batch["domain_ids"] >= 0).all()
+    assert train[0]["tokens"].shape == (32,)
     sources = {sample_token_documents(train, i)[0] for i in range(len(train))}
     assert sources == {mini.train_prefix, mini.heldout_prefix}
 
@@ -380,14 +365,6 @@ def test_blend_of_two_prefixes(mini, tokenizer, tmp_path):
 def test_split_without_documents_is_an_error(mini, tokenizer, tmp_path):
     with pytest.raises(ReproError, match=r"heldout: split '969,30,1' leaves the (valid|test) split no document"):
         build_datasets([mini.heldout_prefix], 32, (10, 2, 1), 1, tmp_path / "cache", tokenizer)
-
-
-def test_data_parallel_ranks_take_disjoint_slices():
-    ranks = [list(PretrainingBatchSampler(20, 2, 4, data_parallel_rank=r, data_parallel_size=3)) for r in range(3)]
-    assert ranks[0][0] == [4, 5] and ranks[1][0] == [6, 7] and ranks[2][0] == [8, 9]
-    flat = [i for r in ranks for b in r for i in b]
-    assert len(flat) == len(set(flat)) == 12  # two full steps of 6 after the 4 consumed; the partial third dropped
-    assert len(PretrainingBatchSampler(20, 2, 4, 0, 3)) == 2
 
 
 def test_build_datasets_under_torch_distributed(mini, tokenizer, tmp_path):
@@ -402,6 +379,6 @@ def test_build_datasets_under_torch_distributed(mini, tokenizer, tmp_path):
         assert os.listdir(tmp_path / "cache")  # rank 0 wrote megatron's index cache for the other ranks
         prefixes = [mini.train_prefix, mini.heldout_prefix]
         blended, _, _ = build_datasets(prefixes, 32, (16, None, None), 3, tmp_path / "cache", tokenizer, split="1,0,0")
-        assert next(iter(make_loader(blended, 2)))["tokens"].shape == (2, 32)
+        assert blended[0]["tokens"].shape == (32,)
     finally:
         dist.destroy_process_group()

@@ -1,16 +1,13 @@
-"""Training datasets on megatron-core: ``GPTDataset`` through ``BlendedMegatronDatasetBuilder``, and a loader.
+"""Training datasets on megatron-core: ``GPTDataset`` through ``BlendedMegatronDatasetBuilder``.
 
-:func:`build_datasets`: train/valid/test split by document (``"969,30,1"`` as in the papers);
-:func:`make_loader`: a ``DataLoader`` of the batches megatron's training step expects::
+:func:`build_datasets`: train/valid/test split by document (``"969,30,1"`` as in the papers); each sample holds::
 
-    tokens        int64   [b, s]  input ids
-    labels        int64   [b, s]  next-token ids (tokens shifted by one)
-    loss_mask     float32 [b, s]  1.0 where the label counts in the loss
-    position_ids  int64   [b, s]
-    attention_mask bool   [b, 1, s, s]  only with ``create_attention_mask=True`` (True = masked)
-    domain_ids    int64   [b, s]  only with ``with_domains=True``: index into ``loader.domain_names``; -1 = pad
+    tokens        int64   [s]  input ids
+    labels        int64   [s]  next-token ids (tokens shifted by one)
+    loss_mask     float32 [s]  1.0 where the label counts in the loss
+    position_ids  int64   [s]
+    attention_mask bool   [1, s, s]  only with ``create_attention_mask=True`` (True = masked)
 
-Batches follow megatron's pretraining sampler, so resuming from ``consumed_samples`` continues the same stream.
 Under ``torch.distributed`` call :func:`build_datasets` on every rank (``cache_dir`` shared).
 """
 
@@ -32,12 +29,11 @@ from megatron.core.datasets.blended_megatron_dataset_config import (
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from repro.data.indexed import existing_prefixes, load_domain_index
+from repro.data.indexed import existing_prefixes
 from repro.data.tokenizer import Gpt2BpeTokenizer
 from repro.errors import ReproError
 
 DEFAULT_SPLIT = "969,30,1"
-BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 
 
 class DatasetSplits(NamedTuple):
@@ -185,113 +181,3 @@ def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tu
         doc_ids, offs = np.concatenate([doc_ids, pad]), np.concatenate([offs, pad])
     return dataset.dataset_path, doc_ids[: cfg.sequence_length], offs[: cfg.sequence_length]
 
-
-class DomainTaggedDataset(torch.utils.data.Dataset):
-    """A dataset from :func:`build_datasets` whose samples keep only the batch keys (module docstring)."""
-
-    def __init__(self, dataset: GPTDataset | BlendedDataset, with_domains: bool = False) -> None:
-        self.dataset = dataset
-        self.with_domains = with_domains
-        names: list[str] = []
-        self._to_global: dict[str, np.ndarray] = {}  # prefix -> doc -> global domain id
-        if with_domains:
-            for sub in dataset.datasets if isinstance(dataset, BlendedDataset) else [dataset]:
-                if sub.dataset_path in self._to_global:
-                    continue
-                index = load_domain_index(sub.dataset_path)
-                local_to_global = np.array([append_index(names, n) for n in index.names], dtype=np.int64)
-                self._to_global[sub.dataset_path] = local_to_global[index.doc_domain.astype(np.int64)]
-        self.domain_names: tuple[str, ...] = tuple(names)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        sample = self.dataset[idx]
-        out = {k: sample[k] for k in BATCH_KEYS}
-        if "attention_mask" in sample:
-            out["attention_mask"] = sample["attention_mask"]
-        if self.with_domains:
-            prefix, doc, _ = sample_token_documents(self.dataset, idx)
-            dom = np.where(doc >= 0, self._to_global[prefix][np.maximum(doc, 0)], -1)
-            out["domain_ids"] = torch.from_numpy(dom)
-        return out
-
-
-def append_index(names: list[str], name: str) -> int:
-    """The index of ``name`` in ``names``, appending it first when it is new."""
-    if name not in names:
-        names.append(name)
-    return names.index(name)
-
-
-class PretrainingBatchSampler(torch.utils.data.Sampler):
-    """Megatron's pretraining order: consecutive samples, each step's global batch cut across DP ranks.
-
-    Args:
-        total_samples: samples in the dataset.
-        micro_batch_size: samples per batch on this rank.
-        consumed_samples: samples all ranks already consumed (to resume).
-        data_parallel_rank: this rank's DP index.
-        data_parallel_size: DP ranks.
-        drop_last: drop a last step smaller than a full global batch.
-    """
-
-    def __init__(self, total_samples: int, micro_batch_size: int, consumed_samples: int = 0,
-                 data_parallel_rank: int = 0, data_parallel_size: int = 1, drop_last: bool = True) -> None:
-        if micro_batch_size < 1 or data_parallel_size < 1 or not 0 <= data_parallel_rank < data_parallel_size:
-            raise ReproError(
-                f"bad batch layout: micro_batch_size={micro_batch_size}, "
-                f"data_parallel_rank={data_parallel_rank}, data_parallel_size={data_parallel_size}"
-            )
-        self.total_samples = total_samples
-        self.micro_batch_size = micro_batch_size
-        self.consumed_samples = consumed_samples
-        self.rank = data_parallel_rank
-        self.world = data_parallel_size
-        self.drop_last = drop_last
-
-    def __len__(self) -> int:
-        step = self.micro_batch_size * self.world
-        remaining = max(0, self.total_samples - self.consumed_samples)
-        full = remaining // step
-        if self.drop_last:
-            return full
-        tail = remaining - full * step
-        return full + int(tail > self.rank * self.micro_batch_size)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        step = self.micro_batch_size * self.world
-        for start in range(self.consumed_samples, self.total_samples, step):
-            lo = start + self.rank * self.micro_batch_size
-            hi = min(lo + self.micro_batch_size, self.total_samples)
-            if start + step > self.total_samples and self.drop_last:
-                return
-            if lo < hi:
-                yield list(range(lo, hi))
-
-
-def make_loader(
-    dataset: GPTDataset | BlendedDataset, micro_batch_size: int, *, consumed_samples: int = 0,
-    data_parallel_rank: int = 0, data_parallel_size: int = 1, with_domains: bool = False, drop_last: bool = True,
-    num_workers: int = 0, max_samples: int | None = None,
-) -> torch.utils.data.DataLoader:
-    """DataLoader of megatron-style batches (module docstring) with ``domain_names`` (empty without domains).
-
-    Args:
-        dataset: from :func:`build_datasets`.
-        micro_batch_size, consumed_samples, data_parallel_rank, data_parallel_size, drop_last: see the sampler.
-        with_domains: add per-token ``domain_ids`` ``[b, s]``.
-        num_workers: DataLoader workers (0: in-process).
-        max_samples: cap on the global stream (default: the whole dataset, which megatron may build larger).
-    """
-    tagged = DomainTaggedDataset(dataset, with_domains=with_domains)
-    total = len(tagged) if max_samples is None else min(len(tagged), max_samples)
-    sampler = PretrainingBatchSampler(
-        total, micro_batch_size, consumed_samples, data_parallel_rank, data_parallel_size, drop_last
-    )
-    loader = torch.utils.data.DataLoader(
-        tagged, batch_sampler=sampler, num_workers=num_workers, pin_memory=torch.cuda.is_available()
-    )
-    loader.domain_names = tagged.domain_names  # type: ignore[attr-defined]
-    return loader

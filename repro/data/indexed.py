@@ -69,11 +69,6 @@ def check_indexed_output(prefix: str | os.PathLike) -> None:
         check_output_path(path, replace=lambda _p: ours)
 
 
-def indexed_exists(prefix: str | os.PathLike) -> bool:
-    """Whether a complete indexed dataset with its domain sidecar exists at ``prefix``."""
-    return all(os.path.isfile(p) for p in _prefix_files(str(prefix)))
-
-
 def write_indexed(
     records: Iterable[PileRecord], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
     num_workers: int | None = None, progress: bool = False, source: str = "input",

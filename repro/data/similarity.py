@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
-from repro.data.datasets import DEFAULT_SPLIT, append_index, split_ranges
+from repro.data.datasets import DEFAULT_SPLIT, split_ranges
 from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, domain_dtype, existing_prefixes, load_domain_index
 from repro.errors import ReproError
 from repro.io_utils import make_temp_dir, read_json
@@ -499,7 +499,7 @@ def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list
     builder = None
     try:
         builder = IndexedDatasetBuilder(tmp + ".bin", dtype=datasets[0].index.dtype)
-        names: list[str] = []
+        names: dict[str, int] = {}  # name -> index, in order of first appearance
         seq_domain: list[int] = []
         offsets, member_lengths = [0], []
         for rows in sequences:
@@ -511,7 +511,7 @@ def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list
             for (s, d), doc in zip(rows, docs):
                 name = domains[s].domain_of(int(d))
                 by_domain[name] = by_domain.get(name, 0) + doc.size
-            seq_domain.append(append_index(names, max(by_domain, key=by_domain.get)))
+            seq_domain.append(names.setdefault(max(by_domain, key=by_domain.get), len(names)))
             member_lengths.append(np.array([doc.size for doc in docs], dtype=np.int64))
             offsets.append(offsets[-1] + len(rows))
         builder.finalize(tmp + ".idx")
@@ -524,7 +524,7 @@ def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list
         members=np.concatenate(sequences).astype(np.int64),
         lengths=np.concatenate(member_lengths).astype(np.int64),
     )
-    return names, seq_domain
+    return list(names), seq_domain
 
 
 def main(argv: Sequence[str] | None = None) -> int:
