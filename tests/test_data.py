@@ -95,7 +95,6 @@ def test_trained_gpt2_files_reload_and_encode_identically(tmp_path):
         ids = ours.tokenize(text)
         assert ids == reference.encode(text).ids
         assert ours.detokenize(ids) == text  # byte-level: exact round trip
-    assert ours.encode_batch(texts[:5]) == [ours.tokenize(t) for t in texts[:5]]
     # the literal string is plain text, never the document separator
     assert ours.eod not in ours.tokenize("a <|endoftext|> b")
 

@@ -6,7 +6,6 @@
     labels        int64   [s]  next-token ids (tokens shifted by one)
     loss_mask     float32 [s]  1.0 where the label counts in the loss
     position_ids  int64   [s]
-    attention_mask bool   [1, s, s]  only with ``create_attention_mask=True`` (True = masked)
 
 Under ``torch.distributed`` call :func:`build_datasets` on every rank (``cache_dir`` shared).
 """
@@ -15,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
+from unittest import mock
 
 import numpy as np
 import torch
@@ -37,7 +37,7 @@ DEFAULT_SPLIT = "969,30,1"
 
 
 class DatasetSplits(NamedTuple):
-    """The three splits (``None`` where a split has weight 0 or is not built on this rank)."""
+    """The three splits (``None`` where a split has weight 0)."""
 
     train: GPTDataset | BlendedDataset | None
     valid: GPTDataset | BlendedDataset | None
@@ -70,29 +70,12 @@ def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]
     return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
 
 
-def _check_splits(prefixes: Sequence[str], split: str) -> list[tuple[int, int] | None]:
-    """Refuse a split leaving some prefix's part empty (megatron would loop forever); returns the last
-    prefix's :func:`split_ranges` (which parts have a share is the same for every prefix)."""
-    for prefix in prefixes:
-        n = len(IndexedDataset(prefix))
-        ranges = split_ranges(n, split)
-        for name, bounds in zip(("train", "valid", "test"), ranges):
-            if bounds is not None and bounds[1] <= bounds[0]:
-                raise ReproError(
-                    f"{prefix}: split '{split}' leaves the {name} split no document out of {n}; "
-                    "use a larger corpus or a split with a larger share for it"
-                )
-    return ranges
-
-
 def build_datasets(
     prefixes: Sequence[str | os.PathLike], seq_length: int, num_samples: tuple[int | None, int | None, int | None],
-    seed: int, cache_dir: str | os.PathLike, tokenizer: Gpt2BpeTokenizer, *, weights: Sequence[float] | None = None,
-    split: str = DEFAULT_SPLIT, eod_mask_loss: bool = False, reset_position_ids: bool = False,
-    reset_attention_mask: bool = False, create_attention_mask: bool = False,
-    is_built_on_rank: Callable[[], bool] | None = None,
+    seed: int, cache_dir: str | os.PathLike, tokenizer: Gpt2BpeTokenizer, *, split: str = DEFAULT_SPLIT,
 ) -> DatasetSplits:
-    """Build megatron-core's GPT train/valid/test datasets over a blend of indexed datasets.
+    """Build megatron-core's GPT train/valid/test datasets over a blend of indexed datasets, weighted by their
+    token counts if every split with a share has a sample count, else one epoch each.
 
     Args:
         prefixes: indexed-dataset prefixes (from :mod:`repro.data.indexed`).
@@ -101,55 +84,39 @@ def build_datasets(
         seed: megatron's document and sample shuffle seed.
         cache_dir: megatron's shuffle/sample index cache (shared by all ranks).
         tokenizer: megatron reads ``eod`` and ``vocab_size``; its identity keys the cache.
-        weights: one per prefix; default: token counts if every shared split has a count, else one epoch each.
         split: megatron's ``split`` of each prefix's documents.
-        eod_mask_loss: mask the loss on EOD tokens.
-        reset_position_ids: restart position ids after each EOD.
-        reset_attention_mask: block attention across documents (implies a per-sample attention mask).
-        create_attention_mask: return megatron's causal ``attention_mask`` with each sample.
-        is_built_on_rank: megatron's per-rank switch, under ``torch.distributed`` only (default: every rank).
 
     Returns:
         :class:`DatasetSplits`; ReproError for a missing prefix or a split leaving some prefix's part empty.
     """
     prefixes = existing_prefixes(prefixes)
-    if weights is not None and len(weights) != len(prefixes):
-        raise ReproError(f"{len(weights)} blend weights for {len(prefixes)} datasets")
     if len(num_samples) != 3:
         raise ReproError(f"num_samples must give (train, valid, test), got {tuple(num_samples)}")
-    ranges = _check_splits(prefixes, split)
+    for prefix in prefixes:  # a part without documents would make megatron loop forever
+        n = len(IndexedDataset(prefix))
+        ranges = split_ranges(n, split)  # which parts have a share is the same for every prefix
+        for name, bounds in zip(("train", "valid", "test"), ranges):
+            if bounds is not None and bounds[1] <= bounds[0]:
+                raise ReproError(
+                    f"{prefix}: split '{split}' leaves the {name} split no document out of {n}; "
+                    "use a larger corpus or a split with a larger share for it"
+                )
     # a split with no share builds nothing: give it 0 samples so megatron's weights/sizes check passes
     sizes = [0 if bounds is None and n is None else n for bounds, n in zip(ranges, num_samples)]
-    if weights is not None and None in sizes:
-        raise ReproError("blend weights need a sample count for every split that has a share")
-    if weights is None and len(prefixes) > 1 and None not in sizes:
-        weights = [float(_num_tokens(p)) for p in prefixes]
+    weights = [float(_num_tokens(p)) for p in prefixes] if len(prefixes) > 1 and None not in sizes else None
     config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=(prefixes, list(weights) if weights is not None else None),
-        split=split, path_to_cache=str(cache_dir), tokenizer=tokenizer, reset_position_ids=reset_position_ids,
-        reset_attention_mask=reset_attention_mask, eod_mask_loss=eod_mask_loss,
-        create_attention_mask=create_attention_mask or reset_attention_mask, mmap_bin_files=True,
+        random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
+        path_to_cache=str(cache_dir), tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
+        eod_mask_loss=False, create_attention_mask=False, mmap_bin_files=True,
     )
-    # Every rank builds by default: each data-parallel rank reads its own slice of the samples.
-    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, is_built_on_rank or (lambda: True), config)
-    with _rank_zero_outside_distributed():
-        return DatasetSplits(*builder.build())
-
-
-@contextlib.contextmanager
-def _rank_zero_outside_distributed() -> Iterator[None]:
-    """``torch.distributed.get_rank()`` returns 0 in the block when no group exists: megatron-core 0.16.1's
-    ``BlendedDataset._build_indices`` calls it on a cache miss without checking ``is_initialized()``."""
+    # Every rank builds: each data-parallel rank reads its own slice of the samples.
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
+    # megatron-core 0.16.1's BlendedDataset._build_indices calls torch.distributed.get_rank() on a cache miss
+    # without checking is_initialized(): outside a process group it gets rank 0.
     dist = torch.distributed
-    if not dist.is_available() or dist.is_initialized():
-        yield
-        return
-    original = dist.get_rank
-    dist.get_rank = lambda group=None: 0
-    try:
-        yield
-    finally:
-        dist.get_rank = original
+    outside = dist.is_available() and not dist.is_initialized()
+    with mock.patch.object(dist, "get_rank", lambda group=None: 0) if outside else contextlib.nullcontext():
+        return DatasetSplits(*builder.build())
 
 
 def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tuple[str, np.ndarray, np.ndarray]:

@@ -146,10 +146,9 @@ class _Doc:
 
 def _collect(source: Source, cands: list[Candidate], cfg: MiniPileConfig, seen: set[str]) -> list[_Doc]:
     """Fill one domain up to its byte budget, visiting candidates in a seeded hash order."""
-    order = sorted(cands, key=lambda c: _h(cfg.seed, source.name, c.key))
     docs, total = [], 0
     per_family: dict[str, int] = {}
-    for cand in order:
+    for cand in sorted(cands, key=lambda c: _h(cfg.seed, source.name, c.key)):
         if total >= cfg.max_bytes_per_domain:
             break
         if source.family is not None:
@@ -343,10 +342,8 @@ def _write_corpus(root: Path, cfg: MiniPileConfig, key: str, listed: dict[str, t
     seen: set[str] = set()
     docs: list[_Doc] = []
     for name, (source, cands) in listed.items():
-        got = _collect(source, cands, cfg, seen)
-        if got:
-            docs += got
-        else:
+        docs += (got := _collect(source, cands, cfg, seen))
+        if not got:
             skipped[name] = "no usable document"
     present = sorted({d.domain for d in docs}, key=ALL_DOMAINS.index)
     if len(present) < cfg.min_domains:

@@ -158,11 +158,8 @@ def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord]) -> 
     path = Path(path)
     count = 0
     with atomic_path(path) as tmp, open(tmp, "wb") as raw:
-        if path.name.endswith(".zst"):
-            compressor = zstandard.ZstdCompressor(level=10, write_checksum=True)
-            sink = compressor.stream_writer(raw, closefd=False)
-        else:
-            sink = raw
+        zst = path.name.endswith(".zst")
+        sink = zstandard.ZstdCompressor(level=10, write_checksum=True).stream_writer(raw, closefd=False) if zst else raw
         for text, domain in records:
             line = json.dumps({"text": text, "meta": {"pile_set_name": domain}}, ensure_ascii=False)
             sink.write(line.encode("utf-8") + b"\n")

@@ -83,8 +83,6 @@ class SimilarityBatched:
     Attributes:
         prefix: derived prefix, for :func:`repro.data.datasets.build_datasets`.
         split: its split (chains train; the sources' valid/test documents).
-        sources: source prefixes.
-        source_split: the sources' split.
         num_chains: training sequences.
         stats: see :func:`build_similarity_dataset`.
         reused: whether the cache was reused.
@@ -92,8 +90,6 @@ class SimilarityBatched:
 
     prefix: str
     split: str
-    sources: tuple[str, ...]
-    source_split: str
     num_chains: int
     stats: dict
     reused: bool
@@ -219,9 +215,7 @@ def nearest_neighbors(
     own = ids == np.arange(N)[:, None]
     keep = ~own
     keep[own.sum(1) == 0, -1] = False  # itself not returned: drop the least similar instead
-    ids = ids[keep].reshape(N, k_eff)
-    sims = sims[keep].reshape(N, k_eff)
-    return ids.astype(np.int64), sims.astype(np.float32)
+    return ids[keep].reshape(N, k_eff).astype(np.int64), sims[keep].reshape(N, k_eff).astype(np.float32)
 
 
 def greedy_path(ids: np.ndarray, sims: np.ndarray, seed: int) -> tuple[np.ndarray, np.ndarray]:
@@ -373,32 +367,28 @@ def build_similarity_dataset(
               "config": dataclasses.asdict(cfg), "vocab_size": vocab_size, "eod": eod}
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     out_prefix = f"{sources[0]}.simbatch-{key[:16]}"
-    parent = Path(out_prefix).parent
-    with open(parent / f".{Path(out_prefix).name}.lock", "w") as lock:
+    with open(Path(out_prefix).parent / f".{Path(out_prefix).name}.lock", "w") as lock:
         # Ranks of one run may call this at once: one builds, the others wait and reuse.
         fcntl.flock(lock, fcntl.LOCK_EX)
         try:
             manifest = read_json(out_prefix + MANIFEST_JSON)
             complete = all(os.path.isfile(p) for p in _derived_files(out_prefix))
-            if manifest is not None and manifest.get("key") == key and complete:
+            reused = manifest is not None and manifest.get("key") == key and complete
+            if reused:
                 say(f"similarity batching: reused {out_prefix}")
-                return _result(out_prefix, manifest, reused=True)
-            ours = manifest is not None and manifest.get("format") == FORMAT and "key" in manifest
-            present = [p for p in _derived_files(out_prefix) if os.path.exists(p)]
-            if present and not ours:
-                raise ReproError(
-                    f"{present[0]}: exists but was not written by similarity batching; "
-                    "move it away (it is not overwritten)"
-                )
-            manifest = _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say)
-            return _result(out_prefix, manifest, reused=False)
+            else:
+                ours = manifest is not None and manifest.get("format") == FORMAT and "key" in manifest
+                present = [p for p in _derived_files(out_prefix) if os.path.exists(p)]
+                if present and not ours:
+                    raise ReproError(
+                        f"{present[0]}: exists but was not written by similarity batching; "
+                        "move it away (it is not overwritten)"
+                    )
+                manifest = _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say)
+            return SimilarityBatched(out_prefix, manifest["derived_split"], int(manifest["num_chains"]),
+                                     dict(manifest["stats"]), reused)
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
-
-
-def _result(prefix: str, manifest: dict, reused: bool) -> SimilarityBatched:
-    return SimilarityBatched(prefix, manifest["derived_split"], tuple(manifest["sources"]), manifest["split"],
-                             int(manifest["num_chains"]), dict(manifest["stats"]), reused)
 
 
 def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:

@@ -105,11 +105,10 @@ class Gpt2BpeTokenizer:
             model = models.BPE.from_file(str(self.vocab_path), str(self.merges_path))
         except Exception as exc:  # the Rust side raises a bare Exception
             raise ReproError(f"{self.vocab_path}: cannot load BPE vocabulary/merges ({exc})") from None
-        tok = Tokenizer(model)
+        self._tok = Tokenizer(model)
         # GPT-2: bytes mapped to printable unicode, GPT-2's split regex, no space added before the text.
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        tok.decoder = decoders.ByteLevel()
-        self._tok = tok
+        self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+        self._tok.decoder = decoders.ByteLevel()
         self.vocab = vocab  # token string -> id
         self.eod = self.eos = vocab[EOD_TOKEN]  # GPT-2 has one end token
         self.vocab_size = max(vocab.values()) + 1  # max id + 1; the model pads it for its embedding table
@@ -126,12 +125,9 @@ class Gpt2BpeTokenizer:
         """Decode ids back to text (byte-level: exact for any text that was encoded)."""
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
 
-    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
-        """Encode several texts (no EOD appended); releases the GIL while it runs."""
-        return [ids.tolist() for ids in self.encode_arrays(texts)]
-
-    def encode_arrays(self, texts: Sequence[str], dtype=np.int64) -> list[np.ndarray]:
-        """Encode texts (no EOD) to id arrays in bounded memory: calls of <= :data:`MAX_CHUNK_CHARS` in all."""
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        """Encode texts (no EOD) to int64 id arrays in bounded memory: calls of <= :data:`MAX_CHUNK_CHARS` in all
+        (the GIL released while they run)."""
         encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch  # fast: no offsets
         limit = MAX_CHUNK_CHARS
         parts: list[list[np.ndarray]] = [[] for _ in texts]
@@ -141,7 +137,7 @@ class Gpt2BpeTokenizer:
 
         def flush() -> None:
             for owner, encoding in zip(owners, encode(group, add_special_tokens=False)):
-                parts[owner].append(np.asarray(encoding.ids, dtype=dtype))
+                parts[owner].append(np.asarray(encoding.ids, dtype=np.int64))
             group.clear()
             owners.clear()
 
@@ -155,27 +151,21 @@ class Gpt2BpeTokenizer:
                 size += len(piece)
         if group:
             flush()
-        empty = np.zeros(0, dtype=dtype)
-        return [p[0] if len(p) == 1 else np.concatenate(p) if p else empty for p in parts]
+        return [p[0] if len(p) == 1 else np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in parts]
 
     def __repr__(self) -> str:
         return f"Gpt2BpeTokenizer(vocab={str(self.vocab_path)!r}, vocab_size={self.vocab_size}, eod={self.eod})"
 
 
-def split_for_encoding(text: str, max_chars: int | None = None) -> list[str]:
-    """Cut ``text`` into pieces of <= ``max_chars`` whose encodings concatenate to its own: as late as possible at
-    a :data:`_SAFE_CUT`, else hard (a base64 blob: the only case where ids can differ)."""
-    limit = MAX_CHUNK_CHARS if max_chars is None else max_chars
-    if limit < 2:
-        raise ValueError(f"max_chars must be >= 2, got {limit}")
-    if len(text) <= limit:
-        return [text]
-    pieces = []
-    start = 0
-    while len(text) - start > limit:
-        end = start + limit  # the piece is text[start:cut], start < cut <= end (and end < len(text))
-        cut = end  # no safe place in the whole window: a hard cut
-        hi = end
+def split_for_encoding(text: str, max_chars: int) -> list[str]:
+    """Cut ``text`` into pieces of <= ``max_chars`` whose encodings concatenate to its own: as late as
+    possible at a :data:`_SAFE_CUT`, else hard (a base64 blob: the only case where ids can differ)."""
+    if max_chars < 2:
+        raise ValueError(f"max_chars must be >= 2, got {max_chars}")
+    pieces, start = [], 0
+    while len(text) - start > max_chars:
+        end = start + max_chars  # the piece is text[start:cut], start < cut <= end (and end < len(text))
+        cut = hi = end  # no safe place in the whole window: a hard cut
         while hi > start:
             lo = max(start, hi - _CUT_SEARCH)
             # a match at k: text[k] is not whitespace and text[k + 1] is a space or newline, so cut at k + 1
@@ -195,16 +185,13 @@ def load_tokenizer(vocab_path: str | os.PathLike, merges_path: str | os.PathLike
     return Gpt2BpeTokenizer(vocab_path, merges_path)
 
 
-TOKENIZER_FILES = ("vocab.json", "merges.txt")
-
-
 def is_tokenizer_dir(path: str | os.PathLike) -> bool:
     """Whether ``path`` holds only ``vocab.json``/``merges.txt`` (so :func:`train_bpe_tokenizer` may replace it)."""
     try:
         names = {p.name for p in Path(path).iterdir()}
     except OSError:
         return False
-    return names <= set(TOKENIZER_FILES)
+    return names <= {"vocab.json", "merges.txt"}
 
 
 def train_bpe_tokenizer(
@@ -250,14 +237,10 @@ def encode_documents(
     def encode(batch: list[str]) -> list[np.ndarray]:
         return [np.concatenate([ids, eod]) for ids in tokenizer.encode_arrays(batch)]
 
-    def batches() -> Iterator[list[str]]:
-        stream = iter(texts)
-        while batch := list(itertools.islice(stream, batch_size)):
-            yield batch
-
+    stream = iter(texts)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize") as pool:
         in_flight: list[Future] = []
-        for batch in batches():
+        while batch := list(itertools.islice(stream, batch_size)):
             in_flight.append(pool.submit(encode, batch))
             if len(in_flight) >= 2 * workers:
                 yield from in_flight.pop(0).result()
