@@ -8,9 +8,10 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
 
 from repro.data import similarity
-from repro.data.datasets import build_datasets, sample_token_documents
+from repro.data.datasets import build_datasets
 from repro.data.indexed import load_domain_index, read_documents
 from repro.data.minipile import MiniPileConfig, build_mini_pile
 from repro.data.similarity import (
@@ -39,6 +40,60 @@ def mini(tmp_path_factory):
 @pytest.fixture(scope="module")
 def batched(mini):
     return build_similarity_dataset([mini.train_prefix], SPLIT, CFG)
+
+
+def _load_chains(prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    with np.load(prefix + similarity.CHAINS_NPZ, allow_pickle=False) as z:
+        return z["offsets"], z["members"], z["lengths"]
+
+
+def _chain_members(prefix: str, chain: int) -> list[tuple[int, int]]:
+    """``[(source index, document id), ...]`` of one chain, in order."""
+    offsets, members, _ = _load_chains(prefix)
+    return [tuple(int(v) for v in m) for m in members[offsets[chain] : offsets[chain + 1]]]
+
+
+def _token_sources(prefix: str, sequence: np.ndarray, offset: np.ndarray) -> np.ndarray:
+    """``[n, 2]`` ``(source index, document id)`` of positions of derived sequences (-1 for padding)."""
+    offsets, members, lengths = _load_chains(prefix)
+    out = np.full((len(sequence), 2), -1, dtype=np.int64)
+    for i, (seq, off) in enumerate(zip(np.asarray(sequence), np.asarray(offset))):
+        if seq < 0:
+            continue
+        lo, hi = offsets[seq], offsets[seq + 1]
+        ends = np.cumsum(lengths[lo:hi])
+        out[i] = members[lo + int(np.searchsorted(ends, off, side="right"))]
+    return out
+
+
+def _sample_token_documents(dataset, idx: int) -> tuple[str, np.ndarray, np.ndarray]:
+    """Source of every input token of sample ``idx`` (shuffle index -> sample index -> document index).
+
+    Returns:
+        ``(prefix, doc [S], offset [S])`` (-1: padding), ``IndexedDataset(prefix)[doc[i]][offset[i]] == tokens[i]``.
+    """
+    if isinstance(dataset, BlendedDataset):
+        sub = dataset.datasets[int(dataset.dataset_index[idx])]
+        return _sample_token_documents(sub, int(dataset.dataset_sample_index[idx]))
+    cfg = dataset.config
+    extra = int(cfg.add_extra_token_to_sequence)
+    j = int(dataset.shuffle_index[idx])
+    beg, beg_off = (int(v) for v in dataset.sample_index[j])
+    end, end_off = (int(v) for v in dataset.sample_index[j + 1])
+    lengths = dataset.dataset.sequence_lengths
+    docs, offsets = [], []
+    for k in range(beg, end + 1):
+        doc = int(dataset.document_index[k])
+        start = beg_off if k == beg else 0
+        stop = int(lengths[doc]) if k < end else end_off + extra
+        docs.append(np.full(stop - start, doc, dtype=np.int64))
+        offsets.append(np.arange(start, stop, dtype=np.int64))
+    doc_ids, offs = np.concatenate(docs), np.concatenate(offsets)
+    total = cfg.sequence_length + extra
+    if doc_ids.size < total:  # megatron pads a short last sample
+        pad = np.full(total - doc_ids.size, -1, dtype=np.int64)
+        doc_ids, offs = np.concatenate([doc_ids, pad]), np.concatenate([offs, pad])
+    return dataset.dataset_path, doc_ids[: cfg.sequence_length], offs[: cfg.sequence_length]
 
 
 # ---- the pieces, against hand-worked answers ----------------------------------------------------------------
@@ -116,10 +171,10 @@ def test_chains_hold_every_training_document_once_and_valid_test_unchanged(mini,
     derived = list(read_documents(batched.prefix))
     (tb, te), (vb, ve), (sb, se) = split_ranges(len(source), SPLIT)
     assert batched.split == f"{batched.num_chains},{ve - vb},{se - sb}"
-    members = [m for c in range(batched.num_chains) for m in batched.chain_members(c)]
+    members = [m for c in range(batched.num_chains) for m in _chain_members(batched.prefix, c)]
     assert sorted(d for _, d in members) == list(range(tb, te))
     for c in (0, batched.num_chains // 2, batched.num_chains - 1):
-        expected = np.concatenate([source[d] for _, d in batched.chain_members(c)])
+        expected = np.concatenate([source[d] for _, d in _chain_members(batched.prefix, c)])
         assert np.array_equal(derived[c], expected)  # documents concatenated, each with its EOD
     assert [d.tolist() for d in derived[batched.num_chains :]] == [d.tolist() for d in source[vb:]]
     # megatron cuts the derived dataset back into exactly chains / valid / test
@@ -157,8 +212,8 @@ def test_training_samples_hold_neighbouring_documents(mini, batched, tmp_path):
 
     adjacent, linked, same_domain = 0, 0, 0
     for i in range(n_samples):
-        _, seq_ids, offsets = sample_token_documents(train, i)
-        docs = batched.token_sources(seq_ids, offsets)
+        _, seq_ids, offsets = _sample_token_documents(train, i)
+        docs = _token_sources(batched.prefix, seq_ids, offsets)
         for k in range(1, len(docs)):
             (_, a), (_, b) = docs[k - 1], docs[k]
             if a == b or seq_ids[k - 1] != seq_ids[k]:

@@ -118,33 +118,3 @@ def build_datasets(
     with mock.patch.object(dist, "get_rank", lambda group=None: 0) if outside else contextlib.nullcontext():
         return DatasetSplits(*builder.build())
 
-
-def sample_token_documents(dataset: GPTDataset | BlendedDataset, idx: int) -> tuple[str, np.ndarray, np.ndarray]:
-    """Source of every input token of sample ``idx`` (shuffle index -> sample index -> document index).
-
-    Returns:
-        ``(prefix, doc [S], offset [S])`` (-1: padding), ``IndexedDataset(prefix)[doc[i]][offset[i]] == tokens[i]``.
-    """
-    if isinstance(dataset, BlendedDataset):
-        sub = dataset.datasets[int(dataset.dataset_index[idx])]
-        return sample_token_documents(sub, int(dataset.dataset_sample_index[idx]))
-    cfg = dataset.config
-    extra = int(cfg.add_extra_token_to_sequence)
-    j = int(dataset.shuffle_index[idx])
-    beg, beg_off = (int(v) for v in dataset.sample_index[j])
-    end, end_off = (int(v) for v in dataset.sample_index[j + 1])
-    lengths = dataset.dataset.sequence_lengths
-    docs, offsets = [], []
-    for k in range(beg, end + 1):
-        doc = int(dataset.document_index[k])
-        start = beg_off if k == beg else 0
-        stop = int(lengths[doc]) if k < end else end_off + extra
-        docs.append(np.full(stop - start, doc, dtype=np.int64))
-        offsets.append(np.arange(start, stop, dtype=np.int64))
-    doc_ids, offs = np.concatenate(docs), np.concatenate(offsets)
-    total = cfg.sequence_length + extra
-    if doc_ids.size < total:  # megatron pads a short last sample
-        pad = np.full(total - doc_ids.size, -1, dtype=np.int64)
-        doc_ids, offs = np.concatenate([doc_ids, pad]), np.concatenate([offs, pad])
-    return dataset.dataset_path, doc_ids[: cfg.sequence_length], offs[: cfg.sequence_length]
-

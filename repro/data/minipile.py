@@ -147,14 +147,13 @@ class _Doc:
 def _collect(source: Source, cands: list[Candidate], cfg: MiniPileConfig, seen: set[str]) -> list[_Doc]:
     """Fill one domain up to its byte budget, visiting candidates in a seeded hash order."""
     docs, total = [], 0
-    per_family: dict[str, int] = {}
+    per_family: dict[str | None, int] = {}
     for cand in sorted(cands, key=lambda c: _h(cfg.seed, source.name, c.key)):
         if total >= cfg.max_bytes_per_domain:
             break
-        if source.family is not None:
-            fam = source.family(cand)
-            if per_family.get(fam, 0) >= cfg.max_docs_per_family:
-                continue
+        fam = None if source.family is None else source.family(cand)
+        if fam is not None and per_family.get(fam, 0) >= cfg.max_docs_per_family:
+            continue
         text = source.read(cand)
         if text is None:
             continue
@@ -166,8 +165,7 @@ def _collect(source: Source, cands: list[Candidate], cfg: MiniPileConfig, seen: 
         if sha in seen:  # exact duplicates (symlinked licences, identical copyright files, ...)
             continue
         seen.add(sha)
-        if source.family is not None:
-            per_family[fam] = per_family.get(fam, 0) + 1
+        per_family[fam] = per_family.get(fam, 0) + 1
         docs.append(_Doc(source.name, text, sha))
         total += size
     return docs

@@ -40,7 +40,8 @@ from repro.io_utils import make_temp_dir, read_json
 from repro.schema import check_minimums
 
 FORMAT = 1
-#: Suffixes of the files of a derived dataset besides ``.bin``/``.idx``.
+#: Suffixes of the files of a derived dataset besides ``.bin``/``.idx``; sequence ``i``'s source documents are
+#: the chains file's ``members[offsets[i]:offsets[i + 1]]`` (``(source, document)`` rows, ``lengths`` tokens each).
 CHAINS_NPZ = ".chains.npz"
 MANIFEST_JSON = ".simbatch.json"
 #: megatron's index stores sequence lengths as int32.
@@ -93,31 +94,6 @@ class SimilarityBatched:
     num_chains: int
     stats: dict
     reused: bool
-
-    def chain_members(self, chain: int) -> list[tuple[int, int]]:
-        """``[(source index, document id), ...]`` of one chain, in order."""
-        offsets, members, _ = _load_chains(self.prefix)
-        return [tuple(int(v) for v in m) for m in members[offsets[chain] : offsets[chain + 1]]]
-
-    def token_sources(self, sequence: np.ndarray, offset: np.ndarray) -> np.ndarray:
-        """Map positions of derived sequences to the source documents they come from.
-
-        Args:
-            sequence: derived sequence ids (e.g. from :func:`repro.data.datasets.sample_token_documents`).
-            offset: token positions inside those sequences (-1 for padding).
-
-        Returns:
-            ``[n, 2]`` int64 ``(source index, document id)`` per position (-1 for padding).
-        """
-        offsets, members, lengths = _load_chains(self.prefix)
-        out = np.full((len(sequence), 2), -1, dtype=np.int64)
-        for i, (seq, off) in enumerate(zip(np.asarray(sequence), np.asarray(offset))):
-            if seq < 0:
-                continue
-            lo, hi = offsets[seq], offsets[seq + 1]
-            ends = np.cumsum(lengths[lo:hi])
-            out[i] = members[lo + int(np.searchsorted(ends, off, side="right"))]
-        return out
 
 
 def _count_matrix(datasets: Sequence[IndexedDataset], documents: np.ndarray, vocab_size: int, eod: int | None):
@@ -327,11 +303,6 @@ def dataset_fingerprint(prefix: str) -> str:
 def _derived_files(prefix: str) -> list[str]:
     # .idx then the manifest last: the manifest vouches for a complete dataset.
     return [prefix + ext for ext in (CHAINS_NPZ, DOMAINS_NPY, DOMAINS_JSON, ".bin", ".idx", MANIFEST_JSON)]
-
-
-def _load_chains(prefix: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    with np.load(prefix + CHAINS_NPZ, allow_pickle=False) as z:
-        return z["offsets"], z["members"], z["lengths"]
 
 
 def build_similarity_dataset(

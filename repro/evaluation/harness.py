@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import inspect
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from repro.evaluation.offline import ensure_offline
 
@@ -28,7 +28,6 @@ from lm_eval.models.utils import handle_stop_sequences  # noqa: E402
 from repro.errors import ReproError  # noqa: E402
 
 MODEL_NAME = "dirmoe-bench"
-T = TypeVar("T")
 
 
 @runtime_checkable
@@ -60,11 +59,6 @@ def load_scoring_model(checkpoint_dir: str | Path, device: str | None = None) ->
     from repro.training.inference import load_for_evaluation
 
     return load_for_evaluation(path, device=device)
-
-
-def _batches(items: Sequence[T], size: int) -> Iterator[Sequence[T]]:
-    for start in range(0, len(items), size):
-        yield items[start : start + size]
 
 
 @register_model(MODEL_NAME)
@@ -188,7 +182,8 @@ class SuiteLM(TemplateLM):
         # Longest first: batches of similar lengths pad little; ties broken by content for a fixed order.
         order = sorted(range(len(inputs)), key=lambda i: (-len(inputs[i]), inputs[i]))
         results: list[tuple[float, bool] | None] = [None] * len(inputs)
-        for batch in _batches(order, override_bs or self.batch_size):
+        size = override_bs or self.batch_size
+        for batch in (order[k : k + size] for k in range(0, len(order), size)):
             # Prompt length: the tokens before the scored ones (at least one).
             prompts = [max(1, len(inputs[i]) + 1 - len(targets[i])) for i in batch]
             log_probs = self._log_probs([inputs[i] for i in batch], [len(targets[i]) for i in batch], prompts)
@@ -244,7 +239,8 @@ class SuiteLM(TemplateLM):
                 raise ReproError(f"max_gen_toks {max_new} must be below max_length {self.max_length}")
             contexts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new) :] for i in indices}
             by_length = sorted(indices, key=lambda i: -len(contexts[i]))
-            for batch in _batches(by_length, self.batch_size):
+            for k in range(0, len(by_length), self.batch_size):
+                batch = by_length[k : k + self.batch_size]
                 for i, text in zip(batch, self._greedy([contexts[i] for i in batch], until, max_new)):
                     outputs[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -252,8 +248,7 @@ class SuiteLM(TemplateLM):
 
     def _greedy(self, contexts: list[list[int]], until: list[str], max_new: int) -> list[str]:
         """Greedy-decode a batch by re-running the right-padded sequences each step."""
-        if any(not c for c in contexts):
-            contexts = [c or [self.prefix_token_id] for c in contexts]
+        contexts = [c or [self.prefix_token_id] for c in contexts]
         generated: list[list[int]] = [[] for _ in contexts]
         active = list(range(len(contexts)))
         for _ in range(max_new):

@@ -167,18 +167,6 @@ def _metrics(*specs: tuple[str, str, bool]) -> list[dict[str, Any]]:
     return [{"metric": m, "aggregation": a, "higher_is_better": h} for m, a, h in specs]
 
 
-def _task_yaml(name: str, data_file: Path, cache_dir: Path, body: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "task": name,
-        "tag": [LOCAL_TAG],
-        "dataset_path": "json",
-        "dataset_kwargs": {"data_files": {"test": str(data_file)}, "cache_dir": str(cache_dir)},
-        "test_split": "test",
-        **body,
-        "metadata": {"version": 1.0},
-    }
-
-
 def build_local_tasks(
     heldout_jsonl: str | Path, out_dir: str | Path, options: LocalTaskOptions | None = None
 ) -> Path:
@@ -232,7 +220,9 @@ def build_local_tasks(
             data_name = f"{name}.jsonl"
             (tmp / data_name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
             # Final paths: the temporary directory is renamed onto it.
-            config = _task_yaml(name, final / data_name, final / _HF_CACHE, body)
+            files = {"data_files": {"test": str(final / data_name)}, "cache_dir": str(final / _HF_CACHE)}
+            config = {"task": name, "tag": [LOCAL_TAG], "dataset_path": "json", "dataset_kwargs": files,
+                      "test_split": "test", **body, "metadata": {"version": 1.0}}
             (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
         manifest = {
             "heldout": str(source),

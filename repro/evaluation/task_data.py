@@ -48,12 +48,6 @@ class TaskData:
     eval_split: str
     dataset_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        if not self.dataset_path or not self.splits:
-            raise ValueError(f"task '{self.task}': need a dataset_path and at least one split")
-        if self.eval_split not in self.splits:
-            raise ValueError(f"task '{self.task}': eval_split '{self.eval_split}' must be one of {', '.join(self.splits)}")
-
     @property
     def config(self) -> str:
         return self.dataset_name or DEFAULT_CONFIG
@@ -70,9 +64,7 @@ def _task_index(tasks: Sequence[str]) -> Mapping[str, Any]:
 
     root = Path(lm_eval.tasks.__file__).parent
     folders = sorted({root / PAPER_TASK_DIRS[t] for t in tasks if t in PAPER_TASK_DIRS})
-    index: Mapping[str, Any] = {}
-    if folders:
-        index = TaskManager(include_path=folders, include_defaults=False).task_index
+    index = TaskManager(include_path=folders, include_defaults=False).task_index if folders else {}
     if any(t not in index for t in tasks):
         index = TaskManager().task_index
     return index
@@ -84,13 +76,8 @@ def _spec_from_entry(task: str, entry: Any) -> TaskData:
     cfg = entry.cfg or {}
     path = cfg.get("dataset_path")
     kwargs = dict(cfg.get("dataset_kwargs") or {})
-    if (
-        not isinstance(path, str)
-        or cfg.get("custom_dataset") is not None
-        or path in _PACKAGED_BUILDERS
-        or Path(path).is_absolute()
-        or ".." in Path(path).parts
-    ):
+    if (not isinstance(path, str) or cfg.get("custom_dataset") is not None or path in _PACKAGED_BUILDERS
+            or Path(path).is_absolute() or ".." in Path(path).parts):
         raise ReproError(f"task '{task}' does not read a Hugging Face hub dataset ({entry.yaml_path}); --tasks-data cannot serve it")
     if "data_files" in kwargs or "data_dir" in kwargs:
         raise ReproError(f"task '{task}' names its own data files in {entry.yaml_path}; --tasks-data cannot serve it")
