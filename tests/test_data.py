@@ -251,7 +251,7 @@ def test_mini_pile_is_cached_and_rebuilt_when_inputs_change(mini):
     again = build_mini_pile(mini.root, SMALL)
     assert again.reused and again.stats == mini.stats
     shard_bytes = [p.read_bytes() for p in mini.train_shards]
-    manifest = json.loads(mini.manifest_path.read_text())
+    manifest = json.loads((mini.root / "manifest.json").read_text())
     assert set(manifest["stages"]) == {"corpus", "tokenizer", "indexed"}
     # another vocabulary size: the corpus is reused, tokenizer and indexed data rebuilt
     other = build_mini_pile(mini.root, dataclasses.replace(SMALL, vocab_size=700))
@@ -273,10 +273,10 @@ def test_a_built_mini_pile_opens_from_its_manifest_without_listing_the_sources(m
     monkeypatch.setattr(minipile, "build_mini_pile", lambda root: builds.append(Path(root)) or built)
     shards = tmp_path / "shards"
     shards.mkdir()
-    for rel in json.loads(built.manifest_path.read_text())["stages"]["corpus"]["files"]:
+    for rel in json.loads((built.root / "manifest.json").read_text())["stages"]["corpus"]["files"]:
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_bytes(b"x")
-    (tmp_path / "manifest.json").write_bytes(built.manifest_path.read_bytes())
+    (tmp_path / "manifest.json").write_bytes((built.root / "manifest.json").read_bytes())
     for root in (tmp_path / "absent", mini.root, tmp_path):
         assert open_mini_pile(root) is built
     assert builds == [tmp_path / "absent", mini.root, tmp_path]

@@ -111,11 +111,6 @@ class MiniPile:
         """Load the mini-pile's tokenizer."""
         return load_tokenizer(self.vocab_path, self.merges_path)
 
-    @property
-    def manifest_path(self) -> Path:
-        """The manifest recording keys, stats and timings."""
-        return self.root / "manifest.json"
-
 
 def _h(*parts: object) -> str:
     return hashlib.sha256("\x1f".join(str(p) for p in parts).encode("utf-8")).hexdigest()
@@ -186,9 +181,7 @@ def _split_heldout(docs: list[_Doc], cfg: MiniPileConfig) -> tuple[list[_Doc], l
 
 
 def _files_ok(root: Path, sizes: dict[str, int]) -> bool:
-    return bool(sizes) and all(
-        (root / rel).is_file() and (root / rel).stat().st_size == size for rel, size in sizes.items()
-    )
+    return bool(sizes) and all((root / r).is_file() and (root / r).stat().st_size == n for r, n in sizes.items())
 
 
 def _sizes(root: Path, rels: Sequence[str]) -> dict[str, int]:
@@ -208,15 +201,12 @@ def _check_mini_pile_dir(root: Path) -> None:
     """Refuse a directory holding anything but a (partial) mini-pile: the stages rewrite and delete files there."""
     if not root.is_dir():
         return
-    foreign = sorted(
-        p.name for p in root.iterdir()
-        if p.name not in _MINI_PILE_ENTRIES and not (p.name.startswith(".") and p.name.endswith(".tmp"))
-    )
+    foreign = sorted(p.name for p in root.iterdir() if p.name not in _MINI_PILE_ENTRIES
+                     and not (p.name.startswith(".") and p.name.endswith(".tmp")))
     if foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise ReproError(
-            f"{root}: holds files that are not the mini-pile's ({shown}); build it into a new or empty directory"
-        )
+        raise ReproError(f"{root}: holds files that are not the mini-pile's ({shown}); build it into a new or empty "
+                         "directory")
 
 
 def build_mini_pile(

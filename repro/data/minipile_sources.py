@@ -89,9 +89,8 @@ def _docstrings(cand: Candidate) -> str | None:
         except (SyntaxError, ValueError):
             return None
     module = cand.key[: -len(".py")].replace("/", ".").removesuffix(".__init__")
-    parts = []
     doc = ast.get_docstring(tree)
-    parts.append(f"{module}\n{doc}" if doc else module)
+    parts = [f"{module}\n{doc}" if doc else module]
 
     def visit(node: ast.AST, owner: str) -> None:
         for child in ast.iter_child_nodes(node):

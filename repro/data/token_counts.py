@@ -50,9 +50,7 @@ def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPL
             if vocab_size is not None and block.size and int(block.max()) >= vocab_size:
                 raise ReproError(f"{prefix}: token id {int(block.max())} >= vocab_size {vocab_size}")
             counts = np.bincount(block, minlength=total.size)
-            if counts.size > total.size:
-                total = np.concatenate([total, np.zeros(counts.size - total.size, np.int64)])
-            total += counts
+            total = np.pad(total, (0, counts.size - total.size)) + counts
             offset += n * itemsize
             remaining -= n
         del ds
