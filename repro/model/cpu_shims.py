@@ -19,9 +19,6 @@ import functools
 
 import torch
 
-# Marker set on patched objects so the shims are idempotent and tests can see what was applied.
-_SHIM_MARK = "_repro_cpu_shim"
-
 
 def cuda_available() -> bool:
     """Whether a CUDA device is usable (the shims are applied only when this is False)."""
@@ -33,8 +30,6 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
-setattr(_cpu_current_device, _SHIM_MARK, True)
-
 
 @functools.lru_cache(maxsize=8)
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
@@ -42,8 +37,6 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     with torch.inference_mode(False):
         return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
-
-setattr(_cpu_default_causal_mask, _SHIM_MARK, True)
 
 
 def _cpu_maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
@@ -59,16 +52,12 @@ def _cpu_maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.T
     return tokens_per_expert
 
 
-setattr(_cpu_maybe_dtoh_and_synchronize, _SHIM_MARK, True)
-
 
 def _amax_logits_max(vocab_parallel_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Shim 7: megatron's calculate_logits_max with amax (the maximum alone) in place of max(dim)'s values.
     vocab_parallel_logits = vocab_parallel_logits.float()
     return vocab_parallel_logits, vocab_parallel_logits.amax(dim=-1)
 
-
-setattr(_amax_logits_max, _SHIM_MARK, True)
 
 
 class _NoStream:
@@ -87,15 +76,14 @@ def apply_cpu_shims() -> bool:
     if cuda_available():
         return False
 
+    # Plain assignments of fixed replacements (none wraps what it replaces): repeating them changes nothing.
     # 1. torch.cuda.current_device -> cpu
-    if not getattr(torch.cuda.current_device, _SHIM_MARK, False):
-        torch.cuda.current_device = _cpu_current_device
+    torch.cuda.current_device = _cpu_current_device
 
     # 3. default causal mask, rebound where megatron reads it (fused_softmax imported it by name).
     from megatron.core.fusions import fused_softmax
 
-    if not getattr(fused_softmax.get_default_causal_mask, _SHIM_MARK, False):
-        fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
 
     # 4. te_general_gemm missing without TransformerEngine.
     from megatron.core.transformer.moe import moe_utils
@@ -106,25 +94,16 @@ def apply_cpu_shims() -> bool:
     # 5. the alltoall dispatcher's CUDA stream.
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    if not getattr(MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize, _SHIM_MARK, False):
-        MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_maybe_dtoh_and_synchronize
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_maybe_dtoh_and_synchronize
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
 
     # 7. the cross-entropy's logits maximum without indices.
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
-    if not getattr(VocabParallelCrossEntropy.calculate_logits_max, _SHIM_MARK, False):
-        VocabParallelCrossEntropy.calculate_logits_max = staticmethod(_amax_logits_max)
+    VocabParallelCrossEntropy.calculate_logits_max = staticmethod(_amax_logits_max)
 
     return True  # 2. and 6. are not patches (see the module docstring)
-
-
-def shims_applied() -> bool:
-    """Whether :func:`apply_cpu_shims` has patched this process (always False on a CUDA machine)."""
-    if cuda_available():
-        return False
-    return bool(getattr(torch.cuda.current_device, _SHIM_MARK, False))
 
 
 def seed_model_parallel_rng(seed: int) -> None:
