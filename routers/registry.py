@@ -8,7 +8,6 @@ without editing this repository (docs/routers.md, "Adding a router").
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import difflib
 import functools
 import importlib
@@ -99,12 +98,3 @@ def build_router(name: str, *, hidden_size: int, num_experts: int, top_k: int = 
     config = cls.Config(hidden_size=hidden_size, num_experts=num_experts, top_k=top_k, **options)
     return cls(config)
 
-
-def router_options(name: str) -> dict[str, object]:
-    """The router's options with their defaults (for ``--help`` style listings)."""
-    cls = router_class(name)
-    return {
-        f.name: (f.default if f.default is not dataclasses.MISSING else None)
-        for f in dataclasses.fields(cls.Config)
-        if f.name in cls.Config.option_names()
-    }
