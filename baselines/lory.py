@@ -30,9 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from baselines._gate import GatedRouter
-from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
-from routers.metrics import routing_metrics
-from routers.registry import register_router
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers.base import require
 
 FIRST_SEGMENT_GRADS = ("none", "router")
 
@@ -86,7 +85,7 @@ def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, se
 
 def _sync_phase_after_load(module: LoryRouter, _incompatible_keys) -> None:
     """``load_state_dict`` post-hook: the dense phase follows the loaded ``step`` buffer."""
-    module._dense_phase = int(module.step) < module.config.dense_steps
+    module.dense_phase = int(module.step) < module.config.dense_steps
 
 
 @register_router("lory")
@@ -111,21 +110,17 @@ class LoryRouter(GatedRouter):
 
     def __init__(self, config: LoryConfig) -> None:
         super().__init__(config)
-        # Follows the step buffer: set by set_step, recomputed on load_state_dict.
-        self._dense_phase = config.dense_steps > 0
+        # Whether the model trains dense at the current step (step < config.dense_steps), kept on the host (no
+        # sync per forward): follows the step buffer, set by set_step, recomputed on load_state_dict.
+        self.dense_phase = config.dense_steps > 0
         self.register_load_state_dict_post_hook(_sync_phase_after_load)
-
-    @property
-    def dense_phase(self) -> bool:
-        """Whether the model trains dense at the current step (``step < config.dense_steps``)."""
-        return self._dense_phase
 
     def set_step(self, step: int) -> None:
         """Set the step and the dense phase, during which W_r takes no gradient (module docstring)."""
         super().set_step(step)
-        self._dense_phase = int(step) < self.config.dense_steps
+        self.dense_phase = int(step) < self.config.dense_steps
         if self.config.dense_steps > 0:
-            self.weight.requires_grad_(not self._dense_phase)
+            self.weight.requires_grad_(not self.dense_phase)
 
     @property
     def constraint(self) -> RoutingConstraint:

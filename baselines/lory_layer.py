@@ -32,8 +32,6 @@ import torch.nn.functional as F
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-DEFAULT_SEGMENT_LENGTH = 256
-
 
 def lory_merged_ffn(
     x_BLH: torch.Tensor, weights_BE: torch.Tensor, fc1_EGH: torch.Tensor, fc2_EHF: torch.Tensor
@@ -62,7 +60,7 @@ class LoryMoELayer(MoELayer):
             raise ValueError("Lory needs expert tensor parallel size 1")
         if not config.gated_linear_unit or config.activation_func is not F.silu or config.add_bias_linear:
             raise ValueError("Lory's merge is implemented for bias-free SwiGLU experts")
-        if self._dense_steps() > 0:
+        if self.lory_router.config.dense_steps > 0:
             # The dense start trains tied copies of one FFN: they start equal.
             with torch.no_grad():
                 first = self.experts.local_experts[0]
@@ -73,17 +71,9 @@ class LoryMoELayer(MoELayer):
         self._prompt_lengths_B: torch.Tensor | None = None
 
     @property
-    def _inner_router(self):
-        """The project router (megatron's adapter holds it as ``router``)."""
-        return getattr(self.router, "router", self.router)
-
-    def _dense_steps(self) -> int:
-        """The router's ``dense_steps`` (0 for a router without a dense start)."""
-        return int(getattr(getattr(self._inner_router, "config", None), "dense_steps", 0))
-
-    def in_dense_phase(self) -> bool:
-        """Whether the router says the model is still dense at this step."""
-        return bool(getattr(self._inner_router, "dense_phase", False))
+    def lory_router(self):
+        """The :class:`~baselines.lory.LoryRouter` (megatron's adapter holds it as ``router``)."""
+        return self.router.router
 
     def dense_ffn_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [2F, H], fc2 [H, F])`` of the dense FFN: W_0 to the bit (``W_e - stopgrad(W_e)`` is exactly 0),
@@ -96,8 +86,8 @@ class LoryMoELayer(MoELayer):
 
     @property
     def segment_length(self) -> int:
-        """The Lory router's ``segment_len`` (default 256 for a router without one)."""
-        return int(getattr(getattr(self._inner_router, "config", None), "segment_len", DEFAULT_SEGMENT_LENGTH))
+        """The Lory router's ``segment_len``."""
+        return self.lory_router.config.segment_len
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(fc1 [E, 2F, H], fc2 [E, H, F])``: the experts' parameters stacked (differentiable)."""
@@ -118,7 +108,7 @@ class LoryMoELayer(MoELayer):
         weights_GBE = torch.stack([probs_SBE[start : start + L].mean(0) for start in range(0, S, L)])
         # Unequal weights within a segment: router and layer disagree on its length. Checked (one host sync) only
         # on forwards that collect metrics: the lengths are fixed settings, and other steps must not sync.
-        if not getattr(self._inner_router, "collect_metrics", True):
+        if not self.lory_router.collect_metrics:
             return weights_GBE
         spread = (probs_SBE.detach() - weights_GBE.detach().repeat_interleave(L, dim=0)[:S]).abs().max()
         if float(spread) > 1e-5:
@@ -145,7 +135,7 @@ class LoryMoELayer(MoELayer):
         if intermediate_tensors is not None or padding_mask is not None:
             raise NotImplementedError("LoryMoELayer supports neither intermediate_tensors nor padding_mask")
         S, B, H = hidden_states.shape
-        if self.in_dense_phase():
+        if self.lory_router.dense_phase:
             fc1_GH, fc2_HF = self.dense_ffn_weights()
             x_1TH = hidden_states.reshape(1, S * B, H)
             one_11 = torch.ones(1, 1, dtype=fc1_GH.dtype, device=fc1_GH.device)
@@ -163,9 +153,7 @@ class LoryMoELayer(MoELayer):
             weights_GBE = self._segment_weights(probs_TE, S, B)
 
         x_BSH = hidden_states.transpose(0, 1)
-        outputs = []
-        for g, start in enumerate(range(0, S, L)):
-            y_BlH = lory_merged_ffn(x_BSH[:, start : start + L], weights_GBE[g], fc1_EGH, fc2_EHF)
-            outputs.append(y_BlH)
+        outputs = [lory_merged_ffn(x_BSH[:, start : start + L], weights_GBE[g], fc1_EGH, fc2_EHF)
+                   for g, start in enumerate(range(0, S, L))]
         output_SBH = torch.cat(outputs, dim=1).transpose(0, 1).contiguous().to(hidden_states.dtype)
         return output_SBH, None
