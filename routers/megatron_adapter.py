@@ -204,26 +204,14 @@ def prompt_routing(model: nn.Module, prompt_lengths_B: torch.Tensor | list[int])
             layer.set_prompt_lengths(None)
 
 
-def _collect(model: nn.Module, which: int, reset: bool) -> dict[int, dict[str, torch.Tensor]]:
-    """``{layer: means}`` of the adapters' statistics; ``which`` 0 = metrics, 1 = aux losses."""
-    result: dict[int, dict[str, torch.Tensor]] = {}
-    for adapter in router_adapters(model):
-        values = adapter.stats.means()[which]
-        if values:
-            result[adapter.layer_number] = values
-        if reset:
-            adapter.stats.reset()
-    return result
+def collect_routing_metrics(model: nn.Module) -> dict[int, dict[str, torch.Tensor]]:
+    """``{layer_number: {metric: mean since the last reset}}`` (:func:`reset_routing_stats` clears them)."""
+    return {a.layer_number: means for a in router_adapters(model) if (means := a.stats.means()[0])}
 
 
-def collect_routing_metrics(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
-    """``{layer_number: {metric: mean since the last reset}}``; ``reset`` clears all statistics after."""
-    return _collect(model, 0, reset)
-
-
-def collect_aux_losses(model: nn.Module, reset: bool = False) -> dict[int, dict[str, torch.Tensor]]:
+def collect_aux_losses(model: nn.Module) -> dict[int, dict[str, torch.Tensor]]:
     """``{layer_number: {loss name: mean}}`` (weighted, detached), as :func:`collect_routing_metrics`."""
-    return _collect(model, 1, reset)
+    return {a.layer_number: means for a in router_adapters(model) if (means := a.stats.means()[1])}
 
 
 def reset_routing_stats(model: nn.Module) -> None:

@@ -383,7 +383,7 @@ def test_routing_metrics_are_per_model_and_reset():
     mean = collect_routing_metrics(a)[1]["tokens_per_expert"]
     assert float(mean.sum()) == SEQ * BATCH and router_adapters(a)[0].stats.count == 2
     assert float(first.sum()) == SEQ * BATCH
-    collect_routing_metrics(a, reset=True)
+    reset_routing_stats(a)
     assert collect_routing_metrics(a) == {}
     lm_loss(a)
     reset_routing_stats(a)
