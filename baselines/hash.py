@@ -38,9 +38,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routers.base import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
-from routers.metrics import routing_metrics
-from routers.registry import register_router
+from routers import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers.base import require
 
 HASH_TYPES = ("random", "mod", "balanced")
 BALANCE_RULES = ("greedy", "random-greedy")
@@ -156,8 +155,6 @@ class HashRouter(Router):
         return RoutingConstraint(RoutingKind.EXACT_K, k, k, top_k=k, probs_sum_to_one=True)
 
     def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
-        if token_ids_T is None:
-            raise ValueError("hash routing needs token_ids_T")
         if token_ids_T.dtype.is_floating_point or token_ids_T.dtype == torch.bool:
             raise ValueError(f"token_ids_T must be an integer tensor, got {token_ids_T.dtype}")
         V = self.config.vocab_size
