@@ -5,16 +5,4 @@ Importing this package registers them (``@register_router``) under the names "sw
 "expert_choice", "hash", "lory", "sparsemixer" and "auxfree".
 """
 
-from baselines.auxfree import AuxFreeConfig, AuxFreeRouter
-from baselines.expert_choice import ExpertChoiceConfig, ExpertChoiceRouter
-from baselines.hash import HashConfig, HashRouter
-from baselines.lory import LoryConfig, LoryRouter
-from baselines.remoe import ReMoEConfig, ReMoERouter
-from baselines.sparsemixer import SparseMixerConfig, SparseMixerRouter
-from baselines.switch import SwitchConfig, SwitchRouter
-
-__all__ = [
-    "AuxFreeConfig", "AuxFreeRouter", "ExpertChoiceConfig", "ExpertChoiceRouter", "HashConfig", "HashRouter",
-    "LoryConfig", "LoryRouter", "ReMoEConfig", "ReMoERouter", "SparseMixerConfig", "SparseMixerRouter",
-    "SwitchConfig", "SwitchRouter",
-]
+from baselines import auxfree, expert_choice, hash, lory, remoe, sparsemixer, switch  # noqa: F401 (registers them)

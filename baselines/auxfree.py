@@ -25,9 +25,8 @@ from megatron.core.transformer.moe.moe_utils import (
 )
 
 from baselines._gate import GatedRouter
-from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
-from routers.metrics import routing_metrics
-from routers.registry import register_router
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers.base import require
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,8 @@ import torch
 from megatron.core.transformer.moe.moe_utils import z_loss_func
 
 from baselines._gate import GatedRouter, z_loss_metric
-from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
-from routers.metrics import routing_metrics
-from routers.registry import register_router
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers.base import require
 
 #: ``group_size`` value that makes every sequence of the micro-batch its own group.
 SEQUENCE_GROUPS = "sequence"

@@ -16,9 +16,8 @@ import torch
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
 from baselines._gate import GatedRouter, balance_metric
-from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
-from routers.metrics import routing_metrics
-from routers.registry import register_router
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers.base import require
 
 
 @dataclass(frozen=True)

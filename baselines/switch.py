@@ -27,9 +27,8 @@ from megatron.core.transformer.moe.moe_utils import (
 )
 
 from baselines._gate import GatedRouter, balance_metric, z_loss_metric
-from routers.base import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, require
-from routers.metrics import routing_metrics
-from routers.registry import register_router
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers.base import require
 
 DROP_POLICIES = ("probs", "position")
 
