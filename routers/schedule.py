@@ -55,7 +55,12 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[s
                 r.end_step(None)
             continue
         if any(s is not None and s.dim() > 0 for s in stats):
-            _end_step_per_layer(routers, stats, group)
+            # Per-expert [E] statistics: summed over ranks (all layers in one all-reduce), each back to its router.
+            ref = next(s for s in stats if s is not None)
+            stacked_LE = torch.stack([(s if s is not None else torch.zeros_like(ref)).detach().float() for s in stats])
+            _all_reduce(stacked_LE, group)
+            for r, row_E in zip(routers, stacked_LE):
+                r.end_step(row_E)
             continue
         mean = torch.stack([s.detach().float() for s in stats if s is not None]).mean()
         if _all_reduce(mean, group):
@@ -65,11 +70,3 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[s
         averaged[cls.name] = mean.detach()
     return averaged
 
-
-def _end_step_per_layer(routers: list[Router], stats: list[torch.Tensor | None], group: dist.ProcessGroup | None) -> None:
-    """Per-expert ``[E]`` statistics: summed over ranks (all layers in one all-reduce), each back to its router."""
-    ref = next(s for s in stats if s is not None)
-    stacked_LE = torch.stack([(s if s is not None else torch.zeros_like(ref)).detach().float() for s in stats])
-    _all_reduce(stacked_LE, group)
-    for router, row_E in zip(routers, stacked_LE):
-        router.end_step(row_E)
