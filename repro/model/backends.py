@@ -56,15 +56,11 @@ def resolve_backend(backend: str | None = "auto") -> str:
     requested = "auto" if backend is None else backend
     if requested not in BACKENDS:
         raise ValueError(f"unknown backend '{requested}'; valid: {', '.join(BACKENDS)}")
-    if requested == "te":
-        if not te_available():
-            raise ValueError("backend 'te' needs TransformerEngine on a GPU, which this machine lacks; "
-                             f"valid here: {', '.join(b for b in BACKENDS if b != 'te')}")
-        return "te"
+    if requested == "te" and not te_available():
+        raise ValueError("backend 'te' needs TransformerEngine on a GPU, which this machine lacks; "
+                         f"valid here: {', '.join(b for b in BACKENDS if b != 'te')}")
     if requested == "auto":
-        if te_available():
-            return "te"
-        return "torch" if torch.cuda.is_available() else "local"
+        return "te" if te_available() else "torch" if torch.cuda.is_available() else "local"
     return requested
 
 
@@ -140,14 +136,14 @@ def _kernel_self_check(device: str, dtype: torch.dtype) -> bool:
 
 
 def grouped_mm_unusable_reason(
-    x_MK: torch.Tensor, w_ENK: torch.Tensor, *, num_tokens: int | None = None, in_features: int | None = None
+    x_MK: torch.Tensor, w_ENK: torch.Tensor, *, in_features: int | None = None
 ) -> str | None:
     """Why torch's grouped kernel should not run ``x_MK @ w_e.t()`` here, or None if it should.
 
     Args:
         x_MK: ``[M, K]`` tokens of all experts, grouped by expert.
         w_ENK: ``[E, N, K]`` one weight per expert.
-        num_tokens, in_features: M and K for an input not computed yet (then only ``x_MK``'s dtype/device count).
+        in_features: K for an input not computed yet (then ``x_MK`` gives its dtype, device and M).
     """
     if _grouped_mm_op() is None:
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
@@ -164,7 +160,7 @@ def grouped_mm_unusable_reason(
     elif device.type != "cpu":
         return f"device type '{device.type}' is not supported"
     align = 16 // x_MK.element_size()
-    M = x_MK.shape[0] if num_tokens is None else num_tokens
+    M = x_MK.shape[0]
     K = x_MK.shape[1] if in_features is None else in_features
     N = w_ENK.shape[1]
     if K % align or N % align:
