@@ -24,14 +24,11 @@ MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM
 
 @dataclass(frozen=True)
 class ParallelInfo:
-    """What :func:`init_distributed` set up (``dp`` is ``world_size / tp``: megatron folds EP into DP)."""
+    """What :func:`init_distributed` set up."""
 
     rank: int
     world_size: int
     local_rank: int
-    tp: int
-    ep: int
-    dp: int
     backend: str
     device: torch.device
 
@@ -172,8 +169,8 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
         )
     seed_model_parallel_rng(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
-    return ParallelInfo(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank, tp=tp, ep=ep,
-                        dp=world_size // tp, backend=dist.get_backend(), device=device)
+    return ParallelInfo(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,
+                        backend=dist.get_backend(), device=device)
 
 
 def destroy_distributed() -> None:
