@@ -60,13 +60,6 @@ def _amax_logits_max(vocab_parallel_logits: torch.Tensor) -> tuple[torch.Tensor,
 
 
 
-class _NoStream:
-    """Placeholder ``cuda_dtoh_stream`` (shim 5): stops the dispatcher creating a ``torch.cuda.Stream``."""
-
-    def __repr__(self) -> str:
-        return "<no CUDA stream (CPU shim)>"
-
-
 def apply_cpu_shims() -> bool:
     """Patch megatron-core (and ``torch.cuda.current_device``) to run without CUDA; idempotent.
 
@@ -96,7 +89,8 @@ def apply_cpu_shims() -> bool:
 
     MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_maybe_dtoh_and_synchronize
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
-        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = _NoStream()
+        # Placeholder: megatron makes a torch.cuda.Stream while this is None, read only by the method replaced above.
+        MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
 
     # 7. the cross-entropy's logits maximum without indices.
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
