@@ -141,17 +141,15 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
     if not dist.is_initialized():
         # srun-started tasks: export the ranks so the rest of the process sees what it would under torchrun.
         os.environ.update(rank_environment(os.environ))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-
-    if not dist.is_initialized():
         if on_gpu:
-            torch.cuda.set_device(cuda_device_index(local_rank, torch.cuda.device_count()))
+            torch.cuda.set_device(cuda_device_index(int(os.environ.get("LOCAL_RANK", "0")), torch.cuda.device_count()))
         if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
             dist.init_process_group(backend=backend, init_method="env://")
         else:
             # One process: an in-process store (no port, so concurrent runs cannot clash).
             dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1)
         _OWNS_PROCESS_GROUP = True
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     world_size = dist.get_world_size()
     # megatron's expert grid is EP x expert-TP (= TP by default), so tp * ep must divide the world.
     if world_size % (tp * ep) != 0:
