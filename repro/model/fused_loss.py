@@ -71,7 +71,6 @@ def fused_linear_cross_entropy(hidden_SBH: torch.Tensor, weight_VH: torch.Tensor
     Returns:
         fp32 per-token losses [B, S] (as ``compute_language_model_loss``).
     """
-    check_fused_cross_entropy(impl)
     S, B, H = hidden_SBH.shape
     if labels_BS.shape != (B, S):
         raise ValueError(f"labels of shape {tuple(labels_BS.shape)} for hidden states [S={S}, B={B}, H={H}]")
