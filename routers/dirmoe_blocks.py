@@ -21,9 +21,7 @@ from routers.dirichlet import kl_terms
 def _c_compiler() -> str | None:
     """The host C compiler Triton would build its launchers with (``$CC``, else gcc, else clang), or None."""
     cc = os.environ.get("CC")
-    if cc:
-        return shutil.which(cc)
-    return shutil.which("gcc") or shutil.which("clang")
+    return shutil.which(cc) if cc else shutil.which("gcc") or shutil.which("clang")
 
 
 def _cxx_compiler() -> str | None:
