@@ -87,11 +87,10 @@ class AuxFreeRouter(GatedRouter):
             logits_TE, cfg.top_k, scaling_factor=cfg.topk_scaling_factor, score_function="sigmoid",
             expert_bias=self.expert_bias,
         )
-        with_grad = self.training and torch.is_grad_enabled()
         aux_losses: dict[str, torch.Tensor] = {}
-        if with_grad and cfg.seq_aux_loss_coeff > 0:
-            aux_losses["seq_load_balancing_loss"] = self._seq_aux_loss(logits_TE, seq_shape or (T, 1))
-        if with_grad:
+        if self.training and torch.is_grad_enabled():
+            if cfg.seq_aux_loss_coeff > 0:
+                aux_losses["seq_load_balancing_loss"] = self._seq_aux_loss(logits_TE, seq_shape or (T, 1))
             # Training forwards with grad only (megatron: not evaluation, not a recomputation's first pass).
             with torch.no_grad():
                 self.tokens_per_expert += routing_map_TE.sum(0)
