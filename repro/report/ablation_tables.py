@@ -16,7 +16,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from repro.records.step_log import LogRow
-from repro.report.over_seeds import SeedStat, against_reference, compare, count_defined, family_sentence, undefined_note
+from repro.report.over_seeds import (
+    SeedStat,
+    against_reference,
+    compare,
+    count_defined,
+    family_sentence,
+    marks_sentence,
+    undefined_cells,
+    undefined_note,
+)
 from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table, fmt_interval
 from repro.stats import Interval, mean_ci
 
@@ -194,11 +203,6 @@ def _diff_cell(stat: SeedStat, spec: str, alpha: float) -> str:
     return f"{fmt_interval(stat.difference, spec)} (p={stat.adjusted_p:.2g}){mark}"
 
 
-def _undefined(stats: Mapping[str, Mapping[str, SeedStat]], results: AblationResults) -> list[tuple[str, str]]:
-    labels = results.labels
-    return [(cell, labels[key]) for cell, cells in stats.items() for key, stat in cells.items() if stat.undefined]
-
-
 def ablation_table(
     results: AblationResults, reference: str = "paper", *, name: str = "ablation", confidence: float = 0.95,
     alpha: float = 0.05, family: str = "table",
@@ -232,11 +236,8 @@ def ablation_table(
         "loss: the last validation. "
     )
     if reference in results.cells:
-        caption += (
-            f"{SIGNIFICANT}: differs from '{reference}' at alpha = {alpha:g} by a paired t-test over the seeds both "
-            f"cells ran, {family_sentence(family, count_defined(stats), 'cells')}."
-        )
-        caption += undefined_note(_undefined(stats, results)) + " "
+        test = "a paired t-test over the seeds both cells ran"
+        caption += marks_sentence(reference, alpha, test, family, stats, "cells", results.labels) + " "
     legend = "; ".join(f"{cell}: {results.readings[cell]}" for cell in results.cells if cell in results.readings)
     caption += f"Cells: {legend}."
     headers = ("Cell", "seeds", *(m.label for m in results.metrics))
@@ -273,7 +274,8 @@ def ablation_difference_table(
         f"the family of the ablation table against '{reference}', all its columns, of which these are a part; "
         f"{SIGNIFICANT}: p < {alpha:g}. Columns as in the ablation table."
     )
-    caption += undefined_note([(c, k) for c, k in _undefined(stats, results) if k in {m.label for m in metrics}])
+    shown = {m.label for m in metrics}
+    caption += undefined_note([(c, k) for c, k in undefined_cells(stats, results.labels) if k in shown])
     headers = ("Cell", *(f"{m.label} diff" for m in metrics))
     return Table(name, caption, headers, tuple(rows))
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from repro.report.table_core import SIGNIFICANT
 from repro.stats import Interval, PairedTest, holm, mean_ci, paired_t_test
 
 #: The families a table's tests can be adjusted in (module docstring).
@@ -116,10 +117,15 @@ def compare(
     out = {}
     for key in tests:
         a, _, column = key
-        own = list(values.get(a, {}).get(column, {}).values())
         result, diff = found.get(key, (None, None))
-        out[key] = SeedStat(mean_ci(own, confidence) if own else None, result, adjusted.get(key), diff, size.get(key, 0))
+        out[key] = SeedStat(_interval(values, a, column, confidence), result, adjusted.get(key), diff, size.get(key, 0))
     return out
+
+
+def _interval(values: Values, row: str, column: str, confidence: float) -> Interval | None:
+    """The mean and Student-t interval of ``row``'s values in ``column`` over its seeds (None: no value)."""
+    own = list(values.get(row, {}).get(column, {}).values())
+    return mean_ci(own, confidence) if own else None
 
 
 def against_reference(
@@ -131,13 +137,8 @@ def against_reference(
     others = [r for r in values if r != reference] if tested and reference is not None else []
     stats = compare(values, [(r, reference, c) for c in columns for r in others], family=family,
                     confidence=confidence, test=test)
-    out: dict[str, dict[str, SeedStat]] = {}
-    for row in values:
-        for column in columns:
-            own = list(values[row].get(column, {}).values())
-            plain = SeedStat(mean_ci(own, confidence) if own else None)
-            out.setdefault(row, {})[column] = stats.get((row, reference, column), plain)
-    return out
+    return {row: {column: stats.get((row, reference, column)) or SeedStat(_interval(values, row, column, confidence))
+                  for column in columns} for row in values}
 
 
 def family_sentence(family: str, count: int, rows: str = "rows") -> str:
@@ -157,6 +158,23 @@ def undefined_note(undefined: Sequence[tuple[str, str]]) -> str:
         " Test undefined, so not marked (every paired difference over the shared seeds the same: no spread to "
         f"test it against, t would divide by zero): {listed}."
     )
+
+
+def marks_sentence(
+    reference: str, alpha: float, test: str, family: str, stats: Mapping[str, Mapping[str, SeedStat]], rows: str,
+    labels: Mapping[str, str],
+) -> str:
+    """The caption's sentence on the marks of ``stats`` (row -> column -> stat) against ``reference`` by ``test``
+    (words), with the footnote on undefined tests (``rows``, ``labels``: :func:`family_sentence`, column labels)."""
+    return (
+        f"{SIGNIFICANT}: differs from '{reference}' at alpha = {alpha:g} by {test}, "
+        f"{family_sentence(family, count_defined(stats), rows)}." + undefined_note(undefined_cells(stats, labels))
+    )
+
+
+def undefined_cells(stats: Mapping[str, Mapping[str, SeedStat]], labels: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``(row, column label)`` of the undefined tests among ``stats`` (row -> column -> stat), in table order."""
+    return [(row, labels.get(column, column)) for row, cells in stats.items() for column, s in cells.items() if s.undefined]
 
 
 def count_defined(stats: Mapping[str, Mapping[str, SeedStat]]) -> int:

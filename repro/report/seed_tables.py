@@ -19,7 +19,7 @@ import numpy as np
 from repro.errors import ReproError
 from repro.records.run_record import PartialTask, RunRecord
 from repro.report.compute_parity import DEFAULT_REFERENCE_ROUTER
-from repro.report.over_seeds import SeedStat, against_reference, count_defined, family_sentence, undefined_note
+from repro.report.over_seeds import SeedStat, against_reference, count_defined, marks_sentence
 from repro.report.table_core import (
     DENSE_SUFFIX,
     PARTIAL,
@@ -83,15 +83,6 @@ class SeedComparison:
         """Whether ``router`` differs from the reference in ``column`` at ``alpha`` (Holm-adjusted)."""
         cell = self.cells.get(router, {}).get(column)  # no cell: the router has no value in the column
         return cell is not None and cell.significant(self.alpha)
-
-    def undefined(self, labels: Mapping[str, str]) -> list[tuple[str, str]]:
-        """``(router, column label)`` of cells whose test is undefined (no spread), in table order."""
-        return [(router, labels.get(column, column)) for router, cells in self.cells.items()
-                for column, cell in cells.items() if cell.undefined]
-
-    def marks(self, rows: str = "routers") -> str:
-        """The caption's family phrase (:func:`repro.report.over_seeds.family_sentence`)."""
-        return family_sentence(self.family, count_defined(self.cells), rows)
 
 
 def comparison_label(record: RunRecord) -> str:
@@ -217,31 +208,33 @@ def compare_over_seeds(
             tasks if column == AVG else [column], chosen, groups[reference], groups[router], per_question
         )
 
-    cells = against_reference(
-        _values(groups, columns, value), columns, reference, family=family, confidence=confidence,
-        tested=used != "none", test=question_test if used == "questions" else None,
-    )
     partial = {}
     for router, runs in groups.items():
         cut = {r.run_id: {t: p for t, p in record_partial(r).items() if t in chosen} for r in runs.values()}
         if any(cut.values()):
             partial[router] = {run: tasks for run, tasks in cut.items() if tasks}
+    return _compared(groups, reference, columns, value, used, confidence=confidence, alpha=alpha, family=family,
+                     question_test=question_test, metrics=chosen, partial=partial)
+
+
+def _compared(
+    groups: Mapping[str, Mapping[int, RunRecord]], reference: str | None, columns: Sequence[str],
+    value: Callable[[RunRecord, str], float | None], test: str, *, confidence: float, alpha: float, family: str,
+    question_test: Callable[[str, str, str], PairedTest] | None = None, **fields: Any,
+) -> SeedComparison:
+    """The :class:`SeedComparison` of ``groups`` (router -> seed -> run) in ``columns`` (``value``: a run's number,
+    None for none) by ``test`` (``questions``: ``question_test``); ``fields``: the comparison's other fields."""
+    values = {
+        router: {c: {seed: v for seed, record in sorted(runs.items()) if (v := value(record, c)) is not None}
+                 for c in columns}
+        for router, runs in groups.items()
+    }
+    cells = against_reference(values, columns, reference, family=family, confidence=confidence, tested=test != "none",
+                              test=question_test if test == "questions" else None)
     return SeedComparison(
-        columns=columns, metrics=chosen, seeds={r: tuple(sorted(runs)) for r, runs in groups.items()}, cells=cells,
-        reference=reference, test=used, confidence=confidence, alpha=alpha, partial=partial, family=family,
+        columns=tuple(columns), seeds={r: tuple(sorted(runs)) for r, runs in groups.items()}, cells=cells,
+        reference=reference, test=test, confidence=confidence, alpha=alpha, family=family, **fields,
     )
-
-
-def _values(
-    groups: Mapping[str, Mapping[int, RunRecord]], columns: Sequence[str], value: Callable[[RunRecord, str], float | None]
-) -> dict[str, dict[str, dict[int, float]]]:
-    """``{router: {column: {seed: value}}}``, the seeds that have the value."""
-    out: dict[str, dict[str, dict[int, float]]] = {}
-    for router, runs in groups.items():
-        for column in columns:
-            found = {seed: value(record, column) for seed, record in sorted(runs.items())}
-            out.setdefault(router, {})[column] = {seed: v for seed, v in found.items() if v is not None}
-    return out
 
 
 _TEST_TEXT = {
@@ -280,11 +273,8 @@ def _caption(comparison: SeedComparison, what: str, labels: Mapping[str, str], u
     )
     if comparison.test not in _TEST_TEXT or comparison.reference is None:
         return caption + f" No significance test (no reference router, or {untested})."
-    caption += (
-        f" {SIGNIFICANT}: differs from '{comparison.reference}' at alpha = {comparison.alpha:g} by "
-        f"{_TEST_TEXT[comparison.test]}, {comparison.marks()}."
-    )
-    return caption + undefined_note(comparison.undefined(labels))
+    return f"{caption} " + marks_sentence(comparison.reference, comparison.alpha, _TEST_TEXT[comparison.test],
+                                          comparison.family, comparison.cells, "routers", labels)
 
 
 def zero_shot_headers(comparison: SeedComparison) -> dict[str, str]:
@@ -309,17 +299,15 @@ def comparison_json(comparison: SeedComparison, headers: Mapping[str, str]) -> d
 
 def seed_zero_shot_table(comparison: SeedComparison) -> Table:
     """The ``zero_shot_seeds`` table of a :func:`compare_over_seeds` comparison."""
-    tasks = [c for c in comparison.columns if c != AVG]
-    labels = [task_label(t) for t in tasks]
-    metric_text = ", ".join(f"{label} {comparison.metrics[t]}" for label, t in zip(labels, tasks))
+    headers = zero_shot_headers(comparison)
+    metric_text = ", ".join(f"{headers[t]} {comparison.metrics[t]}" for t in comparison.columns if t != AVG)
     what = (
         f"Zero-shot accuracy (%) over seeds, lm-eval, 0-shot. Metric per column: {metric_text or 'none'}. "
         "Avg. is the mean over the task columns, per seed."
     )
-    caption = _caption(comparison, what, dict(zip(comparison.columns, (*labels, "Avg."))),
-                       "neither shared seeds nor per-question results")
+    caption = _caption(comparison, what, headers, "neither shared seeds nor per-question results")
     caption += _partial_note({run: tasks for runs in comparison.partial.values() for run, tasks in runs.items()})
-    return Table("zero_shot_seeds", caption, ("Router", "seeds", *labels, "Avg."), _rows_over_seeds(comparison))
+    return Table("zero_shot_seeds", caption, ("Router", "seeds", *headers.values()), _rows_over_seeds(comparison))
 
 
 # ------------------------------------------------------------------------------------------ other numbers over seeds
@@ -337,15 +325,9 @@ def compare_metrics_over_seeds(
     """
     measured = [r for r in records if any(f(r) is not None for f in columns.values())]
     groups, reference, seeds_ok = _group_by_router(measured, seed_of, reference_router)
-    cells = against_reference(
-        _values(groups, tuple(columns), lambda record, column: columns[column](record)), tuple(columns), reference,
-        family=family, confidence=confidence, tested=seeds_ok,
-    )
-    return SeedComparison(
-        columns=tuple(columns), metrics={c: c for c in columns},
-        seeds={r: tuple(sorted(runs)) for r, runs in groups.items()}, cells=cells, reference=reference,
-        test="seeds" if seeds_ok else "none", confidence=confidence, alpha=alpha, family=family,
-    )
+    return _compared(groups, reference, tuple(columns), lambda record, column: columns[column](record),
+                     "seeds" if seeds_ok else "none", confidence=confidence, alpha=alpha, family=family,
+                     metrics={c: c for c in columns})
 
 
 def seed_metric_table(
