@@ -58,16 +58,16 @@ def _published_groups(
     groups: dict[str, dict[str, PublishedEntry]] = {}
     for e in select(ledger, router=record.experiment.router, model_id=record.experiment.model, originals_only=True):
         if e.metric.startswith(prefix):
-            groups.setdefault(e.source, {})[e.metric] = e
+            groups.setdefault(e.measured_in, {})[e.metric] = e
     return groups
-
-
-def _value(entry: PublishedEntry | None) -> float | None:
-    return None if entry is None else entry.value
 
 
 def _percent(value: float | None) -> float | None:
     return None if value is None else 100 * value
+
+
+def _value(entry: PublishedEntry | None) -> float | None:
+    return None if entry is None else entry.value
 
 
 def _stderr(record: RunRecord, task: str, metric: str) -> float | None:
@@ -200,12 +200,18 @@ def validation_seed_table(records: Sequence[RunRecord], **options: Any) -> Table
     )
 
 
-#: The routing statistics shown over seeds: name -> (header, number format).
-SEED_ROUTING_METRICS = {
-    "active_experts": ("active experts", ".3f"),
-    "simpson": ("Simpson index", ".3f"),
-    "load_imbalance": ("load imbalance", ".2f"),
+#: The routing statistics of the ``routing`` table: name -> (header, number format); the first three over seeds.
+ROUTING_COLUMNS = {
+    "active_experts": ("active experts", ".3f"), "simpson": ("Simpson index", ".3f"),
+    "load_imbalance": ("load imbalance", ".2f"), "dropped_mass": ("dropped mass", ".4f"),
+    "fallback_share": ("fallback share", ".3f"),
 }
+#: The routing statistics' headers (``routing_seeds`` shows the first three).
+ROUTING_HEADERS = {name: header for name, (header, _) in ROUTING_COLUMNS.items()}
+_ROUTING_TEXT = (
+    "experts per token, Simpson index sum_i p_i^2 of the combine weights (1/E uniform, 1 one expert), load imbalance "
+    "(max / mean tokens per expert)"
+)
 
 
 def layer_mean(name: str) -> Callable[[RunRecord], float | None]:
@@ -217,13 +223,9 @@ def layer_mean(name: str) -> Callable[[RunRecord], float | None]:
     return mean
 
 
-#: The routing statistics' headers over seeds (``routing_seeds``).
-ROUTING_HEADERS = {name: header for name, (header, _) in SEED_ROUTING_METRICS.items()}
-
-
 def routing_seed_comparison(records: Sequence[RunRecord], **options: Any) -> SeedComparison:
     """The layer-mean routing statistics of the routed runs over seeds, tested against the reference."""
-    columns = {name: layer_mean(name) for name in SEED_ROUTING_METRICS}
+    columns = {name: layer_mean(name) for name in list(ROUTING_COLUMNS)[:3]}
     return compare_metrics_over_seeds([r for r in records if r.routing], columns, **options)
 
 
@@ -232,13 +234,10 @@ def routing_seed_table(comparison: SeedComparison) -> Table:
     return seed_metric_table(
         comparison,
         name="routing_seeds",
-        what=(
-            "Routing behaviour over seeds, the mean over layers of each run's averages over its measured steps: "
-            "experts per token, Simpson index sum_i p_i^2 of the combine weights (1/E uniform, 1 one expert), "
-            "load imbalance (max / mean tokens per expert)."
-        ),
+        what=f"Routing behaviour over seeds, the mean over layers of each run's averages over its measured steps: "
+        f"{_ROUTING_TEXT}.",
         labels=ROUTING_HEADERS,
-        specs={name: spec for name, (_, spec) in SEED_ROUTING_METRICS.items()},
+        specs={name: spec for name, (_, spec) in ROUTING_COLUMNS.items()},
     )
 
 
@@ -328,22 +327,17 @@ def routing_table(records: Sequence[RunRecord]) -> Table:
     """Routing per run (dense left out): mean over layers, then each layer."""
     routed = [r for r in _ordered(records) if r.routing]
     labels = _labels(routed)
-    names = ("active_experts", "simpson", "load_imbalance", "dropped_mass", "fallback_share")
-    specs = (".3f", ".3f", ".2f", ".4f", ".3f")
     rows: list[tuple[str, ...]] = []
     for record in routed:
-        means = [layer_mean(name)(record) for name in names]
-        rows.append((labels[record.run_id], "mean", *(_fmt(v, s) for v, s in zip(means, specs))))
-        for layer in record.routing:
-            rows.append(
-                (labels[record.run_id], str(layer.layer + 1), *(_fmt(getattr(layer, n), s) for n, s in zip(names, specs)))
-            )
-    headers = ("Router", "Layer", "active experts", "Simpson index", "load imbalance", "dropped mass", "fallback share")
+        rows.append((labels[record.run_id], "mean",
+                     *(_fmt(layer_mean(n)(record), spec) for n, (_, spec) in ROUTING_COLUMNS.items())))
+        rows += [(labels[record.run_id], str(layer.layer + 1),
+                  *(_fmt(getattr(layer, n), spec) for n, (_, spec) in ROUTING_COLUMNS.items())) for layer in record.routing]
+    headers = ("Router", "Layer", *ROUTING_HEADERS.values())
     caption = (
         "Routing behaviour, averaged over the measured steps, per MoE layer (counted from 1, as in TensorBoard, the "
-        "plots and the write-ups) and their mean: experts per token, Simpson index sum_i p_i^2 of "
-        "the combine weights (1/E uniform, 1 one expert), load imbalance (max / mean tokens per expert), "
-        "the routing-weight mass the dispatch rule dropped, and the share of tokens dispatched only by a "
-        "fallback rule (DirMoE: no gate above its threshold, the arg-max of r taken)."
+        f"plots and the write-ups) and their mean: {_ROUTING_TEXT}, the routing-weight mass the dispatch rule "
+        "dropped, and the share of tokens dispatched only by a fallback rule (DirMoE: no gate above its threshold, "
+        "the arg-max of r taken)."
     )
     return Table("routing", caption, headers, tuple(rows))
