@@ -157,16 +157,16 @@ def check_against_published(
     for entry in entries:
         measured = record_value(record, entry.metric, zero_shot_metric)
         common = dict(run_id=record.run_id, metric=entry.metric, measured=measured, reference=entry.value,
-                      tolerance=entry.tolerance.describe(), source=entry.source)
+                      tolerance=entry.tolerance.describe(), source=entry.measured_in)
         wanted = _accelerator(entry.setting.hardware or "") if entry.metric.startswith("efficiency.") else None
         if wanted is not None and _accelerator(record.environment.device) != wanted:
-            rows.append(CheckRow(**common, status=SKIPPED, note=f"published on {entry.setting.hardware}, run on {record.environment.device}"))
+            status, note = SKIPPED, f"published on {entry.setting.hardware}, run on {record.environment.device}"
         elif measured is None:
-            rows.append(CheckRow(**common, status=SKIPPED, note="not measured in this run"))
+            status, note = SKIPPED, "not measured in this run"
         else:
-            ok = entry.tolerance.allows(measured, entry.value)
-            rows.append(CheckRow(**common, status=OK if ok else FAIL))
-    return CheckReport(tuple(_noted(row, record) for row in rows))
+            status, note = OK if entry.tolerance.allows(measured, entry.value) else FAIL, ""
+        rows.append(_noted(CheckRow(**common, status=status, note=note), record))
+    return CheckReport(tuple(rows))
 
 
 def check_against_run(
@@ -223,14 +223,10 @@ def final_loss(record: RunRecord, steps: int = FINAL_LOSS_STEPS) -> float | None
 
 
 def _seed_metrics(record: RunRecord) -> dict[str, float | None]:
-    values: dict[str, float | None] = {
-        f"loss.final (mean of last {FINAL_LOSS_STEPS} steps)": final_loss(record),
-        "loss.validation": record.validation_loss,
+    return {
+        f"loss.final (mean of last {FINAL_LOSS_STEPS} steps)": final_loss(record), "loss.validation": record.validation_loss,
+        **{f"{task}/{name}": value for task, metrics in lm_eval_metrics(record).items() for name, value in metrics.items()},
     }
-    for task, metrics in lm_eval_metrics(record).items():
-        for name, value in metrics.items():
-            values[f"{task}/{name}"] = value
-    return values
 
 
 def _resolutions(record: RunRecord) -> dict[str, float]:
@@ -373,10 +369,7 @@ def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
     """A nested config as ``{"schedule.steps": 30, ...}``."""
     if not isinstance(config, dict):
         return {prefix: config}
-    out: dict[str, Any] = {}
-    for key, value in config.items():
-        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
-    return out
+    return {k: v for key, value in config.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
 def _setting_differences(record: RunRecord, previous: Sequence[RunRecord]) -> str:

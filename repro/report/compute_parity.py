@@ -10,7 +10,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from repro.errors import ReproError
 from repro.records.run_record import RunRecord
 
 DEFAULT_PARITY_TOLERANCE = 0.05
@@ -23,7 +22,6 @@ class ParityVerdict:
     token (None: nothing to compare); ``at_parity`` None when unknown; ``note``: the efficiency table's text."""
 
     run_id: str
-    reference_run_id: str | None
     relative_difference: float | None
     at_parity: bool | None
     note: str
@@ -50,13 +48,12 @@ def compute_parity(
         ``run_id -> ParityVerdict``.
     """
     measured = [r for r in records if _expert_flops(r) is not None]
-    reference = next((r for r in measured if r.experiment.router == reference_router), None)
-    reference = reference or (measured[0] if measured else None)
+    reference = next((r for r in measured if r.experiment.router == reference_router), measured[0] if measured else None)
     verdicts = {}
     for record in records:
         value = _expert_flops(record)
         if value is None or reference is None:
-            verdicts[record.run_id] = ParityVerdict(record.run_id, None, None, None, "unknown (no measured k)")
+            verdicts[record.run_id] = ParityVerdict(record.run_id, None, None, "unknown (no measured k)")
             continue
         ref_value = _expert_flops(reference)
         diff = (value - ref_value) / ref_value
@@ -66,22 +63,6 @@ def compute_parity(
             note = f"yes ({diff * 100:+.1f}% vs {reference.run_id})"
         else:
             note = f"NO ({diff * 100:+.1f}% vs {reference.run_id}, tolerance {tolerance * 100:g}%)"
-        verdicts[record.run_id] = ParityVerdict(
-            record.run_id, reference.run_id, diff, abs(diff) <= tolerance, note
-        )
+        verdicts[record.run_id] = ParityVerdict(record.run_id, diff, abs(diff) <= tolerance, note)
     return verdicts
 
-
-def require_parity(
-    records: Sequence[RunRecord], *, tolerance: float = DEFAULT_PARITY_TOLERANCE,
-    reference_router: str = DEFAULT_REFERENCE_ROUTER,
-) -> None:
-    """Raise unless every run is at compute parity with the reference (arguments as :func:`compute_parity`).
-
-    Raises:
-        ReproError: naming the runs that are not at parity or whose parity is unknown.
-    """
-    verdicts = compute_parity(records, tolerance=tolerance, reference_router=reference_router)
-    bad = [f"{v.run_id}: {v.note}" for v in verdicts.values() if not v.at_parity]
-    if bad:
-        raise ReproError("runs not at compute parity: " + "; ".join(bad))

@@ -39,13 +39,10 @@ class Tolerance:
         if self.value < 0:
             raise ValueError(f"tolerance value must be >= 0, got {self.value}")
 
-    def bound(self, reference: float) -> float:
-        """The largest allowed absolute difference from ``reference``."""
-        return self.value if self.kind == "abs" else self.value * abs(reference)
-
     def allows(self, measured: float, reference: float) -> bool:
         """Whether ``measured`` is within tolerance of ``reference``."""
-        return abs(measured - reference) <= self.bound(reference) + 1e-12
+        bound = self.value if self.kind == "abs" else self.value * abs(reference)
+        return abs(measured - reference) <= bound + 1e-12
 
     def describe(self) -> str:
         """Short text, e.g. ``+-1.5`` or ``+-10%``."""
@@ -79,7 +76,8 @@ class PublishedEntry:
     """One published number as printed in ``paper``'s ``table`` (fields: results/published/README.md).
 
     Args:
-        measured_in: the paper table that measured it (this table unless copied).
+        measured_in: the paper table that measured it (this table unless copied), e.g. ``ReMoE Table 2``: the
+            provenance the tables and checks name.
         copied: a reprint of another paper's measurement (checks use originals only).
         metric: the shared metric name (module docstring).
     """
@@ -96,11 +94,6 @@ class PublishedEntry:
     value: float
     unit: str
     tolerance: Tolerance
-
-    @property
-    def source(self) -> str:
-        """Provenance label of the measuring table, e.g. ``ReMoE Table 2``."""
-        return self.measured_in
 
 
 def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
