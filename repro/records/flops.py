@@ -124,13 +124,6 @@ def analytic_flops_per_iteration(cfg: FlopsConfig, global_batch_size: int, seq_l
     return model_flops_per_iteration(cfg, global_batch_size, seq_length, cfg.top_k)
 
 
-def measured_flops_per_iteration(
-    cfg: FlopsConfig, global_batch_size: int, seq_length: int, mean_active_experts: float | Sequence[float]
-) -> float:
-    """:func:`model_flops_per_iteration` at the measured mean experts per token (overall or per layer)."""
-    return model_flops_per_iteration(cfg, global_batch_size, seq_length, mean_active_experts)
-
-
 def expert_flops_per_token(cfg: FlopsConfig, experts_per_token: float | Sequence[float]) -> float:
     """Expert FLOPs per token over all layers, ``12 * L * h * f * k * (3/2 if SwiGLU)``: what parity compares."""
     gate = 1.5 if cfg.swiglu else 1.0
@@ -143,9 +136,3 @@ def tflops_per_device(flops_per_iteration: float, iteration_time_s: float, num_d
         raise ValueError(f"need iteration_time_s > 0 and num_devices >= 1, got {iteration_time_s}, {num_devices}")
     return flops_per_iteration / iteration_time_s / num_devices / 1e12
 
-
-#: LLaMA-185M of ReMoE and DirMoE (12 layers, hidden 768, GQA 12/4, SwiGLU 3072), E=8, k=1.
-LLAMA_185M = FlopsConfig(
-    num_layers=12, hidden_size=768, num_attention_heads=12, num_query_groups=4, kv_channels=64,
-    ffn_hidden_size=3072, vocab_size=50304, top_k=1, swiglu=True,
-)

@@ -17,7 +17,7 @@ from repro.records.flops import (
     FlopsConfig,
     analytic_flops_per_iteration,
     expert_flops_per_token,
-    measured_flops_per_iteration,
+    model_flops_per_iteration,
     tflops_per_device,
 )
 from repro.records.run_record import ROUTING_METRICS, Efficiency, LayerRouting, LossPoint
@@ -95,7 +95,7 @@ def efficiency(
     analytic = analytic_flops_per_iteration(flops, global_batch_size, seq_length)
     measured = None
     if mean_active_experts is not None:
-        measured = measured_flops_per_iteration(flops, global_batch_size, seq_length, mean_active_experts)
+        measured = model_flops_per_iteration(flops, global_batch_size, seq_length, mean_active_experts)
     return Efficiency(
         warmup_steps=warmup, window_steps=len(selected), iter_time_ms=iter_time_s * 1e3, tokens_per_s=tokens_per_s,
         peak_memory_bytes=peak_memory_bytes, num_devices=num_devices, global_batch_size=global_batch_size,
@@ -117,18 +117,6 @@ def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
     if len(rows) <= warmup:
         raise ReproError(f"{run_dir}: the log has {len(rows)} iterations, none after a warm-up of {warmup}")
     return [r.iter_time_s * 1e3 for r in timed_rows(rows[warmup:])]
-
-
-def _paired_times(logs: dict[str, list[LogRow]], label: str, reference: str, warmup: int, window: int,
-                  field: str, skip: set[int]) -> tuple[list[float], list[float]]:
-    """Both runs' ``field`` over the steps both timed within the window (no routing metrics, not in ``skip``)."""
-    def timed(rows: list[LogRow]) -> dict[int, float]:
-        return {r.step: getattr(r, field) for r in rows[warmup:warmup + window]
-                if not r.metrics_collected and r.step not in skip and getattr(r, field) is not None}
-
-    ref, other = timed(logs[reference]), timed(logs[label])
-    steps = sorted(set(ref) & set(other))
-    return [ref[s] for s in steps], [other[s] for s in steps]
 
 
 def interleaved_ratios(
@@ -157,28 +145,25 @@ def interleaved_ratios(
             skip.add(int(json.loads((Path(d) / "config.json").read_text())["experiment"]["logging"]["trace_step"]))
         except (OSError, ValueError, KeyError, TypeError):
             pass
-    out: dict[str, dict[str, Any]] = {}
-    for label in run_dirs:
-        if label == reference:
-            continue
-        entry: dict[str, Any] | None = None
-        for field in ("iter_time_s", "device_time_s"):
-            ref, other = _paired_times(logs, label, reference, warmup, window, field, skip)
-            if len(ref) < 4:
-                if entry is not None:
-                    entry["device"] = None
-                continue
-            r = timing_ratio(ref, other)
-            figures = {"ratio": r.ratio, "low": r.low, "high": r.high, "half_width": r.half_width, "rounds": r.rounds,
-                       "batches": r.batches, "lag1": r.lag1, "lag1_batch_means": r.lag1_batch_means,
-                       "detectable": r.detectable}
-            if entry is None:
-                entry = {**figures, "device": None}
-            else:
-                entry["device"] = figures
-        if entry is not None:
-            out[label] = entry
-    return out
+
+    def timed(rows: list[LogRow], field: str) -> dict[int, float]:
+        """``field`` by step over the timed steps of the window (no routing metrics, not the traced step)."""
+        return {r.step: getattr(r, field) for r in rows[warmup:warmup + window]
+                if not r.metrics_collected and r.step not in skip and getattr(r, field) is not None}
+
+    def figures(label: str, field: str) -> dict[str, Any] | None:
+        """The ratio of ``field`` over the steps both runs timed (None: fewer than four)."""
+        ref, other = timed(logs[reference], field), timed(logs[label], field)
+        steps = sorted(set(ref) & set(other))
+        if len(steps) < 4:
+            return None
+        r = timing_ratio([ref[s] for s in steps], [other[s] for s in steps])
+        return {"ratio": r.ratio, "low": r.low, "high": r.high, "half_width": r.half_width, "rounds": r.rounds,
+                "batches": r.batches, "lag1": r.lag1, "lag1_batch_means": r.lag1_batch_means, "detectable": r.detectable}
+
+    # A step with a device time has a wall time: no device ratio without a wall one.
+    return {label: {**wall, "device": figures(label, "device_time_s")} for label in run_dirs
+            if label != reference and (wall := figures(label, "iter_time_s")) is not None}
 
 
 def trace_figures(run_dir: Path) -> dict[str, Any] | None:
