@@ -96,13 +96,8 @@ class OpCounts:
 
 
 def _tensor_bytes(values) -> int:
-    seen: set[int] = set()
-    total = 0
-    for value in tree_flatten(values)[0]:
-        if isinstance(value, torch.Tensor) and id(value) not in seen:
-            seen.add(id(value))
-            total += value.numel() * value.element_size()
-    return total
+    tensors = {id(v): v for v in tree_flatten(values)[0] if isinstance(v, torch.Tensor)}  # each tensor once
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 #: A generated kernel's call in a compiled graph's ``call``: ``cpp_fused_*(...)`` or ``triton_*.run(...)``.
@@ -149,22 +144,16 @@ class OpCounter(TorchDispatchMode):
         if reason is not None:
             c.syncs += 1
             c.sync_ops[reason] += 1
+        view = _is_view(func)
         if self._depth > 0:
-            if not _is_view(func):
-                c.region_kernels += 1  # an extern kernel the region calls
+            c.region_kernels += not view  # a non-view op there is an extern kernel the region calls
         else:
             c.outside += 1
             c.outside_ops[name] += 1
-            if _is_view(func):
-                c.views += 1
-            else:
+            c.views += view
+            if not view:
                 c.bytes_moved += _tensor_bytes((args, kwargs)) + _tensor_bytes(out)
         return out
-
-    def _wrap(self, owner, attr, wrapper_factory) -> None:
-        original = getattr(owner, attr)
-        setattr(owner, attr, wrapper_factory(original))
-        self._restore.append((owner, attr, original))
 
     def __enter__(self):
         from torch._inductor.output_code import CompiledFxGraph
@@ -196,9 +185,10 @@ class OpCounter(TorchDispatchMode):
 
             return read
 
-        self._wrap(CompiledFxGraph, "__call__", region)
-        for attr in ("tolist", "numpy"):
-            self._wrap(torch.Tensor, attr, host_read)
+        for owner, attr, wrapper in ((CompiledFxGraph, "__call__", region), (torch.Tensor, "tolist", host_read),
+                                     (torch.Tensor, "numpy", host_read)):
+            self._restore.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, wrapper(getattr(owner, attr)))
         return super().__enter__()
 
     def __exit__(self, *exc):

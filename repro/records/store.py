@@ -155,7 +155,7 @@ def default_run_id(run) -> str:
 
 
 def record_from_run_dir(
-    run_dir: str | Path, *, warmup: int, window: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
+    run_dir: str | Path, *, warmup: int | None = None, window: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
     run_id: str | None = None, environment: Environment | None = None, domain_losses: Sequence[DomainLoss] = (),
     flops_attention: str = "causal", start_step: int | None = None,
 ) -> RunRecord:
@@ -163,7 +163,8 @@ def record_from_run_dir(
 
     Args:
         run_dir: the run's output directory.
-        warmup, window: log rows skipped before the efficiency window; rows in it (None: all the rest).
+        warmup, window: log rows skipped before the efficiency window (default: a tenth of the steps, at least
+            one); rows in it (None: all the rest).
         run_id, environment: default :func:`default_run_id`, :func:`environment_info` (run's world size).
         lm_eval_results, domain_losses: as in :func:`make_record`.
         flops_attention: attention FLOPs convention (:data:`repro.records.flops.ATTENTION_COUNTS`).
@@ -193,6 +194,8 @@ def record_from_run_dir(
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ReproError(f"{origin}: not a training run's config ({type(exc).__name__}: {exc})") from None
     rows = read_rows(run_dir)
+    if warmup is None:
+        warmup = max(1, len(rows) // 10) if len(rows) > 1 else 0
     efficiency = eff.efficiency(
         rows, warmup=warmup, length=window, flops=flops, global_batch_size=batch, seq_length=seq_length,
         num_devices=world_size, mean_active_experts=1.0 if router == "dense" or _merges_experts(router) else None,
@@ -208,24 +211,9 @@ def record_from_run_dir(
     )
 
 
-def write_run_record(
-    run_dir: str | Path, *, warmup: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
-    run_id: str | None = None, domain_losses: Sequence[DomainLoss] = (),
-) -> Path:
-    """Write ``record.json`` of a finished run (:func:`record_from_run_dir`).
-
-    Args:
-        warmup: log rows skipped before the efficiency window (default: a tenth of the steps, at least one).
-        run_dir, lm_eval_results, run_id, domain_losses: as in :func:`record_from_run_dir`.
-    """
-    run_dir = Path(run_dir)
-    if warmup is None:
-        steps = len(read_rows(run_dir))
-        warmup = max(1, steps // 10) if steps > 1 else 0
-    record = record_from_run_dir(
-        run_dir, warmup=warmup, lm_eval_results=lm_eval_results, run_id=run_id, domain_losses=domain_losses
-    )
-    return write_record(record, run_dir / "record.json")
+def write_run_record(run_dir: str | Path, **options: Any) -> Path:
+    """Write ``record.json`` of a finished run: :func:`record_from_run_dir` with ``options`` (keyword arguments)."""
+    return write_record(record_from_run_dir(run_dir, **options), Path(run_dir) / "record.json")
 
 
 def _merges_experts(router: str) -> bool:

@@ -36,13 +36,9 @@ def _grid(panels: int, ncols: int, size: tuple[float, float], **options: Any):
 
 
 def _smooth(values: Sequence[float], window: int) -> list[float]:
-    out, acc = [], []
-    for v in values:
-        acc.append(v)
-        if len(acc) > window:
-            acc.pop(0)
-        out.append(sum(acc) / len(acc))
-    return out
+    """The trailing mean over up to ``window`` values at each point."""
+    windows = [values[max(0, i + 1 - window):i + 1] for i in range(len(values))]
+    return [sum(w) / len(w) for w in windows]
 
 
 def plot_loss_curves(
@@ -56,9 +52,7 @@ def plot_loss_curves(
         ax.plot(steps, _smooth([r.lm_loss for r in rows], smooth), label=label, lw=1.4)
     if unigram_loss is not None:
         ax.axhline(unigram_loss, color="grey", ls="--", lw=1, label=f"unigram ({unigram_loss:.2f})")
-    ax.set_xlabel("step")
-    ax.set_ylabel(f"LM loss (nats/token, {smooth}-step mean)")
-    ax.set_title("Training loss")
+    ax.set(xlabel="step", ylabel=f"LM loss (nats/token, {smooth}-step mean)", title="Training loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     _save(fig, path)
@@ -71,13 +65,8 @@ def plot_routing_over_training(
     fig, (ax_a, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, rows in logs.items():
         rows = [r for r in rows if r.routing.get("active_experts")]
-        if not rows:
-            continue
-        steps = [r.step for r in rows]
-        active = [r.layer_mean("active_experts") for r in rows]
-        simpson = [r.layer_mean("simpson") for r in rows]
-        ax_a.plot(steps, _smooth(active, smooth), label=label, lw=1.4)
-        ax_s.plot(steps, _smooth(simpson, smooth), label=label, lw=1.4)
+        for ax, metric in ((ax_a, "active_experts"), (ax_s, "simpson")) if rows else ():
+            ax.plot([r.step for r in rows], _smooth([r.layer_mean(metric) for r in rows], smooth), label=label, lw=1.4)
     ax_a.set_title("Active experts per token (mean over layers)")
     ax_s.set_title("Simpson index of the combine weights")
     for ax in (ax_a, ax_s):
@@ -96,10 +85,8 @@ def plot_sparsity_knob(knob: Mapping[str, Sequence[float]], path: str | os.PathL
     ax.axhline(1.0 / num_experts, color="grey", lw=0.8, ls=":", label=f"1/E = {1 / num_experts:.3f}")
     for lam in knob.get("trained_lambda", []):
         ax.axvline(lam, color="C3", lw=1, ls="--", label=f"trained lambda_q = {lam:g}")
-    ax.set_xscale("log")
-    ax.set_xlabel("posterior scale lambda_q")
-    ax.set_ylabel("E[sum_i theta_i^2]")
-    ax.set_title("DirMoE sparsity knob (trained router, layer 1)")
+    ax.set(xscale="log", xlabel="posterior scale lambda_q", ylabel="E[sum_i theta_i^2]",
+           title="DirMoE sparsity knob (trained router, layer 1)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     _save(fig, path)
@@ -111,9 +98,7 @@ def plot_specialisation(per_router: Mapping[str, Mapping[str, Any]], path: str |
     if not labels:
         return
     num_layers = max(len(per_router[k]["share"]) for k in labels)
-    fig, axes = plt.subplots(
-        len(labels), num_layers, figsize=(4.6 * num_layers, 3.0 * len(labels)), squeeze=False, sharey=True
-    )
+    fig, axes = _grid(len(labels) * num_layers, num_layers, (4.6, 3.0), sharey=True)
     for row, label in enumerate(labels):
         spec = per_router[label]
         domains, E = spec["domains"], spec["num_experts"]
@@ -124,8 +109,7 @@ def plot_specialisation(per_router: Mapping[str, Mapping[str, Any]], path: str |
                 ax.bar([e + (j - (len(domains) - 1) / 2) * width for e in range(E)], shares, width, label=domain)
             ax.axhline(1.0 / E, color="grey", ls="--", lw=1)
             ax.set_title(f"{label}: layer {layer + 1}", fontsize=9)
-            ax.set_xticks(range(E))
-            ax.set_xlabel("expert")
+            ax.set(xticks=range(E), xlabel="expert")
             if layer == 0:
                 ax.set_ylabel("share of domain's tokens")
     axes[0][0].legend(fontsize=7, ncol=2)
@@ -155,10 +139,7 @@ def _per_step_mean(runs: Sequence[Sequence[LogRow]], metric: str, layer: int | N
     for rows in runs:
         for r in rows:
             values = r.routing.get(metric) or []
-            if layer is None:
-                value = sum(values) / len(values) if values else None
-            else:
-                value = values[layer] if len(values) > layer else None
+            value = r.layer_mean(metric) if layer is None else values[layer] if len(values) > layer else None
             if value is not None:
                 by_step.setdefault(r.step, []).append(float(value))
     steps = sorted(by_step)
