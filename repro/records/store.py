@@ -51,15 +51,11 @@ def environment_info(num_processes: int | None = None, device: str | None = None
     import torch
 
     if num_processes is None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            num_processes = torch.distributed.get_world_size()
-        else:
-            num_processes = int(os.environ.get("WORLD_SIZE", "1"))
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        num_processes = torch.distributed.get_world_size() if distributed else int(os.environ.get("WORLD_SIZE", "1"))
     if device is None:
-        if torch.cuda.is_available():
-            device = torch.cuda.get_device_name(0)
-        else:
-            device = f"cpu ({platform.processor() or platform.machine()})"
+        cpu = f"cpu ({platform.processor() or platform.machine()})"
+        device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu
     commit = _git("rev-parse", "HEAD")
     # --no-optional-locks: never refresh the index of the checkout being measured
     status = _git("--no-optional-locks", "status", "--porcelain", "--untracked-files=no") if commit else None

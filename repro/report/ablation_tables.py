@@ -92,16 +92,11 @@ def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | 
         out[f"load_imbalance[{layer}]"] = _mean(
             [r.routing["load_imbalance"][layer] for r in window if len(r.routing.get("load_imbalance") or []) > layer]
         )
-        ratios = []
-        for r in window:
-            shares = (r.routing_per_expert.get("weight_share") or [])
-            if len(shares) > layer and sum(shares[layer]) > 0:
-                ratios.append(max(shares[layer]) * len(shares[layer]) / sum(shares[layer]))
-        out[f"weight_imbalance[{layer}]"] = _mean(ratios)
+        shares = [s[layer] for r in window if len(s := r.routing_per_expert.get("weight_share") or []) > layer]
+        out[f"weight_imbalance[{layer}]"] = _mean([max(x) * len(x) / sum(x) for x in shares if sum(x) > 0])
     for key, _, _ in _LAYER_MEAN:
         out[key] = _mean([m for m in (r.layer_mean(key) for r in window) if m is not None])
-    val = [r.val_loss for r in rows if r.val_loss is not None]
-    out["val_loss"] = val[-1] if val else None
+    out["val_loss"] = next((r.val_loss for r in reversed(rows) if r.val_loss is not None), None)
     out["lm_loss"] = statistics.fmean(r.lm_loss for r in window)
     return out
 
@@ -430,9 +425,7 @@ def results_from_json(summary: Mapping[str, Any]) -> AblationResults:
     keys: set[str] = set()
     for cell, entry in stored.items():
         runs = values.setdefault(cell, {int(seed): {} for seed in entry["seeds"]})
-        for key, item in entry.items():
-            if key == "seeds":
-                continue
+        for key, item in ((k, v) for k, v in entry.items() if k != "seeds"):
             keys.add(key)
             for seed, value in item["values"].items():
                 runs[int(seed)][key] = value

@@ -183,11 +183,10 @@ def check_against_run(
         The report: a row for the loss curve (largest deviation), the validation loss, each lm-eval metric.
     """
     rows = []
-    source = f"run {previous.run_id}"
     tol_loss = f"rtol {loss_rtol:g}"
     new_curve = {p.step: p.loss for p in record.loss_curve}
     old_curve = {p.step: p.loss for p in previous.loss_curve}
-    base = dict(run_id=record.run_id, source=source)
+    base = dict(run_id=record.run_id, source=f"run {previous.run_id}")
     if new_curve.keys() != old_curve.keys():
         missing = sorted(old_curve.keys() ^ new_curve.keys())
         rows.append(CheckRow(**base, metric=f"loss curve ({len(new_curve)} steps)", measured=None, reference=None,
@@ -234,9 +233,7 @@ def _resolutions(record: RunRecord) -> dict[str, float]:
     out = {}
     counts = (record.lm_eval or {}).get("n-samples") or {}
     for task, metrics in lm_eval_metrics(record).items():
-        for name in metrics:
-            if name not in COUNTED_METRICS:
-                continue
+        for name in [n for n in metrics if n in COUNTED_METRICS]:
             scores = (record.per_question or {}).get(task, {}).get(name)
             questions = len(scores) if scores else (counts.get(task) or {}).get("effective")
             if questions:
@@ -404,9 +401,7 @@ def _validated(banded: Sequence[str], earlier: dict[str, list[float]], steps: di
 
 
 def _num(value: float | None, signed: bool = False) -> str:
-    if value is None:
-        return "--"
-    return f"{value:+.6g}" if signed else f"{value:.6g}"
+    return "--" if value is None else format(value, "+.6g" if signed else ".6g")
 
 
 def _detectable(row: CheckRow) -> str:

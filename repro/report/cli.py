@@ -127,7 +127,7 @@ def check_main(argv: list[str], prog: str) -> int:
         earlier_runs = load_records([args.against])
         previous = {r.run_id: r for r in earlier_runs}
         for record in records:
-            seeds = [r for r in earlier_runs if _same_experiment(r, record) and r != record]
+            seeds = [r for r in earlier_runs if _experiment(r) == _experiment(record) and r != record]
             if len(seeds) >= 2:
                 reports.append(check_against_seeds(record, seeds, alpha=args.alpha))
                 continue
@@ -146,8 +146,6 @@ def check_main(argv: list[str], prog: str) -> int:
     return 0 if merged.passed else 1
 
 
-def _same_experiment(a, b) -> bool:
-    """Whether two records are seeds of one experiment (same experiment name, router, model)."""
-    return (a.experiment.name, a.experiment.router, a.experiment.model) == (
-        b.experiment.name, b.experiment.router, b.experiment.model
-    )
+def _experiment(record) -> tuple[str, str, str]:
+    """What a run's seeds share: experiment name, router, model."""
+    return record.experiment.name, record.experiment.router, record.experiment.model

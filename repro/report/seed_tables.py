@@ -28,6 +28,7 @@ from repro.report.table_core import (
     Table,
     _partial_note,
     fmt_interval,
+    metric_text,
     record_partial,
     task_label,
     zero_shot_columns,
@@ -300,9 +301,8 @@ def comparison_json(comparison: SeedComparison, headers: Mapping[str, str]) -> d
 def seed_zero_shot_table(comparison: SeedComparison) -> Table:
     """The ``zero_shot_seeds`` table of a :func:`compare_over_seeds` comparison."""
     headers = zero_shot_headers(comparison)
-    metric_text = ", ".join(f"{headers[t]} {comparison.metrics[t]}" for t in comparison.columns if t != AVG)
     what = (
-        f"Zero-shot accuracy (%) over seeds, lm-eval, 0-shot. Metric per column: {metric_text or 'none'}. "
+        f"Zero-shot accuracy (%) over seeds, lm-eval, 0-shot. Metric per column: {metric_text(comparison.metrics)}. "
         "Avg. is the mean over the task columns, per seed."
     )
     caption = _caption(comparison, what, headers, "neither shared seeds nor per-question results")

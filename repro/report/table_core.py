@@ -124,6 +124,11 @@ def zero_shot_columns(
     return scores, {t: choose_metric(t, records, metric) for t in tasks}
 
 
+def metric_text(chosen: Mapping[str, str]) -> str:
+    """The captions' ``Metric per column`` list: ``ARC-c acc_norm, ...`` (``none`` without columns)."""
+    return ", ".join(f"{task_label(t)} {metric}" for t, metric in chosen.items()) or "none"
+
+
 def task_label(task: str) -> str:
     """A task's column label (``ARC-c``, ``Continuation (local)``; the lm-eval name where it has none)."""
     return PAPER_TASKS.get(task) or LOCAL_TASK_LABELS.get(task, task)

@@ -26,6 +26,7 @@ from repro.report.table_core import (
     _fmt,
     _fmt_pm,
     _partial_note,
+    metric_text,
     record_partial,
     task_label,
     zero_shot_columns,
@@ -117,10 +118,9 @@ def zero_shot_table(
             rows.append((f"delta vs {source}", *(_fmt(d, "+.2f") for d in deltas), _fmt(avg_delta, "+.2f")))
 
     headers = ("Router", *map(task_label, tasks), "Avg.")
-    metric_text = ", ".join(f"{task_label(t)} {chosen[t]}" for t in tasks)
     rule = " (acc_norm where every run reports it, acc otherwise)" if metric == "auto" else ""
     caption = (
-        f"Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: {metric_text or 'none'}{rule}. "
+        f"Zero-shot accuracy (%), lm-eval, 0-shot. Metric per column: {metric_text(chosen)}{rule}. "
         "Avg. is the mean over the task columns shown. "
         f"{PLUS_MINUS} is lm-eval's standard error over the task's questions, s/sqrt(n) of the per-question 0/1 "
         "scores (not a spread over seeds); for Avg. the task errors combined in quadrature, "

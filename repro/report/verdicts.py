@@ -89,11 +89,8 @@ def paired_tests(pairs: Mapping[str, tuple[Mapping[str, float], Mapping[str, flo
     # Each pair is a two-row table, all in one family.
     values = {(name, side): {"v": dict(v)} for name, pair in pairs.items() for side, v in zip(("ref", "oth"), pair)}
     stats = compare(values, [((name, "oth"), (name, "ref"), "v") for name in pairs], family="table")
-    out = {}
-    for name, (reference, other) in pairs.items():
-        result = paired(stats[((name, "oth"), (name, "ref"), "v")], other, reference)
-        if result is not None:
-            out[name] = result
+    out = {name: result for name, (reference, other) in pairs.items()
+           if (result := paired(stats[((name, "oth"), (name, "ref"), "v")], other, reference)) is not None}
     return with_sign_flip(out, {name: pairs[name] for name in out})
 
 
@@ -102,11 +99,8 @@ def with_sign_flip(
 ) -> dict[Any, Paired]:
     """``family`` with Holm-adjusted exact sign-flip p-values (:func:`repro.stats.sign_flip_p`)."""
     names = [k for k, p in family.items() if p.p is not None]
-    raw = []
-    for name in names:
-        reference, other = pairs[name]
-        shared = sorted(set(reference) & set(other), key=str)
-        raw.append(sign_flip_p([other[s] - reference[s] for s in shared]))
+    raw = [sign_flip_p([other[s] - reference[s] for s in sorted(set(reference) & set(other), key=str)])
+           for reference, other in (pairs[name] for name in names)]
     adjusted = dict(zip(names, holm(raw))) if names else {}
     return {k: replace(p, p_sign_flip_holm=adjusted.get(k)) for k, p in family.items()}
 
