@@ -26,7 +26,7 @@ Decisions:
 6. **A test with no spread is undefined, not significant**: :func:`paired_t_test` returns ``p = nan`` when all
    differences are equal; tables footnote such cells and Holm's family leaves them out.
 7. **lm-eval's standard error** (``acc_stderr``, ``lm_eval/api/metrics.py:mean_stderr``, when
-   ``bootstrap_iters > 0``) is ``s / sqrt(n)`` over 0/1 scores, ``s`` with n - 1; :func:`mean_stderr` matches it.
+   ``bootstrap_iters > 0``) is ``s / sqrt(n)`` over 0/1 scores, ``s`` with n - 1.
 8. **Power of the regression band** (:func:`minimum_detectable_shift`): a value shifted by ``delta`` makes
    ``(x - mean) / (s sqrt(1 + 1/n))`` noncentral t (``n - 1`` df, noncentrality ``delta / (sigma sqrt(1 + 1/n))``);
    solved for the smallest ``delta / sigma`` caught with the given power.
@@ -329,14 +329,6 @@ def timing_ratio(
     )
 
 
-def mean_stderr(values: Sequence[float]) -> float:
-    """lm-eval's standard error ``s / sqrt(n)`` of per-question scores (at least two), ``s`` with n - 1 (decision 7)."""
-    x = _array(values, "values")
-    if x.size < 2:
-        raise ValueError("a standard error needs at least two values")
-    return float(x.std(ddof=1)) / math.sqrt(x.size)
-
-
 def paired_t_test(reference: Sequence[float], other: Sequence[float]) -> PairedTest:
     """Student's paired t-test of ``other - reference``, one value per seed in the same seed order.
 
@@ -359,10 +351,6 @@ def paired_t_test(reference: Sequence[float], other: Sequence[float]) -> PairedT
     return PairedTest("paired t", mean, float(result.statistic), float(result.pvalue), int(ref.size))
 
 
-def _binary(x: np.ndarray) -> bool:
-    return bool(np.all((x == 0) | (x == 1)))
-
-
 def mcnemar_exact(reference: Sequence[float], other: Sequence[float]) -> PairedTest:
     """McNemar's exact test on two models' 0/1 outcomes on the same questions in the same order (decision 3).
 
@@ -374,7 +362,7 @@ def mcnemar_exact(reference: Sequence[float], other: Sequence[float]) -> PairedT
         ValueError: outcomes that are not 0/1, or samples of different lengths.
     """
     ref, oth = _pair(reference, other)
-    if not (_binary(ref) and _binary(oth)):
+    if not np.all(np.isin(ref, (0, 1)) & np.isin(oth, (0, 1))):
         raise ValueError("McNemar's test needs 0/1 outcomes; use paired_permutation_test for scores")
     b = int(np.sum((ref == 1) & (oth == 0)))
     c = int(np.sum((ref == 0) & (oth == 1)))
@@ -462,13 +450,9 @@ def holm(p_values: Sequence[float]) -> list[float]:
     """Holm's step-down adjusted p-values of one family (decision 5), in the order given."""
     p = _array(p_values, "p_values")
     order = np.argsort(p, kind="stable")
-    m = p.size
-    adjusted = np.empty(m)
-    running = 0.0
-    for rank, index in enumerate(order):
-        running = max(running, min(1.0, (m - rank) * float(p[index])))
-        adjusted[index] = running
-    return [float(v) for v in adjusted]
+    adjusted = np.empty(p.size)
+    adjusted[order] = np.maximum.accumulate(np.minimum(1.0, (p.size - np.arange(p.size)) * p[order]))
+    return adjusted.tolist()
 
 
 # ------------------------------------------------------------------------------------------ per question

@@ -321,8 +321,10 @@ FIXTURE_DOCS = {"arc_challenge": 6, "arc_easy": 6, "boolq": 6, "hellaswag": 6, "
 
 
 def test_the_seven_tasks_run_offline_from_a_task_data_folder(model, tokenizer, tmp_path, no_network):
+    from lm_eval.api.metrics import mean_stderr
+
     from repro.evaluation.runner import FULL_SCALE_TASKS
-    from repro.stats import compact_per_question, mean_stderr, per_question_scores
+    from repro.stats import compact_per_question, per_question_scores
 
     lm = SuiteLM(model=model, tokenizer=tokenizer, batch_size=4)
     results = evaluate_lm(lm, tasks_data=TASKS_DATA, log_samples=True)

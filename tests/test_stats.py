@@ -15,7 +15,6 @@ from repro.stats import (
     holm,
     mcnemar_exact,
     mean_ci,
-    mean_stderr,
     minimum_detectable_shift,
     paired_permutation_test,
     paired_t_test,
@@ -65,13 +64,6 @@ def test_prediction_interval_formula_and_coverage():
     assert inside / len(draws) == pytest.approx(0.95, abs=0.012)  # 3.5 binomial standard errors
     with pytest.raises(ValueError, match="at least two"):
         prediction_interval([1.0])
-
-
-def test_mean_stderr_is_lm_evals():
-    from lm_eval.api.metrics import mean_stderr as lm_eval_mean_stderr
-
-    scores = [1, 0, 0, 1, 1, 1, 0, 1]
-    assert mean_stderr(scores) == pytest.approx(lm_eval_mean_stderr(scores), rel=1e-12)
 
 
 def test_paired_t_test_on_students_sleep_data():
