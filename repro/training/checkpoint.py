@@ -67,16 +67,23 @@ def all_ranks_reduce(value: int, op: dist.ReduceOp, device: torch.device | None 
     return int(flag.item())
 
 
-def _all_ranks_ok(ok: bool) -> bool:
-    """Whether every rank succeeded; the barrier between write phases (a plain one would hang on a failure)."""
-    return bool(all_ranks_reduce(int(ok), dist.ReduceOp.MIN))
+def _agree(error: BaseException | None, final: Path, remove: Path | None = None) -> None:
+    """The barrier between write phases (a plain one would hang on a failure): unless every rank succeeded,
+    remove ``remove`` and raise this rank's own error, or say that another rank failed."""
+    if all_ranks_reduce(int(error is None), dist.ReduceOp.MIN):
+        return
+    if remove is not None:
+        shutil.rmtree(remove, ignore_errors=True)
+    if error is None:
+        raise ReproError(f"{final}: checkpoint not written: the write failed on another rank")
+    if isinstance(error, ReproError):
+        raise error from None
+    raise error
 
 
 def _is_own_dir(path: Path) -> bool:
     """Whether ``path`` is a real directory (not a link) holding only what a checkpoint write puts there."""
-    if path.is_symlink() or not path.is_dir():
-        return False
-    return all(_OWN_ENTRY.match(child.name) for child in path.iterdir())
+    return not path.is_symlink() and path.is_dir() and all(_OWN_ENTRY.match(c.name) for c in path.iterdir())
 
 
 def _remove_own_dir(path: Path) -> None:
@@ -90,15 +97,8 @@ def _remove_own_dir(path: Path) -> None:
 
 
 def save_checkpoint(
-    checkpoints_dir: str | os.PathLike,
-    *,
-    step: int,
-    consumed_samples: int,
-    parallel: Parallel,
-    experiment: dict[str, Any],
-    model: nn.Module,
-    optimizer_state: dict[str, Any],
-    scheduler_state: dict[str, Any],
+    checkpoints_dir: str | os.PathLike, *, step: int, consumed_samples: int, parallel: Parallel,
+    experiment: dict[str, Any], model: nn.Module, optimizer_state: dict[str, Any], scheduler_state: dict[str, Any],
     extra: dict[str, Any] | None = None,
 ) -> Path:
     """Write one checkpoint (collective: every rank calls it).
@@ -127,8 +127,7 @@ def save_checkpoint(
 
     # ---- phase 1 (rank 0): a clean temporary directory
     error = _attempt(lambda: _fresh_dir(root, tmp), final, tmp) if parallel.is_main else None
-    if not _all_ranks_ok(error is None):
-        _raise(error, final)
+    _agree(error, final)
 
     # ---- phase 2 (every rank): its file and digest
     def write_rank_file() -> None:
@@ -138,10 +137,7 @@ def save_checkpoint(
         _write_rank_file(tmp / _rank_file_name(parallel.rank), payload)
 
     error = _attempt(write_rank_file, final, tmp)
-    if not _all_ranks_ok(error is None):
-        if parallel.is_main:
-            shutil.rmtree(tmp, ignore_errors=True)  # made by phase 1 of this call
-        _raise(error, final)
+    _agree(error, final, remove=tmp if parallel.is_main else None)  # made by phase 1 of this call
 
     # ---- phase 3 (rank 0): meta.json, then the rename that makes the checkpoint exist
     if parallel.is_main:
@@ -151,8 +147,7 @@ def save_checkpoint(
             shutil.rmtree(tmp, ignore_errors=True)
             if os.path.lexists(aside) and not os.path.lexists(final):
                 os.replace(aside, final)  # the earlier checkpoint of this step goes back
-    if not _all_ranks_ok(error is None):
-        _raise(error, final)
+    _agree(error, final)
     return final
 
 
@@ -176,14 +171,16 @@ def _fresh_dir(root: Path, tmp: Path) -> None:
 def _write_rank_file(target: Path, payload: dict[str, Any]) -> None:
     """Phase 2 (every rank): write this rank's file, then its digest beside it (``<name>.sha256``)."""
     check_plain_data(payload)
-    with open(target, "wb") as f:
-        # A file object keeps a failed write's OSError as context of torch's RuntimeError (names the cause).
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
+    # A file object keeps a failed write's OSError as context of torch's RuntimeError (names the cause).
+    _write_synced(target, "wb", lambda f: torch.save(payload, f))
     # Read by rank 0 only after every rank reported success, so no partial sidecar is ever read.
-    with open(target.parent / f"{target.name}.sha256", "w") as f:
-        f.write(file_sha256(target) + "\n")
+    _write_synced(target.parent / f"{target.name}.sha256", "w", lambda f: f.write(file_sha256(target) + "\n"))
+
+
+def _write_synced(path: Path, mode: str, write: Callable[[Any], Any]) -> None:
+    """``write(f)`` into ``path`` opened with ``mode``, flushed and fsynced before it is closed."""
+    with open(path, mode) as f:
+        write(f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -192,17 +189,11 @@ def _publish(root: Path, tmp: Path, final: Path, aside: Path, meta: dict[str, An
     """Phase 3 (rank 0): ``meta.json``, rename to ``final``, update ``latest``; an existing ``final`` (step re-run
     after an earlier resume) waits in ``aside`` until replaced (the caller restores it on failure)."""
     files = [_rank_file_name(r) for r in range(world_size)]
-    digests = {}
+    digests = {name: (tmp / f"{name}.sha256").read_text().strip() for name in files}
     for name in files:
-        sidecar = tmp / f"{name}.sha256"
-        digests[name] = sidecar.read_text().strip()
-        sidecar.unlink()
+        (tmp / f"{name}.sha256").unlink()
     meta = {**meta, "files": files, "sha256": digests}
-    with open(tmp / "meta.json", "w") as f:
-        json.dump(meta, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
+    _write_synced(tmp / "meta.json", "w", lambda f: f.write(json.dumps(meta, indent=2) + "\n"))
     _remove_own_dir(aside)
     if os.path.lexists(final):
         if not _is_own_dir(final):
@@ -212,15 +203,6 @@ def _publish(root: Path, tmp: Path, final: Path, aside: Path, meta: dict[str, An
     shutil.rmtree(aside, ignore_errors=True)
     with atomic_path(root / "latest") as part:
         part.write_text(final.name + "\n")
-
-
-def _raise(error: BaseException | None, final: Path) -> None:
-    """Raise this rank's own error, or say that another rank failed."""
-    if error is None:
-        raise ReproError(f"{final}: checkpoint not written: the write failed on another rank")
-    if isinstance(error, ReproError):
-        raise error from None
-    raise error
 
 
 def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
@@ -257,13 +239,8 @@ def read_checkpoint_info(path: str | os.PathLike) -> CheckpointInfo:
 def _step_dirs(checkpoints_dir: str | os.PathLike, pattern: re.Pattern, keep: Callable[[Path], bool]) -> list[Path]:
     """The directories in ``checkpoints_dir`` that ``pattern`` names and ``keep`` accepts, oldest step first."""
     root = Path(checkpoints_dir)
-    if not root.is_dir():
-        return []
-    found = []
-    for child in root.iterdir():
-        match = pattern.match(child.name)
-        if match and child.is_dir() and keep(child):
-            found.append((int(match.group(1)), child))
+    children = root.iterdir() if root.is_dir() else []
+    found = [(int(m.group(1)), c) for c in children if (m := pattern.match(c.name)) and c.is_dir() and keep(c)]
     return [p for _, p in sorted(found)]
 
 
@@ -331,22 +308,14 @@ def check_same_layout(info: CheckpointInfo, parallel: Parallel) -> None:
 
 
 def _to_global_key(key: str, ep_rank: int, num_local: int) -> str:
-    def seq(m: re.Match) -> str:
-        return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3)}"
+    def shift(m: re.Match) -> str:  # the expert number, and the separator after it (sequential experts only)
+        return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}{m.group(3) if m.re.groups == 3 else ''}"
 
-    def grouped(m: re.Match) -> str:
-        return f"{m.group(1)}{ep_rank * num_local + int(m.group(2))}"
-
-    return _GROUPED_EXPERT.sub(grouped, _SEQUENTIAL_EXPERT.sub(seq, key))
+    return _GROUPED_EXPERT.sub(shift, _SEQUENTIAL_EXPERT.sub(shift, key))
 
 
 def _num_local_experts(keys) -> int:
-    found: set[int] = set()
-    for key in keys:
-        for pattern in (_SEQUENTIAL_EXPERT, _GROUPED_EXPERT):
-            m = pattern.search(key)
-            if m:
-                found.add(int(m.group(2)))
+    found = {int(m.group(2)) for key in keys for p in (_SEQUENTIAL_EXPERT, _GROUPED_EXPERT) if (m := p.search(key))}
     return max(found) + 1 if found else 0
 
 
@@ -399,16 +368,11 @@ def load_global_state(model: nn.Module, state_global: dict[str, torch.Tensor], p
     """Load this rank's part of a global-numbered state (:func:`global_model_state`); ReproError if it does not fit."""
     local_keys = list(model.state_dict().keys())
     num_local = _num_local_experts(local_keys)
-    state, missing = {}, []
-    for key in local_keys:
-        gkey = _to_global_key(key, parallel.ep_rank, num_local)
-        if gkey in state_global:
-            state[key] = state_global[gkey]
-        else:
-            missing.append(gkey)
+    global_keys = {key: _to_global_key(key, parallel.ep_rank, num_local) for key in local_keys}
+    missing = [gkey for gkey in global_keys.values() if gkey not in state_global]
     if missing:
         raise ReproError(f"{source}: lacks {len(missing)} weight(s) of this model, e.g. {missing[0]}")
-    _load_strict(model, state, source)
+    _load_strict(model, {key: state_global[gkey] for key, gkey in global_keys.items()}, source)
 
 
 def _load_strict(model: nn.Module, state: dict[str, torch.Tensor], source) -> None:
