@@ -49,10 +49,7 @@ class Validator:
     """Mean validation loss over the same ``iters`` micro-batches per rank, every ``interval`` steps and last."""
 
     def __init__(self, dataset, interval: int, iters: int, last_step: int) -> None:
-        self.dataset = dataset
-        self.interval = interval
-        self.iters = iters
-        self.last_step = last_step
+        self.dataset, self.interval, self.iters, self.last_step = dataset, interval, iters, last_step
 
     def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if self.dataset is None or not self.interval or (row.step % self.interval and row.step != self.last_step):
@@ -95,8 +92,7 @@ class StepLog:
                  desc: str) -> None:
         from tqdm import tqdm
 
-        self.interval = interval
-        self.total_steps = total_steps
+        self.interval, self.total_steps = interval, total_steps
         # Never through a symlink that leads out of the run directory (a planted log.jsonl -> elsewhere).
         self.file = open_in_dir(path.parent, path.name, "a") if is_main else None
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not show, desc=desc, dynamic_ncols=True)
@@ -126,10 +122,7 @@ class Checkpointer:
     """Checkpoints every ``interval`` steps and last, syncing ``log`` first (no reference to unwritten rows)."""
 
     def __init__(self, root: Path, interval: int, last_step: int, log: StepLog | None = None) -> None:
-        self.root = root
-        self.interval = interval
-        self.last_step = last_step
-        self.log = log
+        self.root, self.interval, self.last_step, self.log = root, interval, last_step, log
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this run wrote last
 
     def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
@@ -148,14 +141,9 @@ class Checkpointer:
         if self.log is not None:
             self.log.sync()
         path = ckpt.save_checkpoint(
-            self.root,
-            step=trainer.step,
-            consumed_samples=trainer.consumed,
-            parallel=trainer.parallel,
-            experiment=trainer.config.to_dict(),
-            model=trainer.model,
-            optimizer_state=trainer.optimization.state_dict(),
-            scheduler_state=trainer.scheduler.state_dict(),
+            self.root, step=trainer.step, consumed_samples=trainer.consumed, parallel=trainer.parallel,
+            experiment=trainer.config.to_dict(), model=trainer.model,
+            optimizer_state=trainer.optimization.state_dict(), scheduler_state=trainer.scheduler.state_dict(),
         )
         self.saved = (trainer.step, path)
         return path

@@ -27,9 +27,7 @@ class Parallel:
     tp_size: int = 1
     ep_rank: int = 0
     ep_size: int = 1
-    expert_dp_size: int = 1
     dp_group: object | None = field(default=None, compare=False, repr=False)
-    expert_dp_group: object | None = field(default=None, compare=False, repr=False)
     ep_group: object | None = field(default=None, compare=False, repr=False)
     tp_group: object | None = field(default=None, compare=False, repr=False)
 
@@ -57,9 +55,7 @@ def current_parallel() -> Parallel:
         tp_size=ps.get_tensor_model_parallel_world_size(),
         ep_rank=ps.get_expert_model_parallel_rank(),
         ep_size=ps.get_expert_model_parallel_world_size(),
-        expert_dp_size=ps.get_expert_data_parallel_world_size(),
         dp_group=ps.get_data_parallel_group(),
-        expert_dp_group=ps.get_expert_data_parallel_group(),
         ep_group=ps.get_expert_model_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
     )
@@ -82,11 +78,10 @@ def split_params(model: nn.Module) -> tuple[list[nn.Parameter], list[nn.Paramete
 def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> float:
     """Clip to ``max_norm`` (<= 0: measure only) by torch's rule, ``* max_norm / (norm + 1e-6)`` if below 1; return
     the pre-clip norm (nan/inf too): the whole model's (experts over EP, TP shards over TP, duplicates once; fp64)."""
-    dense_sq = torch.zeros((), dtype=torch.float64)
-    expert_sq = torch.zeros((), dtype=torch.float64)
     tp_rank = dist.get_rank(parallel.tp_group) if parallel.tp_size > 1 else 0
-    dense, expert = split_params(model)
-    for params, is_expert in ((dense, False), (expert, True)):
+
+    def squares(params: list[nn.Parameter]) -> torch.Tensor:
+        total = torch.zeros((), dtype=torch.float64)
         for p in params:
             if p.grad is None:
                 continue
@@ -95,20 +90,16 @@ def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> flo
                 continue  # a TP duplicate: counted on TP rank 0 only
             # In-place square of a float64 copy: ``.double().pow(2).sum()`` with one allocation fewer.
             sq = p.grad.detach().to(torch.float64, copy=True)
-            sq = sq.mul_(sq).sum().cpu()
-            if is_expert:
-                expert_sq += sq
-            else:
-                dense_sq += sq
+            total += sq.mul_(sq).sum().cpu()
+        return total
+
+    dense, expert = split_params(model)
+    dense_sq, expert_sq = squares(dense), squares(expert)
     if parallel.ep_size > 1:
-        expert_sq = expert_sq.to(_comm_device())
-        dist.all_reduce(expert_sq, group=parallel.ep_group)
-        expert_sq = expert_sq.cpu()
+        expert_sq = _summed(expert_sq, parallel.ep_group).cpu()
     total = dense_sq + expert_sq
     if parallel.tp_size > 1:
-        total = total.to(_comm_device())
-        dist.all_reduce(total, group=parallel.tp_group)
-        total = total.cpu()
+        total = _summed(total, parallel.tp_group).cpu()
     norm = float(total.sqrt().float())
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
@@ -122,11 +113,7 @@ def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> flo
 def all_reduce_mean(values: torch.Tensor, group, group_size: int) -> torch.Tensor:
     """Mean of ``values`` over ``group`` (gloo has no AVG op: SUM then divide). Returns a new tensor."""
     out = values.detach().clone()
-    if group_size > 1:
-        out = out.to(_comm_device())
-        dist.all_reduce(out, group=group)
-        out = out / group_size
-    return out.cpu()
+    return (_summed(out, group) / group_size if group_size > 1 else out).cpu()
 
 
 def barrier() -> None:
@@ -135,8 +122,9 @@ def barrier() -> None:
         dist.barrier()
 
 
-def _comm_device() -> torch.device:
-    # nccl only moves CUDA tensors; gloo moves CPU tensors.
+def _summed(values: torch.Tensor, group) -> torch.Tensor:
+    """``values`` summed over ``group`` (in place where already on the device nccl or gloo moves: CUDA or CPU)."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+        values = values.to(torch.device("cuda", torch.cuda.current_device()))
+    dist.all_reduce(values, group=group)
+    return values

@@ -22,10 +22,7 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     for name, p in model.named_parameters():
         if p.requires_grad:
             (no_decay if p.dim() < 2 or name.endswith(".bias") else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return [g for g in groups if g["params"]]
 
 
@@ -39,9 +36,7 @@ def _wrap_ddp(model: nn.Module, parallel: Parallel, distributed_optimizer: bool)
             if is_expert_param(name, p):
                 p.allreduce = False
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
-        use_distributed_optimizer=distributed_optimizer,
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=distributed_optimizer
     )
     return DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
 
@@ -152,24 +147,13 @@ class CpuOptimization(_Optimization):
     """megatron DDP reduction (gloo, fp32 ``main_grad``), :func:`clip_gradients`, torch's AdamW."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        parallel: Parallel,
-        *,
-        lr: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
-        clip_grad: float,
+        self, model: nn.Module, parallel: Parallel, *, lr: float, weight_decay: float, betas: tuple[float, float],
+        eps: float, clip_grad: float,
     ) -> None:
-        self.model = model
-        self.parallel = parallel
-        self.clip_grad = clip_grad
+        self.model, self.parallel, self.clip_grad = model, parallel, clip_grad
         self.ddp_model = _wrap_ddp(model, parallel, distributed_optimizer=False)
         # fused: one pass per parameter; elementwise, so deterministic and identical whatever the layout.
-        self.optimizer = torch.optim.AdamW(
-            param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=True
-        )
+        self.optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=True)
 
     def zero_grad(self) -> None:
         """Zero megatron's grad buffers and drop the gradients before a step's first backward."""
@@ -202,37 +186,18 @@ class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
     """megatron-core's DDP and optimizer (GPU only; fp32 main params; ``distributed_optimizer`` shards state)."""
 
     def __init__(
-        self,
-        model: nn.Module,
-        parallel: Parallel,
-        *,
-        lr: float,
-        weight_decay: float,
-        betas: tuple[float, float],
-        eps: float,
-        clip_grad: float,
-        bf16: bool,
-        distributed_optimizer: bool,
-        foreach_fallbacks: bool = False,
+        self, model: nn.Module, parallel: Parallel, *, lr: float, weight_decay: float, betas: tuple[float, float],
+        eps: float, clip_grad: float, bf16: bool, distributed_optimizer: bool, foreach_fallbacks: bool = False,
     ) -> None:
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        self.parallel = parallel
         # foreach_optimizer_fallbacks during step(); off by default so recorded runs keep their exact numbers.
         self.foreach_fallbacks = foreach_fallbacks
-        self.distributed_optimizer = distributed_optimizer
         self.ddp_model = _wrap_ddp(model, parallel, distributed_optimizer)
         self.ddp_model.broadcast_params()
         opt_config = OptimizerConfig(
-            optimizer="adam",
-            lr=lr,
-            weight_decay=weight_decay,
-            adam_beta1=betas[0],
-            adam_beta2=betas[1],
-            adam_eps=eps,
-            clip_grad=clip_grad,
-            bf16=bf16,
-            params_dtype=torch.bfloat16 if bf16 else torch.float32,
+            optimizer="adam", lr=lr, weight_decay=weight_decay, adam_beta1=betas[0], adam_beta2=betas[1], adam_eps=eps,
+            clip_grad=clip_grad, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
             use_distributed_optimizer=distributed_optimizer,
         )
         # No gloo groups on GPU: megatron's default (True) asserts on the missing intra-partial-DP gloo group.

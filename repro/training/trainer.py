@@ -126,12 +126,10 @@ def _megatron_aux_losses(model: nn.Module, skip: set[str]) -> dict[str, torch.Te
     config = getattr(model, "config", None)
     out: dict[str, torch.Tensor] = {}
     for name, entry in get_moe_layer_wise_logging_tracker().items():
-        if name in skip:
-            continue
-        coeff = getattr(config, _MEGATRON_AUX_COEFF.get(name, ""), None) if config is not None else None
-        if not isinstance(coeff, (int, float)):
-            continue  # not one of megatron's (ours are read from the adapters, weighted already)
-        out[name] = entry["values"].detach().float().cpu() * float(coeff)
+        coeff = getattr(config, _MEGATRON_AUX_COEFF.get(name, ""), None)
+        # Not one of megatron's where there is no coefficient (ours are read from the adapters, weighted already).
+        if name not in skip and isinstance(coeff, (int, float)):
+            out[name] = entry["values"].detach().float().cpu() * float(coeff)
     return out
 
 
@@ -146,17 +144,19 @@ def _step_measurements(
     layers = sorted(set(metrics_by_layer) | set(aux_by_layer))
     values: dict[str, torch.Tensor] = {"lm_loss": (lm_sum / num_microbatches).detach().float().cpu().reshape(1)}
     aux_names = sorted({n for per in aux_by_layer.values() for n in per})
+    zero = torch.zeros(())
     for name in aux_names:
-        values[f"aux/{name}"] = torch.stack(
-            [aux_by_layer.get(layer, {}).get(name, torch.zeros(())).float().cpu() for layer in layers]
-        )
+        values[f"aux/{name}"] = torch.stack([aux_by_layer.get(l, {}).get(name, zero).float().cpu() for l in layers])
     metric_names = sorted({n for per in metrics_by_layer.values() for n in per})
     for name in metric_names:
         per_layer = [metrics_by_layer.get(layer, {}).get(name) for layer in layers]
         if any(v is None for v in per_layer) or len({v.numel() for v in per_layer}) != 1:
             continue  # a metric some layers lack or with differing sizes cannot be tabulated per layer
         stacked = torch.stack([v.float().cpu().reshape(-1) for v in per_layer])
-        values[f"metric/{name}" if stacked.shape[1] == 1 else f"expert/{name}"] = stacked.squeeze(1) if stacked.shape[1] == 1 else stacked
+        if stacked.shape[1] == 1:
+            values[f"metric/{name}"] = stacked.squeeze(1)
+        else:
+            values[f"expert/{name}"] = stacked
     # megatron's TopKRouter (the "megatron" router) logs to its tracker, summed over micro-batches.
     for name, per_layer in _megatron_aux_losses(model, set(aux_names)).items():
         values[f"aux/{name}"] = per_layer / num_microbatches
@@ -169,13 +169,8 @@ def _reduce_named(values: dict[str, torch.Tensor], parallel: Parallel) -> dict[s
         return values
     names = sorted(values)
     flat = torch.cat([values[n].reshape(-1).double() for n in names])
-    flat = all_reduce_mean(flat, parallel.dp_group, parallel.dp_size)
-    out, offset = {}, 0
-    for n in names:
-        k = values[n].numel()
-        out[n] = flat[offset : offset + k].view_as(values[n]).float()
-        offset += k
-    return out
+    parts = all_reduce_mean(flat, parallel.dp_group, parallel.dp_size).split([values[n].numel() for n in names])
+    return {n: part.view_as(values[n]).float() for n, part in zip(names, parts)}
 
 
 def _by_prefix(values: dict[str, torch.Tensor], prefix: str) -> dict[str, list]:
@@ -208,10 +203,10 @@ class Trainer:
             check_identity(resume, config.to_dict())
         self.data = build_run_data(config, self.seq_length, self.parallel.dp_size, paths.data_cache)
         self.model = self._build_model(resume is None)
+        payload = None
         if resume is not None:
             self._check_backend_unchanged()
-        payload = ckpt.load_rank_payload(resume, self.parallel.rank) if resume is not None else None
-        if payload is not None:
+            payload = ckpt.load_rank_payload(resume, self.parallel.rank)
             self.model.load_state_dict(payload["model"], strict=True)
         elif config.checkpoint.init_from:
             ckpt.load_model_weights(config.checkpoint.init_from, self.model, self.parallel)
@@ -223,21 +218,19 @@ class Trainer:
         _seed_everything(config.seed + 1)
         self.optimization = self._build_optimization()
         self.run_model = self.optimization.ddp_model  # forward/backward through megatron's DDP wrapper
-        schedule = WarmupCosineSchedule(
-            config.optimizer.lr, config.schedule.min_lr, config.schedule.num_warmup_steps, config.schedule.steps
-        )
+        sched = config.schedule
+        schedule = WarmupCosineSchedule(config.optimizer.lr, sched.min_lr, sched.num_warmup_steps, sched.steps)
         self.scheduler = LRScheduler(self.optimization, schedule, weight_decay=config.optimizer.weight_decay)
         self.step, self.consumed = 0, 0
         self.stopped_by: str | None = None  # the signal that stopped the run early (fit)
         if payload is not None:
             Checkpointer.restore(self, payload)
             del payload
-        self._write_config(resume is not None)
+        self._write_config()
         from repro.model.cpu_shims import causal_attention_mask
 
-        self.sampler = MicroBatchSampler(
-            config.data.micro_batch_size, self.parallel.dp_rank, self.parallel.dp_size, self.num_microbatches
-        )
+        par = self.parallel
+        self.sampler = MicroBatchSampler(config.data.micro_batch_size, par.dp_rank, par.dp_size, self.num_microbatches)
         self.mask = causal_attention_mask(self.seq_length, device)
         self.loss_scale = torch.tensor(1.0 / self.num_microbatches, device=device)
         self.log = StepLog(
@@ -271,9 +264,7 @@ class Trainer:
 
     def _check_backend_unchanged(self) -> None:
         """Refuse a resume on another backend (it decides the parameter layout the optimizer state follows)."""
-        if not self.paths.config.is_file():
-            return
-        before = json.loads(self.paths.config.read_text()).get("backend")
+        before = json.loads(self.paths.config.read_text()).get("backend") if self.paths.config.is_file() else None
         now = getattr(self.model, "backend", None)
         if before is not None and before != now:
             raise ReproError(
@@ -283,41 +274,27 @@ class Trainer:
 
     def _build_optimization(self):
         opt = self.config.optimizer
-        kwargs = dict(
-            lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps, clip_grad=opt.clip_grad
-        )
+        kwargs = dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                      clip_grad=opt.clip_grad)
         if self.device.type == "cuda":  # pragma: no cover - GPU machines only
-            return MegatronOptimization(
-                self.model,
-                self.parallel,
-                bf16=self.bf16,
-                distributed_optimizer=opt.distributed,
-                foreach_fallbacks=opt.foreach_fallbacks,
-                **kwargs,
-            )
+            return MegatronOptimization(self.model, self.parallel, bf16=self.bf16, distributed_optimizer=opt.distributed,
+                                        foreach_fallbacks=opt.foreach_fallbacks, **kwargs)
         return CpuOptimization(self.model, self.parallel, **kwargs)
 
-    def _write_config(self, resumed: bool) -> None:
+    def _write_config(self) -> None:
         """``config.json`` (rank 0): the config and what the run resolved from it."""
         data = self.data
         record = {
             "experiment": self.config.to_dict(),
             # Every option's value, the router's defaults included (None where the build fills it: Hash's vocabulary).
             "router_options_resolved": _plain(self.config.router_options_in_effect()),
-            "layout": self.parallel.layout(),
-            "num_microbatches": self.num_microbatches,
-            "seq_length": self.seq_length,
-            "vocab_size": data.vocab_size,
-            "data": data.description,
-            "similarity_batching": data.similarity,
+            "layout": self.parallel.layout(), "num_microbatches": self.num_microbatches, "seq_length": self.seq_length,
+            "vocab_size": data.vocab_size, "data": data.description, "similarity_batching": data.similarity,
             # Evaluation loads exactly this tokenizer (checked by hash), never a rebuilt one.
-            "tokenizer": None
-            if data.tokenizer_dir is None
+            "tokenizer": None if data.tokenizer_dir is None
             else {"dir": data.tokenizer_dir, "sha256": tokenizer_fingerprint(data.tokenizer_dir)},
-            "device": str(self.device),
-            "backend": getattr(self.model, "backend", None),
-            "precision": "bf16" if self.bf16 else "fp32",
-            "parameters": _count_params(self.model, self.parallel),
+            "device": str(self.device), "backend": getattr(self.model, "backend", None),
+            "precision": "bf16" if self.bf16 else "fp32", "parameters": _count_params(self.model, self.parallel),
             "torch": torch.__version__,
         }
         self.config_record = record
@@ -399,23 +376,13 @@ class Trainer:
             )
         tokens = self.config.data.global_batch_size * self.seq_length
         return LogRow(
-            step=self.step,
-            loss=loss,
-            lm_loss=lm_loss,
-            lr=lr,
-            grad_norm=grad_norm,
-            iter_time_s=iter_time,
-            tokens_per_s=tokens / iter_time if iter_time > 0 else 0.0,
-            consumed_samples=self.consumed,
-            peak_memory_bytes=peak_memory_bytes(self.device),
-            aux_losses=aux,
-            aux_losses_per_layer=aux_per_layer,
-            routing=_by_prefix(values, "metric/"),
-            routing_per_expert=_by_prefix(values, "expert/"),
+            step=self.step, loss=loss, lm_loss=lm_loss, lr=lr, grad_norm=grad_norm, iter_time_s=iter_time,
+            tokens_per_s=tokens / iter_time if iter_time > 0 else 0.0, consumed_samples=self.consumed,
+            peak_memory_bytes=peak_memory_bytes(self.device), aux_losses=aux, aux_losses_per_layer=aux_per_layer,
+            routing=_by_prefix(values, "metric/"), routing_per_expert=_by_prefix(values, "expert/"),
             # Read on the host only on the steps that log routing (after the timer stopped).
             router_stats={name: float(value) for name, value in router_stats.items()} if collect else {},
-            metrics_collected=collect,
-            device_time_s=device_time,
+            metrics_collected=collect, device_time_s=device_time,
         )
 
     def fit(self, stop_after: int | None = None) -> bool:
@@ -466,13 +433,8 @@ def _plain(value: Any) -> Any:
 
 
 def train(
-    config: RunConfig | None,
-    out_dir: str | os.PathLike,
-    *,
-    resume: bool = False,
-    extend: bool = False,
-    stop_after: int | None = None,
-    progress: bool | None = None,
+    config: RunConfig | None, out_dir: str | os.PathLike, *, resume: bool = False, extend: bool = False,
+    stop_after: int | None = None, progress: bool | None = None,
 ) -> dict[str, Any]:
     """Train one run (every rank calls this under torchrun; a single process works without it).
 
@@ -553,19 +515,11 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
         return {"experiment": config.name, "stopped_at": trainer.step}
     barrier()
     rows = read_rows(paths.log) if (paths.root / LOG_FILE).exists() else []
-    summary = summarize(
-        rows,
-        config,
-        {
-            "layout": trainer.parallel.layout(),
-            "device": str(device),
-            "precision": "bf16" if trainer.bf16 else "fp32",
-            "seq_length": trainer.seq_length,
-            "global_batch_size": config.data.global_batch_size,
-            "parameters": trainer.config_record["parameters"],
-            "wall_time_s_last_segment": time.perf_counter() - start,
-        },
-    )
+    summary = summarize(rows, config, {
+        "layout": trainer.parallel.layout(), "device": str(device), "precision": "bf16" if trainer.bf16 else "fp32",
+        "seq_length": trainer.seq_length, "global_batch_size": config.data.global_batch_size,
+        "parameters": trainer.config_record["parameters"], "wall_time_s_last_segment": time.perf_counter() - start,
+    })
     if trainer.parallel.is_main:
         write_json_atomic(paths.summary, summary)
     return summary
