@@ -19,17 +19,20 @@ from repro.records.step_log import LogRow
 if TYPE_CHECKING:
     from repro.training.components import TrainerState
 
+
+def _require_tensorboard() -> None:
+    if importlib.util.find_spec("tensorboard") is None:
+        raise ReproError(
+            "logging.tensorboard needs TensorBoard, which is not installed: pip install 'dirmoe-bench[tensorboard]'"
+        )
+
+
 class TensorBoardLog:
     """The trainer component writing TensorBoard events into ``log_dir`` on rank 0 (``is_main``)."""
 
     def __init__(self, log_dir: Path, interval: int, last_step: int, initial_step: int, is_main: bool) -> None:
-        if importlib.util.find_spec("tensorboard") is None:
-            raise ReproError(
-                "logging.tensorboard needs TensorBoard, which is not installed: pip install 'dirmoe-bench[tensorboard]'"
-            )
-        self.interval = interval
-        self.last_step = last_step
-        self.writer = None
+        _require_tensorboard()
+        self.interval, self.last_step, self.writer = interval, last_step, None
         if is_main:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -52,12 +55,10 @@ class TensorBoardLog:
             w.add_scalar("val/loss", row.val_loss, step)
         for name, value in row.aux_losses.items():
             w.add_scalar(f"train/aux/{name}", value, step)
-        for name, per_layer in row.aux_losses_per_layer.items():
-            for layer, value in enumerate(per_layer, 1):
-                w.add_scalar(f"train/aux/{name}/layer{layer}", value, step)
-        for name, per_layer in row.routing.items():
-            for layer, value in enumerate(per_layer, 1):
-                w.add_scalar(f"routing/{name}/layer{layer}", value, step)
+        for prefix, per_layer_values in (("train/aux", row.aux_losses_per_layer), ("routing", row.routing)):
+            for name, per_layer in per_layer_values.items():
+                for layer, value in enumerate(per_layer, 1):
+                    w.add_scalar(f"{prefix}/{name}/layer{layer}", value, step)
         for name, value in row.router_stats.items():
             w.add_scalar(f"router/{name}", value, step)
         for name, per_layer in row.routing_per_expert.items():
@@ -78,17 +79,11 @@ def _expert_histogram(writer, tag: str, values: list[float], step: int) -> None:
 
         writer.add_histogram(tag, np.asarray(values, dtype=np.float64), step)
         return
-    total = float(sum(values))
     writer.add_histogram_raw(
-        tag,
-        min=0.0,
-        max=float(len(values) - 1),
-        num=total,
+        tag, min=0.0, max=float(len(values) - 1), num=float(sum(values)),
         sum=float(sum(i * v for i, v in enumerate(values))),
         sum_squares=float(sum(i * i * v for i, v in enumerate(values))),
-        bucket_limits=[i + 0.5 for i in range(len(values))],
-        bucket_counts=[float(v) for v in values],
-        global_step=step,
+        bucket_limits=[i + 0.5 for i in range(len(values))], bucket_counts=[float(v) for v in values], global_step=step,
     )
 
 
@@ -103,10 +98,7 @@ def check_tensorboard(run_root: Path, configured: str | None) -> None:
     Raises:
         ReproError: one line naming the package or the path.
     """
-    if importlib.util.find_spec("tensorboard") is None:
-        raise ReproError(
-            "logging.tensorboard needs TensorBoard, which is not installed: pip install 'dirmoe-bench[tensorboard]'"
-        )
+    _require_tensorboard()
     target = tensorboard_dir(run_root, configured)
     if target.exists() and not target.is_dir():
         raise ReproError(f"{target}: the TensorBoard directory is a file")

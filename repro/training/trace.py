@@ -106,14 +106,13 @@ def _outermost(spans: list[tuple[float, float, dict]]) -> list[dict]:
 
 
 def _union_us(spans: list[tuple[float, float]]) -> float:
-    total, cur0, cur1 = 0.0, None, None
+    merged: list[list[float]] = []
     for t0, t1 in sorted(spans):
-        if cur1 is None or t0 > cur1:
-            total += (cur1 - cur0) if cur1 is not None else 0.0
-            cur0, cur1 = t0, t1
+        if merged and t0 <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], t1)
         else:
-            cur1 = max(cur1, t1)
-    return total + ((cur1 - cur0) if cur1 is not None else 0.0)
+            merged.append([t0, t1])
+    return sum((t1 - t0 for t0, t1 in merged), 0.0)
 
 
 def summarize(trace: dict[str, Any]) -> dict[str, Any]:
