@@ -85,11 +85,6 @@ class ModelFlavour:
         multiple = VOCAB_PAD_MULTIPLE * tp
         return -(-size // multiple) * multiple
 
-    def with_overrides(self, **overrides) -> ModelFlavour:
-        """A copy with some fields changed (``ValueError`` naming valid fields for an unknown one)."""
-        refuse_unknown(overrides, [f.name for f in dataclasses.fields(self)], "flavour field")
-        return dataclasses.replace(self, **overrides)
-
     def dense(self) -> ModelFlavour:
         """The dense counterpart (same model, one SwiGLU FFN of the same width per block)."""
         if not self.is_moe:
@@ -107,9 +102,7 @@ _LLAMA_185M = ModelFlavour(
     vocab_size=50257,  # GPT-2 BPE (padded to 50304 in the model)
 )
 
-_FLAVOURS: dict[str, ModelFlavour] = {
-    f.name: f for f in (_TINY, _TINY.dense(), _LLAMA_185M, _LLAMA_185M.dense())
-}
+_FLAVOURS: dict[str, ModelFlavour] = {f.name: f for f in (_TINY, _TINY.dense(), _LLAMA_185M, _LLAMA_185M.dense())}
 
 
 #: Legacy names -> current flavour, so runs and records written under an old name still load.
@@ -130,4 +123,5 @@ def get_flavour(name: str | ModelFlavour, **overrides) -> ModelFlavour:
             flavour = _FLAVOURS[RENAMED.get(name, name)]
         except KeyError:
             raise ValueError(f"unknown model flavour '{name}'; available: {', '.join(available_flavours())}") from None
-    return flavour.with_overrides(**overrides) if overrides else flavour
+    refuse_unknown(overrides, [f.name for f in dataclasses.fields(flavour)], "flavour field")
+    return dataclasses.replace(flavour, **overrides) if overrides else flavour

@@ -128,9 +128,8 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
         "#SBATCH --ntasks-per-node=1",
         f"#SBATCH --gpus-per-node={job.gpus_per_node}",
         f"#SBATCH --output={job.output}",
-        *([f"#SBATCH --time={job.time}"] if job.time else []),
-        *([f"#SBATCH --partition={job.partition}"] if job.partition else []),
-        *([f"#SBATCH --account={job.account}"] if job.account else []),
+        *(f"#SBATCH --{key}={value}" for key, value in
+          (("time", job.time), ("partition", job.partition), ("account", job.account)) if value),
         *([f"#SBATCH --signal=B:USR1@{job.stop_lead_s}", "#SBATCH --requeue", "#SBATCH --open-mode=append"]
           if stoppable else []),
         "# One torchrun per node (srun, one task per node); they meet in a c10d rendezvous on the first node.",
@@ -143,14 +142,9 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
     ]
     # Endpoint and id become shell variables, filled in on the node.
     launch = Launch(nodes=job.nodes, gpus_per_node=job.gpus_per_node, endpoint=f"head:{job.port}", rdzv_id="job")
-    options = []
-    for arg in torchrun_args(launch):
-        if arg.startswith("--rdzv_endpoint="):
-            options.append(f'--rdzv_endpoint="$head_node:{job.port}"')
-        elif arg.startswith("--rdzv_id="):
-            options.append('--rdzv_id="$SLURM_JOB_ID"')
-        else:
-            options.append(q(arg))
+    shell = {f"--rdzv_endpoint=head:{job.port}": f'--rdzv_endpoint="$head_node:{job.port}"',
+             "--rdzv_id=job": '--rdzv_id="$SLURM_JOB_ID"'}
+    options = [shell.get(arg, q(arg)) for arg in torchrun_args(launch)]
     srun = (f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {q(job.python)} -m torch.distributed.run "
             + " ".join(options) + " -m repro " + " ".join(map(q, program)))
     lines = header + (_stoppable_step(srun, job.stop_lead_s) if stoppable else [srun])
