@@ -115,11 +115,8 @@ def differences(new: GoldenCurve, golden: GoldenCurve) -> list[str]:
     """What does not match, one line each (empty: the curves agree within the tolerance)."""
     if len(new.losses) != len(golden.losses):
         return [f"{new.router}: {len(new.losses)} steps, the golden curve has {len(golden.losses)}"]
-    out = []
-    for step, (a, b) in enumerate(zip(new.losses, golden.losses), 1):
-        if abs(a - b) > ATOL + RTOL * abs(b):
-            out.append(f"{new.router} step {step}: loss {a!r}, golden {b!r} (relative {abs(a - b) / abs(b):.2e})")
-    return out
+    return [f"{new.router} step {step}: loss {a!r}, golden {b!r} (relative {abs(a - b) / abs(b):.2e})"
+            for step, (a, b) in enumerate(zip(new.losses, golden.losses), 1) if abs(a - b) > ATOL + RTOL * abs(b)]
 
 
 def main(argv: list[str], prog: str = "python -m repro golden") -> int:

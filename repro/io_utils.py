@@ -104,15 +104,9 @@ def check_output_path(path: str | os.PathLike, replace: Recognise | None = None,
     if kind == "file" and replace is not None and not replace(final):
         raise ReproError(f"{final}: exists and was not written by this command; refusing to overwrite it")
     if probe:
-        created = make_parents(final.parent, final)
-        try:
-            fd, name = tempfile.mkstemp(prefix=f".{final.name}.", suffix=".probe", dir=final.parent)
-            os.close(fd)
-            os.unlink(name)
-        except OSError as exc:
-            raise ReproError(os_error_message(exc, final)) from None
-        finally:
-            remove_empty_dirs(created)
+        tmp_dir, created = make_temp_dir(final)
+        tmp_dir.rmdir()
+        remove_empty_dirs(created)
 
 
 def make_parents(directory: str | os.PathLike, where: str | os.PathLike | None = None) -> list[Path]:

@@ -52,8 +52,7 @@ def _convert(value: Any, tp: Any, where: str, origin: str) -> Any:
     if kind is tuple:
         if not isinstance(value, (list, tuple)):
             raise ReproError(f"{origin}: field '{where}' must be a list, got {_describe(value)}")
-        item_tp = args[0]
-        return tuple(_convert(item, item_tp, f"{where}[{i}]", origin) for i, item in enumerate(value))
+        return tuple(_convert(item, args[0], f"{where}[{i}]", origin) for i, item in enumerate(value))
     if kind is dict or tp is dict:
         if not isinstance(value, dict):
             raise ReproError(f"{origin}: field '{where}' must be an object, got {_describe(value)}")

@@ -285,11 +285,6 @@ def _lag1(x: np.ndarray) -> float:
     return float(np.dot(centred[:-1], centred[1:]) / np.dot(centred, centred))
 
 
-def default_batches(rounds: int) -> int:
-    """Batches for :func:`timing_ratio` of ``rounds`` rounds: ``floor(sqrt(rounds))`` in [2, 30] (decision 9)."""
-    return max(2, min(30, math.isqrt(max(rounds, 0))))
-
-
 def timing_ratio(
     reference_s: Sequence[float], other_s: Sequence[float], *, batches: int | None = None, confidence: float = 0.95
 ) -> TimingRatio:
@@ -297,7 +292,7 @@ def timing_ratio(
 
     Args:
         reference_s, other_s: each round's step time of the two runs, in round order (positive).
-        batches, confidence: consecutive batches in [2, rounds // 2] (None: :func:`default_batches`); coverage.
+        batches, confidence: batches in [2, rounds // 2] (None: ``floor(sqrt(rounds))`` in [2, 30]); coverage.
 
     Returns:
         The :class:`TimingRatio`.
@@ -311,7 +306,7 @@ def timing_ratio(
         raise ValueError(f"a timing ratio needs at least 4 paired rounds, got {ref.size}")
     if np.any(ref <= 0) or np.any(oth <= 0):
         raise ValueError("step times must be positive")
-    b = default_batches(ref.size) if batches is None else int(batches)
+    b = max(2, min(30, math.isqrt(ref.size))) if batches is None else int(batches)
     if not 2 <= b <= ref.size // 2:
         raise ValueError(f"batches must be in [2, {ref.size // 2}] for {ref.size} rounds, got {batches}")
     d = np.log(oth) - np.log(ref)
@@ -404,13 +399,11 @@ def paired_permutation_test(
     # Compare with a relative tolerance: the same |T| reached by another sign pattern must count as extreme.
     threshold = abs(observed) * (1 - 1e-9) - 1e-15
     name = "sign-flip permutation"
-    lattice = _lattice_p(active, threshold)
-    if lattice is not None:
-        p = lattice
-    elif m <= 62 and 2**m <= n_resamples:
+    p = _lattice_p(active, threshold)
+    if p is None and m <= 62 and 2**m <= n_resamples:
         patterns = ((np.arange(2**m)[:, None] >> np.arange(m)) & 1) * 2 - 1
         p = float(np.mean(np.abs(patterns @ active) >= threshold))
-    else:
+    elif p is None:
         name = f"sign-flip permutation (Monte Carlo, {n_resamples} resamples)"
         rng = np.random.default_rng(seed)
         extreme, left = 0, n_resamples

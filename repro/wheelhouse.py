@@ -171,11 +171,8 @@ def project_requirements(
         roots += [r for r in optional.get("dev", []) if canonicalize_name(Requirement(r).name) == "nox"] or ["nox"]
     roots += pyproject.get("build-system", {}).get("requires", [])
     present = list(present)
-    out: list[str] = []
-    for req in roots:
-        if (not drop_excluded or not is_excluded(Requirement(req).name, present)) and req not in out:
-            out.append(req)
-    return out
+    kept = [req for req in roots if not drop_excluded or not is_excluded(Requirement(req).name, present)]
+    return list(dict.fromkeys(kept))
 
 
 def uv_compile_command(
@@ -286,9 +283,7 @@ def manifest(
     return {
         "target": {"python": target.python, "platform": target.platform, "implementation": target.implementation,
                    "platforms": target.platforms},
-        "extras": list(extras),
-        "roots": list(roots),
-        "present_on_target": dict(sorted(present.items())),
+        "extras": list(extras), "roots": list(roots), "present_on_target": dict(sorted(present.items())),
         "excluded_always": [*ALWAYS_EXCLUDED, *(p + "*" for p in EXCLUDED_PREFIXES)],
         "left_out_after_resolution": sorted(set(left_out)),
         "wheels": wheels,
@@ -303,14 +298,13 @@ def write_json(path: str | Path, data: Mapping) -> None:
 
 def check_requirements() -> None:
     """One-line ReproError naming the packages of :data:`REQUIRED_MODULES` this machine lacks."""
-    missing = []
-    for module, package in REQUIRED_MODULES.items():
+    def found(module: str) -> bool:
         try:
-            found = importlib.util.find_spec(module) is not None
+            return importlib.util.find_spec(module) is not None
         except ModuleNotFoundError:  # a missing parent package
-            found = False
-        if not found:
-            missing.append(package)
+            return False
+
+    missing = [package for module, package in REQUIRED_MODULES.items() if not found(module)]
     if missing:
         from repro.errors import ReproError
 
