@@ -129,12 +129,17 @@ def save_checkpoint(
     error = _attempt(lambda: _fresh_dir(root, tmp), final, tmp) if parallel.is_main else None
     _agree(error, final)
 
-    # ---- phase 2 (every rank): its file and digest
+    # ---- phase 2 (every rank): its file, then its digest beside it (``<name>.sha256``)
     def write_rank_file() -> None:
         payload = {**common, "rank": parallel.rank, "ep_rank": parallel.ep_rank, "ep_size": parallel.ep_size,
                    "identity": identity, "model": model.state_dict(), "optimizer": optimizer_state,
                    "scheduler": scheduler_state, "rng": capture_rng_state(), "extra": extra or {}}
-        _write_rank_file(tmp / _rank_file_name(parallel.rank), payload)
+        check_plain_data(payload)
+        target = tmp / _rank_file_name(parallel.rank)
+        # A file object keeps a failed write's OSError as context of torch's RuntimeError (names the cause).
+        _write_synced(target, "wb", lambda f: torch.save(payload, f))
+        # Read by rank 0 only after every rank reported success, so no partial sidecar is ever read.
+        _write_synced(tmp / f"{target.name}.sha256", "w", lambda f: f.write(file_sha256(target) + "\n"))
 
     error = _attempt(write_rank_file, final, tmp)
     _agree(error, final, remove=tmp if parallel.is_main else None)  # made by phase 1 of this call
@@ -166,15 +171,6 @@ def _fresh_dir(root: Path, tmp: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     _remove_own_dir(tmp)  # left by a run killed while writing this step
     tmp.mkdir()
-
-
-def _write_rank_file(target: Path, payload: dict[str, Any]) -> None:
-    """Phase 2 (every rank): write this rank's file, then its digest beside it (``<name>.sha256``)."""
-    check_plain_data(payload)
-    # A file object keeps a failed write's OSError as context of torch's RuntimeError (names the cause).
-    _write_synced(target, "wb", lambda f: torch.save(payload, f))
-    # Read by rank 0 only after every rank reported success, so no partial sidecar is ever read.
-    _write_synced(target.parent / f"{target.name}.sha256", "w", lambda f: f.write(file_sha256(target) + "\n"))
 
 
 def _write_synced(path: Path, mode: str, write: Callable[[Any], Any]) -> None:

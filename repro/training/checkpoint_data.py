@@ -5,6 +5,7 @@ the plain-data check that keeps a checkpoint loadable without code, and file dig
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -56,12 +57,10 @@ def _json_plain(value: Any) -> Any:
 
 def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
     """:data:`IDENTITY_FIELDS` of a ``RunConfig.to_dict()``, JSON-plain, router options sorted, missing None."""
-    identity: dict[str, Any] = {}
-    for key, path in IDENTITY_FIELDS.items():
-        value: Any = config
-        for part in path:
-            value = value.get(part) if isinstance(value, Mapping) else None
-        identity[key] = value
+    def lookup(value: Any, part: str) -> Any:
+        return value.get(part) if isinstance(value, Mapping) else None
+
+    identity = {key: functools.reduce(lookup, path, config) for key, path in IDENTITY_FIELDS.items()}
     identity["router_options"] = dict(sorted(dict(identity["router_options"] or {}).items()))
     return _json_plain(identity)
 
@@ -69,11 +68,8 @@ def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
 def _describe_pair(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[str, str]:
     """Short descriptions of two identities: the router, then every field that differs."""
     keys = ["router"] + [k for k in IDENTITY_FIELDS if k != "router" and ours.get(k) != theirs.get(k)]
-
-    def describe(identity: Mapping[str, Any]) -> str:
-        return ", ".join(f"{k} {identity.get(k)!r}" for k in keys)
-
-    return describe(ours), describe(theirs)
+    described = [", ".join(f"{k} {identity.get(k)!r}" for k in keys) for identity in (ours, theirs)]
+    return described[0], described[1]
 
 
 def check_identity(info: CheckpointInfo, config: Mapping[str, Any], what: str = "this run") -> None:
@@ -98,18 +94,11 @@ def capture_rng_state() -> dict[str, Any]:
     py_version, py_internal, py_gauss = random.getstate()
     np_kind, np_keys, np_pos, np_has_gauss, np_cached = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
-        "python": {
-            "version": int(py_version),
-            "internal": torch.tensor(py_internal, dtype=torch.int64),  # 624 words + position, all < 2**32
-            "gauss_next": py_gauss,
-        },
-        "numpy": {
-            "kind": str(np_kind),
-            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "cached_gaussian": float(np_cached),
-        },
+        # internal: 624 words + position, all < 2**32
+        "python": {"version": int(py_version), "internal": torch.tensor(py_internal, dtype=torch.int64),
+                   "gauss_next": py_gauss},
+        "numpy": {"kind": str(np_kind), "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.int64)),
+                  "pos": int(np_pos), "has_gauss": int(np_has_gauss), "cached_gaussian": float(np_cached)},
         "torch": torch.get_rng_state(),
     }
     if torch.cuda.is_available():
