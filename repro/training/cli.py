@@ -20,15 +20,12 @@ from repro.errors import ReproError
 
 
 def _parser(prog: str) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=prog, description="Train one experiment on megatron-core (CPU/gloo or GPU; works under torchrun)."
-    )
+    parser = argparse.ArgumentParser(prog=prog, description="Train one experiment on megatron-core (CPU/gloo or GPU; "
+                                     "works under torchrun).")
     parser.add_argument("--experiment", "-e", help="an experiment name (see --list)")
-    parser.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-        help="override a config field as a dotted path (schedule.steps=100, optimizer.lr=1e-3, parallel.ep=2, "
-        "router.options.NAME=VALUE); repeatable",
-    )
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="override a config field as a dotted path (schedule.steps=100, optimizer.lr=1e-3, "
+                        "parallel.ep=2, router.options.NAME=VALUE); repeatable")
     parser.add_argument("--out", "-o", help="the run directory (new or empty; with --resume, the run's)")
     parser.add_argument("--resume", action="store_true",
                         help="continue the run in --out from its newest checkpoint, with its own settings (config.json) "
@@ -40,14 +37,11 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     parser.add_argument("--list-routers", action="store_true",
                         help="list the routers with experiments (not their variants) and exit")
     parser.add_argument("--show", action="store_true", help="print the resolved config as YAML and exit")
-    parser.add_argument(
-        "--stop-after", type=int, default=None, metavar="STEPS",
-        help="stop after this many completed steps without a final checkpoint (resume later)",
-    )
-    parser.add_argument(
-        "--tensorboard", metavar="DIR", default=None,
-        help="also write TensorBoard events to DIR (logging.tensorboard=true; needs the extra 'tensorboard')",
-    )
+    parser.add_argument("--stop-after", type=int, default=None, metavar="STEPS",
+                        help="stop after this many completed steps without a final checkpoint (resume later)")
+    parser.add_argument("--tensorboard", metavar="DIR", default=None,
+                        help="also write TensorBoard events to DIR (logging.tensorboard=true; needs the extra "
+                        "'tensorboard')")
     parser.add_argument("--progress", dest="progress", action="store_true", default=None, help="force the progress bar")
     parser.add_argument("--no-progress", dest="progress", action="store_false", help="hide the progress bar")
     return parser
@@ -128,9 +122,6 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
     from repro.records.store import write_run_record
 
     write_run_record(args.out)
-    print(
-        f"{summary['experiment']}: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
-        f"{summary['tokens_per_s_mean'] or 0:.0f} tokens/s -> {args.out}",
-        file=sys.stderr,
-    )
+    print(f"{summary['experiment']}: {summary['steps']} steps, final loss {summary['final_loss']:.4f}, "
+          f"{summary['tokens_per_s_mean'] or 0:.0f} tokens/s -> {args.out}", file=sys.stderr)
     return 0

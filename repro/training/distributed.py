@@ -48,15 +48,10 @@ def current_parallel() -> Parallel:
     if not (dist.is_available() and dist.is_initialized()):
         return Parallel()
     return Parallel(
-        rank=dist.get_rank(),
-        world_size=dist.get_world_size(),
-        dp_rank=ps.get_data_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-        ep_rank=ps.get_expert_model_parallel_rank(),
-        ep_size=ps.get_expert_model_parallel_world_size(),
-        dp_group=ps.get_data_parallel_group(),
-        ep_group=ps.get_expert_model_parallel_group(),
+        rank=dist.get_rank(), world_size=dist.get_world_size(), dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(), tp_size=ps.get_tensor_model_parallel_world_size(),
+        ep_rank=ps.get_expert_model_parallel_rank(), ep_size=ps.get_expert_model_parallel_world_size(),
+        dp_group=ps.get_data_parallel_group(), ep_group=ps.get_expert_model_parallel_group(),
         tp_group=ps.get_tensor_model_parallel_group(),
     )
 

@@ -24,12 +24,8 @@ class CheckpointScorer(nn.Module):
         self, model: nn.Module, config: RunConfig, eod_id: int, vocab_size: int, max_length: int, device: torch.device
     ):
         super().__init__()
-        self.model = model
-        self.config = config
-        self.eod_id = int(eod_id)
-        self.vocab_size = int(vocab_size)
-        self.max_length = int(max_length)
-        self.device = device
+        self.model, self.config, self.device = model, config, device
+        self.eod_id, self.vocab_size, self.max_length = int(eod_id), int(vocab_size), int(max_length)
 
     @property
     def batch_coupled(self) -> bool:

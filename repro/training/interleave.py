@@ -17,11 +17,14 @@ Run directories as :func:`repro.training.trainer.train` writes them, no checkpoi
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+
+import torch
 
 from repro.config import RunConfig
 from repro.errors import ReproError
@@ -100,35 +103,30 @@ class _OwnMemory:
     """Each run's own CUDA memory peak (module docstring, 4; elsewhere rows keep the process peak)."""
 
     def __init__(self, device) -> None:
-        import torch
-
         self.cuda = device.type == "cuda"
-        self.torch = torch
         self.owned: dict[str, int] = {}
         self.rise: dict[str, int] = {}
 
     @contextlib.contextmanager
     def owned_by(self, label: str):
         """Count what is allocated inside the block as ``label``'s resident memory."""
-        before = self.torch.cuda.memory_allocated() if self.cuda else 0
+        before = torch.cuda.memory_allocated() if self.cuda else 0
         yield
         if self.cuda:
-            self.owned[label] = self.owned.get(label, 0) + self.torch.cuda.memory_allocated() - before
+            self.owned[label] = self.owned.get(label, 0) + torch.cuda.memory_allocated() - before
 
     def step(self, label: str, first: bool, run_step):
         """Run ``run_step()`` (a step of ``label``) and return its row with the run's own peak."""
         if not self.cuda:
             return run_step()
-        import dataclasses
-
-        self.torch.cuda.reset_peak_memory_stats()
-        base = self.torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         if first:  # the optimizer's state appears in the first step and stays: the run's own
             with self.owned_by(label):
                 row = run_step()
         else:
             row = run_step()
-        self.rise[label] = max(self.rise.get(label, 0), self.torch.cuda.max_memory_allocated() - base)
+        self.rise[label] = max(self.rise.get(label, 0), torch.cuda.max_memory_allocated() - base)
         own = self.owned.get(label, 0) + self.rise[label]
         return dataclasses.replace(row, peak_memory_bytes=int(own))
 

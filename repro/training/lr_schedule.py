@@ -45,10 +45,7 @@ class LRScheduler:
     ``lr * lr_mult`` and ``weight_decay * wd_mult`` (as ``OptimizerParamScheduler``); torch's keep their decay."""
 
     def __init__(self, optimizer, schedule: WarmupCosineSchedule, weight_decay: float = 0.0) -> None:
-        self.optimizer = optimizer
-        self.schedule = schedule
-        self.weight_decay = weight_decay
-        self.num_steps = 0
+        self.optimizer, self.schedule, self.weight_decay, self.num_steps = optimizer, schedule, weight_decay, 0
 
     def apply(self) -> float:
         """Set the LR (and megatron groups' weight decay) for the next optimizer step and return the LR."""

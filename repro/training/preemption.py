@@ -82,11 +82,8 @@ def stop_run(trainer: TrainerState, signum: int) -> str:
     checkpointer = next(c for c in trainer.components if isinstance(c, Checkpointer))
     path = checkpointer.ensure_saved(trainer)
     if trainer.parallel.is_main:
-        print(
-            f"{trainer.config.name}: stopped by {name} after step {trainer.step}, checkpoint {path}; resume with: "
-            f"python -m repro train --out {shlex.quote(str(trainer.paths.root))} --resume",
-            file=sys.stderr,
-            flush=True,
-        )
+        print(f"{trainer.config.name}: stopped by {name} after step {trainer.step}, checkpoint {path}; resume with: "
+              f"python -m repro train --out {shlex.quote(str(trainer.paths.root))} --resume", file=sys.stderr,
+              flush=True)
     barrier()
     return name

@@ -52,11 +52,9 @@ class StepTrace:
         from routers.megatron_adapter import router_adapters
 
         for adapter in router_adapters(model):
-            self._hooks.append(adapter.register_forward_pre_hook(self._enter))
-            self._hooks.append(adapter.register_forward_hook(self._exit))
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if torch.cuda.is_available():
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self._hooks += [adapter.register_forward_pre_hook(self._enter), adapter.register_forward_hook(self._exit)]
+        kinds = torch.profiler.ProfilerActivity
+        activities = [kinds.CPU, kinds.CUDA] if torch.cuda.is_available() else [kinds.CPU]
         self.profiler = torch.profiler.profile(activities=activities)
         self.profiler.__enter__()
 

@@ -37,7 +37,7 @@ from repro.training import checkpoint as ckpt
 from repro.training.checkpoint_data import check_identity
 from repro.training.components import Checkpointer, StepLog, Validator
 from repro.training.data import build_run_data, tokenizer_fingerprint
-from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel
+from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel, split_params
 from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
 from repro.training.optim import CpuOptimization, MegatronOptimization
 from repro.training.run_dir import RunPaths, run_lock, start_state
@@ -45,10 +45,8 @@ from repro.training.synthetic import MicroBatchSampler, collate
 
 # Aux losses megatron's own TopKRouter logs divided by their coefficient -> the config field holding it.
 _MEGATRON_AUX_COEFF = {
-    "load_balancing_loss": "moe_aux_loss_coeff",
-    "seq_load_balancing_loss": "moe_aux_loss_coeff",
-    "global_load_balancing_loss": "moe_aux_loss_coeff",
-    "z_loss": "moe_z_loss_coeff",
+    "load_balancing_loss": "moe_aux_loss_coeff", "seq_load_balancing_loss": "moe_aux_loss_coeff",
+    "global_load_balancing_loss": "moe_aux_loss_coeff", "z_loss": "moe_z_loss_coeff",
 }
 
 
@@ -103,8 +101,6 @@ def _build_layout_independent(config: RunConfig, vocab_size: int, bf16: bool, pa
 
 
 def _count_params(model: nn.Module, parallel: Parallel) -> dict[str, int]:
-    from repro.training.distributed import split_params
-
     dense, expert = split_params(model)
     n_expert = sum(p.numel() for p in expert)
     return {"non_expert": sum(p.numel() for p in dense), "expert_local": n_expert, "expert_total": n_expert * parallel.ep_size}
@@ -153,10 +149,8 @@ def _step_measurements(
         if any(v is None for v in per_layer) or len({v.numel() for v in per_layer}) != 1:
             continue  # a metric some layers lack or with differing sizes cannot be tabulated per layer
         stacked = torch.stack([v.float().cpu().reshape(-1) for v in per_layer])
-        if stacked.shape[1] == 1:
-            values[f"metric/{name}"] = stacked.squeeze(1)
-        else:
-            values[f"expert/{name}"] = stacked
+        single = stacked.shape[1] == 1
+        values[f"metric/{name}" if single else f"expert/{name}"] = stacked.squeeze(1) if single else stacked
     # megatron's TopKRouter (the "megatron" router) logs to its tracker, summed over micro-batches.
     for name, per_layer in _megatron_aux_losses(model, set(aux_names)).items():
         values[f"aux/{name}"] = per_layer / num_microbatches
@@ -277,8 +271,8 @@ class Trainer:
         kwargs = dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                       clip_grad=opt.clip_grad)
         if self.device.type == "cuda":  # pragma: no cover - GPU machines only
-            return MegatronOptimization(self.model, self.parallel, bf16=self.bf16, distributed_optimizer=opt.distributed,
-                                        foreach_fallbacks=opt.foreach_fallbacks, **kwargs)
+            kwargs.update(bf16=self.bf16, distributed_optimizer=opt.distributed, foreach_fallbacks=opt.foreach_fallbacks)
+            return MegatronOptimization(self.model, self.parallel, **kwargs)
         return CpuOptimization(self.model, self.parallel, **kwargs)
 
     def _write_config(self) -> None:
@@ -317,11 +311,6 @@ class Trainer:
         loss_mask = batch["loss_mask"]
         return (per_token_BS.float() * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
 
-    def collects_metrics(self, step: int) -> bool:
-        """Whether routers collect metrics in 1-based ``step``: first, every ``metrics_interval``, last."""
-        interval = self.config.logging.metrics_interval
-        return step == 1 or step % interval == 0 or step == self.config.schedule.steps
-
     def train_step(self) -> LogRow:
         """One optimizer step (module docstring); returns its row, raises NonFiniteLoss."""
         from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, clear_aux_losses_tracker
@@ -329,7 +318,9 @@ class Trainer:
         from routers import begin_step, end_step
         from routers.megatron_adapter import reset_routing_stats
 
-        collect = self.collects_metrics(self.step + 1)
+        # Routers collect metrics in the first step, every ``metrics_interval`` and the last.
+        step = self.step + 1
+        collect = step == 1 or step % self.config.logging.metrics_interval == 0 or step == self.config.schedule.steps
         # Collated on the host before the timer (it times training only); device copies stay inside it.
         host_batches = [
             collate(self.data.train, self.sampler.indices(self.consumed, j)) for j in range(self.num_microbatches)
