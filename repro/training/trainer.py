@@ -32,7 +32,7 @@ from torch import nn
 from repro.config import RunConfig
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
-from repro.records.step_log import LOG_FILE, LogRow, read_rows, summarize, truncate_rows
+from repro.records.step_log import LogRow, read_rows, summarize, truncate_rows
 from repro.training import checkpoint as ckpt
 from repro.training.checkpoint_data import check_identity
 from repro.training.components import Checkpointer, StepLog, Validator
@@ -280,8 +280,9 @@ class Trainer:
         data = self.data
         record = {
             "experiment": self.config.to_dict(),
-            # Every option's value, the router's defaults included (None where the build fills it: Hash's vocabulary).
-            "router_options_resolved": _plain(self.config.router_options_in_effect()),
+            # Every option's value, the router's defaults included (None where the build fills it: Hash's vocabulary);
+            # tuples as lists, other values JSON cannot hold as their str.
+            "router_options_resolved": json.loads(json.dumps(self.config.router_options_in_effect(), default=str)),
             "layout": self.parallel.layout(), "num_microbatches": self.num_microbatches, "seq_length": self.seq_length,
             "vocab_size": data.vocab_size, "data": data.description, "similarity_batching": data.similarity,
             # Evaluation loads exactly this tokenizer (checked by hash), never a rebuilt one.
@@ -360,11 +361,9 @@ class Trainer:
         aux = {k: float(sum(v)) for k, v in aux_per_layer.items()}
         lm_loss = float(values["lm_loss"][0])
         loss = lm_loss + sum(aux.values())
-        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            raise NonFiniteLoss(
-                f"experiment '{self.config.name}': {'loss' if not math.isfinite(loss) else 'gradient norm'} is "
-                f"{loss if not math.isfinite(loss) else grad_norm} at step {self.step}"
-            )
+        for what, value in (("loss", loss), ("gradient norm", grad_norm)):
+            if not math.isfinite(value):
+                raise NonFiniteLoss(f"experiment '{self.config.name}': {what} is {value} at step {self.step}")
         tokens = self.config.data.global_batch_size * self.seq_length
         return LogRow(
             step=self.step, loss=loss, lm_loss=lm_loss, lr=lr, grad_norm=grad_norm, iter_time_s=iter_time,
@@ -412,15 +411,6 @@ def aux_loss_scale_restored() -> Iterator[None]:
         yield
     finally:
         MoEAuxLossAutoScaler.main_loss_backward_scale = saved
-
-
-def _plain(value: Any) -> Any:
-    """``value`` with tuples as lists and other non-JSON leaves (enums aside, which are str) as their ``str``."""
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def train(
@@ -505,7 +495,7 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
     if not finished:
         return {"experiment": config.name, "stopped_at": trainer.step}
     barrier()
-    rows = read_rows(paths.log) if (paths.root / LOG_FILE).exists() else []
+    rows = read_rows(paths.log) if paths.log.exists() else []
     summary = summarize(rows, config, {
         "layout": trainer.parallel.layout(), "device": str(device), "precision": "bf16" if trainer.bf16 else "fp32",
         "seq_length": trainer.seq_length, "global_batch_size": config.data.global_batch_size,
