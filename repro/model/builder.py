@@ -110,17 +110,6 @@ def _moe_layer_class(router_name: str | None) -> type | None:
     return router_class(router_name).moe_layer_class()
 
 
-def _with_vocab_size(router_name: str, router_options: dict[str, Any] | None, padded_vocab: int) -> dict[str, Any]:
-    """Fill a router's ``vocab_size`` option (Hash's table size), unless set, with the padded vocabulary."""
-    from routers import router_class
-
-    options = dict(router_options or {})
-    fields = {f.name for f in dataclasses.fields(router_class(router_name).Config)}
-    if "vocab_size" in fields and "vocab_size" not in options:
-        options["vocab_size"] = padded_vocab
-    return options
-
-
 def _replace_submodules(spec, **submodules):
     """A copy of a ModuleSpec with some submodules replaced (never mutated: specs may share sub-objects)."""
     return dataclasses.replace(spec, submodules=dataclasses.replace(spec.submodules, **submodules))
@@ -128,7 +117,8 @@ def _replace_submodules(spec, **submodules):
 
 def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_options, backend: str,
                 backend_options: TorchBackendOptions):
-    """The layer ModuleSpec of a resolved ``backend`` with our router (and its own MoE layer) plugged in."""
+    """The layer ModuleSpec of a resolved ``backend`` with our router (and its own MoE layer) plugged in; ``torch``:
+    the local spec with SDPA attention and (unless the router has its own MoE layer) grouped-GEMM experts."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
@@ -142,7 +132,11 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
     else:
         spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
     if backend == "torch":
-        spec = _with_torch_modules(spec, flavour, router_name, backend_options)
+        from repro.model.torch_backend import torch_core_attention_builder, torch_experts_spec
+
+        attention = spec.submodules.self_attention
+        attention = _replace_submodules(attention, core_attention=torch_core_attention_builder(backend_options))
+        spec = _replace_submodules(spec, self_attention=attention)
     if not flavour.is_moe:
         return spec
 
@@ -152,6 +146,8 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
         # Such layers (Lory's) merge SequentialMLP parameters: local experts even when TE runs the rest.
         mlp_spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=num_experts)
         mlp_spec = dataclasses.replace(mlp_spec, module=layer_class)
+    elif backend == "torch":
+        mlp_spec = _replace_submodules(mlp_spec, experts=torch_experts_spec(backend_options))
     if router_name != MEGATRON_ROUTER:
         from routers.megatron_adapter import megatron_router_builder
 
@@ -159,49 +155,15 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
     return _replace_submodules(spec, mlp=mlp_spec)
 
 
-def _backend_options(options: TorchBackendOptions | dict[str, Any] | None) -> TorchBackendOptions:
-    """The torch backend's options from an instance, a dict of its fields or None (the defaults)."""
-    if isinstance(options, TorchBackendOptions):
-        return options
-    options = {} if options is None else options
-    if not isinstance(options, dict):
-        raise ValueError(f"backend_options must be a TorchBackendOptions or a dict, got {type(options).__name__}")
-    refuse_unknown(options, [f.name for f in dataclasses.fields(TorchBackendOptions)], "backend option")
-    return TorchBackendOptions(**options)
-
-
-def _with_torch_modules(spec, flavour: ModelFlavour, router_name: str | None, options: TorchBackendOptions):
-    """The local spec with SDPA attention and (unless the router has its own MoE layer) grouped-GEMM experts."""
-    from repro.model.torch_backend import torch_core_attention_builder, torch_experts_spec
-
-    attention = spec.submodules.self_attention
-    spec = _replace_submodules(
-        spec, self_attention=_replace_submodules(attention, core_attention=torch_core_attention_builder(options))
-    )
-    if flavour.is_moe and _moe_layer_class(router_name) is None:
-        experts = torch_experts_spec(options)
-        spec = _replace_submodules(spec, mlp=_replace_submodules(spec.submodules.mlp, experts=experts))
-    return spec
-
-
-class _DropRecords(logging.Filter):
-    """A logging filter that drops the records whose message starts with one of ``prefixes``."""
-
-    def __init__(self, *prefixes: str) -> None:
-        super().__init__()
-        self.prefixes = prefixes
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith(self.prefixes)
-
-
 def _quiet_megatron_notices(build):
     """Silence megatron notices that do not apply: Apex absent (on purpose), "Unknown MLP type" (Lory's layer)."""
+
+    def drop(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Unknown MLP type")
 
     @functools.wraps(build)
     def quiet(*args, **kwargs):
         logger = logging.getLogger("megatron.core.transformer.transformer_layer")
-        drop = _DropRecords("Unknown MLP type")
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed",
                                     category=UserWarning)
@@ -271,10 +233,20 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
     tp = parallel_state.get_tensor_model_parallel_world_size()
     padded_vocab = flavour.padded_vocab_size(tp=tp)
     if flavour.is_moe and router_name != MEGATRON_ROUTER:
-        router_options = _with_vocab_size(router_name, router_options, padded_vocab)
+        from routers import router_class
+
+        # Hash's table size: the padded vocabulary unless set.
+        router_options = dict(router_options or {})
+        if "vocab_size" in {f.name for f in dataclasses.fields(router_class(router_name).Config)}:
+            router_options.setdefault("vocab_size", padded_vocab)
 
     backend = resolve_backend(backend)
-    backend_options = _backend_options(backend_options)
+    if not isinstance(backend_options, TorchBackendOptions):  # a dict of its fields, or None: the defaults
+        options = {} if backend_options is None else backend_options
+        if not isinstance(options, dict):
+            raise ValueError(f"backend_options must be a TorchBackendOptions or a dict, got {type(options).__name__}")
+        refuse_unknown(options, [f.name for f in dataclasses.fields(TorchBackendOptions)], "backend option")
+        backend_options = TorchBackendOptions(**options)
     ep = parallel_state.get_expert_model_parallel_world_size()
     config = transformer_config(flavour, router_name, router_options, bf16=bf16, backend=backend, tp=tp, ep=ep)
     spec = _layer_spec(flavour, config, router_name, router_options, backend, backend_options)
@@ -292,8 +264,7 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
     model = model_class(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab, max_sequence_length=flavour.seq_length,
         position_embedding_type="rope", rotary_base=flavour.rotary_base,
-        share_embeddings_and_output_weights=False, parallel_output=True,  # untied embeddings
-        **fused_kwargs,
+        share_embeddings_and_output_weights=False, parallel_output=True, **fused_kwargs,  # untied embeddings
     )
     if config.bf16:
         _norms_to_bf16(model)
@@ -321,10 +292,7 @@ def _link_router_layers(model: torch.nn.Module) -> None:
     """Give each router class with ``link_layers`` its routers in layer order (cross-layer losses: SparseMixer-v2)."""
     from routers.schedule import routers_in
 
-    by_class: dict[type, list] = {}
-    for router in routers_in(model):
-        by_class.setdefault(type(router), []).append(router)
-    for cls, members in by_class.items():
-        link = getattr(cls, "link_layers", None)
-        if link is not None:
-            link(members)
+    found = routers_in(model)
+    for cls in dict.fromkeys(type(router) for router in found):
+        if getattr(cls, "link_layers", None) is not None:
+            cls.link_layers([router for router in found if type(router) is cls])
