@@ -31,9 +31,9 @@ def _finite(section: str, name: str, value: float) -> None:
         raise ValueError(f"{section}.{name} must be a finite number, got {value}")
 
 
-def _at_least(section: str, obj: Any, names: Iterable[str], low: float) -> None:
-    """Refuse a field of ``names`` below ``low`` or not finite (None passes)."""
-    for name in names:
+def _at_least(section: str, obj: Any, **lows: float) -> None:
+    """Refuse a field (keyword) below its value or not finite (None passes)."""
+    for name, low in lows.items():
         value = getattr(obj, name)
         if value is None:
             continue
@@ -60,8 +60,7 @@ class ModelConfig:
     fused_cross_entropy: FusedCrossEntropy = "none"
 
     def __post_init__(self) -> None:
-        _at_least("model", self, ("num_experts", "top_k"), 1)
-        _at_least("model", self, ("seq_length",), 2)
+        _at_least("model", self, num_experts=1, top_k=1, seq_length=2)
         choices = typing.get_args(FusedCrossEntropy)
         if self.fused_cross_entropy not in choices:
             raise ValueError(f"model.fused_cross_entropy must be one of {', '.join(choices)}, "
@@ -109,7 +108,7 @@ class OptimizerConfig:
     foreach_fallbacks: bool = False
 
     def __post_init__(self) -> None:
-        _at_least("optimizer", self, ("weight_decay", "eps", "clip_grad"), 0.0)
+        _at_least("optimizer", self, weight_decay=0.0, eps=0.0, clip_grad=0.0)
         _finite("optimizer", "lr", self.lr)
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
@@ -130,8 +129,7 @@ class ScheduleConfig:
     min_lr: float = 1e-4
 
     def __post_init__(self) -> None:
-        _at_least("schedule", self, ("steps",), 1)
-        _at_least("schedule", self, ("min_lr",), 0.0)
+        _at_least("schedule", self, steps=1, min_lr=0.0)
         if not 0.0 <= self.warmup_fraction <= 1.0:
             raise ValueError(f"schedule.warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
@@ -139,9 +137,7 @@ class ScheduleConfig:
 
     @property
     def num_warmup_steps(self) -> int:
-        if self.warmup_steps is not None:
-            return self.warmup_steps
-        return int(round(self.warmup_fraction * self.steps))
+        return self.warmup_steps if self.warmup_steps is not None else int(round(self.warmup_fraction * self.steps))
 
 
 @dataclass(frozen=True)
@@ -171,9 +167,7 @@ class DataConfig:
         if not (self.source in DATA_CHOICES or kind in ("pile", "indexed", "mini-pile")):
             raise ValueError(f"data.source must be one of {', '.join(DATA_CHOICES)}, 'mini-pile:<dir>', "
                              f"'pile:<prefix>' or 'indexed:<prefix>', got '{self.source}'")
-        _at_least("data", self, ("vocab_size",), 2)
-        _at_least("data", self, ("synthetic_samples",), 0)
-        _at_least("data", self, ("micro_batch_size", "global_batch_size"), 1)
+        _at_least("data", self, vocab_size=2, synthetic_samples=0, micro_batch_size=1, global_batch_size=1)
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"data.global_batch_size {self.global_batch_size} is not a multiple of "
                              f"data.micro_batch_size {self.micro_batch_size}")
@@ -195,7 +189,7 @@ class ParallelConfig:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        _at_least("parallel", self, ("tp", "ep"), 1)
+        _at_least("parallel", self, tp=1, ep=1)
 
 
 @dataclass(frozen=True)
@@ -215,7 +209,7 @@ class CheckpointConfig:
     layout_independent_init: bool = True
 
     def __post_init__(self) -> None:
-        _at_least("checkpoint", self, ("interval",), 0)
+        _at_least("checkpoint", self, interval=0)
 
 
 @dataclass(frozen=True)
@@ -237,7 +231,7 @@ class LoggingConfig:
     trace_step: int = 0
 
     def __post_init__(self) -> None:
-        _at_least("logging", self, ("interval", "metrics_interval"), 1)
+        _at_least("logging", self, interval=1, metrics_interval=1)
         if self.tensorboard_dir is not None and not self.tensorboard_dir:
             raise ValueError("logging.tensorboard_dir must be None or a non-empty path")
         if self.trace_step and self.trace_step < 2:
@@ -252,7 +246,7 @@ class ValidationConfig:
     iters: int = 2
 
     def __post_init__(self) -> None:
-        _at_least("validation", self, ("interval", "iters"), 0)
+        _at_least("validation", self, interval=0, iters=0)
 
 
 @dataclass(frozen=True)
@@ -301,27 +295,19 @@ class RunConfig:
             return given
         import routers
 
-        defaults = {}
-        for f in dataclasses.fields(routers.router_class(name).Config):
-            if f.name in ("hidden_size", "num_experts", "top_k"):
-                continue
-            if f.default is not dataclasses.MISSING:
-                defaults[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                defaults[f.name] = f.default_factory()
+        missing = dataclasses.MISSING
+        defaults = {f.name: f.default_factory() if f.default is missing else f.default
+                    for f in dataclasses.fields(routers.router_class(name).Config)
+                    if f.name not in ("hidden_size", "num_experts", "top_k")
+                    and (f.default is not missing or f.default_factory is not missing)}
         return {**defaults, **given}
 
     def model_kwargs(self) -> dict[str, Any]:
         """Arguments for :func:`repro.model.builder.build_model` besides vocabulary, sequence length, precision."""
-        return dict(
-            flavour=self.model.flavour_config(),
-            router_name=self.router.name,
-            router_options=self.router_options() if self.router.name else None,
-            backend=self.model.backend,
-            backend_options=self.model.backend_options,
-            fused_cross_entropy=self.model.fused_cross_entropy,
-            seed=self.seed,
-        )
+        return dict(flavour=self.model.flavour_config(), router_name=self.router.name,
+                    router_options=self.router_options() if self.router.name else None, backend=self.model.backend,
+                    backend_options=self.model.backend_options, fused_cross_entropy=self.model.fused_cross_entropy,
+                    seed=self.seed)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -342,8 +328,7 @@ class RunConfig:
         from omegaconf.errors import OmegaConfBaseException
 
         try:
-            merged = OmegaConf.merge(OmegaConf.structured(cls), dict(data))
-            return OmegaConf.to_object(merged)
+            return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(cls), dict(data)))
         except OmegaConfBaseException as exc:
             raise ReproError(f"{origin}: {_omegaconf_message(exc)}") from None
         except ValueError as exc:
@@ -360,14 +345,11 @@ def _omegaconf_message(exc: Exception) -> str:
 def _leaf_keys(obj: Any, prefix: str = "") -> list[str]:
     keys = []
     for f in dataclasses.fields(obj):
-        value = getattr(obj, f.name)
-        path = f"{prefix}{f.name}"
+        value, path = getattr(obj, f.name), f"{prefix}{f.name}"
         if dataclasses.is_dataclass(value):
             keys += _leaf_keys(value, f"{path}.")
-        elif f.name in ("options", "backend_options"):
-            keys.append(f"{path}.<option>")
         else:
-            keys.append(path)
+            keys.append(f"{path}.<option>" if f.name in ("options", "backend_options") else path)
     return keys
 
 
@@ -393,17 +375,15 @@ def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, A
     fields = _router_option_fields(router)
     unknown = sorted(set(options) - set(fields))
     if unknown:
-        raise ReproError(
-            f"unknown option(s) {', '.join(unknown)} for router '{router}'; valid: {', '.join(sorted(fields)) or '(none)'}"
-        )
+        raise ReproError(f"unknown option(s) {', '.join(unknown)} for router '{router}'; "
+                         f"valid: {', '.join(sorted(fields)) or '(none)'}")
     if not options:
         return {}
     schema = dataclasses.make_dataclass(f"{router}_options", [(name, fields[name]) for name in options])
     try:
-        typed = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), dict(options)))
+        return dict(OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(schema), dict(options))))
     except OmegaConfBaseException as exc:
         raise ReproError(f"router.options.{_omegaconf_message(exc)} (router '{router}')") from None
-    return dict(typed)
 
 
 def check_router_options(config: RunConfig) -> None:
@@ -425,7 +405,7 @@ def check_router_options(config: RunConfig) -> None:
     if flavour.num_experts is None:
         raise ReproError(f"router.name: flavour '{flavour.name}' is dense and takes no router (got '{name}')")
     cls = routers.router_class(name)
-    options = {**options, **{k: v for k, v in config.router_options().items() if k not in options}}
+    options = {**config.router_options(), **options}
     try:
         cls.Config(hidden_size=flavour.hidden_size, num_experts=flavour.num_experts, top_k=flavour.top_k, **options)
     except (ValueError, TypeError) as exc:
@@ -450,14 +430,12 @@ def apply_overrides(config: RunConfig, assignments: Iterable[str]) -> RunConfig:
 
     items = list(assignments)
     for item in items:
-        key, sep, _ = item.partition("=")
-        if not sep or not key.strip():
+        if "=" not in item or not item.partition("=")[0].strip():
             raise ReproError(f"--set expects key=value, got '{item}'")
     plain = [i for i in items if not i.startswith("router.options.")]
     option_items = [i[len("router.options."):] for i in items if i.startswith("router.options.")]
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(plain))
-        data = OmegaConf.to_container(merged)
+        data = OmegaConf.to_container(OmegaConf.merge(OmegaConf.structured(config), OmegaConf.from_dotlist(plain)))
     except OmegaConfBaseException as exc:
         message = _omegaconf_message(exc)
         if "not in" in message and "Did you mean" not in message:

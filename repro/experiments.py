@@ -79,11 +79,12 @@ def _declared_overrides(router: str | None, variant: str | None, flavour: str) -
         return ()
     import routers
 
-    cls = routers.router_class(router)
+    try:
+        cls = routers.router_class(router)
+    except ValueError as exc:
+        raise ReproError(str(exc)) from None
     if variant is not None and variant not in cls.variants:
-        raise ReproError(
-            f"router '{router}' has no variant '{variant}'; valid: {', '.join(cls.variants) or '(none)'}"
-        )
+        raise ReproError(f"router '{router}' has no variant '{variant}'; valid: {', '.join(cls.variants) or '(none)'}")
     return (*cls.recipe_overrides.get(flavour, ()), *(cls.variants[variant] if variant else ()))
 
 
@@ -97,13 +98,6 @@ def build_experiment(router: str, flavour: str) -> RunConfig:
         raise ReproError(f"unknown flavour '{flavour}'; valid: {', '.join(RECIPES)}")
     base, _, variant = router.partition("+")
     name = None if base == DENSE else base
-    if name is not None and name != MEGATRON_ROUTER:
-        import routers
-
-        try:
-            routers.router_class(name)
-        except ValueError as exc:
-            raise ReproError(str(exc)) from None
     config = apply_overrides(RECIPES[flavour](name), _declared_overrides(name, variant or None, flavour))
     return dataclasses.replace(config, name=f"{router}-{flavour}") if variant else config
 
@@ -125,7 +119,6 @@ def describe(config: RunConfig) -> str:
     """One line describing an experiment for ``--list``."""
     router = config.router.name or DENSE
     seq = config.model.seq_length or "flavour"
-    return (
-        f"{config.name:<24} router={router:<14} flavour={config.model.flavour:<17} steps={config.schedule.steps:<6} "
-        f"batch={config.data.global_batch_size}x{seq} lr={config.optimizer.lr:g}->{config.schedule.min_lr:g}"
-    )
+    return (f"{config.name:<24} router={router:<14} flavour={config.model.flavour:<17} "
+            f"steps={config.schedule.steps:<6} batch={config.data.global_batch_size}x{seq} "
+            f"lr={config.optimizer.lr:g}->{config.schedule.min_lr:g}")
