@@ -42,11 +42,6 @@ MOVED = {"mini": "study mini", "ablation": "study ablation", "efficiency": "stud
          "bench-table": "report bench", "eval-data": "eval fetch | eval check"}
 
 
-def _program() -> str:
-    """How the user called us: ``dirmoe-bench`` (console script) or ``python -m repro``."""
-    return "dirmoe-bench" if Path(sys.argv[0]).name == "dirmoe-bench" else "python -m repro"
-
-
 def _usage(table: dict, prog: str) -> str:
     rows = [(f"{name} {sub}" if sub else name, help_) for name, entry in table.items()
             for sub, (_, help_) in (entry.items() if isinstance(entry, dict) else [("", entry)])]
@@ -79,7 +74,8 @@ def resolve(argv: list[str]) -> tuple[Entry, str, list[str]]:
 def main(argv: list[str] | None = None) -> int:
     """Dispatch to a command. Returns the process exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    prog = _program()
+    # How the user called us: ``dirmoe-bench`` (console script) or ``python -m repro``.
+    prog = "dirmoe-bench" if Path(sys.argv[0]).name == "dirmoe-bench" else "python -m repro"
     if not argv or argv[0] in ("-h", "--help"):
         print(_usage(COMMANDS, prog))
         return 0
