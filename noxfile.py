@@ -37,10 +37,6 @@ CPU_TORCH = "torch==2.13.0"
 OFFLINE_ENV = {"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _has_gpu() -> bool:
-    return shutil.which("nvidia-smi") is not None
-
-
 def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | None = None) -> None:
     """Install the project (editable) with ``extras``, CPU torch first on CPU machines.
 
@@ -53,7 +49,7 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
     # pip byte-compiles what it installs one file at a time, most of the install; compileall on every core does the
     # same in a fraction of that. Compiled ahead, not on import: where PYTHONDONTWRITEBYTECODE is set, every process
     # would compile what it imports again.
-    if not _has_gpu():
+    if shutil.which("nvidia-smi") is None:
         session.install("--no-compile", CPU_TORCH)
     session.install("--no-compile", "-e", spec)
     # run_install: part of the install (run by --install-only, skipped with the installs by --no-install)
@@ -83,15 +79,11 @@ def tests(session: nox.Session) -> None:
     # worker; --no-loadscope-reorder: the files go out longest first, as tests/conftest.py orders them (xdist
     # would order them by their number of tests). Arguments after -- come last: `nox -s tests -- -n 0
     # tests/test_data.py` runs one file serially.
-    session.run("pytest", "-n", str(_test_workers()), "--dist", "loadfile", "--no-loadscope-reorder", *args,
-                env=OFFLINE_ENV)
-
-
-def _test_workers() -> int:
-    """pytest-xdist workers: the cores this process may use (a container's CPU set, not the host's), at most 8
-    (each worker holds torch and megatron-core; the end-to-end files train several small models)."""
+    # Workers: the cores this process may use (a container's CPU set, not the host's), at most 8 (each worker holds
+    # torch and megatron-core; the end-to-end files train several small models).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, min(cores, 8))
+    session.run("pytest", "-n", str(max(1, min(cores, 8))), "--dist", "loadfile", "--no-loadscope-reorder", *args,
+                env=OFFLINE_ENV)
 
 
 @nox.session(name="tests-gpu", venv_backend="none")
@@ -105,17 +97,9 @@ def bench(session: nox.Session) -> None:
     """Router micro-benchmarks (pytest-benchmark): forward+backward at T=4096, D=768, E=8, k=1; JSON in results/bench/."""
     _install(session)
     os.makedirs("results/bench", exist_ok=True)
-    session.run(
-        "pytest",
-        "benchmarks",
-        "--benchmark-only",
-        "--benchmark-enable",
-        "--benchmark-json=results/bench/routers.json",
-        "-p",
-        "no:cacheprovider",
-        *session.posargs,
-        env=OFFLINE_ENV,
-    )
+    session.run("pytest", "benchmarks", "--benchmark-only", "--benchmark-enable",
+                "--benchmark-json=results/bench/routers.json", "-p", "no:cacheprovider", *session.posargs,
+                env=OFFLINE_ENV)
     session.run("python", "-m", "repro", "report", "bench", "results/bench/routers.json", env=OFFLINE_ENV)
     session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
 
@@ -217,9 +201,9 @@ def wheelhouse(session: nox.Session) -> None:
         stage, downloads, built_dir, placeholders = tmp / "wheels", tmp / "downloads", tmp / "built", tmp / "present"
         for d in (stage, downloads, built_dir, placeholders):
             d.mkdir()
-        (tmp / "roots.in").write_text("".join(r + "\n" for r in roots))
-        (tmp / "check.in").write_text("".join(r + "\n" for r in check_roots))
-        (tmp / "excludes.txt").write_text("".join(n + "\n" for n in sorted({*wh.ALWAYS_EXCLUDED, *present})))
+        for name, lines in (("roots.in", roots), ("check.in", check_roots),
+                            ("excludes.txt", sorted({*wh.ALWAYS_EXCLUDED, *present}))):
+            (tmp / name).write_text("".join(line + "\n" for line in lines))
         session.run(*wh.uv_compile_command(tmp / "roots.in", tmp / "excludes.txt", tmp / "pins.txt", target))
         pins = wh.parse_pins((tmp / "pins.txt").read_text())
         keep = [(n, v) for n, v in pins if not wh.is_excluded(n, present)]
