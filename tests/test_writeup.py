@@ -30,7 +30,7 @@ def test_committed_writeups_agree_with_the_results_files():
 
 def test_the_readme_has_a_block_for_every_study():
     readme = (ROOT / "README.md").read_text()
-    for study in writeup.studies():
+    for study in writeup.writeups():
         if (ROOT / "results" / study).is_dir():
             assert f"<!-- BEGIN generated: {study} -->" in readme
             assert f"<!-- END generated: {study} -->" in readme

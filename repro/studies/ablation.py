@@ -209,11 +209,8 @@ def _cost(cfg: AblationConfig) -> dict[str, Any]:
     """Worker CPU seconds: total, and per run of each cell."""
     costs = {(c, s): run_cost(cfg.run_dir(c, s)) for c, s in cfg.runs()}
     known = {k: v for k, v in costs.items() if v is not None}
-    per_cell = {}
-    for cell in cfg.cells:
-        cpu = [v["cpu_seconds"] for (c, _), v in known.items() if c == cell]
-        if cpu:
-            per_cell[cell] = round(sum(cpu) / len(cpu), 1)
+    per_cell = {cell: round(sum(cpu) / len(cpu), 1) for cell in cfg.cells
+                if (cpu := [v["cpu_seconds"] for (c, _), v in known.items() if c == cell])}
     return {
         "runs_measured": len(known),
         "runs": len(costs),
@@ -357,13 +354,6 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
 
 
 # ------------------------------------------------------------------------------------------------ main
-def _int_list(text: str, flag: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(part) for part in text.split(",") if part.strip())
-    except ValueError:
-        raise ReproError(f"{flag}: expected comma-separated integers, got '{text}'") from None
-
-
 def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespace, bool | None]:
     """The checked settings and ``--fresh``; with ``--tables-only``, the parsed arguments and None."""
     defaults = AblationConfig(cells=tuple(CELLS))
@@ -381,14 +371,15 @@ def parse(argv: list[str], prog: str) -> tuple[AblationConfig | argparse.Namespa
     if args.tables_only:
         return args, None
     cells = pick(args.cells, tuple(CELLS), "--cells", "cell")
-    seeds = _int_list(args.seeds, "--seeds")
+    try:
+        seeds = tuple(int(part) for part in args.seeds.split(",") if part.strip())
+    except ValueError:
+        raise ReproError(f"--seeds: expected comma-separated integers, got '{args.seeds}'") from None
     try:
         cfg = AblationConfig(cells=cells, seeds=seeds, family=args.family, confirm=args.confirm,
                              **CpuStudySettings.shared(args))
     except ValueError as exc:
         raise ReproError(str(exc)) from None
-    for cell, seed in cfg.runs():
-        cfg.experiment(cell, seed)  # unknown keys / bad values: one-line error before any work
     return cfg, args.fresh
 
 

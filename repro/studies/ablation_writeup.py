@@ -69,14 +69,13 @@ def _family(results: dict[str, Any], versus: str) -> dict[tuple[str, str], Paire
     """Every summary test against ``versus``, ``(cell, metric) -> Paired``: one Holm family (the table's), each
     with the family's size and the exact sign-flip test."""
     found: dict[tuple[str, str], Paired] = {}
-    pairs = {}
+    pairs: dict[tuple[str, str], tuple[dict[str, float], dict[str, float]]] = {}
     for cell, metrics in results.items():
         for metric, entry in metrics.items():
             if isinstance(entry, dict) and (entry.get(f"vs_{versus}") or {}).get("p") is not None:
                 reference = _values(results, versus, metric)
-                p = read_paired(entry, versus, reference)
-                if p is not None:
-                    found[(cell, metric)], pairs[(cell, metric)] = p, (reference, entry["values"])
+                found[(cell, metric)] = read_paired(entry, versus, reference)  # (a test: never None)
+                pairs[(cell, metric)] = reference, entry["values"]
     return with_sign_flip({k: replace(p, family=len(found)) for k, p in found.items()}, pairs)
 
 
@@ -209,8 +208,8 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
         *(_cell_finding(results, cells, c) for c in others if c != SWITCH and REFERENCE in results),
         *filter(None, [_theta_finding(results, s.get("final_window_steps"))]),
         *contrasts,
+        *_cost(s),
     ]
-    findings += _cost(s)
     tables = [directory / f"{t}.md" for t in ("ablation", "ablation_differences", "ablation_vs_switch", PAIRS_TABLE)]
     readme = page(
         f"The DirMoE ablation: {len(results)} cells x {len(seeds)} seeds, {s.get('steps')} steps",

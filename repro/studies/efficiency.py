@@ -23,11 +23,9 @@ Defaults, each one option away:
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import os
 import re
-import shutil
 import subprocess
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +33,7 @@ from typing import Any
 
 from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
-from repro.studies.engine import Run, Study, check_out_dir, claim, run_study
+from repro.studies.engine import OneLineParser, Run, Study, check_out_dir, claim, run_study
 
 #: Flavour -> devices its recipe's global batch is spread over in its source (papers: ~8 GPUs; mini: 1 CPU).
 REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
@@ -253,7 +251,7 @@ def efficiency_config(router: str, flavour: str, **kwargs: Any):
 # ------------------------------------------------------------------------------------------ records
 def _device_name(on_gpu: bool) -> str | None:
     """The GPU's name via nvidia-smi (no CUDA context in this process), else None (the record's default)."""
-    if not on_gpu or shutil.which("nvidia-smi") is None:
+    if not on_gpu:
         return None
     try:
         out = subprocess.run(
@@ -340,20 +338,13 @@ def resolve_init_from(values: list[str], runs: list[RunSpec]) -> list[RunSpec]:
     return resolved
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse with its errors as one :class:`ReproError` line."""
-
-    def error(self, message: str):  # type: ignore[override]
-        raise ReproError(message)
-
-
 def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     """The plan from the command line, every run's config built and checked before any work.
 
     Raises:
         ReproError: a bad argument (one line naming it).
     """
-    p = _Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--router", default="all",
                    help="comma-separated routers and dense, or all (python -m repro train --list-routers)")
     p.add_argument("--variant", action="append", default=[], metavar="LABEL=ROUTER[,KEY=VALUE...]",
@@ -476,8 +467,7 @@ def _interleaved(plan: EfficiencyPlan) -> dict[str, Any]:
     from repro.training.interleave import train_interleaved
 
     study = plan.study()
-    check_out_dir(study)
-    claim(study, fresh=True)
+    claim(study, fresh=True)  # (parse checked the output directory)
     start, failed = time.perf_counter(), {}
     runs = [(spec.label, plan.config(spec), plan.run_dir(spec)) for spec in plan.runs]
     try:

@@ -89,6 +89,13 @@ class CpuStudySettings:
                     workers=args.workers, overrides=tuple(args.set))
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with its errors as one :class:`ReproError` line, as every command's bad argument."""
+
+    def error(self, message: str):  # type: ignore[override]
+        raise ReproError(message)
+
+
 def pick(text: str, valid: Sequence[str], flag: str, what: str) -> tuple[str, ...]:
     """``all`` or a comma-separated list of names out of ``valid`` (ReproError naming the unknown ones)."""
     names = tuple(valid) if text.strip() == "all" else tuple(n.strip() for n in text.split(",") if n.strip())
@@ -437,11 +444,14 @@ def check_out_dir(study: Study) -> None:
 
 
 def run_study(study: Study, *, fresh: bool = False, prepare: Callable[[], Any] | None = None) -> dict[str, Any]:
-    """Check the output directory, ``prepare()`` (data), :func:`execute`, then print ``study.report``'s text.
+    """Build every run's config, check the output directory, ``prepare()`` (data), :func:`execute`, then print
+    ``study.report``'s text.
 
     Returns:
         The outcome of :func:`execute` with ``elapsed`` (seconds) added.
     """
+    for run in study.runs:
+        run.config()  # unknown keys / bad values: one-line error before any work
     check_out_dir(study)
     start = time.perf_counter()
     if prepare is not None:

@@ -114,23 +114,11 @@ class MiniConfig(CpuStudySettings):
 
     def analysis_settings(self) -> dict[str, Any]:
         """Non-experiment settings a finished run's record and analysis depend on."""
-        return {
-            "eval_limit": self.eval_limit,
-            "spec_tokens": self.spec_tokens,
-            "warmup_rows": self.warmup_rows,
-            "domain_tokens": self.domain_tokens,
-            "bootstrap_iters": self.bootstrap_iters,
-            "per_question": True,
-        }
+        keys = ("eval_limit", "spec_tokens", "warmup_rows", "domain_tokens", "bootstrap_iters")
+        return {**{key: getattr(self, key) for key in keys}, "per_question": True}
 
 
 # ------------------------------------------------------------------------------------------------ one run
-def _heldout_documents(heldout_path: Path, tokenizer) -> list[tuple[list[int], str]]:
-    from repro.data.pile import iter_pile_documents
-
-    return [(tokenizer.tokenize(d.text) + [tokenizer.eod], d.domain) for d in iter_pile_documents([heldout_path])]
-
-
 def heldout_domain_losses(
     logits: Callable[[torch.Tensor], torch.Tensor],
     documents: Sequence[tuple[list[int], str]],
@@ -206,6 +194,7 @@ def run_one(study: Study, run: Run) -> Path:
         The record path.
     """
     from repro.data.minipile import open_mini_pile
+    from repro.data.pile import iter_pile_documents
     from repro.evaluation.harness import SuiteLM
     from repro.evaluation.runner import evaluate_lm
     from repro.records.store import write_run_record
@@ -221,7 +210,8 @@ def run_one(study: Study, run: Run) -> Path:
     # log_samples: per-question correctness, for paired tests.
     results = evaluate_lm(lm, local_tasks=Path(cfg.work_dir) / "tasks", limit=cfg.eval_limit,
                           bootstrap_iters=cfg.bootstrap_iters, log_samples=True)
-    docs = _heldout_documents(open_mini_pile(cfg.data_dir).heldout_path, tokenizer)
+    docs = [(tokenizer.tokenize(d.text) + [tokenizer.eod], d.domain)
+            for d in iter_pile_documents([open_mini_pile(cfg.data_dir).heldout_path])]
     losses = heldout_domain_losses(scorer.logits, docs, scorer.max_length, cfg.domain_tokens)
     write_json_atomic(run_dir / "analysis.json", _analyse(cfg, run.run_id, scorer, docs))
     return write_run_record(run_dir, warmup=cfg.warmup_rows, lm_eval_results=results, run_id=run.run_id,
@@ -415,15 +405,10 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     # Dense, every router, and the routers' declared variants (DirMoE's centred target), labelled as such.
     every = (DENSE, *(r for r in experiment_routers(variants=True) if r not in (DENSE, MEGATRON_ROUTER)))
     runs = pick(args.runs, every, "--runs", "run")
-    for name, value in (
-        ("--steps", args.steps), ("--workers", args.workers), ("--eval-limit", args.eval_limit), ("--seeds", args.seeds)
-    ):
-        if value < 1:
-            raise ReproError(f"{name} must be >= 1, got {value}")
-    cfg = MiniConfig(runs=runs, eval_limit=args.eval_limit, seeds=args.seeds, **CpuStudySettings.shared(args))
-    for run, k in cfg.jobs():
-        cfg.experiment(run, k)  # unknown keys / bad values: one-line error before any work
-    return cfg, args.fresh
+    for name in ("steps", "workers", "eval_limit", "seeds"):
+        if getattr(args, name) < 1:
+            raise ReproError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    return MiniConfig(runs=runs, eval_limit=args.eval_limit, seeds=args.seeds, **CpuStudySettings.shared(args)), args.fresh
 
 
 def main(argv: list[str], prog: str = "python -m repro study mini") -> int:

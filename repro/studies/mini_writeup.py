@@ -86,11 +86,7 @@ def mini(directory: Path) -> Writeup:
             + "; ".join(f"{r} ({' / '.join(map(num, vals.values()))} in layers {', '.join(vals)})" for r, vals in uneven.items())
             + "."
         )
-    if cpu:
-        findings.append(_cpu(cpu))
-    wall = _wall(s, len(final) * s["seeds"])
-    if wall:
-        findings.append(wall)
+    findings += [line for line in (_cpu(cpu) if cpu else "", _wall(s, len(final) * s["seeds"])) if line]
     tables = [directory / f"{t}.md" for t in ("zero_shot", "validation", "efficiency", "routing")]
     readme = page(
         f"The router comparison on the embedded default, {s['steps']} steps, {s['seeds']} seed",

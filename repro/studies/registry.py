@@ -203,7 +203,4 @@ def main(argv: list[str], prog: str = "python -m repro study") -> int:
     p.add_argument("--tasks-data", default=None, metavar="DIR", help="the zero-shot tasks' datasets on disk (eval fetch)")
     p.add_argument("--fresh", action="store_true", help="retrain every run even if it finished")
     args = p.parse_args(rest)
-    study = sweep_study(sweep, args)
-    for run in study.runs:
-        run.config()  # unknown keys / bad values: one-line error before any work
-    return 1 if run_study(study, fresh=args.fresh)["failed"] else 0
+    return 1 if run_study(sweep_study(sweep, args), fresh=args.fresh)["failed"] else 0

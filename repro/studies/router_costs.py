@@ -9,7 +9,6 @@ as Markdown, CSV and JSON (``results/bench/router_costs.*``).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 from pathlib import Path
 from typing import Any
@@ -129,12 +128,9 @@ def main(argv: list[str], prog: str = "python -m repro study router-costs") -> i
     from repro.errors import ReproError
     from repro.io_utils import atomic_path, write_json_atomic
     from repro.report.table_core import render
+    from repro.studies.engine import OneLineParser
 
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str):  # type: ignore[override]
-            raise ReproError(message)  # one line, as every command's bad argument
-
-    p = Parser(prog=prog, description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog=prog, description=__doc__.split("\n\n")[0])
     p.add_argument("--router", default=None, help="comma-separated run labels (default: all)")
     p.add_argument("--out", default=DEFAULT_OUT, help=f"output directory (default {DEFAULT_OUT})")
     args = p.parse_args(argv)

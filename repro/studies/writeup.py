@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 from repro.errors import ReproError
@@ -28,14 +28,9 @@ _BLOCK = re.compile(r"(<!-- BEGIN generated: (?P<name>[\w.+-]+) -->\n)(?P<body>.
 
 
 # ------------------------------------------------------------------------------------------ writing
-def studies() -> dict[str, Callable[[Path], Writeup]]:
-    """Study directory name -> its write-up function (``results/<name>`` in, :class:`Writeup` out)."""
-    return writeups()
-
-
 def generate(root: Path) -> list[Writeup]:
     """Every study's write-up from ``root/results`` (studies without a directory left out)."""
-    return [make(root / "results" / name) for name, make in studies().items() if (root / "results" / name).is_dir()]
+    return [make(root / "results" / name) for name, make in writeups().items() if (root / "results" / name).is_dir()]
 
 
 def fill_blocks(text: str, writeups: Sequence[Writeup], origin: str = "README.md") -> str:
@@ -71,17 +66,12 @@ def main(argv: list[str], prog: str) -> int:
     parser.add_argument("--root", default=".", help="repository root (default: the current directory)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 when a file is out of date")
     args = parser.parse_args(argv)
-    stale = []
-    for path, text in targets(Path(args.root)).items():
-        current = path.read_text() if path.is_file() else None
-        if current == text:
-            continue
-        stale.append(path)
-        if not args.check:
+    stale = {path: text for path, text in targets(Path(args.root)).items()
+             if not path.is_file() or path.read_text() != text}
+    for path, text in stale.items():
+        if args.check:
+            print(f"out of date: {path} (run python -m repro report writeup)")
+        else:
             path.write_text(text)
             print(f"wrote {path}")
-    if args.check:
-        for path in stale:
-            print(f"out of date: {path} (run python -m repro report writeup)")
-        return 1 if stale else 0
-    return 0
+    return 1 if args.check and stale else 0
