@@ -239,8 +239,7 @@ def build_tables(results, cells: tuple[str, ...], *, family: str = "table", conf
                                                      family=family))
     if REFERENCE in cells and len(cells) > 1:
         tables.append(ablation_tables.ablation_difference_table(results, reference=REFERENCE, family=family))
-    pairs = cell_pairs(cells)
-    if pairs:
+    if pairs := cell_pairs(cells):
         tables.append(ablation_tables.pairs_table(results, pairs, family=family))
     note = (" Screen: cells and claims were chosen from runs on these seeds, so these p-values are exploratory; "
             f"`{COMMAND} --confirm` tests the claims stated in advance on seeds outside {min(SCREEN_SEEDS)}-"

@@ -187,19 +187,21 @@ def efficiency_overrides(
     Raises:
         ReproError: an unknown router or flavour, a bad override, or a batch that does not divide.
     """
-    from repro.config import apply_overrides
+    from repro.config import MEGATRON_ROUTER, _router_option_fields, apply_overrides
     from repro.experiments import build_experiment
 
     if flavour not in REFERENCE_DEVICES:
         raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(REFERENCE_DEVICES)}")
     base = build_experiment(router, flavour)
+    name = base.router.name
+    dense_start = name not in (None, MEGATRON_ROUTER) and "dense_fraction" in _router_option_fields(name)
     own = [
         "data.source=synthetic", f"data.vocab_size={vocab_size}", "data.synthetic_samples=0",
         f"data.micro_batch_size={micro_batch_size or base.data.micro_batch_size}",
         # The trainer checkpoints at the schedule's last step: keep it beyond the steps run.
         f"schedule.steps={max(base.schedule.steps, steps + 1)}", "checkpoint.interval=0", "validation.interval=0",
         # A dense start (Lory's) would time the dense FFN.
-        *(["router.options.dense_fraction=0"] if _has_dense_start(base.router.name) else []),
+        *(["router.options.dense_fraction=0"] if dense_start else []),
         # Routing metrics on the first and last (untimed) iterations only.
         f"logging.metrics_interval={steps}",
         *([f"checkpoint.init_from={init_from}", "checkpoint.init_router_step=true"] if init_from else []),
@@ -231,12 +233,6 @@ def efficiency_overrides(
     if config.schedule.steps <= steps:
         raise ReproError(f"schedule.steps={config.schedule.steps}: must be above the {steps} iterations run")
     return [*own, f"data.global_batch_size={global_batch}"]
-
-
-def _has_dense_start(router: str | None) -> bool:
-    from repro.config import MEGATRON_ROUTER, _router_option_fields
-
-    return router not in (None, MEGATRON_ROUTER) and "dense_fraction" in _router_option_fields(router)
 
 
 def efficiency_config(router: str, flavour: str, **kwargs: Any):
@@ -395,28 +391,24 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
         raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(REFERENCE_DEVICES)}")
     if args.accumulation is not None and args.global_batch is not None:
         raise ReproError("give --accumulation or --global-batch, not both")
-    if args.router.strip() == "all":
-        names = everyone
-    else:
-        names = [r.strip() for r in args.router.split(",") if r.strip()]
-        unknown = [r for r in names if r not in experiment_routers()]
-        if unknown or not names:
-            raise ReproError(f"--router: unknown router(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(everyone)}")
+    names = everyone if args.router.strip() == "all" else [r.strip() for r in args.router.split(",") if r.strip()]
+    unknown = [r for r in names if r not in experiment_routers()]
+    if unknown or not names:
+        raise ReproError(f"--router: unknown router(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(everyone)}")
     runs = [RunSpec(name, name) for name in names] + [_variant(v) for v in args.variant]
     for run in runs:
         if run.router not in experiment_routers():
             raise ReproError(f"--variant {run.label}: {unknown_name('router', run.router, everyone)}")
     runs = resolve_init_from(args.init_from, runs)
-    formats = tuple(f.strip() for f in args.format.split(",") if f.strip())
     try:
         plan = EfficiencyPlan(
             runs=tuple(runs), flavour=flavour, devices=args.gpus,
             accumulation=args.accumulation or default_accumulation(flavour),
             warmup=args.warmup, iters=args.iters or DEFAULT_ITERS[flavour], vocab_size=args.vocab_size,
             overrides=tuple(args.set), out_dir=args.out or f"runs/efficiency-{flavour}-{args.gpus}dev",
-            published=args.published, formats=formats, micro_batch_size=args.micro_batch,
-            global_batch_size=args.global_batch, flops_attention=args.flops_attention,
-            interleave=args.gpus == 1 and not args.separate,
+            published=args.published, formats=tuple(f.strip() for f in args.format.split(",") if f.strip()),
+            micro_batch_size=args.micro_batch, global_batch_size=args.global_batch,
+            flops_attention=args.flops_attention, interleave=args.gpus == 1 and not args.separate,
         )
     except ValueError as exc:
         raise ReproError(str(exc)) from None
@@ -453,8 +445,8 @@ def main(argv: list[str], prog: str = "python -m repro study efficiency") -> int
         flush=True,
     )
     outcome = _interleaved(plan) if plan.interleave else run_study(plan.study(), fresh=True)
-    done = [r for r in plan.runs if r.label not in outcome["failed"]]
-    records = {r.label: load_record(plan.run_dir(r) / "record.json") for r in done}
+    records = {r.label: load_record(plan.run_dir(r) / "record.json")
+               for r in plan.runs if r.label not in outcome["failed"]}
     write_command_outputs(plan, records, outcome["failed"], outcome["seconds"], argv)
     return 1 if outcome["failed"] else 0
 

@@ -53,7 +53,7 @@ def _command_summary(
         runs[run.label]["device_time_ms"] = {"median": statistics.median(devices_ms)} if devices_ms else None
     # Ratios only between runs stepped in turn in one process (repro.studies.efficiency, default 5).
     ratios = {}
-    if getattr(plan, "interleave", False):
+    if plan.interleave:
         done = {run.label: plan.run_dir(run) for run in plan.runs if run.label in runs and run.label not in errors}
         ratios = interleaved_ratios(done, reference=REFERENCE_ROUTER, warmup=plan.warmup, window=plan.iters)
     for label, entry in runs.items():
@@ -61,16 +61,14 @@ def _command_summary(
             entry["interleaved"] = ratios.get(label)
             entry["ratio_to_switch"] = 1.0 if label == REFERENCE_ROUTER and ratios else (
                 ratios[label]["ratio"] if label in ratios else None)
-    first = next((records[r.label] for r in plan.runs if r.label in records), None)
+    environment = next((records[r.label].environment for r in plan.runs if r.label in records), None)
     config = plan.config(plan.runs[0])
     batch, seq = config.data.global_batch_size, config.seq_length
     return {
         "command": shlex.join(["python", "-m", "repro", "study", "efficiency", *argv]),
         "flavour": plan.flavour,
         "devices": plan.devices,
-        "device": first.environment.device if first else None,
-        "torch": first.environment.torch if first else None,
-        "megatron_core": first.environment.megatron_core if first else None,
+        **{key: getattr(environment, key, None) for key in ("device", "torch", "megatron_core")},
         "micro_batch_size": config.data.micro_batch_size,
         "accumulation": config.data.num_microbatches(plan.devices // config.parallel.tp),
         "global_batch_size": batch,
@@ -82,7 +80,7 @@ def _command_summary(
         "flops_attention": plan.flops_attention,
         "flops_count": formula_name(plan.flops_attention),
         "timed_from": "trained checkpoints" if any(r.init_from for r in plan.runs) else "initialisation",
-        "interleaved": bool(getattr(plan, "interleave", False)),
+        "interleaved": plan.interleave,
         "runs": runs,
         "dirmoe_over_switch": runs.get("dirmoe", {}).get("ratio_to_switch"),
         "published_dirmoe_over_switch": PUBLISHED_MS["dirmoe"] / PUBLISHED_MS["switch"],

@@ -399,10 +399,9 @@ def execute(study: Study, *, fresh: bool = False) -> dict[str, Any]:
     """
     states = claim(study, fresh=fresh)
     names = {s: [r.run_id for r in study.runs if states[r.run_id] == s] for s in ("new", "resume", "done")}
-    if names["done"]:
-        print(f"reusing finished runs: {', '.join(names['done'])}")
-    if names["resume"]:
-        print(f"resuming unfinished runs: {', '.join(names['resume'])}")
+    for state, what in (("done", "reusing finished runs"), ("resume", "resuming unfinished runs")):
+        if names[state]:
+            print(f"{what}: {', '.join(names[state])}")
     todo = [r for r in study.runs if states[r.run_id] != "done"]
     where = "" if study.launch else f", {study.workers} at a time (logs in {study.work_dir}/<run>.worker.log)"
     print(f"training {len(todo)} runs{where}", flush=True)

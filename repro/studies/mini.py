@@ -408,7 +408,8 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     for name in ("steps", "workers", "eval_limit", "seeds"):
         if getattr(args, name) < 1:
             raise ReproError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    return MiniConfig(runs=runs, eval_limit=args.eval_limit, seeds=args.seeds, **CpuStudySettings.shared(args)), args.fresh
+    cfg = MiniConfig(runs=runs, eval_limit=args.eval_limit, seeds=args.seeds, **CpuStudySettings.shared(args))
+    return cfg, args.fresh
 
 
 def main(argv: list[str], prog: str = "python -m repro study mini") -> int:

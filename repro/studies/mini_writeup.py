@@ -109,8 +109,7 @@ def _loss_family(per_seed: dict[str, dict[str, list]], key: str) -> dict[str, An
     def by_seed(router: str) -> dict[str, float]:
         return dict(zip(map(str, per_seed[router]["seed"]), per_seed[router][key]))
 
-    others = {r: by_seed(r) for r in per_seed if r != REFERENCE_ROUTER}
-    return paired_tests({router: (by_seed(REFERENCE_ROUTER), values) for router, values in others.items()})
+    return paired_tests({r: (by_seed(REFERENCE_ROUTER), by_seed(r)) for r in per_seed if r != REFERENCE_ROUTER})
 
 
 def _loss_sentence(label: str, family: dict[str, Paired], compute: dict[str, float]) -> str:
