@@ -31,7 +31,8 @@ def trace_routers(model: nn.Module, keep_inputs: bool = False) -> Iterator[Route
     for layer, router in enumerate(m for m in model.modules() if isinstance(m, Router)):
 
         def hook(_module, args, output, layer=layer):
-            detached = RouterOutput(probs=output.probs.detach().float().cpu(), routing_map=output.routing_map.detach().cpu())
+            detached = RouterOutput(probs=output.probs.detach().float().cpu(),
+                                    routing_map=output.routing_map.detach().cpu())
             trace.outputs.setdefault(layer, []).append(detached)
             if keep_inputs:
                 trace.inputs.setdefault(layer, []).append(args[0].detach().float().cpu())

@@ -159,7 +159,8 @@ def interleaved_ratios(
             return None
         r = timing_ratio([ref[s] for s in steps], [other[s] for s in steps])
         return {"ratio": r.ratio, "low": r.low, "high": r.high, "half_width": r.half_width, "rounds": r.rounds,
-                "batches": r.batches, "lag1": r.lag1, "lag1_batch_means": r.lag1_batch_means, "detectable": r.detectable}
+                "batches": r.batches, "lag1": r.lag1, "lag1_batch_means": r.lag1_batch_means,
+                "detectable": r.detectable}
 
     # A step with a device time has a wall time: no device ratio without a wall one.
     return {label: {**wall, "device": figures(label, "device_time_s")} for label in run_dirs

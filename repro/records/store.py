@@ -151,7 +151,8 @@ def default_run_id(run) -> str:
 
 
 def record_from_run_dir(
-    run_dir: str | Path, *, warmup: int | None = None, window: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
+    run_dir: str | Path, *, warmup: int | None = None, window: int | None = None,
+    lm_eval_results: Mapping[str, Any] | None = None,
     run_id: str | None = None, environment: Environment | None = None, domain_losses: Sequence[DomainLoss] = (),
     flops_attention: str = "causal", start_step: int | None = None,
 ) -> RunRecord:

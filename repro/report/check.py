@@ -223,8 +223,10 @@ def final_loss(record: RunRecord, steps: int = FINAL_LOSS_STEPS) -> float | None
 
 def _seed_metrics(record: RunRecord) -> dict[str, float | None]:
     return {
-        f"loss.final (mean of last {FINAL_LOSS_STEPS} steps)": final_loss(record), "loss.validation": record.validation_loss,
-        **{f"{task}/{name}": value for task, metrics in lm_eval_metrics(record).items() for name, value in metrics.items()},
+        f"loss.final (mean of last {FINAL_LOSS_STEPS} steps)": final_loss(record),
+        "loss.validation": record.validation_loss,
+        **{f"{task}/{name}": value for task, metrics in lm_eval_metrics(record).items()
+           for name, value in metrics.items()},
     }
 
 
@@ -366,7 +368,8 @@ def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
     """A nested config as ``{"schedule.steps": 30, ...}``."""
     if not isinstance(config, dict):
         return {prefix: config}
-    return {k: v for key, value in config.items() for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
+    return {k: v for key, value in config.items()
+            for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
 
 
 def _setting_differences(record: RunRecord, previous: Sequence[RunRecord]) -> str:

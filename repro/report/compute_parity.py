@@ -48,7 +48,8 @@ def compute_parity(
         ``run_id -> ParityVerdict``.
     """
     measured = [r for r in records if _expert_flops(r) is not None]
-    reference = next((r for r in measured if r.experiment.router == reference_router), measured[0] if measured else None)
+    reference = next((r for r in measured if r.experiment.router == reference_router),
+                     measured[0] if measured else None)
     verdicts = {}
     for record in records:
         value = _expert_flops(record)

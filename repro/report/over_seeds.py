@@ -174,7 +174,8 @@ def marks_sentence(
 
 def undefined_cells(stats: Mapping[str, Mapping[str, SeedStat]], labels: Mapping[str, str]) -> list[tuple[str, str]]:
     """``(row, column label)`` of the undefined tests among ``stats`` (row -> column -> stat), in table order."""
-    return [(row, labels.get(column, column)) for row, cells in stats.items() for column, s in cells.items() if s.undefined]
+    return [(row, labels.get(column, column)) for row, cells in stats.items()
+            for column, s in cells.items() if s.undefined]
 
 
 def count_defined(stats: Mapping[str, Mapping[str, SeedStat]]) -> int:

@@ -332,7 +332,8 @@ def routing_table(records: Sequence[RunRecord]) -> Table:
         rows.append((labels[record.run_id], "mean",
                      *(_fmt(layer_mean(n)(record), spec) for n, (_, spec) in ROUTING_COLUMNS.items())))
         rows += [(labels[record.run_id], str(layer.layer + 1),
-                  *(_fmt(getattr(layer, n), spec) for n, (_, spec) in ROUTING_COLUMNS.items())) for layer in record.routing]
+                  *(_fmt(getattr(layer, n), spec) for n, (_, spec) in ROUTING_COLUMNS.items()))
+                 for layer in record.routing]
     headers = ("Router", "Layer", *ROUTING_HEADERS.values())
     caption = (
         "Routing behaviour, averaged over the measured steps, per MoE layer (counted from 1, as in TensorBoard, the "

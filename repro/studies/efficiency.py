@@ -394,7 +394,8 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     names = everyone if args.router.strip() == "all" else [r.strip() for r in args.router.split(",") if r.strip()]
     unknown = [r for r in names if r not in experiment_routers()]
     if unknown or not names:
-        raise ReproError(f"--router: unknown router(s) {', '.join(unknown) or '(none given)'}; valid: {', '.join(everyone)}")
+        raise ReproError(f"--router: unknown router(s) {', '.join(unknown) or '(none given)'}; "
+                         f"valid: {', '.join(everyone)}")
     runs = [RunSpec(name, name) for name in names] + [_variant(v) for v in args.variant]
     for run in runs:
         if run.router not in experiment_routers():

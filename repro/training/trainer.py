@@ -271,7 +271,8 @@ class Trainer:
         kwargs = dict(lr=opt.lr, weight_decay=opt.weight_decay, betas=(opt.beta1, opt.beta2), eps=opt.eps,
                       clip_grad=opt.clip_grad)
         if self.device.type == "cuda":  # pragma: no cover - GPU machines only
-            kwargs.update(bf16=self.bf16, distributed_optimizer=opt.distributed, foreach_fallbacks=opt.foreach_fallbacks)
+            kwargs.update(bf16=self.bf16, distributed_optimizer=opt.distributed,
+                          foreach_fallbacks=opt.foreach_fallbacks)
             return MegatronOptimization(self.model, self.parallel, **kwargs)
         return CpuOptimization(self.model, self.parallel, **kwargs)
 
