@@ -25,7 +25,7 @@ from megatron.core.transformer.moe.moe_utils import (
 )
 
 from baselines._gate import GatedRouter
-from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
 from routers.base import require
 
 
@@ -95,11 +95,9 @@ class AuxFreeRouter(GatedRouter):
             with torch.no_grad():
                 self.tokens_per_expert += routing_map_TE.sum(0)
 
-        metrics: dict[str, torch.Tensor] = {}
-        if self.collect_metrics:
-            metrics = routing_metrics(probs_TE, routing_map_TE)
-            metrics["expert_bias"] = self.expert_bias.detach().clone()
-        return RouterOutput(probs_TE.float(), routing_map_TE, aux_losses, metrics)
+        return self.output(
+            probs_TE.float(), routing_map_TE, aux_losses, lambda: {"expert_bias": self.expert_bias.detach().clone()}
+        )
 
     def _seq_aux_loss(self, logits_TE: torch.Tensor, seq_shape: tuple[int, int]) -> torch.Tensor:
         """DeepSeek-V3's sequence-wise loss (megatron's ``seq_aux_loss``): each sequence's Switch loss on the

@@ -34,7 +34,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import z_loss_func
 
 from baselines._gate import GatedRouter, z_loss_metric
-from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
 from routers.base import require
 
 #: ``group_size`` value that makes every sequence of the micro-batch its own group.
@@ -191,10 +191,8 @@ class ExpertChoiceRouter(GatedRouter):
         if self.training and torch.is_grad_enabled() and cfg.z_loss_coeff > 0:
             aux_losses["z_loss"] = z_loss_func(logits_TE, cfg.z_loss_coeff)
 
-        metrics: dict[str, torch.Tensor] = {}
-        if self.collect_metrics:
-            metrics = routing_metrics(probs_TE, routing_map_TE)
-            for key, value in (("capacity", capacity), ("group_size", G), ("num_groups", N)):
-                metrics[key] = torch.tensor(float(value), device=probs_TE.device)
-            metrics["z_loss"] = z_loss_metric(logits_TE)
-        return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)
+        return self.output(probs_TE, routing_map_TE, aux_losses, lambda: {
+            **{key: torch.tensor(float(value), device=probs_TE.device)
+               for key, value in (("capacity", capacity), ("group_size", G), ("num_groups", N))},
+            "z_loss": z_loss_metric(logits_TE),
+        })

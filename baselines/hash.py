@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from routers import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers import Router, RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
 from routers.base import require
 
 HASH_TYPES = ("random", "mod", "balanced")
@@ -172,5 +172,4 @@ class HashRouter(Router):
         routing_map_TE = torch.zeros(T, E, dtype=torch.bool, device=hidden_TD.device)
         routing_map_TE.scatter_(1, experts_Tk.to(hidden_TD.device), True)
         probs_TE = routing_map_TE.float() / self.top_k
-        metrics = routing_metrics(probs_TE, routing_map_TE) if self.collect_metrics else {}
-        return RouterOutput(probs_TE, routing_map_TE, {}, metrics)
+        return self.output(probs_TE, routing_map_TE)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from baselines._gate import GatedRouter
-from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
 from routers.base import require
 
 FIRST_SEGMENT_GRADS = ("none", "router")
@@ -150,8 +150,6 @@ class LoryRouter(GatedRouter):
         # [B, S, E] -> [S, B, E] -> [T, E] in megatron-core's token order.
         probs_TE = weights_BGE[:, seg_S].transpose(0, 1).reshape(T, self.num_experts)
         routing_map_TE = torch.ones(T, self.num_experts, dtype=torch.bool, device=hidden_TD.device)
-        metrics: dict[str, torch.Tensor] = {}
-        if self.collect_metrics:
-            metrics = routing_metrics(probs_TE, routing_map_TE)
-            metrics["num_segments"] = torch.tensor(float(weights_BGE.shape[1]), device=hidden_TD.device)
-        return RouterOutput(probs_TE, routing_map_TE, {}, metrics)
+        return self.output(probs_TE, routing_map_TE, extra_metrics=lambda: {
+            "num_segments": torch.tensor(float(weights_BGE.shape[1]), device=hidden_TD.device)
+        })

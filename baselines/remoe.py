@@ -16,7 +16,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
 from baselines._gate import GatedRouter, balance_metric
-from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
 from routers.base import require
 
 
@@ -92,13 +92,11 @@ class ReMoERouter(GatedRouter):
                 self.sparsity_sum += sparsity.detach()
                 self.sparsity_count += 1
 
-        metrics: dict[str, torch.Tensor] = {}
-        if self.collect_metrics:
-            metrics = routing_metrics(probs_TE, routing_map_TE)
-            metrics["sparsity"] = sparsity.detach()
-            metrics["l1_coeff"] = self.l1_coeff.detach().clone()
-            metrics["l1_reg"] = balance_metric(probs_TE, tokens_per_expert_E, cfg)
-        return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)
+        return self.output(probs_TE, routing_map_TE, aux_losses, lambda: {
+            "sparsity": sparsity.detach(),
+            "l1_coeff": self.l1_coeff.detach().clone(),
+            "l1_reg": balance_metric(probs_TE, tokens_per_expert_E, cfg),
+        })
 
     def step_statistic(self) -> torch.Tensor | None:
         """Mean sparsity S of the training forwards since the last :meth:`end_step` (None if none)."""

@@ -40,7 +40,7 @@ import torch
 from megatron.core.transformer.moe.moe_utils import switch_load_balancing_loss_func
 
 from baselines._gate import GatedRouter, balance_metric
-from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
 from routers.base import require
 
 #: Heun's third-order rule f(x) - f(0) = 1/4 f'(x) + 3/4 f'(x/3): a sampled non-arg-max expert keeps its full
@@ -262,10 +262,8 @@ class SparseMixerRouter(GatedRouter):
             if loss is not None:
                 aux_losses["load_balancing_loss"] = loss
 
-        metrics: dict[str, torch.Tensor] = {}
-        if self.collect_metrics:
-            metrics = routing_metrics(probs_TE, routing_map_TE)
-            metrics["sampled_not_argmax"] = torch.stack(not_argmax).float().mean()
-            metrics["mean_scale"] = torch.stack(scales).mean()
-            metrics["balance_loss"] = balance_metric(scores_TE, tokens_per_expert_E, cfg)
-        return RouterOutput(probs_TE, routing_map_TE, aux_losses, metrics)
+        return self.output(probs_TE, routing_map_TE, aux_losses, lambda: {
+            "sampled_not_argmax": torch.stack(not_argmax).float().mean(),
+            "mean_scale": torch.stack(scales).mean(),
+            "balance_loss": balance_metric(scores_TE, tokens_per_expert_E, cfg),
+        })

@@ -27,7 +27,7 @@ from megatron.core.transformer.moe.moe_utils import (
 )
 
 from baselines._gate import GatedRouter, balance_metric, z_loss_metric
-from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router, routing_metrics
+from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
 from routers.base import require
 
 DROP_POLICIES = ("probs", "position")
@@ -126,10 +126,8 @@ class SwitchRouter(GatedRouter):
                 scores_TE, aux_map_TE.sum(0), T, cfg.top_k, cfg.num_experts, cfg.aux_loss_coeff
             )
 
-        metrics: dict[str, torch.Tensor] = {}
-        if self.collect_metrics:
-            metrics = routing_metrics(probs_TE, routing_map_TE)
-            metrics["balance_loss"] = balance_metric(scores_TE, aux_map_TE.sum(0), cfg)
-            metrics["z_loss"] = z_loss_metric(logits_TE)
-            metrics["dropped_fraction"] = 1.0 - routing_map_TE.sum() / assigned_before_drop.clamp_min(1)
-        return RouterOutput(probs_TE.float(), routing_map_TE, aux_losses, metrics)
+        return self.output(probs_TE.float(), routing_map_TE, aux_losses, lambda: {
+            "balance_loss": balance_metric(scores_TE, aux_map_TE.sum(0), cfg),
+            "z_loss": z_loss_metric(logits_TE),
+            "dropped_fraction": 1.0 - routing_map_TE.sum() / assigned_before_drop.clamp_min(1),
+        })

@@ -16,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
 from torch import nn
+
+from routers.metrics import routing_metrics
 
 
 def require(ok: bool, name: str, value: object, rule: str) -> None:
@@ -161,10 +163,7 @@ class Router(nn.Module):
         raise NotImplementedError
 
     def route(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
+        self, hidden_TD: torch.Tensor, token_ids_T: torch.Tensor | None = None, seq_shape: tuple[int, int] | None = None
     ) -> RouterOutput:
         """Route one micro-batch; subclass docstrings name their aux losses and metrics.
 
@@ -177,10 +176,7 @@ class Router(nn.Module):
         raise NotImplementedError
 
     def forward(
-        self,
-        hidden_TD: torch.Tensor,
-        token_ids_T: torch.Tensor | None = None,
-        seq_shape: tuple[int, int] | None = None,
+        self, hidden_TD: torch.Tensor, token_ids_T: torch.Tensor | None = None, seq_shape: tuple[int, int] | None = None
     ) -> RouterOutput:
         """Validate inputs and call :meth:`route` (see there for Args/Returns)."""
         if hidden_TD.dim() != 2 or hidden_TD.shape[-1] != self.config.hidden_size:
@@ -197,6 +193,18 @@ class Router(nn.Module):
         if seq_shape is not None and seq_shape[0] * seq_shape[1] != hidden_TD.shape[0]:
             raise ValueError(f"{self.name}: seq_shape {seq_shape} does not cover {hidden_TD.shape[0]} tokens")
         return self.route(hidden_TD, token_ids_T, seq_shape)
+
+    def output(
+        self, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, aux_losses: dict[str, torch.Tensor] | None = None,
+        extra_metrics: Callable[[], dict[str, torch.Tensor]] | None = None,
+    ) -> RouterOutput:
+        """The :class:`RouterOutput`; its metrics, only when :attr:`collect_metrics`, are :func:`routing_metrics`
+        followed by ``extra_metrics()`` (called only then, so the others cost nothing)."""
+        metrics: dict[str, torch.Tensor] = {}
+        if self.collect_metrics:
+            metrics = routing_metrics(probs_TE, routing_map_TE)
+            metrics.update(extra_metrics() if extra_metrics else {})
+        return RouterOutput(probs_TE, routing_map_TE, aux_losses or {}, metrics)
 
     def set_step(self, step: int) -> None:
         """Tell the router the global training step (before the step's forward passes)."""

@@ -38,7 +38,7 @@ from routers import dirmoe_blocks as blocks
 from routers.base import Router, RouterOutput, RoutingConstraint, RoutingKind
 from routers.dirichlet import dirichlet_expected_simpson, reconstruction_loss
 from routers.dirmoe_config import DirMoEConfig
-from routers.metrics import routing_metrics, simpson_index
+from routers.metrics import simpson_index
 from routers.registry import register_router
 
 __all__ = ["DirMoEConfig", "DirMoERouter", "DirMoESample"]
@@ -349,8 +349,9 @@ class DirMoERouter(Router):
         the metrics, eagerly (they sync; leaving them out changes nothing the training computes)."""
         core = _compiled_route_core() if self.compiles_elementwise(hidden_TD.device) else _route_core
         probs_TE, routing_map_TE, aux_losses, parts = core(self, hidden_TD, u_TE)
-        metrics = self._metrics(hidden_TD, probs_TE, routing_map_TE, parts) if self.collect_metrics else {}
-        return RouterOutput(probs=probs_TE, routing_map=routing_map_TE, aux_losses=aux_losses, metrics=metrics)
+        return self.output(
+            probs_TE, routing_map_TE, aux_losses, lambda: self._metrics(hidden_TD, routing_map_TE, parts)
+        )
 
     def route_core(
         self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None
@@ -406,12 +407,11 @@ class DirMoERouter(Router):
         return probs_TE, routing_map_TE, aux_losses, parts
 
     def _metrics(
-        self, hidden_TD: torch.Tensor, probs_TE: torch.Tensor, routing_map_TE: torch.Tensor, p: dict[str, torch.Tensor]
+        self, hidden_TD: torch.Tensor, routing_map_TE: torch.Tensor, p: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """The diagnostic metrics (docs/routers.md, "Metrics") from :meth:`route_core`'s outputs."""
+        """DirMoE's diagnostic metrics (docs/routers.md, "Metrics") from :meth:`route_core`'s outputs."""
         c, E, k = self.config, self.num_experts, self.top_k
         T = hidden_TD.shape[0]
-        metrics = routing_metrics(probs_TE, routing_map_TE)
         with torch.no_grad():
             x_TD = hidden_TD.float()
             tokens_per_expert_E = routing_map_TE.sum(0)
@@ -428,7 +428,7 @@ class DirMoERouter(Router):
             gates_TE, weights_TE, alpha_q_TE = (p[name].detach() for name in ("gates_TE", "weights_TE", "alpha_q_TE"))
             prior_bases_TE = gates_TE * a_hi + (1.0 - gates_TE) * a_lo
             alignment_E = F.cosine_similarity(directions_ED, mean_D.expand_as(directions_ED), dim=-1)
-            metrics.update(
+            return dict(
                 load_share=tokens_per_expert_E.float() / tokens_per_expert_E.sum().clamp_min(1).float(),
                 weight_share=weights_TE.mean(0),
                 fallback_share=fallback_T.float().mean(),
@@ -451,7 +451,6 @@ class DirMoERouter(Router):
                 prior_total=p["alpha_p_TE"].detach().sum(-1).mean(),
                 **{name: p[name].detach() for name in ("tau", "lambda_p", "alpha_lo", "alpha_hi")},
             )
-        return metrics
 
 
 # One compiled function for every layer (dynamo guards on the options, not the router's identity).
