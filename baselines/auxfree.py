@@ -1,14 +1,13 @@
 """Auxiliary-loss-free balancing: sigmoid top-k routing with a per-expert bias moved toward balance each step.
 
 References:
-    Wang, Gao, Zhao, Sun, Dai, "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts"
-    (arXiv:2408.15664, 2024): a bias b_i on the gating scores for the top-k choice only, after every step
-    ``b_i <- b_i + u * sign(mean_j c_j - c_i)`` (c_i: the step's tokens to expert i), u = 1e-3, no aux loss.
-    DeepSeek-AI, "DeepSeek-V3 Technical Report" (arXiv:2412.19437), Sec. 2.1.2: the same bias with sigmoid
-    affinities, the top-k normalised to sum to one, and a sequence-wise balance loss (alpha = 1e-4).
-    Code: megatron-core 0.16.1 ``TopKRouter`` (``router.py``) with ``moe_router_score_function="sigmoid"``,
-    ``moe_router_enable_expert_bias``, ``moe_router_bias_update_rate``, ``moe_router_topk_scaling_factor``;
-    ``get_updated_expert_bias`` (``moe_utils.py``, called from ``finalize_model_grads.py``).
+    Wang et al., "Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts" (arXiv:2408.15664): a bias
+    b_i on the gating scores for the top-k choice only, after every step ``b_i <- b_i + u * sign(mean_j c_j - c_i)``
+    (c_i: the step's tokens to expert i), u = 1e-3, no aux loss.
+    DeepSeek-V3 Technical Report (arXiv:2412.19437), Sec. 2.1.2: the same bias with sigmoid affinities, the top-k
+    normalised to sum to one, and a sequence-wise balance loss (alpha = 1e-4).
+    Code: megatron-core 0.16.1 ``TopKRouter`` with ``moe_router_score_function="sigmoid"`` and the expert bias
+    options; ``get_updated_expert_bias`` (``moe_utils.py``).
 
 Shape legend: T tokens, D hidden size, E experts, S sequence length, B sequences (see :mod:`routers.base`).
 """
@@ -55,10 +54,9 @@ class AuxFreeRouter(GatedRouter):
     """Sigmoid top-k routing balanced by a per-expert bias outside the gradient (DeepSeek-V3; Wang et al. 2024).
 
     ``s = sigmoid(W h)``; the k largest ``s + b`` get the token, weighted by ``s`` normalised over the k (raw at
-    k = 1: a normalised single weight is 1, no gradient), times ``topk_scaling_factor`` if set. The bias
-    (float32 buffer ``expert_bias``) moves after each optimizer step (:meth:`end_step`); megatron-core updates it
-    before the step, which gives the same values since b is outside the gradients. Aux loss:
-    ``seq_load_balancing_loss`` (coefficient > 0). Metric: ``expert_bias`` ``[E]``.
+    k = 1: a normalised single weight is 1, no gradient), times ``topk_scaling_factor`` if set. The bias (float32
+    buffer ``expert_bias``) moves after each optimizer step (:meth:`end_step`; megatron-core's before it gives the
+    same values, b being outside the gradients). Aux loss: ``seq_load_balancing_loss``. Metric: ``expert_bias``.
     """
 
     Config = AuxFreeConfig

@@ -1,19 +1,18 @@
 """Expert Choice routing: every expert picks its top-C tokens of each token group.
 
 Reference:
-    Zhou, Lei, Liu, Du, Huang, Zhao, Dai, Chen, Le, Laudon, "Mixture-of-Experts with Expert Choice Routing",
-    NeurIPS 2022 (arXiv:2202.09368). Authors' code: flaxformer ``routing.py`` (``ExpertsChooseMaskedRouter``,
-    which warns it is not causal; ``_router_z_loss``) and ``moe_layers.py`` (``MoeLayer``: token groups,
-    per-group capacity, train and eval capacity factors).
+    Zhou et al., "Mixture-of-Experts with Expert Choice Routing", NeurIPS 2022 (arXiv:2202.09368). Authors' code:
+    flaxformer ``routing.py`` (``ExpertsChooseMaskedRouter``, which warns it is not causal; ``_router_z_loss``)
+    and ``moe_layers.py`` (``MoeLayer``: token groups, per-group capacity, train and eval capacity factors).
 
-The group and capacity rules follow one of two references (``reference``):
+Group and capacity rules (``reference``):
 
 * ``"megatron"`` (default): ``C = min(g, ceil((g * k / E) * (c / k)))`` (megatron-core's ``get_capacity``, same
   operation order); groups: the smallest n >= T / G that divides T.
 * ``"flaxformer"``: ``C = max(round(c * g / E), 4)`` capped at g (``MoeLayer``; round half to even); groups:
   ``_num_groups`` (one replica), the smallest n >= max(T // G, E) dividing T and a multiple of E (or T).
 
-Why megatron's is the default: the suite's other capacity routers use it, and the capacities agree where the
+Megatron's is the default: the suite's other capacity routers use it, and the capacities agree where the
 comparisons run (E divides g * c); flaxformer always cuts a micro-batch into at least E groups (its SPMD
 sharding puts groups on the expert axis), a different routing.
 
@@ -35,7 +34,7 @@ from megatron.core.transformer.moe.moe_utils import z_loss_func
 
 from baselines._gate import GatedRouter, z_loss_metric
 from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
-from routers.base import require
+from routers.base import is_int, require
 
 #: ``group_size`` value that makes every sequence of the micro-batch its own group.
 SEQUENCE_GROUPS = "sequence"
@@ -64,9 +63,8 @@ class ExpertChoiceConfig(RouterConfig):
             rule = f"None (= top_k) or in (0, num_experts={self.num_experts}]"
             require(value is None or 0 < value <= self.num_experts, name, value, rule)
         size = self.group_size
-        is_count = isinstance(size, int) and not isinstance(size, bool) and size >= 1
         rule = f"None (the micro-batch), {SEQUENCE_GROUPS!r} or an integer >= 1"
-        require(size is None or size == SEQUENCE_GROUPS or is_count, "group_size", size, rule)
+        require(size is None or size == SEQUENCE_GROUPS or (is_int(size) and size >= 1), "group_size", size, rule)
         require(self.z_loss_coeff >= 0, "z_loss_coeff", self.z_loss_coeff, ">= 0")
         require(self.init_std > 0, "init_std", self.init_std, "> 0")
 

@@ -4,18 +4,14 @@ References:
     Roller, Sukhbaatar, Szlam, Weston, "Hash Layers For Large Sparse Models", NeurIPS 2021 (arXiv:2106.04426):
     a fixed hash per token id, random or balanced over token frequencies. Code: ParlAI ``hash_ladder.py``
     (``HashLayerFFN.hash``: a random bin per id, ``random.seed(42)``, one hash layer).
-    Wang, Zhu, Chen, "ReMoE", ICLR 2025 (arXiv:2412.14711), Sec. 4.2: "For the Hash method, we use mod E
-    hashing function" (``mod``), the ledger's Hash row.
+    Wang, Zhu, Chen, "ReMoE", ICLR 2025 (arXiv:2412.14711), Sec. 4.2: "we use mod E hashing function" (``mod``).
 
-The three tables (``hash_type``):
-
-* ``random`` (default): per id, the first k of a random permutation of the experts (seeded with ``seed``).
-* ``mod``: ``(id + j) mod E`` for j < k, ReMoE's baseline; independent of data, seed and layer.
-* ``balanced``: from the training corpus's token counts (``counts_path``, written by
-  :func:`repro.data.token_counts.write_token_counts`), most frequent id first, by ``balance_rule``:
-  ``"greedy"`` (default; the paper's Sec. 3 "Balanced assignment") to the k least loaded experts (ties to the
-  lower index); ``"random-greedy"`` to k drawn (seeded) among those staying within ``ceil(k * total / E)``, else
-  the k least loaded. Every expert ends within one token's count of an equal share; unseen ids go round-robin.
+The tables (``hash_type``): ``random`` (default), per id the first k of a seeded random permutation of the
+experts; ``mod``, ``(id + j) mod E`` for j < k (ReMoE's; independent of data, seed and layer); ``balanced``, from
+the corpus's token counts (``counts_path``, :func:`repro.data.token_counts.write_token_counts`), most frequent id
+first, by ``balance_rule``: ``"greedy"`` (default; the paper's Sec. 3) to the k least loaded experts (ties to the
+lower index), ``"random-greedy"`` to k drawn (seeded) among those staying within ``ceil(k * total / E)``, else the
+k least loaded. Every expert ends within one token's count of an equal share; unseen ids go round-robin.
 
 Paper gaps and deviations, each switchable:
 
@@ -24,8 +20,7 @@ Paper gaps and deviations, each switchable:
    does not settle it) or one per layer (seed ``seed + layer_number``); refused for ``mod``.
 3. k > 1: each routed expert gets weight 1/k; the papers use k = 1.
 
-The table is the persistent buffer ``table``, so a checkpoint carries it (``balanced`` routes the same at
-evaluation without the counts file).
+The table is the persistent buffer ``table``: a checkpoint carries it (``balanced`` needs no counts file later).
 
 Shape legend: T tokens, D hidden size, E experts, V vocabulary (see :mod:`routers.base`).
 """
@@ -163,8 +158,7 @@ class HashRouter(Router):
             if lo < 0 or hi >= V:
                 bad = hi if hi >= V else lo
                 raise ValueError(f"token id {bad} is outside [0, vocab_size={V}); set the router's vocab_size")
-        elif token_ids_T.numel():
-            # The same check without a host read: a device-side assert.
+        elif token_ids_T.numel():  # the same check without a host read: a device-side assert
             in_range = ((token_ids_T >= 0) & (token_ids_T < V)).all()
             torch._assert_async(in_range, f"a token id is outside [0, vocab_size={V}); set the router's vocab_size")
         experts_Tk = self.table[token_ids_T.to(self.table.device).long()]

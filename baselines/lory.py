@@ -4,11 +4,10 @@ Reference:
     Zhong, Xia, Chen, Lewis, "Lory: Fully Differentiable Mixture-of-Experts for Autoregressive Language Model
     Pre-training", COLM 2024 (arXiv:2405.03133). No public code; from Sec. 3.1 and Appendix A (Algorithm 1).
 
-Only the router and the segment logic live here; the layer that merges the experts' parameters per segment is
-:mod:`baselines.lory_layer` (:meth:`LoryRouter.moe_layer_class`). The paper's similarity-based data batching
-(Sec. 3.2, Appendix C) is :mod:`repro.data.similarity`, which Lory's experiments turn on (``recipe_overrides``).
+The layer merging the experts' parameters is :mod:`baselines.lory_layer`; the paper's similarity batching
+(Sec. 3.2) is :mod:`repro.data.similarity`, turned on by ``recipe_overrides``.
 
-The first segment (``first_segment_grad``), routed on its own mean: ``"none"`` (default; Sec. 3.1, Algorithm 1
+The first segment (``first_segment_grad``), routed on its own mean: ``"none"`` (default; Algorithm 1
 ``e[:, 0] = stop_grad(e_first)``) stops the gradient of its whole routing output; ``"router"`` detaches only the
 mean, so W_r trains on segment 0, whose weights see its own later tokens.
 

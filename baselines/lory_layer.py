@@ -1,28 +1,26 @@
 """Lory's parameter-merging MoE layer (Zhong et al. 2024), in place of megatron's dispatch for ``lory``.
 
-Lory sends no token to an expert. Per segment of ``segment_length`` tokens (default 256) it merges the experts'
-FFN *parameters* with the segment's routing weights and runs the merged SwiGLU FFN on the segment's tokens:
+No token is sent to an expert: per segment of ``segment_length`` tokens the experts' FFN *parameters* are merged
+with the segment's routing weights and the merged SwiGLU FFN runs on the segment's tokens:
 
     W1(g, b) = sum_e w_e(g, b) W1_e      W2(g, b) = sum_e w_e(g, b) W2_e
     y = W2(g, b) (silu(W1_gate(g, b) x) * W1_up(g, b) x)      for x in segment g of sequence b
 
-The Lory router gives every token of a segment its segment's weights in ``probs [T, E]``; this layer reads one
-vector per (segment, sequence) (the segment mean, checked equal). Merging a SwiGLU FFN's parameters is NOT mixing
-the experts' outputs; exact are: the first projection's pre-activations are the weighted sums of the experts',
-and a one-hot weight gives that expert (``tests/test_model.py``).
+The router gives every token of a segment its segment's weights in ``probs [T, E]``; the layer reads one vector
+per (segment, sequence) (their mean, checked equal). Merging parameters is NOT mixing outputs; exact are: the
+first projection's pre-activations are the weighted sums of the experts', and a one-hot weight gives that expert.
 
 Inference routes once on the prompt (the paper): inside ``routers.megatron_adapter.prompt_routing`` each sequence
-is routed on the mean hidden state of its first ``prompt_length`` tokens (a one-token segment 0), for all its
-tokens; the lm-eval bridge passes the context length. Elsewhere the layer routes per segment.
+is routed, for all its tokens, on the mean hidden state of its first ``prompt_length`` tokens (a one-token segment
+0); the lm-eval bridge passes the context length.
 
-The dense start (:attr:`~baselines.lory.LoryRouter.dense_phase`): one dense SwiGLU FFN, the router not called.
-The experts, built as copies of expert 0, are tied: the forward uses ``W_0 + sum_e (W_e - stopgrad(W_e)) / sqrt(E)``
+The dense start (:attr:`~baselines.lory.LoryRouter.dense_phase`): one dense SwiGLU FFN, no router call. The
+experts, built as copies of expert 0, are tied: the forward uses ``W_0 + sum_e (W_e - stopgrad(W_e)) / sqrt(E)``
 (exactly W_0), so each expert gets the dense gradient / sqrt(E): together the dense gradient norm (clipping acts
 as on the dense model), and AdamW is scale-free (up to eps). They stay bit-identical.
 
-Constraints: expert parallel 1, expert tensor parallel 1, bias-free SwiGLU ``SequentialMLP`` experts (local
-spec). Memory: the merged weights of every (segment, sequence) are kept for the backward
-(``G * B * 3 * F * H`` values per layer), Lory's inherent cost.
+Constraints: expert (tensor) parallel 1, bias-free SwiGLU ``SequentialMLP`` experts (local spec). Memory: every
+(segment, sequence)'s merged weights are kept for the backward (``G * B * 3 * F * H`` values per layer).
 """
 
 from __future__ import annotations

@@ -2,8 +2,7 @@
 
 Reference:
     Wang, Zhu, Chen, "ReMoE: Fully Differentiable Mixture-of-Experts with ReLU Routing", ICLR 2025
-    (arXiv:2412.14711). Code: github.com/thu-ml/ReMoE, a Megatron-LM fork (``ReLURouter`` in
-    ``megatron/core/transformer/moe/router.py``; the coefficient update in ``megatron/training``).
+    (arXiv:2412.14711). Code: github.com/thu-ml/ReMoE (``ReLURouter`` in ``megatron/core/transformer/moe/router.py``).
 
 Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
 """
@@ -47,14 +46,12 @@ class ReMoEConfig(RouterConfig):
 class ReMoERouter(GatedRouter):
     """ReLU routing (ReMoE, Wang et al. ICLR 2025).
 
-    ``R = relu(W h)``, unnormalised, are the combine weights; ``routing_map = R > 0`` (any number of experts,
-    none included). Aux loss ``l1_reg_loss`` (training), the load-balanced L1 penalty
-    ``lambda * E / (T^2 k) * sum_e (sum_t R_te) (sum_t 1[R_te > 0])``: as the reference, megatron's
-    ``switch_load_balancing_loss_func`` on R with coefficient lambda.
-
-    After every optimizer step ``lambda <- lambda * alpha^sign(target - S)``, S the share of zeros in R averaged
-    over the step's micro-batches, layers and ranks; lambda (float32 buffer ``l1_coeff``) is identical in every
-    layer (the reference holds one shared value). Metrics: ``sparsity``, ``l1_coeff``, ``l1_reg`` (without lambda).
+    ``R = relu(W h)``, unnormalised, are the combine weights; ``routing_map = R > 0`` (0 to E experts). Aux loss
+    ``l1_reg_loss`` (training): ``lambda * E / (T^2 k) * sum_e (sum_t R_te) (sum_t 1[R_te > 0])``, as the
+    reference megatron's ``switch_load_balancing_loss_func`` on R with coefficient lambda. After every optimizer
+    step ``lambda <- lambda * alpha^sign(target - S)``, S the share of zeros in R averaged over the step's
+    micro-batches, layers and ranks, so lambda (float32 buffer ``l1_coeff``) is the same in every layer (the
+    reference holds one). Metrics: ``sparsity``, ``l1_coeff``, ``l1_reg`` (without lambda).
     """
 
     Config = ReMoEConfig

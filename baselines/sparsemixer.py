@@ -1,32 +1,29 @@
 """SparseMixer-v2: sampled top-1/top-2 routing with a midpoint-corrected gradient estimator.
 
 References:
-    Liu et al., "GRIN: GRadient-INformed MoE", 2024 (arXiv:2409.12136), which introduces SparseMixer-v2 (after
-    Liu et al., "Sparse Backpropagation for MoE Training", arXiv:2310.00811). Reference code: microsoft/SparseMixer
-    ``sparsemixer/sparsemixer_v2.py`` (``sparsemixerv2_routing``, autograd function ``v2core``).
+    Liu et al., "GRIN: GRadient-INformed MoE", 2024 (arXiv:2409.12136), introducing SparseMixer-v2 (after
+    arXiv:2310.00811). Code: microsoft/SparseMixer ``sparsemixer/sparsemixer_v2.py`` (``sparsemixerv2_routing``,
+    autograd function ``v2core``).
 
-Two published settings, one flag apart (``reference``); each field still overrides its preset:
+Two published settings (``reference``; each field still overrides its preset):
 
-* ``"grin"`` (default; GRIN's Phi-3.5-MoE config ``router_jitter_noise`` and model code): jitter eps 0.01,
-  alpha = 1e-3 with f from the plain softmax's top-k, one loss over all layers' logits (``balance_scope="pooled"``).
-* ``"sparsemixer-repo"`` (microsoft/SparseMixer ``SparseMixerV2`` defaults, ``compute_balance_loss``): eps 0.1,
-  alpha = 1e-2 with f from the sampled experts, one loss per layer (``"per-layer"``).
+* ``"grin"`` (default; GRIN's Phi-3.5-MoE config and model code): jitter eps 0.01, alpha = 1e-3 with f from the
+  plain softmax's top-k, one loss over all layers' logits (``balance_scope="pooled"``).
+* ``"sparsemixer-repo"`` (``SparseMixerV2`` defaults, ``compute_balance_loss``): eps 0.1, alpha = 1e-2 with f
+  from the sampled experts, one loss per layer (``"per-layer"``).
 
-Why GRIN's is the default: the comparisons reproduced (ReMoE Table 2, copied by DirMoE) cite GRIN for
-SparseMixer-v2 and set none of its hyper-parameters, so the method authors' LM-pretraining setting applies; the
-repository's 0.1 is its module default, whose example is fairseq translation.
+GRIN's is the default: the comparisons reproduced (ReMoE Table 2, copied by DirMoE) cite GRIN and set none of its
+hyper-parameters, so its LM-pretraining setting applies; the repository's 0.1 serves fairseq translation.
 
-Balancing loss: megatron-core's ``alpha * E * sum_i f_i P_i`` (``f_i`` expert i's share of the ``k T``
-assignments, ``P_i`` its mean softmax probability), shared with Switch. Deviation (not switchable): GRIN's
+Balancing loss: megatron-core's ``alpha * E * sum_i f_i P_i`` as Switch. Deviation (not switchable): GRIN's
 Mixtral-style code divides ``f`` by T, not ``k T`` (twice the loss at k = 2).
 
-Pooled loss: GRIN's code computes one loss, weighted once by alpha, on all L layers' logits concatenated
-(``[L T, E]``); megatron adds one per layer. ``alpha E sum_e fbar_e Pbar_e`` (``fbar``, ``Pbar``: layer means of
-``f_l``, ``P_l``) is bilinear, *not* a sum over layers; its gradient for layer m,
-``(alpha E / L) sum_e fbar_e dP_me``, needs every layer's counts (``1/L`` of the per-layer one when they agree).
-So one model's routers share a :class:`BalancePool` (:meth:`SparseMixerRouter.link_layers`): each training
-forward adds its scores (with graph) and counts, and the last layer returns the switch loss of all of them as
-its ``load_balancing_loss``, exact in value and gradient. Unsupported with activation recomputation or pipeline
+Pooled loss: GRIN computes one loss, weighted once by alpha, on all L layers' logits (``[L T, E]``); megatron
+adds one per layer. ``alpha E sum_e fbar_e Pbar_e`` (layer means of ``f_l``, ``P_l``) is bilinear, *not* a sum
+over layers: its gradient for layer m, ``(alpha E / L) sum_e fbar_e dP_me``, needs every layer's counts. So one
+model's routers share a :class:`BalancePool` (:meth:`SparseMixerRouter.link_layers`) into which each training
+forward adds its scores (with graph) and counts; the last layer returns the pooled switch loss as its
+``load_balancing_loss``, exact in value and gradient. Unsupported with activation recomputation or pipeline
 stages (a layer must enter the pool once per forward); the suite uses neither.
 
 Shape legend: T tokens, D hidden size, E experts, k experts per token (see :mod:`routers.base`).
@@ -88,21 +85,11 @@ class SparseMixerConfig(RouterConfig):
         value = getattr(self, name)
         return REFERENCE_SETTINGS[self.reference][name] if value is None else value
 
-    @property
-    def effective_jitter_eps(self) -> float:
-        return float(self._preset("jitter_eps"))
-
-    @property
-    def effective_aux_loss_coeff(self) -> float:
-        return float(self._preset("aux_loss_coeff"))
-
-    @property
-    def effective_balance_map(self) -> str:
-        return self._preset("balance_map")
-
-    @property
-    def effective_balance_scope(self) -> str:
-        return self._preset("balance_scope")
+    # The options in use: each field, or its ``reference`` preset when it is None.
+    effective_jitter_eps = property(lambda self: float(self._preset("jitter_eps")))
+    effective_aux_loss_coeff = property(lambda self: float(self._preset("aux_loss_coeff")))
+    effective_balance_map = property(lambda self: self._preset("balance_map"))
+    effective_balance_scope = property(lambda self: self._preset("balance_scope"))
 
 
 class BalancePool:
@@ -214,14 +201,15 @@ class SparseMixerRouter(GatedRouter):
         """This layer's training balancing loss (alpha applied): per layer (or without a pool) the switch loss on
         its scores; pooled, None until the forward's last layer, which returns the loss over all layers."""
         cfg = self.config
-        alpha, k, E = cfg.effective_aux_loss_coeff, cfg.top_k, cfg.num_experts
-        if cfg.effective_balance_scope == "per-layer" or self._pool is None:
-            return switch_load_balancing_loss_func(scores_TE, tokens_per_expert_E, scores_TE.shape[0], k, E, alpha)
-        pooled = self._pool.add(self._layer_number, scores_TE, tokens_per_expert_E)
-        if pooled is None:
-            return None
+        pooled = (scores_TE, tokens_per_expert_E)
+        if cfg.effective_balance_scope == "pooled" and self._pool is not None:
+            pooled = self._pool.add(self._layer_number, scores_TE, tokens_per_expert_E)
+            if pooled is None:
+                return None
         scores_NE, tokens_E = pooled
-        return switch_load_balancing_loss_func(scores_NE, tokens_E, scores_NE.shape[0], k, E, alpha)
+        return switch_load_balancing_loss_func(
+            scores_NE, tokens_E, scores_NE.shape[0], cfg.top_k, cfg.num_experts, cfg.effective_aux_loss_coeff
+        )
 
     @property
     def constraint(self) -> RoutingConstraint:

@@ -1,14 +1,11 @@
 """Switch / dMoE: token-choice top-k routing with the load-balancing loss (megatron-core's TopKRouter).
 
 References:
-    Fedus, Zoph, Shazeer, "Switch Transformers: Scaling to Trillion Parameter Models with Simple and Efficient
-    Sparsity", JMLR 2022 (arXiv:2101.03961): top-1 routing, load-balancing loss ``alpha * E * sum_i f_i P_i``,
-    expert capacity with token dropping.
-    Gale, Narayanan, Young, Zaharia, "MegaBlocks: Efficient Sparse Training with Mixture-of-Experts", MLSys 2023
-    (arXiv:2211.15841): dMoE, the same router dropless.
+    Fedus, Zoph, Shazeer, "Switch Transformers", JMLR 2022 (arXiv:2101.03961): top-1 routing, load-balancing loss
+    ``alpha * E * sum_i f_i P_i``, expert capacity with token dropping.
+    Gale et al., "MegaBlocks", MLSys 2023 (arXiv:2211.15841): dMoE, the same router dropless.
     Zoph et al., "ST-MoE" (arXiv:2202.08906): the router z-loss.
-    Code: megatron-core 0.16.1 ``moe/router.py`` (``TopKRouter``) and ``moe_utils.py``, whose functions this
-    router calls.
+    Code: megatron-core 0.16.1 ``moe/router.py`` (``TopKRouter``) and the ``moe_utils.py`` functions called here.
 
 Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
 """
@@ -74,12 +71,9 @@ class SwitchRouter(GatedRouter):
 
     Optional capacity dropping; in training, the load-balancing loss ``alpha * E * sum_i f_i P_i`` (f_i: expert
     i's share of the k*T assignments before dropping, P_i: its mean softmax probability) and optionally the
-    z-loss ``coeff * mean_t logsumexp(logits_t)^2``. No per-sequence aux loss. Aux losses: ``load_balancing_loss``,
-    ``z_loss``. Metrics: ``balance_loss``, ``z_loss`` (unscaled), ``dropped_fraction``.
-
-    Unlike megatron-core, the losses are returned as named scalars (the adapter attaches them) and the counts are
-    the local micro-batch's (megatron all-reduces them over the tensor/context-parallel group, a no-op at one
-    rank, and divides its z-loss coefficient by its size).
+    z-loss ``coeff * mean_t logsumexp(logits_t)^2``. Aux losses: ``load_balancing_loss``, ``z_loss``. Metrics:
+    ``balance_loss``, ``z_loss`` (unscaled), ``dropped_fraction``. Unlike megatron-core, the counts are the local
+    micro-batch's (megatron all-reduces them over the tensor/context-parallel group: a no-op at one rank).
     """
 
     Config = SwitchConfig

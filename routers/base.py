@@ -26,6 +26,11 @@ from torch import nn
 from routers.metrics import routing_metrics
 
 
+def is_int(value: object) -> bool:
+    """An int, not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def require(ok: bool, name: str, value: object, rule: str) -> None:
     """``ValueError("<name> must be <rule>, got <value!r>")`` unless ``ok``: the routers' option checks."""
     if not ok:

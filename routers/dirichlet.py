@@ -1,9 +1,6 @@
-"""The DirMoE paper's Dirichlet maths, public and tested on its own: the concentration ratio, the Lemma and
-its calibrators, the closed-form Dirichlet KL, and the reconstruction term (:mod:`routers.dirmoe` uses them).
-The public functions check their arguments against the ranges their Args give, and raise ``ValueError`` naming
-the argument.
-
-Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
+"""The DirMoE paper's Dirichlet maths, public and tested on its own: the concentration ratio, the Lemma and its
+calibrators, the closed-form Dirichlet KL, and the reconstruction term. The public functions raise ``ValueError``
+naming an argument outside the range its Args give. Shape suffixes: :mod:`routers.base`.
 """
 
 from __future__ import annotations
@@ -13,7 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
-from routers.base import require
+from routers.base import is_int, require
 
 __all__ = [
     "RECON_REDUCTIONS", "alpha_ratio", "dirichlet_expected_simpson", "dirichlet_kl", "expected_simpson",
@@ -34,21 +31,19 @@ def _check_positive(name: str, value: object) -> None:
 
 
 def _check_experts(num_experts: object) -> None:
-    is_count = isinstance(num_experts, int) and not isinstance(num_experts, bool) and num_experts >= 2
-    require(is_count, "num_experts", num_experts, "an integer >= 2")
+    require(is_int(num_experts) and num_experts >= 2, "num_experts", num_experts, "an integer >= 2")
 
 
 def _check_mass_and_count(m: object, num_experts: object, name: str, k: object) -> None:
     """m in (0, 1), E >= 2 and the active count ``name`` = k in [1, E-1], checked in that order."""
     require(is_finite_number(m) and 0.0 < m < 1.0, "m (mean mass on the active experts)", m, "in (0, 1)")
     _check_experts(num_experts)
-    is_count = isinstance(k, int) and not isinstance(k, bool) and 1 <= k < num_experts
-    require(is_count, name, k, f"an integer in [1, num_experts - 1 = {num_experts - 1}]")
+    require(is_int(k) and 1 <= k < num_experts, name, k, f"an integer in [1, num_experts - 1 = {num_experts - 1}]")
 
 
 def alpha_ratio(m: float, num_experts: int, k: int) -> float:
-    """The ratio ``r = alpha_hi / alpha_lo`` putting mean mass ``m`` on k active experts: their mass is
-    ``Beta(k alpha_hi, (E-k) alpha_lo)``, so ``r = m/(1-m) (E-k)/k`` (paper Eq. "ratio_r").
+    """``r = alpha_hi / alpha_lo`` putting mean mass ``m`` on k active experts: their mass is ``Beta(k alpha_hi,
+    (E-k) alpha_lo)``, so ``r = m/(1-m) (E-k)/k`` (paper Eq. "ratio_r").
 
     Args:
         m: mean mass on the active group, in (0, 1).
@@ -63,9 +58,8 @@ def alpha_ratio(m: float, num_experts: int, k: int) -> float:
 
 
 def expected_simpson(lam: float, beta: Sequence[float] | torch.Tensor) -> float:
-    """Paper Lemma 1: ``E[sum_i p_i^2] = (lam S2 / B + 1) / (lam B + 1)`` for ``p ~ Dir(lam * beta)``,
-    ``B = sum beta``, ``S2 = sum beta^2``; for E >= 2 strictly decreasing in ``lam`` from 1 (``lam -> 0``) to
-    ``sum_i m_i^2``, ``m = beta / B`` (Theorem 1).
+    """Paper Lemma 1: ``E[sum_i p_i^2] = (lam S2 / B + 1) / (lam B + 1)`` for ``p ~ Dir(lam * beta)``, ``B = sum
+    beta``, ``S2 = sum beta^2``; strictly decreasing in ``lam`` (E >= 2) from 1 to ``sum_i (beta_i / B)^2``.
 
     Args:
         lam: concentration scale lambda > 0.
@@ -105,10 +99,9 @@ def lambda_for_simpson(h: float, num_experts: int) -> float:
 def lambda_for_mass_variance(
     m: float, v_tar: float, s: int, num_experts: int, alpha_hi: float, alpha_lo: float
 ) -> float:
-    """Two-group (Beta) calibrator: lambda giving the active mass variance ``v_tar``. With ``alpha_hi`` on s
-    experts, ``alpha_lo`` on E - s, that mass is ``Beta(lambda s alpha_hi, lambda (E-s) alpha_lo)``, variance
-    ``m(1-m)/(lambda C + 1)``, ``C = s alpha_hi + (E-s) alpha_lo``: ``lambda = (m(1-m)/v_tar - 1)/C`` (paper Eq.
-    "lambda_from_beta").
+    """Two-group (Beta) calibrator: lambda giving the active mass variance ``v_tar``. That mass is
+    ``Beta(lambda s alpha_hi, lambda (E-s) alpha_lo)``, variance ``m(1-m)/(lambda C + 1)``, ``C = s alpha_hi +
+    (E-s) alpha_lo``, so ``lambda = (m(1-m)/v_tar - 1)/C`` (paper Eq. "lambda_from_beta").
 
     Args:
         m: mean active mass in (0, 1); must be ``s alpha_hi / C`` (within 1e-3), else lambda misses ``v_tar``.
@@ -186,8 +179,8 @@ def kl_terms(alpha_q: torch.Tensor, alpha_p: torch.Tensor, q0: torch.Tensor) -> 
 
 
 def dirichlet_expected_simpson(alpha: torch.Tensor) -> torch.Tensor:
-    """The paper's Lemma per row: ``E[sum_i p_i^2] = sum_i alpha_i (alpha_i + 1) / (alpha_0 (alpha_0 + 1))``
-    for ``p ~ Dir(alpha)``, ``alpha_0 = sum_i alpha_i`` (:func:`expected_simpson` with any ``alpha = lam beta``).
+    """The Lemma per row: ``E[sum_i p_i^2] = sum_i alpha_i (alpha_i + 1) / (alpha_0 (alpha_0 + 1))`` for
+    ``p ~ Dir(alpha)``, ``alpha_0 = sum_i alpha_i``.
 
     Args:
         alpha: ``[..., E]`` concentrations, > 0 (unchecked: the router's hot path).

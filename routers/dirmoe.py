@@ -1,5 +1,5 @@
 """DirMoE: the Dirichlet-routed Mixture-of-Experts router (Vahidi et al., "DirMoE: Dirichlet-Routed Mixture
-of Experts", ICLR 2026 submission). No public code exists; this module is written from the paper.
+of Experts", ICLR 2026 submission), written from the paper (no public code).
 
 Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE layer's input):
 
@@ -14,13 +14,12 @@ Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE la
   + lambda_sparsity (sum_i z~_i - k)^2``, returned as the aux losses ``dirmoe_recon``, ``dirmoe_kl`` and
   ``dirmoe_sparsity`` (each already weighted).
 * Evaluation (``router.eval()``) is deterministic: no logistic noise, ``theta`` = the posterior mean.
-* All router maths (logits, gates, Dirichlet, KL, decoder) runs in float32 whatever the model dtype.
-* Training computes only :meth:`DirMoERouter.route_core` (no host syncs; eager or one ``torch.compile`` region,
-  ``compile_elementwise``); diagnostic metrics follow, eagerly, only when ``collect_metrics`` is set.
+* All router maths runs in float32 whatever the model dtype. Training computes only
+  :meth:`DirMoERouter.route_core` (no host syncs; eager or one ``torch.compile`` region); the diagnostic metrics
+  follow, eagerly, only when ``collect_metrics`` is set.
 
-Dirichlet maths (ratio r, Lemma, calibrators, KL, reconstruction): :mod:`routers.dirichlet`; elementwise maths:
-:mod:`routers.dirmoe_blocks`; options and the paper's numbered gaps: :mod:`routers.dirmoe_config`.
-Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
+Dirichlet maths: :mod:`routers.dirichlet`; the sample's maths: :mod:`routers.dirmoe_blocks`; options and the
+paper's numbered gaps: :mod:`routers.dirmoe_config`. Shape suffixes: :mod:`routers.base`.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import types
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from routers.base import RouterConfig, require
+from routers.base import RouterConfig, is_int, require
 from routers.dirichlet import RECON_REDUCTIONS, alpha_ratio, is_finite_number
 
 __all__ = ["DirMoEConfig", "HPARAM_READINGS", "PriorConstants"]
@@ -44,10 +44,6 @@ _RECON_TARGETS = ("raw", "centered", "data_mean")
 _GATE_BIAS_INITS = ("tempered", "inclusion")
 _POSTERIOR_SCALES = ("free", "tied", "prior_matched", "normalized")
 _COMPILE_MODES = ("auto", "always", "never")
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _positive(value: object) -> bool:
@@ -140,11 +136,11 @@ class DirMoEConfig(RouterConfig):
             value = getattr(self, name)
             require(value in options, name, value, f"one of {', '.join(map(repr, options))}")
         check("recon_mean_momentum", lambda v: is_finite_number(v) and 0 <= v <= 1, "in [0, 1]")
-        check("dense_steps decoder_hidden_size", lambda v: _is_int(v) and v >= 0, "an integer >= 0")
-        check("tau_schedule_steps", lambda v: v is None or (_is_int(v) and v >= 1), "None or an integer >= 1")
+        check("dense_steps decoder_hidden_size", lambda v: is_int(v) and v >= 0, "an integer >= 0")
+        check("tau_schedule_steps", lambda v: v is None or (is_int(v) and v >= 1), "None or an integer >= 1")
         check("tau_decay alpha_decay lambda_p_decay", lambda v: v is None or (is_finite_number(v) and 0 < v <= 1),
               "None or in (0, 1]")
-        check("schedule_steps", lambda v: _is_int(v) and v >= 1, "an integer >= 1")
+        check("schedule_steps", lambda v: is_int(v) and v >= 1, "an integer >= 1")
         check("prior_mass", lambda v: v is None or (is_finite_number(v) and 0 < v < 1), "None or in (0, 1)")
         check("alpha_lo_init alpha_floor", lambda v: v is None or _positive(v), "None or a positive finite number")
         prior = self.prior_constants()
@@ -159,7 +155,7 @@ class DirMoEConfig(RouterConfig):
         require(self.posterior_alpha_min < prior.alpha_lo_init, "posterior_alpha_min", self.posterior_alpha_min,
                 f"in (0, alpha_lo_init={prior.alpha_lo_init})")
         check("z_threshold", lambda v: is_finite_number(v) and 0 < v < 1, "in (0, 1)")
-        check("max_experts_per_token", lambda v: v is None or (_is_int(v) and 1 <= v <= E),
+        check("max_experts_per_token", lambda v: v is None or (is_int(v) and 1 <= v <= E),
               f"None or an integer in [1, num_experts={E}]")
 
     @property

@@ -7,20 +7,15 @@ pg_collection=ProcessGroupCollection)``, returning an object with ``set_layer_nu
 
     MoESubmodules(..., router=megatron_router_builder("switch", {"aux_loss_coeff": 1e-2}))
 
-Each forward flattens ``[S, B, D]`` to float32 ``hidden_TD`` (``t = s * B + b``; fp32 router maths under bf16)
-and routes it with ``seq_shape=(S, B)`` (and token ids where required); attaches each weighted aux loss to
-``probs`` with ``MoEAuxLossAutoScaler`` as ``TopKRouter`` does (gradient injected in the backward, not added to
-the LM loss); in training, logs each per layer to megatron's tracker, *weighted* (no single coefficient to divide
-by) and rank-local; and sums metrics and aux losses per layer in ``self.stats`` until reset (reset around an
-evaluation), read by :func:`collect_routing_metrics` and :func:`collect_aux_losses`.
+Each forward flattens ``[S, B, D]`` to float32 ``hidden_TD`` (``t = s * B + b``) and routes it with
+``seq_shape=(S, B)`` (and token ids where required); attaches each weighted aux loss to ``probs`` with
+``MoEAuxLossAutoScaler`` as ``TopKRouter`` does (gradient injected in the backward, not added to the LM loss); in
+training, logs each per layer to megatron's tracker, *weighted* (no single coefficient to divide by) and
+rank-local; and sums metrics and aux losses per layer in ``self.stats`` until reset (around an evaluation).
 
-Token ids (Hash): megatron-core does not pass them to the router. Wrap the forward in :func:`token_ids_context`::
-
-    with token_ids_context(model, input_ids_BS):
-        loss_BS = model(input_ids_BS, position_ids_BS, attention_mask, labels=labels_BS)
-
-The ids reach *that* model's adapters only and are cleared on exit (even on error); a router that needs them
-raises without them. Activation recomputation inside the block is unsupported for id-dependent routers.
+Token ids (Hash), which megatron-core does not pass to the router: wrap the forward in :func:`token_ids_context`
+(``with token_ids_context(model, input_ids_BS): loss_BS = model(...)``). The ids reach *that* model's adapters
+only, cleared on exit (even on error). Activation recomputation is unsupported for id-dependent routers.
 """
 
 from __future__ import annotations
@@ -75,10 +70,8 @@ class RoutingStats:
 
 
 class MegatronRouterAdapter(MegatronModule):
-    """A project :class:`Router` behind megatron-core's router protocol (module docstring).
-
-    Built from megatron's TransformerConfig, process groups (unused: routers see only local tokens), a
-    registered ``router_name`` and its ``router_options``.
+    """A project :class:`Router` behind megatron-core's router protocol (module docstring), built from megatron's
+    TransformerConfig, process groups (unused: routers see only local tokens), ``router_name`` and its options.
 
     Attributes:
         router: the wrapped :class:`Router`.
