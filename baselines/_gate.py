@@ -1,8 +1,5 @@
-"""What the baselines share: the linear gate of the learned ones (Switch, ReMoE, Expert Choice, Lory,
-SparseMixer-v2, aux-loss-free) and the diagnostics several report.
-
-Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
-"""
+"""What the baselines share: the linear gate of the learned ones (all but Hash) and the diagnostics several
+report. Shape legend: :mod:`routers.base`."""
 
 from __future__ import annotations
 
@@ -14,9 +11,8 @@ from routers.base import Router, RouterConfig
 
 
 class GatedRouter(Router):
-    """A router with a bias-free float32 linear gate ``weight`` ``[E, D]`` ~ N(0, init_std^2), megatron-core's
-    ``Router.weight`` layout (weights copy to and from TopKRouter unchanged). Default std 0.01: the models'
-    ``init_method_std`` (ReMoE's scripts)."""
+    """A router with a bias-free float32 linear gate ``weight`` ``[E, D]`` ~ N(0, init_std^2) (default 0.01, the
+    models' ``init_method_std``), in megatron-core's ``Router.weight`` layout (copies to/from TopKRouter as is)."""
 
     def __init__(self, config: RouterConfig) -> None:
         super().__init__(config)

@@ -81,8 +81,8 @@ class ExpertChoiceConfig(RouterConfig):
 
 
 def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", num_experts: int = 1) -> int:
-    """n, the number of groups (of ``T / n <= group_size`` tokens) by the ``reference``'s rule (module
-    docstring); ``ValueError`` when flaxformer's finds none (T < E), as flaxformer does."""
+    """n, the number of groups (of ``T / n <= group_size`` tokens) by the ``reference``'s rule (module docstring);
+    ``ValueError`` when flaxformer's finds none (T < E), as flaxformer."""
     if reference == "flaxformer":
         n = max(num_tokens // group_size, num_experts)
         while n < num_tokens and not (num_tokens % n == 0 and n % num_experts == 0):
@@ -112,11 +112,11 @@ def group_tokens(
     seq_shape: tuple[int, int], group_size: int | str | None, reference: str = "megatron", num_experts: int = 1,
     device: torch.device | None = None,
 ) -> torch.Tensor:
-    """``[N, G]`` long: row n holds group n's token indices (megatron order ``t = s * B + b``), batch-major, by
-    :func:`num_groups`. Built on ``device`` directly: a host-to-device copy would synchronise."""
+    """``[N, G]`` long: row n holds group n's token indices (``t = s * B + b``), batch-major, by :func:`num_groups`;
+    built on ``device`` (a host-to-device copy would synchronise)."""
     S, B = seq_shape
     T = S * B
-    # Batch-major: sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
+    # Sequence b's tokens s = 0..S-1, then sequence b + 1's (flaxformer's reshape).
     batch_major_T = torch.arange(T, device=device).view(S, B).t().reshape(-1)
     if group_size is None and reference == "megatron":
         return batch_major_T[None, :]
@@ -140,15 +140,13 @@ class ExpertChoiceConstraint(RoutingConstraint):
 
 @register_router("expert_choice")
 class ExpertChoiceRouter(GatedRouter):
-    """Expert Choice routing (Zhou et al. 2022), as published, per token group.
+    """Expert Choice routing (Zhou et al. 2022), as published, per token group: ``scores = softmax(W h)``; each
+    expert takes its C highest-scoring tokens of every group; ``probs`` are the scores on that map, not
+    renormalised (the paper's gating matrix). 0 to E experts per token; every expert exactly full, so no balancing
+    loss. Aux loss: ``z_loss``. Metrics: ``capacity`` (C), ``group_size``, ``num_groups``, ``z_loss``.
 
-    ``scores = softmax(W h)``; in every group each expert takes its C highest-scoring tokens; ``probs`` are the
-    scores on that map, not renormalised (the paper's gating matrix). A token gets 0 to E experts; every expert
-    is exactly full, so no balancing loss. Aux loss: ``z_loss`` (optional). Metrics: ``capacity`` (C),
-    ``group_size``, ``num_groups``, ``z_loss``.
-
-    Causal leakage, as published, not corrected: a token's routing depends on its group's other tokens, its
-    sequence's later ones included (the reference warns of it); ``group_size="sequence"`` confines it.
+    Causal leakage, as published: a token's routing depends on its group's later tokens (the reference warns of
+    it); ``group_size="sequence"`` confines it to its sequence.
     """
 
     Config = ExpertChoiceConfig

@@ -67,8 +67,8 @@ class HashConfig(RouterConfig):
 
 
 def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
-    """``[V]`` int64 token counts from a ``.npy`` of non-negative counts per id (at most V ids; the rest 0).
-    ``ValueError`` for an unreadable file, wrong shape or dtype, negative counts or more than V ids."""
+    """``[V]`` int64 token counts from a ``.npy`` of non-negative counts per id (at most V ids; the rest 0);
+    ``ValueError`` if it is not that."""
     try:
         counts = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:
@@ -125,10 +125,9 @@ def build_hash_table(config: HashConfig, layer_number: int | None = None) -> tor
 
 @register_router("hash")
 class HashRouter(Router):
-    """Hash routing (Roller et al. 2021): token id -> k fixed experts of ``table`` ``[V, k]``, weight 1/k each;
-    no parameters, no aux loss; the hidden states give only the token count and device. Ids outside
-    ``[0, vocab_size)`` raise ``ValueError`` when :attr:`collect_metrics` is set (read on the host), else fail a
-    device-side assert (``RuntimeError``), so the forward forces no host sync."""
+    """Hash routing (Roller et al. 2021): token id -> k fixed experts of ``table`` ``[V, k]``, weight 1/k each; no
+    parameters, no aux loss. Ids outside ``[0, vocab_size)`` raise ``ValueError`` when :attr:`collect_metrics` is
+    set (read on the host), else fail a device-side assert (``RuntimeError``): the forward forces no host sync."""
 
     Config = HashConfig
     # ReMoE's Hash baseline (the ledger's 185M row) hashes id mod E (Sec. 4.2).

@@ -67,7 +67,7 @@ def num_segments(seq_len: int, segment_len: int) -> int:
 
 
 def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, segment_len: int) -> torch.Tensor:
-    """``[B, G, D]`` float32 mean hidden state per segment (``seq_shape`` ``(S, B)``; None: one sequence)."""
+    """``[B, G, D]`` float32 mean hidden state per segment (``seq_shape`` None: one sequence)."""
     T, D = hidden_TD.shape
     S, B = (T, 1) if seq_shape is None else seq_shape
     G = num_segments(S, segment_len)
@@ -90,8 +90,7 @@ def _sync_phase_after_load(module: LoryRouter, _incompatible_keys) -> None:
 @register_router("lory")
 class LoryRouter(GatedRouter):
     """Lory's causal segment routing (Zhong et al. 2024): :meth:`segment_weights` as ``probs [T, E]`` for every
-    token of a segment; ``routing_map`` all True (MERGE). Fully differentiable, no aux loss. Metric:
-    ``num_segments`` (G). Prompt routing at inference and the dense phase are the merge layer's."""
+    token of a segment; ``routing_map`` all True (MERGE); no aux loss. Metric: ``num_segments`` (G)."""
 
     Config = LoryConfig
     merges_experts = True
@@ -109,8 +108,7 @@ class LoryRouter(GatedRouter):
 
     def __init__(self, config: LoryConfig) -> None:
         super().__init__(config)
-        # Whether the model trains dense at the current step (step < config.dense_steps), kept on the host (no
-        # sync per forward): follows the step buffer, set by set_step, recomputed on load_state_dict.
+        # step < config.dense_steps, kept on the host (no sync per forward): set by set_step and on load_state_dict.
         self.dense_phase = config.dense_steps > 0
         self.register_load_state_dict_post_hook(_sync_phase_after_load)
 

@@ -93,8 +93,8 @@ class SparseMixerConfig(RouterConfig):
 
 
 class BalancePool:
-    """The L layers' softmax scores and counts of one training forward, pooled into one loss. A layer finding
-    its own entry already there (a forward that stopped midway) restarts the pool."""
+    """The L layers' softmax scores and counts of one training forward, pooled into one loss (a layer finding its
+    entry already there, after a forward that stopped midway, restarts it)."""
 
     def __init__(self, num_layers: int) -> None:
         self.num_layers = num_layers
@@ -170,13 +170,11 @@ def sparsemixer_v2_select(
 
 @register_router("sparsemixer")
 class SparseMixerRouter(GatedRouter):
-    """SparseMixer-v2 (GRIN, Liu et al. 2024), top-1 or top-2.
-
-    Per selection (:func:`sparsemixer_v2_select`; the second masks out the first): weight ``pi_i`` times the Heun
-    factor (1 for the arg-max of pi, else 1 w.p. 1/4 and 1/3 w.p. 3/4, training only; the reference writes 1/3
-    as 0.3333); backward ``dL/dlogits = g * pi_i * (e_i - pi)``, summed over the k selections. Aux loss:
-    ``load_balancing_loss`` (module docstring; training, alpha > 0). Metrics: ``sampled_not_argmax``,
-    ``mean_scale`` (mean Heun factor), ``balance_loss`` (unscaled).
+    """SparseMixer-v2 (GRIN, Liu et al. 2024), top-1 or top-2. Per selection (:func:`sparsemixer_v2_select`; the
+    second masks out the first): weight ``pi_i`` times the Heun factor (1 for the arg-max of pi, else 1 w.p. 1/4
+    and 1/3 w.p. 3/4, training only; the reference writes 1/3 as 0.3333); backward ``dL/dlogits = g * pi_i *
+    (e_i - pi)``, summed over the k selections. Aux loss: ``load_balancing_loss`` (module docstring). Metrics:
+    ``sampled_not_argmax``, ``mean_scale`` (mean Heun factor), ``balance_loss`` (unscaled).
     """
 
     Config = SparseMixerConfig

@@ -1,14 +1,9 @@
-"""The router interface shared by DirMoE and every baseline.
+"""The router interface shared by DirMoE and every baseline: one MoE layer's ``hidden_TD`` (and, if needed,
+``token_ids_T``) to a :class:`RouterOutput` in megatron-core's vocabulary (probs, routing_map), so the adapter is thin.
 
-Shape suffixes used throughout the project:
-
-    T  tokens in the (flattened) micro-batch, in megatron-core's order t = s_idx * B + b_idx
-    S  sequence length          B  micro-batch size (sequences)
-    D  hidden size              E  number of experts
-    G  segments (Lory)          L  layers
-
-A router maps one MoE layer's ``hidden_TD`` (and, if it needs them, ``token_ids_T``) to a :class:`RouterOutput`,
-in megatron-core's vocabulary (logits -> scores -> probs, routing_map), so the adapter to it is thin.
+Shape suffixes used throughout the project: T tokens in the (flattened) micro-batch, in megatron-core's order
+t = s_idx * B + b_idx; S sequence length; B micro-batch size (sequences); D hidden size; E experts; G segments
+(Lory); L layers.
 """
 
 from __future__ import annotations
@@ -116,12 +111,9 @@ class RouterOutput:
 
 
 class Router(nn.Module):
-    """Base class of every router.
-
-    Subclasses set ``Config`` (a frozen :class:`RouterConfig` subclass), implement :meth:`route` and
-    :attr:`constraint`, and register with :func:`routers.register_router`. The training step lives in the
-    ``step`` buffer, so step-dependent schedules restore with the ``state_dict`` and resume bit-identically.
-    """
+    """Base class of every router: subclasses set ``Config`` (a frozen :class:`RouterConfig` subclass), implement
+    :meth:`route` and :attr:`constraint`, and register with :func:`routers.register_router`. The training step is
+    the ``step`` buffer, so step-dependent schedules restore with the ``state_dict`` and resume bit-identically."""
 
     Config: ClassVar[type[RouterConfig]] = RouterConfig
     name: ClassVar[str] = ""
@@ -170,7 +162,7 @@ class Router(nn.Module):
     def route(
         self, hidden_TD: torch.Tensor, token_ids_T: torch.Tensor | None = None, seq_shape: tuple[int, int] | None = None
     ) -> RouterOutput:
-        """Route one micro-batch; subclass docstrings name their aux losses and metrics.
+        """Route one micro-batch (subclass docstrings name their aux losses and metrics).
 
         Args:
             hidden_TD: ``[T, D]`` hidden states at the MoE layer's input.
@@ -216,8 +208,8 @@ class Router(nn.Module):
         self.step.fill_(int(step))
 
     def step_statistic(self) -> torch.Tensor | None:
-        """This step's statistic for the schedule, to be averaged over layers and ranks (ReMoE's sparsity), or
-        None; choosing between the two must not read a device value (no host sync)."""
+        """This step's statistic for the schedule, averaged over layers and ranks (ReMoE's sparsity), or None,
+        chosen without reading a device value (no host sync)."""
         return None
 
     def end_step(self, global_statistic: torch.Tensor | None) -> None:

@@ -49,8 +49,8 @@ def _softplus_inverse(y: float) -> float:
 
 
 def _anneal(t: torch.Tensor, start: float, end: float, kind: str, decay: float | None, horizon: int) -> torch.Tensor:
-    """Cosine from ``start`` to ``end`` over ``horizon``, else ``max(end, start decay^t)``; ``decay`` None: the one
-    reaching ``end`` at ``horizon`` (gap 6)."""
+    """Cosine from ``start`` to ``end`` over ``horizon``, else ``max(end, start decay^t)`` (``decay`` None: reaching
+    ``end`` at ``horizon``, gap 6)."""
     if kind == "cosine":
         frac = (t / horizon).clamp(0.0, 1.0)
         return end + (start - end) * 0.5 * (1.0 + torch.cos(math.pi * frac))
@@ -77,8 +77,8 @@ class _SimplexDecoder(nn.Module):
 
 @dataclass
 class DirMoESample:
-    """One draw of DirMoE's latents for a micro-batch, with the sparsity and KL terms (float32, attached; in eager
-    training only ``weights_TE`` and the two terms: :func:`routers.dirmoe_blocks.routing_sample`)."""
+    """One draw of DirMoE's latents for a micro-batch, with the sparsity and KL terms (float32; which carry
+    gradients: :func:`routers.dirmoe_blocks.routing_sample`)."""
 
     logits_TE: torch.Tensor  # gate logits l(x) (centred x-dependent part plus bias)
     gates_TE: torch.Tensor  # relaxed gates z~ (sigmoid(l / tau) in eval mode)
@@ -96,12 +96,9 @@ class DirMoESample:
 
 @register_router("dirmoe")
 class DirMoERouter(Router):
-    """The DirMoE router (method: module docstring; options: :class:`DirMoEConfig`).
-
-    ``weight`` ``[3E, D]``, ``bias`` ``[3E]``: three fused heads (x read once), rows ``[0, E)`` gate logits,
-    ``[E, 2E)`` / ``[2E, 3E)`` the ``alpha_hi`` / ``alpha_lo`` bases; ``decoder``: g_psi. ``"data_mean"`` adds
-    buffers ``recon_mean_D`` (running data mean) and ``recon_mean_updates`` (micro-batches seen).
-    """
+    """The DirMoE router (options: :class:`DirMoEConfig`). ``weight`` ``[3E, D]``, ``bias`` ``[3E]``: three fused
+    heads (x read once), rows ``[0, E)`` gate logits, ``[E, 2E)`` / ``[2E, 3E)`` the ``alpha_hi`` / ``alpha_lo``
+    bases; ``decoder``: g_psi; ``"data_mean"`` adds buffers ``recon_mean_D`` and ``recon_mean_updates`` (count)."""
 
     Config = DirMoEConfig
     # The paper's Appendix "Hyperparameters" (baselines keep ReMoE's settings, as both papers report them).
@@ -150,8 +147,8 @@ class DirMoERouter(Router):
                 nn.init.zeros_(layer.bias)
 
     def schedule_values(self) -> dict[str, torch.Tensor]:
-        """The step-dependent values, computed in float64 from the ``step`` buffer alone (no host sync), so a
-        restored checkpoint gives bit-identical values.
+        """The step-dependent values, in float64 from the ``step`` buffer alone (no host sync; bit-identical after
+        a restore).
 
         Returns:
             float32 scalars: ``tau``, ``lambda_p``, ``lambda_q`` (``lambda_p`` when tied, else the constant),
@@ -172,9 +169,9 @@ class DirMoERouter(Router):
         }
 
     def _step_schedule(self) -> dict[str, torch.Tensor]:
-        """:meth:`schedule_values`, cached per ``step`` state when eager. Sync-free key: the buffer (a new one from
-        ``.to(device)`` never matches), its version (bumped by ``set_step``, ``load_state_dict``) and inference
-        mode (its tensors may not enter a training graph)."""
+        """:meth:`schedule_values`, cached when eager. Sync-free key: the buffer (a new one from ``.to(device)``
+        never matches), its version (bumped by ``set_step``, ``load_state_dict``) and inference mode (its tensors
+        may not enter a training graph)."""
         if torch.compiler.is_compiling():
             return self.schedule_values()
         step, inference = self.step, torch.is_inference_mode_enabled()
@@ -256,8 +253,7 @@ class DirMoERouter(Router):
         return self.step < self.config.dense_steps
 
     def posterior_bases(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """The posterior's bases ``beta(x)`` at evaluation (posterior ``Dir(posterior_scale * beta(x))``), for
-        sweeping the scale (``repro.analysis``).
+        """The bases ``beta(x)`` of the eval posterior ``Dir(posterior_scale * beta(x))`` (``repro.analysis``).
 
         Args:
             hidden_TD: ``[T, D]`` router inputs.
@@ -336,16 +332,15 @@ class DirMoERouter(Router):
 
     def decoder_directions(self) -> torch.Tensor:
         """Returns:
-            ``[E, D]`` float32 ``g_psi(e_i) - g_psi(0)`` (detached): what each vertex adds to the reconstruction
-            (the linear decoder's columns)."""
+            ``[E, D]`` ``g_psi(e_i) - g_psi(0)`` (detached): what each vertex adds (a linear decoder's columns)."""
         with torch.no_grad():
             E = self.num_experts
             vertices_ED = self.decoder(torch.eye(E, device=self.bias.device))
             return vertices_ED - self.decoder(torch.zeros(1, E, device=self.bias.device))
 
     def _route_fp32(self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None) -> RouterOutput:
-        """:meth:`route_core` (compiled where :meth:`compiles_elementwise`), then, only when ``collect_metrics``,
-        the metrics, eagerly (they sync; leaving them out changes nothing the training computes)."""
+        """:meth:`route_core` (compiled where :meth:`compiles_elementwise`), then the metrics, eagerly (they sync;
+        leaving them out changes nothing the training computes)."""
         core = _compiled_route_core() if self.compiles_elementwise(hidden_TD.device) else _route_core
         probs_TE, routing_map_TE, aux_losses, parts = core(self, hidden_TD, u_TE)
         return self.output(

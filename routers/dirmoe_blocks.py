@@ -1,8 +1,6 @@
-"""DirMoE's sample (gates, concentrations, Dirichlet draw, routing weights and the sparsity and KL terms) as a
-function of tensors with a closed-form backward for eager training, and the checks of what inductor needs (option
-``compile_elementwise``).
-
-Shape suffixes follow :mod:`routers.base` (T tokens, D hidden, E experts).
+"""DirMoE's sample (gates, concentrations, Dirichlet draw, routing weights, sparsity and KL terms) as a function
+of tensors with a closed-form backward for eager training, and what inductor needs (``compile_elementwise``).
+Shape suffixes: :mod:`routers.base`.
 """
 
 from __future__ import annotations
@@ -43,8 +41,7 @@ def inductor_available(device: torch.device) -> tuple[bool, str]:
     """Whether torch.compile's inductor can generate code for ``device``.
 
     Returns:
-        ``(available, missing)``, ``missing`` naming what lacks ("" if none): CUDA needs Triton and a host C
-        compiler, CPU a C++ compiler.
+        ``(available, missing)``, ``missing`` naming what lacks ("" if none).
     """
     if device.type == "cuda":
         missing = [name for name, ok in (("Triton", _has_triton()), ("a C compiler ($CC, gcc or clang)", _c_compiler()))
@@ -72,8 +69,8 @@ def routing_sample(
     num_experts: int, top_k: int, center_logits: bool, alpha_min: float, normalized: bool, weight_leak: float,
     sparsity_weight: float, kl_weight: float,
 ) -> tuple[torch.Tensor, ...]:
-    """Gates, concentrations, Dirichlet draw, routing weights, sparsity and KL terms from x. Eager training
-    (``normalized`` off) uses :class:`_RoutingSample`'s closed-form backward, else autograd.
+    """Gates, concentrations, Dirichlet draw, routing weights, sparsity and KL terms from x; eager training
+    (``normalized`` off) with :class:`_RoutingSample`'s closed-form backward, else autograd.
 
     Args:
         x_TD: router input, float32.
@@ -81,18 +78,15 @@ def routing_sample(
         bias_3E: the heads' bias.
         u_TE: uniforms of the Logistic noise (training); None: noise-free gates, posterior mean (evaluation).
         tau: gate temperature.
-        prior_alpha_hi: the prior's alpha_hi^(t).
-        prior_alpha_lo: the prior's alpha_lo^(t).
-        lambda_q: posterior scale in use.
-        lambda_p: prior scale in use.
+        prior_alpha_hi, prior_alpha_lo: the prior's alpha_hi^(t), alpha_lo^(t).
+        lambda_q, lambda_p: posterior and prior scales in use.
         num_experts: E.
         top_k: k, the sparsity term's target.
         center_logits: centre the x-dependent logits per token (gap 1).
         alpha_min: ``posterior_alpha_min`` (gap 7).
         normalized: ``posterior_scale="normalized"`` (gap 10).
         weight_leak: eps_w.
-        sparsity_weight: folded into the sparsity term's last op (no product of its own, either way).
-        kl_weight: likewise for the KL term.
+        sparsity_weight, kl_weight: folded into the sparsity and KL terms' last ops (no product of their own).
 
     Returns:
         :class:`routers.dirmoe.DirMoESample`'s first ten fields, ``logits_TE`` to ``kl`` (gradients: see there).
@@ -150,8 +144,8 @@ def _forward(x_TD, weight_3ED, bias_3E, u_TE, tau, prior_hi, prior_lo, lambda_q,
 
 
 class _RoutingSample(torch.autograd.Function):
-    """:func:`routing_sample` in eager training (noise given, ``normalized`` off) with a closed-form backward (a
-    few ops per term instead of autograd's op-by-op backward).
+    """:func:`routing_sample` in eager training (``normalized`` off) with a closed-form backward (a few ops per
+    term instead of autograd's op-by-op backward).
 
     Forward (``h = x W^T + b = [h_l, h_hi, h_lo]``): ``l = h_l - mean_i (x W_l^T)_i`` (centred, else ``h_l``),
     ``[a_hi, a_lo] = softplus([h_hi, h_lo]) + alpha_min``, ``z = sigmoid((l + logit(u)) / tau)``,

@@ -35,8 +35,7 @@ from routers.registry import build_router
 
 
 class RoutingStats:
-    """Per-layer running sums of a router's metrics and aux losses (scalars or ``[E]``), read and reset by the
-    training loop; one per adapter, so two models never mix them."""
+    """Per-layer running sums of a router's metrics and aux losses (scalars or ``[E]``); one per adapter."""
 
     def __init__(self) -> None:
         self.reset()
@@ -105,8 +104,8 @@ class MegatronRouterAdapter(MegatronModule):
     def forward(
         self, hidden_SBD: torch.Tensor, padding_mask: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Route one layer's ``[S, B, D]`` micro-batch: ``(probs [T, E] float32, routing_map [T, E] bool)``, aux
-        losses attached. No ``padding_mask`` (packed sequences). ``RuntimeError`` if needed token ids are unset."""
+        """Route one layer's ``[S, B, D]`` micro-batch: ``(probs [T, E] float32 with the aux losses attached,
+        routing_map [T, E] bool)``. ``RuntimeError`` if needed token ids are unset."""
         if padding_mask is not None:
             raise NotImplementedError(
                 "the suite's routers do not take megatron's padding_mask (pretraining uses packed sequences)"

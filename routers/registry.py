@@ -1,8 +1,6 @@
-"""Name -> router class registry, and the public builder.
-
-Routers register with :func:`register_router`. The built-in ones and those of any installed package's
-entry-point group ``dirmoe_bench.routers`` are imported on the first lookup, so a package adds a router
-without editing this repository (docs/routers.md, "Adding a router").
+"""Name -> router class registry (:func:`register_router`), and the public builder. The built-in routers and
+those of any installed package's entry-point group ``dirmoe_bench.routers`` are imported on the first lookup, so
+a package adds a router without editing this repository (docs/routers.md, "Adding a router").
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
-"""Driving the routers' step schedules from a training loop.
-
-The loop calls :func:`begin_step` before a step's forwards and :func:`end_step` after the optimizer step, which
-averages each router class's :meth:`Router.step_statistic` over layers and data-parallel ranks and hands it to
-every router of the class, so a global schedule (ReMoE's L1 coefficient) stays identical everywhere. A
-per-expert statistic (aux-free token counts) stays per layer: summed over ranks, back to its own router.
+"""Driving the routers' step schedules from a training loop: :func:`begin_step` before a step's forwards,
+:func:`end_step` after the optimizer step. The latter averages each router class's :meth:`Router.step_statistic`
+over layers and data-parallel ranks and hands it to every router of the class, so a global schedule (ReMoE's L1
+coefficient) stays identical everywhere; a per-expert statistic (aux-free counts) is summed over ranks per layer.
 """
 
 from __future__ import annotations
@@ -38,8 +36,8 @@ def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> bool:
 
 
 def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[str, torch.Tensor]:
-    """Average the routers' step statistics over layers and the data-parallel ``group`` (None: this rank only)
-    and apply their schedule updates. Reads no device value (no host sync); the caller converts when it logs.
+    """Average the routers' step statistics over layers and the data-parallel ``group`` (None: this rank only) and
+    apply their schedule updates, reading no device value (no host sync).
 
     Returns:
         ``{router_name: averaged statistic}`` (float32 device scalars) for the classes that report one.
