@@ -108,8 +108,7 @@ def lambda_for_mass_variance(
         v_tar: target variance, in (0, m(1-m)).
         s: active group size, in [1, E-1].
         num_experts: E >= 2.
-        alpha_hi: active base, > 0.
-        alpha_lo: inactive base, > 0.
+        alpha_hi, alpha_lo: active and inactive bases, > 0.
 
     Returns:
         lambda > 0.

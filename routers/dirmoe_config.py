@@ -1,6 +1,5 @@
-"""DirMoE's options (:class:`DirMoEConfig`): the paper's routing table, and the paper's gaps and inconsistencies
-closed with documented, switchable defaults, numbered as in docs/routers.md ("DirMoE's gaps and their defaults":
-each gap, the reading chosen, the alternatives; "DirMoE's gaps: what was measured": the evidence).
+"""DirMoE's options (:class:`DirMoEConfig`): the paper's routing table, and its gaps closed with switchable
+defaults, numbered as in docs/routers.md ("DirMoE's gaps and their defaults"; "...: what was measured").
 
 1. Gate bias vs. centering, and what the bias init sets (``center_logits``, ``gate_bias_init``).
 2. Dispatch rule (``dispatch``, ``dense_steps``, ``z_threshold``, ``max_experts_per_token``, ``renormalize``).
@@ -16,7 +15,7 @@ each gap, the reading chosen, the alternatives; "DirMoE's gaps: what was measure
 12. Switch's load-balancing loss as a control (``balance_loss_coeff``).
 
 ``compile_elementwise`` is implementation, not maths: eager (the reference) or one ``torch.compile`` region,
-equal in distribution. The same page lists DirMoE's metrics.
+equal in distribution.
 """
 
 from __future__ import annotations
@@ -52,7 +51,7 @@ def _positive(value: object) -> bool:
 
 @dataclass(frozen=True)
 class PriorConstants:
-    """The prior's constants resolved from a :class:`DirMoEConfig` (see :meth:`DirMoEConfig.prior_constants`)."""
+    """The prior's constants (:meth:`DirMoEConfig.prior_constants`)."""
 
     mass: float  # m, the prior mean mass on the k active experts
     ratio: float  # r = alpha_hi / alpha_lo = m/(1-m) (E-k)/k
@@ -164,8 +163,7 @@ class DirMoEConfig(RouterConfig):
         return self.schedule_steps if self.tau_schedule_steps is None else self.tau_schedule_steps
 
     def prior_constants(self) -> PriorConstants:
-        """Returns:
-            :class:`PriorConstants` from ``hparam_reading`` and the overrides."""
+        """The prior's constants from ``hparam_reading`` and the overrides: a :class:`PriorConstants`."""
         m0, lo0, floor0 = HPARAM_READINGS[self.hparam_reading]
         m = m0 if self.prior_mass is None else self.prior_mass
         lo = lo0 if self.alpha_lo_init is None else self.alpha_lo_init

@@ -1,11 +1,8 @@
 """The thin adapter from the project's :class:`routers.base.Router` to megatron-core's router protocol.
 
-megatron-core 0.16.1's ``MoESubmodules.router`` is a *builder*, called as ``router(config=TransformerConfig,
-pg_collection=ProcessGroupCollection)``, returning an object with ``set_layer_number(n)`` and
-``forward(hidden [s, b, h], padding_mask) -> (probs [T, E], routing_map [T, E] bool)``.
-:func:`megatron_router_builder` makes one for any registered router:
-
-    MoESubmodules(..., router=megatron_router_builder("switch", {"aux_loss_coeff": 1e-2}))
+megatron-core 0.16.1's ``MoESubmodules.router`` is a *builder* ``router(config=, pg_collection=)`` of an object
+with ``set_layer_number(n)`` and ``forward(hidden [s, b, h], padding_mask) -> (probs [T, E], routing_map [T, E])``;
+``MoESubmodules(..., router=megatron_router_builder("switch", {"aux_loss_coeff": 1e-2}))`` makes one.
 
 Each forward flattens ``[S, B, D]`` to float32 ``hidden_TD`` (``t = s * B + b``) and routes it with
 ``seq_shape=(S, B)`` (and token ids where required); attaches each weighted aux loss to ``probs`` with
@@ -45,8 +42,7 @@ class RoutingStats:
         self.metric_sums: dict[str, torch.Tensor] = {}
         self.aux_loss_sums: dict[str, torch.Tensor] = {}
         self.count = 0
-        # Forwards that returned metrics (only logging steps do: Router.collect_metrics); the metric means' divisor.
-        self.metric_count = 0
+        self.metric_count = 0  # forwards that returned metrics (logging steps: Router.collect_metrics)
 
     def add(self, metrics: dict[str, torch.Tensor], aux_losses: dict[str, torch.Tensor]) -> None:
         """Accumulate one forward's (detached) metrics (possibly none) and aux losses."""
@@ -75,8 +71,7 @@ class MegatronRouterAdapter(MegatronModule):
     Attributes:
         router: the wrapped :class:`Router`.
         layer_number: set by megatron (1-based, global over the pipeline).
-        last_metrics: detached metrics of the last forward (``{}`` before the first).
-        last_aux_losses: detached aux losses of the last forward.
+        last_metrics, last_aux_losses: detached, of the last forward (``{}`` before the first).
         stats: a :class:`RoutingStats` accumulating over forwards until reset.
         token_ids: the flattened ``[T]`` token ids set by :func:`token_ids_context` (None outside it).
     """
@@ -93,8 +88,7 @@ class MegatronRouterAdapter(MegatronModule):
         self.last_metrics: dict[str, torch.Tensor] = {}
         self.last_aux_losses: dict[str, torch.Tensor] = {}
         self.stats = RoutingStats()
-        # Set only inside token_ids_context: never outlives a forward.
-        self.token_ids: torch.Tensor | None = None
+        self.token_ids: torch.Tensor | None = None  # set only inside token_ids_context
 
     def set_layer_number(self, layer_number: int) -> None:
         """Called by megatron's TransformerLayer (1-based); passed on to the router."""
