@@ -35,8 +35,7 @@ class AuxFreeConfig(RouterConfig):
     bias_update_rate: float = 1e-3  # u of the bias update (moe_router_bias_update_rate; both papers: 1e-3)
     # moe_router_topk_scaling_factor (DeepSeek-V3's 2.5 suits 8 of 256 experts); None: unscaled, as Wang et al.
     topk_scaling_factor: float | None = None
-    # alpha of DeepSeek-V3's sequence-wise balance loss (megatron's seq_aux_loss); 0: Wang et al.'s method, no
-    # balance gradient, so the comparison isolates the bias; DeepSeek-V3 sets 1e-4.
+    # alpha of DeepSeek-V3's sequence-wise balance loss (1e-4 there); 0: Wang et al.'s, isolating the bias.
     seq_aux_loss_coeff: float = 0.0
     init_std: float = 0.01
 
@@ -60,8 +59,7 @@ class AuxFreeRouter(GatedRouter):
     """
 
     Config = AuxFreeConfig
-    # The bias moves by steps of 1e-3, which vanish in bf16.
-    fp32_buffers = ("expert_bias", "tokens_per_expert")
+    fp32_buffers = ("expert_bias", "tokens_per_expert")  # the bias moves by steps of 1e-3, which vanish in bf16
 
     def __init__(self, config: AuxFreeConfig) -> None:
         super().__init__(config)

@@ -12,9 +12,8 @@ Group and capacity rules (``reference``):
 * ``"flaxformer"``: ``C = max(round(c * g / E), 4)`` capped at g (``MoeLayer``; round half to even); groups:
   ``_num_groups`` (one replica), the smallest n >= max(T // G, E) dividing T and a multiple of E (or T).
 
-Megatron's is the default: the suite's other capacity routers use it, and the capacities agree where the
-comparisons run (E divides g * c); flaxformer always cuts a micro-batch into at least E groups (its SPMD
-sharding puts groups on the expert axis), a different routing.
+Megatron's is the default: the suite's other capacity routers use it, the capacities agree where the comparisons
+run (E divides g * c), and flaxformer's at least E groups (its SPMD sharding) are a different routing.
 
 1. ``group_size``: experts choose among a group's tokens, taken batch-major (as flaxformer reshapes). ``None``
    (default): the micro-batch (``flaxformer``: as ``max_group_size``, still E groups); ``"sequence"``: each
@@ -99,8 +98,8 @@ def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", nu
 
 
 def group_capacity(group_size: int, capacity_factor: float, num_experts: int, top_k: int, reference: str) -> int:
-    """C, the tokens every expert takes from a group of g, by the ``reference``'s rule (module docstring). The
-    cap at g, which flaxformer lacks, keeps the top-C defined."""
+    """C, the tokens every expert takes from a group of g, by the ``reference``'s rule (module docstring); capped
+    at g (flaxformer is not) so the top-C is defined."""
     if reference == "flaxformer":
         return min(group_size, max(int(round(capacity_factor * group_size / num_experts)), FLAXFORMER_MIN_CAPACITY))
     return RoutingConstraint(
@@ -126,8 +125,8 @@ def group_tokens(
 
 @dataclass(frozen=True)
 class ExpertChoiceConstraint(RoutingConstraint):
-    """EXPERT_CHOICE with the router's rules: ``capacity(T, E)`` is N groups times C, ``"sequence"`` taken as one
-    sequence of T tokens (no sequence length here); ``expert_capacity_factor`` is c (``capacity_factor``: c / k)."""
+    """EXPERT_CHOICE by the router's rules: ``capacity(T, E)`` = N groups times C (``"sequence"``: one of T tokens);
+    ``expert_capacity_factor`` is c (``capacity_factor``: c / k)."""
 
     group_size: int | str | None = None
     reference: str = "megatron"

@@ -6,12 +6,12 @@ References:
     (``HashLayerFFN.hash``: a random bin per id, ``random.seed(42)``, one hash layer).
     Wang, Zhu, Chen, "ReMoE", ICLR 2025 (arXiv:2412.14711), Sec. 4.2: "we use mod E hashing function" (``mod``).
 
-The tables (``hash_type``): ``random`` (default), per id the first k of a seeded random permutation of the
-experts; ``mod``, ``(id + j) mod E`` for j < k (ReMoE's; independent of data, seed and layer); ``balanced``, from
-the corpus's token counts (``counts_path``, :func:`repro.data.token_counts.write_token_counts`), most frequent id
-first, by ``balance_rule``: ``"greedy"`` (default; the paper's Sec. 3) to the k least loaded experts (ties to the
-lower index), ``"random-greedy"`` to k drawn (seeded) among those staying within ``ceil(k * total / E)``, else the
-k least loaded. Every expert ends within one token's count of an equal share; unseen ids go round-robin.
+The tables (``hash_type``): ``random`` (default), per id the first k of a seeded random permutation; ``mod``,
+``(id + j) mod E`` for j < k (ReMoE's); ``balanced``, from the corpus's token counts (``counts_path``, by
+:func:`repro.data.token_counts.write_token_counts`), most frequent id first, by ``balance_rule``: ``"greedy"``
+(the paper's Sec. 3) to the k least loaded experts, ``"random-greedy"`` to k drawn (seeded) among those staying
+within ``ceil(k * total / E)``, else the k least loaded. Every expert ends within one token's count of an equal
+share; unseen ids go round-robin.
 
 Paper gaps and deviations, each switchable:
 
@@ -67,8 +67,7 @@ class HashConfig(RouterConfig):
 
 
 def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
-    """``[V]`` int64 token counts from a ``.npy`` of non-negative counts per id (at most V ids; the rest 0);
-    ``ValueError`` if it is not that."""
+    """``[V]`` int64 counts from a ``.npy`` of non-negative counts per id (at most V; the rest 0), else ValueError."""
     try:
         counts = np.load(path, allow_pickle=False)
     except (OSError, ValueError) as exc:

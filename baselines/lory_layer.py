@@ -59,8 +59,7 @@ class LoryMoELayer(MoELayer):
         if not config.gated_linear_unit or config.activation_func is not F.silu or config.add_bias_linear:
             raise ValueError("Lory's merge is implemented for bias-free SwiGLU experts")
         if self.lory_router.config.dense_steps > 0:
-            # The dense start trains tied copies of one FFN: they start equal.
-            with torch.no_grad():
+            with torch.no_grad():  # the dense start trains tied copies of one FFN: they start equal
                 first = self.experts.local_experts[0]
                 for expert in self.experts.local_experts[1:]:
                     expert.linear_fc1.weight.copy_(first.linear_fc1.weight)
@@ -104,8 +103,8 @@ class LoryMoELayer(MoELayer):
         E = probs_TE.shape[-1]
         probs_SBE = probs_TE.reshape(S, B, E)
         weights_GBE = torch.stack([probs_SBE[start : start + L].mean(0) for start in range(0, S, L)])
-        # Unequal weights within a segment: router and layer disagree on its length. Checked (one host sync) only
-        # on forwards that collect metrics: the lengths are fixed settings, and other steps must not sync.
+        # Router and layer disagreeing on the segment length: checked (a host sync) only on forwards collecting
+        # metrics (the lengths are fixed settings; other steps must not sync).
         if not self.lory_router.collect_metrics:
             return weights_GBE
         spread = (probs_SBE.detach() - weights_GBE.detach().repeat_interleave(L, dim=0)[:S]).abs().max()

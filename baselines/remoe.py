@@ -63,8 +63,7 @@ class ReMoERouter(GatedRouter):
         self.register_buffer("l1_coeff", torch.tensor(config.l1_coeff_init, dtype=torch.float32))
         # Per-step accumulators: reset by end_step, so checkpoints between steps need none.
         self.register_buffer("sparsity_sum", torch.zeros((), dtype=torch.float32), persistent=False)
-        # A host integer, so deciding whether the step has a statistic needs no host sync.
-        self.sparsity_count = 0
+        self.sparsity_count = 0  # a host integer, so deciding whether the step has a statistic needs no host sync
 
     @property
     def constraint(self) -> RoutingConstraint:
@@ -104,8 +103,7 @@ class ReMoERouter(GatedRouter):
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
         """Apply ``lambda <- lambda * alpha^sign(target - S)`` (None: unchanged), then reset the accumulators."""
         if global_statistic is not None:
-            # Chosen on the device (no sync): S compared in float64 with the float64 target (as Python would);
-            # lambda * alpha and lambda / alpha are the same float32 ops as in-place mul_/div_.
+            # On the device (no sync): S vs the target in float64 (as Python); the float32 ops of in-place mul_/div_.
             s = global_statistic.detach().to(device=self.l1_coeff.device, dtype=torch.float64)
             target = self.config.effective_target_sparsity
             alpha = self.config.l1_coeff_multiplier

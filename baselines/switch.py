@@ -36,9 +36,8 @@ class SwitchConfig(RouterConfig):
 
     aux_loss_coeff: float = 1e-2  # alpha of the load-balancing loss (moe_aux_loss_coeff); 0 turns it off
     z_loss_coeff: float = 0.0  # coefficient of the router z-loss (moe_z_loss_coeff); 0 turns it off
-    # Softmax before the top-k (moe_router_pre_softmax). None: megatron-core's True for k = 1 (a softmax over one
-    # logit has zero gradient), False for k > 1. ReMoE's dMoE scripts pass it at every k
-    # (scripts/train_llama_182m_moe.sh), so runs compared with ReMoE at k > 1 set True.
+    # Softmax before the top-k (moe_router_pre_softmax). None: True for k = 1 (a softmax over one logit has zero
+    # gradient), else False. ReMoE's dMoE scripts pass it at every k, so runs compared with ReMoE at k > 1 set True.
     pre_softmax: bool | None = None
     # None: dropless (dMoE); c > 0 caps each expert at ceil((T * k / E) * c) tokens (moe_expert_capacity_factor)
     capacity_factor: float | None = None
@@ -84,8 +83,7 @@ class SwitchRouter(GatedRouter):
     def constraint(self) -> RoutingConstraint:
         cfg = self.config
         if cfg.capacity_factor is None:
-            # Dropless: exactly k; a post-top-k softmax makes the weights sum to one.
-            return RoutingConstraint(
+            return RoutingConstraint(  # dropless: exactly k; a post-top-k softmax makes the weights sum to one
                 RoutingKind.EXACT_K, cfg.top_k, cfg.top_k, top_k=cfg.top_k, probs_sum_to_one=not cfg.use_pre_softmax
             )
         return RoutingConstraint(

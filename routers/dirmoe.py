@@ -378,8 +378,8 @@ class DirMoERouter(Router):
                 reduction=c.recon_reduction, target="centered" if c.recon_target == "centered" else "raw",
             )
 
-        # Weight 0 leaves a term out (gap 11); KL, sparsity come weighted. Eager skips x * 1.0 (exact); compiled
-        # keeps it, as an output aliasing another costs launches outside the region.
+        # Weight 0 leaves a term out (gap 11). Eager skips x * 1.0 (exact); compiled keeps it (an aliasing output
+        # costs launches outside the region).
         recon_term = recon if c.recon_weight == 1.0 and not torch.compiler.is_compiling() else c.recon_weight * recon
         terms = (("dirmoe_recon", c.recon_weight, recon_term), ("dirmoe_kl", c.kl_weight, s.kl),
                  ("dirmoe_sparsity", c.sparsity_weight, s.sparsity))

@@ -144,8 +144,7 @@ class DirMoEConfig(RouterConfig):
         check("alpha_lo_init alpha_floor", lambda v: v is None or _positive(v), "None or a positive finite number")
         prior = self.prior_constants()
         if not prior.mass > k / E:
-            # The paper's slab needs alpha_hi > alpha_lo, i.e. r > 1, i.e. m > k/E.
-            raise ValueError(
+            raise ValueError(  # the paper's slab needs alpha_hi > alpha_lo, i.e. r > 1, i.e. m > k/E
                 f"prior_mass (m, from hparam_reading={self.hparam_reading!r} unless set) must be in "
                 f"(k/E = {k / E:g}, 1) so that alpha_hi > alpha_lo, got {prior.mass}"
             )

@@ -19,8 +19,7 @@ from routers.base import Router
 R = TypeVar("R", bound=type[Router])
 
 _REGISTRY: dict[str, type[Router]] = {}
-# Imported lazily: baselines import routers.base (a cycle otherwise).
-_BUILTIN_MODULES = ("routers.dirmoe", "baselines")
+_BUILTIN_MODULES = ("routers.dirmoe", "baselines")  # imported lazily: baselines import routers.base (a cycle otherwise)
 ENTRY_POINT_GROUP = "dirmoe_bench.routers"
 
 
