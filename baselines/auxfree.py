@@ -90,7 +90,6 @@ class AuxFreeRouter(GatedRouter):
             # Training forwards with grad only (megatron: not evaluation, not a recomputation's first pass).
             with torch.no_grad():
                 self.tokens_per_expert += routing_map_TE.sum(0)
-
         return self.output(
             probs_TE.float(), routing_map_TE, aux_losses, lambda: {"expert_bias": self.expert_bias.detach().clone()}
         )

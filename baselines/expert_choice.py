@@ -185,7 +185,6 @@ class ExpertChoiceRouter(GatedRouter):
         aux_losses: dict[str, torch.Tensor] = {}
         if self.training and torch.is_grad_enabled() and cfg.z_loss_coeff > 0:
             aux_losses["z_loss"] = z_loss_func(logits_TE, cfg.z_loss_coeff)
-
         return self.output(probs_TE, routing_map_TE, aux_losses, lambda: {
             **{key: torch.tensor(float(value), device=probs_TE.device)
                for key, value in (("capacity", capacity), ("group_size", G), ("num_groups", N))},

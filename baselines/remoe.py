@@ -87,7 +87,6 @@ class ReMoERouter(GatedRouter):
             with torch.no_grad():
                 self.sparsity_sum += sparsity.detach()
                 self.sparsity_count += 1
-
         return self.output(probs_TE, routing_map_TE, aux_losses, lambda: {
             "sparsity": sparsity.detach(),
             "l1_coeff": self.l1_coeff.detach().clone(),

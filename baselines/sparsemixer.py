@@ -247,7 +247,6 @@ class SparseMixerRouter(GatedRouter):
             loss = self.balance_loss(scores_TE, tokens_per_expert_E)
             if loss is not None:
                 aux_losses["load_balancing_loss"] = loss
-
         return self.output(probs_TE, routing_map_TE, aux_losses, lambda: {
             "sampled_not_argmax": torch.stack(not_argmax).float().mean(),
             "mean_scale": torch.stack(scales).mean(),

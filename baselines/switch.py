@@ -117,7 +117,6 @@ class SwitchRouter(GatedRouter):
             aux_losses["load_balancing_loss"] = switch_load_balancing_loss_func(
                 scores_TE, aux_map_TE.sum(0), T, cfg.top_k, cfg.num_experts, cfg.aux_loss_coeff
             )
-
         return self.output(probs_TE.float(), routing_map_TE, aux_losses, lambda: {
             "balance_loss": balance_metric(scores_TE, aux_map_TE.sum(0), cfg),
             "z_loss": z_loss_metric(logits_TE),
