@@ -86,26 +86,21 @@ class AuxFreeRouter(GatedRouter):
         aux_losses: dict[str, torch.Tensor] = {}
         if self.training and torch.is_grad_enabled():
             if cfg.seq_aux_loss_coeff > 0:
-                aux_losses["seq_load_balancing_loss"] = self._seq_aux_loss(logits_TE, seq_shape or (T, 1))
+                # DeepSeek-V3's sequence-wise loss (megatron's seq_aux_loss): each sequence's Switch loss on the
+                # normalised unbiased sigmoid scores, averaged over sequences; [S*B, E] in megatron's order
+                # t = s*B + b -> [S, B*E]: one "expert" column per (sequence, expert).
+                S, B = seq_shape or (T, 1)
+                aux_map_TE, scores_TE = compute_routing_scores_for_aux_loss(logits_TE, cfg.top_k, "sigmoid")
+                aux_losses["seq_load_balancing_loss"] = switch_load_balancing_loss_func(
+                    scores_TE.reshape(S, -1), aux_map_TE.reshape(S, -1).sum(0), S, cfg.top_k, cfg.num_experts,
+                    cfg.seq_aux_loss_coeff,
+                ) / B
             # Training forwards with grad only (megatron: not evaluation, not a recomputation's first pass).
             with torch.no_grad():
                 self.tokens_per_expert += routing_map_TE.sum(0)
         return self.output(
             probs_TE.float(), routing_map_TE, aux_losses, lambda: {"expert_bias": self.expert_bias.detach().clone()}
         )
-
-    def _seq_aux_loss(self, logits_TE: torch.Tensor, seq_shape: tuple[int, int]) -> torch.Tensor:
-        """DeepSeek-V3's sequence-wise loss (megatron's ``seq_aux_loss``): each sequence's Switch loss on the
-        normalised unbiased sigmoid scores, averaged over sequences."""
-        cfg = self.config
-        S, B = seq_shape
-        aux_map_TE, scores_TE = compute_routing_scores_for_aux_loss(logits_TE, cfg.top_k, "sigmoid")
-        # [S*B, E] in megatron's order t = s*B + b -> [S, B*E]: one "expert" column per (sequence, expert).
-        scores_SX, aux_map_SX = scores_TE.reshape(S, -1), aux_map_TE.reshape(S, -1)
-        loss = switch_load_balancing_loss_func(
-            scores_SX, aux_map_SX.sum(0), S, cfg.top_k, cfg.num_experts, cfg.seq_aux_loss_coeff
-        )
-        return loss / B
 
     def step_statistic(self) -> torch.Tensor | None:
         """``[E]`` tokens per expert of this layer's training forwards this step (summed over ranks, per layer)."""

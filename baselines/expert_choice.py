@@ -82,18 +82,12 @@ class ExpertChoiceConfig(RouterConfig):
 def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", num_experts: int = 1) -> int:
     """n, the number of groups (of ``T / n <= group_size`` tokens) by the ``reference``'s rule (module docstring);
     ``ValueError`` when flaxformer's finds none (T < E), as flaxformer."""
-    if reference == "flaxformer":
-        n = max(num_tokens // group_size, num_experts)
-        while n < num_tokens and not (num_tokens % n == 0 and n % num_experts == 0):
-            n += 1
-        if num_tokens % n:
-            raise ValueError(
-                f"flaxformer groups: {num_tokens} tokens cannot be cut into a multiple of {num_experts} groups"
-            )
-        return n
-    n = max(1, math.ceil(num_tokens / group_size))
-    while num_tokens % n:
+    flax = reference == "flaxformer"
+    n = max(num_tokens // group_size, num_experts) if flax else max(1, math.ceil(num_tokens / group_size))
+    while n < num_tokens and (num_tokens % n or (flax and n % num_experts)):
         n += 1
+    if num_tokens % n:  # flaxformer's only: megatron's n reaches T at worst
+        raise ValueError(f"flaxformer groups: {num_tokens} tokens cannot be cut into a multiple of {num_experts} groups")
     return n
 
 

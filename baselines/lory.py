@@ -61,20 +61,14 @@ class LoryConfig(RouterConfig):
         return 0 if self.schedule_steps is None else round(self.dense_fraction * self.schedule_steps)
 
 
-def num_segments(seq_len: int, segment_len: int) -> int:
-    """G = ceil(S / segment_len), the segments of a sequence of ``seq_len`` tokens."""
-    return math.ceil(seq_len / segment_len)
-
-
 def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, segment_len: int) -> torch.Tensor:
     """``[B, G, D]`` float32 mean hidden state per segment (``seq_shape`` None: one sequence)."""
     T, D = hidden_TD.shape
     S, B = (T, 1) if seq_shape is None else seq_shape
-    G = num_segments(S, segment_len)
+    G = math.ceil(S / segment_len)
     hidden_SBD = hidden_TD.float().reshape(S, B, D)
     pad = G * segment_len - S
-    if pad:
-        # Zero-pad the last segment; its mean divides by its true length.
+    if pad:  # zero-pad the last segment; its mean divides by its true length
         hidden_SBD = torch.cat([hidden_SBD, hidden_SBD.new_zeros(pad, B, D)], dim=0)
     sums_GBD = hidden_SBD.view(G, segment_len, B, D).sum(dim=1)
     counts_G = torch.full((G,), float(segment_len), device=hidden_TD.device)
