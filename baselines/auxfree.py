@@ -8,8 +8,6 @@ References:
     normalised to sum to one, and a sequence-wise balance loss (alpha = 1e-4).
     Code: megatron-core 0.16.1 ``TopKRouter`` with ``moe_router_score_function="sigmoid"`` and the expert bias
     options; ``get_updated_expert_bias`` (``moe_utils.py``).
-
-Shape legend: T tokens, D hidden size, E experts, S sequence length, B sequences (see :mod:`routers.base`).
 """
 
 from __future__ import annotations

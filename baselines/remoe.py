@@ -3,8 +3,6 @@
 Reference:
     Wang, Zhu, Chen, "ReMoE: Fully Differentiable Mixture-of-Experts with ReLU Routing", ICLR 2025
     (arXiv:2412.14711). Code: github.com/thu-ml/ReMoE (``ReLURouter`` in ``megatron/core/transformer/moe/router.py``).
-
-Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
 """
 
 from __future__ import annotations

@@ -5,15 +5,11 @@ References:
     arXiv:2310.00811). Code: microsoft/SparseMixer ``sparsemixer/sparsemixer_v2.py`` (``sparsemixerv2_routing``,
     autograd function ``v2core``).
 
-Two published settings (``reference``; each field still overrides its preset):
-
-* ``"grin"`` (default; GRIN's Phi-3.5-MoE config and model code): jitter eps 0.01, alpha = 1e-3 with f from the
-  plain softmax's top-k, one loss over all layers' logits (``balance_scope="pooled"``).
-* ``"sparsemixer-repo"`` (``SparseMixerV2`` defaults, ``compute_balance_loss``): eps 0.1, alpha = 1e-2 with f
-  from the sampled experts, one loss per layer (``"per-layer"``).
-
-GRIN's is the default: the comparisons reproduced (ReMoE Table 2, copied by DirMoE) cite GRIN and set none of its
-hyper-parameters, so its LM-pretraining setting applies; the repository's 0.1 serves fairseq translation.
+Two published settings, ``reference`` (:data:`REFERENCE_SETTINGS`; docs/routers.md, "The routers"): ``"grin"``,
+GRIN's Phi-3.5-MoE config and model code, and ``"sparsemixer-repo"``, ``SparseMixerV2``'s defaults and
+``compute_balance_loss``; each field still overrides its preset. GRIN's is the default: the comparisons
+reproduced (ReMoE Table 2, copied by DirMoE) cite GRIN and set none of its hyper-parameters, so its LM-pretraining
+setting applies; the repository's 0.1 serves fairseq translation.
 
 Balancing loss: megatron-core's ``alpha * E * sum_i f_i P_i`` as Switch. Deviation (not switchable): GRIN's
 Mixtral-style code divides ``f`` by T, not ``k T`` (twice the loss at k = 2).
@@ -25,8 +21,6 @@ model's routers share a :class:`BalancePool` (:meth:`SparseMixerRouter.link_laye
 forward adds its scores (with graph) and counts; the last layer returns the pooled switch loss as its
 ``load_balancing_loss``, exact in value and gradient. Unsupported with activation recomputation or pipeline
 stages (a layer must enter the pool once per forward); the suite uses neither.
-
-Shape legend: T tokens, D hidden size, E experts, k experts per token (see :mod:`routers.base`).
 """
 
 from __future__ import annotations

@@ -6,8 +6,6 @@ References:
     Gale et al., "MegaBlocks", MLSys 2023 (arXiv:2211.15841): dMoE, the same router dropless.
     Zoph et al., "ST-MoE" (arXiv:2202.08906): the router z-loss.
     Code: megatron-core 0.16.1 ``moe/router.py`` (``TopKRouter``) and the ``moe_utils.py`` functions called here.
-
-Shape legend: T tokens, D hidden size, E experts (see :mod:`routers.base`).
 """
 
 from __future__ import annotations
