@@ -79,11 +79,21 @@ class SparseMixerConfig(RouterConfig):
         value = getattr(self, name)
         return REFERENCE_SETTINGS[self.reference][name] if value is None else value
 
-    # The options in use: each field, or its ``reference`` preset when it is None.
-    effective_jitter_eps = property(lambda self: float(self._preset("jitter_eps")))
-    effective_aux_loss_coeff = property(lambda self: float(self._preset("aux_loss_coeff")))
-    effective_balance_map = property(lambda self: self._preset("balance_map"))
-    effective_balance_scope = property(lambda self: self._preset("balance_scope"))
+    @property
+    def effective_jitter_eps(self) -> float:
+        return float(self._preset("jitter_eps"))
+
+    @property
+    def effective_aux_loss_coeff(self) -> float:
+        return float(self._preset("aux_loss_coeff"))
+
+    @property
+    def effective_balance_map(self) -> str:
+        return self._preset("balance_map")
+
+    @property
+    def effective_balance_scope(self) -> str:
+        return self._preset("balance_scope")
 
 
 class BalancePool:
