@@ -7,11 +7,8 @@ References:
     Wang, Zhu, Chen, "ReMoE", ICLR 2025 (arXiv:2412.14711), Sec. 4.2: "we use mod E hashing function" (``mod``).
 
 The tables (``hash_type``): ``random`` (default), per id the first k of a seeded random permutation; ``mod``,
-``(id + j) mod E`` for j < k (ReMoE's); ``balanced``, from the corpus's token counts (``counts_path``, by
-:func:`repro.data.token_counts.write_token_counts`), most frequent id first, by ``balance_rule``: ``"greedy"``
-(the paper's Sec. 3) to the k least loaded experts, ``"random-greedy"`` to k drawn (seeded) among those staying
-within ``ceil(k * total / E)``, else the k least loaded. Every expert ends within one token's count of an equal
-share; unseen ids go round-robin.
+``(id + j) mod E`` for j < k (ReMoE's); ``balanced`` (:func:`balanced_table`), from the corpus's token counts
+(``counts_path``, by :func:`repro.data.token_counts.write_token_counts`).
 
 Paper gaps and deviations, each switchable:
 
@@ -84,7 +81,10 @@ def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
 
 
 def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int, rule: str = "greedy") -> torch.Tensor:
-    """The ``[V, k]`` ``balanced`` table of ``[V]`` counts by ``rule`` (module docstring; ``seed``: "random-greedy")."""
+    """The ``[V, k]`` ``balanced`` table of ``[V]`` counts: most frequent id first, by ``rule``, ``"greedy"`` (the
+    paper's Sec. 3) to the k least loaded experts, ``"random-greedy"`` to k drawn (``seed``) among those staying
+    within ``ceil(k * total / E)``, else the k least loaded. Every expert ends within one token's count of an equal
+    share; unseen ids go round-robin."""
     V, E, k = counts_V.shape[0], num_experts, top_k
     rng = np.random.default_rng(seed)
     table = np.empty((V, k), dtype=np.int64)

@@ -19,8 +19,7 @@ experts, built as copies of expert 0, are tied: the forward uses ``W_0 + sum_e (
 (exactly W_0), so each expert gets the dense gradient / sqrt(E): together the dense gradient norm (clipping acts
 as on the dense model), and AdamW is scale-free (up to eps). They stay bit-identical.
 
-Constraints: expert (tensor) parallel 1, bias-free SwiGLU ``SequentialMLP`` experts (local spec). Memory: every
-(segment, sequence)'s merged weights are kept for the backward (``G * B * 3 * F * H`` values per layer).
+Memory: every (segment, sequence)'s merged weights are kept for the backward (``G * B * 3 * F * H`` per layer).
 """
 
 from __future__ import annotations

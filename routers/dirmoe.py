@@ -280,8 +280,7 @@ class DirMoERouter(Router):
         """The routing map chosen by ``config.dispatch`` and ``config.dense_steps`` (gap 2).
 
         Args:
-            weights_TE: routing weights r.
-            gates_TE: relaxed gates z~.
+            weights_TE, gates_TE: routing weights r and relaxed gates z~.
 
         Returns:
             ``[T, E]`` bool routing map.
