@@ -24,14 +24,11 @@ def _mb(n: int) -> str:
 def _mini_pile(args: argparse.Namespace) -> int:
     from repro.data.minipile import MiniPileConfig, build_mini_pile
 
-    config = MiniPileConfig(
-        max_bytes_per_domain=int(args.max_mb_per_domain * 1e6), heldout_fraction=args.heldout_fraction,
-        vocab_size=args.vocab_size, num_shards=args.shards, seed=args.seed,
-        domains=tuple(args.domains) if args.domains else None,
-    )
-    mini = build_mini_pile(
-        args.out, config, num_workers=args.workers, force=args.force, progress=not args.no_progress, log=print
-    )
+    config = MiniPileConfig(max_bytes_per_domain=int(args.max_mb_per_domain * 1e6),
+                            heldout_fraction=args.heldout_fraction, vocab_size=args.vocab_size, num_shards=args.shards,
+                            seed=args.seed, domains=tuple(args.domains) if args.domains else None)
+    mini = build_mini_pile(args.out, config, num_workers=args.workers, force=args.force,
+                           progress=not args.no_progress, log=print)
     fields = ("documents", "bytes", "tokens", "heldout_documents", "heldout_tokens")
     values = {name: [getattr(mini.stats[name], f) for f in fields] for name in mini.domains}
     values["total"] = [sum(v[i] for v in values.values()) for i in range(len(fields))]
@@ -61,10 +58,8 @@ def _tokenizer_copies(out_dir: Path, vocab: Path, merges: Path) -> list[tuple[Pa
         dst = out_dir / name
         if dst.is_symlink():
             if not (dst.is_file() and dst.read_bytes() == src.read_bytes()):
-                raise ReproError(
-                    f"{dst}: is a symbolic link (to {os.readlink(dst)}) and not to this tokenizer's file; "
-                    "refusing to write through it or replace it"
-                )
+                raise ReproError(f"{dst}: is a symbolic link (to {os.readlink(dst)}) and not to this tokenizer's "
+                                 "file; refusing to write through it or replace it")
         elif dst.exists():
             if not dst.is_file():
                 raise ReproError(f"{dst}: exists and is not a regular file; tokenize into another directory")
@@ -86,10 +81,8 @@ def _tokenize(args: argparse.Namespace) -> int:
     tok = load_tokenizer(args.vocab, args.merges)
     out_dir = Path(args.out).parent
     copies = _tokenizer_copies(out_dir, Path(args.vocab), Path(args.merges))  # before writing anything
-    stats = tokenize_shards(
-        args.input, tok, args.out, num_workers=args.workers, default_domain=args.default_domain,
-        progress=not args.no_progress,
-    )
+    stats = tokenize_shards(args.input, tok, args.out, num_workers=args.workers,
+                            default_domain=args.default_domain, progress=not args.no_progress)
     print(f"{'domain':<24} {'docs':>10} {'MB':>10} {'tokens':>14}")
     for name in stats.documents:
         print(f"{name:<24} {stats.documents[name]:>10} {_mb(stats.bytes[name]):>10} {stats.tokens[name]:>14,}")

@@ -69,10 +69,9 @@ def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]
     return [None if b is None else (int(round(b[0] * n)), int(round(b[1] * n))) for b in matrix]
 
 
-def build_datasets(
-    prefixes: Sequence[str | os.PathLike], seq_length: int, num_samples: tuple[int | None, int | None, int | None],
-    seed: int, cache_dir: str | os.PathLike, tokenizer: Gpt2BpeTokenizer, *, split: str = DEFAULT_SPLIT,
-) -> DatasetSplits:
+def build_datasets(prefixes: Sequence[str | os.PathLike], seq_length: int,
+                   num_samples: tuple[int | None, int | None, int | None], seed: int, cache_dir: str | os.PathLike,
+                   tokenizer: Gpt2BpeTokenizer, *, split: str = DEFAULT_SPLIT) -> DatasetSplits:
     """Build megatron-core's GPT train/valid/test datasets over a blend of indexed datasets, weighted by their
     token counts if every split with a share has a sample count, else one epoch each.
 
@@ -96,18 +95,15 @@ def build_datasets(
         ranges = split_ranges(n, split)  # which parts have a share is the same for every prefix
         for name, bounds in zip(("train", "valid", "test"), ranges):
             if bounds is not None and bounds[1] <= bounds[0]:
-                raise ReproError(
-                    f"{prefix}: split '{split}' leaves the {name} split no document out of {n}; "
-                    "use a larger corpus or a split with a larger share for it"
-                )
+                raise ReproError(f"{prefix}: split '{split}' leaves the {name} split no document out of {n}; "
+                                 "use a larger corpus or a split with a larger share for it")
     # a split with no share builds nothing: give it 0 samples so megatron's weights/sizes check passes
     sizes = [0 if bounds is None and n is None else n for bounds, n in zip(ranges, num_samples)]
     weights = [float(_num_tokens(p)) for p in prefixes] if len(prefixes) > 1 and None not in sizes else None
-    config = GPTDatasetConfig(
-        random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
-        path_to_cache=str(cache_dir), tokenizer=tokenizer, reset_position_ids=False, reset_attention_mask=False,
-        eod_mask_loss=False, create_attention_mask=False, mmap_bin_files=True,
-    )
+    config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
+                              path_to_cache=str(cache_dir), tokenizer=tokenizer, reset_position_ids=False,
+                              reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,
+                              mmap_bin_files=True)
     # Every rank builds: each data-parallel rank reads its own slice of the samples.
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
     with _rank_zero_outside_distributed():

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import time
+from collections import Counter, deque
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,9 +47,13 @@ class TokenizeStats:
         return self.num_tokens / self.seconds if self.seconds > 0 else float("nan")
 
 
-def domain_dtype(num_domains: int) -> type:
-    """The smallest unsigned integer type of the ``.domains.npy`` sidecar for that many domains."""
-    return np.uint8 if num_domains <= 1 << 8 else np.uint16 if num_domains <= 1 << 16 else np.uint32
+def write_domain_sidecar(prefix: str, names: list[str], doc_domain: Sequence[int], **meta: object) -> None:
+    """Write ``prefix``'s domain sidecar: ``.domains.npy`` (``doc_domain``, indices into ``names``, in the smallest
+    unsigned dtype) and ``.domains.json`` (``names``, the document count, then ``meta``)."""
+    dtype = np.uint8 if len(names) <= 1 << 8 else np.uint16 if len(names) <= 1 << 16 else np.uint32
+    np.save(prefix + DOMAINS_NPY, np.asarray(doc_domain, dtype=dtype))
+    sidecar = {"domains": names, "num_documents": len(doc_domain), **meta}
+    Path(prefix + DOMAINS_JSON).write_text(json.dumps(sidecar, indent=2))
 
 
 def _prefix_files(prefix: str) -> list[str]:
@@ -69,10 +74,8 @@ def check_indexed_output(prefix: str | os.PathLike) -> None:
         check_output_path(path, replace=lambda _p: ours)
 
 
-def write_indexed(
-    records: Iterable[PileRecord], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
-    num_workers: int | None = None, progress: bool = False, source: str = "input",
-) -> TokenizeStats:
+def write_indexed(records: Iterable[PileRecord], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
+                  num_workers: int | None = None, progress: bool = False, source: str = "input") -> TokenizeStats:
     """Tokenise documents (EOD appended) into an indexed dataset with its domain sidecar, atomically.
 
     Args:
@@ -94,21 +97,18 @@ def write_indexed(
     builder: IndexedDatasetBuilder | None = None
     try:
         domains: dict[str, int] = {}  # name -> index, in order of first appearance
-        names: list[str] = []
         doc_domain: list[int] = []
-        docs: dict[str, int] = {}
-        toks: dict[str, int] = {}
-        nbytes: dict[str, int] = {}
+        pending: deque[str] = deque()  # domains of the documents handed to the tokenizer and not back yet
+        docs: Counter[str] = Counter()
+        toks: Counter[str] = Counter()
+        nbytes: Counter[str] = Counter()
 
         def texts() -> Iterator[str]:
-            # Recorded as handed to the tokenizer (output order = input order).
             for text, domain in records:
-                if domain not in domains:
-                    domains[domain] = len(names)
-                    names.append(domain)
-                doc_domain.append(domains[domain])
-                docs[domain] = docs.get(domain, 0) + 1
-                nbytes[domain] = nbytes.get(domain, 0) + len(text.encode("utf-8"))
+                doc_domain.append(domains.setdefault(domain, len(domains)))
+                pending.append(domain)
+                docs[domain] += 1
+                nbytes[domain] += len(text.encode("utf-8"))
                 yield text
 
         builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
@@ -116,8 +116,7 @@ def write_indexed(
         with tqdm(unit="doc", desc=f"tokenize {Path(prefix).name}", disable=not progress) as bar:
             for ids in encode_documents(tokenizer, texts(), num_workers=num_workers):
                 builder.add_document(ids, [ids.size])
-                domain = names[doc_domain[n_docs]]
-                toks[domain] = toks.get(domain, 0) + int(ids.size)
+                toks[pending.popleft()] += int(ids.size)  # output order = input order
                 n_docs += 1
                 n_tokens += int(ids.size)
                 bar.update(1)
@@ -125,11 +124,8 @@ def write_indexed(
             raise ReproError(f"{source}: empty corpus, no documents to tokenise")
         builder.finalize(tmp_prefix + ".idx")
 
-        np.save(tmp_prefix + DOMAINS_NPY, np.asarray(doc_domain, dtype=domain_dtype(len(names))))
-        sidecar = {"domains": names, "num_documents": n_docs, "num_tokens": n_tokens, "documents": docs,
-                   "tokens": toks, "bytes": nbytes, "tokenizer": dict(tokenizer.unique_identifiers)}
-        with open(tmp_prefix + DOMAINS_JSON, "w") as f:
-            json.dump(sidecar, f, indent=2)
+        write_domain_sidecar(tmp_prefix, list(domains), doc_domain, num_tokens=n_tokens, documents=docs, tokens=toks,
+                             bytes=nbytes, tokenizer=dict(tokenizer.unique_identifiers))
         check_indexed_output(prefix)  # again: tokenising may have taken hours
         for tmp_file, final in zip(_prefix_files(tmp_prefix), _prefix_files(prefix)):
             os.replace(tmp_file, final)
@@ -148,10 +144,9 @@ def write_indexed(
     return TokenizeStats(prefix, n_docs, n_tokens, time.perf_counter() - t0, docs, toks, nbytes)
 
 
-def tokenize_shards(
-    inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
-    num_workers: int | None = None, default_domain: str | None = None, progress: bool = False,
-) -> TokenizeStats:
+def tokenize_shards(inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
+                    num_workers: int | None = None, default_domain: str | None = None,
+                    progress: bool = False) -> TokenizeStats:
     """Tokenise Pile-format shards into one indexed dataset; ``default_domain`` for records without
     ``meta.pile_set_name`` (None: an error); the rest as :func:`write_indexed`."""
     if not inputs:

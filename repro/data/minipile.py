@@ -1,10 +1,7 @@
-"""The embedded "mini-pile": a small multi-domain corpus built from text already on any machine.
+"""The embedded "mini-pile": a small multi-domain corpus built from text already on any machine (docs/data.md).
 
 The CPU default trains on it with the full-scale pipeline (Pile shards, GPT-2-format BPE trained on the training
-part, indexed datasets). Domains (:mod:`repro.data.minipile_sources`; missing ones skipped, >= ``min_domains``):
-``python_code`` (half the stdlib), ``python_docstrings`` (the other half's, pydoc-like), ``python_reference``
-(``pydoc_data.topics``), ``licenses``, ``man_pages`` (English, troff stripped), ``c_headers`` (/usr/include).
-
+part, indexed datasets). Domains: :mod:`repro.data.minipile_sources` (missing ones skipped, >= ``min_domains``).
 Deterministic per machine image and seed (seeded hash order over sorted files, per-domain byte budget, exact
 duplicates dropped). The held-out part (by text hash, >= 1 per domain) never enters training or the tokenizer.
 ``manifest.json`` keys each stage (corpus: config + source fingerprint; tokenizer: + vocab settings; indexed);
@@ -209,10 +206,8 @@ def _check_mini_pile_dir(root: Path) -> None:
                          "directory")
 
 
-def build_mini_pile(
-    out_dir: str | os.PathLike, config: MiniPileConfig | None = None, *, num_workers: int | None = None,
-    force: bool = False, progress: bool = False, log: Callable[[str], None] | None = None,
-) -> MiniPile:
+def build_mini_pile(out_dir: str | os.PathLike, config: MiniPileConfig | None = None, *, num_workers: int | None = None,
+                    force: bool = False, progress: bool = False, log: Callable[[str], None] | None = None) -> MiniPile:
     """Build (or reuse) the mini-pile: ``shards/train-NN.jsonl.zst``, ``heldout.jsonl``,
     ``tokenizer/{vocab.json,merges.txt}``, ``indexed/{train,heldout}.*`` (+ domain sidecar), ``manifest.json``.
 
@@ -230,13 +225,10 @@ def build_mini_pile(
     root = Path(out_dir)
     _check_mini_pile_dir(root)
     make_parents(root)
-    # One caller builds, concurrent ones wait and reuse; append mode in the directory: no truncation via symlink.
+    # One caller builds, the others wait and reuse (closing unlocks); append mode: no truncation via a symlink.
     with open_in_dir(root, ".build.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            return _build_locked(root, cfg, num_workers, force, progress, log or (lambda _msg: None), t_start)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        return _build_locked(root, cfg, num_workers, force, progress, log or (lambda _msg: None), t_start)
 
 
 def _shard_rels(cfg: MiniPileConfig) -> list[str]:
@@ -252,10 +244,7 @@ def open_mini_pile(out_dir: str | os.PathLike) -> MiniPile:
     if (root / "manifest.json").is_file():
         with open_in_dir(root, ".build.lock", "a") as lock:  # not while another process is building
             fcntl.flock(lock, fcntl.LOCK_EX)
-            try:
-                manifest = _load_manifest(root / "manifest.json")
-            finally:
-                fcntl.flock(lock, fcntl.LOCK_UN)
+            manifest = _load_manifest(root / "manifest.json")
         cfg = MiniPileConfig()
         stages = manifest.get("stages", {})
         if manifest.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))) and all(
@@ -337,10 +326,8 @@ def _write_corpus(root: Path, cfg: MiniPileConfig, key: str, listed: dict[str, t
     if len(present) < cfg.min_domains:
         found = ", ".join(present) or "none"
         why = ", ".join(f"{k}: {v}" for k, v in skipped.items())
-        raise ReproError(
-            f"mini-pile: only {len(present)} domain(s) available on this machine ({found}); "
-            f"need at least {cfg.min_domains} (skipped: {why})"
-        )
+        raise ReproError(f"mini-pile: only {len(present)} domain(s) available on this machine ({found}); "
+                         f"need at least {cfg.min_domains} (skipped: {why})")
     train, heldout = _split_heldout(docs, cfg)
     # contiguous runs of the (already shuffled) training order, one per shard
     per = -(-len(train) // cfg.num_shards)
@@ -378,14 +365,11 @@ def _tokenize(root: Path, key: str, shard_rels: list[str], num_workers: int | No
     stats = {part: tokenize_shards(paths, tok, root / "indexed" / part, num_workers=num_workers, progress=progress)
              for part, paths in inputs.items()}
     train = stats["train"]
-    entry = {
-        "key": key,
-        "files": _sizes(root, [f"indexed/{part}{ext}" for part in inputs
-                               for ext in (".bin", ".idx", ".domains.json", ".domains.npy")]),
-        "seconds": train.seconds + stats["heldout"].seconds,
-        "tokens_per_second": train.tokens_per_second,
-        **{part: {"documents": st.documents, "bytes": st.bytes, "tokens": st.tokens} for part, st in stats.items()},
-    }
+    files = [f"indexed/{part}{ext}" for part in inputs for ext in (".bin", ".idx", ".domains.json", ".domains.npy")]
+    entry = {"key": key, "files": _sizes(root, files), "seconds": train.seconds + stats["heldout"].seconds,
+             "tokens_per_second": train.tokens_per_second,
+             **{part: {"documents": st.documents, "bytes": st.bytes, "tokens": st.tokens}
+                for part, st in stats.items()}}
     line = f"indexed: {train.num_tokens:,} training tokens at {train.tokens_per_second:,.0f} tokens/s"
     return entry, line
 
@@ -396,11 +380,9 @@ def _mini_pile(root: Path, stages: dict, shard_rels: list[str], reused_all: bool
     domains = tuple(stages["corpus"]["domains"])
     stats = {d: DomainStats(*(ix[part][key].get(d, 0) for part in ("train", "heldout")
                               for key in ("documents", "bytes", "tokens"))) for d in domains}
-    return MiniPile(
-        root=root, train_shards=tuple(root / r for r in shard_rels), heldout_path=root / "heldout.jsonl",
-        vocab_path=root / _TOKENIZER_RELS[0], merges_path=root / _TOKENIZER_RELS[1],
-        train_prefix=str(root / "indexed/train"), heldout_prefix=str(root / "indexed/heldout"), domains=domains,
-        stats=stats, skipped_domains=dict(stages["corpus"].get("skipped", {})),
-        build_seconds=time.perf_counter() - t_start, reused=reused_all,
-        tokenize_tokens_per_second=float(ix.get("tokens_per_second", float("nan"))),
-    )
+    return MiniPile(root=root, train_shards=tuple(root / r for r in shard_rels), heldout_path=root / "heldout.jsonl",
+                    vocab_path=root / _TOKENIZER_RELS[0], merges_path=root / _TOKENIZER_RELS[1],
+                    train_prefix=str(root / "indexed/train"), heldout_prefix=str(root / "indexed/heldout"),
+                    domains=domains, stats=stats, skipped_domains=dict(stages["corpus"].get("skipped", {})),
+                    build_seconds=time.perf_counter() - t_start, reused=reused_all,
+                    tokenize_tokens_per_second=float(ix.get("tokens_per_second", float("nan"))))

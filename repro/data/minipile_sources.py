@@ -1,5 +1,9 @@
-"""The mini-pile's sources: per domain (:mod:`repro.data.minipile`'s table), where its documents come from
-and how a file becomes a document text (man pages through :func:`troff_to_text`)."""
+"""The mini-pile's sources, per domain: where its documents come from and how a file becomes a document text.
+
+``python_code`` (half the stdlib), ``python_docstrings`` (the other half's, pydoc-like), ``python_reference``
+(``pydoc_data.topics``), ``licenses``, ``man_pages`` (English, troff stripped by :func:`troff_to_text`),
+``c_headers`` (/usr/include).
+"""
 
 from __future__ import annotations
 
@@ -43,10 +47,9 @@ class Source:
     family: Callable[[Candidate], str] | None = None
 
 
-_STDLIB_SKIP_DIRS = frozenset(
-    # third-party packages, test suites, generated codec tables, and the reference text (its own domain)
-    {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "encodings", "pydoc_data"}
-)
+# third-party packages, test suites, generated codec tables, and the reference text (its own domain)
+_STDLIB_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__",
+                               "encodings", "pydoc_data"})
 
 
 def _stdlib_dir() -> Path:
@@ -167,10 +170,6 @@ def _man_page(cand: Candidate) -> str | None:
     return None if src is None else troff_to_text(src)
 
 
-def _man_family(cand: Candidate) -> str:
-    return re.split(r"[-_.]", cand.path.name, maxsplit=1)[0]
-
-
 def domain_sources() -> tuple[Source, ...]:
     """One :class:`Source` per domain, in the order of :data:`ALL_DOMAINS`."""
     return (
@@ -178,7 +177,7 @@ def domain_sources() -> tuple[Source, ...]:
         Source("python_docstrings", lambda: _stdlib_modules(1), _docstrings),
         Source("python_reference", _reference_topics, _reference_text),
         Source("licenses", _license_files, lambda c: _read_text(c.path)),
-        Source("man_pages", _man_files, _man_page, _man_family),
+        Source("man_pages", _man_files, _man_page, lambda c: re.split(r"[-_.]", c.path.name, maxsplit=1)[0]),
         Source("c_headers", _header_files, lambda c: _read_text(c.path)),
     )
 

@@ -101,9 +101,8 @@ def _parse_record(line: str, path: Path, lineno: int, default_domain: str | None
     return PileRecord(obj["text"], domain)
 
 
-def iter_pile_documents(
-    paths: Sequence[str | os.PathLike], *, default_domain: str | None = None, progress: bool = False
-) -> Iterator[PileRecord]:
+def iter_pile_documents(paths: Sequence[str | os.PathLike], *, default_domain: str | None = None,
+                        progress: bool = False) -> Iterator[PileRecord]:
     """Stream the documents of Pile-format shards, in order, one shard after the other.
 
     Args:
@@ -120,9 +119,8 @@ def iter_pile_documents(
             raise ReproError(f"{path}: no such file")
         size = path.stat().st_size
         lineno = 0
-        with open(path, "rb") as raw, tqdm(
-            total=size, unit="B", unit_scale=True, desc=path.name, disable=not progress, leave=False
-        ) as bar:
+        with open(path, "rb") as raw, tqdm(total=size, unit="B", unit_scale=True, desc=path.name,
+                                           disable=not progress, leave=False) as bar:
             zst = path.name.endswith(".zst")
             stream = io.BufferedReader(_ZstdRawReader(raw, path), 1 << 16) if zst else raw
             text_stream = io.TextIOWrapper(stream, encoding="utf-8", newline="\n")

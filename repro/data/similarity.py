@@ -1,17 +1,15 @@
 """Similarity-based data batching (Lory, Sec. 3.2 and Appendix C): similar documents in the same sequences.
 
-See docs/routers.md, "Lory's similarity batching" (after In-Context Pretraining, Shi et al., ICLR 2024,
-arXiv:2310.10638, Alg. 1). megatron's ``GPTDataset`` shuffles *sequences*, so :func:`build_similarity_dataset`
-writes a derived dataset of **chains**: runs of the greedy walk (documents keep their EOD), cut at jumps and at
-``max_chain_tokens``, in seeded order. Only training documents are chained; valid/test follow unchanged, so
-:attr:`SimilarityBatched.split` yields exactly a plain run's validation samples.
+docs/routers.md, "Lory's similarity batching" (after In-Context Pretraining, Shi et al., ICLR 2024, Alg. 1):
+megatron's ``GPTDataset`` shuffles *sequences*, so the derived dataset holds **chains** (runs of the greedy walk cut
+at jumps and at ``max_chain_tokens``, documents keeping their EOD) in seeded order; valid/test documents follow
+unchanged, so :attr:`SimilarityBatched.split` yields exactly a plain run's validation samples.
 
-Deviations (docs/routers.md): (1) TF-IDF over token ids (sublinear, no EOD) + truncated SVD, L2-normalised, not
-Contriever (not downloadable; lexical similarity); (2) FAISS exact inner product up to
-``exact_search_max_documents``, else IVF (``4 sqrt(N)`` lists, ``nprobe`` 32); (3) no semantic dedup;
-(4) undirected edge if either is in the other's kNN, cosine-weighted; min-degree ties seeded-random.
-
-Cached as ``<first prefix>.simbatch-<input hash>``; foreign files of that name are never overwritten.
+Deviations: (1) TF-IDF over token ids (sublinear, no EOD) + truncated SVD, L2-normalised, not Contriever (not
+downloadable; lexical similarity); (2) FAISS exact inner product up to ``exact_search_max_documents``, else IVF
+(``4 sqrt(N)`` lists, ``nprobe`` 32); (3) no semantic dedup; (4) undirected edge if either is in the other's kNN,
+cosine-weighted; min-degree ties seeded-random. Cached as ``<first prefix>.simbatch-<input hash>``; foreign files
+of that name are never overwritten.
 """
 
 from __future__ import annotations
@@ -34,7 +32,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from repro.data.datasets import DEFAULT_SPLIT, split_ranges
-from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, domain_dtype, existing_prefixes, load_domain_index
+from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, existing_prefixes, load_domain_index, write_domain_sidecar
 from repro.errors import ReproError
 from repro.io_utils import make_temp_dir, read_json
 from repro.schema import check_minimums
@@ -115,10 +113,8 @@ def _count_matrix(datasets: Sequence[IndexedDataset], documents: np.ndarray, voc
     return csr_matrix((data, index, indptr), shape=(len(documents), vocab_size))
 
 
-def document_embeddings(
-    datasets: Sequence[IndexedDataset], documents: np.ndarray, vocab_size: int, eod: int | None,
-    config: SimilarityBatchingConfig, chunk: int = 20_000,
-) -> np.ndarray:
+def document_embeddings(datasets: Sequence[IndexedDataset], documents: np.ndarray, vocab_size: int, eod: int | None,
+                        config: SimilarityBatchingConfig, chunk: int = 20_000) -> np.ndarray:
     """L2-normalised TF-IDF + truncated-SVD vectors of documents (deviation 1).
 
     Args:
@@ -157,9 +153,8 @@ def document_embeddings(
     return normalize(out, norm="l2").astype(np.float32)
 
 
-def nearest_neighbors(
-    embeddings: np.ndarray, k: int, config: SimilarityBatchingConfig
-) -> tuple[np.ndarray, np.ndarray]:
+def nearest_neighbors(embeddings: np.ndarray, k: int,
+                      config: SimilarityBatchingConfig) -> tuple[np.ndarray, np.ndarray]:
     """Each document's top-k neighbours by inner product (cosine on unit vectors), itself excluded.
 
     Args:
@@ -253,9 +248,8 @@ def greedy_path(ids: np.ndarray, sims: np.ndarray, seed: int) -> tuple[np.ndarra
     return path, linked
 
 
-def chains_from_path(
-    path: np.ndarray, linked: np.ndarray, lengths: np.ndarray, max_chain_tokens: int
-) -> list[np.ndarray]:
+def chains_from_path(path: np.ndarray, linked: np.ndarray, lengths: np.ndarray,
+                     max_chain_tokens: int) -> list[np.ndarray]:
     """Cut the path into chains: at every jump, and before a chain would exceed ``max_chain_tokens``.
 
     Args:
@@ -305,10 +299,9 @@ def _derived_files(prefix: str) -> list[str]:
     return [prefix + ext for ext in (CHAINS_NPZ, DOMAINS_NPY, DOMAINS_JSON, ".bin", ".idx", MANIFEST_JSON)]
 
 
-def build_similarity_dataset(
-    prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, config: SimilarityBatchingConfig | None = None,
-    *, vocab_size: int | None = None, eod: int | None = None, log=None,
-) -> SimilarityBatched:
+def build_similarity_dataset(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT,
+                             config: SimilarityBatchingConfig | None = None, *, vocab_size: int | None = None,
+                             eod: int | None = None, log=None) -> SimilarityBatched:
     """Build (or reuse) the similarity-batched derived dataset of ``prefixes``.
 
     Args:
@@ -339,27 +332,22 @@ def build_similarity_dataset(
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     out_prefix = f"{sources[0]}.simbatch-{key[:16]}"
     with open(Path(out_prefix).parent / f".{Path(out_prefix).name}.lock", "w") as lock:
-        # Ranks of one run may call this at once: one builds, the others wait and reuse.
+        # Ranks of one run may call this at once: one builds, the others wait and reuse (closing unlocks).
         fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            manifest = read_json(out_prefix + MANIFEST_JSON)
-            complete = all(os.path.isfile(p) for p in _derived_files(out_prefix))
-            reused = manifest is not None and manifest.get("key") == key and complete
-            if reused:
-                say(f"similarity batching: reused {out_prefix}")
-            else:
-                ours = manifest is not None and manifest.get("format") == FORMAT and "key" in manifest
-                present = [p for p in _derived_files(out_prefix) if os.path.exists(p)]
-                if present and not ours:
-                    raise ReproError(
-                        f"{present[0]}: exists but was not written by similarity batching; "
-                        "move it away (it is not overwritten)"
-                    )
-                manifest = _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say)
-            return SimilarityBatched(out_prefix, manifest["derived_split"], int(manifest["num_chains"]),
-                                     dict(manifest["stats"]), reused)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        manifest = read_json(out_prefix + MANIFEST_JSON)
+        complete = all(os.path.isfile(p) for p in _derived_files(out_prefix))
+        reused = manifest is not None and manifest.get("key") == key and complete
+        if reused:
+            say(f"similarity batching: reused {out_prefix}")
+        else:
+            ours = manifest is not None and manifest.get("format") == FORMAT and "key" in manifest
+            present = [p for p in _derived_files(out_prefix) if os.path.exists(p)]
+            if present and not ours:
+                raise ReproError(f"{present[0]}: exists but was not written by similarity batching; "
+                                 "move it away (it is not overwritten)")
+            manifest = _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say)
+        return SimilarityBatched(out_prefix, manifest["derived_split"], int(manifest["num_chains"]),
+                                 dict(manifest["stats"]), reused)
 
 
 def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
@@ -388,11 +376,8 @@ def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) 
     try:
         sequences = [train[chain] for chain in chains] + [row[None] for row in np.concatenate([valid, test])]
         names, seq_domain = _write_sequences(tmp, datasets, domains, sequences)
-        np.save(tmp + DOMAINS_NPY, np.asarray(seq_domain, dtype=domain_dtype(len(names))))
-        first_meta = json.loads(Path(sources[0] + DOMAINS_JSON).read_text())
-        sidecar = {"domains": names, "num_documents": len(seq_domain), "similarity_batched_from": sources,
-                   "tokenizer": first_meta.get("tokenizer", {})}
-        Path(tmp + DOMAINS_JSON).write_text(json.dumps(sidecar, indent=2))
+        tokenizer = json.loads(Path(sources[0] + DOMAINS_JSON).read_text()).get("tokenizer", {})
+        write_domain_sidecar(tmp, names, seq_domain, similarity_batched_from=sources, tokenizer=tokenizer)
         stats["seconds"] = time.perf_counter() - t0
         manifest = {"format": FORMAT, "key": key, "sources": sources, "split": split,
                     "derived_split": f"{len(chains)},{len(valid)},{len(test)}", "num_chains": len(chains),
@@ -403,17 +388,14 @@ def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) 
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
         del datasets
-    say(
-        f"similarity batching: {stats['chains']} chains of {stats['documents']} documents, adjacent cosine "
+    say(f"similarity batching: {stats['chains']} chains of {stats['documents']} documents, adjacent cosine "
         f"{stats['adjacent_similarity']:.3f} vs random {stats['random_similarity']:.3f} "
-        f"({stats['seconds']:.1f} s) -> {out_prefix}"
-    )
+        f"({stats['seconds']:.1f} s) -> {out_prefix}")
     return manifest
 
 
-def _documents_by_split(
-    datasets: Sequence[IndexedDataset], sources: Sequence[str], split: str
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _documents_by_split(datasets: Sequence[IndexedDataset], sources: Sequence[str],
+                        split: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The sources' training, validation and test documents (``[n, 2]`` ``(source, document)`` rows each)."""
     parts: tuple[list[np.ndarray], ...] = ([], [], [])
     for s, ds in enumerate(datasets):
@@ -423,8 +405,7 @@ def _documents_by_split(
                 bucket.append(np.stack([np.full_like(ids, s), ids], axis=1))
     if not parts[0]:
         raise ReproError(f"similarity batching: split '{split}' leaves no training document in {', '.join(sources)}")
-    train, valid, test = (np.concatenate(p) if p else np.zeros((0, 2), np.int64) for p in parts)
-    return train, valid, test
+    return tuple(np.concatenate(p) if p else np.zeros((0, 2), np.int64) for p in parts)  # type: ignore[return-value]
 
 
 def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Generator) -> dict:
@@ -439,16 +420,11 @@ def _chain_stats(chains, linked, lengths, emb, train, domains, rng: np.random.Ge
     def same_domain(p):
         return float(np.mean(dom_name[p[:, 0]] == dom_name[p[:, 1]])) if len(p) else float("nan")
 
-    return {
-        "documents": int(len(train)),
-        "chains": len(chains),
-        "mean_chain_tokens": float(np.mean([lengths[c].sum() for c in chains])),
-        "linked_fraction": float(linked[1:].mean()) if len(linked) > 1 else 0.0,
-        "adjacent_similarity": mean_sim(pairs),
-        "random_similarity": mean_sim(rand),
-        "same_domain_adjacent": same_domain(pairs),
-        "same_domain_random": same_domain(rand),
-    }
+    return {"documents": int(len(train)), "chains": len(chains),
+            "mean_chain_tokens": float(np.mean([lengths[c].sum() for c in chains])),
+            "linked_fraction": float(linked[1:].mean()) if len(linked) > 1 else 0.0,
+            "adjacent_similarity": mean_sim(pairs), "random_similarity": mean_sim(rand),
+            "same_domain_adjacent": same_domain(pairs), "same_domain_random": same_domain(rand)}
 
 
 def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list[int]]:
@@ -457,9 +433,8 @@ def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list
     Returns:
         ``(domain names, domain id of each sequence)`` for the domain sidecar.
     """
-    builder = None
+    builder = IndexedDatasetBuilder(tmp + ".bin", dtype=datasets[0].index.dtype)
     try:
-        builder = IndexedDatasetBuilder(tmp + ".bin", dtype=datasets[0].index.dtype)
         names: dict[str, int] = {}  # name -> index, in order of first appearance
         seq_domain: list[int] = []
         offsets, member_lengths = [0], []
@@ -477,14 +452,10 @@ def _write_sequences(tmp, datasets, domains, sequences) -> tuple[list[str], list
             offsets.append(offsets[-1] + len(rows))
         builder.finalize(tmp + ".idx")
     finally:
-        if builder is not None:
-            builder.data_file.close()
-    np.savez(
-        tmp + CHAINS_NPZ,
-        offsets=np.asarray(offsets, dtype=np.int64),
-        members=np.concatenate(sequences).astype(np.int64),
-        lengths=np.concatenate(member_lengths).astype(np.int64),
-    )
+        builder.data_file.close()
+    np.savez(tmp + CHAINS_NPZ, offsets=np.asarray(offsets, dtype=np.int64),
+             members=np.concatenate(sequences).astype(np.int64),
+             lengths=np.concatenate(member_lengths).astype(np.int64))
     return list(names), seq_domain
 
 
@@ -493,12 +464,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m repro.data.similarity", description=__doc__.split("\n")[0])
     parser.add_argument("prefixes", nargs="+", help="indexed-dataset prefixes (with their domain sidecars)")
     parser.add_argument("--split", default=DEFAULT_SPLIT, help="the run's train/valid/test split")
-    for field in dataclasses.fields(SimilarityBatchingConfig):
+    fields = dataclasses.fields(SimilarityBatchingConfig)
+    for field in fields:
         parser.add_argument(f"--{field.name.replace('_', '-')}", type=int, default=field.default)
     args = parser.parse_args(argv)
-    options = {f.name: getattr(args, f.name) for f in dataclasses.fields(SimilarityBatchingConfig)}
     try:
-        cfg = SimilarityBatchingConfig(**options)
+        cfg = SimilarityBatchingConfig(**{f.name: getattr(args, f.name) for f in fields})
         result = build_similarity_dataset(args.prefixes, args.split, cfg, log=print)
     except (ReproError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

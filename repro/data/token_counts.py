@@ -57,15 +57,12 @@ def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPL
     return total
 
 
-def token_counts_file(
-    prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, vocab_size: int | None = None
-) -> str:
+def token_counts_file(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT,
+                      vocab_size: int | None = None) -> str:
     """Write (or reuse) :func:`count_tokens`'s ``.npy`` beside the first prefix; never overwrites other files."""
     sources = existing_prefixes(prefixes, "token counts: ")
-    key = hashlib.sha256(
-        json.dumps({"sources": [dataset_fingerprint(p) for p in sources], "split": split, "vocab_size": vocab_size}).encode()
-    ).hexdigest()
-    path = f"{sources[0]}.tokcounts-{key[:16]}.npy"
+    inputs = {"sources": [dataset_fingerprint(p) for p in sources], "split": split, "vocab_size": vocab_size}
+    path = f"{sources[0]}.tokcounts-{hashlib.sha256(json.dumps(inputs).encode()).hexdigest()[:16]}.npy"
     if os.path.exists(path):
         try:
             existing = np.load(path, allow_pickle=False)

@@ -129,11 +129,9 @@ class Gpt2BpeTokenizer:
         """Encode texts (no EOD) to int64 id arrays in bounded memory: calls of <= :data:`MAX_CHUNK_CHARS` in all
         (the GIL released while they run)."""
         encode = getattr(self._tok, "encode_batch_fast", None) or self._tok.encode_batch  # fast: no offsets
-        limit = MAX_CHUNK_CHARS
         parts: list[list[np.ndarray]] = [[] for _ in texts]
         group: list[str] = []
         owners: list[int] = []
-        size = 0
 
         def flush() -> None:
             for owner, encoding in zip(owners, encode(group, add_special_tokens=False)):
@@ -141,9 +139,10 @@ class Gpt2BpeTokenizer:
             group.clear()
             owners.clear()
 
+        size = 0
         for i, text in enumerate(texts):
-            for piece in split_for_encoding(text, limit):
-                if group and size + len(piece) > limit:
+            for piece in split_for_encoding(text, MAX_CHUNK_CHARS):
+                if group and size + len(piece) > MAX_CHUNK_CHARS:
                     flush()
                     size = 0
                 group.append(piece)
@@ -194,9 +193,8 @@ def is_tokenizer_dir(path: str | os.PathLike) -> bool:
     return names <= {"vocab.json", "merges.txt"}
 
 
-def train_bpe_tokenizer(
-    texts: Iterable[str], out_dir: str | os.PathLike, *, vocab_size: int = 8192, min_frequency: int = 2
-) -> tuple[Path, Path]:
+def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *, vocab_size: int = 8192,
+                        min_frequency: int = 2) -> tuple[Path, Path]:
     """Train a byte-level BPE (``<|endoftext|>`` id 0, all 256 bytes); save ``vocab.json``/``merges.txt`` atomically.
 
     Args:
@@ -213,18 +211,16 @@ def train_bpe_tokenizer(
     out = Path(out_dir)
     check_output_path(out, replace=is_tokenizer_dir)  # before the training, which may take minutes
     bpe = ByteLevelBPETokenizer(add_prefix_space=False)
-    bpe.train_from_iterator(
-        texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOD_TOKEN], show_progress=False
-    )
+    bpe.train_from_iterator(texts, vocab_size=vocab_size, min_frequency=min_frequency, special_tokens=[EOD_TOKEN],
+                            show_progress=False)
     with atomic_path(out, replace=is_tokenizer_dir) as tmp:
         tmp.mkdir()
         bpe.save_model(str(tmp))
     return out / "vocab.json", out / "merges.txt"
 
 
-def encode_documents(
-    tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *, num_workers: int | None = None, batch_size: int = 256
-) -> Iterator[np.ndarray]:
+def encode_documents(tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *, num_workers: int | None = None,
+                     batch_size: int = 256) -> Iterator[np.ndarray]:
     """Encode documents in order on ``num_workers`` threads (HF ``tokenizers`` releases the GIL), at most
     ``2 * num_workers`` batches in flight.
 

@@ -55,9 +55,8 @@ def main(argv: list[str], prog: str) -> int:
         check_output_path(args.local_tasks, replace=is_local_tasks_dir, probe=True)
         build_local_tasks(args.local_tasks_from, args.local_tasks)
     limit = None if args.limit is None else (int(args.limit) if args.limit >= 1 else args.limit)
-    lm = SuiteLM.from_checkpoint(
-        args.checkpoint, batch_size=args.batch_size, max_length=args.max_length, device=args.device
-    )
+    lm = SuiteLM.from_checkpoint(args.checkpoint, batch_size=args.batch_size, max_length=args.max_length,
+                                 device=args.device)
     results = evaluate_lm(lm, args.tasks, local_tasks=args.local_tasks, tasks_data=args.tasks_data, limit=limit,
                           bootstrap_iters=args.bootstrap_iters, seed=args.seed, log_samples=True)
     # Samples go into the record only as per-question scores.

@@ -11,8 +11,6 @@ import tempfile
 from repro.errors import ReproError
 from repro.io_utils import comma_list
 
-_ON = ("1", "on", "yes", "true")
-
 
 def _parser(prog: str, action: str) -> argparse.ArgumentParser:
     # Not from runner.py: importing it switches to offline mode, and fetch downloads.
@@ -54,7 +52,8 @@ def fetch_main(argv: list[str], prog: str) -> int:
         print(item.describe(args.out))
     if args.dry_run:
         return 0
-    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE") if os.environ.get(v, "").lower() in _ON]
+    offline = [v for v in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+               if os.environ.get(v, "").lower() in ("1", "on", "yes", "true")]
     if offline:
         raise ReproError(f"fetch downloads from the Hugging Face hub, but {' and '.join(offline)} is set: unset it")
     fetch(plan, args.out)

@@ -47,8 +47,7 @@ def load_scoring_model(checkpoint_dir: str | Path, device: str | None = None) ->
     """Load a checkpoint of this suite for evaluation.
 
     Args:
-        checkpoint_dir: a checkpoint directory written by the training loop.
-        device: target device (None: the loader's default).
+        checkpoint_dir, device: a training-loop checkpoint directory; target device (None: the loader's default).
 
     Returns:
         ``(model, tokenizer)`` from ``repro.training.inference.load_for_evaluation``.
@@ -74,11 +73,9 @@ class SuiteLM(TemplateLM):
         device, max_batch_size: passed to the checkpoint loader; unused (lm-eval interface).
     """
 
-    def __init__(
-        self, checkpoint: str | None = None, *, model: ScoringModel | None = None, tokenizer: Any = None,
-        batch_size: int | str | None = 8, max_length: int | str | None = None, max_gen_toks: int | str = 256,
-        device: str | None = None, max_batch_size: int | None = None,
-    ) -> None:
+    def __init__(self, checkpoint: str | None = None, *, model: ScoringModel | None = None, tokenizer: Any = None,
+                 batch_size: int | str | None = 8, max_length: int | str | None = None, max_gen_toks: int | str = 256,
+                 device: str | None = None, max_batch_size: int | None = None) -> None:
         super().__init__()
         if (checkpoint is None) == (model is None):
             raise ReproError("give either checkpoint=DIR or model= and tokenizer=, not both or neither")
@@ -138,9 +135,8 @@ class SuiteLM(TemplateLM):
 
     # ------------------------------------------------------------------ scoring core
     @torch.inference_mode()
-    def _log_probs(
-        self, sequences: Sequence[Sequence[int]], scored: Sequence[int], prompt_lengths: Sequence[int] | None = None
-    ) -> list[torch.Tensor]:
+    def _log_probs(self, sequences: Sequence[Sequence[int]], scored: Sequence[int],
+                   prompt_lengths: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Float32 log-probabilities ``[n, V]`` of each row's last ``n = scored[row]`` positions, one forward."""
         width = max(len(s) for s in sequences)
         tokens = torch.full((len(sequences), width), self.eot_token_id, dtype=torch.long)
@@ -154,17 +150,14 @@ class SuiteLM(TemplateLM):
         if not self._takes_start:
             logits = logits[:, start:]
         if logits.shape[:2] != (len(sequences), width - start):
-            raise ReproError(
-                f"model returned logits {tuple(logits.shape)} for positions {start}.. of tokens {tuple(tokens.shape)}"
-            )
+            raise ReproError(f"model returned logits {tuple(logits.shape)} for positions {start}.. of tokens "
+                             f"{tuple(tokens.shape)}")
         log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()
         ends = [len(seq) - start for seq in sequences]
         return [log_probs[row, end - n : end] for row, (end, n) in enumerate(zip(ends, scored))]
 
-    def _loglikelihood_tokens(
-        self, requests: Sequence[tuple[tuple[str, str] | None, list[int], list[int]]], disable_tqdm: bool = False,
-        override_bs: int | None = None,
-    ) -> list[tuple[float, bool]]:
+    def _loglikelihood_tokens(self, requests: Sequence[tuple[tuple[str, str] | None, list[int], list[int]]],
+                              disable_tqdm: bool = False, override_bs: int | None = None) -> list[tuple[float, bool]]:
         """Score ``((context, continuation) or None, context_ids, continuation_ids)`` requests.
 
         Returns:
@@ -203,15 +196,10 @@ class SuiteLM(TemplateLM):
         owners: list[int] = []
         for index, request in enumerate(requests):
             (string,) = request.args
-            for context, continuation in map(
-                lm_utils.make_disjoint_window,
-                lm_utils.get_rolling_token_windows(
-                    token_list=self.tok_encode(string),
-                    prefix_token=self.prefix_token_id,
-                    max_seq_len=self.max_length,
-                    context_len=1,
-                ),
-            ):
+            rolling = lm_utils.get_rolling_token_windows(token_list=self.tok_encode(string),
+                                                         prefix_token=self.prefix_token_id,
+                                                         max_seq_len=self.max_length, context_len=1)
+            for context, continuation in map(lm_utils.make_disjoint_window, rolling):
                 windows.append((None, context, continuation))
                 owners.append(index)
         totals = [0.0] * len(requests)
@@ -254,9 +242,8 @@ class SuiteLM(TemplateLM):
         for _ in range(max_new):
             if not active:
                 break
-            log_probs = self._log_probs(
-                [contexts[i] + generated[i] for i in active], [1] * len(active), [len(contexts[i]) for i in active]
-            )
+            log_probs = self._log_probs([contexts[i] + generated[i] for i in active], [1] * len(active),
+                                        [len(contexts[i]) for i in active])
             still = []
             for i, lp in zip(active, log_probs):
                 token = int(lp[-1].argmax())
@@ -266,11 +253,7 @@ class SuiteLM(TemplateLM):
                 if not any(stop in self.tok_decode(generated[i]) for stop in until):
                     still.append(i)
             active = still
-        texts = []
-        for tokens in generated:
-            text = self.tok_decode(tokens)
-            for stop in until:
-                if stop:
-                    text = text.split(stop)[0]
-            texts.append(text)
+        texts = [self.tok_decode(tokens) for tokens in generated]
+        for stop in filter(None, until):
+            texts = [text.split(stop)[0] for text in texts]
         return texts

@@ -27,16 +27,12 @@ from repro.io_utils import atomic_path, check_output_path
 
 LOCAL_TAG = "minipile"
 #: Column labels of the local tasks in the zero-shot table.
-LOCAL_TASK_LABELS: dict[str, str] = {
-    "minipile_lastword": "Last word (local)",
-    "minipile_continuation": "Continuation (local)",
-    "minipile_ppl": "Perplexity (local)",
-}
+LOCAL_TASK_LABELS: dict[str, str] = {"minipile_lastword": "Last word (local)",
+                                     "minipile_continuation": "Continuation (local)",
+                                     "minipile_ppl": "Perplexity (local)"}
 _TRAILING_PUNCT = ".,;:!?\"')]}*"
 _MANIFEST = "manifest.json"
 _HF_CACHE = ".hf_cache"
-
-
 # Anything else in a local-task directory makes it someone else's.
 _TASK_DIR_ENTRIES = {_MANIFEST, _HF_CACHE, *(f"{t}.{ext}" for t in LOCAL_TASK_LABELS for ext in ("yaml", "jsonl"))}
 
@@ -87,10 +83,8 @@ def _read_heldout(path: Path, max_docs: int, seed: int) -> list[dict[str, str]]:
     """``[{"text", "domain"}]`` from a held-out Pile-format file."""
     from repro.data.pile import iter_pile_documents
 
-    docs = [
-        {"text": " ".join(text.split()), "domain": domain}
-        for text, domain in iter_pile_documents([path], default_domain="unknown")
-    ]
+    docs = [{"text": " ".join(text.split()), "domain": domain}
+            for text, domain in iter_pile_documents([path], default_domain="unknown")]
     if len(docs) > max_docs:
         # Sample the whole file: it may be grouped by domain.
         keep = sorted(random.Random(seed).sample(range(len(docs)), max_docs))
@@ -124,16 +118,15 @@ def _lastword_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[d
 
 def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
     span = opts.context_words + opts.continuation_words
-    eligible, pieces, owners = [], [], []
+    pieces, owners = [], []
     for index, doc in enumerate(docs):
         for words in _windows(doc["text"].split(" "), span, opts.windows_per_doc):
             if len(words) == span:
-                eligible.append(doc)
                 pieces.append(words)
                 owners.append(index)
-    if len(eligible) < opts.num_choices:
+    if len(pieces) < opts.num_choices:
         raise ReproError(f"the continuation task needs at least {opts.num_choices} held-out windows of {span} "
-                         f"words, found {len(eligible)}")
+                         f"words, found {len(pieces)}")
     continuations = [" ".join(w[opts.context_words : span]) for w in pieces]
     # Distinct texts (a distractor equal to the truth is unanswerable), drawn from other documents only.
     pool = sorted(set(continuations))
@@ -145,7 +138,7 @@ def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> li
                          f"found {len(pool)}")
     rng = random.Random(opts.seed)
     out = []
-    for doc, words, true, owner in zip(eligible, pieces, continuations, owners):
+    for words, true, owner in zip(pieces, continuations, owners):
         candidates = [c for c in pool if c != true and owner not in sources[c]]
         if len(candidates) < opts.num_choices - 1:
             raise ReproError(f"the continuation task needs {opts.num_choices - 1} distractors from other held-out "
@@ -154,22 +147,11 @@ def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> li
         order = list(range(opts.num_choices))
         rng.shuffle(order)
         out.append({"context": " ".join(words[: opts.context_words]), "choices": [choices[k] for k in order],
-                    "label": order.index(0), "domain": doc["domain"]})
+                    "label": order.index(0), "domain": docs[owner]["domain"]})
     return out
 
 
-def _ppl_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[dict[str, Any]]:
-    return [{"text": " ".join(d["text"].split(" ")[: opts.ppl_words]), "domain": d["domain"]} for d in docs if d["text"]]
-
-
-def _metrics(*specs: tuple[str, str, bool]) -> list[dict[str, Any]]:
-    """lm-eval's ``metric_list`` from ``(metric, aggregation, higher_is_better)`` triples."""
-    return [{"metric": m, "aggregation": a, "higher_is_better": h} for m, a, h in specs]
-
-
-def build_local_tasks(
-    heldout_jsonl: str | Path, out_dir: str | Path, options: LocalTaskOptions | None = None
-) -> Path:
+def build_local_tasks(heldout_jsonl: str | Path, out_dir: str | Path, options: LocalTaskOptions | None = None) -> Path:
     """Write the local tasks' data and YAMLs for lm-eval.
 
     Args:
@@ -188,48 +170,37 @@ def build_local_tasks(
     final = Path(os.path.abspath(out_dir))
     check_output_path(final, replace=is_local_tasks_dir)
     docs = _read_heldout(source, opts.max_docs, opts.seed)
+    # name: (rows, output_type, doc_to_text, doc_to_choice (None: not a multiple-choice task), doc_to_target,
+    # (metric, aggregation, higher_is_better) ...)
+    ppl_docs = [{"text": " ".join(d["text"].split(" ")[: opts.ppl_words]), "domain": d["domain"]}
+                for d in docs if d["text"]]
     tasks = {
-        "minipile_lastword": (_lastword_docs(docs, opts), {
-            "output_type": "loglikelihood",
-            "doc_to_text": "{{context}}",
-            "doc_to_target": "{{target}}",
-            "metric_list": _metrics(("perplexity", "perplexity", False), ("acc", "mean", True)),
-        }),
-        "minipile_continuation": (_continuation_docs(docs, opts), {
-            "output_type": "multiple_choice",
-            "doc_to_text": "{{context}}",
-            "doc_to_choice": "choices",
-            "doc_to_target": "label",
-            "metric_list": _metrics(("acc", "mean", True), ("acc_norm", "mean", True)),
-        }),
-        "minipile_ppl": (_ppl_docs(docs, opts), {
-            "output_type": "loglikelihood_rolling",
-            "doc_to_text": "",
-            "doc_to_target": "{{text}}",
-            "metric_list": _metrics(("word_perplexity", "weighted_perplexity", False),
-                                    ("byte_perplexity", "weighted_perplexity", False),
-                                    ("bits_per_byte", "bits_per_byte", False)),
-        }),
+        "minipile_lastword": (_lastword_docs(docs, opts), "loglikelihood", "{{context}}", None, "{{target}}",
+                              ("perplexity", "perplexity", False), ("acc", "mean", True)),
+        "minipile_continuation": (_continuation_docs(docs, opts), "multiple_choice", "{{context}}", "choices", "label",
+                                  ("acc", "mean", True), ("acc_norm", "mean", True)),
+        "minipile_ppl": (ppl_docs, "loglikelihood_rolling", "", None, "{{text}}",
+                         ("word_perplexity", "weighted_perplexity", False),
+                         ("byte_perplexity", "weighted_perplexity", False), ("bits_per_byte", "bits_per_byte", False)),
     }
-    for name, (rows, _) in tasks.items():
+    for name, (rows, *_) in tasks.items():
         if not rows:
             raise ReproError(f"{source}: no held-out document is long enough for task '{name}'")
     with atomic_path(final, replace=is_local_tasks_dir) as tmp:
         tmp.mkdir()
-        for name, (rows, body) in tasks.items():
+        for name, (rows, output_type, text, choice, target, *metrics) in tasks.items():
             data_name = f"{name}.jsonl"
             (tmp / data_name).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
             # Final paths: the temporary directory is renamed onto it.
             files = {"data_files": {"test": str(final / data_name)}, "cache_dir": str(final / _HF_CACHE)}
             config = {"task": name, "tag": [LOCAL_TAG], "dataset_path": "json", "dataset_kwargs": files,
-                      "test_split": "test", **body, "metadata": {"version": 1.0}}
+                      "test_split": "test", "output_type": output_type, "doc_to_text": text,
+                      **({} if choice is None else {"doc_to_choice": choice}), "doc_to_target": target,
+                      "metric_list": [{"metric": m, "aggregation": a, "higher_is_better": h} for m, a, h in metrics],
+                      "metadata": {"version": 1.0}}
             (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
-        manifest = {
-            "heldout": str(source),
-            "heldout_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
-            "documents_used": len(docs),
-            "tasks": {name: len(rows) for name, (rows, _) in tasks.items()},
-            "options": asdict(opts),
-        }
+        manifest = {"heldout": str(source), "heldout_sha256": hashlib.sha256(source.read_bytes()).hexdigest(),
+                    "documents_used": len(docs), "tasks": {name: len(rows) for name, (rows, *_) in tasks.items()},
+                    "options": asdict(opts)}
         (tmp / _MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
     return final

@@ -6,6 +6,7 @@ Full-scale tasks read their datasets from the local cache or a task-data folder
 
 from __future__ import annotations
 
+import contextlib
 import json
 import tempfile
 from collections.abc import Sequence
@@ -38,11 +39,10 @@ def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None) -> Ta
     return TaskManager(include_path=None if local_tasks is None else str(local_tasks))
 
 
-def evaluate_lm(
-    lm: LM, tasks: Sequence[str] | None = None, *, local_tasks: str | Path | None = None,
-    tasks_data: str | Path | None = None, task_manager: TaskManager | None = None, limit: int | float | None = None,
-    bootstrap_iters: int = 1000, seed: int = 1234, log_samples: bool = False,
-) -> dict[str, Any]:
+def evaluate_lm(lm: LM, tasks: Sequence[str] | None = None, *, local_tasks: str | Path | None = None,
+                tasks_data: str | Path | None = None, task_manager: TaskManager | None = None,
+                limit: int | float | None = None, bootstrap_iters: int = 1000, seed: int = 1234,
+                log_samples: bool = False) -> dict[str, Any]:
     """Zero-shot evaluation through lm-eval, with no network access.
 
     Args:
@@ -62,46 +62,33 @@ def evaluate_lm(
     """
     if tasks is None:
         tasks = [LOCAL_TAG] if local_tasks is not None and tasks_data is None else list(FULL_SCALE_TASKS)
-    if tasks_data is not None:
-        if task_manager is not None:
-            raise ReproError("pass either tasks_data or task_manager, not both")
-        with tempfile.TemporaryDirectory(prefix="repro-task-data-") as work:
+    if tasks_data is not None and task_manager is not None:
+        raise ReproError("pass either tasks_data or task_manager, not both")
+    no_scratch = contextlib.nullcontext()
+    with tempfile.TemporaryDirectory(prefix="repro-task-data-") if tasks_data is not None else no_scratch as work:
+        if tasks_data is not None:
             manager = task_manager_for_data(tasks, tasks_data, work, local_tasks=local_tasks)
-            return _evaluate(lm, tasks, manager, limit, bootstrap_iters, seed, log_samples)
-    manager = task_manager or task_manager_for(tasks, local_tasks)
-    return _evaluate(lm, tasks, manager, limit, bootstrap_iters, seed, log_samples)
-
-
-def _leaf_tasks(manager: TaskManager, names: Sequence[str]) -> set[str]:
-    """The tasks ``names`` stand for (a tag: its tasks; a group: its name only)."""
-    leaves: set[str] = set()
-    for name in names:
-        entry = manager.task_index.get(name)
-        leaves |= set(entry.tags) if entry is not None and entry.kind.name == "TAG" else {name}
-    return leaves
-
-
-def _evaluate(lm: LM, tasks: Sequence[str], manager: TaskManager, limit: int | float | None, bootstrap_iters: int,
-              seed: int, log_samples: bool) -> dict[str, Any]:
-    unknown = [t for t in tasks if t not in manager.all_tasks]
-    if unknown:
-        raise ReproError(f"unknown lm-eval task(s): {', '.join(unknown)}")
-    try:
-        results = simple_evaluate(
-            model=lm, tasks=list(tasks), task_manager=manager, limit=limit, bootstrap_iters=bootstrap_iters,
-            log_samples=log_samples, random_seed=seed, numpy_random_seed=seed, torch_random_seed=seed,
-            fewshot_random_seed=seed,
-        )
-    except ConnectionError as exc:
-        raise ReproError(
-            f"task data is not available offline ({exc}). The full-scale tasks need their Hugging Face datasets "
-            "in a task-data folder (--tasks-data DIR; fill it with `python -m repro eval fetch --out DIR` on "
-            "a machine with network access) or in the local datasets cache; on the embedded default use "
-            "--local-tasks"
-        ) from None
+        else:
+            manager = task_manager or task_manager_for(tasks, local_tasks)
+        unknown = [t for t in tasks if t not in manager.all_tasks]
+        if unknown:
+            raise ReproError(f"unknown lm-eval task(s): {', '.join(unknown)}")
+        try:
+            results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
+                                      bootstrap_iters=bootstrap_iters, log_samples=log_samples, random_seed=seed,
+                                      numpy_random_seed=seed, torch_random_seed=seed, fewshot_random_seed=seed)
+        except ConnectionError as exc:
+            raise ReproError(f"task data is not available offline ({exc}). The full-scale tasks need their Hugging "
+                             "Face datasets in a task-data folder (--tasks-data DIR; fill it with `python -m repro "
+                             "eval fetch --out DIR` on a machine with network access) or in the local datasets "
+                             "cache; on the embedded default use --local-tasks") from None
     if results is None:  # not rank 0
         return {}
-    missing = sorted(_leaf_tasks(manager, tasks) - set(results.get("results", {})))
+    leaves: set[str] = set()  # the tasks ``tasks`` stand for (a tag: its tasks; a group: its name only)
+    for name in tasks:
+        entry = manager.task_index.get(name)
+        leaves |= set(entry.tags) if entry is not None and entry.kind.name == "TAG" else {name}
+    missing = sorted(leaves - set(results.get("results", {})))
     if missing:
         raise ReproError(f"lm-eval returned no result for task(s) {', '.join(missing)}: nothing is reported")
     # Plain JSON values, as lm-eval serialises them.

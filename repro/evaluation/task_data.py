@@ -20,15 +20,9 @@ from repro.errors import ReproError
 from repro.io_utils import atomic_path
 
 #: The papers' tasks and their lm-eval task folders (indexing these is much faster than the whole tree).
-PAPER_TASK_DIRS: dict[str, str] = {
-    "arc_challenge": "arc",
-    "arc_easy": "arc",
-    "boolq": "super_glue/boolq",
-    "hellaswag": "hellaswag",
-    "lambada_openai": "lambada",
-    "piqa": "piqa",
-    "race": "race",
-}
+PAPER_TASK_DIRS: dict[str, str] = {"arc_challenge": "arc", "arc_easy": "arc", "boolq": "super_glue/boolq",
+                                   "hellaswag": "hellaswag", "lambada_openai": "lambada", "piqa": "piqa",
+                                   "race": "race"}
 CARD = "README.md"
 #: Config folder name of a task whose YAML names no config (``dataset_name: null``).
 DEFAULT_CONFIG = "default"
@@ -148,19 +142,14 @@ def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: s
     out = Path(out_dir).resolve()
     out.mkdir(parents=True, exist_ok=True)
     for spec in specs:
-        config = {
-            "include": str(spec.yaml_path),
-            "task": spec.task,
-            "dataset_path": str(spec.folder(root)),
-            "dataset_kwargs": {**spec.dataset_kwargs, "cache_dir": str(out / ".hf_cache")},
-        }
+        config = {"include": str(spec.yaml_path), "task": spec.task, "dataset_path": str(spec.folder(root)),
+                  "dataset_kwargs": {**spec.dataset_kwargs, "cache_dir": str(out / ".hf_cache")}}
         (out / f"{spec.task}.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
     return out
 
 
-def task_manager_for_data(
-    tasks: Sequence[str], root: str | Path, work_dir: str | Path, *, local_tasks: str | Path | None = None
-) -> Any:
+def task_manager_for_data(tasks: Sequence[str], root: str | Path, work_dir: str | Path, *,
+                          local_tasks: str | Path | None = None) -> Any:
     """A TaskManager reading ``tasks`` from ``root`` (except those in ``local_tasks``); ``work_dir``: scratch."""
     from lm_eval.tasks import TaskManager
 
@@ -207,29 +196,22 @@ def fetch_plan(specs: Sequence[TaskData]) -> list[DatasetPlan]:
         splits = grouped.setdefault(spec.dataset_path, {}).setdefault(spec.dataset_name, [])
         splits.extend(s for s in spec.splits if s not in splits)
         owners.setdefault(spec.dataset_path, []).append(spec.task)
-    return [
-        DatasetPlan(path, tuple((name, tuple(splits)) for name, splits in configs.items()), tuple(owners[path]))
-        for path, configs in grouped.items()
-    ]
+    return [DatasetPlan(path, tuple((name, tuple(splits)) for name, splits in configs.items()), tuple(owners[path]))
+            for path, configs in grouped.items()]
 
 
 def dataset_card(plan: DatasetPlan, note: str) -> str:
     """The ``README.md`` of a local dataset folder: a YAML header listing each config's files, then ``note``."""
-    configs = [
-        {
-            "config_name": name or DEFAULT_CONFIG,
-            "data_files": [{"split": s, "path": f"{name or DEFAULT_CONFIG}/{s}.jsonl"} for s in splits],
-        }
-        for name, splits in plan.configs
-    ]
+    configs = [{"config_name": name or DEFAULT_CONFIG,
+                "data_files": [{"split": s, "path": f"{name or DEFAULT_CONFIG}/{s}.jsonl"} for s in splits]}
+               for name, splits in plan.configs]
     header = yaml.safe_dump({"configs": configs}, sort_keys=False)
     return f"---\n{header}---\n\n{note.rstrip()}\n"
 
 
-Loader = Callable[[str, str | None], Mapping[str, Any]]
-
-
-def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None = None, log: Callable[[str], None] = print) -> list[Path]:
+def fetch(plan: Sequence[DatasetPlan], out: str | Path, *,
+          load: Callable[[str, str | None], Mapping[str, Any]] | None = None,
+          log: Callable[[str], None] = print) -> list[Path]:
     """Download ``plan`` atomically into ``out``; an existing folder is kept if complete, refused otherwise.
 
     Args:
@@ -252,10 +234,8 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *, load: Loader | None =
         if dest.exists():
             scratch = root / f".{Path(item.dataset_path).name}.check-cache"
             try:
-                complete = all(
-                    _missing_data(TaskData("fetch", Path(), item.dataset_path, n, s, s[0]), root, scratch) is None
-                    for n, s in item.configs
-                )
+                complete = all(_missing_data(TaskData("fetch", Path(), item.dataset_path, n, s, s[0]), root, scratch)
+                               is None for n, s in item.configs)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             if not complete:
