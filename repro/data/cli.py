@@ -40,10 +40,8 @@ def _mini_pile(args: argparse.Namespace) -> int:
     for name, why in mini.skipped_domains.items():
         print(f"skipped domain {name}: {why}")
     rate = f"{mini.tokenize_tokens_per_second:,.0f} tokens/s"
-    if mini.reused:
-        print(f"reused from cache in {mini.build_seconds:.1f} s (tokenisation when built: {rate})")
-    else:
-        print(f"built in {mini.build_seconds:.1f} s; tokenisation {rate}")
+    print(f"reused from cache in {mini.build_seconds:.1f} s (tokenisation when built: {rate})" if mini.reused
+          else f"built in {mini.build_seconds:.1f} s; tokenisation {rate}")
     print(f"train prefix:   {mini.train_prefix}")
     print(f"held-out:       {mini.heldout_path} (indexed: {mini.heldout_prefix})")
     print(f"tokenizer:      {mini.vocab_path}, {mini.merges_path}")

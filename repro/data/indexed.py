@@ -13,7 +13,7 @@ import os
 import shutil
 import time
 from collections import Counter, deque
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 from tqdm import tqdm
 
-from repro.data.pile import PileRecord, iter_pile_documents
+from repro.data.pile import iter_pile_documents
 from repro.data.tokenizer import Gpt2BpeTokenizer, encode_documents
 from repro.errors import ReproError
 from repro.io_utils import check_output_path, error_from_os_error, make_temp_dir, read_json, remove_empty_dirs
@@ -61,34 +61,38 @@ def _prefix_files(prefix: str) -> list[str]:
     return [prefix + DOMAINS_JSON, prefix + DOMAINS_NPY, prefix + ".bin", prefix + ".idx"]
 
 
-def _is_our_sidecar(path: str) -> bool:
-    meta = None if os.path.islink(path) else read_json(path)
-    return isinstance(meta, dict) and isinstance(meta.get("domains"), list) and "num_documents" in meta
-
-
 def check_indexed_output(prefix: str | os.PathLike) -> None:
     """Raise a ReproError naming the first of the prefix's four files that the writer may not replace."""
     prefix = str(prefix)
-    ours = _is_our_sidecar(prefix + DOMAINS_JSON)
+    meta = None if os.path.islink(prefix + DOMAINS_JSON) else read_json(prefix + DOMAINS_JSON)
+    ours = isinstance(meta, dict) and isinstance(meta.get("domains"), list) and "num_documents" in meta
     for path in _prefix_files(prefix):
         check_output_path(path, replace=lambda _p: ours)
 
 
-def write_indexed(records: Iterable[PileRecord], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
-                  num_workers: int | None = None, progress: bool = False, source: str = "input") -> TokenizeStats:
-    """Tokenise documents (EOD appended) into an indexed dataset with its domain sidecar, atomically.
+def tokenize_shards(inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
+                    num_workers: int | None = None, default_domain: str | None = None,
+                    progress: bool = False) -> TokenizeStats:
+    """Tokenise Pile-format shards (EOD appended to each document) into one indexed dataset with its domain
+    sidecar, atomically.
 
     Args:
-        records: ``(text, domain)`` documents.
+        inputs: the shards, read in order.
         tokenizer: token dtype is megatron's ``DType.optimal_dtype(vocab_size)``.
         out_prefix: output prefix.
         num_workers: tokeniser threads (default: all cores).
-        progress: show a tqdm bar over documents.
-        source: the input's name in the empty-corpus error.
+        default_domain: for records without ``meta.pile_set_name`` (None: an error).
+        progress: show tqdm bars.
 
     Returns:
-        :class:`TokenizeStats`; a ReproError (nothing written) for an input without documents.
+        :class:`TokenizeStats`; a ReproError (nothing written) for a missing shard or no documents.
     """
+    if not inputs:
+        raise ReproError("no input shards given")
+    for p in inputs:  # fail before hours of tokenising, not when the reader reaches the missing shard
+        if not Path(p).is_file():
+            raise ReproError(f"{p}: no such file")
+    records = iter_pile_documents(inputs, default_domain=default_domain, progress=progress)
     prefix = str(out_prefix)
     check_indexed_output(prefix)
     tmp_dir, created = make_temp_dir(prefix)
@@ -112,16 +116,14 @@ def write_indexed(records: Iterable[PileRecord], tokenizer: Gpt2BpeTokenizer, ou
                 yield text
 
         builder = IndexedDatasetBuilder(tmp_prefix + ".bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
-        n_docs = n_tokens = 0
         with tqdm(unit="doc", desc=f"tokenize {Path(prefix).name}", disable=not progress) as bar:
             for ids in encode_documents(tokenizer, texts(), num_workers=num_workers):
                 builder.add_document(ids, [ids.size])
                 toks[pending.popleft()] += int(ids.size)  # output order = input order
-                n_docs += 1
-                n_tokens += int(ids.size)
                 bar.update(1)
+        n_docs, n_tokens = len(doc_domain), sum(toks.values())
         if n_docs == 0:
-            raise ReproError(f"{source}: empty corpus, no documents to tokenise")
+            raise ReproError(f"{', '.join(str(p) for p in inputs)}: empty corpus, no documents to tokenise")
         builder.finalize(tmp_prefix + ".idx")
 
         write_domain_sidecar(tmp_prefix, list(domains), doc_domain, num_tokens=n_tokens, documents=docs, tokens=toks,
@@ -142,21 +144,6 @@ def write_indexed(records: Iterable[PileRecord], tokenizer: Gpt2BpeTokenizer, ou
         shutil.rmtree(tmp_dir, ignore_errors=True)
         remove_empty_dirs(created)  # directories made for an output that was not written
     return TokenizeStats(prefix, n_docs, n_tokens, time.perf_counter() - t0, docs, toks, nbytes)
-
-
-def tokenize_shards(inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeTokenizer, out_prefix: str | os.PathLike, *,
-                    num_workers: int | None = None, default_domain: str | None = None,
-                    progress: bool = False) -> TokenizeStats:
-    """Tokenise Pile-format shards into one indexed dataset; ``default_domain`` for records without
-    ``meta.pile_set_name`` (None: an error); the rest as :func:`write_indexed`."""
-    if not inputs:
-        raise ReproError("no input shards given")
-    for p in inputs:  # fail before hours of tokenising, not when the reader reaches the missing shard
-        if not Path(p).is_file():
-            raise ReproError(f"{p}: no such file")
-    records = iter_pile_documents(inputs, default_domain=default_domain, progress=progress)
-    source = ", ".join(str(p) for p in inputs)
-    return write_indexed(records, tokenizer, out_prefix, num_workers=num_workers, progress=progress, source=source)
 
 
 @dataclass(frozen=True)

@@ -113,11 +113,6 @@ def _h(*parts: object) -> str:
     return hashlib.sha256("\x1f".join(str(p) for p in parts).encode("utf-8")).hexdigest()
 
 
-def _unit(*parts: object) -> float:
-    """A deterministic number in [0, 1) from its arguments."""
-    return int(_h(*parts)[:15], 16) / float(16**15)
-
-
 def _fingerprint(cands: list[Candidate]) -> str:
     h = hashlib.sha256()
     for c in cands:
@@ -165,7 +160,7 @@ def _collect(source: Source, cands: list[Candidate], cfg: MiniPileConfig, seen: 
 
 def _split_heldout(docs: list[_Doc], cfg: MiniPileConfig) -> tuple[list[_Doc], list[_Doc]]:
     """Hold out documents by a hash of their text; at least one per domain that has two or more."""
-    score = {d.sha: _unit(cfg.seed, "heldout", d.sha) for d in docs}
+    score = {d.sha: int(_h(cfg.seed, "heldout", d.sha)[:15], 16) / float(16**15) for d in docs}  # in [0, 1)
     held = {d.sha for d in docs if score[d.sha] < cfg.heldout_fraction}
     by_domain: dict[str, list[_Doc]] = {}
     for d in docs:
@@ -194,18 +189,6 @@ def _load_manifest(path: Path) -> dict:
 _MINI_PILE_ENTRIES = frozenset({".build.lock", "manifest.json", "shards", "heldout.jsonl", "tokenizer", "indexed"})
 
 
-def _check_mini_pile_dir(root: Path) -> None:
-    """Refuse a directory holding anything but a (partial) mini-pile: the stages rewrite and delete files there."""
-    if not root.is_dir():
-        return
-    foreign = sorted(p.name for p in root.iterdir() if p.name not in _MINI_PILE_ENTRIES
-                     and not (p.name.startswith(".") and p.name.endswith(".tmp")))
-    if foreign:
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise ReproError(f"{root}: holds files that are not the mini-pile's ({shown}); build it into a new or empty "
-                         "directory")
-
-
 def build_mini_pile(out_dir: str | os.PathLike, config: MiniPileConfig | None = None, *, num_workers: int | None = None,
                     force: bool = False, progress: bool = False, log: Callable[[str], None] | None = None) -> MiniPile:
     """Build (or reuse) the mini-pile: ``shards/train-NN.jsonl.zst``, ``heldout.jsonl``,
@@ -223,7 +206,13 @@ def build_mini_pile(out_dir: str | os.PathLike, config: MiniPileConfig | None = 
     cfg.validate()
     t_start = time.perf_counter()
     root = Path(out_dir)
-    _check_mini_pile_dir(root)
+    # Refuse a directory holding anything but a (partial) mini-pile: the stages rewrite and delete files there.
+    foreign = sorted(p.name for p in (root.iterdir() if root.is_dir() else ()) if p.name not in _MINI_PILE_ENTRIES
+                     and not (p.name.startswith(".") and p.name.endswith(".tmp")))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise ReproError(f"{root}: holds files that are not the mini-pile's ({shown}); build it into a new or empty "
+                         "directory")
     make_parents(root)
     # One caller builds, the others wait and reuse (closing unlocks); append mode: no truncation via a symlink.
     with open_in_dir(root, ".build.lock", "a") as lock:
@@ -248,8 +237,7 @@ def open_mini_pile(out_dir: str | os.PathLike) -> MiniPile:
         cfg = MiniPileConfig()
         stages = manifest.get("stages", {})
         if manifest.get("config") == json.loads(json.dumps(dataclasses.asdict(cfg))) and all(
-            _files_ok(root, stages.get(name, {}).get("files", {})) for name in ("corpus", "tokenizer", "indexed")
-        ):
+                _files_ok(root, stages.get(name, {}).get("files", {})) for name in ("corpus", "tokenizer", "indexed")):
             return _mini_pile(root, stages, _shard_rels(cfg), True, t_start)
     return build_mini_pile(root)
 

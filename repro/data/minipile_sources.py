@@ -15,7 +15,7 @@ import os
 import re
 import sysconfig
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -133,36 +133,25 @@ def _reference_text(cand: Candidate) -> str | None:
     return topics.get(cand.key)
 
 
+def _files(paths: Iterable[Path], root: Path, prefix: str = "") -> list[Candidate]:
+    """The files among ``paths``, sorted, keyed ``prefix`` + their path under ``root``."""
+    return [Candidate(prefix + p.relative_to(root).as_posix(), p) for p in sorted(paths) if p.is_file()]
+
+
 def _license_files() -> list[Candidate]:
-    out = []
-    lic = _stdlib_dir() / "LICENSE.txt"
-    if lic.is_file():
-        out.append(Candidate("stdlib/LICENSE.txt", lic))
-    common = Path("/usr/share/common-licenses")
-    if common.is_dir():
-        out += [Candidate(f"common-licenses/{p.name}", p) for p in sorted(common.iterdir()) if p.is_file()]
-    docs = Path("/usr/share/doc")
-    if docs.is_dir():
-        copyrights = sorted(docs.glob("*/copyright"))
-        out += [Candidate(f"doc/{p.parent.name}/copyright", p) for p in copyrights if p.is_file()]
-    return out
+    common, docs = Path("/usr/share/common-licenses"), Path("/usr/share/doc")
+    return (_files([_stdlib_dir() / "LICENSE.txt"], _stdlib_dir(), "stdlib/")
+            + (_files(common.iterdir(), common, "common-licenses/") if common.is_dir() else [])
+            + _files(docs.glob("*/copyright"), docs, "doc/"))
 
 
 def _man_files() -> list[Candidate]:
-    root = Path("/usr/share/man")
-    out = []
-    for section in range(1, 9):  # English pages only: translations live in /usr/share/man/<lang>/
-        d = root / f"man{section}"
-        if d.is_dir():
-            out += [Candidate(p.relative_to(root).as_posix(), p) for p in sorted(d.iterdir()) if p.is_file()]
-    return out
+    root = Path("/usr/share/man")  # English pages only: translations live in /usr/share/man/<lang>/
+    return [c for s in range(1, 9) if (root / f"man{s}").is_dir() for c in _files((root / f"man{s}").iterdir(), root)]
 
 
 def _header_files() -> list[Candidate]:
-    root = Path("/usr/include")
-    if not root.is_dir():
-        return []
-    return [Candidate(p.relative_to(root).as_posix(), p) for p in sorted(root.rglob("*.h")) if p.is_file()]
+    return _files(Path("/usr/include").rglob("*.h"), Path("/usr/include"))
 
 
 def _man_page(cand: Candidate) -> str | None:

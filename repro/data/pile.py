@@ -40,8 +40,7 @@ class _ZstdRawReader(io.RawIOBase):
 
     def __init__(self, fileobj: io.BufferedIOBase, path: Path) -> None:
         super().__init__()
-        self._file = fileobj
-        self._path = path
+        self._file, self._path = fileobj, path
         self._decompressor = zstandard.ZstdDecompressor()
         self._frame = self._decompressor.decompressobj()
         self._frame_has_input = False  # whether the current frame has consumed any byte
@@ -121,17 +120,13 @@ def iter_pile_documents(paths: Sequence[str | os.PathLike], *, default_domain: s
         lineno = 0
         with open(path, "rb") as raw, tqdm(total=size, unit="B", unit_scale=True, desc=path.name,
                                            disable=not progress, leave=False) as bar:
-            zst = path.name.endswith(".zst")
-            stream = io.BufferedReader(_ZstdRawReader(raw, path), 1 << 16) if zst else raw
+            stream = io.BufferedReader(_ZstdRawReader(raw, path), 1 << 16) if path.name.endswith(".zst") else raw
             text_stream = io.TextIOWrapper(stream, encoding="utf-8", newline="\n")
-            done = 0
             try:
                 for line in text_stream:
                     lineno += 1
                     if lineno % 4096 == 0 and progress:
-                        now = raw.tell()
-                        bar.update(now - done)
-                        done = now
+                        bar.update(raw.tell() - bar.n)
                     if not line.strip():
                         continue
                     yield _parse_record(line, path, lineno, default_domain)
@@ -140,7 +135,7 @@ def iter_pile_documents(paths: Sequence[str | os.PathLike], *, default_domain: s
                 where = f"after line {lineno}" if lineno else "before the first line"
                 what = f"{path}: not valid UTF-8" if isinstance(exc, UnicodeDecodeError) else str(exc)
                 raise ReproError(f"{what} ({where})") from None
-            bar.update(size - done)
+            bar.update(size - bar.n)
 
 
 def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord]) -> int:

@@ -94,25 +94,6 @@ class SimilarityBatched:
     reused: bool
 
 
-def _count_matrix(datasets: Sequence[IndexedDataset], documents: np.ndarray, vocab_size: int, eod: int | None):
-    """Sparse ``[N, V]`` token-count matrix of ``[N, 2]`` ``(source, document)`` rows (EOD excluded)."""
-    from scipy.sparse import csr_matrix
-
-    indptr = np.zeros(len(documents) + 1, dtype=np.int64)
-    cols, vals = [], []
-    for i, (source, doc) in enumerate(documents):
-        tokens = np.asarray(datasets[source][int(doc)], dtype=np.int64)
-        if eod is not None:
-            tokens = tokens[tokens != eod]
-        ids, counts = np.unique(tokens, return_counts=True)
-        cols.append(ids)
-        vals.append(counts)
-        indptr[i + 1] = indptr[i] + ids.size
-    data = np.concatenate(vals).astype(np.float32) if vals else np.zeros(0, np.float32)
-    index = np.concatenate(cols) if cols else np.zeros(0, np.int64)
-    return csr_matrix((data, index, indptr), shape=(len(documents), vocab_size))
-
-
 def document_embeddings(datasets: Sequence[IndexedDataset], documents: np.ndarray, vocab_size: int, eod: int | None,
                         config: SimilarityBatchingConfig, chunk: int = 20_000) -> np.ndarray:
     """L2-normalised TF-IDF + truncated-SVD vectors of documents (deviation 1).
@@ -128,6 +109,7 @@ def document_embeddings(datasets: Sequence[IndexedDataset], documents: np.ndarra
     Returns:
         ``[N, d]`` float32 unit rows (empty documents: 0), ``d = min(embedding_dim, fit ids - 1, fit docs - 1)``.
     """
+    from scipy.sparse import csr_matrix
     from sklearn.decomposition import TruncatedSVD
     from sklearn.feature_extraction.text import TfidfTransformer
     from sklearn.preprocessing import normalize
@@ -136,8 +118,20 @@ def document_embeddings(datasets: Sequence[IndexedDataset], documents: np.ndarra
     rng = np.random.default_rng(config.seed)
     fit_rows = np.sort(rng.permutation(N)[: config.svd_fit_documents])
 
-    def counts(rows: np.ndarray):
-        return _count_matrix(datasets, documents[rows], vocab_size, eod)
+    def counts(rows: np.ndarray):  # sparse ``[n, V]`` token counts of ``documents[rows]`` (EOD excluded)
+        indptr = np.zeros(len(rows) + 1, dtype=np.int64)
+        cols, vals = [], []
+        for i, (source, doc) in enumerate(documents[rows]):
+            tokens = np.asarray(datasets[source][int(doc)], dtype=np.int64)
+            if eod is not None:
+                tokens = tokens[tokens != eod]
+            ids, n = np.unique(tokens, return_counts=True)
+            cols.append(ids)
+            vals.append(n)
+            indptr[i + 1] = indptr[i] + ids.size
+        data = np.concatenate(vals).astype(np.float32) if vals else np.zeros(0, np.float32)
+        index = np.concatenate(cols) if cols else np.zeros(0, np.int64)
+        return csr_matrix((data, index, indptr), shape=(len(rows), vocab_size))
 
     # Fit-sample ids only: SVD components are zero elsewhere and the row norm cancels in the final normalisation.
     fit_counts = counts(fit_rows)

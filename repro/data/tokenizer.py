@@ -95,8 +95,7 @@ class Gpt2BpeTokenizer:
     """
 
     def __init__(self, vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> None:
-        self.vocab_path = Path(vocab_path)
-        self.merges_path = Path(merges_path)
+        self.vocab_path, self.merges_path = Path(vocab_path), Path(merges_path)
         vocab = _read_vocab(self.vocab_path)
         if EOD_TOKEN not in vocab:
             raise ReproError(f"{self.vocab_path}: vocabulary has no end-of-document token {EOD_TOKEN}")

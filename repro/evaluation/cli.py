@@ -63,7 +63,24 @@ def main(argv: list[str], prog: str) -> int:
     write_json_atomic(args.out, {k: v for k, v in results.items() if k != "samples"}, replace=is_lm_eval_results)
     print(make_table(results))
     print(f"wrote {args.out}")
-    _add_to_run_record(Path(args.checkpoint), results, args.out)
+    # Put the results into the run's ``record.json`` if any; partial results never replace complete ones.
+    from repro.records.store import load_record, with_lm_eval, write_record
+    from repro.training.inference import resolve_checkpoint, run_dir_of
+
+    try:
+        path = run_dir_of(resolve_checkpoint(Path(args.checkpoint))) / "record.json"
+    except ReproError:
+        return 0  # not a training run's checkpoint layout
+    if path.is_file():
+        before = load_record(path)
+        record = with_lm_eval(before, results, origin=str(path))
+        if record.partial and before.lm_eval is not None and not before.partial:
+            print(f"left {path} as it is: it holds complete zero-shot results and these are partial (--limit); "
+                  f"they are in {args.out}")
+            return 0
+        write_record(record, path)
+        partial = "; partial: " + ", ".join(p.describe() for p in record.partial) if record.partial else ""
+        print(f"updated {path}{partial}")
     return 0
 
 
@@ -76,25 +93,3 @@ def is_lm_eval_results(path: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(data, dict) and "results" in data and "versions" in data
-
-
-def _add_to_run_record(run_dir: Path, results: dict, out: str | Path) -> None:
-    """Put the results into the run's ``record.json`` if any; partial results never replace complete ones."""
-    from repro.errors import ReproError
-    from repro.records.store import load_record, with_lm_eval, write_record
-    from repro.training.inference import resolve_checkpoint, run_dir_of
-
-    try:
-        path = run_dir_of(resolve_checkpoint(run_dir)) / "record.json"
-    except ReproError:
-        return  # not a training run's checkpoint layout
-    if path.is_file():
-        before = load_record(path)
-        record = with_lm_eval(before, results, origin=str(path))
-        if record.partial and before.lm_eval is not None and not before.partial:
-            print(f"left {path} as it is: it holds complete zero-shot results and these are partial (--limit); "
-                  f"they are in {out}")
-            return
-        write_record(record, path)
-        partial = "; partial: " + ", ".join(p.describe() for p in record.partial) if record.partial else ""
-        print(f"updated {path}{partial}")

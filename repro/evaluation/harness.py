@@ -87,8 +87,7 @@ class SuiteLM(TemplateLM):
             raise ReproError(f"{type(model).__name__} is not a ScoringModel (needs eod_id, max_length, logits())")
         if hasattr(model, "eval"):
             model.eval()
-        self.model = model
-        self.tokenizer = tokenizer
+        self.model, self.tokenizer = model, tokenizer
         self._device = torch.device(getattr(model, "device", None) or "cpu")
         self.batch_size = 8 if batch_size in (None, "auto") else int(batch_size)
         if self.batch_size < 1:
@@ -108,7 +107,6 @@ class SuiteLM(TemplateLM):
         """Build the LM from a checkpoint directory (``kwargs``: other constructor arguments)."""
         return cls(checkpoint=str(checkpoint_dir), **kwargs)
 
-    # ------------------------------------------------------------------ tokenisation
     @property
     def eot_token_id(self) -> int:
         return int(self.model.eod_id)
@@ -133,7 +131,6 @@ class SuiteLM(TemplateLM):
             return self.tokenizer.detokenize(list(tokens))
         return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
 
-    # ------------------------------------------------------------------ scoring core
     @torch.inference_mode()
     def _log_probs(self, sequences: Sequence[Sequence[int]], scored: Sequence[int],
                    prompt_lengths: Sequence[int] | None = None) -> list[torch.Tensor]:
@@ -189,7 +186,6 @@ class SuiteLM(TemplateLM):
                     self.cache_hook.add_partial("loglikelihood", requests[i][0], results[i])
         return results  # type: ignore[return-value]
 
-    # ------------------------------------------------------------------ lm-eval request types
     def loglikelihood_rolling(self, requests: list[Any], disable_tqdm: bool = False) -> list[float]:
         """Summed log-likelihood of each string in disjoint ``max_length`` windows (each token scored once)."""
         windows: list[tuple[None, list[int], list[int]]] = []

@@ -79,25 +79,6 @@ class LocalTaskOptions:
             raise ValueError("max_docs, context_words, continuation_words, ppl_words and windows_per_doc must be >= 1")
 
 
-def _read_heldout(path: Path, max_docs: int, seed: int) -> list[dict[str, str]]:
-    """``[{"text", "domain"}]`` from a held-out Pile-format file."""
-    from repro.data.pile import iter_pile_documents
-
-    docs = [{"text": " ".join(text.split()), "domain": domain}
-            for text, domain in iter_pile_documents([path], default_domain="unknown")]
-    if len(docs) > max_docs:
-        # Sample the whole file: it may be grouped by domain.
-        keep = sorted(random.Random(seed).sample(range(len(docs)), max_docs))
-        docs = [docs[i] for i in keep]
-    return docs
-
-
-def _final_word(word: str) -> str | None:
-    """The word without trailing punctuation if alphabetic (a LAMBADA-like target), else None."""
-    core = word.rstrip(_TRAILING_PUNCT)
-    return core if len(core) >= 2 and core.isalpha() else None
-
-
 def _windows(words: list[str], size: int, count: int) -> list[list[str]]:
     """Up to ``count`` consecutive windows of ``size`` words (the last may be shorter)."""
     return [words[i : i + size] for i in range(0, len(words), size)][:count]
@@ -109,8 +90,8 @@ def _lastword_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> list[d
         for words in _windows(doc["text"].split(" "), opts.lastword_max_words + 1, opts.windows_per_doc):
             # The longest allowed passage ending before a clean target.
             for end in range(min(len(words) - 1, opts.lastword_max_words), opts.lastword_min_words - 1, -1):
-                target = _final_word(words[end])
-                if target is not None:
+                target = words[end].rstrip(_TRAILING_PUNCT)  # a LAMBADA-like target: alphabetic, >= 2 letters
+                if len(target) >= 2 and target.isalpha():
                     out.append({"context": " ".join(words[:end]), "target": " " + target, "domain": doc["domain"]})
                     break
     return out
@@ -169,7 +150,12 @@ def build_local_tasks(heldout_jsonl: str | Path, out_dir: str | Path, options: L
     # Not resolved: a symlink at ``out_dir`` is refused, never followed.
     final = Path(os.path.abspath(out_dir))
     check_output_path(final, replace=is_local_tasks_dir)
-    docs = _read_heldout(source, opts.max_docs, opts.seed)
+    from repro.data.pile import iter_pile_documents
+
+    docs = [{"text": " ".join(text.split()), "domain": domain}
+            for text, domain in iter_pile_documents([source], default_domain="unknown")]
+    if len(docs) > opts.max_docs:  # a seeded sample of the whole file: it may be grouped by domain
+        docs = [docs[i] for i in sorted(random.Random(opts.seed).sample(range(len(docs)), opts.max_docs))]
     # name: (rows, output_type, doc_to_text, doc_to_choice (None: not a multiple-choice task), doc_to_target,
     # (metric, aggregation, higher_is_better) ...)
     ppl_docs = [{"text": " ".join(d["text"].split(" ")[: opts.ppl_words]), "domain": d["domain"]}

@@ -42,10 +42,6 @@ class TaskData:
     eval_split: str
     dataset_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
-    @property
-    def config(self) -> str:
-        return self.dataset_name or DEFAULT_CONFIG
-
     def folder(self, root: str | Path) -> Path:
         """Where this task's dataset lives in the task-data folder ``root``."""
         return Path(root).resolve() / self.dataset_path
@@ -101,15 +97,15 @@ def task_data_specs(tasks: Sequence[str]) -> list[TaskData]:
 
 
 def _fetch_hint(root: Path, tasks: Iterable[str]) -> str:
-    command = f"python -m repro eval fetch --out {root} --tasks {','.join(tasks)}"
-    return f"fill it on a machine with network access: {command}"
+    return (f"fill it on a machine with network access: "
+            f"python -m repro eval fetch --out {root} --tasks {','.join(tasks)}")
 
 
 def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
     """Why ``spec``'s data is not usable in ``root``, naming the folder (None: usable)."""
     import datasets
 
-    folder = spec.folder(root)
+    folder, config = spec.folder(root), spec.dataset_name or DEFAULT_CONFIG
     if not (folder / CARD).is_file():
         return f"task '{spec.task}': no {spec.dataset_path} in {folder}"
     try:
@@ -117,11 +113,11 @@ def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
         builder = datasets.load_dataset_builder(str(folder), spec.dataset_name, cache_dir=str(cache_dir))
     except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        return f"task '{spec.task}': {folder} has no usable config '{spec.config}' ({reason})"
+        return f"task '{spec.task}': {folder} has no usable config '{config}' ({reason})"
     have = list((builder.config.data_files or {}).keys())
     lacking = [s for s in spec.splits if s not in have]
     if lacking:
-        return (f"task '{spec.task}': {folder} config '{spec.config}' lacks split(s) {', '.join(lacking)} "
+        return (f"task '{spec.task}': {folder} config '{config}' lacks split(s) {', '.join(lacking)} "
                 f"(has: {', '.join(have) or 'none'})")
     return None
 
