@@ -17,10 +17,6 @@ from repro.errors import ReproError
 from routers.registry import quiet_megatron_import
 
 
-def _mb(n: int) -> str:
-    return f"{n / 1e6:.2f}"
-
-
 def _mini_pile(args: argparse.Namespace) -> int:
     from repro.data.minipile import MiniPileConfig, build_mini_pile
 
@@ -33,7 +29,8 @@ def _mini_pile(args: argparse.Namespace) -> int:
     values = {name: [getattr(mini.stats[name], f) for f in fields] for name in mini.domains}
     values["total"] = [sum(v[i] for v in values.values()) for i in range(len(fields))]
     rows = [("domain", "docs", "MB", "tokens", "held-out docs", "held-out tokens")]
-    rows += [(name, str(d), _mb(b), f"{t:,}", str(hd), f"{ht:,}") for name, (d, b, t, hd, ht) in values.items()]
+    rows += [(name, str(d), f"{b / 1e6:.2f}", f"{t:,}", str(hd), f"{ht:,}")
+             for name, (d, b, t, hd, ht) in values.items()]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
         print("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
@@ -83,8 +80,8 @@ def _tokenize(args: argparse.Namespace) -> int:
                             default_domain=args.default_domain, progress=not args.no_progress)
     print(f"{'domain':<24} {'docs':>10} {'MB':>10} {'tokens':>14}")
     for name in stats.documents:
-        print(f"{name:<24} {stats.documents[name]:>10} {_mb(stats.bytes[name]):>10} {stats.tokens[name]:>14,}")
-    print(f"{'total':<24} {stats.num_documents:>10} {_mb(sum(stats.bytes.values())):>10} {stats.num_tokens:>14,}")
+        print(f"{name:<24} {stats.documents[name]:>10} {stats.bytes[name] / 1e6:>10.2f} {stats.tokens[name]:>14,}")
+    print(f"{'total':<24} {stats.num_documents:>10} {sum(stats.bytes.values()) / 1e6:>10.2f} {stats.num_tokens:>14,}")
     print(f"wrote {stats.prefix}.bin/.idx (+ .domains.json/.npy) in {time.perf_counter() - t0:.1f} s; "
           f"{stats.tokens_per_second:,.0f} tokens/s")
     for src, dst in copies:
@@ -99,8 +96,7 @@ def _token_counts(args: argparse.Namespace) -> int:
     from repro.data.token_counts import token_counts_file
 
     with quiet_megatron_import():
-        path = token_counts_file(args.prefix, args.split)
-    print(path)
+        print(token_counts_file(args.prefix, args.split))
     return 0
 
 

@@ -167,8 +167,7 @@ def load_domain_index(prefix: str | os.PathLike) -> DomainIndex:
         if not os.path.isfile(p):
             raise ReproError(f"{p}: no such file (domain sidecar of indexed dataset {prefix})")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = json.loads(Path(meta_path).read_text())
         names = tuple(meta["domains"])
         doc_domain = np.load(npy_path)
     except (OSError, ValueError, KeyError, TypeError) as exc:

@@ -217,7 +217,40 @@ def build_mini_pile(out_dir: str | os.PathLike, config: MiniPileConfig | None = 
     # One caller builds, the others wait and reuse (closing unlocks); append mode: no truncation via a symlink.
     with open_in_dir(root, ".build.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        return _build_locked(root, cfg, num_workers, force, progress, log or (lambda _msg: None), t_start)
+        say = log or (lambda _msg: None)
+        manifest_path = root / "manifest.json"
+        old_stages = {} if force else _load_manifest(manifest_path).get("stages", {})
+        listed, skipped = _list_sources(cfg)
+        fingerprints = {name: _fingerprint(cands) for name, (_, cands) in listed.items()}
+        corpus_key = _h("corpus", MANIFEST_FORMAT, json.dumps(dataclasses.asdict(cfg), sort_keys=True),
+                        json.dumps(fingerprints, sort_keys=True))
+        tokenizer_key = _h("tokenizer", corpus_key, cfg.vocab_size, cfg.min_frequency)
+        indexed_key = _h("indexed", tokenizer_key)
+        stages: dict = {}
+        manifest: dict = {"format": MANIFEST_FORMAT, "config": dataclasses.asdict(cfg), "stages": stages}
+
+        def stage(name: str, key: str, folder: str, reusable: bool, build: Callable[[], tuple[dict, str]]) -> bool:
+            """Reuse stage ``name`` if ``reusable`` and key and files match, else ``build`` it; whether reused."""
+            prev = old_stages.get(name, {})
+            if reusable and prev.get("key") == key and _files_ok(root, prev.get("files", {})):
+                stages[name] = prev
+                say(f"{name}: reused ({root / folder})")
+                return True
+            # Forget this and later stages on disk first: after a crash no key may vouch for half-rewritten files.
+            write_json_atomic(manifest_path, manifest)
+            stages[name], line = build()
+            write_json_atomic(manifest_path, manifest)
+            say(line)
+            return False
+
+        shard_rels = _shard_rels(cfg)
+        reused_all = stage("corpus", corpus_key, "shards", True,
+                           lambda: _write_corpus(root, cfg, corpus_key, listed, skipped, shard_rels))
+        reused_all = stage("tokenizer", tokenizer_key, "tokenizer", reused_all,
+                           lambda: _train_tokenizer(root, cfg, tokenizer_key, shard_rels))
+        reused_all = stage("indexed", indexed_key, "indexed", reused_all,
+                           lambda: _tokenize(root, indexed_key, shard_rels, num_workers, progress))
+        return _mini_pile(root, stages, shard_rels, reused_all, t_start)
 
 
 def _shard_rels(cfg: MiniPileConfig) -> list[str]:
@@ -240,44 +273,6 @@ def open_mini_pile(out_dir: str | os.PathLike) -> MiniPile:
                 _files_ok(root, stages.get(name, {}).get("files", {})) for name in ("corpus", "tokenizer", "indexed")):
             return _mini_pile(root, stages, _shard_rels(cfg), True, t_start)
     return build_mini_pile(root)
-
-
-def _build_locked(root: Path, cfg: MiniPileConfig, num_workers: int | None, force: bool, progress: bool,
-                  say: Callable[[str], None], t_start: float) -> MiniPile:
-    """The body of :func:`build_mini_pile`, run while holding the output directory's lock."""
-    manifest_path = root / "manifest.json"
-    old_stages = {} if force else _load_manifest(manifest_path).get("stages", {})
-    listed, skipped = _list_sources(cfg)
-    fingerprints = {name: _fingerprint(cands) for name, (_, cands) in listed.items()}
-    corpus_key = _h("corpus", MANIFEST_FORMAT, json.dumps(dataclasses.asdict(cfg), sort_keys=True),
-                    json.dumps(fingerprints, sort_keys=True))
-    tokenizer_key = _h("tokenizer", corpus_key, cfg.vocab_size, cfg.min_frequency)
-    indexed_key = _h("indexed", tokenizer_key)
-    stages: dict = {}
-    manifest: dict = {"format": MANIFEST_FORMAT, "config": dataclasses.asdict(cfg), "stages": stages}
-
-    def stage(name: str, key: str, out_dir: str, reusable: bool, build: Callable[[], tuple[dict, str]]) -> bool:
-        """Reuse stage ``name`` if ``reusable`` and key and files match, else ``build`` it; whether reused."""
-        prev = old_stages.get(name, {})
-        if reusable and prev.get("key") == key and _files_ok(root, prev.get("files", {})):
-            stages[name] = prev
-            say(f"{name}: reused ({root / out_dir})")
-            return True
-        # Forget this and later stages on disk first: after a crash no key may vouch for half-rewritten files.
-        write_json_atomic(manifest_path, manifest)
-        stages[name], line = build()
-        write_json_atomic(manifest_path, manifest)
-        say(line)
-        return False
-
-    shard_rels = _shard_rels(cfg)
-    reused_all = stage("corpus", corpus_key, "shards", True,
-                       lambda: _write_corpus(root, cfg, corpus_key, listed, skipped, shard_rels))
-    reused_all = stage("tokenizer", tokenizer_key, "tokenizer", reused_all,
-                       lambda: _train_tokenizer(root, cfg, tokenizer_key, shard_rels))
-    reused_all = stage("indexed", indexed_key, "indexed", reused_all,
-                       lambda: _tokenize(root, indexed_key, shard_rels, num_workers, progress))
-    return _mini_pile(root, stages, shard_rels, reused_all, t_start)
 
 
 def _list_sources(cfg: MiniPileConfig) -> tuple[dict[str, tuple[Source, list[Candidate]]], dict[str, str]]:

@@ -83,23 +83,6 @@ class _ZstdRawReader(io.RawIOBase):
         return n
 
 
-def _parse_record(line: str, path: Path, lineno: int, default_domain: str | None) -> PileRecord:
-    """Parse one JSON line into a record, or raise a ReproError naming the file and line."""
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise ReproError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-        raise ReproError(f"{path}:{lineno}: record has no 'text' string")
-    meta = obj.get("meta")
-    domain = meta.get("pile_set_name") if isinstance(meta, dict) else None
-    if not isinstance(domain, str) or not domain:
-        if default_domain is None:
-            raise ReproError(f"{path}:{lineno}: record has no 'meta.pile_set_name' (pass a default domain)")
-        domain = default_domain
-    return PileRecord(obj["text"], domain)
-
-
 def iter_pile_documents(paths: Sequence[str | os.PathLike], *, default_domain: str | None = None,
                         progress: bool = False) -> Iterator[PileRecord]:
     """Stream the documents of Pile-format shards, in order, one shard after the other.
@@ -129,7 +112,20 @@ def iter_pile_documents(paths: Sequence[str | os.PathLike], *, default_domain: s
                         bar.update(raw.tell() - bar.n)
                     if not line.strip():
                         continue
-                    yield _parse_record(line, path, lineno, default_domain)
+                    try:
+                        obj = json.loads(line)
+                    except json.JSONDecodeError as exc:
+                        raise ReproError(f"{path}:{lineno}: not valid JSON ({exc.msg} at column {exc.colno})") from None
+                    if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
+                        raise ReproError(f"{path}:{lineno}: record has no 'text' string")
+                    meta = obj.get("meta")
+                    domain = meta.get("pile_set_name") if isinstance(meta, dict) else None
+                    if not isinstance(domain, str) or not domain:
+                        if default_domain is None:
+                            raise ReproError(f"{path}:{lineno}: record has no 'meta.pile_set_name' "
+                                             "(pass a default domain)")
+                        domain = default_domain
+                    yield PileRecord(obj["text"], domain)
             except (UnicodeDecodeError, _StreamError) as exc:
                 # The text layer decodes ahead of the line being parsed, so name the last line read whole.
                 where = f"after line {lineno}" if lineno else "before the first line"

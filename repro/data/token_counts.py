@@ -40,10 +40,9 @@ def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPL
             continue
         beg, end = bounds
         # The training range is contiguous in the data file: one read, counted in blocks of 16M tokens.
-        lengths = ds.sequence_lengths[beg:end].astype(np.int64)
         offset = int(ds.index.sequence_pointers[beg])
         itemsize = np.dtype(ds.index.dtype).itemsize
-        remaining = int(lengths.sum())
+        remaining = int(ds.sequence_lengths[beg:end].astype(np.int64).sum())
         while remaining:
             n = min(remaining, 1 << 24)
             block = ds.bin_reader.read(dtype=ds.index.dtype, count=n, offset=offset).astype(np.int64)

@@ -35,9 +35,8 @@ def check_main(argv: list[str], prog: str) -> int:
     args = _parser(prog, "check").parse_args(argv)
     from repro.evaluation.task_data import check_task_data, task_data_specs
 
-    specs = task_data_specs(args.tasks)
     with tempfile.TemporaryDirectory(prefix="repro-task-data-") as scratch:
-        check_task_data(specs, args.folder, scratch)
+        check_task_data(task_data_specs(args.tasks), args.folder, scratch)
     print(f"{args.folder}: data for {', '.join(args.tasks)} is complete")
     return 0
 

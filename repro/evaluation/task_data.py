@@ -129,8 +129,7 @@ def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str 
         raise ReproError(f"{root}: no such task-data folder ({_fetch_hint(root, [s.task for s in specs])})")
     problems = [(s.task, p) for s in specs if (p := _missing_data(s, root, Path(cache_dir))) is not None]
     if problems:
-        text = "; ".join(p for _, p in problems)
-        raise ReproError(f"{text} ({_fetch_hint(root, [t for t, _ in problems])})")
+        raise ReproError(f"{'; '.join(p for _, p in problems)} ({_fetch_hint(root, [t for t, _ in problems])})")
 
 
 def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: str | Path) -> Path:
