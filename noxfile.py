@@ -1,20 +1,16 @@
-"""One nox session per experiment, plus tests / lint / bench / mini / wheelhouse.
+"""One nox session per experiment, plus tests / lint / bench / mini / wheelhouse (``nox --list``).
 
-CPU machines get torch 2.13.0's CPU wheel before anything else (an unpinned torch would pull a multi-GB
-CUDA build); machines with ``nvidia-smi`` keep whatever CUDA torch the environment resolves.
-The full-scale (GPU) sessions never reinstall torch: their virtualenv also sees the packages of the
-environment nox runs in (the machine's CUDA torch), through a ``.pth`` file. ``--system-site-packages``
-is not enough: GPU images often keep torch in a virtualenv of their own (the borrowed H100's python3 is
-``/opt/torch/.venv/bin/python3``), and a virtualenv made from a virtualenv's interpreter sees the base
-interpreter's packages, not that environment's. With ``--wheelhouse DIR`` they install from that folder
-alone (``nox -s wheelhouse``, for offline nodes). The ``gpu`` extra (TransformerEngine) is installed only
-when asked for (``--extras gpu``).
-Run ``nox --list`` for the sessions and what each does.
+CPU machines get torch 2.13.0's CPU wheel first (an unpinned torch would pull a multi-GB CUDA build); machines
+with ``nvidia-smi`` keep whatever CUDA torch the environment resolves. The full-scale (GPU) sessions never
+reinstall torch: their virtualenv sees the launching environment's packages through a ``.pth`` file (why not
+``--system-site-packages``: docs/clusters.md); ``--wheelhouse DIR`` installs from that folder alone, ``--extras gpu``
+adds TransformerEngine.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import site
@@ -46,9 +42,8 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
     if wheelhouse:
         session.install(*wh.install_args(wheelhouse, spec))
         return
-    # pip byte-compiles what it installs one file at a time, most of the install; compileall on every core does the
-    # same in a fraction of that. Compiled ahead, not on import: where PYTHONDONTWRITEBYTECODE is set, every process
-    # would compile what it imports again.
+    # pip byte-compiles one file at a time (most of the install); compileall on every core is far quicker. Ahead,
+    # not on import: under PYTHONDONTWRITEBYTECODE every process would compile what it imports again.
     if shutil.which("nvidia-smi") is None:
         session.install("--no-compile", CPU_TORCH)
     session.install("--no-compile", "-e", spec)
@@ -75,12 +70,10 @@ def tests(session: nox.Session) -> None:
     if "--all" in args:
         args.remove("--all")
         args = args or ["-q"]
-    # --dist loadfile: a file's module-scoped fixtures (trained runs, a mini comparison) are built once, in one
-    # worker; --no-loadscope-reorder: the files go out longest first, as tests/conftest.py orders them (xdist
-    # would order them by their number of tests). Arguments after -- come last: `nox -s tests -- -n 0
-    # tests/test_data.py` runs one file serially.
-    # Workers: the cores this process may use (a container's CPU set, not the host's), at most 8 (each worker holds
-    # torch and megatron-core; the end-to-end files train several small models).
+    # --dist loadfile: a file's module-scoped fixtures (trained runs) are built once, in one worker;
+    # --no-loadscope-reorder: files go out longest first, as tests/conftest.py orders them. Arguments after --
+    # come last (`-- -n 0 tests/test_data.py`: one file serially). Workers: the cores this process may use (a
+    # container's CPU set), at most 8 (each holds torch and megatron-core).
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     session.run("pytest", "-n", str(max(1, min(cores, 8))), "--dist", "loadfile", "--no-loadscope-reorder", *args,
                 env=OFFLINE_ENV)
@@ -111,34 +104,34 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", "routers", "baselines", "repro", "tests", "benchmarks", "noxfile.py")
 
 
+def _cpu_study(session: nox.Session, name: str, out: str, *args: str) -> None:
+    """``python -m repro study NAME`` into ``out`` (the committed tables, unless ``--out`` is given), then the
+    writeup (results/*/README.md and the README blocks)."""
+    _install(session)
+    # Told explicitly: a command's own default output is under runs/.
+    out_args = [] if "--out" in session.posargs else ["--out", out]
+    session.run("python", "-m", "repro", "study", name, *args, *out_args, *session.posargs, env=OFFLINE_ENV)
+    session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)
+
+
 @nox.session
 def mini(session: nox.Session) -> None:
     """The main job on the embedded default: every router and dense on CPU, lm-eval, tables and plots."""
-    _install(session)
-    # The committed tables: told explicitly (a command's own default output is under runs/).
-    out = [] if "--out" in session.posargs else ["--out", "results/mini"]
-    session.run("python", "-m", "repro", "study", "mini", *out, *session.posargs, env=OFFLINE_ENV)
-    session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
+    _cpu_study(session, "mini", "results/mini")
 
 
 @nox.session(name="mini-power")
 def mini_power(session: nox.Session) -> None:
     """The main job over 10 seeds, for 80% power at the held-out differences the 3-seed study shows (its cost and
     the power at 3, 6 and 10 seeds: results/mini-seeds/README.md); tables in results/mini-power/."""
-    _install(session)
-    session.run("python", "-m", "repro", "study", "mini", "--seeds", "10", "--out", "results/mini-power", *session.posargs,
-                env=OFFLINE_ENV)
-    session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)
+    _cpu_study(session, "mini", "results/mini-power", "--seeds", "10")
 
 
 @nox.session(name="dirmoe-ablation")
 def dirmoe_ablation(session: nox.Session) -> None:
     """What drives DirMoE's uneven load on the embedded default: 16 cells (readings, remedies, controls) x 3 seeds x 600 steps on CPU,
     tables and plots in results/dirmoe-ablation/ (cost: results/dirmoe-ablation/README.md)."""
-    _install(session)
-    out = [] if "--out" in session.posargs else ["--out", "results/dirmoe-ablation"]
-    session.run("python", "-m", "repro", "study", "ablation", *out, *session.posargs, env=OFFLINE_ENV)
-    session.run("python", "-m", "repro", "report", "writeup", env=OFFLINE_ENV)  # results/*/README.md and the README blocks
+    _cpu_study(session, "ablation", "results/dirmoe-ablation")
 
 
 @nox.session(name="mini-pile")
@@ -228,23 +221,19 @@ def wheelhouse(session: nox.Session) -> None:
             wh.placeholder_wheel(name, version, placeholders)
         session.run(*wh.verify_command(tmp / "check.in", [stage, placeholders], tmp / "scratch", target, pip=pip))
         data = wh.manifest(stage, target, extras, roots, present, [w.name for w in built], left_out)
-        wh.write_json(stage / "manifest.json", data)
+        (stage / "manifest.json").write_text(json.dumps(data, indent=2) + "\n")
         if out.exists():
             out.rmdir()  # empty, checked above
         stage.rename(out)
     spec = f".[{','.join(extras)}]" if extras else "."
     session.log(f"{out}: {len(data['wheels'])} wheels, {data['total_bytes'] / 2**20:.1f} MiB "
-                f"({len(built)} built from sdists); install: {' '.join(wh.install_command(out, spec))}")
+                f"({len(built)} built from sdists); install: pip install {' '.join(wh.install_args(out, spec))}")
 
 
 # ------------------------------------------------------------------------------------ full scale (GPU)
 def _see_launching_env(session: nox.Session) -> None:
-    """Let the session's virtualenv see the packages of the environment nox runs in (its CUDA torch).
-
-    A ``.pth`` file in the virtualenv names that environment's site directories; they come after the
-    virtualenv's own, so what the session installs takes precedence, and pip counts the outer torch as
-    installed (``torch>=2.6`` satisfied: never reinstalled).
-    """
+    """Let the session's virtualenv see the packages of the environment nox runs in (its CUDA torch): a ``.pth``
+    file names them after the virtualenv's own, so the session's installs win and pip never reinstalls torch."""
     out = session.run_install(
         "python", "-c", "import sys, sysconfig; print(sys.version_info[0], sys.version_info[1]); "
         "print(sysconfig.get_paths()['purelib'])", silent=True)

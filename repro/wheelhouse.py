@@ -3,7 +3,7 @@
 Pure functions for ``noxfile.py``'s ``wheelhouse`` session (stdlib and ``packaging``: no torch). Steps
 (docs/clusters.md): pin the roots with ``uv pip compile`` excluding what the target provides, ``pip download
 --no-deps`` (sdists built into wheels), resolve offline from the folder with stand-ins for provided packages
-(:func:`verify_command`), write :func:`manifest`. :func:`install_command` leaves an installed torch alone.
+(:func:`verify_command`), write :func:`manifest`. :func:`install_args` leaves an installed torch alone.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import importlib.util
-import json
 import re
 import zipfile
 from collections.abc import Iterable, Mapping, Sequence
@@ -62,10 +61,8 @@ def manylinux_glibc(platform: str) -> tuple[int, str]:
         return int(m.group(2)), m.group(3)
     if m := _LEGACY_RE.match(platform):
         return _LEGACY_MANYLINUX[m.group(1)], m.group(2)
-    raise ValueError(
-        f"platform '{platform}' is not a manylinux tag; valid: manylinux_2_<minor>_<arch> (e.g. "
-        f"manylinux_2_28_x86_64), {', '.join(k + '_<arch>' for k in _LEGACY_MANYLINUX)}"
-    )
+    raise ValueError(f"platform '{platform}' is not a manylinux tag; valid: manylinux_2_<minor>_<arch> (e.g. "
+                     f"manylinux_2_28_x86_64), {', '.join(k + '_<arch>' for k in _LEGACY_MANYLINUX)}")
 
 
 def manylinux_platforms(platform: str) -> list[str]:
@@ -264,11 +261,6 @@ def install_args(wheelhouse: str | Path, spec: str = ".", editable: bool = True)
     return ["--no-index", "--find-links", str(wheelhouse), *(["-e"] if editable else []), spec]
 
 
-def install_command(wheelhouse: str | Path, spec: str = ".", editable: bool = True, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """``pip install --no-index --find-links DIR -e .[extras]`` (:func:`install_args`)."""
-    return [*pip, "install", *install_args(wheelhouse, spec, editable)]
-
-
 def manifest(
     wheel_dir: str | Path, target: WheelhouseTarget, extras: Sequence[str], roots: Sequence[str],
     present: Mapping[str, str], built: Iterable[str] = (), left_out: Iterable[str] = (),
@@ -291,11 +283,6 @@ def manifest(
     }
 
 
-def write_json(path: str | Path, data: Mapping) -> None:
-    """Write ``data`` as indented JSON (the wheelhouse manifest)."""
-    Path(path).write_text(json.dumps(data, indent=2) + "\n")
-
-
 def check_requirements() -> None:
     """One-line ReproError naming the packages of :data:`REQUIRED_MODULES` this machine lacks."""
     def found(module: str) -> bool:
@@ -308,7 +295,5 @@ def check_requirements() -> None:
     if missing:
         from repro.errors import ReproError
 
-        raise ReproError(
-            f"missing package(s) {', '.join(missing)}: install them (offline: pip install --no-index "
-            f"--find-links WHEEL_DIR {' '.join(missing)})"
-        )
+        raise ReproError(f"missing package(s) {', '.join(missing)}: install them (offline: pip install --no-index "
+                         f"--find-links WHEEL_DIR {' '.join(missing)})")
