@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from repro.errors import ReproError
 from repro.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
+from repro.schema import check_minimums
 
 #: Data sources besides ``pile:<prefix>`` / ``indexed:<prefix>`` / ``mini-pile:<dir>``.
 DATA_CHOICES: tuple[str, ...] = ("synthetic", "mini-pile")
@@ -24,23 +25,6 @@ Precision = Literal["auto", "fp32", "bf16"]
 Backend = Literal["auto", "te", "torch", "local"]
 #: How the output layer and the loss are computed when labels are given (repro.model.fused_loss).
 FusedCrossEntropy = Literal["none", "cce", "cce_filtered", "torch_compile"]
-
-
-def _finite(section: str, name: str, value: float) -> None:
-    if not math.isfinite(value):
-        raise ValueError(f"{section}.{name} must be a finite number, got {value}")
-
-
-def _at_least(section: str, obj: Any, **lows: float) -> None:
-    """Refuse a field (keyword) below its value or not finite (None passes)."""
-    for name, low in lows.items():
-        value = getattr(obj, name)
-        if value is None:
-            continue
-        if isinstance(value, float):
-            _finite(section, name, value)
-        if value < low:
-            raise ValueError(f"{section}.{name} must be >= {low:g}, got {value}")
 
 
 @dataclass(frozen=True)
@@ -60,7 +44,7 @@ class ModelConfig:
     fused_cross_entropy: FusedCrossEntropy = "none"
 
     def __post_init__(self) -> None:
-        _at_least("model", self, num_experts=1, top_k=1, seq_length=2)
+        check_minimums(self, "model", num_experts=1, top_k=1, seq_length=2)
         choices = typing.get_args(FusedCrossEntropy)
         if self.fused_cross_entropy not in choices:
             raise ValueError(f"model.fused_cross_entropy must be one of {', '.join(choices)}, "
@@ -108,8 +92,9 @@ class OptimizerConfig:
     foreach_fallbacks: bool = False
 
     def __post_init__(self) -> None:
-        _at_least("optimizer", self, weight_decay=0.0, eps=0.0, clip_grad=0.0)
-        _finite("optimizer", "lr", self.lr)
+        check_minimums(self, "optimizer", weight_decay=0.0, eps=0.0, clip_grad=0.0)
+        if not math.isfinite(self.lr):
+            raise ValueError(f"optimizer.lr must be a finite number, got {self.lr}")
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
         for name in ("beta1", "beta2"):
@@ -129,7 +114,7 @@ class ScheduleConfig:
     min_lr: float = 1e-4
 
     def __post_init__(self) -> None:
-        _at_least("schedule", self, steps=1, min_lr=0.0)
+        check_minimums(self, "schedule", steps=1, min_lr=0.0)
         if not 0.0 <= self.warmup_fraction <= 1.0:
             raise ValueError(f"schedule.warmup_fraction must be in [0, 1], got {self.warmup_fraction}")
         if self.warmup_steps is not None and not 0 <= self.warmup_steps <= self.steps:
@@ -167,7 +152,7 @@ class DataConfig:
         if not (self.source in DATA_CHOICES or kind in ("pile", "indexed", "mini-pile")):
             raise ValueError(f"data.source must be one of {', '.join(DATA_CHOICES)}, 'mini-pile:<dir>', "
                              f"'pile:<prefix>' or 'indexed:<prefix>', got '{self.source}'")
-        _at_least("data", self, vocab_size=2, synthetic_samples=0, micro_batch_size=1, global_batch_size=1)
+        check_minimums(self, "data", vocab_size=2, synthetic_samples=0, micro_batch_size=1, global_batch_size=1)
         if self.global_batch_size % self.micro_batch_size:
             raise ValueError(f"data.global_batch_size {self.global_batch_size} is not a multiple of "
                              f"data.micro_batch_size {self.micro_batch_size}")
@@ -189,7 +174,7 @@ class ParallelConfig:
     ep: int = 1
 
     def __post_init__(self) -> None:
-        _at_least("parallel", self, tp=1, ep=1)
+        check_minimums(self, "parallel", tp=1, ep=1)
 
 
 @dataclass(frozen=True)
@@ -209,7 +194,7 @@ class CheckpointConfig:
     layout_independent_init: bool = True
 
     def __post_init__(self) -> None:
-        _at_least("checkpoint", self, interval=0)
+        check_minimums(self, "checkpoint", interval=0)
 
 
 @dataclass(frozen=True)
@@ -231,7 +216,7 @@ class LoggingConfig:
     trace_step: int = 0
 
     def __post_init__(self) -> None:
-        _at_least("logging", self, interval=1, metrics_interval=1)
+        check_minimums(self, "logging", interval=1, metrics_interval=1)
         if self.tensorboard_dir is not None and not self.tensorboard_dir:
             raise ValueError("logging.tensorboard_dir must be None or a non-empty path")
         if self.trace_step and self.trace_step < 2:
@@ -246,7 +231,7 @@ class ValidationConfig:
     iters: int = 2
 
     def __post_init__(self) -> None:
-        _at_least("validation", self, interval=0, iters=0)
+        check_minimums(self, "validation", interval=0, iters=0)
 
 
 @dataclass(frozen=True)

@@ -37,10 +37,8 @@ def _convert(value: Any, tp: Any, where: str, origin: str) -> Any:
     args = typing.get_args(tp)
     kind = typing.get_origin(tp)
     if kind in (typing.Union, types.UnionType):
-        if value is None:
-            if type(None) in args:
-                return None
-            raise ReproError(f"{origin}: field '{where}' must not be null")
+        if value is None and type(None) in args:
+            return None
         non_null = [a for a in args if a is not type(None)]
         if len(non_null) != 1:
             raise TypeError(f"unsupported union {tp} at {where}")
@@ -109,11 +107,17 @@ def from_json(cls: type[D], data: Any, origin: str) -> D:
     return _build(cls, data, "", origin)
 
 
-def check_minimums(obj: Any, **minimums: float) -> None:
-    """ValueError for the first attribute of ``obj`` below its minimum."""
+def check_minimums(obj: Any, section: str = "", /, **minimums: float) -> None:
+    """ValueError for the first attribute of ``obj`` below its minimum or not finite (None passes), named
+    ``section.name`` when ``section`` is given."""
     for name, low in minimums.items():
-        if getattr(obj, name) < low:
-            raise ValueError(f"{name} must be >= {low}, got {getattr(obj, name)}")
+        value, key = getattr(obj, name), f"{section}.{name}" if section else name
+        if value is None:
+            continue
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{key} must be a finite number, got {value}")
+        if value < low:
+            raise ValueError(f"{key} must be >= {low:g}, got {value}")
 
 
 def to_json(obj: Any) -> Any:
