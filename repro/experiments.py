@@ -12,6 +12,7 @@ Megatron's default AdamW, eval every 1000 iterations over 100 batches, checkpoin
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 from repro.config import (
@@ -32,37 +33,31 @@ from repro.errors import ReproError, unknown_name
 DENSE = "dense"
 
 
-def _tiny(router: str | None) -> RunConfig:
-    # CPU-sized: the tiny flavour on the embedded mini-pile (same pipeline as The Pile). Tests use synthetic data.
+def _recipe(router: str | None, *, flavour: str, model: dict, optimizer: dict, schedule: dict, data: dict,
+            checkpoint: int, validation: dict) -> RunConfig:
     return RunConfig(
-        name=f"{router or DENSE}-tiny",
-        model=ModelConfig(flavour="tiny" if router else "tiny-dense"),
-        router=RouterSpec(name=router),
-        optimizer=OptimizerConfig(lr=2e-3, weight_decay=0.01, beta1=0.9, beta2=0.999, clip_grad=1.0),
-        schedule=ScheduleConfig(steps=200, warmup_fraction=0.05, min_lr=2e-4),
-        data=DataConfig(source="mini-pile", micro_batch_size=4, global_batch_size=8),
-        checkpoint=CheckpointConfig(interval=100),
-        logging=LoggingConfig(interval=10),
-        validation=ValidationConfig(interval=50, iters=2),
-    )
-
-
-def _paper_185m(router: str | None) -> RunConfig:
-    return RunConfig(
-        name=f"{router or DENSE}-185m",
-        model=ModelConfig(flavour="185m" if router else "185m-dense", seq_length=1024, precision="bf16"),
-        router=RouterSpec(name=router),
-        optimizer=OptimizerConfig(lr=5e-4, weight_decay=0.01, beta1=0.9, beta2=0.999, eps=1e-8, clip_grad=1.0),
-        schedule=ScheduleConfig(steps=60_000, warmup_fraction=0.01, min_lr=5e-5),
-        data=DataConfig(source="pile:data/pile/pile_text_document", micro_batch_size=16, global_batch_size=512),
-        checkpoint=CheckpointConfig(interval=2500),
-        logging=LoggingConfig(interval=10),
-        validation=ValidationConfig(interval=1000, iters=100),
+        name=f"{router or DENSE}-{flavour}", model=ModelConfig(flavour=flavour if router else f"{flavour}-dense", **model),
+        router=RouterSpec(name=router), optimizer=OptimizerConfig(**optimizer), schedule=ScheduleConfig(**schedule),
+        data=DataConfig(**data), checkpoint=CheckpointConfig(interval=checkpoint), logging=LoggingConfig(interval=10),
+        validation=ValidationConfig(**validation),
     )
 
 
 #: flavour -> recipe(router or None): the run settings of that model's experiments.
-RECIPES: dict[str, Callable[[str | None], RunConfig]] = {"tiny": _tiny, "185m": _paper_185m}
+RECIPES: dict[str, Callable[[str | None], RunConfig]] = {
+    # CPU-sized: the tiny flavour on the embedded mini-pile (same pipeline as The Pile). Tests use synthetic data.
+    "tiny": functools.partial(
+        _recipe, flavour="tiny", model={}, optimizer=dict(lr=2e-3, weight_decay=0.01, beta1=0.9, beta2=0.999, clip_grad=1.0),
+        schedule=dict(steps=200, warmup_fraction=0.05, min_lr=2e-4),
+        data=dict(source="mini-pile", micro_batch_size=4, global_batch_size=8), checkpoint=100,
+        validation=dict(interval=50, iters=2)),
+    "185m": functools.partial(
+        _recipe, flavour="185m", model=dict(seq_length=1024, precision="bf16"),
+        optimizer=dict(lr=5e-4, weight_decay=0.01, beta1=0.9, beta2=0.999, eps=1e-8, clip_grad=1.0),
+        schedule=dict(steps=60_000, warmup_fraction=0.01, min_lr=5e-5),
+        data=dict(source="pile:data/pile/pile_text_document", micro_batch_size=16, global_batch_size=512),
+        checkpoint=2500, validation=dict(interval=1000, iters=100)),
+}
 
 
 def experiment_routers(variants: bool = False) -> list[str]:
