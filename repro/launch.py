@@ -147,18 +147,10 @@ def sbatch_script(job: SlurmJob, program: Sequence[str], after: Sequence[Sequenc
     options = [shell.get(arg, q(arg)) for arg in torchrun_args(launch)]
     srun = (f"srun --nodes={job.nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 {q(job.python)} -m torch.distributed.run "
             + " ".join(options) + " -m repro " + " ".join(map(q, program)))
-    lines = header + (_stoppable_step(srun, job.stop_lead_s) if stoppable else [srun])
-    # One-task steps: the batch environment's SLURM_NTASKS=nodes would make init_distributed refuse.
-    lines += [f"srun --nodes=1 --ntasks=1 {q(job.python)} -m repro " + " ".join(map(q, cmd)) for cmd in after]
-    return "\n".join(lines) + "\n"
-
-
-def _stoppable_step(srun: str, lead_s: int) -> list[str]:
-    """:func:`sbatch_script`'s training step: stop on USR1, requeue, resume when requeued."""
-    return [
-        f"# USR1 {lead_s} s before the time limit: every rank finishes its step, checkpoints and exits (75);",
+    lines = header + ([
+        f"# USR1 {job.stop_lead_s} s before the time limit: every rank finishes its step, checkpoints and exits (75);",
         "# the job is requeued and, requeued, resumes from that checkpoint.",
-        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={lead_s}",
+        f"export TORCH_ELASTIC_SHUTDOWN_TIMEOUT={job.stop_lead_s}",
         "stop_requested=0",
         'trap \'stop_requested=1; kill -TERM "$train_pid" 2>/dev/null || true\' USR1',
         "resume=()",
@@ -174,12 +166,27 @@ def _stoppable_step(srun: str, lead_s: int) -> list[str]:
         "    exit 0",
         "fi",
         '[ "$status" -eq 0 ] || exit "$status"',
-    ]
+    ] if stoppable else [srun])
+    # One-task steps: the batch environment's SLURM_NTASKS=nodes would make init_distributed refuse.
+    lines += [f"srun --nodes=1 --ntasks=1 {q(job.python)} -m repro " + " ".join(map(q, cmd)) for cmd in after]
+    return "\n".join(lines) + "\n"
 
 
-def _parser(prog: str):
+def main(argv: list[str], prog: str = "python -m repro launch") -> int:
+    """``python -m repro launch [options] -- COMMAND ...``: print (or ``--run``) a repro command's launch.
+
+    Returns:
+        0, or torchrun's exit status with ``--run``.
+    """
     import argparse
+    import subprocess
 
+    from repro.errors import ReproError
+
+    program: list[str] = []
+    if "--" in argv:
+        cut = argv.index("--")
+        argv, program = argv[:cut], argv[cut + 1:]
     parser = argparse.ArgumentParser(
         prog=prog,
         description="Print the torchrun command (or SLURM batch script) that runs a repro command on N nodes x G GPUs.",
@@ -207,24 +214,7 @@ def _parser(prog: str):
     slurm.add_argument("--then", action="append", default=[], metavar="COMMAND",
                        help="a repro command run once after training, e.g. 'eval --checkpoint RUN --tasks ... "
                             "--out RUN/lm_eval.json'; repeatable")
-    return parser
-
-
-def main(argv: list[str], prog: str = "python -m repro launch") -> int:
-    """``python -m repro launch [options] -- COMMAND ...``: print (or ``--run``) a repro command's launch.
-
-    Returns:
-        0, or torchrun's exit status with ``--run``.
-    """
-    import subprocess
-
-    from repro.errors import ReproError
-
-    program: list[str] = []
-    if "--" in argv:
-        cut = argv.index("--")
-        argv, program = argv[:cut], argv[cut + 1:]
-    args = _parser(prog).parse_args(argv)
+    args = parser.parse_args(argv)
     if not program:
         raise ReproError("give the repro command after '--', e.g. -- train --experiment dirmoe-185m --out runs/x")
     if program[0] in ("launch", "study"):
