@@ -56,9 +56,8 @@ class ModelFlavour:
         if self.hidden_size % self.num_attention_heads != 0:
             raise ValueError(f"{self.name}: hidden {self.hidden_size} not divisible by {self.num_attention_heads} heads")
         if self.num_attention_heads % self.num_query_groups != 0:
-            raise ValueError(
-                f"{self.name}: {self.num_attention_heads} heads not divisible by {self.num_query_groups} query groups"
-            )
+            raise ValueError(f"{self.name}: {self.num_attention_heads} heads not divisible by "
+                             f"{self.num_query_groups} query groups")
         if self.num_experts is not None:
             if self.num_experts < 2:
                 raise ValueError(f"{self.name}: num_experts must be >= 2 (or None for dense), got {self.num_experts}")

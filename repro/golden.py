@@ -136,10 +136,8 @@ def main(argv: list[str], prog: str = "python -m repro golden") -> int:
                 continue
             golden = read_golden(router)
             if golden.data != curve.data:
-                raise ReproError(
-                    f"{golden_path(router)}: recorded on another corpus (data {golden.data[:12]}, this machine's "
-                    f"{curve.data[:12]}): the curves are not comparable here"
-                )
+                raise ReproError(f"{golden_path(router)}: recorded on another corpus (data {golden.data[:12]}, "
+                                 f"this machine's {curve.data[:12]}): the curves are not comparable here")
             found = differences(curve, golden)
             failed += found
             print(f"{router}: {'ok' if not found else f'{len(found)} steps differ'} ({len(curve.losses)} steps)")

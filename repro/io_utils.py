@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import itertools
 import json
 import os
 import shutil
@@ -97,10 +98,8 @@ def check_output_path(path: str | os.PathLike, replace: Recognise | None = None,
     if kind == "other":
         raise ReproError(f"{final}: exists and is not a regular file or directory; refusing to replace it")
     if kind == "dir" and (replace is None or not replace(final)):
-        raise ReproError(
-            f"{final}: exists and is a directory this command did not write; refusing to replace it "
-            "(choose a new path)"
-        )
+        raise ReproError(f"{final}: exists and is a directory this command did not write; refusing to replace it "
+                         "(choose a new path)")
     if kind == "file" and replace is not None and not replace(final):
         raise ReproError(f"{final}: exists and was not written by this command; refusing to overwrite it")
     if probe:
@@ -113,11 +112,7 @@ def make_parents(directory: str | os.PathLike, where: str | os.PathLike | None =
     """``mkdir -p directory``, errors naming ``where``; returns the directories created, outermost first."""
     directory = Path(directory)
     where = directory if where is None else Path(where)
-    missing = []
-    p = directory
-    while _kind(p) is None and p != p.parent:
-        missing.append(p)
-        p = p.parent
+    missing = list(itertools.takewhile(lambda p: _kind(p) is None and p != p.parent, [directory, *directory.parents]))
     created = []
     try:
         for d in reversed(missing):

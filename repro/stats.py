@@ -1,43 +1,39 @@
 """Statistics for comparing routers: intervals over seeds, paired tests over seeds and over questions.
 
-Two sources of noise, each with its own pairing:
-
-- **Seeds** (init, data order, router noise): one router's seeds are independent; two routers' runs with the
-  same seed share the data order and are paired. :func:`mean_ci`, :func:`prediction_interval`, :func:`paired_t_test`.
-- **Questions** (the finite benchmark): two models' per-question results are paired. :func:`mcnemar_exact` (0/1),
-  :func:`paired_permutation_test` (scores); :func:`per_question_scores` reads lm-eval's ``log_samples`` output.
+Seeds (init, data order, router noise) are independent within a router and paired across routers by seed (same
+data order): :func:`mean_ci`, :func:`prediction_interval`, :func:`paired_t_test`. Questions (the finite benchmark)
+pair two models' per-question results: :func:`mcnemar_exact` (0/1), :func:`paired_permutation_test` (scores);
+:func:`per_question_scores` reads lm-eval's ``log_samples`` output.
 
 Decisions:
 
 1. **Student t** interval of a mean over seeds: ``mean +- t_{n-1,(1+c)/2} s / sqrt(n)``, ``s`` with n - 1.
 2. **The regression band is a prediction interval**, ``mean +- t_{n-1,(1+c)/2} s sqrt(1 + 1/n)``: where one more
    seed falls with probability ``c`` under the same normal model (the mean's interval shrinks with more seeds).
-3. **McNemar's exact test** for 0/1 outcomes (Dietterich 1998, *Neural Computation* 10(7)): given the ``b + c``
-   discordant questions, ``c ~ Binomial(b + c, 1/2)`` under no difference; two-sided ``scipy.stats.binomtest``.
-   Exact, not chi-square, because discordant counts are small.
-4. **Paired sign-flip permutation test** for non-0/1 scores: under no difference each difference is as likely
-   positive as negative. Exact by enumerating the ``2^m`` sign patterns of the ``m`` non-zero differences when
-   ``2^m <= n_resamples``, or at any ``m`` by convolution when all terms are integer multiples of the smallest
-   (0/1 always: then it equals McNemar's exact test); else a seeded Monte Carlo
-   ``p = (1 + #{|T*| >= |T|}) / (1 + R)`` (Phipson & Smyth 2010), named as such. Not a bootstrap: its
-   small-sample p-values are only approximate.
+3. **McNemar's exact test** for 0/1 outcomes (Dietterich 1998): ``c ~ Binomial(b + c, 1/2)`` over the ``b + c``
+   discordant questions under no difference, two-sided ``scipy.stats.binomtest``; exact, as the counts are small.
+4. **Paired sign-flip permutation test** for non-0/1 scores (each difference as likely positive as negative):
+   exact over the ``2^m`` sign patterns of the ``m`` non-zero differences when ``2^m <= n_resamples``, or at any
+   ``m`` by convolution when all terms are integer multiples of the smallest (0/1: McNemar's exact test); else a
+   seeded Monte Carlo ``p = (1 + #{|T*| >= |T|}) / (1 + R)`` (Phipson & Smyth 2010), named as such. Not a
+   bootstrap: its small-sample p-values are only approximate.
 5. **Holm's step-down adjustment** (Holm 1979) over a family fixed before the data (:mod:`repro.report.over_seeds`):
    controls the family-wise error rate under any dependence.
-6. **A test with no spread is undefined, not significant**: :func:`paired_t_test` returns ``p = nan`` when all
+6. **A test with no spread is undefined, not significant**: :func:`paired_t_test` gives ``p = nan`` when all
    differences are equal; tables footnote such cells and Holm's family leaves them out.
-7. **lm-eval's standard error** (``acc_stderr``, ``lm_eval/api/metrics.py:mean_stderr``, when
-   ``bootstrap_iters > 0``) is ``s / sqrt(n)`` over 0/1 scores, ``s`` with n - 1.
+7. **lm-eval's standard error** (``acc_stderr``, ``lm_eval/api/metrics.py:mean_stderr``) is ``s / sqrt(n)`` over
+   0/1 scores, ``s`` with n - 1.
 8. **Power of the regression band** (:func:`minimum_detectable_shift`): a value shifted by ``delta`` makes
-   ``(x - mean) / (s sqrt(1 + 1/n))`` noncentral t (``n - 1`` df, noncentrality ``delta / (sigma sqrt(1 + 1/n))``);
+   ``(x - mean) / (s sqrt(1 + 1/n))`` noncentral t (``n - 1`` df, noncentrality ``delta / (sigma sqrt(1 + 1/n))``),
    solved for the smallest ``delta / sigma`` caught with the given power.
 9. **Timing ratios: paired rounds in one process, batch-means interval** (:func:`timing_ratio`): per-round
    log-ratios ``d`` are autocorrelated, so ``mean d`` gets Student's t over ~``sqrt(rounds)`` consecutive batch
-   means (Law & Kelton); the ratio is ``exp(mean d)``, the geometric mean of the per-round ratios.
+   means (Law & Kelton); the ratio ``exp(mean d)`` is the geometric mean of the per-round ratios.
 10. **A stepped number's band is no narrower than its steps**: an accuracy on N questions moves by 1/N, and tied
-    seeds (``s = 0``) would fail an honest run one question away. The band's ``s`` is at least
-    :func:`grid_sd_floor` (as if one seed were a step away); see :func:`repro.report.check.simulated_false_alarm`.
+    seeds (``s = 0``) would fail an honest run one question away, so the band's ``s`` is at least
+    :func:`grid_sd_floor` (see :func:`repro.report.check.simulated_false_alarm`).
 11. **A null result says what it could have found**: :func:`paired_detectable_effect` (80% power at Holm's first
-    step; several SDs at 3 seeds, so nulls are no evidence of equality). :func:`sign_flip_p` is the exact
+    step; several SDs at 3 seeds: nulls are no evidence of equality). :func:`sign_flip_p` is the exact
     distribution-free test of the same mean; where they disagree, the t-test's verdict rests on normality.
 """
 
@@ -467,10 +463,6 @@ class QuestionScores:
         return self.task == other.task and self.docs_sha256 == other.docs_sha256 and len(self.scores) == len(other.scores)
 
 
-def _docs_digest(hashes: Sequence[str]) -> str:
-    return hashlib.sha256("\n".join(hashes).encode()).hexdigest()
-
-
 def per_question_scores(samples: Mapping[str, Sequence[Mapping[str, Any]]], metric: str = "acc") -> dict[str, QuestionScores]:
     """Per-question scores from lm-eval's ``simple_evaluate(..., log_samples=True)["samples"]``.
 
@@ -497,8 +489,8 @@ def per_question_scores(samples: Mapping[str, Sequence[Mapping[str, Any]]], metr
         values = [row[metric] for row in ordered]
         if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in values):
             raise ValueError(f"lm-eval samples of task '{task}': '{metric}' must be numbers")
-        digest = _docs_digest([str(row.get("doc_hash", row["doc_id"])) for row in ordered])
-        out[task] = QuestionScores(task, metric, tuple(float(v) for v in values), digest)
+        digest = hashlib.sha256("\n".join(str(row.get("doc_hash", row["doc_id"])) for row in ordered).encode())
+        out[task] = QuestionScores(task, metric, tuple(float(v) for v in values), digest.hexdigest())
     return out
 
 
