@@ -55,8 +55,7 @@ def _install(session: nox.Session, extras: str = "dev,eval", wheelhouse: str | N
                             silent=True)
 
 
-#: The quick part ``nox -s tests`` runs without arguments; ``-- --all`` adds the tests marked slow (end-to-end
-#: pipelines, long trainings) and distributed (torchrun).
+#: What ``nox -s tests`` runs without arguments (slow: end-to-end pipelines, long trainings; distributed: torchrun).
 QUICK = "not slow and not distributed"
 
 

@@ -1,8 +1,7 @@
 """The run configuration: frozen dataclass sections (validated in ``__post_init__``) composed into one
-:class:`RunConfig` (docs/experiments.md, "Experiments").
-
-Overrides are dot-lists merged by OmegaConf structured configs (:func:`apply_overrides`). OmegaConf rather than
-tyro: the suite merges data (experiment, recipe, ``--set``) and round-trips ``config.json``.
+:class:`RunConfig` (docs/experiments.md, "Experiments"). Overrides are dot-lists merged by OmegaConf structured
+configs (:func:`apply_overrides`); OmegaConf rather than tyro: the suite merges data (experiment, recipe,
+``--set``) and round-trips ``config.json``.
 """
 
 from __future__ import annotations

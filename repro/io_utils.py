@@ -200,19 +200,14 @@ def _commit(tmp: Path, final: Path, tmp_dir: Path, replace: Recognise | None) ->
             if kind == "file" and new_is_dir:
                 raise ReproError(f"{final}: exists and is not a directory; refusing to replace it with one")
             os.replace(tmp, final)
-        _fsync_dir(final.parent)
+        with contextlib.suppress(OSError):  # make the rename durable (some file systems cannot fsync a directory)
+            fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
     except OSError as exc:
         raise ReproError(os_error_message(exc, final)) from None
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable (best effort: some file systems cannot fsync a directory)."""
-    with contextlib.suppress(OSError):
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
 
 
 def write_json_atomic(path: str | os.PathLike, obj: Any, *, replace: Recognise | None = None) -> None:

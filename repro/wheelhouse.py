@@ -37,7 +37,6 @@ _UV_MANYLINUX_MINORS = (17, 28, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40)
 _LEGACY_MANYLINUX = {"manylinux2014": 17, "manylinux2010": 12, "manylinux1": 5}
 _MANYLINUX_RE = re.compile(r"^manylinux_(\d+)_(\d+)_(\w+)$")
 _LEGACY_RE = re.compile(r"^(manylinux2014|manylinux2010|manylinux1)_(\w+)$")
-_SDIST_SUFFIXES = (".tar.gz", ".zip")
 #: Modules a run imports beyond torch and the suite (:func:`check_requirements`).
 REQUIRED_MODULES: dict[str, str] = {
     "megatron.core": "megatron-core==0.16.1", "omegaconf": "omegaconf==2.4.0", "zstandard": "zstandard",
@@ -208,7 +207,7 @@ def build_command(sdists: Sequence[str | Path], dest: str | Path, pip: Sequence[
 
 def is_sdist(filename: str) -> bool:
     """Whether a downloaded file is a source distribution."""
-    return filename.endswith(_SDIST_SUFFIXES)
+    return filename.endswith((".tar.gz", ".zip"))
 
 
 def is_pure_wheel(filename: str) -> bool:
