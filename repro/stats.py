@@ -144,8 +144,7 @@ def prediction_interval(values: Sequence[float], confidence: float = 0.95, resol
     """Where one more seed falls with probability ``confidence``: ``mean +- t_{n-1} s sqrt(1 + 1/n)`` (decision 2).
 
     Args:
-        resolution: grid step of the values (accuracy on N questions: 1/N; 0: continuous); ``s`` is at least
-            :func:`grid_sd_floor` (decision 10).
+        resolution: grid step of the values (1/N for accuracy on N questions; 0: continuous), decision 10.
 
     Raises:
         ValueError: fewer than two values, non-finite values, or a confidence outside (0, 1).
@@ -233,7 +232,7 @@ def paired_detectable_effect(n: int, tests: int = 1, alpha: float = 0.05, power:
 
 def sign_flip_p(differences: Sequence[float]) -> float:
     """Exact two-sided sign-flip p-value of the mean of ``differences`` (one per seed) over all ``2^n`` sign
-    patterns (decision 11); never below ``2^(1 - n)``.
+    patterns (decision 11); at least ``2^(1 - n)``.
 
     Raises:
         ValueError: no differences, or more than 20 (use :func:`paired_permutation_test`).
@@ -373,8 +372,7 @@ def paired_permutation_test(
         n_resamples, seed: most sign patterns drawn (all ``2^m`` if no more); the Monte Carlo seed.
 
     Returns:
-        The :class:`PairedTest` (``statistic`` = ``difference``); ``test`` is ``sign-flip permutation`` where
-        p is exact, ``sign-flip permutation (Monte Carlo, R resamples)`` where estimated.
+        The :class:`PairedTest` (``statistic`` = ``difference``), ``test`` naming Monte Carlo estimates.
 
     Raises:
         ValueError: samples or weights of different lengths, non-finite values, ``n_resamples < 1``.

@@ -67,13 +67,9 @@ def manylinux_glibc(platform: str) -> tuple[int, str]:
 def manylinux_platforms(platform: str) -> list[str]:
     """Every tag a machine of ``platform``'s glibc runs, newest first (pip's ``--platform`` matches exactly)."""
     minor, arch = manylinux_glibc(platform)
-    alias = {m: legacy for legacy, m in _LEGACY_MANYLINUX.items()}
-    tags = []
-    for m in range(minor, 4, -1):  # the order packaging.tags gives a machine of that glibc
-        tags.append(f"manylinux_2_{m}_{arch}")
-        if m in alias:
-            tags.append(f"{alias[m]}_{arch}")
-    return tags
+    alias = {m: f"{legacy}_{arch}" for legacy, m in _LEGACY_MANYLINUX.items()}
+    # The order packaging.tags gives a machine of that glibc.
+    return [tag for m in range(minor, 4, -1) for tag in (f"manylinux_2_{m}_{arch}", alias.get(m)) if tag]
 
 
 @dataclass(frozen=True)
