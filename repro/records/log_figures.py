@@ -7,6 +7,7 @@ routing metrics (:func:`timed_rows`); routing figures average the steps with the
 
 from __future__ import annotations
 
+import json
 import statistics
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,13 +90,11 @@ def efficiency(
         peaks = [r.peak_memory_bytes for r in rows if r.peak_memory_bytes > 0]
         peak_memory_bytes = max(peaks) if peaks else None
     if mean_active_experts is None:
-        per_layer = [r.active_experts for r in routing(rows, warmup=warmup, length=length)]
-        per_layer = [k for k in per_layer if k is not None]
+        per_layer = [k for r in routing(rows, warmup=warmup, length=length) if (k := r.active_experts) is not None]
         mean_active_experts = statistics.fmean(per_layer) if per_layer else None
     analytic = analytic_flops_per_iteration(flops, global_batch_size, seq_length)
-    measured = None
-    if mean_active_experts is not None:
-        measured = model_flops_per_iteration(flops, global_batch_size, seq_length, mean_active_experts)
+    measured = (None if mean_active_experts is None
+                else model_flops_per_iteration(flops, global_batch_size, seq_length, mean_active_experts))
     return Efficiency(
         warmup_steps=warmup, window_steps=len(selected), iter_time_ms=iter_time_s * 1e3, tokens_per_s=tokens_per_s,
         peak_memory_bytes=peak_memory_bytes, num_devices=num_devices, global_batch_size=global_batch_size,
@@ -132,8 +131,6 @@ def interleaved_ratios(
         label -> :class:`repro.stats.TimingRatio` fields plus ``device`` (same on device time, or None); runs
         with fewer than four common steps left out.
     """
-    import json
-
     from repro.stats import timing_ratio
 
     if reference not in run_dirs:
@@ -158,9 +155,8 @@ def interleaved_ratios(
         if len(steps) < 4:
             return None
         r = timing_ratio([ref[s] for s in steps], [other[s] for s in steps])
-        return {"ratio": r.ratio, "low": r.low, "high": r.high, "half_width": r.half_width, "rounds": r.rounds,
-                "batches": r.batches, "lag1": r.lag1, "lag1_batch_means": r.lag1_batch_means,
-                "detectable": r.detectable}
+        return {k: getattr(r, k) for k in ("ratio", "low", "high", "half_width", "rounds", "batches", "lag1",
+                                           "lag1_batch_means", "detectable")}
 
     # A step with a device time has a wall time: no device ratio without a wall one.
     return {label: {**wall, "device": figures(label, "device_time_s")} for label in run_dirs
@@ -169,8 +165,6 @@ def interleaved_ratios(
 
 def trace_figures(run_dir: Path) -> dict[str, Any] | None:
     """A run's profiled step (``trace/summary.json``): busy vs span, launches, router device time; None if absent."""
-    import json
-
     try:
         t = json.loads((run_dir / "trace" / "summary.json").read_text())
     except (OSError, ValueError):

@@ -29,7 +29,7 @@ FLOAT32_SLACK = 1e-6
 def _check(name: str, value: float | int | None, low: float | None = None, high: float | None = None,
            *, low_open: bool = False, slack: float = 0.0) -> None:
     """ValueError unless ``value`` is finite and in ``[low, high]`` (``(low, high]`` with ``low_open``) +- ``slack``;
-    None passes."""
+    None passes. ``high`` needs ``low``."""
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -39,12 +39,8 @@ def _check(name: str, value: float | int | None, low: float | None = None, high:
     too_low = low is not None and (value <= low - slack if low_open else value < low - slack)
     too_high = high is not None and value > high + slack
     if too_low or too_high:
-        if low is not None and high is not None:
-            allowed = f"in {'(' if low_open else '['}{low:g}, {high:g}]"
-        elif low is not None:
-            allowed = f"{'>' if low_open else '>='} {low:g}"
-        else:
-            allowed = f"<= {high:g}"
+        allowed = (f"in {'(' if low_open else '['}{low:g}, {high:g}]" if high is not None
+                   else f"{'>' if low_open else '>='} {low:g}")
         raise ValueError(f"{name} = {value!r} is out of range (must be {allowed})")
 
 

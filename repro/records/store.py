@@ -19,7 +19,7 @@ from typing import Any
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.records import log_figures as eff
-from repro.records.run_record import DomainLoss, Efficiency, Environment, LayerRouting, RunRecord, partial_tasks
+from repro.records.run_record import DomainLoss, Efficiency, Environment, RunRecord, partial_tasks
 from repro.records.step_log import LogRow, read_rows
 from repro.schema import from_json, to_json
 
@@ -69,17 +69,16 @@ def environment_info(num_processes: int | None = None, device: str | None = None
 
 def make_record(
     *, run_id: str, router: str, model: str, config: Mapping[str, Any], log_rows: Sequence[LogRow] = (),
-    efficiency: Efficiency | None = None, routing: Sequence[LayerRouting] | None = None,
-    lm_eval_results: Mapping[str, Any] | None = None, validation_loss: float | None = None,
-    environment: Environment | None = None, experiment_name: str | None = None,
+    efficiency: Efficiency | None = None, lm_eval_results: Mapping[str, Any] | None = None,
+    validation_loss: float | None = None, environment: Environment | None = None, experiment_name: str | None = None,
     domain_losses: Sequence[DomainLoss] = (),
 ) -> RunRecord:
     """Assemble a run record, validated as :func:`load_record` validates a file.
 
     Args:
         run_id, router, model, config: unique run name; router name or ``"dense"``; flavour; JSON-able config.
-        log_rows: training-log rows: loss curve, and routing metrics when ``routing`` is None.
-        efficiency, routing: from :mod:`repro.records.log_figures` (``routing`` default: same window).
+        log_rows: training-log rows: loss curve, and routing metrics (averaged over ``efficiency``'s window).
+        efficiency: from :func:`repro.records.log_figures.efficiency`.
         lm_eval_results: lm-eval's results dict; ``samples``, if logged, are kept only as ``per_question``.
         validation_loss, domain_losses: held-out LM loss, overall and per domain.
         environment, experiment_name: default :func:`environment_info`, ``run_id``.
@@ -87,18 +86,16 @@ def make_record(
     Raises:
         ReproError: a value of the wrong type.
     """
-    if routing is None:
-        routing = ()
-        if any(r.routing for r in log_rows):
-            warmup = efficiency.warmup_steps if efficiency else 0
-            length = efficiency.window_steps if efficiency else None
-            routing = eff.routing(log_rows, warmup=warmup, length=length)
+    routing = ()
+    if any(r.routing for r in log_rows):
+        window = (efficiency.warmup_steps, efficiency.window_steps) if efficiency else (0, None)
+        routing = eff.routing(log_rows, warmup=window[0], length=window[1])
     data = {
         "run_id": run_id,
         "experiment": {"name": experiment_name or run_id, "router": router, "model": model, "config": _plain(config)},
         "environment": to_json(environment or environment_info()),
         "loss_curve": to_json(eff.loss_curve(log_rows)),
-        "routing": to_json(tuple(routing)),
+        "routing": to_json(routing),
         "efficiency": to_json(efficiency),
         "validation_loss": validation_loss,
         **_lm_eval_fields(lm_eval_results),
@@ -151,8 +148,7 @@ def default_run_id(run) -> str:
 
 
 def record_from_run_dir(
-    run_dir: str | Path, *, warmup: int | None = None, window: int | None = None,
-    lm_eval_results: Mapping[str, Any] | None = None,
+    run_dir: str | Path, *, warmup: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
     run_id: str | None = None, environment: Environment | None = None, domain_losses: Sequence[DomainLoss] = (),
     flops_attention: str = "causal", start_step: int | None = None,
 ) -> RunRecord:
@@ -160,8 +156,7 @@ def record_from_run_dir(
 
     Args:
         run_dir: the run's output directory.
-        warmup, window: log rows skipped before the efficiency window (default: a tenth of the steps, at least
-            one); rows in it (None: all the rest).
+        warmup: log rows skipped before the efficiency window, the rest (default: a tenth, at least one).
         run_id, environment: default :func:`default_run_id`, :func:`environment_info` (run's world size).
         lm_eval_results, domain_losses: as in :func:`make_record`.
         flops_attention: attention FLOPs convention (:data:`repro.records.flops.ATTENTION_COUNTS`).
@@ -194,7 +189,7 @@ def record_from_run_dir(
     if warmup is None:
         warmup = max(1, len(rows) // 10) if len(rows) > 1 else 0
     efficiency = eff.efficiency(
-        rows, warmup=warmup, length=window, flops=flops, global_batch_size=batch, seq_length=seq_length,
+        rows, warmup=warmup, flops=flops, global_batch_size=batch, seq_length=seq_length,
         num_devices=world_size, mean_active_experts=1.0 if router == "dense" or _merges_experts(router) else None,
         backend=config.get("backend"), start_step=start_step,
     )
@@ -224,18 +219,11 @@ def _merges_experts(router: str) -> bool:
 
 
 def _plain(obj: Any) -> Any:
-    """``obj`` as plain JSON values (scalars to numbers, other objects to strings)."""
+    """``obj`` as plain JSON values (numpy / torch scalars to numbers, sets to lists, other objects to strings)."""
     if not isinstance(obj, Mapping):
         return obj  # left for the schema check to refuse
-    return json.loads(json.dumps(obj, default=_json_default))
-
-
-def _json_default(obj: Any) -> Any:
-    if hasattr(obj, "item"):  # numpy / torch scalars
-        return obj.item()
-    if isinstance(obj, (set, tuple)):
-        return list(obj)
-    return str(obj)
+    return json.loads(json.dumps(
+        obj, default=lambda o: o.item() if hasattr(o, "item") else list(o) if isinstance(o, set) else str(o)))
 
 
 def write_record(record: RunRecord, path: str | Path) -> Path:
