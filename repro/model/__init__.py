@@ -1,5 +1,2 @@
-"""megatron-core models for the suite: ``flavours`` (frozen model configs), ``builder`` (``build_model`` ->
-megatron ``GPTModel``), ``backends`` + ``torch_backend`` (the TransformerEngine-free kernels), ``parallel``
-(``init_distributed``), ``cpu_shims`` (the patches megatron-core needs without CUDA). Submodules are imported on
-demand (megatron-core takes seconds to import).
-"""
+"""megatron-core models for the suite (modules: docs/development.md); submodules are imported on demand, since
+megatron-core takes seconds to import."""

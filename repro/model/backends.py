@@ -135,9 +135,8 @@ def _kernel_self_check(device: str, dtype: torch.dtype) -> bool:
         return False
 
 
-def grouped_mm_unusable_reason(
-    x_MK: torch.Tensor, w_ENK: torch.Tensor, *, in_features: int | None = None
-) -> str | None:
+def grouped_mm_unusable_reason(x_MK: torch.Tensor, w_ENK: torch.Tensor, *,
+                               in_features: int | None = None) -> str | None:
     """Why torch's grouped kernel should not run ``x_MK @ w_e.t()`` here, or None if it should.
 
     Args:

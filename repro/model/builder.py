@@ -125,6 +125,7 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
         get_gpt_layer_with_transformer_engine_spec,
     )
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+    from megatron.core.transformer.spec_utils import ModuleSpec
 
     num_experts = flavour.num_experts
     if backend == "te":  # GPU machines with TransformerEngine only
@@ -132,11 +133,11 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
     else:
         spec = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
     if backend == "torch":
-        from repro.model.torch_backend import torch_core_attention_builder, torch_experts_spec
+        from repro.model.torch_backend import TorchGroupedMLP, TorchSDPAttention
 
         attention = spec.submodules.self_attention
-        attention = _replace_submodules(attention, core_attention=torch_core_attention_builder(backend_options))
-        spec = _replace_submodules(spec, self_attention=attention)
+        core_attention = functools.partial(TorchSDPAttention, options=backend_options)
+        spec = _replace_submodules(spec, self_attention=_replace_submodules(attention, core_attention=core_attention))
     if not flavour.is_moe:
         return spec
 
@@ -147,7 +148,8 @@ def _layer_spec(flavour: ModelFlavour, config, router_name: str | None, router_o
         mlp_spec = get_moe_module_spec_for_backend(backend=LocalSpecProvider(), num_experts=num_experts)
         mlp_spec = dataclasses.replace(mlp_spec, module=layer_class)
     elif backend == "torch":
-        mlp_spec = _replace_submodules(mlp_spec, experts=torch_experts_spec(backend_options))
+        experts = ModuleSpec(module=TorchGroupedMLP, params={"options": backend_options})
+        mlp_spec = _replace_submodules(mlp_spec, experts=experts)
     if router_name != MEGATRON_ROUTER:
         from routers.megatron_adapter import megatron_router_builder
 
@@ -219,7 +221,7 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
         raise ValueError(f"flavour '{flavour.name}' takes its vocabulary from the tokenizer: pass vocab_size")
 
     if flavour.is_moe:
-        from routers import available_routers
+        from routers import available_routers, router_class
 
         names = [MEGATRON_ROUTER, *available_routers()]
         if router_name is None:
@@ -233,8 +235,6 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
     tp = parallel_state.get_tensor_model_parallel_world_size()
     padded_vocab = flavour.padded_vocab_size(tp=tp)
     if flavour.is_moe and router_name != MEGATRON_ROUTER:
-        from routers import router_class
-
         # Hash's table size: the padded vocabulary unless set.
         router_options = dict(router_options or {})
         if "vocab_size" in {f.name for f in dataclasses.fields(router_class(router_name).Config)}:
@@ -257,10 +257,9 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
     model_class, fused_kwargs = GPTModel, {}
     if fused_cross_entropy != "none":
         # Imported only when asked for (its torch.compile loads dynamo).
-        from repro.model.fused_loss import FusedLossGPTModel, check_fused_cross_entropy
+        from repro.model.fused_loss import FusedLossGPTModel  # checks the name before building
 
-        model_class = FusedLossGPTModel
-        fused_kwargs = dict(fused_cross_entropy=check_fused_cross_entropy(fused_cross_entropy))
+        model_class, fused_kwargs = FusedLossGPTModel, dict(fused_cross_entropy=fused_cross_entropy)
     model = model_class(
         config=config, transformer_layer_spec=spec, vocab_size=padded_vocab, max_sequence_length=flavour.seq_length,
         position_embedding_type="rope", rotary_base=flavour.rotary_base,
@@ -273,7 +272,13 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
         model.cuda(torch.cuda.current_device())
     model.flavour = flavour
     model.backend = backend
-    _link_router_layers(model)
+    # Each router class with ``link_layers`` gets its routers in layer order (cross-layer losses: SparseMixer-v2).
+    from routers.schedule import routers_in
+
+    found = routers_in(model)
+    for cls in dict.fromkeys(type(router) for router in found):
+        if getattr(cls, "link_layers", None) is not None:
+            cls.link_layers([router for router in found if type(router) is cls])
     return model
 
 
@@ -286,13 +291,3 @@ def _norms_to_bf16(model: torch.nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, (torch.nn.RMSNorm, torch.nn.LayerNorm)) and id(module) not in inside_routers:
             module.to(torch.bfloat16)
-
-
-def _link_router_layers(model: torch.nn.Module) -> None:
-    """Give each router class with ``link_layers`` its routers in layer order (cross-layer losses: SparseMixer-v2)."""
-    from routers.schedule import routers_in
-
-    found = routers_in(model)
-    for cls in dict.fromkeys(type(router) for router in found):
-        if getattr(cls, "link_layers", None) is not None:
-            cls.link_layers([router for router in found if type(router) is cls])

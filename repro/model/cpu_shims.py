@@ -30,7 +30,6 @@ def _cpu_current_device() -> torch.device:
     return torch.device("cpu")
 
 
-
 @functools.lru_cache(maxsize=8)
 def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
     # Shim 3, cached; never an inference tensor (whatever the first caller's mode): backward must save it.
@@ -38,26 +37,19 @@ def _cpu_default_causal_mask(sq: int) -> torch.Tensor:
         return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
-
 def _cpu_maybe_dtoh_and_synchronize(self, point: str, tokens_per_expert: torch.Tensor | None = None):
     """Stream-free ``_maybe_dtoh_and_synchronize`` (shim 5): splits become numpy at ``cuda_dtoh_point``."""
-
-    def as_numpy(value):
-        return value.numpy() if torch.is_tensor(value) else value
-
     if not self.drop_and_pad and point == self.cuda_dtoh_point:
-        self.input_splits = as_numpy(self.input_splits)
-        self.output_splits = as_numpy(self.output_splits)
-        self.output_splits_tp = as_numpy(self.output_splits_tp)
+        for name in ("input_splits", "output_splits", "output_splits_tp"):
+            value = getattr(self, name)
+            setattr(self, name, value.numpy() if torch.is_tensor(value) else value)
     return tokens_per_expert
-
 
 
 def _amax_logits_max(vocab_parallel_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # Shim 7: megatron's calculate_logits_max with amax (the maximum alone) in place of max(dim)'s values.
     vocab_parallel_logits = vocab_parallel_logits.float()
     return vocab_parallel_logits, vocab_parallel_logits.amax(dim=-1)
-
 
 
 def apply_cpu_shims() -> bool:

@@ -51,10 +51,8 @@ def _cce(e_NH: torch.Tensor, c_VH: torch.Tensor, targets_N: torch.Tensor, filter
             f"model.fused_cross_entropy=cce needs cut-cross-entropy==25.1.1 and Triton ({exc}); install the "
             "'fused' extra on a GPU machine, or use fused_cross_entropy=torch_compile"
         ) from None
-    params = CCEParams(
-        targets=targets_N, valids=None, softcap=None, reduction="none", filter_eps=_handle_eps(filter_eps, e_NH.dtype),
-        shift=False, batch_shape=targets_N.shape,
-    )
+    params = CCEParams(targets=targets_N, valids=None, softcap=None, reduction="none",
+                       filter_eps=_handle_eps(filter_eps, e_NH.dtype), shift=False, batch_shape=targets_N.shape)
     return linear_cross_entropy_apply(e_NH, c_VH, params)
 
 
@@ -106,15 +104,11 @@ class FusedLossGPTModel(GPTModel):
 
     def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, **kwargs):
         # megatron 0.16.1 passes everything by keyword; the fused path only replaces "output layer, then loss".
-        plain = (
-            labels is None or args or not self.post_process or self.config.mtp_num_layers is not None
-            or kwargs.get("mtp_in_postprocess") or kwargs.get("inference_context") is not None
-            or self.output_layer.bias is not None
-        )
+        plain = (labels is None or args or not self.post_process or self.config.mtp_num_layers is not None
+                 or kwargs.get("mtp_in_postprocess") or kwargs.get("inference_context") is not None
+                 or self.output_layer.bias is not None)
         if plain:
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
-        weight_VH = (
-            self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
-            else self.output_layer.weight
-        )
+        weight_VH = (self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights
+                     else self.output_layer.weight)
         return fused_linear_cross_entropy(hidden_states, weight_VH, labels, self.fused_cross_entropy)

@@ -57,9 +57,8 @@ def _int_var(environ: Mapping[str, str], name: str) -> int | None:
         raise ReproError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def rank_environment(
-    environ: Mapping[str, str], hostnames: Callable[[str], list[str]] = scontrol_hostnames
-) -> dict[str, str]:
+def rank_environment(environ: Mapping[str, str],
+                     hostnames: Callable[[str], list[str]] = scontrol_hostnames) -> dict[str, str]:
     """torch.distributed variables to add to ``environ`` (none under torchrun or alone). A task of an srun step of
     N > 1 (``SLURM_STEP_NUM_TASKS``) gets ``RANK``/``LOCAL_RANK`` from ``SLURM_PROCID``/``SLURM_LOCALID``,
     ``WORLD_SIZE=N``, and unless set ``MASTER_ADDR`` (first node) and ``MASTER_PORT`` (15000 + last four job-id
@@ -162,9 +161,8 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
             raise ValueError(f"megatron parallel state already initialised with tp={have_tp}, ep={have_ep}; "
                              f"call destroy_distributed() before asking for tp={tp}, ep={ep}")
     else:
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, expert_model_parallel_size=ep, create_gloo_process_groups=(backend == "gloo")
-        )
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                                 create_gloo_process_groups=(backend == "gloo"))
     seed_model_parallel_rng(seed)
     device = torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
     return ParallelInfo(rank=dist.get_rank(), world_size=world_size, local_rank=local_rank,

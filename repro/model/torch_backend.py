@@ -7,7 +7,6 @@ keeping the contract (constructor, forward, state-dict keys) of the module it re
 from __future__ import annotations
 
 import contextlib
-import functools
 import math
 import weakref
 
@@ -48,14 +47,13 @@ class TorchGroupedMLP(MegatronModule):
         self.ep_group = pg_collection.ep
         self.tp_group = pg_collection.expt_tp
         self.dp_group = pg_collection.expt_dp
-        if self.tp_group is not None and self.tp_group.size() != 1:
-            raise ValueError("the torch backend's grouped experts need expert tensor parallel size 1")
-        if config.add_bias_linear:
-            raise ValueError("the torch backend's grouped experts have no biases (add_bias_linear=False)")
-        if config.fp8 or config.fp4:
-            raise ValueError("the torch backend's grouped experts do not run FP8/FP4 (use backend 'te')")
-        if config.moe_latent_size is not None:
-            raise ValueError("the torch backend's grouped experts do not support moe_latent_size")
+        for refused, why in ((self.tp_group is not None and self.tp_group.size() != 1,
+                              "need expert tensor parallel size 1"),
+                             (config.add_bias_linear, "have no biases (add_bias_linear=False)"),
+                             (config.fp8 or config.fp4, "do not run FP8/FP4 (use backend 'te')"),
+                             (config.moe_latent_size is not None, "do not support moe_latent_size")):
+            if refused:
+                raise ValueError(f"the torch backend's grouped experts {why}")
         self.num_local_experts = num_local_experts
         E, H, F_ = num_local_experts, config.hidden_size, config.moe_ffn_hidden_size
         G = 2 * F_ if config.gated_linear_unit else F_
@@ -93,9 +91,8 @@ class TorchGroupedMLP(MegatronModule):
         if mode == "loop":
             return False
         # fc2's input is the activation [M, F], of the hidden states' dtype and device.
-        reason = grouped_mm_unusable_reason(hidden_MH, self.fc1_weight) or grouped_mm_unusable_reason(
-            hidden_MH, self.fc2_weight, in_features=self.fc2_weight.shape[2]
-        )
+        reason = (grouped_mm_unusable_reason(hidden_MH, self.fc1_weight)
+                  or grouped_mm_unusable_reason(hidden_MH, self.fc2_weight, in_features=self.fc2_weight.shape[2]))
         if reason is None:
             return True
         if mode == "grouped_mm" and reason != "no tokens":
@@ -170,20 +167,16 @@ class TorchGroupedMLP(MegatronModule):
                     value = state_dict[key]
                     if not torch.is_tensor(value) or tuple(value.shape) != tuple(weight.shape[1:]):
                         shape = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
-                        error_msgs.append(
-                            f"size mismatch for {key}: copying a param with shape {shape} from checkpoint, "
-                            f"the shape in current model is {tuple(weight.shape[1:])}."
-                        )
+                        error_msgs.append(f"size mismatch for {key}: copying a param with shape {shape} from "
+                                          f"checkpoint, the shape in current model is {tuple(weight.shape[1:])}.")
                         continue
                     weight[e].copy_(value)
         if strict:
             unexpected_keys.extend(k for k in state_dict if k.startswith(prefix) and k not in expected)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
-        raise NotImplementedError(
-            "TorchGroupedMLP has no megatron distributed-checkpoint layout; save model.state_dict() "
-            "(SequentialMLP's keys) as repro.training.checkpoint does"
-        )
+        raise NotImplementedError("TorchGroupedMLP has no megatron distributed-checkpoint layout; save "
+                                  "model.state_dict() (SequentialMLP's keys) as repro.training.checkpoint does")
 
     def extra_repr(self) -> str:
         E, G, H = self.fc1_weight.shape
@@ -277,15 +270,3 @@ class TorchSDPAttention(MegatronModule):
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, query_groups={self.num_query_groups}, head_dim={self.head_dim}, "
                 f"causal_mask={self.options.causal_mask!r}")
-
-
-def torch_core_attention_builder(options: TorchBackendOptions | None = None):
-    """The ``SelfAttentionSubmodules.core_attention`` builder of the torch backend."""
-    return functools.partial(TorchSDPAttention, options=options or TorchBackendOptions())
-
-
-def torch_experts_spec(options: TorchBackendOptions | None = None):
-    """The ``MoESubmodules.experts`` ModuleSpec of the torch backend."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    return ModuleSpec(module=TorchGroupedMLP, params={"options": options or TorchBackendOptions()})
