@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from repro.schema import check_minimums
+
 #: How attention scores are counted: ``"causal"`` (half the s x s square) or ``"full"``.
 ATTENTION_COUNTS = ("causal", "full")
 DEFAULT_ATTENTION = "causal"
@@ -60,17 +62,12 @@ class FlopsConfig:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION_COUNTS:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION_COUNTS)}, got '{self.attention}'")
-        for name in ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "kv_channels",
-                     "ffn_hidden_size", "vocab_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        check_minimums(self, num_layers=1, hidden_size=1, num_attention_heads=1, num_query_groups=1, kv_channels=1,
+                       ffn_hidden_size=1, vocab_size=1, top_k=0)
 
 
-def flops_config_from_flavour(
-    flavour: Any, vocab_size: int | None = None, tp: int = 1, attention: str = DEFAULT_ATTENTION
-) -> FlopsConfig:
+def flops_config_from_flavour(flavour: Any, vocab_size: int | None = None, tp: int = 1,
+                              attention: str = DEFAULT_ATTENTION) -> FlopsConfig:
     """The FLOPs dimensions of a model flavour.
 
     Args:
@@ -98,9 +95,8 @@ def _mean_k(experts_per_token: float | Sequence[float]) -> float:
     return sum(values) / len(values)
 
 
-def model_flops_per_iteration(
-    cfg: FlopsConfig, global_batch_size: int, seq_length: int, experts_per_token: float | Sequence[float]
-) -> float:
+def model_flops_per_iteration(cfg: FlopsConfig, global_batch_size: int, seq_length: int,
+                              experts_per_token: float | Sequence[float]) -> float:
     """Megatron-LM's model FLOPs for one training iteration (forward and backward).
 
     Args:

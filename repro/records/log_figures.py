@@ -7,6 +7,7 @@ routing metrics (:func:`timed_rows`); routing figures average the steps with the
 
 from __future__ import annotations
 
+import contextlib
 import json
 import statistics
 from collections.abc import Sequence
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from repro.errors import ReproError
+from repro.io_utils import read_json
 from repro.records.flops import (
     FlopsConfig,
     analytic_flops_per_iteration,
@@ -52,11 +54,8 @@ def routing(rows: Sequence[LogRow], *, warmup: int = 0, length: int | None = Non
             for layer, value in enumerate(row.routing.get(name) or []):
                 seen.setdefault(layer, {}).setdefault(name, []).append(float(value))
     return tuple(
-        LayerRouting(
-            layer=layer,
-            **{name: statistics.fmean(seen[layer][name]) if name in seen[layer] else None for name in ROUTING_METRICS},
-        )
-        for layer in sorted(seen)
+        LayerRouting(layer, **{name: statistics.fmean(v[name]) if name in v else None for name in ROUTING_METRICS})
+        for layer, v in sorted(seen.items())
     )
 
 
@@ -102,9 +101,8 @@ def efficiency(
         flops_per_iter_analytic=analytic, flops_per_iter_measured=measured,
         tflops_per_device_analytic=tflops_per_device(analytic, iter_time_s, num_devices),
         tflops_per_device_measured=None if measured is None else tflops_per_device(measured, iter_time_s, num_devices),
-        expert_flops_per_token_measured=(
-            None if mean_active_experts is None else expert_flops_per_token(flops, mean_active_experts)
-        ),
+        expert_flops_per_token_measured=(None if mean_active_experts is None
+                                         else expert_flops_per_token(flops, mean_active_experts)),
         backend=backend, flops_attention=flops.attention, start_step=start_step,
     )
 
@@ -118,9 +116,8 @@ def iteration_times_ms(run_dir: str | Path, warmup: int) -> list[float]:
     return [r.iter_time_s * 1e3 for r in timed_rows(rows[warmup:])]
 
 
-def interleaved_ratios(
-    run_dirs: dict[str, Path], *, reference: str, warmup: int, window: int
-) -> dict[str, dict[str, Any]]:
+def interleaved_ratios(run_dirs: dict[str, Path], *, reference: str, warmup: int,
+                       window: int) -> dict[str, dict[str, Any]]:
     """Step-time ratios to ``reference`` of runs stepped in turn (:func:`repro.stats.timing_ratio`), wall and device.
 
     Args:
@@ -138,10 +135,8 @@ def interleaved_ratios(
     logs = {label: list(read_rows(Path(d))) for label, d in run_dirs.items()}
     skip = set()
     for d in run_dirs.values():
-        try:
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             skip.add(int(json.loads((Path(d) / "config.json").read_text())["experiment"]["logging"]["trace_step"]))
-        except (OSError, ValueError, KeyError, TypeError):
-            pass
 
     def timed(rows: list[LogRow], field: str) -> dict[int, float]:
         """``field`` by step over the timed steps of the window (no routing metrics, not the traced step)."""
@@ -165,9 +160,7 @@ def interleaved_ratios(
 
 def trace_figures(run_dir: Path) -> dict[str, Any] | None:
     """A run's profiled step (``trace/summary.json``): busy vs span, launches, router device time; None if absent."""
-    try:
-        t = json.loads((run_dir / "trace" / "summary.json").read_text())
-    except (OSError, ValueError):
+    if (t := read_json(run_dir / "trace" / "summary.json")) is None:  # missing, unreadable or not JSON
         return None
     if t.get("clock") != "cuda":
         return {"step": t.get("step"), "clock": t.get("clock")}

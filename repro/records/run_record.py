@@ -203,9 +203,8 @@ class PartialTask:
         _check("evaluated", self.evaluated, 0)
         _check("available", self.available, 1)
         if self.evaluated is not None and self.available is not None and self.evaluated >= self.available:
-            raise ValueError(
-                f"task '{self.task}': evaluated = {self.evaluated} documents of {self.available} is not partial"
-            )
+            raise ValueError(f"task '{self.task}': evaluated = {self.evaluated} documents of {self.available} "
+                             "is not partial")
 
     def describe(self) -> str:
         """``task: 8 of 175 documents`` (or ``task: limit 8``)."""
@@ -322,9 +321,8 @@ def _check_per_question(per_question: Mapping[str, Any], n_samples: Any) -> None
             raise ValueError(f"{where}: its metrics list different numbers of questions ({sorted(lengths)})")
         counts = n_samples.get(task) if isinstance(n_samples, Mapping) else None
         if lengths and isinstance(counts, Mapping) and counts.get("effective") not in lengths:
-            raise ValueError(
-                f"{where}: {lengths.pop()} questions, but lm-eval scored {counts.get('effective')} (n-samples)"
-            )
+            raise ValueError(f"{where}: {lengths.pop()} questions, but lm-eval scored {counts.get('effective')} "
+                             "(n-samples)")
 
 
 def partial_tasks(lm_eval_results: Mapping[str, Any] | None) -> tuple[PartialTask, ...]:

@@ -179,9 +179,8 @@ def record_from_run_dir(
         router = run.router.name or "dense"
         flavour = run.model.flavour_config()
         world_size = int(config["layout"]["world_size"])
-        flops = flops_config_from_flavour(
-            flavour, vocab_size=config["vocab_size"], tp=int(config["layout"]["tp"]), attention=flops_attention
-        )
+        flops = flops_config_from_flavour(flavour, vocab_size=config["vocab_size"], tp=int(config["layout"]["tp"]),
+                                          attention=flops_attention)
         batch, seq_length = run.data.global_batch_size, int(config["seq_length"])
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
         raise ReproError(f"{origin}: not a training run's config ({type(exc).__name__}: {exc})") from None
@@ -196,10 +195,9 @@ def record_from_run_dir(
     val_losses = [r.val_loss for r in rows if r.val_loss is not None]
     return make_record(
         run_id=run_id or default_run_id(run), router=router, model=flavour.name, config=config, log_rows=rows,
-        efficiency=efficiency, lm_eval_results=lm_eval_results,
+        efficiency=efficiency, lm_eval_results=lm_eval_results, domain_losses=domain_losses,
         validation_loss=float(val_losses[-1]) if val_losses else None,
         environment=environment or environment_info(num_processes=world_size), experiment_name=run.name,
-        domain_losses=domain_losses,
     )
 
 
