@@ -7,7 +7,6 @@ router comes from ``extra_info["router"]``, else the ``name`` parameter, else th
 from __future__ import annotations
 
 import argparse
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +14,7 @@ from tabulate import tabulate
 
 from repro.errors import ReproError
 from repro.io_utils import atomic_path
+from repro.report.published import load_json
 
 BASELINE = "switch"
 
@@ -90,11 +90,7 @@ def main(argv: list[str], prog: str) -> int:
     parser.add_argument("--out", default=None, help="also write the Markdown table here")
     args = parser.parse_args(argv)
     path = Path(args.json)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReproError(f"{path}: cannot read benchmark JSON: {exc}") from None
-    text = render_bench(summarise(data, args.baseline, str(path)), args.baseline)
+    text = render_bench(summarise(load_json(path, "benchmark JSON"), args.baseline, str(path)), args.baseline)
     print(text, end="")
     if args.out:
         # Replace only an earlier table of this command (recognised by its header row), never another file.

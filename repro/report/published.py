@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from repro.errors import ReproError
 from repro.schema import from_json
@@ -96,17 +97,21 @@ class PublishedEntry:
     tolerance: Tolerance
 
 
+def load_json(path: str | Path, what: str = "results") -> Any:
+    """A JSON file (``summary.json``, a benchmark JSON, a ledger file); ReproError naming ``what`` if unreadable."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ReproError(f"{path}: cannot read {what}: {exc}") from None
+
+
 def load_ledger_file(path: str | Path) -> list[PublishedEntry]:
     """The entries of one ledger file, ``{"description": str, "entries": [...]}``, validated.
 
     Raises:
         ReproError: unreadable JSON, or an entry with a missing or mistyped field (named by index and id).
     """
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReproError(f"{path}: cannot read ledger file: {exc}") from None
+    data = load_json(path, "ledger file")
     if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
         raise ReproError(f"{path}: a ledger file must be an object with an 'entries' list")
     if not isinstance(data.get("description"), str):

@@ -1,13 +1,11 @@
 """The words and numbers of the result write-ups (:mod:`repro.studies.writeup`): how a paired difference is
-worded, how the results files are read, how a study's page is laid out.
-
-:func:`verdict` is the only source of comparison words ("lower", "not significant", "underpowered", ...): it
-words a test result, never a hand-written judgement. Tests use only the tables' functions (:func:`paired_tests`).
+worded, how the results files are read, how a study's page is laid out. :func:`verdict` is the only source of
+comparison words ("lower", "not significant", ...): it words a test result, never a hand-written judgement.
+Tests use only the tables' functions (:func:`paired_tests`).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -16,6 +14,7 @@ from typing import Any
 
 from repro.errors import ReproError
 from repro.report.over_seeds import SeedStat, compare
+from repro.report.published import load_json as load_json  # the write-ups read their results files with it
 from repro.stats import holm, paired_detectable_effect, sign_flip_p
 
 ALPHA = 0.05
@@ -75,10 +74,9 @@ class Paired:
 
 
 def paired_tests(pairs: Mapping[str, tuple[Mapping[str, float], Mapping[str, float]]]) -> dict[str, Paired]:
-    """Each pair ``(reference, other)`` compared over shared seeds, Holm-adjusted over all pairs.
-
-    The write-ups' only statistic computation, for differences the results files lack (cell against cell), with
-    :func:`repro.report.over_seeds.compare`; numbers the files hold are read. Includes the exact sign-flip test.
+    """Each pair ``(reference, other)`` compared over shared seeds (:func:`repro.report.over_seeds.compare`, and
+    the exact sign-flip test), Holm-adjusted over all pairs: the write-ups' only statistic computation, for
+    differences the results files lack (cell against cell).
 
     Args:
         pairs: name -> (seed -> reference value, seed -> other value); the family.
@@ -145,8 +143,7 @@ def verdict(p: Paired, *, lower: str = "lower", higher: str = "higher", alpha: f
 
     Args:
         p: the comparison.
-        lower: the word for a negative difference.
-        higher: the word for a positive one.
+        lower, higher: the words for a negative and a positive difference.
         alpha: significance level.
         spec: format of the detectable difference.
         expect: predicted direction, ``lower`` or ``higher`` (None: no prediction).
@@ -202,14 +199,6 @@ def listing(items: Sequence[str]) -> str:
 
 
 # ------------------------------------------------------------------------------------------ reading the files
-def load_json(path: Path) -> dict[str, Any]:
-    """A results JSON file (``summary.json``, a benchmark JSON)."""
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ReproError(f"{path}: cannot read results: {exc}") from None
-
-
 def link(study: str) -> str:
     """The README block's last line: where the study's write-up is."""
     return f"Details: [`results/{study}/README.md`](results/{study}/README.md)."
@@ -239,7 +228,7 @@ def page(title: str, command: str, findings: Sequence[str], tables: Sequence[Pat
 
 
 def family_power(n: int, tests: int) -> str:
-    """The difference 80% power at Holm's first step needs at ``n`` seeds and ``tests`` tests, in SDs, with
+    """The difference (SDs) 80% power at Holm's first step needs at ``n`` seeds and ``tests`` tests, then
     ``: underpowered`` above :data:`UNDERPOWERED_EFFECT`."""
     effect = paired_detectable_effect(n, max(1, tests))
     text = (f"at {n} seeds and {tests} tests, 80% power at Holm's first step needs a difference of {effect:.2g} "
