@@ -1,11 +1,8 @@
-"""The DirMoE ablation's tables: per cell, the end-of-run routing and losses over seeds, tested against a
-reference cell (:mod:`repro.studies.ablation` runs the cells).
-
-Per run (:func:`run_metrics`), over the last ``final_window`` log rows: load and weight imbalance per layer
-(max / mean over experts; weight imbalance alone shows a collapse under dense dispatch), layer means of active
-experts, Simpson index of r and theta, fallback share; last validation loss and the window's LM loss. Per cell:
-mean, 95% Student-t interval, and a paired t-test against the reference cell over shared seeds, Holm-adjusted over
-a family fixed before the data (:mod:`repro.report.over_seeds`). Unreported metrics are missing, not zero.
+"""The DirMoE ablation's tables (:mod:`repro.studies.ablation` runs the cells). Per run (:func:`run_metrics`), over
+the last ``final_window`` log rows: load and weight imbalance per layer (max / mean over experts; weight imbalance
+alone shows a collapse under dense dispatch), layer means of active experts, Simpson index of r and theta, fallback
+share; last validation loss and the window's LM loss. Per cell: mean, 95% Student-t interval, and a paired t-test
+against the reference cell over shared seeds (:mod:`repro.report.over_seeds`). Unreported metrics are missing.
 """
 
 from __future__ import annotations
@@ -69,10 +66,10 @@ def _mean(values: Sequence[float]) -> float | None:
 
 
 def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | None]:
-    """A run's end-of-run values (module docstring), from its training-log rows.
+    """A run's end-of-run values (module docstring).
 
     Args:
-        rows: the run's log rows.
+        rows: the run's training-log rows.
         final_window: trailing rows averaged.
 
     Returns:
@@ -103,8 +100,8 @@ def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | 
 
 @dataclass(frozen=True)
 class AblationResults:
-    """End-of-run values: cell (table order) -> seed -> metric key -> value (None: not reported); the columns,
-    the rows averaged, and what each cell tests (for captions)."""
+    """cell (table order) -> seed -> metric key -> value (None: not reported); the columns, the rows averaged,
+    and what each cell tests (for captions)."""
 
     cells: tuple[str, ...]
     values: Mapping[str, Mapping[int, Mapping[str, float | None]]]
@@ -124,6 +121,11 @@ class AblationResults:
     def labels(self) -> dict[str, str]:
         """Metric key -> column label."""
         return {m.key: m.label for m in self.metrics}
+
+    @property
+    def by_cell(self) -> dict[str, dict[str, dict[int, float]]]:
+        """cell -> metric key -> seed -> value (:mod:`repro.report.over_seeds`'s values)."""
+        return {cell: {m.key: self.per_seed(cell, m.key) for m in self.metrics} for cell in self.cells}
 
 
 def collect_results(
@@ -150,9 +152,6 @@ def collect_results(
     )
 
 
-def _values(results: AblationResults) -> dict[str, dict[str, dict[int, float]]]:
-    return {cell: {m.key: results.per_seed(cell, m.key) for m in results.metrics} for cell in results.cells}
-
 
 def compare_cells(
     results: AblationResults, reference: str, confidence: float = 0.95, *, family: str = "table"
@@ -160,14 +159,13 @@ def compare_cells(
     """Every cell against ``reference`` (no tests when it is not a cell), in every column.
 
     Args:
-        family: the Holm family: ``table`` (every cell and column) or ``column`` (:mod:`repro.report.over_seeds`).
+        family: the Holm family, ``table`` or ``column`` (:mod:`repro.report.over_seeds`).
 
     Returns:
         cell -> metric key -> :class:`SeedStat`.
     """
-    keys = [m.key for m in results.metrics]
-    return against_reference(_values(results), keys, reference if reference in results.cells else None,
-                             family=family, confidence=confidence)
+    return against_reference(results.by_cell, [m.key for m in results.metrics],
+                             reference if reference in results.cells else None, family=family, confidence=confidence)
 
 
 def compare_cell_pairs(
@@ -184,8 +182,7 @@ def compare_cell_pairs(
     Returns:
         ``(a, b, key)`` -> :class:`SeedStat` (``difference``: a minus b).
     """
-    return compare(_values(results), [(a, b, k) for k in keys for a, b in pairs], family=family,
-                   confidence=confidence)
+    return compare(results.by_cell, [(a, b, k) for k in keys for a, b in pairs], family=family, confidence=confidence)
 
 
 def _diff_cell(stat: SeedStat, spec: str, alpha: float) -> str:
@@ -209,8 +206,8 @@ def ablation_table(
         reference: the cell the others are tested against.
         name: file stem.
         confidence: interval coverage.
-        alpha: significance level of the marks (Holm-adjusted over ``family``).
-        family: ``table`` (every cell and column against ``reference``) or ``column``.
+        alpha: significance level of the marks (Holm-adjusted over ``family``, ``table`` or ``column``).
+        family: the Holm family.
     """
     stats = compare_cells(results, reference, confidence, family=family)
     rows = []
@@ -253,9 +250,8 @@ def ablation_difference_table(
     confidence: float = 0.95, alpha: float = 0.05, family: str = "table",
 ) -> Table:
     """Paired differences to ``reference``: ``mean difference +- CI half-width (Holm-adjusted p)`` per cell, in
-    the columns of :func:`difference_metrics`; arguments as :func:`ablation_table`. Same tests and Holm family
-    as :func:`ablation_table`, so both tables mark the same cells.
-    """
+    the columns of :func:`difference_metrics`; arguments, tests and Holm family as :func:`ablation_table`'s, so
+    both tables mark the same cells."""
     stats = compare_cells(results, reference, confidence, family=family)
     metrics = difference_metrics(results)
     rows = [
@@ -292,26 +288,24 @@ def pairs_table(
     metrics = [m for m in results.metrics if m.key in keys] if keys is not None else difference_metrics(results)
     stats = compare_cell_pairs(results, pairs, [m.key for m in metrics], family=family, confidence=confidence)
     rows = [(f"{a} - {b}", *(_diff_cell(stats[(a, b, m.key)], m.spec, alpha) for m in metrics)) for a, b in pairs]
-    defined = sum(s.defined for s in stats.values())
-    labels = results.labels
     caption = (
         (what or "DirMoE ablation, cell against cell: the first cell minus the second, paired by the seeds both "
          "ran.")
         + f" Each cell: the mean of the paired differences {PLUS_MINUS} the half-width of their "
         f"{confidence:.0%} Student-t interval, and the p-value of the paired t-test, "
-        f"{family_sentence(family, defined, 'pairs')}; {SIGNIFICANT}: p < {alpha:g}. Columns as in the "
-        "ablation table."
+        f"{family_sentence(family, sum(s.defined for s in stats.values()), 'pairs')}; {SIGNIFICANT}: "
+        f"p < {alpha:g}. Columns as in the ablation table."
     )
-    caption += undefined_note([(f"{a} - {b}", labels[k]) for (a, b, k), s in stats.items() if s.undefined])
+    caption += undefined_note([(f"{a} - {b}", results.labels[k]) for (a, b, k), s in stats.items() if s.undefined])
     headers = ("Cells", *(f"{m.label} diff" for m in metrics))
     return Table(name, caption, headers, tuple(rows))
 
 
 @dataclass(frozen=True)
 class Hypothesis:
-    """A pre-registered comparison (a confirmatory family member): ``cell - versus`` in metric ``key``, the
-    claim in words, and the predicted direction (``lower``: below zero; None: any). The test is two-sided; a
-    prediction lets the write-up call a significant difference the other way a refutation."""
+    """A pre-registered comparison: ``cell - versus`` in metric ``key``, the claim in words, and the predicted
+    direction (``lower``: below zero; None: any). The test is two-sided; a prediction lets the write-up call a
+    significant difference the other way a refutation."""
 
     cell: str
     versus: str
@@ -328,7 +322,7 @@ def confirm_table(
     results: AblationResults, hypotheses: Sequence[Hypothesis], *, name: str = "ablation_confirm",
     confidence: float = 0.95, alpha: float = 0.05,
 ) -> Table:
-    """Pre-registered hypotheses on seeds outside the screen: one Holm family over them only; a row per
+    """Pre-registered hypotheses on seeds outside the screen, one Holm family over them only: a row per
     hypothesis, ``cell - versus`` with its interval and adjusted p-value.
 
     Args:
@@ -338,15 +332,12 @@ def confirm_table(
         name, confidence: as in :func:`ablation_difference_table`.
     """
     tested = [h for h in hypotheses if h.cell in results.cells and h.versus in results.cells]
-    stats = compare(_values(results), [(h.cell, h.versus, h.key) for h in tested], family="table",
+    stats = compare(results.by_cell, [(h.cell, h.versus, h.key) for h in tested], family="table",
                     confidence=confidence)
-    labels, specs = results.labels, {m.key: m.spec for m in results.metrics}
-
-    def column(h: Hypothesis) -> str:
-        return labels.get(h.key, h.key)
-
+    specs = {m.key: m.spec for m in results.metrics}
+    column = {h: results.labels.get(h.key, h.key) for h in hypotheses}
     rows = [
-        (h.claim, f"{h.cell} - {h.versus}", column(h),
+        (h.claim, f"{h.cell} - {h.versus}", column[h],
          _diff_cell(stats[(h.cell, h.versus, h.key)], specs.get(h.key, ".3f"), alpha))
         for h in tested
     ]
@@ -359,10 +350,10 @@ def confirm_table(
         f"p-value of the paired t-test, Holm-adjusted over the {defined} hypotheses of this table (family: the "
         f"pre-registered hypotheses, fixed before the runs); {SIGNIFICANT}: p < {alpha:g}, two-sided."
     )
-    left = [f"{h.cell} - {h.versus} ({column(h)})" for h in hypotheses if h not in tested]
+    left = [f"{h.cell} - {h.versus} ({column[h]})" for h in hypotheses if h not in tested]
     if left:
         caption += f" Not tested (a cell not run): {'; '.join(left)}."
-    caption += undefined_note([(f"{h.cell} - {h.versus}", column(h)) for h in tested
+    caption += undefined_note([(f"{h.cell} - {h.versus}", column[h]) for h in tested
                                if stats[(h.cell, h.versus, h.key)].undefined])
     return Table(name, caption, ("Claim", "Cells", "Column", "Difference (p)"), tuple(rows))
 
@@ -390,8 +381,7 @@ def results_to_json(
     results: AblationResults, *, reference: str, switch: str | None = None, alpha: float = 0.05,
     family: str = "table",
 ) -> dict[str, Any]:
-    """The results as JSON: per cell and metric, per-seed values, mean, interval, and paired comparisons with
-    ``reference`` and ``switch`` (where they are cells).
+    """The results as JSON, with paired comparisons against ``reference`` and ``switch`` (where they are cells).
 
     Args:
         alpha: significance level of the ``significant`` flags.

@@ -2,13 +2,9 @@
 within the entry's tolerance; efficiency only on the same accelerator), against an earlier run (point by point
 at a tight relative tolerance: CPU runs are deterministic), or against earlier seeds of its experiment.
 
-Against seeds (:func:`check_against_seeds`, docs/evaluation.md), each of K numbers must fall in the seeds'
-prediction interval at coverage ``1 - alpha/K`` (Bonferroni: false-alarm rate <= ``alpha`` under any dependence;
-Holm gives the same verdict; Hotelling's T^2 needs more seeds than numbers). The rate is exact for continuous
-normal numbers; accuracies move in whole questions, so their band's spread is floored by the question grid
-(:mod:`repro.stats`, decision 10) and each report states the rate :func:`simulated_false_alarm` gives. Each row
-states the smallest shift its band catches. Only losses and accuracies are compared: routing statistics can be
-bimodal or sit at a bound, where no normal band holds at few seeds.
+Against seeds (:func:`check_against_seeds`; docs/evaluation.md, "Regression check over seeds"), each of K numbers
+must fall in the seeds' prediction interval at coverage ``1 - alpha/K`` (Bonferroni: false-alarm rate <= ``alpha``
+under any dependence; Holm gives the same verdict; Hotelling's T^2 needs more seeds than numbers).
 """
 
 from __future__ import annotations
@@ -244,19 +240,12 @@ def _resolutions(record: RunRecord) -> dict[str, float]:
 
 
 def simulated_false_alarm(
-    spreads: Sequence[float],
-    resolutions: Sequence[float],
-    seeds: int,
-    *,
-    alpha: float = 0.05,
-    draws: int = VALIDATION_DRAWS,
-    seed: int = 0,
+    spreads: Sequence[float], resolutions: Sequence[float], seeds: int, *, alpha: float = 0.05,
+    draws: int = VALIDATION_DRAWS, seed: int = 0,
 ) -> float:
     """Simulated family-wise false-alarm rate of :func:`check_against_seeds`: the fraction of honest new runs
-    failing at least one of K bands.
-
-    Numbers are drawn independently (where Bonferroni is tightest): continuous ones from a normal law, stepped
-    ones as a normal count of steps (spread ``spreads[i]``) rounded around a centre uniform within a step;
+    failing at least one of K bands. Numbers are drawn independently (where Bonferroni is tightest): continuous
+    ones from a normal law, stepped ones as a normal count of steps rounded around a centre uniform within a step;
     ``seeds`` draws make the band, one more is checked.
 
     Args:
@@ -305,10 +294,9 @@ def check_against_seeds(
         atol: absolute slack added to both ends (for values equal up to rounding).
 
     Returns:
-        The report: a row per number (final training and validation loss, each lm-eval metric) with its
-        detectable shift; a number the new run lacks fails, one measured by fewer than two earlier runs is
-        skipped. The header states K, the nominal rate and :func:`simulated_false_alarm`'s rate (seeds' own
-        spreads; for stepped numbers the worst of :data:`STEP_SPREADS`).
+        A row per number (final training and validation loss, each lm-eval metric) with its detectable shift; a
+        number the new run lacks fails, one measured by fewer than two earlier runs is skipped. The header states
+        K, the nominal rate and :func:`simulated_false_alarm`'s (for stepped numbers the worst of :data:`STEP_SPREADS`).
 
     Raises:
         ReproError: fewer than two earlier runs, or alpha outside (0, 1).

@@ -1,8 +1,6 @@
-"""Compute parity: whether routers were compared at the same active-expert compute.
-
-Routers picking a variable number of experts per token (ReMoE, DirMoE, Expert Choice) can spend more or less
-FFN compute than their nominal k; a quality comparison is fair only when measured expert FLOPs per token
-(:func:`repro.records.flops.expert_flops_per_token`) agree with a reference run's within a stated tolerance.
+"""Compute parity: routers picking a variable number of experts per token (ReMoE, DirMoE, Expert Choice) can spend
+more or less FFN compute than their nominal k; a quality comparison is fair only when measured expert FLOPs per
+token (:func:`repro.records.flops.expert_flops_per_token`) agree with a reference run's within a stated tolerance.
 """
 
 from __future__ import annotations
@@ -35,9 +33,8 @@ def compute_parity(
     records: Sequence[RunRecord], *, tolerance: float = DEFAULT_PARITY_TOLERANCE,
     reference_router: str = DEFAULT_REFERENCE_ROUTER,
 ) -> dict[str, ParityVerdict]:
-    """Judge every run's compute parity against a reference run.
-
-    The reference is the first run of ``reference_router`` with a measured figure, else the first with one.
+    """Judge every run's compute parity against a reference run: the first run of ``reference_router`` with a
+    measured figure, else the first with one.
 
     Args:
         records: the runs compared in one table.
@@ -56,8 +53,7 @@ def compute_parity(
         if value is None or reference is None:
             verdicts[record.run_id] = ParityVerdict(record.run_id, None, None, "unknown (no measured k)")
             continue
-        ref_value = _expert_flops(reference)
-        diff = (value - ref_value) / ref_value
+        diff = (value - _expert_flops(reference)) / _expert_flops(reference)
         if record is reference:
             note = "reference"
         elif abs(diff) <= tolerance:

@@ -1,11 +1,9 @@
 """One over-seeds comparison for every seeded table (:mod:`repro.report.seed_tables`,
 :mod:`repro.report.ablation_tables`): row ``a`` against row ``b`` in a column is a paired t-test over the seeds
 both ran (same seed: same data order and initial backbone) with the Student-t interval of the differences, or a
-test the caller supplies; the p-values of one *family* are Holm-adjusted together.
-
-Families are fixed by the table's definition, before the data: ``table`` (default: a reader scans the whole
-table for marks) or ``column`` (each column alone). A test with no spread is undefined: no mark, left out of its
-family, named in the caption's footnote.
+test the caller supplies; the p-values of one *family* are Holm-adjusted together. Families are fixed by the
+table's definition, before the data: ``table`` (default: a reader scans the whole table for marks) or ``column``
+(each column alone). A test with no spread is undefined: no mark, left out of its family, named in a footnote.
 """
 
 from __future__ import annotations
@@ -96,12 +94,11 @@ def compare(
     found: dict[Key, tuple[PairedTest, Interval | None]] = {}
     for key in tests:
         a, b, column = key
-        if test is not None:
-            result = test(a, b, column)
-            if result is not None:
-                found[key] = (result, None)
-            continue
-        paired = _paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}), confidence)
+        if test is None:
+            paired = _paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}),
+                                        confidence)
+        else:
+            paired = None if (result := test(a, b, column)) is None else (result, None)
         if paired is not None:
             found[key] = paired
     # Holm per family over defined tests (an undefined one cannot raise a false alarm).

@@ -20,7 +20,9 @@ from repro.io_utils import atomic_path  # noqa: E402
 from repro.records.step_log import LogRow  # noqa: E402
 
 
-def _save(fig, path: str | os.PathLike) -> None:
+def _save(fig, path: str | os.PathLike, tight: bool = True) -> None:
+    if tight:
+        fig.tight_layout()
     with atomic_path(path) as tmp:
         fig.savefig(tmp, dpi=120, bbox_inches="tight", format="png")
     plt.close(fig)
@@ -55,7 +57,7 @@ def plot_loss_curves(
     ax.set(xlabel="step", ylabel=f"LM loss (nats/token, {smooth}-step mean)", title="Training loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
-    _save(fig, path)
+    _save(fig, path, tight=False)
 
 
 def plot_routing_over_training(
@@ -73,7 +75,7 @@ def plot_routing_over_training(
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     ax_a.legend(fontsize=8)
-    _save(fig, path)
+    _save(fig, path, tight=False)
 
 
 def plot_sparsity_knob(knob: Mapping[str, Sequence[float]], path: str | os.PathLike, num_experts: int) -> None:
@@ -89,7 +91,7 @@ def plot_sparsity_knob(knob: Mapping[str, Sequence[float]], path: str | os.PathL
            title="DirMoE sparsity knob (trained router, layer 1)")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    _save(fig, path)
+    _save(fig, path, tight=False)
 
 
 def plot_specialisation(per_router: Mapping[str, Mapping[str, Any]], path: str | os.PathLike) -> None:
@@ -114,7 +116,6 @@ def plot_specialisation(per_router: Mapping[str, Mapping[str, Any]], path: str |
                 ax.set_ylabel("share of domain's tokens")
     axes[0][0].legend(fontsize=7, ncol=2)
     fig.suptitle("Expert specialisation by domain (grey: uniform)", y=1.0)
-    fig.tight_layout()
     _save(fig, path)
 
 
@@ -188,15 +189,7 @@ def plot_expert_load(
             ax.set_ylim(0, 1)
             ax.tick_params(labelsize=7)
     fig.suptitle(f"{title} (stacked; an even split is {num_experts} equal bands)", y=1.0, fontsize=10)
-    fig.tight_layout()
     _save(fig, path)
-
-
-def _label_styles(labels: Sequence[str]) -> dict[str, dict[str, Any]]:
-    """Distinct colour and line style per label (tab20 alone runs out beyond ten lines)."""
-    cmap = plt.get_cmap("tab10")
-    styles = ("-", "--", ":", "-.")
-    return {label: {"color": cmap(i % 10), "ls": styles[(i // 10) % len(styles)]} for i, label in enumerate(labels)}
 
 
 def plot_shared_mean(
@@ -211,7 +204,9 @@ def plot_shared_mean(
     num_layers = max((_num_layers(runs, metrics[0][0]) for runs in logs.values()), default=0)
     if num_layers == 0:
         return
-    styles = _label_styles(list(logs))
+    # A distinct colour and line style per label (tab20 alone runs out beyond ten lines).
+    cmap, dashes = plt.get_cmap("tab10"), ("-", "--", ":", "-.")
+    styles = {label: {"color": cmap(i % 10), "ls": dashes[(i // 10) % len(dashes)]} for i, label in enumerate(logs)}
     fig, axes = plt.subplots(2, num_layers, figsize=(5.2 * num_layers, 7.5), squeeze=False, sharex=True)
     for row, (metric, title) in enumerate(metrics):
         for layer in range(num_layers):
@@ -227,7 +222,6 @@ def plot_shared_mean(
     handles, labels = axes[0][0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8)
     fig.suptitle("The shared component of the router input and the decoder's columns (mean over seeds)", fontsize=10)
-    fig.tight_layout()
     _save(fig, path)
 
 
@@ -262,7 +256,6 @@ def plot_simpson_theta(
     axes[0][0].legend(fontsize=7)
     fig.suptitle("Simpson index sum_i theta_i^2 of the Dirichlet draws vs the calibrator's target "
                  "(means over layers and seeds)", fontsize=10)
-    fig.tight_layout()
     _save(fig, path)
 
 
@@ -307,5 +300,4 @@ def plot_ablation_summary(
     names = {"C3": "red", "grey": "grey"}
     note = "".join(f"; {names[c]}: '{r}'" for r, c in colours.items())
     fig.suptitle(f"End-of-run values per cell: mean and 95% interval over seeds{note}", fontsize=10)
-    fig.tight_layout()
     _save(fig, path)

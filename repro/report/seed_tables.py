@@ -1,9 +1,7 @@
-"""Comparing routers over seeds: one row per router (runs grouped by :func:`comparison_label`, a run's seed read
-by :func:`record_seed`), each cell ``mean +- half-width of the 95% Student-t interval``, marked where the router
-differs from a reference router (paired over seeds or over questions, Holm-adjusted over a family fixed in
-advance, :mod:`repro.report.over_seeds`): the zero-shot scores (:func:`compare_over_seeds`,
-:func:`seed_zero_shot_table`) and any per-run numbers (:func:`compare_metrics_over_seeds`,
-:func:`seed_metric_table`, on which :mod:`repro.report.tables` builds validation and routing over seeds).
+"""Comparing routers over seeds (docs/evaluation.md, "Over seeds"): one row per router (runs grouped by
+:func:`comparison_label`), each cell ``mean +- half-width of the 95% Student-t interval``, marked where the router
+differs from a reference router (:mod:`repro.report.over_seeds`): the zero-shot scores (:func:`compare_over_seeds`)
+and any per-run numbers (:func:`compare_metrics_over_seeds`, for :mod:`repro.report.tables`' validation and routing).
 """
 
 from __future__ import annotations
@@ -88,7 +86,7 @@ class SeedComparison:
 
 def comparison_label(record: RunRecord) -> str:
     """The name a run is compared under: its experiment's name without the model (``dirmoe+centered-tiny`` ->
-    ``dirmoe+centered``), so variants are not taken for more seeds of their router; else the router's name."""
+    ``dirmoe+centered``: variants are not more seeds of their router); else the router's name."""
     name, router = record.experiment.name, record.experiment.router
     for model in (record.experiment.model, record.experiment.model.removesuffix(DENSE_SUFFIX)):
         label = name.removesuffix(f"-{model}")
@@ -196,10 +194,8 @@ def compare_over_seeds(
         reference is not None and len(groups) > 1 and per_question is not None
         and all(r.run_id in per_question for r in evaluated)
     )
-    used = test
-    if test == "auto":
-        used = "seeds" if seeds_ok else "questions" if questions_ok else "none"
-    elif test == "seeds" and not seeds_ok:
+    used = ("seeds" if seeds_ok else "questions" if questions_ok else "none") if test == "auto" else test
+    if test == "seeds" and not seeds_ok:
         raise ReproError(f"test 'seeds' needs the reference '{reference_router}' and two shared seeds per router")
     elif test == "questions" and not questions_ok:
         raise ReproError(f"test 'questions' needs the reference '{reference_router}' and per-question results of every run")
@@ -223,8 +219,8 @@ def _compared(
     value: Callable[[RunRecord, str], float | None], test: str, *, confidence: float, alpha: float, family: str,
     question_test: Callable[[str, str, str], PairedTest] | None = None, **fields: Any,
 ) -> SeedComparison:
-    """The :class:`SeedComparison` of ``groups`` (router -> seed -> run) in ``columns`` (``value``: a run's number,
-    None for none) by ``test`` (``questions``: ``question_test``); ``fields``: the comparison's other fields."""
+    """The :class:`SeedComparison` of ``groups`` (router -> seed -> run) in ``columns`` (``value``: a run's number
+    or None) by ``test`` (``questions``: ``question_test``); ``fields``: the comparison's other fields."""
     values = {
         router: {c: {seed: v for seed, record in sorted(runs.items()) if (v := value(record, c)) is not None}
                  for c in columns}
@@ -284,9 +280,8 @@ def zero_shot_headers(comparison: SeedComparison) -> dict[str, str]:
 
 
 def comparison_json(comparison: SeedComparison, headers: Mapping[str, str]) -> dict[str, Any]:
-    """A comparison over seeds as ``summary.json`` holds it (the write-ups read it there): the reference, the Holm
-    family and its defined tests, and per router and column header the mean, the interval's half-width, the
-    Holm-adjusted p-value and whether the table marks the cell."""
+    """A comparison over seeds as ``summary.json`` holds it for the write-ups: the reference, the Holm family and
+    its defined tests, and per router and column header the mean, half-width, Holm-adjusted p and mark."""
     def cell(router: str, column: str, stat: SeedStat) -> dict[str, Any]:
         interval = stat.interval
         return {"mean": None if interval is None else interval.estimate,
@@ -317,11 +312,10 @@ def compare_metrics_over_seeds(
     seed_of: Callable[[RunRecord], int] = record_seed, family: str = "table",
 ) -> SeedComparison:
     """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router by a paired
-    t-test over shared seeds where every other router shares at least two.
+    t-test over shared seeds where every other router shares at least two (``test``: ``seeds``, else ``none``).
 
     ``columns``: column name -> the run's number (None: none; runs with none left out); other arguments as
-    :func:`compare_over_seeds`; ``test`` is ``seeds`` or ``none``. ReproError: several models, or one router's
-    seed twice.
+    :func:`compare_over_seeds`. ReproError: several models, or one router's seed twice.
     """
     measured = [r for r in records if any(f(r) is not None for f in columns.values())]
     groups, reference, seeds_ok = _group_by_router(measured, seed_of, reference_router)
@@ -334,11 +328,8 @@ def seed_metric_table(
     comparison: SeedComparison, *, name: str, what: str, labels: Mapping[str, str],
     specs: Mapping[str, str] | None = None,
 ) -> Table:
-    """A table over seeds of per-run numbers (:func:`compare_metrics_over_seeds`), marked like the zero-shot one.
-
-    ``what``: the caption's first sentence; ``labels``/``specs``: column headers (default: name) and formats
-    (default ``.3f``).
-    """
+    """A table over seeds of per-run numbers (:func:`compare_metrics_over_seeds`), marked like the zero-shot one;
+    ``what``: the caption's first sentence; ``labels``/``specs``: column headers and formats (default: name, .3f)."""
     caption = _caption(comparison, what, labels, "fewer than two seeds shared with it")
     headers = ("Router", "seeds", *(labels.get(c, c) for c in comparison.columns))
     return Table(name, caption, headers, _rows_over_seeds(comparison, specs, default=".3f"))

@@ -1,6 +1,5 @@
 """What every generated table shares: the :class:`Table`, its constants and number formats, the zero-shot
-columns, the partial-run marks, and rendering (:func:`render` as Markdown, CSV or LaTeX; :func:`write_tables`).
-"""
+columns, the partial-run marks, and rendering (:func:`render`, :func:`write_tables`)."""
 
 from __future__ import annotations
 
@@ -76,7 +75,7 @@ def fmt_interval(interval: Interval | None, spec: str, mark: str = "") -> str:
 
 def record_partial(record: RunRecord) -> dict[str, PartialTask]:
     """task -> :class:`~repro.records.run_record.PartialTask` for tasks scored on part of their documents: the
-    ``partial`` field, else lm-eval's ``n-samples`` / ``config.limit`` (records without that field)."""
+    ``partial`` field, else (records without it) lm-eval's ``n-samples`` / ``config.limit``."""
     found = {p.task: p for p in partial_tasks(record.lm_eval)}
     found.update({p.task: p for p in record.partial})
     return found
@@ -111,8 +110,7 @@ def choose_metric(task: str, records: Sequence[RunRecord], metric: str = "auto")
 def zero_shot_columns(
     records: Sequence[RunRecord], metric: str = "auto", published: Sequence[str] = ()
 ) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, str]]:
-    """The zero-shot task columns: the papers' tasks measured (or published), in the papers' order, then other
-    measured tasks by name.
+    """The zero-shot task columns: the papers' tasks measured (or published), in their order, then the others.
 
     Returns:
         ``(scores, chosen)``: run_id -> :func:`~repro.records.run_record.lm_eval_metrics`, and task -> its metric
@@ -142,10 +140,6 @@ _LATEX_SPECIAL = {
 }
 
 
-def _latex_escape(text: str) -> str:
-    return "".join(_LATEX_SPECIAL.get(char, char) for char in text)
-
-
 def _is_number(cell: str) -> bool:
     """A number, ``number +- number`` (optionally marked), or missing."""
     parts = cell.rstrip(SIGNIFICANT + PARTIAL).split(f" {PLUS_MINUS} ")
@@ -156,14 +150,8 @@ def _is_number(cell: str) -> bool:
     return len(parts) <= 2
 
 
-def _alignment(table: Table) -> tuple[str, ...]:
-    """Numbers right, text left (a column is numeric when every cell is a number or missing)."""
-    columns = list(zip(*table.rows)) or [()] * len(table.headers)
-    return tuple("right" if cells and all(map(_is_number, cells)) else "left" for cells in columns)
-
-
 def render(table: Table, fmt: str) -> str:
-    """Render a table.
+    """Render a table, numbers right and text left (a column is numeric when every cell is a number or missing).
 
     Args:
         table: the table.
@@ -172,7 +160,8 @@ def render(table: Table, fmt: str) -> str:
     Returns:
         The text, ending in a newline.
     """
-    align = _alignment(table)
+    columns = list(zip(*table.rows)) or [()] * len(table.headers)
+    align = tuple("right" if cells and all(map(_is_number, cells)) else "left" for cells in columns)
     if fmt == "md":
         body = tabulate(table.rows, headers=table.headers, tablefmt="github", disable_numparse=True, colalign=align)
         return f"{table.caption}\n\n{body}\n"
@@ -188,7 +177,7 @@ def render(table: Table, fmt: str) -> str:
         ).replace(PLUS_MINUS, _LATEX_SPECIAL[PLUS_MINUS]).replace(PARTIAL, _LATEX_SPECIAL[PARTIAL])
         return (
             "\\begin{table}[ht]\n\\centering\n"
-            f"\\caption{{{_latex_escape(table.caption)}}}\n\\label{{tab:{table.name}}}\n"
+            f"\\caption{{{''.join(_LATEX_SPECIAL.get(c, c) for c in table.caption)}}}\n\\label{{tab:{table.name}}}\n"
             f"{body}\n\\end{{table}}\n"
         )
     raise ReproError(f"unknown table format '{fmt}'; valid: {', '.join(FORMATS)}")

@@ -1,8 +1,7 @@
-"""The paper's tables, generated from run records (never edited by hand): zero-shot accuracy, validation loss,
-efficiency (with a compute-parity verdict) and routing, per run; validation and routing over seeds, marked as
-:func:`~repro.report.seed_tables.seed_zero_shot_table` is. A zero-shot cell of a task scored on part of its
-documents carries a dagger. With a ledger (:mod:`repro.report.published`), each run is followed by the published
-rows of its router in the same model setting and a ``delta`` row.
+"""The paper's tables, generated from run records: zero-shot accuracy, validation loss, efficiency (with a
+compute-parity verdict) and routing, per run; validation and routing over seeds (:mod:`repro.report.seed_tables`).
+With a ledger (:mod:`repro.report.published`), each run is followed by the published rows of its router in the
+same model setting and a ``delta`` row.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ def _ordered(records: Sequence[RunRecord]) -> list[RunRecord]:
 
 def _labels(records: Sequence[RunRecord]) -> dict[str, str]:
     """Row label per run: the router, or ``router (run_id)`` where a router has several runs (a run id equal to
-    the router's name stays plain; variants are named by id)."""
+    the router's name stays plain; variants, ``router+...``, are their id)."""
     routers = [r.experiment.router for r in records]
 
     def label(r: RunRecord) -> str:
@@ -81,7 +80,7 @@ def _stderr(record: RunRecord, task: str, metric: str) -> float | None:
 def zero_shot_table(
     records: Sequence[RunRecord], *, metric: str = "auto", ledger: Sequence[PublishedEntry] | None = None
 ) -> Table:
-    """The zero-shot accuracy table (percent).
+    """The zero-shot accuracy table (percent); a cell of a task scored on part of its documents carries a dagger.
 
     Args:
         records: runs with lm-eval results (runs without are left out).
@@ -90,9 +89,7 @@ def zero_shot_table(
     """
     evaluated = [r for r in _ordered(records) if r.lm_eval is not None]
     published = {r.run_id: _published_groups(r, ledger or (), "zero_shot.") for r in evaluated}
-    has_published = {
-        m.removeprefix("zero_shot.") for groups in published.values() for g in groups.values() for m in g
-    }
+    has_published = {m.removeprefix("zero_shot.") for groups in published.values() for g in groups.values() for m in g}
     scores, chosen = zero_shot_columns(evaluated, metric, has_published)
     tasks = list(chosen)
     paper_columns_only = tasks == list(PAPER_TASKS)
@@ -206,7 +203,6 @@ ROUTING_COLUMNS = {
     "load_imbalance": ("load imbalance", ".2f"), "dropped_mass": ("dropped mass", ".4f"),
     "fallback_share": ("fallback share", ".3f"),
 }
-#: The routing statistics' headers (``routing_seeds`` shows the first three).
 ROUTING_HEADERS = {name: header for name, (header, _) in ROUTING_COLUMNS.items()}
 _ROUTING_TEXT = (
     "experts per token, Simpson index sum_i p_i^2 of the combine weights (1/E uniform, 1 one expert), load imbalance "
@@ -256,9 +252,7 @@ def efficiency_table(
     Args:
         records: runs with efficiency figures (runs without are left out).
         ledger: published numbers to show beside the runs (None: measured rows only).
-        parity_tolerance: relative tolerance on expert FLOPs per token
-            (:func:`~repro.report.compute_parity.compute_parity`).
-        reference_router: the router of the parity reference run.
+        parity_tolerance, reference_router: :func:`~repro.report.compute_parity.compute_parity`'s.
     """
     measured = [r for r in _ordered(records) if r.efficiency is not None]
     parity = compute_parity(measured, tolerance=parity_tolerance, reference_router=reference_router)
