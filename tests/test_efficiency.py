@@ -323,7 +323,7 @@ def test_a_variant_with_its_own_micro_batch_trains_the_same_tokens_per_iteration
 
     plan = parse(["--router", "switch", "--variant", "s8=switch,data.micro_batch_size=8", "--variant",
                   "s1=switch,data.micro_batch_size=1", "--vocab-size", "256", "--out", str(tmp_path / "o")], "x")
-    data = {r.label: plan.config(r).data for r in plan.runs}
+    data = {r.label: plan.run(r).config().data for r in plan.runs}
     # the tiny recipe: 4 x 2 per iteration; a variant's micro-batch changes the accumulation, not the batch
     assert {k: (d.micro_batch_size, d.global_batch_size, d.num_microbatches(1)) for k, d in data.items()} == {
         "switch": (4, 8, 2), "s8": (8, 8, 1), "s1": (1, 8, 8)}

@@ -80,21 +80,9 @@ class Cell:
     options: tuple[str, ...] = ()
     per_run: tuple[tuple[str, int], ...] = ()
 
-    def __post_init__(self) -> None:
-        for item in self.options:
-            if "=" not in item:
-                raise ValueError(f"cell '{self.name}': option '{item}' is not NAME=VALUE")
-        for _, divisor in self.per_run:
-            if divisor < 1:
-                raise ValueError(f"cell '{self.name}': divisor must be >= 1, got {divisor}")
-
     def router_options(self, steps: int) -> tuple[str, ...]:
         """Router options (``NAME=VALUE``) for a run of ``steps`` steps."""
         return (*self.options, *(f"{name}={max(1, steps // divisor)}" for name, divisor in self.per_run))
-
-    def overrides(self, steps: int) -> tuple[str, ...]:
-        """The cell's dot-list overrides (``router.options.NAME=VALUE``)."""
-        return tuple(f"router.options.{item}" for item in self.router_options(steps))
 
 
 _CELL_LIST = (
@@ -189,7 +177,7 @@ class AblationConfig(CpuStudySettings):
             *self.run_overrides(), f"seed={seed}",
             "validation.iters=8",  # choice 3
             "checkpoint.interval=200",  # choice 4
-            *CELLS[cell].overrides(self.steps), *self.overrides,
+            *(f"router.options.{item}" for item in CELLS[cell].router_options(self.steps)), *self.overrides,
         )
         return Run(f"{cell}-s{seed}", f"{CELLS[cell].router}-tiny", overrides, label=cell, name=f"ablation-{cell}")
 
@@ -201,7 +189,7 @@ class AblationConfig(CpuStudySettings):
         """The ablation as a :class:`~repro.studies.engine.Study`: killed runs resume."""
         return Study("ablation", tuple(self.run(c, s) for c, s in self.runs()), self.work_dir, self.out_dir,
                      report=report, workers=self.workers, resume=True, finished=("summary.json", "record.json"),
-                     settings=self, owner="the DirMoE ablation", command=COMMAND)
+                     settings=self, owner="the DirMoE ablation")
 
 
 # ------------------------------------------------------------------------------------------- reporting
@@ -327,7 +315,7 @@ def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None 
     from repro.report.table_core import render, write_tables
     from repro.studies.engine import check_out_dir
 
-    check_out_dir(Study("ablation", (), "", out_dir, command=COMMAND))
+    check_out_dir(Study("ablation", (), "", out_dir))
     path = Path(out_dir) / "summary.json"
     try:
         summary = json.loads(path.read_text())

@@ -135,10 +135,6 @@ class EfficiencyPlan:
         )
         return Run(spec.label, f"{spec.router}-{self.flavour}", tuple(overrides))
 
-    def config(self, spec: RunSpec):
-        """The run's :class:`~repro.config.RunConfig` (:meth:`run`)."""
-        return self.run(spec).config()
-
     def run_dir(self, spec: RunSpec) -> Path:
         """Where the run writes."""
         return Path(self.out_dir) / "runs" / spec.label
@@ -147,8 +143,7 @@ class EfficiencyPlan:
         """The measurement as a :class:`~repro.studies.engine.Study`: each run launched on its own, then its record."""
         runs = tuple(self.run(spec) for spec in self.runs)
         return Study("efficiency", runs, str(Path(self.out_dir) / "runs"), self.out_dir, task=_write_record,
-                     launch=Launch(1, self.devices), train_args=("--stop-after", str(self.steps_run)), settings=self,
-                     owner=COMMAND, command=COMMAND)
+                     launch=Launch(1, self.devices), train_args=("--stop-after", str(self.steps_run)), settings=self)
 
 
 # ------------------------------------------------------------------------------------------ configs
@@ -425,7 +420,7 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     return plan
 
 
-def main(argv: list[str], prog: str = "python -m repro study efficiency") -> int:
+def main(argv: list[str], prog: str = COMMAND) -> int:
     """Measure every run, write records, tables and summary. Returns 1 when a run failed (others still reported)."""
     if "--profile" in argv:
         raise ReproError("--profile is now its own study: python -m repro study router-costs")
@@ -438,7 +433,7 @@ def main(argv: list[str], prog: str = "python -m repro study efficiency") -> int
     from repro.records.store import load_record
     from repro.studies.efficiency_report import write_command_outputs
 
-    config = plan.config(plan.runs[0])
+    config = plan.run(plan.runs[0]).config()
     print(
         f"{len(plan.runs)} run(s) of {plan.flavour} x {plan.steps_run} iterations ({plan.warmup} warm-up) on "
         f"{plan.devices} {'GPU(s)' if torch.cuda.is_available() else 'CPU process(es)'}, "
@@ -462,7 +457,7 @@ def _interleaved(plan: EfficiencyPlan) -> dict[str, Any]:
     study = plan.study()
     claim(study, fresh=True)  # (parse checked the output directory)
     start, failed = time.perf_counter(), {}
-    runs = [(spec.label, plan.config(spec), plan.run_dir(spec)) for spec in plan.runs]
+    runs = [(spec.label, plan.run(spec).config(), plan.run_dir(spec)) for spec in plan.runs]
     try:
         train_interleaved(runs, steps=plan.steps_run, progress_every=max(1, plan.steps_run // 10))
         for run in study.runs:

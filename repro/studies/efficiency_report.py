@@ -62,7 +62,7 @@ def _command_summary(
             entry["ratio_to_switch"] = 1.0 if label == REFERENCE_ROUTER and ratios else (
                 ratios[label]["ratio"] if label in ratios else None)
     environment = next((records[r.label].environment for r in plan.runs if r.label in records), None)
-    config = plan.config(plan.runs[0])
+    config = plan.run(plan.runs[0]).config()
     batch, seq = config.data.global_batch_size, config.seq_length
     return {
         "command": shlex.join(["python", "-m", "repro", "study", "efficiency", *argv]),

@@ -37,10 +37,6 @@ def usable_cores() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-#: The module the CPU workers' fork server preloads (it imports the rest once).
-WORKER_PRELOAD = "repro.studies.worker_preload"
-
-
 @dataclass(frozen=True, kw_only=True)
 class CpuStudySettings:
     """Settings shared by CPU studies (base of :class:`~repro.studies.mini.MiniConfig`,
@@ -160,7 +156,7 @@ class Study:
         finished: files a finished run holds.
         current: ``current(study, run)``: whether a finished run's other outputs match the settings.
         settings: what task and report need besides the runs.
-        owner: the study in words, for errors; command: the command line, for markers.
+        owner: the study in words, for errors (default: its command line, ``python -m repro study NAME``).
     """
 
     name: str
@@ -177,7 +173,6 @@ class Study:
     current: Callable[[Study, Run], bool] | None = None
     settings: Any = None
     owner: str = ""
-    command: str = ""
 
     def run_dir(self, run: Run) -> Path:
         return Path(self.work_dir) / run.run_id
@@ -194,8 +189,8 @@ class Study:
 
     @property
     def words(self) -> tuple[str, str]:
-        """(owner, command) with their defaults."""
-        command = self.command or f"python -m repro study {self.name}"
+        """(owner, command line): the command line also goes in the markers."""
+        command = f"python -m repro study {self.name}"
         return self.owner or command, command
 
 
@@ -300,7 +295,8 @@ def _pool(study: Study, runs: list[Run]) -> tuple[dict[str, float], dict[str, st
 
     seconds, failed = {}, {}
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([WORKER_PRELOAD])  # read when the server starts: once per command
+    # The fork server imports the rest once, when it starts: once per command.
+    context.set_forkserver_preload(["repro.studies.worker_preload"])
     with ProcessPoolExecutor(study.workers, mp_context=context, max_tasks_per_child=1) as pool, tqdm(
         total=len(runs), desc="runs", unit="run"
     ) as bar:

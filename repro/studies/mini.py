@@ -84,15 +84,16 @@ class MiniConfig(CpuStudySettings):
         super().__post_init__()
         check_minimums(self, eval_limit=1, spec_tokens=1, seeds=1, domain_tokens=1, warmup_rows=0, bootstrap_iters=0)
 
-    def _overrides(self, run: str, seed_index: int) -> tuple[str, ...]:
+    def run(self, run: str, seed_index: int = 0) -> Run:
+        """``<run>-tiny`` with this comparison's settings and seed ``seed + seed_index``."""
         common = (*self.run_overrides(), f"model.backend={self.backend}", *self.overrides)
-        if not seed_index:  # seed 0 gets no override: the single-seed run, reused as is
-            return common
-        return (*common, f"seed={Run('', f'{run}-tiny', common).config().seed + seed_index}")
+        if seed_index:  # seed 0 gets no override: the single-seed run, reused as is
+            common = (*common, f"seed={Run('', f'{run}-tiny', common).config().seed + seed_index}")
+        return Run(self.run_id(run, seed_index), f"{run}-tiny", common, label=run, wave=seed_index)
 
     def experiment(self, run: str, seed_index: int = 0):
-        """The run's config with this comparison's settings; seed ``seed + seed_index``."""
-        return Run("", f"{run}-tiny", self._overrides(run, seed_index)).config()
+        """The run's config (:meth:`run`)."""
+        return self.run(run, seed_index).config()
 
     def run_id(self, run: str, seed_index: int = 0) -> str:
         """``<run>`` for the first seed, ``<run>-s<k>`` for seed k (also the run directory's name)."""
@@ -107,10 +108,9 @@ class MiniConfig(CpuStudySettings):
 
     def study(self) -> Study:
         """The comparison as a :class:`~repro.studies.engine.Study`."""
-        runs = tuple(Run(self.run_id(r, k), f"{r}-tiny", self._overrides(r, k), label=r, wave=k) for r, k in self.jobs())
-        return Study("mini", runs, self.work_dir, self.out_dir, task=run_one, report=report, workers=self.workers,
-                     finished=("record.json", "analysis.json"), current=_current, settings=self,
-                     owner="the mini comparison", command=COMMAND)
+        return Study("mini", tuple(self.run(r, k) for r, k in self.jobs()), self.work_dir, self.out_dir, task=run_one,
+                     report=report, workers=self.workers, finished=("record.json", "analysis.json"), current=_current,
+                     settings=self, owner="the mini comparison")
 
     def analysis_settings(self) -> dict[str, Any]:
         """Non-experiment settings a finished run's record and analysis depend on."""
@@ -236,22 +236,15 @@ def _unigram_loss(prefix: str) -> float:
     data = IndexedDataset(prefix)
     counts = np.zeros(1, dtype=np.int64)
     for i in range(len(data)):
-        ids = np.asarray(data[i], dtype=np.int64)
-        if ids.size:
-            if ids.max() >= counts.size:
-                counts = np.pad(counts, (0, int(ids.max()) + 1 - counts.size))
-            counts += np.bincount(ids, minlength=counts.size)
+        found = np.bincount(np.asarray(data[i], dtype=np.int64))
+        counts = np.pad(counts, (0, max(0, found.size - counts.size)))
+        counts[: found.size] += found
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 
 
 def _plots(cfg: MiniConfig, logs: dict[str, list], analyses: dict[str, dict], unigram: float) -> dict[str, dict]:
-    from repro.report.plots import (
-        plot_loss_curves,
-        plot_routing_over_training,
-        plot_sparsity_knob,
-        plot_specialisation,
-    )
+    from repro.report.plots import plot_loss_curves, plot_routing_over_training, plot_sparsity_knob, plot_specialisation
 
     out = Path(cfg.out_dir)
     plot_loss_curves(logs, out / "loss_curves.png", unigram_loss=unigram)
@@ -339,7 +332,8 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         tables += [seed_zero_shot_table(comparisons[0]), validation_seed_table(list(records.values())),
                    routing_seed_table(comparisons[1])]
     write_tables(tables, cfg.out_dir)
-    logs = {run: read_rows(cfg.run_dir(run)) for run in cfg.runs}
+    every_log = {job: read_rows(cfg.run_dir(*job)) for job in cfg.jobs()}
+    logs = {run: every_log[(run, 0)] for run in cfg.runs}
     analyses = {run: json.loads((cfg.run_dir(run) / "analysis.json").read_text()) for run in cfg.runs}
     specs = _plots(cfg, logs, analyses, unigram)
 
@@ -366,7 +360,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
         summary["per_seed"] = {
             run: {
                 "seed": [record_seed(records[(run, k)]) for k in range(cfg.seeds)],
-                "final_train_lm_loss_last10": [_final_loss(read_rows(cfg.run_dir(run, k))) for k in range(cfg.seeds)],
+                "final_train_lm_loss_last10": [_final_loss(every_log[(run, k)]) for k in range(cfg.seeds)],
                 "validation_loss": [records[(run, k)].validation_loss for k in range(cfg.seeds)],
                 "heldout_loss": [heldout_loss(records[(run, k)]) for k in range(cfg.seeds)],
             }
@@ -412,7 +406,7 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     return cfg, args.fresh
 
 
-def main(argv: list[str], prog: str = "python -m repro study mini") -> int:
+def main(argv: list[str], prog: str = COMMAND) -> int:
     """Run the comparison. Returns the exit status."""
     cfg, fresh = parse(argv, prog)
     from repro.data.minipile import build_mini_pile
