@@ -26,7 +26,6 @@ from repro import cli
 from repro.errors import ReproError
 from repro.io_utils import atomic_path, check_output_path, claim_run_dir, open_in_dir, write_json_atomic
 from repro.training import checkpoint as ckpt
-from repro.training import checkpoint_data
 from repro.training.distributed import Parallel
 
 REPO = Path(__file__).resolve().parents[1]
@@ -533,7 +532,7 @@ def test_checkpoint_holds_only_tensors_and_plain_data_and_restores_every_rng(tmp
     path = _save(tmp_path / "checkpoints", _model())
     payload = torch.load(path / "rank_00000.pt", weights_only=True)  # no allow-list needed
     expected = (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist())
-    checkpoint_data.restore_rng_state(payload["rng"])
+    ckpt.restore_rng_state(payload["rng"])
     assert (random.random(), np.random.standard_normal(3).tolist(), torch.rand(3).tolist()) == expected
 
 
@@ -612,9 +611,9 @@ def test_rank_file_of_another_run_is_refused_naming_both(tmp_path):
             ckpt.load_model_weights(ec, _model(), Parallel())
         _one_line(str(info.value))
     info = ckpt.read_checkpoint_info(switch)
-    checkpoint_data.check_identity(info, _experiment("switch"))
+    ckpt.check_identity(info, _experiment("switch"))
     with pytest.raises(ReproError, match=r"router 'switch'.*router 'expert_choice'"):
-        checkpoint_data.check_identity(info, _experiment("expert_choice"))
+        ckpt.check_identity(info, _experiment("expert_choice"))
 
 
 def test_identity_is_what_defines_the_model():

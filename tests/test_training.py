@@ -26,8 +26,8 @@ from repro.config import MEGATRON_ROUTER, RunConfig, apply_overrides
 from repro.errors import ReproError
 from repro.experiments import experiment_names, experiment_routers, get_experiment
 from repro.records.step_log import read_rows
-from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
-from repro.training.synthetic import MicroBatchSampler, SyntheticTokens, collate
+from repro.training.data import MicroBatchSampler, SyntheticTokens, collate
+from repro.training.optim import LRScheduler, WarmupCosineSchedule
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,14 +15,13 @@ import torch
 from repro.io_utils import open_in_dir
 from repro.records.step_log import LogRow, write_row
 from repro.training import checkpoint as ckpt
-from repro.training.checkpoint_data import restore_rng_state
+from repro.training.data import MicroBatchSampler, collate
 from repro.training.distributed import all_reduce_mean
-from repro.training.synthetic import MicroBatchSampler, collate
 
 if TYPE_CHECKING:
     from repro.config import RunConfig
     from repro.training.distributed import Parallel
-    from repro.training.lr_schedule import LRScheduler
+    from repro.training.optim import LRScheduler
     from repro.training.run_dir import RunPaths
 
 
@@ -154,7 +153,7 @@ class Checkpointer:
         trainer.optimization.load_state_dict(payload["optimizer"])
         trainer.scheduler.load_state_dict(payload["scheduler"])
         trainer.step, trainer.consumed = int(payload["step"]), int(payload["consumed_samples"])
-        restore_rng_state(payload["rng"])
+        ckpt.restore_rng_state(payload["rng"])
 
     def close(self) -> None:
         pass

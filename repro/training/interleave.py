@@ -1,17 +1,10 @@
 """Several runs trained in one process, one step of each in turn: the timing that pins a ratio between routers.
 
-Separate processes differ as much as routers do (docs/efficiency.md); here all runs stay resident and
-:func:`train_interleaved` steps them round by round, so a round's step-time ratio isolates the routers:
-
-1. **Order**: odd rounds reversed (A B, B A, ...: :func:`round_order`), so no run always follows the GC.
-2. **Manual GC** (Megatron-LM's ``--manual-gc``): collect before each round, never in a step (would hit one
-   router at random).
-3. **Timing**: wall ``iter_time_s`` and, on CUDA, ``device_time_s`` (``Trainer.train_step``).
-4. **Per-run peak memory** on CUDA: resident bytes + largest rise in one step (:class:`_OwnMemory`).
-5. **Profiled step** (``logging.trace_step``): only that run's step, one profiler at a time.
-
-Run directories as :func:`repro.training.trainer.train` writes them, no checkpoints; step ``s`` is round ``s``
-(:func:`repro.records.log_figures.interleaved_ratios`). One process and device: tp = ep = 1.
+Separate processes differ as much as routers do; here all runs stay resident and :func:`train_interleaved` steps
+them round by round (docs/efficiency.md): odd rounds reversed (:func:`round_order`), GC only between rounds
+(Megatron-LM's ``--manual-gc``), each run's own CUDA peak memory (:class:`_OwnMemory`), and a profiled step
+(``logging.trace_step``) of that run alone. Run directories as :func:`repro.training.trainer.train` writes them,
+no checkpoints; step ``s`` is round ``s``. One process and device: tp = ep = 1.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ from repro.errors import ReproError
 
 
 def round_order(labels: Sequence[str], round_index: int) -> list[str]:
-    """Run order of 0-based round ``round_index`` (module docstring, 1)."""
+    """Run order of 0-based round ``round_index``: odd rounds reversed, so no run always follows the GC."""
     return list(labels) if round_index % 2 == 0 else list(reversed(labels))
 
 
@@ -51,8 +44,6 @@ def train_interleaved(
     Raises:
         ReproError: tp/ep > 1, a schedule ending within ``steps``, a busy run directory, a non-finite loss.
     """
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
     from repro.model import parallel as model_parallel
     from repro.training.run_dir import RunPaths, run_lock, start_state
     from repro.training.trace import StepTrace
@@ -73,7 +64,7 @@ def train_interleaved(
         configs = {}
         for label, config, _ in runs:
             stack.enter_context(run_lock(paths[label]))
-            configs[label] = start_state(paths[label], config, resume=False).config
+            configs[label] = start_state(paths[label], config, resume=False)[0]
         first = configs[labels[0]]
         info = model_parallel.init_distributed(tp=1, ep=1, seed=first.seed)
         stack.callback(model_parallel.destroy_distributed)
@@ -84,7 +75,7 @@ def train_interleaved(
             for label in labels:
                 with memory.owned_by(label):
                     trainer = Trainer(configs[label], paths[label], None, info.device, progress=False)
-                # The trace is taken around the step itself (module docstring, 5), not by the component.
+                # The trace is taken around the step itself (one profiler at a time), not by the component.
                 trainer.components = [c for c in trainer.components if not isinstance(c, StepTrace)]
                 trainers[label] = trainer
             _step_rounds(trainers, labels, steps, progress_every, StepTrace, memory)
@@ -92,15 +83,12 @@ def train_interleaved(
             raise ReproError(f"{exc} (interleaved run; its log is kept in its run directory)") from None
         finally:
             for trainer in trainers.values():
-                for component in trainer.components:
-                    component.close()
-                trainer.optimization.release()
-            RotaryEmbedding.forward.cache_clear()  # as train(): the lru_cache would hold every run's model
+                trainer.close()
         return {label: trainer.step for label, trainer in trainers.items()}
 
 
 class _OwnMemory:
-    """Each run's own CUDA memory peak (module docstring, 4; elsewhere rows keep the process peak)."""
+    """Each run's own CUDA memory peak: resident bytes + largest rise in one step (other rows: the process's)."""
 
     def __init__(self, device) -> None:
         self.cuda = device.type == "cuda"
@@ -121,10 +109,8 @@ class _OwnMemory:
             return run_step()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
-        if first:  # the optimizer's state appears in the first step and stays: the run's own
-            with self.owned_by(label):
-                row = run_step()
-        else:
+        # The optimizer's state appears in the first step and stays: the run's own.
+        with self.owned_by(label) if first else contextlib.nullcontext():
             row = run_step()
         self.rise[label] = max(self.rise.get(label, 0), torch.cuda.max_memory_allocated() - base)
         own = self.owned.get(label, 0) + self.rise[label]
@@ -137,7 +123,7 @@ def _step_rounds(trainers, labels, steps, progress_every, step_trace, memory) ->
     gc.disable()
     try:
         for round_index in range(steps):
-            gc.collect()  # between rounds, never inside a timed step (module docstring, 2)
+            gc.collect()  # between rounds, never inside a timed step (would hit one router at random)
             for label in round_order(labels, round_index):
                 trainer = trainers[label]
                 tracer, trace_step = None, trainer.config.logging.trace_step

@@ -2,12 +2,19 @@
 megatron-core's ``DistributedDataParallel`` (:mod:`repro.training.distributed`); the CPU path steps torch's
 AdamW (megatron's optimizer allocates on CUDA), the GPU path megatron's. Weight decay follows megatron: none
 on biases and 1-D parameters (norm weights, router biases).
+
+The LR schedule is the papers': linear warmup then cosine decay to a floor (megatron's ``cosine`` style). After
+``step`` completed steps the next uses ``lr_at(step + 1)``: the first trains at ``lr / warmup_steps`` (not a
+wasted 0), the last warmup step at the peak, the last step at ``min_lr``, as megatron counts
+(``OptimizerParamScheduler.step`` increments first).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -132,6 +139,19 @@ class _Optimization:
     def param_groups(self) -> list[dict[str, Any]]:
         return self.optimizer.param_groups
 
+    def zero_grad(self) -> None:
+        """Zero megatron's grad buffers and drop the optimizer's gradients before a step's first backward."""
+        self.ddp_model.zero_grad_buffer()
+        self.optimizer.zero_grad(set_to_none=True)  # megatron's optimizers default to set_to_none=True too
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state (AdamW: moments, step counts)."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output."""
+        self.optimizer.load_state_dict(state)
+
     def release(self) -> None:
         """Free the model after the run (:func:`release_ddp`)."""
         release_ddp(self.ddp_model)
@@ -155,11 +175,6 @@ class CpuOptimization(_Optimization):
         # fused: one pass per parameter; elementwise, so deterministic and identical whatever the layout.
         self.optimizer = torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=betas, eps=eps, fused=True)
 
-    def zero_grad(self) -> None:
-        """Zero megatron's grad buffers and drop the gradients before a step's first backward."""
-        self.ddp_model.zero_grad_buffer()
-        self.optimizer.zero_grad(set_to_none=True)
-
     def step(self) -> float:
         """Reduce gradients over the ranks, clip, and update; return the global gradient norm before clipping."""
         from megatron.core.distributed import finalize_model_grads
@@ -172,14 +187,6 @@ class CpuOptimization(_Optimization):
         grad_norm = clip_gradients(self.model, self.parallel, self.clip_grad)
         self.optimizer.step()
         return grad_norm
-
-    def state_dict(self) -> dict[str, Any]:
-        """The AdamW state (moments, step counts)."""
-        return self.optimizer.state_dict()
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output."""
-        self.optimizer.load_state_dict(state)
 
 
 class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
@@ -202,11 +209,6 @@ class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
         )
         # No gloo groups on GPU: megatron's default (True) asserts on the missing intra-partial-DP gloo group.
         self.optimizer = get_megatron_optimizer(opt_config, [self.ddp_model], use_gloo_process_groups=False)
-
-    def zero_grad(self) -> None:
-        """Zero megatron's grad buffers and the optimizer's gradients."""
-        self.ddp_model.zero_grad_buffer()
-        self.optimizer.zero_grad()
 
     def step(self) -> float:
         """Finish the gradient reduction and take the step; return megatron's gradient norm before clipping."""
@@ -236,3 +238,59 @@ class MegatronOptimization(_Optimization):  # pragma: no cover - needs CUDA
             opt.load_state_dict(entry["state"])
             if "param_state" in entry and hasattr(opt, "load_parameter_state_from_dp_zero"):
                 opt.load_parameter_state_from_dp_zero(entry["param_state"])
+
+
+@dataclass(frozen=True)
+class WarmupCosineSchedule:
+    """LR as a pure function of the step: linear warmup to ``peak_lr``, cosine to ``min_lr`` at ``total_steps``."""
+
+    peak_lr: float
+    min_lr: float
+    warmup_steps: int
+    total_steps: int
+
+    def __post_init__(self) -> None:
+        if self.total_steps < 1:
+            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
+        if not 0 <= self.warmup_steps <= self.total_steps:
+            raise ValueError(f"warmup_steps must be in [0, {self.total_steps}], got {self.warmup_steps}")
+        if not 0.0 <= self.min_lr <= self.peak_lr:
+            raise ValueError(f"need 0 <= min_lr <= peak_lr, got {self.min_lr}, {self.peak_lr}")
+
+    def lr_at(self, step: int) -> float:
+        """LR of 1-based ``step``: ``peak * step / warmup``, then ``min + (peak - min) * (1 + cos(pi * p)) / 2``,
+        ``p = (step - warmup) / (total - warmup)`` clamped to [0, 1]."""
+        if self.warmup_steps > 0 and step <= self.warmup_steps:
+            return self.peak_lr * step / self.warmup_steps
+        decay_steps = self.total_steps - self.warmup_steps
+        if decay_steps <= 0:
+            return self.peak_lr if step <= self.total_steps else self.min_lr
+        progress = min(max((step - self.warmup_steps) / decay_steps, 0.0), 1.0)
+        return self.min_lr + (self.peak_lr - self.min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+class LRScheduler:
+    """Applies a :class:`WarmupCosineSchedule` to ``param_groups``; state: steps taken. megatron's groups get
+    ``lr * lr_mult`` and ``weight_decay * wd_mult`` (as ``OptimizerParamScheduler``); torch's keep their decay."""
+
+    def __init__(self, optimizer, schedule: WarmupCosineSchedule, weight_decay: float = 0.0) -> None:
+        self.optimizer, self.schedule, self.weight_decay, self.num_steps = optimizer, schedule, weight_decay, 0
+
+    def apply(self) -> float:
+        """Set the LR (and megatron groups' weight decay) for the next optimizer step and return the LR."""
+        lr = self.schedule.lr_at(self.num_steps + 1)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr * group.get("lr_mult", 1.0)
+            if "wd_mult" in group:
+                group["weight_decay"] = self.weight_decay * group["wd_mult"]
+        return lr
+
+    def step(self) -> None:  # after optimizer.step()
+        self.num_steps += 1
+
+    def state_dict(self) -> dict:
+        return {"num_steps": self.num_steps, "schedule": self.schedule.__dict__.copy()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the step count (the saved schedule may differ: the config decides)."""
+        self.num_steps = int(state["num_steps"])

@@ -70,15 +70,6 @@ def run_lock(paths: RunPaths) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-@dataclass(frozen=True)
-class StartState:
-    """How a run starts: config, checkpoint (None: step 0), and the summary if it had already finished."""
-
-    config: RunConfig
-    checkpoint: ckpt.CheckpointInfo | None
-    finished: dict[str, Any] | None = None
-
-
 def stored_config(paths: RunPaths) -> RunConfig:
     """The run's config: newest checkpoint's, else ``config.json``'s (ReproError: no run, unreadable)."""
     latest = ckpt.find_latest_checkpoint(paths.checkpoints)
@@ -111,10 +102,15 @@ def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def start_state(paths: RunPaths, config: RunConfig | None, resume: bool, extend: bool = False) -> StartState:
+def start_state(
+    paths: RunPaths, config: RunConfig | None, resume: bool, extend: bool = False
+) -> tuple[RunConfig, ckpt.CheckpointInfo | None, dict[str, Any] | None]:
     """How a run starts in ``paths.root``. On resume explicit changes are printed and kept in
     ``resume_changes.json``; a finished run is left as it is unless ``extend``, which continues it and removes its
     ``summary.json``/``record.json`` (rewritten at the end) so no record describes a shorter run.
+
+    Returns:
+        ``(config, checkpoint to resume from (None: step 0), the summary if the run had already finished)``.
 
     Raises:
         ReproError: foreign directory, nothing to resume, model-changing resume, or a bad ``extend``.
@@ -133,7 +129,7 @@ def start_state(paths: RunPaths, config: RunConfig | None, resume: bool, extend:
             more = ", ..." if len(entries) > 3 else ""
             raise ReproError(f"{paths.root}: is not empty ({', '.join(entries[:3])}{more}); a fresh run needs a new "
                              "or empty --out")
-        return StartState(config, None)
+        return config, None, None
 
     stored = stored_config(paths)
     latest = ckpt.find_latest_checkpoint(paths.checkpoints)
@@ -156,7 +152,7 @@ def start_state(paths: RunPaths, config: RunConfig | None, resume: bool, extend:
                              f"{', '.join(changes)} (--extend continues it, with --set schedule.steps above "
                              f"{info.step})")
         print(f"{paths.root}: the run finished at step {info.step}; nothing to do", file=sys.stderr)
-        return StartState(config, info, json.loads(paths.summary.read_text()))
+        return config, info, json.loads(paths.summary.read_text())
     if extend:
         if not finished:
             raise ReproError(f"{paths.root}: --extend reopens a finished run; this one is not finished "
@@ -172,7 +168,7 @@ def start_state(paths: RunPaths, config: RunConfig | None, resume: bool, extend:
         for key, change in changes.items():
             print(f"{paths.root}: resumed with {key}: {change}", file=sys.stderr)
         _note_changes(paths, info.step if info else 0, changes)
-    return StartState(config, info)
+    return config, info, None
 
 
 def _note_changes(paths: RunPaths, step: int, changes: dict[str, str]) -> None:

@@ -66,16 +66,19 @@ class StepTrace:
     def _exit(self, module, args, output) -> None:
         self._open.pop().__exit__(None, None, None)
 
-    def _remove_hooks(self) -> None:
+    def _end(self) -> torch.profiler.profile | None:
+        """Stop the profiler (returned; None if not recording) and remove the router hooks."""
+        profiler, self.profiler = self.profiler, None
+        if profiler is not None:
+            profiler.__exit__(None, None, None)
         for hook in self._hooks:
             hook.remove()
         self._hooks.clear()
+        return profiler
 
     def stop(self, step_time_s: float) -> None:
         """Stop recording; write the trace and its summary (``step_time_s``: the recorded step's time)."""
-        profiler, self.profiler = self.profiler, None
-        profiler.__exit__(None, None, None)
-        self._remove_hooks()
+        profiler = self._end()
         # atomic_path: the raw export sits in its temporary folder, so a full disk leaves no partial file
         with atomic_path(self.out_dir / "trace.json.gz") as packed:
             raw = packed.with_suffix("")
@@ -87,19 +90,16 @@ class StepTrace:
         write_json_atomic(self.out_dir / "summary.json", summary)
 
     def close(self) -> None:
-        if self.profiler is not None:  # the run ended before the traced step: record nothing
-            self.profiler.__exit__(None, None, None)
-            self.profiler = None
-        self._remove_hooks()
+        self._end()  # the run ended before the traced step: record nothing
 
 
-def _outermost(spans: list[tuple[float, float, dict]]) -> list[dict]:
-    """The events of one thread not inside another (spans: ``(start, end, event)``)."""
+def _outermost(events: list[dict]) -> list[dict]:
+    """The events (of one thread) not inside another."""
     out, end = [], float("-inf")
-    for t0, t1, e in sorted(spans, key=lambda x: (x[0], -x[1])):
-        if t0 >= end:
+    for e in sorted(events, key=lambda e: (e["ts"], -e["dur"])):
+        if e["ts"] >= end:
             out.append(e)
-            end = t1
+            end = e["ts"] + e["dur"]
     return out
 
 
@@ -150,7 +150,7 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     seqs = {e["args"]["Sequence number"] for e in ops
             if "Sequence number" in e.get("args", {}) and inside(forward_index, e["tid"], e["ts"])}
     backward = [e for e in ops if e["name"].startswith(_BACKWARD_PREFIX) and e.get("args", {}).get("Sequence number") in seqs]
-    backward = _outermost([(e["ts"], e["ts"] + e["dur"], e) for e in backward])
+    backward = _outermost(backward)
     backward_index = intervals(backward)
     start = min((e["ts"] for e in ops), default=0.0)
     end = max((e["ts"] + e["dur"] for e in events), default=0.0)
@@ -173,10 +173,8 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
         summary.update(clock="cuda", busy_us=_union_us([(e["ts"], e["ts"] + e["dur"]) for e in device]),
                        launches=len(launch_events), router_launches=n_router)
     else:
-        by_tid: dict[Any, list] = defaultdict(list)
-        for e in ops:
-            by_tid[e["tid"]].append((e["ts"], e["ts"] + e["dur"], e))
-        timed = [e for spans in by_tid.values() for e in _outermost(spans)]
+        tids = dict.fromkeys(e["tid"] for e in ops)
+        timed = [e for tid in tids for e in _outermost([o for o in ops if o["tid"] == tid])]
         fwd, bwd = sum(e["dur"] for e in ranges), sum(e["dur"] for e in backward)
         summary.update(clock="cpu")
     by_name: dict[str, list] = defaultdict(lambda: [0, 0.0])

@@ -34,14 +34,11 @@ from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.records.step_log import LogRow, read_rows, summarize, truncate_rows
 from repro.training import checkpoint as ckpt
-from repro.training.checkpoint_data import check_identity
 from repro.training.components import Checkpointer, StepLog, Validator
-from repro.training.data import build_run_data, tokenizer_fingerprint
+from repro.training.data import MicroBatchSampler, build_run_data, collate, tokenizer_fingerprint
 from repro.training.distributed import Parallel, all_reduce_mean, barrier, current_parallel, split_params
-from repro.training.lr_schedule import LRScheduler, WarmupCosineSchedule
-from repro.training.optim import CpuOptimization, MegatronOptimization
+from repro.training.optim import CpuOptimization, LRScheduler, MegatronOptimization, WarmupCosineSchedule
 from repro.training.run_dir import RunPaths, run_lock, start_state
-from repro.training.synthetic import MicroBatchSampler, collate
 
 # Aux losses megatron's own TopKRouter logs divided by their coefficient -> the config field holding it.
 _MEGATRON_AUX_COEFF = {
@@ -194,7 +191,7 @@ class Trainer:
         _seed_everything(config.seed)
         if resume is not None:
             ckpt.check_same_layout(resume, self.parallel)
-            check_identity(resume, config.to_dict())
+            ckpt.check_identity(resume, config.to_dict())
         self.data = build_run_data(config, self.seq_length, self.parallel.dp_size, paths.data_cache)
         self.model = self._build_model(resume is None)
         payload = None
@@ -382,23 +379,29 @@ class Trainer:
         from repro.training.preemption import StopRequest, stop_run
 
         last = self.config.schedule.steps
-        try:
-            with StopRequest().installed() as stop:
-                self.model.train()
-                while self.step < last:
-                    if stop_after is not None and self.step >= stop_after:
-                        return False
-                    row = self.train_step()
-                    for component in self.components:
-                        row = component.after_step(self, row)
-                    signum = stop.agreed(self.device) if self.step < last else 0  # the last step ends anyway
-                    if signum:
-                        self.stopped_by = stop_run(self, signum)
-                        return False
-        finally:
-            for component in self.components:
-                component.close()
+        with StopRequest().installed() as stop:
+            self.model.train()
+            while self.step < last:
+                if stop_after is not None and self.step >= stop_after:
+                    return False
+                row = self.train_step()
+                for component in self.components:
+                    row = component.after_step(self, row)
+                signum = stop.agreed(self.device) if self.step < last else 0  # the last step ends anyway
+                if signum:
+                    self.stopped_by = stop_run(self, signum)
+                    return False
         return True
+
+    def close(self) -> None:
+        """Close the components and free the model (``Optimization.release``); also clear the lru_cache of
+        ``RotaryEmbedding.forward``, which holds each run's module (memory stays flat over runs)."""
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        for component in self.components:
+            component.close()
+        self.optimization.release()
+        RotaryEmbedding.forward.cache_clear()
 
 
 @contextlib.contextmanager
@@ -446,10 +449,9 @@ def train(
 
         check_tensorboard(paths.root, config.logging.tensorboard_dir)
     with run_lock(paths):
-        state = start_state(paths, config, resume, extend)
-        if state.finished is not None:
-            return {**state.finished, "finished_before": True}
-        config = state.config
+        config, checkpoint, finished = start_state(paths, config, resume, extend)
+        if finished is not None:
+            return {**finished, "finished_before": True}
         owns_dist = not model_parallel.is_initialized()
         try:
             info = model_parallel.init_distributed(tp=config.parallel.tp, ep=config.parallel.ep, seed=config.seed)
@@ -457,15 +459,13 @@ def train(
             raise ReproError(f"experiment '{config.name}': {exc}") from None
         try:
             with aux_loss_scale_restored():
-                return _run(config, paths, state.checkpoint, info.device, stop_after, progress)
+                return _run(config, paths, checkpoint, info.device, stop_after, progress)
         finally:
             if owns_dist:
                 model_parallel.destroy_distributed()
 
 
 def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, Any]:
-    from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
-
     start = time.perf_counter()
     trainer = Trainer(config, paths, checkpoint, device, progress)
     non_finite = None
@@ -474,9 +474,7 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
     except NonFiniteLoss as exc:
         non_finite = str(exc)  # the message only: the exception's traceback holds the step's frames, the model
     finally:
-        trainer.optimization.release()  # the model goes with this function's frame (Optimization.release)
-        # RotaryEmbedding.forward is an lru_cache holding each run's module: clear it to keep memory flat.
-        RotaryEmbedding.forward.cache_clear()
+        trainer.close()  # the model goes with this function's frame
     # The errors below keep this frame in their tracebacks: drop the trainer (model, optimizer state) first.
     if non_finite is not None:
         del trainer
