@@ -13,11 +13,9 @@ boolean-mask indexing, ``repeat_interleave`` without ``output_size``), blocking 
 from __future__ import annotations
 
 import collections
-import contextlib
 import re
 from dataclasses import dataclass, field
 from typing import Any
-from unittest import mock
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -127,7 +125,7 @@ class OpCounter(TorchDispatchMode):
         super().__init__()
         self.counts = OpCounts()
         self._depth = 0
-        self._patches = contextlib.ExitStack()
+        self._restore: list = []
         self._kernels: dict[int, int] = {}  # id of a compiled graph -> its generated kernels per call
 
     @classmethod
@@ -189,11 +187,14 @@ class OpCounter(TorchDispatchMode):
 
         for owner, attr, wrapper in ((CompiledFxGraph, "__call__", region), (torch.Tensor, "tolist", host_read),
                                      (torch.Tensor, "numpy", host_read)):
-            self._patches.enter_context(mock.patch.object(owner, attr, wrapper(getattr(owner, attr))))
+            self._restore.append((owner, attr, getattr(owner, attr)))
+            setattr(owner, attr, wrapper(getattr(owner, attr)))
         return super().__enter__()
 
     def __exit__(self, *exc):
         try:
             return super().__exit__(*exc)
         finally:
-            self._patches.close()
+            for owner, attr, original in reversed(self._restore):
+                setattr(owner, attr, original)
+            self._restore.clear()
