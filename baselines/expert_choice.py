@@ -87,7 +87,8 @@ def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", nu
     while n < num_tokens and (num_tokens % n or (flax and n % num_experts)):
         n += 1
     if num_tokens % n:  # flaxformer's only: megatron's n reaches T at worst
-        raise ValueError(f"flaxformer groups: {num_tokens} tokens cannot be cut into a multiple of {num_experts} groups")
+        raise ValueError(
+            f"flaxformer groups: {num_tokens} tokens cannot be cut into a multiple of {num_experts} groups")
     return n
 
 

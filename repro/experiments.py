@@ -36,7 +36,8 @@ DENSE = "dense"
 def _recipe(router: str | None, *, flavour: str, model: dict, optimizer: dict, schedule: dict, data: dict,
             checkpoint: int, validation: dict) -> RunConfig:
     return RunConfig(
-        name=f"{router or DENSE}-{flavour}", model=ModelConfig(flavour=flavour if router else f"{flavour}-dense", **model),
+        name=f"{router or DENSE}-{flavour}",
+        model=ModelConfig(flavour=flavour if router else f"{flavour}-dense", **model),
         router=RouterSpec(name=router), optimizer=OptimizerConfig(**optimizer), schedule=ScheduleConfig(**schedule),
         data=DataConfig(**data), checkpoint=CheckpointConfig(interval=checkpoint), logging=LoggingConfig(interval=10),
         validation=ValidationConfig(**validation),
@@ -47,7 +48,8 @@ def _recipe(router: str | None, *, flavour: str, model: dict, optimizer: dict, s
 RECIPES: dict[str, Callable[[str | None], RunConfig]] = {
     # CPU-sized: the tiny flavour on the embedded mini-pile (same pipeline as The Pile). Tests use synthetic data.
     "tiny": functools.partial(
-        _recipe, flavour="tiny", model={}, optimizer=dict(lr=2e-3, weight_decay=0.01, beta1=0.9, beta2=0.999, clip_grad=1.0),
+        _recipe, flavour="tiny", model={},
+        optimizer=dict(lr=2e-3, weight_decay=0.01, beta1=0.9, beta2=0.999, clip_grad=1.0),
         schedule=dict(steps=200, warmup_fraction=0.05, min_lr=2e-4),
         data=dict(source="mini-pile", micro_batch_size=4, global_batch_size=8), checkpoint=100,
         validation=dict(interval=50, iters=2)),
