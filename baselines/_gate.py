@@ -20,9 +20,9 @@ class GatedRouter(Router):
         nn.init.normal_(self.weight, mean=0.0, std=config.init_std)
 
     def logits(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """``[T, E]`` ``hidden @ weight^T`` in float32, even under autocast (megatron's ``moe_router_dtype='fp32'``)."""
+        """``[..., E]`` ``hidden @ weight^T``, float32 even under autocast (megatron's ``moe_router_dtype='fp32'``)."""
         with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
-            return torch.mm(hidden_TD.float(), self.weight.float().t())
+            return hidden_TD.float() @ self.weight.float().t()
 
 
 def balance_metric(scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, config: RouterConfig) -> torch.Tensor:

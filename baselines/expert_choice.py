@@ -72,12 +72,6 @@ class ExpertChoiceConfig(RouterConfig):
         """c in training: ``capacity_factor``, or ``top_k`` when it is None."""
         return float(self.top_k) if self.capacity_factor is None else float(self.capacity_factor)
 
-    @property
-    def effective_eval_capacity_factor(self) -> float:
-        """c in eval mode: ``eval_capacity_factor``, or the training c when it is None."""
-        c = self.eval_capacity_factor
-        return self.effective_capacity_factor if c is None else float(c)
-
 
 def num_groups(num_tokens: int, group_size: int, reference: str = "megatron", num_experts: int = 1) -> int:
     """n, the number of groups (of ``T / n <= group_size`` tokens) by the ``reference``'s rule (module docstring);
@@ -158,7 +152,8 @@ class ExpertChoiceRouter(GatedRouter):
         """C for a group of ``num_tokens`` tokens, at the capacity factor of ``training`` (default: the mode)."""
         cfg = self.config
         training = self.training if training is None else training
-        c = cfg.effective_capacity_factor if training else cfg.effective_eval_capacity_factor
+        c_eval = cfg.eval_capacity_factor
+        c = cfg.effective_capacity_factor if training or c_eval is None else float(c_eval)
         return group_capacity(num_tokens, c, cfg.num_experts, cfg.top_k, cfg.reference)
 
     def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:

@@ -125,9 +125,7 @@ class LoryRouter(GatedRouter):
         means_BGD = segment_means(hidden_TD, seq_shape, self.config.segment_len)
         # Segment g reads segment g-1 (causal); the first reads itself, detached.
         route_on_BGD = torch.cat([means_BGD[:, :1].detach(), means_BGD[:, :-1]], dim=1)
-        with torch.autocast(device_type=hidden_TD.device.type, enabled=False):
-            logits_BGE = route_on_BGD @ self.weight.float().t()
-        weights_BGE = torch.softmax(logits_BGE, dim=-1)
+        weights_BGE = torch.softmax(self.logits(route_on_BGD), dim=-1)
         if self.config.first_segment_grad == "none":
             # Algorithm 1 of the paper: e[:, 0] = stop_grad(e_first).
             weights_BGE = torch.cat([weights_BGE[:, :1].detach(), weights_BGE[:, 1:]], dim=1)

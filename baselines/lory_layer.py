@@ -71,15 +71,6 @@ class LoryMoELayer(MoELayer):
         """The :class:`~baselines.lory.LoryRouter` (megatron's adapter holds it as ``router``)."""
         return self.router.router
 
-    def dense_ffn_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(fc1 [2F, H], fc2 [H, F])`` of the dense FFN: W_0 to the bit (``W_e - stopgrad(W_e)`` is exactly 0),
-        with the dense gradient / sqrt(E) to every ``W_e``."""
-        fc1_EGH, fc2_EHF = self.expert_weights()
-        scale = fc1_EGH.shape[0] ** -0.5
-        fc1_GH = fc1_EGH[0].detach() + ((fc1_EGH - fc1_EGH.detach()) * scale).sum(0)
-        fc2_HF = fc2_EHF[0].detach() + ((fc2_EHF - fc2_EHF.detach()) * scale).sum(0)
-        return fc1_GH, fc2_HF
-
     @property
     def segment_length(self) -> int:
         """The Lory router's ``segment_len``."""
@@ -131,13 +122,16 @@ class LoryMoELayer(MoELayer):
         if intermediate_tensors is not None or padding_mask is not None:
             raise NotImplementedError("LoryMoELayer supports neither intermediate_tensors nor padding_mask")
         S, B, H = hidden_states.shape
+        fc1_EGH, fc2_EHF = self.expert_weights()
         if self.lory_router.dense_phase:
-            fc1_GH, fc2_HF = self.dense_ffn_weights()
+            # The dense FFN: W_0 to the bit (W_e - stopgrad(W_e) is exactly 0), dense gradient / sqrt(E) to each W_e.
+            scale = fc1_EGH.shape[0] ** -0.5
+            fc1_GH = fc1_EGH[0].detach() + ((fc1_EGH - fc1_EGH.detach()) * scale).sum(0)
+            fc2_HF = fc2_EHF[0].detach() + ((fc2_EHF - fc2_EHF.detach()) * scale).sum(0)
             x_1TH = hidden_states.reshape(1, S * B, H)
             one_11 = torch.ones(1, 1, dtype=fc1_GH.dtype, device=fc1_GH.device)
             y_1TH = lory_merged_ffn(x_1TH, one_11, fc1_GH[None], fc2_HF[None])
             return y_1TH.reshape(S, B, H).to(hidden_states.dtype), None
-        fc1_EGH, fc2_EHF = self.expert_weights()
         L = self.segment_length
         if self._prompt_lengths_B is not None:
             if self._prompt_lengths_B.shape != (B,):

@@ -34,11 +34,6 @@ class ReMoEConfig(RouterConfig):
         require(target is None or 0 <= target < 1, "target_sparsity", target, "None or in [0, 1)")
         require(self.init_std > 0, "init_std", self.init_std, "> 0")
 
-    @property
-    def effective_target_sparsity(self) -> float:
-        """``target_sparsity``, or ``1 - k/E`` when it is None."""
-        return 1.0 - self.top_k / self.num_experts if self.target_sparsity is None else self.target_sparsity
-
 
 @register_router("remoe")
 class ReMoERouter(GatedRouter):
@@ -102,8 +97,9 @@ class ReMoERouter(GatedRouter):
         if global_statistic is not None:
             # On the device (no sync): S vs the target in float64 (as Python); the float32 ops of in-place mul_/div_.
             s = global_statistic.detach().to(device=self.l1_coeff.device, dtype=torch.float64)
-            target = self.config.effective_target_sparsity
-            alpha = self.config.l1_coeff_multiplier
+            cfg = self.config
+            target = 1.0 - cfg.top_k / cfg.num_experts if cfg.target_sparsity is None else cfg.target_sparsity
+            alpha = cfg.l1_coeff_multiplier
             lam = self.l1_coeff
             self.l1_coeff.copy_(torch.where(s < target, lam * alpha, torch.where(s > target, lam / alpha, lam)))
         self.sparsity_sum.zero_()

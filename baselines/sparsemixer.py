@@ -41,9 +41,8 @@ HEUN_MIDPOINT_SCALE = 1.0 / 3.0
 
 REFERENCE_SETTINGS: dict[str, dict[str, float | str]] = {
     "grin": {"jitter_eps": 0.01, "aux_loss_coeff": 1e-3, "balance_map": "topk", "balance_scope": "pooled"},
-    "sparsemixer-repo": {
-        "jitter_eps": 0.1, "aux_loss_coeff": 1e-2, "balance_map": "sampled", "balance_scope": "per-layer"
-    },
+    "sparsemixer-repo": {"jitter_eps": 0.1, "aux_loss_coeff": 1e-2, "balance_map": "sampled",
+                         "balance_scope": "per-layer"},
 }
 BALANCE_MAPS = ("topk", "sampled")
 BALANCE_SCOPES = ("pooled", "per-layer")
@@ -79,21 +78,10 @@ class SparseMixerConfig(RouterConfig):
         value = getattr(self, name)
         return REFERENCE_SETTINGS[self.reference][name] if value is None else value
 
-    @property
-    def effective_jitter_eps(self) -> float:
-        return float(self._preset("jitter_eps"))
-
-    @property
-    def effective_aux_loss_coeff(self) -> float:
-        return float(self._preset("aux_loss_coeff"))
-
-    @property
-    def effective_balance_map(self) -> str:
-        return self._preset("balance_map")
-
-    @property
-    def effective_balance_scope(self) -> str:
-        return self._preset("balance_scope")
+    effective_jitter_eps = property(lambda self: float(self._preset("jitter_eps")))
+    effective_aux_loss_coeff = property(lambda self: float(self._preset("aux_loss_coeff")))
+    effective_balance_map = property(lambda self: self._preset("balance_map"))
+    effective_balance_scope = property(lambda self: self._preset("balance_scope"))
 
 
 class BalancePool:
