@@ -67,11 +67,9 @@ class AuxFreeRouter(GatedRouter):
 
     @property
     def constraint(self) -> RoutingConstraint:
-        cfg = self.config
-        return RoutingConstraint(
-            RoutingKind.EXACT_K, cfg.top_k, cfg.top_k, top_k=cfg.top_k,
-            probs_sum_to_one=cfg.top_k > 1 and cfg.topk_scaling_factor in (None, 1.0),
-        )
+        k = self.top_k
+        sums_to_one = k > 1 and self.config.topk_scaling_factor in (None, 1.0)
+        return RoutingConstraint(RoutingKind.EXACT_K, k, k, top_k=k, probs_sum_to_one=sums_to_one)
 
     def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config

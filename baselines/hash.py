@@ -144,8 +144,7 @@ class HashRouter(Router):
 
     @property
     def constraint(self) -> RoutingConstraint:
-        k = self.top_k
-        return RoutingConstraint(RoutingKind.EXACT_K, k, k, top_k=k, probs_sum_to_one=True)
+        return RoutingConstraint(RoutingKind.EXACT_K, self.top_k, self.top_k, top_k=self.top_k, probs_sum_to_one=True)
 
     def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         if token_ids_T.dtype.is_floating_point or token_ids_T.dtype == torch.bool:

@@ -203,8 +203,7 @@ class SparseMixerRouter(GatedRouter):
 
     @property
     def constraint(self) -> RoutingConstraint:
-        k = self.top_k
-        return RoutingConstraint(RoutingKind.EXACT_K, k, k, top_k=k)
+        return RoutingConstraint(RoutingKind.EXACT_K, self.top_k, self.top_k, top_k=self.top_k)
 
     def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config

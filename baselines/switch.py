@@ -79,14 +79,11 @@ class SwitchRouter(GatedRouter):
 
     @property
     def constraint(self) -> RoutingConstraint:
-        cfg = self.config
+        cfg, k = self.config, self.top_k
         if cfg.capacity_factor is None:
-            return RoutingConstraint(  # dropless: exactly k; a post-top-k softmax makes the weights sum to one
-                RoutingKind.EXACT_K, cfg.top_k, cfg.top_k, top_k=cfg.top_k, probs_sum_to_one=not cfg.use_pre_softmax
-            )
-        return RoutingConstraint(
-            RoutingKind.CAPACITY, 0, cfg.top_k, capacity_factor=cfg.capacity_factor, top_k=cfg.top_k
-        )
+            # Dropless: exactly k; a post-top-k softmax makes the weights sum to one.
+            return RoutingConstraint(RoutingKind.EXACT_K, k, k, top_k=k, probs_sum_to_one=not cfg.use_pre_softmax)
+        return RoutingConstraint(RoutingKind.CAPACITY, 0, k, capacity_factor=cfg.capacity_factor, top_k=k)
 
     def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config

@@ -31,22 +31,16 @@ __all__ = ["DirMoEConfig", "HPARAM_READINGS", "PriorConstants"]
 
 
 #: The two readings of the paper's routing-hyperparameter table: (m, alpha_lo^(0), alpha_floor).
-HPARAM_READINGS = types.MappingProxyType(
-    {
-        "ratio": (0.85, 0.05, 0.005),  # reproduces the table's r = 39.67 and alpha_hi^(0) = 1.98 (E=8, k=1)
-        "literal": (0.9, 0.005, 0.005),  # the table's m row and alpha_lo^(0) row as printed
-    }
-)
+HPARAM_READINGS = types.MappingProxyType({
+    "ratio": (0.85, 0.05, 0.005),  # reproduces the table's r = 39.67 and alpha_hi^(0) = 1.98 (E=8, k=1)
+    "literal": (0.9, 0.005, 0.005),  # the table's m row and alpha_lo^(0) row as printed
+})
 _SCHEDULES = ("cosine", "exponential")
 _DISPATCH = ("threshold", "topk", "dense")
 _RECON_TARGETS = ("raw", "centered", "data_mean")
 _GATE_BIAS_INITS = ("tempered", "inclusion")
 _POSTERIOR_SCALES = ("free", "tied", "prior_matched", "normalized")
 _COMPILE_MODES = ("auto", "always", "never")
-
-
-def _positive(value: object) -> bool:
-    return is_finite_number(value) and value > 0
 
 
 @dataclass(frozen=True)
@@ -120,7 +114,7 @@ class DirMoEConfig(RouterConfig):
 
         check("center_logits renormalize detach_recon_target", lambda v: isinstance(v, bool), "True or False")
         check("tau_start tau_end lambda_q lambda_p_start lambda_p_end recon_sigma2 init_std posterior_alpha_min "
-              "weight_leak", _positive, "a positive finite number")
+              "weight_leak", lambda v: is_finite_number(v) and v > 0, "a positive finite number")
         check("kl_weight sparsity_weight recon_weight balance_loss_coeff", lambda v: is_finite_number(v) and v >= 0,
               "a finite number >= 0")
         require(self.tau_end <= self.tau_start, "tau_end", self.tau_end, f"in (0, tau_start={self.tau_start}]")
@@ -141,7 +135,8 @@ class DirMoEConfig(RouterConfig):
               "None or in (0, 1]")
         check("schedule_steps", lambda v: is_int(v) and v >= 1, "an integer >= 1")
         check("prior_mass", lambda v: v is None or (is_finite_number(v) and 0 < v < 1), "None or in (0, 1)")
-        check("alpha_lo_init alpha_floor", lambda v: v is None or _positive(v), "None or a positive finite number")
+        check("alpha_lo_init alpha_floor", lambda v: v is None or (is_finite_number(v) and v > 0),
+              "None or a positive finite number")
         prior = self.prior_constants()
         if not prior.mass > k / E:
             raise ValueError(  # the paper's slab needs alpha_hi > alpha_lo, i.e. r > 1, i.e. m > k/E
