@@ -48,23 +48,23 @@ def end_step(model: nn.Module, group: dist.ProcessGroup | None = None) -> dict[s
     averaged: dict[str, torch.Tensor] = {}
     for cls, routers in by_class.items():
         stats = [r.step_statistic() for r in routers]
-        if all(s is None for s in stats):
+        present = [s for s in stats if s is not None]
+        if not present:
             for r in routers:
                 r.end_step(None)
-            continue
-        if any(s is not None and s.dim() > 0 for s in stats):
+        elif any(s.dim() > 0 for s in present):
             # Per-expert [E] statistics: summed over ranks (all layers in one all-reduce), each back to its router.
-            ref = next(s for s in stats if s is not None)
-            stacked_LE = torch.stack([(s if s is not None else torch.zeros_like(ref)).detach().float() for s in stats])
+            stacked_LE = torch.stack([(torch.zeros_like(present[0]) if s is None else s).detach().float()
+                                      for s in stats])
             _all_reduce(stacked_LE, group)
             for r, row_E in zip(routers, stacked_LE):
                 r.end_step(row_E)
-            continue
-        mean = torch.stack([s.detach().float() for s in stats if s is not None]).mean()
-        if _all_reduce(mean, group):
-            mean = mean / dist.get_world_size(group)
-        for r in routers:
-            r.end_step(mean)
-        averaged[cls.name] = mean.detach()
+        else:
+            mean = torch.stack([s.detach().float() for s in present]).mean()
+            if _all_reduce(mean, group):
+                mean = mean / dist.get_world_size(group)
+            for r in routers:
+                r.end_step(mean)
+            averaged[cls.name] = mean.detach()
     return averaged
 
