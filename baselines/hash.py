@@ -75,9 +75,7 @@ def load_token_counts(path: str, vocab_size: int) -> np.ndarray:
         raise ValueError(f"counts_path {path}: {counts.size} token ids > vocab_size={vocab_size}")
     if counts.size and int(counts.min()) < 0:
         raise ValueError(f"counts_path {path}: negative token counts")
-    out = np.zeros(vocab_size, dtype=np.int64)
-    out[: counts.size] = counts
-    return out
+    return np.pad(counts.astype(np.int64), (0, vocab_size - counts.size))
 
 
 def balanced_table(counts_V: np.ndarray, num_experts: int, top_k: int, seed: int, rule: str = "greedy") -> torch.Tensor:
@@ -112,8 +110,7 @@ def build_hash_table(config: HashConfig, layer_number: int | None = None) -> tor
     """The ``[V, k]`` long table (k distinct experts per id); ``layer_number`` seeds ``per_layer`` tables."""
     V, E, k = config.vocab_size, config.num_experts, config.top_k
     if config.hash_type == "mod":
-        ids_V1 = torch.arange(V, dtype=torch.long)[:, None]
-        return (ids_V1 + torch.arange(k, dtype=torch.long)[None, :]) % E
+        return (torch.arange(V)[:, None] + torch.arange(k)[None, :]) % E
     seed = config.seed + (layer_number or 0) if config.per_layer else config.seed
     if config.hash_type == "balanced":
         return balanced_table(load_token_counts(config.counts_path, V), E, k, seed, config.balance_rule)
