@@ -69,9 +69,7 @@ class _SimplexDecoder(nn.Module):
     def forward(self, weights_TE: torch.Tensor) -> torch.Tensor:
         h = weights_TE
         for i, layer in enumerate(self.layers):
-            if i > 0:
-                h = F.silu(h)
-            h = F.linear(h, layer.weight.float(), layer.bias.float())
+            h = F.linear(F.silu(h) if i > 0 else h, layer.weight.float(), layer.bias.float())
         return h
 
 
