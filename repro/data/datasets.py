@@ -43,14 +43,6 @@ class DatasetSplits(NamedTuple):
     test: GPTDataset | BlendedDataset | None
 
 
-def _num_tokens(prefix: str) -> int:
-    # Keep the dataset referenced while reading: its __del__ closes the mmap under any live view.
-    ds = IndexedDataset(prefix)
-    n = int(np.sum(ds.sequence_lengths, dtype=np.int64))
-    del ds
-    return n
-
-
 def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]:
     """megatron's train/valid/test ranges of one dataset, as ``_build_megatron_dataset_splits``:
     ``beg = int(round(split[i][0] * n))``, ``end = int(round(split[i][1] * n))``.
@@ -90,8 +82,11 @@ def build_datasets(prefixes: Sequence[str | os.PathLike], seq_length: int,
     prefixes = existing_prefixes(prefixes)
     if len(num_samples) != 3:
         raise ReproError(f"num_samples must give (train, valid, test), got {tuple(num_samples)}")
+    num_tokens = []
     for prefix in prefixes:  # a part without documents would make megatron loop forever
-        n = len(IndexedDataset(prefix))
+        ds = IndexedDataset(prefix)  # referenced while read: its __del__ closes the mmap under any live view
+        n = len(ds)
+        num_tokens.append(float(np.sum(ds.sequence_lengths, dtype=np.int64)))
         ranges = split_ranges(n, split)  # which parts have a share is the same for every prefix
         for name, bounds in zip(("train", "valid", "test"), ranges):
             if bounds is not None and bounds[1] <= bounds[0]:
@@ -99,7 +94,7 @@ def build_datasets(prefixes: Sequence[str | os.PathLike], seq_length: int,
                                  "use a larger corpus or a split with a larger share for it")
     # a split with no share builds nothing: give it 0 samples so megatron's weights/sizes check passes
     sizes = [0 if bounds is None and n is None else n for bounds, n in zip(ranges, num_samples)]
-    weights = [float(_num_tokens(p)) for p in prefixes] if len(prefixes) > 1 and None not in sizes else None
+    weights = num_tokens if len(prefixes) > 1 and None not in sizes else None
     config = GPTDatasetConfig(random_seed=seed, sequence_length=seq_length, blend=(prefixes, weights), split=split,
                               path_to_cache=str(cache_dir), tokenizer=tokenizer, reset_position_ids=False,
                               reset_attention_mask=False, eod_mask_loss=False, create_attention_mask=False,

@@ -8,6 +8,7 @@ first) marks them as this writer's, else refused before any work.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -56,8 +57,20 @@ def write_domain_sidecar(prefix: str, names: list[str], doc_domain: Sequence[int
     Path(prefix + DOMAINS_JSON).write_text(json.dumps(sidecar, indent=2))
 
 
-def _prefix_files(prefix: str) -> list[str]:
-    # Rename order: .domains.json first (marks the set as ours); .idx last (it makes a prefix "exist").
+def dataset_fingerprint(prefix: str) -> str:
+    """Hash of an indexed dataset's identity: its whole index file, its data size and its domain sidecar."""
+    with open(prefix + ".idx", "rb") as f:
+        h = hashlib.file_digest(f, "sha256")
+    h.update(str(os.path.getsize(prefix + ".bin")).encode())
+    for ext in (DOMAINS_JSON, DOMAINS_NPY):
+        path = prefix + ext
+        h.update(Path(path).read_bytes() if os.path.isfile(path) else b"-")
+    return h.hexdigest()
+
+
+def prefix_files(prefix: str) -> list[str]:
+    """An indexed dataset's files in rename order: ``.domains.json`` first (marks the set as the writer's),
+    ``.idx`` last (it makes a prefix "exist")."""
     return [prefix + DOMAINS_JSON, prefix + DOMAINS_NPY, prefix + ".bin", prefix + ".idx"]
 
 
@@ -66,7 +79,7 @@ def check_indexed_output(prefix: str | os.PathLike) -> None:
     prefix = str(prefix)
     meta = None if os.path.islink(prefix + DOMAINS_JSON) else read_json(prefix + DOMAINS_JSON)
     ours = isinstance(meta, dict) and isinstance(meta.get("domains"), list) and "num_documents" in meta
-    for path in _prefix_files(prefix):
+    for path in prefix_files(prefix):
         check_output_path(path, replace=lambda _p: ours)
 
 
@@ -129,7 +142,7 @@ def tokenize_shards(inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeToken
         write_domain_sidecar(tmp_prefix, list(domains), doc_domain, num_tokens=n_tokens, documents=docs, tokens=toks,
                              bytes=nbytes, tokenizer=dict(tokenizer.unique_identifiers))
         check_indexed_output(prefix)  # again: tokenising may have taken hours
-        for tmp_file, final in zip(_prefix_files(tmp_prefix), _prefix_files(prefix)):
+        for tmp_file, final in zip(prefix_files(tmp_prefix), prefix_files(prefix)):
             os.replace(tmp_file, final)
         created = []  # the output exists now: its directories stay
     except (OSError, RuntimeError) as exc:
@@ -148,11 +161,13 @@ def tokenize_shards(inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeToken
 
 @dataclass(frozen=True)
 class DomainIndex:
-    """The domain of every document of one indexed dataset: ``doc_domain`` ``[num_documents]`` indexes ``names``."""
+    """The domain of every document of one indexed dataset: ``doc_domain`` ``[num_documents]`` indexes ``names``;
+    ``meta``: the whole ``.domains.json``."""
 
     prefix: str
     names: tuple[str, ...]
     doc_domain: np.ndarray
+    meta: dict
 
     def domain_of(self, document: int) -> str:
         """The domain name of one document."""
@@ -174,7 +189,7 @@ def load_domain_index(prefix: str | os.PathLike) -> DomainIndex:
         raise ReproError(f"{meta_path}: unreadable domain sidecar ({exc})") from None
     if doc_domain.ndim != 1 or doc_domain.shape[0] != meta.get("num_documents"):
         raise ReproError(f"{npy_path}: domain array does not match {meta_path}")
-    return DomainIndex(prefix, names, doc_domain)
+    return DomainIndex(prefix, names, doc_domain, meta)
 
 
 def existing_prefixes(prefixes: Sequence[str | os.PathLike], what: str = "") -> list[str]:

@@ -32,7 +32,14 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 
 from repro.data.datasets import DEFAULT_SPLIT, split_ranges
-from repro.data.indexed import DOMAINS_JSON, DOMAINS_NPY, existing_prefixes, load_domain_index, write_domain_sidecar
+from repro.data.indexed import (
+    dataset_fingerprint,
+    existing_prefixes,
+    load_domain_index,
+    prefix_files,
+    write_domain_sidecar,
+)
+from repro.data.token_counts import count_tokens
 from repro.errors import ReproError
 from repro.io_utils import make_temp_dir, read_json
 from repro.schema import check_minimums
@@ -268,29 +275,9 @@ def chains_from_path(path: np.ndarray, linked: np.ndarray, lengths: np.ndarray,
     return chains
 
 
-def _id_bound(dataset: IndexedDataset) -> int:
-    """An upper bound of the token ids: the range of a small index dtype, else the largest id + 1."""
-    dtype = np.dtype(dataset.index.dtype)
-    if dtype.itemsize <= 2:
-        return int(np.iinfo(dtype).max) + 1
-    total = int(np.sum(dataset.sequence_lengths, dtype=np.int64))
-    return int(dataset.bin_reader.read(dtype=dataset.index.dtype, count=total, offset=0).max()) + 1
-
-
-def dataset_fingerprint(prefix: str) -> str:
-    """Hash of an indexed dataset's identity: its whole index file, its data size and its domain sidecar."""
-    with open(prefix + ".idx", "rb") as f:
-        h = hashlib.file_digest(f, "sha256")
-    h.update(str(os.path.getsize(prefix + ".bin")).encode())
-    for ext in (DOMAINS_JSON, DOMAINS_NPY):
-        path = prefix + ext
-        h.update(Path(path).read_bytes() if os.path.isfile(path) else b"-")
-    return h.hexdigest()
-
-
 def _derived_files(prefix: str) -> list[str]:
     # .idx then the manifest last: the manifest vouches for a complete dataset.
-    return [prefix + ext for ext in (CHAINS_NPZ, DOMAINS_NPY, DOMAINS_JSON, ".bin", ".idx", MANIFEST_JSON)]
+    return [prefix + CHAINS_NPZ, *prefix_files(prefix), prefix + MANIFEST_JSON]
 
 
 def build_similarity_dataset(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT,
@@ -350,8 +337,9 @@ def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) 
     train, valid, test = _documents_by_split(datasets, sources, split)
     lengths = np.array([int(datasets[s].sequence_lengths[d]) for s, d in train], dtype=np.int64)
 
-    if vocab_size is None:
-        vocab_size = max(_id_bound(ds) for ds in datasets)
+    if vocab_size is None:  # a small index dtype's range, else the largest id + 1
+        vocab_size = max(int(np.iinfo(ds.index.dtype).max) + 1 if np.dtype(ds.index.dtype).itemsize <= 2
+                         else count_tokens([prefix], "1,0,0").size for prefix, ds in zip(sources, datasets))
     if eod is None:
         eod = int(datasets[0][0][-1])
 
@@ -370,8 +358,8 @@ def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) 
     try:
         sequences = [train[chain] for chain in chains] + [row[None] for row in np.concatenate([valid, test])]
         names, seq_domain = _write_sequences(tmp, datasets, domains, sequences)
-        tokenizer = json.loads(Path(sources[0] + DOMAINS_JSON).read_text()).get("tokenizer", {})
-        write_domain_sidecar(tmp, names, seq_domain, similarity_batched_from=sources, tokenizer=tokenizer)
+        write_domain_sidecar(tmp, names, seq_domain, similarity_batched_from=sources,
+                             tokenizer=domains[0].meta.get("tokenizer", {}))
         stats["seconds"] = time.perf_counter() - t0
         manifest = {"format": FORMAT, "key": key, "sources": sources, "split": split,
                     "derived_split": f"{len(chains)},{len(valid)},{len(test)}", "num_chains": len(chains),

@@ -15,8 +15,7 @@ import numpy as np
 from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from repro.data.datasets import DEFAULT_SPLIT, split_ranges
-from repro.data.indexed import existing_prefixes
-from repro.data.similarity import dataset_fingerprint
+from repro.data.indexed import dataset_fingerprint, existing_prefixes
 from repro.errors import ReproError
 from repro.io_utils import atomic_path
 

@@ -209,9 +209,7 @@ def build_model(flavour: str | ModelFlavour, router_name: str | None = None,
     from megatron.core import parallel_state
     from megatron.core.models.gpt.gpt_model import GPTModel
 
-    on_gpu = cuda_available()
-    if not on_gpu:
-        apply_cpu_shims()
+    on_gpu = not apply_cpu_shims()  # patched only without CUDA
     if not parallel_state.model_parallel_is_initialized():
         raise RuntimeError("megatron's parallel state is not initialised: call repro.model.parallel.init_distributed()")
 

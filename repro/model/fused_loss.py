@@ -24,14 +24,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 #: ``model.fused_cross_entropy``'s values (``none``: megatron's own path).
 FUSED_CROSS_ENTROPY: tuple[str, ...] = ("none", "cce", "cce_filtered", "torch_compile")
 
-__all__ = ["FUSED_CROSS_ENTROPY", "FusedLossGPTModel", "check_fused_cross_entropy", "fused_linear_cross_entropy"]
-
-
-def check_fused_cross_entropy(impl: str) -> str:
-    """``impl`` if it is one of :data:`FUSED_CROSS_ENTROPY`, else ValueError naming the valid ones."""
-    if impl not in FUSED_CROSS_ENTROPY:
-        raise ValueError(f"unknown fused_cross_entropy '{impl}'; valid: {', '.join(FUSED_CROSS_ENTROPY)}")
-    return impl
+__all__ = ["FUSED_CROSS_ENTROPY", "FusedLossGPTModel", "fused_linear_cross_entropy"]
 
 
 @torch.compile(fullgraph=True, dynamic=True)
@@ -94,8 +87,9 @@ class FusedLossGPTModel(GPTModel):
     """
 
     def __init__(self, *args: typing.Any, fused_cross_entropy: str, **kwargs: typing.Any) -> None:
-        if check_fused_cross_entropy(fused_cross_entropy) == "none":
-            raise ValueError("FusedLossGPTModel needs a fused implementation, got 'none' (build GPTModel)")
+        if fused_cross_entropy not in FUSED_CROSS_ENTROPY[1:]:  # "none" is a plain GPTModel
+            raise ValueError(f"unknown fused_cross_entropy '{fused_cross_entropy}' for FusedLossGPTModel; valid: "
+                             f"{', '.join(FUSED_CROSS_ENTROPY[1:])}")
         super().__init__(*args, **kwargs)
         if self.config.tensor_model_parallel_size > 1:
             raise ValueError(f"fused_cross_entropy='{fused_cross_entropy}' needs tensor-parallel size 1, "

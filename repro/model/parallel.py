@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from repro.errors import ReproError
-from repro.model.cpu_shims import apply_cpu_shims, cuda_available, seed_model_parallel_rng
+from repro.model.cpu_shims import apply_cpu_shims, seed_model_parallel_rng
 
 #: How MPI launchers (Open MPI, MPICH / Intel MPI / PMI-2, PMIx, MVAPICH2) give the number of processes.
 MPI_SIZE_VARIABLES = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE")
@@ -133,9 +133,7 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
     global _OWNS_PROCESS_GROUP
     from megatron.core import parallel_state
 
-    on_gpu = cuda_available()
-    if not on_gpu:
-        apply_cpu_shims()
+    on_gpu = not apply_cpu_shims()  # patched only without CUDA
     backend = backend or ("nccl" if on_gpu else "gloo")
     if not dist.is_initialized():
         # srun-started tasks: export the ranks so the rest of the process sees what it would under torchrun.
