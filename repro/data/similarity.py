@@ -102,7 +102,7 @@ class SimilarityBatched:
 
 
 def document_embeddings(datasets: Sequence[IndexedDataset], documents: np.ndarray, vocab_size: int, eod: int | None,
-                        config: SimilarityBatchingConfig, chunk: int = 20_000) -> np.ndarray:
+                        config: SimilarityBatchingConfig) -> np.ndarray:
     """L2-normalised TF-IDF + truncated-SVD vectors of documents (deviation 1).
 
     Args:
@@ -111,7 +111,6 @@ def document_embeddings(datasets: Sequence[IndexedDataset], documents: np.ndarra
         vocab_size: count-matrix columns (> every token id).
         eod: end-of-document id left out of the counts; None keeps all ids.
         config: ``embedding_dim``, ``svd_fit_documents`` and ``seed``.
-        chunk: documents transformed at a time (bounds sparse memory).
 
     Returns:
         ``[N, d]`` float32 unit rows (empty documents: 0), ``d = min(embedding_dim, fit ids - 1, fit docs - 1)``.
@@ -148,8 +147,8 @@ def document_embeddings(datasets: Sequence[IndexedDataset], documents: np.ndarra
     dim = max(1, min(config.embedding_dim, used.size - 1, len(fit_rows) - 1))
     svd = TruncatedSVD(n_components=dim, random_state=config.seed).fit(tfidf.transform(fit_counts))
     out = np.empty((N, dim), dtype=np.float32)
-    for start in range(0, N, chunk):
-        rows = np.arange(start, min(N, start + chunk))
+    for start in range(0, N, 20_000):  # a chunk at a time bounds the sparse memory
+        rows = np.arange(start, min(N, start + 20_000))
         out[rows] = svd.transform(tfidf.transform(counts(rows)[:, used])).astype(np.float32)
     return normalize(out, norm="l2").astype(np.float32)
 

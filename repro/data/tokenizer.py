@@ -218,10 +218,10 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *, voc
     return out / "vocab.json", out / "merges.txt"
 
 
-def encode_documents(tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *, num_workers: int | None = None,
-                     batch_size: int = 256) -> Iterator[np.ndarray]:
+def encode_documents(tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *,
+                     num_workers: int | None = None) -> Iterator[np.ndarray]:
     """Encode documents in order on ``num_workers`` threads (HF ``tokenizers`` releases the GIL), at most
-    ``2 * num_workers`` batches in flight.
+    ``2 * num_workers`` batches of 256 in flight.
 
     Yields:
         One int64 id array per document, in order, EOD appended.
@@ -235,7 +235,7 @@ def encode_documents(tokenizer: Gpt2BpeTokenizer, texts: Iterable[str], *, num_w
     stream = iter(texts)
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tokenize") as pool:
         in_flight: list[Future] = []
-        while batch := list(itertools.islice(stream, batch_size)):
+        while batch := list(itertools.islice(stream, 256)):
             in_flight.append(pool.submit(encode, batch))
             if len(in_flight) >= 2 * workers:
                 yield from in_flight.pop(0).result()

@@ -118,13 +118,12 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()
 
 
-def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | None = None) -> ParallelInfo:
+def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234) -> ParallelInfo:
     """Initialise torch.distributed and megatron's parallel state (idempotent; CPU shims or local GPU selected).
 
     Args:
         tp, ep: TP/EP sizes (``tp * ep`` must divide the world size; megatron checks ``E % ep`` at build).
         seed: seeds torch and megatron's model-parallel RNG tracker.
-        backend: ``"gloo"``/``"nccl"``; default gloo without CUDA, nccl with it.
 
     Raises:
         ValueError: sizes not dividing the world, or TP/EP differing from an existing initialisation.
@@ -134,7 +133,7 @@ def init_distributed(tp: int = 1, ep: int = 1, seed: int = 1234, backend: str | 
     from megatron.core import parallel_state
 
     on_gpu = not apply_cpu_shims()  # patched only without CUDA
-    backend = backend or ("nccl" if on_gpu else "gloo")
+    backend = "nccl" if on_gpu else "gloo"
     if not dist.is_initialized():
         # srun-started tasks: export the ranks so the rest of the process sees what it would under torchrun.
         os.environ.update(rank_environment(os.environ))
