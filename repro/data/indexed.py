@@ -15,7 +15,7 @@ import shutil
 import time
 from collections import Counter, deque
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,9 +39,9 @@ class TokenizeStats:
     num_documents: int
     num_tokens: int
     seconds: float
-    documents: dict[str, int] = field(default_factory=dict)
-    tokens: dict[str, int] = field(default_factory=dict)
-    bytes: dict[str, int] = field(default_factory=dict)
+    documents: dict[str, int]
+    tokens: dict[str, int]
+    bytes: dict[str, int]
 
     @property
     def tokens_per_second(self) -> float:

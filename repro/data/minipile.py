@@ -1,11 +1,9 @@
 """The embedded "mini-pile": a small multi-domain corpus built from text already on any machine (docs/data.md).
 
-The CPU default trains on it with the full-scale pipeline (Pile shards, GPT-2-format BPE trained on the training
-part, indexed datasets). Domains: :mod:`repro.data.minipile_sources` (missing ones skipped, >= ``min_domains``).
-Deterministic per machine image and seed (seeded hash order over sorted files, per-domain byte budget, exact
-duplicates dropped). The held-out part (by text hash, >= 1 per domain) never enters training or the tokenizer.
-``manifest.json`` keys each stage (corpus: config + source fingerprint; tokenizer: + vocab settings; indexed);
-a stage whose key and files match is reused.
+Domains: :mod:`repro.data.minipile_sources` (missing ones skipped, >= ``min_domains``). Deterministic per machine
+image and seed (seeded hash order over sorted files, per-domain byte budget, exact duplicates dropped); the held-out
+part (by text hash, >= 1 per domain) never enters training or the tokenizer. ``manifest.json`` keys each stage
+(corpus: config + source fingerprint; tokenizer: + vocab settings; indexed); one whose key and files match is reused.
 """
 
 from __future__ import annotations

@@ -14,8 +14,6 @@ import torch
 import torch.nn.functional as F
 
 BACKENDS = ("auto", "te", "torch", "local")
-EXPERT_GEMMS = ("auto", "grouped_mm", "loop")
-CAUSAL_MASK_MODES = ("verify", "trust", "explicit")
 
 @dataclass(frozen=True)
 class TorchBackendOptions:
@@ -32,10 +30,10 @@ class TorchBackendOptions:
     causal_mask: str = "verify"
 
     def __post_init__(self) -> None:
-        if self.expert_gemm not in EXPERT_GEMMS:
-            raise ValueError(f"unknown expert_gemm '{self.expert_gemm}'; valid: {', '.join(EXPERT_GEMMS)}")
-        if self.causal_mask not in CAUSAL_MASK_MODES:
-            raise ValueError(f"unknown causal_mask '{self.causal_mask}'; valid: {', '.join(CAUSAL_MASK_MODES)}")
+        for name, valid in (("expert_gemm", ("auto", "grouped_mm", "loop")),
+                            ("causal_mask", ("verify", "trust", "explicit"))):
+            if getattr(self, name) not in valid:
+                raise ValueError(f"unknown {name} '{getattr(self, name)}'; valid: {', '.join(valid)}")
         if not isinstance(self.zero_empty_expert_grads, bool):
             raise ValueError(f"zero_empty_expert_grads must be a bool, got {self.zero_empty_expert_grads!r}")
 
@@ -67,9 +65,6 @@ def resolve_backend(backend: str | None = "auto") -> str:
 def _grouped_mm_op():
     """torch's grouped GEMM: the public ``F.grouped_mm`` where present, else ``torch._grouped_mm``."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
-
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
@@ -146,7 +141,7 @@ def grouped_mm_unusable_reason(x_MK: torch.Tensor, w_ENK: torch.Tensor, *,
     """
     if _grouped_mm_op() is None:
         return f"torch {torch.__version__} has neither torch.nn.functional.grouped_mm nor torch._grouped_mm"
-    if x_MK.dtype != w_ENK.dtype or x_MK.dtype not in _KERNEL_DTYPES:
+    if x_MK.dtype != w_ENK.dtype or x_MK.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"dtypes {x_MK.dtype}/{w_ENK.dtype}: the kernel takes one of float32, bfloat16, float16"
     device = x_MK.device
     if device.type == "cuda":
