@@ -86,28 +86,27 @@ def run_identity(config: Mapping[str, Any]) -> dict[str, Any]:
     return _json_plain(identity)
 
 
-def _describe_pair(ours: Mapping[str, Any], theirs: Mapping[str, Any]) -> tuple[str, str]:
-    """Short descriptions of two identities: the router, then every field that differs."""
-    keys = ["router"] + [k for k in IDENTITY_FIELDS if k != "router" and ours.get(k) != theirs.get(k)]
-    described = [", ".join(f"{k} {identity.get(k)!r}" for k in keys) for identity in (ours, theirs)]
-    return described[0], described[1]
+def _check_identity(found: Any, expected: Mapping[str, Any], message: Callable[[str, str], str]) -> None:
+    """ReproError ``message(found's description, expected's)`` unless the identities match (JSON-plain); each
+    description names the router, then every field that differs."""
+    found, expected = _json_plain(found), _json_plain(expected)
+    if found != expected:
+        pair = (found or {}, expected)
+        keys = ["router"] + [k for k in IDENTITY_FIELDS if k != "router" and pair[0].get(k) != pair[1].get(k)]
+        raise ReproError(message(*(", ".join(f"{k} {i.get(k)!r}" for k in keys) for i in pair)))
 
 
 def check_identity(info: CheckpointInfo, config: Mapping[str, Any]) -> None:
     """ReproError if the checkpoint's model is not ``config``'s (e.g. another router's)."""
-    expected = run_identity(config)
-    if _json_plain(info.identity) != expected:
-        stored, wanted = _describe_pair(info.identity, expected)
-        raise ReproError(f"{info.path}: a checkpoint of {stored}, but this run is {wanted}")
+    _check_identity(info.identity, run_identity(config),
+                    lambda stored, wanted: f"{info.path}: a checkpoint of {stored}, but this run is {wanted}")
 
 
 def check_payload_identity(payload: dict[str, Any], info: CheckpointInfo, path: Path) -> None:
     """ReproError if rank file ``path`` was written by another run than its ``meta.json`` describes."""
-    found = _json_plain(payload.get("identity"))
-    if found != _json_plain(info.identity):
-        theirs, ours = _describe_pair(found or {}, info.identity)
-        raise ReproError(f"{path}: written by a run of {theirs}, but {info.path / 'meta.json'} is a run of {ours}; "
-                         "refusing to load another run's weights")
+    _check_identity(payload.get("identity"), info.identity, lambda theirs, ours: (
+        f"{path}: written by a run of {theirs}, but {info.path / 'meta.json'} is a run of {ours}; refusing to load "
+        "another run's weights"))
 
 
 def capture_rng_state() -> dict[str, Any]:
@@ -172,12 +171,10 @@ def check_plain_data(obj: Any, where: str = "payload") -> None:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    """The sha256 hex digest of a file, read in 1 MiB blocks."""
-    digest = hashlib.sha256()
+    """The sha256 hex digest of a file."""
     with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
 
 def _rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"

@@ -74,7 +74,7 @@ def main(argv: list[str], prog: str = "python -m repro train") -> int:
         # The run's own settings, not the experiment's defaults: only what is set explicitly changes.
         from repro.training.run_dir import RunPaths, stored_config
 
-        stored = stored_config(RunPaths(Path(args.out)))
+        stored = stored_config(RunPaths(Path(args.out)))[0]
         if args.experiment and args.experiment != stored.name:
             raise ReproError(f"{args.out}: holds a run of experiment '{stored.name}', not '{args.experiment}'")
         config = apply_overrides(stored, args.overrides) if args.overrides else None

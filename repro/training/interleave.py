@@ -70,15 +70,16 @@ def train_interleaved(
         stack.callback(model_parallel.destroy_distributed)
         stack.enter_context(aux_loss_scale_restored())
         trainers: dict[str, Trainer] = {}
+        traces: dict[str, StepTrace | None] = {}
         try:
             memory = _OwnMemory(info.device)
             for label in labels:
                 with memory.owned_by(label):
-                    trainer = Trainer(configs[label], paths[label], None, info.device, progress=False)
+                    trainer = trainers[label] = Trainer(configs[label], paths[label], None, info.device, progress=False)
                 # The trace is taken around the step itself (one profiler at a time), not by the component.
-                trainer.components = [c for c in trainer.components if not isinstance(c, StepTrace)]
-                trainers[label] = trainer
-            _step_rounds(trainers, labels, steps, progress_every, StepTrace, memory)
+                traces[label] = next((c for c in trainer.components if isinstance(c, StepTrace)), None)
+                trainer.components = [c for c in trainer.components if c is not traces[label]]
+            _step_rounds(trainers, traces, labels, steps, progress_every, memory)
         except NonFiniteLoss as exc:
             raise ReproError(f"{exc} (interleaved run; its log is kept in its run directory)") from None
         finally:
@@ -117,7 +118,7 @@ class _OwnMemory:
         return dataclasses.replace(row, peak_memory_bytes=int(own))
 
 
-def _step_rounds(trainers, labels, steps, progress_every, step_trace, memory) -> None:
+def _step_rounds(trainers, traces, labels, steps, progress_every, memory) -> None:
     start, last_ms = time.perf_counter(), {}
     enabled = gc.isenabled()
     gc.disable()
@@ -125,13 +126,12 @@ def _step_rounds(trainers, labels, steps, progress_every, step_trace, memory) ->
         for round_index in range(steps):
             gc.collect()  # between rounds, never inside a timed step (would hit one router at random)
             for label in round_order(labels, round_index):
-                trainer = trainers[label]
-                tracer, trace_step = None, trainer.config.logging.trace_step
-                if trace_step and trainer.step + 1 == trace_step:
-                    tracer = step_trace(trainer.paths.root / "trace", trace_step, trainer.parallel.is_main)
+                trainer, tracer = trainers[label], traces[label]
+                tracing = tracer is not None and trainer.step + 1 == tracer.step
+                if tracing:
                     tracer.start(trainer.model)
                 row = memory.step(label, trainer.step == 0, trainer.train_step)
-                if tracer is not None:
+                if tracing:
                     tracer.stop(row.iter_time_s)
                 for component in trainer.components:
                     row = component.after_step(trainer, row)

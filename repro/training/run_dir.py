@@ -70,19 +70,20 @@ def run_lock(paths: RunPaths) -> Iterator[None]:
         os.close(fd)  # closing releases the lock
 
 
-def stored_config(paths: RunPaths) -> RunConfig:
-    """The run's config: newest checkpoint's, else ``config.json``'s (ReproError: no run, unreadable)."""
+def stored_config(paths: RunPaths) -> tuple[RunConfig, ckpt.CheckpointInfo | None]:
+    """The run's config and newest checkpoint (None: none): the checkpoint's config, else ``config.json``'s
+    (ReproError: no run, unreadable)."""
     latest = ckpt.find_latest_checkpoint(paths.checkpoints)
     if latest is not None:
         info = ckpt.read_checkpoint_info(latest)
-        return RunConfig.from_dict(info.experiment, origin=str(latest / "meta.json"))
+        return RunConfig.from_dict(info.experiment, origin=str(latest / "meta.json")), info
     if not paths.config.is_file():
         raise ReproError(f"{paths.root}: no run to resume here (no checkpoint and no config.json)")
     try:
         data = json.loads(paths.config.read_text())["experiment"]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ReproError(f"{paths.config}: not a run's config.json ({type(exc).__name__}: {exc})") from None
-    return RunConfig.from_dict(data, origin=str(paths.config))
+    return RunConfig.from_dict(data, origin=str(paths.config)), None
 
 
 def config_changes(stored: RunConfig, given: RunConfig) -> dict[str, str]:
@@ -131,16 +132,14 @@ def start_state(
                              "or empty --out")
         return config, None, None
 
-    stored = stored_config(paths)
-    latest = ckpt.find_latest_checkpoint(paths.checkpoints)
-    info = ckpt.read_checkpoint_info(latest) if latest is not None else None
+    stored, info = stored_config(paths)
     changes = {} if config is None else config_changes(stored, config)
     frozen = [
         k for k in changes
         if not any(k == c or k.startswith(c + ".") for c in CHANGEABLE_ON_RESUME) or k == "checkpoint.init_from"
     ]
     if frozen:
-        raise ReproError(f"{latest or paths.config}: --resume cannot change what defines the model or its data "
+        raise ReproError(f"{info.path if info else paths.config}: --resume cannot change what defines the model or its data "
                          f"({'; '.join(f'{k}: {changes[k]}' for k in frozen)}); start a new run "
                          "(--set checkpoint.init_from=<this run> starts one from these weights)")
     config = stored if config is None else config
@@ -167,13 +166,8 @@ def start_state(
     if changes and rank0:
         for key, change in changes.items():
             print(f"{paths.root}: resumed with {key}: {change}", file=sys.stderr)
-        _note_changes(paths, info.step if info else 0, changes)
+        # Kept in resume_changes.json (config.json holds the current settings).
+        history_path = paths.root / "resume_changes.json"
+        history = json.loads(history_path.read_text()) if history_path.is_file() else []
+        write_json_atomic(history_path, [*history, {"from_step": info.step if info else 0, "changes": changes}])
     return config, info, None
-
-
-def _note_changes(paths: RunPaths, step: int, changes: dict[str, str]) -> None:
-    """Keep the settings changed on resume in ``resume_changes.json`` (config.json holds the current ones)."""
-    path = paths.root / "resume_changes.json"
-    history = json.loads(path.read_text()) if path.is_file() else []
-    history.append({"from_step": step, "changes": changes})
-    write_json_atomic(path, history)

@@ -193,7 +193,11 @@ class Trainer:
             ckpt.check_same_layout(resume, self.parallel)
             ckpt.check_identity(resume, config.to_dict())
         self.data = build_run_data(config, self.seq_length, self.parallel.dp_size, paths.data_cache)
-        self.model = self._build_model(resume is None)
+        if resume is None and not config.checkpoint.init_from and config.checkpoint.layout_independent_init:
+            self.model = _build_layout_independent(config, self.data.vocab_size, self.bf16, self.parallel)
+            self.parallel = current_parallel()  # the EP=1 detour re-created megatron's groups
+        else:
+            self.model = build_model_for(config, self.data.vocab_size, self.bf16)
         payload = None
         if resume is not None:
             self._check_backend_unchanged()
@@ -212,7 +216,7 @@ class Trainer:
         sched = config.schedule
         schedule = WarmupCosineSchedule(config.optimizer.lr, sched.min_lr, sched.num_warmup_steps, sched.steps)
         self.scheduler = LRScheduler(self.optimization, schedule, weight_decay=config.optimizer.weight_decay)
-        self.step, self.consumed = 0, 0
+        self.step, self.consumed = 0, 0  # completed optimizer steps; samples consumed by all ranks together
         self.stopped_by: str | None = None  # the signal that stopped the run early (fit)
         if payload is not None:
             Checkpointer.restore(self, payload)
@@ -244,14 +248,6 @@ class Trainer:
                 tensorboard_dir(paths.root, config.logging.tensorboard_dir), config.logging.interval,
                 config.schedule.steps, self.step, self.parallel.is_main,
             ))
-
-    def _build_model(self, fresh: bool) -> nn.Module:
-        config = self.config
-        if fresh and not config.checkpoint.init_from and config.checkpoint.layout_independent_init:
-            model = _build_layout_independent(config, self.data.vocab_size, self.bf16, self.parallel)
-            self.parallel = current_parallel()  # the EP=1 detour re-created megatron's groups
-            return model
-        return build_model_for(config, self.data.vocab_size, self.bf16)
 
     def _check_backend_unchanged(self) -> None:
         """Refuse a resume on another backend (it decides the parameter layout the optimizer state follows)."""
@@ -495,10 +491,11 @@ def _run(config, paths, checkpoint, device, stop_after, progress) -> dict[str, A
         return {"experiment": config.name, "stopped_at": trainer.step}
     barrier()
     rows = read_rows(paths.log) if paths.log.exists() else []
+    record = trainer.config_record
     summary = summarize(rows, config, {
-        "layout": trainer.parallel.layout(), "device": str(device), "precision": "bf16" if trainer.bf16 else "fp32",
-        "seq_length": trainer.seq_length, "global_batch_size": config.data.global_batch_size,
-        "parameters": trainer.config_record["parameters"], "wall_time_s_last_segment": time.perf_counter() - start,
+        **{key: record[key] for key in ("layout", "device", "precision", "seq_length")},
+        "global_batch_size": config.data.global_batch_size, "parameters": record["parameters"],
+        "wall_time_s_last_segment": time.perf_counter() - start,
     })
     if trainer.parallel.is_main:
         write_json_atomic(paths.summary, summary)
