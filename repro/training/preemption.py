@@ -1,7 +1,6 @@
-"""A cluster's time limit is not a crash: SIGTERM or SIGUSR1 ends the run after the current step, with a
-checkpoint (docs/failures.md); so does Ctrl-C (SIGINT; a second Ctrl-C stops at once, without one). As Megatron-LM's exit-signal handler, the trainer records the signal
-(:class:`StopRequest`), agrees with every rank after each step on whether any got one, so all stop after the
-same step, then writes that step's checkpoint, says how to resume and raises :class:`RunStopped`.
+"""SIGTERM, SIGUSR1 or Ctrl-C (twice: at once, without a checkpoint) end a run after the current step, with its
+checkpoint (docs/failures.md; as Megatron-LM's exit-signal handler): :class:`StopRequest` records the signal, the
+ranks agree after each step so that all stop after the same one, and :func:`stop_run` checkpoints.
 """
 
 from __future__ import annotations

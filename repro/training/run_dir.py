@@ -1,7 +1,5 @@
-"""A run directory: its files, its lock, and what a command may do with it (the rules: docs/failures.md).
-A fresh run needs a new or empty directory (hidden entries such as ``.lock`` aside); ``--resume`` continues
-from the newest complete checkpoint, or from step 0 with the run's own ``config.json``, and may change only
-:data:`CHANGEABLE_ON_RESUME` (listed in ``resume_changes.json``); a finished run is left untouched.
+"""A run directory: its files, its lock, and what a command may do with it: a fresh run, ``--resume`` (changing
+only :data:`CHANGEABLE_ON_RESUME`, noted in ``resume_changes.json``) or ``--extend`` (the rules: docs/failures.md).
 """
 
 from __future__ import annotations
@@ -139,8 +137,8 @@ def start_state(
         if not any(k == c or k.startswith(c + ".") for c in CHANGEABLE_ON_RESUME) or k == "checkpoint.init_from"
     ]
     if frozen:
-        raise ReproError(f"{info.path if info else paths.config}: --resume cannot change what defines the model or its data "
-                         f"({'; '.join(f'{k}: {changes[k]}' for k in frozen)}); start a new run "
+        raise ReproError(f"{info.path if info else paths.config}: --resume cannot change what defines the model or "
+                         f"its data ({'; '.join(f'{k}: {changes[k]}' for k in frozen)}); start a new run "
                          "(--set checkpoint.init_from=<this run> starts one from these weights)")
     config = stored if config is None else config
     finished = info is not None and info.step >= stored.schedule.steps and paths.summary.is_file()

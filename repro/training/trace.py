@@ -1,10 +1,6 @@
-"""A torch profiler trace of one training step and where its device time goes (``logging.trace_step=N``).
-
-:class:`StepTrace` profiles exactly step ``N`` on rank 0, router calls in ``repro::router`` ranges, into
-``<run dir>/trace/``: ``trace.json.gz`` (Chrome trace; ``chrome://tracing`` or ui.perfetto.dev) and
-``summary.json`` (:func:`summarize`; ``python -m repro.training.trace TRACE.json.gz`` recomputes it).
-Without CUDA the figures are host time of outermost ops (``"clock": "cpu"``). Profiling slows the step:
-take timings from other runs.
+"""A torch profiler trace of one training step and where its device time goes (``logging.trace_step=N``; files
+and use: docs/efficiency.md, "The step trace"). Without CUDA the figures are host time of outermost ops
+(``"clock": "cpu"``). Profiling slows the step: take timings from other runs.
 """
 
 from __future__ import annotations

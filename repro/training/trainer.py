@@ -97,12 +97,6 @@ def _build_layout_independent(config: RunConfig, vocab_size: int, bf16: bool, pa
     return model
 
 
-def _count_params(model: nn.Module, parallel: Parallel) -> dict[str, int]:
-    dense, expert = split_params(model)
-    n_expert = sum(p.numel() for p in expert)
-    return {"non_expert": sum(p.numel() for p in dense), "expert_local": n_expert, "expert_total": n_expert * parallel.ep_size}
-
-
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory so far: allocated device memory on CUDA, the process's peak RSS on CPU."""
     if device.type == "cuda":
@@ -272,6 +266,7 @@ class Trainer:
     def _write_config(self) -> None:
         """``config.json`` (rank 0): the config and what the run resolved from it."""
         data = self.data
+        dense, expert = (sum(p.numel() for p in group) for group in split_params(self.model))
         record = {
             "experiment": self.config.to_dict(),
             # Every option's value, the router's defaults included (None where the build fills it: Hash's vocabulary);
@@ -283,7 +278,8 @@ class Trainer:
             "tokenizer": None if data.tokenizer_dir is None
             else {"dir": data.tokenizer_dir, "sha256": tokenizer_fingerprint(data.tokenizer_dir)},
             "device": str(self.device), "backend": getattr(self.model, "backend", None),
-            "precision": "bf16" if self.bf16 else "fp32", "parameters": _count_params(self.model, self.parallel),
+            "precision": "bf16" if self.bf16 else "fp32",
+            "parameters": {"non_expert": dense, "expert_local": expert, "expert_total": expert * self.parallel.ep_size},
             "torch": torch.__version__,
         }
         self.config_record = record
