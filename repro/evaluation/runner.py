@@ -6,7 +6,6 @@ Full-scale tasks read their datasets from the local cache or a task-data folder
 
 from __future__ import annotations
 
-import contextlib
 import json
 import tempfile
 from collections.abc import Sequence
@@ -24,19 +23,10 @@ from lm_eval.utils import handle_non_serializable  # noqa: E402
 
 from repro.errors import ReproError  # noqa: E402
 from repro.evaluation.local_tasks import LOCAL_TAG  # noqa: E402
-from repro.evaluation.task_data import PAPER_TASK_DIRS, local_task_manager, task_manager_for_data  # noqa: E402
+from repro.evaluation.task_data import PAPER_TASK_DIRS, task_manager_for  # noqa: E402
 
 #: The papers' zero-shot tasks (need their Hugging Face datasets in a task-data folder or the local cache).
 FULL_SCALE_TASKS = tuple(PAPER_TASK_DIRS)
-
-
-def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None) -> TaskManager:
-    """A TaskManager knowing ``tasks`` and ``local_tasks``, scanning lm-eval's slow task tree only if needed."""
-    if local_tasks is not None:
-        local = local_task_manager(local_tasks)
-        if set(tasks) <= set(local.all_tasks):
-            return local
-    return TaskManager(include_path=None if local_tasks is None else str(local_tasks))
 
 
 def evaluate_lm(lm: LM, tasks: Sequence[str] | None = None, *, local_tasks: str | Path | None = None,
@@ -64,12 +54,8 @@ def evaluate_lm(lm: LM, tasks: Sequence[str] | None = None, *, local_tasks: str 
         tasks = [LOCAL_TAG] if local_tasks is not None and tasks_data is None else list(FULL_SCALE_TASKS)
     if tasks_data is not None and task_manager is not None:
         raise ReproError("pass either tasks_data or task_manager, not both")
-    no_scratch = contextlib.nullcontext()
-    with tempfile.TemporaryDirectory(prefix="repro-task-data-") if tasks_data is not None else no_scratch as work:
-        if tasks_data is not None:
-            manager = task_manager_for_data(tasks, tasks_data, work, local_tasks=local_tasks)
-        else:
-            manager = task_manager or task_manager_for(tasks, local_tasks)
+    with tempfile.TemporaryDirectory(prefix="repro-task-data-") as work:
+        manager = task_manager or task_manager_for(tasks, local_tasks, tasks_data, work)
         unknown = [t for t in tasks if t not in manager.all_tasks]
         if unknown:
             raise ReproError(f"unknown lm-eval task(s): {', '.join(unknown)}")

@@ -1,14 +1,14 @@
 """The papers' zero-shot tasks from data on disk: lm-eval's own task definitions, local datasets.
 
 A *task-data folder* (docs/evaluation.md) holds one local dataset repository per hub dataset: :func:`fetch`
-fills it online, :func:`task_manager_for_data` evaluates on it offline. Tasks read what lm-eval's installed YAML
+fills it online, :func:`task_manager_for` evaluates on it offline. Tasks read what lm-eval's installed YAML
 names, *every* split required (the few-shot sampler needs the training split even at 0 shots). ``datasets``
 resolves local folders only relative to the working directory, hence :func:`write_task_overrides`.
 """
 
 from __future__ import annotations
 
-import shutil
+import tempfile
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -143,31 +143,32 @@ def write_task_overrides(specs: Sequence[TaskData], root: str | Path, out_dir: s
     return out
 
 
-def task_manager_for_data(tasks: Sequence[str], root: str | Path, work_dir: str | Path, *,
-                          local_tasks: str | Path | None = None) -> Any:
-    """A TaskManager reading ``tasks`` from ``root`` (except those in ``local_tasks``); ``work_dir``: scratch."""
+def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None, tasks_data: str | Path | None = None,
+                     work_dir: str | Path | None = None) -> Any:
+    """A TaskManager knowing ``tasks`` and ``local_tasks``, scanning lm-eval's slow task tree only if needed.
+
+    Args:
+        tasks, local_tasks: lm-eval task names; a local-task directory (ReproError if missing) or None.
+        tasks_data, work_dir: a task-data folder the tasks not in ``local_tasks`` read from; scratch for it.
+    """
     from lm_eval.tasks import TaskManager
 
-    local_names = set(local_task_manager(local_tasks).all_tasks) if local_tasks is not None else set()
-    wanted = [t for t in tasks if t not in local_names]
-    paths: list[str] = []
-    if wanted:
-        specs = task_data_specs(wanted)
-        work = Path(work_dir).resolve()
-        check_task_data(specs, root, work / ".hf_cache")
-        paths.append(str(write_task_overrides(specs, root, work / "tasks")))
+    local = None
     if local_tasks is not None:
-        paths.append(str(local_tasks))
-    return TaskManager(include_path=paths, include_defaults=False)
-
-
-def local_task_manager(local_tasks: str | Path) -> Any:
-    """A TaskManager of the local-task directory ``local_tasks`` alone (ReproError if missing)."""
-    from lm_eval.tasks import TaskManager
-
-    if not Path(local_tasks).is_dir():
-        raise ReproError(f"{local_tasks}: no such local-task directory")
-    return TaskManager(include_path=str(local_tasks), include_defaults=False)
+        if not Path(local_tasks).is_dir():
+            raise ReproError(f"{local_tasks}: no such local-task directory")
+        local = TaskManager(include_path=str(local_tasks), include_defaults=False)
+    wanted = [t for t in tasks if local is None or t not in local.all_tasks]
+    if local is not None and not wanted:
+        return local
+    if tasks_data is None:
+        return TaskManager(include_path=None if local_tasks is None else str(local_tasks))
+    specs = task_data_specs(wanted)
+    work = Path(work_dir).resolve()
+    check_task_data(specs, tasks_data, work / ".hf_cache")
+    paths = [str(write_task_overrides(specs, tasks_data, work / "tasks"))]
+    return TaskManager(include_path=paths + ([] if local_tasks is None else [str(local_tasks)]),
+                       include_defaults=False)
 
 
 @dataclass(frozen=True)
@@ -227,12 +228,9 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *,
     for item in plan:
         dest = root / item.dataset_path
         if dest.exists():
-            scratch = root / f".{Path(item.dataset_path).name}.check-cache"
-            try:
-                complete = all(_missing_data(TaskData("fetch", Path(), item.dataset_path, n, s, s[0]), root, scratch)
-                               is None for n, s in item.configs)
-            finally:
-                shutil.rmtree(scratch, ignore_errors=True)
+            with tempfile.TemporaryDirectory(prefix="repro-task-data-") as scratch:
+                complete = all(_missing_data(TaskData("fetch", Path(), item.dataset_path, n, s, s[0]), root,
+                                             Path(scratch)) is None for n, s in item.configs)
             if not complete:
                 raise ReproError(f"{dest} exists but lacks some of {item.describe(root)}; it is left as it is: "
                                  "remove it or fetch into another folder")
