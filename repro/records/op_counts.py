@@ -34,14 +34,6 @@ DATA_DEPENDENT_SHAPES = frozenset(
 MASK_INDEXING = frozenset({"index", "index_put", "index_put_", "_index_put_impl", "_index_put_impl_"})
 
 
-def _is_mask(value: Any) -> bool:
-    return torch.is_tensor(value) and value.dtype in (torch.bool, torch.uint8)
-
-
-def _devices(values: Any) -> set[str]:
-    return {v.device.type for v in (values if isinstance(values, (list, tuple)) else (values,)) if torch.is_tensor(v)}
-
-
 def host_sync_reason(func, args: tuple, kwargs: dict[str, Any]) -> str | None:
     """Why a call of the ATen overload ``func`` syncs the host: the op's name, ``"<name>(bool mask)"``,
     ``"repeat_interleave(no output_size)"`` or ``"<name>(cross-device copy)"``; None if it does not."""
@@ -50,17 +42,16 @@ def host_sync_reason(func, args: tuple, kwargs: dict[str, Any]) -> str | None:
         return name
     if name in MASK_INDEXING:
         indices = args[1] if len(args) > 1 else kwargs.get("indices", ())
-        return f"{name}(bool mask)" if any(_is_mask(i) for i in indices or ()) else None
+        mask = any(torch.is_tensor(i) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
+        return f"{name}(bool mask)" if mask else None
     if name == "repeat_interleave":
         # Tensor repeats: the output size is their sum, read on the host unless given.
         by_tensor = func._overloadname in ("Tensor", "self_Tensor")
         return "repeat_interleave(no output_size)" if by_tensor and kwargs.get("output_size") is None else None
     if name in ("_to_copy", "copy_") and not kwargs.get("non_blocking", False):
-        if name == "copy_":
-            both = _devices(args[:2])
-        else:
-            target = kwargs.get("device")
-            both = _devices(args[:1]) | ({torch.device(target).type} if target is not None else set())
+        both = {v.device.type for v in args[: 2 if name == "copy_" else 1] if torch.is_tensor(v)}
+        if name == "_to_copy" and kwargs.get("device") is not None:
+            both.add(torch.device(kwargs["device"]).type)
         if "cpu" in both and len(both) > 1:
             return f"{name}(cross-device copy)"
     return None

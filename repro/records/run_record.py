@@ -44,6 +44,13 @@ def _check(name: str, value: float | int | None, low: float | None = None, high:
         raise ValueError(f"{name} = {value!r} is out of range (must be {allowed})")
 
 
+def _check_fields(obj: Any, low: float | None, *names: str, high: float | None = None, low_open: bool = False,
+                  slack: float = 0.0) -> None:
+    """:func:`_check` on each named attribute of ``obj``."""
+    for name in names:
+        _check(name, getattr(obj, name), low, high, low_open=low_open, slack=slack)
+
+
 @dataclass(frozen=True)
 class ExperimentInfo:
     """What was run.
@@ -114,14 +121,10 @@ class LayerRouting:
     fallback_share: float | None = None
 
     def __post_init__(self) -> None:
-        _check("layer", self.layer, 0)
-        _check("active_experts", self.active_experts, 0)
-        _check("simpson", self.simpson, 0, 1, slack=FLOAT32_SLACK)
-        # >= 1 when any token is routed, 0 when none is.
-        _check("load_imbalance", self.load_imbalance, 0)
-        _check("dropped_mass", self.dropped_mass, 0, 1, slack=FLOAT32_SLACK)
-        _check("group_size", self.group_size, 0, low_open=True)
-        _check("fallback_share", self.fallback_share, 0, 1, slack=FLOAT32_SLACK)
+        # load_imbalance is >= 1 when any token is routed, 0 when none is.
+        _check_fields(self, 0, "layer", "active_experts", "load_imbalance")
+        _check_fields(self, 0, "simpson", "dropped_mass", "fallback_share", high=1, slack=FLOAT32_SLACK)
+        _check_fields(self, 0, "group_size", low_open=True)
 
 
 @dataclass(frozen=True)
@@ -158,14 +161,11 @@ class Efficiency:
     def __post_init__(self) -> None:
         if self.flops_attention not in (None, "causal", "full"):
             raise ValueError(f"flops_attention must be causal, full or null, got {self.flops_attention!r}")
-        for name in ("warmup_steps", "peak_memory_bytes", "nominal_experts", "mean_active_experts",
-                     "expert_flops_per_token_measured", "start_step"):
-            _check(name, getattr(self, name), 0)
-        for name in ("window_steps", "num_devices", "global_batch_size", "seq_length"):
-            _check(name, getattr(self, name), 1)
-        for name in ("iter_time_ms", "tokens_per_s", "flops_per_iter_analytic", "flops_per_iter_measured",
-                     "tflops_per_device_analytic", "tflops_per_device_measured"):
-            _check(name, getattr(self, name), 0, low_open=True)
+        _check_fields(self, 0, "warmup_steps", "peak_memory_bytes", "nominal_experts", "mean_active_experts",
+                      "expert_flops_per_token_measured", "start_step")
+        _check_fields(self, 1, "window_steps", "num_devices", "global_batch_size", "seq_length")
+        _check_fields(self, 0, "iter_time_ms", "tokens_per_s", "flops_per_iter_analytic", "flops_per_iter_measured",
+                      "tflops_per_device_analytic", "tflops_per_device_measured", low_open=True)
 
 
 @dataclass(frozen=True)
@@ -240,10 +240,9 @@ class RunRecord:
     schema_version: int = SCHEMA_VERSION
 
     def __post_init__(self) -> None:
-        if self.schema != SCHEMA:
-            raise ValueError(f"field 'schema' must be '{SCHEMA}', got '{self.schema}'")
-        if self.schema_version != SCHEMA_VERSION:
-            raise ValueError(f"field 'schema_version' must be {SCHEMA_VERSION}, got {self.schema_version}")
+        for name, want in (("schema", SCHEMA), ("schema_version", SCHEMA_VERSION)):
+            if getattr(self, name) != want:
+                raise ValueError(f"field '{name}' must be {want!r}, got {getattr(self, name)!r}")
         _check("field 'validation_loss'", self.validation_loss, 0)
         tasks: set[str] = set()
         if self.lm_eval is not None:
@@ -371,8 +370,7 @@ def lm_eval_metrics(record: RunRecord) -> dict[str, dict[str, float]]:
     for task, metrics in record.lm_eval["results"].items():
         for key, value in metrics.items():
             name, _, filt = key.partition(",")
-            if filt != "none" or name.endswith("_stderr") or isinstance(value, bool):
-                continue
-            if isinstance(value, (int, float)):
+            if filt == "none" and not name.endswith("_stderr") and not isinstance(value, bool) and isinstance(
+                    value, (int, float)):
                 out.setdefault(task, {})[name] = float(value)
     return out

@@ -139,14 +139,6 @@ def with_lm_eval(record: RunRecord, lm_eval_results: Mapping[str, Any], origin: 
     return from_json(RunRecord, data, origin or f"record '{record.run_id}'")
 
 
-def default_run_id(run) -> str:
-    """Default run id: the experiment's name, plus ``-seed<N>`` unless the seed is the registered experiment's."""
-    from repro.experiments import experiment_names, get_experiment
-
-    own = get_experiment(run.name).seed if run.name in experiment_names() else None
-    return run.name if run.seed == own else f"{run.name}-seed{run.seed}"
-
-
 def record_from_run_dir(
     run_dir: str | Path, *, warmup: int | None = None, lm_eval_results: Mapping[str, Any] | None = None,
     run_id: str | None = None, environment: Environment | None = None, domain_losses: Sequence[DomainLoss] = (),
@@ -157,7 +149,8 @@ def record_from_run_dir(
     Args:
         run_dir: the run's output directory.
         warmup: log rows skipped before the efficiency window, the rest (default: a tenth, at least one).
-        run_id, environment: default :func:`default_run_id`, :func:`environment_info` (run's world size).
+        run_id: default the experiment's name, plus ``-seed<N>`` unless the seed is the registered experiment's.
+        environment: default :func:`environment_info` (the run's world size).
         lm_eval_results, domain_losses: as in :func:`make_record`.
         flops_attention: attention FLOPs convention (:data:`repro.records.flops.ATTENTION_COUNTS`).
         start_step: step the weights come from (0: initialisation), recorded with the efficiency figures.
@@ -169,6 +162,7 @@ def record_from_run_dir(
         ReproError: missing files or config fields.
     """
     from repro.config import RunConfig
+    from repro.experiments import experiment_names, get_experiment
     from repro.records.flops import flops_config_from_flavour
 
     run_dir = Path(run_dir)
@@ -193,8 +187,9 @@ def record_from_run_dir(
         backend=config.get("backend"), start_step=start_step,
     )
     val_losses = [r.val_loss for r in rows if r.val_loss is not None]
+    own_seed = get_experiment(run.name).seed if run.name in experiment_names() else None
     return make_record(
-        run_id=run_id or default_run_id(run), router=router, model=flavour.name, config=config, log_rows=rows,
+        run_id=run_id or (run.name if run.seed == own_seed else f"{run.name}-seed{run.seed}"), router=router, model=flavour.name, config=config, log_rows=rows,
         efficiency=efficiency, lm_eval_results=lm_eval_results, domain_losses=domain_losses,
         validation_loss=float(val_losses[-1]) if val_losses else None,
         environment=environment or environment_info(num_processes=world_size), experiment_name=run.name,
