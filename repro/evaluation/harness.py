@@ -223,8 +223,7 @@ class SuiteLM(TemplateLM):
                 raise ReproError(f"max_gen_toks {max_new} must be below max_length {self.max_length}")
             contexts = {i: self.tok_encode(requests[i].args[0])[-(self.max_length - max_new) :] for i in indices}
             by_length = sorted(indices, key=lambda i: -len(contexts[i]))
-            for k in range(0, len(by_length), self.batch_size):
-                batch = by_length[k : k + self.batch_size]
+            for batch in (by_length[k : k + self.batch_size] for k in range(0, len(by_length), self.batch_size)):
                 for i, text in zip(batch, self._greedy([contexts[i] for i in batch], until, max_new)):
                     outputs[i] = text
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
