@@ -96,7 +96,7 @@ def test_fixtures_are_laid_out_as_fetch_writes(specs, tmp_path):
     for item in fetch_plan(specs):
         card = (FIXTURES / item.dataset_path / CARD).read_text()
         assert _header(card) == _header(dataset_card(item, "note")), item.dataset_path
-    check_task_data(specs, FIXTURES, tmp_path / "cache")  # every config and split each task reads is there
+    check_task_data(specs, FIXTURES)  # every config and split each task reads is there
     # each fixture document has the fields lm-eval's task reads, in the hub dataset's schema
     rows = {
         s.task: datasets.load_dataset(str(s.folder(FIXTURES)), s.dataset_name, cache_dir=str(tmp_path / "c"))[s.eval_split]
@@ -116,7 +116,7 @@ def test_missing_or_incomplete_data_is_one_line_naming_task_and_folder(specs, tm
     shutil.copytree(FIXTURES, partial)
     shutil.rmtree(partial / "EleutherAI" / "race")
     with pytest.raises(ReproError) as info:
-        check_task_data(specs, partial, tmp_path / "cache")
+        check_task_data(specs, partial)
     text = str(info.value)
     assert "\n" not in text
     assert f"task 'race': no EleutherAI/race in {partial / 'EleutherAI' / 'race'}" in text
@@ -125,13 +125,13 @@ def test_missing_or_incomplete_data_is_one_line_naming_task_and_folder(specs, tm
     card = partial / "baber" / "piqa" / CARD
     card.write_text(card.read_text().replace("  - split: train\n    path: default/train.jsonl\n", ""))
     with pytest.raises(ReproError, match=r"task 'piqa': .*baber/piqa config 'default' lacks split\(s\) train \(has: validation\)"):
-        check_task_data([s for s in specs if s.task == "piqa"], partial, tmp_path / "cache")
+        check_task_data([s for s in specs if s.task == "piqa"], partial)
     arc_card = partial / "allenai" / "ai2_arc" / CARD
     arc_card.write_text(arc_card.read_text().replace("config_name: ARC-Easy", "config_name: ARC-Other"))
     with pytest.raises(ReproError, match="task 'arc_easy': .*has no usable config 'ARC-Easy'"):
-        check_task_data([s for s in specs if s.task == "arc_easy"], partial, tmp_path / "cache")
+        check_task_data([s for s in specs if s.task == "arc_easy"], partial)
     with pytest.raises(ReproError, match="no such task-data folder"):
-        check_task_data(specs, tmp_path / "nowhere", tmp_path / "cache")
+        check_task_data(specs, tmp_path / "nowhere")
 
 
 def test_overrides_change_only_where_the_data_is(specs, tmp_path):
@@ -163,7 +163,7 @@ def test_fetch_writes_the_layout_and_never_changes_existing_folders(specs, tmp_p
     assert written == [out / p for p in ("allenai/ai2_arc", "aps/super_glue", "Rowan/hellaswag",
                                           "EleutherAI/lambada_openai", "baber/piqa", "EleutherAI/race")]
     assert ("allenai/ai2_arc", "ARC-Easy") in calls and ("Rowan/hellaswag", None) in calls
-    check_task_data(specs, out, tmp_path / "cache")
+    check_task_data(specs, out)
     for spec in specs:  # the same documents, read back through datasets from the written layout
         for split in spec.splits:
             fetched = datasets.load_dataset(str(spec.folder(out)), spec.dataset_name, split=split, cache_dir=str(tmp_path / "hf"))

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import tempfile
 
 from repro.errors import ReproError
 from repro.io_utils import comma_list
@@ -35,8 +34,7 @@ def check_main(argv: list[str], prog: str) -> int:
     args = _parser(prog, "check").parse_args(argv)
     from repro.evaluation.task_data import check_task_data, task_data_specs
 
-    with tempfile.TemporaryDirectory(prefix="repro-task-data-") as scratch:
-        check_task_data(task_data_specs(args.tasks), args.folder, scratch)
+    check_task_data(task_data_specs(args.tasks), args.folder)
     print(f"{args.folder}: data for {', '.join(args.tasks)} is complete")
     return 0
 

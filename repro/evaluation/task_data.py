@@ -101,7 +101,7 @@ def _fetch_hint(root: Path, tasks: Iterable[str]) -> str:
             f"python -m repro eval fetch --out {root} --tasks {','.join(tasks)}")
 
 
-def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
+def _missing_data(spec: TaskData, root: Path) -> str | None:
     """Why ``spec``'s data is not usable in ``root``, naming the folder (None: usable)."""
     import datasets
 
@@ -109,8 +109,9 @@ def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
     if not (folder / CARD).is_file():
         return f"task '{spec.task}': no {spec.dataset_path} in {folder}"
     try:
-        # datasets' own resolution: configs and data files from the card.
-        builder = datasets.load_dataset_builder(str(folder), spec.dataset_name, cache_dir=str(cache_dir))
+        # datasets' own resolution: configs and data files from the card (its cache is thrown away).
+        with tempfile.TemporaryDirectory(prefix="repro-task-data-") as cache:
+            builder = datasets.load_dataset_builder(str(folder), spec.dataset_name, cache_dir=cache)
     except (ValueError, FileNotFoundError, datasets.exceptions.DatasetNotFoundError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return f"task '{spec.task}': {folder} has no usable config '{config}' ({reason})"
@@ -122,12 +123,12 @@ def _missing_data(spec: TaskData, root: Path, cache_dir: Path) -> str | None:
     return None
 
 
-def check_task_data(specs: Sequence[TaskData], root: str | Path, cache_dir: str | Path) -> None:
+def check_task_data(specs: Sequence[TaskData], root: str | Path) -> None:
     """Check ``root`` holds every config and split ``specs`` read (ReproError naming each task lacking data)."""
     root = Path(root).resolve()
     if not root.is_dir():
         raise ReproError(f"{root}: no such task-data folder ({_fetch_hint(root, [s.task for s in specs])})")
-    problems = [(s.task, p) for s in specs if (p := _missing_data(s, root, Path(cache_dir))) is not None]
+    problems = [(s.task, p) for s in specs if (p := _missing_data(s, root)) is not None]
     if problems:
         raise ReproError(f"{'; '.join(p for _, p in problems)} ({_fetch_hint(root, [t for t, _ in problems])})")
 
@@ -164,9 +165,8 @@ def task_manager_for(tasks: Sequence[str], local_tasks: str | Path | None, tasks
     if tasks_data is None:
         return TaskManager(include_path=None if local_tasks is None else str(local_tasks))
     specs = task_data_specs(wanted)
-    work = Path(work_dir).resolve()
-    check_task_data(specs, tasks_data, work / ".hf_cache")
-    paths = [str(write_task_overrides(specs, tasks_data, work / "tasks"))]
+    check_task_data(specs, tasks_data)
+    paths = [str(write_task_overrides(specs, tasks_data, Path(work_dir) / "tasks"))]
     return TaskManager(include_path=paths + ([] if local_tasks is None else [str(local_tasks)]),
                        include_defaults=False)
 
@@ -228,10 +228,8 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *,
     for item in plan:
         dest = root / item.dataset_path
         if dest.exists():
-            with tempfile.TemporaryDirectory(prefix="repro-task-data-") as scratch:
-                complete = all(_missing_data(TaskData("fetch", Path(), item.dataset_path, n, s, s[0]), root,
-                                             Path(scratch)) is None for n, s in item.configs)
-            if not complete:
+            if any(_missing_data(TaskData("fetch", Path(), item.dataset_path, n, s, s[0]), root) is not None
+                   for n, s in item.configs):
                 raise ReproError(f"{dest} exists but lacks some of {item.describe(root)}; it is left as it is: "
                                  "remove it or fetch into another folder")
             log(f"kept {dest} (complete)")
