@@ -23,7 +23,7 @@ from repro.report.over_seeds import (
     undefined_cells,
     undefined_note,
 )
-from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table, fmt_interval
+from repro.report.table_core import MISSING, PLUS_MINUS, SIGNIFICANT, Table, fmt_interval, mean_or_none
 from repro.stats import Interval, mean_ci
 
 #: The cell every other cell is tested against: DirMoE with the paper's options.
@@ -61,10 +61,6 @@ def _metrics_for(num_layers: int) -> tuple[Metric, ...]:
     )
 
 
-def _mean(values: Sequence[float]) -> float | None:
-    return statistics.fmean(values) if values else None
-
-
 def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | None]:
     """A run's end-of-run values (module docstring).
 
@@ -86,13 +82,13 @@ def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | 
     num_layers = max(len(r.routing.get("load_imbalance") or []) for r in rows)
     out: dict[str, float | None] = {}
     for layer in range(num_layers):
-        out[f"load_imbalance[{layer}]"] = _mean(
+        out[f"load_imbalance[{layer}]"] = mean_or_none(
             [r.routing["load_imbalance"][layer] for r in window if len(r.routing.get("load_imbalance") or []) > layer]
         )
         shares = [s[layer] for r in window if len(s := r.routing_per_expert.get("weight_share") or []) > layer]
-        out[f"weight_imbalance[{layer}]"] = _mean([max(x) * len(x) / sum(x) for x in shares if sum(x) > 0])
+        out[f"weight_imbalance[{layer}]"] = mean_or_none([max(x) * len(x) / sum(x) for x in shares if sum(x) > 0])
     for key, _, _ in _LAYER_MEAN:
-        out[key] = _mean([m for m in (r.layer_mean(key) for r in window) if m is not None])
+        out[key] = mean_or_none([m for m in (r.layer_mean(key) for r in window) if m is not None])
     out["val_loss"] = next((r.val_loss for r in reversed(rows) if r.val_loss is not None), None)
     out["lm_loss"] = statistics.fmean(r.lm_loss for r in window)
     return out

@@ -23,7 +23,7 @@ from tabulate import tabulate
 from repro.errors import ReproError
 from repro.records.run_record import RunRecord, lm_eval_metrics
 from repro.report.published import PublishedEntry, select
-from repro.report.table_core import PAPER_TASKS, choose_metric, record_partial
+from repro.report.table_core import PAPER_TASKS, choose_metric, mean_or_none, record_partial
 from repro.stats import grid_sd_floor, minimum_detectable_shift, prediction_bounds, prediction_interval
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
@@ -97,8 +97,7 @@ def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto")
         task = metric.removeprefix("zero_shot.")
         scores = lm_eval_metrics(record)
         if task == "avg":
-            values = [record_value(record, f"zero_shot.{t}", zero_shot_metric) for t in PAPER_TASKS]
-            return statistics.fmean(values) if all(v is not None for v in values) else None
+            return mean_or_none([record_value(record, f"zero_shot.{t}", zero_shot_metric) for t in PAPER_TASKS])
         value = scores.get(task, {}).get(choose_metric(task, [record], zero_shot_metric))
         return None if value is None else 100 * value
     if metric == "loss.validation":
@@ -213,8 +212,7 @@ def _pair_row(base: dict, metric: str, new: float | None, old: float | None, rto
 
 def final_loss(record: RunRecord, steps: int = FINAL_LOSS_STEPS) -> float | None:
     """Mean of the last ``steps`` logged training losses (None: no loss curve)."""
-    tail = [p.loss for p in sorted(record.loss_curve, key=lambda p: p.step)[-steps:]]
-    return statistics.fmean(tail) if tail else None
+    return mean_or_none([p.loss for p in sorted(record.loss_curve, key=lambda p: p.step)[-steps:]])
 
 
 def _seed_metrics(record: RunRecord) -> dict[str, float | None]:

@@ -7,7 +7,6 @@ and any per-run numbers (:func:`compare_metrics_over_seeds`, for :mod:`repro.rep
 from __future__ import annotations
 
 import dataclasses
-import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +25,7 @@ from repro.report.table_core import (
     Table,
     _partial_note,
     fmt_interval,
+    mean_or_none,
     metric_text,
     record_partial,
     task_label,
@@ -184,8 +184,7 @@ def compare_over_seeds(
 
     def value(record: RunRecord, column: str) -> float | None:
         if column == AVG:
-            values = [value(record, t) for t in tasks]
-            return statistics.fmean(values) if values and None not in values else None
+            return mean_or_none([value(record, t) for t in tasks])
         v = scores[record.run_id].get(column, {}).get(chosen[column])
         return None if v is None else 100 * v
 

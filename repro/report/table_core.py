@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import statistics
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +52,11 @@ class Table:
     caption: str
     headers: tuple[str, ...]
     rows: tuple[tuple[str, ...], ...]
+
+
+def mean_or_none(values: Sequence[float | None]) -> float | None:
+    """The mean of ``values``; None when there are none or one is missing."""
+    return statistics.fmean(values) if values and None not in values else None
 
 
 def _fmt(value: float | None, spec: str) -> str:

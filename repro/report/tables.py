@@ -7,7 +7,6 @@ same model setting and a ``delta`` row.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from repro.report.table_core import (
     _fmt,
     _fmt_pm,
     _partial_note,
+    mean_or_none,
     metric_text,
     record_partial,
     task_label,
@@ -99,7 +99,7 @@ def zero_shot_table(
     for record in evaluated:
         values = [_percent(scores[record.run_id].get(t, {}).get(chosen[t])) for t in tasks]
         errors = [_percent(_stderr(record, t, chosen[t])) for t in tasks]
-        mean = statistics.fmean(values) if values and None not in values else None
+        mean = mean_or_none(values)
         # Independent question sets: the mean's standard error adds in quadrature.
         mean_error = math.sqrt(sum(e**2 for e in errors)) / len(errors) if errors and None not in errors else None
         cut = partial[labels[record.run_id]]
@@ -213,8 +213,7 @@ _ROUTING_TEXT = (
 def layer_mean(name: str) -> Callable[[RunRecord], float | None]:
     """A run's routing statistic ``name`` averaged over its MoE layers (None where no layer has it)."""
     def mean(record: RunRecord) -> float | None:
-        values = [getattr(layer, name) for layer in record.routing if getattr(layer, name) is not None]
-        return statistics.fmean(values) if values else None
+        return mean_or_none([getattr(layer, name) for layer in record.routing if getattr(layer, name) is not None])
 
     return mean
 
@@ -267,7 +266,7 @@ def efficiency_table(
         rows.append((
             labels[record.run_id], _fmt(e.iter_time_ms, ".1f"), _fmt_tflops(e.tflops_per_device_analytic),
             _fmt_tflops(e.tflops_per_device_measured), _fmt(e.tokens_per_s, ".0f"), _fmt(memory, ".2f"),
-            _fmt(e.mean_active_experts, ".3f"), _fmt(statistics.fmean(groups) if groups else None, ".0f"),
+            _fmt(e.mean_active_experts, ".3f"), _fmt(mean_or_none(groups), ".0f"),
             str(e.num_devices), record.environment.device, e.backend or MISSING, parity[record.run_id].note,
         ))
         if last_of_router[record.experiment.router] != record.run_id:
