@@ -96,7 +96,7 @@ def comparison_label(record: RunRecord) -> str:
 
 
 def _group_by_router(
-    records: Sequence[RunRecord], seed_of: Callable[[RunRecord], int], reference_router: str
+    records: Sequence[RunRecord], reference_router: str
 ) -> tuple[dict[str, dict[int, RunRecord]], str | None, bool]:
     """``{comparison label: {seed: record}}`` in table order; the reference (None if absent); whether every other
     router shares two seeds with it."""
@@ -106,7 +106,7 @@ def _group_by_router(
         raise ReproError(f"runs of several models ({', '.join(models)}): compare one model's runs at a time")
     groups: dict[str, dict[int, RunRecord]] = {}
     for record in sorted(records, key=lambda r: (r.experiment.router != "dense", comparison_label(r), r.run_id)):
-        seed, label = seed_of(record), comparison_label(record)
+        seed, label = record_seed(record), comparison_label(record)
         runs = groups.setdefault(label, {})
         if seed in runs:
             raise ReproError(f"runs '{runs[seed].run_id}' and '{record.run_id}' of '{label}' have the same seed {seed}")
@@ -151,7 +151,7 @@ def _question_test(
 def compare_over_seeds(
     records: Sequence[RunRecord], *, reference_router: str = DEFAULT_REFERENCE_ROUTER, metric: str = "auto",
     per_question: Mapping[str, Mapping[str, Any]] | None = None, test: str = "auto", confidence: float = 0.95,
-    alpha: float = 0.05, seed_of: Callable[[RunRecord], int] = record_seed, family: str = "table",
+    alpha: float = 0.05, family: str = "table",
 ) -> SeedComparison:
     """Each router's zero-shot scores over its seeds, tested against a reference router.
 
@@ -167,7 +167,6 @@ def compare_over_seeds(
             every run has per-question results, else ``none``.
         confidence: Student-t interval coverage.
         alpha: significance level of the marks (Holm-adjusted over ``family``).
-        seed_of: a run's seed (default :func:`record_seed`).
         family: Holm family, ``table`` or ``column`` (:mod:`repro.report.over_seeds`).
 
     Raises:
@@ -176,7 +175,7 @@ def compare_over_seeds(
     if test not in SEED_TESTS:
         raise ReproError(f"unknown test '{test}'; valid: {', '.join(SEED_TESTS)}")
     evaluated = [r for r in records if r.lm_eval is not None]
-    groups, reference, seeds_ok = _group_by_router(evaluated, seed_of, reference_router)
+    groups, reference, seeds_ok = _group_by_router(evaluated, reference_router)
     if per_question is None and evaluated and all(r.per_question is not None for r in evaluated):
         per_question = {r.run_id: r.per_question for r in evaluated}
     scores, chosen = zero_shot_columns(evaluated, metric)
@@ -308,7 +307,7 @@ def seed_zero_shot_table(comparison: SeedComparison) -> Table:
 def compare_metrics_over_seeds(
     records: Sequence[RunRecord], columns: Mapping[str, Callable[[RunRecord], float | None]], *,
     reference_router: str = DEFAULT_REFERENCE_ROUTER, confidence: float = 0.95, alpha: float = 0.05,
-    seed_of: Callable[[RunRecord], int] = record_seed, family: str = "table",
+    family: str = "table",
 ) -> SeedComparison:
     """Per-run numbers (losses, routing statistics) over seeds, tested against a reference router by a paired
     t-test over shared seeds where every other router shares at least two (``test``: ``seeds``, else ``none``).
@@ -317,7 +316,7 @@ def compare_metrics_over_seeds(
     :func:`compare_over_seeds`. ReproError: several models, or one router's seed twice.
     """
     measured = [r for r in records if any(f(r) is not None for f in columns.values())]
-    groups, reference, seeds_ok = _group_by_router(measured, seed_of, reference_router)
+    groups, reference, seeds_ok = _group_by_router(measured, reference_router)
     return _compared(groups, reference, tuple(columns), lambda record, column: columns[column](record),
                      "seeds" if seeds_ok else "none", confidence=confidence, alpha=alpha, family=family,
                      metrics={c: c for c in columns})
