@@ -19,7 +19,6 @@ class ParityVerdict:
     """One run's parity verdict: relative difference (run - reference) / reference of measured expert FLOPs per
     token (None: nothing to compare); ``at_parity`` None when unknown; ``note``: the efficiency table's text."""
 
-    run_id: str
     relative_difference: float | None
     at_parity: bool | None
     note: str
@@ -51,7 +50,7 @@ def compute_parity(
     for record in records:
         value = _expert_flops(record)
         if value is None or reference is None:
-            verdicts[record.run_id] = ParityVerdict(record.run_id, None, None, "unknown (no measured k)")
+            verdicts[record.run_id] = ParityVerdict(None, None, "unknown (no measured k)")
             continue
         diff = (value - _expert_flops(reference)) / _expert_flops(reference)
         if record is reference:
@@ -60,6 +59,6 @@ def compute_parity(
             note = f"yes ({diff * 100:+.1f}% vs {reference.run_id})"
         else:
             note = f"NO ({diff * 100:+.1f}% vs {reference.run_id}, tolerance {tolerance * 100:g}%)"
-        verdicts[record.run_id] = ParityVerdict(record.run_id, diff, abs(diff) <= tolerance, note)
+        verdicts[record.run_id] = ParityVerdict(diff, abs(diff) <= tolerance, note)
     return verdicts
 
