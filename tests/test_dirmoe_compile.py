@@ -281,7 +281,7 @@ def test_cost_report_command_writes_its_table(tmp_path, capsys):
     assert total["launches"] == fwd["launches"] + bwd["launches"] == total["outside"] + total["region_kernels"]
     assert total["syncs"] == 0 and total["regions"] == 0 and fwd["bytes_moved"] > 1024 * 128 * 4  # reads x at least
     assert cli_main(["study", "router-costs", "--router", "nope", "--out", str(tmp_path)]) == 2
-    assert "unknown run(s) nope" in capsys.readouterr().err
+    assert "unknown run 'nope'" in capsys.readouterr().err
 
 
 def test_no_command_writes_into_results_by_default():

@@ -163,10 +163,11 @@ class AblationConfig(CpuStudySettings):
         """Trailing rows the end-of-run metrics average (at least one)."""
         return max(1, round(self.steps * self.final_fraction))
 
-    def run_dir(self, cell: str, seed: int) -> Path:
-        return Path(self.work_dir) / self.run(cell, seed).run_id
+    def run_id(self, cell: str, seed: int) -> str:
+        """``<cell>-s<seed>`` (also the run directory's name)."""
+        return f"{cell}-s{seed}"
 
-    def runs(self) -> list[tuple[str, int]]:
+    def jobs(self) -> list[tuple[str, int]]:
         """Every (cell, seed), cells inside seeds: a session cut short leaves every cell with the same seeds,
         and a shared machine's slow hours fall on every cell alike."""
         return [(cell, seed) for seed in self.seeds for cell in self.cells]
@@ -179,15 +180,12 @@ class AblationConfig(CpuStudySettings):
             "checkpoint.interval=200",  # choice 4
             *(f"router.options.{item}" for item in CELLS[cell].router_options(self.steps)), *self.overrides,
         )
-        return Run(f"{cell}-s{seed}", f"{CELLS[cell].router}-tiny", overrides, label=cell, name=f"ablation-{cell}")
-
-    def experiment(self, cell: str, seed: int):
-        """The run's config (:meth:`run`)."""
-        return self.run(cell, seed).config()
+        return Run(self.run_id(cell, seed), f"{CELLS[cell].router}-tiny", overrides, label=cell,
+                   name=f"ablation-{cell}")
 
     def study(self) -> Study:
         """The ablation as a :class:`~repro.studies.engine.Study`: killed runs resume."""
-        return Study("ablation", tuple(self.run(c, s) for c, s in self.runs()), self.work_dir, self.out_dir,
+        return Study("ablation", tuple(self.run(c, s) for c, s in self.jobs()), self.work_dir, self.out_dir,
                      report=report, workers=self.workers, resume=True, finished=("summary.json", "record.json"),
                      settings=self, owner="the DirMoE ablation")
 
@@ -195,7 +193,7 @@ class AblationConfig(CpuStudySettings):
 # ------------------------------------------------------------------------------------------- reporting
 def _cost(cfg: AblationConfig) -> dict[str, Any]:
     """Worker CPU seconds: total, and per run of each cell."""
-    costs = {(c, s): run_cost(cfg.run_dir(c, s)) for c, s in cfg.runs()}
+    costs = {(c, s): run_cost(cfg.run_dir(c, s)) for c, s in cfg.jobs()}
     known = {k: v for k, v in costs.items() if v is not None}
     per_cell = {cell: round(sum(cpu) / len(cpu), 1) for cell in cfg.cells
                 if (cpu := [v["cpu_seconds"] for (c, _), v in known.items() if c == cell])}
@@ -243,7 +241,7 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
 
     cfg: AblationConfig = study.settings
     out, elapsed = Path(cfg.out_dir), outcome["elapsed"]
-    logs = {(c, s): read_rows(cfg.run_dir(c, s)) for c, s in cfg.runs()}
+    logs = {(c, s): read_rows(cfg.run_dir(c, s)) for c, s in cfg.jobs()}
     results = ablation_tables.collect_results(
         {cell: {seed: logs[(cell, seed)] for seed in cfg.seeds} for cell in cfg.cells},
         final_window=cfg.final_window,

@@ -33,7 +33,7 @@ from typing import Any
 
 from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
-from repro.studies.engine import OneLineParser, Run, Study, check_out_dir, claim, run_study
+from repro.studies.engine import OneLineParser, Run, Study, check_flags, check_out_dir, claim, run_study
 
 #: Flavour -> devices its recipe's global batch is spread over in its source (papers: ~8 GPUs; mini: 1 CPU).
 REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
@@ -375,10 +375,7 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
     everyone = [r for r in experiment_routers() if r != MEGATRON_ROUTER]
     if "WORLD_SIZE" in os.environ:
         raise ReproError("run python -m repro study efficiency without torchrun: it starts torchrun itself for --gpus N > 1")
-    for name in ("gpus", "warmup", "iters", "accumulation", "global_batch", "micro_batch", "vocab_size"):
-        value, low = getattr(args, name), {"warmup": 0, "vocab_size": 2}.get(name, 1)
-        if value is not None and value < low:
-            raise ReproError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
+    check_flags(args, gpus=1, warmup=0, iters=1, accumulation=1, global_batch=1, micro_batch=1, vocab_size=2)
     if on_gpu and args.gpus > torch.cuda.device_count():
         raise ReproError(f"--gpus {args.gpus}: this machine has {torch.cuda.device_count()} visible GPU(s)")
     flavour = args.flavour or ("185m" if on_gpu else "tiny")

@@ -65,6 +65,14 @@ class CpuStudySettings:
         """Overrides putting a run on this study's data and steps (before the study's own)."""
         return f"schedule.steps={self.steps}", f"data.source=mini-pile:{self.data_dir}"
 
+    def run_dir(self, *job: Any) -> Path:
+        """The directory of one of the subclass's ``jobs()``, named by its ``run_id(*job)``."""
+        return Path(self.work_dir) / self.run_id(*job)
+
+    def experiment(self, *job: Any):
+        """The config of one of the subclass's ``jobs()``: its ``run(*job)``'s."""
+        return self.run(*job).config()
+
     def parser(self, prog: str, description: str) -> argparse.ArgumentParser:
         """The shared options, defaulting to these settings (:meth:`shared`)."""
         p = argparse.ArgumentParser(prog=prog, description=description)
@@ -90,6 +98,14 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         raise ReproError(message)
+
+
+def check_flags(args: argparse.Namespace, **minimums: int) -> None:
+    """ReproError naming the first option below its minimum (an unset None passes)."""
+    for name, low in minimums.items():
+        value = getattr(args, name)
+        if value is not None and value < low:
+            raise ReproError(f"--{name.replace('_', '-')} must be >= {low}, got {value}")
 
 
 def pick(text: str, valid: Sequence[str], flag: str, what: str) -> tuple[str, ...]:

@@ -30,10 +30,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from repro.config import MEGATRON_ROUTER
-from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.schema import check_minimums
-from repro.studies.engine import CpuStudySettings, Run, Study, pick, run_cost, run_study
+from repro.studies.engine import CpuStudySettings, Run, Study, check_flags, pick, run_cost, run_study
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -91,16 +90,9 @@ class MiniConfig(CpuStudySettings):
             common = (*common, f"seed={Run('', f'{run}-tiny', common).config().seed + seed_index}")
         return Run(self.run_id(run, seed_index), f"{run}-tiny", common, label=run, wave=seed_index)
 
-    def experiment(self, run: str, seed_index: int = 0):
-        """The run's config (:meth:`run`)."""
-        return self.run(run, seed_index).config()
-
     def run_id(self, run: str, seed_index: int = 0) -> str:
         """``<run>`` for the first seed, ``<run>-s<k>`` for seed k (also the run directory's name)."""
         return run if seed_index == 0 else f"{run}-s{seed_index}"
-
-    def run_dir(self, run: str, seed_index: int = 0) -> Path:
-        return Path(self.work_dir) / self.run_id(run, seed_index)
 
     def jobs(self) -> list[tuple[str, int]]:
         """Every ``(run, seed_index)``, seed by seed (an interrupted comparison has whole seeds done)."""
@@ -399,9 +391,7 @@ def parse(argv: list[str], prog: str) -> tuple[MiniConfig, bool]:
     # Dense, every router, and the routers' declared variants (DirMoE's centred target), labelled as such.
     every = (DENSE, *(r for r in experiment_routers(variants=True) if r not in (DENSE, MEGATRON_ROUTER)))
     runs = pick(args.runs, every, "--runs", "run")
-    for name in ("steps", "workers", "eval_limit", "seeds"):
-        if getattr(args, name) < 1:
-            raise ReproError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_flags(args, steps=1, workers=1, eval_limit=1, seeds=1)
     cfg = MiniConfig(runs=runs, eval_limit=args.eval_limit, seeds=args.seeds, **CpuStudySettings.shared(args))
     return cfg, args.fresh
 
