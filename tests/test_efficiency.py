@@ -195,7 +195,7 @@ def _error(capsys, argv: list[str]) -> str:
 @pytest.mark.parametrize(
     "argv, message",
     [
-        (["--router", "nope"], "unknown router(s) nope; valid: "),
+        (["--router", "nope"], "--router: unknown router 'nope'"),
         (["--gpus", "0"], "--gpus must be >= 1"),
         (["--gpus", "two"], "argument --gpus: invalid int value"),
         (["--iters", "0"], "--iters must be >= 1"),

@@ -33,7 +33,7 @@ from typing import Any
 
 from repro.errors import ReproError, unknown_name
 from repro.launch import Launch
-from repro.studies.engine import OneLineParser, Run, Study, check_flags, check_out_dir, claim, run_study
+from repro.studies.engine import OneLineParser, Run, Study, check_flags, check_out_dir, claim, pick, run_study
 
 #: Flavour -> devices its recipe's global batch is spread over in its source (papers: ~8 GPUs; mini: 1 CPU).
 REFERENCE_DEVICES: dict[str, int] = {"185m": 8, "tiny": 1}
@@ -383,11 +383,8 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
         raise ReproError(f"--flavour: unknown flavour '{flavour}'; valid: {', '.join(REFERENCE_DEVICES)}")
     if args.accumulation is not None and args.global_batch is not None:
         raise ReproError("give --accumulation or --global-batch, not both")
-    names = everyone if args.router.strip() == "all" else [r.strip() for r in args.router.split(",") if r.strip()]
-    unknown = [r for r in names if r not in experiment_routers()]
-    if unknown or not names:
-        raise ReproError(f"--router: unknown router(s) {', '.join(unknown) or '(none given)'}; "
-                         f"valid: {', '.join(everyone)}")
+    # megatron's router only by name: "all" leaves it out.
+    names = everyone if args.router.strip() == "all" else pick(args.router, experiment_routers(), "--router", "router")
     runs = [RunSpec(name, name) for name in names] + [_variant(v) for v in args.variant]
     for run in runs:
         if run.router not in experiment_routers():
