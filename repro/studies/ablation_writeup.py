@@ -7,6 +7,7 @@ cell-against-cell table, ``ablation_pairs``, in that table's family (docs/evalua
 from __future__ import annotations
 
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -182,12 +183,6 @@ def _command(summary: dict[str, Any], directory: Path) -> str:
     )
 
 
-def screen(directory: Path) -> Writeup:
-    """``results/dirmoe-ablation``, the screen: its README block names the cells with lower load imbalance than
-    the paper's (the confirmatory block has the rest)."""
-    return ablation(directory, brief=True)
-
-
 def ablation(directory: Path, brief: bool = False) -> Writeup:
     """``results/dirmoe-ablation*``: every cell against the paper's DirMoE, and the cell-vs-cell family.
 
@@ -216,6 +211,11 @@ def ablation(directory: Path, brief: bool = False) -> Writeup:
         _command(s, directory), findings, [t for t in tables if t.is_file()], plots(directory),
     )
     return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief, contrasts)))
+
+
+#: ``results/dirmoe-ablation``, the screen: its README block names the cells with lower load imbalance than the
+#: paper's (the confirmatory block has the rest).
+screen = partial(ablation, brief=True)
 
 
 def confirm(directory: Path) -> Writeup:
