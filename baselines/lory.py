@@ -27,7 +27,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from baselines._gate import GatedRouter
 from routers import RouterConfig, RouterOutput, RoutingConstraint, RoutingKind, register_router
@@ -67,8 +66,10 @@ def segment_means(hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None, se
     T, D = hidden_TD.shape
     S, B = (T, 1) if seq_shape is None else seq_shape
     G = math.ceil(S / segment_len)
-    # Zero-pad the last segment; its mean divides by its true length.
-    hidden_SBD = F.pad(hidden_TD.float().reshape(S, B, D), (0, 0, 0, 0, 0, G * segment_len - S))
+    hidden_SBD = hidden_TD.float().reshape(S, B, D)
+    pad = G * segment_len - S
+    if pad:  # zero-pad the last segment (a copy only then); its mean divides by its true length
+        hidden_SBD = torch.cat([hidden_SBD, hidden_SBD.new_zeros(pad, B, D)], dim=0)
     sums_GBD = hidden_SBD.view(G, segment_len, B, D).sum(dim=1)
     counts_G = torch.full((G,), float(segment_len), device=hidden_TD.device)
     counts_G[-1] = S - (G - 1) * segment_len
