@@ -189,8 +189,9 @@ def record_from_run_dir(
     val_losses = [r.val_loss for r in rows if r.val_loss is not None]
     own_seed = get_experiment(run.name).seed if run.name in experiment_names() else None
     return make_record(
-        run_id=run_id or (run.name if run.seed == own_seed else f"{run.name}-seed{run.seed}"), router=router, model=flavour.name, config=config, log_rows=rows,
-        efficiency=efficiency, lm_eval_results=lm_eval_results, domain_losses=domain_losses,
+        run_id=run_id or (run.name if run.seed == own_seed else f"{run.name}-seed{run.seed}"), router=router,
+        model=flavour.name, config=config, log_rows=rows, efficiency=efficiency, lm_eval_results=lm_eval_results,
+        domain_losses=domain_losses,
         validation_loss=float(val_losses[-1]) if val_losses else None,
         environment=environment or environment_info(num_processes=world_size), experiment_name=run.name,
     )
