@@ -1,6 +1,6 @@
 """The trainer's components: any object with ``after_step(trainer, row) -> row`` and ``close()``, run after
 every step in the order the trainer holds them (validation first, so the logged row carries the validation
-loss), each deciding its own cadence.
+loss), each deciding its own cadence; they see the trainer as :class:`TrainerState`.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -19,7 +19,29 @@ from repro.training.data import MicroBatchSampler, collate
 from repro.training.distributed import all_reduce_mean
 
 if TYPE_CHECKING:
-    from repro.training.trainer import Trainer
+    from repro.config import RunConfig
+    from repro.training.distributed import Parallel
+    from repro.training.optim import LRScheduler
+    from repro.training.run_dir import RunPaths
+
+
+class TrainerState(Protocol):
+    """What the components read and set of the trainer (declared here: the trainer imports its components)."""
+
+    config: RunConfig
+    paths: RunPaths
+    parallel: Parallel
+    device: torch.device
+    model: torch.nn.Module  # unwrapped (not megatron's DDP wrapper)
+    optimization: Any  # repro.training.optim's CpuOptimization or MegatronOptimization
+    scheduler: LRScheduler
+    step: int  # completed optimizer steps
+    consumed: int  # samples consumed by all ranks together
+    components: list[Any]
+
+    def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]: ...
+
+    def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor: ...
 
 
 class Validator:
@@ -28,13 +50,13 @@ class Validator:
     def __init__(self, dataset, interval: int, iters: int, last_step: int) -> None:
         self.dataset, self.interval, self.iters, self.last_step = dataset, interval, iters, last_step
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if self.dataset is None or not self.interval or (row.step % self.interval and row.step != self.last_step):
             return row
         return dataclasses.replace(row, val_loss=self.evaluate(trainer))
 
     @torch.no_grad()
-    def evaluate(self, trainer: Trainer) -> float:
+    def evaluate(self, trainer: TrainerState) -> float:
         """Validation loss in eval mode; training RNG streams untouched, router stats and aux-loss tracker cleared
         so evaluation never leaks into the next step's row."""
         from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
@@ -74,7 +96,7 @@ class StepLog:
         self.file = open_in_dir(path.parent, path.name, "a") if is_main else None
         self.bar = tqdm(total=total_steps, initial=initial_step, disable=not show, desc=desc, dynamic_ncols=True)
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if self.file is not None:
             write_row(self.file, row)
         self.bar.update(1)
@@ -102,18 +124,18 @@ class Checkpointer:
         self.root, self.interval, self.last_step, self.log = root, interval, last_step, log
         self.saved: tuple[int, Path] | None = None  # (step, path) of the checkpoint this run wrote last
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if row.step == self.last_step or (self.interval and row.step % self.interval == 0):
             self.save(trainer)
         return row
 
-    def ensure_saved(self, trainer: Trainer) -> Path:
+    def ensure_saved(self, trainer: TrainerState) -> Path:
         """The current step's checkpoint, written unless :meth:`after_step` just did (collective)."""
         if self.saved is not None and self.saved[0] == trainer.step:
             return self.saved[1]
         return self.save(trainer)
 
-    def save(self, trainer: Trainer) -> Path:
+    def save(self, trainer: TrainerState) -> Path:
         """Write one checkpoint of the trainer's state (collective)."""
         self.log.sync()
         path = ckpt.save_checkpoint(
@@ -125,7 +147,7 @@ class Checkpointer:
         return path
 
     @staticmethod
-    def restore(trainer: Trainer, payload: dict[str, Any]) -> None:
+    def restore(trainer: TrainerState, payload: dict[str, Any]) -> None:
         """Restore optimizer, schedule, data position and, last, RNG (weights load before the optimizer is built)."""
         trainer.optimization.load_state_dict(payload["optimizer"])
         trainer.scheduler.load_state_dict(payload["scheduler"])

@@ -22,7 +22,7 @@ from repro.training.components import Checkpointer
 from repro.training.distributed import barrier
 
 if TYPE_CHECKING:
-    from repro.training.trainer import Trainer
+    from repro.training.components import TrainerState
 
 #: Exit status after a signal stopped the run with its checkpoint: EX_TEMPFAIL (a killed one exits 143).
 EXIT_STOPPED = 75
@@ -75,7 +75,7 @@ class StopRequest:
         return all_ranks_reduce(self.signum, dist.ReduceOp.MAX, device)
 
 
-def stop_run(trainer: Trainer, signum: int) -> str:
+def stop_run(trainer: TrainerState, signum: int) -> str:
     """End a run on a signal (collective): checkpoint, resume line on rank 0, barrier; returns the signal name."""
     name = {s.value: s.name for s in signal.Signals}.get(signum, f"signal {signum}")
     checkpointer = next(c for c in trainer.components if isinstance(c, Checkpointer))

@@ -17,7 +17,7 @@ from repro.errors import ReproError
 from repro.records.step_log import LogRow
 
 if TYPE_CHECKING:
-    from repro.training.trainer import Trainer
+    from repro.training.components import TrainerState
 
 
 def _require_tensorboard() -> None:
@@ -38,7 +38,7 @@ class TensorBoardLog:
 
             self.writer = SummaryWriter(str(log_dir), purge_step=initial_step + 1 if initial_step else None)
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if self.writer is not None:
             if row.step % self.interval == 0 or row.step == self.last_step:
                 self.write(row)

@@ -18,7 +18,7 @@ from repro.io_utils import atomic_path, write_json_atomic
 
 if TYPE_CHECKING:
     from repro.records.step_log import LogRow
-    from repro.training.trainer import Trainer
+    from repro.training.components import TrainerState
 
 ROUTER_RANGE = "repro::router"
 _BACKWARD_PREFIX = "autograd::engine::evaluate_function:"
@@ -34,7 +34,7 @@ class StepTrace:
         self._hooks: list[Any] = []
         self._open: list[Any] = []
 
-    def after_step(self, trainer: Trainer, row: LogRow) -> LogRow:
+    def after_step(self, trainer: TrainerState, row: LogRow) -> LogRow:
         if not self.is_main:
             return row
         if row.step == self.step - 1:
