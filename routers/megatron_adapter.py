@@ -125,13 +125,13 @@ class MegatronRouterAdapter(MegatronModule):
         probs_TE = out.probs
 
         num_layers = self.config.num_layers + (self.config.mtp_num_layers or 0)
-        # Training forwards only, like TopKRouter.
-        for name, loss in out.aux_losses.items() if self.training and torch.is_grad_enabled() else ():
-            if loss.requires_grad:
-                # As TopKRouter: with per-token loss the final gradient scaling divides by the token count.
-                scaled = loss * probs_TE.shape[0] if self.config.calculate_per_token_loss else loss
-                probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, scaled)
-            save_to_aux_losses_tracker(name, loss.detach().float(), self.layer_number, num_layers)
+        if self.training and torch.is_grad_enabled():  # training forwards only, like TopKRouter
+            for name, loss in out.aux_losses.items():
+                if loss.requires_grad:
+                    # As TopKRouter: with per-token loss the final gradient scaling divides by the token count.
+                    scaled = loss * probs_TE.shape[0] if self.config.calculate_per_token_loss else loss
+                    probs_TE = MoEAuxLossAutoScaler.apply(probs_TE, scaled)
+                save_to_aux_losses_tracker(name, loss.detach().float(), self.layer_number, num_layers)
 
         self.last_metrics = {k: v.detach() for k, v in out.metrics.items()}
         self.last_aux_losses = {k: v.detach() for k, v in out.aux_losses.items()}
