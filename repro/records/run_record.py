@@ -370,7 +370,7 @@ def lm_eval_metrics(record: RunRecord) -> dict[str, dict[str, float]]:
     for task, metrics in record.lm_eval["results"].items():
         for key, value in metrics.items():
             name, _, filt = key.partition(",")
-            if filt == "none" and not name.endswith("_stderr") and not isinstance(value, bool) and isinstance(
-                    value, (int, float)):
+            number = isinstance(value, (int, float)) and not isinstance(value, bool)
+            if number and filt == "none" and not name.endswith("_stderr"):
                 out.setdefault(task, {})[name] = float(value)
     return out
