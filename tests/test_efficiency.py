@@ -129,6 +129,25 @@ def test_interleaved_runs_step_in_turn_with_the_collector_off(tmp_path, monkeypa
         assert not (tmp_path / label / "checkpoints").exists()
 
 
+def test_an_interleaved_run_traces_its_own_step_and_no_other(tmp_path):
+    """``logging.trace_step`` of one interleaved run (the GPU check's traced warm-up step): the profiler wraps that
+    run's own step only, so its summary counts its router calls, the other run gets no trace and both logs are whole."""
+    from repro.config import apply_overrides
+    from repro.training.interleave import train_interleaved
+
+    runs = []
+    for router, sets in (("switch", []), ("dirmoe", ["logging.trace_step=2"])):
+        config = apply_overrides(efficiency_config(router, "tiny", steps=3, vocab_size=256), sets)
+        runs.append((router, dataclasses.replace(config, name=router), tmp_path / router))
+    assert train_interleaved(runs, steps=3) == {"switch": 3, "dirmoe": 3}
+    summary = json.loads((tmp_path / "dirmoe" / "trace" / "summary.json").read_text())
+    config = runs[1][1]
+    micro_batches = config.data.global_batch_size // config.data.micro_batch_size
+    assert summary["step"] == 2 and summary["router_calls"] == config.model.flavour_config().num_layers * micro_batches
+    assert not (tmp_path / "switch" / "trace").exists()
+    assert [[r.step for r in read_rows(tmp_path / label)] for label in ("switch", "dirmoe")] == [[1, 2, 3]] * 2
+
+
 def test_interleaved_refuses_what_one_process_cannot_step_in_turn(tmp_path):
     from repro.training.interleave import train_interleaved
 
