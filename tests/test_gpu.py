@@ -108,7 +108,8 @@ SMOKE_TFLOPS_CEILING = 400.0
 
 
 def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device())
+    """The GPU; the CPU without one (``benchmarks/gpu_training_probe.py --cpu``: the tests skip)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 @contextlib.contextmanager
