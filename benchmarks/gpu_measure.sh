@@ -87,11 +87,16 @@ set +f
 EFF="$PY -m repro study efficiency"
 phase interleave "${INTERLEAVE_LIMIT:-210}" $EFF ${INTERLEAVE_ARGS:---router switch,dirmoe --warmup 20 --iters 150 \
   --set logging.trace_step=20} --out "$W/interleave"
-ALL="data.micro_batch_size=32,optimizer.foreach_fallbacks=true,model.fused_cross_entropy=cce"
+# Without cut-cross-entropy's wheel the fused loss lever is measured by torch.compile (the study refuses cce then).
+CCE=cce
+if [[ " $PHASES " == *" levers "* ]] && ! $PY -c "import cut_cross_entropy" 2>/dev/null; then
+  CCE=torch_compile; echo "levers: no cut-cross-entropy: fused CE by torch_compile" | tee -a "$W/phases.txt"
+fi
+ALL="data.micro_batch_size=32,optimizer.foreach_fallbacks=true,model.fused_cross_entropy=$CCE"
 phase levers "${LEVERS_LIMIT:-200}" $EFF ${LEVERS_ARGS:---router switch --warmup 8 --iters 30 \
   --set logging.trace_step=8 --variant switch-mb32=switch,data.micro_batch_size=32 \
   --variant switch-foreach=switch,optimizer.foreach_fallbacks=true \
-  --variant switch-cce=switch,model.fused_cross_entropy=cce \
+  --variant switch-cce=switch,model.fused_cross_entropy=$CCE \
   --variant switch-all=switch,$ALL --variant dirmoe-all=dirmoe,$ALL} --out "$W/levers"
 phase routers "${ROUTERS_LIMIT:-300}" $EFF ${ROUTERS_ARGS:---router all --warmup 5 --iters 20} --out "$W/routers"
 n=0

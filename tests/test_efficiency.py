@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import dataclasses
 import gc
+import importlib.util
 import json
 import os
 import statistics
@@ -230,11 +231,15 @@ def _error(capsys, argv: list[str]) -> str:
         (["--set", "data.global_batch_size=16"], "--set data.global_batch_size: use --global-batch or --accumulation"),
         (["--format", "pdf"], "unknown table format(s) pdf"),
         (["--flops-attention", "half"], "argument --flops-attention: invalid choice: 'half'"),
+        (["--variant", "s=switch,model.fused_cross_entropy=cce"],
+         "s: model.fused_cross_entropy=cce needs cut-cross-entropy==25.1.1"),
     ],
 )
 def test_bad_arguments_are_one_line_errors(argv, message, capsys, tmp_path):
     if torch.cuda.is_available() and "185m" in argv:
         pytest.skip("bf16 is available on a GPU")
+    if "cce" in str(argv) and importlib.util.find_spec("cut_cross_entropy"):
+        pytest.skip("cut-cross-entropy is installed")
     out = tmp_path / "out"
     assert message in _error(capsys, [*argv, "--out", str(out)])
     assert not out.exists()
