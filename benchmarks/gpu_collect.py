@@ -29,6 +29,12 @@ from tabulate import tabulate
 
 #: The efficiency phases of gpu_measure.sh, in the order it runs them.
 PHASES = ("interleave", "levers", "routers")
+#: What a call is read against (docs/efficiency.md, "Measured on an H100"): DirMoE's step time over Switch's
+#: stepped in turn (the DirMoE paper's is 1.013 on 8 GPUs) and that interval's relative half-width; Switch's
+#: TFLOP/s per device (the papers' 138 on 8 GPUs) and device-busy share of its traced step; DirMoE's routers
+#: against Switch's per call (device time, launches).
+GOALS = {"ratio": 1.01, "half_width": 0.01, "tflops": 200.0, "tflops_stretch": 250.0, "busy": 0.90,
+         "router_per_call": 1.3}
 
 
 def environment(path: Path) -> dict[str, str]:
@@ -91,6 +97,51 @@ def phase_table(summary: dict[str, Any]) -> str:
     return tabulate(rows, headers=headers, tablefmt="github")
 
 
+def _per_call(run: dict[str, Any]) -> tuple[float, float] | None:
+    """A run's routers in its traced step: device ms and launches per router call (None: no CUDA trace)."""
+    t = run.get("trace") or {}
+    if not t.get("router_calls") or t.get("router_device_ms") is None:
+        return None
+    return t["router_device_ms"] / t["router_calls"], t["router_launches"] / t["router_calls"]
+
+
+def goal_lines(summary: dict[str, Any]) -> list[str]:
+    """A phase's runs read against :data:`GOALS`, each line with what it rests on (an interval, a median, one
+    traced step); a run without the figure a goal needs has no line for it."""
+    runs = {label: run for label, run in summary["runs"].items() if "error" not in run}
+    lines = []
+    if (dirmoe := (runs.get("dirmoe") or {}).get("interleaved")) is not None:
+        goal, reached = GOALS["ratio"], GOALS["half_width"]
+        verdict = ("met: the whole interval is at or below it" if dirmoe["high"] <= goal else
+                   "not met: the whole interval is above it" if dirmoe["low"] > goal else
+                   "undecided: the interval holds it")
+        lines.append(f"dirmoe / switch, wall: {dirmoe['ratio']:.3f} [{dirmoe['low']:.3f}, {dirmoe['high']:.3f}] "
+                     f"(goal <= {goal}: {verdict}); half-width {dirmoe['half_width']:.2%} (goal <= {reached:.0%}: "
+                     f"{'met' if dirmoe['half_width'] <= reached else 'not met'}), {dirmoe['rounds']} rounds.")
+    for label, run in runs.items():
+        if not label.startswith("switch"):
+            continue
+        tflops, busy = run["tflops_per_device_analytic"], (run.get("trace") or {}).get("busy_share")
+        line = (f"{label}: {tflops:.3g} TFLOP/s per device, median step of {summary['measured_iterations']} "
+                f"(goal >= {GOALS['tflops']:.0f}, stretch {GOALS['tflops_stretch']:.0f}: "
+                f"{'stretch reached' if tflops >= GOALS['tflops_stretch'] else 'reached' if tflops >= GOALS['tflops'] else 'below'})")
+        if busy is not None:
+            line += (f"; device busy {busy:.0%} of its traced step (goal >= {GOALS['busy']:.0%}: "
+                     f"{'reached' if busy >= GOALS['busy'] else 'below'})")
+        lines.append(line + ".")
+    for label, run in runs.items():
+        partner = runs.get("switch" + label.removeprefix("dirmoe")) or runs.get("switch")
+        if not label.startswith("dirmoe") or partner is None:
+            continue
+        if (ours := _per_call(run)) is None or (theirs := _per_call(partner)) is None:
+            continue
+        within = GOALS["router_per_call"]
+        parts = [f"{what} {a:.3g} against {b:.3g} ({a / b:.2f}x: {'within' if a / b <= within else 'above'} "
+                 f"{within}x)" for what, a, b in (("device ms", ours[0], theirs[0]), ("launches", ours[1], theirs[1]))]
+        lines.append(f"{label}'s routers per call, one traced step each (no interval): {'; '.join(parts)}.")
+    return lines
+
+
 def readme(folder: Path, calls: int, out: Path) -> str:
     """``OUT/README.md`` from the files under ``folder/call<N>/`` (``folder`` becomes ``out``)."""
     parts = ["# Efficiency, traces and GPU tests on one GPU", "",
@@ -120,6 +171,8 @@ def readme(folder: Path, calls: int, out: Path) -> str:
                       f"{summary['micro_batch_size']} x {summary['accumulation']}), {summary['measured_iterations']} "
                       f"iterations after {summary['warmup_iterations']} warm-up, from {summary['timed_from']}.", "",
                       phase_table(summary)]
+            if goals := goal_lines(summary):
+                parts += ["", "Read against the goals:", "", *(f"- {line}" for line in goals)]
             if summary.get("failed"):
                 parts.append(f"\nFailed: {', '.join(summary['failed'])}.")
     return "\n".join(parts) + "\n"

@@ -63,3 +63,44 @@ def test_a_cpu_call_of_the_gpu_check_is_collected_with_its_own_figures(tmp_path)
     assert re.search(rf"\|\s*dirmoe\s*\|\s*{median:.1f} \(", text), text
     assert f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}], detects {ratio['detectable']:.1%}" in text
     assert "- phases: interleave rc=0" in text and (tmp_path / "res" / "call1" / "interleave" / "runs").is_dir()
+    assert f"- dirmoe / switch, wall: {ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}] (goal <= 1.01: " in text
+
+
+def _run(median_ms, tflops, ratio=None, trace=None):
+    return {"iter_time_ms": {"median": median_ms, "min": median_ms, "max": median_ms},
+            "tflops_per_device_analytic": tflops, "interleaved": ratio, "trace": trace}
+
+
+def _ratio(ratio, low, high):
+    return {"ratio": ratio, "low": low, "high": high, "half_width": (high - low) / (2 * ratio), "rounds": 120,
+            "detectable": 0.01, "device": None}
+
+
+def _trace(busy, device_ms, launches, calls=96):
+    return {"busy_share": busy, "router_device_ms": device_ms, "router_launches": launches, "router_calls": calls}
+
+
+@pytest.mark.parametrize(("low", "high", "verdict", "width"), [
+    (1.002, 1.009, "met: the whole interval is at or below it", "0.35% (goal <= 1%: met)"),
+    (1.011, 1.030, "not met: the whole interval is above it", "0.93% (goal <= 1%: met)"),
+    (1.000, 1.040, "undecided: the interval holds it", "1.96% (goal <= 1%: not met)"),
+])
+def test_a_phase_is_read_against_the_goals_by_its_interval(low, high, verdict, width):
+    mid = (low + high) / 2
+    summary = {"measured_iterations": 150, "runs": {
+        "switch": _run(300.0, 210.0, trace=_trace(0.93, 9.6, 1920)),
+        "dirmoe": _run(300.0 * mid, 190.0, _ratio(mid, low, high), _trace(0.91, 15.36, 2304)),
+        "switch-all": _run(280.0, 260.0, trace=_trace(0.80, 9.6, 1920)),
+        "dense": {"error": "out of memory"}}}
+    lines = gpu_collect.goal_lines(summary)
+    assert len(lines) == 4, lines
+    assert lines[0].startswith(f"dirmoe / switch, wall: {mid:.3f} [{low:.3f}, {high:.3f}] (goal <= 1.01: {verdict})")
+    assert f"); half-width {width}, 120 rounds." in lines[0]
+    assert lines[1] == ("switch: 210 TFLOP/s per device, median step of 150 (goal >= 200, stretch 250: reached); "
+                        "device busy 93% of its traced step (goal >= 90%: reached).")
+    assert "stretch 250: stretch reached); device busy 80% of its traced step (goal >= 90%: below)" in lines[2]
+    # 15.36 / 96 = 0.16 ms against 0.1 (1.6x); 24 against 20 launches per call (1.2x).
+    assert lines[3] == ("dirmoe's routers per call, one traced step each (no interval): device ms 0.16 against 0.1 "
+                        "(1.60x: above 1.3x); launches 24 against 20 (1.20x: within 1.3x).")
+    summary["runs"]["switch"]["tflops_per_device_analytic"] = 150.0
+    assert "(goal >= 200, stretch 250: below)" in gpu_collect.goal_lines(summary)[1]
