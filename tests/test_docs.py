@@ -3,6 +3,7 @@ exists and, for a Markdown target, to a heading that exists; every page is reach
 
 from __future__ import annotations
 
+import functools
 import re
 from pathlib import Path
 
@@ -149,3 +150,25 @@ def test_no_page_or_generated_file_names_a_command_of_an_earlier_version():
              for m in old.finditer(p.read_text(errors="replace"))]
     assert not stale, stale
     assert old.search("see `python -m repro mini --seeds 3`") and not old.search("python -m repro study mini")
+
+
+def test_every_decimal_figure_of_the_h100_findings_is_in_its_records():
+    """results/h100/findings.md is written by hand beside the records it reads: each figure with a decimal point
+    must be a number those records hold, as printed or rounded to the digits shown. The exceptions are named:
+    sums of recorded figures, and the norms' cost read from a Chrome trace the folder does not keep (the text
+    says so). A figure typed without a record (as its CPU losses once were) fails."""
+    root = ROOT / "results" / "h100"
+    plain = functools.partial(re.sub, r"(?<=\d),(?=\d{3})", "")  # 10,461 -> 10461
+    records = "\n".join(plain(p.read_text(errors="replace")) for p in sorted(root.rglob("*"))
+                        if p.is_file() and p.name != "findings.md")
+    values = [float(v) for v in re.findall(r"\d+(?:\.\d+)?", records)]
+    held = {d: {f"{v:.{d}f}" for v in values} for d in range(1, 5)}
+    text = plain((root / "findings.md").read_text())
+    figures = set(re.findall(r"(?<![\w.\-/])\d+\.\d+(?![\w.]*\d)", text))
+    sums = {"29.1": ("13.6", "15.5"), "29.3": ("13.8", "15.5")}  # DirMoE's router fwd + bwd ms, before and after
+    untraced = {"21.3", "17.3"}
+    for total, parts in sums.items():
+        assert all(p in held[1] for p in parts) and f"{sum(map(float, parts)):.1f}" == total, (total, parts)
+    unheld = sorted(f for f in figures if f not in held[len(f.split(".")[1])] and f not in sums and f not in untraced)
+    assert len(figures) > 60 and unheld == [], f"figures without a record: {unheld}"
+    assert (sums.keys() | untraced) <= figures  # a stale exception fails too
