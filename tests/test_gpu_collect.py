@@ -63,7 +63,8 @@ def test_a_cpu_call_of_the_gpu_check_is_collected_with_its_own_figures(tmp_path)
     assert re.search(rf"\|\s*dirmoe\s*\|\s*{median:.1f} \(", text), text
     assert f"{ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}], detects {ratio['detectable']:.1%}" in text
     assert "- phases: interleave rc=0" in text and (tmp_path / "res" / "call1" / "interleave" / "runs").is_dir()
-    assert f"- dirmoe / switch, wall: {ratio['ratio']:.3f} [{ratio['low']:.3f}, {ratio['high']:.3f}] (goal <= 1.01: " in text
+    low, high = ratio["low"], ratio["high"]
+    assert f"- dirmoe / switch, wall: {ratio['ratio']:.3f} [{low:.3f}, {high:.3f}] (goal <= 1.01: " in text
 
 
 def _run(median_ms, tflops, ratio=None, trace=None):

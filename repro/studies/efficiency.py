@@ -411,7 +411,8 @@ def parse(argv: list[str], prog: str) -> EfficiencyPlan:
                 "(or --set model.precision=fp32)"
             )
         # Checked before any work: found only at the first forward, it would stop every run stepped in turn.
-        if (fused := run.config().model.fused_cross_entropy).startswith("cce") and not importlib.util.find_spec("cut_cross_entropy"):
+        fused = run.config().model.fused_cross_entropy
+        if fused.startswith("cce") and not importlib.util.find_spec("cut_cross_entropy"):
             raise ReproError(f"{run.run_id}: model.fused_cross_entropy={fused} needs cut-cross-entropy==25.1.1 "
                              "(the 'fused' extra, GPU only); fused_cross_entropy=torch_compile runs anywhere")
     check_out_dir(study)  # before any work: another command's results stay
