@@ -2,15 +2,16 @@
 
     python benchmarks/gpu_collect.py --out results/h200 CALL [CALL ...]
 
-Each CALL is one call of the script: the folder its ``$OUT`` came back as (``gpu.tgz`` inside), or the
-``gpu.tgz`` itself. Writes ``OUT/call<N>/``, the archive's files as the call left them (``environment.txt``,
-``phases.txt``, ``pytest.log``, and each efficiency phase's folder as ``python -m repro study efficiency`` wrote
-it: ``summary.json``, the tables, ``runs/<run>/`` with each run's config, log, record and traced step's
-summary), and ``OUT/README.md``, generated from those files alone: per call the machine, the GPU tests' outcome,
-and per phase each run's iteration time, TFLOP/s, the device-busy share of its traced step and its ratio to
-Switch with the 95% interval and the change the rounds detect with 80% power. ``OUT`` must not exist; a call
-whose archive is missing or unreadable is one line naming it, and nothing is left behind. (``results/h100/``
-was assembled by an earlier version of this script, from that script's earlier archive layout.)
+Each CALL is one call of the script: the folder its ``$OUT`` came back as (``gpu.tgz`` inside), or the ``gpu.tgz``
+itself. Writes ``OUT/call<N>/``, the archive's files as the call left them (``environment.txt``, ``phases.txt``,
+``pytest.log``, and each efficiency phase's folder as ``python -m repro study efficiency`` wrote it:
+``summary.json``, the tables, ``runs/<run>/`` with each run's config, log, record and traced step's summary), and
+``OUT/README.md``, generated from those files alone: per call the machine, the GPU tests' outcome, and per phase
+each run's iteration time, TFLOP/s, active experts per token (over the timed steps that logged routing), the
+device-busy share of its traced step and its ratio to Switch with the 95% interval and the change the rounds detect
+with 80% power, then the phase read against :data:`GOALS`. ``OUT`` must not exist; a call whose archive is missing
+or unreadable is one line naming it, and nothing is left behind. (``results/h100/`` was assembled by an earlier
+version of this script, from that script's earlier archive layout.)
 """
 
 from __future__ import annotations
@@ -78,7 +79,7 @@ def phase_table(summary: dict[str, Any]) -> str:
     rows = []
     for label, run in summary["runs"].items():
         if "error" in run:
-            rows.append((label, f"FAILED: {run['error']}", "", "", "", "", ""))
+            rows.append((label, f"FAILED: {run['error']}", "", "", "", "", "", ""))
             continue
         t, trace = run["iter_time_ms"], run.get("trace") or {}
         busy = trace.get("busy_share")
@@ -86,15 +87,16 @@ def phase_table(summary: dict[str, Any]) -> str:
             label,
             f"{t['median']:.1f} ({t['min']:.0f}-{t['max']:.0f})",
             f"{run['tflops_per_device_analytic']:.3g}",
+            "--" if run.get("mean_active_experts") is None else f"{run['mean_active_experts']:.2f}",
             "--" if busy is None else f"{busy:.0%} of {trace['span_ms']:.0f} ms, {trace['launches']} launches",
             "--" if run.get("peak_memory_gib") is None else f"{run['peak_memory_gib']:.1f}",
             "1 (reference)" if run.get("ratio_to_switch") == 1.0 and not run.get("interleaved")
             else _ratio(run.get("interleaved")),
             _ratio((run.get("interleaved") or {}).get("device")),
         ))
-    headers = ("run", "ms/iter, median (min-max)", "TFLOP/s per device", "traced step: device busy",
+    headers = ("run", "ms/iter, median (min-max)", "TFLOP/s per device", "active experts", "traced step: device busy",
                "peak GiB", "/ switch, wall [95% CI]", "/ switch, device time [95% CI]")
-    return tabulate(rows, headers=headers, tablefmt="github")
+    return tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True)  # digits as formatted
 
 
 def _per_call(run: dict[str, Any]) -> tuple[float, float] | None:

@@ -78,7 +78,8 @@ def _ratio(ratio, low, high):
 
 
 def _trace(busy, device_ms, launches, calls=96):
-    return {"busy_share": busy, "router_device_ms": device_ms, "router_launches": launches, "router_calls": calls}
+    return {"busy_share": busy, "span_ms": 300.0, "launches": 8000, "router_device_ms": device_ms,
+            "router_launches": launches, "router_calls": calls}
 
 
 @pytest.mark.parametrize(("low", "high", "verdict", "width"), [
@@ -103,5 +104,11 @@ def test_a_phase_is_read_against_the_goals_by_its_interval(low, high, verdict, w
     # 15.36 / 96 = 0.16 ms against 0.1 (1.6x); 24 against 20 launches per call (1.2x).
     assert lines[3] == ("dirmoe's routers per call, one traced step each (no interval): device ms 0.16 against 0.1 "
                         "(1.60x: above 1.3x); launches 24 against 20 (1.20x: within 1.3x).")
+    # The table states each run's active experts per token (DirMoE's k is learnt); a failed run keeps its row.
+    summary["runs"]["dirmoe"]["mean_active_experts"] = 1.0712
+    rows = [[cell.strip() for cell in row.split("|")[1:-1]] for row in gpu_collect.phase_table(summary).splitlines()]
+    column, table = rows[0].index("active experts"), {row[0]: row for row in rows[2:]}
+    assert (table["dirmoe"][column], table["switch"][column]) == ("1.07", "--")
+    assert table["dense"][1] == "FAILED: out of memory" and len(table["dense"]) == len(rows[0])
     summary["runs"]["switch"]["tflops_per_device_analytic"] = 150.0
     assert "(goal >= 200, stretch 250: below)" in gpu_collect.goal_lines(summary)[1]
