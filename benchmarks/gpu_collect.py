@@ -126,7 +126,7 @@ def goal_lines(summary: dict[str, Any]) -> list[str]:
         tflops, busy = run["tflops_per_device_analytic"], (run.get("trace") or {}).get("busy_share")
         reached = ("stretch reached" if tflops >= GOALS["tflops_stretch"] else
                    "reached" if tflops >= GOALS["tflops"] else "below")
-        line = (f"{label}: {tflops:.3g} TFLOP/s per device, median step of {summary['measured_iterations']} "
+        line = (f"{label}: {tflops:.3g} TFLOP/s per device at the median of {summary['measured_iterations']} steps "
                 f"(goal >= {GOALS['tflops']:.0f}, stretch {GOALS['tflops_stretch']:.0f}: {reached})")
         if busy is not None:
             line += (f"; device busy {busy:.0%} of its traced step (goal >= {GOALS['busy']:.0%}: "

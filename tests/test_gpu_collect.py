@@ -98,8 +98,8 @@ def test_a_phase_is_read_against_the_goals_by_its_interval(low, high, verdict, w
     assert len(lines) == 4, lines
     assert lines[0].startswith(f"dirmoe / switch, wall: {mid:.3f} [{low:.3f}, {high:.3f}] (goal <= 1.01: {verdict})")
     assert f"); half-width {width}, 120 rounds." in lines[0]
-    assert lines[1] == ("switch: 210 TFLOP/s per device, median step of 150 (goal >= 200, stretch 250: reached); "
-                        "device busy 93% of its traced step (goal >= 90%: reached).")
+    assert lines[1] == ("switch: 210 TFLOP/s per device at the median of 150 steps (goal >= 200, stretch 250: "
+                        "reached); device busy 93% of its traced step (goal >= 90%: reached).")
     assert "stretch 250: stretch reached); device busy 80% of its traced step (goal >= 90%: below)" in lines[2]
     # 15.36 / 96 = 0.16 ms against 0.1 (1.6x); 24 against 20 launches per call (1.2x).
     assert lines[3] == ("dirmoe's routers per call, one traced step each (no interval): device ms 0.16 against 0.1 "
