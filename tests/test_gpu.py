@@ -76,7 +76,7 @@ VOCAB = 50257  # GPT-2 BPE, padded to 50304 in the model
 #: Training checks: optimizer steps on one repeated batch, at a learning rate below the recipe's 1e-3 peak
 #: (which it reaches after a warmup). Without one, 1e-3 overshot on an H100: auxfree's loss went 10.86, 10.64,
 #: 11.19, 10.88 in 4 steps, and the two backends' bf16 trajectories, 4e-4 apart for 3 steps, parted by 2.3%
-#: at that jump. At 3e-4 auxfree fell from 10.86 to 9.72 in 6 steps and the backends agreed within 0.07% over 8
+#: at the fourth step. At 3e-4 auxfree fell from 10.86 to 9.72 in 6 steps and the backends agreed within 0.07% over 8
 #: (H100, ``benchmarks/gpu_training_probe.py``: ``results/h100/bf16-norms/call1/probe.log``).
 STEPS = 6
 LR = 3e-4
