@@ -41,7 +41,7 @@ phase() {  # phase NAME SECONDS COMMAND...: run with a time limit (cut to what B
   if ((left < 30)); then echo "$name skipped: $left s of BUDGET=$BUDGET left" | tee -a "$W/phases.txt"; return 0; fi
   ((limit > left)) && limit=$left
   echo "== $name (limit ${limit} s) $(date +%T)"
-  # SIGINT first: an efficiency command stopped so keeps each run's log of the steps it finished
+  # SIGINT first: an interleaved efficiency phase stops after its round and reports the rounds done (summary.json)
   timeout --signal=INT --kill-after=15 "$limit" "$@" > "$W/$name.log" 2>&1; rc=$?
   echo "$name rc=$rc $((SECONDS - start)) s" | tee -a "$W/phases.txt"
   tail -n "${TAIL:-6}" "$W/$name.log"

@@ -9,6 +9,7 @@ import gc
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -147,6 +148,46 @@ def test_an_interleaved_run_traces_its_own_step_and_no_other(tmp_path):
     assert summary["step"] == 2 and summary["router_calls"] == config.model.flavour_config().num_layers * micro_batches
     assert not (tmp_path / "switch" / "trace").exists()
     assert [[r.step for r in read_rows(tmp_path / label)] for label in ("switch", "dirmoe")] == [[1, 2, 3]] * 2
+
+
+def _signal_at_round(monkeypatch, round_index: int) -> None:
+    """A stop signal to this process as round ``round_index`` starts (as ``timeout --signal=INT`` sends one)."""
+    from repro.training import interleave
+
+    order = interleave.round_order
+
+    def signalling(labels, index):
+        if index == round_index:
+            os.kill(os.getpid(), signal.SIGUSR1)  # SIGINT would also stop it; SIGUSR1 cannot reach pytest's handler
+        return order(labels, index)
+
+    monkeypatch.setattr(interleave, "round_order", signalling)
+
+
+def test_a_stop_signal_ends_the_interleaved_runs_after_the_round_every_run_at_one_step(tmp_path, monkeypatch):
+    from repro.training.interleave import train_interleaved
+
+    _signal_at_round(monkeypatch, 2)
+    runs = [(r, dataclasses.replace(efficiency_config(r, "tiny", steps=9, vocab_size=256), name=r), tmp_path / r)
+            for r in ("switch", "dirmoe")]
+    assert train_interleaved(runs, steps=8) == {"switch": 3, "dirmoe": 3}
+    assert [[r.step for r in read_rows(tmp_path / label)] for label in ("switch", "dirmoe")] == [[1, 2, 3]] * 2
+    assert signal.getsignal(signal.SIGUSR1) == signal.SIG_DFL  # the handler is gone with the rounds
+
+
+def test_a_stopped_efficiency_command_still_reports_what_it_measured(tmp_path, monkeypatch, capsys):
+    """gpu_measure.sh stops a phase at its time limit with SIGINT: the command writes its records, tables and
+    summary from the rounds done (the same for every run), says where it stopped, and exits 1."""
+    _signal_at_round(monkeypatch, 9)
+    out = tmp_path / "eff"
+    argv = ["study", "efficiency", "--router", "switch,dirmoe", "--vocab-size", "256", "--warmup", "1", "--iters", "40"]
+    assert cli_main([*argv, "--out", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_after"] == 10 and summary["failed"] == []
+    counts = {label: run["iterations"] for label, run in summary["runs"].items()}
+    assert counts == {"switch": 9, "dirmoe": 9}  # 10 steps, 1 of them warm-up
+    assert summary["runs"]["dirmoe"]["interleaved"]["rounds"] >= 4 and (out / "efficiency.md").is_file()
+    assert "stopped by a signal after step 10" in capsys.readouterr().out
 
 
 def test_interleaved_refuses_what_one_process_cannot_step_in_turn(tmp_path):

@@ -443,28 +443,34 @@ def main(argv: list[str], prog: str = COMMAND) -> int:
     outcome = _interleaved(plan) if plan.interleave else run_study(plan.study(), fresh=True)
     records = {r.label: load_record(plan.run_dir(r) / "record.json")
                for r in plan.runs if r.label not in outcome["failed"]}
-    write_command_outputs(plan, records, outcome["failed"], outcome["seconds"], argv)
-    return 1 if outcome["failed"] else 0
+    write_command_outputs(plan, records, outcome["failed"], outcome["seconds"], argv, outcome.get("stopped_after"))
+    return 1 if outcome["failed"] or outcome.get("stopped_after") else 0
 
 
 def _interleaved(plan: EfficiencyPlan) -> dict[str, Any]:
     """Train every run in this process, stepped in turn, then write the records. Returns the outcome as
-    :func:`repro.studies.engine.run_study` (``failed``: every run, when the training failed)."""
+    :func:`repro.studies.engine.run_study` (``failed``: every run, when the training failed) and ``stopped_after``:
+    the steps run when a stop signal ended the rounds early (None: all of them)."""
     import time
 
     from repro.training.interleave import train_interleaved
 
     study = plan.study()
     claim(study, fresh=True)  # (parse checked the output directory)
-    start, failed = time.perf_counter(), {}
+    start, failed, steps = time.perf_counter(), {}, plan.steps_run
     runs = [(spec.label, plan.run(spec).config(), plan.run_dir(spec)) for spec in plan.runs]
     try:
-        train_interleaved(runs, steps=plan.steps_run, progress_every=max(1, plan.steps_run // 10))
-        for run in study.runs:
-            _write_record(study, run)
+        steps = min(train_interleaved(runs, steps=plan.steps_run, progress_every=max(1, plan.steps_run // 10)).values())
     except ReproError as exc:
         failed = {spec.label: str(exc) for spec in plan.runs}
         print(f"interleaved training FAILED: {exc}", flush=True)
+    # Stopped by a signal (gpu_measure.sh's time limit), every run has the same rounds: recorded as far as they go.
+    for run in study.runs if not failed else ():
+        try:
+            _write_record(study, run)
+        except ReproError as exc:
+            failed[run.run_id] = f"stopped after {steps} of {plan.steps_run} steps: {exc}"
     wall = time.perf_counter() - start
     print(f"  {len(plan.runs)} run(s) interleaved in {wall:.0f} s", flush=True)
-    return {"failed": failed, "seconds": {spec.label: wall for spec in plan.runs}}
+    return {"failed": failed, "seconds": {spec.label: wall for spec in plan.runs},
+            "stopped_after": steps if steps < plan.steps_run else None}

@@ -21,10 +21,12 @@ REFERENCE_ROUTER = "switch"
 
 
 def _command_summary(
-    plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
+    plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str],
+    stopped_after: int | None = None,
 ) -> dict[str, Any]:
     """The summary JSON: command, settings, FLOPs count, each run's start step, per-run iteration times
-    (min/median/max) and figures, ratios to Switch, failed runs. Arguments as :func:`write_command_outputs`."""
+    (min/median/max, how many) and figures, ratios to Switch, failed runs, the step a stop signal ended the
+    measurement after (None: not stopped). Arguments as :func:`write_command_outputs`."""
     runs: dict[str, Any] = {}
     for run in plan.runs:
         if run.label in errors:
@@ -38,6 +40,7 @@ def _command_summary(
             "init_from": run.init_from or None,
             "start_step": run.start_step,
             "iter_time_ms": {"min": min(times), "median": statistics.median(times), "max": max(times)},
+            "iterations": len(times),
             "tokens_per_s": eff.tokens_per_s,
             "tflops_per_device_analytic": eff.tflops_per_device_analytic,
             "tflops_per_device_measured": eff.tflops_per_device_measured,
@@ -85,6 +88,7 @@ def _command_summary(
         "dirmoe_over_switch": runs.get("dirmoe", {}).get("ratio_to_switch"),
         "published_dirmoe_over_switch": PUBLISHED_MS["dirmoe"] / PUBLISHED_MS["switch"],
         "failed": sorted(errors),
+        "stopped_after": stopped_after,
     }
 
 
@@ -115,6 +119,8 @@ def _summary_text(summary: dict[str, Any]) -> str:
         f"warm-up, {summary['devices']} x {summary['device']}, {summary['tokens_per_iteration']:,} tokens per iteration, "
         f"from {summary['timed_from']}:"
     ]
+    if summary.get("stopped_after") is not None:
+        lines.append(f"  stopped by a signal after step {summary['stopped_after']}: every run measured that far")
     for label, entry in summary["runs"].items():
         if "error" in entry:
             lines.append(f"  {label:<18} FAILED: {entry['error']}")
@@ -142,7 +148,8 @@ def _ratio_text(figures: dict[str, Any]) -> str:
 
 
 def write_command_outputs(
-    plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str]
+    plan: Any, records: dict[str, Any], errors: dict[str, str], wall_s: dict[str, float], argv: list[str],
+    stopped_after: int | None = None,
 ) -> None:
     """Write and print the command's outputs in ``plan.out_dir``: the table in ``plan.formats`` and ``summary.json``.
 
@@ -152,12 +159,13 @@ def write_command_outputs(
         errors: the failed runs' one-line errors, by run label.
         wall_s: each run's wall time, by run label.
         argv: the command's arguments.
+        stopped_after: the steps run when a stop signal ended the measurement early (None: all of them).
     """
     from repro.io_utils import write_json_atomic
     from repro.report.published import load_ledger
     from repro.report.table_core import render, write_tables
 
-    summary = _command_summary(plan, records, errors, wall_s, argv)
+    summary = _command_summary(plan, records, errors, wall_s, argv, stopped_after)
     measured = [records[r.label] for r in plan.runs if r.label in records]
     if measured:
         table = _command_table(plan, measured, summary, ledger=load_ledger() if plan.published else None)

@@ -4,7 +4,8 @@ Separate processes differ as much as routers do; here all runs stay resident and
 them round by round (docs/efficiency.md): odd rounds reversed (:func:`round_order`), GC only between rounds
 (Megatron-LM's ``--manual-gc``), each run's own CUDA peak memory (:class:`_OwnMemory`), and a profiled step
 (``logging.trace_step``) of that run alone. Run directories as :func:`repro.training.trainer.train` writes them,
-no checkpoints; step ``s`` is round ``s``. One process and device: tp = ep = 1.
+no checkpoints; step ``s`` is round ``s``. One process and device: tp = ep = 1. A stop signal (SIGINT, SIGTERM,
+SIGUSR1: :mod:`repro.training.preemption`) ends it after the round in progress, every run at the same step.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -39,12 +41,13 @@ def train_interleaved(
         progress_every: print a line every this many rounds (0: never).
 
     Returns:
-        ``{label: steps completed}``.
+        ``{label: steps completed}``: ``steps`` each, or fewer (the same for all) after a stop signal.
 
     Raises:
         ReproError: tp/ep > 1, a schedule ending within ``steps``, a busy run directory, a non-finite loss.
     """
     from repro.model import parallel as model_parallel
+    from repro.training.preemption import StopRequest
     from repro.training.run_dir import RunPaths, run_lock, start_state
     from repro.training.trace import StepTrace
     from repro.training.trainer import NonFiniteLoss, Trainer, aux_loss_scale_restored
@@ -79,7 +82,8 @@ def train_interleaved(
                 # The trace is taken around the step itself (one profiler at a time), not by the component.
                 traces[label] = next((c for c in trainer.components if isinstance(c, StepTrace)), None)
                 trainer.components = [c for c in trainer.components if c is not traces[label]]
-            _step_rounds(trainers, traces, labels, steps, progress_every, memory)
+            with StopRequest("Ctrl-C: stopping after this round (Ctrl-C again: at once)").installed() as stop:
+                _step_rounds(trainers, traces, labels, steps, progress_every, memory, stop)
         except NonFiniteLoss as exc:
             raise ReproError(f"{exc} (interleaved run; its log is kept in its run directory)") from None
         finally:
@@ -118,7 +122,7 @@ class _OwnMemory:
         return dataclasses.replace(row, peak_memory_bytes=int(own))
 
 
-def _step_rounds(trainers, traces, labels, steps, progress_every, memory) -> None:
+def _step_rounds(trainers, traces, labels, steps, progress_every, memory, stop) -> None:
     start, last_ms = time.perf_counter(), {}
     enabled = gc.isenabled()
     gc.disable()
@@ -140,6 +144,10 @@ def _step_rounds(trainers, traces, labels, steps, progress_every, memory) -> Non
                 times = "  ".join(f"{label} {last_ms[label]:.0f} ms" for label in labels)
                 print(f"  round {round_index + 1}/{steps} ({time.perf_counter() - start:.0f} s)  {times}", flush=True,
                       file=sys.stderr)
+            if stop.signum:
+                print(f"stopped by {signal.Signals(stop.signum).name} after round {round_index + 1} of {steps}",
+                      flush=True, file=sys.stderr)
+                return
     finally:
         if enabled:
             gc.enable()

@@ -44,18 +44,23 @@ STOP_SIGNALS: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGUSR1, sign
 
 
 class StopRequest:
-    """Records a stop signal and tells, after each step, whether any rank got one."""
+    """Records a stop signal and tells, after each step, whether any rank got one.
 
-    def __init__(self) -> None:
+    Args:
+        on_ctrl_c: what the first Ctrl-C prints (the interleaved runs stop after a round, without a checkpoint).
+    """
+
+    def __init__(self, on_ctrl_c: str = "Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once, "
+                                        "without one)") -> None:
         self.signum = 0
+        self.on_ctrl_c = on_ctrl_c
 
     def _record(self, signum: int, frame) -> None:  # nothing else, so the step in progress finishes
         if signum == signal.SIGINT and self.signum == signal.SIGINT:
             raise KeyboardInterrupt  # Ctrl-C twice: the user will not wait for the step and its checkpoint
         self.signum = self.signum or signum  # the first signal names the stop
         if signum == signal.SIGINT:
-            print("Ctrl-C: stopping after this step with a checkpoint (Ctrl-C again: at once, without one)",
-                  file=sys.stderr, flush=True)
+            print(self.on_ctrl_c, file=sys.stderr, flush=True)
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
