@@ -126,7 +126,8 @@ def goal_lines(summary: dict[str, Any]) -> list[str]:
         tflops, busy = run["tflops_per_device_analytic"], (run.get("trace") or {}).get("busy_share")
         reached = ("stretch reached" if tflops >= GOALS["tflops_stretch"] else
                    "reached" if tflops >= GOALS["tflops"] else "below")
-        line = (f"{label}: {tflops:.3g} TFLOP/s per device at the median of {summary['measured_iterations']} steps "
+        steps = run.get("iterations", summary["measured_iterations"])
+        line = (f"{label}: {tflops:.3g} TFLOP/s per device at the median of {steps} steps "
                 f"(goal >= {GOALS['tflops']:.0f}, stretch {GOALS['tflops_stretch']:.0f}: {reached})")
         if busy is not None:
             line += (f"; device busy {busy:.0%} of its traced step (goal >= {GOALS['busy']:.0%}: "
@@ -174,6 +175,9 @@ def readme(folder: Path, calls: int, out: Path) -> str:
                       f"{summary['micro_batch_size']} x {summary['accumulation']}), {summary['measured_iterations']} "
                       f"iterations after {summary['warmup_iterations']} warm-up, from {summary['timed_from']}.", "",
                       phase_table(summary)]
+            if summary.get("stopped_after") is not None:
+                parts.append(f"\nStopped by its time limit after step {summary['stopped_after']}: every run measured "
+                             "that far (the iterations behind each median are in `summary.json`).")
             if goals := goal_lines(summary):
                 parts += ["", "Read against the goals:", "", *(f"- {line}" for line in goals)]
             if summary.get("failed"):

@@ -111,4 +111,5 @@ def test_a_phase_is_read_against_the_goals_by_its_interval(low, high, verdict, w
     assert (table["dirmoe"][column], table["switch"][column]) == ("1.07", "--")
     assert table["dense"][1] == "FAILED: out of memory" and len(table["dense"]) == len(rows[0])
     summary["runs"]["switch"]["tflops_per_device_analytic"] = 150.0
-    assert "(goal >= 200, stretch 250: below)" in gpu_collect.goal_lines(summary)[1]
+    summary["runs"]["switch"]["iterations"] = 37  # a phase stopped at its time limit: the steps it measured
+    assert "at the median of 37 steps (goal >= 200, stretch 250: below)" in gpu_collect.goal_lines(summary)[1]
