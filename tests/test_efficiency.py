@@ -190,6 +190,16 @@ def test_a_stopped_efficiency_command_still_reports_what_it_measured(tmp_path, m
     assert "stopped by a signal after step 10" in capsys.readouterr().out
 
 
+def test_a_run_stopped_within_its_warm_up_is_a_failed_row_that_says_so(tmp_path, monkeypatch):
+    _signal_at_round(monkeypatch, 0)
+    out = tmp_path / "eff"
+    argv = ["study", "efficiency", "--router", "switch,hash", "--vocab-size", "256", "--warmup", "2", "--iters", "9"]
+    assert cli_main([*argv, "--out", str(out)]) == 1
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped_after"] == 1 and summary["failed"] == ["hash", "switch"]
+    assert all(run["error"].startswith("stopped after 1 of ") for run in summary["runs"].values())
+
+
 def test_interleaved_refuses_what_one_process_cannot_step_in_turn(tmp_path):
     from repro.training.interleave import train_interleaved
 

@@ -469,7 +469,8 @@ def _interleaved(plan: EfficiencyPlan) -> dict[str, Any]:
         try:
             _write_record(study, run)
         except ReproError as exc:
-            failed[run.run_id] = f"stopped after {steps} of {plan.steps_run} steps: {exc}"
+            stopped = f"stopped after {steps} of {plan.steps_run} steps: " if steps < plan.steps_run else ""
+            failed[run.run_id] = f"{stopped}{exc}"
     wall = time.perf_counter() - start
     print(f"  {len(plan.runs)} run(s) interleaved in {wall:.0f} s", flush=True)
     return {"failed": failed, "seconds": {spec.label: wall for spec in plan.runs},
