@@ -134,9 +134,9 @@ def goal_lines(summary: dict[str, Any]) -> list[str]:
                      f"{'reached' if busy >= GOALS['busy'] else 'below'})")
         lines.append(line + ".")
     for label, run in runs.items():
-        partner = runs.get("switch" + label.removeprefix("dirmoe")) or runs.get("switch")
-        if not label.startswith("dirmoe") or partner is None:
+        if not label.startswith("dirmoe"):
             continue
+        partner = runs.get("switch" + label.removeprefix("dirmoe")) or runs.get("switch") or {}
         if (ours := _per_call(run)) is None or (theirs := _per_call(partner)) is None:
             continue
         within = GOALS["router_per_call"]
