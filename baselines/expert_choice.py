@@ -15,10 +15,8 @@ Group and capacity rules (``reference``):
 Megatron's is the default: the suite's other capacity routers use it, the capacities agree where the comparisons
 run (E divides g * c), and flaxformer's at least E groups (its SPMD sharding) are a different routing.
 
-1. ``group_size``: experts choose among a group's tokens, taken batch-major (as flaxformer reshapes). ``None``
-   (default): the micro-batch (``flaxformer``: as ``max_group_size``, still E groups); ``"sequence"``: each
-   sequence, so routing no longer depends on the micro-batch size; an integer G: the largest group.
-2. ``eval_capacity_factor`` and ``z_loss_coeff`` are flaxformer's ``eval_capacity_factor`` and ``router_z_loss``.
+A group's tokens are taken batch-major, as flaxformer reshapes; ``group_size="sequence"`` makes routing
+independent of the micro-batch size, an integer (flaxformer's ``max_group_size``) bounds a group.
 
 Shape legend: T tokens, D hidden size, E experts, N groups, G tokens per group (see :mod:`routers.base`).
 """
@@ -44,7 +42,8 @@ FLAXFORMER_MIN_CAPACITY = 4
 
 @dataclass(frozen=True)
 class ExpertChoiceConfig(RouterConfig):
-    """Options of the Expert Choice router (the module docstring gives each option's reference)."""
+    """Options of the Expert Choice router (``reference``'s rules: module docstring); ``eval_capacity_factor`` and
+    ``z_loss_coeff`` are flaxformer's ``eval_capacity_factor`` and ``router_z_loss``."""
 
     # c, mean experts per token; None: c = k (top-k's compute, as the paper's comparisons)
     capacity_factor: float | None = None

@@ -6,10 +6,6 @@ References:
     (``HashLayerFFN.hash``: a random bin per id, ``random.seed(42)``, one hash layer).
     Wang, Zhu, Chen, "ReMoE", ICLR 2025 (arXiv:2412.14711), Sec. 4.2: "we use mod E hashing function" (``mod``).
 
-The tables (``hash_type``): ``random`` (default), per id the first k of a seeded random permutation; ``mod``,
-``(id + j) mod E`` for j < k (ReMoE's); ``balanced`` (:func:`balanced_table`), from the corpus's token counts
-(``counts_path``, by :func:`repro.data.token_counts.write_token_counts`).
-
 Paper gaps and deviations, each switchable:
 
 1. Balanced construction at k > 1 (the paper's k is 1): the k emptiest buckets, distinct (``balance_rule``).
@@ -39,7 +35,7 @@ BALANCE_RULES = ("greedy", "random-greedy")
 
 @dataclass(frozen=True)
 class HashConfig(RouterConfig):
-    """Options of the Hash router (see the module docstring for the tables)."""
+    """Options of the Hash router (the tables: :func:`build_hash_table`)."""
 
     hash_type: str = "random"  # "random", "mod" or "balanced" (built from counts_path)
     seed: int = 42  # seed of the "random" and "balanced" tables (seed + layer_number with per_layer)

@@ -7,18 +7,11 @@ Reference:
 The layer merging the experts' parameters is :mod:`baselines.lory_layer`; the paper's similarity batching
 (Sec. 3.2) is :mod:`repro.data.similarity`, turned on by ``recipe_overrides``.
 
-The first segment (``first_segment_grad``), routed on its own mean: ``"none"`` (default; Algorithm 1
-``e[:, 0] = stop_grad(e_first)``) stops the gradient of its whole routing output; ``"router"`` detaches only the
-mean, so W_r trains on segment 0, whose weights see its own later tokens.
-
 The dense start (``dense_fraction``; Sec. 4.1, Appendix G.3: "crucial"): the first ``config.dense_steps`` steps
 train one dense FFN, E tied experts in the merge layer, so at the switch every expert *is* it, optimizer state
 included, with nothing outside the state dict (the phase follows ``step``: any resume is exact). W_r has
 ``requires_grad`` off meanwhile: the CPU AdamW skips it; megatron's GPU optimizer takes zero-gradient steps (weight
-decay only; Adam's bias correction counts them).
-
-Shape legend: T tokens (t = s * B + b), S sequence length, B sequences, D hidden size, E experts,
-G segments per sequence (see :mod:`routers.base`).
+decay only; Adam's bias correction counts them). Shape suffixes: :mod:`routers.base`.
 """
 
 from __future__ import annotations
@@ -37,7 +30,7 @@ FIRST_SEGMENT_GRADS = ("none", "router")
 
 @dataclass(frozen=True)
 class LoryConfig(RouterConfig):
-    """Options of the Lory router (the module docstring gives the first segment's and the dense start's)."""
+    """Options of the Lory router (the dense start: module docstring)."""
 
     segment_len: int = 256  # tokens per segment (paper: 256); a sequence's last segment may be shorter
     first_segment_grad: str = "none"  # "none" (paper) | "router" (only the mean detached; W_r learns)
@@ -121,7 +114,7 @@ class LoryRouter(GatedRouter):
     def segment_weights(self, hidden_TD: torch.Tensor, seq_shape: tuple[int, int] | None = None) -> torch.Tensor:
         """``[B, G, E]`` float32 expert weights per segment: ``softmax(W_r mean(segment g-1))`` for g >= 1; for
         g = 0 ``stopgrad(softmax(W_r mean(segment 0)))`` (default) or ``softmax(W_r stopgrad(mean(segment 0)))``
-        (``"router"``)."""
+        (``"router"``: W_r trains on segment 0, whose weights then see its own later tokens)."""
         means_BGD = segment_means(hidden_TD, seq_shape, self.config.segment_len)
         # Segment g reads segment g-1 (causal); the first reads itself, detached.
         route_on_BGD = torch.cat([means_BGD[:, :1].detach(), means_BGD[:, :-1]], dim=1)

@@ -73,7 +73,6 @@ class LoryMoELayer(MoELayer):
 
     @property
     def segment_length(self) -> int:
-        """The Lory router's ``segment_len``."""
         return self.lory_router.config.segment_len
 
     def expert_weights(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,14 +5,11 @@ References:
     arXiv:2310.00811). Code: microsoft/SparseMixer ``sparsemixer/sparsemixer_v2.py`` (``sparsemixerv2_routing``,
     autograd function ``v2core``).
 
-Two published settings, ``reference`` (:data:`REFERENCE_SETTINGS`; docs/routers.md, "The routers"): ``"grin"``,
-GRIN's Phi-3.5-MoE config and model code, and ``"sparsemixer-repo"``, ``SparseMixerV2``'s defaults and
-``compute_balance_loss``; each field still overrides its preset. GRIN's is the default: the comparisons
-reproduced (ReMoE Table 2, copied by DirMoE) cite GRIN and set none of its hyper-parameters, so its LM-pretraining
-setting applies; the repository's 0.1 serves fairseq translation.
-
-Balancing loss: megatron-core's ``alpha * E * sum_i f_i P_i`` as Switch. Deviation (not switchable): GRIN's
-Mixtral-style code divides ``f`` by T, not ``k T`` (twice the loss at k = 2).
+``reference`` (:data:`REFERENCE_SETTINGS`): ``"grin"`` (GRIN's Phi-3.5-MoE config and model code) is the default:
+the comparisons reproduced (ReMoE Table 2, copied by DirMoE) cite GRIN and set none of its hyper-parameters, so its
+LM-pretraining setting applies; ``"sparsemixer-repo"`` (the repository's defaults: jitter 0.1) serves fairseq
+translation. Balancing loss: megatron-core's ``alpha * E * sum_i f_i P_i`` as Switch; GRIN's code divides ``f`` by
+T, not ``k T`` (twice the loss at k = 2; not switchable).
 
 Pooled loss: GRIN computes one loss, weighted once by alpha, on all L layers' logits (``[L T, E]``); megatron
 adds one per layer. ``alpha E sum_e fbar_e Pbar_e`` (layer means of ``f_l``, ``P_l``) is bilinear, *not* a sum

@@ -22,7 +22,6 @@ from routers.metrics import routing_metrics
 
 
 def is_int(value: object) -> bool:
-    """An int, not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -48,8 +47,7 @@ class RouterConfig:
     @classmethod
     def option_names(cls) -> list[str]:
         """Names of the router-specific options (everything but hidden_size/num_experts/top_k)."""
-        common = {"hidden_size", "num_experts", "top_k"}
-        return [f.name for f in dataclasses.fields(cls) if f.name not in common]
+        return [f.name for f in dataclasses.fields(cls) if f.name not in ("hidden_size", "num_experts", "top_k")]
 
 
 class RoutingKind(enum.StrEnum):

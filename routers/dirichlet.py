@@ -12,17 +12,11 @@ import torch
 
 from routers.base import is_int, require
 
-__all__ = [
-    "RECON_REDUCTIONS", "alpha_ratio", "dirichlet_expected_simpson", "dirichlet_kl", "expected_simpson",
-    "is_finite_number", "kl_terms", "lambda_for_mass_variance", "lambda_for_simpson", "reconstruction_loss",
-]
-
 #: How the reconstruction's squared error is reduced over the D dimensions (see ``DirMoEConfig.recon_reduction``).
 RECON_REDUCTIONS = ("mean", "sum")
 
 
 def is_finite_number(value: object) -> bool:
-    """A real number (not a bool), finite."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -128,20 +122,20 @@ def lambda_for_mass_variance(
     return (m * (1.0 - m) / v_tar - 1.0) / C
 
 
-def dirichlet_kl(alpha_q: torch.Tensor, alpha_p: torch.Tensor, validate_args: bool = True) -> torch.Tensor:
+def dirichlet_kl(alpha_q: torch.Tensor, alpha_p: torch.Tensor) -> torch.Tensor:
     """Closed-form ``KL(Dir(alpha_q) || Dir(alpha_p))`` over the last dimension, differentiable in both:
-    ``lgG(sum q) - sum lgG(q) - lgG(sum p) + sum lgG(p) + sum (q - p)(digamma(q) - digamma(sum q))``.
+    ``lgG(sum q) - sum lgG(q) - lgG(sum p) + sum lgG(p) + sum (q - p)(digamma(q) - digamma(sum q))``. Checks the
+    values (a device sync on GPU; the router's hot path uses :func:`kl_terms`, unchecked).
 
     Args:
         alpha_q: ``[..., E]`` posterior concentrations, > 0.
         alpha_p: ``[..., E]`` prior concentrations, > 0 (broadcast against ``alpha_q``).
-        validate_args: check positivity (a device sync on GPU; the router's hot path passes False).
 
     Returns:
         ``[...]`` KL divergences, in the inputs' dtype.
 
     Raises:
-        ValueError: non-broadcasting shapes, an empty last dimension, or (``validate_args``) invalid values.
+        ValueError: non-broadcasting shapes, an empty last dimension, or invalid values.
     """
     try:
         shape = torch.broadcast_shapes(alpha_q.shape, alpha_p.shape)
@@ -149,10 +143,9 @@ def dirichlet_kl(alpha_q: torch.Tensor, alpha_p: torch.Tensor, validate_args: bo
         raise ValueError(f"alpha_q {tuple(alpha_q.shape)} and alpha_p {tuple(alpha_p.shape)} do not broadcast") from err
     if len(shape) == 0 or shape[-1] < 1:
         raise ValueError(f"concentrations need a non-empty last (expert) dimension, got shape {tuple(shape)}")
-    if validate_args:
-        for name, alpha in (("alpha_q", alpha_q), ("alpha_p", alpha_p)):
-            if not bool(torch.isfinite(alpha).all()) or not bool((alpha > 0).all()):
-                raise ValueError(f"{name} must be positive and finite")
+    for name, alpha in (("alpha_q", alpha_q), ("alpha_p", alpha_p)):
+        if not bool(torch.isfinite(alpha).all()) or not bool((alpha > 0).all()):
+            raise ValueError(f"{name} must be positive and finite")
     alpha_q, alpha_p = torch.broadcast_tensors(alpha_q, alpha_p)
     return kl_terms(alpha_q, alpha_p, alpha_q.sum(-1, keepdim=True))[0].sum(-1)
 

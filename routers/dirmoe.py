@@ -14,12 +14,10 @@ Method (paper Sec. 4 and Appendix "Objective function"), per token x (the MoE la
   + lambda_sparsity (sum_i z~_i - k)^2``, returned as the aux losses ``dirmoe_recon``, ``dirmoe_kl`` and
   ``dirmoe_sparsity`` (each already weighted).
 * Evaluation (``router.eval()``) is deterministic: no logistic noise, ``theta`` = the posterior mean.
-* All router maths runs in float32 whatever the model dtype. Training computes only
-  :meth:`DirMoERouter.route_core` (no host syncs; eager or one ``torch.compile`` region); the diagnostic metrics
-  follow, eagerly, only when ``collect_metrics`` is set.
+* All router maths runs in float32 whatever the model dtype (training computes :meth:`DirMoERouter.route_core`).
 
-Dirichlet maths: :mod:`routers.dirichlet`; the sample's maths: :mod:`routers.dirmoe_blocks`; options and the
-paper's numbered gaps: :mod:`routers.dirmoe_config`. Shape suffixes: :mod:`routers.base`.
+Dirichlet maths: :mod:`routers.dirichlet`; the sample's maths: :mod:`routers.dirmoe_blocks`; options:
+:mod:`routers.dirmoe_config` (the paper's numbered gaps: docs/routers.md). Shape suffixes: :mod:`routers.base`.
 """
 
 from __future__ import annotations
@@ -39,8 +37,6 @@ from routers.dirichlet import dirichlet_expected_simpson, reconstruction_loss
 from routers.dirmoe_config import DirMoEConfig
 from routers.metrics import simpson_index
 from routers.registry import register_router
-
-__all__ = ["DirMoEConfig", "DirMoERouter", "DirMoESample"]
 
 
 def _softplus_inverse(y: float) -> float:

@@ -1,21 +1,6 @@
 """DirMoE's options (:class:`DirMoEConfig`): the paper's routing table, and its gaps closed with switchable
-defaults, numbered as in docs/routers.md ("DirMoE's gaps and their defaults"; "...: what was measured").
-
-1. Gate bias vs. centering, and what the bias init sets (``center_logits``, ``gate_bias_init``).
-2. Dispatch rule (``dispatch``, ``dense_steps``, ``z_threshold``, ``max_experts_per_token``, ``renormalize``).
-3. Reconstruction target detached (``detach_recon_target``): x is a learned representation, not data.
-4. The hyperparameter table's two readings (``hparam_reading``; ``prior_mass``, ``alpha_lo_init``, ``alpha_floor``).
-5. Reconstruction reduction (``recon_reduction``): per dimension, keeping the term O(1).
-6. Schedule horizons (``schedule_steps``, ``tau_schedule_steps``): the paper gives end points only.
-7. Small posterior concentrations (``posterior_alpha_min``): keeps Dirichlet gradients finite.
-8. Decoder (``decoder_hidden_size``): one linear layer by default.
-9. Reconstruction target raw or centred (``recon_target``, ``recon_mean_momentum``, ``recon_weight``).
-10. Posterior scale against the KL (``posterior_scale``).
-11. Loss terms switchable (``recon_weight``, ``kl_weight``, ``sparsity_weight``): 0 leaves a term out.
-12. Switch's load-balancing loss as a control (``balance_loss_coeff``).
-
-``compile_elementwise`` is implementation, not maths: eager (the reference) or one ``torch.compile`` region,
-equal in distribution.
+defaults; the comments' "gap N" is the numbered list in docs/routers.md ("DirMoE's gaps and their defaults"; its
+evidence: "...: what was measured"; ``compile_elementwise``: "Implementation option (not the maths)").
 """
 
 from __future__ import annotations
@@ -26,9 +11,6 @@ from dataclasses import dataclass
 
 from routers.base import RouterConfig, is_int, require
 from routers.dirichlet import RECON_REDUCTIONS, alpha_ratio, is_finite_number
-
-__all__ = ["DirMoEConfig", "HPARAM_READINGS", "PriorConstants"]
-
 
 #: The two readings of the paper's routing-hyperparameter table: (m, alpha_lo^(0), alpha_floor).
 HPARAM_READINGS = types.MappingProxyType({
@@ -56,7 +38,7 @@ class PriorConstants:
 
 @dataclass(frozen=True)
 class DirMoEConfig(RouterConfig):
-    """DirMoE's options, each a ``build_router("dirmoe", ...)`` keyword (defaults: module docstring)."""
+    """DirMoE's options, each a ``build_router("dirmoe", ...)`` keyword (the gaps they close: docs/routers.md)."""
 
     # ---- gates (spike)
     center_logits: bool = True  # per-token centering of the x-dependent logits; bias added after (gap 1)

@@ -1,7 +1,4 @@
-"""Routing metrics shared by all routers. All outputs are detached.
-
-Shape legend: T tokens, E experts (see :mod:`routers.base`).
-"""
+"""Routing metrics shared by all routers, all detached (shape suffixes: :mod:`routers.base`)."""
 
 from __future__ import annotations
 
