@@ -1,7 +1,4 @@
-"""Routing analysis of trained models: expert specialisation by domain and DirMoE's sparsity knob.
-
-Shape legend: T tokens, D hidden, E experts, L layers (see :mod:`routers.base`).
-"""
+"""Routing analysis of trained models: expert specialisation by domain and DirMoE's sparsity knob."""
 
 from __future__ import annotations
 
@@ -73,7 +70,9 @@ def expert_specialisation(
                 continue
             with trace_routers(model) as trace, torch.no_grad():
                 forward(torch.tensor([window], dtype=torch.long))
-            per_layer = torch.stack([_routed(trace.outputs[l][0]) for l in sorted(trace.outputs)])
+            # [E] tokens routed per expert and layer (combine weights if every token goes everywhere, as in Lory)
+            per_layer = torch.stack([o.probs.sum(0) if o.routing_map.all() else o.routing_map.float().sum(0)
+                                     for o in (trace.outputs[l][0] for l in sorted(trace.outputs))])
             counts[domain] = counts.get(domain, 0) + per_layer
             seen[domain] = seen.get(domain, 0) + len(window)
     domains = sorted(counts)
@@ -83,13 +82,6 @@ def expert_specialisation(
     share_LXE = stacked_LXE / stacked_LXE.sum(-1, keepdim=True).clamp_min(1)
     return {"domains": domains, "num_experts": int(share_LXE.shape[-1]), "tokens": {d: seen[d] for d in domains},
             "share": share_LXE.tolist()}
-
-
-def _routed(output: RouterOutput) -> torch.Tensor:
-    """``[E]`` tokens routed per expert (combine weights if every token goes everywhere, as in Lory)."""
-    if bool(output.routing_map.all()):
-        return output.probs.sum(0)
-    return output.routing_map.float().sum(0)
 
 
 def has_sparsity_knob(router: Router) -> bool:

@@ -91,9 +91,7 @@ class OptimizerConfig:
     foreach_fallbacks: bool = False
 
     def __post_init__(self) -> None:
-        check_minimums(self, "optimizer", weight_decay=0.0, eps=0.0, clip_grad=0.0)
-        if not math.isfinite(self.lr):
-            raise ValueError(f"optimizer.lr must be a finite number, got {self.lr}")
+        check_minimums(self, "optimizer", weight_decay=0.0, eps=0.0, clip_grad=0.0, lr=-math.inf)  # lr: finite
         if not self.lr > 0:
             raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
         for name in ("beta1", "beta2"):
@@ -371,14 +369,10 @@ def typed_router_options(router: str, options: Mapping[str, Any]) -> dict[str, A
 
 
 def check_router_options(config: RunConfig) -> None:
-    """Build the router's config with the model's real sizes so a bad value fails now (ReproError)."""
+    """Build the router's config with the model's real sizes so a bad value fails now (ReproError); ``config``
+    comes from :func:`apply_overrides`, which has typed its options and given a dense model none."""
     name = config.router.name
-    if name is None:
-        if config.router.options:
-            raise ReproError("router.options: a dense model (router.name=null) takes no router options")
-        return
-    options = typed_router_options(name, config.router.options)
-    if name == MEGATRON_ROUTER:
+    if name is None or name == MEGATRON_ROUTER:
         return
     import routers
 
@@ -389,9 +383,9 @@ def check_router_options(config: RunConfig) -> None:
     if flavour.num_experts is None:
         raise ReproError(f"router.name: flavour '{flavour.name}' is dense and takes no router (got '{name}')")
     cls = routers.router_class(name)
-    options = {**config.router_options(), **options}
     try:
-        cls.Config(hidden_size=flavour.hidden_size, num_experts=flavour.num_experts, top_k=flavour.top_k, **options)
+        cls.Config(hidden_size=flavour.hidden_size, num_experts=flavour.num_experts, top_k=flavour.top_k,
+                   **config.router_options())
     except (ValueError, TypeError) as exc:
         raise ReproError(f"router '{name}' options {dict(config.router.options)}: {exc}") from None
     segment = config.router_options_in_effect().get("segment_len")

@@ -109,7 +109,6 @@ RENAMED: dict[str, str] = {"llama-185m": "185m", "llama-185m-dense": "185m-dense
 
 
 def available_flavours() -> list[str]:
-    """Names of the built-in flavours, sorted."""
     return sorted(_FLAVOURS)
 
 

@@ -38,7 +38,6 @@ class GoldenCurve:
 
 
 def golden_path(router: str, root: Path = GOLDEN_DIR) -> Path:
-    """``tests/assets/losses/<router>-tiny.txt``."""
     return root / f"{router}-tiny.txt"
 
 

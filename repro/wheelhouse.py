@@ -47,9 +47,8 @@ REQUIRED_MODULES: dict[str, str] = {
 def is_excluded(name: str, present: Iterable[str] = ()) -> bool:
     """Whether a distribution (any spelling) stays out: :data:`ALWAYS_EXCLUDED`, ``nvidia-*``, or in ``present``."""
     canon = canonicalize_name(name)
-    if canon in ALWAYS_EXCLUDED or canon.startswith(EXCLUDED_PREFIXES):
-        return True
-    return canon in {canonicalize_name(p) for p in present}
+    return (canon in ALWAYS_EXCLUDED or canon.startswith(EXCLUDED_PREFIXES)
+            or canon in {canonicalize_name(p) for p in present})
 
 
 def manylinux_glibc(platform: str) -> tuple[int, str]:
@@ -197,12 +196,10 @@ def download_command(requirements: str | Path, dest: str | Path, target: Wheelho
 
 
 def build_command(sdists: Sequence[str | Path], dest: str | Path, pip: Sequence[str] = ("pip",)) -> list[str]:
-    """``pip wheel`` building the sdist-only packages into wheels."""
     return [*pip, "wheel", "--no-deps", "--wheel-dir", str(dest), *map(str, sdists)]
 
 
 def is_sdist(filename: str) -> bool:
-    """Whether a downloaded file is a source distribution."""
     return filename.endswith((".tar.gz", ".zip"))
 
 

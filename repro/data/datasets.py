@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import NamedTuple
+from unittest import mock
 
 import numpy as np
 import torch
@@ -101,22 +102,9 @@ def build_datasets(prefixes: Sequence[str | os.PathLike], seq_length: int,
                               mmap_bin_files=True)
     # Every rank builds: each data-parallel rank reads its own slice of the samples.
     builder = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config)
-    with _rank_zero_outside_distributed():
-        return DatasetSplits(*builder.build())
-
-
-@contextlib.contextmanager
-def _rank_zero_outside_distributed() -> Iterator[None]:
-    """``torch.distributed.get_rank()`` returns 0 in the block when no group exists: megatron-core 0.16.1's
-    ``BlendedDataset._build_indices`` calls it on a cache miss without checking ``is_initialized()``."""
+    # megatron-core 0.16.1's BlendedDataset._build_indices calls get_rank() unguarded on a cache miss: 0 outside a group
     dist = torch.distributed
-    if not dist.is_available() or dist.is_initialized():
-        yield
-        return
-    original = dist.get_rank
-    dist.get_rank = lambda group=None: 0
-    try:
-        yield
-    finally:
-        dist.get_rank = original
+    outside = dist.is_available() and not dist.is_initialized()
+    with mock.patch.object(dist, "get_rank", lambda group=None: 0) if outside else contextlib.nullcontext():
+        return DatasetSplits(*builder.build())
 

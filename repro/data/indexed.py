@@ -170,7 +170,6 @@ class DomainIndex:
     meta: dict
 
     def domain_of(self, document: int) -> str:
-        """The domain name of one document."""
         return self.names[int(self.doc_domain[document])]
 
 

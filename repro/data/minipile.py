@@ -103,7 +103,6 @@ class MiniPile:
     reused: bool
 
     def tokenizer(self) -> Gpt2BpeTokenizer:
-        """Load the mini-pile's tokenizer."""
         return load_tokenizer(self.vocab_path, self.merges_path)
 
 
@@ -252,7 +251,6 @@ def build_mini_pile(out_dir: str | os.PathLike, config: MiniPileConfig | None = 
 
 
 def _shard_rels(cfg: MiniPileConfig) -> list[str]:
-    """The training shards' paths inside a mini-pile directory."""
     return [f"shards/train-{i:02d}.jsonl.zst" for i in range(cfg.num_shards)]
 
 

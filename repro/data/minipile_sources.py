@@ -134,7 +134,6 @@ def _reference_text(cand: Candidate) -> str | None:
 
 
 def _files(paths: Iterable[Path], root: Path, prefix: str = "") -> list[Candidate]:
-    """The files among ``paths``, sorted, keyed ``prefix`` + their path under ``root``."""
     return [Candidate(prefix + p.relative_to(root).as_posix(), p) for p in sorted(paths) if p.is_file()]
 
 
@@ -150,15 +149,6 @@ def _man_files() -> list[Candidate]:
     return [c for s in range(1, 9) if (root / f"man{s}").is_dir() for c in _files((root / f"man{s}").iterdir(), root)]
 
 
-def _header_files() -> list[Candidate]:
-    return _files(Path("/usr/include").rglob("*.h"), Path("/usr/include"))
-
-
-def _man_page(cand: Candidate) -> str | None:
-    src = _read_text(cand.path)
-    return None if src is None else troff_to_text(src)
-
-
 def domain_sources() -> tuple[Source, ...]:
     """One :class:`Source` per domain, in the order of :data:`ALL_DOMAINS`."""
     return (
@@ -166,8 +156,10 @@ def domain_sources() -> tuple[Source, ...]:
         Source("python_docstrings", lambda: _stdlib_modules(1), _docstrings),
         Source("python_reference", _reference_topics, _reference_text),
         Source("licenses", _license_files, lambda c: _read_text(c.path)),
-        Source("man_pages", _man_files, _man_page, lambda c: re.split(r"[-_.]", c.path.name, maxsplit=1)[0]),
-        Source("c_headers", _header_files, lambda c: _read_text(c.path)),
+        Source("man_pages", _man_files, lambda c: None if (src := _read_text(c.path)) is None else troff_to_text(src),
+               lambda c: re.split(r"[-_.]", c.path.name, maxsplit=1)[0]),
+        Source("c_headers", lambda: _files(Path("/usr/include").rglob("*.h"), Path("/usr/include")),
+               lambda c: _read_text(c.path)),
     )
 
 

@@ -1,9 +1,7 @@
 """Similarity-based data batching (Lory, Sec. 3.2 and Appendix C): similar documents in the same sequences.
 
-docs/routers.md, "Lory's similarity batching" (after In-Context Pretraining, Shi et al., ICLR 2024, Alg. 1):
-megatron's ``GPTDataset`` shuffles *sequences*, so the derived dataset holds **chains** (runs of the greedy walk cut
-at jumps and at ``max_chain_tokens``, documents keeping their EOD) in seeded order; valid/test documents follow
-unchanged, so :attr:`SimilarityBatched.split` yields exactly a plain run's validation samples.
+The design: docs/routers.md, "Lory's similarity batching" (after In-Context Pretraining, Shi et al., ICLR 2024,
+Alg. 1); chains of documents keep their EOD and are written in seeded order.
 
 Deviations: (1) TF-IDF over token ids (sublinear, no EOD) + truncated SVD, L2-normalised, not Contriever (not
 downloadable; lexical similarity); (2) FAISS exact inner product up to ``exact_search_max_documents``, else IVF
@@ -280,15 +278,14 @@ def _derived_files(prefix: str) -> list[str]:
 
 
 def build_similarity_dataset(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT,
-                             config: SimilarityBatchingConfig | None = None, *, vocab_size: int | None = None,
-                             eod: int | None = None, log=None) -> SimilarityBatched:
+                             config: SimilarityBatchingConfig | None = None, *, eod: int | None = None,
+                             log=None) -> SimilarityBatched:
     """Build (or reuse) the similarity-batched derived dataset of ``prefixes``.
 
     Args:
         prefixes: source prefixes (from :mod:`repro.data.indexed`, with domain sidecar); output goes beside the first.
         split: the run's megatron ``split`` of the sources; chains come from the training part only.
         config: options (default :class:`SimilarityBatchingConfig()`).
-        vocab_size: count-matrix id bound; default: a 16-bit dtype's range, else the largest id + 1.
         eod: end-of-document id left out of the representation; default: the first document's last token.
         log: called with one line per stage (e.g. ``print``); default silent.
 
@@ -308,7 +305,7 @@ def build_similarity_dataset(prefixes: Sequence[str | os.PathLike], split: str =
     except Exception as exc:  # megatron asserts on a malformed split
         raise ReproError(f"similarity batching: bad split '{split}' ({exc or type(exc).__name__})") from None
     inputs = {"format": FORMAT, "sources": [dataset_fingerprint(p) for p in sources], "split": split,
-              "config": dataclasses.asdict(cfg), "vocab_size": vocab_size, "eod": eod}
+              "config": dataclasses.asdict(cfg), "vocab_size": None, "eod": eod}  # None keeps earlier cache keys
     key = hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
     out_prefix = f"{sources[0]}.simbatch-{key[:16]}"
     with open(Path(out_prefix).parent / f".{Path(out_prefix).name}.lock", "w") as lock:
@@ -325,20 +322,20 @@ def build_similarity_dataset(prefixes: Sequence[str | os.PathLike], split: str =
             if present and not ours:
                 raise ReproError(f"{present[0]}: exists but was not written by similarity batching; "
                                  "move it away (it is not overwritten)")
-            manifest = _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say)
+            manifest = _build(sources, domains, split, cfg, key, out_prefix, eod, say)
         return SimilarityBatched(out_prefix, manifest["derived_split"], int(manifest["num_chains"]),
                                  dict(manifest["stats"]), reused)
 
 
-def _build(sources, domains, split, cfg, key, out_prefix, vocab_size, eod, say) -> dict:
+def _build(sources, domains, split, cfg, key, out_prefix, eod, say) -> dict:
     t0 = time.perf_counter()
     datasets = [IndexedDataset(p) for p in sources]
     train, valid, test = _documents_by_split(datasets, sources, split)
     lengths = np.array([int(datasets[s].sequence_lengths[d]) for s, d in train], dtype=np.int64)
 
-    if vocab_size is None:  # a small index dtype's range, else the largest id + 1
-        vocab_size = max(int(np.iinfo(ds.index.dtype).max) + 1 if np.dtype(ds.index.dtype).itemsize <= 2
-                         else count_tokens([prefix], "1,0,0").size for prefix, ds in zip(sources, datasets))
+    # count-matrix id bound: a small index dtype's range, else the largest id + 1
+    vocab_size = max(int(np.iinfo(ds.index.dtype).max) + 1 if np.dtype(ds.index.dtype).itemsize <= 2
+                     else count_tokens([prefix], "1,0,0").size for prefix, ds in zip(sources, datasets))
     if eod is None:
         eod = int(datasets[0][0][-1])
 

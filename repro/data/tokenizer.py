@@ -33,11 +33,6 @@ _SAFE_CUT = re.compile(r"[^\s](?=[ \n])")
 _CUT_SEARCH = 1 << 16  # characters searched per step, from the end of the window backwards
 
 
-def _sha256(path: Path) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
-
-
 def _read_text(path: Path, what: str) -> str:
     if not path.is_file():
         raise ReproError(f"{path}: no such file")
@@ -112,9 +107,9 @@ class Gpt2BpeTokenizer:
         self.eod = self.eos = vocab[EOD_TOKEN]  # GPT-2 has one end token
         self.vocab_size = max(vocab.values()) + 1  # max id + 1; the model pads it for its embedding table
         # content hashes, so megatron's index cache follows the vocabulary, not the file name
+        sha256 = [hashlib.sha256(p.read_bytes()).hexdigest() for p in (self.vocab_path, self.merges_path)]
         self.unique_identifiers = OrderedDict([("class", f"{type(self).__module__}.{type(self).__qualname__}"),
-                                               ("vocab_sha256", _sha256(self.vocab_path)),
-                                               ("merges_sha256", _sha256(self.merges_path))])
+                                               ("vocab_sha256", sha256[0]), ("merges_sha256", sha256[1])])
 
     def tokenize(self, text: str) -> list[int]:
         """Encode one text (no EOD appended); long texts in pieces (:func:`split_for_encoding`), same ids."""
@@ -178,9 +173,7 @@ def split_for_encoding(text: str, max_chars: int) -> list[str]:
     return pieces
 
 
-def load_tokenizer(vocab_path: str | os.PathLike, merges_path: str | os.PathLike) -> Gpt2BpeTokenizer:
-    """Load a GPT-2-format tokenizer from ``vocab.json`` and ``merges.txt``."""
-    return Gpt2BpeTokenizer(vocab_path, merges_path)
+load_tokenizer = Gpt2BpeTokenizer
 
 
 def is_tokenizer_dir(path: str | os.PathLike) -> bool:
