@@ -104,7 +104,6 @@ class SuiteLM(TemplateLM):
 
     @classmethod
     def from_checkpoint(cls, checkpoint_dir: str | Path, **kwargs: Any) -> SuiteLM:
-        """Build the LM from a checkpoint directory (``kwargs``: other constructor arguments)."""
         return cls(checkpoint=str(checkpoint_dir), **kwargs)
 
     @property
@@ -126,7 +125,6 @@ class SuiteLM(TemplateLM):
         return list(self.tokenizer.encode(string, add_special_tokens=False).ids)
 
     def tok_decode(self, tokens: Sequence[int], **kwargs: Any) -> str:
-        """Text of ``tokens``."""
         if hasattr(self.tokenizer, "detokenize"):
             return self.tokenizer.detokenize(list(tokens))
         return self.tokenizer.decode(list(tokens), skip_special_tokens=False)
@@ -135,10 +133,8 @@ class SuiteLM(TemplateLM):
     def _log_probs(self, sequences: Sequence[Sequence[int]], scored: Sequence[int],
                    prompt_lengths: Sequence[int] | None = None) -> list[torch.Tensor]:
         """Float32 log-probabilities ``[n, V]`` of each row's last ``n = scored[row]`` positions, one forward."""
-        width = max(len(s) for s in sequences)
-        tokens = torch.full((len(sequences), width), self.eot_token_id, dtype=torch.long)
-        for row, seq in enumerate(sequences):
-            tokens[row, : len(seq)] = torch.tensor(seq, dtype=torch.long)
+        tokens = torch.nn.utils.rnn.pad_sequence([torch.tensor(seq, dtype=torch.long) for seq in sequences],
+                                                 batch_first=True, padding_value=self.eot_token_id)
         start = min(len(seq) - n for seq, n in zip(sequences, scored))  # the first position any row scores
         kwargs: dict[str, Any] = {"start": start} if self._takes_start else {}
         if self._takes_prompt_lengths and prompt_lengths is not None:
@@ -146,7 +142,7 @@ class SuiteLM(TemplateLM):
         logits = self.model.logits(tokens.to(self._device), **kwargs)
         if not self._takes_start:
             logits = logits[:, start:]
-        if logits.shape[:2] != (len(sequences), width - start):
+        if logits.shape[:2] != (len(sequences), tokens.shape[1] - start):
             raise ReproError(f"model returned logits {tuple(logits.shape)} for positions {start}.. of tokens "
                              f"{tuple(tokens.shape)}")
         log_probs = torch.log_softmax(logits.float(), dim=-1).cpu()

@@ -43,7 +43,6 @@ class TaskData:
     dataset_kwargs: Mapping[str, Any] = field(default_factory=dict)
 
     def folder(self, root: str | Path) -> Path:
-        """Where this task's dataset lives in the task-data folder ``root``."""
         return Path(root).resolve() / self.dataset_path
 
 

@@ -63,7 +63,6 @@ def resolve_backend(backend: str | None = "auto") -> str:
 
 
 def _grouped_mm_op():
-    """torch's grouped GEMM: the public ``F.grouped_mm`` where present, else ``torch._grouped_mm``."""
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
 

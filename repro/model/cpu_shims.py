@@ -62,32 +62,27 @@ def apply_cpu_shims() -> bool:
         return False
 
     # Plain assignments of fixed replacements (none wraps what it replaces): repeating them changes nothing.
-    # 1. torch.cuda.current_device -> cpu
-    torch.cuda.current_device = _cpu_current_device
+    torch.cuda.current_device = _cpu_current_device  # shim 1
 
-    # 3. default causal mask, rebound where megatron reads it (fused_softmax imported it by name).
     from megatron.core.fusions import fused_softmax
 
-    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask
+    fused_softmax.get_default_causal_mask = _cpu_default_causal_mask  # shim 3 (fused_softmax imported it by name)
 
-    # 4. te_general_gemm missing without TransformerEngine.
     from megatron.core.transformer.moe import moe_utils
 
-    if not hasattr(moe_utils, "te_general_gemm"):
+    if not hasattr(moe_utils, "te_general_gemm"):  # shim 4
         moe_utils.te_general_gemm = None
 
-    # 5. the alltoall dispatcher's CUDA stream.
     from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
-    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_maybe_dtoh_and_synchronize
+    MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize = _cpu_maybe_dtoh_and_synchronize  # shim 5
     if MoEAlltoAllTokenDispatcher.cuda_dtoh_stream is None:
         # Placeholder: megatron makes a torch.cuda.Stream while this is None, read only by the method replaced above.
         MoEAlltoAllTokenDispatcher.cuda_dtoh_stream = object()
 
-    # 7. the cross-entropy's logits maximum without indices.
     from megatron.core.tensor_parallel.cross_entropy import VocabParallelCrossEntropy
 
-    VocabParallelCrossEntropy.calculate_logits_max = staticmethod(_amax_logits_max)
+    VocabParallelCrossEntropy.calculate_logits_max = staticmethod(_amax_logits_max)  # shim 7
 
     return True  # 2. and 6. are not patches (see the module docstring)
 

@@ -112,7 +112,6 @@ def cuda_device_index(local_rank: int, device_count: int) -> int:
 
 
 def is_initialized() -> bool:
-    """Whether torch.distributed and megatron's model-parallel state are both initialised."""
     from megatron.core import parallel_state
 
     return dist.is_available() and dist.is_initialized() and parallel_state.model_parallel_is_initialized()

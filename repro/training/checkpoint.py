@@ -36,7 +36,7 @@ from torch import nn
 
 from repro.errors import ReproError
 from repro.io_utils import atomic_path, error_from_os_error, os_error_message
-from repro.training.distributed import Parallel
+from repro.training.distributed import Parallel, all_reduce
 
 FORMAT_VERSION = 2
 STEP_DIR = re.compile(r"^step_(\d{7,})$")
@@ -171,7 +171,6 @@ def check_plain_data(obj: Any, where: str = "payload") -> None:
 
 
 def file_sha256(path: str | os.PathLike) -> str:
-    """The sha256 hex digest of a file."""
     with open(path, "rb") as f:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
@@ -180,17 +179,11 @@ def _rank_file_name(rank: int) -> str:
     return f"rank_{rank:05d}.pt"
 
 
-def all_ranks_reduce(value: int, op: dist.ReduceOp, device: torch.device | None = None) -> int:
-    """``value`` all-reduced with ``op`` over all processes (collective); ``device``: nccl's (default: current CUDA)."""
+def all_ranks_reduce(value: int, op: dist.ReduceOp) -> int:
+    """``value`` all-reduced with ``op`` over all processes (collective)."""
     if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
         return value
-    if dist.get_backend() != "nccl":
-        device = torch.device("cpu")
-    elif device is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    flag = torch.tensor([value], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=op)
-    return int(flag.item())
+    return int(all_reduce(torch.tensor([value], dtype=torch.int32), op=op).item())
 
 
 def _agree(error: BaseException | None, final: Path, remove: Path | None = None) -> None:
@@ -287,20 +280,17 @@ def _attempt(action: Callable[[], None], final: Path, tmp: Path) -> BaseExceptio
     try:
         action()
     except Exception as exc:  # noqa: BLE001 - reported on every rank by the caller
-        converted = exc if isinstance(exc, ReproError) else error_from_os_error(exc, final, tmp)
-        return converted if converted is not None else exc
+        return exc if isinstance(exc, ReproError) else error_from_os_error(exc, final, tmp) or exc
     return None
 
 
 def _fresh_dir(root: Path, tmp: Path) -> None:
-    """Phase 1 (rank 0): create ``tmp`` empty under ``root``."""
     root.mkdir(parents=True, exist_ok=True)
     _remove_own_dir(tmp)  # left by a run killed while writing this step
     tmp.mkdir()
 
 
 def _write_synced(path: Path, mode: str, write: Callable[[Any], Any]) -> None:
-    """``write(f)`` into ``path`` opened with ``mode``, flushed and fsynced before it is closed."""
     with open(path, mode) as f:
         write(f)
         f.flush()

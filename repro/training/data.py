@@ -39,10 +39,6 @@ class SyntheticTokens:
     successors: int = 4
     noise: float = 0.1
 
-    def __post_init__(self) -> None:
-        if self.vocab_size < 2 or self.seq_length < 1:
-            raise ValueError(f"need vocab_size >= 2 and seq_length >= 1, got {self.vocab_size}, {self.seq_length}")
-
     @functools.cached_property
     def _table(self) -> np.ndarray:
         # The seed's only (not the split's): validation measures the same language.
@@ -120,12 +116,9 @@ def collate(dataset, indices) -> dict[str, torch.Tensor]:
     if isinstance(dataset, SyntheticTokens):
         return dataset.batch(int(i) % n for i in indices)  # all samples generated at once
     samples = [dataset[int(i) % n] for i in indices]
-    batch = {}
-    for key in SAMPLE_KEYS:
-        values = [torch.as_tensor(np.asarray(s[key])) if not torch.is_tensor(s[key]) else s[key] for s in samples]
-        stacked = torch.stack(values)
-        batch[key] = stacked.float() if key == "loss_mask" else stacked.long()
-    return batch
+    batch = {key: torch.stack([s[key] if torch.is_tensor(s[key]) else torch.as_tensor(np.asarray(s[key]))
+                               for s in samples]) for key in SAMPLE_KEYS}
+    return {key: v.float() if key == "loss_mask" else v.long() for key, v in batch.items()}
 
 
 DEFAULT_SYNTHETIC_VOCAB = 512

@@ -91,10 +91,10 @@ def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> flo
     dense, expert = split_params(model)
     dense_sq, expert_sq = squares(dense), squares(expert)
     if parallel.ep_size > 1:
-        expert_sq = _summed(expert_sq, parallel.ep_group).cpu()
+        expert_sq = all_reduce(expert_sq, parallel.ep_group).cpu()
     total = dense_sq + expert_sq
     if parallel.tp_size > 1:
-        total = _summed(total, parallel.tp_group).cpu()
+        total = all_reduce(total, parallel.tp_group).cpu()
     norm = float(total.sqrt().float())
     if max_norm > 0 and math.isfinite(norm):
         coef = max_norm / (norm + 1e-6)
@@ -108,18 +108,17 @@ def clip_gradients(model: nn.Module, parallel: Parallel, max_norm: float) -> flo
 def all_reduce_mean(values: torch.Tensor, group, group_size: int) -> torch.Tensor:
     """Mean of ``values`` over ``group`` (gloo has no AVG op: SUM then divide). Returns a new tensor."""
     out = values.detach().clone()
-    return (_summed(out, group) / group_size if group_size > 1 else out).cpu()
+    return (all_reduce(out, group) / group_size if group_size > 1 else out).cpu()
 
 
 def barrier() -> None:
-    """A barrier over all processes (no-op without torch.distributed)."""
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
 
-def _summed(values: torch.Tensor, group) -> torch.Tensor:
-    """``values`` summed over ``group`` (in place where already on the device nccl or gloo moves: CUDA or CPU)."""
+def all_reduce(values: torch.Tensor, group=None, op: dist.ReduceOp = dist.ReduceOp.SUM) -> torch.Tensor:
+    """``values`` reduced with ``op`` over ``group`` (None: all); in place if already on nccl's CUDA or gloo's CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         values = values.to(torch.device("cuda", torch.cuda.current_device()))
-    dist.all_reduce(values, group=group)
+    dist.all_reduce(values, op=op, group=group)
     return values

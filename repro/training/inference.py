@@ -88,7 +88,6 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
 
 
 def run_dir_of(checkpoint_dir: Path) -> Path:
-    """The run directory holding ``checkpoints/step_*`` (a checkpoint's grandparent)."""
     return checkpoint_dir.parent.parent
 
 

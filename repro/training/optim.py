@@ -145,15 +145,12 @@ class _Optimization:
         self.optimizer.zero_grad(set_to_none=True)  # megatron's optimizers default to set_to_none=True too
 
     def state_dict(self) -> dict[str, Any]:
-        """The optimizer's state (AdamW: moments, step counts)."""
         return self.optimizer.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output."""
         self.optimizer.load_state_dict(state)
 
     def release(self) -> None:
-        """Free the model after the run (:func:`release_ddp`)."""
         release_ddp(self.ddp_model)
 
 
@@ -248,14 +245,6 @@ class WarmupCosineSchedule:
     min_lr: float
     warmup_steps: int
     total_steps: int
-
-    def __post_init__(self) -> None:
-        if self.total_steps < 1:
-            raise ValueError(f"total_steps must be >= 1, got {self.total_steps}")
-        if not 0 <= self.warmup_steps <= self.total_steps:
-            raise ValueError(f"warmup_steps must be in [0, {self.total_steps}], got {self.warmup_steps}")
-        if not 0.0 <= self.min_lr <= self.peak_lr:
-            raise ValueError(f"need 0 <= min_lr <= peak_lr, got {self.min_lr}, {self.peak_lr}")
 
     def lr_at(self, step: int) -> float:
         """LR of 1-based ``step``: ``peak * step / warmup``, then ``min + (peak - min) * (1 + cos(pi * p)) / 2``,

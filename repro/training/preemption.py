@@ -13,7 +13,6 @@ import threading
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-import torch
 import torch.distributed as dist
 
 from repro.errors import ReproError
@@ -75,9 +74,9 @@ class StopRequest:
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
-    def agreed(self, device: torch.device) -> int:
-        """Largest signal any rank got so far, 0 for none (collective; ``device`` for nccl's tensor)."""
-        return all_ranks_reduce(self.signum, dist.ReduceOp.MAX, device)
+    def agreed(self) -> int:
+        """Largest signal any rank got so far, 0 for none (collective)."""
+        return all_ranks_reduce(self.signum, dist.ReduceOp.MAX)
 
 
 def stop_run(trainer: TrainerState, signum: int) -> str:

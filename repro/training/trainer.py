@@ -290,7 +290,6 @@ class Trainer:
         barrier()
 
     def to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """A collated batch on the model's device."""
         return {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
 
     def lm_loss(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -379,7 +378,7 @@ class Trainer:
                 row = self.train_step()
                 for component in self.components:
                     row = component.after_step(self, row)
-                signum = stop.agreed(self.device) if self.step < last else 0  # the last step ends anyway
+                signum = stop.agreed() if self.step < last else 0  # the last step ends anyway
                 if signum:
                     self.stopped_by = stop_run(self, signum)
                     return False
