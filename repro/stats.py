@@ -492,19 +492,17 @@ def per_question_scores(samples: Mapping[str, Sequence[Mapping[str, Any]]], metr
     return out
 
 
-def compact_per_question(
-    samples: Mapping[str, Sequence[Mapping[str, Any]]], metrics: Sequence[str] = ("acc", "acc_norm")
-) -> dict[str, dict[str, Any]]:
+def compact_per_question(samples: Mapping[str, Sequence[Mapping[str, Any]]]) -> dict[str, dict[str, Any]]:
     """A run's per-question results, compact, for its record's ``per_question`` field.
 
     Args:
-        samples, metrics: lm-eval's ``samples``; per-document metrics to keep.
+        samples: lm-eval's ``samples`` (the per-document metrics ``acc`` and ``acc_norm`` kept).
 
     Returns:
         ``{task: {"docs_sha256": str, "acc": [0, 1, ...], ...}}``, scores in ``doc_id`` order (0/1 as integers).
     """
     out: dict[str, dict[str, Any]] = {}
-    for metric in metrics:
+    for metric in ("acc", "acc_norm"):
         for task, scores in per_question_scores(samples, metric).items():
             entry = out.setdefault(task, {"docs_sha256": scores.docs_sha256})
             entry[metric] = [int(v) if v in (0.0, 1.0) else v for v in scores.scores]

@@ -131,4 +131,3 @@ def tflops_per_device(flops_per_iteration: float, iteration_time_s: float, num_d
     if iteration_time_s <= 0 or num_devices < 1:
         raise ValueError(f"need iteration_time_s > 0 and num_devices >= 1, got {iteration_time_s}, {num_devices}")
     return flops_per_iteration / iteration_time_s / num_devices / 1e12
-

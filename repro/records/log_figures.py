@@ -28,7 +28,6 @@ from repro.records.step_log import LogRow, read_rows, timed_rows
 
 
 def loss_curve(rows: Sequence[LogRow]) -> tuple[LossPoint, ...]:
-    """The (step, loss) curve of a training log."""
     return tuple(LossPoint(step=r.step, loss=r.loss) for r in rows)
 
 
@@ -61,8 +60,8 @@ def routing(rows: Sequence[LogRow], *, warmup: int = 0, length: int | None = Non
 
 def efficiency(
     rows: Sequence[LogRow], *, warmup: int, flops: FlopsConfig, global_batch_size: int, seq_length: int,
-    num_devices: int = 1, length: int | None = None, peak_memory_bytes: int | None = None,
-    mean_active_experts: float | None = None, backend: str | None = None, start_step: int | None = None,
+    num_devices: int = 1, length: int | None = None, mean_active_experts: float | None = None,
+    backend: str | None = None, start_step: int | None = None,
 ) -> Efficiency:
     """Efficiency figures from a training log.
 
@@ -72,7 +71,6 @@ def efficiency(
         global_batch_size, seq_length: sequences per iteration, tokens per sequence.
         num_devices: devices sharing an iteration (TFLOP/s are per device).
         length: rows measured after warm-up (None: the rest); times from their :func:`timed_rows`.
-        peak_memory_bytes: peak per device (default: the rows' largest).
         mean_active_experts: measured experts per token (default: the window's mean ``active_experts``; 1 for
             dense or expert-merging routers; None without routing metrics: measured figures None).
         backend, start_step: recorded as given (:class:`Efficiency`).
@@ -85,9 +83,7 @@ def efficiency(
     tokens_per_s = statistics.median(r.tokens_per_s for r in selected)
     if iter_time_s <= 0:
         raise ReproError(f"median iter_time_s over the window is {iter_time_s}: must be > 0")
-    if peak_memory_bytes is None:
-        peaks = [r.peak_memory_bytes for r in rows if r.peak_memory_bytes > 0]
-        peak_memory_bytes = max(peaks) if peaks else None
+    peaks = [r.peak_memory_bytes for r in rows if r.peak_memory_bytes > 0]  # per device
     if mean_active_experts is None:
         per_layer = [k for r in routing(rows, warmup=warmup, length=length) if (k := r.active_experts) is not None]
         mean_active_experts = statistics.fmean(per_layer) if per_layer else None
@@ -96,7 +92,7 @@ def efficiency(
                 else model_flops_per_iteration(flops, global_batch_size, seq_length, mean_active_experts))
     return Efficiency(
         warmup_steps=warmup, window_steps=len(selected), iter_time_ms=iter_time_s * 1e3, tokens_per_s=tokens_per_s,
-        peak_memory_bytes=peak_memory_bytes, num_devices=num_devices, global_batch_size=global_batch_size,
+        peak_memory_bytes=max(peaks) if peaks else None, num_devices=num_devices, global_batch_size=global_batch_size,
         seq_length=seq_length, nominal_experts=float(flops.top_k), mean_active_experts=mean_active_experts,
         flops_per_iter_analytic=analytic, flops_per_iter_measured=measured,
         tflops_per_device_analytic=tflops_per_device(analytic, iter_time_s, num_devices),

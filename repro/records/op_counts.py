@@ -3,11 +3,9 @@ dispatches, which run outside compiled regions, how many compiled regions it ent
 synchronisation (:func:`host_sync_reason`), and an estimate of the bytes it moves.
 
 :class:`OpCounter` also wraps inductor's ``CompiledFxGraph.__call__``: one call is one region, whose ops (extern
-kernels) count as inside. ``outside + region_kernels`` (generated plus extern) proxies GPU launches, exactly only
-for the compiling backend (C++ fuses more than Triton). Bytes moved: inputs plus outputs of each non-view op
-outside a region and of each region (a lower bound). Host syncs: value reads, data-dependent sizes (incl.
-boolean-mask indexing, ``repeat_interleave`` without ``output_size``), blocking host/device copies,
-``Tensor.tolist``/``numpy``; ``torch.tensor(data, device=...)`` is not seen.
+kernels) count as inside. The launch proxy and the bytes moved (a lower bound): docs/efficiency.md. Host syncs:
+value reads, data-dependent sizes (incl. boolean-mask indexing, ``repeat_interleave`` without ``output_size``),
+blocking host/device copies, ``Tensor.tolist``/``numpy``; ``torch.tensor(data, device=...)`` is not seen.
 """
 
 from __future__ import annotations
@@ -65,7 +63,7 @@ class OpCounts:
         dispatched, outside, views: ATen ops dispatched; those outside compiled regions; view ops among them.
         regions, region_kernels: compiled regions entered; generated plus extern kernels they ran.
         syncs, sync_ops: host synchronisations; their :func:`host_sync_reason` -> count.
-        bytes_moved: the module docstring's estimate.
+        bytes_moved: the estimate of docs/efficiency.md (a lower bound).
         ops, outside_ops: name -> count, all and outside compiled regions.
     """
 

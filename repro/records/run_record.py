@@ -46,7 +46,6 @@ def _check(name: str, value: float | int | None, low: float | None = None, high:
 
 def _check_fields(obj: Any, low: float | None, *names: str, high: float | None = None, low_open: bool = False,
                   slack: float = 0.0) -> None:
-    """:func:`_check` on each named attribute of ``obj``."""
     for name in names:
         _check(name, getattr(obj, name), low, high, low_open=low_open, slack=slack)
 

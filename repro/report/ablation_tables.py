@@ -30,6 +30,8 @@ from repro.stats import Interval, mean_ci
 REFERENCE = "paper"
 #: The reference level of a router that balances its load.
 SWITCH = "switch"
+#: Interval coverage and significance level of every table and comparison.
+CONFIDENCE, ALPHA = 0.95, 0.05
 
 
 @dataclass(frozen=True)
@@ -106,16 +108,13 @@ class AblationResults:
     readings: Mapping[str, str]
 
     def seeds(self, cell: str) -> tuple[int, ...]:
-        """The cell's seeds, sorted."""
         return tuple(sorted(self.values[cell]))
 
     def per_seed(self, cell: str, key: str) -> dict[int, float]:
-        """``{seed: value}`` of one metric, over seeds reporting it."""
         return {s: v[key] for s, v in sorted(self.values[cell].items()) if v.get(key) is not None}
 
     @property
     def labels(self) -> dict[str, str]:
-        """Metric key -> column label."""
         return {m.key: m.label for m in self.metrics}
 
     @property
@@ -148,10 +147,7 @@ def collect_results(
     )
 
 
-
-def compare_cells(
-    results: AblationResults, reference: str, confidence: float = 0.95, *, family: str = "table"
-) -> dict[str, dict[str, SeedStat]]:
+def compare_cells(results: AblationResults, reference: str, *, family: str = "table") -> dict[str, dict[str, SeedStat]]:
     """Every cell against ``reference`` (no tests when it is not a cell), in every column.
 
     Args:
@@ -161,12 +157,11 @@ def compare_cells(
         cell -> metric key -> :class:`SeedStat`.
     """
     return against_reference(results.by_cell, [m.key for m in results.metrics],
-                             reference if reference in results.cells else None, family=family, confidence=confidence)
+                             reference if reference in results.cells else None, family=family, confidence=CONFIDENCE)
 
 
 def compare_cell_pairs(
-    results: AblationResults, pairs: Sequence[tuple[str, str]], keys: Sequence[str], *, family: str = "table",
-    confidence: float = 0.95,
+    results: AblationResults, pairs: Sequence[tuple[str, str]], keys: Sequence[str], *, family: str = "table"
 ) -> dict[tuple[str, str, str], SeedStat]:
     """Cell against cell, paired over shared seeds (for claims like "X is the main lever").
 
@@ -178,45 +173,41 @@ def compare_cell_pairs(
     Returns:
         ``(a, b, key)`` -> :class:`SeedStat` (``difference``: a minus b).
     """
-    return compare(results.by_cell, [(a, b, k) for k in keys for a, b in pairs], family=family, confidence=confidence)
+    return compare(results.by_cell, [(a, b, k) for k in keys for a, b in pairs], family=family, confidence=CONFIDENCE)
 
 
-def _diff_cell(stat: SeedStat, spec: str, alpha: float) -> str:
+def _diff_cell(stat: SeedStat, spec: str) -> str:
     """``difference +- half-width (p=adjusted)``, marked; undefined or missing tests as such."""
     if stat.difference is None:
         return MISSING
     if stat.undefined:
         return f"{fmt_interval(stat.difference, spec)} (p undefined)"
-    mark = SIGNIFICANT if stat.significant(alpha) else ""
+    mark = SIGNIFICANT if stat.significant(ALPHA) else ""
     return f"{fmt_interval(stat.difference, spec)} (p={stat.adjusted_p:.2g}){mark}"
 
 
 def ablation_table(
-    results: AblationResults, reference: str = "paper", *, name: str = "ablation", confidence: float = 0.95,
-    alpha: float = 0.05, family: str = "table",
+    results: AblationResults, reference: str = "paper", *, name: str = "ablation", family: str = "table"
 ) -> Table:
-    """Per cell and column: ``mean +- CI half-width`` over seeds, marked where it differs from ``reference``.
+    """Per cell and column: ``mean +- CI half-width`` over seeds (:data:`CONFIDENCE`), marked where it differs
+    from ``reference`` (:data:`ALPHA`, Holm-adjusted over ``family``).
 
     Args:
         results: the runs' values.
         reference: the cell the others are tested against.
         name: file stem.
-        confidence: interval coverage.
-        alpha: significance level of the marks (Holm-adjusted over ``family``, ``table`` or ``column``).
-        family: the Holm family.
+        family: the Holm family, ``table`` or ``column``.
     """
-    stats = compare_cells(results, reference, confidence, family=family)
-    rows = []
-    for cell in results.cells:
-        label = f"{cell} (reference)" if cell == reference else cell
-        row = [label, ",".join(map(str, results.seeds(cell)))]
-        for metric in results.metrics:
-            stat = stats[cell][metric.key]
-            row.append(fmt_interval(stat.interval, metric.spec, SIGNIFICANT if stat.significant(alpha) else ""))
-        rows.append(tuple(row))
+    stats = compare_cells(results, reference, family=family)
+    rows = [
+        (f"{cell} (reference)" if cell == reference else cell, ",".join(map(str, results.seeds(cell))),
+         *(fmt_interval(stats[cell][m.key].interval, m.spec,
+                        SIGNIFICANT if stats[cell][m.key].significant(ALPHA) else "") for m in results.metrics))
+        for cell in results.cells
+    ]
     caption = (
         f"DirMoE ablation on the embedded default: end-of-run routing and losses per cell, over seeds. Each cell: "
-        f"the mean over the seeds {PLUS_MINUS} the half-width of the {confidence:.0%} Student-t interval of that "
+        f"the mean over the seeds {PLUS_MINUS} the half-width of the {CONFIDENCE:.0%} Student-t interval of that "
         f"mean. Routing columns and LM loss: means over the last {results.final_window} training steps; "
         "load imb.: max / mean tokens per expert of a layer (layers from 1); weight imb.: max / mean over experts "
         "of the mean routing weight r (DirMoE only); active experts, Simpson index of r and of the Dirichlet "
@@ -225,7 +216,7 @@ def ablation_table(
     )
     if reference in results.cells:
         test = "a paired t-test over the seeds both cells ran"
-        caption += marks_sentence(reference, alpha, test, family, stats, "cells", results.labels) + " "
+        caption += marks_sentence(reference, ALPHA, test, family, stats, "cells", results.labels) + " "
     legend = "; ".join(f"{cell}: {results.readings[cell]}" for cell in results.cells if cell in results.readings)
     caption += f"Cells: {legend}."
     headers = ("Cell", "seeds", *(m.label for m in results.metrics))
@@ -241,36 +232,32 @@ def difference_metrics(results: AblationResults) -> list[Metric]:
     return [m for m in results.metrics if m.key.split("[")[0] in DIFFERENCE_KEYS]
 
 
-def ablation_difference_table(
-    results: AblationResults, reference: str = "paper", *, name: str = "ablation_differences",
-    confidence: float = 0.95, alpha: float = 0.05, family: str = "table",
-) -> Table:
+def ablation_difference_table(results: AblationResults, reference: str = "paper", *, family: str = "table") -> Table:
     """Paired differences to ``reference``: ``mean difference +- CI half-width (Holm-adjusted p)`` per cell, in
     the columns of :func:`difference_metrics`; arguments, tests and Holm family as :func:`ablation_table`'s, so
     both tables mark the same cells."""
-    stats = compare_cells(results, reference, confidence, family=family)
+    stats = compare_cells(results, reference, family=family)
     metrics = difference_metrics(results)
     rows = [
-        (cell, *(_diff_cell(stats[cell][m.key], m.spec, alpha) for m in metrics))
+        (cell, *(_diff_cell(stats[cell][m.key], m.spec) for m in metrics))
         for cell in results.cells if cell != reference
     ]
     caption = (
         f"DirMoE ablation: each cell minus '{reference}', paired by seed. Each cell: the mean of the paired "
-        f"differences {PLUS_MINUS} the half-width of their {confidence:.0%} Student-t interval, and the "
+        f"differences {PLUS_MINUS} the half-width of their {CONFIDENCE:.0%} Student-t interval, and the "
         f"adjusted p-value of the paired t-test, {family_sentence(family, count_defined(stats), 'cells')}: "
         f"the family of the ablation table against '{reference}', all its columns, of which these are a part; "
-        f"{SIGNIFICANT}: p < {alpha:g}. Columns as in the ablation table."
+        f"{SIGNIFICANT}: p < {ALPHA:g}. Columns as in the ablation table."
     )
     shown = {m.label for m in metrics}
     caption += undefined_note([(c, k) for c, k in undefined_cells(stats, results.labels) if k in shown])
     headers = ("Cell", *(f"{m.label} diff" for m in metrics))
-    return Table(name, caption, headers, tuple(rows))
+    return Table("ablation_differences", caption, headers, tuple(rows))
 
 
 def pairs_table(
-    results: AblationResults, pairs: Sequence[tuple[str, str]], *, name: str = "ablation_pairs",
-    keys: Sequence[str] | None = None, confidence: float = 0.95, alpha: float = 0.05, family: str = "table",
-    what: str = "",
+    results: AblationResults, pairs: Sequence[tuple[str, str]], *, keys: Sequence[str] | None = None,
+    family: str = "table",
 ) -> Table:
     """Cell against cell (:func:`compare_cell_pairs`): ``a - b`` per pair and column, with the adjusted p.
 
@@ -278,23 +265,21 @@ def pairs_table(
         pairs: ``(a, b)`` pairs of cells, a row each.
         keys: metric keys (default: the difference table's columns).
         family: ``table`` (every pair and column) or ``column``.
-        what: the caption's first sentence.
-        results, name, confidence, alpha: as in :func:`ablation_difference_table`.
+        results: as in :func:`ablation_difference_table`.
     """
     metrics = [m for m in results.metrics if m.key in keys] if keys is not None else difference_metrics(results)
-    stats = compare_cell_pairs(results, pairs, [m.key for m in metrics], family=family, confidence=confidence)
-    rows = [(f"{a} - {b}", *(_diff_cell(stats[(a, b, m.key)], m.spec, alpha) for m in metrics)) for a, b in pairs]
+    stats = compare_cell_pairs(results, pairs, [m.key for m in metrics], family=family)
+    rows = [(f"{a} - {b}", *(_diff_cell(stats[(a, b, m.key)], m.spec) for m in metrics)) for a, b in pairs]
     caption = (
-        (what or "DirMoE ablation, cell against cell: the first cell minus the second, paired by the seeds both "
-         "ran.")
-        + f" Each cell: the mean of the paired differences {PLUS_MINUS} the half-width of their "
-        f"{confidence:.0%} Student-t interval, and the p-value of the paired t-test, "
+        "DirMoE ablation, cell against cell: the first cell minus the second, paired by the seeds both ran."
+        f" Each cell: the mean of the paired differences {PLUS_MINUS} the half-width of their "
+        f"{CONFIDENCE:.0%} Student-t interval, and the p-value of the paired t-test, "
         f"{family_sentence(family, sum(s.defined for s in stats.values()), 'pairs')}; {SIGNIFICANT}: "
-        f"p < {alpha:g}. Columns as in the ablation table."
+        f"p < {ALPHA:g}. Columns as in the ablation table."
     )
     caption += undefined_note([(f"{a} - {b}", results.labels[k]) for (a, b, k), s in stats.items() if s.undefined])
     headers = ("Cells", *(f"{m.label} diff" for m in metrics))
-    return Table(name, caption, headers, tuple(rows))
+    return Table("ablation_pairs", caption, headers, tuple(rows))
 
 
 @dataclass(frozen=True)
@@ -314,27 +299,21 @@ class Hypothesis:
             raise ValueError(f"hypothesis expect must be 'lower', 'higher' or None, got {self.expect!r}")
 
 
-def confirm_table(
-    results: AblationResults, hypotheses: Sequence[Hypothesis], *, name: str = "ablation_confirm",
-    confidence: float = 0.95, alpha: float = 0.05,
-) -> Table:
+def confirm_table(results: AblationResults, hypotheses: Sequence[Hypothesis]) -> Table:
     """Pre-registered hypotheses on seeds outside the screen, one Holm family over them only: a row per
     hypothesis, ``cell - versus`` with its interval and adjusted p-value.
 
     Args:
         results: the confirmatory runs' values.
         hypotheses: fixed in advance (those with unrun cells are left out; the caption says so).
-        alpha: the family-wise significance level.
-        name, confidence: as in :func:`ablation_difference_table`.
     """
     tested = [h for h in hypotheses if h.cell in results.cells and h.versus in results.cells]
-    stats = compare(results.by_cell, [(h.cell, h.versus, h.key) for h in tested], family="table",
-                    confidence=confidence)
+    stats = compare(results.by_cell, [(h.cell, h.versus, h.key) for h in tested], family="table", confidence=CONFIDENCE)
     specs = {m.key: m.spec for m in results.metrics}
     column = {h: results.labels.get(h.key, h.key) for h in hypotheses}
     rows = [
         (h.claim, f"{h.cell} - {h.versus}", column[h],
-         _diff_cell(stats[(h.cell, h.versus, h.key)], specs.get(h.key, ".3f"), alpha))
+         _diff_cell(stats[(h.cell, h.versus, h.key)], specs.get(h.key, ".3f")))
         for h in tested
     ]
     defined = sum(s.defined for s in stats.values())
@@ -342,16 +321,16 @@ def confirm_table(
     caption = (
         f"DirMoE ablation, confirmatory: the hypotheses stated before these seeds ({', '.join(map(str, seeds))}) "
         "were run, tested on them alone. Each row: the first cell minus the second, paired by seed; the mean of "
-        f"the differences {PLUS_MINUS} the half-width of their {confidence:.0%} Student-t interval and the "
+        f"the differences {PLUS_MINUS} the half-width of their {CONFIDENCE:.0%} Student-t interval and the "
         f"p-value of the paired t-test, Holm-adjusted over the {defined} hypotheses of this table (family: the "
-        f"pre-registered hypotheses, fixed before the runs); {SIGNIFICANT}: p < {alpha:g}, two-sided."
+        f"pre-registered hypotheses, fixed before the runs); {SIGNIFICANT}: p < {ALPHA:g}, two-sided."
     )
     left = [f"{h.cell} - {h.versus} ({column[h]})" for h in hypotheses if h not in tested]
     if left:
         caption += f" Not tested (a cell not run): {'; '.join(left)}."
     caption += undefined_note([(f"{h.cell} - {h.versus}", column[h]) for h in tested
                                if stats[(h.cell, h.versus, h.key)].undefined])
-    return Table(name, caption, ("Claim", "Cells", "Column", "Difference (p)"), tuple(rows))
+    return Table("ablation_confirm", caption, ("Claim", "Cells", "Column", "Difference (p)"), tuple(rows))
 
 
 def _interval_json(interval: Interval | None) -> dict[str, Any] | None:
@@ -360,7 +339,7 @@ def _interval_json(interval: Interval | None) -> dict[str, Any] | None:
     return {"mean": interval.estimate, "ci95": None if interval.low is None else [interval.low, interval.high]}
 
 
-def _versus_json(stat: SeedStat, alpha: float) -> dict[str, Any] | None:
+def _versus_json(stat: SeedStat) -> dict[str, Any] | None:
     if stat.test is None:
         return None
     return {
@@ -368,19 +347,18 @@ def _versus_json(stat: SeedStat, alpha: float) -> dict[str, Any] | None:
         "t": stat.test.statistic if stat.test.defined else None,
         "p": stat.test.p_value if stat.test.defined else None,
         "p_holm": stat.adjusted_p,
-        "significant": stat.significant(alpha),
+        "significant": stat.significant(ALPHA),
         **({"undefined": "every paired difference the same"} if stat.undefined else {}),
     }
 
 
 def results_to_json(
-    results: AblationResults, *, reference: str, switch: str | None = None, alpha: float = 0.05,
-    family: str = "table",
+    results: AblationResults, *, reference: str, switch: str | None = None, family: str = "table"
 ) -> dict[str, Any]:
-    """The results as JSON, with paired comparisons against ``reference`` and ``switch`` (where they are cells).
+    """The results as JSON, with paired comparisons against ``reference`` and ``switch`` (where they are cells);
+    ``significant`` at :data:`ALPHA`.
 
     Args:
-        alpha: significance level of the ``significant`` flags.
         family: the Holm family of each reference's comparisons (as in :func:`ablation_table`).
 
     Returns:
@@ -398,7 +376,7 @@ def results_to_json(
             item.update(_interval_json(mean_ci(list(values.values())) if values else None) or {"mean": None, "ci95": None})
             for ref, stats in versus.items():
                 if ref != cell:
-                    item[f"vs_{ref}"] = _versus_json(stats[cell][metric.key], alpha)
+                    item[f"vs_{ref}"] = _versus_json(stats[cell][metric.key])
             entry[metric.key] = item
         out[cell] = entry
     return out
@@ -422,15 +400,9 @@ def results_from_json(summary: Mapping[str, Any]) -> AblationResults:
 
 
 def summary_intervals(
-    results: AblationResults, keys: Sequence[str], confidence: float = 0.95
+    results: AblationResults, keys: Sequence[str]
 ) -> dict[str, dict[str, tuple[float, float | None, float | None]]]:
     """``{cell: {column label: (mean, low, high)}}`` for ``keys``, for the summary plot (missing values left out)."""
-    labels = results.labels
-    out: dict[str, dict[str, tuple[float, float | None, float | None]]] = {}
-    for cell in results.cells:
-        for key in keys:
-            values = list(results.per_seed(cell, key).values())
-            if values:
-                ci = mean_ci(values, confidence)
-                out.setdefault(cell, {})[labels[key]] = (ci.estimate, ci.low, ci.high)
-    return out
+    cis = {cell: {results.labels[k]: mean_ci(list(v.values()), CONFIDENCE) for k in keys
+                  if (v := results.per_seed(cell, k))} for cell in results.cells}
+    return {cell: {label: (ci.estimate, ci.low, ci.high) for label, ci in c.items()} for cell, c in cis.items() if c}

@@ -21,10 +21,9 @@ BASELINE = "switch"
 
 @dataclass(frozen=True)
 class BenchRow:
-    """One benchmark: group, name, router, median time per round, ratio to the group's baseline (None: none)."""
+    """One benchmark: group, router, median time per round, ratio to the group's baseline (None: none)."""
 
     group: str
-    name: str
     router: str
     median_s: float
     ratio_to_baseline: float | None
@@ -63,11 +62,11 @@ def summarise(data: dict, baseline: str = BASELINE, origin: str = "benchmark JSO
         median = (bench.get("stats") or {}).get("median") if isinstance(bench, dict) else None
         if isinstance(median, bool) or not isinstance(median, (int, float)):
             raise ReproError(f"{origin}: benchmark {i} has no numeric 'stats.median'")
-        parsed.append((str(bench.get("group") or ""), str(bench.get("name", "?")), _router_of(bench), float(median)))
-    base = {group: median for group, _, router, median in parsed if router == baseline}
+        parsed.append((str(bench.get("group") or ""), _router_of(bench), float(median)))
+    base = {group: median for group, router, median in parsed if router == baseline}
     rows = [
-        BenchRow(group, name, router, median, median / base[group] if group in base and base[group] > 0 else None)
-        for group, name, router, median in parsed
+        BenchRow(group, router, median, median / base[group] if group in base and base[group] > 0 else None)
+        for group, router, median in parsed
     ]
     return sorted(rows, key=lambda r: (r.group, r.median_s))
 

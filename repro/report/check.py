@@ -60,7 +60,6 @@ class CheckRow:
 
     @property
     def delta(self) -> float | None:
-        """measured - reference, where both exist."""
         return None if self.measured is None or self.reference is None else self.measured - self.reference
 
 
@@ -73,12 +72,10 @@ class CheckReport:
 
     @property
     def passed(self) -> bool:
-        """True when no row failed."""
         return all(r.status != FAIL for r in self.rows)
 
     @property
     def compared(self) -> int:
-        """Rows not skipped."""
         return sum(r.status != SKIPPED for r in self.rows)
 
 

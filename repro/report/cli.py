@@ -1,14 +1,4 @@
-"""``python -m repro report tables`` and ``python -m repro report check``.
-
-Examples::
-
-    python -m repro report tables runs/mini                          # Markdown tables on stdout
-    python -m repro report tables runs/pile --published --out results/pile --format md,csv,tex
-    python -m repro report check runs/pile/dirmoe-185m --against published
-    python -m repro report check runs/mini/switch --against runs/mini-before/switch   # exit 1 on a drift
-    python -m repro report check runs/new/switch --against runs/seeds/switch   # several seeds: 5% false alarms in all
-    python -m repro report tables runs/seeds --over-seeds            # mean +- 95% CI over seeds, * vs --reference-router
-"""
+"""``python -m repro report tables`` and ``python -m repro report check`` (examples: docs/evaluation.md)."""
 
 from __future__ import annotations
 

@@ -61,4 +61,3 @@ def compute_parity(
             note = f"NO ({diff * 100:+.1f}% vs {reference.run_id}, tolerance {tolerance * 100:g}%)"
         verdicts[record.run_id] = ParityVerdict(diff, abs(diff) <= tolerance, note)
     return verdicts
-

@@ -40,7 +40,6 @@ class SeedStat:
 
     @property
     def defined(self) -> bool:
-        """Whether the row was tested and the test has a p-value."""
         return self.test is not None and self.test.defined
 
     @property
@@ -49,12 +48,10 @@ class SeedStat:
         return self.test is not None and not self.test.defined
 
     def significant(self, alpha: float) -> bool:
-        """Whether the adjusted p-value is below ``alpha`` (never for an undefined test)."""
         return self.adjusted_p is not None and self.adjusted_p < alpha
 
 
 def check_family(family: str) -> str:
-    """``family`` if it is one of :data:`FAMILIES`, else ValueError."""
     if family not in FAMILIES:
         raise ValueError(f"unknown family '{family}'; valid: {', '.join(FAMILIES)}")
     return family
@@ -91,16 +88,13 @@ def compare(
         ``(a, b, column)`` -> :class:`SeedStat` (``interval`` is ``a``'s over its seeds).
     """
     check_family(family)
-    found: dict[Key, tuple[PairedTest, Interval | None]] = {}
-    for key in tests:
-        a, b, column = key
+
+    def paired(a: str, b: str, column: str) -> tuple[PairedTest, Interval | None] | None:
         if test is None:
-            paired = _paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}),
-                                        confidence)
-        else:
-            paired = None if (result := test(a, b, column)) is None else (result, None)
-        if paired is not None:
-            found[key] = paired
+            return _paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}), confidence)
+        return None if (result := test(a, b, column)) is None else (result, None)
+
+    found = {key: p for key in tests if (p := paired(*key)) is not None}
     # Holm per family over defined tests (an undefined one cannot raise a false alarm).
     families: dict[str, list[Key]] = {}
     for key, (result, _) in found.items():
@@ -176,5 +170,4 @@ def undefined_cells(stats: Mapping[str, Mapping[str, SeedStat]], labels: Mapping
 
 
 def count_defined(stats: Mapping[str, Mapping[str, SeedStat]]) -> int:
-    """The number of defined tests among ``stats`` (row -> column -> stat)."""
     return sum(s.defined for cells in stats.values() for s in cells.values())

@@ -1,7 +1,6 @@
 """Plots of a comparison (matplotlib, PNG): loss curves, routing over training, DirMoE's sparsity knob,
 expert specialisation by domain, and the DirMoE ablation's. Every function takes plain data (training-log rows,
-:class:`repro.records.step_log.LogRow`; analysis dicts) and ``path``, the PNG to write; ``smooth`` is a
-moving-average window in steps.
+:class:`repro.records.step_log.LogRow`; analysis dicts) and ``path``, the PNG to write.
 """
 
 from __future__ import annotations
@@ -18,6 +17,9 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from repro.io_utils import atomic_path  # noqa: E402
 from repro.records.step_log import LogRow  # noqa: E402
+
+#: The moving-average window of the curves over training, in steps.
+SMOOTH = 10
 
 
 def _save(fig, path: str | os.PathLike, tight: bool = True) -> None:
@@ -37,38 +39,34 @@ def _grid(panels: int, ncols: int, size: tuple[float, float], **options: Any):
     return fig, axes
 
 
-def _smooth(values: Sequence[float], window: int) -> list[float]:
-    """The trailing mean over up to ``window`` values at each point."""
-    windows = [values[max(0, i + 1 - window):i + 1] for i in range(len(values))]
+def _smooth(values: Sequence[float]) -> list[float]:
+    windows = [values[max(0, i + 1 - SMOOTH):i + 1] for i in range(len(values))]
     return [sum(w) / len(w) for w in windows]
 
 
 def plot_loss_curves(
-    logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike, unigram_loss: float | None = None,
-    smooth: int = 10,
+    logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike, unigram_loss: float | None = None
 ) -> None:
     """LM loss against step per run (``logs``: label -> rows), with ``unigram_loss`` as a reference line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, rows in logs.items():
         steps = [r.step for r in rows]
-        ax.plot(steps, _smooth([r.lm_loss for r in rows], smooth), label=label, lw=1.4)
+        ax.plot(steps, _smooth([r.lm_loss for r in rows]), label=label, lw=1.4)
     if unigram_loss is not None:
         ax.axhline(unigram_loss, color="grey", ls="--", lw=1, label=f"unigram ({unigram_loss:.2f})")
-    ax.set(xlabel="step", ylabel=f"LM loss (nats/token, {smooth}-step mean)", title="Training loss")
+    ax.set(xlabel="step", ylabel=f"LM loss (nats/token, {SMOOTH}-step mean)", title="Training loss")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, ncol=2)
     _save(fig, path, tight=False)
 
 
-def plot_routing_over_training(
-    logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike, smooth: int = 10
-) -> None:
+def plot_routing_over_training(logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike) -> None:
     """Active experts per token and Simpson index of combine weights (layer mean) against step, per run."""
     fig, (ax_a, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, rows in logs.items():
         rows = [r for r in rows if r.routing.get("active_experts")]
         for ax, metric in ((ax_a, "active_experts"), (ax_s, "simpson")) if rows else ():
-            ax.plot([r.step for r in rows], _smooth([r.layer_mean(metric) for r in rows], smooth), label=label, lw=1.4)
+            ax.plot([r.step for r in rows], _smooth([r.layer_mean(metric) for r in rows]), label=label, lw=1.4)
     ax_a.set_title("Active experts per token (mean over layers)")
     ax_s.set_title("Simpson index of the combine weights")
     for ax in (ax_a, ax_s):
@@ -153,8 +151,7 @@ def _num_layers(runs: Sequence[Sequence[LogRow]], metric: str) -> int:
 
 def plot_expert_load(
     logs: Mapping[str, Sequence[LogRow]], path: str | os.PathLike,
-    metric: str | Mapping[str, str] = "tokens_per_expert", smooth: int = 10,
-    title: str = "Share of each expert over training",
+    metric: str | Mapping[str, str] = "tokens_per_expert", title: str = "Share of each expert over training",
 ) -> None:
     """Each expert's share over training, stacked, per run and layer (two runs per row of panels).
 
@@ -181,7 +178,7 @@ def plot_expert_load(
             steps = [r.step for r in rows][: len(counts)]
             num_experts = len(counts[0])
             shares = [[c / max(sum(row), 1e-30) for c in row] for row in counts]
-            series = [_smooth([s[e] for s in shares], smooth) for e in range(num_experts)]
+            series = [_smooth([s[e] for s in shares]) for e in range(num_experts)]
             ax.stackplot(steps, series, linewidth=0)
             ax.axhline(1.0, color="black", lw=0.5)
             what = "r mass" if which[label] == "weight_share" else "load"
@@ -192,9 +189,7 @@ def plot_expert_load(
     _save(fig, path)
 
 
-def plot_shared_mean(
-    logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike, smooth: int = 10
-) -> None:
+def plot_shared_mean(logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike) -> None:
     """DirMoE's shared-mean energy of the router input and the decoder columns' alignment with it, per layer,
     over training (seed means; ``logs``: cell label -> each seed's rows)."""
     metrics = (
@@ -214,7 +209,7 @@ def plot_shared_mean(
             for label, runs in logs.items():
                 steps, values = _per_step_mean(runs, metric, layer)
                 if steps:
-                    ax.plot(steps, _smooth(values, smooth), lw=1.2, label=label, **styles[label])
+                    ax.plot(steps, _smooth(values), lw=1.2, label=label, **styles[label])
             ax.set_title(f"{title}, layer {layer + 1}", fontsize=9)
             ax.grid(alpha=0.3)
             if row == len(metrics) - 1:
@@ -225,9 +220,7 @@ def plot_shared_mean(
     _save(fig, path)
 
 
-def plot_simpson_theta(
-    logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike, smooth: int = 10
-) -> None:
+def plot_simpson_theta(logs: Mapping[str, Sequence[Sequence[LogRow]]], path: str | os.PathLike) -> None:
     """Simpson index of DirMoE's Dirichlet draws against the calibrator's target over training, a panel per
     cell (layer and seed means): the draws, the Lemma under the actual posterior, and the target at the posterior
     scale in use on an ideal active set and at the actual gates (had the heads kept the prior's bases).
@@ -248,7 +241,7 @@ def plot_simpson_theta(
         for metric, name, style in lines:
             steps, values = _per_step_mean(logs[label], metric, None)
             if steps:
-                ax.plot(steps, _smooth(values, smooth), label=name, **style)
+                ax.plot(steps, _smooth(values), label=name, **style)
         ax.set_title(label, fontsize=9)
         ax.set_ylim(0, 1.02)
         ax.grid(alpha=0.3)

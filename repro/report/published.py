@@ -41,7 +41,6 @@ class Tolerance:
             raise ValueError(f"tolerance value must be >= 0, got {self.value}")
 
     def allows(self, measured: float, reference: float) -> bool:
-        """Whether ``measured`` is within tolerance of ``reference``."""
         bound = self.value if self.kind == "abs" else self.value * abs(reference)
         return abs(measured - reference) <= bound + 1e-12
 

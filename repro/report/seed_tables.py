@@ -129,10 +129,9 @@ def _question_test(
     for task in tasks:
         per_run = []
         for runs in (reference, other):
-            found = [question_scores(per_question[r.run_id], task, metrics[task]) for r in runs.values()]
-            if any(q is None for q in found):
+            per_run.append([question_scores(per_question[r.run_id], task, metrics[task]) for r in runs.values()])
+            if any(q is None for q in per_run[-1]):
                 raise ReproError(f"task '{task}': a run has no per-question '{metrics[task]}' results")
-            per_run.append(found)
         first = per_run[0][0]
         if not all(first.paired_with(q) for runs in per_run for q in runs):
             raise ReproError(f"task '{task}': the runs scored different questions; they cannot be paired")
@@ -203,11 +202,9 @@ def compare_over_seeds(
             tasks if column == AVG else [column], chosen, groups[reference], groups[router], per_question
         )
 
-    partial = {}
-    for router, runs in groups.items():
-        cut = {r.run_id: {t: p for t, p in record_partial(r).items() if t in chosen} for r in runs.values()}
-        if any(cut.values()):
-            partial[router] = {run: tasks for run, tasks in cut.items() if tasks}
+    cut = {router: {r.run_id: {t: p for t, p in record_partial(r).items() if t in chosen} for r in runs.values()}
+           for router, runs in groups.items()}
+    partial = {router: {run: ts for run, ts in c.items() if ts} for router, c in cut.items() if any(c.values())}
     return _compared(groups, reference, columns, value, used, confidence=confidence, alpha=alpha, family=family,
                      question_test=question_test, metrics=chosen, partial=partial)
 
@@ -245,8 +242,8 @@ def _rows_over_seeds(
     comparison: SeedComparison, specs: Mapping[str, str] | None = None, default: str = ".2f"
 ) -> tuple[tuple[str, ...], ...]:
     """A row per router (reference, dense, then by name): label, seeds, marked ``mean +- half-width`` per column."""
-    rows = []
     ordered = sorted(comparison.cells.items(), key=lambda item: item[0] != comparison.reference)
+    rows = []
     for router, cells in ordered:
         label = f"{router} (reference)" if router == comparison.reference else router
         row = [label, str(len(comparison.seeds[router]))]

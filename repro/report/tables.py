@@ -191,9 +191,8 @@ def validation_seed_table(records: Sequence[RunRecord], **options: Any) -> Table
     """
     columns = _validation_columns(records)
     comparison = compare_metrics_over_seeds(records, columns, **options)
-    measured = [r for r in records if any(f(r) is not None for f in columns.values())]
     return seed_metric_table(
-        comparison, name="validation_seeds", what=_validation_text(measured), labels=_VALIDATION_LABELS
+        comparison, name="validation_seeds", what=_validation_text(records), labels=_VALIDATION_LABELS
     )
 
 
@@ -212,10 +211,7 @@ _ROUTING_TEXT = (
 
 def layer_mean(name: str) -> Callable[[RunRecord], float | None]:
     """A run's routing statistic ``name`` averaged over its MoE layers (None where no layer has it)."""
-    def mean(record: RunRecord) -> float | None:
-        return mean_or_none([getattr(layer, name) for layer in record.routing if getattr(layer, name) is not None])
-
-    return mean
+    return lambda record: mean_or_none([v for layer in record.routing if (v := getattr(layer, name)) is not None])
 
 
 def routing_seed_comparison(records: Sequence[RunRecord], **options: Any) -> SeedComparison:
@@ -287,12 +283,11 @@ def efficiency_table(
         "Training efficiency. ms/iter and tokens/s (all devices): medians over the steps after warm-up. "
         f"TFLOP/s per device by {_flops_formulas(measured)}, at the nominal k (analytic) and at the measured "
         "mean experts per token (measured); B sequences of s tokens, L layers, hidden h, a heads, g query groups, "
-        "d head size, f FFN size per expert, V padded vocabulary. Token group: tokens that compete for the experts together, for "
-        "routers whose choice couples tokens (Expert Choice; -- for the others). Backend: the modules "
-        "megatron-core built (te: TransformerEngine; torch: torch's grouped GEMM and SDPA; local: megatron's "
-        "local spec). Compute parity: measured "
-        "expert FLOPs per token within "
-        f"+-{parity_tolerance * 100:g}% of the reference run (router '{reference_router}' where present)."
+        "d head size, f FFN size per expert, V padded vocabulary. Token group: tokens that compete for the experts "
+        "together, for routers whose choice couples tokens (Expert Choice; -- for the others). Backend: the modules "
+        "megatron-core built (te: TransformerEngine; torch: torch's grouped GEMM and SDPA; local: megatron's local "
+        f"spec). Compute parity: measured expert FLOPs per token within +-{parity_tolerance * 100:g}% of the "
+        f"reference run (router '{reference_router}' where present)."
     )
     starts = {r.run_id: r.efficiency.start_step for r in measured if r.efficiency.start_step}
     if starts:

@@ -205,7 +205,6 @@ def link(study: str) -> str:
 
 
 def plots(directory: Path) -> list[str]:
-    """A write-up's list of the plots in its directory."""
     pngs = sorted(p.name for p in directory.glob("*.png"))
     return ["## Plots", "", *(f"- [`{name}`]({name})" for name in pngs)] if pngs else []
 
