@@ -174,10 +174,9 @@ def wheelhouse(session: nox.Session) -> None:
     extras = [e for e in args.extras.split(",") if e]
     try:
         target = wh.WheelhouseTarget(python=args.target_python, platform=args.platform)
-        present = dict(wh.DEFAULT_PRESENT)
-        if args.present_from:
-            present.update(wh.parse_present(Path(args.present_from).read_text().splitlines()))
-        present.update(wh.parse_present(args.present))
+        present = {**wh.DEFAULT_PRESENT,
+                   **(wh.parse_present(Path(args.present_from).read_text().splitlines()) if args.present_from else {}),
+                   **wh.parse_present(args.present)}
         pyproject = nox.project.load_toml("pyproject.toml")
         roots = wh.project_requirements(pyproject, extras, present, with_nox=args.with_nox)
         # The offline check resolves the requirements on present packages too (torch>=2.6 against 2.11.0).

@@ -15,8 +15,8 @@ the pre-stated :data:`HYPOTHESES` as one Holm family::
     python -m repro study ablation --confirm --cells paper,recon-centered,kl-off,aux-off,switch --seeds 7,8,9,10,11,12 \
         --out results/dirmoe-ablation-confirm
 
-``--tables-only``: :func:`rebuild_tables`. Finished runs are reused, killed ones resumed, ``--fresh`` retrains
-all. The cost in ``summary.json`` is each run's worker CPU time, not wall time (distorted on a shared machine).
+``--tables-only``: :func:`rebuild_tables`. The cost in ``summary.json`` is each run's worker CPU time, not wall
+time (distorted on a shared machine).
 
 Choices (each with its reason):
 
@@ -28,8 +28,7 @@ Choices (each with its reason):
    are noisier than the differences looked for.
 4. **Checkpoints every 200 steps**: bounds the loss from a killed run while keeping disk use modest over all runs.
 5. **dense-first** dispatches densely for the first sixth of the run: the users saw the shared component take
-   over the router input by step 100. **tau-short** is the "short" temperature preset of
-   ``routers/dirmoe_config.py``: tau at its end value after the first tenth of the run.
+   over the router input by step 100.
 6. **Weight imbalance** (``max_i mean_t r_ti / (1/E)``) beside load imbalance: under dense dispatch the load is
    flat by construction and only the weights show a collapse.
 """

@@ -16,9 +16,6 @@ Defaults, each one option away:
 5. **On one device, all runs resident in one process, stepped in turn** (:mod:`repro.training.interleave`, order
    reversed every other round, GC by hand): ratios to Switch come from the same rounds, 95% interval by batch means
    (:func:`repro.stats.timing_ratio`); ``--separate`` (always with ``--gpus N``) reports times, no ratios.
-
-``--out`` must be new, empty, or this command's (``.efficiency-out``); only run directories holding
-``.efficiency-run`` are replaced; runs not asked for again are kept.
 """
 
 from __future__ import annotations
@@ -104,8 +101,6 @@ class EfficiencyPlan:
     interleave: bool = False
 
     def __post_init__(self) -> None:  # the numbers and the flavour are checked by :func:`parse`, naming the flag
-        if not self.runs:
-            raise ValueError("no runs to measure")
         labels = [r.label for r in self.runs]
         duplicates = sorted({label for label in labels if labels.count(label) > 1})
         if duplicates:
@@ -113,8 +108,6 @@ class EfficiencyPlan:
         unknown = [f for f in self.formats if f not in FORMATS]
         if unknown:
             raise ValueError(f"unknown table format(s) {', '.join(unknown)}; valid: {', '.join(FORMATS)}")
-        if self.interleave and self.devices != 1:
-            raise ValueError(f"runs are interleaved in one process on one device, not {self.devices}: use --separate")
 
     @property
     def steps_run(self) -> int:
@@ -241,18 +234,14 @@ def efficiency_config(router: str, flavour: str, **kwargs: Any):
 
 
 # ------------------------------------------------------------------------------------------ records
-def _device_name(on_gpu: bool) -> str | None:
+def _device_name() -> str | None:
     """The GPU's name via nvidia-smi (no CUDA context in this process), else None (the record's default)."""
-    if not on_gpu:
-        return None
     try:
-        out = subprocess.run(
-            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
-            capture_output=True, text=True, timeout=30, check=True,
-        )
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+                             capture_output=True, text=True, timeout=30, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
-    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else None
+    return (out.stdout.strip().splitlines() or [None])[0]
 
 
 def _write_record(study: Study, run: Run) -> Path:
@@ -264,7 +253,8 @@ def _write_record(study: Study, run: Run) -> Path:
     plan: EfficiencyPlan = study.settings
     spec = next(r for r in plan.runs if r.label == run.run_id)
     run_dir = study.run_dir(run)
-    environment = environment_info(num_processes=plan.devices, device=_device_name(torch.cuda.is_available()))
+    device = _device_name() if torch.cuda.is_available() else None
+    environment = environment_info(num_processes=plan.devices, device=device)
     record = record_from_run_dir(
         run_dir, warmup=plan.warmup, run_id=run.run_id, environment=environment,
         flops_attention=plan.flops_attention, start_step=spec.start_step,
@@ -316,12 +306,9 @@ def resolve_init_from(values: list[str], runs: list[RunSpec]) -> list[RunSpec]:
         return runs
     resolved = []
     for run in runs:
-        if run.label in per_run:
-            candidates = [per_run[run.label]]
-        elif shared:  # (dict.fromkeys: a run labelled as its router names its folder once)
-            candidates = list(dict.fromkeys((shared[0] / run.label, shared[0] / run.router, shared[0])))
-        else:
-            candidates = []
+        # (dict.fromkeys: a run labelled as its router names its folder once)
+        folders = dict.fromkeys((shared[0] / run.label, shared[0] / run.router, shared[0])) if shared else {}
+        candidates = [per_run[run.label]] if run.label in per_run else list(folders)
         info = ckpt.find_router_checkpoint(candidates, run.router)
         if info is None:
             where = ", ".join(str(c) for c in candidates) or "(no --init-from for it)"

@@ -55,10 +55,9 @@ def _command_summary(
                       if r.device_time_s is not None]
         runs[run.label]["device_time_ms"] = {"median": statistics.median(devices_ms)} if devices_ms else None
     # Ratios only between runs stepped in turn in one process (repro.studies.efficiency, default 5).
-    ratios = {}
-    if plan.interleave:
-        done = {run.label: plan.run_dir(run) for run in plan.runs if run.label in runs and run.label not in errors}
-        ratios = interleaved_ratios(done, reference=REFERENCE_ROUTER, warmup=plan.warmup, window=plan.iters)
+    done = {run.label: plan.run_dir(run) for run in plan.runs if run.label not in errors}
+    ratios = (interleaved_ratios(done, reference=REFERENCE_ROUTER, warmup=plan.warmup, window=plan.iters)
+              if plan.interleave else {})
     for label, entry in runs.items():
         if "iter_time_ms" in entry:
             entry["interleaved"] = ratios.get(label)

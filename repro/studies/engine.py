@@ -333,10 +333,9 @@ def _pool(study: Study, runs: list[Run]) -> tuple[dict[str, float], dict[str, st
 # ------------------------------------------------------------------------------------------ launched runs
 def train_command(study: Study, run: Run, resume: bool = False) -> list[str]:
     """``python -m repro train`` for ``run`` (under torchrun where the launch spans more than one process)."""
-    program = ["-m", "repro", "train", "--experiment", run.experiment, "--out", str(study.run_dir(run))]
-    for item in run.overrides:
-        program += ["--set", item]
-    program += [*study.train_args, *(["--resume"] if resume else [])]
+    program = ["-m", "repro", "train", "--experiment", run.experiment, "--out", str(study.run_dir(run)),
+               *(arg for item in run.overrides for arg in ("--set", item)), *study.train_args,
+               *(["--resume"] if resume else [])]
     launch = study.launch
     if launch.nodes == 1 and launch.gpus_per_node == 1:
         return [sys.executable, *program]

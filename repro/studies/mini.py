@@ -1,23 +1,14 @@
 """``python -m repro study mini``: the whole router comparison on the embedded default (CPU).
 
-A study (:mod:`repro.studies.engine`): for dense, every registered router and its declared variants, and each
-of ``--seeds N`` seeds, a worker trains ``<router>-tiny`` on the mini-pile, evaluates it zero-shot on the local
-tasks via lm-eval (per-question results kept), measures held-out LM loss per domain, analyses its routing and
-writes ``runs/mini/<run>/record.json``. Then the first seed's zero-shot, efficiency, routing and validation-loss
-tables and plots go under ``--out`` (``nox -s mini``: ``results/mini``); with several seeds, tables over seeds too.
+A study (:mod:`repro.studies.engine`; what it runs and writes: docs/experiments.md, docs/evaluation.md). Its decisions:
 
-Seeds (decision 1): seed k is the experiment's seed plus k, in ``runs/mini/<run>`` (k = 0) or
-``runs/mini/<run>-s<k>``. Seed 0 is exactly the single-seed run, so ``--seeds 1`` reproduces the committed
-results and adding seeds reuses finished runs. The seed drives initialisation, router noise and megatron's data
-order; Mersenne Twister seeding makes consecutive seeds unrelated streams.
+Seeds (decision 1): seed k is the experiment's seed plus k, seed 0 exactly the single-seed run, so ``--seeds 1``
+reproduces the committed results and adding seeds reuses finished runs. The seed drives initialisation, router
+noise and megatron's data order; Mersenne Twister seeding makes consecutive seeds unrelated streams.
 
-Held-out loss per domain (decision 2): the checkpoint scores the first ``domain_tokens`` tokens of each domain's
-held-out documents (``heldout.jsonl``: never in training shards, tokenizer or splits), in windows of the
-sequence length, batch 1 (routers coupling a batch's tokens see one window, as in lm-eval). Same tokens for every
-router and seed, so differences are paired; a per-domain breakdown of the trainer's validation loss would leave
-few tokens per domain and a different mix per seed.
-
-Finished runs with the current settings are reused; ``--fresh`` retrains everything.
+Held-out loss per domain (decision 2): the same held-out tokens for every router and seed, so differences are
+paired, one window per forward (routers coupling a batch's tokens see one window, as in lm-eval); a per-domain
+breakdown of the trainer's validation loss would leave few tokens per domain and a different mix per seed.
 """
 
 from __future__ import annotations
@@ -30,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from repro.config import MEGATRON_ROUTER
-from repro.io_utils import write_json_atomic
+from repro.io_utils import read_json, write_json_atomic
 from repro.schema import check_minimums
 from repro.studies.engine import CpuStudySettings, Run, Study, check_flags, pick, run_cost, run_study
 
@@ -212,25 +203,18 @@ def run_one(study: Study, run: Run) -> Path:
 
 def _current(study: Study, run: Run) -> bool:
     """Whether a finished run's analysis has the current settings."""
-    try:
-        settings = json.loads((study.run_dir(run) / "analysis.json").read_text()).get("settings")
-    except (OSError, ValueError, AttributeError):
-        return False
-    return settings == study.settings.analysis_settings()
+    analysis = read_json(study.run_dir(run) / "analysis.json")
+    return isinstance(analysis, dict) and analysis.get("settings") == study.settings.analysis_settings()
 
 
 # -------------------------------------------------------------------------------------------- reporting
 def _unigram_loss(prefix: str) -> float:
     """Cross-entropy (nats/token) of the training tokens under their own unigram distribution."""
     import numpy as np
-    from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    data = IndexedDataset(prefix)
-    counts = np.zeros(1, dtype=np.int64)
-    for i in range(len(data)):
-        found = np.bincount(np.asarray(data[i], dtype=np.int64))
-        counts = np.pad(counts, (0, max(0, found.size - counts.size)))
-        counts[: found.size] += found
+    from repro.data.token_counts import count_tokens
+
+    counts = count_tokens([prefix], split="1,0,0")  # every document
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
 

@@ -154,13 +154,11 @@ def sweep_study(sweep: Sweep, args: argparse.Namespace) -> Study:
         raise ReproError(f"--values: none of {args.values} is a value of {sweep.name}: {valid}")
     data = [f"data.source=pile:{args.data}"] if args.data else []
     data += [f"data.tokenizer={args.tokenizer}"] if args.tokenizer else []
-    runs = []
-    for value in values:
-        for router in routers:
-            text = format(value, "g") if isinstance(value, float) else str(value)
-            run_id = f"{router}-{sweep.tag}{text}" if sweep.key else f"{router}-{sweep.flavour}"
-            sets = [*data, *([f"{sweep.key}={value}"] if sweep.key else []), *sweep.overrides, *args.set]
-            runs.append(Run(run_id, f"{router}-{sweep.flavour}", tuple(sets)))
+    runs = [Run(f"{router}-{sweep.tag}{text}" if sweep.key else f"{router}-{sweep.flavour}",
+                f"{router}-{sweep.flavour}",
+                (*data, *([f"{sweep.key}={value}"] if sweep.key else []), *sweep.overrides, *args.set))
+            for value in values for text in [format(value, "g") if isinstance(value, float) else str(value)]
+            for router in routers]
     gpus = sweep.gpus if args.gpus is None else args.gpus
     try:
         launch = Launch(args.nodes, gpus, args.rdzv_endpoint, args.rdzv_id or "dirmoe-bench") if gpus else None

@@ -6,11 +6,6 @@ README a block per study between ``<!-- BEGIN generated: <study> -->`` and ``<!-
 
 Every number is read from a results file or computed from the per-seed values they hold; every comparison word
 is chosen by a test result (:mod:`repro.report.verdicts`). ``--check`` exits 1 where a committed file is stale.
-
-Examples::
-
-    python -m repro report writeup                # rewrite results/*/README.md and the README's result blocks
-    python -m repro report writeup --check        # exit 1 when one of them is out of date
 """
 
 from __future__ import annotations
