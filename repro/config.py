@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from repro.errors import ReproError
 from repro.flavours import MEGATRON_ROUTER, MEGATRON_ROUTER_OPTIONS
-from repro.schema import check_minimums
+from repro.schema import check_minimums, flatten
 
 #: Data sources besides ``pile:<prefix>`` / ``indexed:<prefix>`` / ``mini-pile:<dir>``.
 DATA_CHOICES: tuple[str, ...] = ("synthetic", "mini-pile")
@@ -324,17 +324,6 @@ def _omegaconf_message(exc: Exception) -> str:
     return f"{key}: {text}" if key and key not in text else text
 
 
-def _leaf_keys(obj: Any, prefix: str = "") -> list[str]:
-    keys = []
-    for f in dataclasses.fields(obj):
-        value, path = getattr(obj, f.name), f"{prefix}{f.name}"
-        if dataclasses.is_dataclass(value):
-            keys += _leaf_keys(value, f"{path}.")
-        else:
-            keys.append(f"{path}.<option>" if f.name in ("options", "backend_options") else path)
-    return keys
-
-
 def _router_option_fields(router: str) -> dict[str, Any]:
     """``{option: type}`` of a router's options (ReproError listing the valid routers for an unknown one)."""
     if router == MEGATRON_ROUTER:
@@ -417,7 +406,9 @@ def apply_overrides(config: RunConfig, assignments: Iterable[str]) -> RunConfig:
     except OmegaConfBaseException as exc:
         message = _omegaconf_message(exc)
         if "not in" in message and "Did you mean" not in message:
-            message += f"; valid keys: {', '.join(k for k in _leaf_keys(config) if k != 'name')}"
+            keys = flatten(dataclasses.asdict(config), keep=("options", "backend_options"))
+            valid = [f"{k}.<option>" if k.endswith("options") else k for k in keys if k != "name"]
+            message += f"; valid keys: {', '.join(valid)}"
         raise ReproError(f"--set {message}") from None
     router = data["router"]["name"]
     options = {} if router != config.router.name else dict(config.router.options)

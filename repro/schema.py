@@ -14,6 +14,7 @@ import dataclasses
 import math
 import types
 import typing
+from collections.abc import Mapping
 from typing import Any, TypeVar
 
 from repro.errors import ReproError
@@ -118,6 +119,17 @@ def check_minimums(obj: Any, section: str = "", /, **minimums: float) -> None:
             raise ValueError(f"{key} must be a finite number, got {value}")
         if value < low:
             raise ValueError(f"{key} must be >= {low:g}, got {value}")
+
+
+def flatten(data: Mapping[str, Any], keep: tuple[str, ...] = (), prefix: str = "") -> dict[str, Any]:
+    """A nested mapping as ``{"schedule.steps": 30, ...}``, in its order; mappings under a key in ``keep`` stay whole."""
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, Mapping) and key not in keep:
+            out.update(flatten(value, keep, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
 
 
 def to_json(obj: Any) -> Any:

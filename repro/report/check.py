@@ -24,6 +24,7 @@ from repro.errors import ReproError
 from repro.records.run_record import RunRecord, lm_eval_metrics
 from repro.report.published import PublishedEntry, select
 from repro.report.table_core import PAPER_TASKS, choose_metric, mean_or_none, record_partial
+from repro.schema import flatten
 from repro.stats import grid_sd_floor, minimum_detectable_shift, prediction_bounds, prediction_interval
 
 OK, FAIL, SKIPPED = "ok", "FAIL", "skipped"
@@ -347,18 +348,11 @@ def check_against_seeds(
     return CheckReport(tuple(_noted(row, record, previous) for row in rows), header)
 
 
-def _flat(config: Any, prefix: str = "") -> dict[str, Any]:
-    """A nested config as ``{"schedule.steps": 30, ...}``."""
-    if not isinstance(config, dict):
-        return {prefix: config}
-    return {k: v for key, value in config.items()
-            for k, v in _flat(value, f"{prefix}.{key}" if prefix else str(key)).items()}
-
-
 def _setting_differences(record: RunRecord, previous: Sequence[RunRecord]) -> str:
     """``schedule.steps: 200 here, 30 in s1, s2``: settings (seed and name aside) differing from the seeds', or ''."""
     def settings(r: RunRecord) -> dict[str, Any]:
-        flat = _flat(r.experiment.config.get("experiment", r.experiment.config))
+        config = r.experiment.config.get("experiment", r.experiment.config)
+        flat = flatten(config) if isinstance(config, dict) else {"": config}
         return {k: v for k, v in flat.items() if k not in ("seed", "name")}
 
     mine, parts = settings(record), []

@@ -18,6 +18,7 @@ from repro.config import RunConfig
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.records.step_log import LOG_FILE
+from repro.schema import flatten
 from repro.training import checkpoint as ckpt
 
 LOCK_FILE = ".lock"
@@ -86,19 +87,9 @@ def stored_config(paths: RunPaths) -> tuple[RunConfig, ckpt.CheckpointInfo | Non
 
 def config_changes(stored: RunConfig, given: RunConfig) -> dict[str, str]:
     """``{"section.field": "old -> new"}`` for every leaf that differs between two configs."""
-    old, new = _flatten(stored.to_dict()), _flatten(given.to_dict())
+    old, new = flatten(stored.to_dict(), keep=("options",)), flatten(given.to_dict(), keep=("options",))
     keys = sorted(old.keys() | new.keys())
     return {k: f"{old.get(k)!r} -> {new.get(k)!r}" for k in keys if old.get(k) != new.get(k)}
-
-
-def _flatten(data: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict) and key != "options":
-            out.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 def start_state(
