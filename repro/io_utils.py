@@ -210,14 +210,18 @@ def _commit(tmp: Path, final: Path, tmp_dir: Path, replace: Recognise | None) ->
         raise ReproError(os_error_message(exc, final)) from None
 
 
+def write_synced(path: str | os.PathLike, mode: str, write: Callable[[Any], Any]) -> None:
+    """``write(f)`` into ``path`` opened with ``mode``, flushed and fsynced before it is closed."""
+    with open(path, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def write_json_atomic(path: str | os.PathLike, obj: Any, *, replace: Recognise | None = None) -> None:
     """Write ``obj`` as indented JSON to ``path`` atomically (:func:`atomic_path`, with ``replace``)."""
     with atomic_path(path, replace=replace) as tmp:
-        with open(tmp, "w") as f:
-            json.dump(obj, f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(tmp, "w", lambda f: f.write(json.dumps(obj, indent=2) + "\n"))
 
 
 def read_json(path: str | os.PathLike, default: Any = None) -> Any:

@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-import warnings
 from typing import Any
 
 import torch
@@ -165,10 +164,10 @@ def _quiet_megatron_notices(build):
 
     @functools.wraps(build)
     def quiet(*args, **kwargs):
+        from routers.registry import quiet_megatron_import
+
         logger = logging.getLogger("megatron.core.transformer.transformer_layer")
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="(Transformer Engine and Apex are|Apex is) not installed",
-                                    category=UserWarning)
+        with quiet_megatron_import():
             logger.addFilter(drop)
             try:
                 return build(*args, **kwargs)

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import nn
 
 from repro.errors import ReproError
-from repro.io_utils import atomic_path, error_from_os_error, os_error_message
+from repro.io_utils import atomic_path, error_from_os_error, os_error_message, write_synced
 from repro.training.distributed import Parallel, all_reduce
 
 FORMAT_VERSION = 2
@@ -256,9 +256,9 @@ def save_checkpoint(
         check_plain_data(payload)
         target = tmp / _rank_file_name(parallel.rank)
         # A file object keeps a failed write's OSError as context of torch's RuntimeError (names the cause).
-        _write_synced(target, "wb", lambda f: torch.save(payload, f))
+        write_synced(target, "wb", lambda f: torch.save(payload, f))
         # Read by rank 0 only after every rank reported success, so no partial sidecar is ever read.
-        _write_synced(tmp / f"{target.name}.sha256", "w", lambda f: f.write(file_sha256(target) + "\n"))
+        write_synced(tmp / f"{target.name}.sha256", "w", lambda f: f.write(file_sha256(target) + "\n"))
 
     error = _attempt(write_rank_file, final, tmp)
     _agree(error, final, remove=tmp if parallel.is_main else None)  # made by phase 1 of this call
@@ -290,13 +290,6 @@ def _fresh_dir(root: Path, tmp: Path) -> None:
     tmp.mkdir()
 
 
-def _write_synced(path: Path, mode: str, write: Callable[[Any], Any]) -> None:
-    with open(path, mode) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-
-
 def _publish(root: Path, tmp: Path, final: Path, aside: Path, meta: dict[str, Any], world_size: int) -> None:
     """Phase 3 (rank 0): ``meta.json``, rename to ``final``, update ``latest``; an existing ``final`` (step re-run
     after an earlier resume) waits in ``aside`` until replaced (the caller restores it on failure)."""
@@ -305,7 +298,7 @@ def _publish(root: Path, tmp: Path, final: Path, aside: Path, meta: dict[str, An
     for name in files:
         (tmp / f"{name}.sha256").unlink()
     meta = {**meta, "files": files, "sha256": digests}
-    _write_synced(tmp / "meta.json", "w", lambda f: f.write(json.dumps(meta, indent=2) + "\n"))
+    write_synced(tmp / "meta.json", "w", lambda f: f.write(json.dumps(meta, indent=2) + "\n"))
     _remove_own_dir(aside)
     if os.path.lexists(final):
         if not _is_own_dir(final):
