@@ -122,7 +122,7 @@ def check_minimums(obj: Any, section: str = "", /, **minimums: float) -> None:
 
 
 def flatten(data: Mapping[str, Any], keep: tuple[str, ...] = (), prefix: str = "") -> dict[str, Any]:
-    """A nested mapping as ``{"schedule.steps": 30, ...}``, in its order; mappings under a key in ``keep`` stay whole."""
+    """A nested mapping as ``{"schedule.steps": 30, ...}``, in order; mappings under a key in ``keep`` stay whole."""
     out: dict[str, Any] = {}
     for key, value in data.items():
         if isinstance(value, Mapping) and key not in keep:
