@@ -71,8 +71,9 @@ def expert_specialisation(
             with trace_routers(model) as trace, torch.no_grad():
                 forward(torch.tensor([window], dtype=torch.long))
             # [E] tokens routed per expert and layer (combine weights if every token goes everywhere, as in Lory)
+            outputs = [trace.outputs[layer][0] for layer in sorted(trace.outputs)]
             per_layer = torch.stack([o.probs.sum(0) if o.routing_map.all() else o.routing_map.float().sum(0)
-                                     for o in (trace.outputs[l][0] for l in sorted(trace.outputs))])
+                                     for o in outputs])
             counts[domain] = counts.get(domain, 0) + per_layer
             seen[domain] = seen.get(domain, 0) + len(window)
     domains = sorted(counts)
