@@ -1,4 +1,4 @@
-"""From a training log to a record's figures: the loss curve, per-layer routing, efficiency, the ratios of runs
+"""From a training log to a record's figures: per-layer routing, efficiency, the ratios of runs
 stepped in turn, and a profiled step's figures.
 
 Efficiency figures are medians (robust to the odd slow step) over a window after warm-up, on the steps without
@@ -23,12 +23,8 @@ from repro.records.flops import (
     model_flops_per_iteration,
     tflops_per_device,
 )
-from repro.records.run_record import ROUTING_METRICS, Efficiency, LayerRouting, LossPoint
+from repro.records.run_record import ROUTING_METRICS, Efficiency, LayerRouting
 from repro.records.step_log import LogRow, read_rows, timed_rows
-
-
-def loss_curve(rows: Sequence[LogRow]) -> tuple[LossPoint, ...]:
-    return tuple(LossPoint(step=r.step, loss=r.loss) for r in rows)
 
 
 def _window(rows: Sequence[LogRow], warmup: int, length: int | None) -> Sequence[LogRow]:

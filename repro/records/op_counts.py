@@ -19,8 +19,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-__all__ = ["OpCounter", "OpCounts", "host_sync_reason"]
-
 #: Operators that read a device value on the host, whatever their arguments.
 VALUE_READS = frozenset({"_local_scalar_dense", "is_nonzero", "equal", "allclose"})
 #: Operators whose output size depends on the data (the host must wait to allocate).

@@ -324,15 +324,9 @@ def _check_per_question(per_question: Mapping[str, Any], n_samples: Any) -> None
 
 
 def partial_tasks(lm_eval_results: Mapping[str, Any] | None) -> tuple[PartialTask, ...]:
-    """Tasks scored on part of their documents (``n-samples`` effective < original; with a ``config.limit`` but
-    no ``n-samples``: every task, counts unknown).
-
-    Args:
-        lm_eval_results: lm-eval's results dict (None: not evaluated).
-
-    Returns:
-        One :class:`PartialTask` per partial task, sorted by task.
-    """
+    """One :class:`PartialTask` per task of lm-eval's results (None: not evaluated) scored on part of its documents
+    (``n-samples`` effective < original; with a ``config.limit`` but no ``n-samples``: every task, counts
+    unknown), sorted by task."""
     if not lm_eval_results:
         return ()
     config = lm_eval_results.get("config")
@@ -355,14 +349,8 @@ def partial_tasks(lm_eval_results: Mapping[str, Any] | None) -> tuple[PartialTas
 
 
 def lm_eval_metrics(record: RunRecord) -> dict[str, dict[str, float]]:
-    """lm-eval's numbers as ``{task: {"acc": 0.25, ...}}``: ``none`` filter only, no standard errors.
-
-    Args:
-        record: a run record.
-
-    Returns:
-        Per-task metrics (empty if not evaluated).
-    """
+    """lm-eval's numbers as ``{task: {"acc": 0.25, ...}}``: ``none`` filter only, no standard errors (empty if not
+    evaluated)."""
     if record.lm_eval is None:
         return {}
     out: dict[str, dict[str, float]] = {}

@@ -19,7 +19,7 @@ from typing import Any
 from repro.errors import ReproError
 from repro.io_utils import write_json_atomic
 from repro.records import log_figures as eff
-from repro.records.run_record import DomainLoss, Efficiency, Environment, RunRecord, partial_tasks
+from repro.records.run_record import DomainLoss, Efficiency, Environment, LossPoint, RunRecord, partial_tasks
 from repro.records.step_log import LogRow, read_rows
 from repro.schema import from_json, to_json
 
@@ -94,7 +94,7 @@ def make_record(
         "run_id": run_id,
         "experiment": {"name": experiment_name or run_id, "router": router, "model": model, "config": _plain(config)},
         "environment": to_json(environment or environment_info()),
-        "loss_curve": to_json(eff.loss_curve(log_rows)),
+        "loss_curve": to_json(tuple(LossPoint(step=r.step, loss=r.loss) for r in log_rows)),
         "routing": to_json(routing),
         "efficiency": to_json(efficiency),
         "validation_loss": validation_loss,
@@ -227,14 +227,8 @@ def write_record(record: RunRecord, path: str | Path) -> Path:
 
 
 def load_record(path: str | Path) -> RunRecord:
-    """Load and validate one record file.
-
-    Args:
-        path: a record JSON file.
-
-    Raises:
-        ReproError: unreadable JSON, missing or unknown field, wrong type (one line naming file and field).
-    """
+    """Load and validate one record JSON file; ReproError (one line naming file and field) on unreadable JSON, a
+    missing or unknown field, or a wrong type."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
@@ -246,13 +240,8 @@ def load_record(path: str | Path) -> RunRecord:
 
 
 def load_records(paths: Iterable[str | Path]) -> list[RunRecord]:
-    """Load record files, and ``record.json`` / ``*.record.json`` found recursively in directories.
-
-    Args:
-        paths: record files and/or directories.
-
-    Returns:
-        The records in argument order, each directory's sorted by path.
+    """Load record files, and ``record.json`` / ``*.record.json`` found recursively in directories: the records in
+    argument order, each directory's sorted by path.
 
     Raises:
         ReproError: a missing path, a directory without records, a bad record, or a duplicate run_id.

@@ -8,7 +8,7 @@ against the reference cell over shared seeds (:mod:`repro.report.over_seeds`). U
 from __future__ import annotations
 
 import statistics
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,9 +51,9 @@ _LAYER_MEAN = (
 )
 
 
-def _metrics_for(num_layers: int) -> tuple[Metric, ...]:
-    """The columns for ``num_layers`` MoE layers (labels number layers from 1)."""
-    layers = range(num_layers)
+def _metrics_for(keys: Iterable[str]) -> tuple[Metric, ...]:
+    """The columns for the MoE layers of :func:`run_metrics` keys (labels number layers from 1)."""
+    layers = range(len({k for k in keys if k.startswith("load_imbalance[")}))
     return (
         *(Metric(f"load_imbalance[{i}]", f"load imb. L{i + 1}", ".2f") for i in layers),
         *(Metric(f"weight_imbalance[{i}]", f"weight imb. L{i + 1}", ".2f") for i in layers),
@@ -72,9 +72,6 @@ def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | 
 
     Returns:
         ``{metric key: value}``; None where the run does not report the metric.
-
-    Raises:
-        ValueError: no rows, or ``final_window < 1``.
     """
     if not rows:
         raise ValueError("run_metrics needs at least one log row")
@@ -132,18 +129,14 @@ def collect_results(
         logs: cell -> seed -> the run's log rows (cells in table order).
         final_window: trailing rows of each run averaged.
         readings: cell -> what it tests.
-
-    Raises:
-        ValueError: a cell without runs.
     """
     empty = [cell for cell, runs in logs.items() if not runs]
     if empty:
         raise ValueError(f"cell(s) without runs: {', '.join(empty)}")
     values = {cell: {seed: run_metrics(rows, final_window) for seed, rows in runs.items()} for cell, runs in logs.items()}
-    num_layers = max(sum(k.startswith("load_imbalance[") for k in v) for runs in values.values() for v in runs.values())
     return AblationResults(
-        cells=tuple(logs), values=values, metrics=_metrics_for(num_layers), final_window=final_window,
-        readings=dict(readings or {}),
+        cells=tuple(logs), values=values, final_window=final_window, readings=dict(readings or {}),
+        metrics=_metrics_for(k for runs in values.values() for v in runs.values() for k in v),
     )
 
 
@@ -386,17 +379,14 @@ def results_from_json(summary: Mapping[str, Any]) -> AblationResults:
     """The :class:`AblationResults` in a parsed ``summary.json`` (tables rebuilt without run directories)."""
     stored = summary["results"]
     values: dict[str, dict[int, dict[str, float | None]]] = {}
-    keys: set[str] = set()
     for cell, entry in stored.items():
         runs = values.setdefault(cell, {int(seed): {} for seed in entry["seeds"]})
         for key, item in ((k, v) for k, v in entry.items() if k != "seeds"):
-            keys.add(key)
             for seed, value in item["values"].items():
                 runs[int(seed)][key] = value
-    num_layers = sum(k.startswith("load_imbalance[") for k in keys)
     readings = {cell: spec["reading"] for cell, spec in summary.get("cells", {}).items() if "reading" in spec}
-    return AblationResults(cells=tuple(stored), values=values, metrics=_metrics_for(num_layers),
-                           final_window=int(summary["final_window_steps"]), readings=readings)
+    return AblationResults(cells=tuple(stored), values=values, final_window=int(summary["final_window_steps"]),
+                           readings=readings, metrics=_metrics_for(k for entry in stored.values() for k in entry))
 
 
 def summary_intervals(

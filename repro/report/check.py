@@ -93,10 +93,9 @@ def record_value(record: RunRecord, metric: str, zero_shot_metric: str = "auto")
     """
     if metric.startswith("zero_shot."):
         task = metric.removeprefix("zero_shot.")
-        scores = lm_eval_metrics(record)
         if task == "avg":
             return mean_or_none([record_value(record, f"zero_shot.{t}", zero_shot_metric) for t in PAPER_TASKS])
-        value = scores.get(task, {}).get(choose_metric(task, [record], zero_shot_metric))
+        value = lm_eval_metrics(record).get(task, {}).get(choose_metric(task, [record], zero_shot_metric))
         return None if value is None else 100 * value
     if metric == "loss.validation":
         return record.validation_loss

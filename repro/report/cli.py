@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from operator import attrgetter
 from pathlib import Path
 
 from repro.errors import ReproError
@@ -116,8 +117,9 @@ def check_main(argv: list[str], prog: str) -> int:
     else:
         earlier_runs = load_records([args.against])
         previous = {r.run_id: r for r in earlier_runs}
+        same = attrgetter("experiment.name", "experiment.router", "experiment.model")  # what a run's seeds share
         for record in records:
-            seeds = [r for r in earlier_runs if _experiment(r) == _experiment(record) and r != record]
+            seeds = [r for r in earlier_runs if same(r) == same(record) and r != record]
             if len(seeds) >= 2:
                 reports.append(check_against_seeds(record, seeds, alpha=args.alpha))
                 continue
@@ -134,8 +136,3 @@ def check_main(argv: list[str], prog: str) -> int:
     if merged.compared == 0:
         raise ReproError("nothing was compared: every number was skipped (see the notes above)")
     return 0 if merged.passed else 1
-
-
-def _experiment(record) -> tuple[str, str, str]:
-    """What a run's seeds share: experiment name, router, model."""
-    return record.experiment.name, record.experiment.router, record.experiment.model

@@ -57,17 +57,6 @@ def check_family(family: str) -> str:
     return family
 
 
-def _paired_over_seeds(
-    a: Mapping[int, float], b: Mapping[int, float], confidence: float
-) -> tuple[PairedTest, Interval] | None:
-    """Paired t-test of ``a - b`` over shared seeds, and the differences' interval; None below two shared seeds."""
-    shared = sorted(set(a) & set(b))
-    if len(shared) < 2:
-        return None
-    first, second = [a[s] for s in shared], [b[s] for s in shared]
-    return paired_t_test(second, first), mean_ci([x - y for x, y in zip(first, second)], confidence)
-
-
 Key = tuple[str, str, str]
 
 
@@ -90,9 +79,16 @@ def compare(
     check_family(family)
 
     def paired(a: str, b: str, column: str) -> tuple[PairedTest, Interval | None] | None:
-        if test is None:
-            return _paired_over_seeds(values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {}), confidence)
-        return None if (result := test(a, b, column)) is None else (result, None)
+        """``test``'s result, or the paired t-test of ``a - b`` over shared seeds and the differences' interval
+        (None below two shared seeds)."""
+        if test is not None:
+            return None if (result := test(a, b, column)) is None else (result, None)
+        mine, theirs = values.get(a, {}).get(column, {}), values.get(b, {}).get(column, {})
+        shared = sorted(set(mine) & set(theirs))
+        if len(shared) < 2:
+            return None
+        first, second = [mine[s] for s in shared], [theirs[s] for s in shared]
+        return paired_t_test(second, first), mean_ci([x - y for x, y in zip(first, second)], confidence)
 
     found = {key: p for key in tests if (p := paired(*key)) is not None}
     # Holm per family over defined tests (an undefined one cannot raise a false alarm).

@@ -196,16 +196,8 @@ _GENERATED = {
 
 
 def write_tables(tables: Sequence[Table], out_dir: str | Path, formats: Sequence[str] = FORMATS) -> list[Path]:
-    """Write each table in each format to ``out_dir/<name>.<fmt>``, atomically.
-
-    Args:
-        tables: the tables.
-        out_dir: destination directory (created).
-        formats: any of ``md``, ``csv``, ``tex``.
-
-    Returns:
-        The paths written.
-    """
+    """Write each table in each format (any of ``md``, ``csv``, ``tex``) to ``out_dir/<name>.<fmt>`` (the directory
+    created), atomically; return the paths written."""
     for fmt in formats:
         if fmt not in FORMATS:
             raise ReproError(f"unknown table format '{fmt}'; valid: {', '.join(FORMATS)}")

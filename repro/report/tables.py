@@ -183,12 +183,8 @@ def validation_table(records: Sequence[RunRecord]) -> Table:
 
 
 def validation_seed_table(records: Sequence[RunRecord], **options: Any) -> Table:
-    """:func:`validation_table` over seeds (``validation_seeds``), marked against the reference.
-
-    Args:
-        records: runs of one model, one per router and seed.
-        **options: :func:`compare_metrics_over_seeds`'s keyword arguments.
-    """
+    """:func:`validation_table` over seeds (``validation_seeds``) of one model's runs, one per router and seed,
+    marked against the reference (``options``: :func:`compare_metrics_over_seeds`'s keyword arguments)."""
     columns = _validation_columns(records)
     comparison = compare_metrics_over_seeds(records, columns, **options)
     return seed_metric_table(
