@@ -295,7 +295,7 @@ def test_eval_command_with_a_checkpoint_loader(tmp_path, model, tokenizer, monke
 
 def test_eval_errors_are_one_line(tmp_path, capsys):
     assert repro_main(["eval", "--checkpoint", str(tmp_path / "missing"), "--out", str(tmp_path / "o.json")]) == 2
-    assert "no such checkpoint directory" in capsys.readouterr().err
+    assert f"{tmp_path / 'missing'}: no checkpoint found" in capsys.readouterr().err
     with pytest.raises(ReproError, match="either checkpoint=DIR or model="):
         SuiteLM()
 

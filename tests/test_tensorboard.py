@@ -106,7 +106,7 @@ def test_an_unwritable_events_directory_is_one_line_before_the_run_exists(tmp_pa
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
-    cases = [(tmp_path / "file", "the TensorBoard directory is a file"),
+    cases = [(tmp_path / "file", f"cannot make the TensorBoard directory: {tmp_path / 'file'} is a file"),
              (tmp_path / "file" / "tb", f"{tmp_path / 'file'} is a file")]
     if os.geteuid() != 0:  # root writes anywhere
         cases.append((locked / "tb", f"{locked} is not writable"))

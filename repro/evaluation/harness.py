@@ -44,20 +44,11 @@ class ScoringModel(Protocol):
 
 
 def load_scoring_model(checkpoint_dir: str | Path, device: str | None = None) -> tuple[ScoringModel, Any]:
-    """Load a checkpoint of this suite for evaluation.
-
-    Args:
-        checkpoint_dir, device: a training-loop checkpoint directory; target device (None: the loader's default).
-
-    Returns:
-        ``(model, tokenizer)`` from ``repro.training.inference.load_for_evaluation``.
-    """
-    path = Path(checkpoint_dir)
-    if not path.is_dir():
-        raise ReproError(f"{path}: no such checkpoint directory")
+    """``(model, tokenizer)`` of a checkpoint, its ``checkpoints`` or run directory, on ``device`` (None: the
+    default) by :func:`repro.training.inference.load_for_evaluation`."""
     from repro.training.inference import load_for_evaluation
 
-    return load_for_evaluation(path, device=device)
+    return load_for_evaluation(checkpoint_dir, device=device)
 
 
 @register_model(MODEL_NAME)

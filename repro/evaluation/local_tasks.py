@@ -105,18 +105,15 @@ def _continuation_docs(docs: list[dict[str, str]], opts: LocalTaskOptions) -> li
             if len(words) == span:
                 pieces.append(words)
                 owners.append(index)
-    if len(pieces) < opts.num_choices:
-        raise ReproError(f"the continuation task needs at least {opts.num_choices} held-out windows of {span} "
-                         f"words, found {len(pieces)}")
     continuations = [" ".join(w[opts.context_words : span]) for w in pieces]
     # Distinct texts (a distractor equal to the truth is unanswerable), drawn from other documents only.
     pool = sorted(set(continuations))
+    if len(pool) < opts.num_choices:
+        raise ReproError(f"the continuation task needs at least {opts.num_choices} held-out windows of {span} "
+                         f"words with distinct continuations, found {len(pool)}")
     sources: dict[str, set[int]] = {}
     for text, owner in zip(continuations, owners):
         sources.setdefault(text, set()).add(owner)
-    if len(pool) < opts.num_choices:
-        raise ReproError(f"the continuation task needs at least {opts.num_choices} distinct continuations, "
-                         f"found {len(pool)}")
     rng = random.Random(opts.seed)
     out = []
     for words, true, owner in zip(pieces, continuations, owners):

@@ -24,8 +24,6 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 #: ``model.fused_cross_entropy``'s values (``none``: megatron's own path).
 FUSED_CROSS_ENTROPY: tuple[str, ...] = ("none", "cce", "cce_filtered", "torch_compile")
 
-__all__ = ["FUSED_CROSS_ENTROPY", "FusedLossGPTModel", "fused_linear_cross_entropy"]
-
 
 @torch.compile(fullgraph=True, dynamic=True)
 def _compiled_linear_cross_entropy(e_NH: torch.Tensor, c_VH: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:

@@ -100,8 +100,6 @@ def check_tensorboard(run_root: Path, configured: str | None) -> None:
     """
     _require_tensorboard()
     target = tensorboard_dir(run_root, configured)
-    if target.exists() and not target.is_dir():
-        raise ReproError(f"{target}: the TensorBoard directory is a file")
     ancestor = target
     while not ancestor.exists():
         ancestor = ancestor.parent

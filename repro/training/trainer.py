@@ -106,24 +106,12 @@ def peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
 
 
-def _megatron_aux_losses(model: nn.Module, skip: set[str]) -> dict[str, torch.Tensor]:
-    """Per-layer aux losses megatron's own routers logged to its tracker, with coefficients applied."""
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
-
-    config = getattr(model, "config", None)
-    out: dict[str, torch.Tensor] = {}
-    for name, entry in get_moe_layer_wise_logging_tracker().items():
-        coeff = getattr(config, _MEGATRON_AUX_COEFF.get(name, ""), None)
-        # Not one of megatron's where there is no coefficient (ours are read from the adapters, weighted already).
-        if name not in skip and isinstance(coeff, (int, float)):
-            out[name] = entry["values"].detach().float().cpu() * float(coeff)
-    return out
-
-
 def _step_measurements(
     model: nn.Module, lm_sum: torch.Tensor, num_microbatches: int, with_metrics: bool = True
 ) -> dict[str, torch.Tensor]:
     """Values to DP-average: ``lm_loss [1]``, ``aux/* [L]``, ``metric/* [L]``, ``expert/* [L, E]`` (CPU)."""
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
     from routers.megatron_adapter import collect_aux_losses, collect_routing_metrics
 
     metrics_by_layer = collect_routing_metrics(model) if with_metrics else {}
@@ -142,9 +130,12 @@ def _step_measurements(
         stacked = torch.stack([v.float().cpu().reshape(-1) for v in per_layer])
         single = stacked.shape[1] == 1
         values[f"metric/{name}" if single else f"expert/{name}"] = stacked.squeeze(1) if single else stacked
-    # megatron's TopKRouter (the "megatron" router) logs to its tracker, summed over micro-batches.
-    for name, per_layer in _megatron_aux_losses(model, set(aux_names)).items():
-        values[f"aux/{name}"] = per_layer / num_microbatches
+    # megatron's TopKRouter (the "megatron" router) logs to its tracker, summed over micro-batches; a name without
+    # a coefficient is not one of megatron's (ours are read from the adapters, weighted already).
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        coeff = getattr(getattr(model, "config", None), _MEGATRON_AUX_COEFF.get(name, ""), None)
+        if name not in aux_names and isinstance(coeff, (int, float)):
+            values[f"aux/{name}"] = entry["values"].detach().float().cpu() * float(coeff) / num_microbatches
     return values
 
 
