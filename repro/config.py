@@ -250,8 +250,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if self.schedule.min_lr > self.optimizer.lr:
             raise ValueError(f"schedule.min_lr {self.schedule.min_lr} is above optimizer.lr {self.optimizer.lr}")
-        if self.seed < 0:
-            raise ValueError(f"seed must be >= 0, got {self.seed}")
+        check_minimums(self, seed=0)
 
     @property
     def seq_length(self) -> int:

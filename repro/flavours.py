@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from repro.schema import check_minimums
+
 #: Megatron-LM pads the vocabulary to a multiple of this (times the tensor-parallel size).
 VOCAB_PAD_MULTIPLE = 128
 #: megatron-core's own TopKRouter, offered by the model builder under this name (a reference for Switch).
@@ -58,15 +60,11 @@ class ModelFlavour:
         if self.num_attention_heads % self.num_query_groups != 0:
             raise ValueError(f"{self.name}: {self.num_attention_heads} heads not divisible by "
                              f"{self.num_query_groups} query groups")
-        if self.num_experts is not None:
-            if self.num_experts < 2:
-                raise ValueError(f"{self.name}: num_experts must be >= 2 (or None for dense), got {self.num_experts}")
-            if not 1 <= self.top_k <= self.num_experts:
-                raise ValueError(f"{self.name}: top_k must be in [1, {self.num_experts}], got {self.top_k}")
+        check_minimums(self, self.name, num_experts=2, vocab_size=1)  # None: dense; the tokenizer's vocabulary
+        if self.num_experts is not None and not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"{self.name}: top_k must be in [1, {self.num_experts}], got {self.top_k}")
         if self.token_dispatcher not in ("alltoall", "allgather"):
             raise ValueError(f"{self.name}: token_dispatcher must be 'alltoall' or 'allgather'")
-        if self.vocab_size is not None and self.vocab_size < 1:
-            raise ValueError(f"{self.name}: vocab_size must be >= 1")
 
     @property
     def is_moe(self) -> bool:

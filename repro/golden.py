@@ -47,9 +47,8 @@ def corpus_fingerprint(data_dir: str | Path) -> str:
 
     mini = open_mini_pile(data_dir)
     digest = hashlib.sha256()
-    for path in (Path(mini.train_prefix + ".bin"), Path(mini.train_prefix + ".idx"), Path(mini.vocab_path),
-                 Path(mini.merges_path)):
-        digest.update(path.read_bytes())
+    for path in (mini.train_prefix + ".bin", mini.train_prefix + ".idx", mini.vocab_path, mini.merges_path):
+        digest.update(Path(path).read_bytes())
     return digest.hexdigest()
 
 

@@ -87,7 +87,6 @@ def check_output_path(path: str | os.PathLike, replace: Recognise | None = None,
     """Refuse, before any work, an output path the module's rules forbid replacing (re-checked on commit).
 
     Args:
-        path: the output path.
         replace: recognises the command's own earlier output (None: files may be replaced, directories not).
         probe: also create and remove a temporary file beside ``path``, to report unwritable parents now.
     """

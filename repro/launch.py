@@ -15,6 +15,8 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from repro.schema import check_minimums
+
 _ENDPOINT_RE = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.\-]+):(\d{1,5})$")
 _ID_RE = re.compile(r"^[A-Za-z0-9_.\-]+$")
 
@@ -43,10 +45,7 @@ class Launch:
     rdzv_id: str = "dirmoe-bench"
 
     def __post_init__(self) -> None:
-        if self.nodes < 1:
-            raise ValueError(f"nodes must be >= 1, got {self.nodes}")
-        if self.gpus_per_node < 1:
-            raise ValueError(f"gpus per node must be >= 1, got {self.gpus_per_node}")
+        check_minimums(self, nodes=1, gpus_per_node=1)
         if self.endpoint is not None:
             parse_endpoint(self.endpoint)
         elif self.nodes > 1:
@@ -94,8 +93,7 @@ class SlurmJob:
 
     def __post_init__(self) -> None:
         Launch(nodes=self.nodes, gpus_per_node=self.gpus_per_node, endpoint=f"head:{self.port}")
-        if self.stop_lead_s is not None and self.stop_lead_s < 1:
-            raise ValueError(f"slurm stop_lead_s must be None or >= 1 seconds, got {self.stop_lead_s}")
+        check_minimums(self, stop_lead_s=1)  # None: never
         for key in ("job_name", "time", "partition", "account", "output"):
             value = getattr(self, key)
             if value is not None and (not value or any(c.isspace() for c in value)):

@@ -96,11 +96,7 @@ def from_json(cls: type[D], data: Any, origin: str) -> D:
 
     Args:
         cls: a dataclass with the supported field types (module docstring).
-        data: the parsed JSON object.
         origin: name used in errors, usually the file path.
-
-    Returns:
-        The dataclass instance.
 
     Raises:
         ReproError: a missing or unknown field, or a value of the wrong type, named by its dotted path.

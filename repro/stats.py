@@ -289,9 +289,6 @@ def timing_ratio(
         reference_s, other_s: each round's step time of the two runs, in round order (positive).
         batches, confidence: batches in [2, rounds // 2] (None: ``floor(sqrt(rounds))`` in [2, 30]); coverage.
 
-    Returns:
-        The :class:`TimingRatio`.
-
     Raises:
         ValueError: fewer than four rounds, unequal lengths, non-positive or non-finite times, or bad ``batches``.
     """

@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import re
 import zipfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -112,22 +112,26 @@ class WheelhouseTarget:
         return ["--python-version", self.python, "--implementation", self.implementation, "--abi", self.abi, *platforms]
 
 
-def parse_present(lines: Iterable[str]) -> dict[str, str]:
-    """``{name: version}`` from ``pip freeze`` lines (``-e``, ``@ URL`` skipped; other non-pins: ValueError)."""
-    present: dict[str, str] = {}
+def _pins(lines: Iterable[str], what: str, skip_urls: bool = False) -> Iterator[tuple[str, str]]:
+    """``(canonical name, version)`` of each ``NAME==VERSION`` line; comments and ``-`` options skipped, ``NAME @
+    URL`` too with ``skip_urls``; any other line is a ValueError naming it as ``what``."""
     for raw in lines:
         line = raw.split("#", 1)[0].strip()
-        if not line or line.startswith("-") or " @ " in line:
+        if not line or line.startswith("-") or (skip_urls and " @ " in line):
             continue
         try:
             req = Requirement(line)
+            specs = list(req.specifier)
         except InvalidRequirement:
-            raise ValueError(f"present package '{line}': expected NAME==VERSION") from None
-        specs = list(req.specifier)
+            specs = []
         if len(specs) != 1 or specs[0].operator != "==" or "*" in specs[0].version:
-            raise ValueError(f"present package '{line}': expected NAME==VERSION")
-        present[canonicalize_name(req.name)] = specs[0].version
-    return present
+            raise ValueError(f"{what} '{line}' is not pinned to one version (NAME==VERSION)")
+        yield canonicalize_name(req.name), specs[0].version
+
+
+def parse_present(lines: Iterable[str]) -> dict[str, str]:
+    """``{name: version}`` from ``pip freeze`` lines (``-e``, ``@ URL`` skipped; other non-pins: ValueError)."""
+    return dict(_pins(lines, "present package", skip_urls=True))
 
 
 def project_requirements(
@@ -177,17 +181,7 @@ def uv_compile_command(
 
 def parse_pins(text: str) -> list[tuple[str, str]]:
     """``(canonical name, version)`` of each line of a compiled requirements file (ValueError: one not pinned)."""
-    pins = []
-    for raw in text.splitlines():
-        line = raw.split("#", 1)[0].strip()
-        if not line or line.startswith("-"):
-            continue
-        req = Requirement(line)
-        specs = list(req.specifier)
-        if len(specs) != 1 or specs[0].operator != "==":
-            raise ValueError(f"compiled requirement '{line}' is not pinned to one version")
-        pins.append((canonicalize_name(req.name), str(Version(specs[0].version))))
-    return pins
+    return [(name, str(Version(version))) for name, version in _pins(text.splitlines(), "compiled requirement")]
 
 
 def download_command(requirements: str | Path, dest: str | Path, target: WheelhouseTarget, pip: Sequence[str] = ("pip",)) -> list[str]:

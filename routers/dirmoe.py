@@ -116,11 +116,8 @@ class DirMoERouter(Router):
         self.reset_parameters()
 
     def initial_gate_bias(self) -> float:
-        """The gate bias at init, per ``gate_bias_init`` (gap 1).
-
-        Returns:
-            ``tau_0 logit(k/E)`` ("tempered") or ``logit(k/E) + tau_0 logit(z_threshold)`` ("inclusion").
-        """
+        """The gate bias at init, per ``gate_bias_init`` (gap 1): ``tau_0 logit(k/E)`` ("tempered") or
+        ``logit(k/E) + tau_0 logit(z_threshold)`` ("inclusion")."""
         c = self.config
         pi = c.top_k / self.num_experts
         logit_pi = math.log(pi / (1 - pi))
@@ -212,9 +209,6 @@ class DirMoERouter(Router):
         Args:
             hidden_TD: ``[T, D]`` layer input (any float dtype).
             u_TE: ``[T, E]`` gate-noise uniforms (training); None: drawn here (by inductor when compiled).
-
-        Returns:
-            A :class:`DirMoESample`.
         """
         c, E = self.config, self.num_experts
         sched = self._step_schedule()
@@ -247,14 +241,8 @@ class DirMoERouter(Router):
         return self.step < self.config.dense_steps
 
     def posterior_bases(self, hidden_TD: torch.Tensor) -> torch.Tensor:
-        """The bases ``beta(x)`` of the eval posterior ``Dir(posterior_scale * beta(x))`` (``repro.analysis``).
-
-        Args:
-            hidden_TD: ``[T, D]`` router inputs.
-
-        Returns:
-            ``[T, E]`` float32 bases (detached).
-        """
+        """The ``[T, E]`` float32 bases ``beta(x)`` (detached) of the eval posterior
+        ``Dir(posterior_scale * beta(x))`` of ``[T, D]`` router inputs (``repro.analysis``)."""
         was_training = self.training
         self.eval()
         try:
@@ -271,14 +259,8 @@ class DirMoERouter(Router):
         return float(self.config.lambda_q)
 
     def dispatch(self, weights_TE: torch.Tensor, gates_TE: torch.Tensor) -> torch.Tensor:
-        """The routing map chosen by ``config.dispatch`` and ``config.dense_steps`` (gap 2).
-
-        Args:
-            weights_TE, gates_TE: routing weights r and relaxed gates z~.
-
-        Returns:
-            ``[T, E]`` bool routing map.
-        """
+        """The ``[T, E]`` bool routing map of routing weights r and relaxed gates z~ by ``config.dispatch`` and
+        ``config.dense_steps`` (gap 2)."""
         c = self.config
         with torch.no_grad():
             if c.dispatch == "dense":
@@ -324,8 +306,7 @@ class DirMoERouter(Router):
         return self.recon_mean_D.float().clone()
 
     def decoder_directions(self) -> torch.Tensor:
-        """Returns:
-            ``[E, D]`` ``g_psi(e_i) - g_psi(0)`` (detached): what each vertex adds (a linear decoder's columns)."""
+        """``[E, D]`` ``g_psi(e_i) - g_psi(0)`` (detached): what each vertex adds (a linear decoder's columns)."""
         with torch.no_grad():
             E = self.num_experts
             vertices_ED = self.decoder(torch.eye(E, device=self.bias.device))

@@ -139,8 +139,7 @@ class DirMoEConfig(RouterConfig):
         return self.schedule_steps if self.tau_schedule_steps is None else self.tau_schedule_steps
 
     def prior_constants(self) -> PriorConstants:
-        """Returns:
-            :class:`PriorConstants` from ``hparam_reading`` and the overrides."""
+        """The :class:`PriorConstants` of ``hparam_reading`` and the overrides."""
         m0, lo0, floor0 = HPARAM_READINGS[self.hparam_reading]
         m = m0 if self.prior_mass is None else self.prior_mass
         lo = lo0 if self.alpha_lo_init is None else self.alpha_lo_init

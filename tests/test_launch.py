@@ -250,7 +250,7 @@ def test_torchrun_commands():
 
 @pytest.mark.parametrize("kwargs, match", [
     ({"nodes": 0}, "nodes must be >= 1"),
-    ({"gpus_per_node": 0}, "gpus per node"),
+    ({"gpus_per_node": 0}, "gpus_per_node must be >= 1"),
     ({"nodes": 2}, "need a rendezvous endpoint"),
     ({"endpoint": "gpu01"}, "HOST:PORT"),
     ({"endpoint": "gpu01:0"}, "1..65535"),

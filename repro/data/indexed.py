@@ -92,10 +92,8 @@ def tokenize_shards(inputs: Sequence[str | os.PathLike], tokenizer: Gpt2BpeToken
     Args:
         inputs: the shards, read in order.
         tokenizer: token dtype is megatron's ``DType.optimal_dtype(vocab_size)``.
-        out_prefix: output prefix.
         num_workers: tokeniser threads (default: all cores).
         default_domain: for records without ``meta.pile_set_name`` (None: an error).
-        progress: show tqdm bars.
 
     Returns:
         :class:`TokenizeStats`; a ReproError (nothing written) for a missing shard or no documents.

@@ -192,7 +192,6 @@ def build_mini_pile(out_dir: str | os.PathLike, config: MiniPileConfig | None = 
     ``tokenizer/{vocab.json,merges.txt}``, ``indexed/{train,heldout}.*`` (+ domain sidecar), ``manifest.json``.
 
     Args:
-        out_dir: output directory.
         config: default :class:`MiniPileConfig()` (ReproError: invalid, or < ``min_domains`` domains here).
         num_workers: tokeniser threads (default: all cores); output unaffected.
         force: rebuild every stage even if cached.

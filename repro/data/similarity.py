@@ -89,7 +89,6 @@ class SimilarityBatched:
         split: its split (chains train; the sources' valid/test documents).
         num_chains: training sequences.
         stats: see :func:`build_similarity_dataset`.
-        reused: whether the cache was reused.
     """
 
     prefix: str
@@ -104,7 +103,6 @@ def document_embeddings(datasets: Sequence[IndexedDataset], documents: np.ndarra
     """L2-normalised TF-IDF + truncated-SVD vectors of documents (deviation 1).
 
     Args:
-        datasets: source indexed datasets.
         documents: ``[N, 2]`` ``(source index, document id)`` rows.
         vocab_size: count-matrix columns (> every token id).
         eod: end-of-document id left out of the counts; None keeps all ids.

@@ -24,7 +24,6 @@ def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPL
     """Per-id token counts over the training documents of indexed datasets.
 
     Args:
-        prefixes: indexed-dataset prefixes.
         split: megatron's split; only each prefix's training range is counted.
         vocab_size: result length (ReproError for a larger id); default: largest id + 1.
 

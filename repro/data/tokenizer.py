@@ -190,7 +190,6 @@ def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *, voc
     """Train a byte-level BPE (``<|endoftext|>`` id 0, all 256 bytes); save ``vocab.json``/``merges.txt`` atomically.
 
     Args:
-        texts: training texts.
         out_dir: replaced only if :func:`is_tokenizer_dir`.
         vocab_size: ``<|endoftext|>`` included.
         min_frequency: least pair count to merge.
