@@ -271,8 +271,5 @@ def _block(results: dict[str, Any], study: str, brief: bool, contrasts: list[str
     )
     if brief:
         return [lowered_text, f"- {link(study)}"]
-    block = [f"- {f}" for f in _reference_findings(results)]
-    block.append(lowered_text)
-    block += [f"- {f}" for f in contrasts]
-    block.append(f"- {link(study)}")
-    return block
+    return [*(f"- {f}" for f in _reference_findings(results)), lowered_text, *(f"- {f}" for f in contrasts),
+            f"- {link(study)}"]

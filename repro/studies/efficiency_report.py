@@ -27,6 +27,10 @@ def _command_summary(
     """The summary JSON: command, settings, FLOPs count, each run's start step, per-run iteration times
     (min/median/max, how many) and figures, ratios to Switch, failed runs, the step a stop signal ended the
     measurement after (None: not stopped). Arguments as :func:`write_command_outputs`."""
+    # Ratios only between runs stepped in turn in one process (repro.studies.efficiency, default 5).
+    done = {run.label: plan.run_dir(run) for run in plan.runs if run.label not in errors}
+    ratios = (interleaved_ratios(done, reference=REFERENCE_ROUTER, warmup=plan.warmup, window=plan.iters)
+              if plan.interleave else {})
     runs: dict[str, Any] = {}
     for run in plan.runs:
         if run.label in errors:
@@ -34,6 +38,8 @@ def _command_summary(
             continue
         eff = records[run.label].efficiency
         times = iteration_times_ms(plan.run_dir(run), plan.warmup)
+        devices_ms = [r.device_time_s * 1e3 for r in timed_rows(read_rows(plan.run_dir(run))[plan.warmup:])
+                      if r.device_time_s is not None]
         runs[run.label] = {
             "router": run.router,
             "overrides": list(run.overrides),
@@ -50,19 +56,11 @@ def _command_summary(
             "wall_s": round(wall_s[run.label], 1),
             "record": str(plan.run_dir(run) / "record.json"),
             "trace": trace_figures(plan.run_dir(run)),
+            "device_time_ms": {"median": statistics.median(devices_ms)} if devices_ms else None,
+            "interleaved": ratios.get(run.label),
+            "ratio_to_switch": 1.0 if run.label == REFERENCE_ROUTER and ratios else (
+                ratios[run.label]["ratio"] if run.label in ratios else None),
         }
-        devices_ms = [r.device_time_s * 1e3 for r in timed_rows(read_rows(plan.run_dir(run))[plan.warmup:])
-                      if r.device_time_s is not None]
-        runs[run.label]["device_time_ms"] = {"median": statistics.median(devices_ms)} if devices_ms else None
-    # Ratios only between runs stepped in turn in one process (repro.studies.efficiency, default 5).
-    done = {run.label: plan.run_dir(run) for run in plan.runs if run.label not in errors}
-    ratios = (interleaved_ratios(done, reference=REFERENCE_ROUTER, warmup=plan.warmup, window=plan.iters)
-              if plan.interleave else {})
-    for label, entry in runs.items():
-        if "iter_time_ms" in entry:
-            entry["interleaved"] = ratios.get(label)
-            entry["ratio_to_switch"] = 1.0 if label == REFERENCE_ROUTER and ratios else (
-                ratios[label]["ratio"] if label in ratios else None)
     environment = next((records[r.label].environment for r in plan.runs if r.label in records), None)
     config = plan.run(plan.runs[0]).config()
     batch, seq = config.data.global_batch_size, config.seq_length
