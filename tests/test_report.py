@@ -144,6 +144,22 @@ def test_record_round_trip_and_environment(tmp_path):
     assert env.num_processes == 2 and env.python and env.torch and env.hostname and env.device
 
 
+def test_a_cpu_record_names_the_processor_model(tmp_path, monkeypatch):
+    """float32 results differ between processor families, so a CPU run's device names the model, not the
+    architecture."""
+    from repro.records import store
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nvendor_id\t: X\nmodel name\t: Some CPU 9000\n\nprocessor\t: 1\n"
+                       "model name\t: Some CPU 9000\n")
+    assert store._cpu_model(str(cpuinfo)) == "Some CPU 9000"
+    cpuinfo.write_text("processor\t: 0\n")
+    assert store._cpu_model(str(cpuinfo)) is None and store._cpu_model(str(tmp_path / "missing")) is None
+    monkeypatch.setattr(store, "_cpu_model", lambda: "Some CPU 9000")
+    monkeypatch.setattr("torch.cuda.is_available", lambda: False)
+    assert environment_info().device == "cpu (Some CPU 9000)"
+
+
 def test_record_from_a_training_run_directory(tmp_path):
     from repro import flavours
     from repro.experiments import get_experiment

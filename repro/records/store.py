@@ -46,7 +46,8 @@ def environment_info(num_processes: int | None = None, device: str | None = None
 
     Args:
         num_processes: world size (default: torch.distributed's, else ``$WORLD_SIZE`` or 1).
-        device: accelerator name (default: CUDA device 0's, else ``cpu (<processor>)``).
+        device: accelerator name (default: CUDA device 0's, else ``cpu (<processor model>)``: float32 results
+            differ in their last bits between processor families, which training amplifies).
     """
     import torch
 
@@ -54,7 +55,7 @@ def environment_info(num_processes: int | None = None, device: str | None = None
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         num_processes = torch.distributed.get_world_size() if distributed else int(os.environ.get("WORLD_SIZE", "1"))
     if device is None:
-        cpu = f"cpu ({platform.processor() or platform.machine()})"
+        cpu = f"cpu ({_cpu_model() or platform.processor() or platform.machine()})"
         device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else cpu
     commit = _git("rev-parse", "HEAD")
     # --no-optional-locks: never refresh the index of the checkout being measured
@@ -65,6 +66,16 @@ def environment_info(num_processes: int | None = None, device: str | None = None
         device=device, hostname=socket.gethostname(), num_processes=num_processes,
         platform=f"{platform.system()} {platform.release()} {platform.machine()}",
     )
+
+
+def _cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The processor's model name from ``cpuinfo`` (Linux's; None elsewhere, unreadable or without one)."""
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as f:
+            names = (line.partition(":")[2].strip() for line in f if line.startswith("model name"))
+            return next(names, None) or None
+    except OSError:
+        return None
 
 
 def make_record(
