@@ -4,7 +4,9 @@ the run-directory claim), and the launched form builds one ``python -m repro tra
 from __future__ import annotations
 
 import json
+import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,6 +91,18 @@ def test_a_launched_run_is_one_train_command(tmp_path):
     assert any(a.startswith("--rdzv_id=") and a.endswith("runs-b") for a in cmd)  # the same on every node
     assert nodes.shared and engine.claim(nodes) == {"a": "new", "b": "new"}  # the trainer's checks hold there
     assert not (tmp_path / "runs").exists()
+
+
+def test_launched_runs_import_this_checkout_from_any_directory(tmp_path, monkeypatch):
+    seen = []
+    monkeypatch.setattr(engine.subprocess, "run", lambda cmd, env, check: seen.append(env) or
+                        engine.subprocess.CompletedProcess(cmd, 0))
+    monkeypatch.chdir(tmp_path)
+    study = _study(tmp_path, launch=Launch(1, 1))
+    seconds, failed = engine._launched(study, list(study.runs), {"a": "new", "b": "new"})
+    assert not failed and set(seconds) == {"a", "b"}
+    first = Path(seen[0]["PYTHONPATH"].split(os.pathsep)[0])
+    assert (first / "repro" / "__init__.py").is_file() and first == Path(engine.__file__).resolve().parents[2]
 
 
 def test_a_runs_cost_is_its_timing_or_an_earlier_ablations_invocations(tmp_path):

@@ -347,7 +347,7 @@ def train_command(study: Study, run: Run, resume: bool = False) -> list[str]:
 
 def _launched(study: Study, runs: list[Run], states: Mapping[str, str]) -> tuple[dict[str, float], dict[str, str]]:
     """The runs one after another, each in fresh processes; a failed run does not stop the others."""
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])  # the checkout holding ``repro``, whatever the working directory
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p))
     seconds, failed = {}, {}
     for run in runs:
