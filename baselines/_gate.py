@@ -28,9 +28,8 @@ class GatedRouter(Router):
 def balance_metric(scores_TE: torch.Tensor, tokens_per_expert_E: torch.Tensor, config: RouterConfig) -> torch.Tensor:
     """megatron-core's switch load-balancing loss with coefficient 1, detached: the ``balance_loss`` metric."""
     with torch.no_grad():
-        T = scores_TE.shape[0]
         return switch_load_balancing_loss_func(
-            scores_TE.detach(), tokens_per_expert_E, T, config.top_k, config.num_experts, 1.0
+            scores_TE.detach(), tokens_per_expert_E, scores_TE.shape[0], config.top_k, config.num_experts, 1.0
         )
 
 

@@ -73,7 +73,6 @@ class AuxFreeRouter(GatedRouter):
 
     def route(self, hidden_TD, token_ids_T=None, seq_shape=None) -> RouterOutput:
         cfg = self.config
-        T = hidden_TD.shape[0]
         logits_TE = self.logits(hidden_TD)
         probs_TE, routing_map_TE = topk_routing_with_score_function(
             logits_TE, cfg.top_k, scaling_factor=cfg.topk_scaling_factor, score_function="sigmoid",
@@ -85,7 +84,7 @@ class AuxFreeRouter(GatedRouter):
                 # DeepSeek-V3's sequence-wise loss (megatron's seq_aux_loss): each sequence's Switch loss on the
                 # normalised unbiased sigmoid scores, averaged over sequences; [S*B, E] in megatron's order
                 # t = s*B + b -> [S, B*E]: one "expert" column per (sequence, expert).
-                S, B = seq_shape or (T, 1)
+                S, B = seq_shape or (hidden_TD.shape[0], 1)
                 aux_map_TE, scores_TE = compute_routing_scores_for_aux_loss(logits_TE, cfg.top_k, "sigmoid")
                 aux_losses["seq_load_balancing_loss"] = switch_load_balancing_loss_func(
                     scores_TE.reshape(S, -1), aux_map_TE.reshape(S, -1).sum(0), S, cfg.top_k, cfg.num_experts,

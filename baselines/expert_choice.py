@@ -160,8 +160,7 @@ class ExpertChoiceRouter(GatedRouter):
         T = hidden_TD.shape[0]
         logits_TE = self.logits(hidden_TD)
         scores_TE = torch.softmax(logits_TE, dim=-1)
-        seq = (T, 1) if seq_shape is None else seq_shape
-        groups_NG = group_tokens(seq, cfg.group_size, cfg.reference, cfg.num_experts, hidden_TD.device)
+        groups_NG = group_tokens(seq_shape or (T, 1), cfg.group_size, cfg.reference, cfg.num_experts, hidden_TD.device)
         N, G = groups_NG.shape
         capacity = self.capacity(G)
         # Top-C along each group's token axis (topk breaks ties: every expert takes exactly C per group).

@@ -88,9 +88,7 @@ class ReMoERouter(GatedRouter):
 
     def step_statistic(self) -> torch.Tensor | None:
         """Mean sparsity S of the training forwards since the last :meth:`end_step` (None if none)."""
-        if self.sparsity_count == 0:
-            return None
-        return self.sparsity_sum / self.sparsity_count
+        return self.sparsity_sum / self.sparsity_count if self.sparsity_count else None
 
     def end_step(self, global_statistic: torch.Tensor | None) -> None:
         """Apply ``lambda <- lambda * alpha^sign(target - S)`` (None: unchanged), then reset the accumulators."""
@@ -99,8 +97,7 @@ class ReMoERouter(GatedRouter):
             s = global_statistic.detach().to(device=self.l1_coeff.device, dtype=torch.float64)
             cfg = self.config
             target = 1.0 - cfg.top_k / cfg.num_experts if cfg.target_sparsity is None else cfg.target_sparsity
-            alpha = cfg.l1_coeff_multiplier
-            lam = self.l1_coeff
+            lam, alpha = self.l1_coeff, cfg.l1_coeff_multiplier
             self.l1_coeff.copy_(torch.where(s < target, lam * alpha, torch.where(s > target, lam / alpha, lam)))
         self.sparsity_sum.zero_()
         self.sparsity_count = 0

@@ -324,11 +324,8 @@ class DirMoERouter(Router):
     def route_core(
         self, hidden_TD: torch.Tensor, u_TE: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """Everything the training computes, without host syncs (the compiled region).
-
-        Args:
-            hidden_TD: ``[T, D]`` layer input.
-            u_TE: the gates' uniforms, or None to draw them (see :meth:`sample`).
+        """Everything the training computes from the ``[T, D]`` layer input, without host syncs (the compiled
+        region); ``u_TE``: as :meth:`sample`.
 
         Returns:
             ``(probs_TE, routing_map_TE, aux_losses, parts)``; ``parts``: what :meth:`_metrics` reads.

@@ -46,8 +46,7 @@ class RoutingStats:
 
     def add(self, metrics: dict[str, torch.Tensor], aux_losses: dict[str, torch.Tensor]) -> None:
         """Accumulate one forward's (detached) metrics (possibly none) and aux losses."""
-        if metrics:
-            self.metric_count += 1
+        self.metric_count += bool(metrics)
         for sums, values in ((self.metric_sums, metrics), (self.aux_loss_sums, aux_losses)):
             for key, value in values.items():
                 value = value.detach().float()
@@ -56,12 +55,8 @@ class RoutingStats:
 
     def means(self) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(metrics, aux_losses)`` averaged over the forwards since the last reset (empty if none)."""
-        if self.count == 0:
-            return {}, {}
-        return (
-            {k: v / self.metric_count for k, v in self.metric_sums.items()},
-            {k: v / self.count for k, v in self.aux_loss_sums.items()},
-        )
+        return ({k: v / self.metric_count for k, v in self.metric_sums.items()},
+                {k: v / self.count for k, v in self.aux_loss_sums.items()})
 
 
 class MegatronRouterAdapter(MegatronModule):

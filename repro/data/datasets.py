@@ -45,16 +45,9 @@ class DatasetSplits(NamedTuple):
 
 
 def split_ranges(num_sequences: int, split: str) -> list[tuple[int, int] | None]:
-    """megatron's train/valid/test ranges of one dataset, as ``_build_megatron_dataset_splits``:
-    ``beg = int(round(split[i][0] * n))``, ``end = int(round(split[i][1] * n))``.
-
-    Args:
-        num_sequences: n, documents in the dataset.
-        split: megatron's split string, e.g. ``"969,30,1"``.
-
-    Returns:
-        Three ``(beg, end)`` pairs, None for a split without a share.
-    """
+    """megatron's train/valid/test ranges of n = ``num_sequences`` documents under ``split`` (e.g. ``"969,30,1"``):
+    three ``(beg, end)`` pairs (None for a split without a share), as ``_build_megatron_dataset_splits``:
+    ``beg = int(round(split[i][0] * n))``, ``end = int(round(split[i][1] * n))``."""
     # An all-zero split divides by zero before megatron refuses it: no RuntimeWarning before the caller's error.
     with np.errstate(divide="ignore", invalid="ignore"):
         matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))

@@ -317,9 +317,8 @@ def _write_corpus(root: Path, cfg: MiniPileConfig, key: str, listed: dict[str, t
     write_pile_shard(root / "heldout.jsonl", (PileRecord(d.text, d.domain) for d in heldout))
     entry = {"key": key, "files": _sizes(root, shard_rels + ["heldout.jsonl"]), "domains": present,
              "skipped": skipped, "seconds": time.perf_counter() - t0}
-    line = (f"corpus: {len(train)} training + {len(heldout)} held-out documents in {len(present)} domains "
-            f"({entry['seconds']:.1f} s)")
-    return entry, line
+    return entry, (f"corpus: {len(train)} training + {len(heldout)} held-out documents in {len(present)} domains "
+                   f"({entry['seconds']:.1f} s)")
 
 
 def _train_tokenizer(root: Path, cfg: MiniPileConfig, key: str, shard_rels: list[str]) -> tuple[dict, str]:
@@ -348,8 +347,7 @@ def _tokenize(root: Path, key: str, shard_rels: list[str], num_workers: int | No
              "tokens_per_second": train.tokens_per_second,
              **{part: {"documents": st.documents, "bytes": st.bytes, "tokens": st.tokens}
                 for part, st in stats.items()}}
-    line = f"indexed: {train.num_tokens:,} training tokens at {train.tokens_per_second:,.0f} tokens/s"
-    return entry, line
+    return entry, f"indexed: {train.num_tokens:,} training tokens at {train.tokens_per_second:,.0f} tokens/s"
 
 
 def _mini_pile(root: Path, stages: dict, shard_rels: list[str], reused_all: bool, t_start: float) -> MiniPile:

@@ -62,9 +62,7 @@ def _stdlib_modules(half: int) -> list[Candidate]:
     out = []
     for dirpath, dirnames, filenames in os.walk(root):
         dirnames[:] = sorted(d for d in dirnames if d not in _STDLIB_SKIP_DIRS and not d.startswith("config-"))
-        for name in sorted(filenames):
-            if not name.endswith(".py"):
-                continue
+        for name in sorted(n for n in filenames if n.endswith(".py")):
             path = Path(dirpath) / name
             key = path.relative_to(root).as_posix()
             if int(hashlib.sha1(f"stdlib-half:{key}".encode()).hexdigest(), 16) % 2 == half:
@@ -127,12 +125,6 @@ def _reference_topics() -> list[Candidate]:
     return [Candidate(k, Path(spec.origin)) for k in sorted(topics)]
 
 
-def _reference_text(cand: Candidate) -> str | None:
-    from pydoc_data.topics import topics
-
-    return topics.get(cand.key)
-
-
 def _files(paths: Iterable[Path], root: Path, prefix: str = "") -> list[Candidate]:
     return [Candidate(prefix + p.relative_to(root).as_posix(), p) for p in sorted(paths) if p.is_file()]
 
@@ -154,7 +146,8 @@ def domain_sources() -> tuple[Source, ...]:
     return (
         Source("python_code", lambda: _stdlib_modules(0), lambda c: _read_text(c.path)),
         Source("python_docstrings", lambda: _stdlib_modules(1), _docstrings),
-        Source("python_reference", _reference_topics, _reference_text),
+        Source("python_reference", _reference_topics,
+               lambda c: importlib.import_module("pydoc_data.topics").topics.get(c.key)),
         Source("licenses", _license_files, lambda c: _read_text(c.path)),
         Source("man_pages", _man_files, lambda c: None if (src := _read_text(c.path)) is None else troff_to_text(src),
                lambda c: re.split(r"[-_.]", c.path.name, maxsplit=1)[0]),

@@ -135,14 +135,11 @@ def iter_pile_documents(paths: Sequence[str | os.PathLike], *, default_domain: s
 
 
 def write_pile_shard(path: str | os.PathLike, records: Iterable[PileRecord]) -> int:
-    """Write records as a Pile-format shard, atomically (nothing is left at ``path`` on failure).
+    """Write ``(text, domain)`` records as a Pile-format shard, atomically (nothing is left at ``path`` on
+    failure); returns how many.
 
     Args:
         path: ``*.zst``: zstd (level 10, one frame, content checksum); else plain JSON lines.
-        records: ``(text, domain)`` pairs.
-
-    Returns:
-        Records written.
     """
     path = Path(path)
     count = 0

@@ -21,14 +21,11 @@ from repro.io_utils import atomic_path
 
 
 def count_tokens(prefixes: Sequence[str | os.PathLike], split: str = DEFAULT_SPLIT, vocab_size: int | None = None) -> np.ndarray:
-    """Per-id token counts over the training documents of indexed datasets.
+    """``[V]`` int64 per-id token counts over the training documents of indexed datasets.
 
     Args:
         split: megatron's split; only each prefix's training range is counted.
         vocab_size: result length (ReproError for a larger id); default: largest id + 1.
-
-    Returns:
-        ``[V]`` int64 counts.
     """
     total = np.zeros(0 if vocab_size is None else vocab_size, dtype=np.int64)
     for prefix in existing_prefixes(prefixes, "token counts: ") if prefixes else []:

@@ -78,12 +78,9 @@ def _check_merges(path: Path, vocab: dict[str, int]) -> None:
 
 
 class Gpt2BpeTokenizer:
-    """GPT-2 byte-level BPE; ``<|endoftext|>`` is not special (in text it encodes as bytes), so the only EOD ids
-    are appended ones, as megatron's ``eod_mask_loss``/``reset_*`` assume.
-
-    Args:
-        vocab_path: ``vocab.json`` (token -> id).
-        merges_path: ``merges.txt``.
+    """GPT-2 byte-level BPE from ``vocab.json`` (token -> id) and ``merges.txt``; ``<|endoftext|>`` is not special
+    (in text it encodes as bytes), so the only EOD ids are appended ones, as megatron's ``eod_mask_loss``/``reset_*``
+    assume.
 
     Raises:
         ReproError: a file missing or unparsable, or no ``<|endoftext|>`` in the vocabulary.
@@ -144,7 +141,7 @@ class Gpt2BpeTokenizer:
                 size += len(piece)
         if group:
             flush()
-        return [p[0] if len(p) == 1 else np.concatenate(p) if p else np.zeros(0, dtype=np.int64) for p in parts]
+        return [p[0] if len(p) == 1 else np.concatenate(p) for p in parts]  # every text has >= 1 piece
 
     def __repr__(self) -> str:
         return f"Gpt2BpeTokenizer(vocab={str(self.vocab_path)!r}, vocab_size={self.vocab_size}, eod={self.eod})"
@@ -187,15 +184,13 @@ def is_tokenizer_dir(path: str | os.PathLike) -> bool:
 
 def train_bpe_tokenizer(texts: Iterable[str], out_dir: str | os.PathLike, *, vocab_size: int = 8192,
                         min_frequency: int = 2) -> tuple[Path, Path]:
-    """Train a byte-level BPE (``<|endoftext|>`` id 0, all 256 bytes); save ``vocab.json``/``merges.txt`` atomically.
+    """Train a byte-level BPE (``<|endoftext|>`` id 0, all 256 bytes); save ``vocab.json``/``merges.txt`` atomically
+    and return their paths.
 
     Args:
         out_dir: replaced only if :func:`is_tokenizer_dir`.
         vocab_size: ``<|endoftext|>`` included.
         min_frequency: least pair count to merge.
-
-    Returns:
-        ``(vocab_path, merges_path)``.
     """
     if vocab_size < 257 + 1:
         raise ReproError(f"vocab_size {vocab_size} is too small: byte-level BPE needs at least 258")

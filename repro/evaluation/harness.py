@@ -122,13 +122,13 @@ class SuiteLM(TemplateLM):
 
     @torch.inference_mode()
     def _log_probs(self, sequences: Sequence[Sequence[int]], scored: Sequence[int],
-                   prompt_lengths: Sequence[int] | None = None) -> list[torch.Tensor]:
+                   prompt_lengths: Sequence[int]) -> list[torch.Tensor]:
         """Float32 log-probabilities ``[n, V]`` of each row's last ``n = scored[row]`` positions, one forward."""
         tokens = torch.nn.utils.rnn.pad_sequence([torch.tensor(seq, dtype=torch.long) for seq in sequences],
                                                  batch_first=True, padding_value=self.eot_token_id)
         start = min(len(seq) - n for seq, n in zip(sequences, scored))  # the first position any row scores
         kwargs: dict[str, Any] = {"start": start} if self._takes_start else {}
-        if self._takes_prompt_lengths and prompt_lengths is not None:
+        if self._takes_prompt_lengths:
             kwargs["prompt_lengths_B"] = list(prompt_lengths)
         logits = self.model.logits(tokens.to(self._device), **kwargs)
         if not self._takes_start:

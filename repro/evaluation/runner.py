@@ -56,8 +56,7 @@ def evaluate_lm(lm: LM, tasks: Sequence[str] | None = None, *, local_tasks: str 
         raise ReproError("pass either tasks_data or task_manager, not both")
     with tempfile.TemporaryDirectory(prefix="repro-task-data-") as work:
         manager = task_manager or task_manager_for(tasks, local_tasks, tasks_data, work)
-        unknown = [t for t in tasks if t not in manager.all_tasks]
-        if unknown:
+        if unknown := [t for t in tasks if t not in manager.all_tasks]:
             raise ReproError(f"unknown lm-eval task(s): {', '.join(unknown)}")
         try:
             results = simple_evaluate(model=lm, tasks=list(tasks), task_manager=manager, limit=limit,
@@ -74,8 +73,7 @@ def evaluate_lm(lm: LM, tasks: Sequence[str] | None = None, *, local_tasks: str 
     for name in tasks:
         entry = manager.task_index.get(name)
         leaves |= set(entry.tags) if entry is not None and entry.kind.name == "TAG" else {name}
-    missing = sorted(leaves - set(results.get("results", {})))
-    if missing:
+    if missing := sorted(leaves - set(results.get("results", {}))):
         raise ReproError(f"lm-eval returned no result for task(s) {', '.join(missing)}: nothing is reported")
     # Plain JSON values, as lm-eval serialises them.
     return json.loads(json.dumps(results, default=handle_non_serializable))

@@ -81,16 +81,12 @@ def _spec_from_entry(task: str, entry: Any) -> TaskData:
 
 
 def task_data_specs(tasks: Sequence[str]) -> list[TaskData]:
-    """One :class:`TaskData` per lm-eval task (not group or tag), in order.
-
-    Raises:
-        ReproError: an unknown name, a group or tag, or a task that does not read a hub dataset.
-    """
+    """One :class:`TaskData` per lm-eval task, in order (ReproError: an unknown name, a group or tag, or a task
+    that does not read a hub dataset)."""
     if not tasks:
         raise ReproError("no tasks given")
     index = _task_index(tasks)
-    unknown = [t for t in tasks if t not in index]
-    if unknown:
+    if unknown := [t for t in tasks if t not in index]:
         raise ReproError(f"unknown lm-eval task(s): {', '.join(unknown)}")
     return [_spec_from_entry(t, index[t]) for t in tasks]
 
@@ -115,8 +111,7 @@ def _missing_data(spec: TaskData, root: Path) -> str | None:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         return f"task '{spec.task}': {folder} has no usable config '{config}' ({reason})"
     have = list((builder.config.data_files or {}).keys())
-    lacking = [s for s in spec.splits if s not in have]
-    if lacking:
+    if lacking := [s for s in spec.splits if s not in have]:
         return (f"task '{spec.task}': {folder} config '{config}' lacks split(s) {', '.join(lacking)} "
                 f"(has: {', '.join(have) or 'none'})")
     return None
@@ -234,23 +229,21 @@ def fetch(plan: Sequence[DatasetPlan], out: str | Path, *,
             log(f"kept {dest} (complete)")
             continue
         with atomic_path(dest) as tmp:
-            rows: dict[str, dict[str, int]] = {}
+            counts = []  # "config: split rows, ..." per config, for the card
             for name, splits in item.configs:
-                log(f"downloading {item.dataset_path} {name or DEFAULT_CONFIG} ...")
+                config = name or DEFAULT_CONFIG
+                log(f"downloading {item.dataset_path} {config} ...")
                 data = load(item.dataset_path, name)
-                missing = [s for s in splits if s not in data]
-                if missing:
-                    raise ReproError(f"{item.dataset_path} config '{name or DEFAULT_CONFIG}' has no split(s) "
+                if missing := [s for s in splits if s not in data]:
+                    raise ReproError(f"{item.dataset_path} config '{config}' has no split(s) "
                                      f"{', '.join(missing)} (has: {', '.join(data)})")
+                (tmp / config).mkdir(parents=True, exist_ok=True)
                 for split in splits:
-                    path = tmp / (name or DEFAULT_CONFIG) / f"{split}.jsonl"
-                    path.parent.mkdir(parents=True, exist_ok=True)
-                    data[split].to_json(str(path))
-                    rows.setdefault(name or DEFAULT_CONFIG, {})[split] = len(data[split])
-            counts = "; ".join(f"{c}: " + ", ".join(f"{s} {n}" for s, n in sp.items()) for c, sp in rows.items())
+                    data[split].to_json(str(tmp / config / f"{split}.jsonl"))
+                counts.append(f"{config}: " + ", ".join(f"{s} {len(data[s])}" for s in splits))
             note = (f"Local copy of the Hugging Face dataset `{item.dataset_path}` for lm-eval's tasks "
                     f"{', '.join(item.tasks)}, written by `python -m repro eval fetch` with datasets "
-                    f"{datasets.__version__}. Rows: {counts}.")
+                    f"{datasets.__version__}. Rows: {'; '.join(counts)}.")
             (tmp / CARD).write_text(dataset_card(item, note))
         log(f"wrote {dest}")
         written.append(dest)

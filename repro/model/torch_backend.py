@@ -33,7 +33,7 @@ class TorchGroupedMLP(MegatronModule):
     Args:
         num_local_experts: experts on this rank (``E / ep``).
         submodules: unused (``SequentialMLP`` contract).
-        pg_collection: process groups (``ep``, ``expt_tp``, ``expt_dp``); default: megatron's.
+        pg_collection: process groups (only ``expt_tp`` is read); default: megatron's.
 
     Raises:
         ValueError: expert tensor parallelism > 1, biases, FP8/FP4, or megatron's latent MoE projection.
@@ -42,11 +42,7 @@ class TorchGroupedMLP(MegatronModule):
     def __init__(self, num_local_experts: int, config, submodules=None, pg_collection=None, options=None) -> None:
         super().__init__(config=config)
         self.options = options or TorchBackendOptions()
-        if pg_collection is None:
-            pg_collection = get_default_pg_collection()
-        self.ep_group = pg_collection.ep
-        self.tp_group = pg_collection.expt_tp
-        self.dp_group = pg_collection.expt_dp
+        self.tp_group = (pg_collection or get_default_pg_collection()).expt_tp
         for refused, why in ((self.tp_group is not None and self.tp_group.size() != 1,
                               "need expert tensor parallel size 1"),
                              (config.add_bias_linear, "have no biases (add_bias_linear=False)"),

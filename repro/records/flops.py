@@ -27,19 +27,18 @@ from repro.schema import check_minimums
 #: How attention scores are counted: ``"causal"`` (half the s x s square) or ``"full"``.
 ATTENTION_COUNTS = ("causal", "full")
 DEFAULT_ATTENTION = "causal"
-#: The count each choice names, for table captions and summaries.
+#: The count each choice names, for table captions and summaries (None: not recorded, i.e. the full square).
 FORMULA_NAMES = {
     "causal": "current Megatron-LM's model-FLOPs count, causal attention halved: "
     "12BsLh^2[(1+g/a+s/2h)(a d/h) + (f/h) k 3/2 + V/(2Lh)]",
     "full": "Megatron-LM's model-FLOPs count with attention over the full s x s square (earlier Megatron-LM, "
     "ReMoE's fork): 12BsLh^2[(1+g/a+s/h)(a d/h) + (f/h) k 3/2 + V/(2Lh)]",
+    None: "not recorded (records written before it was: the full s x s square)",
 }
 
 
 def formula_name(attention: str | None) -> str:
-    """The FLOPs count a record's TFLOP/s come from (None: not recorded, i.e. the full square)."""
-    if attention is None:
-        return "not recorded (records written before it was: the full s x s square)"
+    """The FLOPs count a record's TFLOP/s come from (:data:`FORMULA_NAMES`)."""
     return FORMULA_NAMES[attention]
 
 

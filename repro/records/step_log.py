@@ -121,7 +121,7 @@ def summarize(rows: list[LogRow], config: RunConfig, extra: dict[str, Any]) -> d
     timed = timed_rows(rows[1:] if len(rows) > 1 else rows)
     last = rows[-1] if rows else None
     vals = [r.val_loss for r in rows if r.val_loss is not None]
-    tail = rows[-min(10, len(rows)):] if rows else []
+    tail = rows[-10:]
     return {
         "experiment": config.name,
         "router": config.router.name or "dense",

@@ -64,15 +64,8 @@ def _metrics_for(keys: Iterable[str]) -> tuple[Metric, ...]:
 
 
 def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | None]:
-    """A run's end-of-run values (module docstring).
-
-    Args:
-        rows: the run's training-log rows.
-        final_window: trailing rows averaged.
-
-    Returns:
-        ``{metric key: value}``; None where the run does not report the metric.
-    """
+    """A run's end-of-run values (module docstring) from its training-log rows, the last ``final_window``
+    averaged: ``{metric key: value}``, None where the run does not report the metric."""
     if not rows:
         raise ValueError("run_metrics needs at least one log row")
     if final_window < 1:
@@ -81,10 +74,9 @@ def run_metrics(rows: Sequence[LogRow], final_window: int) -> dict[str, float | 
     num_layers = max(len(r.routing.get("load_imbalance") or []) for r in rows)
     out: dict[str, float | None] = {}
     for layer in range(num_layers):
-        out[f"load_imbalance[{layer}]"] = mean_or_none(
-            [r.routing["load_imbalance"][layer] for r in window if len(r.routing.get("load_imbalance") or []) > layer]
-        )
+        loads = [s[layer] for r in window if len(s := r.routing.get("load_imbalance") or []) > layer]
         shares = [s[layer] for r in window if len(s := r.routing_per_expert.get("weight_share") or []) > layer]
+        out[f"load_imbalance[{layer}]"] = mean_or_none(loads)
         out[f"weight_imbalance[{layer}]"] = mean_or_none([max(x) * len(x) / sum(x) for x in shares if sum(x) > 0])
     for key, _, _ in _LAYER_MEAN:
         out[key] = mean_or_none([m for m in (r.layer_mean(key) for r in window) if m is not None])
@@ -183,13 +175,7 @@ def ablation_table(
     results: AblationResults, reference: str = "paper", *, name: str = "ablation", family: str = "table"
 ) -> Table:
     """Per cell and column: ``mean +- CI half-width`` over seeds (:data:`CONFIDENCE`), marked where it differs
-    from ``reference`` (:data:`ALPHA`, Holm-adjusted over ``family``).
-
-    Args:
-        results: the runs' values.
-        reference: the cell the others are tested against.
-        name: file stem.
-        family: the Holm family, ``table`` or ``column``.
+    from ``reference`` (:data:`ALPHA`, Holm-adjusted over ``family``, ``table`` or ``column``); ``name``: file stem.
     """
     stats = compare_cells(results, reference, family=family)
     rows = [

@@ -32,17 +32,9 @@ def compute_parity(
     records: Sequence[RunRecord], *, tolerance: float = DEFAULT_PARITY_TOLERANCE,
     reference_router: str = DEFAULT_REFERENCE_ROUTER,
 ) -> dict[str, ParityVerdict]:
-    """Judge every run's compute parity against a reference run: the first run of ``reference_router`` with a
-    measured figure, else the first with one.
-
-    Args:
-        records: the runs compared in one table.
-        tolerance: largest relative difference still called parity.
-        reference_router: the reference run's router.
-
-    Returns:
-        ``run_id -> ParityVerdict``.
-    """
+    """``run_id -> ParityVerdict`` of the runs compared in one table, against a reference run: the first run of
+    ``reference_router`` with a measured figure, else the first with one; ``tolerance``: the largest relative
+    difference still called parity."""
     measured = [r for r in records if _expert_flops(r) is not None]
     reference = next((r for r in measured if r.experiment.router == reference_router),
                      measured[0] if measured else None)

@@ -50,8 +50,7 @@ def plot_loss_curves(
     """LM loss against step per run (``logs``: label -> rows), with ``unigram_loss`` as a reference line."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, rows in logs.items():
-        steps = [r.step for r in rows]
-        ax.plot(steps, _smooth([r.lm_loss for r in rows]), label=label, lw=1.4)
+        ax.plot([r.step for r in rows], _smooth([r.lm_loss for r in rows]), label=label, lw=1.4)
     if unigram_loss is not None:
         ax.axhline(unigram_loss, color="grey", ls="--", lw=1, label=f"unigram ({unigram_loss:.2f})")
     ax.set(xlabel="step", ylabel=f"LM loss (nats/token, {SMOOTH}-step mean)", title="Training loss")
@@ -163,7 +162,7 @@ def plot_expert_load(
     labels = list(logs)
     which = {label: metric if isinstance(metric, str) else metric.get(label, "tokens_per_expert") for label in labels}
     num_layers = max((len(r.routing_per_expert.get(which[k]) or []) for k in labels for r in logs[k]), default=0)
-    if not labels or num_layers == 0:
+    if num_layers == 0:
         return
     # Two runs to a row of panels, one panel per layer.
     fig, axes = _grid(len(labels) * num_layers, 2 * num_layers, (3.2, 2.2), sharey=True)
@@ -265,17 +264,16 @@ def plot_ablation_summary(
     """
     cells = list(intervals)
     columns = list(dict.fromkeys(c for cell in cells for c in intervals[cell]))
-    if not cells or not columns:
+    if not columns:
         return
     colours = dict(zip([r for r in references if r in intervals], ("C3", "grey")))
     fig, axes = _grid(len(columns), min(3, len(columns)), (4.2, 0.3 * len(cells) + 1.2), sharey=True)
     y = {cell: len(cells) - 1 - i for i, cell in enumerate(cells)}
     for ax, column in zip(axes.flat, columns):
         for reference, colour in colours.items():
-            ref = intervals[reference].get(column)
-            if ref is None:
+            if column not in intervals[reference]:
                 continue
-            mean, low, high = ref
+            mean, low, high = intervals[reference][column]
             if low is not None:
                 ax.axvspan(low, high, color=colour, alpha=0.15, lw=0)
             ax.axvline(mean, color=colour, lw=1, ls="--")

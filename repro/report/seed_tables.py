@@ -127,11 +127,10 @@ def _question_test(
     """Per-question test of ``other`` against ``reference`` on ``tasks`` (one task, or all for Avg.)."""
     ref_scores, oth_scores, weights = [], [], []
     for task in tasks:
-        per_run = []
-        for runs in (reference, other):
-            per_run.append([question_scores(per_question[r.run_id], task, metrics[task]) for r in runs.values()])
-            if any(q is None for q in per_run[-1]):
-                raise ReproError(f"task '{task}': a run has no per-question '{metrics[task]}' results")
+        per_run = [[question_scores(per_question[r.run_id], task, metrics[task]) for r in runs.values()]
+                   for runs in (reference, other)]
+        if any(q is None for runs in per_run for q in runs):
+            raise ReproError(f"task '{task}': a run has no per-question '{metrics[task]}' results")
         first = per_run[0][0]
         if not all(first.paired_with(q) for runs in per_run for q in runs):
             raise ReproError(f"task '{task}': the runs scored different questions; they cannot be paired")
@@ -250,8 +249,7 @@ def _rows_over_seeds(
         for column in comparison.columns:
             mark = SIGNIFICANT if comparison.significant(router, column) else ""
             mark += PARTIAL if comparison.is_partial(router, column) else ""
-            cell = cells.get(column)
-            row.append(fmt_interval(None if cell is None else cell.interval, (specs or {}).get(column, default), mark))
+            row.append(fmt_interval(cells[column].interval, (specs or {}).get(column, default), mark))
         rows.append(tuple(row))
     return tuple(rows)
 

@@ -39,14 +39,8 @@ DENSE_SUFFIX = "-dense"
 
 @dataclass(frozen=True)
 class Table:
-    """A generated table.
-
-    Args:
-        name: file stem (``zero_shot``).
-        caption: what the numbers are and how they were chosen.
-        headers: column labels.
-        rows: cells, already formatted as text.
-    """
+    """A generated table: its file stem (``zero_shot``), a caption saying what the numbers are and how they were
+    chosen, column labels, and rows of cells already formatted as text."""
 
     name: str
     caption: str
@@ -157,15 +151,8 @@ def _is_number(cell: str) -> bool:
 
 
 def render(table: Table, fmt: str) -> str:
-    """Render a table, numbers right and text left (a column is numeric when every cell is a number or missing).
-
-    Args:
-        table: the table.
-        fmt: ``md`` (caption, GitHub table), ``csv`` (header and rows) or ``tex`` (booktabs ``table`` float).
-
-    Returns:
-        The text, ending in a newline.
-    """
+    """``table`` as ``md`` (caption, GitHub table), ``csv`` (header and rows) or ``tex`` (booktabs ``table`` float),
+    ending in a newline; numbers right and text left (a column is numeric when every cell is a number or missing)."""
     columns = list(zip(*table.rows)) or [()] * len(table.headers)
     align = tuple("right" if cells and all(map(_is_number, cells)) else "left" for cells in columns)
     if fmt == "md":

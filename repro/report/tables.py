@@ -92,7 +92,6 @@ def zero_shot_table(
     has_published = {m.removeprefix("zero_shot.") for groups in published.values() for g in groups.values() for m in g}
     scores, chosen = zero_shot_columns(evaluated, metric, has_published)
     tasks = list(chosen)
-    paper_columns_only = tasks == list(PAPER_TASKS)
     rows: list[tuple[str, ...]] = []
     labels = _labels(evaluated)
     partial = {labels[r.run_id]: {t: p for t, p in record_partial(r).items() if t in tasks} for r in evaluated}
@@ -108,7 +107,7 @@ def zero_shot_table(
         for source, entries in published[record.run_id].items():
             pub = [_value(entries.get(f"zero_shot.{t}")) for t in tasks]
             # The published average covers the seven paper tasks: shown only when those are the columns.
-            pub_avg = _value(entries.get("zero_shot.avg")) if paper_columns_only else None
+            pub_avg = _value(entries.get("zero_shot.avg")) if tasks == list(PAPER_TASKS) else None
             rows.append((f"{record.experiment.router} [{source}]", *(_fmt(v, ".2f") for v in pub), _fmt(pub_avg, ".2f")))
             deltas = [None if m is None or p is None else m - p for m, p in zip(values, pub)]
             avg_delta = None if mean is None or pub_avg is None else mean - pub_avg

@@ -142,9 +142,7 @@ def verdict(p: Paired, *, lower: str = "lower", higher: str = "higher", alpha: f
     decision 11); one the sign-flip test does not confirm says so; a hypothesis significant the other way is refuted.
 
     Args:
-        p: the comparison.
         lower, higher: the words for a negative and a positive difference.
-        alpha: significance level.
         spec: format of the detectable difference.
         expect: predicted direction, ``lower`` or ``higher`` (None: no prediction).
 
@@ -180,10 +178,9 @@ def power_words(p: Paired, spec: str = ".2f") -> str:
     size = f"{effect:.2g} standard deviations of the paired differences"
     if sd is not None and math.isfinite(effect):
         size += f", ±{num(effect * sd, spec)}"
-    if p.underpowered:
-        return f"underpowered: at {p.n} seeds and {tests}, 80% power needs a difference of {size}"
-    if sd is None or not math.isfinite(effect):
-        return f"at {p.n} seeds and {tests}, 80% power needs a difference of {size}"
+    if p.underpowered or sd is None or not math.isfinite(effect):
+        lead = "underpowered: " if p.underpowered else ""
+        return f"{lead}at {p.n} seeds and {tests}, 80% power needs a difference of {size}"
     return f"it would have found ±{num(effect * sd, spec)} with 80% power at {p.n} seeds and {tests}"
 
 

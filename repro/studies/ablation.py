@@ -250,14 +250,13 @@ def report(study: Study, outcome: dict[str, Any]) -> str:
     write_tables(tables, out)
 
     first = cfg.seeds[0]
-    dirmoe_cells = [c for c in cfg.cells if CELLS[c].router == "dirmoe"]
     # Dense dispatch gives every expert every token: its load is flat by construction, its weights are not.
     share = {c: "weight_share" if "dispatch=dense" in CELLS[c].options else "tokens_per_expert" for c in cfg.cells}
     plot_expert_load(
         {c: logs[(c, first)] for c in cfg.cells}, out / "expert_load.png", metric=share,
         title=f"Each expert's share of the tokens over training, seed {first}; dispatch-dense: of the weight r",
     )
-    by_cell = {c: [logs[(c, s)] for s in cfg.seeds] for c in dirmoe_cells}
+    by_cell = {c: [logs[(c, s)] for s in cfg.seeds] for c in cfg.cells if CELLS[c].router == "dirmoe"}
     if by_cell:
         plot_shared_mean(by_cell, out / "shared_mean.png")
         plot_simpson_theta(by_cell, out / "simpson_theta.png")
@@ -295,16 +294,9 @@ def _hypotheses_json(confirm: bool) -> dict[str, Any]:
 
 
 def rebuild_tables(out_dir: str, *, family: str = "table", confirm: bool | None = None) -> str:
-    """``--tables-only``: tables and statistics recomputed from the per-seed values in ``summary.json``; no run
-    directories needed, plots untouched.
-
-    Args:
-        out_dir: this command's output directory (with ``summary.json``).
-        family: the Holm family.
-        confirm: add the confirmatory table (default: what the summary records).
-
-    Returns:
-        The tables as Markdown, to print.
+    """``--tables-only``: tables and statistics recomputed from the per-seed values in ``out_dir``'s ``summary.json``,
+    Holm family ``family``, with the confirmatory table if ``confirm`` (default: what the summary records); no run
+    directories needed, plots untouched. Returns the tables as Markdown, to print.
 
     Raises:
         ReproError: not this command's output directory, or no readable ``summary.json`` there.

@@ -62,10 +62,6 @@ def _values(results: dict[str, Any], cell: str, metric: str) -> dict[str, float]
     return results[cell][metric]["values"]
 
 
-def _per_seed(values: dict[str, float], spec: str = ".2f") -> str:
-    return " / ".join(num(values[s], spec) for s in sorted(values, key=int))
-
-
 def _family(results: dict[str, Any], versus: str) -> dict[tuple[str, str], Paired]:
     """Every summary test against ``versus``, ``(cell, metric) -> Paired``: one Holm family (the table's), each
     with the family's size and the exact sign-flip test."""
@@ -89,7 +85,9 @@ def _reference_findings(results: dict[str, Any]) -> list[str]:
     """The paper's DirMoE against Switch: per-seed imbalance, the differences and the validation loss."""
     out = []
     for layer, metric in enumerate(LAYERS, start=1):
-        text = f"Load imbalance of `{REFERENCE}` per seed, layer {layer}: {_per_seed(_values(results, REFERENCE, metric))}"
+        ref = _values(results, REFERENCE, metric)
+        per_seed = " / ".join(num(ref[s]) for s in sorted(ref, key=int))
+        text = f"Load imbalance of `{REFERENCE}` per seed, layer {layer}: {per_seed}"
         if SWITCH in results:
             sw = _values(results, SWITCH, metric)
             text += f"; {SWITCH}: {num(min(sw.values()))} to {num(max(sw.values()))}"
@@ -184,30 +182,24 @@ def _command(summary: dict[str, Any], directory: Path) -> str:
 
 
 def ablation(directory: Path, brief: bool = False) -> Writeup:
-    """``results/dirmoe-ablation*``: every cell against the paper's DirMoE, and the cell-vs-cell family.
-
-    Args:
-        directory: the study's results directory.
-        brief: a README block of the lowered cells alone.
-    """
+    """``results/dirmoe-ablation*``: every cell against the paper's DirMoE, and the cell-vs-cell family
+    (``brief``: a README block of the lowered cells alone)."""
     s = load_json(directory / "summary.json")
     results, cells = s["results"], s.get("cells", {})
-    seeds = s.get("seeds", [])
-    others = [c for c in results if c != REFERENCE]
     contrasts = _contrast_findings(directory, s)
     findings = [
         "Each test: a paired t-test over the seeds two cells share, Holm-adjusted over "
         f"{_FAMILY_WORDS.get(s.get('family', 'column'), 'its family')} (the tables' marks); a raw p below {ALPHA:g} "
         "that Holm's adjustment does not keep is reported as such.",
         *_reference_findings(results),
-        *(_cell_finding(results, cells, c) for c in others if c != SWITCH and REFERENCE in results),
+        *(_cell_finding(results, cells, c) for c in results if c not in (REFERENCE, SWITCH) and REFERENCE in results),
         *filter(None, [_theta_finding(results, s.get("final_window_steps"))]),
         *contrasts,
         *_cost(s),
     ]
     tables = [directory / f"{t}.md" for t in ("ablation", "ablation_differences", "ablation_vs_switch", PAIRS_TABLE)]
     readme = page(
-        f"The DirMoE ablation: {len(results)} cells x {len(seeds)} seeds, {s.get('steps')} steps",
+        f"The DirMoE ablation: {len(results)} cells x {len(s.get('seeds', []))} seeds, {s.get('steps')} steps",
         _command(s, directory), findings, [t for t in tables if t.is_file()], plots(directory),
     )
     return Writeup(directory.name, readme, "\n".join(_block(results, directory.name, brief, contrasts)))

@@ -123,10 +123,8 @@ class EfficiencyPlan:
         if global_batch is None and any(o.startswith("data.micro_batch_size=") for o in spec.overrides):
             planned = efficiency_overrides(spec.router, self.flavour, overrides=self.overrides, **kwargs)
             global_batch = int(planned[-1].partition("=")[2])  # (the list ends with data.global_batch_size=N)
-        overrides = efficiency_overrides(
-            spec.router, self.flavour, global_batch_size=global_batch, overrides=(*self.overrides, *spec.overrides),
-            **kwargs,
-        )
+        overrides = efficiency_overrides(spec.router, self.flavour, global_batch_size=global_batch,
+                                         overrides=(*self.overrides, *spec.overrides), **kwargs)
         return Run(spec.label, f"{spec.router}-{self.flavour}", tuple(overrides))
 
     def run_dir(self, spec: RunSpec) -> Path:
@@ -253,10 +251,8 @@ def _write_record(study: Study, run: Run) -> Path:
     run_dir = study.run_dir(run)
     device = _device_name() if torch.cuda.is_available() else None
     environment = environment_info(num_processes=plan.devices, device=device)
-    record = record_from_run_dir(
-        run_dir, warmup=plan.warmup, run_id=run.run_id, environment=environment,
-        flops_attention=plan.flops_attention, start_step=spec.start_step,
-    )
+    record = record_from_run_dir(run_dir, warmup=plan.warmup, run_id=run.run_id, environment=environment,
+                                 flops_attention=plan.flops_attention, start_step=spec.start_step)
     return write_record(record, run_dir / "record.json")
 
 
@@ -273,12 +269,11 @@ def _variant(text: str) -> RunSpec:
 
 
 def resolve_init_from(values: list[str], runs: list[RunSpec]) -> list[RunSpec]:
-    """The runs with the trained checkpoints ``--init-from`` names for them (module docstring, default 3).
+    """``runs`` with the trained checkpoints ``--init-from`` names for them (module docstring, default 3).
 
     Args:
         values: at most one ``DIR`` (each run from the first of ``DIR/<label>``, ``DIR/<router>``, ``DIR``
             holding a checkpoint of its router), and ``LABEL=PATH`` for single runs.
-        runs: the runs.
 
     Returns:
         The runs with ``init_from`` (absolute checkpoint path) and ``start_step`` set.

@@ -313,9 +313,8 @@ def _pool(study: Study, runs: list[Run]) -> tuple[dict[str, float], dict[str, st
     context = multiprocessing.get_context("forkserver")
     # The fork server imports the rest once, when it starts: once per command.
     context.set_forkserver_preload(["repro.studies.worker_preload"])
-    with ProcessPoolExecutor(study.workers, mp_context=context, max_tasks_per_child=1) as pool, tqdm(
-        total=len(runs), desc="runs", unit="run"
-    ) as bar:
+    with (ProcessPoolExecutor(study.workers, mp_context=context, max_tasks_per_child=1) as pool,
+          tqdm(total=len(runs), desc="runs", unit="run") as bar):
         log_dir = Path(study.work_dir)
         futures = {pool.submit(_worker, study, run, log_dir / f"{run.run_id}.worker.log"): run.run_id for run in runs}
         for future in as_completed(futures):

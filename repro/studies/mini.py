@@ -116,8 +116,6 @@ def heldout_domain_losses(
     Args:
         logits: next-token logits ``[1, S, V]`` for token ids ``[1, S]`` (model in eval mode).
         documents: ``(token_ids, domain)`` pairs.
-        seq_length: window length.
-        tokens_per_domain: scored tokens per domain to stop at.
 
     Returns:
         A :class:`~repro.records.run_record.DomainLoss` per domain with a window of >= 2 tokens, sorted by domain.

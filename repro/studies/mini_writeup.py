@@ -92,12 +92,11 @@ def mini(directory: Path) -> Writeup:
         f"The router comparison on the embedded default, {s['steps']} steps, {s['seeds']} seed",
         s["command"], findings, [t for t in tables if t.is_file()], plots(directory),
     )
-    dirmoe, ref = imbalance.get("dirmoe"), imbalance.get(REFERENCE_ROUTER)
     block = [
         f"- {first}",
-        f"- One seed, untested: load imbalance dirmoe {num(dirmoe)}, dirmoe+centered "
-        f"{num(imbalance.get('dirmoe+centered'))}, {REFERENCE_ROUTER} {num(ref)}; specialisation score dirmoe "
-        f"{num(spec.get('dirmoe'))}, {REFERENCE_ROUTER} {num(spec.get(REFERENCE_ROUTER))}.",
+        f"- One seed, untested: load imbalance dirmoe {num(imbalance.get('dirmoe'))}, dirmoe+centered "
+        f"{num(imbalance.get('dirmoe+centered'))}, {REFERENCE_ROUTER} {num(imbalance.get(REFERENCE_ROUTER))}; "
+        f"specialisation score dirmoe {num(spec.get('dirmoe'))}, {REFERENCE_ROUTER} {num(spec.get(REFERENCE_ROUTER))}.",
         *([f"- {_cpu(cpu)}"] if cpu else []),
         f"- {link(directory.name)}",
     ]

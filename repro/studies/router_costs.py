@@ -37,16 +37,9 @@ def runs() -> dict[str, tuple[str, dict[str, Any]]]:
 
 
 def profile_router(name: str, options: dict[str, Any], seed: int = 0) -> dict[str, Any]:
-    """Count one forward and one backward of router ``name`` on a non-logging training step.
-
-    Args:
-        name: a registered router.
-        options: its options (``compile_elementwise`` for DirMoE).
-        seed: weights' and inputs' seed.
-
-    Returns:
-        ``{"forward": OpCounts, "backward": OpCounts}``.
-    """
+    """Count one forward and one backward of router ``name`` with ``options`` (``compile_elementwise`` for DirMoE)
+    on a non-logging training step, weights and inputs drawn from ``seed``. Returns ``{"forward": OpCounts,
+    "backward": OpCounts}``."""
     import torch
 
     import routers
@@ -76,14 +69,8 @@ def profile_router(name: str, options: dict[str, Any], seed: int = 0) -> dict[st
 
 
 def build(selected: dict[str, tuple[str, dict[str, Any]]] | None = None) -> tuple[list[dict[str, Any]], Any]:
-    """Profile the runs and build the table.
-
-    Args:
-        selected: label -> (router, options); default :func:`runs`.
-
-    Returns:
-        ``(rows, table)``: a JSON-ready dict per (run, pass), and the table.
-    """
+    """Profile the runs ``selected`` (label -> (router, options); default :func:`runs`) and build the table.
+    Returns ``(rows, table)``: a JSON-ready dict per (run, pass), and the table."""
     from repro.report.table_core import Table
 
     selected = runs() if selected is None else selected

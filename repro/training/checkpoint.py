@@ -220,7 +220,7 @@ def save_checkpoint(
     experiment: dict[str, Any], model: nn.Module, optimizer_state: dict[str, Any], scheduler_state: dict[str, Any],
     extra: dict[str, Any] | None = None,
 ) -> Path:
-    """Write one checkpoint (collective: every rank calls it).
+    """Write one checkpoint (collective: every rank calls it); returns its directory.
 
     Args:
         checkpoints_dir: ``OUT/checkpoints``.
@@ -229,9 +229,6 @@ def save_checkpoint(
         experiment: run config dict (in ``meta.json``; the run identity comes from it).
         optimizer_state: already gathered where the optimizer needs it.
         extra: more per-rank entries.
-
-    Returns:
-        The checkpoint directory.
 
     Raises:
         ReproError: the write failed on some rank, or a non-checkpoint directory is in the way.
@@ -438,12 +435,9 @@ def global_model_state(payloads: list[dict[str, Any]]) -> dict[str, torch.Tensor
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
     """``path`` if it holds ``meta.json``, else the newest checkpoint in it or its ``checkpoints/``, else ``path``."""
     path = Path(path)
-    if not (path / "meta.json").is_file():
-        for candidate in (path, path / "checkpoints"):
-            latest = find_latest_checkpoint(candidate)
-            if latest is not None:
-                return latest
-    return path
+    if (path / "meta.json").is_file():
+        return path
+    return find_latest_checkpoint(path) or find_latest_checkpoint(path / "checkpoints") or path
 
 
 def find_router_checkpoint(candidates: list[Path], router: str) -> CheckpointInfo | None:
@@ -474,8 +468,7 @@ def load_global_state(model: nn.Module, state_global: dict[str, torch.Tensor], p
     local_keys = list(model.state_dict().keys())
     num_local = _num_local_experts(local_keys)
     global_keys = {key: _to_global_key(key, parallel.ep_rank, num_local) for key in local_keys}
-    missing = [gkey for gkey in global_keys.values() if gkey not in state_global]
-    if missing:
+    if missing := [gkey for gkey in global_keys.values() if gkey not in state_global]:
         raise ReproError(f"{source}: lacks {len(missing)} weight(s) of this model, e.g. {missing[0]}")
     _load_strict(model, {key: state_global[gkey] for key, gkey in global_keys.items()}, source)
 

@@ -68,18 +68,14 @@ class CheckpointScorer(nn.Module):
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:
-    """A checkpoint directory from a checkpoint, a run's ``checkpoints`` directory or a run directory.
-
-    Raises:
-        ReproError: nothing to load (a run killed during its first checkpoint is told apart).
-    """
+    """A checkpoint directory from a checkpoint, a run's ``checkpoints`` directory or a run directory (ReproError:
+    nothing to load; a run killed during its first checkpoint is told apart)."""
     path = Path(path)
     resolved = ckpt.resolve_checkpoint(path)
     if (resolved / "meta.json").is_file():
         return resolved
     for candidate in (path, path / "checkpoints"):
-        incomplete = ckpt.incomplete_checkpoints(candidate)
-        if incomplete:
+        if incomplete := ckpt.incomplete_checkpoints(candidate):
             raise ReproError(
                 f"{path}: no complete checkpoint yet (the run was stopped while writing {incomplete[-1].name}); "
                 "nothing to load"
@@ -155,5 +151,4 @@ def load_for_evaluation(path: str | os.PathLike, device: str | None = None) -> t
     model.to(target).eval()
     for router in routers_in(model):
         router.collect_metrics = False  # scoring reads the routing alone, not the training log's diagnostics
-    scorer = CheckpointScorer(model, config, tokenizer.eod, tokenizer.vocab_size, seq_length, target)
-    return scorer.eval(), tokenizer
+    return CheckpointScorer(model, config, tokenizer.eod, tokenizer.vocab_size, seq_length, target).eval(), tokenizer

@@ -68,8 +68,7 @@ def train_interleaved(
         for label, config, _ in runs:
             stack.enter_context(run_lock(paths[label]))
             configs[label] = start_state(paths[label], config, resume=False)[0]
-        first = configs[labels[0]]
-        info = model_parallel.init_distributed(tp=1, ep=1, seed=first.seed)
+        info = model_parallel.init_distributed(tp=1, ep=1, seed=configs[labels[0]].seed)
         stack.callback(model_parallel.destroy_distributed)
         stack.enter_context(aux_loss_scale_restored())
         trainers: dict[str, Trainer] = {}

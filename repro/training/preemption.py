@@ -64,10 +64,8 @@ class StopRequest:
     @contextlib.contextmanager
     def installed(self) -> Iterator[StopRequest]:
         """Handle :data:`STOP_SIGNALS` in the block (main thread only, as Python requires), then restore."""
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = {s: signal.signal(s, self._record) for s in STOP_SIGNALS}
+        main = threading.current_thread() is threading.main_thread()
+        previous = {s: signal.signal(s, self._record) for s in STOP_SIGNALS} if main else {}
         try:
             yield self
         finally:

@@ -93,16 +93,11 @@ def tensorboard_dir(run_root: Path, configured: str | None) -> Path:
 
 
 def check_tensorboard(run_root: Path, configured: str | None) -> None:
-    """Refuse up front an unwritable TensorBoard log (package missing, directory a file or not writable).
-
-    Raises:
-        ReproError: one line naming the package or the path.
-    """
+    """Refuse up front an unwritable TensorBoard log (package missing, directory a file or not writable): a
+    ReproError naming the package or the path."""
     _require_tensorboard()
     target = tensorboard_dir(run_root, configured)
-    ancestor = target
-    while not ancestor.exists():
-        ancestor = ancestor.parent
+    ancestor = next(p for p in (target, *target.parents) if p.exists())  # the nearest existing one
     if not ancestor.is_dir():
         raise ReproError(f"{target}: cannot make the TensorBoard directory: {ancestor} is a file")
     if not os.access(ancestor, os.W_OK | os.X_OK):

@@ -155,8 +155,7 @@ def summarize(trace: dict[str, Any]) -> dict[str, Any]:
     }
     if device:
         launched = {e["args"]["correlation"]: (e["tid"], e["ts"]) for e in launch_events}
-        fwd = bwd = 0.0
-        n_router = 0
+        fwd, bwd, n_router = 0.0, 0.0, 0
         for e in device:
             tid_ts = launched.get(e.get("args", {}).get("correlation"))
             if tid_ts is None:

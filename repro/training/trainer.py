@@ -122,8 +122,7 @@ def _step_measurements(
     zero = torch.zeros(())
     for name in aux_names:
         values[f"aux/{name}"] = torch.stack([aux_by_layer.get(l, {}).get(name, zero).float().cpu() for l in layers])
-    metric_names = sorted({n for per in metrics_by_layer.values() for n in per})
-    for name in metric_names:
+    for name in sorted({n for per in metrics_by_layer.values() for n in per}):
         per_layer = [metrics_by_layer.get(layer, {}).get(name) for layer in layers]
         if any(v is None for v in per_layer) or len({v.numel() for v in per_layer}) != 1:
             continue  # a metric some layers lack or with differing sizes cannot be tabulated per layer
@@ -157,8 +156,6 @@ class Trainer:
     """One run's model, data, optimizer, schedule and step (needs megatron's parallel state; see :func:`train`).
 
     Args:
-        config: the run's config.
-        paths: where the run writes.
         resume: checkpoint to continue from (None: fresh run).
         device: from :func:`repro.model.parallel.init_distributed`.
         progress: show the progress bar (rank 0; default when stderr is a terminal).
@@ -299,7 +296,6 @@ class Trainer:
         from routers import begin_step, end_step
         from routers.megatron_adapter import reset_routing_stats
 
-        # Routers collect metrics in the first step, every ``metrics_interval`` and the last.
         step = self.step + 1
         collect = step == 1 or step % self.config.logging.metrics_interval == 0 or step == self.config.schedule.steps
         # Collated on the host before the timer (it times training only); device copies stay inside it.
